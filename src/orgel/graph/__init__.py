@@ -1,0 +1,1 @@
+"""Capture: a model → an op graph with per-node facts; coarsening into blocks."""

@@ -1,0 +1,1 @@
+"""Planners: search split points, placements and schedules; baselines."""

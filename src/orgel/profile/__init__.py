@@ -1,0 +1,1 @@
+"""Profiling: per-block time and memory, link benchmarks, on-disk cache."""

@@ -1,0 +1,1 @@
+"""The runtime: execute a Plan on torch.distributed, one action list per rank."""

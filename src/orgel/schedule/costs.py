@@ -1,0 +1,115 @@
+"""Costs: what each stage's actions take (time, memory) and what links cost.
+
+Times are milliseconds for one whole micro-batch, sizes are bytes. The profiler
+measures these per block; a planner sums blocks into stages; the simulator reads
+them; a Plan may carry them so it can be re-simulated without the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Cost of one stage for one whole micro-batch.
+
+    ``bwd`` is the full backward. With a split backward, the weight-grad half
+    ``W`` takes ``bwd_weight`` (default: half of ``bwd``) and the input-grad half
+    ``I`` takes ``bwd - bwd_weight``. ``activations`` are the bytes saved for
+    backward by one forward, alive until the backward (or its ``W`` half)
+    finishes; with recompute only the stage's inputs stay alive and the
+    backward also pays ``fwd`` again. ``temporary`` is the peak extra memory
+    while an action runs. ``params``/``grads``/``optimizer`` are static bytes.
+    """
+
+    fwd: float
+    bwd: float
+    bwd_weight: float | None = None
+    params: int = 0
+    grads: int | None = None
+    optimizer: int = 0
+    activations: int = 0
+    temporary: int = 0
+
+    @property
+    def weight_grad(self) -> float:
+        return self.bwd / 2 if self.bwd_weight is None else self.bwd_weight
+
+    @property
+    def input_grad(self) -> float:
+        return self.bwd - self.weight_grad
+
+    @property
+    def static_bytes(self) -> int:
+        grads = self.params if self.grads is None else self.grads
+        return self.params + grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: ``latency`` ms plus ``per_mib`` ms per MiB sent."""
+
+    latency: float = 0.0
+    per_mib: float = 0.0
+
+    def time(self, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return self.latency + self.per_mib * nbytes / (1 << 20)
+
+
+@dataclass
+class Costs:
+    """Per-stage costs, the link model and per-rank memory capacity.
+
+    ``links`` overrides ``link`` for particular (sender, receiver) rank pairs.
+    ``action_overhead`` is the fixed cost (dispatch, Python, launch) added to
+    every compute action.
+    """
+
+    stages: list[StageCost]
+    link: Link = field(default_factory=Link)
+    links: dict[tuple[int, int], Link] = field(default_factory=dict)
+    action_overhead: float = 0.0
+    memory_per_rank: int | None = None
+
+    def link_between(self, src: int, dst: int) -> Link:
+        return self.links.get((src, dst), self.link)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stages": [asdict(s) for s in self.stages],
+            "link": asdict(self.link),
+            "links": [[s, d, asdict(link)] for (s, d), link in sorted(self.links.items())],
+            "action_overhead": self.action_overhead,
+            "memory_per_rank": self.memory_per_rank,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Costs:
+        return cls(
+            stages=[StageCost(**s) for s in data["stages"]],
+            link=Link(**data.get("link", {})),
+            links={(int(s), int(d)): Link(**lk) for s, d, lk in data.get("links", [])},
+            action_overhead=float(data.get("action_overhead", 0.0)),
+            memory_per_rank=data.get("memory_per_rank"),
+        )
+
+    @classmethod
+    def uniform(
+        cls,
+        num_stages: int,
+        fwd: float,
+        bwd: float,
+        bwd_weight: float | None = None,
+        latency: float = 0.0,
+        activations: int = 0,
+        params: int = 0,
+    ) -> Costs:
+        """The same cost for every stage; a link that costs ``latency`` per message."""
+        stage = StageCost(
+            fwd=fwd, bwd=bwd, bwd_weight=bwd_weight, activations=activations, params=params
+        )
+        return cls(stages=[stage] * num_stages, link=Link(latency=latency))

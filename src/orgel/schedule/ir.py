@@ -1,0 +1,359 @@
+"""The Plan IR: actions, the stage graph, placement, schedule and the Plan itself.
+
+Everything in orgel meets here. The planners write a :class:`Plan`, the simulator
+scores it, the runtime executes it, the visualiser draws it and a person can write
+one by hand. A Plan is plain data: it round-trips through JSON (``to_dict`` /
+``from_dict``, ``save`` / ``load``) with a version field and never uses pickle.
+
+Conventions used everywhere in orgel:
+
+* times are milliseconds, sizes are bytes;
+* a value's ``nbytes`` is its size for one whole micro-batch;
+* stages, ranks and micro-batches are numbered from 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from orgel.schedule.costs import Costs
+
+PLAN_VERSION = 1
+
+#: Action kinds: forward, full backward, input-grad half, weight-grad half.
+KINDS = ("F", "B", "I", "W")
+
+_ACTION_RE = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
+
+
+class PlanError(ValueError):
+    """A Plan (or a part of one) is malformed or cannot run.
+
+    The message names what is wrong and where (rank, position, action).
+    """
+
+
+class Action(NamedTuple):
+    """One unit of work on a rank: ``kind`` of ``stage`` for ``microbatch``.
+
+    Text form is ``F3.0``: kind, stage, ``.``, micro-batch.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse the text form (``F3.0``, ``B0.12``, ``I1.2``, ``W1.2``)."""
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise PlanError(
+                f"cannot parse action {text!r}: expected KIND STAGE '.' MICROBATCH "
+                f"with KIND one of {'/'.join(KINDS)}, e.g. 'F3.0'"
+            )
+        return cls(match.group(1), int(match.group(2)), int(match.group(3)))
+
+
+class Value(NamedTuple):
+    """A named tensor that crosses a stage boundary; ``nbytes`` per micro-batch."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Values produced by stage ``src`` and consumed by stage ``dst``."""
+
+    src: int
+    dst: int
+    values: tuple[Value, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.values)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One node of the stage graph.
+
+    ``nodes`` names the graph nodes (fx node names) the stage computes and
+    ``blocks`` the coarsened blocks; both are empty for synthetic plans.
+    ``model_inputs`` are the model's own inputs the stage reads (by name: they
+    are fed from the data on every rank that hosts the stage, never sent).
+    ``model_outputs`` are the model outputs it produces; the stage that produces
+    them computes the loss.
+    """
+
+    name: str = ""
+    nodes: tuple[str, ...] = ()
+    blocks: tuple[int, ...] = ()
+    model_inputs: tuple[str, ...] = ()
+    model_outputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """Stages are the nodes of a DAG; edges carry named values with byte sizes.
+
+    A chain is the special case (:meth:`chain`); branches, joins and skip edges
+    (stage 0 → stage 5) are normal. At most one edge per (src, dst) pair: all
+    values from one stage to another travel on that edge.
+    """
+
+    stages: tuple[Stage, ...]
+    edges: tuple[Edge, ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @classmethod
+    def chain(cls, num_stages: int, nbytes: int = 0) -> StageGraph:
+        """A chain 0 → 1 → … → n-1, each edge one value ``act`` of ``nbytes``."""
+        stages = tuple(Stage(name=f"stage{i}") for i in range(num_stages))
+        edges = tuple(
+            Edge(i, i + 1, (Value(f"act{i}", nbytes),)) for i in range(num_stages - 1)
+        )
+        return cls(stages, edges)
+
+    @classmethod
+    def from_edges(
+        cls, num_stages: int, edges: list[tuple[int, int]], nbytes: int = 0
+    ) -> StageGraph:
+        """A DAG from ``(src, dst)`` pairs, each edge one value of ``nbytes``."""
+        stages = tuple(Stage(name=f"stage{i}") for i in range(num_stages))
+        return cls(
+            stages,
+            tuple(Edge(s, d, (Value(f"s{s}_to_s{d}", nbytes),)) for s, d in edges),
+        )
+
+    def producers(self, stage: int) -> list[int]:
+        """Indices (into ``edges``) of the edges that feed ``stage``."""
+        return [i for i, e in enumerate(self.edges) if e.dst == stage]
+
+    def consumers(self, stage: int) -> list[int]:
+        """Indices (into ``edges``) of the edges that leave ``stage``."""
+        return [i for i, e in enumerate(self.edges) if e.src == stage]
+
+    def sources(self) -> list[int]:
+        return [s for s in range(self.num_stages) if not self.producers(s)]
+
+    def sinks(self) -> list[int]:
+        return [s for s in range(self.num_stages) if not self.consumers(s)]
+
+    def topological_order(self) -> list[int]:
+        """Stages in a topological order (ties broken by index); raises on a cycle."""
+        indegree = [0] * self.num_stages
+        for e in self.edges:
+            indegree[e.dst] += 1
+        ready = sorted(s for s in range(self.num_stages) if indegree[s] == 0)
+        order: list[int] = []
+        while ready:
+            s = ready.pop(0)
+            order.append(s)
+            for i in self.consumers(s):
+                d = self.edges[i].dst
+                indegree[d] -= 1
+                if indegree[d] == 0:
+                    ready.append(d)
+                    ready.sort()
+        if len(order) != self.num_stages:
+            stuck = [s for s in range(self.num_stages) if s not in order]
+            raise PlanError(f"stage graph has a cycle through stages {stuck}")
+        return order
+
+    def check(self) -> None:
+        """Raise :class:`PlanError` unless this is a well-formed DAG."""
+        if self.num_stages == 0:
+            raise PlanError("stage graph has no stages")
+        seen: set[tuple[int, int]] = set()
+        for i, e in enumerate(self.edges):
+            for end in (e.src, e.dst):
+                if not 0 <= end < self.num_stages:
+                    raise PlanError(
+                        f"edge {i} ({e.src}->{e.dst}) names stage {end}, but there are "
+                        f"only {self.num_stages} stages"
+                    )
+            if e.src == e.dst:
+                raise PlanError(f"edge {i} is a self-loop on stage {e.src}")
+            if (e.src, e.dst) in seen:
+                raise PlanError(
+                    f"two edges {e.src}->{e.dst}: put all values between two stages "
+                    "on one edge"
+                )
+            seen.add((e.src, e.dst))
+            for v in e.values:
+                if v.nbytes < 0:
+                    raise PlanError(f"edge {e.src}->{e.dst} value {v.name!r} has negative bytes")
+        self.topological_order()
+
+
+@dataclass
+class Plan:
+    """Everything needed to run (or simulate) one pipelined training step.
+
+    * ``stage_graph``: the stages and the values between them;
+    * ``placement[s]``: the ranks hosting stage ``s``. Several stages may share
+      a rank; a stage on several ranks is data-parallel inside the stage, each
+      replica taking an equal, contiguous share of every micro-batch (replica
+      ``k`` of ``n`` takes rows ``[k*b/n, (k+1)*b/n)``). Data parallel × pipeline
+      is the case where every stage has the same number of replicas;
+    * ``schedule[r]``: rank ``r``'s ordered action list. A replica of a
+      data-parallel stage runs the stage's actions for its share;
+    * ``recompute[s]``: drop stage ``s``'s activations after forward and
+      recompute them before its backward;
+    * ``costs`` and ``prediction``: optional, filled by the profiler/planner and
+      the simulator; ``meta``: free-form JSON (schedule family, parameters,
+      planner name, …).
+
+    Sends and receives are not written: they follow from the stage graph
+    (see :mod:`orgel.schedule.comm`).
+    """
+
+    stage_graph: StageGraph
+    placement: list[tuple[int, ...]]
+    num_ranks: int
+    microbatches: int
+    schedule: list[list[Action]]
+    recompute: list[bool] = field(default_factory=list)
+    costs: Costs | None = None
+    prediction: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        self.placement = [tuple(int(r) for r in ranks) for ranks in self.placement]
+        if not self.recompute:
+            self.recompute = [False] * self.stage_graph.num_stages
+
+    @property
+    def num_stages(self) -> int:
+        return self.stage_graph.num_stages
+
+    def stages_on(self, rank: int) -> list[int]:
+        """The stages ``rank`` hosts, in index order."""
+        return [s for s, ranks in enumerate(self.placement) if rank in ranks]
+
+    def uses_split_backward(self, stage: int) -> bool:
+        """Whether ``stage`` runs ``I``/``W`` halves instead of a full ``B``."""
+        return any(
+            a.stage == stage and a.kind in ("I", "W")
+            for r in self.placement[stage]
+            for a in self.schedule[r]
+        )
+
+    # -- text form ---------------------------------------------------------------
+
+    def schedule_text(self) -> str:
+        """One line per rank: ``rank0: F0.0 F0.1 B0.0 ...``."""
+        return "\n".join(
+            f"rank{r}: " + " ".join(str(a) for a in actions)
+            for r, actions in enumerate(self.schedule)
+        )
+
+    # -- JSON --------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.stage_graph
+        return {
+            "version": self.version,
+            "num_ranks": self.num_ranks,
+            "microbatches": self.microbatches,
+            "stages": [
+                {
+                    "name": s.name,
+                    "nodes": list(s.nodes),
+                    "blocks": list(s.blocks),
+                    "model_inputs": list(s.model_inputs),
+                    "model_outputs": list(s.model_outputs),
+                    "ranks": list(self.placement[i]),
+                    "recompute": self.recompute[i],
+                }
+                for i, s in enumerate(g.stages)
+            ],
+            "edges": [
+                {"src": e.src, "dst": e.dst, "values": [[v.name, v.nbytes] for v in e.values]}
+                for e in g.edges
+            ],
+            "schedule": [" ".join(str(a) for a in actions) for actions in self.schedule],
+            "costs": None if self.costs is None else self.costs.to_dict(),
+            "prediction": self.prediction,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Build a Plan from :meth:`to_dict` output; raises :class:`PlanError`."""
+        if not isinstance(data, dict):
+            raise PlanError("a plan must be a JSON object")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(
+                f"plan version {version!r} is not supported: this orgel reads version "
+                f"{PLAN_VERSION}"
+            )
+        try:
+            stages_data = data["stages"]
+            stages = tuple(
+                Stage(
+                    name=str(s.get("name", "")),
+                    nodes=tuple(s.get("nodes", ())),
+                    blocks=tuple(int(b) for b in s.get("blocks", ())),
+                    model_inputs=tuple(s.get("model_inputs", ())),
+                    model_outputs=tuple(s.get("model_outputs", ())),
+                )
+                for s in stages_data
+            )
+            edges = tuple(
+                Edge(
+                    int(e["src"]),
+                    int(e["dst"]),
+                    tuple(Value(str(n), int(b)) for n, b in e.get("values", ())),
+                )
+                for e in data.get("edges", ())
+            )
+            schedule = [
+                [Action.parse(tok) for tok in line.split()] for line in data["schedule"]
+            ]
+            costs = data.get("costs")
+            return cls(
+                stage_graph=StageGraph(stages, edges),
+                placement=[tuple(s["ranks"]) for s in stages_data],
+                num_ranks=int(data["num_ranks"]),
+                microbatches=int(data["microbatches"]),
+                schedule=schedule,
+                recompute=[bool(s.get("recompute", False)) for s in stages_data],
+                costs=None if costs is None else Costs.from_dict(costs),
+                prediction=data.get("prediction"),
+                meta=dict(data.get("meta") or {}),
+            )
+        except KeyError as exc:
+            raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())

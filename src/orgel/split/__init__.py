@@ -1,0 +1,1 @@
+"""Plan + captured graph → one module per stage."""
