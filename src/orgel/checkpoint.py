@@ -1,0 +1,353 @@
+"""Checkpoints: per-rank shards written atomically, resumable under any plan or rank count.
+
+Layout of a checkpoint root ``DIR``::
+
+    DIR/LATEST                  name of the newest complete checkpoint, e.g. "step-00000012"
+    DIR/step-00000012/meta.json format, step, number of ranks, which shard holds which name
+    DIR/step-00000012/plan.json the Plan the run used (JSON, see orgel.schedule.ir)
+    DIR/step-00000012/rank0.pt  rank 0's shard (torch.save of plain dicts, lists and tensors)
+
+A save writes every shard into ``step-N.tmp/``, then :func:`commit` renames the
+folder to ``step-N`` and replaces ``LATEST`` with ``os.replace``; only then are
+older folders removed. A crash at any point leaves ``LATEST`` naming a complete
+checkpoint. Shards hold only tensors, numbers, strings, lists and dicts, so they
+load with ``torch.load(weights_only=True)``; nothing is pickled.
+
+Every tensor is keyed by its qualified name in the ORIGINAL model, never by a
+stage-local name. That is what lets a checkpoint be exported to a plain
+``state_dict`` and resumed under a different plan or rank count: each rank
+picks the names it now hosts from whichever shard has them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "orgel-checkpoint"
+VERSION = 1
+LATEST = "LATEST"
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the model being resumed."""
+
+
+# -- RNG ----------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch, CUDA if present, Python, NumPy) as plain data."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    npst = state["numpy"]
+    np.random.set_state(
+        (npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
+         npst["has_gauss"], npst["cached"])
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- optimizer state by original name -------------------------------------------------
+
+
+def named_optimizer_state(
+    optimizer: torch.optim.Optimizer, params: NamedTensors
+) -> dict[str, Any]:
+    """The optimizer's state keyed by original parameter names instead of integer ids.
+
+    ``params`` lists ``(original name, parameter)`` for every parameter the
+    optimizer holds. Groups keep their hyper-parameters and list names.
+    """
+    name_of = {id(p): n for n, p in params}
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        names = []
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise CheckpointError("the optimizer holds a parameter that has no original name")
+            name = name_of[id(p)]
+            names.append(name)
+            if p in optimizer.state:
+                state[name] = {
+                    k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in optimizer.state[p].items()
+                }
+        hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
+        hyper["params"] = names
+        groups.append(hyper)
+    return {"state": state, "groups": groups}
+
+
+def load_named_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    params: NamedTensors,
+    named: dict[str, Any],
+) -> None:
+    """Load :func:`named_optimizer_state` output into ``optimizer``, matching by name.
+
+    The saved state may come from other ranks (merged by :func:`read_names`):
+    every parameter finds its state by original name; group hyper-parameters
+    are taken from the saved group at the same index.
+    """
+    id_of = {id(p): i for i, (_, p) in enumerate(params)}
+    current = optimizer.state_dict()
+    saved_groups = named.get("groups", [])
+    new_groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        base = dict(current["param_groups"][gi])
+        if gi < len(saved_groups):
+            for k, v in saved_groups[gi].items():
+                if k != "params" and k in base:
+                    base[k] = tuple(v) if isinstance(base[k], tuple) else v
+        new_groups.append(base)
+    # state_dict()'s integer ids enumerate params in group order
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    names = [params[id_of[id(p)]][0] for p in flat]
+    new_state = {
+        i: dict(named["state"][name]) for i, name in enumerate(names) if name in named["state"]
+    }
+    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+
+# -- shards -------------------------------------------------------------------------------
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The folder of the checkpoint at ``step`` under ``root``."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def staging_dir(root: str | Path, step: int) -> Path:
+    """Where shards of the checkpoint at ``step`` are written before :func:`commit`."""
+    return Path(root) / f"step-{step:08d}.tmp"
+
+
+def make_shard(
+    *,
+    rank: int,
+    step: int,
+    params: NamedTensors,
+    buffers: NamedTensors,
+    optimizer: dict[str, Any] | None,
+    rng: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One rank's shard as plain data (tensors cloned to CPU, keyed by original names)."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "rank": rank,
+        "step": step,
+        "params": {n: t.detach().to("cpu", copy=True) for n, t in params},
+        "buffers": {n: t.detach().to("cpu", copy=True) for n, t in buffers},
+        "optimizer": optimizer,
+        "rng": rng,
+        "extra": extra or {},
+    }
+
+
+def write_shard(root: str | Path, step: int, rank: int, shard: dict[str, Any]) -> Path:
+    """Write ``shard`` into the staging folder of ``step`` (temp file, then rename)."""
+    folder = staging_dir(root, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank{rank}.pt"
+    tmp = folder / f".rank{rank}.pt.partial"
+    with open(tmp, "wb") as f:
+        torch.save(shard, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(
+    root: str | Path, step: int, num_ranks: int, plan_json: str, *, keep: int = 1
+) -> Path:
+    """Seal the staged checkpoint at ``step`` once every rank has written its shard.
+
+    Writes meta.json and plan.json, renames the staging folder, points ``LATEST``
+    at it and removes all but the newest ``keep`` complete checkpoints.
+    """
+    root = Path(root)
+    staged = staging_dir(root, step)
+    shards = [f"rank{r}.pt" for r in range(num_ranks)]
+    missing = [s for s in shards if not (staged / s).exists()]
+    if missing:
+        raise CheckpointError(f"cannot commit step {step}: shards {missing} were not written")
+    owners: dict[str, list[int]] = {}
+    for r in range(num_ranks):
+        shard = torch.load(staged / f"rank{r}.pt", weights_only=True, map_location="cpu")
+        for name in list(shard["params"]) + list(shard["buffers"]):
+            owners.setdefault(name, []).append(r)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "num_ranks": num_ranks,
+        "shards": shards,
+        "plan": "plan.json",
+        "owners": owners,
+    }
+    _write_text_atomic(staged / "plan.json", plan_json if plan_json.endswith("\n") else plan_json + "\n")
+    _write_text_atomic(staged / "meta.json", json.dumps(meta, indent=1) + "\n")
+    final = step_dir(root, step)
+    if final.exists():  # re-saving the same step: the new one replaces it
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    _write_text_atomic(root / LATEST, final.name + "\n")
+    complete = sorted(p for p in root.iterdir() if _STEP_RE.match(p.name))
+    for old in complete[: max(0, len(complete) - keep)]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def resolve(path: str | Path) -> Path:
+    """The complete checkpoint folder that ``path`` names: a root (via LATEST) or a step folder."""
+    path = Path(path)
+    if (path / "meta.json").exists():
+        return path
+    pointer = path / LATEST
+    if not pointer.exists():
+        raise CheckpointError(
+            f"no checkpoint in {path}: expected {path / LATEST} or {path / 'meta.json'}; "
+            "save one with pipe.save(DIR) first"
+        )
+    target = path / pointer.read_text().strip()
+    if not (target / "meta.json").exists():
+        raise CheckpointError(f"{pointer} names {target.name}, which is incomplete")
+    return target
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """meta.json of the checkpoint at ``path`` (checked for format and version)."""
+    folder = resolve(path)
+    meta: dict[str, Any] = json.loads((folder / "meta.json").read_text())
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"{folder} is not an orgel checkpoint of version {VERSION} "
+            f"(format {meta.get('format')!r}, version {meta.get('version')!r})"
+        )
+    return meta
+
+
+def read_plan_json(path: str | Path) -> str:
+    """The plan JSON stored with the checkpoint at ``path``."""
+    return (resolve(path) / "plan.json").read_text()
+
+
+def read_shard(path: str | Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s shard, loaded with ``weights_only=True`` onto the CPU."""
+    folder = resolve(path)
+    shard: dict[str, Any] = torch.load(
+        folder / f"rank{rank}.pt", weights_only=True, map_location="cpu"
+    )
+    return shard
+
+
+def read_names(path: str | Path, names: Iterable[str]) -> dict[str, Any]:
+    """Parameters, buffers and optimizer state for ``names``, merged from whichever shards hold them.
+
+    Returns ``{"params", "buffers", "optimizer": {"state", "groups"}, "step"}``;
+    raises :class:`CheckpointError` naming any name no shard holds.
+    """
+    meta = read_meta(path)
+    wanted = set(names)
+    missing = sorted(wanted - set(meta["owners"]))
+    if missing:
+        raise CheckpointError(
+            f"checkpoint has no tensor for {missing[:5]}{'...' if len(missing) > 5 else ''}: "
+            "was it saved from a different model?"
+        )
+    ranks = sorted({meta["owners"][n][0] for n in wanted})
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    opt_state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for r in ranks or [0]:
+        shard = read_shard(path, r)
+        params.update({n: t for n, t in shard["params"].items() if n in wanted})
+        buffers.update({n: t for n, t in shard["buffers"].items() if n in wanted})
+        opt = shard.get("optimizer") or {}
+        opt_state.update({n: s for n, s in opt.get("state", {}).items() if n in wanted})
+        if not groups:
+            groups = opt.get("groups", [])
+    return {
+        "params": params,
+        "buffers": buffers,
+        "optimizer": {"state": opt_state, "groups": groups},
+        "step": int(meta["step"]),
+    }
+
+
+def state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The original model's ``state_dict`` (parameters and buffers) from a checkpoint."""
+    meta = read_meta(path)
+    out: dict[str, torch.Tensor] = {}
+    for r in range(int(meta["num_ranks"])):
+        shard = read_shard(path, r)
+        for name, t in list(shard["params"].items()) + list(shard["buffers"].items()):
+            out.setdefault(name, t)
+    return dict(sorted(out.items()))
+
+
+def export(path: str | Path, out: str | Path) -> int:
+    """Write the original model's state_dict from the checkpoint at ``path`` to ``out``.
+
+    Returns the number of tensors written. Load it with
+    ``model.load_state_dict(torch.load(out, weights_only=True))``.
+    """
+    sd = state_dict(path)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.partial")
+    torch.save(sd, tmp)
+    os.replace(tmp, out)
+    return len(sd)

@@ -1,0 +1,149 @@
+"""Checkpoint format: atomic commit, weights-only shards, export and re-sharding by name."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from orgel import checkpoint as ckpt
+
+Shard = tuple[ckpt.NamedTensors, torch.optim.Optimizer]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def _train_step(model: nn.Module, opts: list[torch.optim.Optimizer], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
+    for o in opts:
+        o.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    for o in opts:
+        o.step()
+
+
+def _shards(model: nn.Module, groups: list[list[str]]) -> list[Shard]:
+    named = dict(model.named_parameters())
+    out = []
+    for names in groups:
+        params = [(n, named[n]) for n in names]
+        out.append((params, torch.optim.AdamW([p for _, p in params], lr=0.01)))
+    return out
+
+
+def _save(root: Path, model: nn.Module, shards: list[Shard], step: int) -> None:
+    buffers = list(model.named_buffers())
+    for rank, (params, opt) in enumerate(shards):
+        shard = ckpt.make_shard(
+            rank=rank, step=step, params=params,
+            buffers=buffers if rank == 0 else [],
+            optimizer=ckpt.named_optimizer_state(opt, params), rng=ckpt.rng_state(),
+        )
+        ckpt.write_shard(root, step, rank, shard)
+    ckpt.commit(root, step, len(shards), json.dumps({"plan": "x"}))
+
+
+GROUPS2 = [["0.weight", "0.bias", "1.weight"], ["1.bias", "2.weight", "2.bias"]]
+GROUPS3 = [["0.weight"], ["0.bias", "1.weight", "1.bias"], ["2.weight", "2.bias"]]
+
+
+def test_export_is_the_original_state_dict(tmp_path: Path) -> None:
+    model = _model()
+    shards = _shards(model, GROUPS2)
+    _train_step(model, [o for _, o in shards], 1)
+    _save(tmp_path, model, shards, 1)
+    out = tmp_path / "model.pt"
+    assert ckpt.export(tmp_path, out) == len(model.state_dict())
+    loaded = torch.load(out, weights_only=True)
+    fresh = _model()
+    fresh.load_state_dict(loaded)
+    for (n, a), (m, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert n == m and torch.equal(a, b)
+
+
+def test_reshard_2_to_3_resumes_bit_identically(tmp_path: Path) -> None:
+    reference = _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for s in range(3):
+        _train_step(reference, [ref_opt], s)
+
+    model = _model()
+    shards = _shards(model, GROUPS2)
+    _train_step(model, [o for _, o in shards], 0)
+    _save(tmp_path, model, shards, 1)
+
+    resumed = _model()  # different weights are overwritten from the checkpoint
+    torch.nn.init.zeros_(resumed[0].weight)
+    new_shards = _shards(resumed, GROUPS3)
+    for params, opt in new_shards:
+        part = ckpt.read_names(tmp_path, [n for n, _ in params])
+        assert part["step"] == 1
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(part["params"][n])
+        ckpt.load_named_optimizer_state(opt, params, part["optimizer"])
+    bufs = ckpt.read_names(tmp_path, [n for n, _ in resumed.named_buffers()])["buffers"]
+    for n, b in resumed.named_buffers():
+        b.copy_(bufs[n])
+    for s in (1, 2):
+        _train_step(resumed, [o for _, o in new_shards], s)
+    for (n, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    model = _model()
+    shards = _shards(model, GROUPS2)
+    _save(tmp_path, model, shards, 1)
+    before = ckpt.state_dict(tmp_path)
+    _train_step(model, [o for _, o in shards], 5)
+    # rank 0 wrote its shard for step 2, then the job died before rank 1 and the commit
+    params, opt = shards[0]
+    shard = ckpt.make_shard(rank=0, step=2, params=params, buffers=[],
+                            optimizer=ckpt.named_optimizer_state(opt, params))
+    ckpt.write_shard(tmp_path, 2, 0, shard)
+    (ckpt.staging_dir(tmp_path, 2) / ".rank1.pt.partial").write_bytes(b"\x00garbage")
+    assert ckpt.resolve(tmp_path).name == "step-00000001"
+    after = ckpt.state_dict(tmp_path)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    with pytest.raises(ckpt.CheckpointError, match="not written"):
+        ckpt.commit(tmp_path, 2, 2, "{}")
+    # a later complete save replaces it and drops the older folder
+    _save(tmp_path, model, shards, 3)
+    assert ckpt.resolve(tmp_path).name == "step-00000003"
+    assert not ckpt.step_dir(tmp_path, 1).exists()
+    assert ckpt.read_meta(tmp_path)["owners"]["2.bias"] == [1]
+
+
+def test_shards_are_plain_data_and_rng_round_trips(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    state = ckpt.rng_state()
+    expected = (torch.rand(2), random.random(), np.random.rand())
+    model = _model()
+    _save(tmp_path, model, _shards(model, GROUPS2), 4)
+    shard = ckpt.read_shard(tmp_path, 1)  # weights_only=True inside: no objects
+    assert shard["step"] == 4 and set(shard["params"]) == set(GROUPS2[1])
+    assert json.loads(ckpt.read_plan_json(tmp_path)) == {"plan": "x"}
+    ckpt.set_rng_state(state)
+    again = (torch.rand(2), random.random(), np.random.rand())
+    assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
+
+
+def test_missing_checkpoint_and_foreign_names_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ckpt.CheckpointError, match="pipe.save"):
+        ckpt.resolve(tmp_path)
+    model = _model()
+    _save(tmp_path, model, _shards(model, GROUPS2), 1)
+    with pytest.raises(ckpt.CheckpointError, match="different model"):
+        ckpt.read_names(tmp_path, ["encoder.weight"])
