@@ -66,7 +66,7 @@ def test_export_is_the_original_state_dict(tmp_path: Path) -> None:
     loaded = torch.load(out, weights_only=True)
     fresh = _model()
     fresh.load_state_dict(loaded)
-    for (n, a), (m, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+    for (n, a), (m, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert n == m and torch.equal(a, b)
 
 
@@ -96,7 +96,7 @@ def test_reshard_2_to_3_resumes_bit_identically(tmp_path: Path) -> None:
         b.copy_(bufs[n])
     for s in (1, 2):
         _train_step(resumed, [o for _, o in new_shards], s)
-    for (n, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+    for (n, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
 
 

@@ -129,7 +129,7 @@ def load_named_optimizer_state(
     current = optimizer.state_dict()
     saved_groups = named.get("groups", [])
     new_groups = []
-    for gi, group in enumerate(optimizer.param_groups):
+    for gi in range(len(optimizer.param_groups)):
         base = dict(current["param_groups"][gi])
         if gi < len(saved_groups):
             for k, v in saved_groups[gi].items():
@@ -233,7 +233,7 @@ def commit(
         "plan": "plan.json",
         "owners": owners,
     }
-    _write_text_atomic(staged / "plan.json", plan_json if plan_json.endswith("\n") else plan_json + "\n")
+    _write_text_atomic(staged / "plan.json", plan_json.rstrip("\n") + "\n")
     _write_text_atomic(staged / "meta.json", json.dumps(meta, indent=1) + "\n")
     final = step_dir(root, step)
     if final.exists():  # re-saving the same step: the new one replaces it
@@ -294,7 +294,7 @@ def read_shard(path: str | Path, rank: int) -> dict[str, Any]:
 
 
 def read_names(path: str | Path, names: Iterable[str]) -> dict[str, Any]:
-    """Parameters, buffers and optimizer state for ``names``, merged from whichever shards hold them.
+    """Parameters, buffers and optimizer state for ``names``, merged from the shards.
 
     Returns ``{"params", "buffers", "optimizer": {"state", "groups"}, "step"}``;
     raises :class:`CheckpointError` naming any name no shard holds.
