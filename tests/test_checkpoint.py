@@ -96,7 +96,8 @@ def test_reshard_2_to_3_resumes_bit_identically(tmp_path: Path) -> None:
         b.copy_(bufs[n])
     for s in (1, 2):
         _train_step(resumed, [o for _, o in new_shards], s)
-    for (n, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
+    pairs = zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True)
+    for (n, a), b in pairs:
         assert torch.equal(a, b), n
 
 
