@@ -17,6 +17,12 @@ from orgel.models.layers import ZooWorkload
 _REGISTRY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt": ("gpt", "build_gpt", {}),
     "tied": ("gpt", "build_gpt", {"tie_embeddings": True}),
+    "vit": ("vit", "build_vit", {}),
+    "clip": ("clip", "build_clip", {}),
+    "unet": ("unet", "build_unet", {}),
+    "resnet": ("resnet", "build_resnet", {}),
+    "dlrm": ("dlrm", "build_dlrm", {}),
+    "mmt": ("mmt", "build_mmt", {}),
     "graphbreak": ("graphbreak", "build_graphbreak", {}),
 }
 

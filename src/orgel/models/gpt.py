@@ -8,7 +8,7 @@ position of every sequence in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from orgel.models.layers import (
     check_heads,
     check_positive,
     init_gpt_style,
+    make_config,
 )
 
 
@@ -81,15 +82,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def gpt_config(**config: object) -> GPTConfig:
-    """Build a GPTConfig from keywords, naming the valid ones if one is unknown."""
-    names = {f.name for f in fields(GPTConfig)}
-    unknown = sorted(set(config) - names)
-    if unknown:
-        raise TypeError(f"unknown GPT option(s) {unknown}; valid: {sorted(names)}")
-    return GPTConfig(**config)  # type: ignore[arg-type]
-
-
 def random_tokens(
     batch_size: int, seq_len: int, vocab_size: int, *, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +94,7 @@ def random_tokens(
 def build_gpt(*, batch_size: int = 4, seed: int = 0, **config: object) -> ZooWorkload:
     """GPT workload with random weights and random tokens; ``config`` is GPTConfig fields."""
     check_positive(batch_size=batch_size)
-    cfg = gpt_config(**config)
+    cfg = make_config(GPTConfig, "GPT", config)
     torch.manual_seed(seed)
     model = GPT(cfg)
     tokens, targets = random_tokens(batch_size, cfg.seq_len, cfg.vocab_size, seed=seed)

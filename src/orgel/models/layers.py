@@ -8,7 +8,8 @@ symbolic), never from tensor values, and there is no Python branching on data.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import fields
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from torch import nn
 
 Inputs = tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 Targets = torch.Tensor | tuple[torch.Tensor, ...]
+C = TypeVar("C")
 
 
 class ZooWorkload(NamedTuple):
@@ -38,6 +40,15 @@ def check_positive(**values: int) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def make_config(cls: type[C], what: str, options: dict[str, Any]) -> C:
+    """``cls(**options)`` for a config dataclass, naming the valid options if one is unknown."""
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(f"unknown {what} option(s) {unknown}; valid: {sorted(names)}")
+    return cls(**options)
 
 
 def check_heads(d_model: int, n_heads: int, *, what: str = "d_model") -> None:
