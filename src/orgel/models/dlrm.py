@@ -79,7 +79,8 @@ class DLRM(nn.Module):
     ) -> torch.Tensor:
         sparse = (sparse_0, sparse_1, sparse_2, sparse_3, sparse_4, sparse_5, sparse_6)
         x = self.bottom(dense)
-        vectors = [x] + [table(ids).mean(dim=1) for table, ids in zip(self.tables, sparse, strict=True)]
+        bags = [table(ids).mean(dim=1) for table, ids in zip(self.tables, sparse, strict=True)]
+        vectors = [x, *bags]
         stacked = torch.stack(vectors, dim=1)  # (B, 8, d)
         dots = stacked @ stacked.transpose(1, 2)  # (B, 8, 8)
         pairs = dots[:, self.pair_rows, self.pair_cols]  # (B, 28)
