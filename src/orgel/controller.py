@@ -1,0 +1,210 @@
+"""Local-spawn mode: this process drives worker processes it forked, one per rank.
+
+Piper's single controller, kept small: the calling process (the *controller*)
+forks ``num_ranks`` workers on this machine. Each worker joins a gloo process
+group on 127.0.0.1, builds its own engine with ``make_engine(rank)`` and then
+serves commands ``(method, args)`` sent over a pipe, answering with the return
+value or the error. Every command goes to all ranks at once because most of
+them (a training step, a checkpoint) need every rank to take part.
+
+Forking (not spawning) is deliberate: the workers inherit the captured graph,
+the plan and the stage modules from the controller's memory, so nothing built
+by the user (models defined in ``__main__``, lambdas) has to be pickled.
+
+A worker that dies (SIGKILL, out of memory) or raises leaves the others stuck
+in a collective, so any failure closes the whole group: the controller kills
+every worker it started and raises :class:`WorkerError` naming the rank. Resume
+from the last checkpoint with a new pipeline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died; the group is closed. ``rank`` names the first one seen."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker_main(
+    rank: int,
+    num_ranks: int,
+    port: int,
+    timeout_s: float,
+    threads: int,
+    make_engine: Callable[[int], Any],
+    conn: Connection,
+) -> None:
+    # A killed controller must not leave orphans: die with it (Linux only).
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=num_ranks,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        engine = make_engine(rank)
+    except BaseException as exc:  # noqa: BLE001 - reported to the controller
+        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    conn.send(("ok", None, ""))
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            break
+        if method == "__close__":
+            conn.send(("ok", None, ""))
+            break
+        try:
+            result = getattr(engine, method)(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            continue
+        conn.send(("ok", result, ""))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class LocalGroup:
+    """``num_ranks`` forked workers, each running ``make_engine(rank)``, driven by :meth:`call`."""
+
+    def __init__(
+        self,
+        num_ranks: int,
+        make_engine: Callable[[int], Any],
+        *,
+        timeout_s: float = 300.0,
+        threads: int | None = None,
+    ) -> None:
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        ctx = mp.get_context("fork")
+        port = free_port()
+        cores = os.cpu_count() or 1
+        threads = threads or max(1, cores // num_ranks)
+        self.num_ranks = num_ranks
+        self.timeout_s = timeout_s
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        self._closed = False
+        for rank in range(num_ranks):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, num_ranks, port, timeout_s, threads, make_engine, child),
+                name=f"orgel-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect(list(range(num_ranks)), "start")
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers, by rank."""
+        return [int(p.pid) for p in self._procs]
+
+    def call(
+        self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``engine.method(*args, **kwargs)`` on ``ranks`` (all by default); results by rank."""
+        if self._closed:
+            raise WorkerError("the local ranks are closed; create a new pipeline", -1)
+        targets = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        for r in targets:
+            try:
+                self._conns[r].send((method, args, kwargs))
+            except (BrokenPipeError, OSError):
+                self._fail(f"rank {r} is gone (exit code {self._procs[r].exitcode})", r)
+        return self._collect(targets, method)
+
+    def _collect(self, ranks: list[int], what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        pending = {self._conns[r]: r for r in ranks}
+        sentinels = {self._procs[r].sentinel: r for r in ranks}
+        while pending:
+            ready = wait(list(pending) + list(sentinels), timeout=self.timeout_s + 30)
+            if not ready:
+                self._fail(f"ranks {sorted(pending.values())} did not answer {what!r}", -1)
+            for obj in ready:
+                if obj in pending:
+                    r = pending[obj]
+                    try:
+                        status, value, tb = obj.recv()
+                    except (EOFError, OSError):
+                        self._fail(self._death(r, what), r)
+                    if status == "error":
+                        self._fail(f"rank {r} failed in {what}: {value}\n{tb}", r)
+                    results[r] = value
+                    del pending[obj]
+                elif sentinels.get(obj) is not None:  # type: ignore[call-overload]
+                    r = sentinels.pop(obj)  # type: ignore[call-overload]
+                    if self._conns[r] in pending and not self._conns[r].poll():
+                        self._fail(self._death(r, what), r)
+        return [results[r] for r in ranks]
+
+    def _death(self, rank: int, what: str) -> str:
+        proc = self._procs[rank]
+        proc.join(timeout=1)
+        code = proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"rank {rank} died during {what} ({how}); resume from the last checkpoint"
+
+    def _fail(self, message: str, rank: int) -> None:
+        self.kill()
+        raise WorkerError(message, rank)
+
+    def kill(self) -> None:
+        """Kill every worker this group started (by process id) and mark the group closed."""
+        self._closed = True
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5)
+
+    def close(self) -> None:
+        """Ask the workers to leave the process group and exit; kill any that do not."""
+        if self._closed:
+            return
+        for conn in self._conns:
+            try:
+                conn.send(("__close__", (), {}))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+        self.kill()
