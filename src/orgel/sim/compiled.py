@@ -1,0 +1,357 @@
+"""A Plan compiled into a fixed operation dependency graph, evaluated fast under many costs.
+
+The graph follows Pfeife §3.2–3.3: one op per compute action (ranks run their
+list in order), one op per message of :func:`orgel.schedule.comm.derive_comm`
+(a channel per (sender, receiver) pair carries one message at a time, in the
+channel's order), and one gradient all-reduce per data-parallel stage and per
+tied weight group. The earliest start of an op is the latest end of its
+predecessors; the step time is the latest end of all.
+
+Planners score thousands of candidates that share a schedule and differ only in
+costs, so everything that depends on the topology alone (ops, predecessors,
+topological order, index arrays, in-flight counts) is computed once here and
+:meth:`CompiledPlan.evaluate` only turns costs into durations, runs the longest
+path and sweeps memory.
+
+Op numbering: compute ops first (rank by rank, in list order), then messages
+(their index in the CommPlan), then all-reduces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from orgel.schedule.comm import CommPlan, derive_comm
+from orgel.schedule.costs import Costs
+from orgel.schedule.ir import Plan, PlanError
+from orgel.sim.longest import longest_path, make_straight_line
+from orgel.sim.memory import MemoryLayout, peak_memory
+
+_MIB = float(1 << 20)
+_KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+#: Above this many ops, ``evaluate`` compiles the longest path into straight-line
+#: Python (a one-off cost of a few ms per 1,000 ops that pays back after a few
+#: dozen evaluations); below it the generic loop is as fast.
+STRAIGHT_LINE_MIN_OPS = 64
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """A gradient all-reduce among ``ranks`` (a data-parallel stage or a tied weight group).
+
+    ``stages`` are the stages whose gradients it sums; ``nbytes`` is ``None`` for
+    a stage's own gradients (read from its costs) or a fixed byte count for a
+    tied weight group.
+    """
+
+    ranks: tuple[int, ...]
+    stages: tuple[int, ...]
+    nbytes: int | None
+    label: str
+
+
+@dataclass(frozen=True)
+class StageArrays:
+    """Per-stage costs as arrays (what :meth:`CompiledPlan.evaluate` reads from Costs)."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    wgrad: np.ndarray
+    activations: np.ndarray
+    temporary: np.ndarray
+    static: np.ndarray
+    grads: np.ndarray
+
+    @classmethod
+    def from_costs(cls, costs: Costs, num_stages: int) -> StageArrays:
+        """Read one entry per stage; raises :class:`PlanError` on a count mismatch."""
+        if len(costs.stages) != num_stages:
+            raise PlanError(
+                f"costs describe {len(costs.stages)} stages but the plan has {num_stages}: "
+                "give one StageCost per stage"
+            )
+        rows = [
+            (s.fwd, s.bwd, s.weight_grad, s.activations, s.temporary, s.static_bytes,
+             s.params if s.grads is None else s.grads)
+            for s in costs.stages
+        ]
+        cols = list(zip(*rows, strict=True))
+        return cls(*(np.asarray(c, dtype=np.float64) for c in cols))
+
+
+class CompiledPlan:
+    """The operation dependency graph of ``plan`` with its topology precomputed.
+
+    ``evaluate(costs)`` returns ``(step_time, peak_memory_per_rank)``; use it in
+    search loops. :func:`orgel.sim.simulate` gives the full result (timeline,
+    critical path, busy fractions) through the same graph.
+    """
+
+    def __init__(self, plan: Plan, *, comm: CommPlan | None = None) -> None:
+        self.plan = plan
+        self.comm = derive_comm(plan) if comm is None else comm
+        graph = plan.stage_graph
+        self.num_ranks = len(plan.schedule)
+        self.num_stages = graph.num_stages
+        if plan.num_ranks != self.num_ranks:
+            raise PlanError(
+                f"plan says num_ranks={plan.num_ranks} but its schedule has "
+                f"{self.num_ranks} rank lists: make them agree"
+            )
+        self._build_compute(plan)
+        self._build_messages(plan)
+        self._build_allreduces(plan)
+        self._build_graph()
+        self.memory = MemoryLayout.build(
+            self.op_rank, self.op_stage, self.op_kind, self.rank_start, plan.placement,
+            plan.recompute,
+        )
+        self.edge_dst = np.array([e.dst for e in graph.edges], dtype=np.int64)
+        self.default_edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
+        self._straight: Any = None
+
+    # -- construction ------------------------------------------------------------
+
+    def _build_compute(self, plan: Plan) -> None:
+        rank, stage, kind, mb = [], [], [], []
+        self.rank_start = np.zeros(self.num_ranks + 1, dtype=np.int64)
+        for r, actions in enumerate(plan.schedule):
+            self.rank_start[r + 1] = self.rank_start[r] + len(actions)
+            for a in actions:
+                rank.append(r)
+                stage.append(a.stage)
+                kind.append(_KIND_CODE[a.kind])
+                mb.append(a.microbatch)
+        self.num_compute = len(rank)
+        self.op_rank = np.array(rank, dtype=np.int64)
+        self.op_stage = np.array(stage, dtype=np.int64)
+        self.op_kind = np.array(kind, dtype=np.int64)
+        self.op_microbatch = np.array(mb, dtype=np.int64)
+        # duration = (cf*fwd + cb*bwd + cw*wgrad)[stage] / replicas + overhead
+        recompute = np.array(plan.recompute, dtype=np.float64)[self.op_stage]
+        k = self.op_kind
+        self.coef_fwd = np.where(k == 0, 1.0, np.where((k == 1) | (k == 2), recompute, 0.0))
+        self.coef_bwd = np.where((k == 1) | (k == 2), 1.0, 0.0)
+        self.coef_wgrad = np.where(k == 2, -1.0, np.where(k == 3, 1.0, 0.0))
+        replicas = np.array([len(p) for p in plan.placement], dtype=np.float64)
+        self.stage_share = 1.0 / replicas
+        self.op_share = self.stage_share[self.op_stage]
+
+    def _build_messages(self, plan: Plan) -> None:
+        msgs = self.comm.messages
+        start = self.rank_start
+        self.num_messages = len(msgs)
+        self.channels = sorted(self.comm.channels)
+        channel_index = {c: i for i, c in enumerate(self.channels)}
+        self.msg_src = np.array([m.src_rank for m in msgs], dtype=np.int64)
+        self.msg_dst = np.array([m.dst_rank for m in msgs], dtype=np.int64)
+        self.msg_edge = np.array([m.edge for m in msgs], dtype=np.int64)
+        self.msg_part_num = np.array([m.part[1] - m.part[0] for m in msgs], dtype=np.int64)
+        self.msg_part_den = np.array([m.part[2] for m in msgs], dtype=np.int64)
+        self.msg_channel = np.array(
+            [channel_index[(m.src_rank, m.dst_rank)] for m in msgs], dtype=np.int64
+        )
+        self.msg_send = np.array([start[m.src_rank] + m.send_pos for m in msgs], dtype=np.int64)
+        self.msg_recv = np.array([start[m.dst_rank] + m.recv_pos for m in msgs], dtype=np.int64)
+
+    def _build_allreduces(self, plan: Plan) -> None:
+        groups: list[AllReduce] = []
+        for s, ranks in enumerate(plan.placement):
+            if len(ranks) > 1:
+                groups.append(AllReduce(tuple(ranks), (s,), None, f"allreduce s{s}"))
+        for i, tied in enumerate(plan.meta.get("tied_weights", ())):
+            try:
+                stages = tuple(int(s) for s in tied["stages"])
+                nbytes = int(tied["nbytes"])
+            except (KeyError, TypeError, ValueError):
+                raise PlanError(
+                    f"meta.tied_weights[{i}] must look like {{'stages': [0, 3], 'nbytes': 1024}}"
+                ) from None
+            ranks = tuple(sorted({r for s in stages for r in plan.placement[s]}))
+            if len(ranks) > 1:
+                groups.append(AllReduce(ranks, stages, nbytes, f"allreduce tied{i}"))
+        self.allreduces = groups
+        # Each all-reduce waits for the last backward (B or W) of its stages on every rank.
+        self._allreduce_preds: list[list[int]] = []
+        for g in groups:
+            preds = []
+            for r in g.ranks:
+                base = int(self.rank_start[r])
+                last = -1
+                for p, a in enumerate(plan.schedule[r]):
+                    if a.stage in g.stages and a.kind in ("B", "W"):
+                        last = p
+                if last >= 0:
+                    preds.append(base + last)
+            self._allreduce_preds.append(preds)
+
+    def _build_graph(self) -> None:
+        nc, nm = self.num_compute, self.num_messages
+        self.num_ops = nc + nm + len(self.allreduces)
+        preds: list[list[int]] = [[] for _ in range(self.num_ops)]
+        for r in range(self.num_ranks):
+            for v in range(int(self.rank_start[r]) + 1, int(self.rank_start[r + 1])):
+                preds[v].append(v - 1)
+        last_on_channel: dict[int, int] = {}
+        for k in range(nm):
+            v = nc + k
+            preds[v].append(int(self.msg_send[k]))
+            ch = int(self.msg_channel[k])
+            if ch in last_on_channel:
+                preds[v].append(last_on_channel[ch])
+            last_on_channel[ch] = v
+            preds[int(self.msg_recv[k])].append(v)
+        for g, ps in enumerate(self._allreduce_preds):
+            preds[nc + nm + g].extend(ps)
+        self.preds = preds
+        self.order = self._topological_order(preds)
+
+    def _topological_order(self, preds: list[list[int]]) -> list[int]:
+        succs: list[list[int]] = [[] for _ in preds]
+        indegree = [len(p) for p in preds]
+        for v, ps in enumerate(preds):
+            for u in ps:
+                succs[u].append(v)
+        ready = [v for v in range(len(preds)) if indegree[v] == 0]
+        order: list[int] = []
+        while ready:
+            v = ready.pop()
+            order.append(v)
+            for w in succs[v]:
+                indegree[w] -= 1
+                if indegree[w] == 0:
+                    ready.append(w)
+        if len(order) != len(preds):
+            raise PlanError(self._deadlock_message(set(order)))
+        return order
+
+    def _deadlock_message(self, done: set[int]) -> str:
+        """Name the first action each stuck rank waits at (and for what)."""
+        stuck = []
+        for r in range(self.num_ranks):
+            for v in range(int(self.rank_start[r]), int(self.rank_start[r + 1])):
+                if v not in done:
+                    pos = v - int(self.rank_start[r])
+                    waits = [
+                        f"rank {self.msg_src[u - self.num_compute]}"
+                        for u in self.preds[v]
+                        if u >= self.num_compute and u not in done
+                    ]
+                    why = f" waiting for a message from {', '.join(waits)}" if waits else ""
+                    stuck.append(f"rank {r} at position {pos} ({self.plan.schedule[r][pos]}){why}")
+                    break
+        return "schedule deadlocks: " + "; ".join(stuck) + (
+            ": reorder the actions so every message is sent before it is needed"
+        )
+
+    # -- evaluation ----------------------------------------------------------------
+
+    def stage_arrays(self, costs: Costs | None) -> tuple[Costs, StageArrays]:
+        """The costs to use (``costs`` or the plan's) and their per-stage arrays."""
+        if costs is None:
+            costs = self.plan.costs
+        if costs is None:
+            raise PlanError("the plan carries no costs: pass costs=Costs(...) to simulate it")
+        return costs, StageArrays.from_costs(costs, self.num_stages)
+
+    def durations(
+        self, costs: Costs, arrays: StageArrays, edge_bytes: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Duration of every op (compute, messages, all-reduces), in op order."""
+        st = self.op_stage
+        compute = (
+            self.coef_fwd * arrays.fwd[st]
+            + self.coef_bwd * arrays.bwd[st]
+            + self.coef_wgrad * arrays.wgrad[st]
+        ) * self.op_share + costs.action_overhead
+        eb = self.default_edge_bytes if edge_bytes is None else np.asarray(edge_bytes)
+        nbytes = eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
+        links = [costs.link_between(s, d) for s, d in self.channels]
+        latency = np.array([lk.latency for lk in links], dtype=np.float64)[self.msg_channel]
+        per_mib = np.array([lk.per_mib for lk in links], dtype=np.float64)[self.msg_channel]
+        comm = np.where(nbytes > 0, latency + per_mib * nbytes / _MIB, 0.0)
+        reduce = [self._allreduce_time(g, costs, arrays) for g in self.allreduces]
+        return np.concatenate([compute, comm, np.asarray(reduce, dtype=np.float64)])
+
+    def _allreduce_time(self, g: AllReduce, costs: Costs, arrays: StageArrays) -> float:
+        """Ring all-reduce: 2(n-1) steps of nbytes/n over the slowest ring link."""
+        nbytes = int(arrays.grads[g.stages[0]]) if g.nbytes is None else g.nbytes
+        n = len(g.ranks)
+        chunk = nbytes // n
+        ring = [costs.link_between(g.ranks[i], g.ranks[(i + 1) % n]) for i in range(n)]
+        return 2 * (n - 1) * max(lk.time(chunk) for lk in ring)
+
+    def longest(self, durations: np.ndarray) -> np.ndarray:
+        """End time of every op (earliest start = latest predecessor end)."""
+        if self.num_ops >= STRAIGHT_LINE_MIN_OPS:
+            if self._straight is None:
+                self._straight = make_straight_line(self.preds, self.order)
+            return np.asarray(self._straight(durations.tolist()))
+        return np.asarray(longest_path(self.preds, self.order, durations.tolist()))
+
+    def keep_bytes(self, arrays: StageArrays, edge_bytes: np.ndarray | None = None) -> np.ndarray:
+        """Bytes one forward keeps per stage until its backward: activations, or inputs."""
+        recompute = np.array(self.plan.recompute, dtype=bool)
+        if not recompute.any():
+            return arrays.activations
+        eb = self.default_edge_bytes if edge_bytes is None else np.asarray(edge_bytes)
+        inputs = np.bincount(self.edge_dst, weights=eb, minlength=self.num_stages)
+        return np.where(recompute, inputs, arrays.activations)
+
+    def evaluate(
+        self,
+        costs: Costs | None = None,
+        *,
+        fwd: np.ndarray | None = None,
+        bwd: np.ndarray | None = None,
+        wgrad: np.ndarray | None = None,
+        edge_bytes: np.ndarray | None = None,
+    ) -> tuple[float, np.ndarray]:
+        """``(step_time, peak_memory[rank])`` under ``costs`` (default: the plan's).
+
+        ``fwd``/``bwd``/``wgrad`` (one entry per stage, whole micro-batch) and
+        ``edge_bytes`` (one per stage-graph edge) override the costs' values,
+        so a planner can rescore new split points without building Costs.
+        """
+        costs, arrays = self.stage_arrays(costs)
+        if fwd is not None or bwd is not None or wgrad is not None:
+            arrays = StageArrays(
+                arrays.fwd if fwd is None else np.asarray(fwd, dtype=np.float64),
+                arrays.bwd if bwd is None else np.asarray(bwd, dtype=np.float64),
+                arrays.wgrad if wgrad is None else np.asarray(wgrad, dtype=np.float64),
+                arrays.activations, arrays.temporary, arrays.static, arrays.grads,
+            )
+        dur = self.durations(costs, arrays, edge_bytes)
+        end = self.longest(dur)
+        step = float(end.max()) if len(end) else 0.0
+        return step, self.peak_memory(arrays, dur, end, edge_bytes)
+
+    def peak_memory(
+        self,
+        arrays: StageArrays,
+        dur: np.ndarray,
+        end: np.ndarray,
+        edge_bytes: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Peak bytes per rank given op durations and end times (see :mod:`memory`)."""
+        nc, nm = self.num_compute, self.num_messages
+        eb = self.default_edge_bytes if edge_bytes is None else np.asarray(edge_bytes)
+        msg_bytes = eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
+        return peak_memory(
+            self.memory,
+            keep=self.keep_bytes(arrays, edge_bytes),
+            activations=arrays.activations,
+            temporary=arrays.temporary,
+            static=arrays.static,
+            share=self.stage_share,
+            compute_end=end[:nc],
+            compute_start=end[:nc] - dur[:nc],
+            msg_start=end[nc:nc + nm] - dur[nc:nc + nm],
+            msg_dst=self.msg_dst,
+            msg_recv=self.msg_recv,
+            msg_bytes=msg_bytes,
+        )
