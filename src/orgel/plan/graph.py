@@ -1,0 +1,317 @@
+"""Graph planner after GraphPipe §5–6: stages form a DAG, independent branches run at once.
+
+1. Decompose the block DAG into a series-parallel tree (:mod:`orgel.plan.sp`).
+2. Binary-search the bound ``T`` on a stage's time per micro-batch (time per
+   sample, since every stage sees the same micro-batch). For one ``T`` a
+   dynamic program over the tree, memoised per subtree, finds the stage DAG
+   that needs the fewest ranks (ties: the shallowest pipeline) with every stage
+   under ``T`` and under the memory cap:
+
+   * a series node is cut into consecutive segments, each either one stage
+     (merging its children, with as many data-parallel replicas as it needs)
+     or a child solved on its own;
+   * a parallel node either gives each branch its own ranks (branches run
+     concurrently), or runs branches one after another on the same ranks
+     (all in one stage, or small branches packed into shared stages, first fit
+     decreasing).
+
+   A stage on ``r`` ranks takes ``(fwd + bwd) / r`` plus the fixed action
+   cost plus its gradient all-reduce spread over the micro-batches.
+3. Spare ranks become replicas of the slowest stages; every distinct solution
+   met during the binary search gets a ``dag-1f1b`` schedule and is scored by
+   the simulator; the fastest feasible one wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from orgel.plan.scorer import Score, Scorer, Template
+from orgel.plan.sp import Leaf, Parallel, Series, SPTree, decompose
+from orgel.profile.costs import BlockCosts, stage_graph
+from orgel.schedule.families import build_schedule
+from orgel.schedule.ir import Plan, PlanError
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of a graph plan: its blocks and how many ranks replicate it."""
+
+    blocks: tuple[int, ...]
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A stage set for a subtree: ranks used, pipeline depth (stages on the longest path)."""
+
+    devices: int
+    depth: int
+    stages: tuple[StageSpec, ...]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.devices, self.depth)
+
+
+@dataclass
+class GraphResult:
+    """The chosen graph plan and what the search did."""
+
+    plan: Plan
+    score: Score
+    template: Template
+    stages: list[StageSpec]
+    bound: float
+    candidates: int
+
+
+class _Totals:
+    """Per-subtree sums of block costs (fwd + bwd, params, activations, max temporary)."""
+
+    def __init__(self, bc: BlockCosts) -> None:
+        self.bc = bc
+        self._memo: dict[int, tuple[float, int, int, int]] = {}
+
+    def of(self, node: SPTree) -> tuple[float, int, int, int]:
+        got = self._memo.get(id(node))
+        if got is None:
+            bc = self.bc
+            blocks = node.blocks
+            got = (sum(bc.fwd[b] + bc.bwd[b] for b in blocks), sum(bc.params[b] for b in blocks),
+                   sum(bc.activations[b] for b in blocks),
+                   max((bc.temporary[b] for b in blocks), default=0))
+            self._memo[id(node)] = got
+        return got
+
+
+class _DP:
+    """The dynamic program for one bound ``T`` (see the module docstring)."""
+
+    def __init__(self, bc: BlockCosts, totals: _Totals, ranks: int, microbatches: int,
+                 memory: int | None, bound: float) -> None:
+        self.bc, self.totals, self.ranks = bc, totals, ranks
+        self.m, self.memory, self.bound = microbatches, memory, bound
+        # In-flight micro-batches of a stage are at most min(m, ranks) under 1F1B on a DAG.
+        self.inflight = min(microbatches, ranks)
+        self.memo: dict[int, Solution | None] = {}
+
+    def replicas(self, work: float, params: int, acts: int, temp: int) -> int | None:
+        """Fewest replicas that bring a stage under the bound and the memory cap."""
+        bc = self.bc
+        first = max(1, math.ceil(work / self.bound)) if self.bound > 0 else 1
+        for r in range(first, self.ranks + 1):
+            reduce = 0.0
+            if r > 1:
+                reduce = 2 * (r - 1) * bc.link.time(params // r) / self.m
+            t = work / r + 2 * bc.action_overhead + reduce
+            if t > self.bound:
+                continue
+            if self.memory is not None:
+                mem = params * bc.optimizer_factor + (acts * self.inflight + temp) / r
+                if mem > self.memory:
+                    continue
+            return r
+        return None
+
+    def merged(self, nodes: list[SPTree]) -> Solution | None:
+        work = params = acts = temp = 0
+        for nd in nodes:
+            w, p, a, t = self.totals.of(nd)
+            work, params, acts, temp = work + w, params + p, acts + a, max(temp, t)
+        r = self.replicas(work, params, acts, temp)
+        if r is None:
+            return None
+        blocks = tuple(sorted(b for nd in nodes for b in nd.blocks))
+        return Solution(r, 1, (StageSpec(blocks, r),))
+
+    def solve(self, node: SPTree) -> Solution | None:
+        key = id(node)
+        if key in self.memo:
+            return self.memo[key]
+        if isinstance(node, Leaf):
+            sol = self.merged([node])
+        elif isinstance(node, Series):
+            sol = self._series(list(node.children))
+        else:
+            sol = self._parallel(node)
+        self.memo[key] = sol
+        return sol
+
+    def _series(self, children: list[SPTree]) -> Solution | None:
+        k = len(children)
+        # cost[j]: (ranks, depth) of the best cover of children j..k-1; choice[j]: how.
+        cost: list[tuple[int, int] | None] = [None] * (k + 1)
+        choice: list[tuple[int, int, Solution | None]] = [(0, 0, None)] * (k + 1)
+        cost[k] = (0, 0)
+        for j in range(k - 1, -1, -1):
+            best: tuple[int, int] | None = None
+            child = children[j]
+            if not isinstance(child, Leaf):
+                own, rest = self.solve(child), cost[j + 1]
+                if own is not None and rest is not None:
+                    best = (own.devices + rest[0], own.depth + rest[1])
+                    choice[j] = (j + 1, 0, own)
+            # Merged segments j..e-1; stop once even all ranks cannot hold one under T.
+            work, params, acts, temp = 0.0, 0, 0, 0
+            for e in range(j + 1, k + 1):
+                w, p, a, t = self.totals.of(children[e - 1])
+                work, params, acts, temp = work + w, params + p, acts + a, max(temp, t)
+                if work / self.ranks > self.bound:
+                    break
+                rest = cost[e]
+                if rest is None or rest[0] >= self.ranks:
+                    continue
+                r = self.replicas(work, params, acts, temp)
+                if r is None:
+                    continue
+                key = (r + rest[0], 1 + rest[1])
+                if best is None or key < best:
+                    best = key
+                    choice[j] = (e, r, None)
+            cost[j] = best
+        if cost[0] is None:
+            return None
+        stages: list[StageSpec] = []
+        j = 0
+        while j < k:
+            e, r, own = choice[j]
+            if own is not None:
+                stages.extend(own.stages)
+            else:
+                blocks = tuple(sorted(b for c in children[j:e] for b in c.blocks))
+                stages.append(StageSpec(blocks, r))
+            j = e
+        return Solution(cost[0][0], cost[0][1], tuple(stages))
+
+    def _parallel(self, node: Parallel) -> Solution | None:
+        options: list[Solution] = []
+        whole = self.merged([node])
+        if whole is not None:
+            options.append(whole)
+        subs = [self.solve(c) for c in node.children]
+        if all(s is not None for s in subs):
+            options.append(_join_parallel([s for s in subs if s is not None]))
+        packed = self._packed(node)
+        if packed is not None:
+            options.append(packed)
+        return min(options, key=lambda s: s.key) if options else None
+
+    def _packed(self, node: Parallel) -> Solution | None:
+        """Small branches packed into shared single-rank stages (first fit decreasing)."""
+        small: list[tuple[float, SPTree]] = []
+        parts: list[Solution] = []
+        for c in node.children:
+            work = self.totals.of(c)[0]
+            if work + 2 * self.bc.action_overhead <= self.bound:
+                small.append((work, c))
+            else:
+                sol = self.solve(c)
+                if sol is None:
+                    return None
+                parts.append(sol)
+        if len(small) < 2:
+            return None
+        bins: list[list[SPTree]] = []
+        loads: list[float] = []
+        for work, c in sorted(small, key=lambda x: -x[0]):
+            for i, load in enumerate(loads):
+                if load + work + 2 * self.bc.action_overhead <= self.bound:
+                    trial = self.merged(bins[i] + [c])
+                    if trial is not None and trial.devices == 1:
+                        bins[i].append(c)
+                        loads[i] += work
+                        break
+            else:
+                bins.append([c])
+                loads.append(work)
+        for group in bins:
+            sol = self.merged(group)
+            if sol is None:
+                return None
+            parts.append(sol)
+        return _join_parallel(parts)
+
+
+def _join_series(a: Solution, b: Solution) -> Solution:
+    return Solution(a.devices + b.devices, a.depth + b.depth, a.stages + b.stages)
+
+
+def _join_parallel(parts: list[Solution]) -> Solution:
+    return Solution(sum(p.devices for p in parts), max(p.depth for p in parts),
+                    tuple(s for p in parts for s in p.stages))
+
+
+def _spread_replicas(bc: BlockCosts, stages: list[StageSpec], ranks: int) -> list[StageSpec]:
+    """Give spare ranks to the slowest stages, one replica at a time."""
+    stages = list(stages)
+    spare = ranks - sum(s.replicas for s in stages)
+    while spare > 0:
+        times = [sum(bc.fwd[b] + bc.bwd[b] for b in s.blocks) / s.replicas for s in stages]
+        i = max(range(len(stages)), key=lambda j: times[j])
+        stages[i] = StageSpec(stages[i].blocks, stages[i].replicas + 1)
+        spare -= 1
+    return stages
+
+
+def stage_layout(bc: BlockCosts, stages: list[StageSpec]
+                 ) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+    """Stages in topological order with consecutive rank ids: (blocks per stage, placement)."""
+    blocks = [list(s.blocks) for s in stages]
+    order = stage_graph(bc, blocks).topological_order()
+    out_blocks, placement, next_rank = [], [], 0
+    for s in order:
+        out_blocks.append(blocks[s])
+        r = stages[s].replicas
+        placement.append(tuple(range(next_rank, next_rank + r)))
+        next_rank += r
+    return out_blocks, placement
+
+
+def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
+               iterations: int = 40) -> GraphResult | None:
+    """The fastest graph plan found (see the module docstring); None if nothing fits."""
+    bc = scorer.bc
+    tree = decompose(bc.num_blocks, bc.edges)
+    totals = _Totals(bc)
+    work = [bc.fwd[b] + bc.bwd[b] for b in range(bc.num_blocks)]
+    lo = max(sum(work) / ranks, 0.0)
+    hi = sum(work) + 2 * bc.action_overhead * bc.num_blocks + 1.0
+    found: dict[tuple[tuple[tuple[int, ...], int], ...], float] = {}
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        sol = _DP(bc, totals, ranks, microbatches, scorer.memory, mid).solve(tree)
+        if sol is not None and sol.devices <= ranks:
+            hi = mid
+            found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), mid)
+        else:
+            lo = mid
+        if hi - lo <= 1e-4 * hi:
+            break
+    best: GraphResult | None = None
+    for key, bound in found.items():
+        stages = _spread_replicas(bc, [StageSpec(b, r) for b, r in key], ranks)
+        blocks, placement = stage_layout(bc, stages)
+        graph = stage_graph(bc, blocks)
+        try:
+            base = build_schedule("dag-1f1b", ranks, microbatches, stage_graph=graph,
+                                  placement=placement)
+        except PlanError:
+            continue
+        template = Template("dag-1f1b", "dag-1f1b", {}, base)
+        score = scorer.score_split(template, blocks)
+        if not score.feasible:
+            continue
+        if best is None or score.step_time < best.score.step_time:
+            plan = scorer.to_plan(template, blocks, meta={"planner": "graph"})
+            best = GraphResult(plan, score, template, stages, bound, len(found))
+    if best is not None:
+        best.candidates = len(found)
+    return best
+
+
+def sp_tree_for(bc: BlockCosts) -> SPTree:
+    """The series-parallel tree of a cost table's block DAG."""
+    return decompose(bc.num_blocks, bc.edges)
+

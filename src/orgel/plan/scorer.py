@@ -1,0 +1,234 @@
+"""Score splits of a block cost table under a fixed schedule, fast, with the one simulator.
+
+A :class:`Template` is one schedule family instance (family, options, stage
+count, placement, per-rank action lists). A split assigns blocks to its stages.
+:class:`Scorer` turns (template, split) into stage costs from prefix sums of the
+block costs and scores it with :class:`orgel.sim.compiled.CompiledPlan`, which
+is compiled once per (template, stage-edge set, recompute flags) and re-evaluated
+with new durations and bytes for every candidate: the dependency graph is never
+rebuilt per candidate. :meth:`Scorer.lower_bound` is a cheap bound (the busiest
+rank's compute) that lets searches skip candidates that cannot win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from orgel.profile.costs import BlockCosts, stage_cost, stage_costs, stage_graph
+from orgel.schedule.costs import Costs, StageCost
+from orgel.schedule.ir import Plan, StageGraph
+from orgel.sim.compiled import CompiledPlan
+
+
+@dataclass
+class Template:
+    """A schedule with a fixed number of stages and placement; splits fill its stages."""
+
+    label: str  # e.g. "interleaved v=2"
+    family: str
+    options: dict[str, Any]
+    base: Plan  # built on a chain stage graph; its schedule and placement are reused
+
+    @property
+    def num_stages(self) -> int:
+        return self.base.num_stages
+
+    @property
+    def placement(self) -> list[tuple[int, ...]]:
+        return self.base.placement
+
+    def rank_stages(self) -> list[list[int]]:
+        """Stages hosted by each rank."""
+        return [self.base.stages_on(r) for r in range(self.base.num_ranks)]
+
+
+@dataclass
+class Score:
+    """A scored candidate: step time (ms) and peak bytes per rank."""
+
+    step_time: float
+    peak_memory: np.ndarray
+    feasible: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Scorer:
+    """Scores ``(template, split)`` pairs for one block cost table (see module docstring).
+
+    ``memory`` is the per-rank cap (default: the table's ``memory_per_rank``;
+    ``None`` means unlimited). ``evaluations`` counts simulator calls.
+    """
+
+    def __init__(self, costs: BlockCosts, *, memory: int | None = None) -> None:
+        self.bc = costs
+        self.memory = costs.memory_per_rank if memory is None else memory
+        self.chain = costs.is_chain()
+        self._cf = np.concatenate([[0.0], np.cumsum(costs.fwd)])
+        self._cb = np.concatenate([[0.0], np.cumsum(costs.bwd)])
+        self._cw = np.concatenate([[0.0], np.cumsum(costs.wgrad)])
+        self._cp = np.concatenate([[0], np.cumsum(costs.params)]).astype(np.int64)
+        self._ca = np.concatenate([[0], np.cumsum(costs.activations)]).astype(np.int64)
+        self._compiled: dict[tuple[int, tuple[tuple[int, int], ...], tuple[bool, ...]],
+                             CompiledPlan] = {}
+        self._arrays: dict[tuple[str, int], np.ndarray] = {}
+        self.evaluations = 0
+
+    # -- splits ------------------------------------------------------------------
+
+    def chain_stage_costs(self, points: list[int] | tuple[int, ...]) -> list[StageCost]:
+        """Stage costs of a linear split at ``points`` (first block of stages 1..n-1)."""
+        bc = self.bc
+        bounds = [0, *points, bc.num_blocks]
+        out = []
+        factor = bc.optimizer_factor
+        temp = bc.temporary
+        for i in range(len(bounds) - 1):
+            a, b = bounds[i], bounds[i + 1]
+            params = int(self._cp[b] - self._cp[a])
+            static = int(params * factor)
+            grads = min(params, static - params)
+            out.append(StageCost(
+                fwd=float(self._cf[b] - self._cf[a]), bwd=float(self._cb[b] - self._cb[a]),
+                bwd_weight=float(self._cw[b] - self._cw[a]), params=params, grads=grads,
+                optimizer=static - params - grads,
+                activations=int(self._ca[b] - self._ca[a]),
+                temporary=max(temp[a:b]) if b > a else 0,
+            ))
+        return out
+
+    def lower_bound(self, template: Template, stages: list[StageCost],
+                    recompute: tuple[bool, ...] | None = None) -> float:
+        """The busiest rank's compute time: no schedule can finish before it."""
+        m = template.base.microbatches
+        oh = self.bc.action_overhead
+        best = 0.0
+        for hosted in template.rank_stages():
+            t = 0.0
+            for s in hosted:
+                st = stages[s]
+                share = 1.0 / len(template.placement[s])
+                extra = st.fwd if recompute and recompute[s] else 0.0
+                t += m * ((st.fwd + st.bwd + extra) * share + 2 * oh)
+            best = max(best, t)
+        return best
+
+    def chain_bounds(self, template: Template,
+                     points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised over candidate rows of ``points``: (compute lower bound, static fits).
+
+        ``points`` has one row per candidate linear split (``num_stages - 1``
+        columns). The bound is :meth:`lower_bound` without recompute.
+        """
+        n = self.bc.num_blocks
+        rows = points.shape[0]
+        bounds = np.hstack([np.zeros((rows, 1), dtype=np.int64), points,
+                            np.full((rows, 1), n, dtype=np.int64)])
+        lo, hi = bounds[:, :-1], bounds[:, 1:]
+        work = (self._cf[hi] - self._cf[lo]) + (self._cb[hi] - self._cb[lo])
+        share = self._share_matrix(template)
+        m = template.base.microbatches
+        per_rank = (work @ share) * m + self._overheads(template)
+        lb = per_rank.max(axis=1)
+        if self.memory is None:
+            return lb, np.ones(rows, dtype=bool)
+        static = (self._cp[hi] - self._cp[lo]) * self.bc.optimizer_factor
+        fits = ((static @ (share > 0)) <= self.memory).all(axis=1)
+        return lb, fits
+
+    def _share_matrix(self, template: Template) -> np.ndarray:
+        key = ("share", id(template))
+        cached = self._arrays.get(key)
+        if cached is None:
+            cached = np.zeros((template.num_stages, template.base.num_ranks))
+            for s, ranks in enumerate(template.placement):
+                for r in ranks:
+                    cached[s, r] = 1.0 / len(ranks)
+            self._arrays[key] = cached
+        return cached
+
+    def _overheads(self, template: Template) -> np.ndarray:
+        actions = np.array([len(a) for a in template.base.schedule], dtype=np.float64)
+        return actions * self.bc.action_overhead
+
+    def static_fits(self, template: Template, stages: list[StageCost]) -> bool:
+        """Whether weights + grads + optimizer state alone fit on every rank."""
+        if self.memory is None:
+            return True
+        for hosted in template.rank_stages():
+            if sum(stages[s].static_bytes for s in hosted) > self.memory:
+                return False
+        return True
+
+    # -- scoring -----------------------------------------------------------------
+
+    def _graph_for(self, stage_blocks: list[range] | list[list[int]],
+                   template: Template) -> StageGraph:
+        if self.chain and all(isinstance(b, range) for b in stage_blocks):
+            return template.base.stage_graph  # chain of stages, bytes passed separately
+        return stage_graph(self.bc, stage_blocks)
+
+    def compiled(self, template: Template, graph: StageGraph,
+                 recompute: tuple[bool, ...]) -> CompiledPlan:
+        """The compiled plan of ``template`` over ``graph`` (cached by edge set)."""
+        key = (id(template), tuple((e.src, e.dst) for e in graph.edges), recompute)
+        cp = self._compiled.get(key)
+        if cp is None:
+            plan = Plan(stage_graph=graph, placement=template.base.placement,
+                        num_ranks=template.base.num_ranks,
+                        microbatches=template.base.microbatches,
+                        schedule=template.base.schedule, recompute=list(recompute),
+                        meta=dict(template.base.meta))
+            cp = CompiledPlan(plan)
+            self._compiled[key] = cp
+        return cp
+
+    def score_chain(self, template: Template, points: tuple[int, ...],
+                    recompute: tuple[bool, ...] | None = None) -> Score:
+        """Score a linear split (see :meth:`chain_stage_costs`)."""
+        stages = self.chain_stage_costs(points)
+        blocks = [range(a, b) for a, b in zip((0, *points), (*points, self.bc.num_blocks),
+                                                strict=True)]
+        return self._score(template, blocks, stages, recompute)
+
+    def score_split(self, template: Template, stage_blocks: list[list[int]] | list[range],
+                    recompute: tuple[bool, ...] | None = None) -> Score:
+        """Score any assignment of blocks to the template's stages."""
+        stages = [stage_cost(self.bc, blocks) for blocks in stage_blocks]
+        return self._score(template, stage_blocks, stages, recompute)
+
+    def _score(self, template: Template, stage_blocks: list[range] | list[list[int]],
+               stages: list[StageCost], recompute: tuple[bool, ...] | None) -> Score:
+        rec = tuple(recompute) if recompute else (False,) * template.num_stages
+        graph = self._graph_for(stage_blocks, template)
+        if graph is template.base.stage_graph:
+            edge_bytes = np.array([self.bc.output[stage_blocks[e.src][-1]]
+                                   for e in graph.edges], dtype=np.int64)
+        else:
+            edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
+        cp = self.compiled(template, graph, rec)
+        costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
+                      action_overhead=self.bc.action_overhead,
+                      memory_per_rank=self.memory)
+        self.evaluations += 1
+        step, peak = cp.evaluate(costs, edge_bytes=edge_bytes)
+        feasible = self.memory is None or bool(peak.max() <= self.memory)
+        return Score(step, peak, feasible)
+
+    def to_plan(self, template: Template, stage_blocks: list[range] | list[list[int]],
+                recompute: tuple[bool, ...] | None = None,
+                meta: dict[str, Any] | None = None) -> Plan:
+        """The full Plan of a candidate: real stage graph (blocks, edge bytes) and costs."""
+        graph = stage_graph(self.bc, [list(b) for b in stage_blocks])
+        costs = stage_costs(self.bc, [list(b) for b in stage_blocks])
+        costs.memory_per_rank = self.memory
+        plan_meta = dict(template.base.meta)
+        plan_meta.update(meta or {})
+        return Plan(stage_graph=graph, placement=template.base.placement,
+                    num_ranks=template.base.num_ranks,
+                    microbatches=template.base.microbatches,
+                    schedule=[list(a) for a in template.base.schedule],
+                    recompute=list(recompute) if recompute else [],
+                    costs=costs, meta=plan_meta)

@@ -1,0 +1,164 @@
+"""Series-parallel decomposition of a block DAG into a small tree (leaf, series, parallel).
+
+The graph planner runs a dynamic program over this tree (after GraphPipe §5 and
+FlexFlow's SP decomposition). Blocks are numbered in a topological order, so
+every edge goes from a lower to a higher index. For a set of blocks:
+
+* one block is a :class:`Leaf`;
+* if the blocks fall into several weakly connected pieces they are a
+  :class:`Parallel` of those pieces (independent branches);
+* otherwise they are cut into a :class:`Series` at every position of the
+  topological order where *everything before reaches everything after*. That
+  holds exactly when every sink of the prefix has an edge to every source of
+  the suffix (each earlier block reaches a prefix sink, each later block is
+  reached from a suffix source, and a path from a prefix sink to a suffix
+  source can only be a direct edge).
+
+A connected piece with no such cut is not series-parallel (an "N" shape). It is
+made series-parallel by running it in topological order, one block after the
+other: that adds ordering constraints, never changes what is computed (the
+same trick GraphPipe uses to make a DAG arithmetically identical but SP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One block."""
+
+    block: int
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return (self.block,)
+
+
+@dataclass(frozen=True)
+class Series:
+    """Children that run one after another: every block of a child precedes the next child's."""
+
+    children: tuple[SPTree, ...]
+    linearised: bool = False  # True when made series by topological order (not SP)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(b for c in self.children for b in c.blocks)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Children with no edges between them: independent branches."""
+
+    children: tuple[SPTree, ...]
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(sorted(b for c in self.children for b in c.blocks))
+
+
+SPTree = Leaf | Series | Parallel
+
+
+def decompose(num_blocks: int, edges: list[tuple[int, int]]) -> SPTree:
+    """The series-parallel tree of blocks ``0..num_blocks-1`` joined by ``edges``."""
+    if num_blocks <= 0:
+        raise ValueError("decompose needs at least one block")
+    succ: list[list[int]] = [[] for _ in range(num_blocks)]
+    pred: list[list[int]] = [[] for _ in range(num_blocks)]
+    for a, b in set(edges):
+        if not a < b:
+            raise ValueError(f"edge ({a}, {b}) is not in topological order (need a < b)")
+        succ[a].append(b)
+        pred[b].append(a)
+    return _build(list(range(num_blocks)), succ, pred)
+
+
+def _build(nodes: list[int], succ: list[list[int]], pred: list[list[int]]) -> SPTree:
+    if len(nodes) == 1:
+        return Leaf(nodes[0])
+    pieces = _components(nodes, succ, pred)
+    if len(pieces) > 1:
+        return Parallel(tuple(_build(p, succ, pred) for p in pieces))
+    cuts = _series_cuts(nodes, succ, pred)
+    if not cuts:
+        # Not series-parallel: serialise in topological order.
+        return Series(tuple(Leaf(b) for b in nodes), linearised=True)
+    parts = []
+    start = 0
+    for cut in [*cuts, len(nodes)]:
+        parts.append(nodes[start:cut])
+        start = cut
+    children: list[SPTree] = []
+    for part in parts:
+        child = _build(part, succ, pred)
+        # Flatten nested series so a chain is one Series of leaves.
+        if isinstance(child, Series) and not child.linearised:
+            children.extend(child.children)
+        else:
+            children.append(child)
+    return Series(tuple(children))
+
+
+def _components(nodes: list[int], succ: list[list[int]], pred: list[list[int]]) -> list[list[int]]:
+    """Weakly connected pieces of ``nodes`` (each sorted), ordered by first block."""
+    inside = set(nodes)
+    seen: set[int] = set()
+    pieces: list[list[int]] = []
+    for start in nodes:
+        if start in seen:
+            continue
+        stack, piece = [start], []
+        seen.add(start)
+        while stack:
+            v = stack.pop()
+            piece.append(v)
+            for w in succ[v] + pred[v]:
+                if w in inside and w not in seen:
+                    seen.add(w)
+                    stack.append(w)
+        pieces.append(sorted(piece))
+    return pieces
+
+
+def _series_cuts(nodes: list[int], succ: list[list[int]], pred: list[list[int]]) -> list[int]:
+    """Positions ``k`` (1..n-1) where ``nodes[:k]`` completely precedes ``nodes[k:]``."""
+    inside = set(nodes)
+    pos = {v: i for i, v in enumerate(nodes)}
+    n = len(nodes)
+    succ_sets = {v: set(succ[v]) for v in nodes}
+    sinks: set[int] = set()  # prefix blocks with no successor inside the prefix
+    # A suffix source has no predecessor inside the suffix; count predecessors inside.
+    pred_in_suffix = {v: sum(1 for u in pred[v] if u in inside) for v in nodes}
+    sources = {v for v in nodes if pred_in_suffix[v] == 0}
+    cuts = []
+    for k in range(1, n):
+        v = nodes[k - 1]  # v moves from the suffix into the prefix
+        sources.discard(v)
+        for w in succ[v]:
+            if w in inside:
+                pred_in_suffix[w] -= 1
+                if pred_in_suffix[w] == 0 and pos[w] >= k:
+                    sources.add(w)
+        for u in pred[v]:
+            sinks.discard(u)
+        sinks.add(v)
+        # Complete bipartite sinks x sources (both are small at real cuts, one each in a chain).
+        if all(sources <= succ_sets[s] for s in sinks):
+            cuts.append(k)
+    return cuts
+
+
+def tree_text(tree: SPTree, indent: int = 0) -> str:
+    """An indented picture of the tree, for debugging and docs."""
+    pad = "  " * indent
+    if isinstance(tree, Leaf):
+        return f"{pad}{tree.block}"
+    kind = "series" if isinstance(tree, Series) else "parallel"
+    if isinstance(tree, Series) and all(isinstance(c, Leaf) for c in tree.children):
+        blocks = tree.blocks
+        return f"{pad}{kind} {blocks[0]}..{blocks[-1]}" + (" (linearised)"
+                                                           if tree.linearised else "")
+    return "\n".join([f"{pad}{kind}"] + [tree_text(c, indent + 1) for c in tree.children])

@@ -1,0 +1,119 @@
+"""Linear splits of the block sequence: balanced by a weight, and the comparison baselines.
+
+A linear split of ``n`` blocks into ``k`` stages is given by its *points*: the
+first block of stages 1..k-1, strictly increasing in ``1..n-1``. The baselines
+follow the usual partitioners: uniform layers (same number of blocks per stage),
+uniform parameters (DeepSpeed's ``parameters`` method) and uniform time (the
+balanced split of forward + backward time), each run with 1F1B.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orgel.profile.costs import BlockCosts
+
+Points = tuple[int, ...]
+
+
+def balanced_points(weights: list[float] | np.ndarray, parts: int) -> Points:
+    """Points that minimise the heaviest part of ``weights`` cut into ``parts`` pieces.
+
+    Binary search on the bound with a greedy feasibility check (optimal for
+    contiguous partitioning), then points pushed apart so every part has a block.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    n = len(w)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} blocks into {parts} stages: need 1 <= stages <= "
+                         "blocks (coarsen less or use fewer stages)")
+    if parts == 1:
+        return ()
+    if w.sum() <= 0:
+        return uniform_points(n, parts)
+    lo, hi = float(w.max()), float(w.sum())
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if _greedy_parts(w, mid) <= parts:
+            hi = mid
+        else:
+            lo = mid
+    points = _greedy_points(w, hi)
+    return _spread(points, n, parts)
+
+
+def _greedy_parts(w: np.ndarray, bound: float) -> int:
+    count, acc = 1, 0.0
+    for x in w:
+        if acc + x > bound and acc > 0:
+            count += 1
+            acc = 0.0
+        acc += x
+    return count
+
+
+def _greedy_points(w: np.ndarray, bound: float) -> list[int]:
+    points, acc = [], 0.0
+    for i, x in enumerate(w):
+        if acc + x > bound and acc > 0:
+            points.append(i)
+            acc = 0.0
+        acc += x
+    return points
+
+
+def _spread(points: list[int], n: int, parts: int) -> Points:
+    """Add points (splitting the largest parts) until there are ``parts - 1`` of them."""
+    pts = sorted(set(points))
+    while len(pts) < parts - 1:
+        bounds = [0, *pts, n]
+        sizes = [(bounds[i + 1] - bounds[i], i) for i in range(len(bounds) - 1)]
+        size, i = max(sizes)
+        pts.append(bounds[i] + size // 2)
+        pts.sort()
+    return tuple(pts[: parts - 1])
+
+
+def uniform_points(n: int, parts: int) -> Points:
+    """The same number of blocks per stage (first stages take the remainder)."""
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} blocks into {parts} stages")
+    return tuple(round(i * n / parts) for i in range(1, parts))
+
+
+def valid_points(points: Points, n: int) -> bool:
+    """Strictly increasing, inside ``1..n-1``."""
+    prev = 0
+    for p in points:
+        if p <= prev:
+            return False
+        prev = p
+    return prev < n or not points
+
+
+def time_weights(bc: BlockCosts) -> np.ndarray:
+    """Forward + backward time per block, the weight of the uniform-time split."""
+    return np.asarray(bc.fwd) + np.asarray(bc.bwd)
+
+
+def memory_weights(bc: BlockCosts) -> np.ndarray:
+    """Weights + grads + optimizer state + saved activations per block (Pfeife's start)."""
+    return (np.asarray(bc.params, dtype=np.float64) * bc.optimizer_factor
+            + np.asarray(bc.activations, dtype=np.float64))
+
+
+#: Baseline name -> how it weighs blocks (None: equal counts).
+BASELINES = ("uniform-layers", "uniform-params", "uniform-time")
+
+
+def baseline_points(bc: BlockCosts, name: str, parts: int) -> Points:
+    """Points of a baseline split (see :data:`BASELINES`)."""
+    n = bc.num_blocks
+    if name == "uniform-layers":
+        return uniform_points(n, parts)
+    if name == "uniform-params":
+        params = np.asarray(bc.params, dtype=np.float64)
+        return balanced_points(params, parts) if params.sum() > 0 else uniform_points(n, parts)
+    if name == "uniform-time":
+        return balanced_points(time_weights(bc), parts)
+    raise ValueError(f"unknown baseline {name!r}: choose one of {', '.join(BASELINES)}")

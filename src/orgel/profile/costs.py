@@ -1,0 +1,306 @@
+"""The block cost table: per-block time and memory, the costs file, and stage costs for a split.
+
+A :class:`BlockCosts` is what the profiler measures and what the planners search
+over: for every block of the coarsened graph its forward, backward and
+weight-grad times for one micro-batch, its parameter, saved-activation, output
+and temporary bytes, plus the block DAG, the link model and the memory per rank.
+It is also the on-disk "costs file" (``orgel plan --costs FILE``), so plans can be
+studied without a model. Times are milliseconds, sizes bytes::
+
+    {"blocks": [{"fwd": 1.2, "bwd": 2.4, "wgrad": 1.1, "params": 16777216,
+                 "activations": 8388608, "output": 8388608, "temporary": 0}, ...],
+     "edges": [[0, 1], [1, 2]],            # optional: default a chain
+     "link": {"latency": 0.02, "per_mib": 0.05},
+     "memory_per_rank": 85899345920,       # optional
+     "optimizer_factor": 4,                # weights + grads + optimizer state = 4 x params
+     "action_overhead": 0.0}               # optional, ms per compute action
+
+An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to
+half of ``bwd``. :func:`stage_costs` sums blocks into stages and
+:func:`stage_graph` builds the stage DAG (with edge bytes) for a split.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orgel.schedule.costs import Costs, Link, StageCost
+from orgel.schedule.ir import Edge, Stage, StageGraph, Value
+
+_BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name")
+_TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
+             "action_overhead", "meta")
+
+
+class CostsFileError(ValueError):
+    """A costs file (or dict) is malformed; the message says which field and how to fix it."""
+
+
+@dataclass
+class BlockCosts:
+    """Per-block costs of one micro-batch and the block DAG (see the module docstring).
+
+    ``wgrad[i]`` is the weight-grad half of ``bwd[i]`` (the input-grad half is
+    the rest). ``optimizer_factor`` multiplies ``params`` for weights + grads +
+    optimizer state. ``edges`` are ``(producer, consumer)`` block pairs; each
+    carries the producer's ``output`` bytes. ``meta`` records where the table
+    came from (graph hash, device, block-graph settings).
+    """
+
+    fwd: list[float]
+    bwd: list[float]
+    wgrad: list[float]
+    params: list[int]
+    activations: list[int]
+    output: list[int]
+    temporary: list[int]
+    edges: list[tuple[int, int]]
+    link: Link = field(default_factory=Link)
+    links: dict[tuple[int, int], Link] = field(default_factory=dict)
+    memory_per_rank: int | None = None
+    optimizer_factor: float = 4.0
+    action_overhead: float = 0.0
+    names: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd)
+        if n == 0:
+            raise CostsFileError("costs have no blocks: give at least one entry in 'blocks'")
+        for name in ("bwd", "wgrad", "params", "activations", "output", "temporary"):
+            if len(getattr(self, name)) != n:
+                raise CostsFileError(f"'{name}' has {len(getattr(self, name))} entries, "
+                                     f"expected one per block ({n})")
+        if not self.names:
+            self.names = [f"block{i}" for i in range(n)]
+        self.edges = [(int(a), int(b)) for a, b in self.edges]
+        for a, b in self.edges:
+            if not (0 <= a < n and 0 <= b < n):
+                raise CostsFileError(f"edge [{a}, {b}] names a block outside 0..{n - 1}")
+            if a >= b:
+                raise CostsFileError(
+                    f"edge [{a}, {b}] goes backwards: number blocks in a topological "
+                    "order so every edge goes from a lower to a higher index")
+        if self.optimizer_factor < 1:
+            raise CostsFileError(f"optimizer_factor must be >= 1 (weights alone), got "
+                                 f"{self.optimizer_factor}")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.fwd)
+
+    def is_chain(self) -> bool:
+        """Whether every edge joins consecutive blocks (a plain sequence)."""
+        return all(b == a + 1 for a, b in self.edges)
+
+    def static_bytes(self, block: int) -> int:
+        """Weights + grads + optimizer state of one block."""
+        return int(self.params[block] * self.optimizer_factor)
+
+    def scaled(self, factor: float) -> BlockCosts:
+        """Costs for micro-batches ``factor`` times as large (times and activations scale)."""
+        return BlockCosts(
+            fwd=[t * factor for t in self.fwd], bwd=[t * factor for t in self.bwd],
+            wgrad=[t * factor for t in self.wgrad], params=list(self.params),
+            activations=[int(b * factor) for b in self.activations],
+            output=[int(b * factor) for b in self.output],
+            temporary=[int(b * factor) for b in self.temporary], edges=list(self.edges),
+            link=self.link, links=dict(self.links), memory_per_rank=self.memory_per_rank,
+            optimizer_factor=self.optimizer_factor, action_overhead=self.action_overhead,
+            names=list(self.names), meta=dict(self.meta))
+
+    # -- JSON --------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        blocks = [
+            {"name": self.names[i], "fwd": self.fwd[i], "bwd": self.bwd[i],
+             "wgrad": self.wgrad[i], "params": self.params[i],
+             "activations": self.activations[i], "output": self.output[i],
+             "temporary": self.temporary[i]}
+            for i in range(self.num_blocks)
+        ]
+        return {
+            "blocks": blocks,
+            "edges": [list(e) for e in self.edges],
+            "link": {"latency": self.link.latency, "per_mib": self.link.per_mib},
+            "links": [[s, d, {"latency": lk.latency, "per_mib": lk.per_mib}]
+                      for (s, d), lk in sorted(self.links.items())],
+            "memory_per_rank": self.memory_per_rank,
+            "optimizer_factor": self.optimizer_factor,
+            "action_overhead": self.action_overhead,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> BlockCosts:
+        """Parse the costs-file dict; raises :class:`CostsFileError` naming the bad field."""
+        if not isinstance(data, dict):
+            raise CostsFileError("a costs file must be a JSON object with a 'blocks' list")
+        unknown = sorted(set(data) - set(_TOP_KEYS))
+        if unknown:
+            raise CostsFileError(f"unknown field(s) {unknown}: allowed are {list(_TOP_KEYS)}")
+        blocks = data.get("blocks")
+        if not isinstance(blocks, list) or not blocks:
+            raise CostsFileError("'blocks' must be a non-empty list of objects with 'fwd' "
+                                 "and 'bwd' times (ms)")
+        cols: dict[str, list[Any]] = {k: [] for k in _BLOCK_KEYS}
+        for i, b in enumerate(blocks):
+            if not isinstance(b, dict):
+                raise CostsFileError(f"blocks[{i}] must be an object, got {type(b).__name__}")
+            bad = sorted(set(b) - set(_BLOCK_KEYS))
+            if bad:
+                raise CostsFileError(f"blocks[{i}] has unknown field(s) {bad}: allowed are "
+                                     f"{list(_BLOCK_KEYS)}")
+            for key in ("fwd", "bwd"):
+                if key not in b:
+                    raise CostsFileError(f"blocks[{i}] is missing '{key}' (time in ms)")
+            fwd = _number(b["fwd"], f"blocks[{i}].fwd")
+            bwd = _number(b["bwd"], f"blocks[{i}].bwd")
+            wgrad = _number(b.get("wgrad", bwd / 2), f"blocks[{i}].wgrad")
+            if wgrad > bwd:
+                raise CostsFileError(f"blocks[{i}].wgrad ({wgrad}) exceeds bwd ({bwd}): the "
+                                     "weight-grad half is part of the full backward")
+            cols["fwd"].append(fwd)
+            cols["bwd"].append(bwd)
+            cols["wgrad"].append(wgrad)
+            for key in ("params", "activations", "output", "temporary"):
+                cols[key].append(int(_number(b.get(key, 0), f"blocks[{i}].{key}")))
+            cols["name"].append(str(b.get("name", f"block{i}")))
+        n = len(blocks)
+        edges_data = data.get("edges")
+        if edges_data is None:
+            edges = [(i, i + 1) for i in range(n - 1)]
+        else:
+            if not isinstance(edges_data, list):
+                raise CostsFileError("'edges' must be a list of [producer, consumer] pairs")
+            edges = []
+            for j, e in enumerate(edges_data):
+                if (not isinstance(e, (list, tuple)) or len(e) != 2
+                        or not all(isinstance(x, int) and not isinstance(x, bool) for x in e)):
+                    raise CostsFileError(f"edges[{j}] must be a pair of block indices like "
+                                         f"[0, 1], got {e!r}")
+                edges.append((e[0], e[1]))
+        link = _link(data.get("link", {}), "link")
+        links: dict[tuple[int, int], Link] = {}
+        for j, item in enumerate(data.get("links", []) or []):
+            if not isinstance(item, (list, tuple)) or len(item) != 3:
+                raise CostsFileError(f"links[{j}] must be [src_rank, dst_rank, "
+                                     "{latency, per_mib}]")
+            links[(int(item[0]), int(item[1]))] = _link(item[2], f"links[{j}]")
+        memory = data.get("memory_per_rank")
+        if memory is not None:
+            memory = int(_number(memory, "memory_per_rank"))
+        return cls(
+            fwd=cols["fwd"], bwd=cols["bwd"], wgrad=cols["wgrad"], params=cols["params"],
+            activations=cols["activations"], output=cols["output"],
+            temporary=cols["temporary"], edges=edges, link=link, links=links,
+            memory_per_rank=memory,
+            optimizer_factor=_number(data.get("optimizer_factor", 4.0), "optimizer_factor"),
+            action_overhead=_number(data.get("action_overhead", 0.0), "action_overhead"),
+            names=cols["name"], meta=dict(data.get("meta") or {}),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> BlockCosts:
+        """Read a costs file; raises :class:`CostsFileError` with the file name and problem."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise CostsFileError(f"cannot read costs file {path}: {exc.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CostsFileError(f"costs file {path} is not valid JSON: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except CostsFileError as exc:
+            raise CostsFileError(f"costs file {path}: {exc}") from None
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CostsFileError(f"{where} must be a finite number, got {value!r}")
+    if value < 0:
+        raise CostsFileError(f"{where} must not be negative, got {value!r}")
+    return float(value)
+
+
+def _link(data: Any, where: str) -> Link:
+    if not isinstance(data, dict) or set(data) - {"latency", "per_mib"}:
+        raise CostsFileError(f"{where} must be an object {{\"latency\": ms, \"per_mib\": ms}}, "
+                             f"got {data!r}")
+    return Link(latency=_number(data.get("latency", 0.0), f"{where}.latency"),
+                per_mib=_number(data.get("per_mib", 0.0), f"{where}.per_mib"))
+
+
+# -- from blocks to stages ---------------------------------------------------------
+
+
+def stage_cost(bc: BlockCosts, blocks: list[int] | range) -> StageCost:
+    """One stage made of ``blocks``: times add up, temporary is the largest block's."""
+    params = sum(bc.params[b] for b in blocks)
+    static = int(params * bc.optimizer_factor)
+    # Map the factor onto params/grads/optimizer so StageCost.static_bytes == params x factor.
+    grads = min(params, static - params)
+    return StageCost(
+        fwd=sum(bc.fwd[b] for b in blocks),
+        bwd=sum(bc.bwd[b] for b in blocks),
+        bwd_weight=sum(bc.wgrad[b] for b in blocks),
+        params=params, grads=grads, optimizer=static - params - grads,
+        activations=sum(bc.activations[b] for b in blocks),
+        temporary=max((bc.temporary[b] for b in blocks), default=0),
+    )
+
+
+def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> Costs:
+    """Sum blocks into stages: ``stage_blocks[s]`` lists the blocks of stage ``s``."""
+    return Costs(
+        stages=[stage_cost(bc, blocks) for blocks in stage_blocks],
+        link=bc.link, links=dict(bc.links), action_overhead=bc.action_overhead,
+        memory_per_rank=bc.memory_per_rank,
+    )
+
+
+def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> StageGraph:
+    """The stage DAG of a split: one edge per stage pair, one value per producing block.
+
+    A block's output goes to another stage once, however many of that stage's
+    blocks read it. Raises ValueError when the split leaves a block out, puts
+    one in two stages or makes a cycle between stages.
+    """
+    owner = [-1] * bc.num_blocks
+    for s, blocks in enumerate(stage_blocks):
+        for b in blocks:
+            if owner[b] != -1:
+                raise ValueError(f"block {b} is in stages {owner[b]} and {s}")
+            owner[b] = s
+    missing = [b for b, s in enumerate(owner) if s == -1]
+    if missing:
+        raise ValueError(f"blocks {missing[:10]} are in no stage")
+    values: dict[tuple[int, int], dict[int, int]] = {}
+    for a, b in bc.edges:
+        sa, sb = owner[a], owner[b]
+        if sa != sb:
+            values.setdefault((sa, sb), {})[a] = bc.output[a]
+    stages = tuple(Stage(name=f"stage{s}", blocks=tuple(blocks))
+                   for s, blocks in enumerate(stage_blocks))
+    edges = tuple(
+        Edge(sa, sb, tuple(Value(f"block{a}", nbytes) for a, nbytes in sorted(vals.items())))
+        for (sa, sb), vals in sorted(values.items())
+    )
+    graph = StageGraph(stages, edges)
+    graph.check()
+    return graph
+
+
+def chain_split(bounds: list[int] | tuple[int, ...], num_blocks: int) -> list[range]:
+    """Stages of a linear split: ``bounds`` are the first block of stages 1..n-1."""
+    points = [0, *bounds, num_blocks]
+    return [range(points[i], points[i + 1]) for i in range(len(points) - 1)]
