@@ -206,12 +206,20 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def commit(
-    root: str | Path, step: int, num_ranks: int, plan_json: str, *, keep: int = 1
+    root: str | Path,
+    step: int,
+    num_ranks: int,
+    plan_json: str,
+    *,
+    keep: int = 1,
+    aliases: dict[str, str] | None = None,
 ) -> Path:
     """Seal the staged checkpoint at ``step`` once every rank has written its shard.
 
     Writes meta.json and plan.json, renames the staging folder, points ``LATEST``
     at it and removes all but the newest ``keep`` complete checkpoints.
+    ``aliases`` maps extra state_dict keys of the original model (tied tensors)
+    to the name the shards store them under, so :func:`state_dict` lists both.
     """
     root = Path(root)
     staged = staging_dir(root, step)
@@ -232,6 +240,7 @@ def commit(
         "shards": shards,
         "plan": "plan.json",
         "owners": owners,
+        "aliases": dict(aliases or {}),
     }
     _write_text_atomic(staged / "plan.json", plan_json.rstrip("\n") + "\n")
     _write_text_atomic(staged / "meta.json", json.dumps(meta, indent=1) + "\n")
@@ -336,6 +345,9 @@ def state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         shard = read_shard(path, r)
         for name, t in list(shard["params"].items()) + list(shard["buffers"].items()):
             out.setdefault(name, t)
+    for alias, name in meta.get("aliases", {}).items():
+        if name in out:
+            out[alias] = out[name]
     return dict(sorted(out.items()))
 
 

@@ -1,0 +1,336 @@
+"""The explicit API: ``orgel.pipeline(model, inputs, targets, loss_fn, ranks=N)``, ``orgel.load``.
+
+Two launch modes, chosen from the environment, with the same object and methods:
+
+* **local spawn** (no ``RANK``/``WORLD_SIZE`` in the environment, e.g. ``python
+  train.py``): the calling process is a single controller (Piper). It captures,
+  profiles, plans and splits once, then forks ``ranks`` worker processes on
+  this machine that inherit the stage modules; ``step`` sends the batch to
+  every worker and returns the loss. Only the calling process runs the script.
+* **SPMD** (under ``torchrun``): every rank runs the script. Rank 0 plans and
+  broadcasts the plan as JSON so all ranks agree; each rank splits the model
+  and keeps only its own stages. ``step`` runs this rank's action list and
+  returns the loss on every rank.
+
+Methods that gather (``state_dict``, ``timeline``) or write (``save``) involve
+every rank in both modes; under torchrun call them on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel import checkpoint as ckpt
+from orgel.engine import OptimizerFactory, RankEngine
+from orgel.schedule.ir import Plan
+from orgel.workload import Workload, validate_workload
+
+
+class _OwnRank:
+    """SPMD: this process is one rank; ``call`` runs locally and all-gathers the results."""
+
+    def __init__(self, engine: RankEngine, num_ranks: int) -> None:
+        self.engine = engine
+        self.num_ranks = num_ranks
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        result = getattr(self.engine, method)(*args, **kwargs)
+        gathered: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(gathered, result)
+        return gathered
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def close(self) -> None:
+        pass
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class Pipeline:
+    """A model pipelined over ``plan.num_ranks`` ranks; see :func:`pipeline`."""
+
+    def __init__(self, plan: Plan, ranks: Any, *, loss_ranks: Sequence[int],
+                 state_keys: list[str], aliases: dict[str, str], spmd: bool) -> None:
+        self.plan = plan
+        self._ranks = ranks
+        self._loss_rank = loss_ranks[0]
+        self._state_keys = state_keys
+        self._aliases = aliases
+        self.spmd = spmd
+        self.steps = 0
+
+    @property
+    def num_ranks(self) -> int:
+        return self.plan.num_ranks
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """Run one training step (forward, backward, optimizer) on a whole batch; the loss."""
+        losses = self._ranks.call("step", inputs, targets)
+        self.steps += 1
+        loss = losses[self._loss_rank]
+        return float("nan") if loss is None else float(loss)
+
+    def predicted(self) -> Any:
+        """The simulator's prediction for this plan (a SimResult: step_time, peak_memory, ...)."""
+        from orgel.sim import simulate
+
+        return simulate(self.plan)
+
+    def timeline(self) -> Any:
+        """The measured timeline of the last step, every rank merged (a sim Timeline)."""
+        from orgel.sim.timeline import Timeline
+
+        merged = Timeline()
+        for part in self._ranks.call("timeline"):
+            if part is not None:
+                for event in part.events:
+                    merged.events.append(event)
+        return merged
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state_dict (same keys and order), gathered from all ranks."""
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._ranks.call("state_dict"):
+            for name, t in part.items():
+                merged.setdefault(name, t)
+        return _in_model_order(merged, self._state_keys, self._aliases)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load an original-model state_dict into every rank's stages (by original names)."""
+        self._ranks.call("load_state", dict(state))
+
+    def save(self, directory: str | Path) -> Path:
+        """Write a checkpoint of every rank atomically into ``directory``; returns its folder."""
+        root = str(directory)
+        Path(root).mkdir(parents=True, exist_ok=True)
+        step = self.steps
+        self._ranks.call("save_shard", root, step)
+        folder = ckpt.step_dir(root, step)
+        if not self.spmd or _own_rank() == 0:
+            folder = ckpt.commit(root, step, self.num_ranks, self.plan.to_json(),
+                                 aliases=self._aliases)
+        if self.spmd:
+            self._ranks.barrier()
+        return folder
+
+    def load(self, directory: str | Path) -> int:
+        """Resume from the checkpoint in ``directory`` (any plan, any rank count); its step."""
+        meta = ckpt.read_meta(directory)
+        saved_plan = Plan.from_json(ckpt.read_plan_json(directory))
+        same = (int(meta["num_ranks"]) == self.num_ranks
+                and saved_plan.to_dict()["schedule"] == self.plan.to_dict()["schedule"]
+                and saved_plan.placement == self.plan.placement)
+        steps = self._ranks.call("load_shard", str(ckpt.resolve(directory)), same_layout=same)
+        self.steps = int(steps[0])
+        return self.steps
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the local-spawn workers by rank (empty under torchrun)."""
+        return list(getattr(self._ranks, "pids", []))
+
+    def close(self) -> None:
+        """Stop the workers (local spawn); the pipeline cannot be used afterwards."""
+        self._ranks.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _own_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _in_model_order(merged: dict[str, torch.Tensor], keys: list[str],
+                    aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        name = aliases.get(key, key)
+        if name in merged:
+            out[key] = merged[name]
+    for name, t in merged.items():  # anything the split added that the model does not list
+        if name not in out and name not in aliases.values():
+            out[name] = t
+    return out
+
+
+def model_aliases(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
+    """The model's state_dict keys and, for tied tensors, key -> the canonical name."""
+    canonical: dict[int, str] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        canonical.setdefault(id(t), name)
+    keys: list[str] = []
+    aliases: dict[str, str] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        keys.append(key)
+        name = canonical.get(id(t), key)
+        if name != key:
+            aliases[key] = name
+    return keys, aliases
+
+
+def _check_options(ranks: int, microbatches: int, optimizer: Any, memory: Any, dp: int,
+                   plan: Any) -> None:
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError("optimizer must be a function params -> torch.optim.Optimizer, e.g. "
+                         "lambda params: torch.optim.AdamW(params, lr=1e-3)")
+    if memory is not None and (not isinstance(memory, int) or memory <= 0):
+        raise ValueError(f"memory must be bytes per rank (a positive int) or None, got {memory!r}")
+    if not isinstance(dp, int) or dp < 1 or ranks % dp:
+        raise ValueError(f"dp must be a positive int that divides ranks={ranks}, got {dp!r}")
+    if plan is not None and not isinstance(plan, (Plan, str, Path)):
+        raise ValueError("plan must be a Plan, a path to a plan JSON file, or None to plan")
+
+
+def pipeline(
+    model: torch.nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    ranks: int = 2,
+    microbatches: int = 4,
+    optimizer: OptimizerFactory | None = None,
+    memory: int | None = None,
+    dp: int = 1,
+    plan: Plan | str | Path | None = None,
+    timeout_s: float = 300.0,
+    threads: int | None = None,
+) -> Pipeline:
+    """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
+
+    ``inputs``/``targets`` are one example batch (``inputs`` a tuple of
+    positional tensors or a dict of keyword tensors); ``loss_fn(outputs,
+    targets)`` returns the batch-mean loss. ``optimizer(params)`` builds each
+    rank's optimizer (default: AdamW, lr 1e-3). ``memory`` caps bytes per rank
+    for the planner; ``dp`` asks for that many data-parallel replicas.
+    Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
+    """
+    _check_options(ranks, microbatches, optimizer, memory, dp, plan)
+    if optimizer is None:
+        optimizer = _default_optimizer
+    workload = Workload(model, inputs, targets, loss_fn)
+    validate_workload(workload, microbatches)
+    keys, aliases = model_aliases(model)
+    spmd = under_torchrun()
+    if spmd:
+        return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches,
+                              optimizer=optimizer, memory=memory, dp=dp, plan=plan,
+                              timeout_s=timeout_s, keys=keys, aliases=aliases)
+    from orgel.controller import LocalGroup
+
+    the_plan = _resolve_plan(plan, workload, ranks, microbatches, memory, dp)
+    split = _split(workload, the_plan)
+
+    def make_engine(rank: int) -> RankEngine:
+        return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=loss_fn,
+                          timeout_s=timeout_s)
+
+    group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
+    return Pipeline(the_plan, group, loss_ranks=the_plan.placement[split.loss_stage],
+                    state_keys=keys, aliases=aliases, spmd=False)
+
+
+def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int,
+                   optimizer: OptimizerFactory, memory: int | None, dp: int,
+                   plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
+                   aliases: dict[str, str]) -> Pipeline:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != ranks:
+        raise ValueError(f"ranks={ranks} but torchrun started WORLD_SIZE={world} processes; "
+                         f"pass ranks={world} or run torchrun --nproc-per-node {ranks}")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    text = [None]
+    if rank == 0:
+        text = [_resolve_plan(plan, workload, ranks, microbatches, memory, dp).to_json()]
+    dist.broadcast_object_list(text, src=0)
+    the_plan = Plan.from_json(str(text[0]))
+    split = _split(workload, the_plan)
+    engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
+                        timeout_s=timeout_s)
+    return Pipeline(the_plan, _OwnRank(engine, world),
+                    loss_ranks=the_plan.placement[split.loss_stage],
+                    state_keys=keys, aliases=aliases, spmd=True)
+
+
+# -- the seams to capture, planning and split -------------------------------------------------
+
+
+def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, ranks: int,
+                  microbatches: int, memory: int | None, dp: int) -> Plan:
+    if isinstance(plan, Plan):
+        given = plan
+    elif plan is not None:
+        given = Plan.load(plan)
+    else:
+        from orgel.plan import auto_plan
+
+        given = auto_plan(workload, ranks=ranks, microbatches=microbatches, memory=memory, dp=dp)
+    if given.num_ranks != ranks:
+        raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
+                         "pass ranks to match or plan=None to plan again")
+    if given.microbatches != microbatches:
+        raise ValueError(f"the plan uses {given.microbatches} micro-batches but "
+                         f"microbatches={microbatches}; make them agree")
+    return given
+
+
+def _split(workload: Workload, plan: Plan) -> Any:
+    from orgel.split import split_plan
+
+    return split_plan(workload, plan)
+
+
+def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any,
+         loss_fn: Callable[[Any, Any], torch.Tensor], *, ranks: int | None = None,
+         plan: Plan | str | Path | None = None, **options: Any) -> Pipeline:
+    """Start a pipeline and resume it from the checkpoint in ``directory``.
+
+    With ``ranks`` left out, the checkpoint's rank count and plan are reused;
+    with a different ``ranks`` (or ``plan``) the checkpoint is re-sharded by
+    original parameter names, optimizer state included.
+    """
+    meta = ckpt.read_meta(directory)
+    saved_plan = Plan.from_json(ckpt.read_plan_json(directory))
+    if ranks is None:
+        ranks = int(meta["num_ranks"])
+        if plan is None:
+            plan = saved_plan
+    options.setdefault("microbatches", saved_plan.microbatches)
+    pipe = pipeline(model, inputs, targets, loss_fn, ranks=ranks, plan=plan, **options)
+    pipe.load(directory)
+    return pipe

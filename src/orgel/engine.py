@@ -1,0 +1,160 @@
+"""One rank's side of a pipeline: its executor, its parameters by original name, its shard.
+
+The :class:`RankEngine` is what both launch modes drive. In local-spawn mode a
+forked worker holds one and the controller calls its methods through
+:class:`orgel.controller.LocalGroup`; under ``torchrun`` the script holds its
+own rank's engine and calls it directly. It owns nothing clever: training is
+the runtime's :class:`~orgel.runtime.Executor`, the format is
+:mod:`orgel.checkpoint`; the engine maps between the stage modules' local
+parameter names and the original model's names, which is what makes gathered
+``state_dict``s and re-sharded resumes possible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from orgel import checkpoint as ckpt
+from orgel.schedule.ir import Plan
+from orgel.split.types import SplitModel
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class RankEngine:
+    """Rank ``rank``'s executor, optimizer and checkpoint shard for ``plan``."""
+
+    def __init__(
+        self,
+        rank: int,
+        plan: Plan,
+        split: SplitModel,
+        *,
+        optimizer: OptimizerFactory | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        timeout_s: float = 300.0,
+        executor_options: dict[str, Any] | None = None,
+    ) -> None:
+        from orgel.runtime import Executor  # imported late: the runtime pulls in torch.distributed
+
+        self.rank = rank
+        self.plan = plan
+        self.split = split
+        self.step_count = 0
+        self.executor = Executor(
+            plan, split, rank=rank, loss_fn=loss_fn, optimizer=optimizer,
+            timeout=timeout_s, **(executor_options or {}),
+        )
+
+    # -- what this rank holds ------------------------------------------------------------
+
+    def stage_indices(self) -> list[int]:
+        return self.plan.stages_on(self.rank)
+
+    def named_params(self) -> ckpt.NamedTensors:
+        """``(original name, parameter)`` for every parameter copy on this rank."""
+        out: ckpt.NamedTensors = []
+        for s in self.stage_indices():
+            stage = self.split.stages[s]
+            for local, p in stage.module.named_parameters():
+                out.append((stage.param_names.get(local, local), p))
+        return out
+
+    def named_buffers(self) -> ckpt.NamedTensors:
+        out: ckpt.NamedTensors = []
+        for s in self.stage_indices():
+            stage = self.split.stages[s]
+            for local, b in stage.module.named_buffers():
+                out.append((stage.buffer_names.get(local, local), b))
+        return out
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        opt: torch.optim.Optimizer | None = getattr(self.executor, "optimizer", None)
+        return opt
+
+    # -- training ----------------------------------------------------------------------------
+
+    def step(self, inputs: Any, targets: Any) -> float | None:
+        """One training step; the loss on the rank that computes it, else None."""
+        loss = self.executor.step(inputs, targets)
+        self.step_count += 1
+        if loss is None or self.rank not in self.plan.placement[self.split.loss_stage]:
+            return None
+        return float(loss)
+
+    def timeline(self) -> Any:
+        """The measured timeline of the last step on this rank (runtime's Timeline)."""
+        return getattr(self.executor, "timeline", None)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by original name, on the CPU."""
+        return {
+            n: t.detach().to("cpu", copy=True)
+            for n, t in self.named_params() + self.named_buffers()
+        }
+
+    def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> int:
+        """Copy tensors (by original name) into this rank's copies; returns how many."""
+        count = 0
+        missing = []
+        with torch.no_grad():
+            for name, t in self.named_params() + self.named_buffers():
+                if name in tensors:
+                    t.copy_(tensors[name])
+                    count += 1
+                else:
+                    missing.append(name)
+        if strict and missing:
+            raise KeyError(f"state_dict has no entry for {missing[:5]} (rank {self.rank})")
+        return count
+
+    def save_shard(self, root: str, step: int) -> str:
+        """Write this rank's shard of the checkpoint at ``step`` (not yet committed)."""
+        params = self.named_params()
+        opt = self.optimizer
+        shard = ckpt.make_shard(
+            rank=self.rank,
+            step=step,
+            params=params,
+            buffers=self.named_buffers(),
+            optimizer=None if opt is None else ckpt.named_optimizer_state(opt, _unique(params)),
+            rng=ckpt.rng_state(),
+        )
+        return str(ckpt.write_shard(root, step, self.rank, shard))
+
+    def load_shard(self, path: str, *, same_layout: bool) -> int:
+        """Resume from the checkpoint at ``path``: tensors and optimizer state by name.
+
+        ``same_layout`` (same plan and rank count) also restores this rank's RNG
+        states, which a bit-identical resume needs; otherwise RNG is left alone.
+        """
+        params = self.named_params()
+        names = [n for n, _ in params] + [n for n, _ in self.named_buffers()]
+        part = ckpt.read_names(path, names)
+        self.load_state({**part["params"], **part["buffers"]})
+        opt = self.optimizer
+        if opt is not None and part["optimizer"]["state"]:
+            ckpt.load_named_optimizer_state(opt, _unique(params), part["optimizer"])
+        if same_layout:
+            rng = ckpt.read_shard(path, self.rank).get("rng")
+            if rng:
+                ckpt.set_rng_state(rng)
+        self.step_count = int(part["step"])
+        return self.step_count
+
+
+def _unique(params: ckpt.NamedTensors) -> ckpt.NamedTensors:
+    """Drop repeated parameter objects (a tied parameter two stages on one rank share)."""
+    seen: set[int] = set()
+    out = []
+    for n, p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((n, p))
+    return out
