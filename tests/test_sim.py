@@ -49,6 +49,23 @@ def test_gpipe_and_1f1b_closed_form(family: str, p: int, m: int, f: float, b: fl
     assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
 
 
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (2, 4, 3), (4, 12, 3)])
+@pytest.mark.parametrize("f,b", [(1.0, 2.0), (1.5, 2.5)])
+def test_interleaved_closed_form(p: int, m: int, v: int, f: float, b: float) -> None:
+    plan = build_schedule("interleaved", p, m, stages_per_rank=v)
+    result = simulate(plan, Costs.uniform(p * v, f / v, b / v))
+    assert result.step_time == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (3, 6), (4, 4)])
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5)])
+def test_zb_h1_closed_form(p: int, m: int, f: float, b: float, w: float) -> None:
+    # b is the input-grad (I) time, w the weight-grad (W) time
+    plan = build_schedule("zb-h1", p, m)
+    result = simulate(plan, Costs.uniform(p, f, b + w, bwd_weight=w))
+    assert result.step_time == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w))
+
+
 def test_inflight_gpipe_keeps_all_microbatches_1f1b_keeps_p() -> None:
     costs = Costs.uniform(4, 1.0, 2.0, activations=100)
     gpipe = simulate(build_schedule("gpipe", 4, 8), costs)

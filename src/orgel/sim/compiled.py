@@ -27,16 +27,19 @@ import numpy as np
 from orgel.schedule.comm import CommPlan, derive_comm
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan, PlanError
-from orgel.sim.longest import longest_path, make_straight_line
+from orgel.sim.longest import longest_path, straight_line_for
 from orgel.sim.memory import MemoryLayout, peak_memory
 
 _MIB = float(1 << 20)
 _KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
 
-#: Above this many ops, ``evaluate`` compiles the longest path into straight-line
-#: Python (a one-off cost of a few ms per 1,000 ops that pays back after a few
-#: dozen evaluations); below it the generic loop is as fast.
-STRAIGHT_LINE_MIN_OPS = 64
+#: ``evaluate`` compiles the longest path into straight-line Python after this
+#: many calls: compiling costs ~25 µs per op once and saves ~0.1 µs per op per
+#: call, so it pays back after a few hundred calls (a search loop), never in a
+#: one-off simulation. Compiled topologies are shared between CompiledPlans.
+STRAIGHT_LINE_AFTER = 100
+#: Below this many ops the generic loop is as fast as straight-line code.
+STRAIGHT_LINE_MIN_OPS = 32
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,14 @@ class CompiledPlan:
         )
         self.edge_dst = np.array([e.dst for e in graph.edges], dtype=np.int64)
         self.default_edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
+        self.default_msg_bytes = (
+            self.default_edge_bytes[self.msg_edge] * self.msg_part_num // self.msg_part_den
+        )
+        self.recompute = np.array(plan.recompute, dtype=bool)
         self._straight: Any = None
+        self._calls = 0
+        self._arrays_cache: tuple[tuple[Any, ...], StageArrays] | None = None
+        self._comm_cache: tuple[Any, np.ndarray] | None = None
 
     # -- construction ------------------------------------------------------------
 
@@ -251,12 +261,24 @@ class CompiledPlan:
     # -- evaluation ----------------------------------------------------------------
 
     def stage_arrays(self, costs: Costs | None) -> tuple[Costs, StageArrays]:
-        """The costs to use (``costs`` or the plan's) and their per-stage arrays."""
+        """The costs to use (``costs`` or the plan's) and their per-stage arrays.
+
+        The arrays of the last costs seen are reused while ``costs.stages``
+        holds the same StageCost objects (they are frozen).
+        """
         if costs is None:
             costs = self.plan.costs
         if costs is None:
             raise PlanError("the plan carries no costs: pass costs=Costs(...) to simulate it")
-        return costs, StageArrays.from_costs(costs, self.num_stages)
+        stages = costs.stages
+        hit = self._arrays_cache
+        if hit is not None and len(hit[0]) == len(stages) and all(
+            a is b for a, b in zip(hit[0], stages, strict=True)
+        ):
+            return costs, hit[1]
+        arrays = StageArrays.from_costs(costs, self.num_stages)
+        self._arrays_cache = (tuple(stages), arrays)
+        return costs, arrays
 
     def durations(
         self, costs: Costs, arrays: StageArrays, edge_bytes: np.ndarray | None = None
@@ -268,14 +290,36 @@ class CompiledPlan:
             + self.coef_bwd * arrays.bwd[st]
             + self.coef_wgrad * arrays.wgrad[st]
         ) * self.op_share + costs.action_overhead
-        eb = self.default_edge_bytes if edge_bytes is None else np.asarray(edge_bytes)
-        nbytes = eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
-        links = [costs.link_between(s, d) for s, d in self.channels]
-        latency = np.array([lk.latency for lk in links], dtype=np.float64)[self.msg_channel]
-        per_mib = np.array([lk.per_mib for lk in links], dtype=np.float64)[self.msg_channel]
+        parts = [compute, self._comm_durations(costs, edge_bytes)]
+        if self.allreduces:
+            reduce = [self._allreduce_time(g, costs, arrays) for g in self.allreduces]
+            parts.append(np.asarray(reduce, dtype=np.float64))
+        return np.concatenate(parts)
+
+    def message_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
+        """Bytes of every message (its share of its edge's bytes)."""
+        if edge_bytes is None:
+            return self.default_msg_bytes
+        eb = np.asarray(edge_bytes, dtype=np.int64)
+        return eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
+
+    def _comm_durations(self, costs: Costs, edge_bytes: np.ndarray | None) -> np.ndarray:
+        """Transfer time of every message; cached for the same links and default bytes."""
+        key = (costs.link, tuple(sorted(costs.links.items())) if costs.links else ())
+        hit = self._comm_cache
+        if edge_bytes is None and hit is not None and hit[0] == key:
+            return hit[1]
+        if costs.links:
+            links = [costs.link_between(s, d) for s, d in self.channels]
+            latency = np.array([lk.latency for lk in links])[self.msg_channel]
+            per_mib = np.array([lk.per_mib for lk in links])[self.msg_channel]
+        else:
+            latency, per_mib = costs.link.latency, costs.link.per_mib  # type: ignore[assignment]
+        nbytes = self.message_bytes(edge_bytes)
         comm = np.where(nbytes > 0, latency + per_mib * nbytes / _MIB, 0.0)
-        reduce = [self._allreduce_time(g, costs, arrays) for g in self.allreduces]
-        return np.concatenate([compute, comm, np.asarray(reduce, dtype=np.float64)])
+        if edge_bytes is None:
+            self._comm_cache = (key, comm)
+        return comm
 
     def _allreduce_time(self, g: AllReduce, costs: Costs, arrays: StageArrays) -> float:
         """Ring all-reduce: 2(n-1) steps of nbytes/n over the slowest ring link."""
@@ -286,21 +330,26 @@ class CompiledPlan:
         return 2 * (n - 1) * max(lk.time(chunk) for lk in ring)
 
     def longest(self, durations: np.ndarray) -> np.ndarray:
-        """End time of every op (earliest start = latest predecessor end)."""
-        if self.num_ops >= STRAIGHT_LINE_MIN_OPS:
-            if self._straight is None:
-                self._straight = make_straight_line(self.preds, self.order)
-            return np.asarray(self._straight(durations.tolist()))
-        return np.asarray(longest_path(self.preds, self.order, durations.tolist()))
+        """End time of every op (earliest start = latest predecessor end).
+
+        The first :data:`STRAIGHT_LINE_AFTER` calls run the generic loop; after
+        that the topology is compiled to straight-line code (see
+        :mod:`orgel.sim.longest`), which pays off only over many calls.
+        """
+        if self._straight is None:
+            self._calls += 1
+            if self._calls <= STRAIGHT_LINE_AFTER or self.num_ops < STRAIGHT_LINE_MIN_OPS:
+                return np.asarray(longest_path(self.preds, self.order, durations.tolist()))
+            self._straight = straight_line_for(self.preds, self.order)
+        return np.asarray(self._straight(durations.tolist()))
 
     def keep_bytes(self, arrays: StageArrays, edge_bytes: np.ndarray | None = None) -> np.ndarray:
         """Bytes one forward keeps per stage until its backward: activations, or inputs."""
-        recompute = np.array(self.plan.recompute, dtype=bool)
-        if not recompute.any():
+        if not self.recompute.any():
             return arrays.activations
         eb = self.default_edge_bytes if edge_bytes is None else np.asarray(edge_bytes)
         inputs = np.bincount(self.edge_dst, weights=eb, minlength=self.num_stages)
-        return np.where(recompute, inputs, arrays.activations)
+        return np.where(self.recompute, inputs, arrays.activations)
 
     def evaluate(
         self,
@@ -339,8 +388,7 @@ class CompiledPlan:
     ) -> np.ndarray:
         """Peak bytes per rank given op durations and end times (see :mod:`memory`)."""
         nc, nm = self.num_compute, self.num_messages
-        eb = self.default_edge_bytes if edge_bytes is None else np.asarray(edge_bytes)
-        msg_bytes = eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
+        msg_bytes = self.message_bytes(edge_bytes)
         return peak_memory(
             self.memory,
             keep=self.keep_bytes(arrays, edge_bytes),

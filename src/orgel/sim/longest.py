@@ -15,15 +15,18 @@ function with one statement per op and every time in a local variable::
     if e5 > t: t = e5
     e2 = t + d2
 
-which runs several times faster than the loop (no list indexing, no inner
-loop) and faster than level-by-level numpy for the graph sizes of pipeline
-schedules (thousands of ops, hundreds of levels); see
-``benchmarks/simulator_speed.py``.
+which runs about three times faster than the loop (no inner loop, fewer
+list reads). :class:`LevelPath` is the vectorised alternative: ops grouped
+by depth, one numpy step per level. Pipeline schedules are deep and narrow
+(hundreds of levels of a few ops each), so it loses to both at every size we
+measured; ``benchmarks/simulator_speed.py`` prints all three.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 #: Ops per generated helper function: CPython compiles and runs very long
 #: functions slower, so the straight-line code is cut into chunks that pass
@@ -43,6 +46,28 @@ def longest_path(
                 start = end[u]
         end[v] = start + durations[v]
     return end
+
+
+_CACHE: dict[tuple[tuple[int, ...], ...], Callable[[list[float]], list[float]]] = {}
+_CACHE_SIZE = 16
+
+
+def straight_line_for(
+    preds: Sequence[Sequence[int]], order: Sequence[int]
+) -> Callable[[list[float]], list[float]]:
+    """:func:`make_straight_line`, shared between equal topologies (a small cache).
+
+    A planner that rebuilds the same schedule for new split points gets the
+    same predecessor lists, so it compiles once.
+    """
+    key = tuple(tuple(p) for p in preds)
+    fn = _CACHE.get(key)
+    if fn is None:
+        fn = make_straight_line(preds, order)
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = fn
+    return fn
 
 
 def make_straight_line(
@@ -84,3 +109,34 @@ def make_straight_line(
     run = namespace["_run"]
     assert callable(run)
     return run  # type: ignore[return-value]
+
+
+class LevelPath:
+    """Level-synchronous longest path: ops grouped by depth, one numpy max per level."""
+
+    def __init__(self, preds: Sequence[Sequence[int]], order: Sequence[int]) -> None:
+        n = len(preds)
+        depth = [0] * n
+        for v in order:
+            for u in preds[v]:
+                if depth[u] + 1 > depth[v]:
+                    depth[v] = depth[u] + 1
+        by_level: list[list[int]] = [[] for _ in range(max(depth, default=-1) + 1)]
+        for v in order:
+            by_level[depth[v]].append(v)
+        self.n = n
+        # Padded predecessor matrix per level; index n is a sentinel that ends at 0.
+        self.levels: list[tuple[np.ndarray, np.ndarray]] = []
+        for ops in by_level:
+            width = max(1, max(len(preds[v]) for v in ops))
+            pad = np.full((len(ops), width), n, dtype=np.int64)
+            for i, v in enumerate(ops):
+                pad[i, : len(preds[v])] = preds[v]
+            self.levels.append((np.array(ops, dtype=np.int64), pad))
+
+    def __call__(self, durations: np.ndarray) -> np.ndarray:
+        """End time of every op (same result as :func:`longest_path`)."""
+        end = np.zeros(self.n + 1)
+        for ops, pad in self.levels:
+            end[ops] = end[pad].max(axis=1) + durations[ops]
+        return end[: self.n]
