@@ -1,0 +1,174 @@
+"""Point-to-point messages of one rank: receives posted ahead, asynchronous sends, timeouts.
+
+Executes :func:`orgel.schedule.comm.derive_comm` exactly: message ``i`` carries
+the values of its edge (activations) or their gradients, one tensor per value,
+each with its own tag (``base[i] + j``) so that gloo matches them whatever the
+posting order. Receive buffers are allocated once per message and reused every
+step; their shapes come from a shape exchange over the rendezvous store, done
+on the first step and again only when the step's input shapes change (or every
+step with ``dynamic_shapes``) — never a metadata round-trip per message.
+
+Posting. With gloo (``post_ahead``) every receive of the step is posted at the
+start, so a message that has arrived is never waited for. With NCCL, sends and
+receives between a pair share one stream and match in issue order, so receives
+are posted lazily, in channel order, right before they are needed.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from orgel.runtime.errors import CommFailure
+from orgel.schedule.comm import CommPlan, describe
+from orgel.schedule.ir import Plan
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a shape exchange")
+    return dtype
+
+
+class Transport:
+    """The messages one rank sends and receives for one Plan.
+
+    ``ranks[r]`` is the global rank of plan rank ``r`` (identity by default).
+    ``timeout`` (seconds) bounds every wait; a wait that times out or loses its
+    peer raises :class:`CommFailure` naming the peer and the message.
+    """
+
+    def __init__(self, plan: Plan, comm_plan: CommPlan, rank: int, *, store: Any,
+                 device: torch.device, timeout: float, post_ahead: bool,
+                 group: Any = None, ranks: list[int] | None = None) -> None:
+        self.plan = plan
+        self.comm = comm_plan
+        self.rank = rank
+        self.store = store
+        self.device = device
+        self.timeout = timeout
+        self.post_ahead = post_ahead
+        self.group = group
+        self.ranks = list(range(plan.num_ranks)) if ranks is None else list(ranks)
+        edges = plan.stage_graph.edges
+        self.base: list[int] = []
+        tag = 0
+        for m in comm_plan.messages:
+            self.base.append(tag)
+            tag += max(1, len(edges[m.edge].values))
+        self.incoming = [i for i, m in enumerate(comm_plan.messages) if m.dst_rank == rank]
+        # position of each incoming message in its channel, for in-order lazy posting
+        self.channel_pos: dict[int, tuple[tuple[int, int], int]] = {}
+        for key, indices in comm_plan.channels.items():
+            for p, i in enumerate(indices):
+                self.channel_pos[i] = (key, p)
+        self.shapes: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        self.buffers: dict[int, list[torch.Tensor]] = {}
+        self.posted: dict[int, list[Any]] = {}
+        self.next_in_channel: dict[tuple[int, int], int] = {}
+        self.sends: list[tuple[int, list[Any], list[torch.Tensor]]] = []
+        self.exchange = True
+        self.epoch = 0
+        self.wait_ms: dict[int, float] = {}
+
+    # -- step boundaries ----------------------------------------------------------
+
+    def begin(self, *, exchange_shapes: bool) -> None:
+        """Start a step; ``exchange_shapes`` publishes/reads shapes through the store."""
+        self.exchange = exchange_shapes or not self.shapes
+        if self.exchange:
+            self.epoch += 1
+        self.posted = {}
+        self.next_in_channel = {key: 0 for key in self.comm.channels}
+        self.sends = []
+        if self.post_ahead and not self.exchange:
+            for i in self.incoming:
+                self._post(i)
+
+    def finish(self) -> None:
+        """Wait for every send of the step (their buffers may then be reused)."""
+        for i, works, _ in self.sends:
+            m = self.comm.messages[i]
+            for w in works:
+                self._wait(w, i, m.dst_rank, "sending")
+        self.sends = []
+
+    # -- receiving ----------------------------------------------------------------
+
+    def _shape_key(self, i: int) -> str:
+        return f"orgel/shape/{self.epoch}/{i}"
+
+    def _what(self, i: int) -> str:
+        return describe(self.plan, self.comm.messages[i])
+
+    def _post(self, i: int) -> None:
+        m = self.comm.messages[i]
+        if self.exchange:
+            key = self._shape_key(i)
+            try:
+                self.store.wait([key], timedelta(seconds=self.timeout))
+                spec = json.loads(self.store.get(key))
+            except Exception as exc:  # noqa: BLE001 - re-raised with the peer named
+                raise self._failure(i, m.src_rank, "receiving the shapes of", exc) from exc
+            shapes = [(tuple(s), _dtype(d)) for s, d in spec]
+            if self.shapes.get(i) != shapes:
+                self.shapes[i] = shapes
+                self.buffers[i] = [torch.empty(s, dtype=d, device=self.device)
+                                   for s, d in shapes]
+        src = self.ranks[m.src_rank]
+        self.posted[i] = [
+            dist.irecv(buf, src, group=self.group, tag=self.base[i] + j)
+            for j, buf in enumerate(self.buffers[i])
+        ]
+
+    def recv(self, i: int) -> list[torch.Tensor]:
+        """Wait for incoming message ``i`` and return its tensors (reused buffers)."""
+        if i not in self.posted:
+            # post in channel order up to i (NCCL matches a pair's messages in order)
+            key, pos = self.channel_pos[i]
+            order = self.comm.channels[key]
+            for p in range(self.next_in_channel[key], pos + 1):
+                if order[p] not in self.posted:
+                    self._post(order[p])
+            self.next_in_channel[key] = max(self.next_in_channel[key], pos + 1)
+        m = self.comm.messages[i]
+        for w in self.posted[i]:
+            self._wait(w, i, m.src_rank, "waiting for")
+        return self.buffers[i]
+
+    # -- sending ------------------------------------------------------------------
+
+    def send(self, i: int, tensors: list[torch.Tensor]) -> None:
+        """Send message ``i`` asynchronously; waited in :meth:`finish`."""
+        m = self.comm.messages[i]
+        tensors = [t.contiguous() for t in tensors]
+        if self.exchange:
+            spec = [[list(t.shape), str(t.dtype)] for t in tensors]
+            self.store.set(self._shape_key(i), json.dumps(spec))
+        dst = self.ranks[m.dst_rank]
+        works = [dist.isend(t, dst, group=self.group, tag=self.base[i] + j)
+                 for j, t in enumerate(tensors)]
+        self.sends.append((i, works, tensors))
+
+    # -- waiting ------------------------------------------------------------------
+
+    def _wait(self, work: Any, i: int, peer: int, doing: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - re-raised with the peer named
+            raise self._failure(i, peer, doing, exc) from exc
+
+    def _failure(self, i: int, peer: int, doing: str, exc: BaseException) -> CommFailure:
+        text = str(exc)
+        timed_out = "imed out" in text or "timeout" in text.lower()
+        what = f"{doing} {self._what(i)} {'to' if doing == 'sending' else 'from'} rank {peer}"
+        if timed_out:
+            message = f"timed out after {self.timeout:g} s {what}"
+        else:
+            message = f"lost rank {peer} {what}: {text.splitlines()[0] if text else exc!r}"
+        return CommFailure(message, peer=peer, what=what, timed_out=timed_out)

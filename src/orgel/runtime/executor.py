@@ -1,0 +1,375 @@
+"""The per-rank executor: interpret this rank's action list of a Plan, exactly.
+
+Every rank (SPMD) builds an :class:`Executor` from the same Plan and SplitModel
+and calls :meth:`Executor.step` with the same batch. The rank walks its action
+list; for each action it waits for the messages that must arrive before it
+(posted ahead by :class:`~orgel.runtime.comm.Transport`), runs it through one
+dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``), then
+sends what the action produced. After the list: wait for the sends, reduce
+gradients across replicas and tied copies, clip by the global norm, step the
+optimizer.
+
+Boundary protocol: received (or locally handed over) activations become
+detached leaves with ``requires_grad``; an output's gradient is the sum over
+its consumers; the loss of each micro-batch is scaled by
+``1 / (microbatches x loss replicas)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from orgel.runtime.comm import Transport
+from orgel.runtime.errors import StepFailure
+from orgel.runtime.optim import GradSync
+from orgel.runtime.stage import (
+    Run,
+    StageInfo,
+    part_rows,
+    replica_pairs,
+    rng_state,
+    set_rng_state,
+    share,
+    split_batch,
+)
+from orgel.runtime.trace import Event
+from orgel.schedule.comm import derive_comm
+from orgel.schedule.ir import Action, Plan
+from orgel.schedule.validate import validate
+from orgel.split.types import SplitModel
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class Executor:
+    """Runs one rank's part of ``plan`` over the stages of ``split``.
+
+    Keyword options: ``loss_fn(outputs, targets)`` (required), ``rank`` (default:
+    this process's rank), ``optimizer_factory`` (``lambda params: torch.optim.X(params,
+    ...)``, built over this rank's parameters; ``None``: gradients only),
+    ``max_grad_norm`` (clip by the global norm over all ranks), ``timeout``
+    (seconds for every wait), ``device``, ``dynamic_shapes`` (exchange shapes every
+    step), ``batch_dim``, ``store`` (rendezvous store; default: the process group's).
+    """
+
+    def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
+                 rank: int | None = None, optimizer_factory: OptimizerFactory | None = None,
+                 max_grad_norm: float | None = None, timeout: float = 60.0,
+                 device: torch.device | str | None = None, dynamic_shapes: bool = False,
+                 batch_dim: int = 0, store: Any = None, check_plan: bool = True) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: start the ranks with "
+                               "orgel.runtime.spawn or torchrun and init_process_group first")
+        if len(split.stages) != plan.num_stages:
+            raise ValueError(f"the plan has {plan.num_stages} stages but the split has "
+                             f"{len(split.stages)}: split the model for this plan")
+        if dist.get_world_size() != plan.num_ranks:
+            raise ValueError(f"the plan needs {plan.num_ranks} ranks but the process group has "
+                             f"{dist.get_world_size()}: start {plan.num_ranks} ranks")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        if check_plan:
+            validate(plan)
+        self.plan, self.split, self.loss_fn = plan, split, loss_fn
+        self.rank = dist.get_rank() if rank is None else rank
+        backend = dist.get_backend()
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                      else torch.device("cpu"))
+        self.device = torch.device(device)
+        self.max_grad_norm, self.timeout = max_grad_norm, timeout
+        self.dynamic_shapes, self.batch_dim = dynamic_shapes, batch_dim
+        self.actions = plan.schedule[self.rank]
+        self.stages = {s: StageInfo.build(plan, split, s, self.rank)
+                       for s in plan.stages_on(self.rank)}
+        for info in self.stages.values():
+            info.stage.module.to(self.device)
+        self.comm = derive_comm(plan)
+        self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
+                          for i, m in enumerate(self.comm.messages)
+                          if self.rank in (m.src_rank, m.dst_rank)}
+        self.pairs = [replica_pairs(len(plan.placement[e.src]), len(plan.placement[e.dst]))
+                      for e in plan.stage_graph.edges]
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        ranks = list(range(plan.num_ranks))
+        self.transport = Transport(plan, self.comm, self.rank, store=store, device=self.device,
+                                   timeout=timeout, post_ahead=backend != "nccl", ranks=ranks)
+        self.sync = GradSync(plan, split, self.rank, self.stages, ranks=ranks, world_group=None,
+                             timeout=timeout, device=self.device)
+        self.reduce_after: dict[int, list[tuple[int, ...]]] = {}
+        for rset in self.sync.dp:
+            last = max(p for p, a in enumerate(self.actions)
+                       if plan.placement[a.stage] == rset and a.kind in ("B", "W"))
+            self.reduce_after.setdefault(last, []).append(rset)
+        params = self.parameters()
+        self.optimizer = (optimizer_factory(params) if optimizer_factory is not None and params
+                          else None)
+        n_loss = len(plan.placement[split.loss_stage])
+        self.scale = 1.0 / (plan.microbatches * n_loss)
+        self.dispatch: dict[str, Callable[[Action], None]] = {
+            "F": self._forward, "B": self._backward, "I": self._backward, "W": self._weight,
+        }
+        self.events: list[Event] = []
+        self.grad_norm = 0.0
+        self._signature: Any = None
+
+    # -- public -------------------------------------------------------------------
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters (every hosted stage, in stage order)."""
+        return [p for _, info in sorted(self.stages.items()) for p in info.params]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """``(qualified name in the original model, parameter)`` for this rank's stages."""
+        for _, info in sorted(self.stages.items()):
+            for local, p in info.stage.module.named_parameters():
+                yield info.stage.param_names.get(local, f"stage{info.index}.{local}"), p
+
+    def step(self, inputs: dict[str, Any], targets: Any) -> float:
+        """Run one training step over the whole batch; return its mean loss (every rank)."""
+        self._t0 = time.perf_counter()
+        self._wall0 = time.time()
+        self.events = []
+        for p in self.parameters():
+            p.grad = None
+        m = self.plan.microbatches
+        self._inputs = split_batch({k: _to(v, self.device) for k, v in inputs.items()}, m,
+                                   self.batch_dim)
+        self._targets = split_batch(_to(targets, self.device), m, self.batch_dim)
+        signature = _signature(inputs)
+        exchange = self.dynamic_shapes or signature != self._signature
+        self._runs: dict[tuple[int, int], Run] = {}
+        self._inbox: dict[int, list[torch.Tensor]] = {}
+        self._local_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._in_grads: dict[str, torch.Tensor] = {}
+        self._loss = torch.zeros((), device=self.device)
+        self.transport.begin(exchange_shapes=exchange)
+        pos, action = -1, None
+        try:
+            for pos, action in enumerate(self.actions):
+                self._execute(pos, action)
+            pos, action = len(self.actions), None
+            start = self._now()
+            self.transport.finish()
+            self._event("wait", "sends", start)
+            start = self._now()
+            loss, self.grad_norm = self.sync.finish(self._loss, self.max_grad_norm)
+            self._event("sync", "gradients", start)
+            if self.optimizer is not None:
+                start = self._now()
+                self.optimizer.step()
+                self._event("optim", "optimizer", start)
+        except Exception as exc:
+            where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
+                     else "the end of the step (sends, gradient reduction, optimizer)")
+            raise StepFailure(f"rank {self.rank}: {exc} [while running {where}]",
+                              rank=self.rank, action=str(action or "end of step"),
+                              cause=exc) from exc
+        self._signature = signature
+        self._runs, self._inbox, self._local_grads = {}, {}, {}
+        return loss
+
+    # -- the action loop ----------------------------------------------------------
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _event(self, kind: str, name: str, start: float, peer: int | None = None) -> None:
+        self.events.append(Event(self.rank, kind, name, self._wall0 + start,
+                                 self._wall0 + self._now(), peer))
+
+    def _execute(self, pos: int, action: Action) -> None:
+        for i in self.comm.recvs_before[self.rank][pos]:
+            start = self._now()
+            self._inbox[i] = self.transport.recv(i)
+            self._event("wait", f"recv {action}", start, self.comm.messages[i].src_rank)
+        start = self._now()
+        self.dispatch[action.kind](action)
+        self._event(action.kind, str(action), start)
+        for i in self.comm.sends_after[self.rank][pos]:
+            self.transport.send(i, self._outgoing(i))
+        self._in_grads = {}
+        for rset in self.reduce_after.get(pos, ()):
+            self.sync.launch_replicas(rset)
+
+    def _outgoing(self, i: int) -> list[torch.Tensor]:
+        """The tensors of message ``i``, sliced to its rows, right after its action."""
+        msg = self.comm.messages[i]
+        edge = self.plan.stage_graph.edges[msg.edge]
+        if not msg.grad:
+            info = self.stages[edge.src]
+            outputs = self._runs[(edge.src, msg.microbatch)].outputs
+            tensors = [outputs[info.out_index[v.name]].detach() for v in edge.values]
+        else:
+            info = self.stages[edge.dst]
+            tensors = [self._in_grads[v.name] for v in edge.values if v.name in self._in_grads]
+        return [self._rows(t, msg.part, info) for t in tensors]
+
+    def _rows(self, t: torch.Tensor, part: tuple[int, int, int], info: StageInfo) -> torch.Tensor:
+        if part == (0, 1, 1):
+            return t
+        start, stop = part_rows(part, info.replica, info.replicas, t.shape[self.batch_dim])
+        return t.narrow(self.batch_dim, start, stop - start)
+
+    # -- forward ------------------------------------------------------------------
+
+    def _forward(self, a: Action) -> None:
+        info, m = self.stages[a.stage], a.microbatch
+        leaves: dict[str, torch.Tensor] = {}
+        for e in info.in_edges:
+            edge = self.plan.stage_graph.edges[e]
+            pieces: list[list[torch.Tensor]] = []
+            for j, part in self.pairs[e][1][info.replica]:
+                src = self.plan.placement[edge.src][j]
+                if src == self.rank:
+                    producer = self.stages[edge.src]
+                    outs = self._runs[(edge.src, m)].outputs
+                    pieces.append([self._rows(outs[producer.out_index[v.name]].detach(), part,
+                                              producer) for v in edge.values])
+                else:
+                    pieces.append(self._inbox.pop(self.msg_index[(src, self.rank, e, m, False,
+                                                                  part)]))
+            for k, v in enumerate(edge.values):
+                t = (pieces[0][k] if len(pieces) == 1
+                     else torch.cat([p[k] for p in pieces], dim=self.batch_dim))
+                leaves[v.name] = t.detach().requires_grad_(t.is_floating_point())
+        stage = info.stage
+        mb = self._inputs[m]
+        args = [share(mb[n], info.replica, info.replicas, self.batch_dim)
+                if n in stage.model_inputs else leaves[n] for n in stage.inputs]
+        run = Run(args, leaves, ())
+        if info.recompute:
+            run.rng = rng_state(self.device)
+            with torch.no_grad():
+                run.outputs, run.loss = self._compute(info, args, m)
+        else:
+            run.outputs, run.loss = self._compute(info, args, m)
+        if run.loss is not None:
+            self._loss = self._loss + run.loss.detach()
+        self._runs[(a.stage, m)] = run
+
+    def _compute(self, info: StageInfo, args: list[Any],
+                 m: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        out = info.stage.module(*args)
+        outputs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        if len(outputs) != len(info.stage.outputs):
+            raise ValueError(f"stage {info.index} returned {len(outputs)} tensors but declares "
+                             f"{len(info.stage.outputs)} outputs {info.stage.outputs}")
+        if not info.is_loss:
+            return outputs, None
+        model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
+        targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim)
+        loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
+        return outputs, loss * self.scale
+
+    # -- backward -----------------------------------------------------------------
+
+    def _output_grads(self, info: StageInfo, m: int) -> dict[str, torch.Tensor]:
+        """Each output's gradient: the sum over its consumers (local and remote)."""
+        run = self._runs[(info.index, m)]
+        pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        for e in info.out_edges:
+            edge = self.plan.stage_graph.edges[e]
+            floats = [v.name for v in edge.values
+                      if run.outputs[info.out_index[v.name]].is_floating_point()]
+            for k, part in self.pairs[e][0][info.replica]:
+                dst = self.plan.placement[edge.dst][k]
+                if dst == self.rank:
+                    local = self._local_grads[(e, m)]
+                    consumer = self.stages[edge.dst]
+                    grads = [self._rows(local[n], part, consumer) for n in floats]
+                else:
+                    grads = self._inbox.pop(self.msg_index[(dst, self.rank, e, m, True, part)])
+                for name, g in zip(floats, grads, strict=True):
+                    rows = run.outputs[info.out_index[name]].shape[self.batch_dim]
+                    start, stop = ((0, rows) if part == (0, 1, 1)
+                                   else part_rows(part, info.replica, info.replicas, rows))
+                    pieces.setdefault(name, []).append((start, stop, g))
+            self._local_grads.pop((e, m), None)
+        result: dict[str, torch.Tensor] = {}
+        for name, parts in pieces.items():
+            out = run.outputs[info.out_index[name]]
+            rows = out.shape[self.batch_dim]
+            if len(parts) == 1 and parts[0][:2] == (0, rows):
+                result[name] = parts[0][2]
+                continue
+            total = torch.zeros_like(out)
+            for start, stop, g in parts:
+                total.narrow(self.batch_dim, start, stop - start).add_(g)
+            result[name] = total
+        return result
+
+    def _backward(self, a: Action) -> None:
+        """``B``: full backward; ``I``: input gradients only, keeping the graph for ``W``."""
+        info, m = self.stages[a.stage], a.microbatch
+        run = self._runs[(a.stage, m)]
+        out_grads = self._output_grads(info, m)
+        if info.recompute:
+            set_rng_state(run.rng, self.device)
+            with torch.enable_grad():
+                run.outputs, run.loss = self._compute(info, run.args, m)
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if run.loss is not None and run.loss.requires_grad:
+            roots.append(run.loss)
+            grads.append(None)
+        for name, g in out_grads.items():
+            out = run.outputs[info.out_index[name]]
+            if out.requires_grad:
+                roots.append(out)
+                grads.append(g)
+        leaves = {n: t for n, t in run.leaves.items() if t.requires_grad}
+        if a.kind == "B":
+            if roots:
+                torch.autograd.backward(roots, grads)
+            got = {n: t.grad for n, t in leaves.items()}
+            del self._runs[(a.stage, m)]
+        else:
+            computed: tuple[torch.Tensor | None, ...] = (None,) * len(leaves)
+            if roots and leaves:
+                computed = torch.autograd.grad(roots, list(leaves.values()), grads,
+                                               retain_graph=True, allow_unused=True)
+            got = dict(zip(leaves, computed, strict=True))
+            run.roots, run.grads = roots, grads
+            run.outputs = tuple(t.detach() for t in run.outputs)
+        self._in_grads = {n: g if g is not None else torch.zeros_like(leaves[n])
+                          for n, g in got.items()}
+        for e in info.in_edges:
+            edge = self.plan.stage_graph.edges[e]
+            if any(self.plan.placement[edge.src][j] == self.rank
+                   for j, _ in self.pairs[e][1][info.replica]):
+                self._local_grads[(e, m)] = {v.name: self._in_grads[v.name]
+                                             for v in edge.values if v.name in self._in_grads}
+
+    def _weight(self, a: Action) -> None:
+        """``W``: weight gradients from the graph that ``I`` kept."""
+        run = self._runs.pop((a.stage, a.microbatch))
+        params = [p for p in self.stages[a.stage].params if p.requires_grad]
+        if run.roots and params:
+            torch.autograd.backward(run.roots, run.grads, inputs=params)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in sorted(value.items()))
+    return None

@@ -1,0 +1,142 @@
+"""Gradients across ranks after the backward work: replicas, tied copies, global norm.
+
+The loss of each micro-batch is scaled by ``1 / (microbatches x loss replicas)``
+so that every replica's gradient is a *partial sum* of the whole-batch
+gradient: summing over a stage's replicas gives exactly what one device with
+the whole batch computes (the mean-reduced loss convention). Hence:
+
+* data-parallel replicas of a stage all-reduce (sum) their gradients over the
+  group of the stage's ranks, one flat bucket per distinct replica set,
+  launched as soon as the rank's last backward of those stages is done;
+* tied parameters (one tensor used by several stages) sum the partial
+  gradients of every copy on every rank (replicas included) and give each copy
+  the total, so the copies stay equal after the optimizer step;
+* the global gradient norm counts each parameter once (replica 0, first copy)
+  and is all-reduced with the step's loss in one small collective.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from orgel.runtime.errors import CommFailure
+from orgel.runtime.stage import StageInfo
+from orgel.schedule.ir import Plan
+from orgel.split.types import SplitModel
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+class GradSync:
+    """Creates the process groups (collectively, same order on every rank) and reduces."""
+
+    def __init__(self, plan: Plan, split: SplitModel, rank: int, stages: dict[int, StageInfo],
+                 *, ranks: list[int], world_group: Any, timeout: float,
+                 device: torch.device) -> None:
+        self.rank = rank
+        self.device = device
+        self.all_params = [p for _, info in sorted(stages.items()) for p in info.params]
+        self.timeout = timeout
+        self.world_group = world_group
+        # qualified name -> local copies; which copy counts for the norm
+        self.tied: dict[str, list[torch.nn.Parameter]] = {}
+        tied_names = set(split.tied)
+        tied_ids: set[int] = set()
+        holders: dict[str, list[int]] = {name: [] for name in sorted(tied_names)}
+        for s, st in enumerate(split.stages):
+            for qual in st.param_names.values():
+                if qual in tied_names:
+                    holders[qual].append(s)
+        self.norm_params: list[torch.nn.Parameter] = []
+        for s, info in sorted(stages.items()):
+            named = dict(info.stage.module.named_parameters())
+            for local, p in named.items():
+                qual = info.stage.param_names.get(local, "")
+                if qual in tied_names:
+                    self.tied.setdefault(qual, []).append(p)
+                    tied_ids.add(id(p))
+                    if info.replica == 0 and holders[qual][0] == s:
+                        self.norm_params.append(p)
+                elif info.replica == 0:
+                    self.norm_params.append(p)
+        # data-parallel buckets: every rank calls new_group for every set, in order
+        replica_sets = sorted({r for r in plan.placement if len(r) > 1})
+        self.dp: dict[tuple[int, ...], tuple[Any, list[torch.nn.Parameter]]] = {}
+        for rset in replica_sets:
+            group = dist.new_group([ranks[r] for r in rset])
+            if rank in rset:
+                params = [p for s, info in sorted(stages.items()) if plan.placement[s] == rset
+                          for p in info.params if id(p) not in tied_ids]
+                self.dp[rset] = (group, params)
+        self.tied_groups: dict[str, Any] = {}
+        for name in sorted(tied_names):
+            tranks = sorted({r for s in holders[name] for r in plan.placement[s]})
+            group = dist.new_group([ranks[r] for r in tranks]) if len(tranks) > 1 else None
+            if name in self.tied:
+                self.tied_groups[name] = group
+        self.pending: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []
+
+    def launch_replicas(self, rset: tuple[int, ...]) -> None:
+        """Start the sum over the replicas of ``rset``'s stages (asynchronous)."""
+        group, params = self.dp[rset]
+        if not params:
+            return
+        flat = torch.cat([_grad(p).reshape(-1) for p in params])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        self.pending.append((f"data-parallel gradients of ranks {list(rset)}", work, flat, params))
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - re-raised with what was waited for
+            text = str(exc)
+            timed_out = "imed out" in text
+            message = (f"timed out after {self.timeout:g} s in the all-reduce of {what}"
+                       if timed_out else
+                       f"lost a peer in the all-reduce of {what}: {text.splitlines()[0]}")
+            raise CommFailure(message, peer=None, what=what, timed_out=timed_out) from exc
+
+    def finish(self, loss: torch.Tensor, max_norm: float | None) -> tuple[float, float]:
+        """Complete every reduction, clip by global norm; return ``(loss, grad norm)``."""
+        for what, work, flat, params in self.pending:
+            self._wait(work, what)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
+                offset += n
+        self.pending = []
+        for name, copies in self.tied.items():
+            total = _grad(copies[0]).clone()
+            for p in copies[1:]:
+                total += _grad(p)
+            group = self.tied_groups.get(name)
+            if group is not None:
+                self._wait(dist.all_reduce(total, group=group, async_op=True),
+                           f"the tied parameter {name!r}")
+            for p in copies:
+                p.grad.copy_(total)  # type: ignore[union-attr]
+        norms = [torch.linalg.vector_norm(p.grad) for p in self.norm_params
+                 if p.grad is not None]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
+        summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq])
+        self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
+                   "the step's loss and gradient norm")
+        total_loss, sq = float(summary[0]), float(summary[1])
+        norm = sq ** 0.5
+        if max_norm is not None:
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            if coef < 1.0:
+                for p in self.all_params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return total_loss, norm

@@ -1,0 +1,160 @@
+"""What one rank knows about each stage it hosts: wiring, replica rows, saved state.
+
+A stage on ``n`` ranks is data-parallel inside the stage: replica ``k`` takes
+rows ``[k/n, (k+1)/n)`` of every micro-batch (along the batch dimension).
+Between a producer on ``n`` ranks and a consumer on ``n'`` ranks, each pair of
+replicas whose rows overlap exchanges the overlap, a ``part`` ``(lo, hi, P)``
+with ``P = lcm(n, n')`` meaning rows ``[lo/P, hi/P)`` of the micro-batch, the
+same rule as :mod:`orgel.schedule.comm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import lcm
+from typing import Any
+
+import torch
+
+from orgel.schedule.ir import Plan
+from orgel.split.types import SplitModel, StageModule
+
+Part = tuple[int, int, int]
+
+
+def replica_pairs(n_src: int, n_dst: int) -> tuple[dict[int, list[tuple[int, Part]]],
+                                                    dict[int, list[tuple[int, Part]]]]:
+    """Overlapping replica pairs of an edge: ``(by producer, by consumer)`` replica."""
+    parts = lcm(n_src, n_dst)
+    by_src: dict[int, list[tuple[int, Part]]] = {j: [] for j in range(n_src)}
+    by_dst: dict[int, list[tuple[int, Part]]] = {k: [] for k in range(n_dst)}
+    step_src, step_dst = parts // n_src, parts // n_dst
+    for j in range(n_src):
+        lo_j, hi_j = j * step_src, (j + 1) * step_src
+        for k in range(lo_j // step_dst, (hi_j - 1) // step_dst + 1):
+            part = (max(lo_j, k * step_dst), min(hi_j, (k + 1) * step_dst), parts)
+            by_src[j].append((k, part))
+            by_dst[k].append((j, part))
+    return by_src, by_dst
+
+
+def part_rows(part: Part, replica: int, replicas: int, local_rows: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of ``part`` inside a replica's local tensor."""
+    lo, hi, parts = part
+    total = local_rows * replicas
+    if total % parts:
+        raise ValueError(
+            f"a micro-batch of {total} rows cannot be split into {parts} equal parts: "
+            f"choose a batch size divisible by microbatches x {parts}"
+        )
+    offset = replica * local_rows
+    return lo * total // parts - offset, hi * total // parts - offset
+
+
+def share(value: Any, replica: int, replicas: int, dim: int) -> Any:
+    """Replica ``replica``'s rows of every tensor in ``value`` (tensors, lists, dicts)."""
+    if replicas == 1:
+        return value
+    if isinstance(value, torch.Tensor):
+        rows = value.shape[dim]
+        if rows % replicas:
+            raise ValueError(
+                f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
+                "choose a batch size divisible by microbatches x replicas"
+            )
+        size = rows // replicas
+        return value.narrow(dim, replica * size, size)
+    if isinstance(value, (list, tuple)):
+        return type(value)(share(v, replica, replicas, dim) for v in value)
+    if isinstance(value, dict):
+        return {k: share(v, replica, replicas, dim) for k, v in value.items()}
+    return value
+
+
+def split_batch(value: Any, m: int, dim: int) -> list[Any]:
+    """``m`` micro-batches of ``value`` (tensors chunked along ``dim``; others repeated)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[dim] % m:
+            raise ValueError(
+                f"a batch of shape {tuple(value.shape)} cannot be split into {m} equal "
+                f"micro-batches along dim {dim}: choose a batch size divisible by {m}"
+            )
+        return list(value.chunk(m, dim=dim))
+    if isinstance(value, (list, tuple)):
+        parts = [split_batch(v, m, dim) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(m)]
+    if isinstance(value, dict):
+        parts_d = {k: split_batch(v, m, dim) for k, v in value.items()}
+        return [{k: p[i] for k, p in parts_d.items()} for i in range(m)]
+    return [value] * m
+
+
+@dataclass
+class StageInfo:
+    """Static facts about one stage hosted on this rank."""
+
+    index: int
+    stage: StageModule
+    replica: int
+    replicas: int
+    in_edges: list[int]
+    out_edges: list[int]
+    value_edge: dict[str, int]  # input name -> edge that brings it
+    out_index: dict[str, int]  # output name -> position in the module's outputs
+    params: list[torch.nn.Parameter]
+    recompute: bool
+    is_loss: bool
+
+    @classmethod
+    def build(cls, plan: Plan, split: SplitModel, s: int, rank: int) -> StageInfo:
+        graph = plan.stage_graph
+        stage = split.stages[s]
+        in_edges = graph.producers(s)
+        value_edge = {v.name: e for e in in_edges for v in graph.edges[e].values}
+        for name in stage.inputs:
+            if name not in value_edge and name not in stage.model_inputs:
+                raise ValueError(
+                    f"stage {s} input {name!r} is neither a model input nor a value on an "
+                    "incoming edge of the stage graph: the split and the plan disagree"
+                )
+        out_index = {name: i for i, name in enumerate(stage.outputs)}
+        for e in graph.consumers(s):
+            for v in graph.edges[e].values:
+                if v.name not in out_index:
+                    raise ValueError(
+                        f"edge {s}->{graph.edges[e].dst} carries {v.name!r}, which stage {s} "
+                        "does not output: the split and the plan disagree"
+                    )
+        return cls(
+            index=s, stage=stage, replica=plan.placement[s].index(rank),
+            replicas=len(plan.placement[s]), in_edges=in_edges, out_edges=graph.consumers(s),
+            value_edge=value_edge, out_index=out_index,
+            params=list(stage.module.parameters()), recompute=bool(plan.recompute[s]),
+            is_loss=s == split.loss_stage,
+        )
+
+
+@dataclass
+class Run:
+    """One stage's forward for one micro-batch, kept until its backward is done."""
+
+    args: list[Any]  # module arguments (edge values as leaves)
+    leaves: dict[str, torch.Tensor]  # edge-value name -> leaf tensor
+    outputs: tuple[torch.Tensor, ...]
+    loss: torch.Tensor | None = None
+    rng: Any = None  # RNG state before the forward, for an exact recompute
+    roots: list[torch.Tensor] = field(default_factory=list)  # kept by I for W
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def rng_state(device: torch.device) -> Any:
+    """The RNG state a recompute must restore to repeat dropout exactly."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: Any, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
