@@ -5,7 +5,11 @@ options after, checks the options up front, and returns a Plan whose ``meta``
 names the family and its parameters. ``build_schedule(name, ...)`` looks a
 family up in :data:`FAMILIES`.
 
-Pictures, for 4 ranks and 8 micro-batches (``F``/``B`` of micro-batch ``n``)::
+The looped families (``interleaved``, ``looped-bfs``, ``looped``) live in
+:mod:`orgel.schedule.families_looped`, ``dag-1f1b`` in
+:mod:`orgel.schedule.families_dag`.
+
+Pictures, for 4 ranks and 8 micro-batches::
 
     gpipe  rank0: F F F F F F F F B B B B B B B B      all forwards, then all backwards
     1f1b   rank0: F F F F B F B F B F B F B B B B      warm-up, one-forward-one-backward,
@@ -14,47 +18,12 @@ Pictures, for 4 ranks and 8 micro-batches (``F``/``B`` of micro-batch ``n``)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from orgel.schedule.families_common import Family, check_counts, finish, resolve_graph
+from orgel.schedule.families_dag import dag_1f1b
+from orgel.schedule.families_looped import interleaved, looped, looped_bfs
 from orgel.schedule.ir import Action, Plan, PlanError, StageGraph
-
-#: A schedule family: ``(num_ranks, microbatches, **options) -> Plan``.
-Family = Callable[..., Plan]
-
-
-def check_counts(num_ranks: int, microbatches: int) -> None:
-    """Raise :class:`PlanError` unless both counts are positive integers."""
-    if not isinstance(num_ranks, int) or num_ranks < 1:
-        raise PlanError(f"num_ranks must be a positive integer, got {num_ranks!r}")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
-
-
-def resolve_graph(stage_graph: StageGraph | None, num_stages: int, nbytes: int,
-                  family: str) -> StageGraph:
-    """The given stage graph (checked to have ``num_stages`` stages) or a chain."""
-    if nbytes < 0:
-        raise PlanError(f"nbytes must be >= 0, got {nbytes}")
-    if stage_graph is None:
-        return StageGraph.chain(num_stages, nbytes)
-    if stage_graph.num_stages != num_stages:
-        raise PlanError(
-            f"{family} needs a stage graph with {num_stages} stages, got "
-            f"{stage_graph.num_stages}: pass one with that many stages or change num_ranks"
-        )
-    return stage_graph
-
-
-def finish(stage_graph: StageGraph, placement: list[tuple[int, ...]], num_ranks: int,
-           microbatches: int, schedule: list[list[Action]], meta: dict[str, Any]) -> Plan:
-    """Assemble the Plan and validate it (a generator bug or a bad option fails here)."""
-    from orgel.schedule.validate import validate
-
-    plan = Plan(stage_graph=stage_graph, placement=placement, num_ranks=num_ranks,
-                microbatches=microbatches, schedule=schedule, meta=meta)
-    validate(plan)
-    return plan
 
 
 def gpipe(num_ranks: int, microbatches: int, *, stage_graph: StageGraph | None = None,
@@ -92,10 +61,58 @@ def one_f_one_b(num_ranks: int, microbatches: int, *, stage_graph: StageGraph | 
     return finish(graph, placement, num_ranks, microbatches, schedule, {"schedule": "1f1b"})
 
 
-#: name -> generator; extended below by the other family modules.
+def zb_h1(num_ranks: int, microbatches: int, *, stage_graph: StageGraph | None = None,
+          nbytes: int = 0) -> Plan:
+    """Zero-bubble H1 (Qi et al. 2023): backward split into ``I`` and ``W``.
+
+    ``I`` (input gradient) is on the critical path and sent upstream at once;
+    ``W`` (weight gradient) is deferred to fill bubbles. Every rank keeps at
+    most ``min(p, m)`` micro-batches whose ``W`` has not run, the peak of 1F1B
+    (on its first rank); later ranks use that allowance to defer ``W`` in the
+    warm-up, which is what lets upstream ranks start their ``I`` early. A
+    micro-batch waiting only for ``W`` holds less memory than one waiting for
+    ``B``, so the peak memory stays 1F1B's. With uniform costs the step takes
+    ``m (f + b + w) + (p - 1) (f + b - w)`` (``b`` the ``I`` time) for ``m >= p``::
+
+        rank0: F F F F I W F I W F I W F I W F I W I W I W I W
+        rank3: F I F I F I F I W F I W F I W F I W F I W W W W
+    """
+    check_counts(num_ranks, microbatches)
+    p, m = num_ranks, microbatches
+    graph = resolve_graph(stage_graph, p, nbytes, "zb-h1")
+    limit = min(p, m)
+    schedule = []
+    for r in range(p):
+        forwards = min(p - r, m)  # as 1F1B: p - r forwards before the first backward
+        weights = 0
+        actions = [Action("F", r, k) for k in range(forwards)]
+        for k in range(m):
+            actions.append(Action("I", r, k))
+            if forwards < m:
+                if forwards - weights >= limit:  # at the cap: free one before the next F
+                    actions.append(Action("W", r, weights))
+                    weights += 1
+                actions.append(Action("F", r, forwards))
+                forwards += 1
+            elif k < m - 1 and weights <= k:
+                # Draining: one W fills the wait for the next I from downstream.
+                actions.append(Action("W", r, weights))
+                weights += 1
+        actions += [Action("W", r, k) for k in range(weights, m)]
+        schedule.append(actions)
+    placement = [(r,) for r in range(p)]
+    return finish(graph, placement, p, m, schedule, {"schedule": "zb-h1"})
+
+
+#: name -> generator.
 FAMILIES: dict[str, Family] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "looped-bfs": looped_bfs,
+    "looped": looped,
+    "zb-h1": zb_h1,
+    "dag-1f1b": dag_1f1b,
 }
 
 
