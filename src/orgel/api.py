@@ -28,7 +28,7 @@ import torch
 from orgel import checkpoint as ckpt
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.schedule.ir import Plan
-from orgel.workload import Workload, validate_workload
+from orgel.workload import Workload, named_inputs, validate_workload
 
 
 class _OwnRank:
@@ -63,9 +63,11 @@ def under_torchrun() -> bool:
 class Pipeline:
     """A model pipelined over ``plan.num_ranks`` ranks; see :func:`pipeline`."""
 
-    def __init__(self, plan: Plan, ranks: Any, *, loss_ranks: Sequence[int],
-                 state_keys: list[str], aliases: dict[str, str], spmd: bool) -> None:
+    def __init__(self, plan: Plan, ranks: Any, *, model: torch.nn.Module,
+                 loss_ranks: Sequence[int], state_keys: list[str], aliases: dict[str, str],
+                 spmd: bool) -> None:
         self.plan = plan
+        self._model = model  # only its forward signature is used: to name positional inputs
         self._ranks = ranks
         self._loss_rank = loss_ranks[0]
         self._state_keys = state_keys
@@ -79,7 +81,7 @@ class Pipeline:
 
     def step(self, inputs: Any, targets: Any) -> float:
         """Run one training step (forward, backward, optimizer) on a whole batch; the loss."""
-        losses = self._ranks.call("step", inputs, targets)
+        losses = self._ranks.call("step", named_inputs(self._model, inputs), targets)
         self.steps += 1
         loss = losses[self._loss_rank]
         return float("nan") if loss is None else float(loss)
@@ -90,16 +92,10 @@ class Pipeline:
 
         return simulate(self.plan)
 
-    def timeline(self) -> Any:
-        """The measured timeline of the last step, every rank merged (a sim Timeline)."""
-        from orgel.sim.timeline import Timeline
-
-        merged = Timeline()
-        for part in self._ranks.call("timeline"):
-            if part is not None:
-                for event in part.events:
-                    merged.events.append(event)
-        return merged
+    def timeline(self) -> list[Any]:
+        """The measured events of the last step, every rank merged (orgel.runtime.trace.Event)."""
+        events = [e for part in self._ranks.call("timeline") for e in part]
+        return sorted(events, key=lambda e: (e.start, e.rank))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state_dict (same keys and order), gathered from all ranks."""
@@ -242,16 +238,18 @@ def pipeline(
                               timeout_s=timeout_s, keys=keys, aliases=aliases)
     from orgel.controller import LocalGroup
 
-    the_plan = _resolve_plan(plan, workload, ranks, microbatches, memory, dp)
-    split = _split(workload, the_plan)
+    graph = _capture(workload, microbatches)
+    the_plan = _resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp)
+    split = _split(graph, the_plan)
 
     def make_engine(rank: int) -> RankEngine:
         return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=loss_fn,
                           timeout_s=timeout_s)
 
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
-    return Pipeline(the_plan, group, loss_ranks=the_plan.placement[split.loss_stage],
-                    state_keys=keys, aliases=aliases, spmd=False)
+    return Pipeline(the_plan, group, model=workload.model,
+                    loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
+                    aliases=aliases, spmd=False)
 
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -274,15 +272,16 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int,
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
+    graph = _capture(workload, microbatches)
     text = [None]
     if rank == 0:
-        text = [_resolve_plan(plan, workload, ranks, microbatches, memory, dp).to_json()]
+        text = [_resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp).to_json()]
     dist.broadcast_object_list(text, src=0)
     the_plan = Plan.from_json(str(text[0]))
-    split = _split(workload, the_plan)
+    split = _split(graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         timeout_s=timeout_s)
-    return Pipeline(the_plan, _OwnRank(engine, world),
+    return Pipeline(the_plan, _OwnRank(engine, world), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],
                     state_keys=keys, aliases=aliases, spmd=True)
 
@@ -290,16 +289,24 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int,
 # -- the seams to capture, planning and split -------------------------------------------------
 
 
-def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, ranks: int,
+def _capture(workload: Workload, microbatches: int) -> Any:
+    """The op graph of ``workload``'s model, measured on one micro-batch."""
+    from orgel.graph.capture import capture
+    from orgel.workload import microbatches as slice_batches
+
+    first_inputs, _ = slice_batches(workload, microbatches)[0]
+    return capture(workload.model, first_inputs)
+
+
+def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
                   microbatches: int, memory: int | None, dp: int) -> Plan:
     if isinstance(plan, Plan):
         given = plan
     elif plan is not None:
         given = Plan.load(plan)
     else:
-        from orgel.plan import auto_plan
-
-        given = auto_plan(workload, ranks=ranks, microbatches=microbatches, memory=memory, dp=dp)
+        given = _auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
+                           memory=memory, dp=dp)
     if given.num_ranks != ranks:
         raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
                          "pass ranks to match or plan=None to plan again")
@@ -309,10 +316,46 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, ranks: int
     return given
 
 
-def _split(workload: Workload, plan: Plan) -> Any:
+def _auto_plan(workload: Workload, graph: Any, *, ranks: int, microbatches: int,
+               memory: int | None, dp: int) -> Plan:
+    """The planner's choice; until its entry point lands, a FLOP-balanced chain under 1F1B."""
+    try:
+        from orgel.plan import auto_plan  # type: ignore[attr-defined]
+    except ImportError:
+        auto_plan = None
+    if auto_plan is not None:
+        result: Plan = auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
+                                 memory=memory, dp=dp)
+        return result
+    return flop_balanced_plan(graph, ranks=ranks, microbatches=microbatches)
+
+
+def flop_balanced_plan(graph: Any, *, ranks: int, microbatches: int,
+                       schedule: str = "1f1b") -> Plan:
+    """A chain of ``ranks`` stages with balanced FLOPs over the graph's node order."""
+    from orgel.plan.splits import balanced_points
+    from orgel.schedule.families import build_schedule
+    from orgel.split.split import split_model
+
+    names = list(graph.nodes)
+    weights = [max(1.0, float(graph.nodes[n].flops)) for n in names]
+    points = list(balanced_points(weights, ranks))
+    assignment = {}
+    stage = 0
+    for i, n in enumerate(names):
+        while stage < len(points) and i >= points[stage]:
+            stage += 1
+        assignment[n] = stage
+    split = split_model(graph, assignment)
+    plan = build_schedule(schedule, ranks, microbatches, stage_graph=split.stage_graph)
+    plan.meta["planner"] = "flop-balanced chain"
+    return plan
+
+
+def _split(graph: Any, plan: Plan) -> Any:
     from orgel.split import split_plan
 
-    return split_plan(workload, plan)
+    return split_plan(graph, plan)
 
 
 def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any,

@@ -38,14 +38,14 @@ class RankEngine:
         timeout_s: float = 300.0,
         executor_options: dict[str, Any] | None = None,
     ) -> None:
-        from orgel.runtime import Executor  # imported late: the runtime pulls in torch.distributed
+        from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
         self.rank = rank
         self.plan = plan
         self.split = split
         self.step_count = 0
         self.executor = Executor(
-            plan, split, rank=rank, loss_fn=loss_fn, optimizer=optimizer,
+            plan, split, rank=rank, loss_fn=loss_fn, optimizer_factory=optimizer,
             timeout=timeout_s, **(executor_options or {}),
         )
 
@@ -86,9 +86,9 @@ class RankEngine:
             return None
         return float(loss)
 
-    def timeline(self) -> Any:
-        """The measured timeline of the last step on this rank (runtime's Timeline)."""
-        return getattr(self.executor, "timeline", None)
+    def timeline(self) -> list[Any]:
+        """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""
+        return list(self.executor.events)
 
     # -- state -----------------------------------------------------------------------------------
 
