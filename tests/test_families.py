@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,24 @@ def test_dag_1f1b_several_stages_per_rank_and_replicas() -> None:
     assert chain.schedule[1] == chain.schedule[2]  # replicas run the same order
     skip = StageGraph.from_edges(4, [(0, 1), (1, 2), (2, 3), (0, 3)])
     assert build_schedule("dag-1f1b", 4, 6, stage_graph=skip).meta["depths"] == [4, 3, 2, 1]
+
+
+def test_dag_1f1b_random_dags_are_valid() -> None:
+    # Random DAGs (edges go from lower to higher index), random placements with
+    # replicas and shared ranks: every schedule validates and no stage holds more
+    # micro-batches than its depth.
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(2, 6)
+        edges = {(a, b) for a in range(n) for b in range(a + 1, n) if rng.random() < 0.4}
+        graph = StageGraph.from_edges(n, sorted(edges))
+        ranks = rng.randint(1, n)
+        placement = [tuple(sorted(rng.sample(range(ranks), rng.randint(1, min(2, ranks)))))
+                     for _ in range(n)]
+        m = rng.randint(1, 6)
+        plan = build_schedule("dag-1f1b", ranks, m, stage_graph=graph, placement=placement)
+        validate(plan)
+        depth = plan.meta["depths"]
+        for actions in plan.schedule:
+            for s in {a.stage for a in actions}:
+                assert in_flight([a for a in actions if a.stage == s]) == min(depth[s], m)

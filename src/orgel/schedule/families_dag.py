@@ -20,6 +20,7 @@ so a rank never waits on one stage while another could run.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from orgel.schedule.families_common import check_counts, finish
@@ -51,46 +52,61 @@ def _stage_order(stage: int, depth: int, microbatches: int) -> list[Action]:
 
 def _merge(graph: StageGraph, placement: list[tuple[int, ...]], num_ranks: int,
            orders: list[list[Action]]) -> list[list[Action]]:
-    """Interleave the per-stage orders on each rank by earliest possible start."""
+    """Interleave the per-stage orders on each rank by earliest possible start.
+
+    A list scheduler over a heap: each (rank, stage) head whose dependencies
+    are done sits in the heap keyed by (start, backward first, stage, rank).
+    A rank's free time only grows, so a popped key that is stale is pushed back
+    with its new start (lazy update). O(actions log actions).
+    """
     producers = [[graph.edges[i].src for i in graph.producers(s)] for s in range(graph.num_stages)]
     consumers = [[graph.edges[i].dst for i in graph.consumers(s)] for s in range(graph.num_stages)]
     # An action counts as done once every replica of its stage has run it.
     runs: dict[Action, int] = {}
     latest: dict[Action, float] = {}
-    hosted = [[s for s in range(graph.num_stages) if r in placement[s]] for r in range(num_ranks)]
-    head = {(r, s): 0 for r in range(num_ranks) for s in hosted[r]}
+    blocked: dict[Action, list[tuple[int, int]]] = {}
+    head: dict[tuple[int, int], int] = {}
     free = [0.0] * num_ranks
+    heap: list[tuple[float, int, int, int]] = []
     schedule: list[list[Action]] = [[] for _ in range(num_ranks)]
-    remaining = sum(len(orders[s]) * len(placement[s]) for s in range(graph.num_stages))
-    while remaining:
-        best: tuple[float, int, int, int] | None = None
-        for r in range(num_ranks):
-            for s in hosted[r]:
-                pos = head[(r, s)]
-                if pos == len(orders[s]):
-                    continue
-                a = orders[s][pos]
-                deps = producers[s] if a.kind == "F" else consumers[s]
-                ready = 0.0
-                for other in deps:
-                    dep = Action(a.kind, other, a.microbatch)
-                    if runs.get(dep, 0) < len(placement[other]):
-                        break
-                    ready = max(ready, latest[dep])
-                else:
-                    key = (max(free[r], ready), 0 if a.kind == "B" else 1, s, r)
-                    if best is None or key < best:
-                        best = key
-        if best is None:  # cannot happen for per-stage 1F1B orders; guard the loop
-            raise PlanError("dag-1f1b: no stage can make progress (internal error)")
-        start, _, s, r = best
+
+    def offer(r: int, s: int) -> None:
+        """Put the head of (r, s) in the heap if its dependencies are done."""
+        pos = head[(r, s)]
+        if pos == len(orders[s]):
+            return
+        a = orders[s][pos]
+        ready = 0.0
+        for other in producers[s] if a.kind == "F" else consumers[s]:
+            dep = Action(a.kind, other, a.microbatch)
+            if runs.get(dep, 0) < len(placement[other]):
+                blocked.setdefault(dep, []).append((r, s))
+                return
+            ready = max(ready, latest[dep])
+        heapq.heappush(heap, (max(free[r], ready), 0 if a.kind == "B" else 1, s, r))
+
+    for s, ranks in enumerate(placement):
+        for r in ranks:
+            head[(r, s)] = 0
+            offer(r, s)
+    while heap:
+        start, prio, s, r = heapq.heappop(heap)
+        if free[r] > start:  # the rank got busier since this was pushed
+            heapq.heappush(heap, (free[r], prio, s, r))
+            continue
         a = orders[s][head[(r, s)]]
         head[(r, s)] += 1
         free[r] = start + _COST[a.kind]
         schedule[r].append(a)
         runs[a] = runs.get(a, 0) + 1
         latest[a] = max(latest.get(a, 0.0), free[r])
-        remaining -= 1
+        offer(r, s)
+        if runs[a] == len(placement[s]):
+            for waiter in blocked.pop(a, []):
+                offer(*waiter)
+    if any(head[key] < len(orders[key[1]]) for key in head):
+        # Per-stage 1F1B orders always make progress; guard against a bad graph.
+        raise PlanError("dag-1f1b: no stage can make progress (internal error)")
     return schedule
 
 
