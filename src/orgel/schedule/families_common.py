@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from orgel.schedule.ir import Action, Plan, PlanError, StageGraph
@@ -35,14 +35,14 @@ def resolve_graph(stage_graph: StageGraph | None, num_stages: int, nbytes: int,
     return stage_graph
 
 
-def finish(stage_graph: StageGraph, placement: list[tuple[int, ...]], num_ranks: int,
+def finish(stage_graph: StageGraph, placement: Sequence[tuple[int, ...]], num_ranks: int,
            microbatches: int, schedule: list[list[Action]], meta: dict[str, Any],
            hint: str = "") -> Plan:
     """Assemble the Plan and validate it (a generator bug or a bad option fails here).
 
     ``hint`` is appended to a validation error to say which option to change.
     """
-    plan = Plan(stage_graph=stage_graph, placement=placement, num_ranks=num_ranks,
+    plan = Plan(stage_graph=stage_graph, placement=list(placement), num_ranks=num_ranks,
                 microbatches=microbatches, schedule=schedule, meta=meta)
     try:
         validate(plan)

@@ -129,7 +129,7 @@ def dag_1f1b(num_ranks: int, microbatches: int, *, stage_graph: StageGraph | Non
                 f"dag-1f1b: the stage graph has {graph.num_stages} stages for {num_ranks} "
                 "ranks; pass placement=[ranks of stage 0, ...] or one stage per rank"
             )
-        places = [(s,) for s in range(num_ranks)]
+        places: list[tuple[int, ...]] = [(s,) for s in range(num_ranks)]
     else:
         places = [tuple(int(r) for r in ranks) for ranks in placement]
         if len(places) != graph.num_stages:

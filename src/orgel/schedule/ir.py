@@ -14,9 +14,11 @@ Conventions used everywhere in orgel:
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -137,13 +139,25 @@ class StageGraph:
             tuple(Edge(s, d, (Value(f"s{s}_to_s{d}", nbytes),)) for s, d in edges),
         )
 
+    @cached_property
+    def _adjacency(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Edge indices into and out of each stage, built once (the graph is frozen)."""
+        into: list[list[int]] = [[] for _ in range(self.num_stages)]
+        out: list[list[int]] = [[] for _ in range(self.num_stages)]
+        for i, e in enumerate(self.edges):
+            if 0 <= e.dst < self.num_stages:
+                into[e.dst].append(i)
+            if 0 <= e.src < self.num_stages:
+                out[e.src].append(i)
+        return into, out
+
     def producers(self, stage: int) -> list[int]:
         """Indices (into ``edges``) of the edges that feed ``stage``."""
-        return [i for i, e in enumerate(self.edges) if e.dst == stage]
+        return list(self._adjacency[0][stage])
 
     def consumers(self, stage: int) -> list[int]:
         """Indices (into ``edges``) of the edges that leave ``stage``."""
-        return [i for i, e in enumerate(self.edges) if e.src == stage]
+        return list(self._adjacency[1][stage])
 
     def sources(self) -> list[int]:
         return [s for s in range(self.num_stages) if not self.producers(s)]
@@ -156,19 +170,21 @@ class StageGraph:
         indegree = [0] * self.num_stages
         for e in self.edges:
             indegree[e.dst] += 1
-        ready = sorted(s for s in range(self.num_stages) if indegree[s] == 0)
+        ready = [s for s in range(self.num_stages) if indegree[s] == 0]
+        heapq.heapify(ready)
         order: list[int] = []
+        outgoing = self._adjacency[1]
         while ready:
-            s = ready.pop(0)
+            s = heapq.heappop(ready)
             order.append(s)
-            for i in self.consumers(s):
+            for i in outgoing[s]:
                 d = self.edges[i].dst
                 indegree[d] -= 1
                 if indegree[d] == 0:
-                    ready.append(d)
-                    ready.sort()
+                    heapq.heappush(ready, d)
         if len(order) != self.num_stages:
-            stuck = [s for s in range(self.num_stages) if s not in order]
+            placed = set(order)
+            stuck = [s for s in range(self.num_stages) if s not in placed]
             raise PlanError(f"stage graph has a cycle through stages {stuck}")
         return order
 
