@@ -66,13 +66,17 @@ def _moves(points: Points, n: int, max_move: int) -> list[Points]:
 
 def beam_search(scorer: Scorer, template: Template, starts: list[Points], *,
                 width: int = 4, max_move: int = 10, deadline: float | None = None,
-                ceiling: float = math.inf) -> BeamResult | None:
+                ceiling: float = math.inf,
+                recompute: tuple[bool, ...] | None = None,
+                per_member: int | None = None) -> BeamResult | None:
     """Best linear split for ``template`` from ``starts`` (see the module docstring).
 
     ``ceiling`` is a step time the caller already has: candidates whose bound
     cannot beat it are skipped. ``deadline`` (``time.perf_counter()`` value)
-    stops the search early with the best so far. Returns None when no start and
-    no move fits memory.
+    stops the search early with the best so far. ``recompute`` flags stages that
+    recompute their activations. ``per_member`` caps how many of a member's moves
+    the simulator scores (those with the lowest bound first; default: all, as in
+    Pfeife). Returns None when no start and no move fits memory.
     """
     if width < 1 or max_move < 1:
         raise ValueError(f"width and max_move must be >= 1, got {width} and {max_move}")
@@ -86,7 +90,7 @@ def beam_search(scorer: Scorer, template: Template, starts: list[Points], *,
     def threshold() -> float:
         return -beam[0][0] if len(beam) >= width else math.inf
 
-    def offer(cands: list[Points]) -> bool:
+    def offer(cands: list[Points], limit: int | None = None) -> bool:
         fresh = [c for c in cands if c not in seen]
         seen.update(fresh)
         if not fresh:
@@ -94,11 +98,12 @@ def beam_search(scorer: Scorer, template: Template, starts: list[Points], *,
         arr = np.array(fresh, dtype=np.int64).reshape(len(fresh), len(fresh[0]))
         lb, fits = scorer.chain_bounds(template, arr)
         changed = False
-        for i in np.argsort(lb, kind="stable"):
+        order = np.argsort(lb, kind="stable")
+        for i in order if limit is None else order[:limit]:
             if not fits[i] or lb[i] >= min(threshold(), ceiling):
                 continue
             cand = fresh[int(i)]
-            score = scorer.score_chain(template, cand)
+            score = scorer.score_chain(template, cand, recompute)
             if not score.feasible or score.step_time >= threshold():
                 continue
             scores[cand] = score
@@ -113,7 +118,7 @@ def beam_search(scorer: Scorer, template: Template, starts: list[Points], *,
     if not starts or (template.num_stages > 1 and not starts[0]):
         return None
     if template.num_stages == 1:
-        score = scorer.score_chain(template, ())
+        score = scorer.score_chain(template, (), recompute)
         return BeamResult(template, (), score, scorer.evaluations - before, 0) \
             if score.feasible else None
     offer(starts)
@@ -127,7 +132,7 @@ def beam_search(scorer: Scorer, template: Template, starts: list[Points], *,
         for p in sorted(members, key=lambda q: scores[q].step_time):
             expanded.add(p)
             if p in scores and any(q == p for _, q in beam):
-                offer(_moves(p, n, max_move))
+                offer(_moves(p, n, max_move), per_member)
             if deadline is not None and time.perf_counter() > deadline:
                 break
         if deadline is not None and time.perf_counter() > deadline:

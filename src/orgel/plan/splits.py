@@ -17,10 +17,10 @@ Points = tuple[int, ...]
 
 
 def balanced_points(weights: list[float] | np.ndarray, parts: int) -> Points:
-    """Points that minimise the heaviest part of ``weights`` cut into ``parts`` pieces.
+    """Points that cut ``weights`` into ``parts`` pieces of nearly equal sum.
 
-    Binary search on the bound with a greedy feasibility check (optimal for
-    contiguous partitioning), then points pushed apart so every part has a block.
+    Stage ``s`` ends where the running sum is closest to ``(s + 1) / parts`` of
+    the total; points are then pushed apart so every stage has a block.
     """
     w = np.asarray(weights, dtype=np.float64)
     n = len(w)
@@ -31,40 +31,20 @@ def balanced_points(weights: list[float] | np.ndarray, parts: int) -> Points:
         return ()
     if w.sum() <= 0:
         return uniform_points(n, parts)
-    lo, hi = float(w.max()), float(w.sum())
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if _greedy_parts(w, mid) <= parts:
-            hi = mid
-        else:
-            lo = mid
-    points = _greedy_points(w, hi)
+    cum = np.cumsum(w)
+    targets = cum[-1] * np.arange(1, parts) / parts
+    after = np.searchsorted(cum, targets, side="left")  # first index with cum >= target
+    points = []
+    for t, i in zip(targets, after, strict=True):
+        # Cut after block i (point i + 1) or before it (point i), whichever is closer.
+        below = cum[i - 1] if i > 0 else 0.0
+        points.append(int(i + 1) if cum[i] - t <= t - below else int(i))
     return _spread(points, n, parts)
-
-
-def _greedy_parts(w: np.ndarray, bound: float) -> int:
-    count, acc = 1, 0.0
-    for x in w:
-        if acc + x > bound and acc > 0:
-            count += 1
-            acc = 0.0
-        acc += x
-    return count
-
-
-def _greedy_points(w: np.ndarray, bound: float) -> list[int]:
-    points, acc = [], 0.0
-    for i, x in enumerate(w):
-        if acc + x > bound and acc > 0:
-            points.append(i)
-            acc = 0.0
-        acc += x
-    return points
 
 
 def _spread(points: list[int], n: int, parts: int) -> Points:
     """Add points (splitting the largest parts) until there are ``parts - 1`` of them."""
-    pts = sorted(set(points))
+    pts = sorted({p for p in points if 0 < p < n})
     while len(pts) < parts - 1:
         bounds = [0, *pts, n]
         sizes = [(bounds[i + 1] - bounds[i], i) for i in range(len(bounds) - 1)]

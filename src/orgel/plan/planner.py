@@ -1,0 +1,219 @@
+"""``plan(costs, ranks, microbatches)``: run the planners, keep the fastest plan that fits.
+
+Planners (``planner=``):
+
+* ``beam``: linear splits × schedule templates (1F1B, GPipe, ZB-H1, interleaved,
+  looped BFS, Pfeife's looped schedule with prefetch, V placement), beam search
+  on split points (:mod:`orgel.plan.sequential`);
+* ``graph``: GraphPipe-style stage DAG with per-stage rank counts and DAG 1F1B
+  (:mod:`orgel.plan.graph`); only for block graphs with branches;
+* ``uniform-layers``, ``uniform-params``, ``uniform-time``: the baselines, 1F1B;
+* ``auto`` (default): all of the above, the fastest feasible plan wins.
+
+Every plan is scored by the one simulator. When nothing fits, the error says
+how much memory per rank (or how many ranks) would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orgel.plan.graph import graph_plan
+from orgel.plan.scorer import Scorer, Template
+from orgel.plan.sequential import sequential_plan
+from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
+from orgel.plan.templates import one_f_one_b
+from orgel.profile.costs import BlockCosts, chain_split
+from orgel.schedule.ir import Plan
+from orgel.sim import SimResult, simulate
+
+PLANNERS = ("auto", "beam", "graph", *BASELINES)
+
+
+class InfeasibleError(ValueError):
+    """No plan fits the memory per rank; the message says what would."""
+
+
+@dataclass
+class PlanResult:
+    """The chosen plan, its prediction and how the search went."""
+
+    plan: Plan
+    planner: str
+    sim: SimResult
+    search_seconds: float
+    baselines: dict[str, float | None] = field(default_factory=dict)
+    evaluations: int = 0
+
+    @property
+    def step_time(self) -> float:
+        return self.sim.step_time
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready summary: step time, planner, schedule, stages, memory, baselines."""
+        plan = self.plan
+        costs = plan.costs
+        stages = []
+        for s, st in enumerate(plan.stage_graph.stages):
+            c = costs.stages[s] if costs is not None else None
+            stages.append({
+                "blocks": _ranges(st.blocks), "ranks": list(plan.placement[s]),
+                "fwd": None if c is None else c.fwd, "bwd": None if c is None else c.bwd,
+                "params": None if c is None else c.params,
+                "activations": None if c is None else c.activations,
+                "recompute": plan.recompute[s],
+            })
+        return {
+            "step_time": self.sim.step_time,
+            "bubble_fraction": self.sim.bubble_fraction,
+            "search_seconds": self.search_seconds,
+            "planner": self.planner,
+            "schedule": plan.meta.get("schedule_label", plan.meta.get("schedule")),
+            "schedule_family": plan.meta.get("schedule"),
+            "schedule_options": plan.meta.get("schedule_options", {}),
+            "num_ranks": plan.num_ranks,
+            "microbatches": plan.microbatches,
+            "stages": stages,
+            "peak_memory": list(self.sim.peak_memory),
+            "memory_per_rank": self.sim.memory_per_rank,
+            "baselines": self.baselines,
+            "evaluations": self.evaluations,
+        }
+
+
+def _ranges(blocks: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` → ``"0-2,5"``."""
+    out: list[str] = []
+    start = prev = None
+    for b in blocks:
+        if start is None:
+            start = prev = b
+        elif b == prev + 1:  # type: ignore[operator]
+            prev = b
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = b
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None = None,
+         planner: str = "auto", width: int = 4, max_move: int = 10, max_loops: int = 8,
+         time_limit: float | None = None, per_member: int | None = None) -> PlanResult:
+    """The fastest feasible plan of ``costs`` on ``ranks`` ranks (see the module docstring).
+
+    ``memory`` overrides the table's ``memory_per_rank`` (bytes; None keeps it).
+    ``width``/``max_move``/``per_member`` tune the beam search, ``max_loops``
+    bounds stages per rank, ``time_limit`` (s) bounds the beam phase. Raises
+    :class:`InfeasibleError` when nothing fits, ValueError on bad options.
+    """
+    if planner not in PLANNERS:
+        raise ValueError(f"unknown planner {planner!r}: choose one of {', '.join(PLANNERS)}")
+    for name, value in (("ranks", ranks), ("microbatches", microbatches), ("width", width),
+                        ("max_move", max_move), ("max_loops", max_loops)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if ranks > costs.num_blocks:
+        raise ValueError(f"{ranks} ranks but only {costs.num_blocks} blocks: use at most "
+                         f"{costs.num_blocks} ranks or coarsen into more blocks")
+    started = time.perf_counter()
+    scorer = Scorer(costs, memory=memory)
+    baselines = _baselines(scorer, ranks, microbatches)
+    candidates: list[tuple[float, str, Plan]] = []
+    for name, (step, p) in baselines.items():
+        if p is not None and (planner == name or planner == "auto"):
+            candidates.append((step, name, p))
+    if planner in ("auto", "beam"):
+        seq = sequential_plan(scorer, ranks, microbatches, max_loops=max_loops, width=width,
+                              max_move=max_move, time_limit=time_limit, per_member=per_member)
+        if seq is not None:
+            blocks = chain_split(seq.points, costs.num_blocks)
+            p = scorer.to_plan(seq.template, blocks, seq.recompute)
+            _label(p, seq.template)
+            candidates.append((seq.score.step_time, "beam", p))
+    if planner == "graph" or (planner == "auto" and not costs.is_chain()):
+        g = graph_plan(scorer, ranks, microbatches)
+        if g is not None:
+            _label(g.plan, g.template)
+            candidates.append((g.score.step_time, "graph", g.plan))
+    if not candidates:
+        raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
+    step, name, best = min(candidates, key=lambda c: c[0])
+    seconds = time.perf_counter() - started
+    sim = simulate(best)
+    best.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
+    base_times = {k: (v[0] if v[1] is not None else None) for k, v in baselines.items()}
+    best.meta.update({"planner": name, "search_seconds": seconds, "baselines": base_times,
+                      "block_graph": dict(costs.meta)})
+    return PlanResult(best, name, sim, seconds, base_times, scorer.evaluations)
+
+
+def _label(p: Plan, template: Template) -> None:
+    p.meta["schedule_label"] = template.label
+    p.meta["schedule_options"] = {k: v for k, v in template.options.items()}
+
+
+def _baselines(scorer: Scorer, ranks: int, microbatches: int
+               ) -> dict[str, tuple[float, Plan | None]]:
+    """Each baseline split with 1F1B: (step time, plan or None when it does not fit)."""
+    template = one_f_one_b(ranks, microbatches)
+    out: dict[str, tuple[float, Plan | None]] = {}
+    for name in BASELINES:
+        points = baseline_points(scorer.bc, name, ranks)
+        score = scorer.score_chain(template, points)
+        p = None
+        if score.feasible:
+            p = scorer.to_plan(template, chain_split(points, scorer.bc.num_blocks))
+            _label(p, template)
+        out[name] = (score.step_time, p)
+    return out
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 30):.2f}GiB"
+
+
+def _least_memory(costs: BlockCosts, ranks: int, microbatches: int) -> int | None:
+    """The smallest peak per rank among simple plans that recompute everything."""
+    scorer = Scorer(costs, memory=None)
+    scorer.memory = None
+    best: float | None = None
+    if ranks > costs.num_blocks:
+        return None
+    for name in ("1f1b", "interleaved"):
+        try:
+            from orgel.schedule.families import build_schedule
+
+            options: dict[str, Any] = {} if name == "1f1b" else {"stages_per_rank": 2}
+            base = build_schedule(name, ranks, microbatches, **options)
+        except Exception:  # noqa: BLE001 - a family that is missing or rejects the counts
+            continue
+        t = Template(name, name, options, base)
+        if t.num_stages > costs.num_blocks:
+            continue
+        points = balanced_points(memory_weights(costs), t.num_stages)
+        score = scorer.score_chain(t, points, (True,) * t.num_stages)
+        peak = float(score.peak_memory.max())
+        best = peak if best is None else min(best, peak)
+    return None if best is None else int(best)
+
+
+def _infeasible_message(costs: BlockCosts, memory: int | None, ranks: int,
+                        microbatches: int) -> str:
+    need = _least_memory(costs, ranks, microbatches)
+    text = f"no plan fits in {_gib(memory or 0)} per rank on {ranks} ranks"
+    hints = []
+    if need is not None:
+        hints.append(f"the smallest plan found needs {_gib(need)} per rank: give --memory "
+                     f"{_gib(need)} or more")
+    for more in (2 * ranks, 4 * ranks, 8 * ranks):
+        if more > costs.num_blocks:
+            break
+        got = _least_memory(costs, more, microbatches)
+        if got is not None and memory is not None and got <= memory:
+            hints.append(f"or use {more} ranks")
+            break
+    return text + (": " + "; ".join(hints) if hints else "")

@@ -1,0 +1,137 @@
+"""The schedules a sequential plan may use: families × parameters, as stage templates.
+
+Each template fixes a schedule family and its parameters for ``P`` ranks and
+``m`` micro-batches, hence the number of stages and where they live:
+1F1B and GPipe (``P`` stages); interleaved 1F1B and looped BFS with ``v``
+stages per rank; Pfeife's looped schedule over loops ``N_l``, group sizes
+``B_l`` (divisors of ``m``, at least ``P``) and prefetch vectors ``B_f``;
+zero-bubble ZB-H1; and, beyond round-robin placement, a "V" placement (the
+second loop runs back from the last rank to the first, so the turn-around
+stage pair shares a rank) scheduled by the DAG 1F1B family. Families that are
+not registered, or reject the parameters, are skipped. Duplicates (different
+parameters, same action lists) are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orgel.plan.scorer import Template
+from orgel.schedule.families import FAMILIES, build_schedule
+from orgel.schedule.ir import PlanError, StageGraph
+
+
+def _families() -> dict[str, Any]:
+    # The other family modules register themselves on import; tolerate their absence.
+    for module in ("orgel.schedule.families_looped", "orgel.schedule.families_zb",
+                   "orgel.schedule.families_dag"):
+        try:
+            __import__(module)
+        except ImportError:
+            pass
+    return FAMILIES
+
+
+def prefetch_options(ranks: int) -> list[list[int]]:
+    """Prefetch vectors ``B_f`` to try: front-loaded ramp, none, one extra on all but the last."""
+    p = ranks
+    options = [[p - 1 - i for i in range(p)], [0] * p, [1] * (p - 1) + [0]]
+    out: list[list[int]] = []
+    for o in options:
+        if o not in out:
+            out.append(o)
+    return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A template not yet built: label, family, options and its group (stages per rank)."""
+
+    label: str
+    family: str
+    options: dict[str, Any]
+    group: int
+
+
+def template_specs(ranks: int, microbatches: int, num_blocks: int, *, max_loops: int = 4,
+                   families: list[str] | None = None) -> list[Spec]:
+    """Every template to consider for a linear split, grouped by stages per rank.
+
+    Within a group the first spec is its representative: Pfeife's looped
+    schedule with the front-loaded prefetch ``B_f = (P-1, …, 1, 0)``.
+    """
+    fams = _families()
+    wanted = set(families) if families else None
+    p, m = ranks, microbatches
+    specs: list[Spec] = []
+    for v in range(1, max_loops + 1):
+        if p * v > num_blocks:
+            break
+        group: list[Spec] = []
+        for b_l in sorted({d for d in range(p, m + 1) if m % d == 0} | {m}, reverse=True):
+            for b_f in prefetch_options(p):
+                group.append(Spec(f"looped N_l={v} B_l={b_l} B_f={tuple(b_f)}", "looped",
+                                  {"loops": v, "loop_microbatches": b_l, "prefetch": b_f}, v))
+        if v == 1:
+            group[1:1] = [Spec("1f1b", "1f1b", {}, 1), Spec("zb-h1", "zb-h1", {}, 1),
+                          Spec("gpipe", "gpipe", {}, 1)]
+        else:
+            group[1:1] = [Spec(f"interleaved v={v}", "interleaved", {"stages_per_rank": v}, v),
+                          Spec(f"looped-bfs v={v}", "looped-bfs", {"stages_per_rank": v}, v)]
+            if v == 2:
+                group.append(Spec("v-shape (dag-1f1b)", "dag-1f1b", {"placement": "v"}, 2))
+        specs.extend(s for s in group if s.family in fams
+                     and (wanted is None or s.family in wanted))
+    return specs
+
+
+def build_template(spec: Spec, ranks: int, microbatches: int) -> Template | None:
+    """Build a spec's schedule (None when the family rejects the parameters)."""
+    if spec.family == "dag-1f1b" and spec.options.get("placement") == "v":
+        return v_shape(ranks, microbatches)
+    try:
+        base = build_schedule(spec.family, ranks, microbatches, **spec.options)
+    except PlanError:
+        return None
+    return Template(spec.label, spec.family, spec.options, base)
+
+
+def chain_templates(ranks: int, microbatches: int, num_blocks: int, *,
+                    max_loops: int = 4, families: list[str] | None = None) -> list[Template]:
+    """All templates of :func:`template_specs`, built, without duplicate schedules."""
+    out: list[Template] = []
+    seen: set[tuple[Any, ...]] = set()
+    for spec in template_specs(ranks, microbatches, num_blocks, max_loops=max_loops,
+                               families=families):
+        t = build_template(spec, ranks, microbatches)
+        if t is None:
+            continue
+        key = schedule_key(t)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def schedule_key(t: Template) -> tuple[Any, ...]:
+    """What makes two templates the same schedule: placement and action lists."""
+    return (tuple(t.base.placement), tuple(tuple(a) for a in t.base.schedule))
+
+
+def v_shape(ranks: int, microbatches: int) -> Template | None:
+    """Two stages per rank placed 0,1,…,P-1,P-1,…,1,0 and scheduled by DAG 1F1B."""
+    p = ranks
+    n = 2 * p
+    placement = [(s,) if s < p else (n - 1 - s,) for s in range(n)]
+    try:
+        base = build_schedule("dag-1f1b", p, microbatches, stage_graph=StageGraph.chain(n),
+                              placement=placement)
+    except (PlanError, TypeError):
+        return None
+    return Template("v-shape (dag-1f1b)", "dag-1f1b", {"placement": "v"}, base)
+
+
+def one_f_one_b(ranks: int, microbatches: int) -> Template:
+    """The plain 1F1B template (what the baselines use)."""
+    return Template("1f1b", "1f1b", {}, build_schedule("1f1b", ranks, microbatches))
