@@ -77,13 +77,12 @@ class StageArrays:
                 f"costs describe {len(costs.stages)} stages but the plan has {num_stages}: "
                 "give one StageCost per stage"
             )
-        rows = [
-            (s.fwd, s.bwd, s.weight_grad, s.activations, s.temporary, s.static_bytes,
-             s.params if s.grads is None else s.grads)
-            for s in costs.stages
-        ]
-        cols = list(zip(*rows, strict=True))
-        return cls(*(np.asarray(c, dtype=np.float64) for c in cols))
+        table = np.array(
+            [(s.fwd, s.bwd, s.weight_grad, s.activations, s.temporary, s.static_bytes,
+              s.params if s.grads is None else s.grads) for s in costs.stages],
+            dtype=np.float64,
+        ).reshape(num_stages, 7)
+        return cls(*table.T)
 
 
 class CompiledPlan:
@@ -141,15 +140,11 @@ class CompiledPlan:
         self.op_stage = np.array(stage, dtype=np.int64)
         self.op_kind = np.array(kind, dtype=np.int64)
         self.op_microbatch = np.array(mb, dtype=np.int64)
-        # duration = (cf*fwd + cb*bwd + cw*wgrad)[stage] / replicas + overhead
-        recompute = np.array(plan.recompute, dtype=np.float64)[self.op_stage]
-        k = self.op_kind
-        self.coef_fwd = np.where(k == 0, 1.0, np.where((k == 1) | (k == 2), recompute, 0.0))
-        self.coef_bwd = np.where((k == 1) | (k == 2), 1.0, 0.0)
-        self.coef_wgrad = np.where(k == 2, -1.0, np.where(k == 3, 1.0, 0.0))
+        # An op's duration is entry (stage, kind) of a small per-stage table.
+        self.op_table_index = self.op_stage * 4 + self.op_kind
         replicas = np.array([len(p) for p in plan.placement], dtype=np.float64)
         self.stage_share = 1.0 / replicas
-        self.op_share = self.stage_share[self.op_stage]
+        self.stage_recompute = np.array(plan.recompute, dtype=np.float64)
 
     def _build_messages(self, plan: Plan) -> None:
         msgs = self.comm.messages
@@ -284,12 +279,12 @@ class CompiledPlan:
         self, costs: Costs, arrays: StageArrays, edge_bytes: np.ndarray | None = None
     ) -> np.ndarray:
         """Duration of every op (compute, messages, all-reduces), in op order."""
-        st = self.op_stage
-        compute = (
-            self.coef_fwd * arrays.fwd[st]
-            + self.coef_bwd * arrays.bwd[st]
-            + self.coef_wgrad * arrays.wgrad[st]
-        ) * self.op_share + costs.action_overhead
+        # F: fwd; B: bwd; I: bwd - wgrad; W: wgrad; B/I of a recomputed stage add fwd.
+        again = arrays.fwd * self.stage_recompute
+        table = np.stack([arrays.fwd, arrays.bwd + again, arrays.bwd - arrays.wgrad + again,
+                          arrays.wgrad], axis=1)
+        table *= self.stage_share[:, None]
+        compute = table.ravel()[self.op_table_index] + costs.action_overhead
         parts = [compute, self._comm_durations(costs, edge_bytes)]
         if self.allreduces:
             reduce = [self._allreduce_time(g, costs, arrays) for g in self.allreduces]
@@ -399,7 +394,6 @@ class CompiledPlan:
             compute_end=end[:nc],
             compute_start=end[:nc] - dur[:nc],
             msg_start=end[nc:nc + nm] - dur[nc:nc + nm],
-            msg_dst=self.msg_dst,
             msg_recv=self.msg_recv,
             msg_bytes=msg_bytes,
         )

@@ -18,11 +18,13 @@ temporary bytes; a message already carries only its share of rows.
 
 A rank runs its actions one after the other, so kept activations and
 temporaries change only at action boundaries in list order: a cumulative sum
-gives them for every action ("run" slots) and every idle gap before an action
-("gap" slots) without sorting events. Only receive buffers depend on the
-timing of other ranks; each covers a contiguous range of slots, found by
-binary search in the rank's (sorted) start and end times and added with a
-difference array. The peak of a rank is the largest slot.
+gives them for every "slot" of the rank without sorting events. The slots of
+a rank alternate: the gap before action 0, action 0 running, the gap before
+action 1, ... Their end times (start of the next action, end of this one)
+are sorted, so the slots a receive buffer covers are one contiguous range:
+from the first slot ending after the transfer starts up to the gap before the
+receiving action. One binary search finds them and a difference array adds
+them. The peak of a rank is its largest slot.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ import numpy as np
 class MemoryLayout:
     """Topology-only facts for the memory sweep (built once per compiled plan)."""
 
-    op_rank: np.ndarray
     op_stage: np.ndarray
-    is_alloc: np.ndarray  # F: allocates kept activations
-    is_free: np.ndarray  # B or W: frees them
-    is_rebuild: np.ndarray  # B or I of a recomputed stage: rebuilds activations
+    net_sign: np.ndarray  # per op: +1 for F (allocates), -1 for B/W (frees), else 0
+    is_alloc: np.ndarray  # per op: 1.0 for F
+    temp_index: np.ndarray  # per op: stage, or stage + S for a recomputed B/I
     first_of_rank: np.ndarray  # per op: index of its rank's first op
-    rank_start: np.ndarray
+    op_rank: np.ndarray
+    slot_rank: np.ndarray  # per slot (2 per op): its rank
+    slot_starts: np.ndarray  # first slot of each nonempty rank
     nonempty: np.ndarray  # ranks with at least one action
     host: np.ndarray  # [rank, stage] 1.0 where the rank hosts the stage
     peak_inflight: np.ndarray  # per rank: most forwards alive at once
@@ -58,34 +61,35 @@ class MemoryLayout:
         recompute: list[bool],
     ) -> MemoryLayout:
         """Precompute masks and the in-flight counts from the action lists."""
-        num_ranks = len(rank_start) - 1
-        is_alloc = op_kind == 0
-        is_free = (op_kind == 1) | (op_kind == 3)
-        rc = np.array(recompute, dtype=bool)[op_stage] if len(op_stage) else is_alloc
-        is_rebuild = rc & ((op_kind == 1) | (op_kind == 2))
-        first = rank_start[:-1][op_rank] if len(op_rank) else op_rank
-        host = np.zeros((num_ranks, len(placement)))
+        num_ranks, num_stages = len(rank_start) - 1, len(placement)
+        is_alloc = (op_kind == 0).astype(np.float64)
+        net_sign = is_alloc - ((op_kind == 1) | (op_kind == 3))
+        rebuild = np.array(recompute, dtype=bool)[op_stage] & ((op_kind == 1) | (op_kind == 2))
+        host = np.zeros((num_ranks, num_stages))
         for s, ranks in enumerate(placement):
             host[list(ranks), s] = 1.0
         nonempty = np.flatnonzero(rank_start[1:] > rank_start[:-1])
-        layout = cls(op_rank, op_stage, is_alloc, is_free, is_rebuild, first, rank_start,
-                     nonempty, host, np.zeros(num_ranks, dtype=np.int64))
-        counts = _per_action(layout, is_alloc.astype(np.int64), is_free.astype(np.int64))
+        layout = cls(
+            op_stage=op_stage, net_sign=net_sign, is_alloc=is_alloc,
+            temp_index=op_stage + num_stages * rebuild,
+            first_of_rank=rank_start[:-1][op_rank], op_rank=op_rank,
+            slot_rank=np.repeat(op_rank, 2), slot_starts=2 * rank_start[nonempty],
+            nonempty=nonempty, host=host, peak_inflight=np.zeros(num_ranks, dtype=np.int64),
+        )
         inflight = np.zeros(num_ranks, dtype=np.int64)
         if len(nonempty):
-            inflight[nonempty] = np.maximum.reduceat(counts[0], rank_start[nonempty])
+            run, _ = layout.alive(np.ones(num_stages))
+            inflight[nonempty] = np.maximum.reduceat(run, rank_start[nonempty]).round()
         object.__setattr__(layout, "peak_inflight", inflight)
         return layout
 
-
-def _per_action(
-    layout: MemoryLayout, alloc: np.ndarray, free: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Amount alive while each action runs, and in the gap just before it."""
-    net = alloc - free
-    before = np.cumsum(net) - net  # alive before each op, counting from the first rank
-    before = before - before[layout.first_of_rank]  # ... and from this rank's first op
-    return before + alloc, before
+    def alive(self, alloc_per_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Kept bytes while each action runs, and in the gap just before it."""
+        alloc = alloc_per_stage[self.op_stage]
+        net = alloc * self.net_sign
+        before = np.cumsum(net) - net  # alive before each op, counting from rank 0's first op
+        before -= before[self.first_of_rank]  # ... and from its own rank's first op
+        return before + alloc * self.is_alloc, before
 
 
 def peak_memory(
@@ -99,59 +103,38 @@ def peak_memory(
     compute_start: np.ndarray,
     compute_end: np.ndarray,
     msg_start: np.ndarray,
-    msg_dst: np.ndarray,
     msg_recv: np.ndarray,
     msg_bytes: np.ndarray,
 ) -> np.ndarray:
-    """Peak bytes per rank (int64); arguments are per stage, per op or per message."""
+    """Peak bytes per rank (int64); arguments are per stage, per op or per message.
+
+    ``msg_recv`` is the receiving action's op index (which also names the rank).
+    """
     static_rank = layout.host @ static
-    peak = static_rank.copy()
-    n = len(layout.op_rank)
+    n = len(layout.op_stage)
     if n == 0:
-        return np.rint(peak).astype(np.int64)
-    st = layout.op_stage
-    keep_op = keep[st] * share[st]
-    alloc = np.where(layout.is_alloc, keep_op, 0.0)
-    free = np.where(layout.is_free, keep_op, 0.0)
-    temp = temporary[st] * share[st] + np.where(
-        layout.is_rebuild, activations[st] * share[st], 0.0
-    )
-    alive_run, alive_gap = _per_action(layout, alloc, free)
+        return np.rint(static_rank).astype(np.int64)
+    run, gap = layout.alive(keep * share)
+    temp = np.concatenate([temporary * share, (temporary + activations) * share])
     base = static_rank[layout.op_rank]
-    run = base + alive_run + temp
-    gap = base + alive_gap
+    slots = np.empty(2 * n)
+    slots[0::2] = gap + base
+    slots[1::2] = run + base + temp[layout.temp_index]
     if len(msg_bytes):
-        run, gap = _add_buffers(layout, run, gap, compute_start, compute_end, msg_start,
-                                msg_dst, msg_recv, msg_bytes.astype(np.float64))
-    slots = np.maximum(run, gap)
-    starts = layout.rank_start[layout.nonempty]
-    peak[layout.nonempty] = np.maximum(peak[layout.nonempty], np.maximum.reduceat(slots, starts))
+        # Slot ends, interleaved and sorted per rank; ranks kept apart by an offset.
+        ends = np.empty(2 * n)
+        ends[0::2] = compute_start
+        ends[1::2] = compute_end
+        span = 2.0 * float(compute_end.max()) + 1.0
+        ends += layout.slot_rank * span
+        keys = msg_start + layout.op_rank[msg_recv] * span
+        first = np.searchsorted(ends, keys, side="right")
+        last = 2 * msg_recv  # the gap before the receiving action
+        weight = np.where(first <= last, msg_bytes, 0.0)
+        diff = np.bincount(first, weight, 2 * n + 2) - np.bincount(last + 1, weight, 2 * n + 2)
+        slots += np.cumsum(diff[: 2 * n])
+    peak = static_rank
+    peak[layout.nonempty] = np.maximum(
+        peak[layout.nonempty], np.maximum.reduceat(slots, layout.slot_starts)
+    )
     return np.rint(peak).astype(np.int64)
-
-
-def _add_buffers(
-    layout: MemoryLayout,
-    run: np.ndarray,
-    gap: np.ndarray,
-    start: np.ndarray,
-    end: np.ndarray,
-    msg_start: np.ndarray,
-    msg_dst: np.ndarray,
-    msg_recv: np.ndarray,
-    msg_bytes: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Add each receive buffer to the run and gap slots it overlaps on its receiver."""
-    n = len(run)
-    # One sorted key over all ranks: a rank's times lie in [r*span, r*span + horizon).
-    span = 2.0 * float(max(end.max(), msg_start.max(), 0.0)) + 1.0
-    offset = layout.op_rank * span
-    key_t = msg_start + msg_dst * span
-    # Run slot j holds the buffer if the transfer starts before j ends and j < receiver.
-    lo_run = np.searchsorted(end + offset, key_t, side="right")
-    # Gap slot j (before j) holds it if the transfer starts before j starts, j <= receiver.
-    lo_gap = np.searchsorted(start + offset, key_t, side="right")
-    w_run = np.where(lo_run < msg_recv, msg_bytes, 0.0)
-    w_gap = np.where(lo_gap <= msg_recv, msg_bytes, 0.0)
-    d_run = np.bincount(lo_run, w_run, n + 2) - np.bincount(msg_recv, w_run, n + 2)
-    d_gap = np.bincount(lo_gap, w_gap, n + 2) - np.bincount(msg_recv + 1, w_gap, n + 2)
-    return run + np.cumsum(d_run)[:n], gap + np.cumsum(d_gap)[:n]
