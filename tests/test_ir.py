@@ -6,8 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from orgel.schedule import Action, Costs, Link, Plan, PlanError, StageCost, StageGraph
-from orgel.schedule.text import format_schedule, parse_schedule
+from orgel.schedule import (
+    Action,
+    Costs,
+    Link,
+    Plan,
+    PlanError,
+    StageCost,
+    StageGraph,
+    build_schedule,
+)
+from orgel.schedule.text import format_schedule, parse_schedule, plan_from_text
 
 
 @pytest.mark.parametrize("kind", ["F", "B", "I", "W"])
@@ -125,3 +134,41 @@ def test_plan_missing_field_and_bad_json() -> None:
         Plan.from_dict(data)
     with pytest.raises(PlanError, match="not valid JSON"):
         Plan.from_json("{")
+
+
+def test_plan_from_text_reads_defaults_off_the_text() -> None:
+    plan = plan_from_text("""
+        # 1F1B on two ranks, written by hand
+        rank0: F0.0 F0.1 B0.0 B0.1
+        rank1: F1.0 B1.0 F1.1 B1.1
+    """, nbytes=32)
+    assert plan.num_ranks == 2 and plan.microbatches == 2
+    assert plan.placement == [(0,), (1,)]
+    assert [(e.src, e.dst, e.nbytes) for e in plan.stage_graph.edges] == [(0, 1, 32)]
+    assert plan.meta == {"schedule": "hand-written"}
+
+
+def test_plan_from_text_with_replicas_and_graph() -> None:
+    graph = StageGraph.from_edges(3, [(0, 1), (0, 2)])
+    plan = plan_from_text("""
+        rank0: F0.0 B0.0
+        rank1: F1.0 B1.0
+        rank2: F1.0 B1.0 F2.0 B2.0
+    """, stage_graph=graph)
+    assert plan.placement == [(0,), (1, 2), (2,)]
+    with pytest.raises(PlanError, match=r"rank 1 at position 2 \(B1.0\): duplicate, B1.0 "
+                       r"already runs at position 1"):
+        plan_from_text("rank0: F0.0 B0.0\nrank1: F1.0 B1.0 B1.0")
+    with pytest.raises(PlanError, match="no rank runs stage 1: add its actions or pass placement"):
+        plan_from_text("rank0: F0.0 B0.0", stage_graph=StageGraph.chain(2))
+    with pytest.raises(PlanError, match="the schedule has no actions"):
+        plan_from_text("rank0:")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "looped-bfs", "looped",
+                                  "zb-h1", "dag-1f1b"])
+def test_family_text_round_trip(name: str) -> None:
+    plan = build_schedule(name, 2, 4)
+    assert parse_schedule(format_schedule(plan.schedule)) == plan.schedule
+    again = plan_from_text(plan.schedule_text(), stage_graph=plan.stage_graph)
+    assert again.schedule == plan.schedule and again.placement == plan.placement
