@@ -1,0 +1,148 @@
+"""``orgel plan``: search the fastest plan for a workload or a costs file and print it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+NAME = "plan"
+HELP = ("search split points, placement and schedule for the fastest plan that fits memory "
+        "(from a workload or a costs file)")
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20,
+          "MB": 10**6, "MIB": 1 << 20, "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30,
+          "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``2GiB``, ``512MiB``, ``1.5GB``, ``1048576`` → bytes; ValueError says the format."""
+    match = _SIZE_RE.match(text)
+    unit = (match.group(2) or "").upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read the size {text!r}: write a number with an optional "
+                         "unit, e.g. 2GiB, 512MiB, 1.5GB or 1073741824")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workload", nargs="?", help="workload as FILE.py:FUNCTION (or use "
+                        "--costs)")
+    parser.add_argument("--costs", metavar="FILE", help="plan from a costs file (JSON, see "
+                        "README) instead of profiling a workload")
+    parser.add_argument("--ranks", type=int, required=True, metavar="P", help="number of ranks")
+    parser.add_argument("--microbatches", type=int, metavar="M",
+                        help="micro-batches per step (default: 2 x ranks)")
+    parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 2GiB "
+                        "(default: the costs file's memory_per_rank, else unlimited)")
+    parser.add_argument("--planner", default="auto", help="auto (default), beam, graph, "
+                        "uniform-layers, uniform-params or uniform-time")
+    parser.add_argument("--blocks", type=int, default=32, metavar="N",
+                        help="target number of blocks when profiling a workload (default 32)")
+    parser.add_argument("--max-loops", type=int, default=8, metavar="V",
+                        help="most stages per rank in looped schedules (default 8)")
+    parser.add_argument("--beam-width", type=int, default=4, metavar="K",
+                        help="beam width of the split search (default 4)")
+    parser.add_argument("--time-limit", type=float, metavar="S",
+                        help="seconds for the beam phase (default: until it converges)")
+    parser.add_argument("--out", metavar="PLAN.json", help="write the plan here")
+    parser.add_argument("--png", metavar="FILE", help="draw the simulated timeline here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _fail(message: str) -> int:
+    print(f"orgel plan: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from orgel.plan import PLANNERS, InfeasibleError, plan
+    from orgel.profile.costs import BlockCosts, CostsFileError
+
+    if (args.workload is None) == (args.costs is None):
+        return _fail("give either a WORKLOAD (FILE.py:FUNCTION) or --costs FILE, not both")
+    if args.ranks < 1:
+        return _fail(f"--ranks must be at least 1, got {args.ranks}")
+    if args.planner not in PLANNERS:
+        return _fail(f"unknown --planner {args.planner!r}: choose one of {', '.join(PLANNERS)}")
+    microbatches = args.microbatches if args.microbatches is not None else 2 * args.ranks
+    if microbatches < 1:
+        return _fail(f"--microbatches must be at least 1, got {microbatches}")
+    memory = None
+    if args.memory is not None:
+        try:
+            memory = parse_size(args.memory)
+        except ValueError as exc:
+            return _fail(f"--memory: {exc}")
+    if args.costs is not None:
+        try:
+            costs = BlockCosts.load(args.costs)
+        except CostsFileError as exc:
+            return _fail(str(exc))
+    else:
+        try:
+            costs = _profile(args.workload, microbatches, args.blocks)
+        except (ValueError, FileNotFoundError, ImportError) as exc:
+            return _fail(str(exc))
+    try:
+        result = plan(costs, args.ranks, microbatches, memory=memory, planner=args.planner,
+                      width=args.beam_width, max_loops=args.max_loops,
+                      time_limit=args.time_limit)
+    except InfeasibleError as exc:
+        return _fail(str(exc))
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.out:
+        result.plan.save(args.out)
+    if args.png:
+        try:
+            result.sim.timeline.save_png(args.png)
+        except (OSError, ValueError) as exc:
+            return _fail(f"cannot write {args.png}: {exc}")
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_summary(summary))
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+def _profile(workload: str, microbatches: int, blocks: int) -> Any:
+    """Profile a workload into a block cost table (cached on disk)."""
+    from orgel.profile.workload import profile_workload
+
+    return profile_workload(workload, microbatches=microbatches, blocks=blocks)
+
+
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / (1 << 20):,.0f}"
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The human table: stages, schedule, prediction, baselines, search time."""
+    lines = [f"planner {s['planner']}: schedule {s['schedule']} on {s['num_ranks']} ranks, "
+             f"{s['microbatches']} micro-batches"]
+    lines.append(f"{'stage':>5}  {'blocks':<16} {'ranks':<10} {'fwd+bwd ms':>10} "
+                 f"{'params MiB':>10} {'act MiB':>8}  recompute")
+    for i, st in enumerate(s["stages"]):
+        t = "-" if st["fwd"] is None else f"{st['fwd'] + st['bwd']:.2f}"
+        ranks = ",".join(str(r) for r in st["ranks"])
+        lines.append(f"{i:>5}  {st['blocks']:<16} {ranks:<10} {t:>10} "
+                     f"{_mib(st['params']):>10} {_mib(st['activations']):>8}  "
+                     f"{'yes' if st['recompute'] else ''}")
+    peaks = "  ".join(f"r{r}:{_mib(m)}" for r, m in enumerate(s["peak_memory"]))
+    cap = s.get("memory_per_rank")
+    lines.append(f"peak memory MiB per rank: {peaks}"
+                 + (f"  (cap {_mib(cap)})" if cap else ""))
+    lines.append(f"predicted step {s['step_time']:.2f} ms, bubble "
+                 f"{100 * s['bubble_fraction']:.1f}%")
+    base = "  ".join(f"{k} {'does not fit' if v is None else f'{v:.2f} ms'}"
+                     for k, v in s["baselines"].items())
+    lines.append(f"baselines (1F1B): {base}")
+    lines.append(f"search {s['search_seconds']:.2f} s, {s['evaluations']} simulations")
+    return "\n".join(lines)
