@@ -165,3 +165,23 @@ def test_large_plan_validates() -> None:
     plan = build_schedule("1f1b", 16, 256)
     validate(plan)
     assert sum(len(a) for a in plan.schedule) == 16 * 256 * 2
+
+
+def test_local_handover_order() -> None:
+    # Stages 0 and 1 share rank 0: no message between them, so list order must do.
+    graph = StageGraph.chain(3)
+    placement = [(0,), (0,), (1,)]
+    validate(_plan("rank0: F0.0 F1.0 B1.0 B0.0\nrank1: F2.0 B2.0", microbatches=1,
+                   graph=graph, placement=placement))
+    plan = _plan("rank0: F1.0 F0.0 B1.0 B0.0\nrank1: F2.0 B2.0", microbatches=1,
+                 graph=graph, placement=placement)
+    assert _error(plan) == (
+        "rank 0 at position 0 (F1.0) needs activations of edge 0->1 micro-batch 0 from F0.0 "
+        "on the same rank, which runs later (position 1)"
+    )
+    plan = _plan("rank0: F0.0 F1.0 I0.0 B1.0 W0.0\nrank1: F2.0 B2.0", microbatches=1,
+                 graph=graph, placement=placement)
+    assert _error(plan) == (
+        "rank 0 at position 2 (I0.0) needs the gradient of edge 0->1 micro-batch 0 from B1.0 "
+        "on the same rank, which runs later (position 3)"
+    )

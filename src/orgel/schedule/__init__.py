@@ -4,7 +4,7 @@ from orgel.schedule.comm import CommPlan, Message, derive_comm
 from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.families import FAMILIES, build_schedule
 from orgel.schedule.ir import Action, Edge, Plan, PlanError, Stage, StageGraph, Value
-from orgel.schedule.text import format_schedule, parse_schedule
+from orgel.schedule.text import format_schedule, parse_schedule, plan_from_text
 from orgel.schedule.validate import DryRun, dry_run, validate
 
 __all__ = [
@@ -27,5 +27,6 @@ __all__ = [
     "dry_run",
     "format_schedule",
     "parse_schedule",
+    "plan_from_text",
     "validate",
 ]

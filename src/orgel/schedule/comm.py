@@ -67,8 +67,12 @@ class CommPlan:
 _Pairs = dict[int, list[tuple[int, tuple[int, int, int], int]]]
 
 
-def _replica_pairs(n_src: int, n_dst: int, nbytes: int) -> tuple[_Pairs, _Pairs]:
-    """Overlapping replica pairs of an edge, keyed by producer and by consumer replica."""
+def replica_pairs(n_src: int, n_dst: int, nbytes: int) -> tuple[_Pairs, _Pairs]:
+    """Overlapping replica pairs of an edge, keyed by producer and by consumer replica.
+
+    ``by_src[j]`` lists ``(k, part, nbytes)`` for each consumer replica ``k`` whose
+    rows overlap producer replica ``j``'s; ``by_dst[k]`` the same from the other side.
+    """
     parts = lcm(n_src, n_dst)
     by_src: _Pairs = {j: [] for j in range(n_src)}
     by_dst: _Pairs = {k: [] for k in range(n_dst)}
@@ -113,7 +117,7 @@ def derive_comm(plan: Plan) -> CommPlan:
     for i, e in enumerate(graph.edges):
         out_edges[e.src].append(i)
         in_edges[e.dst].append(i)
-        by_src, by_dst = _replica_pairs(len(plan.placement[e.src]), len(plan.placement[e.dst]),
+        by_src, by_dst = replica_pairs(len(plan.placement[e.src]), len(plan.placement[e.dst]),
                                         e.nbytes)
         fwd_pairs.append(by_src)
         bwd_pairs.append(by_dst)

@@ -9,6 +9,7 @@ first problem with a message naming the rank, position and action:
 3. on every rank hosting a stage, each micro-batch has ``F`` and either ``B``
    or ``I`` then ``W``, each exactly once, never ``B`` together with ``I``/``W``,
    and the backward halves come after the forward (``F`` < ``B``/``I`` < ``W``);
+   values handed over on one rank (no message) are produced before they are used;
 4. a dry run (:func:`dry_run`): every rank executes its list in order and an
    action runs only once the messages it needs (:mod:`orgel.schedule.comm`) were
    sent. If ranks get stuck, every stuck rank is reported with what it waits for.
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from orgel.schedule.comm import CommPlan, derive_comm, describe
+from orgel.schedule.comm import CommPlan, derive_comm, describe, replica_pairs
 from orgel.schedule.ir import Action, Plan, PlanError
 
 #: Default duration of each action kind in a dry run (uniform units).
@@ -84,8 +85,8 @@ def dry_run(plan: Plan, durations: dict[str, float] | None = None,
 def validate(plan: Plan) -> None:
     """Raise :class:`PlanError` unless ``plan`` is complete and runs without deadlock."""
     _check_structure(plan)
-    for r, actions in enumerate(plan.schedule):
-        _check_rank(plan, r, actions)
+    positions = [_check_rank(plan, r, actions) for r, actions in enumerate(plan.schedule)]
+    _check_local_edges(plan, positions)
     result = dry_run(plan)
     if result.stuck:
         raise PlanError(_deadlock_message(plan, result))
@@ -125,8 +126,8 @@ def _check_structure(plan: Plan) -> None:
         )
 
 
-def _check_rank(plan: Plan, r: int, actions: list[Action]) -> None:
-    """Checks 2 and 3 for one rank."""
+def _check_rank(plan: Plan, r: int, actions: list[Action]) -> dict[Action, int]:
+    """Checks 2 and 3 for one rank; returns each action's position."""
     num_stages = plan.stage_graph.num_stages
     where: dict[Action, int] = {}
     for p, a in enumerate(actions):
@@ -179,6 +180,50 @@ def _check_rank(plan: Plan, r: int, actions: list[Action]) -> None:
                     f"rank {r} at position {w} (W{s}.{m}) runs before I{s}.{m} "
                     f"(position {i}): W needs I first"
                 )
+    return where
+
+
+def _check_local_edges(plan: Plan, positions: list[dict[Action, int]]) -> None:
+    """Values handed over on one rank (no message) need the producer to run first.
+
+    An edge whose producer and consumer replicas share a rank carries no message
+    (see :mod:`orgel.schedule.comm`), so the dry run cannot see it: check the
+    list order instead. ``F`` of the consumer after ``F`` of the producer, and
+    the producer's ``B``/``I`` after the consumer's.
+    """
+    graph = plan.stage_graph
+    for e in graph.edges:
+        src_ranks, dst_ranks = plan.placement[e.src], plan.placement[e.dst]
+        by_src, _ = replica_pairs(len(src_ranks), len(dst_ranks), 0)
+        for j, r in enumerate(src_ranks):
+            if not any(dst_ranks[k] == r for k, _, _ in by_src[j]):
+                continue
+            where = positions[r]
+            for m in range(plan.microbatches):
+                f_src, f_dst = where[Action("F", e.src, m)], where[Action("F", e.dst, m)]
+                if f_dst < f_src:
+                    raise PlanError(
+                        f"rank {r} at position {f_dst} (F{e.dst}.{m}) needs activations of "
+                        f"edge {e.src}->{e.dst} micro-batch {m} from F{e.src}.{m} on the same "
+                        f"rank, which runs later (position {f_src})"
+                    )
+                b_src = _backward_at(where, e.src, m)
+                b_dst = _backward_at(where, e.dst, m)
+                if b_src[1] < b_dst[1]:
+                    raise PlanError(
+                        f"rank {r} at position {b_src[1]} ({b_src[0]}) needs the gradient of "
+                        f"edge {e.src}->{e.dst} micro-batch {m} from {b_dst[0]} on the same "
+                        f"rank, which runs later (position {b_dst[1]})"
+                    )
+
+
+def _backward_at(where: dict[Action, int], stage: int, m: int) -> tuple[Action, int]:
+    """The ``B`` or ``I`` of (stage, m) and its position (present: checked before)."""
+    b = Action("B", stage, m)
+    if b in where:
+        return b, where[b]
+    i = Action("I", stage, m)
+    return i, where[i]
 
 
 def _deadlock_message(plan: Plan, result: DryRun) -> str:
