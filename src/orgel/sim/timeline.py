@@ -174,11 +174,12 @@ class Timeline:
 
         save_png(path, [self] if below is None else [self, below], width=width)
 
-    def ascii(self, width: int = 100) -> str:
+    def ascii(self, *, width: int | None = None, max_width: int = 160,
+              comm: bool = False) -> str:
         """The timeline as text, one row per rank (see :mod:`orgel.sim.ascii`)."""
         from orgel.sim.ascii import render
 
-        return render(self, width=width)
+        return render(self, width=width, max_width=max_width, comm=comm)
 
 
 def _lanes(events: list[Event]) -> list[list[Event]]:
