@@ -291,8 +291,11 @@ def test_family_option_errors() -> None:
     with pytest.raises(PlanError, match=r"loop_microbatches \(3\) must divide microbatches "
                        r"\(8\); use one of \[1, 2, 4, 8\]"):
         build_schedule("looped", 2, 8, loop_microbatches=3)
-    with pytest.raises(PlanError, match=r"prefetch must list 2 counts >= 0"):
+    with pytest.raises(PlanError, match=r"prefetch must list 2 counts >= 0 \(one per rank\), "
+                       r"got \(1,\)"):
         build_schedule("looped", 2, 8, prefetch=(1,))
+    with pytest.raises(PlanError, match=r"prefetch must list 2 counts >= 0 .*got 3"):
+        build_schedule("looped", 2, 8, prefetch=3)
     with pytest.raises(PlanError, match="looped needs a stage graph with 4 stages, got 2"):
         build_schedule("looped", 2, 4, loops=2, stage_graph=StageGraph.chain(2))
     with pytest.raises(PlanError, match="dag-1f1b: the stage graph has 4 stages for 3 ranks"):
@@ -337,6 +340,14 @@ def test_dag_1f1b_several_stages_per_rank_and_replicas() -> None:
     assert chain.schedule[1] == chain.schedule[2]  # replicas run the same order
     skip = StageGraph.from_edges(4, [(0, 1), (1, 2), (2, 3), (0, 3)])
     assert build_schedule("dag-1f1b", 4, 6, stage_graph=skip).meta["depths"] == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "dag-1f1b"])
+def test_one_stage_per_rank_families_on_dags(name: str) -> None:
+    diamond = StageGraph.from_edges(4, [(0, 1), (0, 2), (1, 3), (2, 3)], nbytes=8)
+    for m in (1, 2, 4, 8):
+        plan = build_schedule(name, 4, m, stage_graph=diamond)
+        assert plan.stage_graph is diamond
 
 
 def test_dag_1f1b_random_dags_are_valid() -> None:

@@ -137,11 +137,13 @@ def looped(num_ranks: int, microbatches: int, *, loops: int = 1,
             f"looped: loop_microbatches ({b_l}) must divide microbatches ({m}); "
             f"use one of {[d for d in range(1, m + 1) if m % d == 0]}"
         )
-    b_f = [0] * p if prefetch is None else list(prefetch)
-    if len(b_f) != p or any(not isinstance(x, int) or x < 0 for x in b_f):
+    b_f = [0] * p if prefetch is None else prefetch
+    if not isinstance(b_f, Sequence) or len(b_f) != p or \
+            any(not isinstance(x, int) or x < 0 for x in b_f):
         raise PlanError(
-            f"looped: prefetch must list {p} counts >= 0 (one per rank), got {list(b_f)}"
+            f"looped: prefetch must list {p} counts >= 0 (one per rank), got {b_f!r}"
         )
+    b_f = list(b_f)
     graph = resolve_graph(stage_graph, p * n_l, nbytes, "looped")
     groups = range(m // b_l)
     schedule = []
