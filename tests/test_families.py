@@ -205,7 +205,10 @@ def test_zb_h1_in_flight_matches_1f1b_peak(p: int, m: int) -> None:
     ofob_flight = [in_flight(a) for a in ofob.schedule]
     assert zb_flight[0] == ofob_flight[0] == min(p, m)
     assert max(zb_flight) == max(ofob_flight) == min(p, m)
-    # Later ranks spend 1F1B's peak allowance on deferred W (see zb_h1's docstring).
+    # Later ranks spend 1F1B's peak allowance on deferred W. They must: if the last rank
+    # ran F I W per micro-batch (1 in flight), its last F would start at
+    # (p-1)f + (m-1)(f+b+w), and the I chain up plus rank 0's last W would end the step at
+    # m(f+b+w) + (p-1)(f+b), 1F1B's time, not m(f+b+w) + (p-1)(f+b-w).
     assert zb_flight == [min(p, m)] * p
 
 
