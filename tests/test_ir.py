@@ -172,3 +172,14 @@ def test_family_text_round_trip(name: str) -> None:
     assert parse_schedule(format_schedule(plan.schedule)) == plan.schedule
     again = plan_from_text(plan.schedule_text(), stage_graph=plan.stage_graph)
     assert again.schedule == plan.schedule and again.placement == plan.placement
+
+
+def test_plan_from_dict_malformed_fields() -> None:
+    data = _diamond_plan().to_dict()
+    data["schedule"][2] = "F1.0 X1.0"
+    with pytest.raises(PlanError, match=r"^schedule of rank 2: cannot parse action 'X1.0'"):
+        Plan.from_dict(data)
+    data = _diamond_plan().to_dict()
+    data["num_ranks"] = "four"
+    with pytest.raises(PlanError, match="plan has a malformed field"):
+        Plan.from_dict(data)

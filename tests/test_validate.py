@@ -185,3 +185,18 @@ def test_local_handover_order() -> None:
         "rank 0 at position 2 (I0.0) needs the gradient of edge 0->1 micro-batch 0 from B1.0 "
         "on the same rank, which runs later (position 3)"
     )
+
+
+def test_data_parallel_replicas() -> None:
+    # DP x PP: each stage on two ranks, every replica runs the 1F1B order of its stage.
+    one = build_schedule("1f1b", 2, 4)
+    schedule = [one.schedule[0], one.schedule[0], one.schedule[1], one.schedule[1]]
+    plan = Plan(StageGraph.chain(2, nbytes=64), [(0, 1), (2, 3)], 4, 4, schedule)
+    validate(plan)
+    # A replica that drops a micro-batch is named.
+    broken = [list(row) for row in schedule]
+    broken[3] = [a for a in broken[3] if str(a) != "B1.2"]
+    plan = Plan(StageGraph.chain(2), [(0, 1), (2, 3)], 4, 4, broken)
+    assert _error(plan) == (
+        "rank 3 is missing the backward of stage 1 micro-batch 2: add B1.2 (or I1.2 and W1.2)"
+    )

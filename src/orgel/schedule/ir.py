@@ -64,6 +64,14 @@ class Action(NamedTuple):
         return cls(match.group(1), int(match.group(2)), int(match.group(3)))
 
 
+def _parse_rank(rank: int, line: str) -> list[Action]:
+    """One rank's actions from the JSON schedule string, naming the rank on error."""
+    try:
+        return [Action.parse(tok) for tok in line.split()]
+    except PlanError as exc:
+        raise PlanError(f"schedule of rank {rank}: {exc}") from None
+
+
 class Value(NamedTuple):
     """A named tensor that crosses a stage boundary; ``nbytes`` per micro-batch."""
 
@@ -338,9 +346,7 @@ class Plan:
                 )
                 for e in data.get("edges", ())
             )
-            schedule = [
-                [Action.parse(tok) for tok in line.split()] for line in data["schedule"]
-            ]
+            schedule = [_parse_rank(r, line) for r, line in enumerate(data["schedule"])]
             costs = data.get("costs")
             return cls(
                 stage_graph=StageGraph(stages, edges),
@@ -355,6 +361,10 @@ class Plan:
             )
         except KeyError as exc:
             raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, PlanError):
+                raise
+            raise PlanError(f"plan has a malformed field: {exc}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
