@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--freeze-text", action="store_true")
     args = parser.parse_args()
     model, _, _, loss_fn = workload(batch_size=args.batch_size, freeze_text=args.freeze_text)
+    assert isinstance(model, CLIP)
     data = batches(args.batch_size, model.config, seed=1)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=args.lr)

@@ -45,10 +45,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
-    model, (tokens,), _, loss_fn = workload(batch_size=args.batch_size)
-    seq_len = tokens.shape[1]
-    vocab_size = model.config.vocab_size
-    batches = text_batches(args.batch_size, seq_len, vocab_size, seed=1)
+    model, _, _, loss_fn = workload(batch_size=args.batch_size)
+    assert isinstance(model, GPT)
+    config = model.config
+    batches = text_batches(args.batch_size, config.seq_len, config.vocab_size, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):

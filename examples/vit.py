@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
     model, _, _, loss_fn = workload(batch_size=args.batch_size)
+    assert isinstance(model, ViT)
     data = batches(args.batch_size, model.config, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = time.perf_counter()

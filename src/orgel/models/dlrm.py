@@ -64,6 +64,8 @@ class DLRM(nn.Module):
         rows, cols = torch.triu_indices(n, n, offset=1)
         self.register_buffer("pair_rows", rows, persistent=False)
         self.register_buffer("pair_cols", cols, persistent=False)
+        self.pair_rows: torch.Tensor
+        self.pair_cols: torch.Tensor
         self.top = _mlp([d + n * (n - 1) // 2, config.top_hidden, config.top_hidden, 1])
 
     def forward(
