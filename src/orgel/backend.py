@@ -1,0 +1,382 @@
+"""The transparent API: a ``torch.compile`` backend plus a closure runner (Pfeife Listing 1).
+
+::
+
+    pipe = orgel.backend(ranks=2, microbatches=4, optimizer=lambda p: torch.optim.AdamW(p))
+    model = torch.compile(model, backend=pipe)
+
+    def closure(tokens, pixels):
+        with torch.no_grad():
+            text = frozen_text_tower(tokens)        # runs here, in the calling process
+        out = model(text, pixels)                   # pipelined across the ranks
+        loss = criterion(out) / pipe.microbatches   # the closure owns the loss
+        loss.backward()                             # gradients flow into the pipeline
+        return loss.detach()
+
+    losses = pipe.step(closure, tokens, pixels)     # one value per micro-batch
+
+``step`` slices every batched argument into micro-batches and runs one closure
+per micro-batch, each in its own thread, so that a closure's loss and backward
+(its post-processing) run while the ranks work on other micro-batches. The
+closures' model calls are gathered first (a rank slices its batch at the start
+of a step), then one pipelined step runs, with outputs and gradients crossing
+through :mod:`orgel.closure`; the optimizer steps once all closures are done.
+Gradients accumulate over micro-batches as in gradient accumulation: divide
+the loss by ``microbatches`` for a batch-mean loss.
+
+Mode: local spawn (the calling process drives forked ranks), see :mod:`orgel.api`.
+The model's inputs must not require grad (run pre-processing under ``no_grad``).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel.closure import OutputsFunction, Slot, SurrogateLoss
+from orgel.engine import OptimizerFactory, RankEngine
+from orgel.schedule.ir import Plan
+
+_TOKEN = re.compile(r"\.([A-Za-z_]\w*)|\[\'([^\']+)\'\]|\[(\d+)\]")
+
+
+class GraphModel(torch.nn.Module):
+    """The graph TorchDynamo captured, as a module holding the original parameters.
+
+    Parameters and buffers are registered under their names in the user's
+    model (taken from dynamo's sources), so orgel's capture, split and
+    checkpoints see the original names; ``forward(**inputs)`` calls the graph.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+        super().__init__()
+        self.graph_module = gm
+        self.roles: list[tuple[str, str]] = []  # (kind, name) per placeholder, in order
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, example_inputs, strict=True):
+            kind, name = _role(node, value)
+            if kind in ("param", "buffer"):
+                self._register(kind, name, value)
+            elif kind == "const":
+                self.register_buffer(name, value, persistent=False)
+            self.roles.append((kind, name))
+        self.input_names = [n for k, n in self.roles if k == "input"]
+
+    def _register(self, kind: str, name: str, value: torch.Tensor) -> None:
+        *path, leaf = name.split(".")
+        owner: torch.nn.Module = self
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, torch.nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        if kind == "param":
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value)
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        args = []
+        for kind, name in self.roles:
+            if kind == "input":
+                args.append(inputs[name])
+            elif kind == "const":
+                args.append(getattr(self, name))
+            elif kind == "param":
+                args.append(self.get_parameter(name))
+            else:
+                args.append(self.get_buffer(name))
+        return self.graph_module(*args)
+
+
+def _role(node: torch.fx.Node, value: Any) -> tuple[str, str]:
+    """(kind, name) of a dynamo placeholder: param/buffer by original name, input, const."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    text = ""
+    if source is not None:
+        text = source.name() if callable(source.name) else str(source.name)
+    tokens = [a or b or c for a, b, c in _TOKEN.findall(text)]
+    if "_parameters" in tokens or isinstance(value, torch.nn.Parameter):
+        return "param", ".".join(t for t in tokens[1:] if t not in ("_modules", "_parameters"))
+    if "_buffers" in tokens:
+        return "buffer", ".".join(t for t in tokens[1:] if t not in ("_modules", "_buffers"))
+    if text.startswith("L[") and tokens and isinstance(value, torch.Tensor):
+        return "input", tokens[-1]
+    return "const", f"_orgel_const_{node.name}"
+
+
+class _ClosureEngine(RankEngine):
+    """A rank engine whose loss is the surrogate that talks to the controller's closures."""
+
+    def __init__(self, rank: int, plan: Plan, split: Any, *, optimizer: OptimizerFactory,
+                 conn: Any, timeout_s: float) -> None:
+        self.surrogate = SurrogateLoss(conn)
+        super().__init__(rank, plan, split, optimizer=optimizer, loss_fn=self.surrogate,
+                         timeout_s=timeout_s)
+        self.surrogate.divisor = float(self.executor.loss_divisor)
+
+    def closure_step(self, inputs: dict[str, torch.Tensor]) -> None:
+        self.surrogate.reset()
+        index = torch.arange(self.plan.microbatches)
+        self.executor.step(inputs, index)
+        self.step_count += 1
+
+
+class Backend:
+    """A torch.compile backend and the runner of closures over it; see :func:`backend`."""
+
+    def __init__(self, *, ranks: int, microbatches: int, optimizer: OptimizerFactory | None,
+                 memory: int | None, dp: int, plan: Plan | str | Path | None,
+                 timeout_s: float, threads: int | None) -> None:
+        from orgel.api import _check_options, _default_optimizer
+
+        _check_options(ranks, microbatches, optimizer, memory, dp, plan)
+        self.ranks, self.microbatches = ranks, microbatches
+        self.optimizer = optimizer or _default_optimizer
+        self.memory, self.dp, self.given_plan = memory, dp, plan
+        self.timeout_s, self.threads = timeout_s, threads
+        self.model: GraphModel | None = None
+        self.pipe: Any = None  # an orgel.api.Pipeline once the ranks run
+        self._conn: Any = None
+        self._send_lock = threading.Lock()
+        self._local = threading.local()
+        self._slots: list[Slot] = []
+
+    # -- torch.compile side -------------------------------------------------------------
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        if self.model is not None:
+            from orgel.graph.capture import GraphBreakError
+
+            # Closures compile concurrently on the first step: the same graph again is fine.
+            if gm.code == self.model.graph_module.code:
+                return self._forward
+
+            raise GraphBreakError(
+                "torch.compile handed orgel.backend a second graph: the compiled model has a "
+                "graph break (or its input shapes changed). orgel pipelines exactly one graph "
+                "per runner; find the break with torch.compile(model, fullgraph=True) and "
+                "keep micro-batch shapes fixed"
+            )
+        self.model = GraphModel(gm, example_inputs)
+        return self._forward
+
+    def _forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        m = getattr(self._local, "microbatch", None)
+        if m is None:
+            raise RuntimeError("call the compiled model inside a closure run by pipe.step(...)")
+        slot = self._slots[m]
+        if slot.inputs is not None:
+            raise RuntimeError("a closure called the compiled model twice; call it once per "
+                               "micro-batch")
+        assert self.model is not None
+        inputs = {}
+        for (kind, name), value in zip(self.model.roles, args, strict=True):
+            if kind == "input":
+                if value.requires_grad:
+                    raise RuntimeError(f"input {name!r} of the compiled model requires grad; "
+                                       "run the pre-processing under torch.no_grad()")
+                inputs[name] = value.detach()
+        slot.inputs = inputs
+        slot.called.set()
+        slot.delivered.wait()
+        if slot.outputs is None:
+            raise RuntimeError("the pipelined step was aborted")
+        anchor = torch.zeros((), requires_grad=True)
+
+        def send(grads: list[Any]) -> None:
+            self._send_grad(slot, grads)
+
+        return tuple(OutputsFunction.apply(anchor, send, *slot.outputs))
+
+    def _send_grad(self, slot: Slot, grads: list[Any] | None) -> None:
+        with self._send_lock:
+            if slot.grad_sent:
+                raise RuntimeError("backward ran twice through the pipelined model in one closure")
+            slot.grad_sent = True
+            self._conn.send(("grad", slot.index, grads))
+
+    # -- the runner ----------------------------------------------------------------------
+
+    def step(self, closure: Callable[..., Any], *batch: Any) -> list[Any]:
+        """Run ``closure`` once per micro-batch of ``batch``; the optimizer steps once after.
+
+        Returns the closure's return values, one per micro-batch in order.
+        """
+        if not callable(closure):
+            raise TypeError("step(closure, *batch): closure must be callable")
+        pieces = _slice(batch, self.microbatches)
+        self._slots = [Slot(m) for m in range(self.microbatches)]
+        threads = [threading.Thread(target=self._run_closure, args=(closure, m, pieces[m]),
+                                    name=f"orgel-closure{m}", daemon=True)
+                   for m in range(self.microbatches)]
+        for t in threads:
+            t.start()
+        for slot in self._slots:
+            slot.called.wait()
+        try:
+            failed = [s for s in self._slots if s.error is not None]
+            if failed:
+                raise failed[0].error  # type: ignore[misc]
+            missing = [s.index for s in self._slots if s.inputs is None]
+            if missing:
+                raise RuntimeError(f"the closure for micro-batches {missing} returned without "
+                                   "calling the compiled model; call it once per closure")
+            if self.pipe is None:
+                self._start()
+            inputs = {name: torch.cat([s.inputs[name] for s in self._slots])  # type: ignore[index]
+                      for name in self._slots[0].inputs}  # type: ignore[union-attr]
+            reader = threading.Thread(target=self._read_outputs, daemon=True)
+            reader.start()
+            try:
+                self.pipe._ranks.call("closure_step", inputs)
+            except Exception:
+                errors = [s.error for s in self._slots if s.error is not None]
+                if errors:  # a closure failed first: that is the cause to report
+                    raise errors[0] from None
+                raise
+            reader.join()
+        finally:
+            for slot in self._slots:  # release closures still waiting (after an error)
+                slot.delivered.set()
+            for t in threads:
+                t.join()
+        for slot in self._slots:
+            if slot.error is not None:
+                raise slot.error
+        self.pipe.steps += 1
+        return [s.result for s in self._slots]
+
+    def _run_closure(self, closure: Callable[..., Any], m: int, args: list[Any]) -> None:
+        self._local.microbatch = m
+        slot = self._slots[m]
+        try:
+            slot.result = closure(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by step()
+            slot.error = exc
+            if self.pipe is not None and slot.inputs is not None:
+                self.pipe._ranks.kill()  # the ranks wait on this closure: stop them
+        finally:
+            slot.done = True
+            slot.called.set()
+            if slot.error is None and slot.inputs is not None and not slot.grad_sent:
+                self._send_grad(slot, None)  # no backward: zero gradient for this micro-batch
+
+    def _read_outputs(self) -> None:
+        for _ in range(self.microbatches):
+            try:
+                kind, m, outputs = self._conn.recv()
+            except (EOFError, OSError):
+                return
+            slot = self._slots[m]
+            slot.outputs = outputs
+            slot.delivered.set()
+
+    def _start(self) -> None:
+        import multiprocessing as mp
+
+        from orgel import api
+        from orgel.controller import LocalGroup
+        from orgel.workload import Workload
+
+        if self.model is None:
+            raise RuntimeError("the compiled model was never called")
+        if api.under_torchrun():
+            raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
+                               "the ranks); under torchrun use orgel.pipeline")
+        first = self._slots[0].inputs
+        assert first is not None
+        batch = {n: torch.cat([s.inputs[n] for s in self._slots])  # type: ignore[index]
+                 for n in first}
+        rows = next(iter(batch.values())).shape[0]
+        workload = Workload(self.model, batch, torch.zeros(rows), _no_loss)
+        graph = api._capture(workload, self.microbatches)
+        plan = api._resolve_plan(self.given_plan, workload, graph, self.ranks,
+                                 self.microbatches, self.memory, self.dp)
+        split = api._split(graph, plan)
+        loss_ranks = plan.placement[split.loss_stage]
+        if len(loss_ranks) != 1:
+            raise ValueError("the closure runner needs the loss stage on one rank; use a plan "
+                             "without data parallelism on the last stage")
+        ctx = mp.get_context("fork")
+        here, there = ctx.Pipe()
+        self._conn = here
+        loss_rank = loss_ranks[0]
+
+        def make_engine(rank: int) -> RankEngine:
+            return _ClosureEngine(rank, plan, split, optimizer=self.optimizer,
+                                  conn=there if rank == loss_rank else None,
+                                  timeout_s=self.timeout_s)
+
+        group = LocalGroup(self.ranks, make_engine, timeout_s=self.timeout_s,
+                           threads=self.threads)
+        keys, aliases = api.model_aliases(self.model)
+        self.pipe = api.Pipeline(plan, group, model=self.model, loss_ranks=loss_ranks,
+                                 state_keys=keys, aliases=aliases, spmd=False)
+
+    # -- the rest of the Pipeline API, once running ------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        return self._running().plan
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The compiled model's parameters and buffers by their original names."""
+        return dict(self._running().state_dict())
+
+    def save(self, directory: str | Path) -> Path:
+        return Path(self._running().save(directory))
+
+    def load(self, directory: str | Path) -> int:
+        return int(self._running().load(directory))
+
+    def timeline(self) -> list[Any]:
+        return list(self._running().timeline())
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            self.pipe.close()
+
+    def _running(self) -> Any:
+        if self.pipe is None:
+            raise RuntimeError("the pipeline starts on the first pipe.step(closure, ...)")
+        return self.pipe
+
+
+def _no_loss(outputs: Any, targets: Any) -> torch.Tensor:
+    raise RuntimeError("the closure computes the loss")
+
+
+def _slice(batch: tuple[Any, ...], m: int) -> list[list[Any]]:
+    """Each tensor argument cut into ``m`` equal pieces along dim 0; others passed whole."""
+    out: list[list[Any]] = [[] for _ in range(m)]
+    for i, arg in enumerate(batch):
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            if arg.shape[0] % m:
+                raise ValueError(f"argument {i} has batch size {arg.shape[0]}, not divisible "
+                                 f"into {m} micro-batches; choose a divisible batch size")
+            for k, piece in enumerate(arg.chunk(m)):
+                out[k].append(piece)
+        else:
+            for k in range(m):
+                out[k].append(arg)
+    return out
+
+
+def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactory | None = None,
+            memory: int | None = None, dp: int = 1, plan: Plan | str | Path | None = None,
+            timeout_s: float = 300.0, threads: int | None = None) -> Backend:
+    """A torch.compile backend that pipelines the compiled model; also its closure runner.
+
+    Use the returned object as ``torch.compile(model, backend=pipe)`` and train
+    with ``pipe.step(closure, *batch)``. The ranks start on the first step (the
+    graph is captured on that step's first micro-batch). Options as in
+    :func:`orgel.pipeline`.
+    """
+    return Backend(ranks=ranks, microbatches=microbatches, optimizer=optimizer, memory=memory,
+                   dp=dp, plan=plan, timeout_s=timeout_s, threads=threads)

@@ -1,0 +1,98 @@
+"""The two ends of the bridge between a user's closure and the pipelined model.
+
+The closure runs in the controller; the pipelined model runs on the ranks.
+For micro-batch ``m`` the rank that computes the model's outputs (the *loss
+stage*) hands them to the closure, and the closure hands back their gradient:
+
+```
+controller, closure m            loss-stage rank
+  model(x) ──────────────────▶  F ... loss stage  ──"out", m, outputs──┐
+  ◀── outputs (autograd leaf) ─────────────────────────────────────────┘
+  loss = criterion(outputs, y)
+  loss.backward() ── "grad", m, d loss/d outputs ──▶ surrogate loss ──▶ B ...
+```
+
+On the rank the executor's ``loss_fn`` is a :class:`SurrogateLoss`: it ships
+the outputs, waits for their gradient ``g`` and returns ``sum(outputs * g)``
+times the executor's loss divisor, whose gradient with respect to the outputs
+is exactly ``g``. The pipeline's backward then runs as if the closure's loss
+had been computed on the rank. In the controller, :class:`OutputsFunction`
+makes the received outputs part of the closure's autograd graph and sends the
+gradient when the closure calls ``backward``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class SurrogateLoss:
+    """The executor's ``loss_fn`` on the loss-stage rank; ``targets[0]`` is the micro-batch."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.divisor = 1.0  # set to the executor's loss divisor once it exists
+        self._grads: dict[int, list[torch.Tensor | None] | None] = {}
+
+    def reset(self) -> None:
+        self._grads.clear()
+
+    def __call__(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        m = int(targets.reshape(-1)[0].item())
+        flat = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+        if m not in self._grads:  # a recomputed forward reuses the gradient it already has
+            self.conn.send(("out", m, [t.detach().cpu() for t in flat]))
+            kind, got_m, grads = self.conn.recv()
+            if kind != "grad" or got_m != m:
+                raise RuntimeError(f"closure bridge out of order: expected grad {m}, got {kind} "
+                                   f"{got_m}")
+            self._grads[m] = grads
+        grads = self._grads[m]
+        total = sum((t * 0.0).sum() for t in flat if t.requires_grad)
+        if grads is not None:
+            for t, g in zip(flat, grads, strict=True):
+                if g is not None and t.requires_grad:
+                    total = total + (t * g.to(t.device, t.dtype)).sum()
+        if not isinstance(total, torch.Tensor):
+            raise RuntimeError("the compiled model's outputs do not require grad: nothing to train")
+        return total * self.divisor
+
+
+class OutputsFunction(torch.autograd.Function):
+    """Received outputs as autograd leaves of the closure; backward sends their gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, send: Callable[[list[Any]], None],
+                *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.send = send
+        ctx.float_mask = [t.is_floating_point() for t in outputs]
+        result = tuple(t.clone() for t in outputs)
+        ctx.mark_non_differentiable(*[t for t in result if not t.is_floating_point()])
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.send([g if floating else None for g, floating in zip(grads, ctx.float_mask,
+                                                                  strict=True)])
+        return (None, None) + (None,) * len(grads)
+
+
+class Slot:
+    """What the runner knows about one micro-batch's closure during a step."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.inputs: dict[str, torch.Tensor] | None = None
+        self.called = threading.Event()  # the closure called the model (or finished)
+        self.outputs: list[torch.Tensor] | None = None
+        self.delivered = threading.Event()  # outputs arrived (or the step was aborted)
+        self.grad_sent = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = False

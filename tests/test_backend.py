@@ -1,0 +1,128 @@
+"""The torch.compile backend and closure runner: CLIP with a frozen text tower in the closure."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import orgel.backend as ob
+from orgel.models import build
+from orgel.models.clip import contrastive_loss
+
+pytestmark = pytest.mark.slow
+M = 2
+LR = 0.05
+
+
+class ImageHead(nn.Module):
+    """The trainable side of CLIP: image tower and temperature against given text features."""
+
+    def __init__(self, image_tower: nn.Module, logit_scale: nn.Parameter) -> None:
+        super().__init__()
+        self.image_tower = image_tower
+        self.logit_scale = logit_scale
+
+    def forward(self, text: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        image = self.image_tower(pixels)
+        return (image @ text.t()) * self.logit_scale.exp()
+
+
+def _clip() -> tuple[nn.Module, ImageHead, Any]:
+    model, inputs, weights, _ = build("clip", batch_size=8, seed=0)
+    text_tower = model.text_tower.requires_grad_(False)
+    return text_tower, ImageHead(model.image_tower, model.logit_scale), (inputs, weights)
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, 128, (8, 16), generator=g), torch.randn(8, 3, 16, 16, generator=g),
+            torch.ones(8))
+
+
+def _make_closure(text_tower: nn.Module, head: Any, printed: list[str]) -> Any:
+    def closure(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> Any:
+        with torch.no_grad():
+            text = text_tower(tokens)  # frozen pre-processing, in the calling process
+        logits = head(text, pixels)
+        loss = contrastive_loss(logits, weights) / M
+        loss.backward()
+        printed.append(f"loss {loss.item():.4f}")  # side effects are allowed
+        return loss.detach()
+
+    return closure
+
+
+def test_frozen_text_tower_in_the_closure_matches_single_process() -> None:
+    text_tower, head, _ = _clip()
+    ref_head = copy.deepcopy(head)
+    ref_opt = _sgd(list(ref_head.parameters()))
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+    compiled = torch.compile(head, backend=pipe)
+    printed: list[str] = []
+    closure = _make_closure(text_tower, compiled, printed)
+    ref_closure = _make_closure(text_tower, ref_head, [])
+    try:
+        for step in range(2):
+            batch = _batch(step)
+            losses = pipe.step(closure, *batch)
+            ref_opt.zero_grad()
+            ref_losses = [ref_closure(*(t.chunk(M)[m] for t in batch)) for m in range(M)]
+            ref_opt.step()
+            assert len(losses) == M
+            for got, want in zip(losses, ref_losses, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert len(printed) == 2 * M
+        assert pipe.plan.num_ranks == 2
+        state = pipe.state_dict()
+        for name, t in ref_head.state_dict().items():
+            torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        pipe.close()
+
+
+def test_closure_errors_and_misuse_are_reported() -> None:
+    text_tower, head, _ = _clip()
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+    compiled = torch.compile(head, backend=pipe)
+    try:
+        with pytest.raises(RuntimeError, match="without calling the compiled model"):
+            pipe.step(lambda tokens, pixels, weights: None, *_batch(0))
+
+        def fails(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> None:
+            with torch.no_grad():
+                text = text_tower(tokens)
+            compiled(text, pixels)
+            raise KeyError("from the closure")
+
+        with pytest.raises(KeyError, match="from the closure"):
+            pipe.step(fails, *_batch(0))
+    finally:
+        pipe.close()
+    with pytest.raises(ValueError, match="not divisible into 2 micro-batches"):
+        ob.backend(microbatches=2).step(lambda x: x, torch.ones(3))
+
+
+def test_graph_model_keeps_original_parameter_names() -> None:
+    _, head, _ = _clip()
+    graphs: list[ob.GraphModel] = []
+
+    def grab(gm: torch.fx.GraphModule, example: list[Any]) -> Any:
+        graphs.append(ob.GraphModel(gm, example))
+        return gm.forward
+
+    text, pixels = torch.randn(2, 32), torch.randn(2, 3, 16, 16)
+    expected = head(text, pixels)
+    torch.compile(head, backend=grab)(text, pixels)
+    (gmodel,) = graphs
+    assert [n for n, _ in gmodel.named_parameters()] == [n for n, _ in head.named_parameters()]
+    assert sorted(gmodel.input_names) == ["pixels", "text"]
+    (out,) = gmodel(text=text, pixels=pixels)
+    torch.testing.assert_close(out, expected)
