@@ -61,3 +61,7 @@ class SplitModel:
     unflatten_outputs: Callable[[list[torch.Tensor]], Any]
     model_input_names: list[str] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)
+    #: For every value sent between stages, whether it carries a gradient: the
+    #: receiver marks it ``requires_grad`` and sends a gradient back only if True
+    #: (integer ids, masks and values computed under ``no_grad`` carry none).
+    requires_grad: dict[str, bool] = field(default_factory=dict)

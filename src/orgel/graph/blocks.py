@@ -1,0 +1,225 @@
+"""Coarsening: group an op graph's nodes into blocks that follow module boundaries and cost.
+
+Every block is a contiguous interval of the graph's topological node order, so
+every block is convex (a path that leaves an interval only reaches later nodes
+and can never come back) and the blocks are numbered in a topological order of
+the block DAG. Within that constraint blocks follow the module tree: the
+costliest block is split at the next module level down (a transformer stack
+into its layers, a ResNet into its stages) and, where the module tree offers
+no boundary, at the point that halves its FLOPs; then the cheapest neighbours
+are merged until the target count is met.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orgel.graph.opgraph import OpGraph
+
+DEFAULT_BLOCKS = 32
+
+
+@dataclass
+class Block:
+    """A convex group of nodes with their summed facts (bytes, FLOPs)."""
+
+    index: int
+    name: str
+    nodes: list[str]
+    params: list[str] = field(default_factory=list)
+    param_bytes: int = 0
+    saved_bytes: int = 0
+    output_bytes: int = 0
+    flops: int = 0
+    model_inputs: list[str] = field(default_factory=list)
+    produces_output: bool = False
+
+
+@dataclass(frozen=True)
+class BlockEdge:
+    """Values computed in block ``src`` and read in block ``dst`` (bytes per micro-batch)."""
+
+    src: int
+    dst: int
+    values: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass
+class BlockGraph:
+    """The fused graph: blocks, the DAG between them, and the op graph underneath."""
+
+    opgraph: OpGraph
+    blocks: list[Block]
+    edges: list[BlockEdge]
+
+    @property
+    def node_block(self) -> dict[str, int]:
+        """The block of every node."""
+        return {n: b.index for b in self.blocks for n in b.nodes}
+
+    def order(self) -> list[int]:
+        """A topological linearisation of the blocks (for sequential planners)."""
+        return [b.index for b in self.blocks]
+
+    def successors(self, block: int) -> list[int]:
+        return sorted({e.dst for e in self.edges if e.src == block})
+
+    def predecessors(self, block: int) -> list[int]:
+        return sorted({e.src for e in self.edges if e.dst == block})
+
+    def fan_outs(self) -> list[tuple[int, list[int]]]:
+        """Blocks whose values go to several blocks: where the DAG branches."""
+        return [(b.index, s) for b in self.blocks if len(s := self.successors(b.index)) > 1]
+
+    def joins(self) -> list[tuple[int, list[int]]]:
+        """Blocks that read values from several blocks: where branches meet."""
+        return [(b.index, p) for b in self.blocks if len(p := self.predecessors(b.index)) > 1]
+
+    def skips(self) -> list[BlockEdge]:
+        """Edges that jump over at least one block of the linear order (long skips)."""
+        return [e for e in self.edges if e.dst > e.src + 1]
+
+
+def coarsen(opgraph: OpGraph, target_blocks: int | None = None) -> BlockGraph:
+    """Group ``opgraph``'s nodes into about ``target_blocks`` convex blocks (default 32)."""
+    target = DEFAULT_BLOCKS if target_blocks is None else target_blocks
+    if not isinstance(target, int) or target < 1:
+        raise ValueError(f"target_blocks must be a positive integer, got {target_blocks!r}")
+    names = list(opgraph.nodes)
+    if not names:
+        raise ValueError("the op graph has no nodes to group into blocks")
+    paths = [tuple(p for p in opgraph.nodes[n].module.split(".") if p) for n in names]
+    cost = [max(opgraph.nodes[n].flops, 1) for n in names]
+    cut_ok = [True] + [_can_cut(opgraph, names[i - 1]) for i in range(1, len(names))]
+    segs = _runs(paths, 0, len(names), 1)
+    target = min(target, len(names))
+    while len(segs) < target:
+        splittable = [s for s in segs if s[1] - s[0] > 1]
+        if not splittable:
+            break
+        seg = max(splittable, key=lambda s: sum(cost[s[0]:s[1]]))
+        i = segs.index(seg)
+        segs[i:i + 1] = _refine(seg, paths, cost, cut_ok)
+    while len(segs) > target:
+        pairs = range(len(segs) - 1)
+        j = min(pairs, key=lambda k: (
+            sum(cost[segs[k][0]:segs[k + 1][1]]),
+            -_common(paths[segs[k][0]], paths[segs[k + 1][1] - 1]),
+        ))
+        segs[j:j + 2] = [(segs[j][0], segs[j + 1][1], min(segs[j][2], segs[j + 1][2]))]
+    return _assemble(opgraph, [names[a:b] for a, b, _ in segs], paths, [a for a, _, _ in segs])
+
+
+def from_groups(opgraph: OpGraph, groups: list[list[str]]) -> BlockGraph:
+    """A BlockGraph from explicit node groups (each must be an interval of the node order)."""
+    names = list(opgraph.nodes)
+    position = {n: i for i, n in enumerate(names)}
+    paths = [tuple(p for p in opgraph.nodes[n].module.split(".") if p) for n in names]
+    flat = [n for g in groups for n in g]
+    if sorted(flat, key=position.__getitem__) != flat or len(flat) != len(names):
+        raise ValueError("groups must cover every node once, in the graph's node order")
+    return _assemble(opgraph, groups, paths, [position[g[0]] for g in groups])
+
+
+def _can_cut(opgraph: OpGraph, before: str) -> bool:
+    node = opgraph.nodes[before]
+    return node.is_tensor or node.constant is not None
+
+
+def _key(path: tuple[str, ...], depth: int) -> tuple[str, ...]:
+    return path[:depth]
+
+
+def _runs(paths: list[tuple[str, ...]], a: int, b: int, depth: int) -> list[tuple[int, int, int]]:
+    """Maximal runs of [a, b) whose module paths agree on their first ``depth`` names."""
+    out: list[tuple[int, int, int]] = []
+    start = a
+    for i in range(a + 1, b + 1):
+        if i == b or _key(paths[i], depth) != _key(paths[start], depth):
+            out.append((start, i, depth))
+            start = i
+    return out
+
+
+def _refine(
+    seg: tuple[int, int, int], paths: list[tuple[str, ...]], cost: list[int], cut_ok: list[bool]
+) -> list[tuple[int, int, int]]:
+    """Split one segment at the next module level that divides it, else halve its cost."""
+    a, b, depth = seg
+    deepest = max(len(p) for p in paths[a:b])
+    for d in range(depth + 1, deepest + 1):
+        runs = _runs(paths, a, b, d)
+        if len(runs) > 1:
+            return runs
+    total = sum(cost[a:b])
+    best, best_gap, acc = None, None, 0
+    for k in range(a + 1, b):
+        acc += cost[k - 1]
+        if not cut_ok[k]:
+            continue
+        gap = abs(2 * acc - total)
+        if best_gap is None or gap < best_gap:
+            best, best_gap = k, gap
+    if best is None:
+        best = (a + b) // 2
+    deep = deepest + 1  # below the module tree: later splits are by cost only
+    return [(a, best, deep), (best, b, deep)]
+
+
+def _common(p: tuple[str, ...], q: tuple[str, ...]) -> int:
+    n = 0
+    while n < min(len(p), len(q)) and p[n] == q[n]:
+        n += 1
+    return n
+
+
+def _label(paths: list[tuple[str, ...]]) -> str:
+    """A readable name: the common module prefix and the first..last child under it."""
+    first = paths[0]
+    depth = min(_common(first, p) for p in paths)
+    prefix = list(first[:depth])
+    tails = list(dict.fromkeys(p[depth] for p in paths if len(p) > depth))
+    if len(tails) > 1:
+        prefix.append(f"{tails[0]}..{tails[-1]}")
+    elif tails:
+        prefix.append(tails[0])
+    return ".".join(prefix) or "<root>"
+
+
+def _assemble(
+    opgraph: OpGraph, groups: list[list[str]], paths: list[tuple[str, ...]], starts: list[int]
+) -> BlockGraph:
+    node_block = {n: i for i, g in enumerate(groups) for n in g}
+    outputs = set(opgraph.outputs)
+    blocks: list[Block] = []
+    edge_values: dict[tuple[int, int], dict[str, None]] = {}
+    leaving: dict[int, dict[str, None]] = {i: {} for i in range(len(groups))}
+    for node in opgraph.nodes.values():
+        dst = node_block[node.name]
+        for src in node.inputs:
+            if src in node_block and node_block[src] != dst:
+                edge_values.setdefault((node_block[src], dst), {})[src] = None
+                leaving[node_block[src]][src] = None
+    for i, group in enumerate(groups):
+        infos = [opgraph.nodes[n] for n in group]
+        params = list(dict.fromkeys(p for info in infos for p in info.params))
+        outs = dict(leaving[i])
+        outs.update({n: None for n in group if n in outputs})
+        blocks.append(Block(
+            index=i,
+            name=_label([paths[starts[i] + k] for k in range(len(group))]),
+            nodes=list(group), params=params,
+            param_bytes=sum(opgraph.tensor_bytes(p) for p in params),
+            saved_bytes=sum(info.saved_bytes for info in infos),
+            output_bytes=sum(opgraph.nodes[n].nbytes for n in outs),
+            flops=sum(info.flops for info in infos),
+            model_inputs=[m for m in opgraph.model_inputs
+                          if any(m in info.inputs for info in infos)],
+            produces_output=any(n in outputs for n in group),
+        ))
+    edges = [
+        BlockEdge(a, b, tuple(vals), sum(opgraph.nodes[v].nbytes for v in vals))
+        for (a, b), vals in sorted(edge_values.items())
+    ]
+    return BlockGraph(opgraph, blocks, edges)

@@ -1,0 +1,152 @@
+"""The op graph: a captured fx graph of the forward plus measured facts per node.
+
+Every value in the graph has a name: a model input is named by its keyword in
+the model's signature, every other value by the fx node that computes it.
+Parameters and buffers are not values: nodes read them by qualified name in the
+original model (a tied parameter has one name and several readers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+@dataclass
+class OpNode:
+    """One operation of the forward and what it costs.
+
+    ``inputs`` names the values it reads (other nodes or model inputs),
+    ``params`` the parameters/buffers it reads; ``nbytes``/``shape``/``dtype``
+    describe its output (``shape`` is None when the output is not one tensor);
+    ``saved_bytes`` is what autograd kept for backward when it ran (measured,
+    not guessed; parameters and storages already counted by an earlier node are
+    left out); ``flops`` counts matmul/conv/attention FLOPs, or one per output
+    element for other ops; ``grad_enabled`` is the grad mode it ran under.
+    """
+
+    name: str
+    op: str
+    module: str
+    inputs: tuple[str, ...]
+    params: tuple[str, ...] = ()
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    nbytes: int = 0
+    param_bytes: int = 0
+    flops: int = 0
+    saved_bytes: int = 0
+    requires_grad: bool = False
+    is_tensor: bool = True
+    grad_enabled: bool = True
+    source: str = ""
+    constant: Any = None  # the output itself when it holds no tensors (sizes, ints)
+
+
+@dataclass
+class OutputSpec:
+    """How the model's output structure is rebuilt from named values.
+
+    ``leaves[i]`` is ``("value", name)`` for a tensor the graph produces (or a
+    model input passed through) and ``("const", obj)`` for anything else.
+    """
+
+    treespec: Any
+    leaves: list[tuple[str, Any]]
+
+    @property
+    def value_names(self) -> list[str]:
+        """Distinct value names the output needs, in leaf order."""
+        names: list[str] = []
+        for kind, payload in self.leaves:
+            if kind == "value" and payload not in names:
+                names.append(payload)
+        return names
+
+
+class Unflatten:
+    """Rebuild the model's output object from the tensors named in ``names`` (that order)."""
+
+    def __init__(self, spec: OutputSpec, names: list[str]) -> None:
+        self.spec = spec
+        self.names = list(names)
+
+    def __call__(self, tensors: list[torch.Tensor]) -> Any:
+        if len(tensors) != len(self.names):
+            raise ValueError(f"expected {len(self.names)} output tensors, got {len(tensors)}")
+        by_name = dict(zip(self.names, tensors, strict=True))
+        leaves = [by_name[p] if k == "value" else p for k, p in self.spec.leaves]
+        return pytree.tree_unflatten(leaves, self.spec.treespec)
+
+
+@dataclass
+class OpGraph:
+    """A captured forward: the fx graph, its nodes' facts and how to rebuild the output.
+
+    ``graph_module`` has one placeholder per model input (named like the input),
+    per parameter/buffer (see ``attr_of``) and per lifted constant.
+    ``nodes`` holds the compute nodes in a topological order (the graph's own
+    order); structural nodes (grad-mode switches) are left out of ``nodes`` and
+    recorded as each node's ``grad_enabled`` instead.
+    """
+
+    graph_module: torch.fx.GraphModule
+    nodes: dict[str, OpNode]
+    model_inputs: list[str]
+    params: dict[str, torch.nn.Parameter]
+    buffers: dict[str, torch.Tensor]
+    constants: dict[str, torch.Tensor]
+    attr_of: dict[str, str]
+    output_spec: OutputSpec
+    method: str
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[str]:
+        """The value names the model's output is built from."""
+        return self.output_spec.value_names
+
+    def users(self) -> dict[str, list[str]]:
+        """For each value (node or model input), the compute nodes that read it."""
+        result: dict[str, list[str]] = {name: [] for name in self.model_inputs}
+        for name in self.nodes:
+            result[name] = []
+        for node in self.nodes.values():
+            for src in node.inputs:
+                result[src].append(node.name)
+        return result
+
+    def param_users(self) -> dict[str, list[str]]:
+        """For each parameter/buffer/constant, the nodes that read it (tied: several)."""
+        result: dict[str, list[str]] = {}
+        for node in self.nodes.values():
+            for p in node.params:
+                result.setdefault(p, []).append(node.name)
+        return result
+
+    def tensor_bytes(self, name: str) -> int:
+        """Bytes of one parameter, buffer or constant."""
+        t = self.params.get(name)
+        if t is None:
+            t = self.buffers.get(name, self.constants.get(name))
+        return 0 if t is None else t.numel() * t.element_size()
+
+    def unflatten(self, names: list[str]) -> Callable[[list[torch.Tensor]], Any]:
+        """A callable rebuilding the model's output from tensors named ``names``."""
+        return Unflatten(self.output_spec, names)
+
+    def summary(self) -> dict[str, int]:
+        """Totals: nodes, parameter bytes, saved-activation bytes, FLOPs."""
+        return {
+            "nodes": len(self.nodes),
+            "params": len(self.params),
+            "param_bytes": sum(self.tensor_bytes(p) for p in self.params),
+            "buffer_bytes": sum(self.tensor_bytes(b) for b in self.buffers),
+            "saved_bytes": sum(n.saved_bytes for n in self.nodes.values()),
+            "flops": sum(n.flops for n in self.nodes.values()),
+        }

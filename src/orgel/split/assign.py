@@ -1,0 +1,98 @@
+"""Simple stage assignments: balanced contiguous cuts, and random valid ones for testing.
+
+Both cut a topological order of the blocks (or nodes) into contiguous runs, so
+every stage is convex and the stages form a DAG. The planners search much
+better assignments; these are the baseline and the fuzzing source.
+"""
+
+from __future__ import annotations
+
+import random
+
+from orgel.graph.blocks import BlockGraph
+from orgel.graph.opgraph import OpGraph
+
+
+def _units(graph: BlockGraph | OpGraph) -> tuple[list[int], dict[int, list[int]]]:
+    """Unit ids in order and each unit's predecessors (blocks, or nodes by position)."""
+    if isinstance(graph, BlockGraph):
+        units = graph.order()
+        preds = {b: graph.predecessors(b) for b in units}
+        return units, preds
+    names = list(graph.nodes)
+    position = {n: i for i, n in enumerate(names)}
+    preds = {
+        i: sorted({position[s] for s in graph.nodes[n].inputs if s in position})
+        for i, n in enumerate(names)
+    }
+    return list(range(len(names))), preds
+
+
+def _check(num_stages: int, available: int) -> None:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if num_stages > available:
+        raise ValueError(
+            f"cannot make {num_stages} stages from {available} blocks; ask for fewer stages "
+            "or more blocks"
+        )
+
+
+def balanced_assignment(graph: BlockGraph, num_stages: int, *, weight: str = "flops") -> list[int]:
+    """One stage per block: contiguous runs of the block order with about equal ``weight``.
+
+    ``weight`` is ``"flops"`` or ``"params"`` (parameter bytes).
+    """
+    if weight not in ("flops", "params"):
+        raise ValueError(f"weight must be 'flops' or 'params', got {weight!r}")
+    _check(num_stages, len(graph.blocks))
+    w = [max(b.flops if weight == "flops" else b.param_bytes, 1) for b in graph.blocks]
+    total = sum(w)
+    assignment: list[int] = []
+    acc = 0.0
+    stage = 0
+    for i, wi in enumerate(w):
+        later_stages = num_stages - 1 - stage
+        # Move on once this (non-empty) stage has its share of the weight, and
+        # always when only as many blocks are left as later stages need.
+        if assignment and assignment[-1] == stage and later_stages > 0 and (
+            len(w) - i == later_stages or acc + wi / 2 > total * (stage + 1) / num_stages
+        ):
+            stage += 1
+        assignment.append(stage)
+        acc += wi
+    return assignment
+
+
+def random_assignment(
+    graph: BlockGraph | OpGraph, num_stages: int, *, seed: int = 0
+) -> list[int]:
+    """A random valid assignment: a random topological order cut at random points.
+
+    For a BlockGraph one stage per block, for an OpGraph one per node (in node order).
+    """
+    units, preds = _units(graph)
+    _check(num_stages, len(units))
+    rng = random.Random(seed)
+    indegree = {u: len(preds[u]) for u in units}
+    succ: dict[int, list[int]] = {u: [] for u in units}
+    for u in units:
+        for p in preds[u]:
+            succ[p].append(u)
+    ready = [u for u in units if indegree[u] == 0]
+    order: list[int] = []
+    while ready:
+        u = ready.pop(rng.randrange(len(ready)))
+        order.append(u)
+        for v in succ[u]:
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    cuts = sorted(rng.sample(range(1, len(order)), num_stages - 1))
+    stage_of: dict[int, int] = {}
+    stage = 0
+    for i, u in enumerate(order):
+        while stage < len(cuts) and i >= cuts[stage]:
+            stage += 1
+        stage_of[u] = stage
+    return [stage_of[u] for u in units]

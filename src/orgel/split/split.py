@@ -1,0 +1,294 @@
+"""Assignment of nodes (or blocks) to stages → one fx GraphModule per stage and the stage DAG.
+
+A stage's module takes, by name, the model inputs it reads and the values it
+receives, and returns the values later stages need (plus, for the loss stage,
+the model's outputs). A value read by several later stages travels straight to
+each of them. Parameters keep their original qualified names inside a stage's
+module (``transformer.h.0.attn.c_attn.weight``), so ``param_names`` is the
+identity map and a tied parameter appears, under one name, in every stage that
+reads it. Buffers go with the nodes that read them, so a BatchNorm's running
+statistics are updated in place by the stage that runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from orgel.graph.blocks import BlockGraph
+from orgel.graph.opgraph import OpGraph
+from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value
+from orgel.split.types import SplitModel, StageModule
+
+_GRAD_SWITCH = torch._C._set_grad_enabled
+
+Assignment = Sequence[int] | Mapping[Any, int]
+
+
+class SplitError(ValueError):
+    """An assignment of nodes to stages cannot be split; the message names why and where."""
+
+
+def split_model(graph: OpGraph | BlockGraph, assignment: Assignment) -> SplitModel:
+    """Build one module per stage from ``assignment``.
+
+    ``assignment`` maps blocks (a sequence with one stage per block, or a
+    mapping ``{block index: stage}``) when ``graph`` is a :class:`BlockGraph`,
+    or nodes (a sequence in node order, or ``{node name: stage}``) for an
+    :class:`OpGraph`. Stages are numbered from 0 and none may be empty. The
+    stages must form a DAG (each stage convex); otherwise :class:`SplitError`
+    names a path that leaves a stage and comes back.
+    """
+    opg, node_stage, stage_blocks = _node_stages(graph, assignment)
+    return _build(opg, node_stage, stage_blocks)
+
+
+def split_plan(graph: OpGraph | BlockGraph, plan: Plan | StageGraph) -> SplitModel:
+    """Split by a Plan's stages: each stage lists its ``blocks`` (or its ``nodes``)."""
+    stages = plan.stage_graph.stages if isinstance(plan, Plan) else plan.stages
+    mapping: dict[Any, int] = {}
+    for s, stage in enumerate(stages):
+        if stage.blocks and isinstance(graph, BlockGraph):
+            mapping.update({b: s for b in stage.blocks})
+        elif stage.nodes:
+            mapping.update({n: s for n in stage.nodes})
+        else:
+            raise SplitError(f"plan stage {s} lists neither blocks nor nodes to compute")
+    if all(isinstance(k, str) for k in mapping) and isinstance(graph, BlockGraph):
+        graph = graph.opgraph
+    return split_model(graph, mapping)
+
+
+# -- assignment → node stages --------------------------------------------------------
+
+
+def _node_stages(
+    graph: OpGraph | BlockGraph, assignment: Assignment
+) -> tuple[OpGraph, dict[str, int], dict[int, list[int]]]:
+    stage_blocks: dict[int, list[int]] = {}
+    if isinstance(graph, BlockGraph):
+        opg = graph.opgraph
+        keys: list[Any] = list(range(len(graph.blocks)))
+        what = "block"
+    else:
+        opg = graph
+        keys = list(opg.nodes)
+        what = "node"
+    if isinstance(assignment, Mapping):
+        table = dict(assignment)
+    else:
+        if len(assignment) != len(keys):
+            raise SplitError(
+                f"assignment has {len(assignment)} entries but the graph has {len(keys)} "
+                f"{what}s; give one stage per {what}"
+            )
+        table = dict(zip(keys, assignment, strict=True))
+    unknown = [k for k in table if k not in set(keys)]
+    if unknown:
+        raise SplitError(f"assignment names unknown {what}s {unknown[:5]}")
+    missing = [k for k in keys if k not in table]
+    if missing:
+        raise SplitError(
+            f"assignment leaves {len(missing)} {what}s without a stage, e.g. {missing[:5]}"
+        )
+    stages = sorted(set(int(v) for v in table.values()))
+    if stages != list(range(len(stages))):
+        raise SplitError(
+            f"stages must be numbered 0..K-1 with none empty; the assignment uses {stages}"
+        )
+    if isinstance(graph, BlockGraph):
+        node_stage = {}
+        for b, s in table.items():
+            stage_blocks.setdefault(int(s), []).append(int(b))
+            for n in graph.blocks[b].nodes:
+                node_stage[n] = int(s)
+    else:
+        node_stage = {str(k): int(v) for k, v in table.items()}
+    # A tuple-valued node cannot be sent: its getitems run where it runs.
+    for node in opg.nodes.values():
+        if node.op == "getitem" and len(node.inputs) == 1:
+            src = opg.nodes.get(node.inputs[0])
+            if src is not None and not src.is_tensor and src.constant is None:
+                node_stage[node.name] = node_stage[src.name]
+    return opg, node_stage, stage_blocks
+
+
+def _check_acyclic(opg: OpGraph, node_stage: dict[str, int], num_stages: int) -> list[int]:
+    """A topological order of the stages; raise naming a path that leaves a stage and returns."""
+    witness: dict[tuple[int, int], tuple[str, str]] = {}
+    for node in opg.nodes.values():
+        for src in node.inputs:
+            if src in node_stage and node_stage[src] != node_stage[node.name]:
+                witness.setdefault((node_stage[src], node_stage[node.name]), (src, node.name))
+    succ: dict[int, list[int]] = {s: [] for s in range(num_stages)}
+    for a, b in witness:
+        succ[a].append(b)
+    color = dict.fromkeys(range(num_stages), 0)
+    order: list[int] = []
+    stack_path: list[int] = []
+
+    def visit(s: int) -> None:
+        color[s] = 1
+        stack_path.append(s)
+        for t in sorted(succ[s]):
+            if color[t] == 1:
+                cycle = stack_path[stack_path.index(t):] + [t]
+                hops = [witness[(a, b)] for a, b in zip(cycle, cycle[1:], strict=False)]
+                path = "; ".join(
+                    f"{u} (stage {node_stage[u]}) -> {v} (stage {node_stage[v]})" for u, v in hops
+                )
+                raise SplitError(
+                    f"stage assignment is not convex: a path leaves stage {t} and comes back "
+                    f"({' -> '.join(str(c) for c in cycle)}) through {path}; move these nodes "
+                    "so that values only flow forward between stages"
+                )
+            if color[t] == 0:
+                visit(t)
+        stack_path.pop()
+        color[s] = 2
+        order.append(s)
+
+    for s in range(num_stages):
+        if color[s] == 0:
+            visit(s)
+    return order[::-1]
+
+
+# -- building the stage modules ------------------------------------------------------
+
+
+def _build(
+    opg: OpGraph, node_stage: dict[str, int], stage_blocks: dict[int, list[int]]
+) -> SplitModel:
+    num_stages = max(node_stage.values()) + 1
+    order = _check_acyclic(opg, node_stage, num_stages)
+    rank_of = {s: i for i, s in enumerate(order)}
+    inputs_set = set(opg.model_inputs)
+    out_names = opg.outputs
+    producers = [node_stage[n] for n in out_names if n in node_stage]
+    loss_stage = max(producers, key=lambda s: rank_of[s]) if producers else order[-1]
+
+    # What each stage reads: model inputs (by name) and values from other stages.
+    reads: dict[int, dict[str, None]] = {s: {} for s in range(num_stages)}
+    for node in opg.nodes.values():
+        s = node_stage[node.name]
+        for src in node.inputs:
+            if src in inputs_set or node_stage[src] != s:
+                src_node = opg.nodes.get(src)
+                if src_node is not None and src_node.constant is not None:
+                    continue  # a size or flag: inlined as a constant where it is read
+                if src_node is not None and not src_node.is_tensor:
+                    raise SplitError(
+                        f"node {node.name} (stage {s}) reads {src} (stage {node_stage[src]}), "
+                        f"a {src_node.op} result that is not a tensor; put both in one stage"
+                    )
+                reads[s][src] = None
+    for name in out_names:
+        if name in inputs_set or node_stage[name] != loss_stage:
+            reads[loss_stage][name] = None
+    node_order = {n: i for i, n in enumerate(opg.nodes)}
+    sends: dict[int, dict[str, None]] = {s: {} for s in range(num_stages)}
+    edge_values: dict[tuple[int, int], list[str]] = {}
+    for s in range(num_stages):
+        # Every list of values is in node order: stage inputs, outputs and edges agree.
+        for name in sorted(reads[s], key=lambda n: node_order.get(n, -1)):
+            if name in inputs_set:
+                continue
+            src_stage = node_stage[name]
+            sends[src_stage][name] = None
+            edge_values.setdefault((src_stage, s), []).append(name)
+
+    fx_nodes = {n.name: n for n in opg.graph_module.graph.nodes}
+    stages: list[StageModule] = []
+    holders: dict[str, list[int]] = {}
+    for s in range(num_stages):
+        model_in = [n for n in opg.model_inputs if n in reads[s]]
+        received = sorted((n for n in reads[s] if n not in inputs_set), key=node_order.__getitem__)
+        outputs = sorted(sends[s], key=node_order.__getitem__)
+        if s == loss_stage:
+            outputs += [n for n in out_names if n not in sends[s]]
+        names = [n for n, st in node_stage.items() if st == s]
+        module = _stage_module(opg, fx_nodes, sorted(names, key=node_order.__getitem__),
+                               model_in + received, outputs)
+        pnames = {n: n for n, _ in module.named_parameters()}
+        bnames = {n: n for n, _ in module.named_buffers() if n in opg.buffers}
+        for n in pnames:
+            holders.setdefault(n, []).append(s)
+        stages.append(StageModule(
+            index=s, module=module, inputs=model_in + received, outputs=outputs,
+            model_inputs=model_in, param_names=pnames, buffer_names=bnames,
+        ))
+
+    def nbytes(name: str) -> int:
+        return opg.nodes[name].nbytes
+
+    ir_stages = tuple(
+        Stage(
+            name=f"stage{s}",
+            nodes=tuple(sorted((n for n, st in node_stage.items() if st == s),
+                               key=node_order.__getitem__)),
+            blocks=tuple(sorted(stage_blocks.get(s, []))),
+            model_inputs=tuple(stages[s].model_inputs),
+            model_outputs=tuple(out_names) if s == loss_stage else (),
+        )
+        for s in range(num_stages)
+    )
+    edges = tuple(
+        Edge(a, b, tuple(Value(n, nbytes(n)) for n in vals))
+        for (a, b), vals in sorted(edge_values.items())
+    )
+    stage_graph = StageGraph(ir_stages, edges)
+    stage_graph.check()
+    crossing = {n for vals in edge_values.values() for n in vals}
+    return SplitModel(
+        stages=stages, stage_graph=stage_graph, loss_stage=loss_stage,
+        output_names=list(out_names), unflatten_outputs=opg.unflatten(list(out_names)),
+        model_input_names=list(opg.model_inputs),
+        tied=sorted(n for n, ss in holders.items() if len(ss) > 1),
+        requires_grad={n: _differentiable(opg, n) for n in sorted(crossing)},
+    )
+
+
+def _differentiable(opg: OpGraph, name: str) -> bool:
+    node = opg.nodes[name]
+    return node.requires_grad and node.dtype is not None and (
+        node.dtype.startswith("float") or node.dtype.startswith("bfloat")
+        or node.dtype.startswith("complex")
+    )
+
+
+def _stage_module(
+    opg: OpGraph, fx_nodes: dict[str, torch.fx.Node], names: list[str], inputs: list[str],
+    outputs: list[str],
+) -> torch.fx.GraphModule:
+    """One GraphModule: placeholders ``inputs``, the nodes ``names``, returns ``outputs``."""
+    g = torch.fx.Graph()
+    env: dict[str, Any] = {n: g.placeholder(n) for n in inputs}
+    attrs: dict[str, torch.Tensor] = {}
+
+    def lookup(n: torch.fx.Node) -> Any:
+        if n.name in env:
+            return env[n.name]
+        qual = opg.attr_of.get(n.name)
+        if qual is not None:
+            attrs[qual] = opg.params.get(qual, opg.buffers.get(qual, opg.constants.get(qual)))
+            env[n.name] = g.get_attr(qual)
+            return env[n.name]
+        node = opg.nodes.get(n.name)
+        if node is not None and node.constant is not None:
+            return node.constant
+        raise SplitError(f"value {n.name} is not available in this stage")
+
+    grad = True
+    for name in names:
+        info = opg.nodes[name]
+        if info.grad_enabled != grad:
+            g.call_function(_GRAD_SWITCH, (info.grad_enabled,))
+            grad = info.grad_enabled
+        env[name] = g.node_copy(fx_nodes[name], lookup)
+    if not grad:
+        g.call_function(_GRAD_SWITCH, (True,))
+    g.output(tuple(env[n] for n in outputs))
+    return torch.fx.GraphModule(attrs, g)

@@ -1,0 +1,191 @@
+"""The workload convention: ``(model, inputs, targets, loss_fn)``, loading, checking, micro-batches.
+
+A training workload is a model, its example inputs (a tuple of positional
+tensors or a dict of keyword tensors), the targets (a tensor or a tuple of
+tensors) and ``loss_fn(outputs, targets)`` returning a scalar averaged over the
+batch. Every tensor with a batch dimension (``batch_dim``, 0 unless told
+otherwise) is split into micro-batches; tensors without one are passed whole to
+every micro-batch. CLI commands name a workload as ``path/to/file.py:function``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Targets = Any  # a tensor, a tuple/list of tensors, or None
+
+
+class WorkloadError(ValueError):
+    """A workload is malformed; the message says what to change."""
+
+
+@dataclass
+class Workload:
+    """A model, one batch of inputs and targets, and the loss that joins them."""
+
+    model: torch.nn.Module
+    inputs: tuple[Any, ...] | dict[str, Any]
+    targets: Targets
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    batch_dim: int = 0
+
+
+def load_workload(spec: str) -> Workload:
+    """Load ``"path/to/file.py:function"``; the function returns the 4-tuple (or a Workload)."""
+    path_text, sep, func_name = spec.rpartition(":")
+    if not sep or not path_text or not func_name:
+        raise WorkloadError(
+            f"workload {spec!r} must look like 'path/to/file.py:function' "
+            "(a Python file and the function in it that returns (model, inputs, targets, loss_fn))"
+        )
+    path = Path(path_text)
+    if not path.is_file():
+        raise WorkloadError(f"workload file {path} does not exist")
+    module_name = f"_orgel_workload_{abs(hash(str(path.resolve())))}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise WorkloadError(f"cannot import {path}: is it a Python file?")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
+    loader_spec.loader.exec_module(module)
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise WorkloadError(f"{path} has no function {func_name!r}")
+    result = func()
+    if isinstance(result, Workload):
+        return result
+    if hasattr(result, "_fields") and len(result) in (4, 5):  # a NamedTuple like the zoo's
+        return Workload(*tuple(result))
+    if not isinstance(result, tuple) or len(result) != 4:
+        raise WorkloadError(
+            f"{spec} returned {type(result).__name__}; it must return the 4-tuple "
+            "(model, inputs, targets, loss_fn)"
+        )
+    return Workload(*result)
+
+
+def named_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
+    """The model's inputs by keyword: positional ones are named by ``forward``'s signature."""
+    if isinstance(inputs, dict):
+        return dict(inputs)
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)):
+        raise WorkloadError(
+            f"inputs must be a tuple of tensors or a dict of tensors, got {type(inputs).__name__}"
+        )
+    params = list(inspect.signature(model.forward).parameters.values())
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(inputs) > len(positional):
+        raise WorkloadError(
+            f"{type(model).__name__}.forward takes {len(positional)} positional inputs but "
+            f"the workload gives {len(inputs)}; pass a dict of keyword inputs instead"
+        )
+    return {p.name: value for p, value in zip(positional, inputs, strict=False)}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def validate_workload(w: Workload, microbatches: int = 1) -> None:
+    """Raise :class:`WorkloadError` unless ``w`` can be split into ``microbatches``.
+
+    Checks: the model is a module; inputs are tensors (tuple or dict); something
+    has a batch dimension; every batched tensor's batch size is the same and
+    divisible by ``microbatches``; the loss on the whole batch is a scalar.
+    """
+    if not isinstance(w.model, torch.nn.Module):
+        raise WorkloadError(f"model must be a torch.nn.Module, got {type(w.model).__name__}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise WorkloadError(f"microbatches must be a positive integer, got {microbatches!r}")
+    named = named_inputs(w.model, w.inputs)
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor) and value is not None:
+            raise WorkloadError(
+                f"input {name!r} is a {type(value).__name__}; inputs must be tensors "
+                "(put constant options in the model or a closure)"
+            )
+    if not callable(w.loss_fn):
+        raise WorkloadError("loss_fn must be callable as loss_fn(outputs, targets)")
+    batch = _batch_size(w)
+    if batch % microbatches:
+        raise WorkloadError(
+            f"batch size {batch} is not divisible into {microbatches} micro-batches; "
+            f"choose a micro-batch count that divides {batch}"
+        )
+    with torch.no_grad():
+        outputs = w.model(**named)
+        loss = w.loss_fn(outputs, w.targets)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise WorkloadError(
+            f"loss_fn must return a scalar tensor averaged over the batch, got {shape}"
+        )
+    if not loss.dtype.is_floating_point:
+        raise WorkloadError(f"loss_fn returned a {loss.dtype} tensor; it must be floating point")
+
+
+def _batch_size(w: Workload) -> int:
+    named = named_inputs(w.model, w.inputs)
+    tensors = [t for t in named.values() if isinstance(t, torch.Tensor)] + _tensors(w.targets)
+    dim = w.batch_dim
+    sizes = {int(t.shape[dim]) for t in tensors if t.dim() > dim}
+    if not sizes:
+        raise WorkloadError(
+            f"no input or target has a batch dimension {dim}; give at least one tensor "
+            "with a batch dimension (or set batch_dim)"
+        )
+    if len(sizes) > 1:
+        raise WorkloadError(
+            f"tensors disagree on the batch size along dim {dim}: {sorted(sizes)}; "
+            "give every batched input and target the same batch size"
+        )
+    return sizes.pop()
+
+
+def _split(value: Any, m: int, dim: int, batch: int) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() > dim and value.shape[dim] == batch:
+            return list(value.chunk(m, dim=dim))
+        return [value] * m
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        parts = [_split(v, m, dim, batch) for v in value]
+        return [type(value)(*(p[i] for p in parts)) for i in range(m)]
+    if isinstance(value, (tuple, list)):
+        parts = [_split(v, m, dim, batch) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(m)]
+    if isinstance(value, dict):
+        parts_d = {k: _split(v, m, dim, batch) for k, v in value.items()}
+        return [{k: p[i] for k, p in parts_d.items()} for i in range(m)]
+    return [value] * m
+
+
+def microbatches(w: Workload, m: int) -> list[tuple[dict[str, torch.Tensor], Targets]]:
+    """Split inputs (by name) and targets into ``m`` equal micro-batches along ``batch_dim``."""
+    batch = _batch_size(w)
+    if m < 1 or batch % m:
+        raise WorkloadError(
+            f"batch size {batch} is not divisible into {m} micro-batches; "
+            f"choose a micro-batch count that divides {batch}"
+        )
+    named = named_inputs(w.model, w.inputs)
+    inputs = _split(named, m, w.batch_dim, batch)
+    targets = _split(w.targets, m, w.batch_dim, batch)
+    return list(zip(inputs, targets, strict=True))
