@@ -134,7 +134,7 @@ def _timeline(
 ) -> tuple[Timeline, list[Event | None]]:
     """Events for every op with a duration; ``op_event[v]`` is op ``v``'s event (or None)."""
     plan = cp.plan
-    tl = Timeline(num_ranks=cp.num_ranks, title=str(plan.meta.get("family", "")))
+    tl = Timeline(num_ranks=cp.num_ranks, title=str(plan.meta.get("schedule", "")))
     op_event: list[Event | None] = [None] * cp.num_ops
     v = 0
     for r, actions in enumerate(plan.schedule):
