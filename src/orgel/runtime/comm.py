@@ -27,6 +27,10 @@ from orgel.runtime.errors import CommFailure
 from orgel.schedule.comm import CommPlan, describe
 from orgel.schedule.ir import Plan
 
+# Transports are created in the same order on every rank (like process groups),
+# so this count names one plan's shape keys in the shared store.
+_instances = 0
+
 
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
@@ -72,6 +76,9 @@ class Transport:
         self.posted: dict[int, list[Any]] = {}
         self.next_in_channel: dict[tuple[int, int], int] = {}
         self.sends: list[tuple[int, list[Any], list[torch.Tensor]]] = []
+        global _instances
+        _instances += 1
+        self.instance = _instances
         self.exchange = True
         self.epoch = 0
         self.wait_ms: dict[int, float] = {}
@@ -101,7 +108,7 @@ class Transport:
     # -- receiving ----------------------------------------------------------------
 
     def _shape_key(self, i: int) -> str:
-        return f"orgel/shape/{self.epoch}/{i}"
+        return f"orgel/shape/{self.instance}/{self.epoch}/{i}"
 
     def _what(self, i: int) -> str:
         return describe(self.plan, self.comm.messages[i])

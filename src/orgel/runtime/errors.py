@@ -118,7 +118,7 @@ def summarize(records: list[FailureRecord], exitcodes: dict[int, int | None]) ->
     reported = {r.rank for r in records}
     if roots:
         root = roots[0]
-        lines.append(f"rank {root.rank} failed: {root.message}")
+        lines.append(root.message)
         lines.append(root.traceback.rstrip())
         others = [r for r in records if r is not root]
     else:

@@ -110,8 +110,8 @@ class Executor:
         params = self.parameters()
         self.optimizer = (optimizer_factory(params) if optimizer_factory is not None and params
                           else None)
-        n_loss = len(plan.placement[split.loss_stage])
-        self.scale = 1.0 / (plan.microbatches * n_loss)
+        # a division, like the single-process reference's loss / microbatches
+        self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])
         self.dispatch: dict[str, Callable[[Action], None]] = {
             "F": self._forward, "B": self._backward, "I": self._backward, "W": self._weight,
         }
@@ -198,6 +198,12 @@ class Executor:
         for rset in self.reduce_after.get(pos, ()):
             self.sync.launch_replicas(rset)
 
+    def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
+        """Whether value ``name`` sends a gradient back (the split says; default: floats)."""
+        if not (t.is_floating_point() or t.is_complex()):
+            return False
+        return self.split.requires_grad.get(name, True)
+
     def _outgoing(self, i: int) -> list[torch.Tensor]:
         """The tensors of message ``i``, sliced to its rows, right after its action."""
         msg = self.comm.messages[i]
@@ -238,7 +244,7 @@ class Executor:
             for k, v in enumerate(edge.values):
                 t = (pieces[0][k] if len(pieces) == 1
                      else torch.cat([p[k] for p in pieces], dim=self.batch_dim))
-                leaves[v.name] = t.detach().requires_grad_(t.is_floating_point())
+                leaves[v.name] = t.detach().requires_grad_(self._carries_grad(v.name, t))
         stage = info.stage
         mb = self._inputs[m]
         args = [share(mb[n], info.replica, info.replicas, self.batch_dim)
@@ -266,7 +272,7 @@ class Executor:
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
         targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim)
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
-        return outputs, loss * self.scale
+        return outputs, loss / self.loss_divisor
 
     # -- backward -----------------------------------------------------------------
 
@@ -277,7 +283,7 @@ class Executor:
         for e in info.out_edges:
             edge = self.plan.stage_graph.edges[e]
             floats = [v.name for v in edge.values
-                      if run.outputs[info.out_index[v.name]].is_floating_point()]
+                      if self._carries_grad(v.name, run.outputs[info.out_index[v.name]])]
             for k, part in self.pairs[e][0][info.replica]:
                 dst = self.plan.placement[edge.dst][k]
                 if dst == self.rank:
@@ -311,9 +317,13 @@ class Executor:
         run = self._runs[(a.stage, m)]
         out_grads = self._output_grads(info, m)
         if info.recompute:
+            # replay the forward's random draws, then resume the rank's own stream
+            # (as torch.utils.checkpoint does), so recompute changes no later draw
+            resume = rng_state(self.device)
             set_rng_state(run.rng, self.device)
             with torch.enable_grad():
                 run.outputs, run.loss = self._compute(info, run.args, m)
+            set_rng_state(resume, self.device)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if run.loss is not None and run.loss.requires_grad:

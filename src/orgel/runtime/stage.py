@@ -127,7 +127,9 @@ class StageInfo:
                     )
         return cls(
             index=s, stage=stage, replica=plan.placement[s].index(rank),
-            replicas=len(plan.placement[s]), in_edges=in_edges, out_edges=graph.consumers(s),
+            replicas=len(plan.placement[s]), in_edges=in_edges,
+            # consumer-stage order: gradients summed in the reference's order
+            out_edges=sorted(graph.consumers(s), key=lambda e: graph.edges[e].dst),
             value_edge=value_edge, out_index=out_index,
             params=list(stage.module.parameters()), recompute=bool(plan.recompute[s]),
             is_loss=s == split.loss_stage,
