@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the CLI imports its commands eagerly: keep numpy & co. out of startup
+    from orgel.schedule.costs import Costs
+    from orgel.schedule.ir import Plan
+    from orgel.sim import SimResult
 
 NAME = "simulate"
 HELP = ("simulate one training step of a schedule family (uniform stage costs) or of a "
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build(args: argparse.Namespace) -> tuple[Any, Any]:
+def build(args: argparse.Namespace) -> tuple[Plan, Costs]:
     """The plan and costs the arguments describe; raises UsageError or PlanError."""
     from orgel.schedule.ir import Plan
 
@@ -119,7 +124,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     return plan, uniform_costs(plan, args)
 
 
-def build_family(args: argparse.Namespace) -> Any:
+def build_family(args: argparse.Namespace) -> Plan:
     """Build ``--schedule`` with its options (a chain of stages, ``--edge-bytes`` per edge)."""
     from orgel.schedule.families import build_schedule
 
@@ -156,7 +161,7 @@ def parse_prefetch(text: str) -> list[int]:
                          f"{text!r}") from None
 
 
-def uniform_costs(plan: Any, args: argparse.Namespace) -> Any:
+def uniform_costs(plan: Plan, args: argparse.Namespace) -> Costs:
     """Every stage the same: one rank's share divided over the stages per rank."""
     from orgel.schedule.costs import Costs, Link, StageCost
 
@@ -174,7 +179,7 @@ def uniform_costs(plan: Any, args: argparse.Namespace) -> Any:
     return Costs(stages=[stage] * plan.num_stages, link=link)
 
 
-def write_outputs(args: argparse.Namespace, plan: Any, costs: Any, result: Any) -> None:
+def write_outputs(args: argparse.Namespace, plan: Plan, costs: Costs, result: SimResult) -> None:
     """--png, --trace and --out; an unwritable path is a UsageError."""
     for flag, path, write in (
         ("--png", args.png, lambda p: result.timeline.save_png(p)),
@@ -188,7 +193,7 @@ def write_outputs(args: argparse.Namespace, plan: Any, costs: Any, result: Any) 
                 raise UsageError(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
 
 
-def _save_plan(plan: Any, costs: Any, result: Any, path: str) -> None:
+def _save_plan(plan: Plan, costs: Costs, result: SimResult, path: str) -> None:
     """The plan with the costs it was simulated under and the prediction (no path)."""
     summary = result.to_dict()
     summary.pop("critical_path")
@@ -205,7 +210,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def report(plan: Any, result: Any, *, width: int | None = None) -> str:
+def report(plan: Plan, result: SimResult, *, width: int | None = None) -> str:
     """The human summary: header, per-rank table, critical path, text timeline."""
     name = plan.meta.get("schedule") or "plan"
     lines = [f"{name}: {plan.num_ranks} ranks, {plan.num_stages} stages, "

@@ -104,6 +104,10 @@ class CompiledPlan:
                 f"plan says num_ranks={plan.num_ranks} but its schedule has "
                 f"{self.num_ranks} rank lists: make them agree"
             )
+        for name, per_stage in (("placement", plan.placement), ("recompute", plan.recompute)):
+            if len(per_stage) != self.num_stages:
+                raise PlanError(f"plan.{name} has {len(per_stage)} entries but there are "
+                                f"{self.num_stages} stages: give one per stage")
         self._build_compute(plan)
         self._build_messages(plan)
         self._build_allreduces(plan)
@@ -176,6 +180,10 @@ class CompiledPlan:
                 raise PlanError(
                     f"meta.tied_weights[{i}] must look like {{'stages': [0, 3], 'nbytes': 1024}}"
                 ) from None
+            bad = [s for s in stages if not 0 <= s < self.num_stages]
+            if bad:
+                raise PlanError(f"meta.tied_weights[{i}] names stages {bad}, but there are "
+                                f"only {self.num_stages} stages")
             ranks = tuple(sorted({r for s in stages for r in plan.placement[s]}))
             if len(ranks) > 1:
                 groups.append(AllReduce(ranks, stages, nbytes, f"allreduce tied{i}"))
@@ -201,15 +209,13 @@ class CompiledPlan:
         for r in range(self.num_ranks):
             for v in range(int(self.rank_start[r]) + 1, int(self.rank_start[r + 1])):
                 preds[v].append(v - 1)
-        last_on_channel: dict[int, int] = {}
         for k in range(nm):
-            v = nc + k
-            preds[v].append(int(self.msg_send[k]))
-            ch = int(self.msg_channel[k])
-            if ch in last_on_channel:
-                preds[v].append(last_on_channel[ch])
-            last_on_channel[ch] = v
-            preds[int(self.msg_recv[k])].append(v)
+            preds[nc + k].append(int(self.msg_send[k]))
+            preds[int(self.msg_recv[k])].append(nc + k)
+        for indices in self.comm.channels.values():
+            # one message at a time per channel, in the channel's (send == receive) order
+            for before, after in zip(indices, indices[1:], strict=False):
+                preds[nc + after].append(nc + before)
         for g, ps in enumerate(self._allreduce_preds):
             preds[nc + nm + g].extend(ps)
         self.preds = preds
