@@ -1,0 +1,48 @@
+"""``orgel demo``: train a small model on local CPU ranks and show plan, timeline and check."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "demo"
+HELP = ("train a small model on local CPU ranks: print the plan, train with a progress bar, "
+        "check the loss against one process, write a timeline PNG and a Perfetto trace")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from orgel.demo import MODELS
+
+    parser.add_argument("--model", choices=MODELS, default="gpt",
+                        help="which model to pipeline (default: gpt on the shipped corpus)")
+    parser.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (default 2)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="micro-batches per step (default 4)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per step (default 16)")
+    parser.add_argument("--out", default="orgel-demo", metavar="DIR",
+                        help="where to write timeline.png, trace.json and plan.json")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from orgel.demo import run_demo
+
+    for name in ("ranks", "steps", "microbatches", "batch_size"):
+        value = getattr(args, name)
+        if value < 1:
+            print(f"orgel demo: --{name.replace('_', '-')} must be at least 1, got {value}",
+                  file=sys.stderr)
+            return 2
+    if args.batch_size % args.microbatches:
+        print(f"orgel demo: --batch-size {args.batch_size} must be divisible by --microbatches "
+              f"{args.microbatches}", file=sys.stderr)
+        return 2
+    try:
+        result = run_demo(model=args.model, ranks=args.ranks, steps=args.steps,
+                          microbatches=args.microbatches, batch_size=args.batch_size,
+                          out=args.out, progress=not args.no_progress)
+    except ValueError as exc:  # options the planner or the model reject
+        print(f"orgel demo: {exc}", file=sys.stderr)
+        return 2
+    return 0 if result.first_loss_matches else 1
