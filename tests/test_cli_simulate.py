@@ -72,6 +72,13 @@ def test_outputs_and_plan_file_round_trip(tmp_path: Path,
     assert saved.prediction is not None and saved.prediction["step_time"] == 24
     # the saved plan carries its costs: simulating it again gives the same time
     assert simulate_json(capsys, str(plan_file))["step_time"] == 24
+    # a memory cap in the plan's costs is reported
+    data = json.loads(plan_file.read_text())
+    data["costs"]["memory_per_rank"] = 1
+    data["costs"]["stages"][1]["params"] = 8
+    plan_file.write_text(json.dumps(data))
+    assert main(["simulate", str(plan_file)]) == 0
+    assert "memory per rank 1 B: exceeded on ranks [1]" in capsys.readouterr().out
     # uniform options override the plan's costs
     assert simulate_json(capsys, str(plan_file), "--fwd", "1", "--bwd", "2")["step_time"] == 12
     assert main(["show", str(plan_file)]) == 0

@@ -235,3 +235,29 @@ def test_compiled_evaluate_matches_simulate(family: str) -> None:
     step, _ = compiled.evaluate(uniform, fwd=[2.0] * 4, bwd=[4.0] * 4,
                                 edge_bytes=[0, 0, 0])
     assert step == pytest.approx((6 + 4 - 1) * 6.0)
+
+
+def test_dag_1f1b_diamond_overlaps_branches() -> None:
+    graph = StageGraph.from_edges(4, [(0, 1), (0, 2), (1, 3), (2, 3)])
+    plan = build_schedule("dag-1f1b", 4, 4, stage_graph=graph)
+    result = simulate(plan, Costs.uniform(4, 1.0, 2.0))
+    starts = {e.label: e.start for e in result.timeline.events}
+    for m in range(4):
+        assert starts[f"F1.{m}"] == starts[f"F2.{m}"]  # the two branches run side by side
+    # a chain of three stages' worth of fill and drain: (m + 3 - 1)(f + b)
+    assert result.step_time == (4 + 3 - 1) * 3
+
+
+def test_data_parallel_consumer_gets_its_rows() -> None:
+    # stage0 on rank0 sends 2 MiB per micro-batch to stage1 on ranks 1 and 2: each
+    # replica receives its half (1 MiB = 1 ms at 1 ms/MiB), both at once.
+    costs = Costs([StageCost(1, 2), StageCost(2, 4)], link=Link(per_mib=1.0))
+    plan = make_plan(StageGraph.chain(2, nbytes=2 << 20), [(0,), (1, 2)],
+                     "rank0: F0.0 B0.0\nrank1: F1.0 B1.0\nrank2: F1.0 B1.0", costs)
+    result = simulate(plan)
+    comm = sorted((e.label, e.start, e.end) for e in result.timeline.events
+                  if e.track == "comm")
+    assert comm == [("act e0 mb0 ->r1", 1, 2), ("act e0 mb0 ->r2", 1, 2),
+                    ("grad e0 mb0 ->r0", 5, 6), ("grad e0 mb0 ->r0", 5, 6)]
+    # F0 1, send 1, F1 1, B1 2, gradients 1, B0 2
+    assert result.step_time == 8

@@ -220,6 +220,11 @@ def report(plan: Plan, result: SimResult, *, width: int | None = None) -> str:
     for r in range(plan.num_ranks):
         lines.append(f"{r:>4}  {100 * result.busy[r]:>5.1f}%  {100 * (1 - result.busy[r]):>5.1f}%"
                      f"  {human_bytes(result.peak_memory[r]):>11}  {result.peak_inflight[r]:>9}")
+    cap = result.memory_per_rank
+    if cap is not None:
+        over = [r for r, m in enumerate(result.peak_memory) if m > cap]
+        verdict = "fits" if not over else f"exceeded on ranks {over}"
+        lines.append(f"memory per rank {human_bytes(cap)}: {verdict}")
     path = [e.label if e.track == "compute" else f"({e.label})" for e in result.critical_path]
     if len(path) > 16:
         path = path[:8] + [f"... {len(path) - 16} more ..."] + path[-8:]
