@@ -73,6 +73,8 @@ class _Totals:
     def __init__(self, bc: BlockCosts) -> None:
         self.bc = bc
         self._memo: dict[int, tuple[float, int, int, int]] = {}
+        self._folded: dict[tuple[int, int, int], Parallel] = {}
+        self.no_pack: set[int] = set()  # folded at both ends: never share a stage
 
     def of(self, node: SPTree) -> tuple[float, int, int, int]:
         got = self._memo.get(id(node))
@@ -83,6 +85,28 @@ class _Totals:
                    sum(bc.activations[b] for b in blocks),
                    max((bc.temporary[b] for b in blocks), default=0))
             self._memo[id(node)] = got
+        return got
+
+
+    def fold(self, before: SPTree | None, par: SPTree, after: SPTree | None) -> Parallel:
+        """``par`` with ``before`` prepended to its lightest branch and ``after``
+        appended to the lightest other one (cached, so DP memo keys stay stable)."""
+        key = (id(before), id(par), id(after))
+        got = self._folded.get(key)
+        if got is None:
+            assert isinstance(par, Parallel)
+            branches = list(par.children)
+            order = sorted(range(len(branches)), key=lambda i: self.of(branches[i])[0])
+            if before is not None:
+                i = order[0]
+                branches[i] = _concat(before, branches[i])
+            if after is not None:
+                i = order[1] if before is not None else order[0]
+                branches[i] = _concat(branches[i], after)
+            got = Parallel(tuple(branches))
+            if before is not None and after is not None:
+                self.no_pack.add(id(got))
+            self._folded[key] = got
         return got
 
 
@@ -153,6 +177,13 @@ class _DP:
                 if own is not None and rest is not None:
                     best = (own.devices + rest[0], own.depth + rest[1])
                     choice[j] = (j + 1, 0, own)
+            for e, node in self._absorbing(children, j):
+                own, rest = self.solve(node), cost[e]
+                if own is not None and rest is not None:
+                    key = (own.devices + rest[0], own.depth + rest[1])
+                    if best is None or key < best:
+                        best = key
+                        choice[j] = (e, 0, own)
             # Merged segments j..e-1; stop once even all ranks cannot hold one under T.
             work, params, acts, temp = 0.0, 0, 0, 0
             for e in range(j + 1, k + 1):
@@ -185,6 +216,27 @@ class _DP:
             j = e
         return Solution(cost[0][0], cost[0][1], tuple(stages))
 
+    def _absorbing(self, children: list[SPTree], j: int) -> list[tuple[int, SPTree]]:
+        """Parallel nodes with their neighbours folded into their lightest branches.
+
+        A small block before a fork (or after a join) as a stage of its own
+        would take a rank; folded into a branch's first (last) stage it rides
+        along. Both at once go to different branches, and such a node is never
+        packed: a stage holding the fork and the join would form a cycle with
+        any branch in another stage. Returns ``(end, node)``: the node covers
+        children ``j..end-1``.
+        """
+        out: list[tuple[int, SPTree]] = []
+        k = len(children)
+        if j + 1 < k and isinstance(children[j + 1], Parallel):
+            out.append((j + 2, self.totals.fold(children[j], children[j + 1], None)))
+            if j + 2 < k and len(children[j + 1].children) > 1:  # type: ignore[union-attr]
+                out.append((j + 3, self.totals.fold(children[j], children[j + 1],
+                                                    children[j + 2])))
+        if isinstance(children[j], Parallel) and j + 1 < k:
+            out.append((j + 2, self.totals.fold(None, children[j], children[j + 1])))
+        return out
+
     def _parallel(self, node: Parallel) -> Solution | None:
         options: list[Solution] = []
         whole = self.merged([node])
@@ -193,7 +245,7 @@ class _DP:
         subs = [self.solve(c) for c in node.children]
         if all(s is not None for s in subs):
             options.append(_join_parallel([s for s in subs if s is not None]))
-        packed = self._packed(node)
+        packed = None if id(node) in self.totals.no_pack else self._packed(node)
         if packed is not None:
             options.append(packed)
         return min(options, key=lambda s: s.key) if options else None
@@ -232,6 +284,14 @@ class _DP:
                 return None
             parts.append(sol)
         return _join_parallel(parts)
+
+
+def _concat(a: SPTree, b: SPTree) -> Series:
+    """``a`` then ``b`` as one flat series (so a folded block can share a stage with a
+    branch's first or last block alone)."""
+    def parts(t: SPTree) -> tuple[SPTree, ...]:
+        return t.children if isinstance(t, Series) and not t.linearised else (t,)
+    return Series(parts(a) + parts(b))
 
 
 def _join_series(a: Solution, b: Solution) -> Solution:
@@ -292,9 +352,9 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
     best: GraphResult | None = None
     for key, bound in found.items():
         stages = _spread_replicas(bc, [StageSpec(b, r) for b, r in key], ranks)
-        blocks, placement = stage_layout(bc, stages)
-        graph = stage_graph(bc, blocks)
         try:
+            blocks, placement = stage_layout(bc, stages)
+            graph = stage_graph(bc, blocks)
             base = build_schedule("dag-1f1b", ranks, microbatches, stage_graph=graph,
                                   placement=placement)
         except PlanError:

@@ -16,6 +16,7 @@ how much memory per rank (or how many ranks) would.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,8 +173,11 @@ def _baselines(scorer: Scorer, ranks: int, microbatches: int
     return out
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / (1 << 30):.2f}GiB"
+def _size(nbytes: float) -> str:
+    """Bytes as ``2.50GiB`` or ``300MiB`` (rounded up, so the hint always fits)."""
+    if nbytes >= 1 << 30:
+        return f"{math.ceil(nbytes / (1 << 30) * 100) / 100:.2f}GiB"
+    return f"{math.ceil(nbytes / (1 << 20))}MiB"
 
 
 def _least_memory(costs: BlockCosts, ranks: int, microbatches: int) -> int | None:
@@ -204,11 +208,11 @@ def _least_memory(costs: BlockCosts, ranks: int, microbatches: int) -> int | Non
 def _infeasible_message(costs: BlockCosts, memory: int | None, ranks: int,
                         microbatches: int) -> str:
     need = _least_memory(costs, ranks, microbatches)
-    text = f"no plan fits in {_gib(memory or 0)} per rank on {ranks} ranks"
+    text = f"no plan fits in {_size(memory or 0)} per rank on {ranks} ranks"
     hints = []
     if need is not None:
-        hints.append(f"the smallest plan found needs {_gib(need)} per rank: give --memory "
-                     f"{_gib(need)} or more")
+        hints.append(f"the smallest plan found needs {_size(need)} per rank: give --memory "
+                     f"{_size(need)} or more")
     for more in (2 * ranks, 4 * ranks, 8 * ranks):
         if more > costs.num_blocks:
             break

@@ -62,10 +62,23 @@ class Scorer:
     ``None`` means unlimited). ``evaluations`` counts simulator calls.
     """
 
-    def __init__(self, costs: BlockCosts, *, memory: int | None = None) -> None:
+    def __init__(self, costs: BlockCosts, *, memory: int | None = None,
+                 sequential: bool = False) -> None:
         self.bc = costs
         self.memory = costs.memory_per_rank if memory is None else memory
-        self.chain = costs.is_chain()
+        # ``sequential``: score linear splits the way classic pipelines run them
+        # (stage i feeds only stage i+1 and forwards every live value through it).
+        self.sequential = sequential
+        self.chain = costs.is_chain() or sequential
+        cross = np.zeros(costs.num_blocks + 1, dtype=np.int64)
+        last = list(range(costs.num_blocks))
+        for a, b in costs.edges:
+            last[a] = max(last[a], b)
+        for a in range(costs.num_blocks):
+            if last[a] > a:
+                cross[a + 1] += costs.output[a]
+                cross[last[a] + 1 if last[a] + 1 <= costs.num_blocks else -1] -= costs.output[a]
+        self._cross = np.cumsum(cross)  # bytes alive across the cut before block c
         self._cf = np.concatenate([[0.0], np.cumsum(costs.fwd)])
         self._cb = np.concatenate([[0.0], np.cumsum(costs.bwd)])
         self._cw = np.concatenate([[0.0], np.cumsum(costs.wgrad)])
@@ -204,8 +217,8 @@ class Scorer:
         rec = tuple(recompute) if recompute else (False,) * template.num_stages
         graph = self._graph_for(stage_blocks, template)
         if graph is template.base.stage_graph:
-            edge_bytes = np.array([self.bc.output[stage_blocks[e.src][-1]]
-                                   for e in graph.edges], dtype=np.int64)
+            edge_bytes = np.array([self._cross[stage_blocks[e.dst][0]] for e in graph.edges],
+                                  dtype=np.int64)
         else:
             edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
         cp = self.compiled(template, graph, rec)

@@ -1,0 +1,72 @@
+"""``orgel plan``: table and JSON output from a costs file, plan file, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orgel.cli import main
+from orgel.commands.plan import parse_size
+from orgel.schedule.ir import Plan
+
+MiB = 1 << 20
+
+
+def write_costs(path: Path, n: int = 12) -> Path:
+    blocks = [{"fwd": 1.0 + (i % 3) * 0.5, "bwd": 2.0 + (i % 3), "params": MiB,
+               "activations": 2 * MiB, "output": MiB} for i in range(n)]
+    path.write_text(json.dumps({"blocks": blocks, "link": {"latency": 0.02, "per_mib": 0.05},
+                                "optimizer_factor": 4}))
+    return path
+
+
+def test_plan_json_and_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    costs = write_costs(tmp_path / "costs.json")
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--costs", str(costs), "--ranks", "2", "--microbatches", "4",
+                 "--max-loops", "2", "--json", "--out", str(out)])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("step_time", "search_seconds", "planner", "schedule", "stages", "peak_memory",
+                "baselines"):
+        assert key in data
+    assert len(data["peak_memory"]) == 2
+    assert set(data["baselines"]) == {"uniform-layers", "uniform-params", "uniform-time"}
+    plan = Plan.load(out)
+    assert plan.num_ranks == 2 and plan.microbatches == 4
+    assert sorted(b for s in plan.stage_graph.stages for b in s.blocks) == list(range(12))
+    assert plan.prediction is not None and plan.meta["planner"] == data["planner"]
+
+
+def test_plan_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    costs = write_costs(tmp_path / "costs.json")
+    assert main(["plan", "--costs", str(costs), "--ranks", "3", "--planner",
+                 "uniform-time"]) == 0
+    text = capsys.readouterr().out
+    assert "planner uniform-time: schedule 1f1b on 3 ranks, 6 micro-batches" in text
+    assert "predicted step" in text and "baselines (1F1B)" in text and "search" in text
+
+
+def test_plan_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    costs = write_costs(tmp_path / "costs.json")
+    assert main(["plan", "--costs", str(costs), "--ranks", "2", "--memory", "lots"]) == 2
+    assert "--memory: cannot read the size 'lots'" in capsys.readouterr().err
+    assert main(["plan", "--costs", str(costs), "--ranks", "2", "--memory", "1MiB"]) == 2
+    assert "no plan fits in 1MiB per rank on 2 ranks" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"blocks": [{"fwd": 1}]}')
+    assert main(["plan", "--costs", str(bad), "--ranks", "2"]) == 2
+    assert "blocks[0] is missing 'bwd'" in capsys.readouterr().err
+    assert main(["plan", "--ranks", "2"]) == 2
+    assert "give either a WORKLOAD" in capsys.readouterr().err
+
+
+def test_parse_size() -> None:
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("1024") == 1024
+    with pytest.raises(ValueError, match="e.g. 2GiB"):
+        parse_size("2 parsecs")

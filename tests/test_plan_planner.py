@@ -1,0 +1,78 @@
+"""plan(): picks the fastest feasible plan, honours memory, recomputes or explains."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orgel.plan import InfeasibleError, plan
+from orgel.profile.costs import BlockCosts
+from orgel.schedule.costs import Link
+from orgel.schedule.ir import Plan
+from orgel.schedule.validate import validate
+
+MiB = 1 << 20
+
+
+def chain(n: int = 24, seed: int = 0) -> BlockCosts:
+    rng = random.Random(seed)
+    fwd = [rng.uniform(0.5, 2.0) for _ in range(n)]
+    return BlockCosts(fwd=fwd, bwd=[2 * f for f in fwd], wgrad=list(fwd),
+                      params=[4 * MiB if i % 2 else 0 for i in range(n)],
+                      activations=[rng.randint(1, 8) * MiB for _ in range(n)],
+                      output=[MiB] * n, temporary=[0] * n,
+                      edges=[(i, i + 1) for i in range(n - 1)], link=Link(0.02, 0.05))
+
+
+def test_auto_beats_or_matches_every_baseline_and_round_trips() -> None:
+    result = plan(chain(), 4, 8, max_loops=3)
+    validate(result.plan)
+    assert result.planner in ("beam", "uniform-layers", "uniform-params", "uniform-time")
+    for name, step in result.baselines.items():
+        assert step is not None and result.step_time <= step + 1e-9, name
+    again = Plan.from_dict(result.plan.to_dict())
+    assert [s.blocks for s in again.stage_graph.stages] == \
+        [s.blocks for s in result.plan.stage_graph.stages]
+    covered = sorted(b for s in again.stage_graph.stages for b in s.blocks)
+    assert covered == list(range(24))
+    summary = result.summary()
+    for key in ("step_time", "search_seconds", "planner", "schedule", "stages",
+                "peak_memory", "baselines"):
+        assert key in summary
+
+
+@pytest.mark.parametrize("planner", ["beam", "uniform-time"])
+def test_memory_cap_is_respected(planner: str) -> None:
+    costs = chain()
+    loose = plan(costs, 4, 8, planner=planner, max_loops=2)
+    cap = int(max(loose.sim.peak_memory) * 0.9)
+    tight = plan(costs, 4, 8, planner="beam", memory=cap, max_loops=2)
+    assert max(tight.sim.peak_memory) <= cap
+
+
+def test_recompute_when_memory_is_tight() -> None:
+    costs = chain()
+    costs.activations = [64 * MiB] * 24
+    loose = plan(costs, 4, 8, planner="beam", max_loops=1)
+    cap = int(min(loose.sim.peak_memory) * 0.5)
+    tight = plan(costs, 4, 8, planner="beam", memory=cap, max_loops=1)
+    assert any(tight.plan.recompute)
+    assert max(tight.sim.peak_memory) <= cap
+    assert tight.step_time > loose.step_time  # recompute costs a forward
+
+
+def test_infeasible_memory_names_what_would_fit() -> None:
+    costs = chain()
+    with pytest.raises(InfeasibleError, match=r"no plan fits in 10MiB per rank on 4 ranks: "
+                       r"the smallest plan found needs [0-9]+MiB per rank: give --memory"):
+        plan(costs, 4, 8, memory=10 * MiB, max_loops=1)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="unknown planner 'fast'"):
+        plan(chain(), 2, 2, planner="fast")
+    with pytest.raises(ValueError, match="microbatches must be a positive integer"):
+        plan(chain(), 2, 0)
+    with pytest.raises(ValueError, match="use at most 24 ranks"):
+        plan(chain(), 30, 2)
