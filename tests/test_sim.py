@@ -196,6 +196,8 @@ def test_missing_costs_say_what_to_pass() -> None:
         simulate(plan)
     with pytest.raises(PlanError, match="one StageCost per stage"):
         simulate(plan, Costs.uniform(3, 1.0, 2.0))
+    with pytest.raises(PlanError, match="bwd_weight <= bwd"):
+        simulate(plan, Costs.uniform(2, 1.0, 2.0, bwd_weight=3.0))
 
 
 def test_split_backward_and_overhead() -> None:
@@ -261,3 +263,15 @@ def test_data_parallel_consumer_gets_its_rows() -> None:
                     ("grad e0 mb0 ->r0", 5, 6), ("grad e0 mb0 ->r0", 5, 6)]
     # F0 1, send 1, F1 1, B1 2, gradients 1, B0 2
     assert result.step_time == 8
+
+
+def test_evaluate_follows_new_links_and_edge_bytes() -> None:
+    compiled = CompiledPlan(build_schedule("gpipe", 2, 1, nbytes=1 << 20))
+    base = Costs.uniform(2, 1.0, 2.0)
+    assert compiled.evaluate(base)[0] == 6
+    slow = Costs.uniform(2, 1.0, 2.0)
+    slow.links = {(0, 1): Link(per_mib=2.0), (1, 0): Link(per_mib=1.0)}
+    assert compiled.evaluate(slow)[0] == 6 + 2 + 1
+    assert compiled.evaluate(slow, edge_bytes=[2 << 20])[0] == 6 + 4 + 2
+    assert compiled.evaluate(slow)[0] == 6 + 2 + 1
+    assert compiled.evaluate(base)[0] == 6

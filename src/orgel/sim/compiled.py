@@ -82,6 +82,13 @@ class StageArrays:
               s.params if s.grads is None else s.grads) for s in costs.stages],
             dtype=np.float64,
         ).reshape(num_stages, 7)
+        if table[:, :3].min() < 0 or (table[:, 2] > table[:, 1]).any():
+            i, s = next((i, s) for i, s in enumerate(costs.stages)
+                        if min(s.fwd, s.bwd, s.weight_grad) < 0 or s.weight_grad > s.bwd)
+            raise PlanError(
+                f"stage {i} has fwd={s.fwd:g}, bwd={s.bwd:g}, bwd_weight={s.weight_grad:g}: "
+                "times must be >= 0 and bwd_weight <= bwd"
+            )
         return cls(*table.T)
 
 
@@ -125,7 +132,7 @@ class CompiledPlan:
         self._straight: Any = None
         self._calls = 0
         self._arrays_cache: tuple[tuple[Any, ...], StageArrays] | None = None
-        self._comm_cache: tuple[Any, np.ndarray] | None = None
+        self._link_cache: tuple[Any, ...] | None = None
 
     # -- construction ------------------------------------------------------------
 
@@ -305,21 +312,30 @@ class CompiledPlan:
         return eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
 
     def _comm_durations(self, costs: Costs, edge_bytes: np.ndarray | None) -> np.ndarray:
-        """Transfer time of every message; cached for the same links and default bytes."""
-        key = (costs.link, tuple(sorted(costs.links.items())) if costs.links else ())
-        hit = self._comm_cache
-        if edge_bytes is None and hit is not None and hit[0] == key:
-            return hit[1]
-        if costs.links:
-            links = [costs.link_between(s, d) for s, d in self.channels]
-            latency = np.array([lk.latency for lk in links])[self.msg_channel]
-            per_mib = np.array([lk.per_mib for lk in links])[self.msg_channel]
-        else:
-            latency, per_mib = costs.link.latency, costs.link.per_mib  # type: ignore[assignment]
+        """Transfer time of every message.
+
+        Per-message link parameters are cached per ``costs.links`` dict object
+        (and ``costs.link``): give a new dict rather than editing one in place
+        between calls. With default edge bytes the times themselves are cached.
+        """
+        links = costs.links
+        hit = self._link_cache
+        if hit is None or hit[0] is not links or hit[1] != len(links) or hit[2] != costs.link:
+            if links:
+                per_channel = [costs.link_between(s, d) for s, d in self.channels]
+                latency = np.array([lk.latency for lk in per_channel])[self.msg_channel]
+                per_mib = np.array([lk.per_mib for lk in per_channel])[self.msg_channel]
+            else:
+                latency = np.full(self.num_messages, costs.link.latency)
+                per_mib = np.full(self.num_messages, costs.link.per_mib)
+            hit = (links, len(links), costs.link, latency, per_mib / _MIB, None)
+        if edge_bytes is None and hit[5] is not None:
+            return hit[5]
         nbytes = self.message_bytes(edge_bytes)
-        comm = np.where(nbytes > 0, latency + per_mib * nbytes / _MIB, 0.0)
+        comm = np.where(nbytes > 0, hit[3] + hit[4] * nbytes, 0.0)
         if edge_bytes is None:
-            self._comm_cache = (key, comm)
+            hit = (*hit[:5], comm)
+        self._link_cache = hit
         return comm
 
     def _allreduce_time(self, g: AllReduce, costs: Costs, arrays: StageArrays) -> float:
