@@ -33,6 +33,8 @@ def test_add_checks_track_and_times() -> None:
     assert (event.kind, event.stage, event.microbatch, event.duration) == ("W", 2, 5, 0.5)
     assert tl.ranks == 4
     assert tl.busy(3) == 0.5
+    measured = tl.add(0, "compute", "B1.7", 2.0, 3.0)  # a runtime passes only the label
+    assert (measured.kind, measured.stage, measured.microbatch) == ("B", 1, 7)
 
 
 def test_json_round_trip() -> None:

@@ -19,6 +19,7 @@ views draw from the earliest start.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 from orgel.schedule.ir import Action
 
 TRACKS = ("compute", "comm")
+_ACTION_RE = re.compile(r"^[FBIW](\d+)\.(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,15 @@ class Timeline:
         stage: int | None = None,
         microbatch: int | None = None,
     ) -> Event:
-        """Append an event (``track`` is ``"compute"`` or ``"comm"``) and return it."""
+        """Append an event (``track`` is ``"compute"`` or ``"comm"``) and return it.
+
+        A compute event labelled in action text (``F1.3``) gets its stage and
+        micro-batch from the label unless they are given.
+        """
+        if track == "compute" and stage is None and microbatch is None:
+            match = _ACTION_RE.match(label)
+            if match is not None:
+                stage, microbatch = int(match.group(1)), int(match.group(2))
         if track not in TRACKS:
             raise ValueError(f"track must be one of {TRACKS}, got {track!r}")
         if end < start:
