@@ -57,7 +57,10 @@ class CLIPConfig:
             text_heads=self.text_heads,
         )
         check_heads(self.text_d_model, self.text_heads, what="text_d_model")
-        self.image_config()  # checks the image tower's options
+        try:
+            self.image_config()
+        except ValueError as err:  # ViT names its own options; say which tower they are
+            raise ValueError(f"image tower (image_* / patch_size options): {err}") from None
 
     def image_config(self) -> ViTConfig:
         """The image tower's ViT configuration (its class count is unused)."""
