@@ -98,6 +98,12 @@ class CompiledPlan:
     ``evaluate(costs)`` returns ``(step_time, peak_memory_per_rank)``; use it in
     search loops. :func:`orgel.sim.simulate` gives the full result (timeline,
     critical path, busy fractions) through the same graph.
+
+    Index arrays (read-only): per compute op ``op_rank``, ``op_stage``,
+    ``op_kind`` (0..3 for F/B/I/W), ``op_microbatch``; ``rank_start[r]`` is the
+    first compute op of rank ``r``; per message ``msg_src``, ``msg_dst``,
+    ``msg_edge``, ``msg_send``/``msg_recv`` (compute op indices); ``preds[v]``
+    and ``order`` describe the whole graph (``num_ops`` ops).
     """
 
     def __init__(self, plan: Plan, *, comm: CommPlan | None = None) -> None:
