@@ -17,6 +17,7 @@ are posted lazily, in channel order, right before they are needed.
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +38,13 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in a shape exchange")
     return dtype
+
+
+def transport_reason(exc: BaseException) -> str:
+    """The short reason in a gloo/NCCL error (no source path, no advice)."""
+    text = str(exc).strip().strip("'\"")
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else repr(exc))
+    return text.split(". This is typically")[0]
 
 
 class Transport:
@@ -177,5 +185,5 @@ class Transport:
         if timed_out:
             message = f"timed out after {self.timeout:g} s {what}"
         else:
-            message = f"lost rank {peer} {what}: {text.splitlines()[0] if text else exc!r}"
+            message = f"lost rank {peer} {what}: {transport_reason(exc)}"
         return CommFailure(message, peer=peer, what=what, timed_out=timed_out)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.runtime.comm import transport_reason
 from orgel.runtime.errors import CommFailure
 from orgel.runtime.stage import StageInfo
 from orgel.schedule.ir import Plan
@@ -101,7 +102,7 @@ class GradSync:
             timed_out = "imed out" in text
             message = (f"timed out after {self.timeout:g} s in the all-reduce of {what}"
                        if timed_out else
-                       f"lost a peer in the all-reduce of {what}: {text.splitlines()[0]}")
+                       f"lost a peer in the all-reduce of {what}: {transport_reason(exc)}")
             raise CommFailure(message, peer=None, what=what, timed_out=timed_out) from exc
 
     def finish(self, loss: torch.Tensor, max_norm: float | None) -> tuple[float, float]:

@@ -1,0 +1,81 @@
+"""Never hang, always say why: a killed rank, a hung rank and a raising stage.
+
+Each test spawns 3 gloo ranks running 1F1B with a short timeout; a forward
+pre-hook on rank 1's stage misbehaves during the second step. The launcher must
+return promptly with one report naming rank, action and peer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from orgel.runtime.errors import SpawnError
+from orgel.runtime.executor import Executor
+from orgel.runtime.launch import spawn
+from test_runtime_nets import batch, build, ce_loss, sgd
+
+TIMEOUT = 3.0
+
+
+class StageBroke(RuntimeError):
+    """The error a stage raises on purpose."""
+
+
+def misbehave(rank: int, world: int, mode: str) -> None:
+    """Run 3 steps of 1F1B; rank 1 kills itself / hangs / raises in its 6th forward."""
+    _, split_model, plan, _ = build("1f1b-3")
+    calls = [0]
+
+    def hook(module: torch.nn.Module, args: object) -> None:
+        calls[0] += 1
+        if rank != 1 or calls[0] != 6:
+            return
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif mode == "hang":
+            time.sleep(60)
+        else:
+            raise StageBroke("stage 1 cannot go on")
+
+    split_model.stages[1].module.register_forward_pre_hook(hook)
+    ex = Executor(plan, split_model, loss_fn=ce_loss, optimizer_factory=sgd, timeout=TIMEOUT)
+    inputs, targets = batch("gpt")
+    for _ in range(3):
+        ex.step(inputs, targets)
+
+
+def _fail(mode: str) -> tuple[str, float]:
+    start = time.monotonic()
+    with pytest.raises(SpawnError) as info:
+        spawn(misbehave, 3, mode, timeout=TIMEOUT)
+    return str(info.value), time.monotonic() - start
+
+
+def test_killed_rank_stops_the_others_with_rank_action_and_peer() -> None:
+    message, elapsed = _fail("kill")
+    assert "rank 1 exited with code -9" in message
+    # rank 0 waits for gradients from rank 1; rank 2 for activations from rank 1
+    assert "rank 0: lost rank 1" in message and "from rank 1" in message
+    assert "rank 2: lost rank 1" in message
+    assert "[while running" in message
+    assert elapsed < 60  # spawn + detection; no rank waited for the full timeout chain
+
+
+def test_hung_rank_times_out_everywhere() -> None:
+    message, _ = _fail("hang")
+    assert f"timed out after {TIMEOUT:g} s" in message
+    assert "rank 0:" in message and "rank 2:" in message
+    assert "from rank 1" in message
+
+
+def test_stage_error_is_reported_once_with_its_traceback() -> None:
+    message, _ = _fail("raise")
+    assert message.count("StageBroke: stage 1 cannot go on") == 1
+    assert message.count("Traceback (most recent call last)") == 1
+    assert "StageBroke" in message
+    assert message.splitlines()[0].startswith("rank 1: stage 1 cannot go on [while running F1.")
