@@ -122,3 +122,11 @@ def test_show_reports_a_bad_plan(tmp_path: Path, capsys: pytest.CaptureFixture[s
     path.write_text("{not json")
     assert main(["show", str(path)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+    plan = Plan(StageGraph.chain(2), [(0,), (1,)], 2, 1,
+                parse_schedule("rank0: F0.0 B0.0\nrank1: B1.0 F1.0"))
+    plan.save(path)
+    assert main(["simulate", str(path)]) == 2
+    assert "rank 1" in capsys.readouterr().err
+    assert main(["show", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "rank1: B1.0 F1.0" in captured.out and "cannot simulate" in captured.err

@@ -186,8 +186,12 @@ def test_deadlock_is_reported() -> None:
     plan = make_plan(StageGraph.chain(2), [(0,), (1,)],
                      "rank0: F0.0 B0.0 F0.1 B0.1\nrank1: F1.0 F1.1 B1.0 B1.1",
                      Costs.uniform(2, 1.0, 2.0))
+    with pytest.raises(PlanError, match="deadlock: rank 0 at position 1 \\(B0.0\\)"):
+        simulate(plan)  # validate's dry run says it first
     with pytest.raises(PlanError, match="deadlocks: rank 0 at position 1 \\(B0.0\\)"):
-        simulate(plan)
+        simulate(plan, check=False)  # the op graph has a cycle
+    with pytest.raises(PlanError, match="waiting for a message from rank 1"):
+        CompiledPlan(plan)
 
 
 def test_missing_costs_say_what_to_pass() -> None:

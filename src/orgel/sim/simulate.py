@@ -33,6 +33,7 @@ import numpy as np
 from orgel.schedule.comm import CommPlan
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
+from orgel.schedule.validate import validate
 from orgel.sim.compiled import CompiledPlan
 from orgel.sim.longest import longest_path
 from orgel.sim.timeline import Event, Timeline
@@ -97,14 +98,20 @@ def simulate(
     *,
     compiled: CompiledPlan | None = None,
     comm: CommPlan | None = None,
+    check: bool = True,
 ) -> SimResult:
     """Simulate one step of ``plan`` under ``costs`` (default: ``plan.costs``).
 
     Pass ``compiled`` to reuse a :class:`CompiledPlan` of the same plan, or
-    ``comm`` to reuse its derived messages. Raises :class:`PlanError` when the
-    plan has no costs, the costs do not match its stages, or the schedule
+    ``comm`` to reuse its derived messages. With ``check`` (default) the plan
+    is validated first (:func:`orgel.schedule.validate.validate`: every action
+    once, on a rank hosting its stage, after what it needs); a plan that is
+    known valid can skip it. Raises :class:`PlanError` when the plan is
+    invalid, has no costs, the costs do not match its stages, or the schedule
     deadlocks.
     """
+    if check:
+        validate(plan)
     cp = CompiledPlan(plan, comm=comm) if compiled is None else compiled
     costs, arrays = cp.stage_arrays(costs)
     dur = cp.durations(costs, arrays)
