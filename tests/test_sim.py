@@ -200,8 +200,12 @@ def test_missing_costs_say_what_to_pass() -> None:
         simulate(plan)
     with pytest.raises(PlanError, match="one StageCost per stage"):
         simulate(plan, Costs.uniform(3, 1.0, 2.0))
+    with pytest.raises(PlanError, match="times must be >= 0"):
+        simulate(plan, Costs.uniform(2, -1.0, 2.0))
+    # bwd_weight matters only to stages that run I/W
+    assert simulate(plan, Costs.uniform(2, 1.0, 2.0, bwd_weight=3.0)).step_time == 9
     with pytest.raises(PlanError, match="bwd_weight <= bwd"):
-        simulate(plan, Costs.uniform(2, 1.0, 2.0, bwd_weight=3.0))
+        simulate(build_schedule("zb-h1", 2, 2), Costs.uniform(2, 1.0, 2.0, bwd_weight=3.0))
 
 
 def test_split_backward_and_overhead() -> None:

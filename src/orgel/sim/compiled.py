@@ -82,14 +82,21 @@ class StageArrays:
               s.params if s.grads is None else s.grads) for s in costs.stages],
             dtype=np.float64,
         ).reshape(num_stages, 7)
-        if table[:, :3].min() < 0 or (table[:, 2] > table[:, 1]).any():
-            i, s = next((i, s) for i, s in enumerate(costs.stages)
-                        if min(s.fwd, s.bwd, s.weight_grad) < 0 or s.weight_grad > s.bwd)
+        return cls(*table.T)
+
+    def check(self, costs: Costs, split: np.ndarray) -> None:
+        """Raise :class:`PlanError` on a negative time, or on ``bwd_weight > bwd``
+        for a stage that runs split backward (``split[s]``: its I/W halves)."""
+        bad = (np.minimum(np.minimum(self.fwd, self.bwd), self.wgrad) < 0) | (
+            split & (self.wgrad > self.bwd)
+        )
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            s = costs.stages[i]
             raise PlanError(
                 f"stage {i} has fwd={s.fwd:g}, bwd={s.bwd:g}, bwd_weight={s.weight_grad:g}: "
-                "times must be >= 0 and bwd_weight <= bwd"
+                "times must be >= 0 and, with a split backward, bwd_weight <= bwd"
             )
-        return cls(*table.T)
 
 
 class CompiledPlan:
@@ -162,6 +169,8 @@ class CompiledPlan:
         replicas = np.array([len(p) for p in plan.placement], dtype=np.float64)
         self.stage_share = 1.0 / replicas
         self.stage_recompute = np.array(plan.recompute, dtype=np.float64)
+        self.split_stage = np.zeros(self.num_stages, dtype=bool)
+        self.split_stage[self.op_stage[self.op_kind >= 2]] = True
 
     def _build_messages(self, plan: Plan) -> None:
         msgs = self.comm.messages
@@ -291,6 +300,7 @@ class CompiledPlan:
         ):
             return costs, hit[1]
         arrays = StageArrays.from_costs(costs, self.num_stages)
+        arrays.check(costs, self.split_stage)
         self._arrays_cache = (tuple(stages), arrays)
         return costs, arrays
 
