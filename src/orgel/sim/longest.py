@@ -5,21 +5,21 @@ Both take ``preds[v]`` (the ops ``v`` waits for), a topological ``order`` and
 last predecessor ends (time 0 without predecessors).
 
 The topology of a plan is fixed while its costs change, so for repeated
-evaluation :func:`make_straight_line` writes the loop out as one Python
-function with one statement per op and every time in a local variable::
+evaluation :func:`make_straight_line` writes the loop out as Python code
+with one statement per op and every end time in a local variable::
 
-    (d0, d1, d2, ...) = d
-    e0 = d0
-    e1 = e0 + d1
+    e0 = d[0]
+    e1 = e0 + d[1]
     t = e1
     if e5 > t: t = e5
-    e2 = t + d2
+    e2 = t + d[2]
 
-which runs about three times faster than the loop (no inner loop, fewer
-list reads). :class:`LevelPath` is the vectorised alternative: ops grouped
-by depth, one numpy step per level. Pipeline schedules are deep and narrow
-(hundreds of levels of a few ops each), so it loses to both at every size we
-measured; ``benchmarks/simulator_speed.py`` prints all three.
+which runs two to four times faster than the loop (no inner loop, no list of
+predecessors to walk). :class:`LevelPath` is the vectorised alternative: ops
+grouped by depth, one numpy step per level. Pipeline schedules are deep and
+narrow (hundreds of levels of a few ops each), so it loses to the
+straight-line code at every size we measured, and to the plain loop below a
+few thousand ops; ``benchmarks/simulator_speed.py`` prints all three.
 """
 
 from __future__ import annotations
