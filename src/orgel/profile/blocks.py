@@ -1,0 +1,209 @@
+"""Measure every block on the target device: times, saved bytes, parameters, outputs.
+
+Each block of the coarsened graph is split into its own runnable module
+(:func:`orgel.split.split_model` with one stage per block); the blocks run once
+in order to produce every block's real inputs, then each block is measured on
+its own:
+
+* ``fwd``: the forward, with autograd recording (as in training);
+* ``bwd``: the full backward (``torch.autograd.grad`` w.r.t. inputs and
+  parameters), ``wgrad`` its weight half (w.r.t. parameters, timed after the
+  input half ran), all as the median of ``repeats`` runs after ``warmup``;
+  CUDA is timed with events, CPU with ``perf_counter``;
+* ``params``: bytes of the block's parameters; ``activations``: bytes autograd
+  saves for backward in one forward (saved-tensor hooks, each storage once,
+  parameters left out); ``output``: bytes of its outputs;
+* ``temporary``: on CUDA the allocator's peak during forward + backward above
+  what was alive before, less the saved bytes; on CPU (no allocator stats) an
+  estimate: the output gradient plus the input gradients, which coexist at the
+  start of the backward.
+
+The fixed cost of one action is measured through the same code path on an
+empty block (an identity on a one-element tensor) and becomes
+``action_overhead``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from orgel.split.types import StageModule
+
+
+@dataclass
+class BlockMeasure:
+    """What :func:`measure_block` found for one block (ms and bytes, one micro-batch)."""
+
+    fwd: float
+    bwd: float
+    wgrad: float
+    params: int
+    activations: int
+    output: int
+    temporary: int
+
+
+class Timer:
+    """Times a callable on a device: CUDA events on GPUs, ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device, *, warmup: int = 2, repeats: int = 5) -> None:
+        if warmup < 0 or repeats < 1:
+            raise ValueError(f"warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
+        self.device, self.warmup, self.repeats = device, warmup, repeats
+
+    def median(self, setup: Callable[[], Any], work: Callable[[Any], Any]) -> float:
+        """Median ms of ``work(setup())`` (``setup`` is not timed)."""
+        times = []
+        for i in range(self.warmup + self.repeats):
+            state = setup()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                work(state)
+                end.record()
+                torch.cuda.synchronize(self.device)
+                elapsed = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                work(state)
+                elapsed = (time.perf_counter() - t0) * 1000.0
+            if i >= self.warmup:
+                times.append(elapsed)
+        return float(statistics.median(times))
+
+
+def spin_up(device: torch.device, seconds: float = 0.5) -> None:
+    """Run small forward/backward work for ``seconds`` before any timing.
+
+    The first calls in a process are slow for a while (thread pools waking up,
+    kernels being picked: ~8 ms for a tiny matmul on a shared CPU here), which
+    would inflate whichever block is measured first.
+    """
+    w = torch.randn(32, 32, device=device, requires_grad=True)
+    x = torch.randn(4, 32, device=device, requires_grad=True)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.autograd.grad((x @ w).relu().sum(), (x, w))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def measure_block(stage: StageModule, args: list[Any], timer: Timer) -> BlockMeasure:
+    """Measure one block module on ``args`` (its inputs, in ``stage.inputs`` order)."""
+    module = stage.module
+    params = [p for p in module.parameters() if p.requires_grad]
+    param_ptrs = {p.data_ptr() for p in module.parameters()}
+    param_bytes = sum(_nbytes(p) for p in {p.data_ptr(): p for p in module.parameters()}.values())
+
+    def fresh_inputs() -> list[Any]:
+        return [a.detach().requires_grad_(True) if _float(a) else a for a in args]
+
+    def forward(inputs: list[Any]) -> list[torch.Tensor]:
+        out = module(*inputs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    # One forward under saved-tensor hooks: bytes kept for backward, each storage once.
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs and ptr not in saved:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    inputs = fresh_inputs()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = forward(inputs)
+    out_bytes = sum(_nbytes(o) for o in outs if isinstance(o, torch.Tensor))
+    grad_outs = [torch.randn_like(o) if _float(o) and o.requires_grad else None for o in outs]
+    diff_outs = [(o, g) for o, g in zip(outs, grad_outs, strict=True) if g is not None]
+    in_grad_bytes = sum(_nbytes(a) for a in inputs if _float(a))
+
+    fwd = timer.median(fresh_inputs, forward)
+    if not diff_outs or not params and not any(_float(a) for a in args):
+        bwd = wgrad = 0.0
+    else:
+        def setup() -> tuple[list[Any], list[torch.Tensor]]:
+            ins = fresh_inputs()
+            return ins, forward(ins)
+
+        def wrt_inputs(ins: list[Any]) -> list[torch.Tensor]:
+            return [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
+
+        def backward(state: tuple[list[Any], list[torch.Tensor]], *, which: str) -> None:
+            ins, out = state
+            pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
+            targets = wrt_inputs(ins) + params if which == "full" else params
+            if targets:
+                torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                    allow_unused=True)
+
+        def after_input_half() -> tuple[list[Any], list[torch.Tensor]]:
+            ins, out = setup()
+            pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
+            firsts = wrt_inputs(ins)
+            if firsts:
+                torch.autograd.grad([o for o, _ in pairs], firsts, [g for _, g in pairs],
+                                    retain_graph=True, allow_unused=True)
+            return ins, out
+
+        bwd = timer.median(setup, lambda s: backward(s, which="full"))
+        wgrad = timer.median(after_input_half, lambda s: backward(s, which="weights")) \
+            if params else 0.0
+        wgrad = min(wgrad, bwd)
+    temporary = _temporary(module, fresh_inputs, forward, grad_outs, timer.device,
+                           sum(saved.values()), out_bytes + in_grad_bytes)
+    return BlockMeasure(fwd=fwd, bwd=bwd, wgrad=wgrad, params=param_bytes,
+                        activations=sum(saved.values()), output=out_bytes, temporary=temporary)
+
+
+def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],
+               forward: Callable[[list[Any]], list[torch.Tensor]],
+               grad_outs: list[torch.Tensor | None], device: torch.device, saved: int,
+               estimate: int) -> int:
+    """Peak extra bytes of forward + backward (measured on CUDA, estimated on CPU)."""
+    if device.type != "cuda":
+        return estimate
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ins = fresh()
+    out = forward(ins)
+    pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    module.zero_grad(set_to_none=True)
+    return max(int(peak) - saved, 0)
+
+
+def action_overhead(timer: Timer) -> float:
+    """ms of one empty action (forward or backward of an identity) through this code path."""
+    empty = StageModule(index=0, module=_Empty(), inputs=["x"], outputs=["x"])
+    x = torch.zeros(1, device=timer.device)
+    m = measure_block(empty, [x], timer)
+    return (m.fwd + m.bwd) / 2
+
+
+class _Empty(torch.nn.Module):
+    """A block with no work: returns a view of its input."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x.view_as(x),)

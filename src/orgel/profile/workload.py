@@ -1,0 +1,164 @@
+"""Profile a workload into a block cost table: capture, coarsen, measure, cache on disk.
+
+``profile_workload("model.py:fn", microbatches=8, blocks=32)`` captures one
+micro-batch's forward, coarsens it into about ``blocks`` blocks, splits every
+block into its own module, measures each (:mod:`orgel.profile.blocks`) with a
+progress bar, measures the link between two ranks over the real backend
+(:mod:`orgel.profile.links`) and returns a :class:`BlockCosts`. Results are
+cached under ``$ORGEL_CACHE`` (default ``~/.cache/orgel``), keyed by the graph's
+hash, the device, the dtype and the micro-batch shapes, so a second run is
+instant. ``meta`` records what is needed to rebuild the same blocks
+(``target_blocks``, ``num_blocks``, ``graph_hash``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel.profile.blocks import Timer, action_overhead, measure_block, spin_up
+from orgel.profile.costs import BlockCosts
+from orgel.schedule.costs import Link
+
+
+def cache_dir() -> Path:
+    """Where profiles are cached: ``$ORGEL_CACHE`` or ``~/.cache/orgel``."""
+    return Path(os.environ.get("ORGEL_CACHE") or Path.home() / ".cache" / "orgel")
+
+
+def cache_key(**parts: Any) -> str:
+    """A stable short hash of JSON-able ``parts``."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _cached(kind: str, key: str) -> dict[str, Any] | None:
+    path = cache_dir() / f"{kind}-{key}.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _store(kind: str, key: str, data: dict[str, Any]) -> None:
+    path = cache_dir() / f"{kind}-{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs time
+
+
+def graph_hash(opgraph: Any) -> str:
+    """Hash of an op graph's structure: nodes (op, inputs, shape, dtype) and parameter shapes."""
+    nodes = [(n.name, n.op, list(n.inputs), list(n.params), n.shape, n.dtype)
+             for n in opgraph.nodes.values()]
+    params = sorted((k, list(p.shape), str(p.dtype)) for k, p in opgraph.params.items())
+    return cache_key(nodes=nodes, params=params)
+
+
+def link_costs(*, backend: str = "gloo", use_cache: bool = True) -> Link:
+    """The measured link of this host and backend (cached)."""
+    from orgel.profile.links import measure_link
+
+    key = cache_key(host=socket.gethostname(), backend=backend, torch=torch.__version__)
+    data = _cached("link", key) if use_cache else None
+    if data is None:
+        link, samples = measure_link(backend=backend)
+        data = {"latency": link.latency, "per_mib": link.per_mib, "samples": samples}
+        _store("link", key, data)
+    return Link(latency=float(data["latency"]), per_mib=float(data["per_mib"]))
+
+
+def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
+                     device: str | None = None, warmup: int = 3, repeats: int = 5,
+                     link: bool = True, use_cache: bool = True, progress: bool = True,
+                     optimizer_factor: float = 4.0) -> BlockCosts:
+    """Measure ``workload`` (``"file.py:fn"`` or a Workload) into a :class:`BlockCosts`.
+
+    ``device`` defaults to ``cuda`` when present, else ``cpu``. ``link=False``
+    skips the link benchmark (zero-cost links). Raises ValueError (WorkloadError,
+    CaptureError's message) on a workload that cannot be profiled.
+    """
+    from orgel.graph import capture, coarsen
+    from orgel.split import split_model
+    from orgel.workload import Workload, load_workload, named_inputs, validate_workload
+    from orgel.workload import microbatches as split_batches
+
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
+    w = load_workload(workload) if isinstance(workload, str) else workload
+    if not isinstance(w, Workload):
+        raise ValueError("workload must be 'file.py:function' or an orgel.workload.Workload")
+    validate_workload(w, microbatches)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    inputs, _ = split_batches(w, microbatches)[0]
+    named = named_inputs(w.model, inputs)
+    opgraph = capture(w.model, named)
+    bg = coarsen(opgraph, blocks)
+    dtypes = sorted({str(p.dtype) for p in w.model.parameters()})
+    shapes = {k: list(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
+    key = cache_key(graph=graph_hash(opgraph), blocks=blocks, device=str(dev), dtype=dtypes,
+                    shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__)
+    cached = _cached("blocks", key) if use_cache else None
+    if cached is None:
+        cached = _measure(bg, split_model, named, dev, warmup, repeats, progress)
+        _store("blocks", key, cached)
+    n = len(bg.blocks)
+    edges = sorted({(e.src, e.dst) for e in bg.edges if e.src != e.dst})
+    memory = None
+    if dev.type == "cuda":
+        memory = int(torch.cuda.get_device_properties(dev).total_memory)
+    costs = BlockCosts(
+        fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
+        activations=cached["activations"], output=cached["output"],
+        temporary=cached["temporary"], edges=edges,
+        link=link_costs(use_cache=use_cache) if link else Link(),
+        memory_per_rank=memory, optimizer_factor=optimizer_factor,
+        action_overhead=float(cached["action_overhead"]),
+        names=[b.name for b in bg.blocks],
+        meta={"workload": workload if isinstance(workload, str) else type(w.model).__name__,
+              "target_blocks": blocks, "num_blocks": n, "graph_hash": graph_hash(opgraph),
+              "device": str(dev), "dtype": dtypes, "microbatch_shapes": shapes,
+              "microbatches": microbatches},
+    )
+    return costs
+
+
+def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device, warmup: int,
+             repeats: int, progress: bool) -> dict[str, Any]:
+    """Run every block once in order for its inputs, then measure each on its own."""
+    from tqdm import tqdm
+
+    split = split_model(bg, list(range(len(bg.blocks))))
+    values: dict[str, Any] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
+                              for k, v in named.items()}
+    args_of: list[list[Any]] = []
+    with torch.no_grad():
+        for stage in split.stages:
+            stage.module.to(dev)
+            args = [values[name] for name in stage.inputs]
+            args_of.append(args)
+            out = stage.module(*args)
+            out = list(out) if isinstance(out, (tuple, list)) else [out]
+            values.update(zip(stage.outputs, out, strict=True))
+    timer = Timer(dev, warmup=warmup, repeats=repeats)
+    spin_up(dev)
+    cols: dict[str, list[Any]] = {k: [] for k in ("fwd", "bwd", "wgrad", "params", "activations",
+                                                  "output", "temporary")}
+    for stage, args in tqdm(list(zip(split.stages, args_of, strict=True)), desc="profiling blocks",
+                            unit="block", disable=not progress):
+        m = measure_block(stage, args, timer)
+        for k in cols:
+            cols[k].append(getattr(m, k))
+    out: dict[str, Any] = dict(cols)
+    out["action_overhead"] = action_overhead(timer)
+    return out
