@@ -4,8 +4,8 @@ Each rank records every action's start and end and each wait (for a receive,
 for the sends at the end, for the gradient reductions) as an :class:`Event`
 with wall-clock seconds. :func:`gather_events` merges them across ranks;
 :func:`summary` reports the step time, bubble fraction and communication wait
-per rank; :func:`chrome_trace` writes a Chrome/Perfetto trace (times in
-microseconds, as the format wants; everything else in orgel is milliseconds).
+per rank; :func:`save_views` writes a Chrome/Perfetto trace and a PNG of the
+measured step beside the simulator's prediction for the same Plan.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
+
+from orgel.schedule.costs import Costs, StageCost
+from orgel.schedule.ir import Action, Plan
+from orgel.sim.timeline import Timeline
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 
@@ -84,27 +88,69 @@ def format_summary(events: list[Event]) -> str:
     return "\n".join(lines)
 
 
-def chrome_trace(events: list[Event], path: str | Path | None = None,
-                 predicted: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A Chrome/Perfetto trace of the measured events (one process per rank).
+def to_timeline(events: list[Event], num_ranks: int, title: str = "measured") -> Timeline:
+    """The events as the simulator's :class:`~orgel.sim.timeline.Timeline` (milliseconds).
 
-    ``predicted`` (chrome ``X`` events from the simulator) is drawn as a second
-    process group so the prediction sits beside the measurement.
+    Actions go on the compute track; waits, gradient reduction and the
+    optimizer on the comm track (labelled with the peer waited on).
     """
-    trace: list[dict[str, Any]] = []
+    timeline = Timeline(num_ranks=num_ranks, title=title)
     for e in normalise(events):
-        args: dict[str, Any] = {"kind": e.kind}
-        if e.peer is not None:
-            args["peer"] = e.peer
-        trace.append({"name": e.name, "cat": e.kind, "ph": "X", "pid": f"measured rank {e.rank}",
-                      "tid": "wait" if e.kind == "wait" else "compute",
-                      "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": args})
-    for p in predicted or []:
-        trace.append({**p, "pid": f"predicted {p.get('pid', '')}"})
-    data = {"traceEvents": trace, "displayTimeUnit": "ms"}
-    if path is not None:
-        Path(path).write_text(json.dumps(data))
-    return data
+        track = "compute" if e.kind in COMPUTE_KINDS else "comm"
+        label = e.name if e.peer is None else f"{e.name} <- r{e.peer}"
+        timeline.add(e.rank, track, label, e.start * 1e3, e.end * 1e3)
+    return timeline
+
+
+def measured_costs(plan: Plan, events: list[Event]) -> Costs:
+    """Per-stage mean action times from the measurement, as Costs for the simulator."""
+    times: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        if e.kind in COMPUTE_KINDS:
+            action = Action.parse(e.name)
+            times.setdefault((e.kind, action.stage), []).append((e.end - e.start) * 1e3)
+
+    def mean(kind: str, s: int) -> float:
+        xs = times.get((kind, s), [])
+        return sum(xs) / len(xs) if xs else 0.0
+
+    stages = []
+    for s in range(plan.num_stages):
+        if plan.uses_split_backward(s):
+            weight = mean("W", s)
+            stages.append(StageCost(fwd=mean("F", s), bwd=mean("I", s) + weight,
+                                    bwd_weight=weight))
+        else:
+            stages.append(StageCost(fwd=mean("F", s), bwd=mean("B", s)))
+    return Costs(stages=stages)
+
+
+def save_views(plan: Plan, events: list[Event], *, trace: str | Path | None = None,
+               png: str | Path | None = None) -> Timeline:
+    """Write the measured step as a Chrome trace and/or PNG beside the simulator's prediction.
+
+    The prediction simulates ``plan`` with the measured per-stage action times
+    (or the plan's own costs when it carries them), so the picture shows how
+    far the real step is from an ideal run of the same work. Returns it.
+    """
+    from orgel.sim.simulate import simulate
+
+    measured = to_timeline(events, plan.num_ranks)
+    costs = plan.costs if plan.costs is not None else measured_costs(plan, events)
+    predicted = simulate(plan, costs).timeline
+    predicted.title = "predicted (simulator, measured action times)"
+    if trace is not None:
+        data = measured.chrome_trace()
+        offset = plan.num_ranks
+        for ev in predicted.chrome_trace()["traceEvents"]:
+            ev = dict(ev, pid=ev["pid"] + offset)
+            if ev.get("name") == "process_name":
+                ev["args"] = {"name": f"predicted rank {ev['pid'] - offset}"}
+            data["traceEvents"].append(ev)
+        Path(trace).write_text(json.dumps(data) + "\n")
+    if png is not None:
+        measured.save_png(png, below=predicted)
+    return predicted
 
 
 def to_dicts(rows: list[RankSummary]) -> list[dict[str, Any]]:

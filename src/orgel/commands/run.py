@@ -1,0 +1,199 @@
+"""``orgel run``: train a workload for a few steps on local ranks, optionally checked exactly.
+
+The workload (``file.py:function``) is captured and split by a balanced chain
+scheduled with ``--schedule`` (or by ``--plan PLAN.json``); ``--ranks`` gloo
+processes run ``--steps`` steps on the workload's batch and the loss of each
+step is printed. ``--check`` also trains the unmodified model in this process
+with gradient accumulation over the same micro-batches and prints the largest
+loss and parameter differences (exit 1 beyond ``--tolerance``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from typing import Any
+
+import torch
+
+NAME = "run"
+HELP = "run a workload's training steps on local ranks (gloo), optionally checked exactly"
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command line of ``orgel run``."""
+    parser.add_argument("workload", help="the workload, as path/to/file.py:function")
+    parser.add_argument("--ranks", type=int, default=2, help="processes to run (default 2)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel replicas of the whole pipeline (divides --ranks)")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--schedule", default="1f1b",
+                     help="schedule family over a balanced chain (default 1f1b): gpipe, 1f1b, "
+                          "interleaved, looped-bfs, looped, zb-h1, dag-1f1b")
+    how.add_argument("--plan", help="a Plan JSON file to run instead (see orgel plan)")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--stages-per-rank", type=int, default=2,
+                        help="stages per rank for interleaved/looped schedules (default 2)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="clip gradients to this global norm (all ranks together)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="recompute every stage's activations in backward")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with single-process gradient accumulation")
+    parser.add_argument("--tolerance", type=float, default=1e-4,
+                        help="largest loss/parameter difference --check accepts (default 1e-4)")
+    parser.add_argument("--trace", help="write the last step's Chrome/Perfetto trace here")
+    parser.add_argument("--png", help="write the last step's timeline (and prediction) here")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds any rank waits for a message before failing (default 60)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (default 1)")
+
+
+def optimizer_factory(name: str, lr: float) -> Any:
+    """``lambda params: torch.optim.X(params, lr=lr)`` for ``name``."""
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr)
+    return lambda params: torch.optim.AdamW(params, lr=lr)
+
+
+def _fail(message: str) -> int:
+    print(f"orgel run: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    for name in ("ranks", "dp", "microbatches", "steps", "threads", "stages_per_rank"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if args.ranks % args.dp:
+        return f"--dp {args.dp} must divide --ranks {args.ranks}"
+    if args.timeout <= 0:
+        return "--timeout must be a positive number of seconds"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan (or load), validate, spawn, train, print; optionally check against one process."""
+    from orgel.graph.capture import capture
+    from orgel.runtime.errors import SpawnError
+    from orgel.runtime.launch import spawn
+    from orgel.runtime.plans import balanced_plan
+    from orgel.runtime.trace import format_summary, save_views
+    from orgel.schedule.ir import Plan, PlanError
+    from orgel.schedule.validate import validate
+    from orgel.workload import WorkloadError, load_workload, microbatches, validate_workload
+
+    problem = _check_args(args)
+    if problem:
+        return _fail(problem)
+    try:
+        workload = load_workload(args.workload)
+        validate_workload(workload, args.microbatches * args.dp)
+        graph = capture(workload.model, microbatches(workload, args.microbatches)[0][0])
+        if args.plan:
+            plan = Plan.load(args.plan)
+            if plan.num_ranks != args.ranks:
+                return _fail(f"the plan is for {plan.num_ranks} ranks: pass --ranks "
+                             f"{plan.num_ranks}")
+        else:
+            plan = balanced_plan(graph, ranks=args.ranks, microbatches=args.microbatches,
+                                 schedule=args.schedule, dp=args.dp,
+                                 stages_per_rank=args.stages_per_rank)
+        if args.recompute:
+            plan.recompute = [True] * plan.num_stages
+        validate(plan)  # an invalid plan never starts a process
+    except (WorkloadError, PlanError, OSError) as exc:
+        return _fail(str(exc))
+    print(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks, "
+          f"{plan.microbatches} micro-batches, {plan.meta.get('schedule', 'custom')} "
+          f"schedule; stage ranks {[list(r) for r in plan.placement]}")
+    start = time.perf_counter()
+    try:
+        results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
+                        timeout=args.timeout, threads=args.threads)
+    except SpawnError as exc:
+        print(f"orgel run: the run failed\n{exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - start
+    losses = results[0]["losses"]
+    for step, loss in enumerate(losses):
+        print(f"step {step + 1}: loss {loss:.6f}")
+    events = [e for r in results for e in r["events"]]
+    print(format_summary(events))
+    print(f"{args.steps} steps on {args.ranks} ranks in {elapsed:.1f} s (including start-up)")
+    if args.trace or args.png:
+        save_views(plan, events, trace=args.trace, png=args.png)
+        for path in (args.trace, args.png):
+            if path:
+                print(f"wrote {path}")
+    if not args.check:
+        return 0
+    params = {name: t for r in results for name, t in r["params"]}
+    ref_losses, ref_params = reference(load_workload(args.workload), args)
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+    missing = sorted(set(ref_params) - set(params))
+    if missing:
+        print(f"check: parameters missing from the ranks: {missing[:5]}", file=sys.stderr)
+        return 1
+    param_diff = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    ok = loss_diff <= args.tolerance and param_diff <= args.tolerance
+    print(f"check vs one process (gradient accumulation): largest loss difference "
+          f"{loss_diff:.3g}, largest parameter difference {param_diff:.3g} "
+          f"-> {'OK' if ok else 'FAILED'} (tolerance {args.tolerance:g})")
+    return 0 if ok else 1
+
+
+def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
+    """Losses and final parameters of the unmodified model, one process, same steps."""
+    from orgel.workload import microbatches
+
+    torch.manual_seed(0)
+    model = copy.deepcopy(workload.model)
+    optimizer = optimizer_factory(args.optimizer, args.lr)(list(model.parameters()))
+    batches = microbatches(workload, args.microbatches)
+    losses = []
+    for _ in range(args.steps):
+        optimizer.zero_grad()
+        total = 0.0
+        for inputs, targets in batches:
+            loss = workload.loss_fn(model(**inputs), targets) / len(batches)
+            loss.backward()
+            total += loss.item()
+        if args.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def rank_main(rank: int, world: int, spec: str, plan_json: str,
+              options: dict[str, Any]) -> dict[str, Any]:
+    """One rank of ``orgel run``: capture, split by the plan, train, report."""
+    from orgel.graph.capture import capture
+    from orgel.runtime.executor import Executor
+    from orgel.schedule.ir import Plan
+    from orgel.split import split_plan
+    from orgel.workload import load_workload, microbatches, named_inputs
+
+    workload = load_workload(spec)
+    plan = Plan.from_json(plan_json)
+    graph = capture(workload.model, microbatches(workload, plan.microbatches)[0][0])
+    split = split_plan(graph, plan)
+    executor = Executor(plan, split, loss_fn=workload.loss_fn,
+                        optimizer_factory=optimizer_factory(options["optimizer"], options["lr"]),
+                        max_grad_norm=options["max_grad_norm"], timeout=options["timeout"],
+                        batch_dim=workload.batch_dim, check_plan=False)
+    inputs = named_inputs(workload.model, workload.inputs)
+    torch.manual_seed(0)
+    losses = [executor.step(inputs, workload.targets) for _ in range(options["steps"])]
+    params = [(n, p.detach().clone()) for n, p in executor.named_parameters()]
+    return {"losses": losses, "events": executor.events,
+            "params": params if options["check"] else []}
