@@ -97,20 +97,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload = load_workload(args.workload)
         validate_workload(workload, args.microbatches * args.dp)
-        graph = capture(workload.model, microbatches(workload, args.microbatches)[0][0])
         if args.plan:
             plan = Plan.load(args.plan)
             if plan.num_ranks != args.ranks:
                 return _fail(f"the plan is for {plan.num_ranks} ranks: pass --ranks "
                              f"{plan.num_ranks}")
+            replicas(plan)
         else:
+            # the graph is captured for one replica's rows of a micro-batch
+            share = microbatches(workload, args.microbatches * args.dp)[0][0]
+            graph = capture(workload.model, share)
             plan = balanced_plan(graph, ranks=args.ranks, microbatches=args.microbatches,
                                  schedule=args.schedule, dp=args.dp,
                                  stages_per_rank=args.stages_per_rank)
         if args.recompute:
             plan.recompute = [True] * plan.num_stages
         validate(plan)  # an invalid plan never starts a process
-    except (WorkloadError, PlanError, OSError) as exc:
+    except (WorkloadError, PlanError, OSError, ValueError) as exc:
         return _fail(str(exc))
     print(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks, "
           f"{plan.microbatches} micro-batches, {plan.meta.get('schedule', 'custom')} "
@@ -174,6 +177,16 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def replicas(plan: Any) -> int:
+    """The replicas every stage has; the captured graph has fixed shapes, so all the same."""
+    counts = {len(ranks) for ranks in plan.placement}
+    if len(counts) != 1:
+        raise ValueError("stages with different replica counts need shape-generic stage "
+                         f"modules; this plan has {sorted(counts)}: give every stage the same "
+                         "number of ranks")
+    return counts.pop()
+
+
 def rank_main(rank: int, world: int, spec: str, plan_json: str,
               options: dict[str, Any]) -> dict[str, Any]:
     """One rank of ``orgel run``: capture, split by the plan, train, report."""
@@ -185,7 +198,8 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
 
     workload = load_workload(spec)
     plan = Plan.from_json(plan_json)
-    graph = capture(workload.model, microbatches(workload, plan.microbatches)[0][0])
+    share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
+    graph = capture(workload.model, share)
     split = split_plan(graph, plan)
     executor = Executor(plan, split, loss_fn=workload.loss_fn,
                         optimizer_factory=optimizer_factory(options["optimizer"], options["lr"]),

@@ -57,6 +57,10 @@ def init_from_env(*, backend: str | None = None, timeout: float = 60.0) -> tuple
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
             timeout: float, threads: int | None, backend: str, outdir: str) -> None:
     os.environ[ERROR_DIR_ENV] = outdir
+    # the rank's stderr goes to a log (shown by the launcher on success): on failure the
+    # report says it once, without N copies of C++ warnings and fx's own printouts
+    log = os.open(Path(outdir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 2)
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -102,6 +106,10 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0
         if any(c != 0 for c in codes.values()):
             records = read_records(outdir)
             raise SpawnError(summarize(records, codes))
+        for r in range(nranks):
+            text = (Path(outdir) / f"rank{r}.log").read_text(errors="replace").strip()
+            if text:
+                print(f"[rank {r}] " + text.replace("\n", f"\n[rank {r}] "), file=sys.stderr)
         results = []
         for r in range(nranks):
             with open(Path(outdir) / f"result{r}.pkl", "rb") as f:

@@ -1,0 +1,46 @@
+"""``orgel run``: the acceptance command passes its check; bad input fails before any process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orgel.cli import main
+from orgel.schedule.families import build_schedule
+
+GPT = "examples/gpt.py:workload"
+
+
+def test_run_1f1b_check_trace_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace, png = tmp_path / "step.json", tmp_path / "step.png"
+    code = main(["run", GPT, "--ranks", "2", "--schedule", "1f1b", "--microbatches", "4",
+                 "--steps", "3", "--check", "--trace", str(trace), "--png", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "step 3: loss" in out and "-> OK" in out
+    assert "bubble" in out and "comm wait" in out
+    names = {e.get("args", {}).get("name") for e in json.loads(trace.read_text())["traceEvents"]
+             if e.get("name") == "process_name"}
+    assert {"rank 0", "rank 1", "predicted rank 0", "predicted rank 1"} <= names
+    assert png.stat().st_size > 1000
+
+
+def test_invalid_plan_is_rejected_before_any_process(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    plan = build_schedule("1f1b", 2, 4)
+    plan.schedule[1] = plan.schedule[1][:-1]  # drop rank 1's last backward
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    code = main(["run", GPT, "--ranks", "2", "--plan", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("orgel run: ") and "rank 1" in err
+
+
+def test_bad_options_say_what_to_change(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", GPT, "--ranks", "3", "--dp", "2"]) == 2
+    assert "--dp 2 must divide --ranks 3" in capsys.readouterr().err
+    assert main(["run", "nowhere.py:workload"]) == 2
+    assert "does not exist" in capsys.readouterr().err
