@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the costs file's memory_per_rank, else unlimited)")
     parser.add_argument("--planner", default="auto", help="auto (default), beam, graph, "
                         "uniform-layers, uniform-params or uniform-time")
+    parser.add_argument("--dp", default="1", metavar="D", help="data-parallel replicas of the "
+                        "whole pipeline (divides --ranks), or 'auto' to choose (default 1)")
     parser.add_argument("--blocks", type=int, default=32, metavar="N",
                         help="target number of blocks when profiling a workload (default 32)")
     parser.add_argument("--max-loops", type=int, default=8, metavar="V",
@@ -77,23 +79,26 @@ def run(args: argparse.Namespace) -> int:
             memory = parse_size(args.memory)
         except ValueError as exc:
             return _fail(f"--memory: {exc}")
-    if args.costs is not None:
+    dp: int | None = None
+    if args.dp != "auto":
         try:
-            costs = BlockCosts.load(args.costs)
-        except CostsFileError as exc:
-            return _fail(str(exc))
-    else:
-        try:
-            costs = _profile(args.workload, microbatches, args.blocks)
-        except (ValueError, FileNotFoundError, ImportError) as exc:
-            return _fail(str(exc))
+            dp = int(args.dp)
+        except ValueError:
+            return _fail(f"--dp must be a number or 'auto', got {args.dp!r}")
+    options: dict[str, Any] = dict(memory=memory, planner=args.planner, dp=dp,
+                                   width=args.beam_width, max_loops=args.max_loops,
+                                   time_limit=args.time_limit)
     try:
-        result = plan(costs, args.ranks, microbatches, memory=memory, planner=args.planner,
-                      width=args.beam_width, max_loops=args.max_loops,
-                      time_limit=args.time_limit)
-    except InfeasibleError as exc:
+        if args.costs is not None:
+            result = plan(BlockCosts.load(args.costs), args.ranks, microbatches, **options)
+        else:
+            from orgel.plan.workload import plan_workload
+
+            result = plan_workload(args.workload, ranks=args.ranks, microbatches=microbatches,
+                                   blocks=args.blocks, progress=not args.json, **options)
+    except (InfeasibleError, CostsFileError) as exc:
         return _fail(str(exc))
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:
         return _fail(str(exc))
     if args.out:
         result.plan.save(args.out)
@@ -110,13 +115,6 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             print(f"plan written to {args.out}")
     return 0
-
-
-def _profile(workload: str, microbatches: int, blocks: int) -> Any:
-    """Profile a workload into a block cost table (cached on disk)."""
-    from orgel.profile.workload import profile_workload
-
-    return profile_workload(workload, microbatches=microbatches, blocks=blocks)
 
 
 def _mib(nbytes: float | None) -> str:

@@ -26,7 +26,7 @@ from orgel.plan.scorer import Scorer, Template
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
-from orgel.profile.costs import BlockCosts, chain_split
+from orgel.profile.costs import BlockCosts, chain_split, stage_costs
 from orgel.schedule.ir import Plan
 from orgel.sim import SimResult, simulate
 
@@ -103,13 +103,17 @@ def _ranges(blocks: tuple[int, ...]) -> str:
 
 def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None = None,
          planner: str = "auto", width: int = 4, max_move: int = 10, max_loops: int = 8,
-         time_limit: float | None = None, per_member: int | None = None) -> PlanResult:
+         time_limit: float | None = None, per_member: int | None = None,
+         dp: int | None = 1) -> PlanResult:
     """The fastest feasible plan of ``costs`` on ``ranks`` ranks (see the module docstring).
 
     ``memory`` overrides the table's ``memory_per_rank`` (bytes; None keeps it).
     ``width``/``max_move``/``per_member`` tune the beam search, ``max_loops``
-    bounds stages per rank, ``time_limit`` (s) bounds the beam phase. Raises
-    :class:`InfeasibleError` when nothing fits, ValueError on bad options.
+    bounds stages per rank, ``time_limit`` (s) bounds the beam phase. ``dp``
+    replicates the whole pipeline ``dp`` times (each replica takes its share of
+    every micro-batch; gradients are all-reduced); ``dp=None`` tries every
+    divisor of ``ranks`` and keeps the fastest. Raises :class:`InfeasibleError`
+    when nothing fits, ValueError on bad options.
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}: choose one of {', '.join(PLANNERS)}")
@@ -117,39 +121,82 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
                         ("max_move", max_move), ("max_loops", max_loops)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if ranks > costs.num_blocks:
+    if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1
+                           or ranks % dp):
+        raise ValueError(f"dp must be a positive integer that divides ranks={ranks}, got {dp!r}")
+    degrees = [d for d in range(1, ranks + 1) if ranks % d == 0] if dp is None else [dp]
+    if min(ranks // d for d in degrees) > costs.num_blocks:
         raise ValueError(f"{ranks} ranks but only {costs.num_blocks} blocks: use at most "
                          f"{costs.num_blocks} ranks or coarsen into more blocks")
     started = time.perf_counter()
     scorer = Scorer(costs, memory=memory)
-    baselines = _baselines(scorer, ranks, microbatches)
+    options = dict(width=width, max_move=max_move, max_loops=max_loops, time_limit=time_limit,
+                   per_member=per_member)
     candidates: list[tuple[float, str, Plan]] = []
-    for name, (step, p) in baselines.items():
-        if p is not None and (planner == name or planner == "auto"):
+    base_times: dict[str, float | None] = {}
+    evaluations = 0
+    for d in degrees:
+        pipeline = ranks // d
+        if pipeline > costs.num_blocks:
+            continue
+        sub = scorer if d == 1 else Scorer(costs.scaled(1.0 / d), memory=scorer.memory)
+        found, baselines = _search(sub, pipeline, microbatches, planner, options)
+        evaluations += sub.evaluations
+        if d == 1 or not base_times:
+            base_times = baselines
+        for step, name, p in found:
+            if d > 1:
+                p = _replicate(p, d, costs, scorer.memory)
+                check = simulate(p)
+                if not check.fits:
+                    continue
+                step, name = check.step_time, f"{name} x dp{d}"
             candidates.append((step, name, p))
-    if planner in ("auto", "beam"):
-        seq = sequential_plan(scorer, ranks, microbatches, max_loops=max_loops, width=width,
-                              max_move=max_move, time_limit=time_limit, per_member=per_member)
-        if seq is not None:
-            blocks = chain_split(seq.points, costs.num_blocks)
-            p = scorer.to_plan(seq.template, blocks, seq.recompute)
-            _label(p, seq.template)
-            candidates.append((seq.score.step_time, "beam", p))
-    if planner == "graph" or (planner == "auto" and not costs.is_chain()):
-        g = graph_plan(scorer, ranks, microbatches)
-        if g is not None:
-            _label(g.plan, g.template)
-            candidates.append((g.score.step_time, "graph", g.plan))
     if not candidates:
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
     step, name, best = min(candidates, key=lambda c: c[0])
     seconds = time.perf_counter() - started
     sim = simulate(best)
     best.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
-    base_times = {k: (v[0] if v[1] is not None else None) for k, v in baselines.items()}
     best.meta.update({"planner": name, "search_seconds": seconds, "baselines": base_times,
                       "block_graph": dict(costs.meta)})
-    return PlanResult(best, name, sim, seconds, base_times, scorer.evaluations)
+    return PlanResult(best, name, sim, seconds, base_times, evaluations)
+
+
+def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,
+            options: dict[str, Any]) -> tuple[list[tuple[float, str, Plan]],
+                                              dict[str, float | None]]:
+    """Candidates of every asked planner for one pipeline size, and the baselines' times."""
+    costs = scorer.bc
+    baselines = _baselines(scorer, ranks, microbatches)
+    found: list[tuple[float, str, Plan]] = []
+    for name, (step, p) in baselines.items():
+        if p is not None and planner in (name, "auto"):
+            found.append((step, name, p))
+    if planner in ("auto", "beam"):
+        seq = sequential_plan(scorer, ranks, microbatches, **options)
+        if seq is not None:
+            p = scorer.to_plan(seq.template, chain_split(seq.points, costs.num_blocks),
+                               seq.recompute)
+            _label(p, seq.template)
+            found.append((seq.score.step_time, "beam", p))
+    if planner == "graph" or (planner == "auto" and not costs.is_chain()):
+        g = graph_plan(scorer, ranks, microbatches)
+        if g is not None:
+            _label(g.plan, g.template)
+            found.append((g.score.step_time, "graph", g.plan))
+    times = {k: (v[0] if v[1] is not None else None) for k, v in baselines.items()}
+    return found, times
+
+
+def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None) -> Plan:
+    """``p`` on ``dp`` replica groups, with whole-micro-batch stage costs again."""
+    from orgel.runtime.plans import replicate
+
+    out = replicate(p, dp)
+    out.costs = stage_costs(costs, [list(s.blocks) for s in out.stage_graph.stages])
+    out.costs.memory_per_rank = memory
+    return out
 
 
 def _label(p: Plan, template: Template) -> None:

@@ -31,7 +31,8 @@ from typing import Any
 from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
-_BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name")
+_BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
+               "nodes")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
              "action_overhead", "meta")
 
@@ -66,6 +67,7 @@ class BlockCosts:
     action_overhead: float = 0.0
     names: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    nodes: list[list[str]] = field(default_factory=list)  # fx node names per block, if known
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -77,6 +79,8 @@ class BlockCosts:
                                      f"expected one per block ({n})")
         if not self.names:
             self.names = [f"block{i}" for i in range(n)]
+        if self.nodes and len(self.nodes) != n:
+            raise CostsFileError(f"'nodes' has {len(self.nodes)} entries, expected one per block")
         self.edges = [(int(a), int(b)) for a, b in self.edges]
         for a, b in self.edges:
             if not (0 <= a < n and 0 <= b < n):
@@ -111,7 +115,7 @@ class BlockCosts:
             temporary=[int(b * factor) for b in self.temporary], edges=list(self.edges),
             link=self.link, links=dict(self.links), memory_per_rank=self.memory_per_rank,
             optimizer_factor=self.optimizer_factor, action_overhead=self.action_overhead,
-            names=list(self.names), meta=dict(self.meta))
+            names=list(self.names), meta=dict(self.meta), nodes=[list(n) for n in self.nodes])
 
     # -- JSON --------------------------------------------------------------------
 
@@ -123,6 +127,8 @@ class BlockCosts:
              "temporary": self.temporary[i]}
             for i in range(self.num_blocks)
         ]
+        for i, nodes in enumerate(self.nodes):
+            blocks[i]["nodes"] = list(nodes)
         return {
             "blocks": blocks,
             "edges": [list(e) for e in self.edges],
@@ -170,6 +176,10 @@ class BlockCosts:
             for key in ("params", "activations", "output", "temporary"):
                 cols[key].append(int(_number(b.get(key, 0), f"blocks[{i}].{key}")))
             cols["name"].append(str(b.get("name", f"block{i}")))
+            nodes = b.get("nodes", [])
+            if not isinstance(nodes, list) or not all(isinstance(x, str) for x in nodes):
+                raise CostsFileError(f"blocks[{i}].nodes must be a list of graph node names")
+            cols["nodes"].append(nodes)
         n = len(blocks)
         edges_data = data.get("edges")
         if edges_data is None:
@@ -202,6 +212,7 @@ class BlockCosts:
             optimizer_factor=_number(data.get("optimizer_factor", 4.0), "optimizer_factor"),
             action_overhead=_number(data.get("action_overhead", 0.0), "action_overhead"),
             names=cols["name"], meta=dict(data.get("meta") or {}),
+            nodes=cols["nodes"] if any(cols["nodes"]) else [],
         )
 
     def save(self, path: str | Path) -> None:
@@ -289,7 +300,9 @@ def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> 
         sa, sb = owner[a], owner[b]
         if sa != sb:
             values.setdefault((sa, sb), {})[a] = bc.output[a]
-    stages = tuple(Stage(name=f"stage{s}", blocks=tuple(blocks))
+    stages = tuple(Stage(name=f"stage{s}", blocks=tuple(blocks),
+                         nodes=tuple(n for b in sorted(blocks) for n in bc.nodes[b])
+                         if bc.nodes else ())
                    for s, blocks in enumerate(stage_blocks))
     edges = tuple(
         Edge(sa, sb, tuple(Value(f"block{a}", nbytes) for a, nbytes in sorted(vals.items())))

@@ -26,6 +26,9 @@ from orgel.profile.blocks import Timer, action_overhead, measure_block, spin_up
 from orgel.profile.costs import BlockCosts
 from orgel.schedule.costs import Link
 
+#: Bump when the measurement changes, so stale cached tables are not reused.
+PROFILE_VERSION = 2
+
 
 def cache_dir() -> Path:
     """Where profiles are cached: ``$ORGEL_CACHE`` or ``~/.cache/orgel``."""
@@ -88,25 +91,49 @@ def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
     skips the link benchmark (zero-cost links). Raises ValueError (WorkloadError,
     CaptureError's message) on a workload that cannot be profiled.
     """
-    from orgel.graph import capture, coarsen
-    from orgel.split import split_model
+    w, opgraph = capture_workload(workload, microbatches)
+    costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, device=device,
+                          warmup=warmup, repeats=repeats, link=link, use_cache=use_cache,
+                          progress=progress, optimizer_factor=optimizer_factor)
+    if isinstance(workload, str):
+        costs.meta["workload"] = workload
+    return costs
+
+
+def capture_workload(workload: Any, microbatches: int) -> tuple[Any, Any]:
+    """Load (if named) and check a workload; capture one micro-batch: (Workload, OpGraph)."""
+    from orgel.graph import capture
     from orgel.workload import Workload, load_workload, named_inputs, validate_workload
     from orgel.workload import microbatches as split_batches
 
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
     w = load_workload(workload) if isinstance(workload, str) else workload
     if not isinstance(w, Workload):
         raise ValueError("workload must be 'file.py:function' or an orgel.workload.Workload")
     validate_workload(w, microbatches)
+    inputs, _ = split_batches(w, microbatches)[0]
+    return w, capture(w.model, named_inputs(w.model, inputs))
+
+
+def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
+                  device: str | None = None, warmup: int = 3, repeats: int = 5,
+                  link: bool = True, use_cache: bool = True, progress: bool = True,
+                  optimizer_factor: float = 4.0) -> BlockCosts:
+    """Like :func:`profile_workload` for a workload already captured into ``opgraph``."""
+    from orgel.graph import coarsen
+    from orgel.split import split_model
+    from orgel.workload import microbatches as split_batches
+    from orgel.workload import named_inputs
+
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     inputs, _ = split_batches(w, microbatches)[0]
     named = named_inputs(w.model, inputs)
-    opgraph = capture(w.model, named)
     bg = coarsen(opgraph, blocks)
     dtypes = sorted({str(p.dtype) for p in w.model.parameters()})
     shapes = {k: list(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
-    key = cache_key(graph=graph_hash(opgraph), blocks=blocks, device=str(dev), dtype=dtypes,
+    key = cache_key(version=PROFILE_VERSION, graph=graph_hash(opgraph), blocks=blocks,
+                    device=str(dev), dtype=dtypes,
                     shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__)
     cached = _cached("blocks", key) if use_cache else None
     if cached is None:
@@ -117,20 +144,18 @@ def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
     memory = None
     if dev.type == "cuda":
         memory = int(torch.cuda.get_device_properties(dev).total_memory)
-    costs = BlockCosts(
+    return BlockCosts(
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
         activations=cached["activations"], output=cached["output"],
         temporary=cached["temporary"], edges=edges,
         link=link_costs(use_cache=use_cache) if link else Link(),
         memory_per_rank=memory, optimizer_factor=optimizer_factor,
         action_overhead=float(cached["action_overhead"]),
-        names=[b.name for b in bg.blocks],
-        meta={"workload": workload if isinstance(workload, str) else type(w.model).__name__,
-              "target_blocks": blocks, "num_blocks": n, "graph_hash": graph_hash(opgraph),
-              "device": str(dev), "dtype": dtypes, "microbatch_shapes": shapes,
-              "microbatches": microbatches},
+        names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
+        meta={"workload": type(w.model).__name__, "target_blocks": blocks, "num_blocks": n,
+              "graph_hash": graph_hash(opgraph), "device": str(dev), "dtype": dtypes,
+              "microbatch_shapes": shapes, "microbatches": microbatches},
     )
-    return costs
 
 
 def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device, warmup: int,
