@@ -3,16 +3,18 @@
 Every block is a contiguous interval of the graph's topological node order, so
 every block is convex (a path that leaves an interval only reaches later nodes
 and can never come back) and the blocks are numbered in a topological order of
-the block DAG. Within that constraint blocks follow the module tree: the
-costliest block is split at the next module level down (a transformer stack
-into its layers, a ResNet into its stages) and, where the module tree offers
-no boundary, at the point that halves its FLOPs; then the cheapest neighbours
-are merged until the target count is met.
+the block DAG. Within that constraint the node order is first cut along the
+module tree (a transformer stack into layers, a layer into attention and MLP,
+a flat run of ops by FLOPs), then a dynamic program groups those segments into
+the target number of blocks: balanced first, then cut at the shallowest module
+boundaries, never gluing independent branches together when it can avoid it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from orgel.graph.opgraph import OpGraph
 
@@ -81,34 +83,99 @@ class BlockGraph:
         return [e for e in self.edges if e.dst > e.src + 1]
 
 
-def coarsen(opgraph: OpGraph, target_blocks: int | None = None) -> BlockGraph:
-    """Group ``opgraph``'s nodes into about ``target_blocks`` convex blocks (default 32)."""
+def coarsen(
+    opgraph: OpGraph, target_blocks: int | None = None, *, slack: float = 0.5
+) -> BlockGraph:
+    """Group ``opgraph``'s nodes into at most ``target_blocks`` convex blocks (default 32).
+
+    First the node order is cut along the module tree into up to three times
+    as many fine segments (a leaf module is cut by cost only when it costs
+    more than an average block). Then a dynamic program groups the
+    segments into ``target_blocks`` blocks: it finds the smallest possible
+    costliest block, and among the groupings whose blocks cost at most
+    ``1 + slack`` times that, picks the one that cuts at the shallowest module
+    boundaries (between layers rather than inside one), keeps independent
+    branches apart and avoids tiny blocks. Fewer blocks come back only when
+    there are fewer segments.
+    """
     target = DEFAULT_BLOCKS if target_blocks is None else target_blocks
     if not isinstance(target, int) or target < 1:
         raise ValueError(f"target_blocks must be a positive integer, got {target_blocks!r}")
+    if slack < 0:
+        raise ValueError(f"slack must be >= 0, got {slack!r}")
     names = list(opgraph.nodes)
     if not names:
         raise ValueError("the op graph has no nodes to group into blocks")
     paths = [tuple(p for p in opgraph.nodes[n].module.split(".") if p) for n in names]
     cost = [max(opgraph.nodes[n].flops, 1) for n in names]
     cut_ok = [True] + [_can_cut(opgraph, names[i - 1]) for i in range(1, len(names))]
-    segs = _runs(paths, 0, len(names), 1)
+    position = {n: i for i, n in enumerate(names)}
+    preds = [[position[s] for s in opgraph.nodes[n].inputs if s in position] for n in names]
     target = min(target, len(names))
-    while len(segs) < target:
-        splittable = [s for s in segs if s[1] - s[0] > 1]
-        if not splittable:
-            break
-        seg = max(splittable, key=lambda s: sum(cost[s[0]:s[1]]))
-        i = segs.index(seg)
-        segs[i:i + 1] = _refine(seg, paths, cost, cut_ok)
-    while len(segs) > target:
-        pairs = range(len(segs) - 1)
-        j = min(pairs, key=lambda k: (
-            sum(cost[segs[k][0]:segs[k + 1][1]]),
-            -_common(paths[segs[k][0]], paths[segs[k + 1][1] - 1]),
-        ))
-        segs[j:j + 2] = [(segs[j][0], segs[j + 1][1], min(segs[j][2], segs[j + 1][2]))]
-    return _assemble(opgraph, [names[a:b] for a, b, _ in segs], paths, [a for a, _, _ in segs])
+    share = sum(cost) / target
+    limit = share
+    segs = _runs(paths, 0, len(names), 1)
+    # Fine enough that the grouping has choices: three segments per block, and
+    # no segment costlier than an average block unless it cannot be cut.
+    while (len(segs) < 3 * target or max(_cost(g, cost) for g in segs) > share) and len(
+        segs
+    ) < 20 * target and _split_largest(segs, paths, cost, cut_ok, limit):
+        pass
+    groups = _partition(segs, min(target, len(segs)), paths, cost, preds, slack)
+    blocks = [names[segs[i][0]:segs[j - 1][1]] for i, j in groups]
+    return _assemble(opgraph, blocks, paths, [segs[i][0] for i, _ in groups])
+
+
+def _partition(
+    segs: list[tuple[int, int, int]], k: int, paths: list[tuple[str, ...]], cost: list[int],
+    preds: list[list[int]], slack: float,
+) -> list[tuple[int, int]]:
+    """Group consecutive segments into ``k`` runs ``[i, j)``: balanced, then module-aligned."""
+    n = len(segs)
+    c = np.concatenate([[0.0], np.cumsum([_cost(s, cost) for s in segs], dtype=float)])
+    # Boundary b sits before segment b. Cutting there costs its module depth
+    # (0 between top-level modules); not cutting where the two sides share no
+    # data edge (independent branches) costs a lot.
+    depth = np.zeros(n + 1)
+    glue = np.zeros(n + 1)
+    for b in range(1, n):
+        left, right = segs[b - 1], segs[b]
+        depth[b] = _common(paths[left[1] - 1], paths[right[0]])
+        linked = any(left[0] <= p < left[1] for j in range(right[0], right[1]) for p in preds[j])
+        glue[b] = 0.0 if linked else 1000.0
+    glue_sum = np.cumsum(glue)  # glue_sum[j-1] - glue_sum[i]: boundaries strictly inside [i, j)
+    inf = float("inf")
+    # Pass 1: the smallest achievable costliest block.
+    best = np.full((k + 1, n + 1), inf)
+    best[0, 0] = 0.0
+    for g in range(1, k + 1):
+        for j in range(g, n - (k - g) + 1):
+            i = np.arange(g - 1, j)
+            best[g, j] = np.min(np.maximum(best[g - 1, i], c[j] - c[i]))
+    bound = best[k, n] * (1 + slack) + 1e-9
+    average = c[n] / k
+    # Pass 2: within that bound, the cheapest cuts.
+    score = np.full((k + 1, n + 1), inf)
+    score[0, 0] = 0.0
+    back = np.zeros((k + 1, n + 1), dtype=int)
+    for g in range(1, k + 1):
+        for j in range(g, n - (k - g) + 1):
+            i = np.arange(g - 1, j)
+            inner = glue_sum[j - 1] - glue_sum[i]
+            # Squared size (in average blocks) keeps tiny blocks from being free.
+            size = ((c[j] - c[i]) / average) ** 2
+            total = score[g - 1, i] + np.where(i > 0, depth[i], 0.0) + inner + size
+            total = np.where(c[j] - c[i] <= bound, total, inf)
+            m = int(np.argmin(total))
+            score[g, j] = total[m]
+            back[g, j] = i[m]
+    groups: list[tuple[int, int]] = []
+    j = n
+    for g in range(k, 0, -1):
+        i = int(back[g, j])
+        groups.append((i, j))
+        j = i
+    return groups[::-1]
 
 
 def from_groups(opgraph: OpGraph, groups: list[list[str]]) -> BlockGraph:
@@ -120,6 +187,30 @@ def from_groups(opgraph: OpGraph, groups: list[list[str]]) -> BlockGraph:
     if sorted(flat, key=position.__getitem__) != flat or len(flat) != len(names):
         raise ValueError("groups must cover every node once, in the graph's node order")
     return _assemble(opgraph, groups, paths, [position[g[0]] for g in groups])
+
+
+def _cost(seg: tuple[int, int, int], cost: list[int]) -> int:
+    return sum(cost[seg[0]:seg[1]])
+
+
+def _split_largest(
+    segs: list[tuple[int, int, int]], paths: list[tuple[str, ...]], cost: list[int],
+    cut_ok: list[bool], limit: float,
+) -> bool:
+    """Refine the costliest splittable segment in place; False if none can be split.
+
+    A segment splits at its next module level; one inside a single module is
+    cut by cost only when it costs more than ``limit`` (a leaf module's ops,
+    e.g. a BatchNorm and its counter update, otherwise stay together).
+    """
+    options = [(s, r) for s in segs if s[1] - s[0] > 1
+               and (r := _refine(s, paths, cost, cut_ok, _cost(s, cost) > limit))]
+    if not options:
+        return False
+    seg, pieces = max(options, key=lambda o: _cost(o[0], cost))
+    i = segs.index(seg)
+    segs[i:i + 1] = pieces
+    return True
 
 
 def _can_cut(opgraph: OpGraph, before: str) -> bool:
@@ -143,15 +234,18 @@ def _runs(paths: list[tuple[str, ...]], a: int, b: int, depth: int) -> list[tupl
 
 
 def _refine(
-    seg: tuple[int, int, int], paths: list[tuple[str, ...]], cost: list[int], cut_ok: list[bool]
+    seg: tuple[int, int, int], paths: list[tuple[str, ...]], cost: list[int], cut_ok: list[bool],
+    by_cost: bool,
 ) -> list[tuple[int, int, int]]:
-    """Split one segment at the next module level that divides it, else halve its cost."""
+    """Split a segment at the next module level that divides it, else (if allowed) by cost."""
     a, b, depth = seg
     deepest = max(len(p) for p in paths[a:b])
     for d in range(depth + 1, deepest + 1):
         runs = _runs(paths, a, b, d)
         if len(runs) > 1:
             return runs
+    if not by_cost:
+        return []
     total = sum(cost[a:b])
     best, best_gap, acc = None, None, 0
     for k in range(a + 1, b):

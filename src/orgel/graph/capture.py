@@ -342,6 +342,8 @@ def _measure(
             kind, payload = roles[node.name]
             if kind == "input":
                 node._rename(payload)
+                if node.name != payload:  # the namespace still remembers a renamed node
+                    node.name = payload
                 args.append(named[payload])
                 continue
             if kind == "param":
