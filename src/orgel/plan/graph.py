@@ -17,9 +17,11 @@
 
    A stage on ``r`` ranks takes ``(fwd + bwd) / r`` plus the fixed action
    cost plus its gradient all-reduce spread over the micro-batches.
-3. Spare ranks become replicas of the slowest stages; every distinct solution
-   met during the binary search gets a ``dag-1f1b`` schedule and is scored by
-   the simulator; the fastest feasible one wins.
+3. Spare ranks become replicas of the slowest stages (or only where the time
+   saved beats the longer all-reduce, leaving the rest idle); every distinct solution
+   met during the binary search (and at a few looser bounds, which trade the
+   bottleneck for fewer, shallower stages) gets a ``dag-1f1b`` schedule and is
+   scored by the simulator; the fastest feasible one wins.
 """
 
 from __future__ import annotations
@@ -114,8 +116,11 @@ class _DP:
     """The dynamic program for one bound ``T`` (see the module docstring)."""
 
     def __init__(self, bc: BlockCosts, totals: _Totals, ranks: int, microbatches: int,
-                 memory: int | None, bound: float) -> None:
+                 memory: int | None, bound: float, *, exposed: bool = False) -> None:
         self.bc, self.totals, self.ranks = bc, totals, ranks
+        # The all-reduce of a replicated stage spread over the micro-batches (its
+        # throughput cost), or whole (it runs at the end of the step, exposed).
+        self.reduce_share = 1.0 if exposed else 1.0 / microbatches
         self.m, self.memory, self.bound = microbatches, memory, bound
         # In-flight micro-batches of a stage are at most min(m, ranks) under 1F1B on a DAG.
         self.inflight = min(microbatches, ranks)
@@ -128,7 +133,7 @@ class _DP:
         for r in range(first, self.ranks + 1):
             reduce = 0.0
             if r > 1:
-                reduce = 2 * (r - 1) * bc.link.time(params // r) / self.m
+                reduce = 2 * (r - 1) * bc.link.time(params // r) * self.reduce_share
             t = work / r + 2 * bc.action_overhead + reduce
             if t > self.bound:
                 continue
@@ -303,13 +308,34 @@ def _join_parallel(parts: list[Solution]) -> Solution:
                     tuple(s for p in parts for s in p.stages))
 
 
-def _spread_replicas(bc: BlockCosts, stages: list[StageSpec], ranks: int) -> list[StageSpec]:
-    """Give spare ranks to the slowest stages, one replica at a time."""
+def _spread_replicas(bc: BlockCosts, stages: list[StageSpec], ranks: int, microbatches: int,
+                     *, all_ranks: bool) -> list[StageSpec]:
+    """Give spare ranks to stages as replicas, one at a time, where it helps most.
+
+    The gain of one more replica of a stage is the compute it saves over the
+    step minus the longer gradient all-reduce it adds. ``all_ranks`` hands out
+    every spare rank to the slowest stages regardless; otherwise a rank whose
+    best gain is not positive stays idle.
+    """
     stages = list(stages)
+    work = [sum(bc.fwd[b] + bc.bwd[b] for b in s.blocks) for s in stages]
+    params = [sum(bc.params[b] for b in s.blocks) for s in stages]
+
+    def reduce(i: int, r: int) -> float:
+        return 2 * (r - 1) * bc.link.time(params[i] // r) if r > 1 else 0.0
+
     spare = ranks - sum(s.replicas for s in stages)
     while spare > 0:
-        times = [sum(bc.fwd[b] + bc.bwd[b] for b in s.blocks) / s.replicas for s in stages]
-        i = max(range(len(stages)), key=lambda j: times[j])
+        if all_ranks:
+            i = max(range(len(stages)), key=lambda j: work[j] / stages[j].replicas)
+        else:
+            def gain(j: int) -> float:
+                r = stages[j].replicas
+                saved = microbatches * (work[j] / r - work[j] / (r + 1))
+                return saved - (reduce(j, r + 1) - reduce(j, r))
+            i = max(range(len(stages)), key=gain)
+            if gain(i) <= 0:
+                break
         stages[i] = StageSpec(stages[i].blocks, stages[i].replicas + 1)
         spare -= 1
     return stages
@@ -330,28 +356,54 @@ def stage_layout(bc: BlockCosts, stages: list[StageSpec]
 
 
 def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
-               iterations: int = 40) -> GraphResult | None:
-    """The fastest graph plan found (see the module docstring); None if nothing fits."""
+               iterations: int = 40, grid: int = 4,
+               tolerance: float = 0.005) -> GraphResult | None:
+    """The fastest graph plan found (see the module docstring); None if nothing fits.
+
+    The binary search stops when the bound is known within ``tolerance``
+    (relative). Besides the solutions it meets, ``grid`` looser bounds (up to
+    twice the tightest) are solved and scored.
+    """
     bc = scorer.bc
     tree = decompose(bc.num_blocks, bc.edges)
     totals = _Totals(bc)
     work = [bc.fwd[b] + bc.bwd[b] for b in range(bc.num_blocks)]
-    lo = max(sum(work) / ranks, 0.0)
-    hi = sum(work) + 2 * bc.action_overhead * bc.num_blocks + 1.0
     found: dict[tuple[tuple[tuple[int, ...], int], ...], float] = {}
-    for _ in range(iterations):
-        mid = (lo + hi) / 2
-        sol = _DP(bc, totals, ranks, microbatches, scorer.memory, mid).solve(tree)
-        if sol is not None and sol.devices <= ranks:
-            hi = mid
-            found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), mid)
-        else:
-            lo = mid
-        if hi - lo <= 1e-4 * hi:
-            break
+    for exposed in (False, True):
+        lo = max(sum(work) / ranks, 0.0)
+        hi = sum(work) + 2 * bc.action_overhead * bc.num_blocks + 1.0
+        hi += 2 * ranks * bc.link.time(sum(bc.params))
+        tightest = None
+        for _ in range(iterations):
+            mid = (lo + hi) / 2
+            sol = _DP(bc, totals, ranks, microbatches, scorer.memory, mid,
+                      exposed=exposed).solve(tree)
+            if sol is not None and sol.devices <= ranks:
+                hi, tightest = mid, mid
+                found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), mid)
+            else:
+                lo = mid
+            if hi - lo <= tolerance * hi:
+                break
+        if tightest is None:
+            continue
+        # The tightest bound is not always the fastest step: a looser one gives fewer,
+        # shallower stages and spare ranks for replicas. Score a few looser bounds too.
+        for k in range(1, grid + 1):
+            bound = tightest * (1 + k / grid)
+            sol = _DP(bc, totals, ranks, microbatches, scorer.memory, bound,
+                      exposed=exposed).solve(tree)
+            if sol is not None and sol.devices <= ranks:
+                found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), bound)
     best: GraphResult | None = None
+    layouts: dict[tuple[tuple[tuple[int, ...], int], ...], float] = {}
     for key, bound in found.items():
-        stages = _spread_replicas(bc, [StageSpec(b, r) for b, r in key], ranks)
+        for all_ranks in (True, False):
+            spread = _spread_replicas(bc, [StageSpec(b, r) for b, r in key], ranks,
+                                      microbatches, all_ranks=all_ranks)
+            layouts.setdefault(tuple((s.blocks, s.replicas) for s in spread), bound)
+    for key, bound in layouts.items():
+        stages = [StageSpec(b, r) for b, r in key]
         try:
             blocks, placement = stage_layout(bc, stages)
             graph = stage_graph(bc, blocks)
