@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.runtime.backward import input_backward, weight_backward
 from orgel.runtime.comm import Transport
 from orgel.runtime.errors import StepFailure
 from orgel.runtime.optim import GradSync
@@ -341,12 +342,11 @@ class Executor:
             got = {n: t.grad for n, t in leaves.items()}
             del self._runs[(a.stage, m)]
         else:
-            computed: tuple[torch.Tensor | None, ...] = (None,) * len(leaves)
-            if roots and leaves:
-                computed = torch.autograd.grad(roots, list(leaves.values()), grads,
-                                               retain_graph=True, allow_unused=True)
+            computed: list[torch.Tensor | None] = [None] * len(leaves)
+            if roots:
+                computed, run.work = input_backward(roots, grads, list(leaves.values()),
+                                                    [p for p in info.params if p.requires_grad])
             got = dict(zip(leaves, computed, strict=True))
-            run.roots, run.grads = roots, grads
             run.outputs = tuple(t.detach() for t in run.outputs)
         self._in_grads = {n: g if g is not None else torch.zeros_like(leaves[n])
                           for n, g in got.items()}
@@ -358,11 +358,10 @@ class Executor:
                                              for v in edge.values if v.name in self._in_grads}
 
     def _weight(self, a: Action) -> None:
-        """``W``: weight gradients from the graph that ``I`` kept."""
+        """``W``: weight gradients from what ``I`` kept (see :mod:`orgel.runtime.backward`)."""
         run = self._runs.pop((a.stage, a.microbatch))
-        params = [p for p in self.stages[a.stage].params if p.requires_grad]
-        if run.roots and params:
-            torch.autograd.backward(run.roots, run.grads, inputs=params)
+        if run.work is not None:
+            weight_backward(run.work)
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -10,7 +10,7 @@ same rule as :mod:`orgel.schedule.comm`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import lcm
 from typing import Any
 
@@ -145,8 +145,7 @@ class Run:
     outputs: tuple[torch.Tensor, ...]
     loss: torch.Tensor | None = None
     rng: Any = None  # RNG state before the forward, for an exact recompute
-    roots: list[torch.Tensor] = field(default_factory=list)  # kept by I for W
-    grads: list[torch.Tensor | None] = field(default_factory=list)
+    work: Any = None  # what I kept for W (orgel.runtime.backward.WeightWork)
 
 
 def rng_state(device: torch.device) -> Any:
