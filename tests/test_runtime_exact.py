@@ -53,7 +53,8 @@ def test_matches_single_process(name: str) -> None:
     world, _, kind, *_ = SCENARIOS[name]
     losses, snaps = results(world)[name]
     net, _, plan, options = build(name)
-    want = reference(net, kind, plan.microbatches, 3, options.get("max_norm"))
+    want = reference(net, kind, plan.microbatches, 3, options.get("max_norm"),
+                     options.get("rows"))
     _check(name, snaps, want)
     assert len(losses) == 3 and losses[2] < losses[0]
 

@@ -182,13 +182,14 @@ def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def reference(net: GraphNet, kind: str, microbatches: int, steps: int,
-              max_norm: float | None = None) -> list[dict[str, torch.Tensor]]:
+              max_norm: float | None = None,
+              rows: list[int] | None = None) -> list[dict[str, torch.Tensor]]:
     """Parameters after each step of single-process gradient accumulation."""
     net = copy.deepcopy(net)
     opt = sgd(list(net.parameters()))
-    inputs, targets = batch(kind)
     snapshots = []
-    for _ in range(steps):
+    for step in range(steps):
+        inputs, targets = batch(kind, rows[step] if rows else 8)
         opt.zero_grad()
         chunks = {k: v.chunk(microbatches) for k, v in inputs.items()}
         for m, y in enumerate(targets.chunk(microbatches)):
@@ -232,6 +233,9 @@ SCENARIOS: dict[str, tuple[int, Callable[[], GraphNet], str, dict[str, int],
                family("looped", 2, 4, loops=2, loop_microbatches=2, prefetch=[1, 0]), {}),
     "zb-h1": (2, gpt, "gpt", C2, family("zb-h1", 2, 4), {}),
     "zb-h1-recompute": (2, gpt, "gpt", C2, family("zb-h1", 2, 4), {"recompute": True}),
+    "new-batch-size": (2, gpt, "gpt", C2, family("1f1b", 2, 4), {"rows": [8, 16, 8]}),
+    "dynamic-shapes": (2, gpt, "gpt", C4, family("interleaved", 2, 4),
+                       {"rows": [8, 4, 12], "dynamic": True}),
     "tied-clip": (2, lambda: gpt(tied=True), "gpt", C2, family("1f1b", 2, 4),
                   {"max_norm": 0.05}),
     "clip-towers": (2, clip, "clip", {"i0": 0, "i1": 0, "t0": 1, "t1": 1, "join": 2, "out": 2},
@@ -273,11 +277,13 @@ def run_scenarios(rank: int, world: int, names: list[str],
     for name in names:
         net, split_model, plan, options = build(name)
         ex = Executor(plan, split_model, loss_fn=ce_loss, optimizer_factory=sgd,
-                      max_grad_norm=options.get("max_norm"), timeout=20)
+                      max_grad_norm=options.get("max_norm"), timeout=20,
+                      dynamic_shapes=options.get("dynamic", False))
         torch.manual_seed(123)  # dropout draws: same stream as the reference's
-        inputs, targets = batch(SCENARIOS[name][2])
         losses, snaps = [], []
-        for _ in range(steps):
+        for step in range(steps):
+            rows = options.get("rows", [8] * steps)[step]
+            inputs, targets = batch(SCENARIOS[name][2], rows)
             losses.append(ex.step(inputs, targets))
             snaps.append([(q, p.detach().clone()) for q, p in ex.named_parameters()])
         results[name] = (losses, snaps)

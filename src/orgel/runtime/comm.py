@@ -172,7 +172,27 @@ class Transport:
 
     # -- waiting ------------------------------------------------------------------
 
+    def warm_up(self) -> None:
+        """One tiny exchange per channel pair, pairs in one global order (NCCL's lazy
+        per-pair set-up otherwise lets ranks block each other on their first messages)."""
+        pairs = sorted({(min(a, b), max(a, b)) for a, b in self.comm.channels})
+        for a, b in pairs:
+            if self.rank not in (a, b):
+                continue
+            other = self.ranks[b if self.rank == a else a]
+            out = torch.zeros(1, device=self.device)
+            into = torch.empty(1, device=self.device)
+            ops = [dist.P2POp(dist.isend, out, other, self.group),
+                   dist.P2POp(dist.irecv, into, other, self.group)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
     def _wait(self, work: Any, i: int, peer: int, doing: str) -> None:
+        if self.device.type == "cuda":
+            # NCCL: wait() only makes the compute stream wait (no host block); the
+            # process group's own timeout (watchdog) bounds the transfer
+            work.wait()
+            return
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as exc:  # noqa: BLE001 - re-raised with the peer named

@@ -101,6 +101,8 @@ class Executor:
         ranks = list(range(plan.num_ranks))
         self.transport = Transport(plan, self.comm, self.rank, store=store, device=self.device,
                                    timeout=timeout, post_ahead=backend != "nccl", ranks=ranks)
+        if backend == "nccl":
+            self.transport.warm_up()
         self.sync = GradSync(plan, split, self.rank, self.stages, ranks=ranks, world_group=None,
                              timeout=timeout, device=self.device)
         self.reduce_after: dict[int, list[tuple[int, ...]]] = {}

@@ -95,6 +95,9 @@ class GradSync:
         self.pending.append((f"data-parallel gradients of ranks {list(rset)}", work, flat, params))
 
     def _wait(self, work: Any, what: str) -> None:
+        if self.device.type == "cuda":
+            work.wait()  # NCCL: stream-ordered; the process group's watchdog bounds it
+            return
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as exc:  # noqa: BLE001 - re-raised with what was waited for
@@ -106,7 +109,10 @@ class GradSync:
             raise CommFailure(message, peer=None, what=what, timed_out=timed_out) from exc
 
     def finish(self, loss: torch.Tensor, max_norm: float | None) -> tuple[float, float]:
-        """Complete every reduction, clip by global norm; return ``(loss, grad norm)``."""
+        """Complete every reduction, clip by global norm; return ``(loss, grad norm)``.
+
+        The norm is computed only when ``max_norm`` is given (otherwise it is NaN).
+        """
         for what, work, flat, params in self.pending:
             self._wait(work, what)
             offset = 0
@@ -125,15 +131,16 @@ class GradSync:
                            f"the tied parameter {name!r}")
             for p in copies:
                 p.grad.copy_(total)  # type: ignore[union-attr]
+        # the norm costs a pass over every gradient: only when clipping needs it
         norms = [torch.linalg.vector_norm(p.grad) for p in self.norm_params
-                 if p.grad is not None]
+                 if p.grad is not None] if max_norm is not None else []
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq])
         self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
                    "the step's loss and gradient norm")
         total_loss, sq = float(summary[0]), float(summary[1])
-        norm = sq ** 0.5
+        norm = sq ** 0.5 if max_norm is not None else float("nan")
         if max_norm is not None:
             coef = min(1.0, max_norm / (norm + 1e-6))
             if coef < 1.0:
