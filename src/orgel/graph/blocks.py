@@ -121,26 +121,54 @@ def coarsen(
         segs
     ) < 20 * target and _split_largest(segs, paths, cost, cut_ok, limit):
         pass
-    groups = _partition(segs, min(target, len(segs)), paths, cost, preds, slack)
+    live = _live_bytes(opgraph, names, position)
+    groups = _partition(segs, min(target, len(segs)), paths, cost, preds, live, slack)
     blocks = [names[segs[i][0]:segs[j - 1][1]] for i, j in groups]
     return _assemble(opgraph, blocks, paths, [segs[i][0] for i, _ in groups])
 
 
+def _live_bytes(opgraph: OpGraph, names: list[str], position: dict[str, int]) -> list[int]:
+    """``live[p]``: bytes of the values computed before node ``p`` and read at or after it."""
+    n = len(names)
+    last = list(range(n))
+    for i, name in enumerate(names):
+        for src in opgraph.nodes[name].inputs:
+            if src in position:
+                last[position[src]] = max(last[position[src]], i)
+    for out in opgraph.outputs:
+        if out in position:
+            last[position[out]] = n
+    delta = [0] * (n + 2)
+    for i, name in enumerate(names):
+        if last[i] > i:  # crosses every cut p with i < p <= last[i]
+            delta[i + 1] += opgraph.nodes[name].nbytes
+            delta[last[i] + 1] -= opgraph.nodes[name].nbytes
+    live, acc = [], 0
+    for p in range(n + 1):
+        acc += delta[p]
+        live.append(acc)
+    return live
+
+
 def _partition(
     segs: list[tuple[int, int, int]], k: int, paths: list[tuple[str, ...]], cost: list[int],
-    preds: list[list[int]], slack: float,
+    preds: list[list[int]], live: list[int], slack: float,
 ) -> list[tuple[int, int]]:
     """Group consecutive segments into ``k`` runs ``[i, j)``: balanced, then module-aligned."""
     n = len(segs)
     c = np.concatenate([[0.0], np.cumsum([_cost(s, cost) for s in segs], dtype=float)])
     # Boundary b sits before segment b. Cutting there costs its module depth
-    # (0 between top-level modules); not cutting where the two sides share no
-    # data edge (independent branches) costs a lot.
+    # (0 between top-level modules) plus the bytes that cross it, counted in
+    # units of the cheapest cut (between two transformer layers: one tensor);
+    # not cutting where the two sides share no data edge (independent
+    # branches) costs a lot.
     depth = np.zeros(n + 1)
     glue = np.zeros(n + 1)
+    crossing = [live[segs[b][0]] for b in range(1, n)]
+    unit = max(min((x for x in crossing if x > 0), default=1), 1)
     for b in range(1, n):
         left, right = segs[b - 1], segs[b]
-        depth[b] = _common(paths[left[1] - 1], paths[right[0]])
+        depth[b] = _common(paths[left[1] - 1], paths[right[0]]) + 2 * (live[right[0]] / unit - 1)
         linked = any(left[0] <= p < left[1] for j in range(right[0], right[1]) for p in preds[j])
         glue[b] = 0.0 if linked else 1000.0
     glue_sum = np.cumsum(glue)  # glue_sum[j-1] - glue_sum[i]: boundaries strictly inside [i, j)
