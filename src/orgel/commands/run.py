@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from typing import Any
@@ -86,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
     from orgel.runtime.errors import SpawnError
     from orgel.runtime.launch import spawn
     from orgel.runtime.plans import balanced_plan
-    from orgel.runtime.trace import format_summary, save_views
     from orgel.schedule.ir import Plan, PlanError
     from orgel.schedule.validate import validate
     from orgel.workload import WorkloadError, load_workload, microbatches, validate_workload
@@ -115,17 +115,61 @@ def run(args: argparse.Namespace) -> int:
         validate(plan)  # an invalid plan never starts a process
     except (WorkloadError, PlanError, OSError, ValueError) as exc:
         return _fail(str(exc))
-    print(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks, "
-          f"{plan.microbatches} micro-batches, {plan.meta.get('schedule', 'custom')} "
-          f"schedule; stage ranks {[list(r) for r in plan.placement]}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks, "
+              f"{plan.microbatches} micro-batches, {plan.meta.get('schedule', 'custom')} "
+              f"schedule; stage ranks {[list(r) for r in plan.placement]}")
     start = time.perf_counter()
-    try:
-        results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
-                        timeout=args.timeout, threads=args.threads)
-    except SpawnError as exc:
-        print(f"orgel run: the run failed\n{exc}", file=sys.stderr)
-        return 1
+    if under_torchrun():
+        results = _torchrun_rank(args, plan.to_json())
+        if results is None:
+            return 1
+        if not results:
+            return 0  # not rank 0: rank 0 reports
+    else:
+        try:
+            results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
+                            timeout=args.timeout, threads=args.threads)
+        except SpawnError as exc:
+            print(f"orgel run: the run failed\n{exc}", file=sys.stderr)
+            return 1
     elapsed = time.perf_counter() - start
+    return _report(results, plan, args, elapsed)
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun job (many machines)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, Any]] | None:
+    """Run this rank under torchrun; rank 0 gets every rank's results, others ``[]``."""
+    import torch.distributed as dist
+
+    from orgel.runtime.errors import record_failure
+    from orgel.runtime.launch import init_from_env
+
+    rank, world = init_from_env(timeout=args.timeout)
+    torch.set_num_threads(args.threads)
+    if world != args.ranks:
+        print(f"orgel run: torchrun started {world} ranks but --ranks is {args.ranks}",
+              file=sys.stderr)
+        return None
+    try:
+        result = rank_main(rank, world, args.workload, plan_json, vars(args))
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+    except Exception as exc:  # noqa: BLE001 - one message per rank, root cause marked
+        record_failure(rank, exc)
+        return None
+    return [g for g in gathered or []]
+
+
+def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
+            elapsed: float) -> int:
+    """Print losses, the timeline summary and views; run the check if asked."""
+    from orgel.runtime.trace import format_summary, save_views
+    from orgel.workload import load_workload
     losses = results[0]["losses"]
     for step, loss in enumerate(losses):
         print(f"step {step + 1}: loss {loss:.6f}")
