@@ -1,1 +1,29 @@
-"""The runtime: execute a Plan on torch.distributed, one action list per rank."""
+"""The runtime: execute a Plan on torch.distributed, one action list per rank.
+
+* :class:`Executor` runs one rank's actions of a Plan over a SplitModel
+  (``step(inputs, targets) -> loss``; ``events``: the step's measured timeline);
+* :func:`spawn` starts local gloo ranks; :func:`init_from_env` joins torchrun;
+* :func:`balanced_plan`/:func:`replicate`: simple plans until the planner's;
+* :func:`gather_events`, :func:`summary`, :func:`save_views`: measured timelines.
+"""
+
+from orgel.runtime.errors import CommFailure, SpawnError, StepFailure
+from orgel.runtime.executor import Executor
+from orgel.runtime.launch import init_from_env, spawn
+from orgel.runtime.plans import balanced_plan, replicate
+from orgel.runtime.trace import Event, gather_events, save_views, summary
+
+__all__ = [
+    "CommFailure",
+    "Event",
+    "Executor",
+    "SpawnError",
+    "StepFailure",
+    "balanced_plan",
+    "gather_events",
+    "init_from_env",
+    "replicate",
+    "save_views",
+    "spawn",
+    "summary",
+]
