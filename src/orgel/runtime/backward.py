@@ -85,7 +85,7 @@ def input_backward(
     params: list[torch.nn.Parameter],
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     """Gradients of ``leaves`` now; what ``W`` needs for ``params`` later."""
-    grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads, strict=True)]
+    filled = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads, strict=True)]
     root_nodes = [n for n in map(_node, roots) if n is not None]
     parents = _parents(root_nodes)
     leaf_nodes = [n for n in map(_node, leaves) if n is not None]
@@ -124,13 +124,13 @@ def input_backward(
         wanted = [t for t in leaves if t.requires_grad]
         got: tuple[torch.Tensor | None, ...] = ()
         if wanted and roots:
-            got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+            got = torch.autograd.grad(roots, wanted, filled, retain_graph=True, allow_unused=True)
     finally:
         for h in hooks:
             h.remove()
     it = iter(got)
     leaf_grads = [next(it, None) if t.requires_grad else None for t in leaves]
-    root_grad = {_node(r): (r, g) for r, g in zip(roots, grads, strict=True)}
+    root_grad = {_node(r): (r, g) for r, g in zip(roots, filled, strict=True)}
     work = WeightWork()
     for group_params, starts in groups:
         if not group_params:
@@ -141,14 +141,14 @@ def input_backward(
         for n in starts:
             if n in kept:
                 clamp[n] = kept[n]
-                for k, g in enumerate(kept[n]):
-                    if g is not None:
+                for k, kept_grad in enumerate(kept[n]):
+                    if kept_grad is not None:
                         edges.append(GradientEdge(n, k))
-                        values.append(g)
+                        values.append(kept_grad)
             elif n in root_grad:
-                r, g = root_grad[n]
-                edges.append(GradientEdge(n, r.output_nr))
-                values.append(g)
+                root, root_g = root_grad[n]
+                edges.append(GradientEdge(n, root.output_nr))
+                values.append(root_g)
         work.groups.append((group_params, edges, values, clamp if len(clamp) > 1 else {}))
     return leaf_grads, work
 
