@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,13 +48,20 @@ def test_pipeline_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
          str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=180, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,  # so a hang can be killed with every rank it started
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        _, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / "ckpt" / f"result{rank}.json").read_text())
         assert result["spmd"] is True
