@@ -26,7 +26,7 @@ from orgel.plan.scorer import Scorer, Template
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
-from orgel.profile.costs import BlockCosts, chain_split, stage_costs
+from orgel.profile.costs import BlockCosts, chain_split, optimizer_peak, stage_costs
 from orgel.schedule.ir import Plan
 from orgel.sim import SimResult, simulate
 
@@ -156,11 +156,20 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
     step, name, best = min(candidates, key=lambda c: c[0])
     seconds = time.perf_counter() - started
-    sim = simulate(best)
-    best.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
+    sim = predict(best, costs)
     best.meta.update({"planner": name, "search_seconds": seconds, "baselines": base_times,
                       "block_graph": dict(costs.meta)})
     return PlanResult(best, name, sim, seconds, base_times, evaluations)
+
+
+def predict(p: Plan, costs: BlockCosts) -> SimResult:
+    """Simulate ``p`` and store the prediction in it; peak memory counts the optimizer step."""
+    sim = simulate(p)
+    if costs.optimizer_temporary > 0 and p.costs is not None:
+        floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)
+        sim.peak_memory = [max(a, b) for a, b in zip(sim.peak_memory, floor, strict=True)]
+    p.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
+    return sim
 
 
 def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,

@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from orgel.profile.costs import BlockCosts, stage_cost, stage_costs, stage_graph
+from orgel.profile.costs import (
+    BlockCosts,
+    optimizer_peak,
+    stage_cost,
+    stage_costs,
+    stage_graph,
+)
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph
 from orgel.sim.compiled import CompiledPlan
@@ -227,6 +233,10 @@ class Scorer:
                       memory_per_rank=self.memory)
         self.evaluations += 1
         step, peak = cp.evaluate(costs, edge_bytes=edge_bytes)
+        if self.bc.optimizer_temporary > 0:
+            floor = optimizer_peak(self.bc, costs, template.base.placement,
+                                   template.base.num_ranks)
+            peak = np.maximum(peak, np.asarray(floor, dtype=peak.dtype))
         feasible = self.memory is None or bool(peak.max() <= self.memory)
         return Score(step, peak, feasible)
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from orgel.plan.planner import PlanResult, plan
+from orgel.plan.planner import PlanResult, plan, predict
+from orgel.profile.costs import BlockCosts
 from orgel.schedule.ir import Plan, StageGraph
 from orgel.schedule.validate import validate
 from orgel.sim import simulate
 
 
-def attach_split(p: Plan, opgraph: Any) -> Plan:
+def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan:
     """``p`` with stage nodes and the named edges of the split of ``opgraph`` by it."""
     from orgel.split import split_plan
 
@@ -33,8 +34,11 @@ def attach_split(p: Plan, opgraph: Any) -> Plan:
     out = Plan(StageGraph(stages, split.stage_graph.edges), p.placement, p.num_ranks,
                p.microbatches, p.schedule, list(p.recompute), p.costs, None, dict(p.meta))
     validate(out)
-    sim = simulate(out)
-    out.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
+    if costs is not None:
+        predict(out, costs)
+    else:
+        sim = simulate(out)
+        out.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
     return out
 
 
@@ -51,7 +55,7 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int, blocks: int =
         costs.meta["workload"] = workload
     result = plan(costs, ranks, microbatches, memory=memory, planner=planner, dp=dp, **options)
     result.plan = attach_split(result.plan, opgraph)
-    result.sim = simulate(result.plan)
+    result.sim = predict(result.plan, costs)
     return result
 
 
@@ -63,4 +67,4 @@ def auto_plan(workload: Any, graph: Any, *, ranks: int, microbatches: int,
     costs = profile_graph(workload, graph, microbatches=microbatches, blocks=blocks,
                           progress=False)
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp)
-    return attach_split(result.plan, graph)
+    return attach_split(result.plan, graph, costs)

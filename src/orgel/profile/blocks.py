@@ -10,13 +10,15 @@ its own:
   parameters), ``wgrad`` its weight half (w.r.t. parameters, timed after the
   input half ran), all as the median of ``repeats`` runs after ``warmup``;
   CUDA is timed with events, CPU with ``perf_counter``;
-* ``params``: bytes of the block's parameters; ``activations``: bytes autograd
-  saves for backward in one forward (saved-tensor hooks, each storage once,
-  parameters left out); ``output``: bytes of its outputs;
-* ``temporary``: on CUDA the allocator's peak during forward + backward above
-  what was alive before, less the saved bytes; on CPU (no allocator stats) an
-  estimate: the output gradient plus the input gradients, which coexist at the
-  start of the backward.
+* ``params``: bytes of the block's parameters; ``output``: bytes of its outputs;
+  ``activations``: bytes one forward leaves alive until its backward: what
+  autograd saves (saved-tensor hooks, each storage once, parameters left out)
+  or, if more, everything the forward allocated that is still alive when it
+  returns (its outputs too, which the runtime keeps for the backward);
+* ``temporary``: the peak of forward + backward above that, not counting the
+  parameters' gradients; on CUDA from the allocator's counters, on CPU (no
+  allocator statistics) from :class:`~orgel.profile.memory.LiveBytes`, which
+  watches every op's outputs.
 
 The fixed cost of one action is measured through the same code path on an
 empty block (an identity on a one-element tensor) and becomes
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from orgel.profile.memory import LiveBytes
 from orgel.split.types import StageModule
 
 
@@ -133,7 +136,6 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer) -> BlockMea
     out_bytes = sum(_nbytes(o) for o in outs if isinstance(o, torch.Tensor))
     grad_outs = [torch.randn_like(o) if _float(o) and o.requires_grad else None for o in outs]
     diff_outs = [(o, g) for o, g in zip(outs, grad_outs, strict=True) if g is not None]
-    in_grad_bytes = sum(_nbytes(a) for a in inputs if _float(a))
 
     fwd = timer.median(fresh_inputs, forward)
     if not diff_outs or not params and not any(_float(a) for a in args):
@@ -167,31 +169,48 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer) -> BlockMea
         wgrad = timer.median(after_input_half, lambda s: backward(s, which="weights")) \
             if params else 0.0
         wgrad = min(wgrad, bwd)
-    temporary = _temporary(module, fresh_inputs, forward, grad_outs, timer.device,
-                           sum(saved.values()), out_bytes + in_grad_bytes)
-    return BlockMeasure(fwd=fwd, bwd=bwd, wgrad=wgrad, params=param_bytes,
-                        activations=sum(saved.values()), output=out_bytes, temporary=temporary)
+    kept, temporary = _temporary(module, fresh_inputs, forward, grad_outs, timer.device,
+                                 sum(saved.values()))
+    return BlockMeasure(fwd=fwd, bwd=bwd, wgrad=wgrad, params=param_bytes, activations=kept,
+                        output=out_bytes, temporary=temporary)
 
 
 def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],
                forward: Callable[[list[Any]], list[torch.Tensor]],
-               grad_outs: list[torch.Tensor | None], device: torch.device, saved: int,
-               estimate: int) -> int:
-    """Peak extra bytes of forward + backward (measured on CUDA, estimated on CPU)."""
-    if device.type != "cuda":
-        return estimate
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    ins = fresh()
-    out = forward(ins)
-    pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+               grad_outs: list[torch.Tensor | None], device: torch.device,
+               saved: int) -> tuple[int, int]:
+    """(bytes kept from forward to backward, peak extra bytes of forward + backward).
+
+    On CUDA the allocator's counters; elsewhere :class:`LiveBytes`. What the
+    forward leaves alive (saved tensors and the outputs the runtime holds for
+    the backward) is at least ``saved``; the temporary is the peak above it,
+    not counting the parameters' gradients (static memory).
+    """
+    grads = sum(_nbytes(p) for p in module.parameters() if p.requires_grad)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        ins = fresh()
+        out = forward(ins)
+        kept = torch.cuda.memory_allocated(device) - base
+        pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        ins = fresh()
+        with LiveBytes() as mode:
+            out = forward(ins)
+            kept = mode.now
+            pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            peak = mode.peak
     module.zero_grad(set_to_none=True)
-    return max(int(peak) - saved, 0)
+    kept = max(int(kept), saved)
+    return kept, max(int(peak) - grads - kept, 0)
 
 
 def action_overhead(timer: Timer) -> float:

@@ -13,6 +13,7 @@ studied without a model. Times are milliseconds, sizes bytes::
      "link": {"latency": 0.02, "per_mib": 0.05},
      "memory_per_rank": 85899345920,       # optional
      "optimizer_factor": 4,                # weights + grads + optimizer state = 4 x params
+     "optimizer_temporary": 0,             # optional: the optimizer step's extra x params
      "action_overhead": 0.0}               # optional, ms per compute action
 
 An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to
@@ -34,7 +35,7 @@ from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
                "nodes")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
-             "action_overhead", "meta")
+             "optimizer_temporary", "action_overhead", "meta")
 
 
 class CostsFileError(ValueError):
@@ -68,6 +69,7 @@ class BlockCosts:
     names: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     nodes: list[list[str]] = field(default_factory=list)  # fx node names per block, if known
+    optimizer_temporary: float = 0.0  # optimizer step's extra bytes, as a multiple of params
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -115,7 +117,8 @@ class BlockCosts:
             temporary=[int(b * factor) for b in self.temporary], edges=list(self.edges),
             link=self.link, links=dict(self.links), memory_per_rank=self.memory_per_rank,
             optimizer_factor=self.optimizer_factor, action_overhead=self.action_overhead,
-            names=list(self.names), meta=dict(self.meta), nodes=[list(n) for n in self.nodes])
+            names=list(self.names), meta=dict(self.meta), nodes=[list(n) for n in self.nodes],
+            optimizer_temporary=self.optimizer_temporary)
 
     # -- JSON --------------------------------------------------------------------
 
@@ -137,6 +140,7 @@ class BlockCosts:
                       for (s, d), lk in sorted(self.links.items())],
             "memory_per_rank": self.memory_per_rank,
             "optimizer_factor": self.optimizer_factor,
+            "optimizer_temporary": self.optimizer_temporary,
             "action_overhead": self.action_overhead,
             "meta": self.meta,
         }
@@ -211,6 +215,8 @@ class BlockCosts:
             memory_per_rank=memory,
             optimizer_factor=_number(data.get("optimizer_factor", 4.0), "optimizer_factor"),
             action_overhead=_number(data.get("action_overhead", 0.0), "action_overhead"),
+            optimizer_temporary=_number(data.get("optimizer_temporary", 0.0),
+                                        "optimizer_temporary"),
             names=cols["name"], meta=dict(data.get("meta") or {}),
             nodes=cols["nodes"] if any(cols["nodes"]) else [],
         )
@@ -311,6 +317,22 @@ def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> 
     graph = StageGraph(stages, edges)
     graph.check()
     return graph
+
+
+def optimizer_peak(bc: BlockCosts, costs: Costs, placement: list[tuple[int, ...]],
+                   num_ranks: int) -> list[int]:
+    """Bytes per rank during the optimizer step: static bytes plus its temporaries.
+
+    Activations are gone by then, so this is a floor under the simulated peak,
+    not an addition to it (``optimizer_temporary`` x params; 0 when unknown).
+    """
+    out = [0] * num_ranks
+    for s, ranks in enumerate(placement):
+        st = costs.stages[s]
+        extra = st.static_bytes + int(bc.optimizer_temporary * st.params)
+        for r in ranks:
+            out[r] += extra
+    return out
 
 
 def chain_split(bounds: list[int] | tuple[int, ...], num_blocks: int) -> list[range]:

@@ -4,7 +4,8 @@
 micro-batch's forward, coarsens it into about ``blocks`` blocks, splits every
 block into its own module, measures each (:mod:`orgel.profile.blocks`) with a
 progress bar, measures the link between two ranks over the real backend
-(:mod:`orgel.profile.links`) and returns a :class:`BlockCosts`. Results are
+(:mod:`orgel.profile.links`), the runtime's fixed cost per action
+(:mod:`orgel.profile.overhead`) and returns a :class:`BlockCosts`. Results are
 cached under ``$ORGEL_CACHE`` (default ``~/.cache/orgel``), keyed by the graph's
 hash, the device, the dtype and the micro-batch shapes, so a second run is
 instant. ``meta`` records what is needed to rebuild the same blocks
@@ -24,10 +25,11 @@ import torch
 
 from orgel.profile.blocks import Timer, action_overhead, measure_block, spin_up
 from orgel.profile.costs import BlockCosts
+from orgel.profile.memory import optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def cache_dir() -> Path:
@@ -81,6 +83,19 @@ def link_costs(*, backend: str = "gloo", use_cache: bool = True) -> Link:
     return Link(latency=float(data["latency"]), per_mib=float(data["per_mib"]))
 
 
+def runtime_overhead(link: Link, *, use_cache: bool = True) -> float:
+    """The runtime's per-action overhead on this host (ms; cached, see :mod:`.overhead`)."""
+    from orgel.profile.overhead import measure_overhead
+
+    key = cache_key(host=socket.gethostname(), torch=torch.__version__, version=PROFILE_VERSION,
+                    link=[link.latency, link.per_mib])
+    data = _cached("overhead", key) if use_cache else None
+    if data is None:
+        data = {"action_overhead": measure_overhead(link)}
+        _store("overhead", key, data)
+    return float(data["action_overhead"])
+
+
 def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
                      device: str | None = None, warmup: int = 3, repeats: int = 5,
                      link: bool = True, use_cache: bool = True, progress: bool = True,
@@ -117,8 +132,12 @@ def capture_workload(workload: Any, microbatches: int) -> tuple[Any, Any]:
 def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                   device: str | None = None, warmup: int = 3, repeats: int = 5,
                   link: bool = True, use_cache: bool = True, progress: bool = True,
-                  optimizer_factor: float = 4.0) -> BlockCosts:
-    """Like :func:`profile_workload` for a workload already captured into ``opgraph``."""
+                  optimizer_factor: float = 4.0, optimizer: str = "adamw") -> BlockCosts:
+    """Like :func:`profile_workload` for a workload already captured into ``opgraph``.
+
+    ``optimizer`` (``adamw``, ``adam``, ``sgd``) is measured for the extra memory
+    of its step (``optimizer_temporary``).
+    """
     from orgel.graph import coarsen
     from orgel.split import split_model
     from orgel.workload import microbatches as split_batches
@@ -132,25 +151,33 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     bg = coarsen(opgraph, blocks)
     dtypes = sorted({str(p.dtype) for p in w.model.parameters()})
     shapes = {k: list(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
-    key = cache_key(version=PROFILE_VERSION, graph=graph_hash(opgraph), blocks=blocks,
-                    device=str(dev), dtype=dtypes,
+    key = cache_key(version=PROFILE_VERSION, optimizer=optimizer, graph=graph_hash(opgraph),
+                    blocks=blocks, device=str(dev), dtype=dtypes,
                     shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__)
     cached = _cached("blocks", key) if use_cache else None
     if cached is None:
         cached = _measure(bg, split_model, named, dev, warmup, repeats, progress)
+        largest = sorted(w.model.parameters(), key=lambda p: -p.numel())[:8]
+        cached["optimizer_temporary"] = optimizer_temporary(largest, optimizer)
         _store("blocks", key, cached)
     n = len(bg.blocks)
     edges = sorted({(e.src, e.dst) for e in bg.edges if e.src != e.dst})
     memory = None
     if dev.type == "cuda":
         memory = int(torch.cuda.get_device_properties(dev).total_memory)
+    link_model = link_costs(use_cache=use_cache) if link else Link()
+    overhead = float(cached["action_overhead"])
+    if link:
+        # Through the runtime itself (dispatch, bookkeeping, sends): usually far more
+        # than the bare autograd call measured next to the blocks.
+        overhead = max(overhead, runtime_overhead(link_model, use_cache=use_cache))
     return BlockCosts(
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
         activations=cached["activations"], output=cached["output"],
-        temporary=cached["temporary"], edges=edges,
-        link=link_costs(use_cache=use_cache) if link else Link(),
+        temporary=cached["temporary"], edges=edges, link=link_model,
         memory_per_rank=memory, optimizer_factor=optimizer_factor,
-        action_overhead=float(cached["action_overhead"]),
+        action_overhead=overhead,
+        optimizer_temporary=float(cached.get("optimizer_temporary", 0.0)),
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         meta={"workload": type(w.model).__name__, "target_blocks": blocks, "num_blocks": n,
               "graph_hash": graph_hash(opgraph), "device": str(dev), "dtype": dtypes,

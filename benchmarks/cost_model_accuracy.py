@@ -1,0 +1,116 @@
+"""Cost model accuracy: the simulator's prediction vs a measured run on 2 gloo ranks.
+
+For GPT-like, ViT-like and CLIP-like workloads (``examples/``): profile and plan
+(``orgel.plan.plan_workload``), then run the plan on 2 local gloo processes with
+the runtime's executor and measure
+
+* the step time: median over steps 2..N of the slowest rank's step;
+* the peak tensor memory per rank during one step: parameters and AdamW state
+  plus every tensor allocated during the step (gradients included), tracked by
+  :class:`orgel.profile.memory.LiveBytes` (each storage counted once, freed
+  when its last tensor dies).
+
+Targets (issue 5): predicted step within 10% of measured; predicted peak memory
+>= measured and <= 110% of it. Run: ``python benchmarks/cost_model_accuracy.py``
+(a few minutes on 2 shared CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from orgel.profile.memory import LiveBytes
+
+WORKLOADS = {
+    "GPT-like": "examples/gpt.py:workload",
+    "ViT-like": "examples/vit.py:workload",
+    "CLIP-like": "examples/clip.py:workload",
+}
+
+
+def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int) -> dict[str, Any]:
+    from orgel.graph.capture import capture
+    from orgel.runtime.executor import Executor
+    from orgel.schedule.ir import Plan
+    from orgel.split import split_plan
+    from orgel.workload import load_workload, microbatches, named_inputs
+
+    workload = load_workload(spec)
+    plan = Plan.from_json(plan_json)
+    graph = capture(workload.model, microbatches(workload, plan.microbatches)[0][0])
+    split = split_plan(graph, plan)
+    optimizers: list[torch.optim.Optimizer] = []
+
+    def make_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        optimizers.append(opt)
+        return opt
+
+    executor = Executor(plan, split, loss_fn=workload.loss_fn, optimizer_factory=make_optimizer,
+                        timeout=120.0, batch_dim=workload.batch_dim, check_plan=False)
+    inputs = named_inputs(workload.model, workload.inputs)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        executor.step(inputs, workload.targets)
+        times.append((time.perf_counter() - t0) * 1000.0)
+    # Static bytes: parameters and the optimizer state, once each. Gradients are
+    # dropped first so the measured step allocates (and counts) them itself.
+    static: dict[int, int] = {}
+    for _, p in executor.named_parameters():
+        p.grad = None
+        static[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    for opt in optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    static[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    mode = LiveBytes()
+    with mode:
+        executor.step(inputs, workload.targets)
+    return {"times": times, "peak": sum(static.values()) + mode.peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--planner", default="beam")
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    args = parser.parse_args()
+    from orgel.plan import plan_workload
+    from orgel.runtime.launch import spawn
+
+    torch.set_num_threads(1)  # the ranks run with one thread each; profile the same way
+    rows = []
+    for name in args.workloads:
+        spec = WORKLOADS[name]
+        result = plan_workload(spec, ranks=2, microbatches=args.microbatches, blocks=args.blocks,
+                               planner=args.planner, progress=False)
+        out = spawn(_rank, 2, spec, result.plan.to_json(), args.steps, timeout=300.0, threads=1)
+        per_step = [max(r["times"][i] for r in out) for i in range(1, args.steps)]
+        measured = statistics.median(per_step)
+        peaks = [r["peak"] for r in out]
+        rows.append((name, result.plan.meta.get("schedule_label", "?"), result.step_time,
+                     measured, list(result.sim.peak_memory), peaks))
+    header = (f"{'workload':<10} {'schedule':<34} {'pred ms':>8} {'meas ms':>8} {'err':>6}  "
+              f"{'peak MiB pred / meas (ratio) per rank'}")
+    print(header)
+    print("-" * len(header))
+    for name, sched, pred, meas, ppeak, mpeak in rows:
+        mem = "  ".join(f"{p / 2**20:.1f}/{m / 2**20:.1f} ({p / m:.2f})"
+                        for p, m in zip(ppeak, mpeak, strict=True))
+        err = 100 * (pred - meas) / meas
+        print(f"{name:<10} {sched[:34]:<34} {pred:8.1f} {meas:8.1f} {err:5.1f}%  {mem}")
+    print("\nerr = (predicted - measured) / measured; memory ratio = predicted / measured "
+          "(target 1.00-1.10).")
+
+
+if __name__ == "__main__":
+    main()

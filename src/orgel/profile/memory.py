@@ -1,0 +1,88 @@
+"""Live tensor bytes by watching every op's outputs (for CPUs without allocator stats).
+
+:class:`LiveBytes` is a dispatch mode: each tensor an op returns is counted
+once per storage (views share their base's storage) and subtracted when the
+last tensor on that storage is garbage collected; ``peak`` is the most bytes
+alive at once since the mode was entered, ``now`` the bytes alive right now.
+Only storages created under the mode count, so inputs and parameters made
+before it are left out.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveBytes(TorchDispatchMode):
+    """Track bytes of storages allocated under this mode that are still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, live tensors]
+        self.now = 0
+        self.peak = 0
+
+    def _drop(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr == 0:
+                continue
+            entry = self.live.get(ptr)
+            if entry is None:
+                # A storage that existed before the mode shows up as a view: skip it.
+                if any(ptr == a.untyped_storage().data_ptr()
+                       for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)):
+                    continue
+                entry = self.live[ptr] = [storage.nbytes(), 0]
+                self.now += entry[0]
+                self.peak = max(self.peak, self.now)
+            entry[1] += 1
+            weakref.finalize(t, self._drop, ptr)
+        return out
+
+
+def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw") -> float:
+    """Extra bytes of one optimizer step as a multiple of the parameters' bytes.
+
+    Runs ``kind`` (``adamw``, ``adam`` or ``sgd``) on copies of ``params`` with
+    random gradients: one step to create its state, then one step under
+    :class:`LiveBytes` (multi-tensor implementations allocate whole lists of
+    temporaries at once).
+    """
+    makers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    if kind not in makers:
+        raise ValueError(f"optimizer must be one of {', '.join(makers)}, got {kind!r}")
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    total = sum(p.numel() * p.element_size() for p in copies)
+    if total == 0:
+        return 0.0
+    opt = makers[kind](copies, lr=1e-3)
+    for _ in range(2):
+        for p in copies:
+            p.grad = torch.randn_like(p)
+        if not opt.state:
+            opt.step()
+            continue
+        with LiveBytes() as mode:
+            opt.step()
+        return mode.peak / total
+    return 0.0
