@@ -70,3 +70,32 @@ def test_parse_size() -> None:
     assert parse_size("1024") == 1024
     with pytest.raises(ValueError, match="e.g. 2GiB"):
         parse_size("2 parsecs")
+
+
+WORKLOAD = '''
+import torch
+from torch import nn
+
+def tiny():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4))
+    return model, (torch.randn(8, 8),), torch.randn(8, 4), nn.functional.mse_loss
+'''
+
+
+def test_plan_from_workload_runs_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.py"
+    source.write_text(WORKLOAD)
+    out = tmp_path / "plan.json"
+    assert main(["plan", f"{source}:tiny", "--ranks", "2", "--microbatches", "2", "--blocks",
+                 "4", "--no-link", "--planner", "uniform-time", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert all(s.nodes and s.blocks for s in plan.stage_graph.stages)
+    assert plan.meta["block_graph"]["target_blocks"] == 4
+    capsys.readouterr()
+    assert main(["run", f"{source}:tiny", "--ranks", "2", "--microbatches", "2", "--plan",
+                 str(out), "--steps", "1", "--check"]) == 0
+    assert "-> OK" in capsys.readouterr().out

@@ -76,3 +76,16 @@ def test_options_are_checked() -> None:
         plan(chain(), 2, 0)
     with pytest.raises(ValueError, match="use at most 24 ranks"):
         plan(chain(), 30, 2)
+
+
+def test_data_parallel_replicas() -> None:
+    costs = chain(12)
+    costs.params = [0] * 12  # free all-reduce: replicas only help
+    two = plan(costs, 4, 4, planner="uniform-time", dp=2)
+    validate(two.plan)
+    assert all(len(r) == 2 for r in two.plan.placement)
+    assert two.plan.meta["dp"] == 2
+    best = plan(costs, 4, 4, max_loops=1, dp=None)
+    assert best.step_time <= two.step_time + 1e-9
+    with pytest.raises(ValueError, match="dp must be a positive integer that divides ranks=4"):
+        plan(costs, 4, 4, dp=3)

@@ -105,3 +105,40 @@ def test_cli_profile(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[
                  "--max-loops", "1"]) == 0
     assert main(["profile", f"{tmp_path}/missing.py:tiny"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_live_bytes_counts_storages_once_and_frees() -> None:
+    from orgel.profile.memory import LiveBytes
+
+    x = torch.randn(256)  # made before the mode: not counted
+    with LiveBytes() as mode:
+        y = x * 2  # 1 KiB
+        view = y[:10]  # a view: same storage
+        z = y + 1  # another 1 KiB
+        del z
+        peak_then = mode.peak
+    assert peak_then == 2 * 256 * 4
+    assert mode.now == 256 * 4 and view.numel() == 10
+
+
+def test_optimizer_temporary() -> None:
+    from orgel.profile.memory import optimizer_temporary
+
+    params = [torch.randn(64, 64), torch.randn(64)]
+    assert optimizer_temporary(params, "sgd") == 0.0
+    assert optimizer_temporary(params, "adamw") > 0.5
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        optimizer_temporary(params, "lion")
+
+
+def test_fit_overhead_recovers_the_overhead() -> None:
+    from orgel.profile.overhead import fit_overhead
+    from orgel.schedule.costs import Costs, Link, StageCost
+    from orgel.schedule.families import build_schedule
+    from orgel.sim import simulate
+
+    link = Link(0.2, 0.0)
+    plan = build_schedule("1f1b", 2, 8)
+    stage = StageCost(fwd=0.0, bwd=0.0)
+    step = simulate(plan, Costs([stage, stage], link=link, action_overhead=0.7)).step_time
+    assert fit_overhead(step, 8, link) == pytest.approx(0.7, rel=1e-6)

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "whole pipeline (divides --ranks), or 'auto' to choose (default 1)")
     parser.add_argument("--blocks", type=int, default=32, metavar="N",
                         help="target number of blocks when profiling a workload (default 32)")
+    parser.add_argument("--no-link", action="store_true", help="when profiling, skip the "
+                        "link and runtime-overhead benchmarks (free links, bare overhead)")
     parser.add_argument("--max-loops", type=int, default=8, metavar="V",
                         help="most stages per rank in looped schedules (default 8)")
     parser.add_argument("--beam-width", type=int, default=4, metavar="K",
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
             from orgel.plan.workload import plan_workload
 
             result = plan_workload(args.workload, ranks=args.ranks, microbatches=microbatches,
-                                   blocks=args.blocks, progress=not args.json, **options)
+                                   blocks=args.blocks, progress=not args.json,
+                                   link=not args.no_link, **options)
     except (InfeasibleError, CostsFileError) as exc:
         return _fail(str(exc))
     except (ValueError, FileNotFoundError, ImportError) as exc:
