@@ -199,3 +199,38 @@ def test_export_route_splits_exactly() -> None:
     w = _mixed_workload()
     g = capture(w.model, microbatches(w, 2)[0][0], method="export")
     _check(w, g, random_assignment(g, 3, seed=5))
+
+
+class InPlace(nn.Module):
+    """torchvision's BasicBlock habits: ``relu(inplace=True)`` and ``out += identity``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            identity = x
+            out = self.relu(self.c1(x))
+            out = self.c2(out)
+            out += identity
+            x = self.relu(out)
+        return self.head(x)
+
+
+def test_in_place_updates_split_at_every_cut() -> None:
+    torch.manual_seed(0)
+    w = Workload(InPlace(), (torch.randn(8, 8),), torch.randint(0, 3, (8,)),
+                 nn.functional.cross_entropy)
+    g = capture(w.model, microbatches(w, 2)[0][0])
+    mutators = [n for n in g.nodes.values() if n.mutates]
+    assert {n.op for n in mutators} == {"relu", "iadd"}
+    users = g.users()
+    for m in mutators:  # later readers read the update, never the stale name
+        assert all(list(g.nodes).index(u) < list(g.nodes).index(m.name)
+                   for u in users[m.mutates] if u != m.name)
+    n = len(g.nodes)
+    for cut in range(1, n):
+        _check(w, g, [0] * cut + [1] * (n - cut))
+    _check(w, g, random_assignment(g, 4, seed=3))

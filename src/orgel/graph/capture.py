@@ -15,6 +15,7 @@ restored afterwards, so capturing does not change the model.
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any
 
@@ -365,6 +366,7 @@ def _measure(
             raise CaptureError(f"captured graph calls submodule {node.target}; not supported")
         elif node.op == "call_function" and _op_name(node) in _DROP:
             graph.erase_node(node)
+    mutated = _rewire_inplace(graph, attr_of)
     gm.recompile()
 
     facts = _run_measured(gm, args, attr_of, params, buffers)
@@ -386,6 +388,7 @@ def _measure(
             saved_bytes=saved, requires_grad=requires_grad, is_tensor=is_tensor,
             grad_enabled=grad_mode, source=_source(node),
             constant=None if is_tensor or _holds_tensors(value, 3) else value,
+            mutates=mutated.get(node.name),
         )
     output_node = next(n for n in graph.nodes if n.op == "output")
     out_values = list(output_node.args[0])
@@ -411,6 +414,54 @@ def _measure(
         output_spec=OutputSpec(treespec, leaves), method=method,
         aliases={k: v for k, v in aliases.items() if len(v) > 1}, notes=notes,
     )
+
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+
+
+def _mutated_arg(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor argument ``node`` overwrites in place, if any."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    first = node.args[0]
+    if not isinstance(first, torch.fx.Node):
+        return None
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+        inplace = name.endswith("_") and not name.startswith("_")
+    elif isinstance(target, torch._ops.OpOverload):
+        args = target._schema.arguments
+        inplace = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    else:
+        name = getattr(target, "__name__", "")
+        inplace = (target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+                   or (name.endswith("_") and not name.startswith("_")))
+    return first if inplace else None
+
+
+def _rewire_inplace(graph: torch.fx.Graph, attr_of: dict[str, str]) -> dict[str, str]:
+    """Make in-place updates explicit: later readers of ``x`` read ``x.add_(y)`` instead.
+
+    The graph computes the same thing (the in-place op returns ``x`` itself),
+    but now the data dependency is an edge, so a split sends the updated value
+    and never a stale copy. Returns {in-place node: value it overwrites}.
+    Parameters and buffers (BatchNorm's counter) are left alone: they live in
+    the stage that updates them.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    mutated: dict[str, str] = {}
+    for node in list(graph.nodes):
+        target = _mutated_arg(node)
+        if target is None or target.name in attr_of:
+            continue
+        mutated[node.name] = target.name
+        for user in list(target.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(target, node)
+    return mutated
 
 
 def _nbytes(*tables_and_name: Any) -> int:

@@ -27,6 +27,8 @@ class OpNode:
     not guessed; parameters and storages already counted by an earlier node are
     left out); ``flops`` counts matmul/conv/attention FLOPs, or one per output
     element for other ops; ``grad_enabled`` is the grad mode it ran under.
+    An in-place node (``mutates`` set) is, for every later reader, the new
+    version of the value it overwrote: capture rewires those readers to it.
     """
 
     name: str
@@ -45,6 +47,7 @@ class OpNode:
     grad_enabled: bool = True
     source: str = ""
     constant: Any = None  # the output itself when it holds no tensors (sizes, ints)
+    mutates: str | None = None  # the value this node overwrites in place (``x.add_(y)``)
 
 
 @dataclass

@@ -209,9 +209,8 @@ def _build(
         outputs = sorted(sends[s], key=node_order.__getitem__)
         if s == loss_stage:
             outputs += [n for n in out_names if n not in sends[s]]
-        names = [n for n, st in node_stage.items() if st == s]
-        module = _stage_module(opg, fx_nodes, sorted(names, key=node_order.__getitem__),
-                               model_in + received, outputs)
+        names = sorted((n for n, st in node_stage.items() if st == s), key=node_order.__getitem__)
+        module = _stage_module(opg, fx_nodes, names, model_in + received, outputs)
         pnames = {n: n for n, _ in module.named_parameters()}
         bnames = {n: n for n, _ in module.named_buffers() if n in opg.buffers}
         for n in pnames:
@@ -267,6 +266,19 @@ def _stage_module(
     g = torch.fx.Graph()
     env: dict[str, Any] = {n: g.placeholder(n) for n in inputs}
     attrs: dict[str, torch.Tensor] = {}
+    # In-place updates (``out += identity``, ``relu(inplace=True)``): a received
+    # value is a leaf of its own, so update a copy; a value this stage sends and
+    # then updates is sent as it was before the update (later readers were
+    # rewired to the update at capture, so they never need the stale value).
+    mutators = {name: opg.nodes[name].mutates for name in names if opg.nodes[name].mutates}
+    for value in dict.fromkeys(mutators.values()):
+        if value in env:
+            env[value] = g.call_method("clone", (env[value],))
+    first_mutator = {}
+    for name, value in mutators.items():
+        if value in outputs and value not in inputs:
+            first_mutator.setdefault(value, name)
+    sent: dict[str, Any] = {}
 
     def lookup(n: torch.fx.Node) -> Any:
         if n.name in env:
@@ -287,8 +299,10 @@ def _stage_module(
         if info.grad_enabled != grad:
             g.call_function(_GRAD_SWITCH, (info.grad_enabled,))
             grad = info.grad_enabled
+        if info.mutates is not None and first_mutator.get(info.mutates) == name:
+            sent[info.mutates] = g.call_method("clone", (env[info.mutates],))
         env[name] = g.node_copy(fx_nodes[name], lookup)
     if not grad:
         g.call_function(_GRAD_SWITCH, (True,))
-    g.output(tuple(env[n] for n in outputs))
+    g.output(tuple(sent.get(n, env[n]) for n in outputs))
     return torch.fx.GraphModule(attrs, g)
