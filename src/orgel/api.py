@@ -240,7 +240,7 @@ def pipeline(
 
     graph = _capture(workload, microbatches)
     the_plan = _resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp)
-    split = _split(graph, the_plan)
+    split = _split(workload, graph, the_plan)
 
     def make_engine(rank: int) -> RankEngine:
         return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=loss_fn,
@@ -273,12 +273,12 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int,
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     graph = _capture(workload, microbatches)
-    text = [None]
+    text: list[str | None] = [None]
     if rank == 0:
         text = [_resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp).to_json()]
     dist.broadcast_object_list(text, src=0)
     the_plan = Plan.from_json(str(text[0]))
-    split = _split(graph, the_plan)
+    split = _split(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         timeout_s=timeout_s)
     return Pipeline(the_plan, _OwnRank(engine, world), model=workload.model,
@@ -318,43 +318,29 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any
 
 def _auto_plan(workload: Workload, graph: Any, *, ranks: int, microbatches: int,
                memory: int | None, dp: int) -> Plan:
-    """The planner's choice; until its entry point lands, a FLOP-balanced chain under 1F1B."""
-    try:
-        from orgel.plan import auto_plan  # type: ignore[attr-defined]
-    except ImportError:
-        auto_plan = None
-    if auto_plan is not None:
-        result: Plan = auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
-                                 memory=memory, dp=dp)
-        return result
-    return flop_balanced_plan(graph, ranks=ranks, microbatches=microbatches)
+    """Profile the captured graph and let the planners choose (orgel.plan.auto_plan)."""
+    from orgel.plan import auto_plan
+
+    return auto_plan(workload, graph, ranks=ranks, microbatches=microbatches, memory=memory,
+                     dp=dp)
 
 
-def flop_balanced_plan(graph: Any, *, ranks: int, microbatches: int,
-                       schedule: str = "1f1b") -> Plan:
-    """A chain of ``ranks`` stages with balanced FLOPs over the graph's node order."""
-    from orgel.plan.splits import balanced_points
-    from orgel.schedule.families import build_schedule
-    from orgel.split.split import split_model
+def _split(workload: Workload, graph: Any, plan: Plan) -> Any:
+    """Split ``graph`` by ``plan``; with replicated stages, from a capture of one replica's rows.
 
-    names = list(graph.nodes)
-    weights = [max(1.0, float(graph.nodes[n].flops)) for n in names]
-    points = list(balanced_points(weights, ranks))
-    assignment = {}
-    stage = 0
-    for i, n in enumerate(names):
-        while stage < len(points) and i >= points[stage]:
-            stage += 1
-        assignment[n] = stage
-    split = split_model(graph, assignment)
-    plan = build_schedule(schedule, ranks, microbatches, stage_graph=split.stage_graph)
-    plan.meta["planner"] = "flop-balanced chain"
-    return plan
-
-
-def _split(graph: Any, plan: Plan) -> Any:
+    Captured graphs have fixed shapes, so a stage on ``r`` ranks needs the graph
+    of ``1/r`` of a micro-batch, and every stage must have the same ``r``.
+    """
     from orgel.split import split_plan
 
+    counts = {len(ranks) for ranks in plan.placement}
+    if len(counts) != 1:
+        raise ValueError(f"the plan gives stages different replica counts {sorted(counts)}; "
+                         "orgel's captured stages have fixed shapes: give every stage the "
+                         "same number of ranks")
+    replicas = counts.pop()
+    if replicas > 1:
+        graph = _capture(workload, plan.microbatches * replicas)
     return split_plan(graph, plan)
 
 

@@ -75,6 +75,7 @@ class GraphModel(torch.nn.Module):
                 owner.add_module(part, torch.nn.Module())
             owner = owner._modules[part]  # type: ignore[assignment]
         if kind == "param":
+            assert isinstance(value, torch.nn.Parameter)
             owner.register_parameter(leaf, value)
         else:
             owner.register_buffer(leaf, value)
@@ -298,7 +299,7 @@ class Backend:
         graph = api._capture(workload, self.microbatches)
         plan = api._resolve_plan(self.given_plan, workload, graph, self.ranks,
                                  self.microbatches, self.memory, self.dp)
-        split = api._split(graph, plan)
+        split = api._split(workload, graph, plan)
         loss_ranks = plan.placement[split.loss_stage]
         if len(loss_ranks) != 1:
             raise ValueError("the closure runner needs the loss stage on one rank; use a plan "

@@ -93,25 +93,13 @@ def describe_plan(plan: Any) -> str:
         lines.append("  " + (row if len(row) <= 110 else row[:107] + "..."))
     pred = plan.prediction or {}
     if pred.get("step_time") is not None:
-        mem = ", ".join(f"rank{r} {_mib(b)}" for r, b in enumerate(pred.get("peak_memory", [])))
-        lines.append(f"predicted step time {pred['step_time']:.1f} ms; peak memory {mem}")
+        mem = ", ".join(f"rank{row['rank']} {_mib(row['peak_memory'])}"
+                        for row in pred.get("per_rank", []))
+        lines.append(f"predicted step time {pred['step_time']:.1f} ms, bubble "
+                     f"{pred.get('bubble_fraction', 0.0):.0%}; peak memory {mem}")
     else:
         lines.append("predicted step time: n/a (the plan carries no measured costs)")
     return "\n".join(lines)
-
-
-def measured_timeline(events: list[Any], title: str = "measured") -> Any:
-    """Runtime events (seconds) as a simulator Timeline (milliseconds from the step start)."""
-    from orgel.sim.timeline import Timeline
-
-    tl = Timeline(title=title)
-    if not events:
-        return tl
-    t0 = min(e.start for e in events)
-    for e in events:
-        track = "compute" if e.kind in ("F", "B", "I", "W") else "comm"
-        tl.add(e.rank, track, e.name, (e.start - t0) * 1e3, (e.end - t0) * 1e3)
-    return tl
 
 
 def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatches: int = 4,
@@ -122,8 +110,7 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
 
     from orgel.api import pipeline
     from orgel.models import build
-    from orgel.runtime.trace import chrome_trace
-    from orgel.sim.gantt import save_png
+    from orgel.runtime.trace import save_views
 
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
@@ -183,15 +170,8 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     files = {"plan": str(outdir / "plan.json"), "trace": str(outdir / "trace.json"),
              "png": str(outdir / "timeline.png")}
     plan.save(files["plan"])
-    chrome_trace(events, files["trace"])
-    timelines = [measured_timeline(events, "measured (last step)")]
-    if plan.costs is not None:
-        from orgel.sim import simulate
-
-        predicted_tl = simulate(plan).timeline
-        predicted_tl.title = "predicted"
-        timelines.insert(0, predicted_tl)
-    save_png(files["png"], timelines)
+    # the measured last step above the simulator's run of the same plan
+    save_views(plan, events, trace=files["trace"], png=files["png"])
     say(f"wrote {files['png']} (timeline), {files['trace']} (open in https://ui.perfetto.dev), "
         f"{files['plan']}")
     return DemoResult(losses, reference, matches, predicted, measured, files)

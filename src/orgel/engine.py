@@ -34,7 +34,7 @@ class RankEngine:
         split: SplitModel,
         *,
         optimizer: OptimizerFactory | None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
         timeout_s: float = 300.0,
         executor_options: dict[str, Any] | None = None,
     ) -> None:
