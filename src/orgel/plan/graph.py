@@ -145,7 +145,7 @@ class _DP:
         return None
 
     def merged(self, nodes: list[SPTree]) -> Solution | None:
-        work = params = acts = temp = 0
+        work, params, acts, temp = 0.0, 0, 0, 0
         for nd in nodes:
             w, p, a, t = self.totals.of(nd)
             work, params, acts, temp = work + w, params + p, acts + a, max(temp, t)

@@ -151,7 +151,7 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer) -> BlockMea
         def backward(state: tuple[list[Any], list[torch.Tensor]], *, which: str) -> None:
             ins, out = state
             pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
-            targets = wrt_inputs(ins) + params if which == "full" else params
+            targets = wrt_inputs(ins) + list(params) if which == "full" else list(params)
             if targets:
                 torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
                                     allow_unused=True)

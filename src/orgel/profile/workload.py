@@ -199,9 +199,9 @@ def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device
             stage.module.to(dev)
             args = [values[name] for name in stage.inputs]
             args_of.append(args)
-            out = stage.module(*args)
-            out = list(out) if isinstance(out, (tuple, list)) else [out]
-            values.update(zip(stage.outputs, out, strict=True))
+            result = stage.module(*args)
+            outs = list(result) if isinstance(result, (tuple, list)) else [result]
+            values.update(zip(stage.outputs, outs, strict=True))
     timer = Timer(dev, warmup=warmup, repeats=repeats)
     spin_up(dev)
     cols: dict[str, list[Any]] = {k: [] for k in ("fwd", "bwd", "wgrad", "params", "activations",
