@@ -198,11 +198,11 @@ def _partition(
             score[g, j] = total[m]
             back[g, j] = i[m]
     groups: list[tuple[int, int]] = []
-    j = n
+    end = n
     for g in range(k, 0, -1):
-        i = int(back[g, j])
-        groups.append((i, j))
-        j = i
+        start = int(back[g, end])
+        groups.append((start, end))
+        end = start
     return groups[::-1]
 
 

@@ -134,7 +134,7 @@ class OpGraph:
 
     def tensor_bytes(self, name: str) -> int:
         """Bytes of one parameter, buffer or constant."""
-        t = self.params.get(name)
+        t: torch.Tensor | None = self.params.get(name)
         if t is None:
             t = self.buffers.get(name, self.constants.get(name))
         return 0 if t is None else t.numel() * t.element_size()

@@ -121,8 +121,7 @@ def stages_step(
             for name, dsts in consumers[s].items():
                 if not split.requires_grad.get(name, False):
                     continue
-                parts = [received[(d, name)].grad for d in dsts]
-                parts = [g for g in parts if g is not None]
+                parts = [g for d in dsts if (g := received[(d, name)].grad) is not None]
                 if not parts:
                     continue
                 grad = parts[0]
@@ -144,9 +143,9 @@ def stages_step(
             else:
                 grads_by_name[name] = p.grad.detach().clone()
         for local, b in stage.module.named_buffers():
-            name = stage.buffer_names.get(local)
-            if name is not None and name not in buffers:
-                buffers[name] = b.detach().clone()
+            qual = stage.buffer_names.get(local)
+            if qual is not None and qual not in buffers:
+                buffers[qual] = b.detach().clone()
     return StepResult(total, grads_by_name, buffers)
 
 

@@ -258,6 +258,13 @@ def _differentiable(opg: OpGraph, name: str) -> bool:
     )
 
 
+def _attr(opg: OpGraph, qual: str) -> torch.Tensor:
+    for table in (opg.params, opg.buffers, opg.constants):
+        if qual in table:
+            return table[qual]
+    raise SplitError(f"the graph reads {qual!r}, which is no parameter, buffer or constant")
+
+
 def _stage_module(
     opg: OpGraph, fx_nodes: dict[str, torch.fx.Node], names: list[str], inputs: list[str],
     outputs: list[str],
@@ -274,7 +281,7 @@ def _stage_module(
     for value in dict.fromkeys(mutators.values()):
         if value in env:
             env[value] = g.call_method("clone", (env[value],))
-    first_mutator = {}
+    first_mutator: dict[str, str] = {}
     for name, value in mutators.items():
         if value in outputs and value not in inputs:
             first_mutator.setdefault(value, name)
@@ -285,7 +292,7 @@ def _stage_module(
             return env[n.name]
         qual = opg.attr_of.get(n.name)
         if qual is not None:
-            attrs[qual] = opg.params.get(qual, opg.buffers.get(qual, opg.constants.get(qual)))
+            attrs[qual] = _attr(opg, qual)
             env[n.name] = g.get_attr(qual)
             return env[n.name]
         node = opg.nodes.get(n.name)
