@@ -16,6 +16,14 @@ import torch
 import torch.utils._pytree as pytree
 
 
+class CaptureError(RuntimeError):
+    """The model could not be captured as one graph; the message says why and what to try."""
+
+
+class GraphBreakError(CaptureError):
+    """TorchDynamo hit a graph break: the message names the reason and the source line."""
+
+
 @dataclass
 class OpNode:
     """One operation of the forward and what it costs.

@@ -1,0 +1,288 @@
+"""Measure a captured graph on a real forward: per-node sizes, FLOPs, saved-for-backward bytes.
+
+The graph runs once under an fx Interpreter on the real inputs, parameters and
+buffers. Around every node a ``saved_tensors_hooks`` pair records the tensors
+autograd keeps for backward (storages counted once, parameters and buffers
+left out) and a ``FlopCounterMode`` counts its FLOPs. The graph is also
+normalised here: values are named (model inputs by keyword), in-place updates
+become explicit edges, and the result is an :class:`OpGraph`.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec
+
+# Nodes that switch state rather than compute: recorded as each node's grad mode.
+GRAD_SWITCH = torch._C._set_grad_enabled
+_DROP = {"_log_api_usage_once"}
+
+#: (graph, placeholder roles, output leaves, output treespec) from a capture route.
+Raw = tuple[torch.fx.GraphModule, dict[str, tuple[str, Any]], list[tuple[str, Any]], Any]
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    text = str(list(stack.values())[-1][0])
+    for _ in range(8):  # getattr(getattr(L['self'].h, '0'), 'attn') → L['self'].h.0.attn
+        new = re.sub(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)", r"\1.\2", text)
+        if new == text:
+            break
+        text = new
+    text = re.sub(r"^L\['[^']*'\]", "", text)
+    text = re.sub(r"\._modules\['([^']*)'\]", r".\1", text)
+    text = re.sub(r"\[(\d+)\]", r".\1", text)
+    text = re.sub(r"\['([^']*)'\]", r".\1", text)
+    return text.strip(".")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.overloadpacket.__name__)
+    return str(getattr(target, "__name__", target))
+
+
+def _source(node: torch.fx.Node) -> str:
+    matches = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    return f"{matches[-1][0]}:{matches[-1][1]}" if matches else ""
+
+
+def _describe(value: Any) -> tuple[tuple[int, ...] | None, str | None, int, bool, bool]:
+    """(shape, dtype, bytes, is_tensor, requires_grad) of a node's output."""
+    if isinstance(value, torch.Tensor):
+        return (
+            tuple(value.shape), str(value.dtype).replace("torch.", ""),
+            value.numel() * value.element_size(), True, value.requires_grad,
+        )
+    tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return None, None, nbytes, False, any(t.requires_grad for t in tensors)
+
+
+def measure(
+    model: torch.nn.Module, named: dict[str, Any], raw: Raw, notes: list[str], method: str
+) -> OpGraph:
+    gm, roles, raw_leaves, treespec = raw
+    graph = gm.graph
+    input_names = [r[1] for r in roles.values() if r[0] == "input"]
+    # Name values by what they are: a model input's placeholder takes the input's name.
+    for node in graph.nodes:
+        if node.op != "placeholder" and node.name in input_names:
+            node._rename(node.name + "_v")
+    attr_of: dict[str, str] = {}
+    params: dict[str, torch.nn.Parameter] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    constants: dict[str, torch.Tensor] = {}
+    args: list[Any] = []
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            kind, payload = roles[node.name]
+            if kind == "input":
+                node._rename(payload)
+                if node.name != payload:  # the namespace still remembers a renamed node
+                    node.name = payload
+                args.append(named[payload])
+                continue
+            if kind == "param":
+                params[payload] = model.get_parameter(payload)
+                args.append(params[payload])
+            elif kind == "buffer":
+                buffers[payload] = model.get_buffer(payload)
+                args.append(buffers[payload])
+            else:
+                payload = f"_orgel_const_{len(constants)}"
+                constants[payload] = roles[node.name][1]
+                args.append(constants[payload])
+            attr_of[node.name] = payload
+        elif node.op == "get_attr":
+            name = f"_orgel_const_{len(constants)}"
+            constants[name] = getattr(gm, str(node.target))
+            attr_of[node.name] = name
+        elif node.op == "call_module":
+            raise CaptureError(f"captured graph calls submodule {node.target}; not supported")
+        elif node.op == "call_function" and _op_name(node) in _DROP:
+            graph.erase_node(node)
+    mutated = _rewire_inplace(graph, attr_of)
+    gm.recompile()
+
+    facts = _run_measured(gm, args, attr_of, params, buffers)
+    nodes: dict[str, OpNode] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method") or node.target is GRAD_SWITCH:
+            continue
+        reads = [n for n in node.all_input_nodes if n.op != "call_function"
+                 or n.target is not GRAD_SWITCH]
+        value, saved, flops, grad_mode = facts[node.name]
+        shape, dtype, nbytes, is_tensor, requires_grad = _describe(value)
+        pnames = tuple(dict.fromkeys(attr_of[n.name] for n in reads if n.name in attr_of))
+        nodes[node.name] = OpNode(
+            name=node.name, op=_op_name(node), module=_module_path(node),
+            inputs=tuple(dict.fromkeys(n.name for n in reads if n.name not in attr_of)),
+            params=pnames, shape=shape, dtype=dtype, nbytes=nbytes,
+            param_bytes=sum(_nbytes(params, buffers, constants, p) for p in pnames),
+            flops=flops if flops else (value.numel() if isinstance(value, torch.Tensor) else 0),
+            saved_bytes=saved, requires_grad=requires_grad, is_tensor=is_tensor,
+            grad_enabled=grad_mode, source=_source(node),
+            constant=None if is_tensor or holds_tensors(value, 3) else value,
+            mutates=mutated.get(node.name),
+        )
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    out_values = list(output_node.args[0])
+    leaves: list[tuple[str, Any]] = []
+    for kind, payload in raw_leaves:
+        if kind == "out":
+            src = out_values[payload]
+            if src.name in attr_of:
+                raise CaptureError(f"the model returns parameter/buffer {attr_of[src.name]}")
+            leaves.append(("value", src.name))
+        elif kind == "input":
+            leaves.append(("value", payload))
+        else:
+            leaves.append(("const", _constant_leaf(payload, notes)))
+    aliases: dict[str, list[str]] = {}
+    canonical = {id(p): n for n, p in params.items()}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases.setdefault(canonical[id(p)], []).append(name)
+    return OpGraph(
+        graph_module=gm, nodes=nodes, model_inputs=[n for n in named if n in input_names],
+        params=params, buffers=buffers, constants=constants, attr_of=attr_of,
+        output_spec=OutputSpec(treespec, leaves), method=method,
+        aliases={k: v for k, v in aliases.items() if len(v) > 1}, notes=notes,
+    )
+
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+
+
+def _mutated_arg(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor argument ``node`` overwrites in place, if any."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    first = node.args[0]
+    if not isinstance(first, torch.fx.Node):
+        return None
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+        inplace = name.endswith("_") and not name.startswith("_")
+    elif isinstance(target, torch._ops.OpOverload):
+        args = target._schema.arguments
+        inplace = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    else:
+        name = getattr(target, "__name__", "")
+        inplace = (target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+                   or (name.endswith("_") and not name.startswith("_")))
+    return first if inplace else None
+
+
+def _rewire_inplace(graph: torch.fx.Graph, attr_of: dict[str, str]) -> dict[str, str]:
+    """Make in-place updates explicit: later readers of ``x`` read ``x.add_(y)`` instead.
+
+    The graph computes the same thing (the in-place op returns ``x`` itself),
+    but now the data dependency is an edge, so a split sends the updated value
+    and never a stale copy. Returns {in-place node: value it overwrites}.
+    Parameters and buffers (BatchNorm's counter) are left alone: they live in
+    the stage that updates them.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    mutated: dict[str, str] = {}
+    for node in list(graph.nodes):
+        target = _mutated_arg(node)
+        if target is None or target.name in attr_of:
+            continue
+        mutated[node.name] = target.name
+        for user in list(target.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(target, node)
+    return mutated
+
+
+def _nbytes(*tables_and_name: Any) -> int:
+    *tables, name = tables_and_name
+    for table in tables:
+        if name in table:
+            t = table[name]
+            return int(t.numel() * t.element_size())
+    return 0
+
+
+def _constant_leaf(obj: Any, notes: list[str]) -> Any:
+    """Keep a non-tensor output as a constant, unless it hides tensors (e.g. a KV cache)."""
+    if holds_tensors(obj, 3):
+        notes.append(
+            f"the model also returns a {type(obj).__name__} holding tensors (not a pytree); "
+            "the split model returns None there (for HF models pass use_cache=False)"
+        )
+        return None
+    return obj
+
+
+def holds_tensors(obj: Any, depth: int) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return False
+    if isinstance(obj, dict):
+        return any(holds_tensors(v, depth - 1) for v in obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return any(holds_tensors(v, depth - 1) for v in obj)
+    return hasattr(obj, "__dict__") and holds_tensors(vars(obj), depth - 1)
+
+
+def _run_measured(
+    gm: torch.fx.GraphModule, args: list[Any], attr_of: dict[str, str],
+    params: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor],
+) -> dict[str, tuple[Any, int, int, bool]]:
+    """Run the graph on real tensors: per node (output, saved bytes, FLOPs, grad mode)."""
+    excluded = {t.untyped_storage().data_ptr() for t in [*params.values(), *buffers.values()]}
+    counted: set[int] = set()
+    keep: list[Any] = []  # hold saved storages so a freed address is never reused
+    facts: dict[str, tuple[Any, int, int, bool]] = {}
+
+    class Measured(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            if n.op not in ("call_function", "call_method"):
+                return super().run_node(n)
+            saved: list[torch.Tensor] = []
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                saved.append(t)
+                return t
+
+            grad_mode = torch.is_grad_enabled()
+            counter = FlopCounterMode(display=False)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+                out = super().run_node(n)
+            nbytes = 0
+            for t in saved:
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in excluded or key in counted or storage.nbytes() == 0:
+                    continue
+                counted.add(key)
+                keep.append(storage)
+                nbytes += storage.nbytes()
+            facts[n.name] = (out, nbytes, int(counter.get_total_flops()), grad_mode)
+            return out
+
+    grad_before = torch.is_grad_enabled()
+    try:
+        with torch.enable_grad():
+            Measured(gm).run(*args)
+    finally:
+        torch._C._set_grad_enabled(grad_before)
+    return facts
