@@ -44,13 +44,13 @@ def instance(num_blocks: int = 400) -> BlockCosts:
 #: (label, blocks, ranks, micro-batches, Pfeife search s, Pfeife step ms, plan options)
 CASES = [
     ("400 blocks, 4 ranks x 8 mb (fast)", 400, 4, 8, 14.07, 2840.0,
-     dict(max_loops=12, time_limit=0.45, per_member=32)),
+     dict(max_loops=12, time_limit=0.45, per_member=32, groups=1, top=2)),
     ("400 blocks, 4 ranks x 8 mb (thorough)", 400, 4, 8, 14.07, 2840.0,
      dict(max_loops=12, time_limit=10.0, per_member=None)),
     ("400 blocks, 8 ranks x 16 mb", 400, 8, 16, 487.6, None,
-     dict(max_loops=8, time_limit=5.0, per_member=16)),
+     dict(max_loops=8, time_limit=5.0, per_member=16, groups=2, top=2)),
     ("1600 blocks, 4 ranks x 8 mb", 1600, 4, 8, 26.3, None,
-     dict(max_loops=12, time_limit=1.0, per_member=32)),
+     dict(max_loops=12, time_limit=1.0, per_member=32, groups=1, top=2)),
 ]
 
 

@@ -29,7 +29,7 @@ def branches(count: int, length: int) -> BlockCosts:
                     activations=[MiB] * n, output=[MiB] * n, temporary=[0] * n, edges=edges,
                     link=Link(0.05, 0.1))
     for b in (0, join):
-        bc.fwd[b], bc.bwd[b], bc.params[b] = 0.1, 0.2, 0
+        bc.fwd[b], bc.bwd[b], bc.wgrad[b], bc.params[b] = 0.1, 0.2, 0.1, 0
     return bc
 
 

@@ -20,8 +20,9 @@
 3. Spare ranks become replicas of the slowest stages (or only where the time
    saved beats the longer all-reduce, leaving the rest idle); every distinct solution
    met during the binary search (and at a few looser bounds, which trade the
-   bottleneck for fewer, shallower stages) gets a ``dag-1f1b`` schedule and is
-   scored by the simulator; the fastest feasible one wins.
+   bottleneck for fewer, shallower stages) gets a ``dag-1f1b`` schedule, and a
+   zero-bubble rewrite of it (``I`` now, ``W`` later), scored by the simulator;
+   the fastest feasible one wins.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from orgel.plan.scorer import Score, Scorer, Template
 from orgel.plan.sp import Leaf, Parallel, Series, SPTree, decompose
+from orgel.plan.transforms import split_backward
 from orgel.profile.costs import BlockCosts, stage_graph
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import Plan, PlanError
@@ -356,13 +358,14 @@ def stage_layout(bc: BlockCosts, stages: list[StageSpec]
 
 
 def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
-               iterations: int = 40, grid: int = 4,
-               tolerance: float = 0.005) -> GraphResult | None:
+               iterations: int = 40, grid: int = 4, tolerance: float = 0.005,
+               zero_bubble: bool = True) -> GraphResult | None:
     """The fastest graph plan found (see the module docstring); None if nothing fits.
 
     The binary search stops when the bound is known within ``tolerance``
     (relative). Besides the solutions it meets, ``grid`` looser bounds (up to
-    twice the tightest) are solved and scored.
+    twice the tightest) are solved and scored, each with DAG 1F1B and, with
+    ``zero_bubble``, its split-backward rewrite (:mod:`orgel.plan.transforms`).
     """
     bc = scorer.bc
     tree = decompose(bc.num_blocks, bc.edges)
@@ -411,13 +414,20 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
                                   placement=placement)
         except PlanError:
             continue
-        template = Template("dag-1f1b", "dag-1f1b", {}, base)
-        score = scorer.score_split(template, blocks)
-        if not score.feasible:
-            continue
-        if best is None or score.step_time < best.score.step_time:
-            plan = scorer.to_plan(template, blocks, meta={"planner": "graph"})
-            best = GraphResult(plan, score, template, stages, bound, len(found))
+        templates = [Template("dag-1f1b", "dag-1f1b", {}, base)]
+        if zero_bubble:
+            try:
+                templates.append(Template("dag-1f1b + zero bubble", "dag-1f1b",
+                                          {"split_backward": True}, split_backward(base)))
+            except PlanError:
+                pass
+        for template in templates:
+            score = scorer.score_split(template, blocks)
+            if not score.feasible:
+                continue
+            if best is None or score.step_time < best.score.step_time:
+                plan = scorer.to_plan(template, blocks, meta={"planner": "graph"})
+                best = GraphResult(plan, score, template, stages, bound, len(found))
     if best is not None:
         best.candidates = len(found)
     return best

@@ -104,12 +104,15 @@ def _ranges(blocks: tuple[int, ...]) -> str:
 def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None = None,
          planner: str = "auto", width: int = 4, max_move: int = 10, max_loops: int = 8,
          time_limit: float | None = None, per_member: int | None = None,
-         dp: int | None = 1) -> PlanResult:
+         dp: int | None = 1, groups: int = 3, top: int = 3) -> PlanResult:
     """The fastest feasible plan of ``costs`` on ``ranks`` ranks (see the module docstring).
 
     ``memory`` overrides the table's ``memory_per_rank`` (bytes; None keeps it).
     ``width``/``max_move``/``per_member`` tune the beam search, ``max_loops``
-    bounds stages per rank, ``time_limit`` (s) bounds the beam phase. ``dp``
+    bounds stages per rank, ``groups``/``top`` how many loop counts and
+    templates the sequential search explores in full (see
+    :func:`~orgel.plan.sequential.sequential_plan`), ``time_limit`` (s) bounds
+    its beam phase. ``dp``
     replicates the whole pipeline ``dp`` times (each replica takes its share of
     every micro-batch; gradients are all-reduced); ``dp=None`` tries every
     divisor of ``ranks`` and keeps the fastest. Raises :class:`InfeasibleError`
@@ -118,7 +121,8 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}: choose one of {', '.join(PLANNERS)}")
     for name, value in (("ranks", ranks), ("microbatches", microbatches), ("width", width),
-                        ("max_move", max_move), ("max_loops", max_loops)):
+                        ("max_move", max_move), ("max_loops", max_loops), ("groups", groups),
+                        ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1
@@ -131,7 +135,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     started = time.perf_counter()
     scorer = Scorer(costs, memory=memory)
     options = dict(width=width, max_move=max_move, max_loops=max_loops, time_limit=time_limit,
-                   per_member=per_member)
+                   per_member=per_member, groups=groups, top=top)
     candidates: list[tuple[float, str, Plan]] = []
     base_times: dict[str, float | None] = {}
     evaluations = 0

@@ -5,7 +5,9 @@ Each template fixes a schedule family and its parameters for ``P`` ranks and
 1F1B and GPipe (``P`` stages); interleaved 1F1B and looped BFS with ``v``
 stages per rank; Pfeife's looped schedule over loops ``N_l``, group sizes
 ``B_l`` (divisors of ``m``, at least ``P``) and prefetch vectors ``B_f``;
-zero-bubble ZB-H1; and, beyond round-robin placement, a "V" placement (the
+zero-bubble ZB-H1, and the same ``I``/``W`` split applied to the interleaved and
+looped schedules (:func:`orgel.plan.transforms.split_backward`); and, beyond
+round-robin placement, a "V" placement (the
 second loop runs back from the last rank to the first, so the turn-around
 stage pair shares a rank) scheduled by the DAG 1F1B family. Families that are
 not registered, or reject the parameters, are skipped. Duplicates (different
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orgel.plan.scorer import Template
+from orgel.plan.transforms import split_backward
 from orgel.schedule.families import FAMILIES, build_schedule
 from orgel.schedule.ir import PlanError, StageGraph
 
@@ -52,14 +55,16 @@ class Spec:
     family: str
     options: dict[str, Any]
     group: int
+    split_backward: bool = False  # rewrite B into I now, W later (orgel.plan.transforms)
 
 
 def template_specs(ranks: int, microbatches: int, num_blocks: int, *, max_loops: int = 4,
                    families: list[str] | None = None) -> list[Spec]:
     """Every template to consider for a linear split, grouped by stages per rank.
 
-    Within a group the first spec is its representative: Pfeife's looped
-    schedule with the front-loaded prefetch ``B_f = (P-1, …, 1, 0)``.
+    Within a group the first spec is its representative: interleaved 1F1B with
+    its backward split into ``I`` and deferred ``W`` (ZB-H1 for one stage per
+    rank), then Pfeife's looped schedules, looped BFS and their variants.
     """
     fams = _families()
     wanted = set(families) if families else None
@@ -74,11 +79,15 @@ def template_specs(ranks: int, microbatches: int, num_blocks: int, *, max_loops:
                 group.append(Spec(f"looped N_l={v} B_l={b_l} B_f={tuple(b_f)}", "looped",
                                   {"loops": v, "loop_microbatches": b_l, "prefetch": b_f}, v))
         if v == 1:
-            group[1:1] = [Spec("1f1b", "1f1b", {}, 1), Spec("zb-h1", "zb-h1", {}, 1),
+            group[0:0] = [Spec("zb-h1", "zb-h1", {}, 1), Spec("1f1b", "1f1b", {}, 1),
                           Spec("gpipe", "gpipe", {}, 1)]
         else:
-            group[1:1] = [Spec(f"interleaved v={v}", "interleaved", {"stages_per_rank": v}, v),
-                          Spec(f"looped-bfs v={v}", "looped-bfs", {"stages_per_rank": v}, v)]
+            inter = {"stages_per_rank": v}
+            group[0:0] = [Spec(f"interleaved v={v} + zero bubble", "interleaved", inter, v, True),
+                          Spec(f"interleaved v={v}", "interleaved", inter, v),
+                          Spec(f"looped-bfs v={v}", "looped-bfs", inter, v)]
+            group += [Spec(s.label + " + zero bubble", s.family, s.options, v, True)
+                      for s in group if s.family == "looped"][:2]
             if v == 2:
                 group.append(Spec("v-shape (dag-1f1b)", "dag-1f1b", {"placement": "v"}, 2))
         specs.extend(s for s in group if s.family in fams
@@ -92,9 +101,12 @@ def build_template(spec: Spec, ranks: int, microbatches: int) -> Template | None
         return v_shape(ranks, microbatches)
     try:
         base = build_schedule(spec.family, ranks, microbatches, **spec.options)
+        if spec.split_backward:
+            base = split_backward(base)
     except PlanError:
         return None
-    return Template(spec.label, spec.family, spec.options, base)
+    options = dict(spec.options, split_backward=True) if spec.split_backward else spec.options
+    return Template(spec.label, spec.family, options, base)
 
 
 def chain_templates(ranks: int, microbatches: int, num_blocks: int, *,

@@ -81,6 +81,10 @@ class BlockCosts:
                                      f"expected one per block ({n})")
         if not self.names:
             self.names = [f"block{i}" for i in range(n)]
+        for i in range(n):
+            if self.wgrad[i] > self.bwd[i] + 1e-12:
+                raise CostsFileError(f"block {i}: wgrad ({self.wgrad[i]}) exceeds bwd "
+                                     f"({self.bwd[i]}); the weight-grad half is part of it")
         if self.nodes and len(self.nodes) != n:
             raise CostsFileError(f"'nodes' has {len(self.nodes)} entries, expected one per block")
         self.edges = [(int(a), int(b)) for a, b in self.edges]
