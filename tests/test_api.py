@@ -26,12 +26,12 @@ def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 def _batch(step: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, 128, (8, 32), generator=g)
+    tokens = torch.randint(0, 128, (24, 32), generator=g)
     return (tokens,), torch.roll(tokens, -1, dims=1)
 
 
 def _gpt() -> tuple[torch.nn.Module, object, torch.Tensor, object]:
-    model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
+    model, inputs, targets, loss_fn = build("gpt", batch_size=24, seed=0, n_layers=2, d_model=32)
     return model, inputs, targets, loss_fn
 
 

@@ -299,14 +299,15 @@ def _capture(workload: Workload, microbatches: int) -> Any:
 
 
 def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
-                  microbatches: int, memory: int | None, dp: int) -> Plan:
+                  microbatches: int, memory: int | None, dp: int,
+                  planner: str | None = None) -> Plan:
     if isinstance(plan, Plan):
         given = plan
     elif plan is not None:
         given = Plan.load(plan)
     else:
         given = _auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
-                           memory=memory, dp=dp)
+                           memory=memory, dp=dp, planner=planner)
     if given.num_ranks != ranks:
         raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
                          "pass ranks to match or plan=None to plan again")
@@ -317,12 +318,22 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any
 
 
 def _auto_plan(workload: Workload, graph: Any, *, ranks: int, microbatches: int,
-               memory: int | None, dp: int) -> Plan:
-    """Profile the captured graph and let the planners choose (orgel.plan.auto_plan)."""
-    from orgel.plan import auto_plan
+               memory: int | None, dp: int, planner: str | None = None) -> Plan:
+    """Profile the captured graph and let the planners choose (orgel.plan.auto_plan).
 
-    return auto_plan(workload, graph, ranks=ranks, microbatches=microbatches, memory=memory,
-                     dp=dp)
+    ``planner`` restricts the search to one planner (e.g. ``"beam"``: chains of
+    stages, one rank each, when the graph cannot be re-captured per replica).
+    """
+    from orgel.plan import attach_split, auto_plan, plan
+
+    if planner is None:
+        return auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
+                         memory=memory, dp=dp)
+    from orgel.profile.workload import profile_graph
+
+    costs = profile_graph(workload, graph, microbatches=microbatches, progress=False)
+    result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner)
+    return attach_split(result.plan, graph, costs)
 
 
 def _split(workload: Workload, graph: Any, plan: Plan) -> Any:

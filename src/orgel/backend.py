@@ -297,8 +297,13 @@ class Backend:
         rows = next(iter(batch.values())).shape[0]
         workload = Workload(self.model, batch, torch.zeros(rows), _no_loss)
         graph = api._capture(workload, self.microbatches)
+        # dynamo's graph has the micro-batch's shapes baked in and the user's model is
+        # not ours to re-trace per replica: plan chains of one rank per stage (beam)
         plan = api._resolve_plan(self.given_plan, workload, graph, self.ranks,
-                                 self.microbatches, self.memory, self.dp)
+                                 self.microbatches, self.memory, self.dp, planner="beam")
+        if any(len(r) > 1 for r in plan.placement):
+            raise ValueError("orgel.backend runs stages on one rank each; give a plan "
+                             "without data-parallel stages")
         split = api._split(workload, graph, plan)
         loss_ranks = plan.placement[split.loss_stage]
         if len(loss_ranks) != 1:

@@ -167,6 +167,9 @@ class LocalGroup:
                     except (EOFError, OSError):
                         self._fail(self._death(r, what), r)
                     if status == "error":
+                        dead = self._dead_peer(exclude=r)
+                        if dead is not None:  # the error is a consequence of that death
+                            self._fail(self._death(dead, what), dead)
                         self._fail(f"rank {r} failed in {what}: {value}\n{tb}", r)
                     results[r] = value
                     del pending[obj]
@@ -175,6 +178,19 @@ class LocalGroup:
                     if self._conns[r] in pending and not self._conns[r].poll():
                         self._fail(self._death(r, what), r)
         return [results[r] for r in ranks]
+
+    def _dead_peer(self, *, exclude: int, grace_s: float = 1.0) -> int | None:
+        """A rank (not ``exclude``) that died abnormally (signal, crash), waiting ``grace_s``.
+
+        A rank that reported its own error exits cleanly (code 0) and is not a death.
+        """
+        others = {self._procs[q].sentinel: q for q in range(self.num_ranks) if q != exclude}
+        ready = wait(list(others), timeout=grace_s) if others else []
+        for q in sorted(others[s] for s in ready):  # type: ignore[index]
+            self._procs[q].join(timeout=1)
+            if self._procs[q].exitcode not in (None, 0):
+                return q
+        return None
 
     def _death(self, rank: int, what: str) -> str:
         proc = self._procs[rank]
