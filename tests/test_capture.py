@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import pytest
 import torch
 from torch import nn
 
-from orgel.graph import GraphBreakError, OpGraph, capture
+from orgel.graph import CaptureError, GraphBreakError, OpGraph, capture
 
 
 class Toy(nn.Module):
@@ -156,3 +157,17 @@ def test_graph_break_names_reason_line_and_fix() -> None:
     assert f"test_capture.py:{line}" in message
     assert "h.mean().item()" in message
     assert "graph break" in message and "torch.where" in message
+
+
+def test_auto_falls_back_to_export_when_dynamo_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``orgel.graph.capture`` the attribute is the function; the module lives in sys.modules.
+    capture_module = importlib.import_module("orgel.graph.capture")
+
+    def broken(model: nn.Module, named: dict) -> None:
+        raise RuntimeError("dynamo internal error")
+
+    monkeypatch.setattr(capture_module, "_dynamo_graph", broken)
+    g = capture(Skips(), (torch.randn(2, 4),))
+    assert g.method == "export" and "dynamo internal error" in g.notes[0]
+    with pytest.raises(CaptureError, match="torch.compile could not capture"):
+        capture(Skips(), (torch.randn(2, 4),), method="dynamo")

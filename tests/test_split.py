@@ -234,3 +234,49 @@ def test_in_place_updates_split_at_every_cut() -> None:
     for cut in range(1, n):
         _check(w, g, [0] * cut + [1] * (n - cut))
     _check(w, g, random_assignment(g, 4, seed=3))
+
+
+class Counter(nn.Module):
+    """A buffer updated in place and then read by a later op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        return self.fc(x) * self.steps
+
+
+def test_an_updated_buffer_is_never_split_across_stages() -> None:
+    g = capture(Counter(), (torch.randn(2, 4),))
+    assert g.written == ["steps"]
+    readers = g.param_users()["steps"]
+    assert len(readers) == 2
+    names = list(g.nodes)
+    last = names.index(readers[-1])
+    with pytest.raises(SplitError, match=r"buffer steps is updated in place and read by stages"):
+        split_model(g, [0] * last + [1] * (len(names) - last))
+    # The linear layer may go first; the counter update and its reader together.
+    split = split_model(g, {n: 1 if n in readers else 0 for n in names})
+    assert "steps" in split.stages[1].buffer_names and not split.stages[0].buffer_names
+
+
+def test_batchnorm_statistics_count_as_written(mixed: tuple[Workload, OpGraph]) -> None:
+    _, g = mixed
+    assert set(g.written) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+
+
+def test_simple_assignments() -> None:
+    w = _chain_workload()
+    g = capture(w.model, (w.inputs[0][:2],))
+    blocks = coarsen(g, 6)
+    for k in (1, 2, 3, 6):
+        a = balanced_assignment(blocks, k)
+        assert a == sorted(a) and set(a) == set(range(k))  # contiguous, every stage used
+        r = random_assignment(blocks, k, seed=k)
+        assert set(r) == set(range(k))
+        split_model(blocks, r)  # valid: no SplitError
+    with pytest.raises(ValueError, match="cannot make 7 stages from 6 blocks"):
+        balanced_assignment(blocks, 7)

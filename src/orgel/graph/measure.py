@@ -160,6 +160,7 @@ def measure(
         params=params, buffers=buffers, constants=constants, attr_of=attr_of,
         output_spec=OutputSpec(treespec, leaves), method=method,
         aliases={k: v for k, v in aliases.items() if len(v) > 1}, notes=notes,
+        written=_written_buffers(graph, attr_of, buffers),
     )
 
 
@@ -209,6 +210,27 @@ def _rewire_inplace(graph: torch.fx.Graph, attr_of: dict[str, str]) -> dict[str,
             if user is not node and order[user] > order[node]:
                 user.replace_input_with(target, node)
     return mutated
+
+
+# Ops that update the running statistics they read (BatchNorm in training mode).
+_STAT_UPDATES = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                 "_native_batch_norm_legit_functional", "instance_norm"}
+
+
+def _written_buffers(
+    graph: torch.fx.Graph, attr_of: dict[str, str], buffers: dict[str, torch.Tensor]
+) -> list[str]:
+    """Buffers the forward updates in place (``add_`` on a counter, BatchNorm statistics)."""
+    written: dict[str, None] = {}
+    for node in graph.nodes:
+        target = _mutated_arg(node)
+        if target is not None and attr_of.get(target.name) in buffers:
+            written[attr_of[target.name]] = None
+        if node.op in ("call_function", "call_method") and _op_name(node) in _STAT_UPDATES:
+            for arg in node.all_input_nodes:
+                if attr_of.get(arg.name) in buffers:
+                    written[attr_of[arg.name]] = None
+    return list(written)
 
 
 def _nbytes(*tables_and_name: Any) -> int:

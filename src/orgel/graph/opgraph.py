@@ -116,6 +116,7 @@ class OpGraph:
     method: str
     aliases: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)  # buffers the forward updates in place
 
     @property
     def outputs(self) -> list[str]:

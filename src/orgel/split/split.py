@@ -220,6 +220,18 @@ def _build(
             model_inputs=model_in, param_names=pnames, buffer_names=bnames,
         ))
 
+    # A buffer the forward updates must live in exactly one stage: a copy read
+    # elsewhere would go stale (BatchNorm statistics stay with their BatchNorm).
+    for buf in opg.written:
+        owners = sorted({s.index for s in stages if buf in s.buffer_names})
+        if len(owners) > 1:
+            readers = opg.param_users().get(buf, [])
+            raise SplitError(
+                f"buffer {buf} is updated in place and read by stages {owners} (nodes "
+                f"{', '.join(f'{r} (stage {node_stage[r]})' for r in readers)}); assign "
+                "these nodes to one stage"
+            )
+
     def nbytes(name: str) -> int:
         return opg.nodes[name].nbytes
 
