@@ -95,6 +95,14 @@ def test_validation_names_what_is_wrong() -> None:
         validate_workload(_workload(), 0)
 
 
+def test_validation_leaves_batchnorm_statistics_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    w = Workload(model, (torch.randn(6, 4),), torch.randint(0, 3, (6,)), _loss)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    validate_workload(w, 2)
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
+
+
 def test_load_workload_from_a_file(tmp_path: Path) -> None:
     path = tmp_path / "wl.py"
     path.write_text(textwrap.dedent("""

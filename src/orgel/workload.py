@@ -130,9 +130,19 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
             f"batch size {batch} is not divisible into {microbatches} micro-batches; "
             f"choose a micro-batch count that divides {batch}"
         )
-    with torch.no_grad():
-        outputs = w.model(**named)
-        loss = w.loss_fn(outputs, w.targets)
+    # A trial forward must not change the model: BatchNorm statistics and the
+    # RNG state are put back afterwards.
+    buffers = {n: b.detach().clone() for n, b in w.model.named_buffers()}
+    rng = torch.get_rng_state()
+    try:
+        with torch.no_grad():
+            outputs = w.model(**named)
+            loss = w.loss_fn(outputs, w.targets)
+    finally:
+        with torch.no_grad():
+            for n, b in w.model.named_buffers():
+                b.copy_(buffers[n])
+        torch.set_rng_state(rng)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise WorkloadError(
