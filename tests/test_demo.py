@@ -25,8 +25,9 @@ def test_demo_trains_checks_and_writes_the_timeline(tmp_path: Path) -> None:
     assert result.losses[0] == pytest.approx(result.reference_loss, rel=1e-4)
     assert len(result.losses) == 3 and result.measured_step > 0
     trace = json.loads(Path(result.files["trace"]).read_text())
-    pids = {e["pid"] for e in trace["traceEvents"]}
-    assert {"measured rank 0", "measured rank 1"} <= pids
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert {"rank 0", "rank 1", "predicted rank 0", "predicted rank 1"} <= names
+    assert any(e.get("ph") == "X" and e["pid"] == 1 for e in trace["traceEvents"])
     assert Path(result.files["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(Path(result.files["plan"]).read_text())["num_ranks"] == 2
 
