@@ -93,6 +93,24 @@ def gpt(layers: int = 4, *, tied: bool = False, dropout: float = 0.0) -> GraphNe
     return GraphNet(nodes, ["tokens"], ["head"])
 
 
+class Ids(nn.Module):
+    """Passes integer ids on, so they cross a stage boundary (no gradient goes back)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens.clone()
+
+
+def mixed() -> GraphNet:
+    """Integer ids and hidden states travel together on one edge."""
+    torch.manual_seed(0)
+    nodes: Nodes = [
+        ("emb", nn.Embedding(V, D), ["tokens"]), ("ids", Ids(), ["tokens"]),
+        ("b0", Block(D), ["emb"]), ("emb2", nn.Embedding(V, D), ["ids"]),
+        ("join", Join(D), ["b0", "emb2"]), ("head", Head(D, V), ["join"]),
+    ]
+    return GraphNet(nodes, ["tokens"], ["head"])
+
+
 def clip() -> GraphNet:
     """Two towers (image, text) joined at the end: they can run at the same time."""
     torch.manual_seed(0)
@@ -236,6 +254,8 @@ SCENARIOS: dict[str, tuple[int, Callable[[], GraphNet], str, dict[str, int],
     "new-batch-size": (2, gpt, "gpt", C2, family("1f1b", 2, 4), {"rows": [8, 16, 8]}),
     "dynamic-shapes": (2, gpt, "gpt", C4, family("interleaved", 2, 4),
                        {"rows": [8, 4, 12], "dynamic": True}),
+    "int-values": (2, mixed, "gpt", {"emb": 0, "ids": 0, "b0": 0, "emb2": 1, "join": 1,
+                                     "head": 1}, family("zb-h1", 2, 4), {}),
     "tied-clip": (2, lambda: gpt(tied=True), "gpt", C2, family("1f1b", 2, 4),
                   {"max_norm": 0.05}),
     "clip-towers": (2, clip, "clip", {"i0": 0, "i1": 0, "t0": 1, "t1": 1, "join": 2, "out": 2},
@@ -249,7 +269,8 @@ SCENARIOS: dict[str, tuple[int, Callable[[], GraphNet], str, dict[str, int],
     "branches4": (4, branches4, "image",
                   {"stem": 0, "br0": 1, "br1": 2, "br2": 3, "br3": 4, "join": 5, "out": 5},
                   _dag(4, [(0,), (0,), (1,), (2,), (3,), (0,)]), {}),
-    "dp2xpp2": (4, gpt, "gpt", C2, _dag(4, [(0, 2), (1, 3)]), {"max_norm": 0.05}),
+    "dp2xpp2-tied": (4, lambda: gpt(tied=True), "gpt", C2, _dag(4, [(0, 2), (1, 3)]),
+                     {"max_norm": 0.05}),
     "gpipe-4": (4, lambda: gpt(tied=True), "gpt", C4, family("gpipe", 4, 4), {}),
 }
 
