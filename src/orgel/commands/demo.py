@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODELS, default="gpt",
                         help="which model to pipeline (default: gpt on the shipped corpus)")
     parser.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (default 2)")
-    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument("--microbatches", type=int, default=4,
                         help="micro-batches per step (default 4)")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step (default 16)")
