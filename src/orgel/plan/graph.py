@@ -343,6 +343,32 @@ def _spread_replicas(bc: BlockCosts, stages: list[StageSpec], ranks: int, microb
     return stages
 
 
+def _estimate(bc: BlockCosts, key: tuple[tuple[tuple[int, ...], int], ...],
+              microbatches: int) -> float:
+    """A quick step estimate to rank layouts: (m + depth - 1) x slowest stage + all-reduce."""
+    times, reduces, owner = [], [], {}
+    for i, (blocks, r) in enumerate(key):
+        work = sum(bc.fwd[b] + bc.bwd[b] for b in blocks)
+        times.append(work / r + 2 * bc.action_overhead)
+        params = sum(bc.params[b] for b in blocks)
+        reduces.append(2 * (r - 1) * bc.link.time(params // r) if r > 1 else 0.0)
+        for b in blocks:
+            owner[b] = i
+    succ: dict[int, set[int]] = {}
+    for a, b in bc.edges:
+        if owner[a] != owner[b]:
+            succ.setdefault(owner[a], set()).add(owner[b])
+    depth: dict[int, int] = {}
+
+    def longest(i: int) -> int:
+        if i not in depth:
+            depth[i] = 1 + max((longest(j) for j in succ.get(i, ())), default=0)
+        return depth[i]
+
+    deepest = max(longest(i) for i in range(len(key)))
+    return (microbatches + deepest - 1) * max(times) + max(reduces)
+
+
 def stage_layout(bc: BlockCosts, stages: list[StageSpec]
                  ) -> tuple[list[list[int]], list[tuple[int, ...]]]:
     """Stages in topological order with consecutive rank ids: (blocks per stage, placement)."""
@@ -359,13 +385,14 @@ def stage_layout(bc: BlockCosts, stages: list[StageSpec]
 
 def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
                iterations: int = 40, grid: int = 4, tolerance: float = 0.005,
-               zero_bubble: bool = True) -> GraphResult | None:
+               zero_bubble: bool = True, score_top: int = 4) -> GraphResult | None:
     """The fastest graph plan found (see the module docstring); None if nothing fits.
 
     The binary search stops when the bound is known within ``tolerance``
     (relative). Besides the solutions it meets, ``grid`` looser bounds (up to
     twice the tightest) are solved and scored, each with DAG 1F1B and, with
-    ``zero_bubble``, its split-backward rewrite (:mod:`orgel.plan.transforms`).
+    ``zero_bubble``, its split-backward rewrite (:mod:`orgel.plan.transforms`);
+    only the ``score_top`` most promising by :func:`_estimate` reach the simulator.
     """
     bc = scorer.bc
     tree = decompose(bc.num_blocks, bc.edges)
@@ -405,7 +432,9 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
             spread = _spread_replicas(bc, [StageSpec(b, r) for b, r in key], ranks,
                                       microbatches, all_ranks=all_ranks)
             layouts.setdefault(tuple((s.blocks, s.replicas) for s in spread), bound)
-    for key, bound in layouts.items():
+    ranked = sorted(layouts, key=lambda k: _estimate(bc, k, microbatches))[:score_top]
+    for key in ranked:
+        bound = layouts[key]
         stages = [StageSpec(b, r) for b, r in key]
         try:
             blocks, placement = stage_layout(bc, stages)
