@@ -112,8 +112,12 @@ def _own_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _measure(step: Any, steps: int, batch: int, world: int) -> tuple[float, float]:
-    """samples/s of ``steps`` calls of ``step`` (all ranks together) and foreign cores."""
+def _measure(step: Any, steps: int, batch: int, world: int) -> tuple[float, float, float]:
+    """samples/s of ``steps`` calls of ``step``, foreign cores, our CPU ms per sample.
+
+    The CPU time (all ranks, comm threads included) is less sensitive to a busy
+    machine than the wall time: it shows each framework's own overhead.
+    """
     dist.barrier()
     busy0, own0, t0 = _cpu_busy(), _own_cpu(), time.perf_counter()
     for _ in range(steps):
@@ -123,7 +127,7 @@ def _measure(step: Any, steps: int, batch: int, world: int) -> tuple[float, floa
     own = torch.tensor([_own_cpu() - own0])
     dist.all_reduce(own)
     foreign = max(0.0, (_cpu_busy() - busy0 - float(own)) / wall)
-    return batch * steps / wall, foreign
+    return batch * steps / wall, foreign, float(own) * 1e3 / (batch * steps)
 
 
 def _torch_runner(name: str, modules: list[nn.Sequential], rank: int, world: int, m: int,
@@ -187,7 +191,7 @@ def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         ex = Executor(plan, split, loss_fn=lm_loss, timeout=120,
                       optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-3))
         runners[("orgel", name)] = (lambda ex=ex: ex.step({"tokens": tokens}, targets))
-    results: dict[str, list[tuple[float, float]]] = {}
+    results: dict[str, list[tuple[float, float, float]]] = {}
     for step in runners.values():
         for _ in range(opts["warmup"]):
             step()
@@ -200,7 +204,7 @@ def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def single_bench(rank: int, world: int, opts: dict[str, Any],
-                 threads: int) -> list[tuple[float, float]]:
+                 threads: int) -> list[tuple[float, float, float]]:
     """The whole model in one process with ``threads`` threads."""
     torch.set_num_threads(threads)
     config = GPTConfig(**opts["config"])
@@ -244,23 +248,25 @@ def main() -> None:
     print(f"config {opts['config']}, batch {opts['batch']}, {opts['microbatches']} "
           f"micro-batches, {opts['repeats']} repeats x {opts['steps']} steps; "
           f"load average before {os.getloadavg()[0]:.2f}")
-    rows: dict[str, list[tuple[float, float]]] = {}
+    rows: dict[str, list[tuple[float, float, float]]] = {}
     for threads in (1, 2):
         rows[f"one process, {threads} thread{'s' * (threads > 1)}"] = spawn(
             single_bench, 1, opts, threads, threads=threads, timeout=300)[0]
     rows.update(spawn(rank_bench, 2, opts, threads=1, timeout=300)[0])
-    base = statistics.median(s for s, _ in rows["one process, 1 thread"])
+    base = statistics.median(x[0] for x in rows["one process, 1 thread"])
     print(f"\n{'':28s} {'samples/s':>10s} {'x 1-thread':>10s} {'x torch':>8s} "
-          f"{'foreign cores':>13s}")
+          f"{'CPU ms/sample':>13s} {'foreign cores':>13s}")
     for name, samples in rows.items():
-        rate = statistics.median(s for s, _ in samples)
-        foreign = statistics.median(f for _, f in samples)
+        rate = statistics.median(x[0] for x in samples)
+        foreign = statistics.median(x[1] for x in samples)
+        cpu = statistics.median(x[2] for x in samples)
         vs_torch = ""
         if name.startswith("orgel "):
-            other = statistics.median(s for s, _ in rows["torch " + name[6:]])
+            other = statistics.median(x[0] for x in rows["torch " + name[6:]])
             vs_torch = f"{rate / other:8.2f}"
         flag = "  CONTAMINATED" if foreign > args.foreign_limit else ""
-        print(f"{name:28s} {rate:10.2f} {rate / base:10.2f} {vs_torch:>8s} {foreign:13.2f}{flag}")
+        print(f"{name:28s} {rate:10.2f} {rate / base:10.2f} {vs_torch:>8s} {cpu:13.1f} "
+              f"{foreign:13.2f}{flag}")
     print(f"load average after {os.getloadavg()[0]:.2f}")
 
 
