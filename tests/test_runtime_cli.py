@@ -10,6 +10,8 @@ import pytest
 from orgel.cli import main
 from orgel.schedule.families import build_schedule
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 GPT = "examples/gpt.py:workload"
 
 

@@ -14,6 +14,8 @@ import torch
 from orgel.runtime.launch import spawn
 from test_runtime_nets import SCENARIOS, build, reference, run_scenarios
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 TOL = 1e-6
 _cache: dict[int, dict[str, tuple[list[float], list[list[tuple[str, torch.Tensor]]]]]] = {}
 

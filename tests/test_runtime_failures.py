@@ -19,6 +19,8 @@ from orgel.runtime.executor import Executor
 from orgel.runtime.launch import spawn
 from test_runtime_nets import batch, build, ce_loss, sgd
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 TIMEOUT = 3.0
 
 
