@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -29,6 +30,12 @@ class ImageHead(nn.Module):
     def forward(self, text: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
         image = self.image_tower(pixels)
         return (image @ text.t()) * self.logit_scale.exp()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    # dynamo remembers shapes per code object across tests and would go dynamic
+    torch._dynamo.reset()
 
 
 def _clip() -> tuple[nn.Module, ImageHead, Any]:
@@ -126,3 +133,34 @@ def test_graph_model_keeps_original_parameter_names() -> None:
     assert sorted(gmodel.input_names) == ["pixels", "text"]
     (out,) = gmodel(text=text, pixels=pixels)
     torch.testing.assert_close(out, expected)
+
+
+def test_preprocessing_of_later_microbatches_overlaps_the_pipeline() -> None:
+    text_tower, head, _ = _clip()
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+    compiled = torch.compile(head, backend=pipe)
+    first_out = threading.Event()
+    waited: list[bool] = []
+
+    def closure(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> None:
+        m = int(weights[0].item())
+        if m == M - 1 and pipe.pipe is not None:
+            # still "pre-processing" the last micro-batch: only an overlapping pipeline
+            # can hand micro-batch 0 its outputs meanwhile
+            waited.append(first_out.wait(timeout=60))
+        with torch.no_grad():
+            text = text_tower(tokens)
+        loss = contrastive_loss(compiled(text, pixels), torch.ones_like(weights))
+        if m == 0:
+            first_out.set()
+        loss.backward()
+
+    try:
+        tokens, pixels, _ = _batch(0)
+        index = torch.arange(M).repeat_interleave(8 // M).float()  # weights carry m
+        pipe.step(closure, tokens, pixels, index)
+        first_out.clear()
+        pipe.step(closure, tokens, pixels, index)
+    finally:
+        pipe.close()
+    assert waited == [True]

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from orgel.closure import OutputsFunction, Slot, SurrogateLoss
+from orgel.closure import ClosureEngine, OutputsFunction, Slot
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.schedule.ir import Plan
 
@@ -111,23 +111,6 @@ def _role(node: torch.fx.Node, value: Any) -> tuple[str, str]:
     return "const", f"_orgel_const_{node.name}"
 
 
-class _ClosureEngine(RankEngine):
-    """A rank engine whose loss is the surrogate that talks to the controller's closures."""
-
-    def __init__(self, rank: int, plan: Plan, split: Any, *, optimizer: OptimizerFactory,
-                 conn: Any, timeout_s: float) -> None:
-        self.surrogate = SurrogateLoss(conn)
-        super().__init__(rank, plan, split, optimizer=optimizer, loss_fn=self.surrogate,
-                         timeout_s=timeout_s)
-        self.surrogate.divisor = float(self.executor.loss_divisor)
-
-    def closure_step(self, inputs: dict[str, torch.Tensor]) -> None:
-        self.surrogate.reset()
-        index = torch.arange(self.plan.microbatches)
-        self.executor.step(inputs, index)
-        self.step_count += 1
-
-
 class Backend:
     """A torch.compile backend and the runner of closures over it; see :func:`backend`."""
 
@@ -143,8 +126,11 @@ class Backend:
         self.timeout_s, self.threads = timeout_s, threads
         self.model: GraphModel | None = None
         self.pipe: Any = None  # an orgel.api.Pipeline once the ranks run
-        self._conn: Any = None
-        self._send_lock = threading.Lock()
+        self._conns: list[Any] = []  # controller's end of each rank's pipe
+        self._locks = [threading.Lock() for _ in range(ranks)]
+        self._input_ranks: list[int] = []
+        self._loss_rank = -1
+        self._placeholders: dict[str, torch.Tensor] = {}
         self._local = threading.local()
         self._slots: list[Slot] = []
 
@@ -157,13 +143,16 @@ class Backend:
             # Closures compile concurrently on the first step: the same graph again is fine.
             if gm.code == self.model.graph_module.code:
                 return self._forward
-
             raise GraphBreakError(
                 "torch.compile handed orgel.backend a second graph: the compiled model has a "
                 "graph break (or its input shapes changed). orgel pipelines exactly one graph "
                 "per runner; find the break with torch.compile(model, fullgraph=True) and "
                 "keep micro-batch shapes fixed"
             )
+        if any(isinstance(v, torch.SymInt) for v in example_inputs):
+            raise ValueError("torch.compile traced the model with dynamic shapes; orgel "
+                             "pipelines fixed shapes: use torch.compile(model, backend=pipe, "
+                             "dynamic=False) and micro-batches of one size")
         self.model = GraphModel(gm, example_inputs)
         return self._forward
 
@@ -184,6 +173,8 @@ class Backend:
                                        "run the pre-processing under torch.no_grad()")
                 inputs[name] = value.detach()
         slot.inputs = inputs
+        if self.pipe is not None:  # running: the input stages take it now (see closure.py)
+            self._feed(slot)
         slot.called.set()
         slot.delivered.wait()
         if slot.outputs is None:
@@ -195,12 +186,19 @@ class Backend:
 
         return tuple(OutputsFunction.apply(anchor, send, *slot.outputs))
 
+    def _send(self, rank: int, message: tuple[str, int, Any]) -> None:
+        with self._locks[rank]:
+            self._conns[rank].send(message)
+
+    def _feed(self, slot: Slot) -> None:
+        for r in self._input_ranks:
+            self._send(r, ("in", slot.index, slot.inputs))
+
     def _send_grad(self, slot: Slot, grads: list[Any] | None) -> None:
-        with self._send_lock:
-            if slot.grad_sent:
-                raise RuntimeError("backward ran twice through the pipelined model in one closure")
-            slot.grad_sent = True
-            self._conn.send(("grad", slot.index, grads))
+        if slot.grad_sent:
+            raise RuntimeError("backward ran twice through the pipelined model in one closure")
+        slot.grad_sent = True
+        self._send(self._loss_rank, ("grad", slot.index, grads))
 
     # -- the runner ----------------------------------------------------------------------
 
@@ -218,28 +216,22 @@ class Backend:
                    for m in range(self.microbatches)]
         for t in threads:
             t.start()
-        for slot in self._slots:
-            slot.called.wait()
         try:
-            failed = [s for s in self._slots if s.error is not None]
-            if failed:
-                raise failed[0].error  # type: ignore[misc]
-            missing = [s.index for s in self._slots if s.inputs is None]
-            if missing:
-                raise RuntimeError(f"the closure for micro-batches {missing} returned without "
-                                   "calling the compiled model; call it once per closure")
-            if self.pipe is None:
+            if self.pipe is None:  # first step: every closure's inputs give the graph's batch
+                for slot in self._slots:
+                    slot.called.wait()
+                self._check_closures()
                 self._start()
-            inputs = {name: torch.cat([s.inputs[name] for s in self._slots])  # type: ignore[index]
-                      for name in self._slots[0].inputs}  # type: ignore[union-attr]
+                for slot in self._slots:
+                    self._feed(slot)
             reader = threading.Thread(target=self._read_outputs, daemon=True)
             reader.start()
             try:
-                self.pipe._ranks.call("closure_step", inputs)
+                self.pipe._ranks.call("closure_step", self._placeholders)
             except Exception:
-                errors = [s.error for s in self._slots if s.error is not None]
-                if errors:  # a closure failed first: that is the cause to report
-                    raise errors[0] from None
+                for slot in self._slots:
+                    slot.called.wait()
+                self._check_closures()  # a closure that failed first is the cause to report
                 raise
             reader.join()
         finally:
@@ -247,11 +239,18 @@ class Backend:
                 slot.delivered.set()
             for t in threads:
                 t.join()
+        self._check_closures()
+        self.pipe.steps += 1
+        return [s.result for s in self._slots]
+
+    def _check_closures(self) -> None:
         for slot in self._slots:
             if slot.error is not None:
                 raise slot.error
-        self.pipe.steps += 1
-        return [s.result for s in self._slots]
+        missing = [s.index for s in self._slots if s.done and s.inputs is None]
+        if missing:
+            raise RuntimeError(f"the closure for micro-batches {missing} returned without "
+                               "calling the compiled model; call it once per closure")
 
     def _run_closure(self, closure: Callable[..., Any], m: int, args: list[Any]) -> None:
         self._local.microbatch = m
@@ -260,18 +259,18 @@ class Backend:
             slot.result = closure(*args)
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = exc
-            if self.pipe is not None and slot.inputs is not None:
-                self.pipe._ranks.kill()  # the ranks wait on this closure: stop them
         finally:
             slot.done = True
             slot.called.set()
             if slot.error is None and slot.inputs is not None and not slot.grad_sent:
                 self._send_grad(slot, None)  # no backward: zero gradient for this micro-batch
+            elif self.pipe is not None and (slot.error is not None or slot.inputs is None):
+                self.pipe._ranks.kill()  # the ranks wait on this closure: stop them
 
     def _read_outputs(self) -> None:
         for _ in range(self.microbatches):
             try:
-                kind, m, outputs = self._conn.recv()
+                kind, m, outputs = self._conns[self._loss_rank].recv()
             except (EOFError, OSError):
                 return
             slot = self._slots[m]
@@ -305,25 +304,26 @@ class Backend:
             raise ValueError("orgel.backend runs stages on one rank each; give a plan "
                              "without data-parallel stages")
         split = api._split(workload, graph, plan)
-        loss_ranks = plan.placement[split.loss_stage]
-        if len(loss_ranks) != 1:
-            raise ValueError("the closure runner needs the loss stage on one rank; use a plan "
-                             "without data parallelism on the last stage")
+        self._loss_rank = plan.placement[split.loss_stage][0]
+        self._input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
+                                    if st.model_inputs})
+        # shapes only: a 1-element storage expanded, cheap to send every step
+        self._placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
+                              for n, t in batch.items()}
         ctx = mp.get_context("fork")
-        here, there = ctx.Pipe()
-        self._conn = here
-        loss_rank = loss_ranks[0]
+        pipes = [ctx.Pipe() for _ in range(self.ranks)]
+        self._conns = [here for here, _ in pipes]
 
         def make_engine(rank: int) -> RankEngine:
-            return _ClosureEngine(rank, plan, split, optimizer=self.optimizer,
-                                  conn=there if rank == loss_rank else None,
-                                  timeout_s=self.timeout_s)
+            return ClosureEngine(rank, plan, split, optimizer=self.optimizer,
+                                 conn=pipes[rank][1], timeout_s=self.timeout_s)
 
         group = LocalGroup(self.ranks, make_engine, timeout_s=self.timeout_s,
                            threads=self.threads)
         keys, aliases = api.model_aliases(self.model)
-        self.pipe = api.Pipeline(plan, group, model=self.model, loss_ranks=loss_ranks,
-                                 state_keys=keys, aliases=aliases, spmd=False)
+        self.pipe = api.Pipeline(plan, group, model=self.model,
+                                 loss_ranks=[self._loss_rank], state_keys=keys, aliases=aliases,
+                                 spmd=False)
 
     # -- the rest of the Pipeline API, once running ------------------------------------------
 

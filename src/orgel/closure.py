@@ -31,12 +31,37 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.engine import RankEngine
+
+
+class RankInbox:
+    """A rank's end of its pipe to the controller: messages ``(kind, m, payload)``.
+
+    A rank that hosts both an input stage and the loss stage receives model
+    inputs (``"in"``) and output gradients (``"grad"``) on one pipe, in
+    whatever order the closures produce them; :meth:`get` keeps the others.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._kept: dict[tuple[str, int], Any] = {}
+
+    def send(self, message: tuple[str, int, Any]) -> None:
+        self.conn.send(message)
+
+    def get(self, kind: str, m: int) -> Any:
+        """The payload of message ``(kind, m)``, waiting for it."""
+        while (kind, m) not in self._kept:
+            got_kind, got_m, payload = self.conn.recv()
+            self._kept[(got_kind, got_m)] = payload
+        return self._kept.pop((kind, m))
+
 
 class SurrogateLoss:
     """The executor's ``loss_fn`` on the loss-stage rank; ``targets[0]`` is the micro-batch."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+    def __init__(self, inbox: RankInbox) -> None:
+        self.inbox = inbox
         self.divisor = 1.0  # set to the executor's loss divisor once it exists
         self._grads: dict[int, list[torch.Tensor | None] | None] = {}
 
@@ -47,12 +72,8 @@ class SurrogateLoss:
         m = int(targets.reshape(-1)[0].item())
         flat = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         if m not in self._grads:  # a recomputed forward reuses the gradient it already has
-            self.conn.send(("out", m, [t.detach().cpu() for t in flat]))
-            kind, got_m, grads = self.conn.recv()
-            if kind != "grad" or got_m != m:
-                raise RuntimeError(f"closure bridge out of order: expected grad {m}, got {kind} "
-                                   f"{got_m}")
-            self._grads[m] = grads
+            self.inbox.send(("out", m, [t.detach().cpu() for t in flat]))
+            self._grads[m] = self.inbox.get("grad", m)
         grads = self._grads[m]
         total = sum((t * 0.0).sum() for t in flat if t.requires_grad)
         if grads is not None:
@@ -96,3 +117,49 @@ class Slot:
         self.result: Any = None
         self.error: BaseException | None = None
         self.done = False
+
+
+def lazy_executor_class() -> type:
+    """The runtime's Executor, fed model inputs per micro-batch as the closures produce them.
+
+    The step starts with placeholder inputs of the right shapes; the first
+    forward of an input stage for micro-batch ``m`` takes the real inputs from
+    the controller (``"in"``, ``m``), so closures still pre-processing later
+    micro-batches overlap the pipeline's work on earlier ones.
+    """
+    from orgel.runtime.executor import Executor
+
+    class LazyInputsExecutor(Executor):
+        inbox: RankInbox | None = None
+        fetched: set[int] = set()
+
+        def _forward(self, a: Any) -> None:
+            m = a.microbatch
+            needs = bool(self.stages[a.stage].stage.model_inputs)
+            if self.inbox is not None and needs and m not in self.fetched:
+                real = self.inbox.get("in", m)
+                self._inputs[m] = {k: v.to(self.device) for k, v in real.items()}
+                self.fetched.add(m)
+            super()._forward(a)
+
+    return LazyInputsExecutor
+
+
+class ClosureEngine(RankEngine):
+    """Worker side of the closure runner: lazy model inputs and the surrogate loss."""
+
+    def __init__(self, rank: int, plan: Any, split: Any, *, optimizer: Any, conn: Connection,
+                 timeout_s: float) -> None:
+        self.inbox = RankInbox(conn)
+        self.surrogate = SurrogateLoss(self.inbox)
+        super().__init__(rank, plan, split, optimizer=optimizer, loss_fn=self.surrogate,
+                         timeout_s=timeout_s, executor_class=lazy_executor_class())
+        self.executor.inbox = self.inbox
+        self.surrogate.divisor = float(self.executor.loss_divisor)
+
+    def closure_step(self, placeholders: dict[str, torch.Tensor]) -> None:
+        """One step; ``placeholders`` only give shapes, the inputs arrive per micro-batch."""
+        self.surrogate.reset()
+        self.executor.fetched = set()
+        self.executor.step(placeholders, torch.arange(self.plan.microbatches))
+        self.step_count += 1

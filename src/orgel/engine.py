@@ -37,6 +37,7 @@ class RankEngine:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         timeout_s: float = 300.0,
         executor_options: dict[str, Any] | None = None,
+        executor_class: type | None = None,
     ) -> None:
         from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
@@ -44,7 +45,7 @@ class RankEngine:
         self.plan = plan
         self.split = split
         self.step_count = 0
-        self.executor = Executor(
+        self.executor = (executor_class or Executor)(
             plan, split, rank=rank, loss_fn=loss_fn, optimizer_factory=optimizer,
             timeout=timeout_s, **(executor_options or {}),
         )
