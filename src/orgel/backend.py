@@ -16,13 +16,16 @@
     losses = pipe.step(closure, tokens, pixels)     # one value per micro-batch
 
 ``step`` slices every batched argument into micro-batches and runs one closure
-per micro-batch, each in its own thread, so that a closure's loss and backward
-(its post-processing) run while the ranks work on other micro-batches. The
-closures' model calls are gathered first (a rank slices its batch at the start
-of a step), then one pipelined step runs, with outputs and gradients crossing
-through :mod:`orgel.closure`; the optimizer steps once all closures are done.
-Gradients accumulate over micro-batches as in gradient accumulation: divide
-the loss by ``microbatches`` for a batch-mean loss.
+per micro-batch, each in its own thread. A closure's model call hands its
+inputs straight to the ranks that host input stages, which start on them while
+other closures are still pre-processing; a closure's loss and backward
+(post-processing) run while the ranks work on other micro-batches. Outputs and
+gradients cross through :mod:`orgel.closure`; the optimizer steps once every
+closure is done. The first step is the exception: it captures, plans and
+starts the ranks once every closure has reached its model call. Gradients
+accumulate over micro-batches as in gradient accumulation: divide the loss by
+``microbatches`` for a batch-mean loss. A closure that never calls
+``backward`` contributes a zero gradient.
 
 Mode: local spawn (the calling process drives forked ranks), see :mod:`orgel.api`.
 The model's inputs must not require grad (run pre-processing under ``no_grad``).

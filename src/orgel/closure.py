@@ -5,14 +5,17 @@ For micro-batch ``m`` the rank that computes the model's outputs (the *loss
 stage*) hands them to the closure, and the closure hands back their gradient:
 
 ```
-controller, closure m            loss-stage rank
-  model(x) ──────────────────▶  F ... loss stage  ──"out", m, outputs──┐
+controller, closure m            input-stage rank(s)       loss-stage rank
+  model(x) ──"in", m, inputs──▶  F ... ─────────────────▶  loss stage ──"out", m, outputs──┐
   ◀── outputs (autograd leaf) ─────────────────────────────────────────┘
   loss = criterion(outputs, y)
   loss.backward() ── "grad", m, d loss/d outputs ──▶ surrogate loss ──▶ B ...
 ```
 
-On the rank the executor's ``loss_fn`` is a :class:`SurrogateLoss`: it ships
+An input stage's first forward of ``m`` waits for ``"in", m``
+(:func:`lazy_executor_class`), so the ranks start on early micro-batches while
+later closures are still pre-processing. On the loss-stage rank the
+executor's ``loss_fn`` is a :class:`SurrogateLoss`: it ships
 the outputs, waits for their gradient ``g`` and returns ``sum(outputs * g)``
 times the executor's loss divisor, whose gradient with respect to the outputs
 is exactly ``g``. The pipeline's backward then runs as if the closure's loss
