@@ -8,6 +8,11 @@ module (``transformer.h.0.attn.c_attn.weight``), so ``param_names`` is the
 identity map and a tied parameter appears, under one name, in every stage that
 reads it. Buffers go with the nodes that read them, so a BatchNorm's running
 statistics are updated in place by the stage that runs it.
+
+The stage modules hold the model's own Parameter and buffer objects, not
+copies (stages in one process share a tied parameter);
+:func:`orgel.split.reference.copy_stages` makes independent copies, as on
+separate ranks. Shapes are fixed to the micro-batch the graph was captured on.
 """
 
 from __future__ import annotations
