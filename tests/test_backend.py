@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,3 +165,29 @@ def test_preprocessing_of_later_microbatches_overlaps_the_pipeline() -> None:
     finally:
         pipe.close()
     assert waited == [True]
+
+
+def test_checkpoint_resumes_a_new_runner_bit_identically(tmp_path: Path) -> None:
+    def run(steps: range, *, save: Path | None = None,
+            load: Path | None = None) -> dict[str, torch.Tensor]:
+        torch._dynamo.reset()
+        text_tower, head, _ = _clip()
+        pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+        if load is not None:
+            assert pipe.load(load) is None  # applied when the ranks start
+        compiled = torch.compile(head, backend=pipe)
+        closure = _make_closure(text_tower, compiled, [])
+        try:
+            for step in steps:
+                pipe.step(closure, *_batch(step))
+            if save is not None:
+                pipe.save(save)
+            return pipe.state_dict()
+        finally:
+            pipe.close()
+
+    straight = run(range(3))
+    run(range(2), save=tmp_path)
+    resumed = run(range(2, 3), load=tmp_path)
+    for name, t in straight.items():
+        assert torch.equal(resumed[name], t), name

@@ -136,6 +136,7 @@ class Backend:
         self._placeholders: dict[str, torch.Tensor] = {}
         self._local = threading.local()
         self._slots: list[Slot] = []
+        self._pending_load: str | Path | None = None
 
     # -- torch.compile side -------------------------------------------------------------
 
@@ -327,6 +328,8 @@ class Backend:
         self.pipe = api.Pipeline(plan, group, model=self.model,
                                  loss_ranks=[self._loss_rank], state_keys=keys, aliases=aliases,
                                  spmd=False)
+        if self._pending_load is not None:
+            self.pipe.load(self._pending_load)
 
     # -- the rest of the Pipeline API, once running ------------------------------------------
 
@@ -339,15 +342,32 @@ class Backend:
         return dict(self._running().state_dict())
 
     def save(self, directory: str | Path) -> Path:
+        """Checkpoint every rank atomically (see :meth:`orgel.api.Pipeline.save`)."""
         return Path(self._running().save(directory))
 
-    def load(self, directory: str | Path) -> int:
-        return int(self._running().load(directory))
+    def load(self, directory: str | Path) -> int | None:
+        """Resume from a checkpoint (its plan too, if none was given and the ranks match).
+
+        Before the first step the load happens when the ranks start; returns None then.
+        """
+        if self.pipe is None:
+            from orgel import checkpoint as ckpt
+
+            meta = ckpt.read_meta(directory)  # fail now on a missing or foreign checkpoint
+            saved = Plan.from_json(ckpt.read_plan_json(directory))
+            if (self.given_plan is None and int(meta["num_ranks"]) == self.ranks
+                    and saved.microbatches == self.microbatches):
+                self.given_plan = saved  # same layout: resume exactly where it stopped
+            self._pending_load = directory
+            return None
+        return int(self.pipe.load(directory))
 
     def timeline(self) -> list[Any]:
+        """Measured events of the last step, all ranks (orgel.runtime.trace.Event)."""
         return list(self._running().timeline())
 
     def close(self) -> None:
+        """Stop the ranks."""
         if self.pipe is not None:
             self.pipe.close()
 
