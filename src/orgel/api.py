@@ -34,9 +34,10 @@ from orgel.workload import Workload, named_inputs, validate_workload
 class _OwnRank:
     """SPMD: this process is one rank; ``call`` runs locally and all-gathers the results."""
 
-    def __init__(self, engine: RankEngine, num_ranks: int) -> None:
+    def __init__(self, engine: RankEngine, num_ranks: int, *, owns_group: bool) -> None:
         self.engine = engine
         self.num_ranks = num_ranks
+        self.owns_group = owns_group
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import torch.distributed as dist
@@ -52,7 +53,12 @@ class _OwnRank:
         dist.barrier()
 
     def close(self) -> None:
-        pass
+        import torch.distributed as dist
+
+        # a process group left alive can keep a rank from exiting after the script ends
+        if self.owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 def under_torchrun() -> bool:
@@ -268,7 +274,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int,
     if world != ranks:
         raise ValueError(f"ranks={ranks} but torchrun started WORLD_SIZE={world} processes; "
                          f"pass ranks={world} or run torchrun --nproc-per-node {ranks}")
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
@@ -281,7 +288,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int,
     split = _split(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         timeout_s=timeout_s)
-    return Pipeline(the_plan, _OwnRank(engine, world), model=workload.model,
+    return Pipeline(the_plan, _OwnRank(engine, world, owns_group=owns_group), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],
                     state_keys=keys, aliases=aliases, spmd=True)
 

@@ -56,16 +56,19 @@ def _batches(name: str, workload: Any, batch_size: int) -> Iterator[tuple[Any, A
         yield workload.inputs, workload.targets
 
 
-def _reference_loss(workload: Any, microbatches: int) -> float:
-    """The first step's loss in one process: the same micro-batches, the batch-mean of losses."""
+def _reference_loss(workload: Any, model: torch.nn.Module, pieces: int) -> float:
+    """The first step's loss in one process: the mean of the losses of the same ``pieces``.
+
+    A step's loss is the mean over micro-batches and, inside a data-parallel
+    stage, over each replica's share: losses such as CLIP's that depend on the
+    batch composition must be cut the same way to compare.
+    """
     from orgel.workload import Workload
     from orgel.workload import microbatches as slice_batches
 
-    model = copy.deepcopy(workload.model)
     w = Workload(model, workload.inputs, workload.targets, workload.loss_fn)
     with torch.no_grad():
-        pieces = slice_batches(w, microbatches)
-        losses = [float(w.loss_fn(model(**inp), tgt)) for inp, tgt in pieces]
+        losses = [float(w.loss_fn(model(**inp), tgt)) for inp, tgt in slice_batches(w, pieces)]
     return sum(losses) / len(losses)
 
 
@@ -130,7 +133,7 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     n_params = sum(p.numel() for p in workload.model.parameters())
     say(f"orgel demo: {model} with {n_params / 1e6:.2f} M parameters (random init), batch "
         f"{batch_size}, {ranks} local CPU ranks (gloo)")
-    reference = _reference_loss(workload, microbatches)
+    initial = copy.deepcopy(workload.model)  # the single-process run starts from these weights
 
     started = time.perf_counter()
     pipe = pipeline(workload.model, first_inputs, first_targets, workload.loss_fn, ranks=ranks,
@@ -139,6 +142,8 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     with pipe:
         say(f"captured, planned and started the ranks in {time.perf_counter() - started:.1f} s")
         say(describe_plan(pipe.plan))
+        replicas = len(pipe.plan.placement[0])  # every stage has the same count (orgel.api)
+        reference = _reference_loss(workload, initial, microbatches * replicas)
         losses: list[float] = []
         times: list[float] = []
         bar = tqdm(total=steps, unit="step", disable=not progress, file=sys.stderr,
