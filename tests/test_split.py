@@ -11,6 +11,7 @@ is bit-exact; elsewhere gradients are summed in a different order, so we allow
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,6 +25,15 @@ from orgel.split.reference import compare, copy_stages, reference_step, stages_s
 from orgel.workload import Workload, microbatches
 
 ATOL = 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny ops on a shared CPU: one intra-op thread is many times faster than two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class Chain(nn.Module):
