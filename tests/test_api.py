@@ -73,6 +73,11 @@ def test_two_ranks_match_the_single_process_reference() -> None:
         events = pipe.timeline()
         assert {e.rank for e in events} == {0, 1}
         assert {e.kind for e in events} >= {"F", "B"}
+        # load_state_dict takes the original model's names and reaches every rank
+        fresh, _, _, _ = _gpt()
+        pipe.load_state_dict(fresh.state_dict())
+        _assert_close(pipe.state_dict(), fresh)
+        assert pipe.predicted().step_time > 0
 
 
 def test_sigkill_mid_training_then_resume_is_bit_identical(tmp_path: Path) -> None:
