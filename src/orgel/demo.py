@@ -109,7 +109,13 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
              batch_size: int = 16, out: str | Path = "orgel-demo", seed: int = 0,
              stream: TextIO | None = None, progress: bool = True) -> DemoResult:
     """Run the demo and print to ``stream`` (stdout); files go to ``out``."""
+    import threading
+
     from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing one; the forked ranks would inherit it
+    # and leave "leaked semaphore" warnings at exit. One process draws the bar.
+    tqdm.set_lock(threading.RLock())
 
     from orgel.api import pipeline
     from orgel.models import build
