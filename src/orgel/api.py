@@ -87,10 +87,13 @@ class Pipeline:
 
     def step(self, inputs: Any, targets: Any) -> float:
         """Run one training step (forward, backward, optimizer) on a whole batch; the loss."""
-        losses = self._ranks.call("step", named_inputs(self._model, inputs), targets)
+        named = named_inputs(self._model, inputs)
+        if self.spmd:  # every rank gets the loss from the executor: nothing to gather
+            loss = self._ranks.engine.step(named, targets)
+        else:
+            loss = self._ranks.call("step", named, targets)[self._loss_rank]
         self.steps += 1
-        loss = losses[self._loss_rank]
-        return float("nan") if loss is None else float(loss)
+        return float(loss)
 
     def predicted(self) -> Any:
         """The simulator's prediction for this plan (a SimResult: step_time, peak_memory, ...)."""

@@ -79,12 +79,10 @@ class RankEngine:
 
     # -- training ----------------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any) -> float | None:
-        """One training step; the loss on the rank that computes it, else None."""
+    def step(self, inputs: Any, targets: Any) -> float:
+        """One training step; the batch's mean loss (the executor reduces it to every rank)."""
         loss = self.executor.step(inputs, targets)
         self.step_count += 1
-        if loss is None or self.rank not in self.plan.placement[self.split.loss_stage]:
-            return None
         return float(loss)
 
     def timeline(self) -> list[Any]:
