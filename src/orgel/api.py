@@ -318,6 +318,15 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any
     else:
         given = _auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
                            memory=memory, dp=dp, planner=planner)
+        rows = _microbatch_rows(workload, microbatches)
+        replicas = max(len(r) for r in given.placement)
+        if rows % replicas and planner is None:
+            # The planners do not know the batch: a stage's replicas must split a
+            # micro-batch's rows evenly, so fall back to the best one-rank-per-stage chain.
+            given = _auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
+                               memory=memory, dp=dp, planner="beam")
+            given.meta["note"] = (f"data parallel x{replicas} cannot split {rows}-row "
+                                  "micro-batches; planned pipeline stages only")
     if given.num_ranks != ranks:
         raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
                          "pass ranks to match or plan=None to plan again")
@@ -325,6 +334,17 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any
         raise ValueError(f"the plan uses {given.microbatches} micro-batches but "
                          f"microbatches={microbatches}; make them agree")
     return given
+
+
+def _microbatch_rows(workload: Workload, microbatches: int) -> int:
+    """Rows of one micro-batch along the batch dimension."""
+    from orgel.workload import microbatches as slice_batches
+
+    first, _ = slice_batches(workload, microbatches)[0]
+    for t in first.values():
+        if isinstance(t, torch.Tensor) and t.dim() > workload.batch_dim:
+            return int(t.shape[workload.batch_dim])
+    return 1
 
 
 def _auto_plan(workload: Workload, graph: Any, *, ranks: int, microbatches: int,
