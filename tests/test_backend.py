@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import orgel.backend as ob
+from orgel.graph.capture import GraphBreakError
 from orgel.models import build
 from orgel.models.clip import contrastive_loss
 
@@ -191,3 +192,19 @@ def test_checkpoint_resumes_a_new_runner_bit_identically(tmp_path: Path) -> None
     resumed = run(range(2, 3), load=tmp_path)
     for name, t in straight.items():
         assert torch.equal(resumed[name], t), name
+
+
+def test_a_graph_break_in_the_compiled_model_is_a_clear_error() -> None:
+    model, (x,), y, loss_fn = build("graphbreak", batch_size=4, seed=0)
+    pipe = ob.backend(ranks=2, microbatches=2, optimizer=_sgd, threads=1)
+    compiled = torch.compile(model, backend=pipe)
+
+    def closure(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss_fn(compiled(x), y).backward()
+
+    try:
+        with pytest.raises(GraphBreakError, match="graph break") as info:
+            pipe.step(closure, x, y)
+        assert "fullgraph=True" in str(info.value)
+    finally:
+        pipe.close()

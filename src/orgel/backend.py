@@ -58,6 +58,12 @@ class GraphModel(torch.nn.Module):
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
         super().__init__()
+        # dynamo hands over a lazily compiled GraphModule whose first forward generates
+        # its code; dynamo refuses to trace that step, and orgel's capture traces this
+        # module again, so generate the code now
+        real_recompile = getattr(gm, "real_recompile", None)
+        if callable(real_recompile):
+            real_recompile()
         self.graph_module = gm
         self.roles: list[tuple[str, str]] = []  # (kind, name) per placeholder, in order
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -250,6 +256,10 @@ class Backend:
     def _check_closures(self) -> None:
         for slot in self._slots:
             if slot.error is not None:
+                # dynamo wraps what the backend raised; the user wants orgel's own message
+                inner = getattr(slot.error, "inner_exception", None)
+                if isinstance(inner, ValueError | RuntimeError):
+                    raise inner from None
                 raise slot.error
         missing = [s.index for s in self._slots if s.done and s.inputs is None]
         if missing:
