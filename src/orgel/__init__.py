@@ -1,7 +1,40 @@
-"""orgel: automatic pipeline parallelism for PyTorch training."""
+"""orgel: automatic pipeline parallelism for PyTorch training.
 
+The entry points a user needs are exported here: :func:`pipeline` (explicit
+API), :func:`backend` (``torch.compile`` backend with a closure runner),
+:func:`load` (resume a checkpoint), :func:`capture` and
+:func:`simulate`, and the Plan IR types. Everything else lives in the
+sub-packages named by the flow: graph, profile, schedule, sim, plan, split,
+runtime.
+"""
+
+from orgel.api import Pipeline, load, pipeline
+from orgel.backend import Backend, backend
+from orgel.graph import capture
 from orgel.schedule import Action, Costs, Plan, PlanError, StageGraph
+from orgel.schedule.families import build_schedule
+from orgel.schedule.validate import validate
+from orgel.sim import simulate
+from orgel.workload import Workload, load_workload
 
 __version__ = "0.1.0"
 
-__all__ = ["Action", "Costs", "Plan", "PlanError", "StageGraph", "__version__"]
+__all__ = [
+    "Action",
+    "Backend",
+    "Costs",
+    "Pipeline",
+    "Plan",
+    "PlanError",
+    "StageGraph",
+    "Workload",
+    "__version__",
+    "backend",
+    "build_schedule",
+    "capture",
+    "load",
+    "load_workload",
+    "pipeline",
+    "simulate",
+    "validate",
+]
