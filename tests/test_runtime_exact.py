@@ -26,6 +26,7 @@ def results(world: int) -> dict[str, tuple[list[float], list[list[tuple[str, tor
         names = [n for n, spec in SCENARIOS.items() if spec[0] == world]
         per_rank = spawn(run_scenarios, world, names, timeout=30)
         merged: dict[str, tuple[list[float], list[list[tuple[str, torch.Tensor]]]]] = {}
+        _cache[-world] = per_rank[0]  # type: ignore[assignment]
         for name in names:
             losses = [r[name][0] for r in per_rank]
             for other in losses[1:]:
@@ -67,3 +68,19 @@ def test_recompute_replays_dropout_exactly() -> None:
     assert plain.keys() == recomputed.keys()
     for qual, tensor in plain.items():
         assert torch.equal(tensor, recomputed[qual]), qual
+
+
+def test_measured_timeline_has_every_action_once_and_a_bubble() -> None:
+    from orgel.runtime.trace import summary
+
+    results(2)
+    events = _cache[-2]["events:1f1b"]
+    _, _, plan, _ = build("1f1b")
+    computed = sorted((e.rank, e.name) for e in events if e.kind in "FBIW")
+    assert computed == sorted((r, str(a)) for r, acts in enumerate(plan.schedule) for a in acts)
+    assert all(e.end >= e.start >= 0 for e in events)
+    waits = [e for e in events if e.kind == "wait" and e.peer is not None]
+    assert waits and all(e.peer == 1 - e.rank for e in waits)
+    step, rows = summary(events)
+    assert step > 0 and [r.rank for r in rows] == [0, 1]
+    assert all(0 <= r.bubble_fraction < 1 and r.busy > 0 for r in rows)

@@ -308,4 +308,8 @@ def run_scenarios(rank: int, world: int, names: list[str],
             losses.append(ex.step(inputs, targets))
             snaps.append([(q, p.detach().clone()) for q, p in ex.named_parameters()])
         results[name] = (losses, snaps)
+        if name == "1f1b":
+            from orgel.runtime.trace import gather_events
+
+            results["events:1f1b"] = gather_events(ex.events)  # type: ignore[assignment]
     return results
