@@ -78,7 +78,13 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         sys.stdout.flush()
         os._exit(1)  # no teardown: peers blocked on us must see the connection close
     sys.stdout.flush()
-    os._exit(0)  # skip destroy_process_group, which can block on a dead peer
+    # run multiprocessing's finalizers (semaphores made by libraries, e.g. during capture)
+    # so the launcher's resource tracker has nothing to warn about, then leave without
+    # destroy_process_group, which can block on a dead peer
+    from multiprocessing import util
+
+    util._run_finalizers(0)
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0,
