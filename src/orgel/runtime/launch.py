@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     # destroy_process_group, which can block on a dead peer
     from multiprocessing import util
 
-    util._run_finalizers(0)
+    util._run_finalizers(0)  # type: ignore[attr-defined]
     os._exit(0)
 
 
