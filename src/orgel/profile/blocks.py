@@ -23,13 +23,22 @@ its own:
 The fixed cost of one action is measured through the same code path on an
 empty block (an identity on a one-element tensor) and becomes
 ``action_overhead``.
+
+All of it runs under :func:`intra_op_threads` set to the thread count each rank
+will train with (one by default, as the launchers give each rank): a profiling
+process left at torch's default (every core) times each op with a thread pool
+whose other threads compete with the rest of the machine, and on a shared CPU a
+parallel region then waits for a descheduled thread: tiny ops measured 5-40x
+their one-thread time (issue 5: a ViT forward profiled at 462 ms against
+11.5 ms measured per action on the ranks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +90,19 @@ class Timer:
             if i >= self.warmup:
                 times.append(elapsed)
         return float(statistics.median(times))
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(threads)``, restoring the old count after."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def spin_up(device: torch.device, seconds: float = 0.5) -> None:

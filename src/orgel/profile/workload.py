@@ -7,9 +7,13 @@ progress bar, measures the link between two ranks over the real backend
 (:mod:`orgel.profile.links`), the runtime's fixed cost per action
 (:mod:`orgel.profile.overhead`) and returns a :class:`BlockCosts`. Results are
 cached under ``$ORGEL_CACHE`` (default ``~/.cache/orgel``), keyed by the graph's
-hash, the device, the dtype and the micro-batch shapes, so a second run is
-instant. ``meta`` records what is needed to rebuild the same blocks
-(``target_blocks``, ``num_blocks``, ``graph_hash``).
+hash, the device, the dtype, the micro-batch shapes and the intra-op thread
+count, so a second run is instant. Blocks are timed with ``threads`` intra-op
+threads (default 1, what :func:`orgel.runtime.launch.spawn` gives each rank;
+:func:`rank_threads` is what a local group of ``ranks`` gives each), since a
+block's time depends on it and ranks train with few threads each. ``meta``
+records what is needed to rebuild the same blocks (``target_blocks``,
+``num_blocks``, ``graph_hash``).
 """
 
 from __future__ import annotations
@@ -23,13 +27,18 @@ from typing import Any
 
 import torch
 
-from orgel.profile.blocks import Timer, action_overhead, measure_block, spin_up
+from orgel.profile.blocks import Timer, action_overhead, intra_op_threads, measure_block, spin_up
 from orgel.profile.costs import BlockCosts
 from orgel.profile.memory import optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
+
+
+def rank_threads(ranks: int) -> int:
+    """Intra-op threads each of ``ranks`` local ranks trains with (``orgel.controller``'s rule)."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
 def cache_dir() -> Path:
@@ -99,17 +108,19 @@ def runtime_overhead(link: Link, *, use_cache: bool = True) -> float:
 def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
                      device: str | None = None, warmup: int = 3, repeats: int = 5,
                      link: bool = True, use_cache: bool = True, progress: bool = True,
-                     optimizer_factor: float = 4.0) -> BlockCosts:
+                     optimizer_factor: float = 4.0, threads: int = 1) -> BlockCosts:
     """Measure ``workload`` (``"file.py:fn"`` or a Workload) into a :class:`BlockCosts`.
 
     ``device`` defaults to ``cuda`` when present, else ``cpu``. ``link=False``
-    skips the link benchmark (zero-cost links). Raises ValueError (WorkloadError,
+    skips the link benchmark (zero-cost links). ``threads``: intra-op threads
+    to time with, the count each rank will train with. Raises ValueError (WorkloadError,
     CaptureError's message) on a workload that cannot be profiled.
     """
     w, opgraph = capture_workload(workload, microbatches)
     costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, device=device,
                           warmup=warmup, repeats=repeats, link=link, use_cache=use_cache,
-                          progress=progress, optimizer_factor=optimizer_factor)
+                          progress=progress, optimizer_factor=optimizer_factor,
+                          threads=threads)
     if isinstance(workload, str):
         costs.meta["workload"] = workload
     return costs
@@ -132,7 +143,8 @@ def capture_workload(workload: Any, microbatches: int) -> tuple[Any, Any]:
 def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                   device: str | None = None, warmup: int = 3, repeats: int = 5,
                   link: bool = True, use_cache: bool = True, progress: bool = True,
-                  optimizer_factor: float = 4.0, optimizer: str = "adamw") -> BlockCosts:
+                  optimizer_factor: float = 4.0, optimizer: str = "adamw",
+                  threads: int = 1) -> BlockCosts:
     """Like :func:`profile_workload` for a workload already captured into ``opgraph``.
 
     ``optimizer`` (``adamw``, ``adam``, ``sgd``) is measured for the extra memory
@@ -145,6 +157,9 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
 
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer (intra-op threads per rank), "
+                         f"got {threads!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     inputs, _ = split_batches(w, microbatches)[0]
     named = named_inputs(w.model, inputs)
@@ -153,10 +168,12 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     shapes = {k: list(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
     key = cache_key(version=PROFILE_VERSION, optimizer=optimizer, graph=graph_hash(opgraph),
                     blocks=blocks, device=str(dev), dtype=dtypes,
-                    shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__)
+                    shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__,
+                    threads=threads)
     cached = _cached("blocks", key) if use_cache else None
     if cached is None:
-        cached = _measure(bg, split_model, named, dev, warmup, repeats, progress)
+        with intra_op_threads(threads):
+            cached = _measure(bg, split_model, named, dev, warmup, repeats, progress)
         largest = sorted(w.model.parameters(), key=lambda p: -p.numel())[:8]
         cached["optimizer_temporary"] = optimizer_temporary(largest, optimizer)
         _store("blocks", key, cached)
@@ -181,7 +198,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         meta={"workload": type(w.model).__name__, "target_blocks": blocks, "num_blocks": n,
               "graph_hash": graph_hash(opgraph), "device": str(dev), "dtype": dtypes,
-              "microbatch_shapes": shapes, "microbatches": microbatches},
+              "microbatch_shapes": shapes, "microbatches": microbatches,
+              "threads": threads},
     )
 
 
