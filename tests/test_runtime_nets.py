@@ -256,6 +256,8 @@ SCENARIOS: dict[str, tuple[int, Callable[[], GraphNet], str, dict[str, int],
                        {"rows": [8, 4, 12], "dynamic": True}),
     "int-values": (2, mixed, "gpt", {"emb": 0, "ids": 0, "b0": 0, "emb2": 1, "join": 1,
                                      "head": 1}, family("zb-h1", 2, 4), {}),
+    "just-in-time": (2, gpt, "gpt", C4, family("interleaved", 2, 4),
+                     {"post_ahead": False, "rows": [8, 8, 16]}),
     "tied-clip": (2, lambda: gpt(tied=True), "gpt", C2, family("1f1b", 2, 4),
                   {"max_norm": 0.05}),
     "clip-towers": (2, clip, "clip", {"i0": 0, "i1": 0, "t0": 1, "t1": 1, "join": 2, "out": 2},
@@ -299,7 +301,8 @@ def run_scenarios(rank: int, world: int, names: list[str],
         net, split_model, plan, options = build(name)
         ex = Executor(plan, split_model, loss_fn=ce_loss, optimizer_factory=sgd,
                       max_grad_norm=options.get("max_norm"), timeout=20,
-                      dynamic_shapes=options.get("dynamic", False))
+                      dynamic_shapes=options.get("dynamic", False),
+                      post_ahead=options.get("post_ahead"))
         torch.manual_seed(123)  # dropout draws: same stream as the reference's
         losses, snaps = [], []
         for step in range(steps):

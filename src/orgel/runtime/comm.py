@@ -82,6 +82,7 @@ class Transport:
         self.shapes: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
         self.buffers: dict[int, list[torch.Tensor]] = {}
         self.posted: dict[int, list[Any]] = {}
+        self.posted_buffers: dict[int, list[torch.Tensor]] = {}
         self.next_in_channel: dict[tuple[int, int], int] = {}
         self.sends: list[tuple[int, list[Any], list[torch.Tensor]]] = []
         global _instances
@@ -98,7 +99,7 @@ class Transport:
         self.exchange = exchange_shapes or not self.shapes
         if self.exchange:
             self.epoch += 1
-        self.posted = {}
+        self.posted, self.posted_buffers = {}, {}
         self.next_in_channel = {key: 0 for key in self.comm.channels}
         self.sends = []
         if self.post_ahead and not self.exchange:
@@ -133,16 +134,25 @@ class Transport:
             shapes = [(tuple(s), _dtype(d)) for s, d in spec]
             if self.shapes.get(i) != shapes:
                 self.shapes[i] = shapes
+                self.buffers.pop(i, None)
+        if self.post_ahead:
+            if i not in self.buffers:
                 self.buffers[i] = [torch.empty(s, dtype=d, device=self.device)
-                                   for s, d in shapes]
+                                   for s, d in self.shapes[i]]
+            buffers = self.buffers[i]
+        else:
+            # posted just in time: a fresh buffer from the caching allocator, so only
+            # the messages in flight hold memory (not one buffer per message of the step)
+            buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in self.shapes[i]]
         src = self.ranks[m.src_rank]
+        self.posted_buffers[i] = buffers
         self.posted[i] = [
             dist.irecv(buf, src, group=self.group, tag=self.base[i] + j)
-            for j, buf in enumerate(self.buffers[i])
+            for j, buf in enumerate(buffers)
         ]
 
     def recv(self, i: int) -> list[torch.Tensor]:
-        """Wait for incoming message ``i`` and return its tensors (reused buffers)."""
+        """Wait for incoming message ``i`` and return its tensors (gloo: reused buffers)."""
         if i not in self.posted:
             # post in channel order up to i (NCCL matches a pair's messages in order)
             key, pos = self.channel_pos[i]
@@ -154,7 +164,7 @@ class Transport:
         m = self.comm.messages[i]
         for w in self.posted[i]:
             self._wait(w, i, m.src_rank, "waiting for")
-        return self.buffers[i]
+        return self.posted_buffers.pop(i)
 
     # -- sending ------------------------------------------------------------------
 

@@ -55,14 +55,17 @@ class Executor:
     ...)``, built over this rank's parameters; ``None``: gradients only),
     ``max_grad_norm`` (clip by the global norm over all ranks), ``timeout``
     (seconds for every wait), ``device``, ``dynamic_shapes`` (exchange shapes every
-    step), ``batch_dim``, ``store`` (rendezvous store; default: the process group's).
+    step), ``batch_dim``, ``store`` (rendezvous store; default: the process group's),
+    ``post_ahead`` (post every receive at the step's start; default: yes for gloo, no for
+    NCCL, whose pair streams match in order, so receives go just in time in channel order).
     """
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
                  rank: int | None = None, optimizer_factory: OptimizerFactory | None = None,
                  max_grad_norm: float | None = None, timeout: float = 60.0,
                  device: torch.device | str | None = None, dynamic_shapes: bool = False,
-                 batch_dim: int = 0, store: Any = None, check_plan: bool = True) -> None:
+                 batch_dim: int = 0, store: Any = None, check_plan: bool = True,
+                 post_ahead: bool | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -100,7 +103,9 @@ class Executor:
             store = dist.distributed_c10d._get_default_store()
         ranks = list(range(plan.num_ranks))
         self.transport = Transport(plan, self.comm, self.rank, store=store, device=self.device,
-                                   timeout=timeout, post_ahead=backend != "nccl", ranks=ranks)
+                                   timeout=timeout, ranks=ranks,
+                                   post_ahead=backend != "nccl" if post_ahead is None
+                                   else post_ahead)
         if backend == "nccl":
             self.transport.warm_up()
         self.sync = GradSync(plan, split, self.rank, self.stages, ranks=ranks, world_group=None,
