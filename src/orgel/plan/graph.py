@@ -23,11 +23,19 @@
    bottleneck for fewer, shallower stages) gets a ``dag-1f1b`` schedule, and a
    zero-bubble rewrite of it (``I`` now, ``W`` later), scored by the simulator;
    the fastest feasible one wins.
+
+Replica counts are restricted by ``replica_counts`` (the counts a stage may
+have: at most ``max_replicas``, and only divisors of a micro-batch's rows, since
+a stage's replicas each take an equal share of every micro-batch) and, with
+``pure_dp=False``, at least one stage keeps a single rank: a layout that
+replicates every stage is data parallelism over the whole pipeline, which the
+caller asks for with ``dp`` instead.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from orgel.plan.scorer import Score, Scorer, Template
@@ -118,8 +126,10 @@ class _DP:
     """The dynamic program for one bound ``T`` (see the module docstring)."""
 
     def __init__(self, bc: BlockCosts, totals: _Totals, ranks: int, microbatches: int,
-                 memory: int | None, bound: float, *, exposed: bool = False) -> None:
+                 memory: int | None, bound: float, *, exposed: bool = False,
+                 counts: Collection[int] | None = None) -> None:
         self.bc, self.totals, self.ranks = bc, totals, ranks
+        self.counts = sorted(set(counts)) if counts is not None else list(range(1, ranks + 1))
         # The all-reduce of a replicated stage spread over the micro-batches (its
         # throughput cost), or whole (it runs at the end of the step, exposed).
         self.reduce_share = 1.0 if exposed else 1.0 / microbatches
@@ -132,7 +142,7 @@ class _DP:
         """Fewest replicas that bring a stage under the bound and the memory cap."""
         bc = self.bc
         first = max(1, math.ceil(work / self.bound)) if self.bound > 0 else 1
-        for r in range(first, self.ranks + 1):
+        for r in (c for c in self.counts if first <= c <= self.ranks):
             reduce = 0.0
             if r > 1:
                 reduce = 2 * (r - 1) * bc.link.time(params // r) * self.reduce_share
@@ -311,15 +321,27 @@ def _join_parallel(parts: list[Solution]) -> Solution:
 
 
 def _spread_replicas(bc: BlockCosts, stages: list[StageSpec], ranks: int, microbatches: int,
-                     *, all_ranks: bool) -> list[StageSpec]:
+                     *, all_ranks: bool, counts: Collection[int] | None = None,
+                     pure_dp: bool = True) -> list[StageSpec]:
     """Give spare ranks to stages as replicas, one at a time, where it helps most.
 
     The gain of one more replica of a stage is the compute it saves over the
     step minus the longer gradient all-reduce it adds. ``all_ranks`` hands out
     every spare rank to the slowest stages regardless; otherwise a rank whose
-    best gain is not positive stays idle.
+    best gain is not positive stays idle. A stage only grows to the next count
+    in ``counts`` (all when None) that the spare ranks can pay for; without
+    ``pure_dp`` the last single-rank stage is never replicated.
     """
     stages = list(stages)
+    allowed = sorted(set(counts)) if counts is not None else list(range(1, ranks + 1))
+
+    def grown(j: int) -> int | None:
+        """The next allowed replica count of stage ``j`` the spare ranks can pay for."""
+        r = stages[j].replicas
+        if not pure_dp and r == 1 and sum(s.replicas == 1 for s in stages) == 1:
+            return None
+        return next((c for c in allowed if r < c <= r + spare), None)
+
     work = [sum(bc.fwd[b] + bc.bwd[b] for b in s.blocks) for s in stages]
     params = [sum(bc.params[b] for b in s.blocks) for s in stages]
 
@@ -328,18 +350,22 @@ def _spread_replicas(bc: BlockCosts, stages: list[StageSpec], ranks: int, microb
 
     spare = ranks - sum(s.replicas for s in stages)
     while spare > 0:
+        growable = [j for j in range(len(stages)) if grown(j) is not None]
+        if not growable:
+            break
         if all_ranks:
-            i = max(range(len(stages)), key=lambda j: work[j] / stages[j].replicas)
+            i = max(growable, key=lambda j: work[j] / stages[j].replicas)
         else:
             def gain(j: int) -> float:
-                r = stages[j].replicas
-                saved = microbatches * (work[j] / r - work[j] / (r + 1))
-                return saved - (reduce(j, r + 1) - reduce(j, r))
-            i = max(range(len(stages)), key=gain)
+                r, n = stages[j].replicas, grown(j) or stages[j].replicas
+                saved = microbatches * (work[j] / r - work[j] / n)
+                return (saved - (reduce(j, n) - reduce(j, r))) / (n - r)
+            i = max(growable, key=gain)
             if gain(i) <= 0:
                 break
-        stages[i] = StageSpec(stages[i].blocks, stages[i].replicas + 1)
-        spare -= 1
+        new = grown(i) or stages[i].replicas
+        spare -= new - stages[i].replicas
+        stages[i] = StageSpec(stages[i].blocks, new)
     return stages
 
 
@@ -385,8 +411,14 @@ def stage_layout(bc: BlockCosts, stages: list[StageSpec]
 
 def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
                iterations: int = 40, grid: int = 4, tolerance: float = 0.005,
-               zero_bubble: bool = True, score_top: int = 4) -> GraphResult | None:
+               zero_bubble: bool = True, score_top: int = 4,
+               max_replicas: int | None = None, rows: int | None = None,
+               pure_dp: bool = True) -> GraphResult | None:
     """The fastest graph plan found (see the module docstring); None if nothing fits.
+
+    ``max_replicas`` caps the ranks of one stage (1: every stage on one rank),
+    ``rows`` (a micro-batch's rows) allows only replica counts that divide it,
+    ``pure_dp=False`` keeps at least one stage on a single rank.
 
     The binary search stops when the bound is known within ``tolerance``
     (relative). Besides the solutions it meets, ``grid`` looser bounds (up to
@@ -395,11 +427,16 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
     only the ``score_top`` most promising by :func:`_estimate` reach the simulator.
     """
     bc = scorer.bc
+    counts = replica_counts(ranks, max_replicas=max_replicas, rows=rows)
     tree = decompose(bc.num_blocks, bc.edges)
     totals = _Totals(bc)
     work = [bc.fwd[b] + bc.bwd[b] for b in range(bc.num_blocks)]
     found: dict[tuple[tuple[tuple[int, ...], int], ...], float] = {}
-    for exposed in (False, True):
+    # Without pure data parallelism the DP (which breaks ties towards shallow
+    # pipelines) may only find "one stage on every rank"; also solve with
+    # single-rank stages, whose spare ranks may still become replicas below.
+    count_sets = [counts] if pure_dp or counts == [1] else [counts, [1]]
+    for exposed, cs in ((e, c) for e in (False, True) for c in count_sets):
         lo = max(sum(work) / ranks, 0.0)
         hi = sum(work) + 2 * bc.action_overhead * bc.num_blocks + 1.0
         hi += 2 * ranks * bc.link.time(sum(bc.params))
@@ -407,7 +444,7 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
         for _ in range(iterations):
             mid = (lo + hi) / 2
             sol = _DP(bc, totals, ranks, microbatches, scorer.memory, mid,
-                      exposed=exposed).solve(tree)
+                      exposed=exposed, counts=cs).solve(tree)
             if sol is not None and sol.devices <= ranks:
                 hi, tightest = mid, mid
                 found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), mid)
@@ -422,7 +459,7 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
         for k in range(1, grid + 1):
             bound = tightest * (1 + k / grid)
             sol = _DP(bc, totals, ranks, microbatches, scorer.memory, bound,
-                      exposed=exposed).solve(tree)
+                      exposed=exposed, counts=cs).solve(tree)
             if sol is not None and sol.devices <= ranks:
                 found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), bound)
     best: GraphResult | None = None
@@ -430,7 +467,10 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
     for key, bound in found.items():
         for all_ranks in (True, False):
             spread = _spread_replicas(bc, [StageSpec(b, r) for b, r in key], ranks,
-                                      microbatches, all_ranks=all_ranks)
+                                      microbatches, all_ranks=all_ranks, counts=counts,
+                                      pure_dp=pure_dp)
+            if not pure_dp and all(s.replicas > 1 for s in spread):
+                continue  # every stage replicated: data parallelism, asked for with dp
             layouts.setdefault(tuple((s.blocks, s.replicas) for s in spread), bound)
     ranked = sorted(layouts, key=lambda k: _estimate(bc, k, microbatches))[:score_top]
     for key in ranked:
@@ -460,6 +500,13 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
     if best is not None:
         best.candidates = len(found)
     return best
+
+
+def replica_counts(ranks: int, *, max_replicas: int | None = None,
+                   rows: int | None = None) -> list[int]:
+    """Replica counts a stage may have: at most ``max_replicas``, dividing ``rows``."""
+    top = ranks if max_replicas is None else min(ranks, max_replicas)
+    return [r for r in range(1, top + 1) if rows is None or rows % r == 0]
 
 
 def sp_tree_for(bc: BlockCosts) -> SPTree:

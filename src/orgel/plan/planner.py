@@ -104,7 +104,8 @@ def _ranges(blocks: tuple[int, ...]) -> str:
 def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None = None,
          planner: str = "auto", width: int = 4, max_move: int = 10, max_loops: int = 8,
          time_limit: float | None = None, per_member: int | None = None,
-         dp: int | None = 1, groups: int = 3, top: int = 3) -> PlanResult:
+         dp: int | None = 1, groups: int = 3, top: int = 3, max_replicas: int | None = None,
+         rows: int | None = None) -> PlanResult:
     """The fastest feasible plan of ``costs`` on ``ranks`` ranks (see the module docstring).
 
     ``memory`` overrides the table's ``memory_per_rank`` (bytes; None keeps it).
@@ -115,8 +116,16 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     its beam phase. ``dp``
     replicates the whole pipeline ``dp`` times (each replica takes its share of
     every micro-batch; gradients are all-reduced); ``dp=None`` tries every
-    divisor of ``ranks`` and keeps the fastest. Raises :class:`InfeasibleError`
-    when nothing fits, ValueError on bad options.
+    divisor of ``ranks`` and keeps the fastest. With ``dp=1`` the whole
+    pipeline is never replicated: the graph planner may still give some stages
+    several ranks (intra-stage replicas) but keeps at least one stage on a
+    single rank, so a plan is never data parallelism in disguise.
+    ``max_replicas`` caps the ranks one stage of a pipeline runs on (``1``: a
+    pure pipeline, every stage on one rank; ``dp`` replicates on top of it).
+    ``rows`` is a micro-batch's row count along the batch dimension: every
+    stage's replicas (times ``dp``) must divide it, since each takes an equal
+    share of every micro-batch. Raises :class:`InfeasibleError` when nothing
+    fits, ValueError on bad options.
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}: choose one of {', '.join(PLANNERS)}")
@@ -128,7 +137,14 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1
                            or ranks % dp):
         raise ValueError(f"dp must be a positive integer that divides ranks={ranks}, got {dp!r}")
+    for name, opt in (("max_replicas", max_replicas), ("rows", rows)):
+        if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int) or opt < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {opt!r}")
+    if dp is not None and rows is not None and rows % dp:
+        raise ValueError(f"dp={dp} replicas cannot split {rows}-row micro-batches evenly: "
+                         f"pick a dp that divides {rows} or change the batch size")
     degrees = [d for d in range(1, ranks + 1) if ranks % d == 0] if dp is None else [dp]
+    degrees = [d for d in degrees if rows is None or rows % d == 0]
     if min(ranks // d for d in degrees) > costs.num_blocks:
         raise ValueError(f"{ranks} ranks but only {costs.num_blocks} blocks: use at most "
                          f"{costs.num_blocks} ranks or coarsen into more blocks")
@@ -136,6 +152,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     scorer = Scorer(costs, memory=memory)
     options = dict(width=width, max_move=max_move, max_loops=max_loops, time_limit=time_limit,
                    per_member=per_member, groups=groups, top=top)
+    graph_options: dict[str, Any] = {"max_replicas": max_replicas, "pure_dp": False}
     candidates: list[tuple[float, str, Plan]] = []
     base_times: dict[str, float | None] = {}
     evaluations = 0
@@ -144,7 +161,8 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
         if pipeline > costs.num_blocks:
             continue
         sub = scorer if d == 1 else Scorer(costs.scaled(1.0 / d), memory=scorer.memory)
-        found, baselines = _search(sub, pipeline, microbatches, planner, options)
+        found, baselines = _search(sub, pipeline, microbatches, planner, options,
+                                   dict(graph_options, rows=None if rows is None else rows // d))
         evaluations += sub.evaluations
         if d == 1 or not base_times:
             base_times = baselines
@@ -177,8 +195,8 @@ def predict(p: Plan, costs: BlockCosts) -> SimResult:
 
 
 def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,
-            options: dict[str, Any]) -> tuple[list[tuple[float, str, Plan]],
-                                              dict[str, float | None]]:
+            options: dict[str, Any], graph_options: dict[str, Any]
+            ) -> tuple[list[tuple[float, str, Plan]], dict[str, float | None]]:
     """Candidates of every asked planner for one pipeline size, and the baselines' times."""
     costs = scorer.bc
     baselines = _baselines(scorer, ranks, microbatches)
@@ -194,7 +212,7 @@ def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,
             _label(p, seq.template)
             found.append((seq.score.step_time, "beam", p))
     if planner == "graph" or (planner == "auto" and not costs.is_chain()):
-        g = graph_plan(scorer, ranks, microbatches)
+        g = graph_plan(scorer, ranks, microbatches, **graph_options)
         if g is not None:
             _label(g.plan, g.template)
             found.append((g.score.step_time, "graph", g.plan))

@@ -6,6 +6,11 @@ them. :func:`attach_split` fills every stage's nodes (its blocks' nodes, in
 graph order), splits the graph by the plan and takes the split's stage graph
 (edge values named and sized as the runtime will send them), then re-simulates.
 :func:`auto_plan` is the hook ``orgel.pipeline`` calls when no plan is given.
+
+Both profile with the intra-op thread count the ranks will train with
+(:func:`orgel.profile.workload.rank_threads`) and tell the planner a
+micro-batch's row count, so it never gives a stage replicas that cannot split
+a micro-batch evenly.
 """
 
 from __future__ import annotations
@@ -42,17 +47,39 @@ def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan
     return out
 
 
+def microbatch_rows(workload: Any, microbatches: int) -> int | None:
+    """Rows of one micro-batch along the workload's batch dimension (None: no tensor input)."""
+    import torch
+
+    from orgel.workload import microbatches as split_batches
+
+    first, _ = split_batches(workload, microbatches)[0]
+    values = first.values() if isinstance(first, dict) else first
+    for t in values:
+        if isinstance(t, torch.Tensor) and t.dim() > workload.batch_dim:
+            return int(t.shape[workload.batch_dim])
+    return None
+
+
 def plan_workload(workload: Any, *, ranks: int, microbatches: int, blocks: int = 32,
                   memory: int | None = None, planner: str = "auto", dp: int | None = 1,
-                  link: bool = True, progress: bool = True, **options: Any) -> PlanResult:
-    """Profile ``workload`` (``"file.py:fn"`` or a Workload) and plan it, runnable as is."""
-    from orgel.profile.workload import capture_workload, profile_graph
+                  link: bool = True, progress: bool = True, threads: int | None = None,
+                  **options: Any) -> PlanResult:
+    """Profile ``workload`` (``"file.py:fn"`` or a Workload) and plan it, runnable as is.
+
+    ``threads``: intra-op threads per rank to profile with (default: what a
+    local group of ``ranks`` gives each rank). ``options`` go to
+    :func:`~orgel.plan.planner.plan` (e.g. ``max_replicas=1`` for a pure
+    pipeline); ``rows`` defaults to the workload's micro-batch rows.
+    """
+    from orgel.profile.workload import capture_workload, profile_graph, rank_threads
 
     w, opgraph = capture_workload(workload, microbatches)
     costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, link=link,
-                          progress=progress)
+                          progress=progress, threads=threads or rank_threads(ranks))
     if isinstance(workload, str):
         costs.meta["workload"] = workload
+    options.setdefault("rows", microbatch_rows(w, microbatches))
     result = plan(costs, ranks, microbatches, memory=memory, planner=planner, dp=dp, **options)
     result.plan = attach_split(result.plan, opgraph)
     result.sim = predict(result.plan, costs)
@@ -60,11 +87,23 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int, blocks: int =
 
 
 def auto_plan(workload: Any, graph: Any, *, ranks: int, microbatches: int,
-              memory: int | None = None, dp: int = 1, blocks: int = 32) -> Plan:
-    """The planner's plan for an already captured workload (``orgel.pipeline``'s hook)."""
-    from orgel.profile.workload import profile_graph
+              memory: int | None = None, dp: int = 1, blocks: int = 32,
+              max_replicas: int | None = None, rows: int | None = None,
+              threads: int | None = None, planner: str = "auto") -> Plan:
+    """The planner's plan for an already captured workload (``orgel.pipeline``'s hook).
+
+    ``dp=1``: the whole pipeline is not replicated (some stages may still get
+    several ranks; ``max_replicas=1`` forbids that too: a pure pipeline).
+    ``rows`` (default: the workload's micro-batch rows) limits replica counts
+    to its divisors. ``threads``: intra-op threads each rank trains with
+    (default :func:`~orgel.profile.workload.rank_threads` of ``ranks``).
+    """
+    from orgel.profile.workload import profile_graph, rank_threads
 
     costs = profile_graph(workload, graph, microbatches=microbatches, blocks=blocks,
-                          progress=False)
-    result = plan(costs, ranks, microbatches, memory=memory, dp=dp)
+                          progress=False, threads=threads or rank_threads(ranks))
+    if rows is None:
+        rows = microbatch_rows(workload, microbatches)
+    result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,
+                  max_replicas=max_replicas, rows=rows)
     return attach_split(result.plan, graph, costs)
