@@ -41,11 +41,14 @@ def misbehave(rank: int, world: int, mode: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif mode == "hang":
             time.sleep(60)
+        elif mode == "nan":
+            args[0].data.fill_(float("nan"))  # type: ignore[index]
         else:
             raise StageBroke("stage 1 cannot go on")
 
     split_model.stages[1].module.register_forward_pre_hook(hook)
-    ex = Executor(plan, split_model, loss_fn=ce_loss, optimizer_factory=sgd, timeout=TIMEOUT)
+    ex = Executor(plan, split_model, loss_fn=ce_loss, optimizer_factory=sgd, timeout=TIMEOUT,
+                  check_finite=mode == "nan")
     inputs, targets = batch("gpt")
     for _ in range(3):
         ex.step(inputs, targets)
@@ -81,3 +84,10 @@ def test_stage_error_is_reported_once_with_its_traceback() -> None:
     assert message.count("Traceback (most recent call last)") == 1
     assert "StageBroke" in message
     assert message.splitlines()[0].startswith("rank 1: stage 1 cannot go on [while running F1.")
+
+
+def test_non_finite_loss_is_caught_where_it_appears() -> None:
+    message, _ = _fail("nan")
+    first = message.splitlines()[0]
+    assert first.startswith("rank 2: the loss of micro-batch ") and "is nan (stage 2)" in first
+    assert message.count("FloatingPointError: the loss") == 1

@@ -57,7 +57,8 @@ class Executor:
     (seconds for every wait), ``device``, ``dynamic_shapes`` (exchange shapes every
     step), ``batch_dim``, ``store`` (rendezvous store; default: the process group's),
     ``post_ahead`` (post every receive at the step's start; default: yes for gloo, no for
-    NCCL, whose pair streams match in order, so receives go just in time in channel order).
+    NCCL, whose pair streams match in order, so receives go just in time in channel order),
+    ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss).
     """
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
@@ -65,7 +66,7 @@ class Executor:
                  max_grad_norm: float | None = None, timeout: float = 60.0,
                  device: torch.device | str | None = None, dynamic_shapes: bool = False,
                  batch_dim: int = 0, store: Any = None, check_plan: bool = True,
-                 post_ahead: bool | None = None) -> None:
+                 post_ahead: bool | None = None, check_finite: bool = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -88,6 +89,7 @@ class Executor:
         self.device = torch.device(device)
         self.max_grad_norm, self.timeout = max_grad_norm, timeout
         self.dynamic_shapes, self.batch_dim = dynamic_shapes, batch_dim
+        self.check_finite = check_finite
         self.actions = plan.schedule[self.rank]
         self.stages = {s: StageInfo.build(plan, split, s, self.rank)
                        for s in plan.stages_on(self.rank)}
@@ -280,6 +282,9 @@ class Executor:
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
         targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim)
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
+        if self.check_finite and not bool(torch.isfinite(loss).all()):
+            raise FloatingPointError(f"the loss of micro-batch {m} is {loss.item()} "
+                                     f"(stage {info.index}): check the inputs and the lr")
         return outputs, loss / self.loss_divisor
 
     # -- backward -----------------------------------------------------------------
