@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="clip gradients to this global norm (all ranks together)")
     parser.add_argument("--recompute", action="store_true",
                         help="recompute every stage's activations in backward")
+    parser.add_argument("--check-finite", action="store_true",
+                        help="stop at the first NaN/inf loss (one sync per micro-batch)")
     parser.add_argument("--check", action="store_true",
                         help="compare with single-process gradient accumulation")
     parser.add_argument("--tolerance", type=float, default=1e-4,
@@ -248,7 +250,8 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     executor = Executor(plan, split, loss_fn=workload.loss_fn,
                         optimizer_factory=optimizer_factory(options["optimizer"], options["lr"]),
                         max_grad_norm=options["max_grad_norm"], timeout=options["timeout"],
-                        batch_dim=workload.batch_dim, check_plan=False)
+                        batch_dim=workload.batch_dim, check_plan=False,
+                        check_finite=options.get("check_finite", False))
     inputs = named_inputs(workload.model, workload.inputs)
     torch.manual_seed(0)
     losses = [executor.step(inputs, workload.targets) for _ in range(options["steps"])]
