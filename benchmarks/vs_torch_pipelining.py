@@ -167,7 +167,8 @@ def _torch_runner(name: str, modules: list[nn.Sequential], rank: int, world: int
 
 
 def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
-    """On each rank: every schedule under torch and orgel, alternating, ``repeats`` times."""
+    """On each rank: the one-process rows, then every schedule under torch and orgel,
+    alternating, ``repeats`` times."""
     config = GPTConfig(**opts["config"])
     batch, m = opts["batch"], opts["microbatches"]
     gen = torch.Generator().manual_seed(1)
@@ -191,11 +192,19 @@ def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         ex = Executor(plan, split, loss_fn=lm_loss, timeout=120,
                       optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-3))
         runners[("orgel", name)] = (lambda ex=ex: ex.step({"tokens": tokens}, targets))
+    single = single_runner(opts, rank)
     results: dict[str, list[tuple[float, float, float]]] = {}
-    for step in runners.values():
+    for step in [single, *runners.values()]:
         for _ in range(opts["warmup"]):
             step()
     for _ in range(opts["repeats"]):
+        for threads in (1, 2):
+            # the thread count changes only between measurements (pool resizing is slow)
+            torch.set_num_threads(threads if rank == 0 else 1)
+            single()
+            results.setdefault(f"one process, {threads} thread{'s' * (threads > 1)}",
+                               []).append(_measure(single, opts["steps"], batch, world))
+            torch.set_num_threads(1)
         for name in opts["schedules"]:
             for fw in ("torch", "orgel"):
                 results.setdefault(f"{fw} {name}", []).append(
@@ -203,10 +212,13 @@ def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-def single_bench(rank: int, world: int, opts: dict[str, Any],
-                 threads: int) -> list[tuple[float, float, float]]:
-    """The whole model in one process with ``threads`` threads."""
-    torch.set_num_threads(threads)
+def single_runner(opts: dict[str, Any], rank: int) -> Any:
+    """The whole model in one process (rank 0); rank 1 idles.
+
+    Run inside the 2-rank job so that it alternates with the pipelines: a busy
+    spell of the machine then hits every row alike. The idle rank waits in a
+    barrier (no CPU).
+    """
     config = GPTConfig(**opts["config"])
     batch, m = opts["batch"], opts["microbatches"]
     torch.manual_seed(0)
@@ -217,14 +229,14 @@ def single_bench(rank: int, world: int, opts: dict[str, Any],
     tokens, targets = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     def step() -> None:
+        if rank != 0:
+            return
         opt.zero_grad()
         for x, y in zip(tokens.chunk(m), targets.chunk(m), strict=True):
             (lm_loss(model(x), y) / m).backward()
         opt.step()
 
-    for _ in range(opts["warmup"]):
-        step()
-    return [_measure(step, opts["steps"], batch, 1) for _ in range(opts["repeats"])]
+    return step
 
 
 def main() -> None:
@@ -248,11 +260,7 @@ def main() -> None:
     print(f"config {opts['config']}, batch {opts['batch']}, {opts['microbatches']} "
           f"micro-batches, {opts['repeats']} repeats x {opts['steps']} steps; "
           f"load average before {os.getloadavg()[0]:.2f}")
-    rows: dict[str, list[tuple[float, float, float]]] = {}
-    for threads in (1, 2):
-        rows[f"one process, {threads} thread{'s' * (threads > 1)}"] = spawn(
-            single_bench, 1, opts, threads, threads=threads, timeout=300)[0]
-    rows.update(spawn(rank_bench, 2, opts, threads=1, timeout=300)[0])
+    rows = spawn(rank_bench, 2, opts, threads=1, timeout=600)[0]
     base = statistics.median(x[0] for x in rows["one process, 1 thread"])
     print(f"\n{'':28s} {'samples/s':>10s} {'x 1-thread':>10s} {'x torch':>8s} "
           f"{'CPU ms/sample':>13s} {'foreign cores':>13s}")
