@@ -70,10 +70,13 @@ def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int) -> dict[
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     static[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    breakdown: dict[str, float] = {}
+    for e in executor.events:  # the last timed step: where its time went, per kind
+        breakdown[e.kind] = breakdown.get(e.kind, 0.0) + (e.end - e.start) * 1000.0
     mode = LiveBytes()
     with mode:
         executor.step(inputs, workload.targets)
-    return {"times": times, "peak": sum(static.values()) + mode.peak}
+    return {"times": times, "peak": sum(static.values()) + mode.peak, "breakdown": breakdown}
 
 
 def main() -> None:
@@ -83,6 +86,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--planner", default="beam")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--verbose", action="store_true",
+                        help="print each plan's costs and where each rank's step went")
     args = parser.parse_args()
     from orgel.plan import plan_workload
     from orgel.runtime.launch import spawn
@@ -99,6 +104,16 @@ def main() -> None:
         peaks = [r["peak"] for r in out]
         rows.append((name, result.plan.meta.get("schedule_label", "?"), result.step_time,
                      measured, list(result.sim.peak_memory), peaks))
+        if args.verbose:
+            costs = result.plan.costs
+            print(f"{name}: overhead {costs.action_overhead:.3f} ms/action, link "
+                  f"{costs.link.latency:.3f} ms + {costs.link.per_mib:.3f} ms/MiB, placement "
+                  f"{result.plan.placement}")
+            for s, st in enumerate(costs.stages):
+                print(f"  stage {s}: fwd {st.fwd:.2f} bwd {st.bwd:.2f} w {st.weight_grad:.2f}")
+            for r, got in enumerate(out):
+                busy = {k: round(v, 1) for k, v in sorted(got["breakdown"].items())}
+                print(f"  rank {r} measured last step {got['times'][-1]:.1f} ms: {busy}")
     header = (f"{'workload':<10} {'schedule':<34} {'pred ms':>8} {'meas ms':>8} {'err':>6}  "
               f"{'peak MiB pred / meas (ratio) per rank'}")
     print(header)

@@ -173,7 +173,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
                 if not check.fits:
                     continue
                 step, name = check.step_time, f"{name} x dp{d}"
-            candidates.append((step, name, p))
+            candidates.append((step + end_of_step(costs, p), name, p))
     if not candidates:
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
     step, name, best = min(candidates, key=lambda c: c[0])
@@ -184,13 +184,39 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     return PlanResult(best, name, sim, seconds, base_times, evaluations)
 
 
+def end_of_step(costs: BlockCosts, p: Plan) -> float:
+    """ms every step pays after its last action: the loss all-reduce, then the optimizer.
+
+    The runtime all-reduces the step's loss (and gradient norm) over every rank
+    (a round trip of a tiny message on 2 ranks, ``log2`` rounds in general),
+    then each rank steps its optimizer over its own parameters; the slowest
+    rank's step ends the step. Neither is an action, so the simulator leaves
+    them out.
+    """
+    ranks = p.num_ranks
+    reduce = 2 * math.ceil(math.log2(ranks)) * costs.link.latency if ranks > 1 else 0.0
+    if p.costs is None or costs.optimizer_ms_per_mib <= 0:
+        return reduce
+    per_rank = [0] * ranks
+    for s, placed in enumerate(p.placement):
+        for r in placed:
+            per_rank[r] += p.costs.stages[s].params
+    return reduce + costs.optimizer_ms_per_mib * max(per_rank) / (1 << 20)
+
+
 def predict(p: Plan, costs: BlockCosts) -> SimResult:
-    """Simulate ``p`` and store the prediction in it; peak memory counts the optimizer step."""
+    """Simulate ``p`` and store the prediction in it.
+
+    The step time adds :func:`end_of_step`; peak memory counts the optimizer step.
+    """
     sim = simulate(p)
+    end = end_of_step(costs, p)
+    sim.step_time += end
     if costs.optimizer_temporary > 0 and p.costs is not None:
         floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)
         sim.peak_memory = [max(a, b) for a, b in zip(sim.peak_memory, floor, strict=True)]
     p.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
+    p.prediction["end_of_step"] = end
     return sim
 
 
@@ -225,7 +251,8 @@ def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None) -> Plan:
     from orgel.runtime.plans import replicate
 
     out = replicate(p, dp)
-    out.costs = stage_costs(costs, [list(s.blocks) for s in out.stage_graph.stages])
+    split = any(a.kind == "I" for actions in out.schedule for a in actions)
+    out.costs = stage_costs(costs, [list(s.blocks) for s in out.stage_graph.stages], split=split)
     out.costs.memory_per_rank = memory
     return out
 

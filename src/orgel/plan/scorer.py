@@ -13,6 +13,7 @@ rank's compute) that lets searches skip candidates that cannot win.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,11 @@ class Template:
     def rank_stages(self) -> list[list[int]]:
         """Stages hosted by each rank."""
         return [self.base.stages_on(r) for r in range(self.base.num_ranks)]
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs ``I``/``W`` halves (``I`` keeps gradients for ``W``)."""
+        return any(a.kind == "I" for actions in self.base.schedule for a in actions)
 
 
 @dataclass
@@ -90,6 +96,7 @@ class Scorer:
         self._cw = np.concatenate([[0.0], np.cumsum(costs.wgrad)])
         self._cp = np.concatenate([[0], np.cumsum(costs.params)]).astype(np.int64)
         self._ca = np.concatenate([[0], np.cumsum(costs.activations)]).astype(np.int64)
+        self._ck = np.concatenate([[0], np.cumsum(costs.weight_kept)]).astype(np.int64)
         self._compiled: dict[tuple[int, tuple[tuple[int, int], ...], tuple[bool, ...]],
                              CompiledPlan] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
@@ -97,8 +104,12 @@ class Scorer:
 
     # -- splits ------------------------------------------------------------------
 
-    def chain_stage_costs(self, points: list[int] | tuple[int, ...]) -> list[StageCost]:
-        """Stage costs of a linear split at ``points`` (first block of stages 1..n-1)."""
+    def chain_stage_costs(self, points: list[int] | tuple[int, ...], *,
+                          split: bool = False) -> list[StageCost]:
+        """Stage costs of a linear split at ``points`` (first block of stages 1..n-1).
+
+        ``split``: a split-backward schedule, whose ``I`` keeps gradients for ``W``.
+        """
         bc = self.bc
         bounds = [0, *points, bc.num_blocks]
         out = []
@@ -113,7 +124,8 @@ class Scorer:
                 fwd=float(self._cf[b] - self._cf[a]), bwd=float(self._cb[b] - self._cb[a]),
                 bwd_weight=float(self._cw[b] - self._cw[a]), params=params, grads=grads,
                 optimizer=static - params - grads,
-                activations=int(self._ca[b] - self._ca[a]),
+                activations=int(self._ca[b] - self._ca[a])
+                + (int(self._ck[b] - self._ck[a]) if split else 0),
                 temporary=max(temp[a:b]) if b > a else 0,
             ))
         return out
@@ -207,7 +219,7 @@ class Scorer:
     def score_chain(self, template: Template, points: tuple[int, ...],
                     recompute: tuple[bool, ...] | None = None) -> Score:
         """Score a linear split (see :meth:`chain_stage_costs`)."""
-        stages = self.chain_stage_costs(points)
+        stages = self.chain_stage_costs(points, split=template.splits_backward)
         blocks = [range(a, b) for a, b in zip((0, *points), (*points, self.bc.num_blocks),
                                                 strict=True)]
         return self._score(template, blocks, stages, recompute)
@@ -215,7 +227,8 @@ class Scorer:
     def score_split(self, template: Template, stage_blocks: list[list[int]] | list[range],
                     recompute: tuple[bool, ...] | None = None) -> Score:
         """Score any assignment of blocks to the template's stages."""
-        stages = [stage_cost(self.bc, blocks) for blocks in stage_blocks]
+        split = template.splits_backward
+        stages = [stage_cost(self.bc, blocks, split=split) for blocks in stage_blocks]
         return self._score(template, stage_blocks, stages, recompute)
 
     def _score(self, template: Template, stage_blocks: list[range] | list[list[int]],
@@ -245,7 +258,8 @@ class Scorer:
                 meta: dict[str, Any] | None = None) -> Plan:
         """The full Plan of a candidate: real stage graph (blocks, edge bytes) and costs."""
         graph = stage_graph(self.bc, [list(b) for b in stage_blocks])
-        costs = stage_costs(self.bc, [list(b) for b in stage_blocks])
+        costs = stage_costs(self.bc, [list(b) for b in stage_blocks],
+                            split=template.splits_backward)
         costs.memory_per_rank = self.memory
         plan_meta = dict(template.base.meta)
         plan_meta.update(meta or {})

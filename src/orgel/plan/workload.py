@@ -8,7 +8,9 @@ graph order), splits the graph by the plan and takes the split's stage graph
 :func:`auto_plan` is the hook ``orgel.pipeline`` calls when no plan is given.
 
 Both profile with the intra-op thread count the ranks will train with
-(:func:`orgel.profile.workload.rank_threads`) and tell the planner a
+(:func:`orgel.profile.workload.rank_threads`), with the other ``ranks - 1``
+ranks' work running meanwhile (:mod:`orgel.profile.contention`), and tell the
+planner a
 micro-batch's row count, so it never gives a stage replicas that cannot split
 a micro-batch evenly.
 """
@@ -76,7 +78,8 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int, blocks: int =
 
     w, opgraph = capture_workload(workload, microbatches)
     costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, link=link,
-                          progress=progress, threads=threads or rank_threads(ranks))
+                          progress=progress, threads=threads or rank_threads(ranks),
+                          contention=ranks - 1)
     if isinstance(workload, str):
         costs.meta["workload"] = workload
     options.setdefault("rows", microbatch_rows(w, microbatches))
@@ -101,7 +104,8 @@ def auto_plan(workload: Any, graph: Any, *, ranks: int, microbatches: int,
     from orgel.profile.workload import profile_graph, rank_threads
 
     costs = profile_graph(workload, graph, microbatches=microbatches, blocks=blocks,
-                          progress=False, threads=threads or rank_threads(ranks))
+                          progress=False, threads=threads or rank_threads(ranks),
+                          contention=ranks - 1)
     if rows is None:
         rows = microbatch_rows(workload, microbatches)
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,

@@ -7,14 +7,16 @@ its own:
 
 * ``fwd``: the forward, with autograd recording (as in training);
 * ``bwd``: the full backward (``torch.autograd.grad`` w.r.t. inputs and
-  parameters), ``wgrad`` its weight half (w.r.t. parameters, timed after the
-  input half ran), all as the median of ``repeats`` runs after ``warmup``;
+  parameters), ``wgrad`` its weight half ``W`` as the runtime runs it
+  (:func:`orgel.runtime.backward.weight_backward` after ``input_backward``),
+  all as the median of ``repeats`` runs after ``warmup``;
   CUDA is timed with events, CPU with ``perf_counter``;
 * ``params``: bytes of the block's parameters; ``output``: bytes of its outputs;
   ``activations``: bytes one forward leaves alive until its backward: what
   autograd saves (saved-tensor hooks, each storage once, parameters left out)
   or, if more, everything the forward allocated that is still alive when it
   returns (its outputs too, which the runtime keeps for the backward);
+* ``weight_kept``: what the split backward's ``I`` keeps alive for ``W``;
 * ``temporary``: the peak of forward + backward above that, not counting the
   parameters' gradients; on CUDA from the allocator's counters, on CPU (no
   allocator statistics) from :class:`~orgel.profile.memory.LiveBytes`, which
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from orgel.profile.memory import LiveBytes
+from orgel.runtime.backward import WeightWork, input_backward, weight_backward
 from orgel.split.types import StageModule
 
 
@@ -59,6 +62,7 @@ class BlockMeasure:
     activations: int
     output: int
     temporary: int
+    weight_kept: int = 0
 
 
 class Timer:
@@ -160,6 +164,7 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer) -> BlockMea
     diff_outs = [(o, g) for o, g in zip(outs, grad_outs, strict=True) if g is not None]
 
     fwd = timer.median(fresh_inputs, forward)
+    weight_kept = 0
     if not diff_outs or not params and not any(_float(a) for a in args):
         bwd = wgrad = 0.0
     else:
@@ -170,31 +175,48 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer) -> BlockMea
         def wrt_inputs(ins: list[Any]) -> list[torch.Tensor]:
             return [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
 
-        def backward(state: tuple[list[Any], list[torch.Tensor]], *, which: str) -> None:
+        def backward(state: tuple[list[Any], list[torch.Tensor]]) -> None:
             ins, out = state
             pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
-            targets = wrt_inputs(ins) + list(params) if which == "full" else list(params)
+            targets = wrt_inputs(ins) + list(params)
             if targets:
                 torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
                                     allow_unused=True)
 
-        def after_input_half() -> tuple[list[Any], list[torch.Tensor]]:
-            ins, out = setup()
-            pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
-            firsts = wrt_inputs(ins)
-            if firsts:
-                torch.autograd.grad([o for o, _ in pairs], firsts, [g for _, g in pairs],
-                                    retain_graph=True, allow_unused=True)
-            return ins, out
-
-        bwd = timer.median(setup, lambda s: backward(s, which="full"))
-        wgrad = timer.median(after_input_half, lambda s: backward(s, which="weights")) \
+        bwd = timer.median(setup, backward)
+        # The halves as the runtime runs them (orgel.runtime.backward): ``I`` towards
+        # the inputs keeping the gradients ``W`` starts from, then ``W`` alone. A
+        # second autograd.grad over the parameters would walk the input path again.
+        inp = timer.median(setup, lambda s: _input_half(s, grad_outs, params))
+        wgrad = timer.median(lambda: _input_half(setup(), grad_outs, params), weight_backward) \
             if params else 0.0
+        if inp + wgrad > bwd:
+            # Splitting costs a little more than one backward; the table stores one
+            # ``bwd``, so keep it the full backward and give ``W`` its measured share.
+            wgrad = bwd * wgrad / (inp + wgrad)
         wgrad = min(wgrad, bwd)
+        if params:
+            # What ``I`` leaves alive for ``W`` (the gradients it kept; its input
+            # gradients are sent away and dropped): held from ``I`` until ``W``.
+            state = setup()
+            with LiveBytes() as mode:
+                work = _input_half(state, grad_outs, params)
+                weight_kept = int(mode.now)
+            del work, state
     kept, temporary = _temporary(module, fresh_inputs, forward, grad_outs, timer.device,
                                  sum(saved.values()))
     return BlockMeasure(fwd=fwd, bwd=bwd, wgrad=wgrad, params=param_bytes, activations=kept,
-                        output=out_bytes, temporary=temporary)
+                        output=out_bytes, temporary=temporary, weight_kept=weight_kept)
+
+
+def _input_half(state: tuple[list[Any], list[torch.Tensor]], grad_outs: list[torch.Tensor | None],
+                params: list[torch.nn.Parameter]) -> WeightWork:
+    """The runtime's ``I`` on one forward's outputs; returns what ``W`` needs."""
+    ins, out = state
+    pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
+    leaves = [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
+    _, work = input_backward([o for o, _ in pairs], [g for _, g in pairs], leaves, params)
+    return work
 
 
 def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],

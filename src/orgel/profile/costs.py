@@ -8,16 +8,20 @@ It is also the on-disk "costs file" (``orgel plan --costs FILE``), so plans can 
 studied without a model. Times are milliseconds, sizes bytes::
 
     {"blocks": [{"fwd": 1.2, "bwd": 2.4, "wgrad": 1.1, "params": 16777216,
-                 "activations": 8388608, "output": 8388608, "temporary": 0}, ...],
+                 "activations": 8388608, "output": 8388608, "temporary": 0,
+                 "weight_kept": 0}, ...],
      "edges": [[0, 1], [1, 2]],            # optional: default a chain
      "link": {"latency": 0.02, "per_mib": 0.05},
      "memory_per_rank": 85899345920,       # optional
      "optimizer_factor": 4,                # weights + grads + optimizer state = 4 x params
      "optimizer_temporary": 0,             # optional: the optimizer step's extra x params
-     "action_overhead": 0.0}               # optional, ms per compute action
+     "action_overhead": 0.0,               # optional, ms per compute action
+     "optimizer_ms_per_mib": 0.0}          # optional, optimizer step ms per MiB of params
 
 An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to
-half of ``bwd``. :func:`stage_costs` sums blocks into stages and
+half of ``bwd``. ``weight_kept`` (optional, default 0) is what a split
+backward's ``I`` keeps for its ``W`` beyond the forward's activations (the
+gradients ``W`` starts from). :func:`stage_costs` sums blocks into stages and
 :func:`stage_graph` builds the stage DAG (with edge bytes) for a split.
 """
 
@@ -33,9 +37,9 @@ from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
-               "nodes")
+               "nodes", "weight_kept")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
-             "optimizer_temporary", "action_overhead", "meta")
+             "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib")
 
 
 class CostsFileError(ValueError):
@@ -70,6 +74,8 @@ class BlockCosts:
     meta: dict[str, Any] = field(default_factory=dict)
     nodes: list[list[str]] = field(default_factory=list)  # fx node names per block, if known
     optimizer_temporary: float = 0.0  # optimizer step's extra bytes, as a multiple of params
+    weight_kept: list[int] = field(default_factory=list)  # I -> W bytes per block (0 if empty)
+    optimizer_ms_per_mib: float = 0.0  # the optimizer step's time per MiB of parameters
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -81,6 +87,11 @@ class BlockCosts:
                                      f"expected one per block ({n})")
         if not self.names:
             self.names = [f"block{i}" for i in range(n)]
+        if not self.weight_kept:
+            self.weight_kept = [0] * n
+        if len(self.weight_kept) != n:
+            raise CostsFileError(f"'weight_kept' has {len(self.weight_kept)} entries, expected "
+                                 f"one per block ({n})")
         for i in range(n):
             if self.wgrad[i] > self.bwd[i] + 1e-12:
                 raise CostsFileError(f"block {i}: wgrad ({self.wgrad[i]}) exceeds bwd "
@@ -122,7 +133,9 @@ class BlockCosts:
             link=self.link, links=dict(self.links), memory_per_rank=self.memory_per_rank,
             optimizer_factor=self.optimizer_factor, action_overhead=self.action_overhead,
             names=list(self.names), meta=dict(self.meta), nodes=[list(n) for n in self.nodes],
-            optimizer_temporary=self.optimizer_temporary)
+            optimizer_temporary=self.optimizer_temporary,
+            weight_kept=[int(b * factor) for b in self.weight_kept],
+            optimizer_ms_per_mib=self.optimizer_ms_per_mib)
 
     # -- JSON --------------------------------------------------------------------
 
@@ -131,7 +144,7 @@ class BlockCosts:
             {"name": self.names[i], "fwd": self.fwd[i], "bwd": self.bwd[i],
              "wgrad": self.wgrad[i], "params": self.params[i],
              "activations": self.activations[i], "output": self.output[i],
-             "temporary": self.temporary[i]}
+             "temporary": self.temporary[i], "weight_kept": self.weight_kept[i]}
             for i in range(self.num_blocks)
         ]
         for i, nodes in enumerate(self.nodes):
@@ -146,6 +159,7 @@ class BlockCosts:
             "optimizer_factor": self.optimizer_factor,
             "optimizer_temporary": self.optimizer_temporary,
             "action_overhead": self.action_overhead,
+            "optimizer_ms_per_mib": self.optimizer_ms_per_mib,
             "meta": self.meta,
         }
 
@@ -181,7 +195,7 @@ class BlockCosts:
             cols["fwd"].append(fwd)
             cols["bwd"].append(bwd)
             cols["wgrad"].append(wgrad)
-            for key in ("params", "activations", "output", "temporary"):
+            for key in ("params", "activations", "output", "temporary", "weight_kept"):
                 cols[key].append(int(_number(b.get(key, 0), f"blocks[{i}].{key}")))
             cols["name"].append(str(b.get("name", f"block{i}")))
             nodes = b.get("nodes", [])
@@ -221,6 +235,9 @@ class BlockCosts:
             action_overhead=_number(data.get("action_overhead", 0.0), "action_overhead"),
             optimizer_temporary=_number(data.get("optimizer_temporary", 0.0),
                                         "optimizer_temporary"),
+            optimizer_ms_per_mib=_number(data.get("optimizer_ms_per_mib", 0.0),
+                                         "optimizer_ms_per_mib"),
+            weight_kept=cols["weight_kept"],
             names=cols["name"], meta=dict(data.get("meta") or {}),
             nodes=cols["nodes"] if any(cols["nodes"]) else [],
         )
@@ -264,8 +281,14 @@ def _link(data: Any, where: str) -> Link:
 # -- from blocks to stages ---------------------------------------------------------
 
 
-def stage_cost(bc: BlockCosts, blocks: list[int] | range) -> StageCost:
-    """One stage made of ``blocks``: times add up, temporary is the largest block's."""
+def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False) -> StageCost:
+    """One stage made of ``blocks``: times add up, temporary is the largest block's.
+
+    ``split``: the schedule splits the backward into ``I`` and ``W``; what ``I``
+    keeps for ``W`` counts as kept activations (the simulator frees activations
+    at ``W``; counting it from ``F`` on is an over-estimate of at most the
+    micro-batches between a stage's ``F`` and its ``I``).
+    """
     params = sum(bc.params[b] for b in blocks)
     static = int(params * bc.optimizer_factor)
     # Map the factor onto params/grads/optimizer so StageCost.static_bytes == params x factor.
@@ -275,15 +298,16 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range) -> StageCost:
         bwd=sum(bc.bwd[b] for b in blocks),
         bwd_weight=sum(bc.wgrad[b] for b in blocks),
         params=params, grads=grads, optimizer=static - params - grads,
-        activations=sum(bc.activations[b] for b in blocks),
+        activations=sum(bc.activations[b] + (bc.weight_kept[b] if split else 0) for b in blocks),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
     )
 
 
-def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> Costs:
+def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
+                split: bool = False) -> Costs:
     """Sum blocks into stages: ``stage_blocks[s]`` lists the blocks of stage ``s``."""
     return Costs(
-        stages=[stage_cost(bc, blocks) for blocks in stage_blocks],
+        stages=[stage_cost(bc, blocks, split=split) for blocks in stage_blocks],
         link=bc.link, links=dict(bc.links), action_overhead=bc.action_overhead,
         memory_per_rank=bc.memory_per_rank,
     )

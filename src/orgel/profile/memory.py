@@ -10,6 +10,8 @@ before it are left out.
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
 from typing import Any
 
@@ -60,13 +62,15 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw") -> float:
+def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw", *,
+                        timed: bool = False) -> Any:
     """Extra bytes of one optimizer step as a multiple of the parameters' bytes.
 
     Runs ``kind`` (``adamw``, ``adam`` or ``sgd``) on copies of ``params`` with
     random gradients: one step to create its state, then one step under
     :class:`LiveBytes` (multi-tensor implementations allocate whole lists of
-    temporaries at once).
+    temporaries at once). ``timed=True`` returns ``(multiple, ms per MiB of
+    parameters)``, the step's time being the median of five more steps.
     """
     makers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
     if kind not in makers:
@@ -74,7 +78,7 @@ def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw") -> floa
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
     total = sum(p.numel() * p.element_size() for p in copies)
     if total == 0:
-        return 0.0
+        return (0.0, 0.0) if timed else 0.0
     opt = makers[kind](copies, lr=1e-3)
     for _ in range(2):
         for p in copies:
@@ -84,5 +88,12 @@ def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw") -> floa
             continue
         with LiveBytes() as mode:
             opt.step()
-        return mode.peak / total
-    return 0.0
+        if not timed:
+            return mode.peak / total
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append((time.perf_counter() - t0) * 1000.0)
+        return mode.peak / total, statistics.median(times) / (total / (1 << 20))
+    return (0.0, 0.0) if timed else 0.0

@@ -18,6 +18,7 @@ records what is needed to rebuild the same blocks (``target_blocks``,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,12 +29,13 @@ from typing import Any
 import torch
 
 from orgel.profile.blocks import Timer, action_overhead, intra_op_threads, measure_block, spin_up
+from orgel.profile.contention import companions
 from orgel.profile.costs import BlockCosts
 from orgel.profile.memory import optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 
 
 def rank_threads(ranks: int) -> int:
@@ -144,11 +146,13 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                   device: str | None = None, warmup: int = 3, repeats: int = 5,
                   link: bool = True, use_cache: bool = True, progress: bool = True,
                   optimizer_factor: float = 4.0, optimizer: str = "adamw",
-                  threads: int = 1) -> BlockCosts:
+                  threads: int = 1, contention: int = 0) -> BlockCosts:
     """Like :func:`profile_workload` for a workload already captured into ``opgraph``.
 
     ``optimizer`` (``adamw``, ``adam``, ``sgd``) is measured for the extra memory
-    of its step (``optimizer_temporary``).
+    and the time of its step. ``contention``: how many other ranks will train
+    at the same time on this machine (CPU only); that many companion processes
+    run the same blocks while they are timed.
     """
     from orgel.graph import coarsen
     from orgel.split import split_model
@@ -160,6 +164,9 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer (intra-op threads per rank), "
                          f"got {threads!r}")
+    if isinstance(contention, bool) or not isinstance(contention, int) or contention < 0:
+        raise ValueError(f"contention must be a non-negative integer (other ranks training "
+                         f"at the same time), got {contention!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     inputs, _ = split_batches(w, microbatches)[0]
     named = named_inputs(w.model, inputs)
@@ -169,13 +176,21 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     key = cache_key(version=PROFILE_VERSION, optimizer=optimizer, graph=graph_hash(opgraph),
                     blocks=blocks, device=str(dev), dtype=dtypes,
                     shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__,
-                    threads=threads)
+                    threads=threads, contention=contention)
     cached = _cached("blocks", key) if use_cache else None
     if cached is None:
         with intra_op_threads(threads):
-            cached = _measure(bg, split_model, named, dev, warmup, repeats, progress)
-        largest = sorted(w.model.parameters(), key=lambda p: -p.numel())[:8]
-        cached["optimizer_temporary"] = optimizer_temporary(largest, optimizer)
+            cached = _measure(bg, split_model, named, dev, warmup, repeats, progress,
+                              contention, threads)
+        # The optimizer's time has a per-tensor part: time it on every parameter
+        # tensor when they are small enough to copy, else on the largest eight.
+        largest = sorted(w.model.parameters(), key=lambda p: -p.numel())
+        if sum(p.numel() * p.element_size() for p in largest) > 256 << 20:
+            largest = largest[:8]
+        with intra_op_threads(threads):
+            extra, ms_per_mib = optimizer_temporary(largest, optimizer, timed=True)
+        cached["optimizer_temporary"] = extra
+        cached["optimizer_ms_per_mib"] = ms_per_mib
         _store("blocks", key, cached)
     n = len(bg.blocks)
     edges = sorted({(e.src, e.dst) for e in bg.edges if e.src != e.dst})
@@ -195,18 +210,24 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         memory_per_rank=memory, optimizer_factor=optimizer_factor,
         action_overhead=overhead,
         optimizer_temporary=float(cached.get("optimizer_temporary", 0.0)),
+        optimizer_ms_per_mib=float(cached.get("optimizer_ms_per_mib", 0.0)),
+        weight_kept=[int(b) for b in cached.get("weight_kept", [])],
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         meta={"workload": type(w.model).__name__, "target_blocks": blocks, "num_blocks": n,
               "graph_hash": graph_hash(opgraph), "device": str(dev), "dtype": dtypes,
               "microbatch_shapes": shapes, "microbatches": microbatches,
-              "threads": threads},
+              "threads": threads, "contention": contention},
     )
 
 
 def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device, warmup: int,
-             repeats: int, progress: bool) -> dict[str, Any]:
-    """Run every block once in order for its inputs, then measure each on its own."""
-    from tqdm import tqdm
+             repeats: int, progress: bool, contention: int = 0,
+             threads: int = 1) -> dict[str, Any]:
+    """Run every block once in order for its inputs, then measure each on its own.
+
+    ``contention`` companion processes run the same blocks meanwhile
+    (:mod:`orgel.profile.contention`), as the other ranks will.
+    """
 
     split = split_model(bg, list(range(len(bg.blocks))))
     values: dict[str, Any] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
@@ -221,9 +242,34 @@ def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device
             outs = list(result) if isinstance(result, (tuple, list)) else [result]
             values.update(zip(stage.outputs, outs, strict=True))
     timer = Timer(dev, warmup=warmup, repeats=repeats)
-    spin_up(dev)
+
+    def train_blocks() -> None:
+        """Forward and backward of every block, as a rank busy with the same model."""
+        for stage, args in zip(split.stages, args_of, strict=True):
+            ins = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
+                   and a.is_floating_point() else a for a in args]
+            out = stage.module(*ins)
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    stack = contextlib.ExitStack()
+    if contention and dev.type == "cpu":  # GPUs are not shared between ranks
+        stack.enter_context(companions(contention, train_blocks, threads=threads))
+    with stack:
+        spin_up(dev)
+        out = _measure_blocks(split, args_of, timer, progress)
+    return out
+
+
+def _measure_blocks(split: Any, args_of: list[list[Any]], timer: Timer,
+                    progress: bool) -> dict[str, Any]:
+    """Measure every block of ``split`` on its inputs, then the bare action overhead."""
+    from tqdm import tqdm
+
     cols: dict[str, list[Any]] = {k: [] for k in ("fwd", "bwd", "wgrad", "params", "activations",
-                                                  "output", "temporary")}
+                                                  "output", "temporary", "weight_kept")}
     for stage, args in tqdm(list(zip(split.stages, args_of, strict=True)), desc="profiling blocks",
                             unit="block", disable=not progress):
         m = measure_block(stage, args, timer)
