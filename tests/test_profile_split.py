@@ -1,0 +1,100 @@
+"""Cost model details: the runtime's I/W halves, what I keeps for W, end of step, companions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from orgel.plan import plan
+from orgel.plan.planner import end_of_step
+from orgel.plan.scorer import Scorer, Template
+from orgel.plan.templates import one_f_one_b
+from orgel.profile.blocks import Timer, measure_block
+from orgel.profile.contention import companions
+from orgel.profile.costs import BlockCosts, stage_cost
+from orgel.schedule.families import build_schedule
+from orgel.split.types import StageModule
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def block() -> StageModule:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(384, 384), nn.ReLU(), nn.Linear(384, 384))
+    return StageModule(index=0, module=module, inputs=["x"], outputs=["y"])
+
+
+def test_weight_half_is_timed_as_the_runtime_runs_it() -> None:
+    rows = 256
+    m = measure_block(block(), [torch.randn(rows, 384)], Timer(torch.device("cpu"), repeats=7))
+    assert 0 < m.wgrad <= m.bwd
+    # W alone is the parameter side: about half of the backward of two linear layers.
+    # A second autograd.grad over the parameters walks the input path again (about
+    # three quarters of the backward, the input half then looks almost free).
+    assert m.wgrad < 0.7 * m.bwd, (m.wgrad, m.bwd)
+    # I keeps, for W, at least the gradient arriving at the first layer's output.
+    assert m.weight_kept >= rows * 384 * 4
+
+
+def costs(kept: int = 0, opt: float = 0.0) -> BlockCosts:
+    n = 4
+    return BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[1 << 20] * n,
+                      activations=[1 << 20] * n, output=[1 << 16] * n, temporary=[0] * n,
+                      edges=[(i, i + 1) for i in range(n - 1)], weight_kept=[kept] * n,
+                      optimizer_ms_per_mib=opt)
+
+
+def test_kept_gradients_count_only_for_split_schedules() -> None:
+    bc = costs(kept=1 << 19)
+    assert stage_cost(bc, [0, 1]).activations == 2 << 20
+    assert stage_cost(bc, [0, 1], split=True).activations == (2 << 20) + (1 << 20)
+    scorer = Scorer(bc)
+    plain = one_f_one_b(2, 4)
+    zb = next(t for t in _zb_templates() if t.splits_backward)
+    assert not plain.splits_backward
+    with_kept = scorer.score_chain(zb, (2,))
+    without = Scorer(costs()).score_chain(zb, (2,))
+    assert with_kept.peak_memory.max() > without.peak_memory.max()
+    assert scorer.score_chain(plain, (2,)).peak_memory.max() == \
+        Scorer(costs()).score_chain(plain, (2,)).peak_memory.max()
+
+
+def _zb_templates() -> list[Template]:
+    base = build_schedule("zb-h1", 2, 4)
+    return [Template("zb-h1", "zb-h1", {}, base)]
+
+
+def test_end_of_step_adds_loss_reduce_and_the_slowest_optimizer() -> None:
+    bc = costs(opt=0.5)
+    bc.link = type(bc.link)(latency=0.25, per_mib=0.0)
+    result = plan(bc, 2, 4, planner="uniform-layers")
+    # 2 MiB of parameters per rank at 0.5 ms/MiB, plus one round trip of the loss.
+    assert end_of_step(bc, result.plan) == pytest.approx(2 * 0.5 + 2 * 0.25)
+    assert result.plan.prediction["end_of_step"] == pytest.approx(1.5)
+    again = BlockCosts.from_dict(bc.to_dict())
+    assert again.optimizer_ms_per_mib == 0.5 and again.weight_kept == bc.weight_kept
+
+
+def _touch(path: str) -> None:
+    with open(path, "a") as f:
+        f.write("x")
+
+
+def test_companions_run_meanwhile(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    with companions(1, lambda: _touch(str(marker))):
+        pass
+    assert marker.exists() and len(marker.read_text()) >= 1
+    with pytest.raises(ValueError, match="companions"):
+        with companions(-1, lambda: None):
+            pass
