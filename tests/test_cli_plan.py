@@ -63,6 +63,20 @@ def test_plan_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "give either a WORKLOAD" in capsys.readouterr().err
 
 
+def test_plan_max_replicas_and_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    costs = write_costs(tmp_path / "costs.json", n=6)
+    assert main(["plan", "--costs", str(costs), "--ranks", "2", "--dp", "auto",
+                 "--rows", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(len(s["ranks"]) == 1 for s in data["stages"])  # 3 rows: no two replicas
+    assert main(["plan", "--costs", str(costs), "--ranks", "2", "--planner", "graph",
+                 "--max-replicas", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(len(s["ranks"]) == 1 for s in data["stages"])
+    assert main(["plan", "--costs", str(costs), "--ranks", "2", "--max-replicas", "0"]) == 2
+    assert "--max-replicas must be at least 1" in capsys.readouterr().err
+
+
 def test_parse_size() -> None:
     assert parse_size("2GiB") == 2 << 30
     assert parse_size("512MiB") == 512 << 20

@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "uniform-layers, uniform-params or uniform-time")
     parser.add_argument("--dp", default="1", metavar="D", help="data-parallel replicas of the "
                         "whole pipeline (divides --ranks), or 'auto' to choose (default 1)")
+    parser.add_argument("--max-replicas", type=int, metavar="R",
+                        help="most ranks one stage may run on as replicas (1: a pure "
+                        "pipeline; default: any)")
+    parser.add_argument("--rows", type=int, metavar="N", help="rows of one micro-batch: "
+                        "replica counts must divide it (default: from the workload, else any)")
     parser.add_argument("--blocks", type=int, default=32, metavar="N",
                         help="target number of blocks when profiling a workload (default 32)")
     parser.add_argument("--no-link", action="store_true", help="when profiling, skip the "
@@ -87,9 +92,14 @@ def run(args: argparse.Namespace) -> int:
             dp = int(args.dp)
         except ValueError:
             return _fail(f"--dp must be a number or 'auto', got {args.dp!r}")
+    for flag, value in (("--max-replicas", args.max_replicas), ("--rows", args.rows)):
+        if value is not None and value < 1:
+            return _fail(f"{flag} must be at least 1, got {value}")
     options: dict[str, Any] = dict(memory=memory, planner=args.planner, dp=dp,
                                    width=args.beam_width, max_loops=args.max_loops,
-                                   time_limit=args.time_limit)
+                                   time_limit=args.time_limit, max_replicas=args.max_replicas)
+    if args.rows is not None:
+        options["rows"] = args.rows
     try:
         if args.costs is not None:
             result = plan(BlockCosts.load(args.costs), args.ranks, microbatches, **options)
