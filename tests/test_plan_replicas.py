@@ -90,8 +90,9 @@ def test_auto_plan_pure_pipeline_and_rows_from_the_workload() -> None:
                           nn.Linear(16, 2))
     w = Workload(model, (torch.randn(6, 8),), torch.randn(6, 2), nn.functional.mse_loss)
     w, graph = capture_workload(w, 2)  # 3-row micro-batches
-    p = auto_plan(w, graph, ranks=2, microbatches=2, blocks=4, max_replicas=1)
+    p = auto_plan(w, graph, ranks=2, microbatches=2, blocks=4)  # default: pure pipeline
     assert all(len(r) == 1 for r in p.placement) and p.num_ranks == 2
     # Rows come from the workload: no stage on both ranks (3 rows do not split in 2).
-    p = auto_plan(w, graph, ranks=2, microbatches=2, blocks=4, planner="graph")
+    p = auto_plan(w, graph, ranks=2, microbatches=2, blocks=4, planner="graph",
+                  max_replicas=None)
     assert all(len(r) == 1 for r in p.placement)

@@ -91,12 +91,16 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int, blocks: int =
 
 def auto_plan(workload: Any, graph: Any, *, ranks: int, microbatches: int,
               memory: int | None = None, dp: int = 1, blocks: int = 32,
-              max_replicas: int | None = None, rows: int | None = None,
+              max_replicas: int | None = 1, rows: int | None = None,
               threads: int | None = None, planner: str = "auto") -> Plan:
     """The planner's plan for an already captured workload (``orgel.pipeline``'s hook).
 
-    ``dp=1``: the whole pipeline is not replicated (some stages may still get
-    several ranks; ``max_replicas=1`` forbids that too: a pure pipeline).
+    ``dp=1``: the whole pipeline is not replicated. ``max_replicas`` (default
+    1: a pure pipeline, every stage on one rank) caps a stage's intra-stage
+    replicas: ``orgel.pipeline`` runs stages captured with fixed shapes and
+    needs every stage to have the same replica count, which with ``dp=1`` leaves
+    one; pass ``None`` to let the graph planner give some stages more ranks
+    where the runtime allows it.
     ``rows`` (default: the workload's micro-batch rows) limits replica counts
     to its divisors. ``threads``: intra-op threads each rank trains with
     (default :func:`~orgel.profile.workload.rank_threads` of ``ranks``).
