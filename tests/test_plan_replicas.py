@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from orgel.plan import auto_plan, plan
-from orgel.plan.graph import StageSpec, _spread_replicas, replica_counts
+from orgel.plan.replicas import StageSpec, replica_counts, spread_replicas
 from orgel.profile.costs import BlockCosts
 from orgel.profile.workload import capture_workload
 from orgel.workload import Workload
@@ -68,9 +68,9 @@ def test_replicas_divide_the_microbatch_rows() -> None:
 def test_spread_replicas_jumps_to_an_allowed_count() -> None:
     bc = chain()
     stages = [StageSpec((0, 1, 2), 1), StageSpec((3,), 1), StageSpec((4, 5), 1)]
-    out = _spread_replicas(bc, stages, 6, 8, all_ranks=True, counts=[1, 3], pure_dp=False)
+    out = spread_replicas(bc, stages, 6, 8, all_ranks=True, counts=[1, 3], pure_dp=False)
     assert sorted(s.replicas for s in out) == [1, 1, 3]
-    out = _spread_replicas(bc, [StageSpec(tuple(range(6)), 1)], 2, 8, all_ranks=True,
+    out = spread_replicas(bc, [StageSpec(tuple(range(6)), 1)], 2, 8, all_ranks=True,
                            pure_dp=False)
     assert [s.replicas for s in out] == [1]  # the only stage stays on one rank
 

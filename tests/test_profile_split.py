@@ -56,8 +56,13 @@ def costs(kept: int = 0, opt: float = 0.0) -> BlockCosts:
 
 def test_kept_gradients_count_only_for_split_schedules() -> None:
     bc = costs(kept=1 << 19)
-    assert stage_cost(bc, [0, 1]).activations == 2 << 20
-    assert stage_cost(bc, [0, 1], split=True).activations == (2 << 20) + (1 << 20)
+    assert stage_cost(bc, [1, 2]).activations == 2 << 20
+    assert stage_cost(bc, [1, 2], split=True).activations == (2 << 20) + (1 << 20)
+    # The first stage gets no input gradient: I is empty, W the whole backward.
+    first = stage_cost(bc, [0, 1], split=True)
+    assert first.activations == 2 << 20 and first.weight_grad == first.bwd == 4.0
+    assert stage_cost(bc, [2, 3]).weight_grad == 2.0
+    assert Scorer(bc).chain_stage_costs((2,), split=True)[0] == first
     scorer = Scorer(bc)
     plain = one_f_one_b(2, 4)
     zb = next(t for t in _zb_templates() if t.splits_backward)

@@ -122,10 +122,12 @@ class Scorer:
             grads = min(params, static - params)
             out.append(StageCost(
                 fwd=float(self._cf[b] - self._cf[a]), bwd=float(self._cb[b] - self._cb[a]),
-                bwd_weight=float(self._cw[b] - self._cw[a]), params=params, grads=grads,
-                optimizer=static - params - grads,
+                # The first stage computes no input gradient: W is its whole backward
+                # (see orgel.profile.costs.stage_cost).
+                bwd_weight=float(self._cw[b] - self._cw[a] if a else self._cb[b]),
+                params=params, grads=grads, optimizer=static - params - grads,
                 activations=int(self._ca[b] - self._ca[a])
-                + (int(self._ck[b] - self._ck[a]) if split else 0),
+                + (int(self._ck[b] - self._ck[a]) if split and a else 0),
                 temporary=max(temp[a:b]) if b > a else 0,
             ))
         return out

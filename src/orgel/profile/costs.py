@@ -287,8 +287,12 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     ``split``: the schedule splits the backward into ``I`` and ``W``; what ``I``
     keeps for ``W`` counts as kept activations (the simulator frees activations
     at ``W``; counting it from ``F`` on is an over-estimate of at most the
-    micro-batches between a stage's ``F`` and its ``I``).
+    micro-batches between a stage's ``F`` and its ``I``). A stage that no
+    other stage feeds has no input gradient to compute: its ``W`` is the whole
+    backward and its ``I`` keeps nothing (the runtime's ``I`` is empty there).
     """
+    inside = set(blocks)
+    fed = any(a not in inside for a, b in bc.edges if b in inside)
     params = sum(bc.params[b] for b in blocks)
     static = int(params * bc.optimizer_factor)
     # Map the factor onto params/grads/optimizer so StageCost.static_bytes == params x factor.
@@ -296,9 +300,10 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     return StageCost(
         fwd=sum(bc.fwd[b] for b in blocks),
         bwd=sum(bc.bwd[b] for b in blocks),
-        bwd_weight=sum(bc.wgrad[b] for b in blocks),
+        bwd_weight=sum(bc.wgrad[b] if fed else bc.bwd[b] for b in blocks),
         params=params, grads=grads, optimizer=static - params - grads,
-        activations=sum(bc.activations[b] + (bc.weight_kept[b] if split else 0) for b in blocks),
+        activations=sum(bc.activations[b] + (bc.weight_kept[b] if split and fed else 0)
+                        for b in blocks),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
     )
 
