@@ -35,7 +35,7 @@ from orgel.profile.memory import optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 
 
 def rank_threads(ranks: int) -> int:
@@ -168,7 +168,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         raise ValueError(f"contention must be a non-negative integer (other ranks training "
                          f"at the same time), got {contention!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    inputs, _ = split_batches(w, microbatches)[0]
+    inputs, targets = split_batches(w, microbatches)[0]
     named = named_inputs(w.model, inputs)
     bg = coarsen(opgraph, blocks)
     dtypes = sorted({str(p.dtype) for p in w.model.parameters()})
@@ -181,7 +181,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     if cached is None:
         with intra_op_threads(threads):
             cached = _measure(bg, split_model, named, dev, warmup, repeats, progress,
-                              contention, threads)
+                              contention, threads, loss=(w.loss_fn, targets))
         # The optimizer's time has a per-tensor part: time it on every parameter
         # tensor when they are small enough to copy, else on the largest eight.
         largest = sorted(w.model.parameters(), key=lambda p: -p.numel())
@@ -223,11 +223,13 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
 
 def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device, warmup: int,
              repeats: int, progress: bool, contention: int = 0,
-             threads: int = 1) -> dict[str, Any]:
+             threads: int = 1, loss: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """Run every block once in order for its inputs, then measure each on its own.
 
     ``contention`` companion processes run the same blocks meanwhile
-    (:mod:`orgel.profile.contention`), as the other ranks will.
+    (:mod:`orgel.profile.contention`), as the other ranks will. ``loss``
+    (``(loss_fn, targets)``): the loss runs in the stage that produces the
+    model's outputs, so its time and saved bytes go to that block.
     """
 
     split = split_model(bg, list(range(len(bg.blocks))))
@@ -266,12 +268,65 @@ def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device
         whole = timer.median(lambda: None, lambda _: train_blocks())
         for stage in split.stages:
             stage.module.zero_grad(set_to_none=True)  # as measure_block leaves them
+        if loss is not None:
+            fwd, bwd, saved = _measure_loss(split, values, loss[0], _to(loss[1], dev), timer)
+            b = split.loss_stage
+            out["fwd"][b] += fwd
+            out["bwd"][b] += bwd  # the gradient of the outputs: input-side work
+            out["activations"][b] += saved
     isolated = sum(out["fwd"]) + sum(out["bwd"])
     scale = whole / isolated if isolated > 0 and whole > 0 else 1.0
     for key in ("fwd", "bwd", "wgrad"):
         out[key] = [t * scale for t in out[key]]
     out["in_sequence_scale"] = scale
     return out
+
+
+def _to(value: Any, dev: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dev)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, dev) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, dev) for k, v in value.items()}
+    return value
+
+
+def _measure_loss(split: Any, values: dict[str, Any], loss_fn: Any, targets: Any,
+                  timer: Timer) -> tuple[float, float, int]:
+    """The loss on one micro-batch's outputs: (forward ms, backward ms, bytes it saves)."""
+    def outputs() -> list[Any]:
+        return [values[n].detach().requires_grad_(True)
+                if isinstance(values[n], torch.Tensor) and values[n].is_floating_point()
+                else values[n] for n in split.output_names]
+
+    def forward(outs: list[Any]) -> torch.Tensor:
+        return loss_fn(split.unflatten_outputs(outs), targets)
+
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    outs = outputs()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value = forward(outs)
+    own = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, torch.Tensor)}
+    kept = sum(n for ptr, n in saved.items() if ptr not in own)  # outputs counted already
+    if not value.requires_grad:
+        return timer.median(outputs, forward), 0.0, kept
+
+    def setup() -> tuple[list[Any], torch.Tensor]:
+        outs = outputs()
+        return outs, forward(outs)
+
+    def backward(state: tuple[list[Any], torch.Tensor]) -> None:
+        outs, value = state
+        leaves = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        torch.autograd.grad(value, leaves, allow_unused=True)
+
+    return timer.median(outputs, forward), timer.median(setup, backward), kept
 
 
 def _measure_blocks(split: Any, args_of: list[list[Any]], timer: Timer,
