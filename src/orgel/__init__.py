@@ -9,8 +9,8 @@ runtime.
 """
 
 from orgel.api import Pipeline, load, pipeline
-from orgel.backend import Backend, backend
 from orgel.graph import capture
+from orgel.runner import Backend, backend
 from orgel.schedule import Action, Costs, Plan, PlanError, StageGraph
 from orgel.schedule.families import build_schedule
 from orgel.schedule.validate import validate

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import orgel.backend as ob
+import orgel.runner as ob
 from orgel.graph.capture import GraphBreakError
 from orgel.models import build
 from orgel.models.clip import contrastive_loss

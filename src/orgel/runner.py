@@ -308,7 +308,7 @@ class Backend:
         batch = {n: torch.cat([s.inputs[n] for s in self._slots])  # type: ignore[index]
                  for n in first}
         rows = next(iter(batch.values())).shape[0]
-        workload = Workload(self.model, batch, torch.zeros(rows), _no_loss)
+        workload = Workload(self.model, batch, torch.zeros(rows), _profiling_loss)
         graph = api._capture(workload, self.microbatches)
         # dynamo's graph has the micro-batch's shapes baked in and the user's model is
         # not ours to re-trace per replica: plan chains of one rank per stage (beam)
@@ -387,8 +387,19 @@ class Backend:
         return self.pipe
 
 
-def _no_loss(outputs: Any, targets: Any) -> torch.Tensor:
-    raise RuntimeError("the closure computes the loss")
+def _profiling_loss(outputs: Any, targets: Any) -> torch.Tensor:
+    """A stand-in loss, used only to time the loss stage's backward while profiling.
+
+    Training never calls it: the closure computes the real loss, and the loss
+    stage back-propagates the closure's gradient of the outputs through the
+    surrogate ``sum(outputs * grad)`` (see :mod:`orgel.closure`), which costs the
+    same as this sum.
+    """
+    leaves = [t for t in torch.utils._pytree.tree_leaves(outputs)
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise RuntimeError("the compiled model returns no floating-point tensor to train")
+    return sum((t.sum() for t in leaves), torch.zeros(()))
 
 
 def _slice(batch: tuple[Any, ...], m: int) -> list[list[Any]]:
