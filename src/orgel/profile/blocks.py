@@ -133,15 +133,22 @@ def _float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def measure_block(stage: StageModule, args: list[Any], timer: Timer) -> BlockMeasure:
-    """Measure one block module on ``args`` (its inputs, in ``stage.inputs`` order)."""
+def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
+                  constant: list[bool] | None = None) -> BlockMeasure:
+    """Measure one block module on ``args`` (its inputs, in ``stage.inputs`` order).
+
+    ``constant[i]`` marks an input that gets no gradient (a model input: the
+    runtime never differentiates the batch), so the backward skips its path.
+    """
+    fixed = constant or [False] * len(args)
     module = stage.module
     params = [p for p in module.parameters() if p.requires_grad]
     param_ptrs = {p.data_ptr() for p in module.parameters()}
     param_bytes = sum(_nbytes(p) for p in {p.data_ptr(): p for p in module.parameters()}.values())
 
     def fresh_inputs() -> list[Any]:
-        return [a.detach().requires_grad_(True) if _float(a) else a for a in args]
+        return [a.detach().requires_grad_(True) if _float(a) and not c else a
+                for a, c in zip(args, fixed, strict=True)]
 
     def forward(inputs: list[Any]) -> list[torch.Tensor]:
         out = module(*inputs)
@@ -165,7 +172,8 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer) -> BlockMea
 
     fwd = timer.median(fresh_inputs, forward)
     weight_kept = 0
-    if not diff_outs or not params and not any(_float(a) for a in args):
+    if not diff_outs or not params and not any(_float(a) and not c
+                                               for a, c in zip(args, fixed, strict=True)):
         bwd = wgrad = 0.0
     else:
         def setup() -> tuple[list[Any], list[torch.Tensor]]:

@@ -35,7 +35,7 @@ from orgel.profile.memory import optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 
 
 def rank_threads(ranks: int) -> int:
@@ -250,7 +250,8 @@ def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device
         """Forward and backward of every block, as a rank busy with the same model."""
         for stage, args in zip(split.stages, args_of, strict=True):
             ins = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
-                   and a.is_floating_point() else a for a in args]
+                   and a.is_floating_point() and name not in named else a
+                   for a, name in zip(args, stage.inputs, strict=True)]
             out = stage.module(*ins)
             outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
                     if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -262,7 +263,7 @@ def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device
         stack.enter_context(companions(contention, train_blocks, threads=threads))
     with stack:
         spin_up(dev)
-        out = _measure_blocks(split, args_of, timer, progress)
+        out = _measure_blocks(split, args_of, timer, progress, set(named))
         # Blocks timed one at a time, each repeated, run from warm caches; a rank runs
         # them one after another. Time that too and scale every block by the ratio.
         whole = timer.median(lambda: None, lambda _: train_blocks())
@@ -330,15 +331,19 @@ def _measure_loss(split: Any, values: dict[str, Any], loss_fn: Any, targets: Any
 
 
 def _measure_blocks(split: Any, args_of: list[list[Any]], timer: Timer,
-                    progress: bool) -> dict[str, Any]:
-    """Measure every block of ``split`` on its inputs, then the bare action overhead."""
+                    progress: bool, model_inputs: set[str]) -> dict[str, Any]:
+    """Measure every block of ``split`` on its inputs, then the bare action overhead.
+
+    Model inputs get no gradient, as in the runtime (the batch is not a leaf).
+    """
     from tqdm import tqdm
 
     cols: dict[str, list[Any]] = {k: [] for k in ("fwd", "bwd", "wgrad", "params", "activations",
                                                   "output", "temporary", "weight_kept")}
     for stage, args in tqdm(list(zip(split.stages, args_of, strict=True)), desc="profiling blocks",
                             unit="block", disable=not progress):
-        m = measure_block(stage, args, timer)
+        m = measure_block(stage, args, timer,
+                          constant=[name in model_inputs for name in stage.inputs])
         for k in cols:
             cols[k].append(getattr(m, k))
     out: dict[str, Any] = dict(cols)
