@@ -43,7 +43,9 @@ def test_stage_costs_sum_blocks_and_map_optimizer_factor() -> None:
     costs = stage_costs(bc, [[0, 1], [2]])
     first = costs.stages[0]
     assert first.fwd == pytest.approx(2.2) and first.bwd == pytest.approx(4.4)
-    assert first.bwd_weight == pytest.approx(2.1)
+    # The first stage computes no input gradient: its W is the whole backward.
+    assert first.bwd_weight == pytest.approx(4.4)
+    assert costs.stages[1].bwd_weight == pytest.approx(bc.wgrad[2])
     assert first.static_bytes == 4 * 16 * MiB
     assert first.activations == 10 * MiB and first.temporary == 3 * MiB
     assert costs.link.per_mib == 0.05 and costs.memory_per_rank == 80 << 30
