@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from orgel.plan import plan
-from orgel.plan.planner import end_of_step
+from orgel.plan.planner import end_of_step, held_sends
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.templates import one_f_one_b
 from orgel.profile.blocks import Timer, measure_block
@@ -92,6 +92,15 @@ def test_end_of_step_adds_loss_reduce_and_the_slowest_optimizer() -> None:
     assert result.plan.prediction["end_of_step"] == pytest.approx(1.5)
     again = BlockCosts.from_dict(bc.to_dict())
     assert again.optimizer_ms_per_mib == 0.5 and again.weight_kept == bc.weight_kept
+
+
+def test_held_sends_count_every_message_a_rank_sends() -> None:
+    bc = costs()
+    result = plan(bc, 2, 4, planner="uniform-layers")
+    # One cut, 64 KiB per micro-batch: rank 0 sends activations, rank 1 gradients, x4.
+    assert held_sends(result.plan) == [4 << 16, 4 << 16]
+    bare = plan(bc, 1, 4, planner="uniform-layers")
+    assert held_sends(bare.plan) == [0]
 
 
 def _touch(path: str) -> None:

@@ -204,14 +204,36 @@ def end_of_step(costs: BlockCosts, p: Plan) -> float:
     return reduce + costs.optimizer_ms_per_mib * max(per_rank) / (1 << 20)
 
 
+def held_sends(p: Plan) -> list[int]:
+    """Bytes each rank sends in one step: the runtime holds every send until the step ends.
+
+    ``orgel.runtime.comm`` waits for its sends only at the end of the step, so
+    each tensor a rank sent (activations forward, gradients back, its share of
+    a replicated stage) stays alive until then. The simulator frees a message
+    once it is received; this adds the sender's side (an upper bound: every
+    value is counted with a gradient, and all at once).
+    """
+    out = [0] * p.num_ranks
+    for e in p.stage_graph.edges:
+        src, dst = p.placement[e.src], p.placement[e.dst]
+        if set(src) == set(dst):
+            continue
+        for ranks in (src, dst):
+            for r in ranks:
+                out[r] += p.microbatches * e.nbytes // len(ranks)
+    return out
+
+
 def predict(p: Plan, costs: BlockCosts) -> SimResult:
     """Simulate ``p`` and store the prediction in it.
 
-    The step time adds :func:`end_of_step`; peak memory counts the optimizer step.
+    The step time adds :func:`end_of_step`; peak memory counts the sends the
+    runtime holds until the step ends (:func:`held_sends`) and the optimizer step.
     """
     sim = simulate(p)
     end = end_of_step(costs, p)
     sim.step_time += end
+    sim.peak_memory = [a + b for a, b in zip(sim.peak_memory, held_sends(p), strict=True)]
     if costs.optimizer_temporary > 0 and p.costs is not None:
         floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)
         sim.peak_memory = [max(a, b) for a, b in zip(sim.peak_memory, floor, strict=True)]
