@@ -12,14 +12,13 @@ some tokens replaced at random, the image its pixel template plus noise.
 
 from __future__ import annotations
 
-import argparse
-import time
 from collections.abc import Iterator
 
 import torch
 
 from orgel.models.clip import CLIP, CLIPConfig, contrastive_loss
 from orgel.models.layers import ZooWorkload
+from orgel.models.train import example_arguments, train_one_process
 
 N_CLASSES = 32
 
@@ -72,27 +71,13 @@ def workload(
 
 def main() -> None:
     """Train for ``--steps`` steps on fresh batches and print the loss."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser = example_arguments(__doc__)
     parser.add_argument("--freeze-text", action="store_true")
     args = parser.parse_args()
     model, _, _, loss_fn = workload(batch_size=args.batch_size, freeze_text=args.freeze_text)
     assert isinstance(model, CLIP)
     data = batches(args.batch_size, model.config, seed=1)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=args.lr)
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        inputs, weights = next(data)
-        loss = loss_fn(model(**inputs), weights)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step == 1 or step % 10 == 0:
-            print(f"step {step:4d}  loss {loss.item():.3f}")
-    print(f"{args.steps} steps in {(time.perf_counter() - start) * 1000:.0f} ms")
+    train_one_process(model, loss_fn, data, steps=args.steps, lr=args.lr)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,12 @@ examples/gpt.py`` trains a few steps in one process and prints the loss.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 
 from orgel.data import text_batches
 from orgel.models.gpt import GPT, GPTConfig, lm_loss
 from orgel.models.layers import ZooWorkload
+from orgel.models.train import example_arguments, train_one_process
 
 
 def workload(
@@ -39,27 +37,13 @@ def workload(
 
 
 def main() -> None:
-    """Train for ``--steps`` steps on fresh corpus batches and print the loss."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    args = parser.parse_args()
+    """Train for ``--steps`` steps on the shipped corpus and print the loss."""
+    args = example_arguments(__doc__, batch_size=8).parse_args()
     model, _, _, loss_fn = workload(batch_size=args.batch_size)
     assert isinstance(model, GPT)
     config = model.config
     batches = text_batches(args.batch_size, config.seq_len, config.vocab_size, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        x, y = next(batches)
-        loss = loss_fn(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step == 1 or step % 10 == 0:
-            print(f"step {step:4d}  loss {loss.item():.3f}")
-    print(f"{args.steps} steps in {(time.perf_counter() - start) * 1000:.0f} ms")
+    train_one_process(model, loss_fn, batches, steps=args.steps, lr=args.lr)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ graph. ``python examples/unet.py`` trains a few steps in one process.
 
 from __future__ import annotations
 
-import argparse
-import time
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from orgel.models.layers import ZooWorkload
+from orgel.models.train import example_arguments, train_one_process
 from orgel.models.unet import UNet, UNetConfig, mse_loss
 
 
@@ -49,25 +48,11 @@ def workload(
 
 def main() -> None:
     """Train for ``--steps`` steps on fresh batches and print the loss."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    args = parser.parse_args()
+    args = example_arguments(__doc__, batch_size=8, lr=2e-3).parse_args()
     model, _, _, loss_fn = workload(batch_size=args.batch_size)
     assert isinstance(model, UNet)
     data = batches(args.batch_size, model.config, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        noisy, clean = next(data)
-        loss = loss_fn(model(noisy), clean)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step == 1 or step % 10 == 0:
-            print(f"step {step:4d}  loss {loss.item():.4f}")
-    print(f"{args.steps} steps in {(time.perf_counter() - start) * 1000:.0f} ms")
+    train_one_process(model, loss_fn, data, steps=args.steps, lr=args.lr)
 
 
 if __name__ == "__main__":

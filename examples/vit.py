@@ -8,13 +8,12 @@ trains a few steps in one process and prints the loss.
 
 from __future__ import annotations
 
-import argparse
-import time
 from collections.abc import Iterator
 
 import torch
 
 from orgel.models.layers import ZooWorkload, classification_loss
+from orgel.models.train import example_arguments, train_one_process
 from orgel.models.vit import ViT, ViTConfig
 
 
@@ -57,25 +56,11 @@ def workload(
 
 def main() -> None:
     """Train for ``--steps`` steps on fresh batches and print the loss."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    args = parser.parse_args()
+    args = example_arguments(__doc__).parse_args()
     model, _, _, loss_fn = workload(batch_size=args.batch_size)
     assert isinstance(model, ViT)
     data = batches(args.batch_size, model.config, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        pixels, labels = next(data)
-        loss = loss_fn(model(pixels), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step == 1 or step % 10 == 0:
-            print(f"step {step:4d}  loss {loss.item():.3f}")
-    print(f"{args.steps} steps in {(time.perf_counter() - start) * 1000:.0f} ms")
+    train_one_process(model, loss_fn, data, steps=args.steps, lr=args.lr)
 
 
 if __name__ == "__main__":

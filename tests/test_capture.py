@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
 from orgel.graph import CaptureError, GraphBreakError, OpGraph, capture
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny ops on a shared CPU: one intra-op thread is many times faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Toy(nn.Module):

@@ -11,7 +11,6 @@ is bit-exact; elsewhere gradients are summed in a different order, so we allow
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,13 +26,6 @@ from orgel.workload import Workload, microbatches
 ATOL = 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny ops on a shared CPU: one intra-op thread is many times faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Chain(nn.Module):

@@ -14,7 +14,6 @@ unmodified model with gradient accumulation over the same 2 micro-batches:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -31,13 +30,6 @@ GRAD_ATOL = 1e-6
 MICROBATCHES = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny ops on a shared CPU: one intra-op thread is many times faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @dataclass
