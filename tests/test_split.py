@@ -19,7 +19,7 @@ from torch import nn
 from orgel.graph import BlockGraph, OpGraph, capture, coarsen
 from orgel.schedule.ir import Plan, Stage, StageGraph
 from orgel.split import SplitError, split_model, split_plan
-from orgel.split.assign import balanced_assignment, random_assignment
+from orgel.split.assign import balanced_assignment, random_assignment, stages_from_cuts
 from orgel.split.reference import compare, copy_stages, reference_step, stages_step
 from orgel.workload import Workload, microbatches
 
@@ -282,3 +282,9 @@ def test_simple_assignments() -> None:
         split_model(blocks, r)  # valid: no SplitError
     with pytest.raises(ValueError, match="cannot make 7 stages from 6 blocks"):
         balanced_assignment(blocks, 7)
+
+
+def test_stages_from_cuts() -> None:
+    assert stages_from_cuts(5, [2, 4]) == [0, 0, 1, 1, 2]
+    assert stages_from_cuts(3, []) == [0, 0, 0]
+    assert stages_from_cuts(4, [1, 2, 3]) == [0, 1, 2, 3]

@@ -22,6 +22,7 @@ LOOPED = {"interleaved": "stages_per_rank", "looped-bfs": "stages_per_rank", "lo
 def balanced_assignment(graph: Any, stages: int) -> dict[str, int]:
     """Node name -> stage, contiguous in node order, about equal FLOPs per stage."""
     from orgel.plan.splits import balanced_points
+    from orgel.split.assign import stages_from_cuts
 
     names = list(graph.nodes)
     weights = [max(1.0, float(getattr(graph.nodes[n], "flops", 0) or 0)) for n in names]
@@ -29,13 +30,7 @@ def balanced_assignment(graph: Any, stages: int) -> dict[str, int]:
         points = list(balanced_points(weights, stages))
     except ValueError as exc:
         raise PlanError(f"{exc}; use fewer ranks or stages per rank") from None
-    assignment: dict[str, int] = {}
-    stage = 0
-    for i, name in enumerate(names):
-        while stage < len(points) and i >= points[stage]:
-            stage += 1
-        assignment[name] = stage
-    return assignment
+    return dict(zip(names, stages_from_cuts(len(names), points), strict=True))
 
 
 def balanced_plan(graph: Any, *, ranks: int, microbatches: int, schedule: str = "1f1b",

@@ -38,6 +38,21 @@ def _check(num_stages: int, available: int) -> None:
         )
 
 
+def stages_from_cuts(count: int, cuts: list[int]) -> list[int]:
+    """Stage of each of ``count`` units in order, given sorted cut positions.
+
+    A cut at ``c`` starts a new stage at unit ``c``: ``stages_from_cuts(5, [2, 4])``
+    is ``[0, 0, 1, 1, 2]``.
+    """
+    stages: list[int] = []
+    stage = 0
+    for i in range(count):
+        while stage < len(cuts) and i >= cuts[stage]:
+            stage += 1
+        stages.append(stage)
+    return stages
+
+
 def balanced_assignment(graph: BlockGraph, num_stages: int, *, weight: str = "flops") -> list[int]:
     """One stage per block: contiguous runs of the block order with about equal ``weight``.
 
@@ -89,10 +104,5 @@ def random_assignment(
             if indegree[v] == 0:
                 ready.append(v)
     cuts = sorted(rng.sample(range(1, len(order)), num_stages - 1))
-    stage_of: dict[int, int] = {}
-    stage = 0
-    for i, u in enumerate(order):
-        while stage < len(cuts) and i >= cuts[stage]:
-            stage += 1
-        stage_of[u] = stage
+    stage_of = dict(zip(order, stages_from_cuts(len(order), cuts), strict=True))
     return [stage_of[u] for u in units]
