@@ -7,6 +7,8 @@ import sys
 from collections import Counter
 from typing import Any
 
+from orgel.commands.text import human_bytes
+
 NAME = "graph"
 HELP = ("capture a workload's forward and print its op graph, blocks (bytes, FLOPs), the "
         "block DAG's branches and, with --stages, a balanced split")
@@ -32,15 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fail(message: str) -> int:
     print(f"orgel graph: {message}", file=sys.stderr)
     return 2
-
-
-def size(nbytes: float) -> str:
-    """Bytes in binary units: ``512 B``, ``1.5 KiB``, ``3.0 MiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
 
 
 def flops(count: float) -> str:
@@ -95,8 +88,9 @@ def _graph_text(graph: Any, m: int) -> str:
     per = "the whole batch" if m == 1 else f"one of {m} micro-batches"
     lines = [
         f"op graph ({graph.method}, sizes for {per}): {s['nodes']} nodes, "
-        f"{s['params']} parameters ({size(s['param_bytes'])}), buffers {size(s['buffer_bytes'])}, "
-        f"saved for backward {size(s['saved_bytes'])}, forward {flops(s['flops'])}",
+        f"{s['params']} parameters ({human_bytes(s['param_bytes'])}), "
+        f"buffers {human_bytes(s['buffer_bytes'])}, "
+        f"saved for backward {human_bytes(s['saved_bytes'])}, forward {flops(s['flops'])}",
         f"  inputs: {', '.join(graph.model_inputs)}; outputs: {', '.join(graph.outputs)}",
         "  most used ops: " + ", ".join(f"{op} x{count}" for op, count in ops),
     ]
@@ -116,8 +110,9 @@ def _blocks_text(blocks: Any, split: Any) -> str:
     lines = [f"blocks: {len(blocks.blocks)}", head]
     for b in blocks.blocks:
         name = b.name if len(b.name) <= 34 else b.name[:15] + "…" + b.name[-18:]
-        line = (f"{b.index:>3}  {name:<34} {len(b.nodes):>5} {size(b.param_bytes):>10} "
-                f"{size(b.saved_bytes):>10} {size(b.output_bytes):>10} {flops(b.flops):>12}")
+        line = (f"{b.index:>3}  {name:<34} {len(b.nodes):>5} {human_bytes(b.param_bytes):>10} "
+                f"{human_bytes(b.saved_bytes):>10} {human_bytes(b.output_bytes):>10} "
+                f"{flops(b.flops):>12}")
         if stage_of:
             line += f"  {stage_of[b.index]:>5}"
         lines.append(line)
@@ -133,7 +128,7 @@ def _blocks_text(blocks: Any, split: Any) -> str:
                                    or "none"))
     lines.append("  joins: " + ("; ".join(f"{b} <- {', '.join(map(str, p))}" for b, p in joins)
                                 or "none"))
-    lines.append("  long skips: " + ("; ".join(f"{e.src} -> {e.dst} ({size(e.nbytes)})"
+    lines.append("  long skips: " + ("; ".join(f"{e.src} -> {e.dst} ({human_bytes(e.nbytes)})"
                                                for e in skips) or "none"))
     return "\n".join(lines)
 
@@ -146,17 +141,17 @@ def _stages_text(split: Any, blocks: Any) -> str:
         st = g.stages[i]
         params = sum(t.numel() * t.element_size() for t in stage.module.parameters())
         work = sum(blocks.blocks[b].flops for b in st.blocks)
-        lines.append(f"  stage {i}: blocks {_ranges(list(st.blocks))}, params {size(params)}, "
-                     f"forward {flops(work)}")
+        lines.append(f"  stage {i}: blocks {_ranges(list(st.blocks))}, "
+                     f"params {human_bytes(params)}, forward {flops(work)}")
         if stage.model_inputs:
             lines.append(f"    model inputs: {', '.join(stage.model_inputs)}")
         for e in g.edges:
             if e.dst == i:
-                vals = ", ".join(f"{v.name} ({size(v.nbytes)})" for v in e.values)
+                vals = ", ".join(f"{v.name} ({human_bytes(v.nbytes)})" for v in e.values)
                 lines.append(f"    from stage {e.src}: {vals}")
         for e in g.edges:
             if e.src == i:
-                vals = ", ".join(f"{v.name} ({size(v.nbytes)})" for v in e.values)
+                vals = ", ".join(f"{v.name} ({human_bytes(v.nbytes)})" for v in e.values)
                 lines.append(f"    to stage {e.dst}: {vals}")
         if i == split.loss_stage:
             lines.append(f"    model outputs: {', '.join(split.output_names)}")

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from orgel.commands.text import human_bytes
+
 if TYPE_CHECKING:  # the CLI imports its commands eagerly: keep numpy & co. out of startup
     from orgel.schedule.costs import Costs
     from orgel.schedule.ir import Plan
@@ -197,14 +199,6 @@ def _save_plan(plan: Plan, costs: Costs, result: SimResult, path: str) -> None:
     plan.costs = costs
     plan.prediction = summary
     plan.save(path)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def report(plan: Plan, result: SimResult, *, width: int | None = None) -> str:
