@@ -316,17 +316,12 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any
     elif plan is not None:
         given = Plan.load(plan)
     else:
-        given = _auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
-                           memory=memory, dp=dp, planner=planner)
-        rows = _microbatch_rows(workload, microbatches)
-        replicas = max(len(r) for r in given.placement)
-        if rows % replicas and planner is None:
-            # The planners do not know the batch: a stage's replicas must split a
-            # micro-batch's rows evenly, so fall back to the best one-rank-per-stage chain.
-            given = _auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
-                               memory=memory, dp=dp, planner="beam")
-            given.meta["note"] = (f"data parallel x{replicas} cannot split {rows}-row "
-                                  "micro-batches; planned pipeline stages only")
+        from orgel.plan import auto_plan
+
+        # auto_plan reads the micro-batch rows and plans one rank per stage by
+        # default (max_replicas=1): captured stages have fixed shapes.
+        given = auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
+                          memory=memory, dp=dp, planner=planner or "auto")
     if given.num_ranks != ranks:
         raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
                          "pass ranks to match or plan=None to plan again")
@@ -334,36 +329,6 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any
         raise ValueError(f"the plan uses {given.microbatches} micro-batches but "
                          f"microbatches={microbatches}; make them agree")
     return given
-
-
-def _microbatch_rows(workload: Workload, microbatches: int) -> int:
-    """Rows of one micro-batch along the batch dimension."""
-    from orgel.workload import microbatches as slice_batches
-
-    first, _ = slice_batches(workload, microbatches)[0]
-    for t in first.values():
-        if isinstance(t, torch.Tensor) and t.dim() > workload.batch_dim:
-            return int(t.shape[workload.batch_dim])
-    return 1
-
-
-def _auto_plan(workload: Workload, graph: Any, *, ranks: int, microbatches: int,
-               memory: int | None, dp: int, planner: str | None = None) -> Plan:
-    """Profile the captured graph and let the planners choose (orgel.plan.auto_plan).
-
-    ``planner`` restricts the search to one planner (e.g. ``"beam"``: chains of
-    stages, one rank each, when the graph cannot be re-captured per replica).
-    """
-    from orgel.plan import attach_split, auto_plan, plan
-
-    if planner is None:
-        return auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
-                         memory=memory, dp=dp)
-    from orgel.profile.workload import profile_graph
-
-    costs = profile_graph(workload, graph, microbatches=microbatches, progress=False)
-    result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner)
-    return attach_split(result.plan, graph, costs)
 
 
 def _split(workload: Workload, graph: Any, plan: Plan) -> Any:

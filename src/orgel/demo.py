@@ -83,8 +83,6 @@ def describe_plan(plan: Any) -> str:
     label = meta.get("schedule_label") or meta.get("schedule", "?")
     lines.append(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks, {plan.microbatches} "
                  f"micro-batches, schedule {label} (planner: {meta.get('planner', 'given')})")
-    if meta.get("note"):
-        lines.append(f"  note: {meta['note']}")
     costs = plan.costs
     for s, stage in enumerate(plan.stage_graph.stages):
         what = f"{len(stage.blocks)} blocks" if stage.blocks else f"{len(stage.nodes)} ops"
