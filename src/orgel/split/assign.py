@@ -61,22 +61,10 @@ def balanced_assignment(graph: BlockGraph, num_stages: int, *, weight: str = "fl
     if weight not in ("flops", "params"):
         raise ValueError(f"weight must be 'flops' or 'params', got {weight!r}")
     _check(num_stages, len(graph.blocks))
-    w = [max(b.flops if weight == "flops" else b.param_bytes, 1) for b in graph.blocks]
-    total = sum(w)
-    assignment: list[int] = []
-    acc = 0.0
-    stage = 0
-    for i, wi in enumerate(w):
-        later_stages = num_stages - 1 - stage
-        # Move on once this (non-empty) stage has its share of the weight, and
-        # always when only as many blocks are left as later stages need.
-        if assignment and assignment[-1] == stage and later_stages > 0 and (
-            len(w) - i == later_stages or acc + wi / 2 > total * (stage + 1) / num_stages
-        ):
-            stage += 1
-        assignment.append(stage)
-        acc += wi
-    return assignment
+    from orgel.plan.splits import balanced_points  # the planner's balanced cut
+
+    w = [float(max(b.flops if weight == "flops" else b.param_bytes, 1)) for b in graph.blocks]
+    return stages_from_cuts(len(w), list(balanced_points(w, num_stages)))
 
 
 def random_assignment(
