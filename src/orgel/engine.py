@@ -57,12 +57,7 @@ class RankEngine:
 
     def named_params(self) -> ckpt.NamedTensors:
         """``(original name, parameter)`` for every parameter copy on this rank."""
-        out: ckpt.NamedTensors = []
-        for s in self.stage_indices():
-            stage = self.split.stages[s]
-            for local, p in stage.module.named_parameters():
-                out.append((stage.param_names.get(local, local), p))
-        return out
+        return list(self.executor.named_parameters())
 
     def named_buffers(self) -> ckpt.NamedTensors:
         out: ckpt.NamedTensors = []
