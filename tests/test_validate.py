@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from orgel.schedule import Plan, PlanError, StageGraph, build_schedule, dry_run, validate
+from orgel.schedule.comm import derive_comm
 from orgel.schedule.text import parse_schedule
 
 
@@ -200,3 +201,8 @@ def test_data_parallel_replicas() -> None:
     assert _error(plan) == (
         "rank 3 is missing the backward of stage 1 micro-batch 2: add B1.2 (or I1.2 and W1.2)"
     )
+
+
+def test_validate_returns_the_derived_communication() -> None:
+    plan = build_schedule("interleaved", 2, 4, stages_per_rank=2, nbytes=64)
+    assert validate(plan) == derive_comm(plan)

@@ -78,8 +78,8 @@ class Executor:
                              f"{dist.get_world_size()}: start {plan.num_ranks} ranks")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
-        if check_plan:
-            validate(plan)
+        # validate derives the communication for its dry run; keep that one
+        comm = validate(plan) if check_plan else derive_comm(plan)
         self.plan, self.split, self.loss_fn = plan, split, loss_fn
         self.rank = dist.get_rank() if rank is None else rank
         backend = dist.get_backend()
@@ -95,7 +95,7 @@ class Executor:
                        for s in plan.stages_on(self.rank)}
         for info in self.stages.values():
             info.stage.module.to(self.device)
-        self.comm = derive_comm(plan)
+        self.comm = comm
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)
                           if self.rank in (m.src_rank, m.dst_rank)}

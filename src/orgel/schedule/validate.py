@@ -82,14 +82,20 @@ def dry_run(plan: Plan, durations: dict[str, float] | None = None,
     return DryRun(finish, stuck, comm)
 
 
-def validate(plan: Plan) -> None:
-    """Raise :class:`PlanError` unless ``plan`` is complete and runs without deadlock."""
+def validate(plan: Plan) -> CommPlan:
+    """Raise :class:`PlanError` unless ``plan`` is complete and runs without deadlock.
+
+    Returns the plan's derived communication (:func:`derive_comm`), which the dry
+    run needed anyway, so callers such as the simulator need not derive it again.
+    """
     _check_structure(plan)
     positions = [_check_rank(plan, r, actions) for r, actions in enumerate(plan.schedule)]
     _check_local_edges(plan, positions)
-    result = dry_run(plan)
+    comm = derive_comm(plan)
+    result = dry_run(plan, comm=comm)
     if result.stuck:
         raise PlanError(_deadlock_message(plan, result))
+    return comm
 
 
 def _check_structure(plan: Plan) -> None:

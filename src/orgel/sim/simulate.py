@@ -111,7 +111,8 @@ def simulate(
     deadlocks.
     """
     if check:
-        validate(plan)
+        derived = validate(plan)
+        comm = derived if comm is None else comm
     cp = CompiledPlan(plan, comm=comm) if compiled is None else compiled
     costs, arrays = cp.stage_arrays(costs)
     dur = cp.durations(costs, arrays)
