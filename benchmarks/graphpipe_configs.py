@@ -1,45 +1,80 @@
-"""Graph planner vs the best sequential plan on GraphPipe's models (App. A.2).
+"""Graph planner vs sequential pipelines on GraphPipe's models, sweeping the micro-batch size.
 
-Costs come from FLOPs at a stated device rate, not from running the models:
+GraphPipe (§7.4-7.5, App. A.2) gains from two things: concurrent branches make
+the pipeline shallower (shorter warm-up and cool-down), and shallower pipelines
+hold fewer activations in their early stages, so a larger micro-batch fits and
+runs more efficiently. Both planners here get the same candidates: every power
+of two that divides the mini-batch (GraphPipe's sweep), as ``m = batch / mb``
+micro-batches of ``mb`` samples, one ``plan(...)`` call each; the fastest
+feasible candidate of each planner is compared.
 
-* device: 50 TFLOP/s effective (a V100 with mixed precision), 16 GiB per rank,
-  link 0.01 ms + 0.04 ms/MiB (~25 GB/s), 0.02 ms fixed cost per action;
-  activations in fp16 (2 bytes), parameters fp32 with Adam (optimizer factor 4);
-  backward = 2 x forward FLOPs, weight-grad half = forward FLOPs.
-* MMT: 4 branches, each an input projection (h x h) and 8 transformer layers
-  (seq 256, hidden 1024, FFN 4096, 16 heads), joined by a fusion head
-  (4h -> h). Per layer and sample: 24 s h^2 + 4 s^2 h FLOPs forward, saved bytes
-  34 s h + 5 a s^2 (Megatron's estimate), output 2 s h bytes.
-* DLRM: 7 dense branches of 4 layers x 4096 and 7 sparse branches (an
-  embedding table of 100k x 64 then 4 layers x 64), joined by a top MLP
-  (concat -> 4096 -> 1).
-* CANDLE-Uno: 7 branches of 4 layers x 4096, joined by 4 top layers x 4096.
-* Sequential: the MMT configuration as one chain of 32 layers (GraphPipe A.3).
+Device model (a V100-SXM2 16 GB, fp16 mixed precision), a roofline per GEMM::
 
-Mini-batch sizes per rank count are GraphPipe's; micro-batches m = 2 x ranks.
-"Sequential" is the sequential planner (all schedule families, beam search) on
-the linearised blocks run as a sequential pipeline: stage i feeds only stage
-i+1 and forwards every live value (what GraphPipe compares against). "linear
-split, DAG edges" is the same planner when values go straight to the stage
-that reads them (orgel's runtime does this), so branches overlap there too.
-GraphPipe's search times (M1 Max): MMT 0.12/0.76/3.00/10.11 s, DLRM
-0.33/2.73/13.28/54.6 s, Uno 0.19/1.43/6.14/22.37 s at 4/8/16/32 ranks.
-Run: ``python benchmarks/graphpipe_configs.py [--ranks 4 8]``.
+    time = max(FLOPs / PEAK, bytes moved / HBM)
+
+* ``PEAK`` = 50 TFLOP/s: the V100's tensor cores peak at 125 TFLOP/s; large
+  cuBLAS fp16 GEMMs reach ~90, and a training step with its element-wise ops
+  ~40-60, so 50 is the compute-bound rate;
+* ``HBM`` = 720 GB/s: 80 % of the 900 GB/s HBM2 peak (what STREAM-like copies get);
+* bytes moved by ``(r x k) @ (k x n)`` in fp16: ``2 (r k + k n + r n)``; a
+  layer's weight is read once per micro-batch, so a 4096 x 4096 layer is
+  memory-bound below ~70 rows (the ridge point 50e12 / 720e9 = 69 FLOP/byte):
+  with 8 rows it runs at 8/70 of the compute rate. Attention's per-sample
+  matmuls (QK^T, AV) are batched over samples and heads; their time is linear
+  in the micro-batch. Element-wise ops are not modelled;
+* backward = an input-gradient and a weight-gradient GEMM per forward GEMM,
+  each moving the same three matrices: bwd = 2 x fwd, wgrad = fwd;
+* 16 GiB per rank; parameters counted in fp32 bytes with optimizer factor 4
+  (fp16 weights + fp16 grads + fp32 master, Adam m and v = 16 B/param);
+  activations fp16 (MMT per layer and sample: 34 s h + 5 a s^2 bytes,
+  Megatron's estimate); link 0.01 ms + 0.04 ms/MiB (~25 GB/s); 0.02 ms fixed
+  cost per action (kernel launches).
+
+Models (App. A.2): MMT (4 branches of an input projection and 8 transformer
+layers, seq 256, hidden 1024, FFN 4096, 16 heads, joined by a 4h -> h fusion),
+DLRM (7 dense branches of 4 x 4096 layers, 7 sparse branches of a 100k x 64
+embedding and 4 x 64 layers, a top MLP), CANDLE-Uno (7 branches of 4 x 4096,
+4 top layers), and "Sequential": MMT's 32 layers as one chain (App. A.3).
+
+Planners: ``graph`` is ``plan(..., planner="graph", rows=mb)`` (stage DAG,
+per-stage replicas, DAG 1F1B and its zero-bubble rewrite). ``seq`` is the
+sequential planner with every schedule family (1F1B, ZB-H1, interleaved,
+looped, ...) on the linearised blocks run as a classic sequential pipeline
+(stage i feeds only stage i+1 and forwards every live value). ``1f1b`` is the
+same with 1F1B only, what GraphPipe's baselines PipeDream and Piper run. All
+step times come from the one simulator (without the end-of-step loss
+all-reduce, which all plans pay alike).
+
+Columns: ``mb x m`` the chosen micro-batch size x count; ``spl/ms`` samples
+per ms; ``gain`` graph throughput over seq and over 1f1b; ``seq fit`` the
+largest micro-batch the sequential pipeline fits without recomputation (``*``
+when seq's choice is that limit, i.e. memory-limited); ``bubble`` the seq
+plan's idle fraction; ``search s`` the graph planner's time for all the
+sweep's plan() calls, and per call; GraphPipe's search times (M1 Max) are
+MMT 0.12/0.76/3.00/10.11 s, DLRM 0.33/2.73/13.28/54.6 s, Uno
+0.19/1.43/6.14/22.37 s at 4/8/16/32 ranks.
+
+Run: ``python benchmarks/graphpipe_configs.py`` (4 and 8 ranks, ~3-4 min on two
+cores); ``--ranks 4 8 16 32 --seq-time 4`` for the full table (longer).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 from orgel.plan import plan
+from orgel.plan.planner import InfeasibleError
 from orgel.plan.scorer import Scorer
-from orgel.plan.sequential import sequential_plan
+from orgel.plan.sequential import SequentialResult, sequential_plan
 from orgel.profile.costs import BlockCosts
 from orgel.schedule.costs import Link
+from orgel.sim import simulate
 
-RATE = 50e12 / 1e3  # FLOPs per ms
-MiB = 1 << 20
+PEAK = 50e12 / 1e3  # FLOPs per ms, compute-bound rate
+HBM = 720e9 / 1e3  # bytes per ms
+MEMORY = 16 << 30
 LINK = Link(0.01, 0.04)
 OVERHEAD = 0.02
 GRAPHPIPE_SECONDS = {"MMT": (0.12, 0.76, 3.00, 10.11), "DLRM": (0.33, 2.73, 13.28, 54.6),
@@ -48,40 +83,60 @@ BATCH = {"MMT": (64, 128, 256, 512), "DLRM": (256, 512, 1024, 2048),
          "CANDLE-Uno": (4096, 8192, 16384, 32768), "Sequential": (64, 128, 256, 512)}
 RANKS = (4, 8, 16, 32)
 
+# A GEMM of one block: (rows per sample, k, n, shared). ``shared``: the (k x n)
+# operand is a weight read once per micro-batch; otherwise every sample brings
+# its own (attention scores), ``count`` times.
+Gemm = tuple[int, int, int, bool, int]
+
+
+def gemm_ms(g: Gemm, samples: int) -> float:
+    """Roofline time of one GEMM for a micro-batch of ``samples``."""
+    rows, k, n, shared, count = g
+    if shared:
+        r = rows * samples
+        flops, moved = 2.0 * r * k * n * count, 2.0 * (r * k + k * n + r * n) * count
+    else:
+        flops = 2.0 * rows * k * n * count * samples
+        moved = 2.0 * (rows * k + k * n + rows * n) * count * samples
+    return max(flops / PEAK, moved / HBM)
+
 
 class Builder:
-    """Collects blocks (per-sample FLOPs and bytes) and edges, then scales to a micro-batch."""
+    """Collects blocks (GEMMs, bytes per sample) and edges; costs for a micro-batch size."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[float, int, int, int]] = []  # flops, params, saved, output
+        self.rows: list[tuple[list[Gemm], int, int, int]] = []  # gemms, params, saved, output
         self.edges: list[tuple[int, int]] = []
 
-    def block(self, flops: float, params: int, saved: int, output: int,
+    def block(self, gemms: list[Gemm], params: int, saved: int, output: int,
               after: list[int]) -> int:
         index = len(self.rows)
-        self.rows.append((flops, params, saved, output))
+        self.rows.append((gemms, params, saved, output))
         self.edges += [(a, index) for a in after]
         return index
 
     def costs(self, samples: int) -> BlockCosts:
-        fwd = [f * samples / RATE for f, _, _, _ in self.rows]
+        fwd = [sum(gemm_ms(g, samples) for g in gemms) for gemms, _, _, _ in self.rows]
         return BlockCosts(
             fwd=fwd, bwd=[2 * t for t in fwd], wgrad=list(fwd),
             params=[p for _, p, _, _ in self.rows],
             activations=[s * samples for _, _, s, _ in self.rows],
             output=[o * samples for _, _, _, o in self.rows],
             temporary=[o * samples for _, _, _, o in self.rows], edges=self.edges,
-            link=LINK, memory_per_rank=16 << 30, optimizer_factor=4,
+            link=LINK, memory_per_rank=MEMORY, optimizer_factor=4,
             action_overhead=OVERHEAD)
 
 
 def transformer(b: Builder, after: int | None, layers: int, s: int = 256, h: int = 1024,
                 heads: int = 16) -> int:
+    d = h // heads
+    gemms: list[Gemm] = [(s, h, 3 * h, True, 1), (s, h, h, True, 1), (s, h, 4 * h, True, 1),
+                         (s, 4 * h, h, True, 1), (s, d, s, False, heads),
+                         (s, s, d, False, heads)]
     last = after
     for _ in range(layers):
-        last = b.block(24 * s * h * h + 4 * s * s * h, (12 * h * h + 13 * h) * 4,
-                       34 * s * h + 5 * heads * s * s, 2 * s * h,
-                       [] if last is None else [last])
+        last = b.block(gemms, (12 * h * h + 13 * h) * 4, 34 * s * h + 5 * heads * s * s,
+                       2 * s * h, [] if last is None else [last])
     assert last is not None
     return last
 
@@ -89,24 +144,25 @@ def transformer(b: Builder, after: int | None, layers: int, s: int = 256, h: int
 def mlp(b: Builder, after: list[int], sizes: list[int]) -> int:
     last = after
     for d_in, d_out in zip(sizes, sizes[1:], strict=False):
-        last = [b.block(2 * d_in * d_out, (d_in * d_out + d_out) * 4, 2 * (d_in + d_out),
-                        2 * d_out, last)]
+        last = [b.block([(1, d_in, d_out, True, 1)], (d_in * d_out + d_out) * 4,
+                        2 * (d_in + d_out), 2 * d_out, last)]
     return last[0]
 
 
 def mmt(sequential: bool = False) -> Builder:
     b = Builder()
     s, h = 256, 1024
+    proj: list[Gemm] = [(s, h, h, True, 1)]
     if sequential:
-        first = b.block(2 * s * h * h, h * h * 4, 2 * s * h, 2 * s * h, [])
+        first = b.block(proj, h * h * 4, 2 * s * h, 2 * s * h, [])
         last = transformer(b, first, 32)
-        b.block(2 * s * 4 * h * h, 4 * h * h * 4, 2 * s * h, 2 * h, [last])
+        b.block([(s, 4 * h, h, True, 1)], 4 * h * h * 4, 2 * s * h, 2 * h, [last])
         return b
     ends = []
     for _ in range(4):
-        first = b.block(2 * s * h * h, h * h * 4, 2 * s * h, 2 * s * h, [])
+        first = b.block(proj, h * h * 4, 2 * s * h, 2 * s * h, [])
         ends.append(transformer(b, first, 8))
-    b.block(2 * s * 4 * h * h, 4 * h * h * 4, 2 * s * 4 * h, 2 * h, ends)
+    b.block([(s, 4 * h, h, True, 1)], 4 * h * h * 4, 2 * s * 4 * h, 2 * h, ends)
     return b
 
 
@@ -114,18 +170,21 @@ def dlrm() -> Builder:
     b = Builder()
     ends = [mlp(b, [], [4096] * 5) for _ in range(7)]
     for _ in range(7):
-        table = b.block(64, 100_000 * 64 * 4, 2 * 64, 2 * 64, [])
+        # A gather of one 64-wide row per sample: no weight traffic beyond the rows read.
+        table = b.block([(1, 1, 64, False, 1)], 100_000 * 64 * 4, 2 * 64, 2 * 64, [])
         ends.append(mlp(b, [table], [64] * 5))
-    top = b.block(2 * (7 * 4096 + 7 * 64) * 4096, (7 * 4096 + 7 * 64) * 4096 * 4,
-                  2 * (7 * 4096 + 7 * 64), 2 * 4096, ends)
-    b.block(2 * 4096, 4096 * 4, 2 * 4096, 2, [top])
+    width = 7 * 4096 + 7 * 64
+    top = b.block([(1, width, 4096, True, 1)], (width * 4096 + 4096) * 4, 2 * width,
+                  2 * 4096, ends)
+    b.block([(1, 4096, 1, True, 1)], 4097 * 4, 2 * 4096, 2, [top])
     return b
 
 
 def candle() -> Builder:
     b = Builder()
     ends = [mlp(b, [], [4096] * 5) for _ in range(7)]
-    join = b.block(2 * 7 * 4096 * 4096, 7 * 4096 * 4096 * 4, 2 * 7 * 4096, 2 * 4096, ends)
+    join = b.block([(1, 7 * 4096, 4096, True, 1)], (7 * 4096 * 4096 + 4096) * 4,
+                   2 * 7 * 4096, 2 * 4096, ends)
     mlp(b, [join], [4096] * 4)
     return b
 
@@ -133,42 +192,128 @@ def candle() -> Builder:
 MODELS = {"MMT": mmt, "DLRM": dlrm, "CANDLE-Uno": candle, "Sequential": lambda: mmt(True)}
 
 
+@dataclass
+class Pick:
+    """The best candidate of one planner over the micro-batch sweep."""
+
+    mb: int
+    m: int
+    step: float
+    label: str
+    bubble: float = 0.0
+
+
+def sweep_sizes(batch: int, ranks: int, max_per_rank: int) -> list[int]:
+    """Micro-batch sizes: powers of two dividing ``batch`` with at most
+    ``max_per_rank x ranks`` micro-batches (more only add per-action costs)."""
+    out, mb = [], 1
+    while mb <= batch:
+        if batch % mb == 0 and batch // mb <= max_per_rank * ranks:
+            out.append(mb)
+        mb *= 2
+    return out
+
+
+def seq_pick(costs: BlockCosts, ranks: int, m: int, mb: int, families: list[str] | None,
+             seconds: float) -> tuple[Pick | None, SequentialResult | None]:
+    scorer = Scorer(costs, sequential=True)
+    res = sequential_plan(scorer, ranks, m, max_loops=4 if families is None else 1,
+                          families=families, time_limit=seconds, per_member=16)
+    if res is None:
+        return None, None
+    p = scorer.to_plan(res.template, _chain(res.points, costs.num_blocks), res.recompute)
+    bubble = simulate(p).bubble_fraction
+    return Pick(mb, m, res.score.step_time, res.template.label, bubble), res
+
+
+def _chain(points: tuple[int, ...], n: int) -> list[range]:
+    bounds = [0, *points, n]
+    return [range(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argparse.Namespace
+               ) -> str:
+    graph: Pick | None = None
+    seq: Pick | None = None
+    one: Pick | None = None
+    seq_fit = 0
+    search = 0.0
+    calls = 0
+    for mb in sweep_sizes(batch, ranks, args.max_per_rank):
+        m = batch // mb
+        costs = builder.costs(mb)
+        t0 = time.perf_counter()
+        try:
+            g = plan(costs, ranks, m, planner="graph", rows=mb)
+        except InfeasibleError:
+            g = None
+        search += time.perf_counter() - t0
+        calls += 1
+        if g is not None:
+            step = g.step_time - g.plan.prediction.get("end_of_step", 0.0)
+            if graph is None or batch / step > batch / graph.step:
+                label = g.plan.meta.get("schedule_label", "")
+                graph = Pick(mb, m, step, f"{label}; replicas "
+                             f"{[len(r) for r in g.plan.placement]}", g.sim.bubble_fraction)
+        s, res = seq_pick(costs, ranks, m, mb, None, args.seq_time)
+        if res is not None and (res.recompute is None or not any(res.recompute)):
+            seq_fit = max(seq_fit, mb)
+        if s is not None and (seq is None or s.step < seq.step):
+            seq = s
+        o, _ = seq_pick(costs, ranks, m, mb, ["1f1b"], args.seq_time)
+        if o is not None and (one is None or o.step < one.step):
+            one = o
+    k = RANKS.index(ranks)
+    gp = GRAPHPIPE_SECONDS[name][k]
+
+    def cell(p: Pick | None) -> str:
+        if p is None:
+            return f"{'-':>22}"
+        return f"{p.mb:>4}x{p.m:<3} {p.step:8.2f} {batch / p.step:6.2f}"
+
+    gain_s = f"{seq.step / graph.step:5.2f}x" if seq and graph else "    -"
+    gain_o = f"{one.step / graph.step:5.2f}x" if one and graph else "    -"
+    top = max(sweep_sizes(batch, ranks, args.max_per_rank))
+    limited = "*" if seq is not None and seq.mb == seq_fit < top else " "
+    return (f"{name:<10} {ranks:3d} {batch:6d} | {cell(graph)} | {cell(seq)} | {cell(one)} | "
+            f"{gain_s} {gain_o} | {seq_fit:5d}{limited} "
+            f"{seq.bubble if seq else float('nan'):5.2f} | {search:6.3f} "
+            f"{search / max(calls, 1):6.3f} {gp if gp else '-':>6}\n"
+            f"{'':21}graph: {graph.label if graph else '-'}   seq: "
+            f"{seq.label if seq else '-'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="*", default=list(RANKS))
+    parser.add_argument("--ranks", type=int, nargs="*", default=[4, 8],
+                        help="rank counts among 4 8 16 32 (default 4 8)")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--seq-time", type=float, default=8.0,
-                        help="seconds for each sequential search (default 8)")
+    parser.add_argument("--seq-time", type=float, default=0.5,
+                        help="seconds for each sequential beam search (default 0.5)")
+    parser.add_argument("--max-per-rank", type=int, default=4,
+                        help="largest micro-batch count swept, per rank (default 4)")
     args = parser.parse_args()
-    header = (f"{'model':<11} {'ranks':>5} {'batch':>6} {'mb':>4} {'GraphPipe s':>11} "
-              f"{'graph s':>8} {'ratio':>6} {'graph ms':>9} {'seq ms':>9} {'gain':>6} "
-              f"{'DAG-edges ms':>12} {'gain':>6}  graph stages")
+    for r in args.ranks:
+        if r not in RANKS:
+            parser.error(f"--ranks takes values among {RANKS}, got {r}")
+    print(f"device: roofline per GEMM, peak {PEAK * 1e3 / 1e12:.0f} TFLOP/s, HBM "
+          f"{HBM * 1e3 / 1e9:.0f} GB/s (ridge {PEAK / HBM:.0f} FLOP/B), "
+          f"{MEMORY / (1 << 30):.0f} GiB/rank, link {LINK.latency} ms + {LINK.per_mib} ms/MiB, "
+          f"{OVERHEAD} ms/action, fp16 activations, 16 B/param (Adam)")
+    header = (f"{'model':<10} {'rk':>3} {'batch':>6} | {'graph mb x m':>12} {'ms':>4} "
+              f"{'spl/ms':>6} | {'seq mb x m':>12} {'ms':>4} {'spl/ms':>6} | "
+              f"{'1f1b mb x m':>12} {'ms':>4} {'spl/ms':>6} | {'gain':>5} {'g/1f1b':>6} | "
+              f"{'seqfit':>6} {'bubbl':>5} | {'search':>6} {'/call':>6} {'GP s':>6}")
     print(header)
     print("-" * len(header))
     for name in args.models:
         builder = MODELS[name]()
         for ranks in args.ranks:
-            k = RANKS.index(ranks)
-            batch, m = BATCH[name][k], 2 * ranks
-            costs = builder.costs(batch // m)
-            t0 = time.perf_counter()
-            graph = plan(costs, ranks, m, planner="graph")
-            graph_s = time.perf_counter() - t0
-            seq = sequential_plan(Scorer(costs, sequential=True), ranks, m, max_loops=4,
-                                  time_limit=args.seq_time, per_member=16)
-            linear = sequential_plan(Scorer(costs), ranks, m, max_loops=4,
-                                     time_limit=args.seq_time, per_member=16)
-            gp = GRAPHPIPE_SECONDS[name][k]
-            ratio = f"{gp / graph_s:5.0f}x" if gp else f"{'-':>6}"
-            seq_ms = seq.score.step_time if seq else float("nan")
-            lin_ms = linear.score.step_time if linear else float("nan")
-            stages = [len(r) for r in graph.plan.placement]
-            print(f"{name:<11} {ranks:5d} {batch:6d} {m:4d} {gp if gp else '-':>11} "
-                  f"{graph_s:8.3f} {ratio:>6} {graph.step_time:9.2f} {seq_ms:9.2f} "
-                  f"{seq_ms / graph.step_time:5.2f}x {lin_ms:12.2f} "
-                  f"{lin_ms / graph.step_time:5.2f}x  {len(stages)} stages, replicas {stages}")
-    print("\ngain = sequential step / graph step (= graph throughput over sequential); "
-          "ratio = GraphPipe search s / ours.")
+            print(run_config(name, builder, ranks, BATCH[name][RANKS.index(ranks)], args),
+                  flush=True)
+    print("\ngain = graph samples/ms over seq (all families) | over 1f1b-only; "
+          "seqfit = largest mb the sequential pipeline fits without recompute "
+          "(* = seq chose it: memory-limited); bubbl = seq plan's idle fraction.")
 
 
 if __name__ == "__main__":
