@@ -193,12 +193,13 @@ def model_aliases(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
     return keys, aliases
 
 
-def _check_options(ranks: int, microbatches: int, optimizer: Any, memory: Any, dp: int,
+def _check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
                    plan: Any) -> None:
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks must be a positive int, got {ranks!r}")
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if microbatches != "auto" and (not isinstance(microbatches, int)
+                                   or isinstance(microbatches, bool) or microbatches < 1):
+        raise ValueError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
     if optimizer is not None and not callable(optimizer):
         raise ValueError("optimizer must be a function params -> torch.optim.Optimizer, e.g. "
                          "lambda params: torch.optim.AdamW(params, lr=1e-3)")
@@ -217,7 +218,7 @@ def pipeline(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     *,
     ranks: int = 2,
-    microbatches: int = 4,
+    microbatches: int | str = 4,
     optimizer: OptimizerFactory | None = None,
     memory: int | None = None,
     dp: int = 1,
@@ -232,13 +233,16 @@ def pipeline(
     targets)`` returns the batch-mean loss. ``optimizer(params)`` builds each
     rank's optimizer (default: AdamW, lr 1e-3). ``memory`` caps bytes per rank
     for the planner; ``dp`` asks for that many data-parallel replicas.
+    ``microbatches="auto"`` lets the planner choose the count for the example
+    batch (each size it tries is profiled; ``pipe.plan.meta["microbatch_search"]``
+    lists them); with a given ``plan``, "auto" takes the plan's count.
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
     """
     _check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:
         optimizer = _default_optimizer
     workload = Workload(model, inputs, targets, loss_fn)
-    validate_workload(workload, microbatches)
+    validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     spmd = under_torchrun()
     if spmd:
@@ -247,8 +251,11 @@ def pipeline(
                               timeout_s=timeout_s, keys=keys, aliases=aliases)
     from orgel.controller import LocalGroup
 
-    graph = _capture(workload, microbatches)
+    # "auto": the planner captures every micro-batch size it tries; capture the chosen one.
+    graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
     the_plan = _resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp)
+    if graph is None:
+        graph = _capture(workload, the_plan.microbatches)
     split = _split(workload, graph, the_plan)
 
     def make_engine(rank: int) -> RankEngine:
@@ -265,7 +272,7 @@ def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimize
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int,
+def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                    optimizer: OptimizerFactory, memory: int | None, dp: int,
                    plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
                    aliases: dict[str, str]) -> Pipeline:
@@ -282,12 +289,14 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int,
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
-    graph = _capture(workload, microbatches)
+    graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
     text: list[str | None] = [None]
     if rank == 0:
         text = [_resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp).to_json()]
     dist.broadcast_object_list(text, src=0)
     the_plan = Plan.from_json(str(text[0]))
+    if graph is None:
+        graph = _capture(workload, the_plan.microbatches)
     split = _split(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         timeout_s=timeout_s)
@@ -309,7 +318,7 @@ def _capture(workload: Workload, microbatches: int) -> Any:
 
 
 def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
-                  microbatches: int, memory: int | None, dp: int,
+                  microbatches: int | str, memory: int | None, dp: int,
                   planner: str | None = None) -> Plan:
     if isinstance(plan, Plan):
         given = plan
@@ -320,12 +329,13 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any
 
         # auto_plan reads the micro-batch rows and plans one rank per stage by
         # default (max_replicas=1): captured stages have fixed shapes.
-        given = auto_plan(workload, graph, ranks=ranks, microbatches=microbatches,
+        given = auto_plan(workload, graph, ranks=ranks,
+                          microbatches=None if microbatches == "auto" else int(microbatches),
                           memory=memory, dp=dp, planner=planner or "auto")
     if given.num_ranks != ranks:
         raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
                          "pass ranks to match or plan=None to plan again")
-    if given.microbatches != microbatches:
+    if microbatches != "auto" and given.microbatches != microbatches:
         raise ValueError(f"the plan uses {given.microbatches} micro-batches but "
                          f"microbatches={microbatches}; make them agree")
     return given

@@ -34,8 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", metavar="FILE", help="plan from a costs file (JSON, see "
                         "README) instead of profiling a workload")
     parser.add_argument("--ranks", type=int, required=True, metavar="P", help="number of ranks")
-    parser.add_argument("--microbatches", type=int, metavar="M",
-                        help="micro-batches per step (default: 2 x ranks)")
+    parser.add_argument("--microbatches", metavar="M", help="micro-batches per step, or "
+                        "'auto' to choose for the whole batch (default: auto for a workload; "
+                        "with --costs, auto when --batch is given, else 2 x ranks)")
+    parser.add_argument("--batch", type=int, metavar="B", help="with --costs: rows in one "
+                        "step's batch; the costs file must give the 'rows' it was measured at")
     parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 2GiB "
                         "(default: the costs file's memory_per_rank, else unlimited)")
     parser.add_argument("--planner", default="auto", help="auto (default), beam, graph, "
@@ -77,9 +80,27 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--ranks must be at least 1, got {args.ranks}")
     if args.planner not in PLANNERS:
         return _fail(f"unknown --planner {args.planner!r}: choose one of {', '.join(PLANNERS)}")
-    microbatches = args.microbatches if args.microbatches is not None else 2 * args.ranks
-    if microbatches < 1:
-        return _fail(f"--microbatches must be at least 1, got {microbatches}")
+    microbatches: int | None = None
+    if args.microbatches not in (None, "auto"):
+        try:
+            microbatches = int(args.microbatches)
+        except ValueError:
+            return _fail(f"--microbatches must be a number or 'auto', got {args.microbatches!r}")
+        if microbatches < 1:
+            return _fail(f"--microbatches must be at least 1, got {microbatches}")
+    if args.batch is not None:
+        if args.costs is None:
+            return _fail("--batch is for --costs: a workload plans its own example batch")
+        if args.batch < 1:
+            return _fail(f"--batch must be at least 1, got {args.batch}")
+        if args.rows is not None:
+            return _fail("--rows follows from --batch and the micro-batch count: leave it out")
+    elif args.costs is None and microbatches is None and args.rows is not None:
+        return _fail("--rows follows from the micro-batch count: give --microbatches M with it")
+    elif args.costs is not None and args.microbatches == "auto":
+        return _fail("--microbatches auto with --costs needs --batch B (rows in one step)")
+    elif args.costs is not None and microbatches is None:
+        microbatches = 2 * args.ranks
     memory = None
     if args.memory is not None:
         try:
@@ -101,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
     if args.rows is not None:
         options["rows"] = args.rows
     try:
-        if args.costs is not None:
+        if args.costs is not None and args.batch is not None:
+            result = _plan_batch(BlockCosts.load(args.costs), args, microbatches, options)
+        elif args.costs is not None:
+            assert microbatches is not None
             result = plan(BlockCosts.load(args.costs), args.ranks, microbatches, **options)
         else:
             from orgel.plan.workload import plan_workload
@@ -121,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             return _fail(f"cannot write {args.png}: {exc}")
     summary = result.summary()
+    if "microbatch_search" in result.plan.meta:
+        summary["batch"] = result.plan.meta["batch"]
+        summary["microbatch_search"] = result.plan.meta["microbatch_search"]
     if args.json:
         print(json.dumps(summary))
     else:
@@ -128,6 +155,24 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             print(f"plan written to {args.out}")
     return 0
+
+
+def _plan_batch(costs: Any, args: argparse.Namespace, microbatches: int | None,
+                options: dict[str, Any]) -> Any:
+    """Plan a --batch from a costs file: scale it per micro-batch size, search the count."""
+    from orgel.plan.batch import costs_per_rows, search_microbatches
+
+    if costs.rows is None:
+        raise ValueError(f"--batch needs the rows per micro-batch that {args.costs} was measured "
+                         "at: add \"rows\": N to the costs file (or plan with --microbatches "
+                         "alone)")
+    if microbatches is not None and args.batch % microbatches:
+        raise ValueError(f"--microbatches {microbatches} does not divide --batch {args.batch}: "
+                         "choose a count that does, or 'auto'")
+    dp = options.pop("dp")
+    return search_microbatches(costs_per_rows(costs), args.batch, args.ranks, dp=dp,
+                               choices=None if microbatches is None else [microbatches],
+                               **options)
 
 
 def _mib(nbytes: float | None) -> str:
@@ -156,4 +201,13 @@ def format_summary(s: dict[str, Any]) -> str:
                      for k, v in s["baselines"].items())
     lines.append(f"baselines (1F1B): {base}")
     lines.append(f"search {s['search_seconds']:.2f} s, {s['evaluations']} simulations")
+    if s.get("microbatch_search"):
+        lines.append(f"micro-batch counts tried for a batch of {s['batch']} rows "
+                     f"(chosen: {s['microbatches']}):")
+        lines.append(f"{'micro-batches':>13} {'rows':>6} {'step ms':>10} {'rows/s':>10}")
+        for c in s["microbatch_search"]:
+            step = "does not fit" if c["step_time"] is None else f"{c['step_time']:.2f}"
+            rate = "-" if c["rows_per_s"] is None else f"{c['rows_per_s']:,.0f}"
+            mark = "  <- chosen" if c["microbatches"] == s["microbatches"] else ""
+            lines.append(f"{c['microbatches']:>13} {c['rows']:>6} {step:>10} {rate:>10}{mark}")
     return "\n".join(lines)

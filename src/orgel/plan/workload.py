@@ -4,22 +4,27 @@ A plan found on a block cost table names blocks; the runtime splits the
 captured op graph by *nodes* and sends values by the names the split gives
 them. :func:`attach_split` fills every stage's nodes (its blocks' nodes, in
 graph order), splits the graph by the plan and takes the split's stage graph
-(edge values named and sized as the runtime will send them), then re-simulates.
+(edge values named and sized as the runtime will send them), records the
+parameters that stages on different ranks share (``meta["tied_weights"]``, whose
+gradient all-reduce the simulator then counts), then re-simulates.
 :func:`auto_plan` is the hook ``orgel.pipeline`` calls when no plan is given.
 
 Both profile with the intra-op thread count the ranks will train with
 (:func:`orgel.profile.workload.rank_threads`), with the other ``ranks - 1``
 ranks' work running meanwhile (:mod:`orgel.profile.contention`), and tell the
-planner a
-micro-batch's row count, so it never gives a stage replicas that cannot split
-a micro-batch evenly.
+planner a micro-batch's row count, so it never gives a stage replicas that
+cannot split a micro-batch evenly. Given no micro-batch count, both choose one
+for the workload's whole example batch (:mod:`orgel.plan.batch`): each count
+tried is captured and profiled at its micro-batch size (cached on disk).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any
 
+from orgel.plan.batch import microbatch_choices, search_microbatches
 from orgel.plan.planner import PlanResult, plan, predict
 from orgel.profile.costs import BlockCosts
 from orgel.schedule.ir import Plan, StageGraph
@@ -28,7 +33,10 @@ from orgel.sim import simulate
 
 
 def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan:
-    """``p`` with stage nodes and the named edges of the split of ``opgraph`` by it."""
+    """``p`` with stage nodes, the named edges of the split of ``opgraph`` and its tied weights.
+
+    ``meta["tied_weights"]`` is recomputed from the split (see :func:`tied_weights`).
+    """
     from orgel.split import split_plan
 
     if not all(s.nodes for s in p.stage_graph.stages):
@@ -40,12 +48,39 @@ def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan
                    for i, st in enumerate(split.stage_graph.stages))
     out = Plan(StageGraph(stages, split.stage_graph.edges), p.placement, p.num_ranks,
                p.microbatches, p.schedule, list(p.recompute), p.costs, None, dict(p.meta))
+    groups = tied_weights(split, p.placement)
+    out.meta.pop("tied_weights", None)  # from an earlier split: this one decides
+    if groups:
+        out.meta["tied_weights"] = groups
     validate(out)
     if costs is not None:
         predict(out, costs)
     else:
         sim = simulate(out)
         out.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
+    return out
+
+
+def tied_weights(split: Any, placement: list[tuple[int, ...]]) -> list[dict[str, Any]]:
+    """The parameters that stages on different ranks share, one entry per parameter.
+
+    Each is ``{"name": qualified name, "stages": [...], "nbytes": N}``: the
+    runtime sums the copies' gradients over the ranks of those stages
+    (:mod:`orgel.runtime.optim`), one all-reduce of ``N`` bytes per parameter.
+    A parameter whose stages all sit on one rank is summed locally and left out.
+    """
+    out: list[dict[str, Any]] = []
+    for name in split.tied:
+        stages: list[int] = []
+        nbytes = 0
+        for s, st in enumerate(split.stages):
+            local = [k for k, qual in st.param_names.items() if qual == name]
+            if local:
+                stages.append(s)
+                param = dict(st.module.named_parameters())[local[0]]
+                nbytes = param.numel() * param.element_size()
+        if len({r for s in stages for r in placement[s]}) > 1:
+            out.append({"name": name, "stages": stages, "nbytes": nbytes})
     return out
 
 
@@ -63,12 +98,20 @@ def microbatch_rows(workload: Any, microbatches: int) -> int | None:
     return None
 
 
-def plan_workload(workload: Any, *, ranks: int, microbatches: int, blocks: int = 32,
-                  memory: int | None = None, planner: str = "auto", dp: int | None = 1,
-                  link: bool = True, progress: bool = True, threads: int | None = None,
+
+
+def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
+                  batch: int | None = None, blocks: int = 32, memory: int | None = None,
+                  planner: str = "auto", dp: int | None = 1, link: bool = True,
+                  progress: bool = True, threads: int | None = None,
                   **options: Any) -> PlanResult:
     """Profile ``workload`` (``"file.py:fn"`` or a Workload) and plan it, runnable as is.
 
+    ``microbatches=None`` chooses the count for a global batch of ``batch``
+    rows (default: the workload's example batch; other sizes are cut from it,
+    so each micro-batch's rows must divide the example's); the plan's
+    ``meta["microbatch_search"]`` lists the counts tried (:mod:`orgel.plan.batch`),
+    each profiled at its micro-batch size with a progress line on stderr.
     ``threads``: intra-op threads per rank to profile with (default: what a
     local group of ``ranks`` gives each rank). ``options`` go to
     :func:`~orgel.plan.planner.plan` (e.g. ``max_replicas=1`` for a pure
@@ -76,25 +119,93 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int, blocks: int =
     """
     from orgel.profile.workload import capture_workload, profile_graph, rank_threads
 
+    threads = threads or rank_threads(ranks)
+    if microbatches is None:
+        result, _ = plan_batch(workload, ranks=ranks, batch=batch, blocks=blocks, link=link,
+                               progress=progress, threads=threads, memory=memory,
+                               planner=planner, dp=dp, **options)
+        return result
+    if batch is not None:
+        raise ValueError("batch sets the micro-batch count's search: give microbatches=None "
+                         "with it, or leave batch out")
     w, opgraph = capture_workload(workload, microbatches)
     costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, link=link,
-                          progress=progress, threads=threads or rank_threads(ranks),
-                          contention=ranks - 1)
+                          progress=progress, threads=threads, contention=ranks - 1)
     if isinstance(workload, str):
         costs.meta["workload"] = workload
-    options.setdefault("rows", microbatch_rows(w, microbatches))
+    costs.rows = microbatch_rows(w, microbatches)
+    options.setdefault("rows", costs.rows)
     result = plan(costs, ranks, microbatches, memory=memory, planner=planner, dp=dp, **options)
     result.plan = attach_split(result.plan, opgraph)
     result.sim = predict(result.plan, costs)
     return result
 
 
-def auto_plan(workload: Any, graph: Any, *, ranks: int, microbatches: int,
+def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: int = 32,
+               link: bool = True, progress: bool = True, threads: int = 1,
+               dp: int | None = 1, **options: Any) -> tuple[PlanResult, Any]:
+    """Choose the micro-batch count for ``batch`` rows of ``workload`` and plan it.
+
+    Returns the runnable plan's result and the op graph captured at the chosen
+    micro-batch size (what the runtime splits). ``options`` go to
+    :func:`~orgel.plan.batch.search_microbatches` and on to the planner.
+    """
+    from orgel.graph import capture
+    from orgel.profile.workload import profile_graph
+    from orgel.workload import Workload, load_workload, named_inputs, validate_workload
+    from orgel.workload import microbatches as split_batches
+
+    w = load_workload(workload) if isinstance(workload, str) else workload
+    if not isinstance(w, Workload):
+        raise ValueError("workload must be 'file.py:function' or an orgel.workload.Workload")
+    validate_workload(w, 1)
+    example = microbatch_rows(w, 1)
+    if example is None:
+        raise ValueError("the workload's inputs have no batch dimension to cut into "
+                         "micro-batches: give microbatches explicitly")
+    batch = example if batch is None else batch
+    choices = [m for m in microbatch_choices(batch, ranks, dp=dp)
+               if example % (batch // m) == 0]
+    if not choices:
+        raise ValueError(f"no micro-batch of a {batch}-row batch can be cut from the example "
+                         f"batch of {example} rows: give a batch that is a multiple of a "
+                         f"divisor of {example}")
+    graphs: dict[int, Any] = {}
+    all_costs: dict[int, BlockCosts] = {}
+
+    def costs_at(rows: int) -> BlockCosts:
+        parts = example // rows
+        inputs, _ = split_batches(w, parts)[0]
+        graphs[rows] = capture(w.model, named_inputs(w.model, inputs))
+        costs = profile_graph(w, graphs[rows], microbatches=parts, blocks=blocks, link=link,
+                              progress=progress, threads=threads, contention=ranks - 1)
+        costs.rows = rows
+        if isinstance(workload, str):
+            costs.meta["workload"] = workload
+        all_costs[rows] = costs
+        return costs
+
+    def say(text: str) -> None:
+        if progress:
+            print(f"orgel: profiling and planning {text} (batch {batch})", file=sys.stderr)
+
+    result = search_microbatches(costs_at, batch, ranks, dp=dp, choices=choices, progress=say,
+                                 **options)
+    rows = batch // result.plan.microbatches
+    result.plan = attach_split(result.plan, graphs[rows])
+    result.sim = predict(result.plan, all_costs[rows])
+    return result, graphs[rows]
+
+
+def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int | None,
               memory: int | None = None, dp: int = 1, blocks: int = 32,
               max_replicas: int | None = 1, rows: int | None = None,
               threads: int | None = None, planner: str = "auto") -> Plan:
-    """The planner's plan for an already captured workload (``orgel.pipeline``'s hook).
+    """The planner's plan for a workload (``orgel.pipeline``'s hook).
 
+    ``graph`` is the workload captured at ``microbatches`` micro-batches; with
+    ``microbatches=None`` leave it out: the count is chosen for the whole
+    example batch (:func:`plan_batch`, which captures each size it tries).
     ``dp=1``: the whole pipeline is not replicated. ``max_replicas`` (default
     1: a pure pipeline, every stage on one rank) caps a stage's intra-stage
     replicas: ``orgel.pipeline`` runs stages captured with fixed shapes and
@@ -107,11 +218,23 @@ def auto_plan(workload: Any, graph: Any, *, ranks: int, microbatches: int,
     """
     from orgel.profile.workload import profile_graph, rank_threads
 
+    threads = threads or rank_threads(ranks)
+    if microbatches is None:
+        if graph is not None or rows is not None:
+            raise ValueError("with microbatches=None the search captures every micro-batch "
+                             "size it tries: leave graph and rows out")
+        result, _ = plan_batch(workload, ranks=ranks, progress=False, threads=threads,
+                               blocks=blocks, memory=memory, dp=dp, planner=planner,
+                               max_replicas=max_replicas)
+        return result.plan
+    if graph is None:
+        raise ValueError("give the graph captured at microbatches micro-batches "
+                         "(orgel.profile.workload.capture_workload), or microbatches=None")
     costs = profile_graph(workload, graph, microbatches=microbatches, blocks=blocks,
-                          progress=False, threads=threads or rank_threads(ranks),
-                          contention=ranks - 1)
+                          progress=False, threads=threads, contention=ranks - 1)
     if rows is None:
         rows = microbatch_rows(workload, microbatches)
+    costs.rows = rows
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,
                   max_replicas=max_replicas, rows=rows)
     return attach_split(result.plan, graph, costs)

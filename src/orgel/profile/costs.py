@@ -16,10 +16,14 @@ studied without a model. Times are milliseconds, sizes bytes::
      "optimizer_factor": 4,                # weights + grads + optimizer state = 4 x params
      "optimizer_temporary": 0,             # optional: the optimizer step's extra x params
      "action_overhead": 0.0,               # optional, ms per compute action
-     "optimizer_ms_per_mib": 0.0}          # optional, optimizer step ms per MiB of params
+     "optimizer_ms_per_mib": 0.0,          # optional, optimizer step ms per MiB of params
+     "rows": 4}                            # optional: rows per micro-batch it was measured at
 
 An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to
-half of ``bwd``. ``weight_kept`` (optional, default 0) is what a split
+half of ``bwd``. ``rows`` (optional) is the micro-batch size, in rows along the
+batch dimension, that the times and activation bytes were measured at:
+``orgel plan --costs FILE --batch B`` needs it to scale the table to other
+micro-batch sizes (:meth:`BlockCosts.scaled`). ``weight_kept`` (optional, default 0) is what a split
 backward's ``I`` keeps for its ``W`` beyond the forward's activations (the
 gradients ``W`` starts from). :func:`stage_costs` sums blocks into stages and
 :func:`stage_graph` builds the stage DAG (with edge bytes) for a split.
@@ -39,7 +43,7 @@ from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
                "nodes", "weight_kept")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
-             "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib")
+             "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib", "rows")
 
 
 class CostsFileError(ValueError):
@@ -76,6 +80,7 @@ class BlockCosts:
     optimizer_temporary: float = 0.0  # optimizer step's extra bytes, as a multiple of params
     weight_kept: list[int] = field(default_factory=list)  # I -> W bytes per block (0 if empty)
     optimizer_ms_per_mib: float = 0.0  # the optimizer step's time per MiB of parameters
+    rows: int | None = None  # rows per micro-batch the table was measured at, if known
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -106,6 +111,10 @@ class BlockCosts:
                 raise CostsFileError(
                     f"edge [{a}, {b}] goes backwards: number blocks in a topological "
                     "order so every edge goes from a lower to a higher index")
+        if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int)
+                                      or self.rows < 1):
+            raise CostsFileError(f"rows must be a positive integer (rows per micro-batch the "
+                                 f"costs were measured at), got {self.rows!r}")
         if self.optimizer_factor < 1:
             raise CostsFileError(f"optimizer_factor must be >= 1 (weights alone), got "
                                  f"{self.optimizer_factor}")
@@ -123,7 +132,11 @@ class BlockCosts:
         return int(self.params[block] * self.optimizer_factor)
 
     def scaled(self, factor: float) -> BlockCosts:
-        """Costs for micro-batches ``factor`` times as large (times and activations scale)."""
+        """Costs for micro-batches ``factor`` times as large (times and activations scale).
+
+        The per-action overhead, links and parameters stay as they are; ``rows``
+        scales too (None when the result is not a whole number of rows).
+        """
         return BlockCosts(
             fwd=[t * factor for t in self.fwd], bwd=[t * factor for t in self.bwd],
             wgrad=[t * factor for t in self.wgrad], params=list(self.params),
@@ -135,7 +148,7 @@ class BlockCosts:
             names=list(self.names), meta=dict(self.meta), nodes=[list(n) for n in self.nodes],
             optimizer_temporary=self.optimizer_temporary,
             weight_kept=[int(b * factor) for b in self.weight_kept],
-            optimizer_ms_per_mib=self.optimizer_ms_per_mib)
+            optimizer_ms_per_mib=self.optimizer_ms_per_mib, rows=_scaled_rows(self.rows, factor))
 
     # -- JSON --------------------------------------------------------------------
 
@@ -160,6 +173,7 @@ class BlockCosts:
             "optimizer_temporary": self.optimizer_temporary,
             "action_overhead": self.action_overhead,
             "optimizer_ms_per_mib": self.optimizer_ms_per_mib,
+            **({} if self.rows is None else {"rows": self.rows}),
             "meta": self.meta,
         }
 
@@ -226,6 +240,10 @@ class BlockCosts:
         memory = data.get("memory_per_rank")
         if memory is not None:
             memory = int(_number(memory, "memory_per_rank"))
+        rows = data.get("rows")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise CostsFileError(f"rows must be a positive integer (rows per micro-batch the "
+                                 f"costs were measured at), got {rows!r}")
         return cls(
             fwd=cols["fwd"], bwd=cols["bwd"], wgrad=cols["wgrad"], params=cols["params"],
             activations=cols["activations"], output=cols["output"],
@@ -239,7 +257,7 @@ class BlockCosts:
                                          "optimizer_ms_per_mib"),
             weight_kept=cols["weight_kept"],
             names=cols["name"], meta=dict(data.get("meta") or {}),
-            nodes=cols["nodes"] if any(cols["nodes"]) else [],
+            nodes=cols["nodes"] if any(cols["nodes"]) else [], rows=rows,
         )
 
     def save(self, path: str | Path) -> None:
@@ -260,6 +278,15 @@ class BlockCosts:
             return cls.from_dict(data)
         except CostsFileError as exc:
             raise CostsFileError(f"costs file {path}: {exc}") from None
+
+
+def _scaled_rows(rows: int | None, factor: float) -> int | None:
+    """``rows x factor`` when it is a whole number of rows, else None."""
+    if rows is None:
+        return None
+    exact = rows * factor
+    whole = round(exact)
+    return whole if whole >= 1 and abs(exact - whole) < 1e-6 else None
 
 
 def _number(value: Any, where: str) -> float:
