@@ -34,7 +34,6 @@ caller asks for with ``dp`` instead.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -54,6 +53,7 @@ class Solution:
     devices: int
     depth: int
     stages: tuple[StageSpec, ...]
+    slowest: float = 0.0  # the largest stage time (ms per micro-batch) in ``stages``
 
     @property
     def key(self) -> tuple[int, int]:
@@ -80,6 +80,13 @@ class _Totals:
         self._memo: dict[int, tuple[float, int, int, int]] = {}
         self._folded: dict[tuple[int, int, int], Parallel] = {}
         self.no_pack: set[int] = set()  # folded at both ends: never share a stage
+        # Per DP configuration: (work, params, acts, temp) -> (replicas, time) options.
+        self.tables: dict[tuple[object, ...], dict[tuple[float, int, int, int],
+                                                   tuple[tuple[int, float], ...]]] = {}
+        # Per DP configuration: subtree id -> (highest bound found infeasible, a
+        # solution, the bound it was found at); see _DP.solve.
+        self.across: dict[tuple[object, ...], dict[int, tuple[float, Solution | None,
+                                                              float]]] = {}
 
     def of(self, node: SPTree) -> tuple[float, int, int, int]:
         got = self._memo.get(id(node))
@@ -130,40 +137,71 @@ class _DP:
         # In-flight micro-batches of a stage are at most min(m, ranks) under 1F1B on a DAG.
         self.inflight = min(microbatches, ranks)
         self.memo: dict[int, Solution | None] = {}
+        config = (exposed, tuple(self.counts), microbatches, memory)
+        self.tables = totals.tables.setdefault(config, {})
+        self.across = totals.across.setdefault(config, {})
 
-    def replicas(self, work: float, params: int, acts: int, temp: int) -> int | None:
-        """Fewest replicas that bring a stage under the bound and the memory cap."""
+    def replicas(self, work: float, params: int, acts: int, temp: int
+                 ) -> tuple[int, float] | None:
+        """Fewest replicas (and the stage's time) under the bound and the memory cap."""
+        key = (work, params, acts, temp)
+        table = self.tables.get(key)
+        if table is None:
+            table = self._table(work, params, acts, temp)
+            self.tables[key] = table
+        bound = self.bound
+        for r, t in table:
+            if t <= bound:
+                return r, t
+        return None
+
+    def _table(self, work: float, params: int, acts: int, temp: int
+               ) -> tuple[tuple[int, float], ...]:
+        """(replicas, stage time) for every allowed count that fits memory; the same for
+        every bound, so it is shared by the binary search's dynamic programs."""
         bc = self.bc
-        first = max(1, math.ceil(work / self.bound)) if self.bound > 0 else 1
-        for r in (c for c in self.counts if first <= c <= self.ranks):
-            reduce = 0.0
-            if r > 1:
-                reduce = 2 * (r - 1) * bc.link.time(params // r) * self.reduce_share
-            t = work / r + 2 * bc.action_overhead + reduce
-            if t > self.bound:
-                continue
+        out = []
+        for r in self.counts:
+            if r > self.ranks:
+                break
             if self.memory is not None:
                 mem = params * bc.optimizer_factor + (acts * self.inflight + temp) / r
                 if mem > self.memory:
                     continue
-            return r
-        return None
+            reduce = 0.0
+            if r > 1:
+                reduce = 2 * (r - 1) * bc.link.time(params // r) * self.reduce_share
+            out.append((r, work / r + 2 * bc.action_overhead + reduce))
+        return tuple(out)
 
     def merged(self, nodes: list[SPTree]) -> Solution | None:
         work, params, acts, temp = 0.0, 0, 0, 0
         for nd in nodes:
             w, p, a, t = self.totals.of(nd)
             work, params, acts, temp = work + w, params + p, acts + a, max(temp, t)
-        r = self.replicas(work, params, acts, temp)
-        if r is None:
+        got = self.replicas(work, params, acts, temp)
+        if got is None:
             return None
         blocks = tuple(sorted(b for nd in nodes for b in nd.blocks))
-        return Solution(r, 1, (StageSpec(blocks, r),))
+        return Solution(got[0], 1, (StageSpec(blocks, got[0]),), got[1])
 
     def solve(self, node: SPTree) -> Solution | None:
         key = id(node)
         if key in self.memo:
             return self.memo[key]
+        # Across bounds: a subtree infeasible at T is infeasible below it, and the best
+        # solution at T stays the best at any T' in [its slowest stage, T] (the
+        # feasible set only shrinks), so the binary search re-solves few subtrees.
+        seen = self.across.get(key)
+        bound = self.bound
+        if seen is not None:
+            none_at, sol, at = seen
+            if bound <= none_at:
+                self.memo[key] = None
+                return None
+            if sol is not None and sol.slowest <= bound <= at:
+                self.memo[key] = sol
+                return sol
         if isinstance(node, Leaf):
             sol = self.merged([node])
         elif isinstance(node, Series):
@@ -171,46 +209,55 @@ class _DP:
         else:
             sol = self._parallel(node)
         self.memo[key] = sol
+        none_at = -1.0 if seen is None else seen[0]
+        if sol is None:
+            self.across[key] = (max(none_at, bound), None if seen is None else seen[1],
+                                0.0 if seen is None else seen[2])
+        else:
+            self.across[key] = (none_at, sol, bound)
         return sol
 
     def _series(self, children: list[SPTree]) -> Solution | None:
         k = len(children)
-        # cost[j]: (ranks, depth) of the best cover of children j..k-1; choice[j]: how.
+        # cost[j]: (ranks, depth) of the best cover of children j..k-1; slow[j]: its
+        # slowest stage; choice[j]: how (end, replicas of a merged stage, or a solution).
         cost: list[tuple[int, int] | None] = [None] * (k + 1)
+        slow = [0.0] * (k + 1)
         choice: list[tuple[int, int, Solution | None]] = [(0, 0, None)] * (k + 1)
         cost[k] = (0, 0)
+        of, ranks, bound = self.totals.of, self.ranks, self.bound
+        # Beyond this much work a stage misses the bound even on the most replicas.
+        reach = (bound - 2 * self.bc.action_overhead) * min(self.counts[-1], ranks)
         for j in range(k - 1, -1, -1):
             best: tuple[int, int] | None = None
             child = children[j]
-            if not isinstance(child, Leaf):
-                own, rest = self.solve(child), cost[j + 1]
-                if own is not None and rest is not None:
-                    best = (own.devices + rest[0], own.depth + rest[1])
-                    choice[j] = (j + 1, 0, own)
-            for e, node in self._absorbing(children, j):
+            options: list[tuple[int, SPTree]] = [] if isinstance(child, Leaf) else [(j + 1, child)]
+            for e, node in options + self._absorbing(children, j):
                 own, rest = self.solve(node), cost[e]
                 if own is not None and rest is not None:
                     key = (own.devices + rest[0], own.depth + rest[1])
                     if best is None or key < best:
                         best = key
                         choice[j] = (e, 0, own)
+                        slow[j] = max(own.slowest, slow[e])
             # Merged segments j..e-1; stop once even all ranks cannot hold one under T.
             work, params, acts, temp = 0.0, 0, 0, 0
             for e in range(j + 1, k + 1):
-                w, p, a, t = self.totals.of(children[e - 1])
+                w, p, a, t = of(children[e - 1])
                 work, params, acts, temp = work + w, params + p, acts + a, max(temp, t)
-                if work / self.ranks > self.bound:
+                if work > reach:
                     break
                 rest = cost[e]
-                if rest is None or rest[0] >= self.ranks:
+                if rest is None or rest[0] >= ranks:
                     continue
-                r = self.replicas(work, params, acts, temp)
-                if r is None:
+                got = self.replicas(work, params, acts, temp)
+                if got is None:
                     continue
-                key = (r + rest[0], 1 + rest[1])
+                key = (got[0] + rest[0], 1 + rest[1])
                 if best is None or key < best:
                     best = key
-                    choice[j] = (e, r, None)
+                    choice[j] = (e, got[0], None)
+                    slow[j] = max(got[1], slow[e])
             cost[j] = best
         if cost[0] is None:
             return None
@@ -224,7 +271,7 @@ class _DP:
                 blocks = tuple(sorted(b for c in children[j:e] for b in c.blocks))
                 stages.append(StageSpec(blocks, r))
             j = e
-        return Solution(cost[0][0], cost[0][1], tuple(stages))
+        return Solution(cost[0][0], cost[0][1], tuple(stages), slow[0])
 
     def _absorbing(self, children: list[SPTree], j: int) -> list[tuple[int, SPTree]]:
         """Parallel nodes with their neighbours folded into their lightest branches.
@@ -304,13 +351,9 @@ def _concat(a: SPTree, b: SPTree) -> Series:
     return Series(parts(a) + parts(b))
 
 
-def _join_series(a: Solution, b: Solution) -> Solution:
-    return Solution(a.devices + b.devices, a.depth + b.depth, a.stages + b.stages)
-
-
 def _join_parallel(parts: list[Solution]) -> Solution:
     return Solution(sum(p.devices for p in parts), max(p.depth for p in parts),
-                    tuple(s for p in parts for s in p.stages))
+                    tuple(s for p in parts for s in p.stages), max(p.slowest for p in parts))
 
 
 def _estimate(bc: BlockCosts, key: tuple[tuple[tuple[int, ...], int], ...],
@@ -379,23 +422,31 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
     # Without pure data parallelism the DP (which breaks ties towards shallow
     # pipelines) may only find "one stage on every rank"; also solve with
     # single-rank stages, whose spare ranks may still become replicas below.
-    count_sets = [counts] if pure_dp or counts == [1] else [counts, [1]]
-    for exposed, cs in ((e, c) for e in (False, True) for c in count_sets):
-        lo = max(sum(work) / ranks, 0.0)
-        hi = sum(work) + 2 * bc.action_overhead * bc.num_blocks + 1.0
+    passes = [(False, counts)]
+    if not pure_dp and counts != [1]:
+        passes.append((False, [1]))
+    if counts != [1]:  # an exposed all-reduce only matters to replicated stages
+        passes.append((True, counts))
+    total = sum(work)
+    for exposed, cs in passes:
+        # No layout beats perfect balance: sum_s r_s (t_s - 2 overhead) >= total work.
+        lo = (total / ranks + 2 * bc.action_overhead) * (1 - 1e-9)
+        hi = total + 2 * bc.action_overhead * bc.num_blocks + 1.0
         hi += 2 * ranks * bc.link.time(sum(bc.params))
         tightest = None
+        mid = hi
         for _ in range(iterations):
-            mid = (lo + hi) / 2
             sol = _DP(bc, totals, ranks, microbatches, scorer.memory, mid,
                       exposed=exposed, counts=cs).solve(tree)
             if sol is not None and sol.devices <= ranks:
-                hi, tightest = mid, mid
-                found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), mid)
+                # The solution's own slowest stage is a tighter feasible bound than ``mid``.
+                hi = tightest = min(mid, sol.slowest)
+                found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), hi)
             else:
                 lo = mid
             if hi - lo <= tolerance * hi:
                 break
+            mid = (lo + hi) / 2
         if tightest is None:
             continue
         # The tightest bound is not always the fastest step: a looser one gives fewer,
