@@ -12,12 +12,34 @@ Posting. With gloo (``post_ahead``) every receive of the step is posted at the
 start, so a message that has arrived is never waited for. With NCCL, sends and
 receives between a pair share one stream and match in issue order, so receives
 are posted lazily, in channel order, right before they are needed.
+
+Releasing sends. A sent tensor stays alive until its send completes; the
+transport drops completed sends (work handle and tensor) as the step goes, at
+every send and receive, instead of keeping them all until the step ends:
+
+* NCCL: ``work.is_completed()`` is a non-blocking event query; completed sends
+  are dropped, nothing ever blocks the host before :meth:`Transport.finish`.
+* gloo: a send's ``is_completed()`` stays false until someone waits on it, and a
+  send completes only once the receiver posted its receive. When every receive
+  of the step was posted ahead at its start (``post_ahead`` and no shape
+  exchange), a wait is safe (the receiver posts without waiting for this rank)
+  and short, so the sends of one action are waited at the next action boundary
+  (they had a whole action to transfer): at most one action's sends are
+  pending. ``max_pending_bytes`` caps them further (waiting the oldest first;
+  one message larger than the cap is still sent). Steps that exchange shapes or
+  post just in time post receives only when the receiver needs them, so
+  waiting early could deadlock: their sends are held until the step ends.
+
+``peak_pending_bytes`` / ``peak_pending`` record the most bytes / messages
+pending at once during the current step.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +53,20 @@ from orgel.schedule.ir import Plan
 # Transports are created in the same order on every rank (like process groups),
 # so this count names one plan's shape keys in the shared store.
 _instances = 0
+
+#: Default cap on the bytes of sends pending at once (gloo, receives posted ahead).
+MAX_PENDING_BYTES = 64 << 20
+
+
+@dataclass(eq=False)  # identity: deque.remove must not compare tensors
+class _Send:
+    """One message in flight: its work handles keep ``tensors`` alive until done."""
+
+    index: int
+    works: list[Any]
+    tensors: list[torch.Tensor]
+    nbytes: int
+    pos: int  # position of the sending action in this rank's list
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -53,11 +89,17 @@ class Transport:
     ``ranks[r]`` is the global rank of plan rank ``r`` (identity by default).
     ``timeout`` (seconds) bounds every wait; a wait that times out or loses its
     peer raises :class:`CommFailure` naming the peer and the message.
+    ``max_pending_bytes`` caps the bytes of pending sends where waiting early is
+    safe (see the module docstring); ``None``: no cap beyond one action's sends.
     """
 
     def __init__(self, plan: Plan, comm_plan: CommPlan, rank: int, *, store: Any,
                  device: torch.device, timeout: float, post_ahead: bool,
-                 group: Any = None, ranks: list[int] | None = None) -> None:
+                 group: Any = None, ranks: list[int] | None = None,
+                 max_pending_bytes: int | None = MAX_PENDING_BYTES) -> None:
+        if max_pending_bytes is not None and max_pending_bytes < 0:
+            raise ValueError(f"max_pending_bytes must be >= 0 bytes or None, got "
+                             f"{max_pending_bytes}")
         self.plan = plan
         self.comm = comm_plan
         self.rank = rank
@@ -84,7 +126,13 @@ class Transport:
         self.posted: dict[int, list[Any]] = {}
         self.posted_buffers: dict[int, list[torch.Tensor]] = {}
         self.next_in_channel: dict[tuple[int, int], int] = {}
-        self.sends: list[tuple[int, list[Any], list[torch.Tensor]]] = []
+        self.max_pending_bytes = max_pending_bytes
+        self.pending: deque[_Send] = deque()
+        self.pending_bytes = 0
+        self.peak_pending_bytes = 0
+        self.peak_pending = 0
+        self.sent_bytes = 0
+        self.settle = False  # whether waiting on a send before the step ends is safe
         global _instances
         _instances += 1
         self.instance = _instances
@@ -101,18 +149,44 @@ class Transport:
             self.epoch += 1
         self.posted, self.posted_buffers = {}, {}
         self.next_in_channel = {key: 0 for key in self.comm.channels}
-        self.sends = []
+        self.pending.clear()
+        self.pending_bytes = self.peak_pending_bytes = self.peak_pending = self.sent_bytes = 0
+        # gloo with every receive posted now on every rank (same inputs, same decision)
+        self.settle = self.post_ahead and not self.exchange and self.device.type != "cuda"
         if self.post_ahead and not self.exchange:
             for i in self.incoming:
                 self._post(i)
 
     def finish(self) -> None:
-        """Wait for every send of the step (their buffers may then be reused)."""
-        for i, works, _ in self.sends:
-            m = self.comm.messages[i]
-            for w in works:
-                self._wait(w, i, m.dst_rank, "sending")
-        self.sends = []
+        """Wait for every send still pending (their buffers may then be reused)."""
+        while self.pending:
+            self._complete(self.pending[0])
+
+    def release(self, pos: int) -> None:
+        """Drop the sends that completed before action ``pos`` (called at every boundary).
+
+        Sends are dropped once their work is done (NCCL: polled); with gloo, where
+        waiting is safe, the sends of actions before ``pos - 1`` are waited (see
+        the module docstring), so at most one action's sends stay pending.
+        """
+        if not self.pending:
+            return
+        if self.settle:
+            while self.pending and self.pending[0].pos < pos - 1:
+                self._complete(self.pending[0])
+        elif self.device.type == "cuda":
+            for send in [s for s in self.pending if all(w.is_completed() for w in s.works)]:
+                self._drop(send)
+
+    def _complete(self, send: _Send) -> None:
+        m = self.comm.messages[send.index]
+        for w in send.works:
+            self._wait(w, send.index, m.dst_rank, "sending")
+        self._drop(send)
+
+    def _drop(self, send: _Send) -> None:
+        self.pending.remove(send)
+        self.pending_bytes -= send.nbytes
 
     # -- receiving ----------------------------------------------------------------
 
@@ -162,6 +236,7 @@ class Transport:
                     self._post(order[p])
             self.next_in_channel[key] = max(self.next_in_channel[key], pos + 1)
         m = self.comm.messages[i]
+        self.release(m.recv_pos)
         for w in self.posted[i]:
             self._wait(w, i, m.src_rank, "waiting for")
         return self.posted_buffers.pop(i)
@@ -169,16 +244,27 @@ class Transport:
     # -- sending ------------------------------------------------------------------
 
     def send(self, i: int, tensors: list[torch.Tensor]) -> None:
-        """Send message ``i`` asynchronously; waited in :meth:`finish`."""
+        """Send message ``i`` asynchronously; released as it completes (see :meth:`release`)."""
         m = self.comm.messages[i]
+        # the next action is send_pos + 1: what the previous action sent is due now
+        self.release(m.send_pos + 1)
         tensors = [t.contiguous() for t in tensors]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        cap = self.max_pending_bytes
+        if self.settle and cap is not None:
+            while self.pending and self.pending_bytes + nbytes > cap:
+                self._complete(self.pending[0])
         if self.exchange:
             spec = [[list(t.shape), str(t.dtype)] for t in tensors]
             self.store.set(self._shape_key(i), json.dumps(spec))
         dst = self.ranks[m.dst_rank]
         works = [dist.isend(t, dst, group=self.group, tag=self.base[i] + j)
                  for j, t in enumerate(tensors)]
-        self.sends.append((i, works, tensors))
+        self.pending.append(_Send(i, works, tensors, nbytes, m.send_pos))
+        self.pending_bytes += nbytes
+        self.sent_bytes += nbytes
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+        self.peak_pending = max(self.peak_pending, len(self.pending))
 
     # -- waiting ------------------------------------------------------------------
 
