@@ -1,0 +1,62 @@
+"""Tied weights in the cost model: attach_split records them, the simulator adds their all-reduce."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from orgel.models import build
+from orgel.plan import plan_workload
+from orgel.plan.workload import tied_weights
+from orgel.profile.workload import capture_workload
+from orgel.schedule.costs import Link
+from orgel.schedule.ir import Plan
+from orgel.sim import simulate
+from orgel.split import split_plan
+from orgel.workload import Workload
+
+
+@pytest.fixture(scope="module")
+def tied_plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
+    """A tied-embedding GPT planned as 1F1B on 2 ranks: embedding on rank 0, LM head on rank 1."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ORGEL_CACHE", str(tmp_path_factory.mktemp("cache")))
+    try:
+        w = Workload(*build("tied", batch_size=4, seed=0, n_layers=2, d_model=32))
+        result = plan_workload(w, ranks=2, microbatches=2, blocks=4, link=False,
+                               progress=False, planner="uniform-time")
+    finally:
+        mp.undo()
+    return result.plan
+
+
+def test_meta_lists_the_embedding_stages_and_bytes(tied_plan: Plan) -> None:
+    assert tied_plan.placement == [(0,), (1,)]
+    [group] = tied_plan.meta["tied_weights"]
+    assert group["name"] in ("tok_emb.weight", "lm_head.weight")
+    assert group["stages"] == [0, 1]
+    assert group["nbytes"] == 128 * 32 * 4  # vocab x d_model float32
+    again = Plan.from_json(tied_plan.to_json())  # plain data: survives the plan file
+    assert again.meta["tied_weights"] == tied_plan.meta["tied_weights"]
+
+
+def test_simulated_step_grows_by_the_all_reduce(tied_plan: Plan) -> None:
+    p = copy.deepcopy(tied_plan)
+    assert p.costs is not None
+    p.costs.link = Link(latency=0.5, per_mib=4.0)
+    untied = copy.deepcopy(p)
+    del untied.meta["tied_weights"]
+    nbytes = p.meta["tied_weights"][0]["nbytes"]
+    ring = 2 * (2 - 1) * p.costs.link.time(nbytes // 2)  # ring all-reduce on 2 ranks
+    # 1F1B ends with stage 0's last backward; the all-reduce waits for it.
+    assert simulate(p).step_time == pytest.approx(simulate(untied).step_time + ring)
+
+
+def test_stages_on_one_rank_need_no_all_reduce(tied_plan: Plan) -> None:
+    w = Workload(*build("tied", batch_size=4, seed=0, n_layers=2, d_model=32))
+    _, graph = capture_workload(w, 2)
+    split = split_plan(graph, tied_plan)
+    assert len(split.tied) == 1
+    assert tied_weights(split, [(0,), (0,)]) == []
+    assert tied_weights(split, [(0,), (1,)]) == tied_plan.meta["tied_weights"]
