@@ -1,4 +1,4 @@
-"""Tied weights in the cost model: attach_split records them, the simulator adds their all-reduce."""
+"""Tied weights in the cost model: attach_split records them; the simulator adds the all-reduce."""
 
 from __future__ import annotations
 
