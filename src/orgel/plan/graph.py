@@ -34,12 +34,13 @@ caller asks for with ``dp`` instead.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from orgel.plan.replicas import StageSpec, replica_counts, spread_replicas
 from orgel.plan.scorer import Score, Scorer, Template
-from orgel.plan.sp import Leaf, Parallel, Series, SPTree, decompose
+from orgel.plan.sp import Leaf, Parallel, Series, SPTree, branch_groups, decompose
 from orgel.plan.transforms import split_backward
 from orgel.profile.costs import BlockCosts, stage_graph
 from orgel.schedule.families import build_schedule
@@ -79,6 +80,8 @@ class _Totals:
         self.bc = bc
         self._memo: dict[int, tuple[float, int, int, int]] = {}
         self._folded: dict[tuple[int, int, int], Parallel] = {}
+        self._groups: dict[tuple[int, int], list[SPTree]] = {}
+        self._prefix: dict[int, tuple[list[float], list[int], list[int], list[int]]] = {}
         self.no_pack: set[int] = set()  # folded at both ends: never share a stage
         # Per DP configuration: (work, params, acts, temp) -> (replicas, time) options.
         self.tables: dict[tuple[object, ...], dict[tuple[float, int, int, int],
@@ -99,6 +102,31 @@ class _Totals:
             self._memo[id(node)] = got
         return got
 
+
+    def prefix(self, node: Series) -> tuple[list[float], list[int], list[int], list[int]]:
+        """Prefix sums of a series' children (work, params, activations) and their
+        temporaries, so any run of children costs O(1) (O(run) for the temporary)."""
+        got = self._prefix.get(id(node))
+        if got is None:
+            cw, cp, ca, temps = [0.0], [0], [0], []
+            for c in node.children:
+                w, p, a, t = self.of(c)
+                cw.append(cw[-1] + w)
+                cp.append(cp[-1] + p)
+                ca.append(ca[-1] + a)
+                temps.append(t)
+            got = (cw, cp, ca, temps)
+            self._prefix[id(node)] = got
+        return got
+
+    def groups(self, par: Parallel, count: int) -> list[SPTree]:
+        """:func:`~orgel.plan.sp.branch_groups` of ``par`` (cached: stable memo keys)."""
+        key = (id(par), count)
+        got = self._groups.get(key)
+        if got is None:
+            got = branch_groups(par, count, lambda c: self.of(c)[0])
+            self._groups[key] = got
+        return got
 
     def fold(self, before: SPTree | None, par: SPTree, after: SPTree | None) -> Parallel:
         """``par`` with ``before`` prepended to its lightest branch and ``after``
@@ -127,7 +155,7 @@ class _DP:
 
     def __init__(self, bc: BlockCosts, totals: _Totals, ranks: int, microbatches: int,
                  memory: int | None, bound: float, *, exposed: bool = False,
-                 counts: Collection[int] | None = None) -> None:
+                 counts: Collection[int] | None = None, grouped: bool = False) -> None:
         self.bc, self.totals, self.ranks = bc, totals, ranks
         self.counts = sorted(set(counts)) if counts is not None else list(range(1, ranks + 1))
         # The all-reduce of a replicated stage spread over the micro-batches (its
@@ -137,7 +165,8 @@ class _DP:
         # In-flight micro-batches of a stage are at most min(m, ranks) under 1F1B on a DAG.
         self.inflight = min(microbatches, ranks)
         self.memo: dict[int, Solution | None] = {}
-        config = (exposed, tuple(self.counts), microbatches, memory)
+        self.grouped = grouped
+        config = (exposed, tuple(self.counts), microbatches, memory, grouped)
         self.tables = totals.tables.setdefault(config, {})
         self.across = totals.across.setdefault(config, {})
 
@@ -205,7 +234,7 @@ class _DP:
         if isinstance(node, Leaf):
             sol = self.merged([node])
         elif isinstance(node, Series):
-            sol = self._series(list(node.children))
+            sol = self._series(node)
         else:
             sol = self._parallel(node)
         self.memo[key] = sol
@@ -217,7 +246,8 @@ class _DP:
             self.across[key] = (none_at, sol, bound)
         return sol
 
-    def _series(self, children: list[SPTree]) -> Solution | None:
+    def _series(self, node: Series) -> Solution | None:
+        children = node.children
         k = len(children)
         # cost[j]: (ranks, depth) of the best cover of children j..k-1; slow[j]: its
         # slowest stage; choice[j]: how (end, replicas of a merged stage, or a solution).
@@ -225,32 +255,58 @@ class _DP:
         slow = [0.0] * (k + 1)
         choice: list[tuple[int, int, Solution | None]] = [(0, 0, None)] * (k + 1)
         cost[k] = (0, 0)
-        of, ranks, bound = self.totals.of, self.ranks, self.bound
+        cw, cp, ca, temps = self.totals.prefix(node)
+        ranks, bound, fixed = self.ranks, self.bound, 2 * self.bc.action_overhead
+        single = self.counts == [1]
         # Beyond this much work a stage misses the bound even on the most replicas.
-        reach = (bound - 2 * self.bc.action_overhead) * min(self.counts[-1], ranks)
+        reach = (bound - fixed) * min(self.counts[-1], ranks)
+        # Single-rank stages: a segment j..e-1 fits iff e <= last (shrinks as j falls),
+        # and its cost is 1 + cost[e]: a sliding-window minimum over e (``window``
+        # holds ends in increasing order with strictly decreasing costs).
+        window: deque[int] = deque()
+        last = k
         for j in range(k - 1, -1, -1):
             best: tuple[int, int] | None = None
             child = children[j]
             options: list[tuple[int, SPTree]] = [] if isinstance(child, Leaf) else [(j + 1, child)]
-            for e, node in options + self._absorbing(children, j):
-                own, rest = self.solve(node), cost[e]
+            for e, sub in options + self._absorbing(children, j):
+                own, rest = self.solve(sub), cost[e]
                 if own is not None and rest is not None:
                     key = (own.devices + rest[0], own.depth + rest[1])
                     if best is None or key < best:
                         best = key
                         choice[j] = (e, 0, own)
                         slow[j] = max(own.slowest, slow[e])
+            if single:
+                c = cost[j + 1]
+                if c is not None and c[0] < ranks:
+                    while window and cost[window[0]] >= c:  # type: ignore[operator]
+                        window.popleft()
+                    window.appendleft(j + 1)
+                while last > j and not self._fits(j, last, cw, cp, ca, temps):
+                    last -= 1
+                while window and window[-1] > last:
+                    window.pop()
+                if window:
+                    e = window[-1]
+                    rest = cost[e]
+                    assert rest is not None
+                    key = (1 + rest[0], 1 + rest[1])
+                    if best is None or key < best:
+                        best = key
+                        choice[j] = (e, 1, None)
+                        slow[j] = max(cw[e] - cw[j] + fixed, slow[e])
+                cost[j] = best
+                continue
             # Merged segments j..e-1; stop once even all ranks cannot hold one under T.
-            work, params, acts, temp = 0.0, 0, 0, 0
             for e in range(j + 1, k + 1):
-                w, p, a, t = of(children[e - 1])
-                work, params, acts, temp = work + w, params + p, acts + a, max(temp, t)
+                work = cw[e] - cw[j]
                 if work > reach:
                     break
                 rest = cost[e]
                 if rest is None or rest[0] >= ranks:
                     continue
-                got = self.replicas(work, params, acts, temp)
+                got = self.replicas(work, cp[e] - cp[j], ca[e] - ca[j], max(temps[j:e]))
                 if got is None:
                     continue
                 key = (got[0] + rest[0], 1 + rest[1])
@@ -272,6 +328,17 @@ class _DP:
                 stages.append(StageSpec(blocks, r))
             j = e
         return Solution(cost[0][0], cost[0][1], tuple(stages), slow[0])
+
+    def _fits(self, j: int, e: int, cw: list[float], cp: list[int], ca: list[int],
+              temps: list[int]) -> bool:
+        """Whether children ``j..e-1`` fit one single-rank stage under the bound and memory."""
+        if cw[e] - cw[j] + 2 * self.bc.action_overhead > self.bound:
+            return False
+        if self.memory is None:
+            return True
+        mem = ((cp[e] - cp[j]) * self.bc.optimizer_factor + (ca[e] - ca[j]) * self.inflight
+               + max(temps[j:e]))
+        return mem <= self.memory
 
     def _absorbing(self, children: list[SPTree], j: int) -> list[tuple[int, SPTree]]:
         """Parallel nodes with their neighbours folded into their lightest branches.
@@ -305,6 +372,16 @@ class _DP:
         packed = None if id(node) in self.totals.no_pack else self._packed(node)
         if packed is not None:
             options.append(packed)
+        # Branches dealt into fewer groups, each cut like a sequential pipeline: stages
+        # may span branches (balance finer than whole branches), groups still run at
+        # once. A node folded at both ends keeps one group: fork and join in one
+        # group's single stage, with another group beside it, would form a cycle.
+        n = len(node.children)
+        top = 1 if id(node) in self.totals.no_pack else min(n - 1, self.ranks - 1)
+        for count in range(1, top + 1 if self.grouped else 1):
+            parts = [self.solve(g) for g in self.totals.groups(node, count)]
+            if all(p is not None for p in parts):
+                options.append(_join_parallel([p for p in parts if p is not None]))
         return min(options, key=lambda s: s.key) if options else None
 
     def _packed(self, node: Parallel) -> Solution | None:
@@ -400,7 +477,7 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
                iterations: int = 40, grid: int = 4, tolerance: float = 0.005,
                zero_bubble: bool = True, score_top: int = 4,
                max_replicas: int | None = None, rows: int | None = None,
-               pure_dp: bool = True) -> GraphResult | None:
+               pure_dp: bool = True, grouped: bool = True) -> GraphResult | None:
     """The fastest graph plan found (see the module docstring); None if nothing fits.
 
     ``max_replicas`` caps the ranks of one stage (1: every stage on one rank),
@@ -422,13 +499,15 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
     # Without pure data parallelism the DP (which breaks ties towards shallow
     # pipelines) may only find "one stage on every rank"; also solve with
     # single-rank stages, whose spare ranks may still become replicas below.
-    passes = [(False, counts)]
+    passes = [(False, counts, False)]
     if not pure_dp and counts != [1]:
-        passes.append((False, [1]))
+        passes.append((False, [1], False))
     if counts != [1]:  # an exposed all-reduce only matters to replicated stages
-        passes.append((True, counts))
+        passes.append((True, counts, False))
+    if grouped:
+        passes.append((False, [1], True))
     total = sum(work)
-    for exposed, cs in passes:
+    for exposed, cs, grp in passes:
         # No layout beats perfect balance: sum_s r_s (t_s - 2 overhead) >= total work.
         lo = (total / ranks + 2 * bc.action_overhead) * (1 - 1e-9)
         hi = total + 2 * bc.action_overhead * bc.num_blocks + 1.0
@@ -437,7 +516,7 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
         mid = hi
         for _ in range(iterations):
             sol = _DP(bc, totals, ranks, microbatches, scorer.memory, mid,
-                      exposed=exposed, counts=cs).solve(tree)
+                      exposed=exposed, counts=cs, grouped=grp).solve(tree)
             if sol is not None and sol.devices <= ranks:
                 # The solution's own slowest stage is a tighter feasible bound than ``mid``.
                 hi = tightest = min(mid, sol.slowest)
@@ -454,7 +533,7 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
         for k in range(1, grid + 1):
             bound = tightest * (1 + k / grid)
             sol = _DP(bc, totals, ranks, microbatches, scorer.memory, bound,
-                      exposed=exposed, counts=cs).solve(tree)
+                      exposed=exposed, counts=cs, grouped=grp).solve(tree)
             if sol is not None and sol.devices <= ranks:
                 found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), bound)
     best: GraphResult | None = None

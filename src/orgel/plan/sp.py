@@ -22,6 +22,7 @@ same trick GraphPipe uses to make a DAG arithmetically identical but SP).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -149,6 +150,39 @@ def _series_cuts(nodes: list[int], succ: list[list[int]], pred: list[list[int]])
         if all(sources <= succ_sets[s] for s in sinks):
             cuts.append(k)
     return cuts
+
+
+def branch_groups(par: Parallel, groups: int, weight: Callable[[SPTree], float]
+                  ) -> list[SPTree]:
+    """``par``'s branches dealt into ``groups`` groups, each run as one flat series.
+
+    Branches go heaviest first to the lightest group (LPT), so groups carry
+    similar work. A group of several branches becomes a :class:`Series` (marked
+    ``linearised``) of their blocks, branch after branch: the branch holding the
+    smallest block first, the one holding the largest last, so the order stays
+    topological even when a fork block was folded into one branch and a join
+    block into another (a stage cut from it then never forms a cycle).
+    """
+    if not 1 <= groups <= len(par.children):
+        raise ValueError(f"groups must be in 1..{len(par.children)}, got {groups}")
+    loads = [0.0] * groups
+    members: list[list[SPTree]] = [[] for _ in range(groups)]
+    for c in sorted(par.children, key=lambda c: -weight(c)):
+        i = loads.index(min(loads))
+        loads[i] += weight(c)
+        members[i].append(c)
+    top = max(par.blocks)
+    out: list[SPTree] = []
+    for group in members:
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        group.sort(key=lambda c: (top in c.blocks, min(c.blocks)))
+        parts: list[SPTree] = []
+        for c in group:
+            parts.extend(c.children if isinstance(c, Series) else (c,))
+        out.append(Series(tuple(parts), linearised=True))
+    return out
 
 
 def tree_text(tree: SPTree, indent: int = 0) -> str:
