@@ -155,7 +155,8 @@ class _DP:
 
     def __init__(self, bc: BlockCosts, totals: _Totals, ranks: int, microbatches: int,
                  memory: int | None, bound: float, *, exposed: bool = False,
-                 counts: Collection[int] | None = None, grouped: bool = False) -> None:
+                 counts: Collection[int] | None = None, grouped: bool = False,
+                 spare: int = 0) -> None:
         self.bc, self.totals, self.ranks = bc, totals, ranks
         self.counts = sorted(set(counts)) if counts is not None else list(range(1, ranks + 1))
         # The all-reduce of a replicated stage spread over the micro-batches (its
@@ -165,8 +166,8 @@ class _DP:
         # In-flight micro-batches of a stage are at most min(m, ranks) under 1F1B on a DAG.
         self.inflight = min(microbatches, ranks)
         self.memo: dict[int, Solution | None] = {}
-        self.grouped = grouped
-        config = (exposed, tuple(self.counts), microbatches, memory, grouped)
+        self.grouped, self.spare = grouped, spare
+        config = (exposed, tuple(self.counts), microbatches, memory, grouped, spare)
         self.tables = totals.tables.setdefault(config, {})
         self.across = totals.across.setdefault(config, {})
 
@@ -382,7 +383,14 @@ class _DP:
             parts = [self.solve(g) for g in self.totals.groups(node, count)]
             if all(p is not None for p in parts):
                 options.append(_join_parallel([p for p in parts if p is not None]))
-        return min(options, key=lambda s: s.key) if options else None
+        if not options:
+            return None
+        best = min(options, key=lambda s: s.key)
+        if self.spare:
+            # Ranks the whole tree leaves idle buy a shallower layout here.
+            roomy = [o for o in options if o.devices <= best.devices + self.spare]
+            best = min(roomy, key=lambda s: (s.depth, s.devices))
+        return best
 
     def _packed(self, node: Parallel) -> Solution | None:
         """Small branches packed into shared single-rank stages (first fit decreasing)."""
@@ -529,20 +537,32 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
         if tightest is None:
             continue
         # The tightest bound is not always the fastest step: a looser one gives fewer,
-        # shallower stages and spare ranks for replicas. Score a few looser bounds too.
-        for k in range(1, grid + 1):
+        # shallower stages and spare ranks for replicas. Score a few looser bounds too,
+        # and at each, spend the ranks left idle on shallower branch layouts.
+        for k in range(grid + 1):
             bound = tightest * (1 + k / grid)
             sol = _DP(bc, totals, ranks, microbatches, scorer.memory, bound,
                       exposed=exposed, counts=cs, grouped=grp).solve(tree)
-            if sol is not None and sol.devices <= ranks:
-                found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), bound)
+            if sol is None or sol.devices > ranks:
+                continue
+            found.setdefault(tuple((s.blocks, s.replicas) for s in sol.stages), bound)
+            if sol.devices < ranks:
+                wide = _DP(bc, totals, ranks, microbatches, scorer.memory, bound,
+                           exposed=exposed, counts=cs, grouped=grp,
+                           spare=ranks - sol.devices).solve(tree)
+                if wide is not None and wide.devices <= ranks:
+                    found.setdefault(tuple((s.blocks, s.replicas) for s in wide.stages), bound)
     best: GraphResult | None = None
     layouts: dict[tuple[tuple[tuple[int, ...], int], ...], float] = {}
     for key, bound in found.items():
+        # As found (spare ranks idle: a replica of a stage off the bottleneck buys
+        # nothing and adds an all-reduce), and with spare ranks spread.
+        options = [[StageSpec(b, r) for b, r in key]]
         for all_ranks in (True, False):
-            spread = spread_replicas(bc, [StageSpec(b, r) for b, r in key], ranks,
-                                      microbatches, all_ranks=all_ranks, counts=counts,
-                                      pure_dp=pure_dp)
+            options.append(spread_replicas(bc, options[0], ranks, microbatches,
+                                           all_ranks=all_ranks, counts=counts,
+                                           pure_dp=pure_dp))
+        for spread in options:
             if not pure_dp and all(s.replicas > 1 for s in spread):
                 continue  # every stage replicated: data parallelism, asked for with dp
             layouts.setdefault(tuple((s.blocks, s.replicas) for s in spread), bound)
