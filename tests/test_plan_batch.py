@@ -10,11 +10,18 @@ import torch
 
 from orgel.api import pipeline
 from orgel.models import build
-from orgel.plan import InfeasibleError, costs_per_rows, microbatch_choices, search_microbatches
+from orgel.plan import (
+    InfeasibleError,
+    auto_plan,
+    costs_per_rows,
+    microbatch_choices,
+    search_microbatches,
+)
 from orgel.plan.batch import coarse_choices
 from orgel.profile.costs import BlockCosts, CostsFileError
 from orgel.schedule.costs import Link
 from orgel.schedule.validate import validate
+from orgel.workload import Workload
 
 MiB = 1 << 20
 
@@ -60,6 +67,22 @@ def test_without_per_action_overhead_more_microbatches_never_lose() -> None:
     validate(result.plan)
 
 
+def test_search_tries_counts_coarse_to_fine() -> None:
+    base = costs_per_rows(chain(overhead=2.0, latency=0.02))
+    asked: list[int] = []
+
+    def costs_at(rows: int) -> BlockCosts:
+        asked.append(96 // rows)
+        return base(rows)
+
+    result = search_microbatches(costs_at, 96, 2, planner="uniform-time")
+    # powers of two first; then the middle count on each side of the best (8): 6 and 12
+    assert asked == [2, 4, 8, 16, 6, 12]
+    every = {m: search_microbatches(base, 96, 2, planner="uniform-time", choices=[m]).step_time
+             for m in microbatch_choices(96, 2)}
+    assert result.plan.microbatches == min(every, key=lambda m: every[m]) == 8
+
+
 def test_large_per_action_overhead_picks_fewer_microbatches() -> None:
     free = search_microbatches(costs_per_rows(chain()), 64, 2)
     costly = search_microbatches(costs_per_rows(chain(overhead=20.0, latency=5.0)), 64, 2)
@@ -101,6 +124,12 @@ def test_options_are_checked() -> None:
         search_microbatches(costs_at, 12, 2, rows=3)
     with pytest.raises(ValueError, match=r"add \"rows\": N"):
         costs_per_rows(chain(rows=4).scaled(1 / 3))  # 4/3 rows: unknown
+    model, inputs, targets, loss_fn = build("gpt", batch_size=4, n_layers=1, d_model=16)
+    with pytest.raises(ValueError, match="microbatches must be a positive int or 'auto'"):
+        pipeline(model, inputs, targets, loss_fn, microbatches="many")
+    with pytest.raises(ValueError, match="leave graph and rows out"):
+        auto_plan(Workload(model, inputs, targets, loss_fn), object(), ranks=2,
+                  microbatches=None)
 
 
 def test_costs_scale_linearly_with_rows_and_keep_the_overhead() -> None:
