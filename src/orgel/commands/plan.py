@@ -203,7 +203,7 @@ def format_summary(s: dict[str, Any]) -> str:
     lines.append(f"search {s['search_seconds']:.2f} s, {s['evaluations']} simulations")
     if s.get("microbatch_search"):
         lines.append(f"micro-batch counts tried for a batch of {s['batch']} rows "
-                     f"(chosen: {s['microbatches']}):")
+                     f"(chosen: {s['microbatches']}; step times as the search scored them):")
         lines.append(f"{'micro-batches':>13} {'rows':>6} {'step ms':>10} {'rows/s':>10}")
         for c in s["microbatch_search"]:
             step = "does not fit" if c["step_time"] is None else f"{c['step_time']:.2f}"
