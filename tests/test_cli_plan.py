@@ -93,7 +93,7 @@ def test_plan_a_batch_from_a_costs_file(tmp_path: Path,
     assert main(["plan", "--costs", str(costs), "--ranks", "2", "--batch", "48",
                  "--microbatches", "6", "--max-loops", "2"]) == 0
     text = capsys.readouterr().out
-    assert "micro-batch counts tried for a batch of 48 rows (chosen: 6)" in text
+    assert "micro-batch counts tried for a batch of 48 rows (chosen: 6;" in text
     assert "<- chosen" in text and "rows/s" in text
 
 
