@@ -59,7 +59,7 @@ def _mib(n: float) -> str:
 
 
 def format_table(data: dict[str, Any]) -> str:
-    """One row per block, then totals, the action overhead and the link."""
+    """One row per block, then totals, the action overhead and the link(s)."""
     lines = [f"{'block':>5}  {'name':<24} {'fwd ms':>8} {'bwd ms':>8} {'wgrad ms':>8} "
              f"{'params MiB':>10} {'saved MiB':>9} {'out MiB':>8} {'temp MiB':>8}"]
     for i, b in enumerate(data["blocks"]):
@@ -73,7 +73,16 @@ def format_table(data: dict[str, Any]) -> str:
                  f"{_mib(sum(b['activations'] for b in blocks)):>9}")
     link = data["link"]
     meta = data.get("meta", {})
-    lines.append(f"action overhead {data['action_overhead']:.3f} ms; link {link['latency']:.3f} ms "
-                 f"+ {link['per_mib']:.3f} ms/MiB; {len(data['edges'])} block edges; device "
-                 f"{meta.get('device', '?')}")
+    pairs = data.get("links") or []
+    lines.append(f"action overhead {data['action_overhead']:.3f} ms; "
+                 f"{'default ' if pairs else ''}link {_link(link)}; "
+                 f"{len(data['edges'])} block edges; device {meta.get('device', '?')}")
+    if pairs:
+        # only the pairs that differ materially from the default are kept
+        lines.append("rank pairs with their own link: " + "; ".join(
+            f"{src}->{dst} {_link(lk)}" for src, dst, lk in pairs))
     return "\n".join(lines)
+
+
+def _link(link: dict[str, float]) -> str:
+    return f"{link['latency']:.3f} ms + {link['per_mib']:.3f} ms/MiB"

@@ -8,10 +8,20 @@ is compiled once per (template, stage-edge set, recompute flags) and re-evaluate
 with new durations and bytes for every candidate: the dependency graph is never
 rebuilt per candidate. :meth:`Scorer.lower_bound` is a cheap bound (the busiest
 rank's compute) that lets searches skip candidates that cannot win.
+
+Links. Every message is priced on the link between the ranks it goes between
+(``Costs.link_between``, inside the compiled plan). With per-pair links
+(``BlockCosts.links``) a template's rank numbers matter, so each template is
+first renamed (:meth:`Scorer.placed`): the rank permutation that puts its
+busiest channels on the fastest links (all permutations up to 6 ranks, pair
+swaps beyond). Every score and plan of that template uses the renamed one;
+with a single link for all pairs the template is used as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -25,6 +35,7 @@ from orgel.profile.costs import (
     stage_costs,
     stage_graph,
 )
+from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph
 from orgel.sim.compiled import CompiledPlan
@@ -71,11 +82,13 @@ class Scorer:
     """Scores ``(template, split)`` pairs for one block cost table (see module docstring).
 
     ``memory`` is the per-rank cap (default: the table's ``memory_per_rank``;
-    ``None`` means unlimited). ``evaluations`` counts simulator calls.
+    ``None`` means unlimited). ``rename_ranks=False`` keeps every template's
+    ranks even with per-pair links (see :meth:`placed`). ``evaluations`` counts
+    simulator calls.
     """
 
     def __init__(self, costs: BlockCosts, *, memory: int | None = None,
-                 sequential: bool = False) -> None:
+                 sequential: bool = False, rename_ranks: bool = True) -> None:
         self.bc = costs
         self.memory = costs.memory_per_rank if memory is None else memory
         # ``sequential``: score linear splits the way classic pipelines run them
@@ -101,6 +114,9 @@ class Scorer:
                              CompiledPlan] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
         self._held_cache: dict[tuple[Any, ...], np.ndarray] = {}
+        # id(template) -> (template, renamed); the template is kept so its id stays unique
+        self._placed: dict[int, tuple[Template, Template]] = {}
+        self.rename_ranks = rename_ranks
         self.evaluations = 0
 
     # -- splits ------------------------------------------------------------------
@@ -236,6 +252,7 @@ class Scorer:
 
     def _score(self, template: Template, stage_blocks: list[range] | list[list[int]],
                stages: list[StageCost], recompute: tuple[bool, ...] | None) -> Score:
+        template = self.placed(template)
         rec = tuple(recompute) if recompute else (False,) * template.num_stages
         graph = self._graph_for(stage_blocks, template)
         if graph is template.base.stage_graph:
@@ -282,6 +299,7 @@ class Scorer:
                 recompute: tuple[bool, ...] | None = None,
                 meta: dict[str, Any] | None = None) -> Plan:
         """The full Plan of a candidate: real stage graph (blocks, edge bytes) and costs."""
+        template = self.placed(template)
         graph = stage_graph(self.bc, [list(b) for b in stage_blocks])
         costs = stage_costs(self.bc, [list(b) for b in stage_blocks],
                             split=template.splits_backward)
@@ -294,3 +312,78 @@ class Scorer:
                     schedule=[list(a) for a in template.base.schedule],
                     recompute=list(recompute) if recompute else [],
                     costs=costs, meta=plan_meta)
+
+    # -- per-pair links ----------------------------------------------------------
+
+    def placed(self, template: Template) -> Template:
+        """``template`` with ranks renamed so its busiest channels get the fastest links.
+
+        Only with per-pair links (``costs.links``); renaming ranks changes no
+        rank's work, only which links its messages take. Cached per template.
+        """
+        if not self.bc.links or not self.rename_ranks:
+            return template
+        hit = self._placed.get(id(template))
+        if hit is None:
+            perm = best_ranks(channel_traffic(template.base), self._link_times(template))
+            renamed = template if perm == tuple(range(len(perm))) else rename(template, perm)
+            hit = (template, renamed)
+            self._placed[id(template)] = hit
+        return hit[1]
+
+    def _link_times(self, template: Template) -> np.ndarray:
+        """[src, dst] ms of a typical message (the median cut's bytes) on each pair's link."""
+        ranks = template.base.num_ranks
+        cuts = self._cross[1:-1]
+        nbytes = int(np.median(cuts[cuts > 0])) if (cuts > 0).any() else 1 << 20
+        costs = Costs(stages=[], link=self.bc.link, links=self.bc.links)
+        return np.array([[costs.link_between(a, b).time(nbytes) if a != b else 0.0
+                          for b in range(ranks)] for a in range(ranks)])
+
+
+def channel_traffic(plan: Plan) -> np.ndarray:
+    """[src, dst] micro-batch shares of the messages ``plan`` sends on each channel."""
+    out = np.zeros((plan.num_ranks, plan.num_ranks))
+    for m in derive_comm(plan).messages:
+        start, stop, parts = m.part
+        out[m.src_rank, m.dst_rank] += (stop - start) / parts
+    return out
+
+
+def best_ranks(traffic: np.ndarray, times: np.ndarray) -> tuple[int, ...]:
+    """The renaming ``perm`` (rank ``r`` becomes ``perm[r]``) with the least traffic x time.
+
+    Every permutation up to 6 ranks (720); beyond, pair swaps from the identity
+    while one helps. Ties keep the identity (the first permutation tried).
+    """
+    n = len(traffic)
+    src, dst = np.nonzero(traffic)
+    weight = traffic[src, dst]
+    if n <= 6:
+        perms = np.array(list(itertools.permutations(range(n))))
+        cost = (times[perms[:, src], perms[:, dst]] * weight).sum(axis=1)
+        return tuple(int(r) for r in perms[int(np.argmin(cost))])
+    perm = np.arange(n)
+    best = float((times[perm[src], perm[dst]] * weight).sum())
+    improved = True
+    while improved:
+        improved = False
+        for a, b in itertools.combinations(range(n), 2):
+            trial = perm.copy()
+            trial[a], trial[b] = perm[b], perm[a]
+            cost = float((times[trial[src], trial[dst]] * weight).sum())
+            if cost < best - 1e-12:
+                perm, best, improved = trial, cost, True
+    return tuple(int(r) for r in perm)
+
+
+def rename(template: Template, perm: tuple[int, ...]) -> Template:
+    """``template`` with rank ``r`` renamed ``perm[r]`` (placement and action lists move)."""
+    base = template.base
+    schedule: list[list[Any]] = [[] for _ in perm]
+    for r, actions in enumerate(base.schedule):
+        schedule[perm[r]] = list(actions)
+    placement = [tuple(perm[r] for r in ranks) for ranks in base.placement]
+    meta = dict(base.meta, ranks_renamed=list(perm))
+    return Template(template.label, template.family, dict(template.options),
+                    dataclasses.replace(base, placement=placement, schedule=schedule, meta=meta))

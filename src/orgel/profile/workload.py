@@ -81,17 +81,27 @@ def graph_hash(opgraph: Any) -> str:
     return cache_key(nodes=nodes, params=params)
 
 
-def link_costs(*, backend: str = "gloo", use_cache: bool = True) -> Link:
-    """The measured link of this host and backend (cached)."""
-    from orgel.profile.links import measure_link
+def link_costs(*, ranks: int = 2, backend: str = "gloo", use_cache: bool = True,
+               tolerance: float = 0.2) -> tuple[Link, dict[tuple[int, int], Link]]:
+    """The measured links between ``ranks`` local ranks of this host and backend (cached).
 
-    key = cache_key(host=socket.gethostname(), backend=backend, torch=torch.__version__)
-    data = _cached("link", key) if use_cache else None
+    Every ordered pair is measured (:func:`orgel.profile.links.measure_links`);
+    returns the default link (the median over pairs) and the pairs whose 1 MiB
+    message differs from it by more than ``tolerance`` (usually none on one host:
+    then a single link describes every pair). Cached by host, backend and ``ranks``.
+    """
+    from orgel.profile.links import measure_links, summarize_links
+
+    key = cache_key(host=socket.gethostname(), backend=backend, world=ranks,
+                    torch=torch.__version__)
+    data = _cached("links", key) if use_cache else None
     if data is None:
-        link, samples = measure_link(backend=backend)
-        data = {"latency": link.latency, "per_mib": link.per_mib, "samples": samples}
-        _store("link", key, data)
-    return Link(latency=float(data["latency"]), per_mib=float(data["per_mib"]))
+        measured = measure_links(ranks, backend=backend)
+        data = {"pairs": [[a, b, lk.latency, lk.per_mib] for (a, b), lk in measured.items()]}
+        _store("links", key, data)
+    pairs = {(int(a), int(b)): Link(latency=float(lat), per_mib=float(mib))
+             for a, b, lat, mib in data["pairs"]}
+    return summarize_links(pairs, tolerance=tolerance)
 
 
 def runtime_overhead(link: Link, *, use_cache: bool = True) -> float:
@@ -197,7 +207,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     memory = None
     if dev.type == "cuda":
         memory = int(torch.cuda.get_device_properties(dev).total_memory)
-    link_model = link_costs(use_cache=use_cache) if link else Link()
+    link_model, links = link_costs(use_cache=use_cache) if link else (Link(), {})
     overhead = float(cached["action_overhead"])
     if link:
         # Through the runtime itself (dispatch, bookkeeping, sends): usually far more
@@ -206,7 +216,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     return BlockCosts(
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
         activations=cached["activations"], output=cached["output"],
-        temporary=cached["temporary"], edges=edges, link=link_model,
+        temporary=cached["temporary"], edges=edges, link=link_model, links=links,
         memory_per_rank=memory, optimizer_factor=optimizer_factor,
         action_overhead=overhead,
         optimizer_temporary=float(cached.get("optimizer_temporary", 0.0)),
