@@ -55,10 +55,13 @@ def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int) -> dict[
                         timeout=120.0, batch_dim=workload.batch_dim, check_plan=False)
     inputs = named_inputs(workload.model, workload.inputs)
     times = []
-    for _ in range(steps):
+    actions: list[tuple[str, str, float]] = []  # (kind, name, ms) of every step but the first
+    for i in range(steps):
         t0 = time.perf_counter()
         executor.step(inputs, workload.targets)
         times.append((time.perf_counter() - t0) * 1000.0)
+        if i > 0:
+            actions += [(e.kind, e.name, (e.end - e.start) * 1000.0) for e in executor.events]
     # Static bytes: parameters and the optimizer state, once each. Gradients are
     # dropped first so the measured step allocates (and counts) them itself.
     static: dict[int, int] = {}
@@ -76,7 +79,37 @@ def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int) -> dict[
     mode = LiveBytes()
     with mode:
         executor.step(inputs, workload.targets)
-    return {"times": times, "peak": sum(static.values()) + mode.peak, "breakdown": breakdown}
+    return {"times": times, "peak": sum(static.values()) + mode.peak, "breakdown": breakdown,
+            "actions": actions}
+
+
+def _per_action(result: Any, out: list[dict[str, Any]]) -> None:
+    """Print each rank's median measured ms per (kind, stage) next to the prediction."""
+    costs = result.plan.costs
+    over = costs.action_overhead
+    end = float(result.plan.prediction.get("end_of_step", 0.0))
+    for r, got in enumerate(out):
+        groups: dict[tuple[str, str], list[float]] = {}
+        for kind, name, ms in got["actions"]:
+            if kind in "FBIW":
+                key = (kind, name.split(".")[0][1:])
+            elif name.startswith("recv"):
+                key = ("recv", "")
+            else:
+                key = (kind, "")
+            groups.setdefault(key, []).append(ms)
+        cells = []
+        for (kind, stage), values in sorted(groups.items()):
+            med = statistics.median(values)
+            pred = None
+            if kind in "FBIW" and stage:
+                st = costs.stages[int(stage)]
+                pred = over + {"F": st.fwd, "B": st.bwd, "I": st.input_grad,
+                               "W": st.weight_grad}[kind]
+            label = f"{kind}{stage}"
+            cells.append(f"{label} {med:.2f}" + (f"/{pred:.2f}" if pred is not None else ""))
+        print(f"  rank {r} per action, measured median/predicted ms (end_of_step predicted "
+              f"{end:.2f}): " + ", ".join(cells))
 
 
 def main() -> None:
@@ -114,6 +147,7 @@ def main() -> None:
             for r, got in enumerate(out):
                 busy = {k: round(v, 1) for k, v in sorted(got["breakdown"].items())}
                 print(f"  rank {r} measured last step {got['times'][-1]:.1f} ms: {busy}")
+            _per_action(result, out)
     header = (f"{'workload':<10} {'schedule':<34} {'pred ms':>8} {'meas ms':>8} {'err':>6}  "
               f"{'peak MiB pred / meas (ratio) per rank'}")
     print(header)

@@ -185,23 +185,41 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
 
 
 def end_of_step(costs: BlockCosts, p: Plan) -> float:
-    """ms every step pays after its last action: the loss all-reduce, then the optimizer.
+    """ms every step pays outside its actions: setup, loss all-reduce, optimizer.
 
-    The runtime all-reduces the step's loss (and gradient norm) over every rank
-    (a round trip of a tiny message on 2 ranks, ``log2`` rounds in general),
-    then each rank steps its optimizer over its own parameters; the slowest
-    rank's step ends the step. Neither is an action, so the simulator leaves
-    them out.
+    The runtime sets up the step (gradients cleared, batch split, receives
+    posted), and after its last action all-reduces the step's loss (and
+    gradient norm) over every rank, then each rank steps its optimizer over
+    its own parameters; the slowest rank's step ends the step. None of it is
+    an action, so the simulator leaves it out. The profiler measures the
+    per-step part through the runtime on two ranks (``meta["step_overhead"]``:
+    one all-reduce round; more ranks add ``log2`` rounds of the link's
+    latency) and each block's optimizer step (``meta["optimizer_ms"]``; else
+    ``optimizer_ms_per_mib`` of the rank's parameters).
     """
     ranks = p.num_ranks
-    reduce = 2 * math.ceil(math.log2(ranks)) * costs.link.latency if ranks > 1 else 0.0
+    rounds = math.ceil(math.log2(ranks)) if ranks > 1 else 0
+    fixed = costs.meta.get("step_overhead")
+    if fixed is None:
+        fixed = 2 * rounds * costs.link.latency
+    else:
+        fixed = float(fixed) + 2 * max(0, rounds - 1) * costs.link.latency
+    per_block = costs.meta.get("optimizer_ms")
+    if (per_block is not None and len(per_block) == costs.num_blocks
+            and all(st.blocks for st in p.stage_graph.stages)):
+        per_rank_ms = [0.0] * ranks
+        for s, placed in enumerate(p.placement):
+            ms = sum(float(per_block[b]) for b in p.stage_graph.stages[s].blocks)
+            for r in placed:
+                per_rank_ms[r] += ms
+        return fixed + max(per_rank_ms)
     if p.costs is None or costs.optimizer_ms_per_mib <= 0:
-        return reduce
+        return fixed
     per_rank = [0] * ranks
     for s, placed in enumerate(p.placement):
         for r in placed:
             per_rank[r] += p.costs.stages[s].params
-    return reduce + costs.optimizer_ms_per_mib * max(per_rank) / (1 << 20)
+    return fixed + costs.optimizer_ms_per_mib * max(per_rank) / (1 << 20)
 
 
 def held_sends(p: Plan) -> list[int]:

@@ -73,27 +73,77 @@ class Timer:
             raise ValueError(f"warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
         self.device, self.warmup, self.repeats = device, warmup, repeats
 
+    def sample(self, setup: Callable[[], Any], work: Callable[[Any], Any]) -> tuple[float, float]:
+        """(wall ms, CPU ms) of one ``work(setup())`` (``setup`` is not timed).
+
+        On CUDA both are the events' elapsed time; on CPU the CPU time is the
+        process's (every intra-op thread counted).
+        """
+        state = setup()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            work(state)
+            end.record()
+            torch.cuda.synchronize(self.device)
+            elapsed = float(start.elapsed_time(end))
+            return elapsed, elapsed
+        t0, c0 = time.perf_counter(), time.process_time()
+        work(state)
+        return (time.perf_counter() - t0) * 1000.0, (time.process_time() - c0) * 1000.0
+
     def median(self, setup: Callable[[], Any], work: Callable[[Any], Any]) -> float:
-        """Median ms of ``work(setup())`` (``setup`` is not timed)."""
-        times = []
-        for i in range(self.warmup + self.repeats):
-            state = setup()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                work(state)
-                end.record()
-                torch.cuda.synchronize(self.device)
-                elapsed = start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                work(state)
-                elapsed = (time.perf_counter() - t0) * 1000.0
-            if i >= self.warmup:
-                times.append(elapsed)
-        return float(statistics.median(times))
+        """ms of ``work(setup())``: ``repeats`` runs after ``warmup`` (see :func:`interleaved`)."""
+        return interleaved([{"job": (setup, work)}], self)[0]["job"]
+
+
+#: A timed job: ``(setup, work)``, ``work(setup())`` timed without ``setup``.
+Job = tuple[Callable[[], Any], Callable[[Any], Any]]
+
+
+def interleaved(jobs: list[dict[str, Job]], timer: Timer, *, progress: str | None = None,
+                stats: dict[str, float] | None = None) -> list[dict[str, float]]:
+    """ms of every job, sampled in rounds that each run every job once.
+
+    A block timed ``repeats`` times in a row and then the next one sees
+    whatever the machine did meanwhile: on a shared host, load that comes and
+    goes made identical transformer layers measure 1.1 and 1.6 ms in one
+    profile. So every round runs every job once (``warmup`` rounds first, not
+    kept), and a job's time is split in two factors measured apart:
+
+    * its own work: the median of its CPU times, which other processes'
+      load leaves nearly alone, so the jobs compare with each other;
+    * the share of the machine the process got: all the jobs' wall time over
+      their CPU time, pooled over every sample. Being preempted adds a time
+      slice to a sample now and then: the median would drop it, but the
+      ranks pay it on average, and a sum of samples is that average.
+
+    ``progress``: a progress bar's label (None: no bar). ``stats`` (if given)
+    receives ``wall_per_cpu``, the second factor.
+    """
+    from tqdm import tqdm
+
+    samples: list[dict[str, list[tuple[float, float]]]] = [{k: [] for k in group}
+                                                           for group in jobs]
+    rounds = range(timer.warmup + timer.repeats)
+    for i in tqdm(rounds, desc=progress, unit="round", disable=progress is None):
+        for group, out in zip(jobs, samples, strict=True):
+            for key, (setup, work) in group.items():
+                pair = timer.sample(setup, work)
+                if i >= timer.warmup:
+                    out[key].append(pair)
+    wall = sum(w for out in samples for v in out.values() for w, _ in v)
+    cpu = sum(c for out in samples for v in out.values() for _, c in v)
+    share = wall / cpu if cpu > 0 and wall > 0 else 1.0
+    if stats is not None:
+        stats["wall_per_cpu"] = share
+    if cpu <= 0:  # a clock too coarse for these jobs: their wall times alone
+        return [{k: float(statistics.median(w for w, _ in v)) for k, v in out.items()}
+                for out in samples]
+    return [{k: float(statistics.median(c for _, c in v)) * share for k, v in out.items()}
+            for out in samples]
 
 
 @contextlib.contextmanager
@@ -133,13 +183,51 @@ def _float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
+@dataclass
+class BlockProbe:
+    """One block ready to time: its timed jobs and the bytes already measured.
+
+    ``jobs``: ``fwd``, and when the block has a backward ``bwd`` (the whole
+    backward), ``inp`` (the runtime's ``I``) and ``wgrad`` (its ``W``).
+    :meth:`result` turns their median times into a :class:`BlockMeasure`.
+    """
+
+    jobs: dict[str, Job]
+    params: int
+    activations: int
+    output: int
+    temporary: int
+    weight_kept: int
+
+    def result(self, times: dict[str, float]) -> BlockMeasure:
+        """The measure, given the median ms of each job."""
+        bwd = times.get("bwd", 0.0)
+        inp, wgrad = times.get("inp", 0.0), times.get("wgrad", 0.0)
+        if inp + wgrad > bwd:
+            # Splitting costs a little more than one backward; the table stores one
+            # ``bwd``, so keep it the full backward and give ``W`` its measured share.
+            wgrad = bwd * wgrad / (inp + wgrad)
+        return BlockMeasure(fwd=times["fwd"], bwd=bwd, wgrad=min(wgrad, bwd), params=self.params,
+                            activations=self.activations, output=self.output,
+                            temporary=self.temporary, weight_kept=self.weight_kept)
+
+
 def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
                   constant: list[bool] | None = None) -> BlockMeasure:
     """Measure one block module on ``args`` (its inputs, in ``stage.inputs`` order).
 
     ``constant[i]`` marks an input that gets no gradient (a model input: the
     runtime never differentiates the batch), so the backward skips its path.
+    Several blocks are best timed together: :func:`block_probe` each, then
+    :func:`interleaved` over all their jobs.
     """
+    probe = block_probe(stage, args, timer.device, constant=constant)
+    return probe.result(interleaved([probe.jobs], timer)[0])
+
+
+def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
+                constant: list[bool] | None = None) -> BlockProbe:
+    """Measure one block's bytes and build the jobs that time it (see :func:`measure_block`)."""
     fixed = constant or [False] * len(args)
     module = stage.module
     params = [p for p in module.parameters() if p.requires_grad]
@@ -169,41 +257,32 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
     out_bytes = sum(_nbytes(o) for o in outs if isinstance(o, torch.Tensor))
     grad_outs = [torch.randn_like(o) if _float(o) and o.requires_grad else None for o in outs]
     diff_outs = [(o, g) for o, g in zip(outs, grad_outs, strict=True) if g is not None]
+    del inputs, outs
 
-    fwd = timer.median(fresh_inputs, forward)
+    jobs: dict[str, Job] = {"fwd": (fresh_inputs, forward)}
     weight_kept = 0
-    if not diff_outs or not params and not any(_float(a) and not c
-                                               for a, c in zip(args, fixed, strict=True)):
-        bwd = wgrad = 0.0
-    else:
+    if diff_outs and (params or any(_float(a) and not c for a, c in zip(args, fixed,
+                                                                        strict=True))):
         def setup() -> tuple[list[Any], list[torch.Tensor]]:
             ins = fresh_inputs()
             return ins, forward(ins)
 
-        def wrt_inputs(ins: list[Any]) -> list[torch.Tensor]:
-            return [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
-
         def backward(state: tuple[list[Any], list[torch.Tensor]]) -> None:
             ins, out = state
             pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
-            targets = wrt_inputs(ins) + list(params)
+            targets = [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
+            targets += list(params)
             if targets:
                 torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
                                     allow_unused=True)
 
-        bwd = timer.median(setup, backward)
+        jobs["bwd"] = (setup, backward)
         # The halves as the runtime runs them (orgel.runtime.backward): ``I`` towards
         # the inputs keeping the gradients ``W`` starts from, then ``W`` alone. A
         # second autograd.grad over the parameters would walk the input path again.
-        inp = timer.median(setup, lambda s: _input_half(s, grad_outs, params))
-        wgrad = timer.median(lambda: _input_half(setup(), grad_outs, params), weight_backward) \
-            if params else 0.0
-        if inp + wgrad > bwd:
-            # Splitting costs a little more than one backward; the table stores one
-            # ``bwd``, so keep it the full backward and give ``W`` its measured share.
-            wgrad = bwd * wgrad / (inp + wgrad)
-        wgrad = min(wgrad, bwd)
+        jobs["inp"] = (setup, lambda st: _input_half(st, grad_outs, params))
         if params:
+            jobs["wgrad"] = (lambda: _input_half(setup(), grad_outs, params), weight_backward)
             # What ``I`` leaves alive for ``W`` (the gradients it kept; its input
             # gradients are sent away and dropped): held from ``I`` until ``W``.
             state = setup()
@@ -211,10 +290,10 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
                 work = _input_half(state, grad_outs, params)
                 weight_kept = int(mode.now)
             del work, state
-    kept, temporary = _temporary(module, fresh_inputs, forward, grad_outs, timer.device,
+    kept, temporary = _temporary(module, fresh_inputs, forward, grad_outs, device,
                                  sum(saved.values()))
-    return BlockMeasure(fwd=fwd, bwd=bwd, wgrad=wgrad, params=param_bytes, activations=kept,
-                        output=out_bytes, temporary=temporary, weight_kept=weight_kept)
+    return BlockProbe(jobs=jobs, params=param_bytes, activations=kept, output=out_bytes,
+                      temporary=temporary, weight_kept=weight_kept)
 
 
 def _input_half(state: tuple[list[Any], list[torch.Tensor]], grad_outs: list[torch.Tensor | None],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,3 +98,29 @@ def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw", *,
             times.append((time.perf_counter() - t0) * 1000.0)
         return mode.peak / total, statistics.median(times) / (total / (1 << 20))
     return (0.0, 0.0) if timed else 0.0
+
+
+def optimizer_jobs(groups: list[list[torch.Tensor]], kind: str = "adamw"
+                   ) -> list[dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]]:
+    """Jobs timing one ``kind`` step over copies of each group of parameters (one per block).
+
+    Each group gets its own optimizer over copies with random gradients,
+    stepped once to create its state, so a timed step is a training step's
+    (the runtime steps one optimizer per rank over its stages' parameters:
+    the blocks' steps add up to it). A group without parameters gets no job.
+    """
+    makers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    if kind not in makers:
+        raise ValueError(f"optimizer must be one of {', '.join(makers)}, got {kind!r}")
+    jobs: list[dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]] = []
+    for params in groups:
+        if not params:
+            jobs.append({})
+            continue
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for p in copies:
+            p.grad = torch.randn_like(p)
+        opt = makers[kind](copies, lr=1e-3)
+        opt.step()
+        jobs.append({"optimizer": (lambda: None, lambda _, opt=opt: opt.step())})
+    return jobs

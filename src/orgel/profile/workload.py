@@ -4,16 +4,21 @@
 micro-batch's forward, coarsens it into about ``blocks`` blocks, splits every
 block into its own module, measures each (:mod:`orgel.profile.blocks`) with a
 progress bar, measures the link between two ranks over the real backend
-(:mod:`orgel.profile.links`), the runtime's fixed cost per action
-(:mod:`orgel.profile.overhead`) and returns a :class:`BlockCosts`. Results are
+(:mod:`orgel.profile.links`), the runtime's fixed costs per action and per
+step (:mod:`orgel.profile.overhead`) and returns a :class:`BlockCosts`. Results are
 cached under ``$ORGEL_CACHE`` (default ``~/.cache/orgel``), keyed by the graph's
 hash, the device, the dtype, the micro-batch shapes and the intra-op thread
-count, so a second run is instant. Blocks are timed with ``threads`` intra-op
-threads (default 1, what :func:`orgel.runtime.launch.spawn` gives each rank;
+count, so a second run is quick: it runs the blocks once in sequence and
+measures again only if they now take more than ``recheck`` (25%) off what the
+table recorded (a table timed under another load is stale). Blocks are
+timed in interleaved rounds (:func:`orgel.profile.blocks.interleaved`), with
+``threads`` intra-op threads (default 1, what :func:`orgel.runtime.launch.spawn` gives each rank;
 :func:`rank_threads` is what a local group of ``ranks`` gives each), since a
 block's time depends on it and ranks train with few threads each. ``meta``
 records what is needed to rebuild the same blocks (``target_blocks``,
-``num_blocks``, ``graph_hash``).
+``num_blocks``, ``graph_hash``) and what the planner's end of step needs:
+``step_overhead`` (ms per step) and ``optimizer_ms`` (each block's optimizer
+step).
 """
 
 from __future__ import annotations
@@ -28,14 +33,30 @@ from typing import Any
 
 import torch
 
-from orgel.profile.blocks import Timer, action_overhead, intra_op_threads, measure_block, spin_up
+from orgel.profile.blocks import (
+    BlockMeasure,
+    BlockProbe,
+    Job,
+    Timer,
+    action_overhead,
+    block_probe,
+    interleaved,
+    intra_op_threads,
+    spin_up,
+)
 from orgel.profile.contention import companions
 from orgel.profile.costs import BlockCosts
-from orgel.profile.memory import optimizer_temporary
+from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
+
+#: A cached table is re-measured when its blocks now run this much faster or slower.
+RECHECK = 0.25
+
+#: Parameters up to this many bytes are copied to time the optimizer on every block.
+OPTIMIZER_COPY_LIMIT = 256 << 20
 
 
 def rank_threads(ranks: int) -> int:
@@ -104,35 +125,39 @@ def link_costs(*, ranks: int = 2, backend: str = "gloo", use_cache: bool = True,
     return summarize_links(pairs, tolerance=tolerance)
 
 
-def runtime_overhead(link: Link, *, use_cache: bool = True) -> float:
-    """The runtime's per-action overhead on this host (ms; cached, see :mod:`.overhead`)."""
+def runtime_overhead(link: Link, *, use_cache: bool = True) -> tuple[float, float]:
+    """The runtime's ``(per action, per step)`` overhead on this host (ms; cached, see
+    :mod:`.overhead`)."""
     from orgel.profile.overhead import measure_overhead
 
     key = cache_key(host=socket.gethostname(), torch=torch.__version__, version=PROFILE_VERSION,
                     link=[link.latency, link.per_mib])
     data = _cached("overhead", key) if use_cache else None
-    if data is None:
-        data = {"action_overhead": measure_overhead(link)}
+    if data is None or "step_overhead" not in data:
+        action, step = measure_overhead(link)
+        data = {"action_overhead": action, "step_overhead": step}
         _store("overhead", key, data)
-    return float(data["action_overhead"])
+    return float(data["action_overhead"]), float(data["step_overhead"])
 
 
 def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
                      device: str | None = None, warmup: int = 3, repeats: int = 5,
                      link: bool = True, use_cache: bool = True, progress: bool = True,
-                     optimizer_factor: float = 4.0, threads: int = 1) -> BlockCosts:
+                     optimizer_factor: float = 4.0, threads: int = 1,
+                     recheck: float | None = RECHECK) -> BlockCosts:
     """Measure ``workload`` (``"file.py:fn"`` or a Workload) into a :class:`BlockCosts`.
 
     ``device`` defaults to ``cuda`` when present, else ``cpu``. ``link=False``
     skips the link benchmark (zero-cost links). ``threads``: intra-op threads
-    to time with, the count each rank will train with. Raises ValueError (WorkloadError,
+    to time with, the count each rank will train with. ``recheck``: see
+    :func:`profile_graph`. Raises ValueError (WorkloadError,
     CaptureError's message) on a workload that cannot be profiled.
     """
     w, opgraph = capture_workload(workload, microbatches)
     costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, device=device,
                           warmup=warmup, repeats=repeats, link=link, use_cache=use_cache,
                           progress=progress, optimizer_factor=optimizer_factor,
-                          threads=threads)
+                          threads=threads, recheck=recheck)
     if isinstance(workload, str):
         costs.meta["workload"] = workload
     return costs
@@ -156,13 +181,16 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                   device: str | None = None, warmup: int = 3, repeats: int = 5,
                   link: bool = True, use_cache: bool = True, progress: bool = True,
                   optimizer_factor: float = 4.0, optimizer: str = "adamw",
-                  threads: int = 1, contention: int = 0) -> BlockCosts:
+                  threads: int = 1, contention: int = 0,
+                  recheck: float | None = RECHECK) -> BlockCosts:
     """Like :func:`profile_workload` for a workload already captured into ``opgraph``.
 
     ``optimizer`` (``adamw``, ``adam``, ``sgd``) is measured for the extra memory
     and the time of its step. ``contention``: how many other ranks will train
     at the same time on this machine (CPU only); that many companion processes
-    run the same blocks while they are timed.
+    run the same blocks while they are timed. ``recheck``: a cached table is
+    used only if the blocks, run once more in sequence, take within this
+    fraction of the time it recorded (None: trust the cache as it is).
     """
     from orgel.graph import coarsen
     from orgel.split import split_model
@@ -174,6 +202,10 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer (intra-op threads per rank), "
                          f"got {threads!r}")
+    if recheck is not None and (isinstance(recheck, bool) or not isinstance(recheck, (int, float))
+                                or recheck <= 0):
+        raise ValueError(f"recheck must be a positive fraction (e.g. 0.25) or None, "
+                         f"got {recheck!r}")
     if isinstance(contention, bool) or not isinstance(contention, int) or contention < 0:
         raise ValueError(f"contention must be a non-negative integer (other ranks training "
                          f"at the same time), got {contention!r}")
@@ -188,10 +220,17 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                     shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__,
                     threads=threads, contention=contention)
     cached = _cached("blocks", key) if use_cache else None
+    blocks_run: _Blocks | None = None
+    if cached is not None and recheck is not None:
+        blocks_run = _Blocks(bg, split_model, named, dev)
+        with intra_op_threads(threads):
+            if _drifted(blocks_run, cached, dev, contention, threads, recheck):
+                cached = None
     if cached is None:
         with intra_op_threads(threads):
-            cached = _measure(bg, split_model, named, dev, warmup, repeats, progress,
-                              contention, threads, loss=(w.loss_fn, targets))
+            cached = _measure(blocks_run or _Blocks(bg, split_model, named, dev), dev, warmup,
+                              repeats, progress, contention, threads,
+                              loss=(w.loss_fn, targets), optimizer=optimizer)
         # The optimizer's time has a per-tensor part: time it on every parameter
         # tensor when they are small enough to copy, else on the largest eight.
         largest = sorted(w.model.parameters(), key=lambda p: -p.numel())
@@ -209,10 +248,12 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         memory = int(torch.cuda.get_device_properties(dev).total_memory)
     link_model, links = link_costs(use_cache=use_cache) if link else (Link(), {})
     overhead = float(cached["action_overhead"])
+    step_overhead = None
     if link:
         # Through the runtime itself (dispatch, bookkeeping, sends): usually far more
         # than the bare autograd call measured next to the blocks.
-        overhead = max(overhead, runtime_overhead(link_model, use_cache=use_cache))
+        action, step_overhead = runtime_overhead(link_model, use_cache=use_cache)
+        overhead = max(overhead, action)
     return BlockCosts(
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
         activations=cached["activations"], output=cached["output"],
@@ -227,40 +268,41 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
               "graph_hash": graph_hash(opgraph), "device": str(dev), "dtype": dtypes,
               "microbatch_shapes": shapes, "microbatches": microbatches,
               "threads": threads, "contention": contention,
-              "in_sequence_scale": cached.get("in_sequence_scale", 1.0)},
+              "in_sequence_scale": cached.get("in_sequence_scale", 1.0),
+              "wall_per_cpu": cached.get("wall_per_cpu", 1.0),
+              **({"optimizer_ms": list(cached["optimizer_ms"])}
+                 if "optimizer_ms" in cached else {}),
+              **({} if step_overhead is None else {"step_overhead": step_overhead})},
     )
 
 
-def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device, warmup: int,
-             repeats: int, progress: bool, contention: int = 0,
-             threads: int = 1, loss: tuple[Any, Any] | None = None) -> dict[str, Any]:
-    """Run every block once in order for its inputs, then measure each on its own.
+class _Blocks:
+    """Every block of a coarsened graph as its own module, with its real inputs.
 
-    ``contention`` companion processes run the same blocks meanwhile
-    (:mod:`orgel.profile.contention`), as the other ranks will. ``loss``
-    (``(loss_fn, targets)``): the loss runs in the stage that produces the
-    model's outputs, so its time and saved bytes go to that block.
+    The blocks run once in order (no autograd) to produce each block's inputs.
     """
 
-    split = split_model(bg, list(range(len(bg.blocks))))
-    values: dict[str, Any] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
-                              for k, v in named.items()}
-    args_of: list[list[Any]] = []
-    with torch.no_grad():
-        for stage in split.stages:
-            stage.module.to(dev)
-            args = [values[name] for name in stage.inputs]
-            args_of.append(args)
-            result = stage.module(*args)
-            outs = list(result) if isinstance(result, (tuple, list)) else [result]
-            values.update(zip(stage.outputs, outs, strict=True))
-    timer = Timer(dev, warmup=warmup, repeats=repeats)
+    def __init__(self, bg: Any, split_model: Any, named: dict[str, Any],
+                 dev: torch.device) -> None:
+        self.split = split_model(bg, list(range(len(bg.blocks))))
+        self.named = named
+        self.values: dict[str, Any] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
+                                       for k, v in named.items()}
+        self.args_of: list[list[Any]] = []
+        with torch.no_grad():
+            for stage in self.split.stages:
+                stage.module.to(dev)
+                args = [self.values[name] for name in stage.inputs]
+                self.args_of.append(args)
+                result = stage.module(*args)
+                outs = list(result) if isinstance(result, (tuple, list)) else [result]
+                self.values.update(zip(stage.outputs, outs, strict=True))
 
-    def train_blocks() -> None:
+    def train(self) -> None:
         """Forward and backward of every block, as a rank busy with the same model."""
-        for stage, args in zip(split.stages, args_of, strict=True):
+        for stage, args in zip(self.split.stages, self.args_of, strict=True):
             ins = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
-                   and a.is_floating_point() and name not in named else a
+                   and a.is_floating_point() and name not in self.named else a
                    for a, name in zip(args, stage.inputs, strict=True)]
             out = stage.module(*ins)
             outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
@@ -268,28 +310,91 @@ def _measure(bg: Any, split_model: Any, named: dict[str, Any], dev: torch.device
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    stack = contextlib.ExitStack()
-    if contention and dev.type == "cpu":  # GPUs are not shared between ranks
-        stack.enter_context(companions(contention, train_blocks, threads=threads))
-    with stack:
+    def busy(self, dev: torch.device, contention: int, threads: int) -> Any:
+        """A context: ``contention`` companions train these blocks meanwhile (CPU only)."""
+        stack = contextlib.ExitStack()
+        if contention and dev.type == "cpu":  # GPUs are not shared between ranks
+            stack.enter_context(companions(contention, self.train, threads=threads))
+        return stack
+
+
+def _drifted(blocks: _Blocks, cached: dict[str, Any], dev: torch.device, contention: int,
+             threads: int, tolerance: float) -> bool:
+    """Whether the blocks in sequence now take more than ``tolerance`` off the cached table.
+
+    A table measured under other conditions (another load on a shared host,
+    another clock speed) is stale as a whole: one cheap run of every block in
+    sequence, timed as the table's ``whole_ms`` was, tells.
+    """
+    before = cached.get("whole_ms")
+    if not isinstance(before, (int, float)) or before <= 0:
+        return True
+    with blocks.busy(dev, contention, threads):
+        spin_up(dev, 0.2)
+        now = interleaved([{"whole": (lambda: None, lambda _: blocks.train())}],
+                          Timer(dev, warmup=1, repeats=5))[0]["whole"]
+    for stage in blocks.split.stages:
+        stage.module.zero_grad(set_to_none=True)
+    return abs(now / before - 1.0) > tolerance
+
+
+def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, progress: bool,
+             contention: int = 0, threads: int = 1, loss: tuple[Any, Any] | None = None,
+             optimizer: str | None = None) -> dict[str, Any]:
+    """Measure every block on its own, and all of them in sequence, in interleaved rounds.
+
+    ``contention`` companion processes run the same blocks meanwhile
+    (:mod:`orgel.profile.contention`), as the other ranks will. ``loss``
+    (``(loss_fn, targets)``): the loss runs in the stage that produces the
+    model's outputs, so its time and saved bytes go to that block.
+    ``optimizer``: also time its step over each block's parameters.
+    """
+    split, values, named = blocks.split, blocks.values, blocks.named
+    timer = Timer(dev, warmup=warmup, repeats=repeats)
+    with blocks.busy(dev, contention, threads):
         spin_up(dev)
-        out = _measure_blocks(split, args_of, timer, progress, set(named))
-        # Blocks timed one at a time, each repeated, run from warm caches; a rank runs
-        # them one after another. Time that too and scale every block by the ratio.
-        whole = timer.median(lambda: None, lambda _: train_blocks())
-        for stage in split.stages:
-            stage.module.zero_grad(set_to_none=True)  # as measure_block leaves them
+        probes, jobs = _probes(split, blocks.args_of, dev, progress, set(named))
+        # Blocks timed one at a time run from warm caches; a rank runs them one
+        # after another. Time that too (in the same rounds) and scale by the ratio.
+        jobs.append({"whole": (lambda: None, lambda _: blocks.train())})
+        b = split.loss_stage
+        saved, at_loss = 0, len(jobs)
         if loss is not None:
-            fwd, bwd, saved = _measure_loss(split, values, loss[0], _to(loss[1], dev), timer)
-            b = split.loss_stage
-            out["fwd"][b] += fwd
-            out["bwd"][b] += bwd  # the gradient of the outputs: input-side work
-            out["activations"][b] += saved
+            loss_jobs, saved = _loss_jobs(split, values, loss[0], _to(loss[1], dev))
+            jobs.append(loss_jobs)
+        at_optimizer = len(jobs)
+        # The optimizer's step per block, on copies (when they are small enough to
+        # copy), in the same rounds: the ranks step theirs at the same time too.
+        groups = [[p for p in stage.module.parameters() if p.requires_grad]
+                  for stage in split.stages]
+        if optimizer and sum(p.numel() * p.element_size() for g in groups for p in g) \
+                <= OPTIMIZER_COPY_LIMIT:
+            jobs += optimizer_jobs(groups, optimizer)
+        stats: dict[str, float] = {}
+        times = interleaved(jobs, timer, progress="timing blocks" if progress else None,
+                            stats=stats)
+        empty = action_overhead(timer)
+        for stage in split.stages:
+            stage.module.zero_grad(set_to_none=True)
+    n = len(probes)
+    out = _columns([p.result(t) for p, t in zip(probes, times, strict=False)])
+    out["action_overhead"] = empty
+    out["wall_per_cpu"] = stats.get("wall_per_cpu", 1.0)
+    if len(times) > at_optimizer:
+        out["optimizer_ms"] = [t.get("optimizer", 0.0) for t in times[at_optimizer:]]
+    whole = times[n]["whole"]
     isolated = sum(out["fwd"]) + sum(out["bwd"])
     scale = whole / isolated if isolated > 0 and whole > 0 else 1.0
+    if loss is not None:
+        # The loss runs in the stage that produces the model's outputs: its forward
+        # there, its backward (the gradient of the outputs) in that stage's input half.
+        out["fwd"][b] += times[at_loss]["fwd"]
+        out["bwd"][b] += times[at_loss].get("bwd", 0.0)
+        out["activations"][b] += saved
     for key in ("fwd", "bwd", "wgrad"):
         out[key] = [t * scale for t in out[key]]
     out["in_sequence_scale"] = scale
+    out["whole_ms"] = whole
     return out
 
 
@@ -303,9 +408,9 @@ def _to(value: Any, dev: torch.device) -> Any:
     return value
 
 
-def _measure_loss(split: Any, values: dict[str, Any], loss_fn: Any, targets: Any,
-                  timer: Timer) -> tuple[float, float, int]:
-    """The loss on one micro-batch's outputs: (forward ms, backward ms, bytes it saves)."""
+def _loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,
+               targets: Any) -> tuple[dict[str, Job], int]:
+    """Jobs timing the loss on one micro-batch's outputs (``fwd``, ``bwd``), bytes it saves."""
     def outputs() -> list[Any]:
         return [values[n].detach().requires_grad_(True)
                 if isinstance(values[n], torch.Tensor) and values[n].is_floating_point()
@@ -325,37 +430,38 @@ def _measure_loss(split: Any, values: dict[str, Any], loss_fn: Any, targets: Any
         value = forward(outs)
     own = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, torch.Tensor)}
     kept = sum(n for ptr, n in saved.items() if ptr not in own)  # outputs counted already
-    if not value.requires_grad:
-        return timer.median(outputs, forward), 0.0, kept
+    jobs: dict[str, Job] = {"fwd": (outputs, forward)}
+    if value.requires_grad:
+        def setup() -> tuple[list[Any], torch.Tensor]:
+            outs = outputs()
+            return outs, forward(outs)
 
-    def setup() -> tuple[list[Any], torch.Tensor]:
-        outs = outputs()
-        return outs, forward(outs)
+        def backward(state: tuple[list[Any], torch.Tensor]) -> None:
+            outs, value = state
+            leaves = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.grad(value, leaves, allow_unused=True)
 
-    def backward(state: tuple[list[Any], torch.Tensor]) -> None:
-        outs, value = state
-        leaves = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        torch.autograd.grad(value, leaves, allow_unused=True)
-
-    return timer.median(outputs, forward), timer.median(setup, backward), kept
+        jobs["bwd"] = (setup, backward)
+    return jobs, kept
 
 
-def _measure_blocks(split: Any, args_of: list[list[Any]], timer: Timer,
-                    progress: bool, model_inputs: set[str]) -> dict[str, Any]:
-    """Measure every block of ``split`` on its inputs, then the bare action overhead.
+def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: bool,
+            model_inputs: set[str]) -> tuple[list[BlockProbe], list[dict[str, Job]]]:
+    """Every block's probe (its bytes measured) and timing jobs, in block order.
 
     Model inputs get no gradient, as in the runtime (the batch is not a leaf).
     """
     from tqdm import tqdm
 
-    cols: dict[str, list[Any]] = {k: [] for k in ("fwd", "bwd", "wgrad", "params", "activations",
-                                                  "output", "temporary", "weight_kept")}
-    for stage, args in tqdm(list(zip(split.stages, args_of, strict=True)), desc="profiling blocks",
-                            unit="block", disable=not progress):
-        m = measure_block(stage, args, timer,
+    probes = [block_probe(stage, args, dev,
                           constant=[name in model_inputs for name in stage.inputs])
-        for k in cols:
-            cols[k].append(getattr(m, k))
-    out: dict[str, Any] = dict(cols)
-    out["action_overhead"] = action_overhead(timer)
-    return out
+              for stage, args in tqdm(list(zip(split.stages, args_of, strict=True)),
+                                      desc="profiling blocks", unit="block",
+                                      disable=not progress)]
+    return probes, [dict(p.jobs) for p in probes]
+
+
+def _columns(measures: list[BlockMeasure]) -> dict[str, Any]:
+    """Per-block measures as the cached table's columns."""
+    keys = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "weight_kept")
+    return {k: [getattr(m, k) for m in measures] for k in keys}

@@ -1,0 +1,170 @@
+"""Cost-model accuracy mechanisms: interleaved timing, the loss's attribution, cache
+re-checks, the end of step (per-step overhead, per-block optimizer) and its fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import orgel.profile.workload as profile_mod
+from orgel.plan.planner import end_of_step, plan
+from orgel.profile.blocks import Timer, interleaved
+from orgel.profile.costs import BlockCosts, stage_cost
+from orgel.profile.memory import optimizer_jobs
+from orgel.profile.overhead import _simulated, fit_overheads
+from orgel.profile.workload import profile_workload
+from orgel.schedule.costs import Link
+from orgel.workload import Workload
+
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def tiny() -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    return Workload(model, (torch.randn(8, 16),), torch.randn(8, 4), nn.functional.mse_loss)
+
+
+def test_rounds_run_every_job_once_each() -> None:
+    order: list[str] = []
+    jobs = [{"a": (lambda: None, lambda _: order.append("a")),
+             "b": (lambda: None, lambda _: order.append("b"))},
+            {"c": (lambda: None, lambda _: order.append("c"))}]
+    stats: dict[str, float] = {}
+    out = interleaved(jobs, Timer(torch.device("cpu"), warmup=1, repeats=3), stats=stats)
+    # Round after round, never one job repeated back to back.
+    assert order == ["a", "b", "c"] * 4
+    assert [sorted(o) for o in out] == [["a", "b"], ["c"]]
+    assert stats["wall_per_cpu"] > 0
+
+
+def test_job_time_is_its_cpu_median_times_the_pooled_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    samples = iter([(4.0, 2.0), (30.0, 10.0), (2.0, 2.0), (2.0, 2.0), (2.0, 2.0),
+                    (10.0, 10.0)])
+
+    def fake(self: Timer, setup: Any, work: Any) -> tuple[float, float]:
+        return next(samples)
+
+    monkeypatch.setattr(Timer, "sample", fake)
+    jobs = [{"small": (lambda: None, lambda _: None)}, {"big": (lambda: None, lambda _: None)}]
+    stats: dict[str, float] = {}
+    out = interleaved(jobs, Timer(torch.device("cpu"), warmup=0, repeats=3), stats=stats)
+    # Wall 50 ms over CPU 28 ms in all: the share; each job its CPU median times it.
+    assert stats["wall_per_cpu"] == pytest.approx(50 / 28)
+    assert out[0]["small"] == pytest.approx(2.0 * 50 / 28)
+    assert out[1]["big"] == pytest.approx(10.0 * 50 / 28)
+
+
+def fixed_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every timed job takes 1 ms; all blocks in sequence take 2 ms per block (scale 1)."""
+    def fake(jobs: list[dict[str, Any]], timer: Timer, **kwargs: Any) -> list[dict[str, float]]:
+        blocks = sum(1 for g in jobs if "inp" in g)
+        return [{k: (2.0 * blocks if k == "whole" else 1.0) for k in g} for g in jobs]
+
+    monkeypatch.setattr(profile_mod, "interleaved", fake)
+
+
+def test_the_loss_lands_in_the_last_blocks_forward_and_input_half(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fixed_times(monkeypatch)
+    costs = profile_workload(tiny(), microbatches=2, blocks=3, link=False, repeats=1,
+                             progress=False, use_cache=False)
+    assert costs.meta["in_sequence_scale"] == pytest.approx(1.0)
+    # Blocks: fwd 1, bwd 1 (I 1 and W 1 measured: W gets half of bwd). The loss's
+    # forward (1) and backward (1) go to the last block, its W stays.
+    assert costs.fwd == pytest.approx([1.0, 1.0, 2.0])
+    assert costs.bwd == pytest.approx([1.0, 1.0, 2.0])
+    assert costs.wgrad == pytest.approx([0.5, 0.5, 0.5])
+    last = stage_cost(costs, [1, 2], split=True)
+    assert last.input_grad == pytest.approx(0.5 + 1.5)
+    # Every block's optimizer step was timed (each block here has parameters).
+    assert costs.meta["optimizer_ms"] == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_cached_table_is_measured_again_when_the_blocks_drift(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = tiny()
+    first = profile_workload(w, microbatches=2, blocks=3, link=False, repeats=1,
+                             progress=False)
+    (path,) = [p for p in cache.iterdir() if p.name.startswith("blocks-")]
+    data = json.loads(path.read_text())
+    assert data["whole_ms"] > 0
+    measured: list[int] = []
+    real = profile_mod._measure
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        measured.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile_mod, "_measure", spy)
+    # Within any tolerance: the cached table as it is.
+    again = profile_workload(w, microbatches=2, blocks=3, link=False, repeats=1,
+                             progress=False, recheck=1000.0)
+    assert not measured and again.fwd == first.fwd
+    # A table whose blocks took 1000x longer than they do now is stale: measured again.
+    data["whole_ms"] *= 1000.0
+    data["fwd"] = [1e6] * len(data["fwd"])
+    path.write_text(json.dumps(data))
+    fresh = profile_workload(w, microbatches=2, blocks=3, link=False, repeats=1,
+                             progress=False)
+    assert measured == [1] and max(fresh.fwd) < 1e6
+    assert json.loads(path.read_text())["whole_ms"] < data["whole_ms"]
+    with pytest.raises(ValueError, match="recheck"):
+        profile_workload(w, microbatches=2, blocks=3, link=False, recheck=0)
+
+
+def test_optimizer_jobs_step_copies_of_each_group() -> None:
+    lin = nn.Linear(4, 4)
+    before = lin.weight.detach().clone()
+    jobs = optimizer_jobs([list(lin.parameters()), []], "adamw")
+    assert list(jobs[0]) == ["optimizer"] and jobs[1] == {}
+    setup, work = jobs[0]["optimizer"]
+    work(setup())
+    assert torch.equal(lin.weight, before)  # the model's own weights are left alone
+    with pytest.raises(ValueError, match="optimizer"):
+        optimizer_jobs([[lin.weight]], "lion")
+
+
+def chain(**meta: Any) -> BlockCosts:
+    n = 4
+    return BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[1 << 20] * n,
+                      activations=[1 << 10] * n, output=[1 << 10] * n, temporary=[0] * n,
+                      edges=[(i, i + 1) for i in range(n - 1)], link=Link(latency=0.1),
+                      optimizer_ms_per_mib=0.5, meta=meta)
+
+
+def test_end_of_step_uses_the_measured_step_overhead_and_block_optimizer_times() -> None:
+    per_block = [0.1, 0.2, 0.3, 4.0]
+    costs = chain(step_overhead=2.0, optimizer_ms=per_block)
+    result = plan(costs, 2, 4, planner="uniform-layers")
+    p = result.plan
+    per_rank = [0.0, 0.0]
+    for s, ranks in enumerate(p.placement):
+        for r in ranks:
+            per_rank[r] += sum(per_block[b] for b in p.stage_graph.stages[s].blocks)
+    assert end_of_step(costs, p) == pytest.approx(2.0 + max(per_rank))
+    assert p.prediction["end_of_step"] == pytest.approx(2.0 + max(per_rank))
+    # Without them: two latencies for the all-reduce and the per-MiB optimizer model.
+    old = chain()
+    assert end_of_step(old, p) == pytest.approx(0.2 + 0.5 * 2)
+
+
+def test_fit_overheads_separates_per_action_and_per_step_costs() -> None:
+    link = Link(latency=0.3, per_mib=0.1)
+    measured = {m: _simulated(m, link)(0.7) + 5.0 for m in (4, 16)}
+    action, step = fit_overheads(measured, link)
+    assert action == pytest.approx(0.7, rel=1e-6)
+    assert step == pytest.approx(5.0, rel=1e-6)
+    with pytest.raises(ValueError, match="two"):
+        fit_overheads({4: 1.0}, link)
