@@ -105,6 +105,7 @@ class Builder:
     """Collects blocks (GEMMs, bytes per sample) and edges; costs for a micro-batch size."""
 
     def __init__(self) -> None:
+        self.memory = MEMORY
         self.rows: list[tuple[list[Gemm], int, int, int]] = []  # gemms, params, saved, output
         self.edges: list[tuple[int, int]] = []
 
@@ -123,7 +124,7 @@ class Builder:
             activations=[s * samples for _, _, s, _ in self.rows],
             output=[o * samples for _, _, _, o in self.rows],
             temporary=[o * samples for _, _, _, o in self.rows], edges=self.edges,
-            link=LINK, memory_per_rank=MEMORY, optimizer_factor=4,
+            link=LINK, memory_per_rank=self.memory, optimizer_factor=4,
             action_overhead=OVERHEAD)
 
 
@@ -290,6 +291,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--seq-time", type=float, default=0.5,
                         help="seconds for each sequential beam search (default 0.5)")
+    parser.add_argument("--memory", type=float, default=MEMORY / (1 << 30),
+                        help="GiB per rank (default 16, a V100)")
     parser.add_argument("--max-per-rank", type=int, default=4,
                         help="largest micro-batch count swept, per rank (default 4)")
     args = parser.parse_args()
@@ -298,7 +301,7 @@ def main() -> None:
             parser.error(f"--ranks takes values among {RANKS}, got {r}")
     print(f"device: roofline per GEMM, peak {PEAK * 1e3 / 1e12:.0f} TFLOP/s, HBM "
           f"{HBM * 1e3 / 1e9:.0f} GB/s (ridge {PEAK / HBM:.0f} FLOP/B), "
-          f"{MEMORY / (1 << 30):.0f} GiB/rank, link {LINK.latency} ms + {LINK.per_mib} ms/MiB, "
+          f"{args.memory:g} GiB/rank, link {LINK.latency} ms + {LINK.per_mib} ms/MiB, "
           f"{OVERHEAD} ms/action, fp16 activations, 16 B/param (Adam)")
     header = (f"{'model':<10} {'rk':>3} {'batch':>6} | {'graph mb x m':>12} {'ms':>4} "
               f"{'spl/ms':>6} | {'seq mb x m':>12} {'ms':>4} {'spl/ms':>6} | "
@@ -308,6 +311,7 @@ def main() -> None:
     print("-" * len(header))
     for name in args.models:
         builder = MODELS[name]()
+        builder.memory = int(args.memory * (1 << 30))
         for ranks in args.ranks:
             print(run_config(name, builder, ranks, BATCH[name][RANKS.index(ranks)], args),
                   flush=True)

@@ -204,7 +204,9 @@ class _DP:
             out.append((r, work / r + 2 * bc.action_overhead + reduce))
         return tuple(out)
 
-    def merged(self, nodes: list[SPTree]) -> Solution | None:
+    def merged(self, nodes: list[SPTree], *, only_count: bool = False) -> Solution | None:
+        """``nodes`` as one stage (None if it misses the bound or memory on any count);
+        ``only_count``: leave the stage's blocks out (a feasibility probe)."""
         work, params, acts, temp = 0.0, 0, 0, 0
         for nd in nodes:
             w, p, a, t = self.totals.of(nd)
@@ -212,7 +214,10 @@ class _DP:
         got = self.replicas(work, params, acts, temp)
         if got is None:
             return None
-        blocks = tuple(sorted(b for nd in nodes for b in nd.blocks))
+        if only_count:
+            return Solution(got[0], 1, (), got[1])
+        blocks = (nodes[0].blocks if len(nodes) == 1 and not isinstance(nodes[0], Series)
+                  else tuple(sorted(b for nd in nodes for b in nd.blocks)))
         return Solution(got[0], 1, (StageSpec(blocks, got[0]),), got[1])
 
     def solve(self, node: SPTree) -> Solution | None:
@@ -412,7 +417,7 @@ class _DP:
         for work, c in sorted(small, key=lambda x: -x[0]):
             for i, load in enumerate(loads):
                 if load + work + 2 * self.bc.action_overhead <= self.bound:
-                    trial = self.merged(bins[i] + [c])
+                    trial = self.merged(bins[i] + [c], only_count=True)
                     if trial is not None and trial.devices == 1:
                         bins[i].append(c)
                         loads[i] += work
@@ -482,8 +487,8 @@ def stage_layout(bc: BlockCosts, stages: list[StageSpec]
 
 
 def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
-               iterations: int = 40, grid: int = 4, tolerance: float = 0.005,
-               zero_bubble: bool = True, score_top: int = 4,
+               iterations: int = 40, grid: int = 2, tolerance: float = 0.005,
+               zero_bubble: bool = True, score_top: int = 3,
                max_replicas: int | None = None, rows: int | None = None,
                pure_dp: bool = True, grouped: bool = True) -> GraphResult | None:
     """The fastest graph plan found (see the module docstring); None if nothing fits.
@@ -507,15 +512,19 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
     # Without pure data parallelism the DP (which breaks ties towards shallow
     # pipelines) may only find "one stage on every rank"; also solve with
     # single-rank stages, whose spare ranks may still become replicas below.
+    # Passes: (all-reduce exposed, replica counts, branch groups). With groups the
+    # single-rank pass covers the plain one's options.
     passes = [(False, counts, False)]
-    if not pure_dp and counts != [1]:
+    if not pure_dp and counts != [1] and not grouped:
         passes.append((False, [1], False))
-    if counts != [1]:  # an exposed all-reduce only matters to replicated stages
-        passes.append((True, counts, False))
     if grouped:
         passes.append((False, [1], True))
+    if counts != [1]:
+        passes.append((True, counts, False))
     total = sum(work)
     for exposed, cs, grp in passes:
+        if exposed and not any(r > 1 for key in found for _, r in key):
+            continue  # an exposed all-reduce only matters to replicated stages
         # No layout beats perfect balance: sum_s r_s (t_s - 2 overhead) >= total work.
         lo = (total / ranks + 2 * bc.action_overhead) * (1 - 1e-9)
         hi = total + 2 * bc.action_overhead * bc.num_blocks + 1.0

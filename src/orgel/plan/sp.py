@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,8 @@ class Series:
     children: tuple[SPTree, ...]
     linearised: bool = False  # True when made series by topological order (not SP)
 
-    @property
-    def blocks(self) -> tuple[int, ...]:
+    @cached_property
+    def blocks(self) -> tuple[int, ...]:  # cached: planners ask for it in inner loops
         return tuple(b for c in self.children for b in c.blocks)
 
 
@@ -55,7 +56,7 @@ class Parallel:
 
     children: tuple[SPTree, ...]
 
-    @property
+    @cached_property
     def blocks(self) -> tuple[int, ...]:
         return tuple(sorted(b for c in self.children for b in c.blocks))
 
