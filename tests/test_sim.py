@@ -182,6 +182,21 @@ def test_tied_weights_all_reduce() -> None:
         CompiledPlan(plan)
 
 
+def test_tied_bytes_leave_a_replicated_stage_all_reduce() -> None:
+    # stage1 on ranks 1 and 2 holds 1 MiB of gradients, 0.25 MiB of which is a
+    # weight tied with stage0: the runtime reduces the tied weight over ranks
+    # 0-2 and the rest (0.75 MiB) over the stage's replicas, never both.
+    costs = Costs([StageCost(1, 2), StageCost(2, 4, params=1 << 20)], link=Link(per_mib=4.0))
+    plan = make_plan(StageGraph.chain(2), [(0,), (1, 2)],
+                     "rank0: F0.0 B0.0\nrank1: F1.0 B1.0\nrank2: F1.0 B1.0", costs)
+    plan.meta["tied_weights"] = [{"stages": [0, 1], "nbytes": 1 << 18}]
+    events = {(e.rank, e.label): e for e in simulate(plan).timeline.events}
+    stage = events[(1, "allreduce s1")]
+    assert stage.end - stage.start == pytest.approx(2 * 1 * 4.0 * 0.375)  # 0.75 MiB / 2
+    tied = events[(0, "allreduce tied0")]
+    assert tied.end - tied.start == pytest.approx(2 * 2 * 4.0 * (0.25 / 3), rel=1e-3)
+
+
 def test_deadlock_is_reported() -> None:
     plan = make_plan(StageGraph.chain(2), [(0,), (1,)],
                      "rank0: F0.0 B0.0 F0.1 B0.1\nrank1: F1.0 F1.1 B1.0 B1.1",

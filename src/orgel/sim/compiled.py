@@ -47,14 +47,16 @@ class AllReduce:
     """A gradient all-reduce among ``ranks`` (a data-parallel stage or a tied weight group).
 
     ``stages`` are the stages whose gradients it sums; ``nbytes`` is ``None`` for
-    a stage's own gradients (read from its costs) or a fixed byte count for a
-    tied weight group.
+    a stage's own gradients (read from its costs, less ``tied_bytes``: the
+    runtime reduces a tied weight's gradient in its own group, not the stage's)
+    or a fixed byte count for a tied weight group.
     """
 
     ranks: tuple[int, ...]
     stages: tuple[int, ...]
     nbytes: int | None
     label: str
+    tied_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,9 +193,7 @@ class CompiledPlan:
 
     def _build_allreduces(self, plan: Plan) -> None:
         groups: list[AllReduce] = []
-        for s, ranks in enumerate(plan.placement):
-            if len(ranks) > 1:
-                groups.append(AllReduce(tuple(ranks), (s,), None, f"allreduce s{s}"))
+        tied_groups: list[AllReduce] = []
         for i, tied in enumerate(plan.meta.get("tied_weights", ())):
             try:
                 stages = tuple(int(s) for s in tied["stages"])
@@ -208,7 +208,12 @@ class CompiledPlan:
                                 f"only {self.num_stages} stages")
             ranks = tuple(sorted({r for s in stages for r in plan.placement[s]}))
             if len(ranks) > 1:
-                groups.append(AllReduce(ranks, stages, nbytes, f"allreduce tied{i}"))
+                tied_groups.append(AllReduce(ranks, stages, nbytes, f"allreduce tied{i}"))
+        for s, ranks in enumerate(plan.placement):
+            if len(ranks) > 1:
+                tied = sum(int(g.nbytes or 0) for g in tied_groups if s in g.stages)
+                groups.append(AllReduce(tuple(ranks), (s,), None, f"allreduce s{s}", tied))
+        groups += tied_groups
         self.allreduces = groups
         # Each all-reduce waits for the last backward (B or W) of its stages on every rank.
         self._allreduce_preds: list[list[int]] = []
@@ -356,7 +361,10 @@ class CompiledPlan:
 
     def _allreduce_time(self, g: AllReduce, costs: Costs, arrays: StageArrays) -> float:
         """Ring all-reduce: 2(n-1) steps of nbytes/n over the slowest ring link."""
-        nbytes = int(arrays.grads[g.stages[0]]) if g.nbytes is None else g.nbytes
+        if g.nbytes is None:
+            nbytes = max(0, int(arrays.grads[g.stages[0]]) - g.tied_bytes)
+        else:
+            nbytes = g.nbytes
         n = len(g.ranks)
         chunk = nbytes // n
         ring = [costs.link_between(g.ranks[i], g.ranks[(i + 1) % n]) for i in range(n)]
