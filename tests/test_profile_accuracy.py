@@ -168,3 +168,16 @@ def test_fit_overheads_separates_per_action_and_per_step_costs() -> None:
     assert step == pytest.approx(5.0, rel=1e-6)
     with pytest.raises(ValueError, match="two"):
         fit_overheads({4: 1.0}, link)
+
+
+def test_weight_kept_counts_the_output_gradient_w_holds() -> None:
+    from orgel.profile.blocks import measure_block
+    from orgel.split.types import StageModule
+
+    rows = 64
+    stage = StageModule(index=0, module=nn.Linear(128, 256), inputs=["x"], outputs=["y"])
+    m = measure_block(stage, [torch.randn(rows, 128)], Timer(torch.device("cpu"), warmup=0,
+                                                                repeats=1))
+    # A linear layer's weight gradient is grad(y)^T x: W holds the gradient that
+    # arrived at its output from I until it runs (the runtime's I keeps it).
+    assert m.weight_kept >= rows * 256 * 4

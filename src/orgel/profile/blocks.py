@@ -285,9 +285,14 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
             jobs["wgrad"] = (lambda: _input_half(setup(), grad_outs, params), weight_backward)
             # What ``I`` leaves alive for ``W`` (the gradients it kept; its input
             # gradients are sent away and dropped): held from ``I`` until ``W``.
+            # The output gradients arrive during the step too and ``W`` often
+            # keeps them (a last linear layer's weight gradient needs its output's
+            # gradient): made under the mode, they count when ``W`` holds them.
             state = setup()
             with LiveBytes() as mode:
-                work = _input_half(state, grad_outs, params)
+                incoming = [None if g is None else g.clone() for g in grad_outs]
+                work = _input_half(state, incoming, params)
+                del incoming
                 weight_kept = int(mode.now)
             del work, state
     kept, temporary = _temporary(module, fresh_inputs, forward, grad_outs, device,
