@@ -188,3 +188,25 @@ def test_scorer_prices_the_slow_pair_where_messages_cross_it() -> None:
     assert forced.placement == [(0,), (1,), (2,)]
     assert score.step_time == pytest.approx(simulate(forced).step_time)
     assert score.step_time > fast.score_chain(t, points).step_time + 2 * SLOW.latency
+
+
+def fan(links: dict[tuple[int, int], Link]) -> BlockCosts:
+    """A stem, four branches of two blocks, a join: skip edges add channels."""
+    n = 10
+    edges = [(0, 1), (1, 2), (0, 3), (3, 4), (0, 5), (5, 6), (0, 7), (7, 8),
+             (2, 9), (4, 9), (6, 9), (8, 9)]
+    return BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[MiB] * n,
+                      activations=[MiB] * n, output=[4 * MiB] * n, temporary=[0] * n,
+                      edges=edges, link=FAST, links=links)
+
+
+def test_graph_planner_renames_ranks_of_a_dag_of_stages() -> None:
+    slow = {(0, 1): SLOW, (1, 0): SLOW}
+    fast_plan = plan(fan({}), 4, 4, planner="graph").plan
+    got = plan(fan(slow), 4, 4, planner="graph").plan
+    assert (0, 1) in derive_comm(fast_plan).channels
+    assert not {(0, 1), (1, 0)} & set(derive_comm(got).channels)
+    assert got.prediction is not None and fast_plan.prediction is not None
+    assert got.prediction["step_time"] == pytest.approx(
+        simulate(got).step_time + end_of_step(fan(slow), got))
+    assert got.prediction["step_time"] == pytest.approx(fast_plan.prediction["step_time"])

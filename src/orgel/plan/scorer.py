@@ -12,10 +12,11 @@ rank's compute) that lets searches skip candidates that cannot win.
 Links. Every message is priced on the link between the ranks it goes between
 (``Costs.link_between``, inside the compiled plan). With per-pair links
 (``BlockCosts.links``) a template's rank numbers matter, so each template is
-first renamed (:meth:`Scorer.placed`): the rank permutation that puts its
-busiest channels on the fastest links (all permutations up to 6 ranks, pair
-swaps beyond). Every score and plan of that template uses the renamed one;
-with a single link for all pairs the template is used as it is.
+renamed (:meth:`Scorer.placed`, per template and stage-edge set, since skip
+edges add channels): the rank permutation that puts its busiest channels on
+the fastest links (all permutations up to 6 ranks, pair swaps beyond). Every
+score and plan of that template uses the renamed one; with a single link for
+all pairs the template is used as it is.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class Scorer:
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
         self._held_cache: dict[tuple[Any, ...], np.ndarray] = {}
         # id(template) -> (template, renamed); the template is kept so its id stays unique
-        self._placed: dict[int, tuple[Template, Template]] = {}
+        self._placed: dict[tuple[int, tuple[tuple[int, int], ...]],
+                           tuple[Template, Template]] = {}
         self.rename_ranks = rename_ranks
         self.evaluations = 0
 
@@ -252,9 +254,9 @@ class Scorer:
 
     def _score(self, template: Template, stage_blocks: list[range] | list[list[int]],
                stages: list[StageCost], recompute: tuple[bool, ...] | None) -> Score:
-        template = self.placed(template)
-        rec = tuple(recompute) if recompute else (False,) * template.num_stages
         graph = self._graph_for(stage_blocks, template)
+        template = self.placed(template, graph)
+        rec = tuple(recompute) if recompute else (False,) * template.num_stages
         if graph is template.base.stage_graph:
             edge_bytes = np.array([self._cross[stage_blocks[e.dst][0]] for e in graph.edges],
                                   dtype=np.int64)
@@ -299,7 +301,7 @@ class Scorer:
                 recompute: tuple[bool, ...] | None = None,
                 meta: dict[str, Any] | None = None) -> Plan:
         """The full Plan of a candidate: real stage graph (blocks, edge bytes) and costs."""
-        template = self.placed(template)
+        template = self.placed(template, self._graph_for(stage_blocks, template))
         graph = stage_graph(self.bc, [list(b) for b in stage_blocks])
         costs = stage_costs(self.bc, [list(b) for b in stage_blocks],
                             split=template.splits_backward)
@@ -315,20 +317,27 @@ class Scorer:
 
     # -- per-pair links ----------------------------------------------------------
 
-    def placed(self, template: Template) -> Template:
+    def placed(self, template: Template, graph: StageGraph | None = None) -> Template:
         """``template`` with ranks renamed so its busiest channels get the fastest links.
 
         Only with per-pair links (``costs.links``); renaming ranks changes no
-        rank's work, only which links its messages take. Cached per template.
+        rank's work, only which links its messages take. ``graph``: the stage
+        graph the template runs (default: its chain). Cached per template and
+        edge set.
         """
         if not self.bc.links or not self.rename_ranks:
             return template
-        hit = self._placed.get(id(template))
+        graph = template.base.stage_graph if graph is None else graph
+        key = (id(template), tuple((e.src, e.dst) for e in graph.edges))
+        hit = self._placed.get(key)
         if hit is None:
-            perm = best_ranks(channel_traffic(template.base), self._link_times(template))
+            base = template.base
+            runs = (base if graph is base.stage_graph
+                    else dataclasses.replace(base, stage_graph=graph))
+            perm = best_ranks(channel_traffic(runs), self._link_times(template))
             renamed = template if perm == tuple(range(len(perm))) else rename(template, perm)
             hit = (template, renamed)
-            self._placed[id(template)] = hit
+            self._placed[key] = hit
         return hit[1]
 
     def _link_times(self, template: Template) -> np.ndarray:
