@@ -10,7 +10,7 @@ feasible candidate of each planner is compared.
 
 Device model (a V100-SXM2 16 GB, fp16 mixed precision), a roofline per GEMM::
 
-    time = max(FLOPs / PEAK, bytes moved / HBM)
+    time = max(FLOPs / PEAK, bytes moved / HBM) + LAUNCH
 
 * ``PEAK`` = 50 TFLOP/s: the V100's tensor cores peak at 125 TFLOP/s; large
   cuBLAS fp16 GEMMs reach ~90, and a training step with its element-wise ops
@@ -22,6 +22,8 @@ Device model (a V100-SXM2 16 GB, fp16 mixed precision), a roofline per GEMM::
   with 8 rows it runs at 8/70 of the compute rate. Attention's per-sample
   matmuls (QK^T, AV) are batched over samples and heads; their time is linear
   in the micro-batch. Element-wise ops are not modelled;
+* ``LAUNCH`` = 0.005 ms per GEMM (a CUDA kernel launch and its tail, ~5 us on a
+  V100), so tiny micro-batches also pay fixed costs;
 * backward = an input-gradient and a weight-gradient GEMM per forward GEMM,
   each moving the same three matrices: bwd = 2 x fwd, wgrad = fwd;
 * 16 GiB per rank; parameters counted in fp32 bytes with optimizer factor 4
@@ -74,6 +76,7 @@ from orgel.sim import simulate
 
 PEAK = 50e12 / 1e3  # FLOPs per ms, compute-bound rate
 HBM = 720e9 / 1e3  # bytes per ms
+LAUNCH = 0.005  # ms per GEMM kernel
 MEMORY = 16 << 30
 LINK = Link(0.01, 0.04)
 OVERHEAD = 0.02
@@ -98,7 +101,7 @@ def gemm_ms(g: Gemm, samples: int) -> float:
     else:
         flops = 2.0 * rows * k * n * count * samples
         moved = 2.0 * (rows * k + k * n + rows * n) * count * samples
-    return max(flops / PEAK, moved / HBM)
+    return max(flops / PEAK, moved / HBM) + LAUNCH  # batched: one kernel for all heads
 
 
 class Builder:
@@ -289,8 +292,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="*", default=[4, 8],
                         help="rank counts among 4 8 16 32 (default 4 8)")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--seq-time", type=float, default=0.5,
-                        help="seconds for each sequential beam search (default 0.5)")
+    parser.add_argument("--seq-time", type=float, default=2.0,
+                        help="seconds for each sequential beam search (default 2)")
     parser.add_argument("--memory", type=float, default=MEMORY / (1 << 30),
                         help="GiB per rank (default 16, a V100)")
     parser.add_argument("--max-per-rank", type=int, default=4,
@@ -301,6 +304,7 @@ def main() -> None:
             parser.error(f"--ranks takes values among {RANKS}, got {r}")
     print(f"device: roofline per GEMM, peak {PEAK * 1e3 / 1e12:.0f} TFLOP/s, HBM "
           f"{HBM * 1e3 / 1e9:.0f} GB/s (ridge {PEAK / HBM:.0f} FLOP/B), "
+          f"{LAUNCH} ms/GEMM launch, "
           f"{args.memory:g} GiB/rank, link {LINK.latency} ms + {LINK.per_mib} ms/MiB, "
           f"{OVERHEAD} ms/action, fp16 activations, 16 B/param (Adam)")
     header = (f"{'model':<10} {'rk':>3} {'batch':>6} | {'graph mb x m':>12} {'ms':>4} "
