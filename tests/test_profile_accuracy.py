@@ -181,3 +181,28 @@ def test_weight_kept_counts_the_output_gradient_w_holds() -> None:
     # A linear layer's weight gradient is grad(y)^T x: W holds the gradient that
     # arrived at its output from I until it runs (the runtime's I keeps it).
     assert m.weight_kept >= rows * 256 * 4
+
+
+def test_runtime_overhead_is_kept_with_the_blocks_table(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    links = [Link(latency=0.1, per_mib=0.2)]
+    fits: list[Link] = []
+
+    def fake_overhead(link: Link, *, use_cache: bool = True) -> tuple[float, float]:
+        fits.append(link)
+        return 0.3, 4.0
+
+    monkeypatch.setattr(profile_mod, "link_costs", lambda **_: (links[0], {}))
+    monkeypatch.setattr(profile_mod, "runtime_overhead", fake_overhead)
+    w = tiny()
+    costs = profile_workload(w, microbatches=2, blocks=3, repeats=1, progress=False)
+    assert fits == [links[0]]
+    assert costs.meta["step_overhead"] == 4.0 and costs.action_overhead >= 0.3
+    # The same table again: its overhead comes with it.
+    again = profile_workload(w, microbatches=2, blocks=3, repeats=1, progress=False,
+                             recheck=None)
+    assert len(fits) == 1 and again.meta["step_overhead"] == 4.0
+    # Another link: the per-action fit depends on it, so it is measured again.
+    links[0] = Link(latency=0.5, per_mib=0.2)
+    profile_workload(w, microbatches=2, blocks=3, repeats=1, progress=False, recheck=None)
+    assert fits[-1] == links[0] and len(fits) == 2

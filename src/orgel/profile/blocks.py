@@ -8,15 +8,18 @@ its own:
 * ``fwd``: the forward, with autograd recording (as in training);
 * ``bwd``: the full backward (``torch.autograd.grad`` w.r.t. inputs and
   parameters), ``wgrad`` its weight half ``W`` as the runtime runs it
-  (:func:`orgel.runtime.backward.weight_backward` after ``input_backward``),
-  all as the median of ``repeats`` runs after ``warmup``;
-  CUDA is timed with events, CPU with ``perf_counter``;
+  (:func:`orgel.runtime.backward.weight_backward` after ``input_backward``);
+  every block's jobs are timed in the same rounds (:func:`interleaved`:
+  ``warmup`` rounds, then ``repeats``), each job's time its median CPU time
+  times the process's share of the machine over all of them; CUDA is timed
+  with events;
 * ``params``: bytes of the block's parameters; ``output``: bytes of its outputs;
   ``activations``: bytes one forward leaves alive until its backward: what
   autograd saves (saved-tensor hooks, each storage once, parameters left out)
   or, if more, everything the forward allocated that is still alive when it
   returns (its outputs too, which the runtime keeps for the backward);
-* ``weight_kept``: what the split backward's ``I`` keeps alive for ``W``;
+* ``weight_kept``: what the split backward's ``I`` keeps alive for ``W``,
+  the output gradients ``W`` holds included;
 * ``temporary``: the peak of forward + backward above that, not counting the
   parameters' gradients; on CUDA from the allocator's counters, on CPU (no
   allocator statistics) from :class:`~orgel.profile.memory.LiveBytes`, which
@@ -299,6 +302,48 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
                                  sum(saved.values()))
     return BlockProbe(jobs=jobs, params=param_bytes, activations=kept, output=out_bytes,
                       temporary=temporary, weight_kept=weight_kept)
+
+
+def loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,
+              targets: Any) -> tuple[dict[str, Job], int]:
+    """Jobs timing the loss on one micro-batch's outputs (``fwd``, ``bwd``), bytes it saves.
+
+    ``split`` is the blocks' split model (its ``output_names`` and
+    ``unflatten_outputs``), ``values`` every value one forward produced.
+    The saved bytes leave out the outputs themselves (a block's already).
+    """
+    def outputs() -> list[Any]:
+        return [values[n].detach().requires_grad_(True)
+                if isinstance(values[n], torch.Tensor) and values[n].is_floating_point()
+                else values[n] for n in split.output_names]
+
+    def forward(outs: list[Any]) -> torch.Tensor:
+        return loss_fn(split.unflatten_outputs(outs), targets)
+
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    outs = outputs()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value = forward(outs)
+    own = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, torch.Tensor)}
+    kept = sum(n for ptr, n in saved.items() if ptr not in own)  # outputs counted already
+    jobs: dict[str, Job] = {"fwd": (outputs, forward)}
+    if value.requires_grad:
+        def setup() -> tuple[list[Any], torch.Tensor]:
+            outs = outputs()
+            return outs, forward(outs)
+
+        def backward(state: tuple[list[Any], torch.Tensor]) -> None:
+            outs, value = state
+            leaves = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.grad(value, leaves, allow_unused=True)
+
+        jobs["bwd"] = (setup, backward)
+    return jobs, kept
 
 
 def _input_half(state: tuple[list[Any], list[torch.Tensor]], grad_outs: list[torch.Tensor | None],

@@ -42,6 +42,7 @@ from orgel.profile.blocks import (
     block_probe,
     interleaved,
     intra_op_threads,
+    loss_jobs,
     spin_up,
 )
 from orgel.profile.contention import companions
@@ -251,8 +252,16 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     step_overhead = None
     if link:
         # Through the runtime itself (dispatch, bookkeeping, sends): usually far more
-        # than the bare autograd call measured next to the blocks.
-        action, step_overhead = runtime_overhead(link_model, use_cache=use_cache)
+        # than the bare autograd call measured next to the blocks. Measured with the
+        # blocks and kept in their table, so it is as fresh as they are (re-checked).
+        fitted = cached.get("runtime_overhead")
+        if cached.get("runtime_overhead_link") != [link_model.latency, link_model.per_mib] \
+                or not isinstance(fitted, list) or len(fitted) != 2:
+            fitted = list(runtime_overhead(link_model, use_cache=False))
+            cached["runtime_overhead"] = fitted
+            cached["runtime_overhead_link"] = [link_model.latency, link_model.per_mib]
+            _store("blocks", key, cached)
+        action, step_overhead = float(fitted[0]), float(fitted[1])
         overhead = max(overhead, action)
     return BlockCosts(
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
@@ -360,8 +369,8 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
         b = split.loss_stage
         saved, at_loss = 0, len(jobs)
         if loss is not None:
-            loss_jobs, saved = _loss_jobs(split, values, loss[0], _to(loss[1], dev))
-            jobs.append(loss_jobs)
+            loss_group, saved = loss_jobs(split, values, loss[0], _to(loss[1], dev))
+            jobs.append(loss_group)
         at_optimizer = len(jobs)
         # The optimizer's step per block, on copies (when they are small enough to
         # copy), in the same rounds: the ranks step theirs at the same time too.
@@ -406,43 +415,6 @@ def _to(value: Any, dev: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: _to(v, dev) for k, v in value.items()}
     return value
-
-
-def _loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,
-               targets: Any) -> tuple[dict[str, Job], int]:
-    """Jobs timing the loss on one micro-batch's outputs (``fwd``, ``bwd``), bytes it saves."""
-    def outputs() -> list[Any]:
-        return [values[n].detach().requires_grad_(True)
-                if isinstance(values[n], torch.Tensor) and values[n].is_floating_point()
-                else values[n] for n in split.output_names]
-
-    def forward(outs: list[Any]) -> torch.Tensor:
-        return loss_fn(split.unflatten_outputs(outs), targets)
-
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    outs = outputs()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        value = forward(outs)
-    own = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, torch.Tensor)}
-    kept = sum(n for ptr, n in saved.items() if ptr not in own)  # outputs counted already
-    jobs: dict[str, Job] = {"fwd": (outputs, forward)}
-    if value.requires_grad:
-        def setup() -> tuple[list[Any], torch.Tensor]:
-            outs = outputs()
-            return outs, forward(outs)
-
-        def backward(state: tuple[list[Any], torch.Tensor]) -> None:
-            outs, value = state
-            leaves = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-            torch.autograd.grad(value, leaves, allow_unused=True)
-
-        jobs["bwd"] = (setup, backward)
-    return jobs, kept
 
 
 def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: bool,
