@@ -39,6 +39,13 @@ def with_bytes(plan: Plan, nbytes: int) -> Plan:
     return dataclasses.replace(plan, stage_graph=StageGraph(graph.stages, edges))
 
 
+def one_action_sends(plan: Plan) -> list[int]:
+    """Per rank, the most bytes sent after one action: what the runtime may hold now."""
+    comm = derive_comm(plan)
+    return [max((sum(comm.messages[i].nbytes for i in msgs) for msgs in row), default=0)
+            for row in comm.sends_after]
+
+
 def _setup(name: str) -> tuple[Any, Plan, str]:
     if name == "two-out":
         split_model = split(clip(), TWO_OUT)
@@ -94,12 +101,14 @@ def test_one_action_of_sends_pending_far_below_held_sends(results: dict) -> None
     _, plan, _ = _setup("1f1b")
     nbytes = ROWS // plan.microbatches * T * D * 4  # one micro-batch of hidden states, fp32
     held = held_sends(with_bytes(plan, nbytes))
+    bound = one_action_sends(with_bytes(plan, nbytes))
     for rank, got in enumerate(per_rank):
         # first step exchanges shapes: receives are posted just in time, sends held
         assert got["peak"][0] == got["sent"][0] == held[rank]
         for step in range(1, STEPS):
             assert got["count"][step] == 1  # 1F1B sends one message per action
             assert got["peak"][step] == nbytes < held[rank] == got["sent"][step]
+            assert got["peak"][step] == bound[rank]
         assert got["pending"] == [0] * STEPS  # nothing outlives the step
 
 
@@ -109,9 +118,11 @@ def test_byte_cap_waits_for_the_oldest_send_and_keeps_the_losses(results: dict) 
     assert max(free[0]["count"][1:]) == 2  # both sends of one F pending together
     assert max(capped[0]["count"][1:]) == 1  # the cap waits for the first before the second
     assert max(capped[0]["peak"][1:]) == capped[0]["largest"]  # a message over the cap still goes
+    _, plan, _ = _setup("two-out")
+    bound = one_action_sends(with_bytes(plan, ROWS // plan.microbatches * T * D * 4))
     for rank in range(2):
         assert capped[rank]["losses"] == free[rank]["losses"]
-        assert max(free[rank]["peak"][1:]) < free[rank]["sent"][1]
+        assert max(free[rank]["peak"][1:]) == bound[rank] < free[rank]["sent"][1]
 
 
 def test_cap_is_checked_up_front() -> None:
