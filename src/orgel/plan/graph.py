@@ -561,7 +561,7 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
                            spare=ranks - sol.devices).solve(tree)
                 if wide is not None and wide.devices <= ranks:
                     found.setdefault(tuple((s.blocks, s.replicas) for s in wide.stages), bound)
-    best: GraphResult | None = None
+    chosen: tuple[Score, Template, list[list[int]], list[StageSpec], float] | None = None
     layouts: dict[tuple[tuple[tuple[int, ...], int], ...], float] = {}
     for key, bound in found.items():
         # As found (spare ranks idle: a replica of a stage off the bottleneck buys
@@ -586,23 +586,28 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
                                   placement=placement)
         except PlanError:
             continue
-        templates = [Template("dag-1f1b", "dag-1f1b", {}, base)]
+        # The zero-bubble rewrite first: it fills the cool-down with W, so plain DAG
+        # 1F1B is only scored when the rewrite does not fit memory (or cannot be built).
+        templates = []
         if zero_bubble:
             try:
                 templates.append(Template("dag-1f1b + zero bubble", "dag-1f1b",
                                           {"split_backward": True}, split_backward(base)))
             except PlanError:
                 pass
+        templates.append(Template("dag-1f1b", "dag-1f1b", {}, base))
         for template in templates:
             score = scorer.score_split(template, blocks)
             if not score.feasible:
                 continue
-            if best is None or score.step_time < best.score.step_time:
-                plan = scorer.to_plan(template, blocks, meta={"planner": "graph"})
-                best = GraphResult(plan, score, template, stages, bound, len(found))
-    if best is not None:
-        best.candidates = len(found)
-    return best
+            if chosen is None or score.step_time < chosen[0].step_time:
+                chosen = (score, template, blocks, stages, bound)
+            break
+    if chosen is None:
+        return None
+    score, template, blocks, stages, bound = chosen
+    plan = scorer.to_plan(template, blocks, meta={"planner": "graph"})
+    return GraphResult(plan, score, template, stages, bound, len(found))
 
 
 def sp_tree_for(bc: BlockCosts) -> SPTree:
