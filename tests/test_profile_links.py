@@ -7,10 +7,12 @@ traffic avoids the slow pair; the plan it returns predicts what simulate() says.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from orgel.commands.profile import format_table
 from orgel.plan import plan
@@ -21,12 +23,15 @@ from orgel.profile import links as links_mod
 from orgel.profile import workload
 from orgel.profile.costs import BlockCosts
 from orgel.profile.links import (
+    _Bench,
     fit_link,
     link_from_round_trips,
     measure_links,
     ordered_pairs,
     summarize_links,
 )
+from orgel.runtime.errors import SpawnError
+from orgel.runtime.launch import spawn
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Link
 from orgel.schedule.validate import validate
@@ -83,6 +88,20 @@ def test_every_ordered_pair_of_three_ranks_is_measured() -> None:
     assert sorted(got) == [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]
     for pair, link in got.items():
         assert link.latency > 0 and link.per_mib > 0, f"{pair}: {link}"
+
+
+def stall(rank: int, world: int) -> None:
+    """Rank 0 measures pair 0->1 while rank 1 never answers."""
+    if rank == 0:
+        _Bench(rank, torch.device("cpu"), timeout=1.0).round_trips((0, 1), 1 << 10, 1)
+    else:
+        time.sleep(2)
+
+
+@pytest.mark.slow  # spawns 2 gloo ranks
+def test_a_stalled_peer_times_out_naming_the_pair() -> None:
+    with pytest.raises(SpawnError, match=r"pair 0->1 failed after at most 1 s"):
+        spawn(stall, 2, timeout=3)
 
 
 def test_measure_links_checks_its_options() -> None:

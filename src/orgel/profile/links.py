@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.runtime.comm import transport_reason
 from orgel.schedule.costs import Link
 
 DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -180,9 +181,9 @@ class _Bench:
             else:
                 work.wait(timeout=self.timeout)
         except Exception as exc:  # noqa: BLE001 - re-raised with the pair named
-            raise RuntimeError(f"link benchmark on rank {self.rank}: {where} failed after "
-                               f"at most {self.timeout.total_seconds():g} s: "
-                               f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+            raise RuntimeError(f"link benchmark: {where} failed after at most "
+                               f"{self.timeout.total_seconds():g} s: {transport_reason(exc)}"
+                               ) from exc
 
     def barrier(self, where: str) -> None:
         """Every rank meets here (an all-reduce, which takes a timeout on gloo)."""
