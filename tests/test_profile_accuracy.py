@@ -48,8 +48,7 @@ def test_rounds_run_every_job_once_each() -> None:
     assert stats["wall_per_cpu"] > 0
 
 
-def test_job_time_is_its_cpu_median_times_the_pooled_share(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_time_is_its_cpu_median_not_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
     samples = iter([(4.0, 2.0), (30.0, 10.0), (2.0, 2.0), (2.0, 2.0), (2.0, 2.0),
                     (10.0, 10.0)])
 
@@ -59,11 +58,23 @@ def test_job_time_is_its_cpu_median_times_the_pooled_share(
     monkeypatch.setattr(Timer, "sample", fake)
     jobs = [{"small": (lambda: None, lambda _: None)}, {"big": (lambda: None, lambda _: None)}]
     stats: dict[str, float] = {}
-    out = interleaved(jobs, Timer(torch.device("cpu"), warmup=0, repeats=3), stats=stats)
-    # Wall 50 ms over CPU 28 ms in all: the share; each job its CPU median times it.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = interleaved(jobs, Timer(torch.device("cpu"), warmup=0, repeats=3), stats=stats)
+    finally:
+        torch.set_num_threads(before)
+    # Each job its median CPU time; the load (wall 50 ms over CPU 28 ms) is reported.
+    assert out[0]["small"] == pytest.approx(2.0) and out[1]["big"] == pytest.approx(10.0)
     assert stats["wall_per_cpu"] == pytest.approx(50 / 28)
-    assert out[0]["small"] == pytest.approx(2.0 * 50 / 28)
-    assert out[1]["big"] == pytest.approx(10.0 * 50 / 28)
+
+
+def test_oversubscription_counts_ranks_threads_over_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(profile_mod.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert profile_mod.oversubscription(1, 1) == 1.0  # two ranks on two cores
+    assert profile_mod.oversubscription(3, 1) == 2.0  # four ranks take turns
+    assert profile_mod.oversubscription(1, 2) == 2.0
 
 
 def fixed_times(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,7 @@ its own:
   (:func:`orgel.runtime.backward.weight_backward` after ``input_backward``);
   every block's jobs are timed in the same rounds (:func:`interleaved`:
   ``warmup`` rounds, then ``repeats``), each job's time its median CPU time
-  times the process's share of the machine over all of them; CUDA is timed
-  with events;
+  (one intra-op thread; else wall time; CUDA events);
 * ``params``: bytes of the block's parameters; ``output``: bytes of its outputs;
   ``activations``: bytes one forward leaves alive until its backward: what
   autograd saves (saved-tensor hooks, each storage once, parameters left out)
@@ -114,17 +113,16 @@ def interleaved(jobs: list[dict[str, Job]], timer: Timer, *, progress: str | Non
     whatever the machine did meanwhile: on a shared host, load that comes and
     goes made identical transformer layers measure 1.1 and 1.6 ms in one
     profile. So every round runs every job once (``warmup`` rounds first, not
-    kept), and a job's time is split in two factors measured apart:
-
-    * its own work: the median of its CPU times, which other processes'
-      load leaves nearly alone, so the jobs compare with each other;
-    * the share of the machine the process got: all the jobs' wall time over
-      their CPU time, pooled over every sample. Being preempted adds a time
-      slice to a sample now and then: the median would drop it, but the
-      ranks pay it on average, and a sum of samples is that average.
-
-    ``progress``: a progress bar's label (None: no bar). ``stats`` (if given)
-    receives ``wall_per_cpu``, the second factor.
+    kept), and a job's time is the median of its samples' CPU time (one
+    intra-op thread on CPU): what the job's own work takes, which other
+    processes' load, coming and going within seconds, leaves nearly alone
+    (their wall times swung 1x-7x with the load of a shared 2-core host; a
+    profile that kept that swing predicted the next minute's steps no better).
+    With several intra-op threads (CPU time counts every thread) and on CUDA
+    (events) the median wall time. ``progress``: a progress bar's label
+    (None: no bar). ``stats`` (if given) receives ``wall_per_cpu``: all the
+    samples' wall time over their CPU time (1 on an idle machine), the share
+    of the machine the jobs did not get.
     """
     from tqdm import tqdm
 
@@ -139,13 +137,10 @@ def interleaved(jobs: list[dict[str, Job]], timer: Timer, *, progress: str | Non
                     out[key].append(pair)
     wall = sum(w for out in samples for v in out.values() for w, _ in v)
     cpu = sum(c for out in samples for v in out.values() for _, c in v)
-    share = wall / cpu if cpu > 0 and wall > 0 else 1.0
     if stats is not None:
-        stats["wall_per_cpu"] = share
-    if cpu <= 0:  # a clock too coarse for these jobs: their wall times alone
-        return [{k: float(statistics.median(w for w, _ in v)) for k, v in out.items()}
-                for out in samples]
-    return [{k: float(statistics.median(c for _, c in v)) * share for k, v in out.items()}
+        stats["wall_per_cpu"] = wall / cpu if cpu > 0 and wall > 0 else 1.0
+    which = 1 if cpu > 0 and timer.device.type == "cpu" and torch.get_num_threads() == 1 else 0
+    return [{k: float(statistics.median(pair[which] for pair in v)) for k, v in out.items()}
             for out in samples]
 
 

@@ -51,7 +51,7 @@ from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 10
+PROFILE_VERSION = 11
 
 #: A cached table is re-measured when its blocks now run this much faster or slower.
 RECHECK = 0.25
@@ -63,6 +63,20 @@ OPTIMIZER_COPY_LIMIT = 256 << 20
 def rank_threads(ranks: int) -> int:
     """Intra-op threads each of ``ranks`` local ranks trains with (``orgel.controller``'s rule)."""
     return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+
+def oversubscription(contention: int, threads: int) -> float:
+    """How many times over the ranks' threads fill this machine's cores (at least 1).
+
+    Blocks are timed by their CPU time (:func:`orgel.profile.blocks.interleaved`);
+    ``contention + 1`` ranks of ``threads`` threads each on fewer cores take
+    turns, each getting its share of a core.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1.0, (contention + 1) * threads / max(1, cores))
 
 
 def cache_dir() -> Path:
@@ -279,6 +293,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
               "threads": threads, "contention": contention,
               "in_sequence_scale": cached.get("in_sequence_scale", 1.0),
               "wall_per_cpu": cached.get("wall_per_cpu", 1.0),
+              "oversubscription": cached.get("oversubscription", 1.0),
               **({"optimizer_ms": list(cached["optimizer_ms"])}
                  if "optimizer_ms" in cached else {}),
               **({} if step_overhead is None else {"step_overhead": step_overhead})},
@@ -342,6 +357,8 @@ def _drifted(blocks: _Blocks, cached: dict[str, Any], dev: torch.device, content
         spin_up(dev, 0.2)
         now = interleaved([{"whole": (lambda: None, lambda _: blocks.train())}],
                           Timer(dev, warmup=1, repeats=5))[0]["whole"]
+    if dev.type == "cpu":
+        now *= oversubscription(contention, threads)  # as the table's times were
     for stage in blocks.split.stages:
         stage.module.zero_grad(set_to_none=True)
     return abs(now / before - 1.0) > tolerance
@@ -382,6 +399,9 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
         stats: dict[str, float] = {}
         times = interleaved(jobs, timer, progress="timing blocks" if progress else None,
                             stats=stats)
+        # More ranks x threads than cores: each rank gets its share of a core.
+        crowd = oversubscription(contention, threads) if dev.type == "cpu" else 1.0
+        times = [{k: t * crowd for k, t in group.items()} for group in times]
         empty = action_overhead(timer)
         for stage in split.stages:
             stage.module.zero_grad(set_to_none=True)
@@ -389,6 +409,7 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
     out = _columns([p.result(t) for p, t in zip(probes, times, strict=False)])
     out["action_overhead"] = empty
     out["wall_per_cpu"] = stats.get("wall_per_cpu", 1.0)
+    out["oversubscription"] = crowd
     if len(times) > at_optimizer:
         out["optimizer_ms"] = [t.get("optimizer", 0.0) for t in times[at_optimizer:]]
     whole = times[n]["whole"]
