@@ -160,3 +160,27 @@ def test_solutions_reused_across_bounds_are_as_good() -> None:
             assert (reused is None) == (fresh is None), (seed, bound)
             if reused is not None and fresh is not None:
                 assert reused[0] == fresh[0] and reused[1] <= bound
+
+
+def test_zero_bubble_dag_plan_beats_dag_1f1b_and_gives_way_when_memory_is_short() -> None:
+    bc = fan(3, 2, 1.0, 2)
+    scorer = Scorer(bc)
+    result = graph_plan(scorer, 4, 8, max_replicas=1)
+    assert result is not None
+    assert result.template.options.get("split_backward") is True
+    plan = result.plan
+    validate(plan)  # the I/W split schedule passes the dry run
+    assert any(a.kind == "W" for actions in plan.schedule for a in actions)
+    blocks = [list(st.blocks) for st in plan.stage_graph.stages]
+    base = build_schedule("dag-1f1b", 4, 8, stage_graph=plan.stage_graph,
+                          placement=plan.placement)
+    plain = scorer.score_split(Template("dag-1f1b", "dag-1f1b", {}, base), blocks)
+    assert result.score.step_time < plain.step_time
+    # W held back keeps activations (and the gradients I leaves for W) longer: with
+    # memory just above what plain DAG 1F1B needs, the planner falls back to it.
+    bc.weight_kept = [4 * MiB] * bc.num_blocks
+    tight = Scorer(bc, memory=int(max(plain.peak_memory)) + MiB)
+    fallback = graph_plan(tight, 4, 8, max_replicas=1)
+    assert fallback is not None
+    assert max(fallback.score.peak_memory) <= tight.memory
+    assert not fallback.template.options.get("split_backward")
