@@ -23,15 +23,16 @@ every send and receive, instead of keeping them all until the step ends:
   send completes only once the receiver posted its receive. When every receive
   of the step was posted ahead at its start (``post_ahead`` and no shape
   exchange), a wait is safe (the receiver posts without waiting for this rank)
-  and short, so the sends of one action are waited at the next action boundary
-  (they had a whole action to transfer): at most one action's sends are
-  pending. ``max_pending_bytes`` caps them further (waiting the oldest first;
-  one message larger than the cap is still sent). Steps that exchange shapes or
-  post just in time post receives only when the receiver needs them, so
-  waiting early could deadlock: their sends are held until the step ends.
+  and short: the sends made after action ``p`` are waited at the first send or
+  receive once action ``p + 1`` has run (they had a whole action to transfer),
+  so at most one action's sends are pending. ``max_pending_bytes`` caps them
+  further (waiting the oldest first; one message larger than the cap is still
+  sent). Steps that exchange shapes or post just in time post receives only
+  when the receiver needs them, so waiting early could deadlock: their sends
+  are held until the step ends.
 
 ``peak_pending_bytes`` / ``peak_pending`` record the most bytes / messages
-pending at once during the current step.
+pending at once during the current step, ``sent_bytes`` all it sent.
 """
 
 from __future__ import annotations
