@@ -12,12 +12,16 @@ the runtime's executor and measure
 
 Targets (issue 5): predicted step within 10% of measured; predicted peak memory
 >= measured and <= 110% of it. Run: ``python benchmarks/cost_model_accuracy.py``
-(a few minutes on 2 shared CPU cores).
+(about a minute on 2 CPU cores; ``--verbose`` adds each rank's median ms per
+action kind and stage next to the prediction). The profile times blocks by
+their CPU time, the unloaded machine: on a host others load, the measured
+step grows with their load (the ``load`` column).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -129,19 +133,25 @@ def main() -> None:
     rows = []
     for name in args.workloads:
         spec = WORKLOADS[name]
+        loads = [os.getloadavg()[0]]
         result = plan_workload(spec, ranks=2, microbatches=args.microbatches, blocks=args.blocks,
                                planner=args.planner, progress=False)
+        loads.append(os.getloadavg()[0])
         out = spawn(_rank, 2, spec, result.plan.to_json(), args.steps, timeout=300.0, threads=1)
+        loads.append(os.getloadavg()[0])
         per_step = [max(r["times"][i] for r in out) for i in range(1, args.steps)]
         measured = statistics.median(per_step)
         peaks = [r["peak"] for r in out]
         rows.append((name, result.plan.meta.get("schedule_label", "?"), result.step_time,
-                     measured, list(result.sim.peak_memory), peaks))
+                     measured, list(result.sim.peak_memory), peaks, loads))
         if args.verbose:
             costs = result.plan.costs
-            print(f"{name}: overhead {costs.action_overhead:.3f} ms/action, link "
+            table = result.plan.meta.get("block_graph", {})
+            print(f"{name}: overhead {costs.action_overhead:.3f} ms/action "
+                  f"{table.get('step_overhead', 0.0):.3f} ms/step, link "
                   f"{costs.link.latency:.3f} ms + {costs.link.per_mib:.3f} ms/MiB, placement "
-                  f"{result.plan.placement}")
+                  f"{result.plan.placement}, profile's wall/CPU "
+                  f"{table.get('wall_per_cpu', 1.0):.2f}")
             for s, st in enumerate(costs.stages):
                 print(f"  stage {s}: fwd {st.fwd:.2f} bwd {st.bwd:.2f} w {st.weight_grad:.2f}")
             for r, got in enumerate(out):
@@ -149,16 +159,18 @@ def main() -> None:
                 print(f"  rank {r} measured last step {got['times'][-1]:.1f} ms: {busy}")
             _per_action(result, out)
     header = (f"{'workload':<10} {'schedule':<34} {'pred ms':>8} {'meas ms':>8} {'err':>6}  "
-              f"{'peak MiB pred / meas (ratio) per rank'}")
+              f"{'peak MiB pred / meas (ratio) per rank'}  load")
     print(header)
     print("-" * len(header))
-    for name, sched, pred, meas, ppeak, mpeak in rows:
+    for name, sched, pred, meas, ppeak, mpeak, loads in rows:
         mem = "  ".join(f"{p / 2**20:.1f}/{m / 2**20:.1f} ({p / m:.2f})"
                         for p, m in zip(ppeak, mpeak, strict=True))
         err = 100 * (pred - meas) / meas
-        print(f"{name:<10} {sched[:34]:<34} {pred:8.1f} {meas:8.1f} {err:5.1f}%  {mem}")
+        load = "/".join(f"{x:.1f}" for x in loads)
+        print(f"{name:<10} {sched[:34]:<34} {pred:8.1f} {meas:8.1f} {err:5.1f}%  {mem}  {load}")
     print("\nerr = (predicted - measured) / measured; memory ratio = predicted / measured "
-          "(target 1.00-1.10).")
+          "(target 1.00-1.10); load: the 1-minute load average before profiling, before "
+          f"and after the run (this host's cores: {os.cpu_count() or 0}).")
 
 
 if __name__ == "__main__":
