@@ -42,22 +42,29 @@ Planners: ``graph`` is ``plan(..., planner="graph", rows=mb)`` (stage DAG,
 per-stage replicas, DAG 1F1B and its zero-bubble rewrite). ``seq`` is the
 sequential planner with every schedule family (1F1B, ZB-H1, interleaved,
 looped, ...) on the linearised blocks run as a classic sequential pipeline
-(stage i feeds only stage i+1 and forwards every live value). ``1f1b`` is the
-same with 1F1B only, what GraphPipe's baselines PipeDream and Piper run. All
-step times come from the one simulator (without the end-of-step loss
-all-reduce, which all plans pay alike).
+(stage i feeds only stage i+1 and forwards every live value), and that
+pipeline replicated ``d`` times for every ``d`` dividing the ranks and the
+micro-batch (data parallelism over the pipeline, gradients all-reduced; d =
+ranks is plain data parallelism). ``1f1b`` is the same with 1F1B only, what
+GraphPipe's baselines PipeDream and Piper run (PipeDream replicates stages
+individually; here only the whole pipeline is). All step times come from the
+one simulator (without the end-of-step loss all-reduce, which all plans pay
+alike).
 
 Columns: ``mb x m`` the chosen micro-batch size x count; ``spl/ms`` samples
 per ms; ``gain`` graph throughput over seq and over 1f1b; ``seq fit`` the
 largest micro-batch the sequential pipeline fits without recomputation (``*``
 when seq's choice is that limit, i.e. memory-limited); ``bubble`` the seq
-plan's idle fraction; ``search s`` the graph planner's time for all the
-sweep's plan() calls, and per call; GraphPipe's search times (M1 Max) are
+plan's idle fraction; ``search`` the time of all the sweep's graph plan() calls,
+``/call`` per call, ``graph`` a ``graph_plan`` call alone, per call (the
+planner without plan()'s extras: plan() also scores three uniform 1F1B baselines and
+predicts the result); GraphPipe's search times (M1 Max) are
 MMT 0.12/0.76/3.00/10.11 s, DLRM 0.33/2.73/13.28/54.6 s, Uno
 0.19/1.43/6.14/22.37 s at 4/8/16/32 ranks.
 
-Run: ``python benchmarks/graphpipe_configs.py`` (4 and 8 ranks, ~3-4 min on two
-cores); ``--ranks 4 8 16 32 --seq-time 4`` for the full table (longer).
+Run: ``python benchmarks/graphpipe_configs.py`` (4 and 8 ranks, about 1 min on
+two busy cores); ``--ranks 16 32`` for the large configurations (about 3 min);
+``--memory 4`` to see memory bind.
 """
 
 from __future__ import annotations
@@ -67,10 +74,12 @@ import time
 from dataclasses import dataclass
 
 from orgel.plan import plan
+from orgel.plan.graph import graph_plan
 from orgel.plan.planner import InfeasibleError
 from orgel.plan.scorer import Scorer
-from orgel.plan.sequential import SequentialResult, sequential_plan
+from orgel.plan.sequential import sequential_plan
 from orgel.profile.costs import BlockCosts
+from orgel.runtime.plans import replicate
 from orgel.schedule.costs import Link
 from orgel.sim import simulate
 
@@ -219,15 +228,28 @@ def sweep_sizes(batch: int, ranks: int, max_per_rank: int) -> list[int]:
 
 
 def seq_pick(costs: BlockCosts, ranks: int, m: int, mb: int, families: list[str] | None,
-             seconds: float) -> tuple[Pick | None, SequentialResult | None]:
-    scorer = Scorer(costs, sequential=True)
-    res = sequential_plan(scorer, ranks, m, max_loops=4 if families is None else 1,
-                          families=families, time_limit=seconds, per_member=16)
-    if res is None:
-        return None, None
-    p = scorer.to_plan(res.template, _chain(res.points, costs.num_blocks), res.recompute)
-    bubble = simulate(p).bubble_fraction
-    return Pick(mb, m, res.score.step_time, res.template.label, bubble), res
+             seconds: float) -> tuple[Pick | None, bool]:
+    """The best sequential pipeline, replicated ``d`` times for every ``d`` dividing the
+    ranks and the micro-batch (PipeDream's data-parallel stages, uniformly); and whether
+    any fits without recomputation."""
+    best: Pick | None = None
+    fits = False
+    full = Scorer(costs, sequential=True)
+    for d in (d for d in range(1, ranks + 1) if ranks % d == 0 and mb % d == 0):
+        sub = full if d == 1 else Scorer(costs.scaled(1.0 / d), sequential=True)
+        res = sequential_plan(sub, ranks // d, m, max_loops=4 if families is None else 1,
+                              families=families, time_limit=seconds, per_member=16)
+        if res is None:
+            continue
+        p = full.to_plan(res.template, _chain(res.points, costs.num_blocks), res.recompute)
+        sim = simulate(replicate(p, d) if d > 1 else p)
+        if not sim.fits:
+            continue
+        fits = fits or res.recompute is None or not any(res.recompute)
+        label = res.template.label + (f" x dp{d}" if d > 1 else "")
+        if best is None or sim.step_time < best.step:
+            best = Pick(mb, m, sim.step_time, label, sim.bubble_fraction)
+    return best, fits
 
 
 def _chain(points: tuple[int, ...], n: int) -> list[range]:
@@ -243,6 +265,7 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
     seq_fit = 0
     search = 0.0
     calls = 0
+    alone = 0.0
     for mb in sweep_sizes(batch, ranks, args.max_per_rank):
         m = batch // mb
         costs = builder.costs(mb)
@@ -253,14 +276,18 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
             g = None
         search += time.perf_counter() - t0
         calls += 1
+        # The graph planner alone (plan() also scores uniform baselines and predicts).
+        t0 = time.perf_counter()
+        graph_plan(Scorer(costs), ranks, m, pure_dp=False, rows=mb)
+        alone += time.perf_counter() - t0
         if g is not None:
             step = g.step_time - g.plan.prediction.get("end_of_step", 0.0)
             if graph is None or batch / step > batch / graph.step:
                 label = g.plan.meta.get("schedule_label", "")
                 graph = Pick(mb, m, step, f"{label}; replicas "
                              f"{[len(r) for r in g.plan.placement]}", g.sim.bubble_fraction)
-        s, res = seq_pick(costs, ranks, m, mb, None, args.seq_time)
-        if res is not None and (res.recompute is None or not any(res.recompute)):
+        s, fits = seq_pick(costs, ranks, m, mb, None, args.seq_time)
+        if fits:
             seq_fit = max(seq_fit, mb)
         if s is not None and (seq is None or s.step < seq.step):
             seq = s
@@ -282,7 +309,7 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
     return (f"{name:<10} {ranks:3d} {batch:6d} | {cell(graph)} | {cell(seq)} | {cell(one)} | "
             f"{gain_s} {gain_o} | {seq_fit:5d}{limited} "
             f"{seq.bubble if seq else float('nan'):5.2f} | {search:6.3f} "
-            f"{search / max(calls, 1):6.3f} {gp if gp else '-':>6}\n"
+            f"{search / max(calls, 1):6.3f} {alone / max(calls, 1):6.3f} {gp if gp else '-':>6}\n"
             f"{'':21}graph: {graph.label if graph else '-'}   seq: "
             f"{seq.label if seq else '-'}")
 
@@ -310,7 +337,7 @@ def main() -> None:
     header = (f"{'model':<10} {'rk':>3} {'batch':>6} | {'graph mb x m':>12} {'ms':>4} "
               f"{'spl/ms':>6} | {'seq mb x m':>12} {'ms':>4} {'spl/ms':>6} | "
               f"{'1f1b mb x m':>12} {'ms':>4} {'spl/ms':>6} | {'gain':>5} {'g/1f1b':>6} | "
-              f"{'seqfit':>6} {'bubbl':>5} | {'search':>6} {'/call':>6} {'GP s':>6}")
+              f"{'seqfit':>6} {'bubbl':>5} | {'search':>6} {'/call':>6} {'graph':>6} {'GP s':>6}")
     print(header)
     print("-" * len(header))
     for name in args.models:
