@@ -38,8 +38,9 @@ DLRM (7 dense branches of 4 x 4096 layers, 7 sparse branches of a 100k x 64
 embedding and 4 x 64 layers, a top MLP), CANDLE-Uno (7 branches of 4 x 4096,
 4 top layers), and "Sequential": MMT's 32 layers as one chain (App. A.3).
 
-Planners: ``graph`` is ``plan(..., planner="graph", rows=mb)`` (stage DAG,
-per-stage replicas, DAG 1F1B and its zero-bubble rewrite). ``seq`` is the
+Planners: ``graph`` is ``plan(..., planner="graph", rows=mb, dp=None)`` (stage
+DAG, per-stage replicas, DAG 1F1B and its zero-bubble rewrite; with ``dp=None``
+also the whole graph pipeline replicated over d data-parallel groups, as seq). ``seq`` is the
 sequential planner with every schedule family (1F1B, ZB-H1, interleaved,
 looped, ...) on the linearised blocks run as a classic sequential pipeline
 (stage i feeds only stage i+1 and forwards every live value), and that
@@ -271,7 +272,7 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
         costs = builder.costs(mb)
         t0 = time.perf_counter()
         try:
-            g = plan(costs, ranks, m, planner="graph", rows=mb)
+            g = plan(costs, ranks, m, planner="graph", rows=mb, dp=None)
         except InfeasibleError:
             g = None
         search += time.perf_counter() - t0
