@@ -217,3 +217,25 @@ def test_runtime_overhead_is_kept_with_the_blocks_table(
     links[0] = Link(latency=0.5, per_mib=0.2)
     profile_workload(w, microbatches=2, blocks=3, repeats=1, progress=False, recheck=None)
     assert fits[-1] == links[0] and len(fits) == 2
+
+
+def test_what_i_keeps_for_w_is_alive_from_i_not_from_f() -> None:
+    import numpy as np
+
+    from orgel.sim.memory import MemoryLayout, peak_memory
+
+    # One rank, one stage: F0 F1 F2 I0 W0 I1 W1 I2 W2 (kinds 0 F, 2 I, 3 W).
+    kinds = np.array([0, 0, 0, 2, 3, 2, 3, 2, 3])
+    n = len(kinds)
+    layout = MemoryLayout.build(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), kinds,
+                                np.array([0, n]), [(0,)], [False])
+    starts = np.arange(n, dtype=np.float64)
+    common = dict(activations=np.array([100.0]), temporary=np.array([0.0]),
+                  static=np.array([0.0]), share=np.array([1.0]), compute_start=starts,
+                  compute_end=starts + 1, msg_start=np.zeros(0), msg_recv=np.zeros(0, dtype=int),
+                  msg_bytes=np.zeros(0))
+    # Counted from F (folded into the activations): three forwards' worth at once.
+    folded = peak_memory(layout, keep=np.array([110.0]), **common)
+    # From I to W: the three forwards' activations, and one I's keep at a time.
+    late = peak_memory(layout, keep=np.array([100.0]), weight_kept=np.array([10.0]), **common)
+    assert int(folded[0]) == 330 and int(late[0]) == 310

@@ -7,7 +7,9 @@ What a rank holds at a time ``t`` (bytes):
 * kept activations: every forward ``F(s, m)`` allocates, at its start, the
   bytes stage ``s`` keeps for backward (its ``activations``, or with recompute
   only its inputs, the bytes of its incoming edges), freed at the end of
-  ``B(s, m)`` or ``W(s, m)``;
+  ``B(s, m)`` or ``W(s, m)``; with a split backward, ``I(s, m)`` allocates
+  what it keeps for ``W(s, m)`` (``weight_kept``, when given), freed at the
+  end of ``W(s, m)``;
 * receive buffers: a message's bytes from the start of its transfer until the
   receiving action starts (the action then owns them);
 * the running action's ``temporary`` (plus, for a recomputed stage's ``B``/``I``,
@@ -49,6 +51,8 @@ class MemoryLayout:
     nonempty: np.ndarray  # ranks with at least one action
     host: np.ndarray  # [rank, stage] 1.0 where the rank hosts the stage
     peak_inflight: np.ndarray  # per rank: most forwards alive at once
+    late_sign: np.ndarray | None = None  # per op: +1 for I (allocates), -1 for W, else 0
+    is_late: np.ndarray | None = None  # per op: 1.0 for I
 
     @classmethod
     def build(
@@ -75,6 +79,8 @@ class MemoryLayout:
             first_of_rank=rank_start[:-1][op_rank], op_rank=op_rank,
             slot_rank=np.repeat(op_rank, 2), slot_starts=2 * rank_start[nonempty],
             nonempty=nonempty, host=host, peak_inflight=np.zeros(num_ranks, dtype=np.int64),
+            late_sign=(op_kind == 2).astype(np.float64) - (op_kind == 3),
+            is_late=(op_kind == 2).astype(np.float64),
         )
         inflight = np.zeros(num_ranks, dtype=np.int64)
         if len(nonempty):
@@ -83,13 +89,21 @@ class MemoryLayout:
         object.__setattr__(layout, "peak_inflight", inflight)
         return layout
 
-    def alive(self, alloc_per_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Kept bytes while each action runs, and in the gap just before it."""
+    def alive(self, alloc_per_stage: np.ndarray, *,
+              late: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Kept bytes while each action runs, and in the gap just before it.
+
+        ``late``: bytes allocated by each ``I`` and freed by its ``W`` (what the
+        input half keeps for the weight half) instead of ``F`` to ``B``/``W``.
+        """
         alloc = alloc_per_stage[self.op_stage]
-        net = alloc * self.net_sign
+        sign, starts = self.net_sign, self.is_alloc
+        if late and self.late_sign is not None and self.is_late is not None:
+            sign, starts = self.late_sign, self.is_late
+        net = alloc * sign
         before = np.cumsum(net) - net  # alive before each op, counting from rank 0's first op
         before -= before[self.first_of_rank]  # ... and from its own rank's first op
-        return before + alloc * self.is_alloc, before
+        return before + alloc * starts, before
 
 
 def peak_memory(
@@ -105,16 +119,24 @@ def peak_memory(
     msg_start: np.ndarray,
     msg_recv: np.ndarray,
     msg_bytes: np.ndarray,
+    weight_kept: np.ndarray | None = None,
 ) -> np.ndarray:
     """Peak bytes per rank (int64); arguments are per stage, per op or per message.
 
     ``msg_recv`` is the receiving action's op index (which also names the rank).
+    ``weight_kept`` (per stage, optional): bytes a split backward's ``I`` keeps
+    for its ``W``, alive from the start of ``I`` to the end of ``W`` (not in
+    ``keep``: counted from ``F`` on they over-state a zero-bubble schedule's
+    peak, whose ``I`` of a micro-batch comes well after its ``F``).
     """
     static_rank = layout.host @ static
     n = len(layout.op_stage)
     if n == 0:
         return np.rint(static_rank).astype(np.int64)
     run, gap = layout.alive(keep * share)
+    if weight_kept is not None and layout.late_sign is not None:
+        late_run, late_gap = layout.alive(weight_kept * share, late=True)
+        run, gap = run + late_run, gap + late_gap
     temp = np.concatenate([temporary * share, (temporary + activations) * share])
     base = static_rank[layout.op_rank]
     slots = np.empty(2 * n)
