@@ -8,8 +8,9 @@ import pytest
 
 from orgel.plan import graph as G
 from orgel.plan.graph import graph_plan
+from orgel.plan.replicas import stage_layout
 from orgel.plan.scorer import Scorer, Template
-from orgel.plan.sp import Leaf, Parallel, Series, SPTree, branch_groups, decompose
+from orgel.plan.sp import Leaf, Parallel, Series, SPTree, TreeCosts, branch_groups, decompose
 from orgel.profile.costs import BlockCosts, stage_graph
 from orgel.schedule.costs import Link
 from orgel.schedule.families import build_schedule
@@ -85,7 +86,7 @@ def test_spare_ranks_buy_a_shallower_layout() -> None:
     # ranks that leaves idle let the branches run as several shallower groups.
     bc = fan(7, 4, 7.0, 3)
     tree = decompose(bc.num_blocks, bc.edges)
-    totals = G._Totals(bc)
+    totals = TreeCosts(bc)
     bound = 7.0 + 1e-6
     tight = G._DP(bc, totals, 8, 32, None, bound, counts=[1], grouped=True).solve(tree)
     assert tight is not None and tight.devices < 8
@@ -98,7 +99,7 @@ def test_spare_ranks_buy_a_shallower_layout() -> None:
     result = graph_plan(scorer, 8, 32)
     assert result is not None
     validate(result.plan)
-    blocks, placement = G.stage_layout(bc, list(tight.stages))
+    blocks, placement = stage_layout(bc, list(tight.stages))
     deep = build_schedule("dag-1f1b", 8, 32, stage_graph=stage_graph(bc, blocks),
                           placement=placement)
     deep_score = scorer.score_split(Template("dag-1f1b", "dag-1f1b", {}, deep), blocks)
@@ -127,8 +128,8 @@ class _NotOne(list[int]):
 
 
 def solve(bc: BlockCosts, tree: SPTree, ranks: int, bound: float, *, general: bool,
-          totals: G._Totals | None = None) -> tuple[tuple[int, int], float] | None:
-    dp = G._DP(bc, totals or G._Totals(bc), ranks, 4, bc.memory_per_rank, bound, counts=[1],
+          totals: TreeCosts | None = None) -> tuple[tuple[int, int], float] | None:
+    dp = G._DP(bc, totals or TreeCosts(bc), ranks, 4, bc.memory_per_rank, bound, counts=[1],
                grouped=True)
     if general:
         dp.counts = _NotOne([1])
@@ -153,7 +154,7 @@ def test_solutions_reused_across_bounds_are_as_good() -> None:
     for seed in range(40):
         bc = random_costs(seed)
         tree = decompose(bc.num_blocks, bc.edges)
-        shared = G._Totals(bc)
+        shared = TreeCosts(bc)
         for bound in (30.0, 12.0, 6.0, 3.0):  # a binary search's falling bounds
             reused = solve(bc, tree, 4, bound, general=False, totals=shared)
             fresh = solve(bc, tree, 4, bound, general=False)

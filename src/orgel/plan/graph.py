@@ -13,16 +13,23 @@
    * a parallel node either gives each branch its own ranks (branches run
      concurrently), or runs branches one after another on the same ranks
      (all in one stage, or small branches packed into shared stages, first fit
-     decreasing).
+     decreasing), or deals its branches into ``g`` groups that run at once,
+     each group cut like a sequential pipeline so a stage may span branches
+     (:func:`~orgel.plan.sp.branch_groups`; finer balance than whole branches).
 
    A stage on ``r`` ranks takes ``(fwd + bwd) / r`` plus the fixed action
-   cost plus its gradient all-reduce spread over the micro-batches.
-3. Spare ranks become replicas of the slowest stages (or only where the time
-   saved beats the longer all-reduce, leaving the rest idle); every distinct solution
-   met during the binary search (and at a few looser bounds, which trade the
-   bottleneck for fewer, shallower stages) gets a ``dag-1f1b`` schedule, and a
-   zero-bubble rewrite of it (``I`` now, ``W`` later), scored by the simulator;
-   the fastest feasible one wins.
+   cost plus its gradient all-reduce spread over the micro-batches. A found
+   solution's slowest stage becomes the new upper bound (not just ``T``), and
+   subtree solutions carry over between bounds (feasible sets only shrink as
+   ``T`` falls), so a search costs a few dozen cheap programs.
+3. At the tightest bound and two looser ones (fewer, shallower stages) the
+   program runs again with the ranks the tree left idle to spend: a parallel
+   node then takes its shallowest option within that budget. Each layout is
+   kept as found and with spare ranks spread as replicas of the slowest
+   stages; the most promising by a quick estimate get a ``dag-1f1b``
+   schedule's zero-bubble rewrite (``I`` now, ``W`` later), or plain
+   ``dag-1f1b`` when that does not fit, scored by the simulator; the fastest
+   feasible one wins (:func:`~orgel.plan.replicas.score_layouts`).
 
 Replica counts are restricted by ``replica_counts`` (the counts a stage may
 have: at most ``max_replicas``, and only divisors of a micro-batch's rows, since
@@ -38,13 +45,11 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from orgel.plan.replicas import StageSpec, replica_counts, spread_replicas
+from orgel.plan.replicas import StageSpec, replica_counts, score_layouts
 from orgel.plan.scorer import Score, Scorer, Template
-from orgel.plan.sp import Leaf, Parallel, Series, SPTree, branch_groups, decompose
-from orgel.plan.transforms import split_backward
-from orgel.profile.costs import BlockCosts, stage_graph
-from orgel.schedule.families import build_schedule
-from orgel.schedule.ir import Plan, PlanError
+from orgel.plan.sp import Leaf, Parallel, Series, SPTree, TreeCosts, decompose
+from orgel.profile.costs import BlockCosts
+from orgel.schedule.ir import Plan
 
 
 @dataclass(frozen=True)
@@ -73,87 +78,10 @@ class GraphResult:
     candidates: int
 
 
-class _Totals:
-    """Per-subtree sums of block costs (fwd + bwd, params, activations, max temporary)."""
-
-    def __init__(self, bc: BlockCosts) -> None:
-        self.bc = bc
-        self._memo: dict[int, tuple[float, int, int, int]] = {}
-        self._folded: dict[tuple[int, int, int], Parallel] = {}
-        self._groups: dict[tuple[int, int], list[SPTree]] = {}
-        self._prefix: dict[int, tuple[list[float], list[int], list[int], list[int]]] = {}
-        self.no_pack: set[int] = set()  # folded at both ends: never share a stage
-        # Per DP configuration: (work, params, acts, temp) -> (replicas, time) options.
-        self.tables: dict[tuple[object, ...], dict[tuple[float, int, int, int],
-                                                   tuple[tuple[int, float], ...]]] = {}
-        # Per DP configuration: subtree id -> (highest bound found infeasible, a
-        # solution, the bound it was found at); see _DP.solve.
-        self.across: dict[tuple[object, ...], dict[int, tuple[float, Solution | None,
-                                                              float]]] = {}
-
-    def of(self, node: SPTree) -> tuple[float, int, int, int]:
-        got = self._memo.get(id(node))
-        if got is None:
-            bc = self.bc
-            blocks = node.blocks
-            got = (sum(bc.fwd[b] + bc.bwd[b] for b in blocks), sum(bc.params[b] for b in blocks),
-                   sum(bc.activations[b] for b in blocks),
-                   max((bc.temporary[b] for b in blocks), default=0))
-            self._memo[id(node)] = got
-        return got
-
-
-    def prefix(self, node: Series) -> tuple[list[float], list[int], list[int], list[int]]:
-        """Prefix sums of a series' children (work, params, activations) and their
-        temporaries, so any run of children costs O(1) (O(run) for the temporary)."""
-        got = self._prefix.get(id(node))
-        if got is None:
-            cw, cp, ca, temps = [0.0], [0], [0], []
-            for c in node.children:
-                w, p, a, t = self.of(c)
-                cw.append(cw[-1] + w)
-                cp.append(cp[-1] + p)
-                ca.append(ca[-1] + a)
-                temps.append(t)
-            got = (cw, cp, ca, temps)
-            self._prefix[id(node)] = got
-        return got
-
-    def groups(self, par: Parallel, count: int) -> list[SPTree]:
-        """:func:`~orgel.plan.sp.branch_groups` of ``par`` (cached: stable memo keys)."""
-        key = (id(par), count)
-        got = self._groups.get(key)
-        if got is None:
-            got = branch_groups(par, count, lambda c: self.of(c)[0])
-            self._groups[key] = got
-        return got
-
-    def fold(self, before: SPTree | None, par: SPTree, after: SPTree | None) -> Parallel:
-        """``par`` with ``before`` prepended to its lightest branch and ``after``
-        appended to the lightest other one (cached, so DP memo keys stay stable)."""
-        key = (id(before), id(par), id(after))
-        got = self._folded.get(key)
-        if got is None:
-            assert isinstance(par, Parallel)
-            branches = list(par.children)
-            order = sorted(range(len(branches)), key=lambda i: self.of(branches[i])[0])
-            if before is not None:
-                i = order[0]
-                branches[i] = _concat(before, branches[i])
-            if after is not None:
-                i = order[1] if before is not None else order[0]
-                branches[i] = _concat(branches[i], after)
-            got = Parallel(tuple(branches))
-            if before is not None and after is not None:
-                self.no_pack.add(id(got))
-            self._folded[key] = got
-        return got
-
-
 class _DP:
     """The dynamic program for one bound ``T`` (see the module docstring)."""
 
-    def __init__(self, bc: BlockCosts, totals: _Totals, ranks: int, microbatches: int,
+    def __init__(self, bc: BlockCosts, totals: TreeCosts, ranks: int, microbatches: int,
                  memory: int | None, bound: float, *, exposed: bool = False,
                  counts: Collection[int] | None = None, grouped: bool = False,
                  spare: int = 0) -> None:
@@ -168,8 +96,12 @@ class _DP:
         self.memo: dict[int, Solution | None] = {}
         self.grouped, self.spare = grouped, spare
         config = (exposed, tuple(self.counts), microbatches, memory, grouped, spare)
-        self.tables = totals.tables.setdefault(config, {})
-        self.across = totals.across.setdefault(config, {})
+        # (work, params, acts, temp) -> (replicas, time) options, the same at every bound.
+        self.tables: dict[tuple[float, int, int, int], tuple[tuple[int, float], ...]] = \
+            totals.caches.setdefault(("tables", *config), {})
+        # Subtree id -> (highest bound found infeasible, a solution, its bound); see solve.
+        self.across: dict[int, tuple[float, Solution | None, float]] = \
+            totals.caches.setdefault(("across", *config), {})
 
     def replicas(self, work: float, params: int, acts: int, temp: int
                  ) -> tuple[int, float] | None:
@@ -433,57 +365,9 @@ class _DP:
         return _join_parallel(parts)
 
 
-def _concat(a: SPTree, b: SPTree) -> Series:
-    """``a`` then ``b`` as one flat series (so a folded block can share a stage with a
-    branch's first or last block alone)."""
-    def parts(t: SPTree) -> tuple[SPTree, ...]:
-        return t.children if isinstance(t, Series) and not t.linearised else (t,)
-    return Series(parts(a) + parts(b))
-
-
 def _join_parallel(parts: list[Solution]) -> Solution:
     return Solution(sum(p.devices for p in parts), max(p.depth for p in parts),
                     tuple(s for p in parts for s in p.stages), max(p.slowest for p in parts))
-
-
-def _estimate(bc: BlockCosts, key: tuple[tuple[tuple[int, ...], int], ...],
-              microbatches: int) -> float:
-    """A quick step estimate to rank layouts: (m + depth - 1) x slowest stage + all-reduce."""
-    times, reduces, owner = [], [], {}
-    for i, (blocks, r) in enumerate(key):
-        work = sum(bc.fwd[b] + bc.bwd[b] for b in blocks)
-        times.append(work / r + 2 * bc.action_overhead)
-        params = sum(bc.params[b] for b in blocks)
-        reduces.append(2 * (r - 1) * bc.link.time(params // r) if r > 1 else 0.0)
-        for b in blocks:
-            owner[b] = i
-    succ: dict[int, set[int]] = {}
-    for a, b in bc.edges:
-        if owner[a] != owner[b]:
-            succ.setdefault(owner[a], set()).add(owner[b])
-    depth: dict[int, int] = {}
-
-    def longest(i: int) -> int:
-        if i not in depth:
-            depth[i] = 1 + max((longest(j) for j in succ.get(i, ())), default=0)
-        return depth[i]
-
-    deepest = max(longest(i) for i in range(len(key)))
-    return (microbatches + deepest - 1) * max(times) + max(reduces)
-
-
-def stage_layout(bc: BlockCosts, stages: list[StageSpec]
-                 ) -> tuple[list[list[int]], list[tuple[int, ...]]]:
-    """Stages in topological order with consecutive rank ids: (blocks per stage, placement)."""
-    blocks = [list(s.blocks) for s in stages]
-    order = stage_graph(bc, blocks).topological_order()
-    out_blocks, placement, next_rank = [], [], 0
-    for s in order:
-        out_blocks.append(blocks[s])
-        r = stages[s].replicas
-        placement.append(tuple(range(next_rank, next_rank + r)))
-        next_rank += r
-    return out_blocks, placement
 
 
 def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
@@ -499,14 +383,16 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
 
     The binary search stops when the bound is known within ``tolerance``
     (relative). Besides the solutions it meets, ``grid`` looser bounds (up to
-    twice the tightest) are solved and scored, each with DAG 1F1B and, with
-    ``zero_bubble``, its split-backward rewrite (:mod:`orgel.plan.transforms`);
-    only the ``score_top`` most promising by :func:`_estimate` reach the simulator.
+    twice the tightest) are solved; ``grouped=False`` leaves out branch groups.
+    Layouts get DAG 1F1B's split-backward rewrite (:mod:`orgel.plan.transforms`)
+    with ``zero_bubble``, else (or when it does not fit) plain DAG 1F1B; only
+    the ``score_top`` most promising by
+    :func:`~orgel.plan.replicas.estimate_step` reach the simulator.
     """
     bc = scorer.bc
     counts = replica_counts(ranks, max_replicas=max_replicas, rows=rows)
     tree = decompose(bc.num_blocks, bc.edges)
-    totals = _Totals(bc)
+    totals = TreeCosts(bc)
     work = [bc.fwd[b] + bc.bwd[b] for b in range(bc.num_blocks)]
     found: dict[tuple[tuple[tuple[int, ...], int], ...], float] = {}
     # Without pure data parallelism the DP (which breaks ties towards shallow
@@ -561,48 +447,8 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
                            spare=ranks - sol.devices).solve(tree)
                 if wide is not None and wide.devices <= ranks:
                     found.setdefault(tuple((s.blocks, s.replicas) for s in wide.stages), bound)
-    chosen: tuple[Score, Template, list[list[int]], list[StageSpec], float] | None = None
-    layouts: dict[tuple[tuple[tuple[int, ...], int], ...], float] = {}
-    for key, bound in found.items():
-        # As found (spare ranks idle: a replica of a stage off the bottleneck buys
-        # nothing and adds an all-reduce), and with spare ranks spread.
-        options = [[StageSpec(b, r) for b, r in key]]
-        for all_ranks in (True, False):
-            options.append(spread_replicas(bc, options[0], ranks, microbatches,
-                                           all_ranks=all_ranks, counts=counts,
-                                           pure_dp=pure_dp))
-        for spread in options:
-            if not pure_dp and all(s.replicas > 1 for s in spread):
-                continue  # every stage replicated: data parallelism, asked for with dp
-            layouts.setdefault(tuple((s.blocks, s.replicas) for s in spread), bound)
-    ranked = sorted(layouts, key=lambda k: _estimate(bc, k, microbatches))[:score_top]
-    for key in ranked:
-        bound = layouts[key]
-        stages = [StageSpec(b, r) for b, r in key]
-        try:
-            blocks, placement = stage_layout(bc, stages)
-            graph = stage_graph(bc, blocks)
-            base = build_schedule("dag-1f1b", ranks, microbatches, stage_graph=graph,
-                                  placement=placement)
-        except PlanError:
-            continue
-        # The zero-bubble rewrite first: it fills the cool-down with W, so plain DAG
-        # 1F1B is only scored when the rewrite does not fit memory (or cannot be built).
-        templates = []
-        if zero_bubble:
-            try:
-                templates.append(Template("dag-1f1b + zero bubble", "dag-1f1b",
-                                          {"split_backward": True}, split_backward(base)))
-            except PlanError:
-                pass
-        templates.append(Template("dag-1f1b", "dag-1f1b", {}, base))
-        for template in templates:
-            score = scorer.score_split(template, blocks)
-            if not score.feasible:
-                continue
-            if chosen is None or score.step_time < chosen[0].step_time:
-                chosen = (score, template, blocks, stages, bound)
-            break
+    chosen = score_layouts(scorer, found, ranks, microbatches, counts=counts,
+                           pure_dp=pure_dp, zero_bubble=zero_bubble, top=score_top)
     if chosen is None:
         return None
     score, template, blocks, stages, bound = chosen

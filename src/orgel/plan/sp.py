@@ -25,6 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
+
+from orgel.profile.costs import BlockCosts
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,87 @@ def branch_groups(par: Parallel, groups: int, weight: Callable[[SPTree], float]
             parts.extend(c.children if isinstance(c, Series) else (c,))
         out.append(Series(tuple(parts), linearised=True))
     return out
+
+
+def concat(a: SPTree, b: SPTree) -> Series:
+    """``a`` then ``b`` as one flat series (so a folded block can share a stage with a
+    branch's first or last block alone)."""
+    def parts(t: SPTree) -> tuple[SPTree, ...]:
+        return t.children if isinstance(t, Series) and not t.linearised else (t,)
+    return Series(parts(a) + parts(b))
+
+
+class TreeCosts:
+    """Per-subtree sums of block costs (fwd + bwd, params, activations, max temporary),
+    and the derived trees a planner builds (folds, branch groups), cached by identity
+    so memo keys stay stable; ``caches`` holds a planner's own shared tables."""
+
+    def __init__(self, bc: BlockCosts) -> None:
+        self.bc = bc
+        self._memo: dict[int, tuple[float, int, int, int]] = {}
+        self._folded: dict[tuple[int, int, int], Parallel] = {}
+        self._groups: dict[tuple[int, int], list[SPTree]] = {}
+        self._prefix: dict[int, tuple[list[float], list[int], list[int], list[int]]] = {}
+        self.no_pack: set[int] = set()  # folded at both ends: never share a stage
+        self.caches: dict[tuple[object, ...], dict[Any, Any]] = {}
+
+    def of(self, node: SPTree) -> tuple[float, int, int, int]:
+        """(work, params, activations, max temporary) of ``node``'s blocks."""
+        got = self._memo.get(id(node))
+        if got is None:
+            bc = self.bc
+            blocks = node.blocks
+            got = (sum(bc.fwd[b] + bc.bwd[b] for b in blocks), sum(bc.params[b] for b in blocks),
+                   sum(bc.activations[b] for b in blocks),
+                   max((bc.temporary[b] for b in blocks), default=0))
+            self._memo[id(node)] = got
+        return got
+
+    def prefix(self, node: Series) -> tuple[list[float], list[int], list[int], list[int]]:
+        """Prefix sums of a series' children (work, params, activations) and their
+        temporaries, so any run of children costs O(1) (O(run) for the temporary)."""
+        got = self._prefix.get(id(node))
+        if got is None:
+            cw, cp, ca, temps = [0.0], [0], [0], []
+            for c in node.children:
+                w, p, a, t = self.of(c)
+                cw.append(cw[-1] + w)
+                cp.append(cp[-1] + p)
+                ca.append(ca[-1] + a)
+                temps.append(t)
+            got = (cw, cp, ca, temps)
+            self._prefix[id(node)] = got
+        return got
+
+    def groups(self, par: Parallel, count: int) -> list[SPTree]:
+        """:func:`branch_groups` of ``par`` (cached: stable memo keys)."""
+        key = (id(par), count)
+        got = self._groups.get(key)
+        if got is None:
+            got = branch_groups(par, count, lambda c: self.of(c)[0])
+            self._groups[key] = got
+        return got
+
+    def fold(self, before: SPTree | None, par: SPTree, after: SPTree | None) -> Parallel:
+        """``par`` with ``before`` prepended to its lightest branch and ``after``
+        appended to the lightest other one (cached, so DP memo keys stay stable)."""
+        key = (id(before), id(par), id(after))
+        got = self._folded.get(key)
+        if got is None:
+            assert isinstance(par, Parallel)
+            branches = list(par.children)
+            order = sorted(range(len(branches)), key=lambda i: self.of(branches[i])[0])
+            if before is not None:
+                i = order[0]
+                branches[i] = concat(before, branches[i])
+            if after is not None:
+                i = order[1] if before is not None else order[0]
+                branches[i] = concat(branches[i], after)
+            got = Parallel(tuple(branches))
+            if before is not None and after is not None:
+                self.no_pack.add(id(got))
+            self._folded[key] = got
+        return got
 
 
 def tree_text(tree: SPTree, indent: int = 0) -> str:
