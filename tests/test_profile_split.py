@@ -16,7 +16,10 @@ from orgel.plan.templates import one_f_one_b
 from orgel.profile.blocks import Timer, measure_block
 from orgel.profile.contention import companions
 from orgel.profile.costs import BlockCosts, stage_cost
+from orgel.schedule.costs import Costs
 from orgel.schedule.families import build_schedule
+from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value
+from orgel.schedule.text import parse_schedule
 from orgel.split.types import StageModule
 
 
@@ -95,13 +98,21 @@ def test_end_of_step_adds_loss_reduce_and_the_slowest_optimizer() -> None:
     assert again.optimizer_ms_per_mib == 0.5 and again.weight_kept == bc.weight_kept
 
 
-def test_held_sends_count_every_message_a_rank_sends() -> None:
+def test_held_sends_count_one_action_of_sends() -> None:
     bc = costs()
     result = plan(bc, 2, 4, planner="uniform-layers")
-    # One cut, 64 KiB per micro-batch: rank 0 sends activations, rank 1 gradients, x4.
-    assert held_sends(result.plan) == [4 << 16, 4 << 16]
+    # One cut, 64 KiB per micro-batch: the runtime waits a send once the next
+    # action ran, so each rank holds one message at a time, not all four.
+    assert held_sends(result.plan) == [1 << 16, 1 << 16]
     bare = plan(bc, 1, 4, planner="uniform-layers")
     assert held_sends(bare.plan) == [0]
+    # A stage feeding two stages on two other ranks sends both after one F.
+    graph = StageGraph([Stage(f"s{i}") for i in range(3)],
+                       [Edge(0, 1, (Value("a", 100),)), Edge(0, 2, (Value("b", 30),))])
+    fan = Plan(graph, [(0,), (1,), (2,)], 3, 1,
+               parse_schedule("rank0: F0.0 B0.0\nrank1: F1.0 B1.0\nrank2: F2.0 B2.0"),
+               costs=Costs.uniform(3, 1.0, 2.0))
+    assert held_sends(fan) == [130, 100, 30]
 
 
 def _touch(path: str) -> None:

@@ -29,6 +29,7 @@ from orgel.plan.templates import one_f_one_b
 from orgel.profile.costs import BlockCosts, chain_split, optimizer_peak, stage_costs
 from orgel.schedule.ir import Plan
 from orgel.sim import SimResult, simulate
+from orgel.sim.compiled import CompiledPlan
 
 PLANNERS = ("auto", "beam", "graph", *BASELINES)
 
@@ -223,23 +224,16 @@ def end_of_step(costs: BlockCosts, p: Plan) -> float:
 
 
 def held_sends(p: Plan) -> list[int]:
-    """Bytes each rank sends in one step: the runtime holds every send until the step ends.
+    """Bytes each rank may hold in sends at once: the most it sends after one action.
 
-    ``orgel.runtime.comm`` waits for its sends only at the end of the step, so
-    each tensor a rank sent (activations forward, gradients back, its share of
-    a replicated stage) stays alive until then. The simulator frees a message
-    once it is received; this adds the sender's side (an upper bound: every
-    value is counted with a gradient, and all at once).
+    ``orgel.runtime.comm`` waits for a send once the sender's next action has
+    run (gloo, with every receive posted at the step's start; NCCL drops
+    sends as they complete), so at most one action's sent tensors are alive
+    beyond what the simulator counts. The first step of a new input shape
+    (the shape exchange) still holds every send until it ends; it is not
+    the steady state this predicts.
     """
-    out = [0] * p.num_ranks
-    for e in p.stage_graph.edges:
-        src, dst = p.placement[e.src], p.placement[e.dst]
-        if set(src) == set(dst):
-            continue
-        for ranks in (src, dst):
-            for r in ranks:
-                out[r] += p.microbatches * e.nbytes // len(ranks)
-    return out
+    return [int(b) for b in CompiledPlan(p).held_send_bytes()]
 
 
 def predict(p: Plan, costs: BlockCosts) -> SimResult:

@@ -114,7 +114,6 @@ class Scorer:
         self._compiled: dict[tuple[int, tuple[tuple[int, int], ...], tuple[bool, ...]],
                              CompiledPlan] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
-        self._held_cache: dict[tuple[Any, ...], np.ndarray] = {}
         # id(template) -> (template, renamed); the template is kept so its id stays unique
         self._placed: dict[tuple[int, tuple[tuple[int, int], ...]],
                            tuple[Template, Template]] = {}
@@ -268,34 +267,13 @@ class Scorer:
                       memory_per_rank=self.memory)
         self.evaluations += 1
         step, peak = cp.evaluate(costs, edge_bytes=edge_bytes)
-        peak = peak + self._held(template, graph) @ edge_bytes
+        peak = peak + cp.held_send_bytes(edge_bytes)  # see planner.held_sends
         if self.bc.optimizer_temporary > 0:
             floor = optimizer_peak(self.bc, costs, template.base.placement,
                                    template.base.num_ranks)
             peak = np.maximum(peak, np.asarray(floor, dtype=peak.dtype))
         feasible = self.memory is None or bool(peak.max() <= self.memory)
         return Score(step, peak, feasible)
-
-    def _held(self, template: Template, graph: StageGraph) -> np.ndarray:
-        """[rank, edge] micro-batches' worth of an edge's bytes each rank sends and holds.
-
-        The runtime keeps every send until the step ends (see
-        :func:`orgel.plan.planner.held_sends`); cached per placement and edge set.
-        """
-        base = template.base
-        key = (tuple(base.placement), base.microbatches,
-               tuple((e.src, e.dst) for e in graph.edges))
-        got = self._held_cache.get(key)
-        if got is None:
-            got = np.zeros((base.num_ranks, len(graph.edges)))
-            for k, e in enumerate(graph.edges):
-                src, dst = base.placement[e.src], base.placement[e.dst]
-                if set(src) != set(dst):
-                    for ranks in (src, dst):
-                        for r in ranks:
-                            got[r, k] += base.microbatches / len(ranks)
-            self._held_cache[key] = got
-        return got
 
     def to_plan(self, template: Template, stage_blocks: list[range] | list[list[int]],
                 recompute: tuple[bool, ...] | None = None,

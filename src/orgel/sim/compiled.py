@@ -332,6 +332,25 @@ class CompiledPlan:
         eb = np.asarray(edge_bytes, dtype=np.int64)
         return eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
 
+    def held_send_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
+        """Per rank, the most bytes it sends right after one action.
+
+        ``orgel.runtime.comm`` waits for a send once the sender's next action
+        has run (gloo; NCCL drops sends as they complete), so at most one
+        action's sends are pending at a time: this is what a rank's sent
+        tensors add to its memory on top of what the simulator counts.
+        """
+        out = np.zeros(self.num_ranks, dtype=np.int64)
+        if self.num_messages == 0:
+            return out
+        per_action = np.bincount(self.msg_send, weights=self.message_bytes(edge_bytes),
+                                 minlength=self.num_compute)
+        for r in range(self.num_ranks):
+            lo, hi = int(self.rank_start[r]), int(self.rank_start[r + 1])
+            if hi > lo:
+                out[r] = int(per_action[lo:hi].max())
+        return out
+
     def _comm_durations(self, costs: Costs, edge_bytes: np.ndarray | None) -> np.ndarray:
         """Transfer time of every message.
 
