@@ -53,7 +53,8 @@ one simulator (without the end-of-step loss all-reduce, which all plans pay
 alike).
 
 Columns: ``mb x m`` the chosen micro-batch size x count; ``spl/ms`` samples
-per ms; ``gain`` graph throughput over seq and over 1f1b; ``seq fit`` the
+per ms; ``gain`` graph throughput over seq, over 1f1b, and over seq's best
+pipeline without data parallelism (``g/pipe``, d = 1); ``seq fit`` the
 largest micro-batch the sequential pipeline fits without recomputation (``*``
 when seq's choice is that limit, i.e. memory-limited); ``bubble`` the seq
 plan's idle fraction; ``search`` the time of all the sweep's graph plan() calls,
@@ -229,11 +230,12 @@ def sweep_sizes(batch: int, ranks: int, max_per_rank: int) -> list[int]:
 
 
 def seq_pick(costs: BlockCosts, ranks: int, m: int, mb: int, families: list[str] | None,
-             seconds: float) -> tuple[Pick | None, bool]:
+             seconds: float) -> tuple[Pick | None, Pick | None, bool]:
     """The best sequential pipeline, replicated ``d`` times for every ``d`` dividing the
     ranks and the micro-batch (PipeDream's data-parallel stages, uniformly); and whether
     any fits without recomputation."""
     best: Pick | None = None
+    alone: Pick | None = None  # the pipeline without data parallelism (d = 1)
     fits = False
     full = Scorer(costs, sequential=True)
     for d in (d for d in range(1, ranks + 1) if ranks % d == 0 and mb % d == 0):
@@ -248,9 +250,12 @@ def seq_pick(costs: BlockCosts, ranks: int, m: int, mb: int, families: list[str]
             continue
         fits = fits or res.recompute is None or not any(res.recompute)
         label = res.template.label + (f" x dp{d}" if d > 1 else "")
-        if best is None or sim.step_time < best.step:
-            best = Pick(mb, m, sim.step_time, label, sim.bubble_fraction)
-    return best, fits
+        pick = Pick(mb, m, sim.step_time, label, sim.bubble_fraction)
+        if best is None or pick.step < best.step:
+            best = pick
+        if d == 1:
+            alone = pick
+    return best, alone, fits
 
 
 def _chain(points: tuple[int, ...], n: int) -> list[range]:
@@ -262,6 +267,7 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
                ) -> str:
     graph: Pick | None = None
     seq: Pick | None = None
+    pipe: Pick | None = None
     one: Pick | None = None
     seq_fit = 0
     search = 0.0
@@ -284,15 +290,17 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
         if g is not None:
             step = g.step_time - g.plan.prediction.get("end_of_step", 0.0)
             if graph is None or batch / step > batch / graph.step:
-                label = g.plan.meta.get("schedule_label", "")
+                label = f"{g.planner}: {g.plan.meta.get('schedule_label', '')}"
                 graph = Pick(mb, m, step, f"{label}; replicas "
                              f"{[len(r) for r in g.plan.placement]}", g.sim.bubble_fraction)
-        s, fits = seq_pick(costs, ranks, m, mb, None, args.seq_time)
+        s, s1, fits = seq_pick(costs, ranks, m, mb, None, args.seq_time)
+        if s1 is not None and (pipe is None or s1.step < pipe.step):
+            pipe = s1
         if fits:
             seq_fit = max(seq_fit, mb)
         if s is not None and (seq is None or s.step < seq.step):
             seq = s
-        o, _ = seq_pick(costs, ranks, m, mb, ["1f1b"], args.seq_time)
+        o, _, _ = seq_pick(costs, ranks, m, mb, ["1f1b"], args.seq_time)
         if o is not None and (one is None or o.step < one.step):
             one = o
     k = RANKS.index(ranks)
@@ -305,10 +313,11 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
 
     gain_s = f"{seq.step / graph.step:5.2f}x" if seq and graph else "    -"
     gain_o = f"{one.step / graph.step:5.2f}x" if one and graph else "    -"
+    gain_p = f"{pipe.step / graph.step:5.2f}x" if pipe and graph else "    -"
     top = max(sweep_sizes(batch, ranks, args.max_per_rank))
     limited = "*" if seq is not None and seq.mb == seq_fit < top else " "
     return (f"{name:<10} {ranks:3d} {batch:6d} | {cell(graph)} | {cell(seq)} | {cell(one)} | "
-            f"{gain_s} {gain_o} | {seq_fit:5d}{limited} "
+            f"{gain_s} {gain_o} {gain_p} | {seq_fit:5d}{limited} "
             f"{seq.bubble if seq else float('nan'):5.2f} | {search:6.3f} "
             f"{search / max(calls, 1):6.3f} {alone / max(calls, 1):6.3f} {gp if gp else '-':>6}\n"
             f"{'':21}graph: {graph.label if graph else '-'}   seq: "
@@ -337,7 +346,8 @@ def main() -> None:
           f"{OVERHEAD} ms/action, fp16 activations, 16 B/param (Adam)")
     header = (f"{'model':<10} {'rk':>3} {'batch':>6} | {'graph mb x m':>12} {'ms':>4} "
               f"{'spl/ms':>6} | {'seq mb x m':>12} {'ms':>4} {'spl/ms':>6} | "
-              f"{'1f1b mb x m':>12} {'ms':>4} {'spl/ms':>6} | {'gain':>5} {'g/1f1b':>6} | "
+              f"{'1f1b mb x m':>12} {'ms':>4} {'spl/ms':>6} | "
+              f"{'gain':>5} {'g/1f1b':>6} {'g/pipe':>6} | "
               f"{'seqfit':>6} {'bubbl':>5} | {'search':>6} {'/call':>6} {'graph':>6} {'GP s':>6}")
     print(header)
     print("-" * len(header))
@@ -347,7 +357,8 @@ def main() -> None:
         for ranks in args.ranks:
             print(run_config(name, builder, ranks, BATCH[name][RANKS.index(ranks)], args),
                   flush=True)
-    print("\ngain = graph samples/ms over seq (all families) | over 1f1b-only; "
+    print("\ngain = graph samples/ms over seq (all families) | over 1f1b-only | over seq "
+          "without data parallelism (d = 1); "
           "seqfit = largest mb the sequential pipeline fits without recompute "
           "(* = seq chose it: memory-limited); bubbl = seq plan's idle fraction.")
 
