@@ -99,6 +99,9 @@ def test_the_loss_lands_in_the_last_blocks_forward_and_input_half(
     assert costs.wgrad == pytest.approx([0.5, 0.5, 0.5])
     last = stage_cost(costs, [1, 2], split=True)
     assert last.input_grad == pytest.approx(0.5 + 1.5)
+    # The halves as measured (I 1, W 1): the loss's backward is the last block's I too.
+    assert costs.meta["split_backward"]["input"] == pytest.approx([1.0, 1.0, 2.0])
+    assert costs.meta["split_backward"]["weight"] == pytest.approx([1.0, 1.0, 1.0])
     # Every block's optimizer step was timed (each block here has parameters).
     assert costs.meta["optimizer_ms"] == pytest.approx([1.0, 1.0, 1.0])
 
@@ -239,3 +242,27 @@ def test_what_i_keeps_for_w_is_alive_from_i_not_from_f() -> None:
     # From I to W: the three forwards' activations, and one I's keep at a time.
     late = peak_memory(layout, keep=np.array([100.0]), weight_kept=np.array([10.0]), **common)
     assert int(folded[0]) == 330 and int(late[0]) == 310
+
+
+def test_split_stages_take_their_measured_halves() -> None:
+    from orgel.plan.planner import predict, split_backward
+    from orgel.plan.scorer import Scorer, Template
+    from orgel.schedule.families import build_schedule
+
+    inp, weight = [0.5, 1.5, 1.6, 1.7], [2.0, 1.2, 1.3, 1.4]
+    costs = chain(split_backward={"input": inp, "weight": weight})
+    scorer = Scorer(costs)
+    zb = Template("zb-h1", "zb-h1", {}, build_schedule("zb-h1", 2, 4))
+    p = scorer.to_plan(zb, [range(0, 2), range(2, 4)])
+    assert p.costs is not None and p.costs.stages[1].bwd == pytest.approx(4.0)  # I + W = B
+    split_backward(p, costs)
+    last = p.costs.stages[1]
+    assert last.input_grad == pytest.approx(1.6 + 1.7)
+    assert last.weight_grad == pytest.approx(1.3 + 1.4)
+    # 1F1B runs whole backwards: its stages keep the table's B.
+    ofob = Template("1f1b", "1f1b", {}, build_schedule("1f1b", 2, 4))
+    q = scorer.to_plan(ofob, [range(0, 2), range(2, 4)])
+    predict(q, costs)
+    assert q.costs is not None and [s.bwd for s in q.costs.stages] == [4.0, 4.0]
+    # The prediction of the split plan counts the halves as measured.
+    assert predict(p, costs).step_time > scorer.score_chain(zb, [2]).step_time
