@@ -320,7 +320,7 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
             f"{gain_s} {gain_o} {gain_p} | {seq_fit:5d}{limited} "
             f"{seq.bubble if seq else float('nan'):5.2f} | {search:6.3f} "
             f"{search / max(calls, 1):6.3f} {alone / max(calls, 1):6.3f} {gp if gp else '-':>6}\n"
-            f"{'':21}graph: {graph.label if graph else '-'}   seq: "
+            f"{'':21}{graph.label if graph else '-'}   seq: "
             f"{seq.label if seq else '-'}")
 
 
