@@ -8,7 +8,7 @@ import pytest
 
 from orgel.plan import graph as G
 from orgel.plan.graph import graph_plan
-from orgel.plan.replicas import stage_layout
+from orgel.plan.replicas import score_layouts, stage_layout
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.sp import Leaf, Parallel, Series, SPTree, TreeCosts, branch_groups, decompose
 from orgel.profile.costs import BlockCosts, stage_graph
@@ -178,10 +178,16 @@ def test_zero_bubble_dag_plan_beats_dag_1f1b_and_gives_way_when_memory_is_short(
     plain = scorer.score_split(Template("dag-1f1b", "dag-1f1b", {}, base), blocks)
     assert result.score.step_time < plain.step_time
     # W held back keeps activations (and the gradients I leaves for W) longer: with
-    # memory just above what plain DAG 1F1B needs, the planner falls back to it.
-    bc.weight_kept = [4 * MiB] * bc.num_blocks
-    tight = Scorer(bc, memory=int(max(plain.peak_memory)) + MiB)
-    fallback = graph_plan(tight, 4, 8, max_replicas=1)
-    assert fallback is not None
-    assert max(fallback.score.peak_memory) <= tight.memory
-    assert not fallback.template.options.get("split_backward")
+    # memory between what plain DAG 1F1B and its rewrite need, the layout falls back.
+    bc.weight_kept = [16 * MiB] * bc.num_blocks
+    need = Scorer(bc).score_split(Template("dag-1f1b", "dag-1f1b", {}, base), blocks)
+    zb = Scorer(bc).score_split(result.template, blocks)
+    assert max(zb.peak_memory) > max(need.peak_memory) + MiB
+    tight = Scorer(bc, memory=int(max(need.peak_memory)) + MiB)
+    layout = tuple((tuple(b), len(r)) for b, r in zip(blocks, plan.placement, strict=True))
+    got = score_layouts(tight, {layout: result.bound}, 4, 8, counts=[1], pure_dp=True,
+                        zero_bubble=True, top=1)
+    assert got is not None
+    score, template = got[0], got[1]
+    assert not template.options.get("split_backward")
+    assert score.feasible and max(score.peak_memory) <= tight.memory
