@@ -68,7 +68,7 @@ Run: ``python benchmarks/graphpipe_configs.py`` (4 and 8 ranks, about 1 min on
 two busy cores); ``--ranks 16 32`` for the large configurations (about 3 min);
 ``--memory 4`` to see memory bind.
 
-What it shows (see the report in the commit history for the tables): under
+What it shows: under
 this model memory never binds at GraphPipe's mini-batches (every micro-batch
 fits a 16 GiB V100), MMT is compute-bound from one sample (256 rows), and the
 largest single blocks (DLRM's top layer, Uno's join, ~20 % of the FLOPs)
