@@ -77,7 +77,7 @@ def replica_counts(ranks: int, *, max_replicas: int | None = None,
 
 
 def estimate_step(bc: BlockCosts, key: tuple[tuple[tuple[int, ...], int], ...],
-              microbatches: int) -> float:
+                  microbatches: int) -> float:
     """A quick step estimate to rank layouts: (m + depth - 1) x slowest stage + all-reduce."""
     times, reduces, owner = [], [], {}
     for i, (blocks, r) in enumerate(key):
