@@ -255,7 +255,9 @@ def test_split_stages_take_their_measured_halves() -> None:
     zb = Template("zb-h1", "zb-h1", {}, build_schedule("zb-h1", 2, 4))
     p = scorer.to_plan(zb, [range(0, 2), range(2, 4)])
     assert p.costs is not None and p.costs.stages[1].bwd == pytest.approx(4.0)  # I + W = B
+    first = p.costs.stages[0]
     split_backward(p, costs)
+    assert p.costs.stages[0] == first  # fed by no stage: W is its whole backward
     last = p.costs.stages[1]
     assert last.input_grad == pytest.approx(1.6 + 1.7)
     assert last.weight_grad == pytest.approx(1.3 + 1.4)

@@ -245,7 +245,8 @@ def split_backward(p: Plan, costs: BlockCosts) -> None:
     ``W`` makes one autograd call per parameter group). The profiler measures
     each block's halves (``meta["split_backward"]``): a stage's ``I`` is the
     sum of its blocks' (the loss's backward included), its ``W`` likewise.
-    Stages that run ``B`` keep the whole backward. Changes ``p.costs`` in place.
+    Stages that run ``B``, and stages no other stage feeds (whose ``W`` is
+    the whole backward), keep the table's times. Changes ``p.costs`` in place.
     """
     table = costs.meta.get("split_backward")
     if p.costs is None or not isinstance(table, dict):
@@ -258,6 +259,9 @@ def split_backward(p: Plan, costs: BlockCosts) -> None:
     split = {a.stage for actions in p.schedule for a in actions if a.kind == "I"}
     new = list(p.costs.stages)
     for s in sorted(split):
+        inside = set(stages[s].blocks)
+        if not any(a not in inside for a, b in costs.edges if b in inside):
+            continue  # fed by no stage: its I has no input to reach, its W is the whole backward
         i = sum(float(inp[b]) for b in stages[s].blocks)
         w = sum(float(weight[b]) for b in stages[s].blocks)
         new[s] = replace(new[s], bwd=i + w, bwd_weight=w)
