@@ -17,6 +17,14 @@ edges add channels): the rank permutation that puts its busiest channels on
 the fastest links (all permutations up to 6 ranks, pair swaps beyond). Every
 score and plan of that template uses the renamed one; with a single link for
 all pairs the template is used as it is.
+
+Tied weights. With ``BlockCosts.tied`` (a parameter several blocks read), each
+candidate's stages holding a group's blocks are looked up; where they span more
+than one rank the compiled plan carries the group in ``meta["tied_weights"]``
+and prices its gradient all-reduce exactly as :func:`orgel.sim.simulate` does
+(compiled plans are cached per template, edges, recompute flags and these
+stage sets). A tied parameter counts once per stage and once per rank in the
+static bytes (:func:`orgel.profile.costs.tied_shared`).
 """
 
 from __future__ import annotations
@@ -35,7 +43,11 @@ from orgel.profile.costs import (
     stage_cost,
     stage_costs,
     stage_graph,
+    static_parts,
+    tied_shared,
+    tied_within,
 )
+from orgel.profile.tied import plan_tied_weights
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph
@@ -111,8 +123,7 @@ class Scorer:
         self._cp = np.concatenate([[0], np.cumsum(costs.params)]).astype(np.int64)
         self._ca = np.concatenate([[0], np.cumsum(costs.activations)]).astype(np.int64)
         self._ck = np.concatenate([[0], np.cumsum(costs.weight_kept)]).astype(np.int64)
-        self._compiled: dict[tuple[int, tuple[tuple[int, int], ...], tuple[bool, ...]],
-                             CompiledPlan] = {}
+        self._compiled: dict[tuple[Any, ...], CompiledPlan] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
         # id(template) -> (template, renamed); the template is kept so its id stays unique
         self._placed: dict[tuple[int, tuple[tuple[int, int], ...]],
@@ -136,14 +147,15 @@ class Scorer:
         for i in range(len(bounds) - 1):
             a, b = bounds[i], bounds[i + 1]
             params = int(self._cp[b] - self._cp[a])
-            static = int(params * factor)
-            grads = min(params, static - params)
+            if bc.tied:
+                params -= tied_within(bc, range(a, b))
+            params, grads, optimizer = static_parts(params, factor)
             out.append(StageCost(
                 fwd=float(self._cf[b] - self._cf[a]), bwd=float(self._cb[b] - self._cb[a]),
                 # The first stage computes no input gradient: W is its whole backward
                 # (see orgel.profile.costs.stage_cost).
                 bwd_weight=float(self._cw[b] - self._cw[a] if a else self._cb[b]),
-                params=params, grads=grads, optimizer=static - params - grads,
+                params=params, grads=grads, optimizer=optimizer,
                 activations=int(self._ca[b] - self._ca[a])
                 + (int(self._ck[b] - self._ck[a]) if split and a else 0),
                 temporary=max(temp[a:b]) if b > a else 0,
@@ -222,16 +234,26 @@ class Scorer:
         return stage_graph(self.bc, stage_blocks)
 
     def compiled(self, template: Template, graph: StageGraph,
-                 recompute: tuple[bool, ...]) -> CompiledPlan:
-        """The compiled plan of ``template`` over ``graph`` (cached by edge set)."""
-        key = (id(template), tuple((e.src, e.dst) for e in graph.edges), recompute)
+                 recompute: tuple[bool, ...],
+                 tied: list[dict[str, Any]] | None = None) -> CompiledPlan:
+        """The compiled plan of ``template`` over ``graph`` (cached by edge set).
+
+        ``tied``: the candidate's ``meta["tied_weights"]`` (see
+        :func:`orgel.profile.tied.plan_tied_weights`); part of the cache key.
+        """
+        tied_key = tuple((tuple(g["stages"]), g["nbytes"]) for g in tied) if tied else ()
+        key = (id(template), tuple((e.src, e.dst) for e in graph.edges), recompute, tied_key)
         cp = self._compiled.get(key)
         if cp is None:
+            meta = dict(template.base.meta)
+            meta.pop("tied_weights", None)
+            if tied:
+                meta["tied_weights"] = [dict(g) for g in tied]
             plan = Plan(stage_graph=graph, placement=template.base.placement,
                         num_ranks=template.base.num_ranks,
                         microbatches=template.base.microbatches,
                         schedule=template.base.schedule, recompute=list(recompute),
-                        meta=dict(template.base.meta))
+                        meta=meta)
             cp = CompiledPlan(plan)
             self._compiled[key] = cp
         return cp
@@ -261,7 +283,11 @@ class Scorer:
                                   dtype=np.int64)
         else:
             edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
-        cp = self.compiled(template, graph, rec)
+        tied = None
+        if self.bc.tied:
+            stages = self._share_tied(template, stage_blocks, stages)
+            tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement)
+        cp = self.compiled(template, graph, rec, tied)
         costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
                       action_overhead=self.bc.action_overhead,
                       memory_per_rank=self.memory)
@@ -275,6 +301,21 @@ class Scorer:
         feasible = self.memory is None or bool(peak.max() <= self.memory)
         return Score(step, peak, feasible)
 
+    def _share_tied(self, template: Template, stage_blocks: list[range] | list[list[int]],
+                    stages: list[StageCost]) -> list[StageCost]:
+        """``stages`` less the tied bytes another stage on the same rank holds."""
+        shared = tied_shared(self.bc, stage_blocks, template.base.placement)
+        if not any(shared):
+            return stages
+        factor = self.bc.optimizer_factor
+        out = list(stages)
+        for s, nbytes in enumerate(shared):
+            if nbytes:
+                params, grads, optimizer = static_parts(out[s].params - nbytes, factor)
+                out[s] = dataclasses.replace(out[s], params=params, grads=grads,
+                                             optimizer=optimizer)
+        return out
+
     def to_plan(self, template: Template, stage_blocks: list[range] | list[list[int]],
                 recompute: tuple[bool, ...] | None = None,
                 meta: dict[str, Any] | None = None) -> Plan:
@@ -282,9 +323,13 @@ class Scorer:
         template = self.placed(template, self._graph_for(stage_blocks, template))
         graph = stage_graph(self.bc, [list(b) for b in stage_blocks])
         costs = stage_costs(self.bc, [list(b) for b in stage_blocks],
-                            split=template.splits_backward)
+                            split=template.splits_backward, placement=template.base.placement)
         costs.memory_per_rank = self.memory
         plan_meta = dict(template.base.meta)
+        plan_meta.pop("tied_weights", None)
+        tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement)
+        if tied:  # the all-reduces the score priced; attach_split re-derives them from the split
+            plan_meta["tied_weights"] = tied
         plan_meta.update(meta or {})
         return Plan(stage_graph=graph, placement=template.base.placement,
                     num_ranks=template.base.num_ranks,

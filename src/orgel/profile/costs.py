@@ -17,7 +17,8 @@ studied without a model. Times are milliseconds, sizes bytes::
      "optimizer_temporary": 0,             # optional: the optimizer step's extra x params
      "action_overhead": 0.0,               # optional, ms per compute action
      "optimizer_ms_per_mib": 0.0,          # optional, optimizer step ms per MiB of params
-     "rows": 4}                            # optional: rows per micro-batch it was measured at
+     "rows": 4,                            # optional: rows per micro-batch it was measured at
+     "tied": [{"blocks": [0, 11], "nbytes": 4194304, "name": "tok_emb.weight"}]}  # optional
 
 An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to
 half of ``bwd``. ``rows`` (optional) is the micro-batch size, in rows along the
@@ -25,8 +26,18 @@ batch dimension, that the times and activation bytes were measured at:
 ``orgel plan --costs FILE --batch B`` needs it to scale the table to other
 micro-batch sizes (:meth:`BlockCosts.scaled`). ``weight_kept`` (optional, default 0) is what a split
 backward's ``I`` keeps for its ``W`` beyond the forward's activations (the
-gradients ``W`` starts from). :func:`stage_costs` sums blocks into stages and
-:func:`stage_graph` builds the stage DAG (with edge bytes) for a split.
+gradients ``W`` starts from).
+
+``tied`` (optional) lists parameters that several blocks read (a token
+embedding tied to the LM head): ``blocks`` (two or more block indices),
+``nbytes`` (the parameter's bytes) and ``name``. Each such block's ``params``
+includes the parameter; a stage holds it once, and so does a rank (stages on
+one rank share it), so :func:`stage_costs` counts it once there. Stages on
+different ranks each hold a copy whose gradients the runtime all-reduces
+every step (see :func:`orgel.profile.tied.plan_tied_weights`).
+
+:func:`stage_costs` sums blocks into stages and :func:`stage_graph` builds
+the stage DAG (with edge bytes) for a split.
 """
 
 from __future__ import annotations
@@ -43,11 +54,24 @@ from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
                "nodes", "weight_kept")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
-             "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib", "rows")
+             "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib", "rows",
+             "tied")
 
 
 class CostsFileError(ValueError):
     """A costs file (or dict) is malformed; the message says which field and how to fix it."""
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One parameter read by several blocks: their indices, its bytes and its name."""
+
+    blocks: tuple[int, ...]
+    nbytes: int
+    name: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"blocks": list(self.blocks), "nbytes": self.nbytes, "name": self.name}
 
 
 @dataclass
@@ -81,6 +105,7 @@ class BlockCosts:
     weight_kept: list[int] = field(default_factory=list)  # I -> W bytes per block (0 if empty)
     optimizer_ms_per_mib: float = 0.0  # the optimizer step's time per MiB of parameters
     rows: int | None = None  # rows per micro-batch the table was measured at, if known
+    tied: list[TiedGroup] = field(default_factory=list)  # parameters several blocks read
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -118,6 +143,7 @@ class BlockCosts:
         if self.optimizer_factor < 1:
             raise CostsFileError(f"optimizer_factor must be >= 1 (weights alone), got "
                                  f"{self.optimizer_factor}")
+        self.tied = [_tied_group(g, f"tied[{j}]", self.params) for j, g in enumerate(self.tied)]
 
     @property
     def num_blocks(self) -> int:
@@ -148,7 +174,8 @@ class BlockCosts:
             names=list(self.names), meta=dict(self.meta), nodes=[list(n) for n in self.nodes],
             optimizer_temporary=self.optimizer_temporary,
             weight_kept=[int(b * factor) for b in self.weight_kept],
-            optimizer_ms_per_mib=self.optimizer_ms_per_mib, rows=_scaled_rows(self.rows, factor))
+            optimizer_ms_per_mib=self.optimizer_ms_per_mib, rows=_scaled_rows(self.rows, factor),
+            tied=list(self.tied))  # parameter bytes do not scale with rows
 
     # -- JSON --------------------------------------------------------------------
 
@@ -174,6 +201,7 @@ class BlockCosts:
             "action_overhead": self.action_overhead,
             "optimizer_ms_per_mib": self.optimizer_ms_per_mib,
             **({} if self.rows is None else {"rows": self.rows}),
+            **({"tied": [g.to_dict() for g in self.tied]} if self.tied else {}),
             "meta": self.meta,
         }
 
@@ -258,6 +286,7 @@ class BlockCosts:
             weight_kept=cols["weight_kept"],
             names=cols["name"], meta=dict(data.get("meta") or {}),
             nodes=cols["nodes"] if any(cols["nodes"]) else [], rows=rows,
+            tied=_tied_list(data.get("tied", [])),
         )
 
     def save(self, path: str | Path) -> None:
@@ -297,6 +326,47 @@ def _number(value: Any, where: str) -> float:
     return float(value)
 
 
+def _tied_list(data: Any) -> list[Any]:
+    if not isinstance(data, list):
+        raise CostsFileError("'tied' must be a list of {\"blocks\": [0, 11], \"nbytes\": N, "
+                             "\"name\": \"...\"} objects (blocks that read one parameter)")
+    return data
+
+
+def _tied_group(g: Any, where: str, params: list[int]) -> TiedGroup:
+    """Check one tied group (a TiedGroup or its dict) against the table's blocks."""
+    if isinstance(g, dict):
+        bad = sorted(set(g) - {"blocks", "nbytes", "name"})
+        if bad or "blocks" not in g or "nbytes" not in g:
+            raise CostsFileError(f"{where} must be {{\"blocks\": [a, b, ...], \"nbytes\": N, "
+                                 f"\"name\": \"...\"}}, got {g!r}")
+        blocks, nbytes, name = g["blocks"], g["nbytes"], g.get("name", "")
+    elif isinstance(g, TiedGroup):
+        blocks, nbytes, name = g.blocks, g.nbytes, g.name
+    else:
+        raise CostsFileError(f"{where} must be an object with 'blocks' and 'nbytes', got {g!r}")
+    n = len(params)
+    if (not isinstance(blocks, (list, tuple))
+            or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)):
+        raise CostsFileError(f"{where}.blocks must be a list of block indices, got {blocks!r}")
+    out = [b for b in blocks if not 0 <= b < n]
+    if out:
+        raise CostsFileError(f"{where}.blocks names block(s) {out} outside 0..{n - 1}")
+    if len(set(blocks)) < 2:
+        raise CostsFileError(f"{where}.blocks must name at least 2 different blocks (the "
+                             f"blocks that share the parameter), got {list(blocks)}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise CostsFileError(f"{where}.nbytes must be a non-negative integer (the parameter's "
+                             f"bytes), got {nbytes!r}")
+    small = [b for b in blocks if params[b] < nbytes]
+    if small:
+        raise CostsFileError(f"{where}.nbytes ({nbytes}) exceeds the params of block(s) "
+                             f"{small}: each block's params include the shared parameter")
+    if not isinstance(name, str):
+        raise CostsFileError(f"{where}.name must be a string, got {name!r}")
+    return TiedGroup(tuple(sorted(set(blocks))), nbytes, name)
+
+
 def _link(data: Any, where: str) -> Link:
     if not isinstance(data, dict) or set(data) - {"latency", "per_mib"}:
         raise CostsFileError(f"{where} must be an object {{\"latency\": ms, \"per_mib\": ms}}, "
@@ -308,7 +378,8 @@ def _link(data: Any, where: str) -> Link:
 # -- from blocks to stages ---------------------------------------------------------
 
 
-def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False) -> StageCost:
+def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False,
+               shared: int = 0) -> StageCost:
     """One stage made of ``blocks``: times add up, temporary is the largest block's.
 
     ``split``: the schedule splits the backward into ``I`` and ``W``; what ``I``
@@ -317,29 +388,75 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     micro-batches between a stage's ``F`` and its ``I``). A stage that no
     other stage feeds has no input gradient to compute: its ``W`` is the whole
     backward and its ``I`` keeps nothing (the runtime's ``I`` is empty there).
+    A tied parameter counts once however many of ``blocks`` read it;
+    ``shared``: parameter bytes another stage on the same rank already holds
+    (see :func:`tied_shared`), left out here.
     """
     inside = set(blocks)
     fed = any(a not in inside for a, b in bc.edges if b in inside)
-    params = sum(bc.params[b] for b in blocks)
-    static = int(params * bc.optimizer_factor)
-    # Map the factor onto params/grads/optimizer so StageCost.static_bytes == params x factor.
-    grads = min(params, static - params)
+    params = sum(bc.params[b] for b in blocks) - tied_within(bc, blocks) - shared
+    params, grads, optimizer = static_parts(params, bc.optimizer_factor)
     return StageCost(
         fwd=sum(bc.fwd[b] for b in blocks),
         bwd=sum(bc.bwd[b] for b in blocks),
         bwd_weight=sum(bc.wgrad[b] if fed else bc.bwd[b] for b in blocks),
-        params=params, grads=grads, optimizer=static - params - grads,
+        params=params, grads=grads, optimizer=optimizer,
         activations=sum(bc.activations[b] + (bc.weight_kept[b] if split and fed else 0)
                         for b in blocks),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
     )
 
 
+def static_parts(params: int, factor: float) -> tuple[int, int, int]:
+    """``(params, grads, optimizer)`` bytes whose sum is ``params x factor``."""
+    static = int(params * factor)
+    grads = min(params, static - params)
+    return params, grads, static - params - grads
+
+
+def tied_within(bc: BlockCosts, blocks: list[int] | range) -> int:
+    """Bytes of tied parameters that ``blocks`` would count more than once."""
+    if not bc.tied:
+        return 0
+    inside = set(blocks)
+    return sum(g.nbytes * (k - 1) for g in bc.tied
+               if (k := sum(b in inside for b in g.blocks)) > 1)
+
+
+def tied_shared(bc: BlockCosts, stage_blocks: list[list[int]] | list[range],
+                placement: list[tuple[int, ...]]) -> list[int]:
+    """Per stage, tied parameter bytes an earlier stage on its rank already holds.
+
+    Stages on one rank share one copy of a tied parameter (the split modules
+    hold the model's own Parameter). Only a stage on a single rank gives its
+    copy up: a replicated stage keeps it counted (an over-estimate), since the
+    simulator's data-parallel all-reduce already leaves tied bytes out of it.
+    """
+    out = [0] * len(stage_blocks)
+    if not bc.tied:
+        return out
+    owner = {b: s for s, blocks in enumerate(stage_blocks) for b in blocks}
+    for g in bc.tied:
+        holders = sorted({owner[b] for b in g.blocks if b in owner})
+        for i, t in enumerate(holders):
+            if len(placement[t]) == 1 and any(placement[t][0] in placement[s]
+                                               for s in holders[:i]):
+                out[t] += g.nbytes
+    return out
+
+
 def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
-                split: bool = False) -> Costs:
-    """Sum blocks into stages: ``stage_blocks[s]`` lists the blocks of stage ``s``."""
+                split: bool = False, placement: list[tuple[int, ...]] | None = None) -> Costs:
+    """Sum blocks into stages: ``stage_blocks[s]`` lists the blocks of stage ``s``.
+
+    ``placement`` (the plan's, optional) lets a tied parameter count once per
+    rank (:func:`tied_shared`); without it, once per stage.
+    """
+    shared = (tied_shared(bc, stage_blocks, placement) if placement is not None
+              else [0] * len(stage_blocks))
     return Costs(
-        stages=[stage_cost(bc, blocks, split=split) for blocks in stage_blocks],
+        stages=[stage_cost(bc, blocks, split=split, shared=shared[s])
+                for s, blocks in enumerate(stage_blocks)],
         link=bc.link, links=dict(bc.links), action_overhead=bc.action_overhead,
         memory_per_rank=bc.memory_per_rank,
     )
