@@ -47,7 +47,7 @@ from orgel.profile.costs import (
     tied_shared,
     tied_within,
 )
-from orgel.profile.tied import plan_tied_weights
+from orgel.profile.tied import plan_tied_weights, tied_stages
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph
@@ -285,8 +285,9 @@ class Scorer:
             edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
         tied = None
         if self.bc.tied:
-            stages = self._share_tied(template, stage_blocks, stages)
-            tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement)
+            holders = tied_stages(self.bc, stage_blocks)
+            stages = self._share_tied(template, stage_blocks, stages, holders)
+            tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement, holders)
         cp = self.compiled(template, graph, rec, tied)
         costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
                       action_overhead=self.bc.action_overhead,
@@ -302,9 +303,10 @@ class Scorer:
         return Score(step, peak, feasible)
 
     def _share_tied(self, template: Template, stage_blocks: list[range] | list[list[int]],
-                    stages: list[StageCost]) -> list[StageCost]:
+                    stages: list[StageCost], holders: list[tuple[int, ...]]
+                    ) -> list[StageCost]:
         """``stages`` less the tied bytes another stage on the same rank holds."""
-        shared = tied_shared(self.bc, stage_blocks, template.base.placement)
+        shared = tied_shared(self.bc, stage_blocks, template.base.placement, holders)
         if not any(shared):
             return stages
         factor = self.bc.optimizer_factor

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orgel.profile.tied import tied_stages
 from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
@@ -418,29 +419,31 @@ def tied_within(bc: BlockCosts, blocks: list[int] | range) -> int:
     """Bytes of tied parameters that ``blocks`` would count more than once."""
     if not bc.tied:
         return 0
-    inside = set(blocks)
+    inside = blocks if isinstance(blocks, range) else set(blocks)  # range: O(1) membership
     return sum(g.nbytes * (k - 1) for g in bc.tied
                if (k := sum(b in inside for b in g.blocks)) > 1)
 
 
 def tied_shared(bc: BlockCosts, stage_blocks: list[list[int]] | list[range],
-                placement: list[tuple[int, ...]]) -> list[int]:
+                placement: list[tuple[int, ...]],
+                holders: list[tuple[int, ...]] | None = None) -> list[int]:
     """Per stage, tied parameter bytes an earlier stage on its rank already holds.
 
     Stages on one rank share one copy of a tied parameter (the split modules
     hold the model's own Parameter). Only a stage on a single rank gives its
     copy up: a replicated stage keeps it counted (an over-estimate), since the
     simulator's data-parallel all-reduce already leaves tied bytes out of it.
+    ``holders``: :func:`~orgel.profile.tied.tied_stages` of the split, if known.
     """
     out = [0] * len(stage_blocks)
     if not bc.tied:
         return out
-    owner = {b: s for s, blocks in enumerate(stage_blocks) for b in blocks}
-    for g in bc.tied:
-        holders = sorted({owner[b] for b in g.blocks if b in owner})
-        for i, t in enumerate(holders):
+    if holders is None:
+        holders = tied_stages(bc, stage_blocks)
+    for g, stages in zip(bc.tied, holders, strict=True):
+        for i, t in enumerate(stages):
             if len(placement[t]) == 1 and any(placement[t][0] in placement[s]
-                                               for s in holders[:i]):
+                                               for s in stages[:i]):
                 out[t] += g.nbytes
     return out
 

@@ -66,16 +66,19 @@ def _range_starts(stage_blocks: list[list[int]] | list[range]) -> list[int] | No
 
 
 def plan_tied_weights(bc: BlockCosts, stage_blocks: list[list[int]] | list[range],
-                      placement: list[tuple[int, ...]]) -> list[dict[str, Any]]:
+                      placement: list[tuple[int, ...]],
+                      holders: list[tuple[int, ...]] | None = None) -> list[dict[str, Any]]:
     """``meta["tied_weights"]`` of a split: the groups whose stages span several ranks.
 
     Each entry is ``{"name", "stages", "nbytes"}``, the form
     :func:`orgel.plan.workload.tied_weights` records from a real split, in
     the same order (by name). A group whose stages share one rank is summed
-    locally and left out.
+    locally and left out. ``holders``: :func:`tied_stages` of the split, if known.
     """
     out = []
-    for g, stages in zip(bc.tied, tied_stages(bc, stage_blocks), strict=True):
+    if holders is None:
+        holders = tied_stages(bc, stage_blocks)
+    for g, stages in zip(bc.tied, holders, strict=True):
         ranks = {r for s in stages for r in placement[s]}
         if len(ranks) > 1:
             out.append({"name": g.name, "stages": list(stages), "nbytes": g.nbytes})
