@@ -1,4 +1,8 @@
-"""Tied weights in the cost model: attach_split records them; the simulator adds the all-reduce."""
+"""Tied weights in the cost model: attach_split records them; the simulator adds the all-reduce.
+
+The planner's scorer derives the same groups from the cost table's ``tied``
+field (:mod:`orgel.profile.tied`); the last test checks the two agree.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,15 @@ import copy
 
 import pytest
 
+from orgel.graph.blocks import coarsen
 from orgel.models import build
-from orgel.plan import plan_workload
+from orgel.plan import attach_split, plan_workload
+from orgel.plan.scorer import Scorer
+from orgel.plan.templates import one_f_one_b, v_shape
 from orgel.plan.workload import tied_weights
-from orgel.profile.workload import capture_workload
+from orgel.profile.costs import chain_split
+from orgel.profile.tied import tied_groups
+from orgel.profile.workload import capture_workload, profile_graph
 from orgel.schedule.costs import Link
 from orgel.schedule.ir import Plan
 from orgel.sim import simulate
@@ -60,3 +69,29 @@ def test_stages_on_one_rank_need_no_all_reduce(tied_plan: Plan) -> None:
     assert len(split.tied) == 1
     assert tied_weights(split, [(0,), (0,)]) == []
     assert tied_weights(split, [(0,), (1,)]) == tied_plan.meta["tied_weights"]
+
+
+@pytest.mark.parametrize("shape", ["1f1b", "v"])
+def test_scorer_and_split_agree_on_tied_weights(shape: str, tmp_path: object,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path))
+    w = Workload(*build("tied", batch_size=4, seed=0, n_layers=2, d_model=32))
+    w, graph = capture_workload(w, 2)
+    costs = profile_graph(w, graph, microbatches=2, blocks=6, link=False, progress=False,
+                          repeats=1, warmup=0)
+    bg = coarsen(graph, 6)
+    assert [list(b.nodes) for b in bg.blocks] == costs.nodes  # the profiler's blocks
+    costs.tied = tied_groups(graph, bg)
+    assert [g.name for g in costs.tied] == ["tok_emb.weight"]
+    [group] = costs.tied
+    n = costs.num_blocks
+    assert group.blocks == (1, n - 1)  # block 0 makes the positions; the embedding is next
+    if shape == "1f1b":
+        template, blocks = one_f_one_b(2, 2), chain_split([n // 2], n)
+    else:  # V: stages 0 and 3 (embedding and head) on rank 0
+        template, blocks = v_shape(2, 2), chain_split([2, 3, n - 1], n)
+    p = Scorer(costs).to_plan(template, blocks)
+    attached = attach_split(p, graph, costs)
+    # the scorer's groups (from the cost table) are the split's (from its modules)
+    assert attached.meta.get("tied_weights") == p.meta.get("tied_weights")
+    assert ("tied_weights" in p.meta) == (shape == "1f1b")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from orgel.graph.blocks import coarsen
 from orgel.models import build
+from orgel.plan.graph import graph_plan
 from orgel.plan.planner import plan, predict
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.templates import one_f_one_b, v_shape
@@ -187,3 +189,33 @@ def test_tied_groups_of_the_gpt_zoo_models(name: str, expected: int) -> None:
         # the embedding's block and the LM head's (the last block)
         assert [bg.blocks[b].name for b in g.blocks] == ["tok_emb", "lm_head"]
         assert g.blocks[-1] == len(bg.blocks) - 1
+
+
+# -- the graph planner -------------------------------------------------------------
+
+
+def test_graph_planner_scores_the_tied_all_reduce() -> None:
+    # A branch (1 and 2 both read 0, 3 joins them); blocks 0 and 5 share a parameter.
+    n = 6
+    bc = BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n,
+                    params=[EMB + 4 * MIB] + [4 * MIB] * 4 + [EMB + 4 * MIB],
+                    activations=[MIB] * n, output=[MIB] * n, temporary=[0] * n,
+                    edges=[(0, 1), (0, 2), (1, 3), (2, 3), (3, 4), (4, 5)],
+                    link=Link(latency=0.05, per_mib=0.05),
+                    tied=[TiedGroup((0, 5), EMB, "tok_emb.weight")])
+    scorer = Scorer(bc)
+    g = graph_plan(scorer, 2, 4, max_replicas=1)
+    assert g is not None
+    p = g.plan
+    holders = holder_stages(p)
+    if len(ranks_of(p, holders)) > 1:
+        assert p.meta["tied_weights"] == [{"name": "tok_emb.weight", "stages": holders,
+                                           "nbytes": EMB}]
+    else:
+        assert "tied_weights" not in p.meta
+    assert g.score.step_time == pytest.approx(simulate(p).step_time)
+    # The same layout scored without the group is cheaper by the all-reduce, if any.
+    untied = Scorer(dataclasses.replace(bc, tied=[]))
+    blocks = [list(st.blocks) for st in p.stage_graph.stages]
+    plain = untied.score_split(g.template, blocks).step_time
+    assert (g.score.step_time > plain) == ("tied_weights" in p.meta)
