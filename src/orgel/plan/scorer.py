@@ -24,7 +24,7 @@ than one rank the compiled plan carries the group in ``meta["tied_weights"]``
 and prices its gradient all-reduce exactly as :func:`orgel.sim.simulate` does
 (compiled plans are cached per template, edges, recompute flags and these
 stage sets). A tied parameter counts once per stage and once per rank in the
-static bytes (:func:`orgel.profile.costs.tied_shared`).
+static bytes (:func:`orgel.profile.tied.tied_shared`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,8 @@ from orgel.profile.costs import (
     stage_costs,
     stage_graph,
     static_parts,
-    tied_shared,
-    tied_within,
 )
-from orgel.profile.tied import plan_tied_weights, tied_stages
+from orgel.profile.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orgel.profile.tied import tied_stages
+from orgel.profile.tied import TiedGroup, check_group, tied_shared, tied_within
 from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
@@ -63,18 +63,6 @@ class CostsFileError(ValueError):
     """A costs file (or dict) is malformed; the message says which field and how to fix it."""
 
 
-@dataclass(frozen=True)
-class TiedGroup:
-    """One parameter read by several blocks: their indices, its bytes and its name."""
-
-    blocks: tuple[int, ...]
-    nbytes: int
-    name: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"blocks": list(self.blocks), "nbytes": self.nbytes, "name": self.name}
-
-
 @dataclass
 class BlockCosts:
     """Per-block costs of one micro-batch and the block DAG (see the module docstring).
@@ -83,7 +71,8 @@ class BlockCosts:
     the rest). ``optimizer_factor`` multiplies ``params`` for weights + grads +
     optimizer state. ``edges`` are ``(producer, consumer)`` block pairs; each
     carries the producer's ``output`` bytes. ``meta`` records where the table
-    came from (graph hash, device, block-graph settings).
+    came from (graph hash, device, block-graph settings). ``tied`` lists the
+    parameters several blocks read (:class:`~orgel.profile.tied.TiedGroup`).
     """
 
     fwd: list[float]
@@ -144,7 +133,11 @@ class BlockCosts:
         if self.optimizer_factor < 1:
             raise CostsFileError(f"optimizer_factor must be >= 1 (weights alone), got "
                                  f"{self.optimizer_factor}")
-        self.tied = [_tied_group(g, f"tied[{j}]", self.params) for j, g in enumerate(self.tied)]
+        try:
+            self.tied = [check_group(g, f"tied[{j}]", self.params)
+                         for j, g in enumerate(self.tied)]
+        except ValueError as exc:
+            raise CostsFileError(str(exc)) from None
 
     @property
     def num_blocks(self) -> int:
@@ -334,40 +327,6 @@ def _tied_list(data: Any) -> list[Any]:
     return data
 
 
-def _tied_group(g: Any, where: str, params: list[int]) -> TiedGroup:
-    """Check one tied group (a TiedGroup or its dict) against the table's blocks."""
-    if isinstance(g, dict):
-        bad = sorted(set(g) - {"blocks", "nbytes", "name"})
-        if bad or "blocks" not in g or "nbytes" not in g:
-            raise CostsFileError(f"{where} must be {{\"blocks\": [a, b, ...], \"nbytes\": N, "
-                                 f"\"name\": \"...\"}}, got {g!r}")
-        blocks, nbytes, name = g["blocks"], g["nbytes"], g.get("name", "")
-    elif isinstance(g, TiedGroup):
-        blocks, nbytes, name = g.blocks, g.nbytes, g.name
-    else:
-        raise CostsFileError(f"{where} must be an object with 'blocks' and 'nbytes', got {g!r}")
-    n = len(params)
-    if (not isinstance(blocks, (list, tuple))
-            or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)):
-        raise CostsFileError(f"{where}.blocks must be a list of block indices, got {blocks!r}")
-    out = [b for b in blocks if not 0 <= b < n]
-    if out:
-        raise CostsFileError(f"{where}.blocks names block(s) {out} outside 0..{n - 1}")
-    if len(set(blocks)) < 2:
-        raise CostsFileError(f"{where}.blocks must name at least 2 different blocks (the "
-                             f"blocks that share the parameter), got {list(blocks)}")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise CostsFileError(f"{where}.nbytes must be a non-negative integer (the parameter's "
-                             f"bytes), got {nbytes!r}")
-    small = [b for b in blocks if params[b] < nbytes]
-    if small:
-        raise CostsFileError(f"{where}.nbytes ({nbytes}) exceeds the params of block(s) "
-                             f"{small}: each block's params include the shared parameter")
-    if not isinstance(name, str):
-        raise CostsFileError(f"{where}.name must be a string, got {name!r}")
-    return TiedGroup(tuple(sorted(set(blocks))), nbytes, name)
-
-
 def _link(data: Any, where: str) -> Link:
     if not isinstance(data, dict) or set(data) - {"latency", "per_mib"}:
         raise CostsFileError(f"{where} must be an object {{\"latency\": ms, \"per_mib\": ms}}, "
@@ -391,7 +350,7 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     backward and its ``I`` keeps nothing (the runtime's ``I`` is empty there).
     A tied parameter counts once however many of ``blocks`` read it;
     ``shared``: parameter bytes another stage on the same rank already holds
-    (see :func:`tied_shared`), left out here.
+    (see :func:`orgel.profile.tied.tied_shared`), left out here.
     """
     inside = set(blocks)
     fed = any(a not in inside for a, b in bc.edges if b in inside)
@@ -415,45 +374,12 @@ def static_parts(params: int, factor: float) -> tuple[int, int, int]:
     return params, grads, static - params - grads
 
 
-def tied_within(bc: BlockCosts, blocks: list[int] | range) -> int:
-    """Bytes of tied parameters that ``blocks`` would count more than once."""
-    if not bc.tied:
-        return 0
-    inside = blocks if isinstance(blocks, range) else set(blocks)  # range: O(1) membership
-    return sum(g.nbytes * (k - 1) for g in bc.tied
-               if (k := sum(b in inside for b in g.blocks)) > 1)
-
-
-def tied_shared(bc: BlockCosts, stage_blocks: list[list[int]] | list[range],
-                placement: list[tuple[int, ...]],
-                holders: list[tuple[int, ...]] | None = None) -> list[int]:
-    """Per stage, tied parameter bytes an earlier stage on its rank already holds.
-
-    Stages on one rank share one copy of a tied parameter (the split modules
-    hold the model's own Parameter). Only a stage on a single rank gives its
-    copy up: a replicated stage keeps it counted (an over-estimate), since the
-    simulator's data-parallel all-reduce already leaves tied bytes out of it.
-    ``holders``: :func:`~orgel.profile.tied.tied_stages` of the split, if known.
-    """
-    out = [0] * len(stage_blocks)
-    if not bc.tied:
-        return out
-    if holders is None:
-        holders = tied_stages(bc, stage_blocks)
-    for g, stages in zip(bc.tied, holders, strict=True):
-        for i, t in enumerate(stages):
-            if len(placement[t]) == 1 and any(placement[t][0] in placement[s]
-                                               for s in stages[:i]):
-                out[t] += g.nbytes
-    return out
-
-
 def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
                 split: bool = False, placement: list[tuple[int, ...]] | None = None) -> Costs:
     """Sum blocks into stages: ``stage_blocks[s]`` lists the blocks of stage ``s``.
 
     ``placement`` (the plan's, optional) lets a tied parameter count once per
-    rank (:func:`tied_shared`); without it, once per stage.
+    rank (:func:`orgel.profile.tied.tied_shared`); without it, once per stage.
     """
     shared = (tied_shared(bc, stage_blocks, placement) if placement is not None
               else [0] * len(stage_blocks))
