@@ -35,7 +35,10 @@ from orgel.sim import simulate
 def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan:
     """``p`` with stage nodes, the named edges of the split of ``opgraph`` and its tied weights.
 
-    ``meta["tied_weights"]`` is recomputed from the split (see :func:`tied_weights`).
+    ``meta["tied_weights"]`` is recomputed from the split (see :func:`tied_weights`):
+    the planner's entry (:meth:`orgel.plan.scorer.Scorer.to_plan`, from the cost
+    table's ``tied`` groups) is the same when the table was profiled from
+    ``opgraph``; the split's modules decide when they differ.
     """
     from orgel.split import split_plan
 

@@ -384,8 +384,8 @@ def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
     shared = (tied_shared(bc, stage_blocks, placement) if placement is not None
               else [0] * len(stage_blocks))
     return Costs(
-        stages=[stage_cost(bc, blocks, split=split, shared=shared[s])
-                for s, blocks in enumerate(stage_blocks)],
+        stages=[stage_cost(bc, stage_blocks[s], split=split, shared=shared[s])
+                for s in range(len(stage_blocks))],
         link=bc.link, links=dict(bc.links), action_overhead=bc.action_overhead,
         memory_per_rank=bc.memory_per_rank,
     )
