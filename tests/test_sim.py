@@ -298,3 +298,17 @@ def test_evaluate_follows_new_links_and_edge_bytes() -> None:
     assert compiled.evaluate(slow, edge_bytes=[2 << 20])[0] == 6 + 4 + 2
     assert compiled.evaluate(slow)[0] == 6 + 2 + 1
     assert compiled.evaluate(base)[0] == 6
+
+
+def test_weight_kept_lives_from_i_to_w() -> None:
+    # One stage on one rank, zero-bubble order F0 F1 I0 I1 W0 W1: activations (10)
+    # live from F to W; what I keeps for W (100) lives from I to W only, so the
+    # peak is 2 x 10 + 2 x 100 during I1..W0, not counted from F on.
+    plan = make_plan(StageGraph.chain(1), [(0,)], "rank0: F0.0 F0.1 I0.0 I0.1 W0.0 W0.1",
+                     Costs([StageCost(1, 2, activations=10, weight_kept=100)]))
+    assert simulate(plan).peak_memory == [220]
+    plain = make_plan(StageGraph.chain(1), [(0,)], "rank0: F0.0 I0.0 W0.0 F0.1 I0.1 W0.1",
+                      Costs([StageCost(1, 2, activations=10, weight_kept=100)]))
+    assert simulate(plain).peak_memory == [110]
+    again = Costs.from_dict(plan.costs.to_dict())
+    assert again.stages[0].weight_kept == 100

@@ -20,7 +20,10 @@ class StageCost:
     ``I`` takes ``bwd - bwd_weight``. ``activations`` are the bytes saved for
     backward by one forward, alive until the backward (or its ``W`` half)
     finishes; with recompute only the stage's inputs stay alive and the
-    backward also pays ``fwd`` again. ``temporary`` is the peak extra memory
+    backward also pays ``fwd`` again. ``weight_kept`` is what a split
+    backward's ``I`` keeps for its ``W`` (output gradients, inputs of weight
+    gradients), alive from the start of ``I`` to the end of ``W``; schedules
+    without ``I``/``W`` ignore it. ``temporary`` is the peak extra memory
     while an action runs. ``params``/``grads``/``optimizer`` are static bytes.
     """
 
@@ -32,6 +35,7 @@ class StageCost:
     optimizer: int = 0
     activations: int = 0
     temporary: int = 0
+    weight_kept: int = 0
 
     @property
     def weight_grad(self) -> float:

@@ -70,6 +70,7 @@ class StageArrays:
     temporary: np.ndarray
     static: np.ndarray
     grads: np.ndarray
+    weight_kept: np.ndarray | None = None  # per stage; None when every stage has 0
 
     @classmethod
     def from_costs(cls, costs: Costs, num_stages: int) -> StageArrays:
@@ -84,7 +85,8 @@ class StageArrays:
               s.params if s.grads is None else s.grads) for s in costs.stages],
             dtype=np.float64,
         ).reshape(num_stages, 7)
-        return cls(*table.T)
+        kept = np.array([s.weight_kept for s in costs.stages], dtype=np.float64)
+        return cls(*table.T, weight_kept=kept if kept.any() else None)
 
     def check(self, costs: Costs, split: np.ndarray) -> None:
         """Raise :class:`PlanError` on a negative time, or on ``bwd_weight > bwd``
@@ -433,6 +435,7 @@ class CompiledPlan:
                 arrays.bwd if bwd is None else np.asarray(bwd, dtype=np.float64),
                 arrays.wgrad if wgrad is None else np.asarray(wgrad, dtype=np.float64),
                 arrays.activations, arrays.temporary, arrays.static, arrays.grads,
+                arrays.weight_kept,
             )
         dur = self.durations(costs, arrays, edge_bytes)
         end = self.longest(dur)
@@ -461,4 +464,5 @@ class CompiledPlan:
             msg_start=end[nc:nc + nm] - dur[nc:nc + nm],
             msg_recv=self.msg_recv,
             msg_bytes=msg_bytes,
+            weight_kept=arrays.weight_kept,
         )
