@@ -52,6 +52,7 @@ def test_profile_tiny_model(cache: Path) -> None:
     assert sum(costs.params) == total_params
     # Outputs of a micro-batch of 4 rows: the last block returns 4 x 4 floats.
     assert costs.output[-1] == 4 * 4 * 4
+    assert costs.rows == 4  # so `orgel plan --costs --batch` can rescale a saved table
     assert all(a > 0 for a in costs.activations)
     assert costs.edges == [(0, 1), (1, 2)]
     assert costs.action_overhead > 0

@@ -277,7 +277,10 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
             _store("blocks", key, cached)
         action, step_overhead = float(fitted[0]), float(fitted[1])
         overhead = max(overhead, action)
+    rows = next((int(t.shape[w.batch_dim]) for t in named.values()
+                 if isinstance(t, torch.Tensor) and t.dim() > w.batch_dim), None)
     return BlockCosts(
+        rows=rows,
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
         activations=cached["activations"], output=cached["output"],
         temporary=cached["temporary"], edges=edges, link=link_model, links=links,
