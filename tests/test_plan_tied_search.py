@@ -10,7 +10,7 @@ import pytest
 from orgel.graph.blocks import coarsen
 from orgel.models import build
 from orgel.plan.graph import graph_plan
-from orgel.plan.planner import plan, predict
+from orgel.plan.planner import InfeasibleError, plan, predict
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.templates import one_f_one_b, v_shape
 from orgel.profile.costs import BlockCosts, CostsFileError, TiedGroup, stage_costs
@@ -76,6 +76,17 @@ def test_planner_prices_the_all_reduce_when_it_splits_the_tied_blocks() -> None:
     without = Plan.from_json(p.to_json())
     del without.meta["tied_weights"]
     assert simulate(p).step_time > simulate(without).step_time + bc.link.time(EMB // 2)
+
+
+def test_counting_the_tied_weight_once_per_rank_lets_a_v_fit() -> None:
+    # 285 MiB per rank: only a V (embedding and head stages on rank 0, the weight
+    # held once there) fits; counted twice, nothing does.
+    result = plan(table(), 2, 4, memory=285 * MIB)
+    p = result.plan
+    assert len(ranks_of(p, holder_stages(p))) == 1
+    assert result.sim is not None and max(result.sim.peak_memory) <= 285 * MIB
+    with pytest.raises(InfeasibleError):
+        plan(table(tied=False), 2, 4, memory=285 * MIB)
 
 
 @pytest.mark.parametrize("family", ["1f1b", "interleaved"])

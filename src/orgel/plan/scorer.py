@@ -128,6 +128,11 @@ class Scorer:
                            tuple[Template, Template]] = {}
         self.rename_ranks = rename_ranks
         self.evaluations = 0
+        # The static bytes a tied parameter's extra copies add at most: the quick
+        # memory checks allow for them so they never reject a split that fits once
+        # each rank counts the parameter once (the scores count exactly).
+        self._tied_slack = int(costs.optimizer_factor
+                               * sum(g.nbytes * (len(g.blocks) - 1) for g in costs.tied))
 
     # -- splits ------------------------------------------------------------------
 
@@ -181,7 +186,8 @@ class Scorer:
         """Vectorised over candidate rows of ``points``: (compute lower bound, static fits).
 
         ``points`` has one row per candidate linear split (``num_stages - 1``
-        columns). The bound is :meth:`lower_bound` without recompute.
+        columns). The bound is :meth:`lower_bound` without recompute. With tied
+        groups "fits" is optimistic (it allows for every extra copy).
         """
         n = self.bc.num_blocks
         rows = points.shape[0]
@@ -196,7 +202,7 @@ class Scorer:
         if self.memory is None:
             return lb, np.ones(rows, dtype=bool)
         static = (self._cp[hi] - self._cp[lo]) * self.bc.optimizer_factor
-        fits = ((static @ (share > 0)) <= self.memory).all(axis=1)
+        fits = ((static @ (share > 0)) <= self.memory + self._tied_slack).all(axis=1)
         return lb, fits
 
     def _share_matrix(self, template: Template) -> np.ndarray:
@@ -215,11 +221,14 @@ class Scorer:
         return actions * self.bc.action_overhead
 
     def static_fits(self, template: Template, stages: list[StageCost]) -> bool:
-        """Whether weights + grads + optimizer state alone fit on every rank."""
+        """Whether weights + grads + optimizer state alone fit on every rank.
+
+        Optimistic with tied groups, like :meth:`chain_bounds`.
+        """
         if self.memory is None:
             return True
         for hosted in template.rank_stages():
-            if sum(stages[s].static_bytes for s in hosted) > self.memory:
+            if sum(stages[s].static_bytes for s in hosted) > self.memory + self._tied_slack:
                 return False
         return True
 
