@@ -230,3 +230,25 @@ def test_graph_planner_scores_the_tied_all_reduce() -> None:
     blocks = [list(st.blocks) for st in p.stage_graph.stages]
     plain = untied.score_split(g.template, blocks).step_time
     assert (g.score.step_time > plain) == ("tied_weights" in p.meta)
+
+
+def test_tight_memory_still_finds_the_v_shape() -> None:
+    # At 300 MiB the screening's representative for two stages per rank
+    # (interleaved) splits the tied stages and pays the all-reduce; the V-shape
+    # of the same group keeps them on one rank and must still be found.
+    result = plan(table(), 2, 4, memory=300 * MIB, planner="beam")
+    p = result.plan
+    assert len(ranks_of(p, holder_stages(p))) == 1
+    assert p.meta.get("schedule_label", "").startswith("v-shape")
+
+
+def test_profiled_table_carries_the_tied_groups(tmp_path: object,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from orgel.profile.workload import profile_workload
+
+    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path))
+    w = Workload(*build("tied", batch_size=2, seed=0, n_layers=2, d_model=32))
+    costs = profile_workload(w, microbatches=1, blocks=4, link=False, repeats=1, warmup=1,
+                             progress=False)
+    assert [g.name for g in costs.tied] == ["tok_emb.weight"]
+    assert costs.tied[0].blocks[-1] == costs.num_blocks - 1  # the LM head's block

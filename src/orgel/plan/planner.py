@@ -27,6 +27,7 @@ from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
 from orgel.profile.costs import BlockCosts, chain_split, optimizer_peak, stage_costs
+from orgel.profile.tied import plan_tied_weights
 from orgel.schedule.ir import Plan
 from orgel.sim import SimResult, simulate
 from orgel.sim.compiled import CompiledPlan
@@ -321,8 +322,13 @@ def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None) -> Plan:
 
     out = replicate(p, dp)
     split = any(a.kind == "I" for actions in out.schedule for a in actions)
-    out.costs = stage_costs(costs, [list(s.blocks) for s in out.stage_graph.stages], split=split)
+    blocks = [list(s.blocks) for s in out.stage_graph.stages]
+    out.costs = stage_costs(costs, blocks, split=split, placement=out.placement)
     out.costs.memory_per_rank = memory
+    out.meta.pop("tied_weights", None)
+    tied = plan_tied_weights(costs, blocks, out.placement)
+    if tied:
+        out.meta["tied_weights"] = tied
     return out
 
 

@@ -146,7 +146,18 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
     by_group: dict[int, list[Spec]] = {}
     for spec in specs:
         by_group.setdefault(spec.group, []).append(spec)
-    reps = sorted((score_spec(g[0]), v) for v, g in by_group.items())
+    # With tied weights a group's representative may put the tied stages on two
+    # ranks and pay their all-reduce while its V-shape keeps them on one: score
+    # the V-shape too, and rank the group by the better of the two.
+    def represent(group: list[Spec]) -> float:
+        best = score_spec(group[0])
+        if scorer.bc.tied:
+            for spec in group[1:]:
+                if spec.options.get("placement") == "v":
+                    best = min(best, score_spec(spec))
+        return best
+
+    reps = sorted((represent(g), v) for v, g in by_group.items())
     # A group whose representative does not fit still gets its variants tried
     # (another schedule may need less memory).
     finite = [r for r in reps if r[0] < math.inf]

@@ -208,6 +208,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     fraction of the time it recorded (None: trust the cache as it is).
     """
     from orgel.graph import coarsen
+    from orgel.profile.tied import tied_groups
     from orgel.split import split_model
     from orgel.workload import microbatches as split_batches
     from orgel.workload import named_inputs
@@ -280,7 +281,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     rows = next((int(t.shape[w.batch_dim]) for t in named.values()
                  if isinstance(t, torch.Tensor) and t.dim() > w.batch_dim), None)
     return BlockCosts(
-        rows=rows,
+        rows=rows, tied=tied_groups(opgraph, bg),
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
         activations=cached["activations"], output=cached["output"],
         temporary=cached["temporary"], edges=edges, link=link_model, links=links,
