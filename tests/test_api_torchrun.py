@@ -44,23 +44,39 @@ pipe.close()
 '''
 
 
+def _kill_running(marker: str) -> None:
+    """SIGKILL every process whose command line mentions ``marker``."""
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc_dir / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
 def test_pipeline_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
-         str(tmp_path / "ckpt")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,  # so a hang can be killed with every rank it started
-    )
-    try:
-        _, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+    # Output goes to a file, not a pipe: a pipe held open by a stray rank would
+    # keep communicate() waiting after torchrun itself has exited or been killed.
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+             str(tmp_path / "ckpt")],
+            stdout=out, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True,  # so a hang can be killed with every rank it started
+        )
+        try:
+            proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_running(str(script))  # ranks torchrun started in sessions of their own
+            proc.wait()
+            raise
+    stderr = log.read_text(errors="replace")
     assert proc.returncode == 0, stderr[-3000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / "ckpt" / f"result{rank}.json").read_text())

@@ -21,7 +21,8 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,30 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     os._exit(0)
 
 
+@contextmanager
+def _main_left_alone(fn: Callable[..., Any]) -> Iterator[None]:
+    """While processes start, keep the ``spawn`` children from re-running ``__main__``.
+
+    A spawned child imports the parent's main script before it runs anything,
+    so a script without an ``if __name__ == "__main__"`` guard (a notebook
+    cell, or a training script under torchrun that profiles on rank 0) would
+    run again in every child and start children of its own. When ``fn`` lives
+    in an importable module the children never need ``__main__``: hide it.
+    """
+    main = sys.modules.get("__main__")
+    if main is None or getattr(fn, "__module__", "__main__") == "__main__":
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0,
           threads: int | None = 1, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, nranks, *args)`` on ``nranks`` local processes; return their results.
@@ -105,8 +130,9 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0
         procs = [ctx.Process(target=_worker, args=(r, nranks, port, fn, args, timeout,
                                                    threads, backend, outdir), daemon=True)
                  for r in range(nranks)]
-        for p in procs:
-            p.start()
+        with _main_left_alone(fn):
+            for p in procs:
+                p.start()
         _join(procs, timeout)
         codes = {r: p.exitcode for r, p in enumerate(procs)}
         if any(c != 0 for c in codes.values()):
