@@ -97,13 +97,16 @@ def test_the_loss_lands_in_the_last_blocks_forward_and_input_half(
     assert costs.fwd == pytest.approx([1.0, 1.0, 2.0])
     assert costs.bwd == pytest.approx([1.0, 1.0, 2.0])
     assert costs.wgrad == pytest.approx([0.5, 0.5, 0.5])
+    # One backward's halves (the table): I = bwd - wgrad over blocks 1 and 2.
+    assert stage_cost(costs, [1, 2]).input_grad == pytest.approx(0.5 + 1.5)
+    # A split schedule's stage takes the halves measured apart: I 1 + 2, W 1 + 1.
     last = stage_cost(costs, [1, 2], split=True)
-    assert last.input_grad == pytest.approx(0.5 + 1.5)
+    assert (last.input_grad, last.weight_grad) == pytest.approx((1.0 + 2.0, 2.0))
     # The halves as measured (I 1, W 1): the loss's backward is the last block's I too.
-    assert costs.meta["split_backward"]["input"] == pytest.approx([1.0, 1.0, 2.0])
-    assert costs.meta["split_backward"]["weight"] == pytest.approx([1.0, 1.0, 1.0])
+    assert costs.split_input == pytest.approx([1.0, 1.0, 2.0])
+    assert costs.split_weight == pytest.approx([1.0, 1.0, 1.0])
     # Every block's optimizer step was timed (each block here has parameters).
-    assert costs.meta["optimizer_ms"] == pytest.approx([1.0, 1.0, 1.0])
+    assert costs.optimizer_ms == pytest.approx([1.0, 1.0, 1.0])
 
 
 def test_cached_table_is_measured_again_when_the_blocks_drift(
@@ -150,12 +153,12 @@ def test_optimizer_jobs_step_copies_of_each_group() -> None:
         optimizer_jobs([[lin.weight]], "lion")
 
 
-def chain(**meta: Any) -> BlockCosts:
+def chain(**measured: Any) -> BlockCosts:
     n = 4
     return BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[1 << 20] * n,
                       activations=[1 << 10] * n, output=[1 << 10] * n, temporary=[0] * n,
                       edges=[(i, i + 1) for i in range(n - 1)], link=Link(latency=0.1),
-                      optimizer_ms_per_mib=0.5, meta=meta)
+                      optimizer_ms_per_mib=0.5, **measured)
 
 
 def test_end_of_step_uses_the_measured_step_overhead_and_block_optimizer_times() -> None:
@@ -172,6 +175,9 @@ def test_end_of_step_uses_the_measured_step_overhead_and_block_optimizer_times()
     # Without them: two latencies for the all-reduce and the per-MiB optimizer model.
     old = chain()
     assert end_of_step(old, p) == pytest.approx(0.2 + 0.5 * 2)
+    # They travel with the costs file.
+    again = BlockCosts.from_dict(costs.to_dict())
+    assert (again.step_overhead, again.optimizer_ms) == (2.0, per_block)
 
 
 def test_fit_overheads_separates_per_action_and_per_step_costs() -> None:
@@ -211,11 +217,11 @@ def test_runtime_overhead_is_kept_with_the_blocks_table(
     w = tiny()
     costs = profile_workload(w, microbatches=2, blocks=3, repeats=1, progress=False)
     assert fits == [links[0]]
-    assert costs.meta["step_overhead"] == 4.0 and costs.action_overhead >= 0.3
+    assert costs.step_overhead == 4.0 and costs.action_overhead >= 0.3
     # The same table again: its overhead comes with it.
     again = profile_workload(w, microbatches=2, blocks=3, repeats=1, progress=False,
                              recheck=None)
-    assert len(fits) == 1 and again.meta["step_overhead"] == 4.0
+    assert len(fits) == 1 and again.step_overhead == 4.0
     # Another link: the per-action fit depends on it, so it is measured again.
     links[0] = Link(latency=0.5, per_mib=0.2)
     profile_workload(w, microbatches=2, blocks=3, repeats=1, progress=False, recheck=None)
@@ -245,26 +251,45 @@ def test_what_i_keeps_for_w_is_alive_from_i_not_from_f() -> None:
 
 
 def test_split_stages_take_their_measured_halves() -> None:
-    from orgel.plan.planner import predict, split_backward
+    from orgel.plan.planner import predict
     from orgel.plan.scorer import Scorer, Template
     from orgel.schedule.families import build_schedule
 
     inp, weight = [0.5, 1.5, 1.6, 1.7], [2.0, 1.2, 1.3, 1.4]
-    costs = chain(split_backward={"input": inp, "weight": weight})
+    costs = chain(split_input=inp, split_weight=weight)
     scorer = Scorer(costs)
     zb = Template("zb-h1", "zb-h1", {}, build_schedule("zb-h1", 2, 4))
     p = scorer.to_plan(zb, [range(0, 2), range(2, 4)])
-    assert p.costs is not None and p.costs.stages[1].bwd == pytest.approx(4.0)  # I + W = B
-    first = p.costs.stages[0]
-    split_backward(p, costs)
-    assert p.costs.stages[0] == first  # fed by no stage: W is its whole backward
-    last = p.costs.stages[1]
+    assert p.costs is not None
+    first, last = p.costs.stages
+    assert (first.bwd, first.weight_grad) == (4.0, 4.0)  # fed by no stage: W is all of B
     assert last.input_grad == pytest.approx(1.6 + 1.7)
     assert last.weight_grad == pytest.approx(1.3 + 1.4)
+    # The search scores what the prediction says (the halves as measured).
+    chain_stages = scorer.chain_stage_costs([2], split=True)
+    assert chain_stages[1] == last
+    sim = predict(p, costs)
+    end = p.prediction["end_of_step"]  # type: ignore[index]
+    assert sim.step_time == pytest.approx(scorer.score_chain(zb, [2]).step_time + end)
     # 1F1B runs whole backwards: its stages keep the table's B.
     ofob = Template("1f1b", "1f1b", {}, build_schedule("1f1b", 2, 4))
     q = scorer.to_plan(ofob, [range(0, 2), range(2, 4)])
-    predict(q, costs)
     assert q.costs is not None and [s.bwd for s in q.costs.stages] == [4.0, 4.0]
-    # The prediction of the split plan counts the halves as measured.
-    assert predict(p, costs).step_time > scorer.score_chain(zb, [2]).step_time
+
+
+def test_measured_halves_and_optimizer_times_in_the_costs_file() -> None:
+    from orgel.profile.costs import CostsFileError
+
+    costs = chain(split_input=[1.0] * 4, split_weight=[2.0] * 4, optimizer_ms=[0.1] * 4,
+                  step_overhead=0.5)
+    data = costs.to_dict()
+    assert data["blocks"][0]["split_input"] == 1.0 and data["step_overhead"] == 0.5
+    again = BlockCosts.from_dict(data)
+    assert (again.split_input, again.split_weight) == ([1.0] * 4, [2.0] * 4)
+    half = costs.scaled(0.5)  # times scale with rows, the optimizer's do not
+    assert (half.split_input[0], half.optimizer_ms[0], half.step_overhead) == (0.5, 0.1, 0.5)
+    del data["blocks"][0]["split_weight"]
+    with pytest.raises(CostsFileError, match="split_weight.*one per block"):
+        BlockCosts.from_dict(data)
+    with pytest.raises(CostsFileError, match="together"):
+        chain(split_input=[1.0] * 4)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from orgel.plan.graph import graph_plan
@@ -194,21 +194,20 @@ def end_of_step(costs: BlockCosts, p: Plan) -> float:
     gradient norm) over every rank, then each rank steps its optimizer over
     its own parameters; the slowest rank's step ends the step. None of it is
     an action, so the simulator leaves it out. The profiler measures the
-    per-step part through the runtime on two ranks (``meta["step_overhead"]``:
+    per-step part through the runtime on two ranks (``costs.step_overhead``:
     one all-reduce round; more ranks add ``log2`` rounds of the link's
-    latency) and each block's optimizer step (``meta["optimizer_ms"]``; else
+    latency) and each block's optimizer step (``costs.optimizer_ms``; else
     ``optimizer_ms_per_mib`` of the rank's parameters).
     """
     ranks = p.num_ranks
     rounds = math.ceil(math.log2(ranks)) if ranks > 1 else 0
-    fixed = costs.meta.get("step_overhead")
+    fixed = costs.step_overhead
     if fixed is None:
         fixed = 2 * rounds * costs.link.latency
     else:
         fixed = float(fixed) + 2 * max(0, rounds - 1) * costs.link.latency
-    per_block = costs.meta.get("optimizer_ms")
-    if (per_block is not None and len(per_block) == costs.num_blocks
-            and all(st.blocks for st in p.stage_graph.stages)):
+    per_block = costs.optimizer_ms
+    if per_block and all(st.blocks for st in p.stage_graph.stages):
         per_rank_ms = [0.0] * ranks
         for s, placed in enumerate(p.placement):
             ms = sum(float(per_block[b]) for b in p.stage_graph.stages[s].blocks)
@@ -237,47 +236,13 @@ def held_sends(p: Plan) -> list[int]:
     return [int(b) for b in CompiledPlan(p).held_send_bytes()]
 
 
-def split_backward(p: Plan, costs: BlockCosts) -> None:
-    """Give every stage that runs ``I``/``W`` in ``p`` its halves as measured.
-
-    The table's ``bwd`` is one whole backward and ``wgrad`` its weight share,
-    so ``I + W`` of a stage would equal ``B``; run apart, the halves take
-    30-45% more on a fed stage (``I`` walks the graph and keeps gradients,
-    ``W`` makes one autograd call per parameter group). The profiler measures
-    each block's halves (``meta["split_backward"]``): a stage's ``I`` is the
-    sum of its blocks' (the loss's backward included), its ``W`` likewise.
-    Stages that run ``B``, and stages no other stage feeds (whose ``W`` is
-    the whole backward), keep the table's times. Changes ``p.costs`` in place.
-    """
-    table = costs.meta.get("split_backward")
-    if p.costs is None or not isinstance(table, dict):
-        return
-    inp, weight = table.get("input", []), table.get("weight", [])
-    stages = p.stage_graph.stages
-    if len(inp) != costs.num_blocks or len(weight) != costs.num_blocks \
-            or not all(st.blocks for st in stages):
-        return
-    split = {a.stage for actions in p.schedule for a in actions if a.kind == "I"}
-    new = list(p.costs.stages)
-    for s in sorted(split):
-        inside = set(stages[s].blocks)
-        if not any(a not in inside for a, b in costs.edges if b in inside):
-            continue  # fed by no stage: its I has no input to reach, its W is the whole backward
-        i = sum(float(inp[b]) for b in stages[s].blocks)
-        w = sum(float(weight[b]) for b in stages[s].blocks)
-        new[s] = replace(new[s], bwd=i + w, bwd_weight=w)
-    p.costs.stages = new
-
-
 def predict(p: Plan, costs: BlockCosts) -> SimResult:
     """Simulate ``p`` and store the prediction in it.
 
-    The step time adds :func:`end_of_step`; a split backward's halves take
-    what they were measured to take (:func:`split_backward`); peak memory
+    The step time adds :func:`end_of_step`; peak memory
     counts the sends the runtime holds until the step ends (:func:`held_sends`)
     and the optimizer step.
     """
-    split_backward(p, costs)
     sim = simulate(p)
     end = end_of_step(costs, p)
     sim.step_time += end

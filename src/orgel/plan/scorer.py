@@ -121,6 +121,11 @@ class Scorer:
         self._cp = np.concatenate([[0], np.cumsum(costs.params)]).astype(np.int64)
         self._ca = np.concatenate([[0], np.cumsum(costs.activations)]).astype(np.int64)
         self._ck = np.concatenate([[0], np.cumsum(costs.weight_kept)]).astype(np.int64)
+        # a split backward's halves as measured apart (see profile.costs.stage_cost)
+        self._csi = np.concatenate([[0.0], np.cumsum(costs.split_input)]) \
+            if costs.split_input else None
+        self._csw = np.concatenate([[0.0], np.cumsum(costs.split_weight)]) \
+            if costs.split_weight else None
         self._compiled: dict[tuple[Any, ...], CompiledPlan] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
         # id(template) -> (template, renamed); the template is kept so its id stays unique
@@ -153,14 +158,18 @@ class Scorer:
             if bc.tied:
                 params -= tied_within(bc, range(a, b))
             params, grads, optimizer = static_parts(params, factor)
+            bwd = float(self._cb[b] - self._cb[a])
+            # The first stage computes no input gradient: W is its whole backward
+            # (see orgel.profile.costs.stage_cost).
+            weight = float(self._cw[b] - self._cw[a]) if a else bwd
+            if split and a and self._csi is not None and self._csw is not None:
+                weight = float(self._csw[b] - self._csw[a])
+                bwd = float(self._csi[b] - self._csi[a]) + weight
             out.append(StageCost(
-                fwd=float(self._cf[b] - self._cf[a]), bwd=float(self._cb[b] - self._cb[a]),
-                # The first stage computes no input gradient: W is its whole backward
-                # (see orgel.profile.costs.stage_cost).
-                bwd_weight=float(self._cw[b] - self._cw[a] if a else self._cb[b]),
+                fwd=float(self._cf[b] - self._cf[a]), bwd=bwd, bwd_weight=weight,
                 params=params, grads=grads, optimizer=optimizer,
-                activations=int(self._ca[b] - self._ca[a])
-                + (int(self._ck[b] - self._ck[a]) if split and a else 0),
+                activations=int(self._ca[b] - self._ca[a]),
+                weight_kept=int(self._ck[b] - self._ck[a]) if split else 0,
                 temporary=max(temp[a:b]) if b > a else 0,
             ))
         return out

@@ -9,7 +9,8 @@ studied without a model. Times are milliseconds, sizes bytes::
 
     {"blocks": [{"fwd": 1.2, "bwd": 2.4, "wgrad": 1.1, "params": 16777216,
                  "activations": 8388608, "output": 8388608, "temporary": 0,
-                 "weight_kept": 0}, ...],
+                 "weight_kept": 0, "split_input": 1.5, "split_weight": 1.4,
+                 "optimizer_ms": 0.3}, ...],
      "edges": [[0, 1], [1, 2]],            # optional: default a chain
      "link": {"latency": 0.02, "per_mib": 0.05},
      "memory_per_rank": 85899345920,       # optional
@@ -17,6 +18,7 @@ studied without a model. Times are milliseconds, sizes bytes::
      "optimizer_temporary": 0,             # optional: the optimizer step's extra x params
      "action_overhead": 0.0,               # optional, ms per compute action
      "optimizer_ms_per_mib": 0.0,          # optional, optimizer step ms per MiB of params
+     "step_overhead": 0.8,                 # optional, ms per step outside the actions
      "rows": 4,                            # optional: rows per micro-batch it was measured at
      "tied": [{"blocks": [0, 11], "nbytes": 4194304, "name": "tok_emb.weight"}]}  # optional
 
@@ -26,7 +28,15 @@ batch dimension, that the times and activation bytes were measured at:
 ``orgel plan --costs FILE --batch B`` needs it to scale the table to other
 micro-batch sizes (:meth:`BlockCosts.scaled`). ``weight_kept`` (optional, default 0) is what a split
 backward's ``I`` keeps for its ``W`` beyond the forward's activations (the
-gradients ``W`` starts from).
+gradients ``W`` starts from). ``split_input``/``split_weight`` (optional, all
+blocks or none) are a block's ``I`` and ``W`` as measured when the backward
+runs split: apart, the halves cost more than one backward (``I`` walks the
+graph and keeps gradients, ``W`` starts autograd again per parameter group), so
+a split schedule's stages take these instead of ``bwd - wgrad`` and ``wgrad``.
+``optimizer_ms`` (optional, all blocks or none) is each block's optimizer step;
+without it a rank's step takes ``optimizer_ms_per_mib`` per MiB of its
+parameters. ``step_overhead`` (optional) is what every step costs outside its
+actions on two ranks (setup, the loss all-reduce round).
 
 ``tied`` (optional) lists parameters that several blocks read (a token
 embedding tied to the LM head): ``blocks`` (two or more block indices),
@@ -53,10 +63,12 @@ from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
-               "nodes", "weight_kept")
+               "nodes", "weight_kept", "split_input", "split_weight", "optimizer_ms")
+#: Optional per-block times: given for every block or for none.
+_OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
              "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib", "rows",
-             "tied")
+             "tied", "step_overhead")
 
 
 class CostsFileError(ValueError):
@@ -96,6 +108,10 @@ class BlockCosts:
     optimizer_ms_per_mib: float = 0.0  # the optimizer step's time per MiB of parameters
     rows: int | None = None  # rows per micro-batch the table was measured at, if known
     tied: list[TiedGroup] = field(default_factory=list)  # parameters several blocks read
+    split_input: list[float] = field(default_factory=list)  # I run apart, per block (or none)
+    split_weight: list[float] = field(default_factory=list)  # W run apart, per block (or none)
+    optimizer_ms: list[float] = field(default_factory=list)  # optimizer step, per block (or none)
+    step_overhead: float | None = None  # ms per step outside the actions, on two ranks
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -112,6 +128,16 @@ class BlockCosts:
         if len(self.weight_kept) != n:
             raise CostsFileError(f"'weight_kept' has {len(self.weight_kept)} entries, expected "
                                  f"one per block ({n})")
+        for name in _OPTIONAL_TIMES:
+            got = getattr(self, name)
+            if got and len(got) != n:
+                raise CostsFileError(f"'{name}' has {len(got)} entries: give one per block "
+                                     f"({n}) or leave it out of every block")
+            if any(t < 0 for t in got):
+                raise CostsFileError(f"'{name}' has a negative time; times are ms >= 0")
+        if bool(self.split_input) != bool(self.split_weight):
+            raise CostsFileError("give 'split_input' and 'split_weight' together (a block's "
+                                 "I and W measured apart) or neither")
         for i in range(n):
             if self.wgrad[i] > self.bwd[i] + 1e-12:
                 raise CostsFileError(f"block {i}: wgrad ({self.wgrad[i]}) exceeds bwd "
@@ -169,7 +195,11 @@ class BlockCosts:
             optimizer_temporary=self.optimizer_temporary,
             weight_kept=[int(b * factor) for b in self.weight_kept],
             optimizer_ms_per_mib=self.optimizer_ms_per_mib, rows=_scaled_rows(self.rows, factor),
-            tied=list(self.tied))  # parameter bytes do not scale with rows
+            tied=list(self.tied),  # parameter bytes do not scale with rows
+            split_input=[t * factor for t in self.split_input],
+            split_weight=[t * factor for t in self.split_weight],
+            optimizer_ms=list(self.optimizer_ms),  # the optimizer works on parameters
+            step_overhead=self.step_overhead)
 
     # -- JSON --------------------------------------------------------------------
 
@@ -183,6 +213,9 @@ class BlockCosts:
         ]
         for i, nodes in enumerate(self.nodes):
             blocks[i]["nodes"] = list(nodes)
+        for key in _OPTIONAL_TIMES:
+            for i, t in enumerate(getattr(self, key)):
+                blocks[i][key] = t
         return {
             "blocks": blocks,
             "edges": [list(e) for e in self.edges],
@@ -196,6 +229,7 @@ class BlockCosts:
             "optimizer_ms_per_mib": self.optimizer_ms_per_mib,
             **({} if self.rows is None else {"rows": self.rows}),
             **({"tied": [g.to_dict() for g in self.tied]} if self.tied else {}),
+            **({} if self.step_overhead is None else {"step_overhead": self.step_overhead}),
             "meta": self.meta,
         }
 
@@ -233,6 +267,9 @@ class BlockCosts:
             cols["wgrad"].append(wgrad)
             for key in ("params", "activations", "output", "temporary", "weight_kept"):
                 cols[key].append(int(_number(b.get(key, 0), f"blocks[{i}].{key}")))
+            for key in _OPTIONAL_TIMES:
+                if key in b:
+                    cols[key].append(_number(b[key], f"blocks[{i}].{key}"))
             cols["name"].append(str(b.get("name", f"block{i}")))
             nodes = b.get("nodes", [])
             if not isinstance(nodes, list) or not all(isinstance(x, str) for x in nodes):
@@ -281,6 +318,10 @@ class BlockCosts:
             names=cols["name"], meta=dict(data.get("meta") or {}),
             nodes=cols["nodes"] if any(cols["nodes"]) else [], rows=rows,
             tied=_tied_list(data.get("tied", [])),
+            split_input=cols["split_input"], split_weight=cols["split_weight"],
+            optimizer_ms=cols["optimizer_ms"],
+            step_overhead=(None if data.get("step_overhead") is None
+                           else _number(data["step_overhead"], "step_overhead")),
         )
 
     def save(self, path: str | Path) -> None:
@@ -342,12 +383,12 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
                shared: int = 0) -> StageCost:
     """One stage made of ``blocks``: times add up, temporary is the largest block's.
 
-    ``split``: the schedule splits the backward into ``I`` and ``W``; what ``I``
-    keeps for ``W`` counts as kept activations (the simulator frees activations
-    at ``W``; counting it from ``F`` on is an over-estimate of at most the
-    micro-batches between a stage's ``F`` and its ``I``). A stage that no
+    ``split``: the schedule splits the backward into ``I`` and ``W``. Then a
+    stage takes its blocks' halves as measured apart (``split_input`` and
+    ``split_weight``, when the table has them), and ``weight_kept`` is what
+    its ``I`` keeps for ``W`` (alive from ``I`` to ``W``). A stage that no
     other stage feeds has no input gradient to compute: its ``W`` is the whole
-    backward and its ``I`` keeps nothing (the runtime's ``I`` is empty there).
+    backward and its ``I`` only hands over the gradients ``W`` starts from.
     A tied parameter counts once however many of ``blocks`` read it;
     ``shared``: parameter bytes another stage on the same rank already holds
     (see :func:`orgel.profile.tied.tied_shared`), left out here.
@@ -356,13 +397,16 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     fed = any(a not in inside for a, b in bc.edges if b in inside)
     params = sum(bc.params[b] for b in blocks) - tied_within(bc, blocks) - shared
     params, grads, optimizer = static_parts(params, bc.optimizer_factor)
+    bwd = sum(bc.bwd[b] for b in blocks)
+    weight = sum(bc.wgrad[b] for b in blocks) if fed else bwd
+    if split and fed and bc.split_input:
+        weight = sum(bc.split_weight[b] for b in blocks)
+        bwd = sum(bc.split_input[b] for b in blocks) + weight
     return StageCost(
-        fwd=sum(bc.fwd[b] for b in blocks),
-        bwd=sum(bc.bwd[b] for b in blocks),
-        bwd_weight=sum(bc.wgrad[b] if fed else bc.bwd[b] for b in blocks),
+        fwd=sum(bc.fwd[b] for b in blocks), bwd=bwd, bwd_weight=weight,
         params=params, grads=grads, optimizer=optimizer,
-        activations=sum(bc.activations[b] + (bc.weight_kept[b] if split and fed else 0)
-                        for b in blocks),
+        activations=sum(bc.activations[b] for b in blocks),
+        weight_kept=sum(bc.weight_kept[b] for b in blocks) if split else 0,
         temporary=max((bc.temporary[b] for b in blocks), default=0),
     )
 

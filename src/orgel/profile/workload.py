@@ -14,11 +14,12 @@ table recorded (a table timed under another load is stale). Blocks are
 timed in interleaved rounds (:func:`orgel.profile.blocks.interleaved`), with
 ``threads`` intra-op threads (default 1, what :func:`orgel.runtime.launch.spawn` gives each rank;
 :func:`rank_threads` is what a local group of ``ranks`` gives each), since a
-block's time depends on it and ranks train with few threads each. ``meta``
-records what is needed to rebuild the same blocks (``target_blocks``,
-``num_blocks``, ``graph_hash``) and what the planner's prediction needs:
-``step_overhead`` (ms per step), ``optimizer_ms`` (each block's optimizer
-step) and ``split_backward`` (each block's ``I`` and ``W`` as measured, ms).
+block's time depends on it and ranks train with few threads each. The table
+also carries what the planner's prediction needs beyond the blocks' own
+times: ``step_overhead`` (ms per step), ``optimizer_ms`` (each block's
+optimizer step) and ``split_input``/``split_weight`` (each block's ``I`` and
+``W`` as measured apart, ms). ``meta`` records what is needed to rebuild the
+same blocks (``target_blocks``, ``num_blocks``, ``graph_hash``).
 """
 
 from __future__ import annotations
@@ -297,13 +298,11 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
               "threads": threads, "contention": contention,
               "in_sequence_scale": cached.get("in_sequence_scale", 1.0),
               "wall_per_cpu": cached.get("wall_per_cpu", 1.0),
-              "oversubscription": cached.get("oversubscription", 1.0),
-              **({"optimizer_ms": list(cached["optimizer_ms"])}
-                 if "optimizer_ms" in cached else {}),
-              **({"split_backward": {"input": list(cached["split_input"]),
-                                     "weight": list(cached["split_weight"])}}
-                 if "split_input" in cached else {}),
-              **({} if step_overhead is None else {"step_overhead": step_overhead})},
+              "oversubscription": cached.get("oversubscription", 1.0)},
+        split_input=[float(t) for t in cached.get("split_input", [])],
+        split_weight=[float(t) for t in cached.get("split_weight", [])],
+        optimizer_ms=[float(t) for t in cached.get("optimizer_ms", [])],
+        step_overhead=step_overhead,
     )
 
 
