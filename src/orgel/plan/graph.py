@@ -42,7 +42,7 @@ caller asks for with ``dp`` instead.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from orgel.plan.replicas import StageSpec, replica_counts, score_layouts
@@ -278,7 +278,7 @@ class _DP:
                + max(temps[j:e]))
         return mem <= self.memory
 
-    def _absorbing(self, children: list[SPTree], j: int) -> list[tuple[int, SPTree]]:
+    def _absorbing(self, children: Sequence[SPTree], j: int) -> list[tuple[int, SPTree]]:
         """Parallel nodes with their neighbours folded into their lightest branches.
 
         A small block before a fork (or after a join) as a stage of its own

@@ -122,5 +122,8 @@ def optimizer_jobs(groups: list[list[torch.Tensor]], kind: str = "adamw"
             p.grad = torch.randn_like(p)
         opt = makers[kind](copies, lr=1e-3)
         opt.step()
-        jobs.append({"optimizer": (lambda: None, lambda _, opt=opt: opt.step())})
+        def step(_: object, opt: torch.optim.Optimizer = opt) -> None:
+            opt.step()
+
+        jobs.append({"optimizer": (lambda: None, step)})
     return jobs

@@ -102,7 +102,8 @@ def _main_left_alone(fn: Callable[..., Any]) -> Iterator[None]:
     if main is None or getattr(fn, "__module__", "__main__") == "__main__":
         yield
         return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__")
+                             if k in main.__dict__}
     main.__dict__.pop("__file__", None)
     main.__dict__["__spec__"] = None
     try:

@@ -86,7 +86,9 @@ class StageArrays:
             dtype=np.float64,
         ).reshape(num_stages, 7)
         kept = np.array([s.weight_kept for s in costs.stages], dtype=np.float64)
-        return cls(*table.T, weight_kept=kept if kept.any() else None)
+        fwd, bwd, wgrad, activations, temporary, static, grads = table.T
+        return cls(fwd, bwd, wgrad, activations, temporary, static, grads,
+                   kept if kept.any() else None)
 
     def check(self, costs: Costs, split: np.ndarray) -> None:
         """Raise :class:`PlanError` on a negative time, or on ``bwd_weight > bwd``
