@@ -42,6 +42,14 @@ def test_auto_beats_or_matches_every_baseline_and_round_trips() -> None:
         assert key in summary
 
 
+def test_baselines_are_reported_with_the_end_of_step_like_the_plan() -> None:
+    costs = chain()
+    costs.step_overhead = 50.0  # far more than any split changes
+    result = plan(costs, 2, 4, planner="uniform-time")
+    assert result.baselines["uniform-time"] == pytest.approx(result.step_time)
+    assert all(step is not None and step > 50.0 for step in result.baselines.values())
+
+
 @pytest.mark.parametrize("planner", ["beam", "uniform-time"])
 def test_memory_cap_is_respected(planner: str) -> None:
     costs = chain()

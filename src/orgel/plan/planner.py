@@ -277,7 +277,9 @@ def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,
         if g is not None:
             _label(g.plan, g.template)
             found.append((g.score.step_time, "graph", g.plan))
-    times = {k: (v[0] if v[1] is not None else None) for k, v in baselines.items()}
+    # reported beside the chosen plan's prediction, so on the same footing (end of step)
+    times = {k: (step + end_of_step(costs, p) if p is not None else None)
+             for k, (step, p) in baselines.items()}
     return found, times
 
 
