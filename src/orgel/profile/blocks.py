@@ -19,10 +19,13 @@ its own:
   returns (its outputs too, which the runtime keeps for the backward);
 * ``weight_kept``: what the split backward's ``I`` keeps alive for ``W``,
   the output gradients ``W`` holds included;
-* ``temporary``: the peak of forward + backward above that, not counting the
-  parameters' gradients; on CUDA from the allocator's counters, on CPU (no
-  allocator statistics) from :class:`~orgel.profile.memory.LiveBytes`, which
-  watches every op's outputs.
+* ``temporary``: the peak of forward + backward above that, run as a step's
+  later micro-batches run it: the parameters' gradients already exist (static
+  memory) and every new gradient is a temporary added into them; for the
+  block computing the loss, with the loss's forward and backward (the
+  gradients of the model's outputs made during the backward). On CUDA from
+  the allocator's counters, on CPU (no allocator statistics) from
+  :class:`~orgel.profile.memory.LiveBytes`, which watches every op's outputs.
 
 The fixed cost of one action is measured through the same code path on an
 empty block (an identity on a one-element tensor) and becomes
@@ -103,6 +106,9 @@ class Timer:
 
 #: A timed job: ``(setup, work)``, ``work(setup())`` timed without ``setup``.
 Job = tuple[Callable[[], Any], Callable[[Any], Any]]
+
+#: A block's loss: ``(fn(outputs) -> loss, positions of the outputs it reads)``.
+LossProbe = tuple[Callable[[list[Any]], torch.Tensor], frozenset[int]]
 
 
 def interleaved(jobs: list[dict[str, Job]], timer: Timer, *, progress: str | None = None,
@@ -224,8 +230,18 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
 
 
 def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
-                constant: list[bool] | None = None) -> BlockProbe:
-    """Measure one block's bytes and build the jobs that time it (see :func:`measure_block`)."""
+                constant: list[bool] | None = None, loss: LossProbe | None = None) -> BlockProbe:
+    """Measure one block's bytes and build the jobs that time it (see :func:`measure_block`).
+
+    ``loss``: for the block that computes the model's outputs, ``(fn, outputs)``:
+    ``fn`` maps the block's outputs to the loss, ``outputs`` are the positions
+    of those it reads (their gradients come from the loss, not from other
+    blocks). Its temporary is then measured with the loss's forward and
+    backward, as the runtime's ``B`` runs them; the loss's saved bytes and
+    times stay apart (:func:`loss_jobs`).
+    """
+    if loss is not None and (not callable(loss[0]) or not isinstance(loss[1], frozenset)):
+        raise ValueError("loss must be (fn(outputs) -> loss, frozenset of output positions)")
     fixed = constant or [False] * len(args)
     module = stage.module
     params = [p for p in module.parameters() if p.requires_grad]
@@ -294,7 +310,7 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
                 weight_kept = int(mode.now)
             del work, state
     kept, temporary = _temporary(module, fresh_inputs, forward, grad_outs, device,
-                                 sum(saved.values()))
+                                 sum(saved.values()), loss)
     return BlockProbe(jobs=jobs, params=param_bytes, activations=kept, output=out_bytes,
                       temporary=temporary, weight_kept=weight_kept)
 
@@ -305,7 +321,8 @@ def loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,
 
     ``split`` is the blocks' split model (its ``output_names`` and
     ``unflatten_outputs``), ``values`` every value one forward produced.
-    The saved bytes leave out the outputs themselves (a block's already).
+    The saved bytes (the loss's value included) leave out the outputs
+    themselves (a block's already).
     """
     def outputs() -> list[Any]:
         return [values[n].detach().requires_grad_(True)
@@ -325,6 +342,8 @@ def loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         value = forward(outs)
     own = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, torch.Tensor)}
+    # The loss value itself stays alive until its backward too (the runtime holds it).
+    saved.setdefault(value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
     kept = sum(n for ptr, n in saved.items() if ptr not in own)  # outputs counted already
     jobs: dict[str, Job] = {"fwd": (outputs, forward)}
     if value.requires_grad:
@@ -354,25 +373,34 @@ def _input_half(state: tuple[list[Any], list[torch.Tensor]], grad_outs: list[tor
 def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],
                forward: Callable[[list[Any]], list[torch.Tensor]],
                grad_outs: list[torch.Tensor | None], device: torch.device,
-               saved: int) -> tuple[int, int]:
+               saved: int, loss: LossProbe | None = None) -> tuple[int, int]:
     """(bytes kept from forward to backward, peak extra bytes of forward + backward).
 
     On CUDA the allocator's counters; elsewhere :class:`LiveBytes`. What the
     forward leaves alive (saved tensors and the outputs the runtime holds for
-    the backward) is at least ``saved``; the temporary is the peak above it,
-    not counting the parameters' gradients (static memory).
+    the backward) is at least ``saved``; the temporary is the peak above it.
+
+    Measured as a step's later micro-batches run: the parameters' gradients
+    already exist (static memory, not counted) and each new one is a temporary
+    added into them. Measured from no gradients, the peak (often early in the
+    backward, before most gradients exist) minus all the gradients came out
+    0 for transformer layers, which then held a weight's gradient and more
+    above their activations on the ranks (issue 5). ``loss``: the block
+    computes the loss (see :func:`block_probe`); its forward and backward
+    run too, and the gradients of the outputs it reads are made in the
+    backward, as on the ranks, instead of given.
     """
-    grads = sum(_nbytes(p) for p in module.parameters() if p.requires_grad)
+    # One backward first: what the measured backward then accumulates into.
+    _backward(forward(fresh()), grad_outs, loss)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        ins = fresh()
-        out = forward(ins)
+        out = forward(fresh())
         kept = torch.cuda.memory_allocated(device) - base
-        pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        value = loss[0](out) if loss is not None else None
+        held = torch.cuda.memory_allocated(device) - base
+        _backward(out, grad_outs, loss, value)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
@@ -380,13 +408,29 @@ def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],
         with LiveBytes() as mode:
             out = forward(ins)
             kept = mode.now
-            pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            value = loss[0](out) if loss is not None else None
+            held = mode.now
+            _backward(out, grad_outs, loss, value)
             peak = mode.peak
     module.zero_grad(set_to_none=True)
-    kept = max(int(kept), saved)
-    return kept, max(int(peak) - grads - kept, 0)
+    # the loss's saved bytes are counted apart (:func:`loss_jobs`), on top of ``kept``
+    alive = max(int(kept), saved) + int(held) - int(kept)
+    return max(int(kept), saved), max(int(peak) - alive, 0)
+
+
+def _backward(out: list[torch.Tensor], grad_outs: list[torch.Tensor | None],
+              loss: LossProbe | None, value: torch.Tensor | None = None) -> None:
+    """Backward of one forward's ``out``: from the loss (and the other outputs) or ``grad_outs``."""
+    pairs = [(o, g) for i, (o, g) in enumerate(zip(out, grad_outs, strict=True))
+             if g is not None and (loss is None or i not in loss[1])]
+    roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    if loss is not None:
+        value = loss[0](out) if value is None else value
+        if value.requires_grad:
+            roots.append(value)
+            grads.append(torch.ones_like(value))
+    if roots:
+        torch.autograd.backward(roots, grads)
 
 
 def action_overhead(timer: Timer) -> float:

@@ -38,6 +38,7 @@ from orgel.profile.blocks import (
     BlockMeasure,
     BlockProbe,
     Job,
+    LossProbe,
     Timer,
     action_overhead,
     block_probe,
@@ -52,7 +53,7 @@ from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 12
+PROFILE_VERSION = 13
 
 #: A cached table is re-measured when its blocks now run this much faster or slower.
 RECHECK = 0.25
@@ -385,7 +386,9 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
     timer = Timer(dev, warmup=warmup, repeats=repeats)
     with blocks.busy(dev, contention, threads):
         spin_up(dev)
-        probes, jobs = _probes(split, blocks.args_of, dev, progress, set(named))
+        probes, jobs = _probes(split, blocks.args_of, dev, progress, set(named),
+                               None if loss is None else _loss_probe(split, loss[0],
+                                                                     _to(loss[1], dev)))
         # Blocks timed one at a time run from warm caches; a rank runs them one
         # after another. Time that too (in the same rounds) and scale by the ratio.
         jobs.append({"whole": (lambda: None, lambda _: blocks.train())})
@@ -440,6 +443,18 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
     return out
 
 
+def _loss_probe(split: Any, loss_fn: Any, targets: Any) -> LossProbe:
+    """The loss as its block's probe takes it: from that block's outputs (:func:`block_probe`)."""
+    stage = split.stages[split.loss_stage]
+    at = [stage.outputs.index(n) for n in split.output_names]
+
+    def fn(outs: list[Any]) -> torch.Tensor:
+        value: torch.Tensor = loss_fn(split.unflatten_outputs([outs[i] for i in at]), targets)
+        return value
+
+    return fn, frozenset(at)
+
+
 def _to(value: Any, dev: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(dev)
@@ -451,18 +466,22 @@ def _to(value: Any, dev: torch.device) -> Any:
 
 
 def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: bool,
-            model_inputs: set[str]) -> tuple[list[BlockProbe], list[dict[str, Job]]]:
+            model_inputs: set[str], loss: LossProbe | None = None
+            ) -> tuple[list[BlockProbe], list[dict[str, Job]]]:
     """Every block's probe (its bytes measured) and timing jobs, in block order.
 
     Model inputs get no gradient, as in the runtime (the batch is not a leaf).
+    ``loss`` goes to the block that computes the model's outputs.
     """
     from tqdm import tqdm
 
     probes = [block_probe(stage, args, dev,
-                          constant=[name in model_inputs for name in stage.inputs])
-              for stage, args in tqdm(list(zip(split.stages, args_of, strict=True)),
-                                      desc="profiling blocks", unit="block",
-                                      disable=not progress)]
+                          constant=[name in model_inputs for name in stage.inputs],
+                          loss=loss if b == split.loss_stage else None)
+              for b, (stage, args) in enumerate(tqdm(list(zip(split.stages, args_of,
+                                                              strict=True)),
+                                                     desc="profiling blocks", unit="block",
+                                                     disable=not progress))]
     return probes, [dict(p.jobs) for p in probes]
 
 
