@@ -379,7 +379,7 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
     ``contention`` companion processes run the same blocks meanwhile
     (:mod:`orgel.profile.contention`), as the other ranks will. ``loss``
     (``(loss_fn, targets)``): the loss runs in the stage that produces the
-    model's outputs, so its time and saved bytes go to that block.
+    model's outputs, so its time, saved bytes and temporaries go to that block.
     ``optimizer``: also time its step over each block's parameters.
     """
     split, values, named = blocks.split, blocks.values, blocks.named
