@@ -68,11 +68,11 @@ def test_kept_gradients_count_only_for_split_schedules() -> None:
     split = stage_cost(bc, [1, 2], split=True)
     # kept from I to W (not folded into what F keeps)
     assert (split.activations, split.weight_kept) == (2 << 20, 1 << 20)
-    # The first stage gets no input gradient: W is the whole backward, and what
-    # I hands it (the output gradient) is kept all the same.
+    # The first stage gets no input gradient: W is the whole backward, and all
+    # its I keeps for W is the gradient of its output (block 1's, 64 KiB).
     first = stage_cost(bc, [0, 1], split=True)
     assert first.activations == 2 << 20 and first.weight_grad == first.bwd == 4.0
-    assert first.weight_kept == 1 << 20
+    assert first.weight_kept == 1 << 16
     assert stage_cost(bc, [2, 3]).weight_grad == 2.0
     assert Scorer(bc).chain_stage_costs((2,), split=True)[0] == first
     scorer = Scorer(bc)

@@ -169,7 +169,9 @@ class Scorer:
                 fwd=float(self._cf[b] - self._cf[a]), bwd=bwd, bwd_weight=weight,
                 params=params, grads=grads, optimizer=optimizer,
                 activations=int(self._ca[b] - self._ca[a]),
-                weight_kept=int(self._ck[b] - self._ck[a]) if split else 0,
+                # a first stage's I keeps only its outputs' gradients for W
+                weight_kept=(0 if not split else int(self._ck[b] - self._ck[a]) if a
+                             else int(self._cross[b])),
                 temporary=max(temp[a:b]) if b > a else 0,
             ))
         return out

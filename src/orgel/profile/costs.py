@@ -388,7 +388,8 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     ``split_weight``, when the table has them), and ``weight_kept`` is what
     its ``I`` keeps for ``W`` (alive from ``I`` to ``W``). A stage that no
     other stage feeds has no input gradient to compute: its ``W`` is the whole
-    backward and its ``I`` only hands over the gradients ``W`` starts from.
+    backward and its ``I`` only hands over the gradients ``W`` starts from: the
+    gradients of its outputs, all it keeps for ``W``.
     A tied parameter counts once however many of ``blocks`` read it;
     ``shared``: parameter bytes another stage on the same rank already holds
     (see :func:`orgel.profile.tied.tied_shared`), left out here.
@@ -406,9 +407,15 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
         fwd=sum(bc.fwd[b] for b in blocks), bwd=bwd, bwd_weight=weight,
         params=params, grads=grads, optimizer=optimizer,
         activations=sum(bc.activations[b] for b in blocks),
-        weight_kept=sum(bc.weight_kept[b] for b in blocks) if split else 0,
+        weight_kept=(0 if not split else sum(bc.weight_kept[b] for b in blocks) if fed
+                     else _outgoing(bc, inside)),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
     )
+
+
+def _outgoing(bc: BlockCosts, inside: set[int]) -> int:
+    """Bytes of the outputs of ``inside`` that blocks outside it read (each counted once)."""
+    return sum(bc.output[a] for a in {a for a, b in bc.edges if a in inside and b not in inside})
 
 
 def static_parts(params: int, factor: float) -> tuple[int, int, int]:
