@@ -90,13 +90,15 @@ def test_memory_hand_computed() -> None:
     # rank0: F0.0 0-1, F0.1 1-2, B0.0 6-8, B0.1 9-11; rank1: F1.0 2-3, B1.0 3-5,
     # F1.1 5-6, B1.1 6-8; the gradient of mb1 arrives at 9.
     assert result.step_time == 11
-    # rank0 peaks in the gap before B0.0: two kept forwards (20) + the gradient of
-    # mb0 in flight 5-6 (7): 250 + 20 + 7.
-    # rank1 peaks while F1.0/B1.0 run: kept 20 + temporary 5 + the activations of
-    # mb1 received 2-3 and waiting for F1.1 (7): 2000 + 32.
-    assert result.peak_memory == [277, 2032]
+    # Gradients exist from a stage's first backward on (the runtime drops them
+    # before each step). rank0 peaks while B0.0 runs: params and optimizer (150)
+    # + the gradients it makes (100) + two kept forwards (20) + temporary 3 = 273
+    # (the gap before it holds 150 + 20 + the gradient of mb0 in flight, 7).
+    # rank1 peaks while B1.0 runs: 2000 with its gradients + kept 20 + temporary
+    # 5 + the activations of mb1 received 2-3 and waiting for F1.1 (7).
+    assert result.peak_memory == [273, 2032]
     assert result.peak_inflight == [2, 1]
-    assert CompiledPlan(plan).evaluate()[1].tolist() == [277, 2032]
+    assert CompiledPlan(plan).evaluate()[1].tolist() == [273, 2032]
 
 
 def test_recompute_keeps_inputs_and_pays_forward_again() -> None:
@@ -298,6 +300,21 @@ def test_evaluate_follows_new_links_and_edge_bytes() -> None:
     assert compiled.evaluate(slow, edge_bytes=[2 << 20])[0] == 6 + 4 + 2
     assert compiled.evaluate(slow)[0] == 6 + 2 + 1
     assert compiled.evaluate(base)[0] == 6
+
+
+def test_gradients_exist_from_the_first_backward() -> None:
+    # Two stages on one rank: stage0 holds 1000 bytes of parameters, stage1 none
+    # but a 5000-byte temporary. F1.0 and B1.0 peak at 1000 + kept 200 + 5000,
+    # before B0.0 makes stage0's gradients (the runtime drops them before each
+    # step); counted from the step's start they would add 1000 there.
+    costs = Costs([StageCost(1, 2, params=1000, activations=100),
+                   StageCost(1, 2, activations=100, temporary=5000)])
+    plan = make_plan(StageGraph.chain(2), [(0,), (0,)], "rank0: F0.0 F1.0 B1.0 B0.0", costs)
+    assert simulate(plan).peak_memory == [6200]
+    # The step still ends holding every gradient: a floor of params + grads.
+    idle = make_plan(StageGraph.chain(2), [(0,), (0,)], "rank0: F0.0 F1.0 B1.0 B0.0",
+                     Costs([StageCost(1, 2, params=1000), StageCost(1, 2)]))
+    assert simulate(idle).peak_memory == [2000]
 
 
 def test_weight_kept_lives_from_i_to_w() -> None:

@@ -467,4 +467,5 @@ class CompiledPlan:
             msg_recv=self.msg_recv,
             msg_bytes=msg_bytes,
             weight_kept=arrays.weight_kept,
+            grads=arrays.grads,
         )

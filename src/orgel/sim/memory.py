@@ -53,6 +53,7 @@ class MemoryLayout:
     peak_inflight: np.ndarray  # per rank: most forwards alive at once
     late_sign: np.ndarray | None = None  # per op: +1 for I (allocates), -1 for W, else 0
     is_late: np.ndarray | None = None  # per op: 1.0 for I
+    first_grad: np.ndarray | None = None  # per op: 1.0 for its stage's first B/W on its rank
 
     @classmethod
     def build(
@@ -73,6 +74,13 @@ class MemoryLayout:
         for s, ranks in enumerate(placement):
             host[list(ranks), s] = 1.0
         nonempty = np.flatnonzero(rank_start[1:] > rank_start[:-1])
+        first_grad = np.zeros(len(op_kind))
+        seen: set[tuple[int, int]] = set()
+        for i in np.flatnonzero((op_kind == 1) | (op_kind == 3)):
+            key = (int(op_rank[i]), int(op_stage[i]))
+            if key not in seen:
+                seen.add(key)
+                first_grad[i] = 1.0
         layout = cls(
             op_stage=op_stage, net_sign=net_sign, is_alloc=is_alloc,
             temp_index=op_stage + num_stages * rebuild,
@@ -80,7 +88,7 @@ class MemoryLayout:
             slot_rank=np.repeat(op_rank, 2), slot_starts=2 * rank_start[nonempty],
             nonempty=nonempty, host=host, peak_inflight=np.zeros(num_ranks, dtype=np.int64),
             late_sign=(op_kind == 2).astype(np.float64) - (op_kind == 3),
-            is_late=(op_kind == 2).astype(np.float64),
+            is_late=(op_kind == 2).astype(np.float64), first_grad=first_grad,
         )
         inflight = np.zeros(num_ranks, dtype=np.int64)
         if len(nonempty):
@@ -120,6 +128,7 @@ def peak_memory(
     msg_recv: np.ndarray,
     msg_bytes: np.ndarray,
     weight_kept: np.ndarray | None = None,
+    grads: np.ndarray | None = None,
 ) -> np.ndarray:
     """Peak bytes per rank (int64); arguments are per stage, per op or per message.
 
@@ -128,17 +137,28 @@ def peak_memory(
     for its ``W``, alive from the start of ``I`` to the end of ``W`` (not in
     ``keep``: counted from ``F`` on they over-state a zero-bubble schedule's
     peak, whose ``I`` of a micro-batch comes well after its ``F``).
+    ``grads`` (per stage, optional; part of ``static``): the runtime drops the
+    parameters' gradients before each step, so a stage's gradients exist from
+    its first ``B``/``W`` on a rank, not from the step's start (a GPipe step
+    peaks before any backward). The step ends with all of ``static``.
     """
     static_rank = layout.host @ static
     n = len(layout.op_stage)
     if n == 0:
         return np.rint(static_rank).astype(np.int64)
     run, gap = layout.alive(keep * share)
+    early = static_rank
+    if grads is not None and layout.first_grad is not None:
+        early = layout.host @ (static - grads)
+        made = grads[layout.op_stage] * layout.first_grad
+        before = np.cumsum(made) - made
+        before -= before[layout.first_of_rank]
+        run, gap = run + before + made, gap + before
     if weight_kept is not None and layout.late_sign is not None:
         late_run, late_gap = layout.alive(weight_kept * share, late=True)
         run, gap = run + late_run, gap + late_gap
     temp = np.concatenate([temporary * share, (temporary + activations) * share])
-    base = static_rank[layout.op_rank]
+    base = early[layout.op_rank]
     slots = np.empty(2 * n)
     slots[0::2] = gap + base
     slots[1::2] = run + base + temp[layout.temp_index]
