@@ -8,6 +8,7 @@ test process that also spreads its own ops over every core only adds contention
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,3 +20,10 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty profile cache (``$ORGEL_CACHE``) for this test."""
+    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -28,12 +28,6 @@ def tiny():
 '''
 
 
-@pytest.fixture()
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def tiny() -> Workload:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),

@@ -19,20 +19,7 @@ from orgel.profile.memory import optimizer_jobs
 from orgel.profile.overhead import _simulated, fit_overheads
 from orgel.profile.workload import profile_workload
 from orgel.schedule.costs import Link
-from orgel.workload import Workload
-
-
-@pytest.fixture()
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-def tiny() -> Workload:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-                          nn.Linear(32, 4))
-    return Workload(model, (torch.randn(8, 16),), torch.randn(8, 4), nn.functional.mse_loss)
+from test_profile import tiny
 
 
 def test_rounds_run_every_job_once_each() -> None:

@@ -15,12 +15,6 @@ from orgel.profile.workload import profile_workload, rank_threads
 from orgel.workload import Workload, microbatches, named_inputs
 
 
-@pytest.fixture()
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def mlp() -> Workload:
     """Big enough that matmuls, not Python, dominate a block (about 1 ms per forward)."""
     torch.manual_seed(0)
