@@ -240,7 +240,7 @@ def predict(p: Plan, costs: BlockCosts) -> SimResult:
     """Simulate ``p`` and store the prediction in it.
 
     The step time adds :func:`end_of_step`; peak memory
-    counts the sends the runtime holds until the step ends (:func:`held_sends`)
+    counts the sends the runtime may hold at once (:func:`held_sends`)
     and the optimizer step.
     """
     sim = simulate(p)
