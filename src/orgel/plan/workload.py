@@ -101,8 +101,6 @@ def microbatch_rows(workload: Any, microbatches: int) -> int | None:
     return None
 
 
-
-
 def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
                   batch: int | None = None, blocks: int = 32, memory: int | None = None,
                   planner: str = "auto", dp: int | None = 1, link: bool = True,
@@ -136,7 +134,6 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
                           progress=progress, threads=threads, contention=ranks - 1)
     if isinstance(workload, str):
         costs.meta["workload"] = workload
-    costs.rows = microbatch_rows(w, microbatches)
     options.setdefault("rows", costs.rows)
     result = plan(costs, ranks, microbatches, memory=memory, planner=planner, dp=dp, **options)
     result.plan = attach_split(result.plan, opgraph)
@@ -182,7 +179,6 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
         graphs[rows] = capture(w.model, named_inputs(w.model, inputs))
         costs = profile_graph(w, graphs[rows], microbatches=parts, blocks=blocks, link=link,
                               progress=progress, threads=threads, contention=ranks - 1)
-        costs.rows = rows
         if isinstance(workload, str):
             costs.meta["workload"] = workload
         all_costs[rows] = costs
@@ -237,7 +233,6 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
                           progress=False, threads=threads, contention=ranks - 1)
     if rows is None:
         rows = microbatch_rows(workload, microbatches)
-    costs.rows = rows
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,
                   max_replicas=max_replicas, rows=rows)
     return attach_split(result.plan, graph, costs)
