@@ -299,10 +299,6 @@ class BlockCosts:
         memory = data.get("memory_per_rank")
         if memory is not None:
             memory = int(_number(memory, "memory_per_rank"))
-        rows = data.get("rows")
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            raise CostsFileError(f"rows must be a positive integer (rows per micro-batch the "
-                                 f"costs were measured at), got {rows!r}")
         return cls(
             fwd=cols["fwd"], bwd=cols["bwd"], wgrad=cols["wgrad"], params=cols["params"],
             activations=cols["activations"], output=cols["output"],
@@ -316,7 +312,7 @@ class BlockCosts:
                                          "optimizer_ms_per_mib"),
             weight_kept=cols["weight_kept"],
             names=cols["name"], meta=dict(data.get("meta") or {}),
-            nodes=cols["nodes"] if any(cols["nodes"]) else [], rows=rows,
+            nodes=cols["nodes"] if any(cols["nodes"]) else [], rows=data.get("rows"),
             tied=_tied_list(data.get("tied", [])),
             split_input=cols["split_input"], split_weight=cols["split_weight"],
             optimizer_ms=cols["optimizer_ms"],
