@@ -195,7 +195,7 @@ def test_runtime_overhead_is_kept_with_the_blocks_table(
     links = [Link(latency=0.1, per_mib=0.2)]
     fits: list[Link] = []
 
-    def fake_overhead(link: Link, *, use_cache: bool = True) -> tuple[float, float]:
+    def fake_overhead(link: Link) -> tuple[float, float]:
         fits.append(link)
         return 0.3, 4.0
 

@@ -8,8 +8,8 @@ that reproduces that step on the same plan (binary search: the step grows with
 the overhead). Run at two micro-batch counts, the difference fixes the
 per-action part and the rest is what every step pays once (its setup, the
 loss all-reduce at its end). Planners use it so that stages too small to keep a rank busy
-lose on their own (no fixed threshold). Cached per host by
-:func:`orgel.profile.workload.runtime_overhead`.
+lose on their own (no fixed threshold). Kept in the blocks table by
+:func:`orgel.profile.workload.profile_graph`, so it is as fresh as the blocks.
 """
 
 from __future__ import annotations

@@ -142,19 +142,15 @@ def link_costs(*, ranks: int = 2, backend: str = "gloo", use_cache: bool = True,
     return summarize_links(pairs, tolerance=tolerance)
 
 
-def runtime_overhead(link: Link, *, use_cache: bool = True) -> tuple[float, float]:
-    """The runtime's ``(per action, per step)`` overhead on this host (ms; cached, see
-    :mod:`.overhead`)."""
+def runtime_overhead(link: Link) -> tuple[float, float]:
+    """The runtime's ``(per action, per step)`` overhead on this host (ms, see :mod:`.overhead`).
+
+    Not cached on its own: :func:`profile_graph` keeps it in the blocks table it
+    belongs with, so it is measured again whenever the blocks are.
+    """
     from orgel.profile.overhead import measure_overhead
 
-    key = cache_key(host=socket.gethostname(), torch=torch.__version__, version=PROFILE_VERSION,
-                    link=[link.latency, link.per_mib])
-    data = _cached("overhead", key) if use_cache else None
-    if data is None or "step_overhead" not in data:
-        action, step = measure_overhead(link)
-        data = {"action_overhead": action, "step_overhead": step}
-        _store("overhead", key, data)
-    return float(data["action_overhead"]), float(data["step_overhead"])
+    return measure_overhead(link)
 
 
 def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
@@ -274,7 +270,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         fitted = cached.get("runtime_overhead")
         if cached.get("runtime_overhead_link") != [link_model.latency, link_model.per_mib] \
                 or not isinstance(fitted, list) or len(fitted) != 2:
-            fitted = list(runtime_overhead(link_model, use_cache=False))
+            fitted = list(runtime_overhead(link_model))
             cached["runtime_overhead"] = fitted
             cached["runtime_overhead_link"] = [link_model.latency, link_model.per_mib]
             _store("blocks", key, cached)
