@@ -68,7 +68,7 @@ def measure_links(world: int = 2, *, backend: str = "gloo",
     """Latency and bandwidth of every ordered pair of ``world`` local ranks, fitted per pair.
 
     ``sizes`` (bytes, at least two distinct) are sent ``repeats`` timed times
-    each (the median is kept). ``timeout`` (seconds) bounds every wait; a rank
+    each (the fastest is kept: other processes only ever add time). ``timeout`` (seconds) bounds every wait; a rank
     that stalls raises :class:`orgel.runtime.errors.SpawnError` naming the pair.
     """
     samples = measure_link_samples(world, backend=backend, sizes=sizes, repeats=repeats,
@@ -191,7 +191,7 @@ class _Bench:
         self._wait(dist.all_reduce(flag, async_op=True), f"the barrier {where}")
 
     def round_trips(self, pair: Pair, nbytes: int, repeats: int) -> float:
-        """Median ms of ``nbytes`` from ``pair[0]`` to ``pair[1]`` and 4 bytes back."""
+        """Fastest ms of ``repeats`` sends of ``nbytes`` from ``pair[0]`` to ``pair[1]`` and 4 bytes back."""
         a, b = pair
         leads = self.rank == a
         peer = b if leads else a
