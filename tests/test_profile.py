@@ -100,6 +100,8 @@ def test_cli_profile(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[
                  "--max-loops", "1"]) == 0
     assert main(["profile", f"{tmp_path}/missing.py:tiny"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["profile", f"{path}:tiny", "--ranks", "1"]) == 2
+    assert "--ranks at least 2" in capsys.readouterr().err
 
 
 def test_live_bytes_counts_storages_once_and_frees() -> None:

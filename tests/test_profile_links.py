@@ -122,6 +122,39 @@ def test_measure_links_checks_its_options() -> None:
         measure_links(2, sizes=(MiB,))
 
 
+def test_link_world_measures_what_the_host_has_devices_for() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    # gloo: as many processes as the plan has ranks, but never more than cores
+    assert workload.link_world(cpu, 4, cores=16) == ("gloo", 4)
+    assert workload.link_world(cpu, 4, cores=2) == ("gloo", 2)
+    assert workload.link_world(cpu, 1, cores=16) == ("gloo", 2)  # a link needs two ends
+    # CUDA: the runtime's NCCL links between the GPUs the plan will use
+    assert workload.link_world(gpu, 4, gpus=8) == ("nccl", 4)
+    assert workload.link_world(gpu, 16, gpus=8) == ("nccl", 8)
+    # one GPU cannot hold a NCCL pair: the CPU processes' link is all there is
+    assert workload.link_world(gpu, 4, gpus=1, cores=2) == ("gloo", 2)
+
+
+def test_profiling_measures_the_links_of_the_planned_ranks(
+        monkeypatch: pytest.MonkeyPatch, cache: Any) -> None:
+    from test_profile import tiny
+
+    asked: list[tuple[int, str]] = []
+
+    def fake_links(*, ranks: int, backend: str, use_cache: bool) -> Any:
+        asked.append((ranks, backend))
+        return FAST, {(0, 2): SLOW}
+
+    monkeypatch.setattr(workload, "link_costs", fake_links)
+    monkeypatch.setattr(workload, "runtime_overhead", lambda link: (0.01, 0.1))
+    monkeypatch.setattr(workload, "_cores", lambda: 3)
+    costs = workload.profile_workload(tiny(), microbatches=2, blocks=3, repeats=1,
+                                      progress=False, ranks=4, device="cpu")
+    # 4 planned ranks on 3 cores: 3 gloo processes, and the slow pair reaches the costs
+    assert asked == [(3, "gloo")]
+    assert costs.link == FAST and costs.links == {(0, 2): SLOW}
+
+
 def test_link_costs_caches_per_world_and_returns_only_odd_pairs(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     monkeypatch.setenv("ORGEL_CACHE", str(tmp_path))

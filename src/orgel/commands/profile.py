@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target number of blocks (default 32)")
     parser.add_argument("--repeats", type=int, default=5, metavar="R",
                         help="timed runs per measurement, the median is kept (default 5)")
+    parser.add_argument("--ranks", type=int, default=2, metavar="P",
+                        help="measure the link of every pair among P local ranks, as many "
+                        "as this host has GPUs (NCCL) or cores (gloo) for (default 2)")
     parser.add_argument("--no-link", action="store_true", help="skip the link benchmark")
     parser.add_argument("--no-cache", action="store_true", help="measure again, ignore the cache")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when present)")
@@ -30,14 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from orgel.profile.workload import profile_workload
 
-    if args.microbatches < 1 or args.blocks < 1 or args.repeats < 1:
-        print("orgel profile: --microbatches, --blocks and --repeats must be at least 1",
-              file=sys.stderr)
+    if min(args.microbatches, args.blocks, args.repeats) < 1 or args.ranks < 2:
+        print("orgel profile: --microbatches, --blocks and --repeats must be at least 1, "
+              "--ranks at least 2", file=sys.stderr)
         return 2
     try:
         costs = profile_workload(args.workload, microbatches=args.microbatches,
                                  blocks=args.blocks, device=args.device, repeats=args.repeats,
                                  link=not args.no_link, use_cache=not args.no_cache,
+                                 ranks=args.ranks,
                                  progress=not args.json)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as exc:
         print(f"orgel profile: {exc}", file=sys.stderr)

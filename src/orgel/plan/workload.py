@@ -131,7 +131,8 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
                          "with it, or leave batch out")
     w, opgraph = capture_workload(workload, microbatches)
     costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, link=link,
-                          progress=progress, threads=threads, contention=ranks - 1)
+                          progress=progress, threads=threads, contention=ranks - 1,
+                          ranks=ranks)
     if isinstance(workload, str):
         costs.meta["workload"] = workload
     options.setdefault("rows", costs.rows)
@@ -178,7 +179,8 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
         inputs, _ = split_batches(w, parts)[0]
         graphs[rows] = capture(w.model, named_inputs(w.model, inputs))
         costs = profile_graph(w, graphs[rows], microbatches=parts, blocks=blocks, link=link,
-                              progress=progress, threads=threads, contention=ranks - 1)
+                              progress=progress, threads=threads, contention=ranks - 1,
+                              ranks=ranks)
         if isinstance(workload, str):
             costs.meta["workload"] = workload
         all_costs[rows] = costs
@@ -230,7 +232,8 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
         raise ValueError("give the graph captured at microbatches micro-batches "
                          "(orgel.profile.workload.capture_workload), or microbatches=None")
     costs = profile_graph(workload, graph, microbatches=microbatches, blocks=blocks,
-                          progress=False, threads=threads, contention=ranks - 1)
+                          progress=False, threads=threads, contention=ranks - 1,
+                          ranks=ranks)
     if rows is None:
         rows = microbatch_rows(workload, microbatches)
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,

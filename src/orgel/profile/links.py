@@ -68,8 +68,9 @@ def measure_links(world: int = 2, *, backend: str = "gloo",
     """Latency and bandwidth of every ordered pair of ``world`` local ranks, fitted per pair.
 
     ``sizes`` (bytes, at least two distinct) are sent ``repeats`` timed times
-    each (the fastest is kept: other processes only ever add time). ``timeout`` (seconds) bounds every wait; a rank
-    that stalls raises :class:`orgel.runtime.errors.SpawnError` naming the pair.
+    each (the fastest is kept: other processes only ever add time).
+    ``timeout`` (seconds) bounds every wait; a rank that stalls raises
+    :class:`orgel.runtime.errors.SpawnError` naming the pair.
     """
     samples = measure_link_samples(world, backend=backend, sizes=sizes, repeats=repeats,
                                    timeout=timeout)
@@ -191,7 +192,7 @@ class _Bench:
         self._wait(dist.all_reduce(flag, async_op=True), f"the barrier {where}")
 
     def round_trips(self, pair: Pair, nbytes: int, repeats: int) -> float:
-        """Fastest ms of ``repeats`` sends of ``nbytes`` from ``pair[0]`` to ``pair[1]`` and 4 bytes back."""
+        """Fastest of ``repeats`` round trips (ms): ``nbytes`` from ``pair[0]``, 4 bytes back."""
         a, b = pair
         leads = self.rank == a
         peer = b if leads else a

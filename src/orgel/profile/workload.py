@@ -67,6 +67,30 @@ def rank_threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def link_world(device: torch.device, ranks: int, *, gpus: int | None = None,
+               cores: int | None = None) -> tuple[str, int]:
+    """``(backend, world)`` to measure the links of a ``ranks``-rank plan with on this host.
+
+    On CUDA with at least two GPUs: NCCL between ``min(ranks, GPUs)`` of them
+    (the links the runtime will use, NVLink or PCIe per pair). Otherwise gloo
+    between ``min(ranks, cores)`` CPU processes: more processes than cores
+    would measure the scheduler, not the link. Never fewer than 2.
+    """
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        if gpus >= 2:
+            return "nccl", max(2, min(ranks, gpus))
+    cores = _cores() if cores is None else cores
+    return "gloo", max(2, min(ranks, cores))
+
+
 def oversubscription(contention: int, threads: int) -> float:
     """How many times over the ranks' threads fill this machine's cores (at least 1).
 
@@ -74,11 +98,7 @@ def oversubscription(contention: int, threads: int) -> float:
     ``contention + 1`` ranks of ``threads`` threads each on fewer cores take
     turns, each getting its share of a core.
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1.0, (contention + 1) * threads / max(1, cores))
+    return max(1.0, (contention + 1) * threads / max(1, _cores()))
 
 
 def cache_dir() -> Path:
@@ -156,12 +176,14 @@ def runtime_overhead(link: Link) -> tuple[float, float]:
 def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
                      device: str | None = None, warmup: int = 3, repeats: int = 5,
                      link: bool = True, use_cache: bool = True, progress: bool = True,
-                     optimizer_factor: float = 4.0, threads: int = 1,
+                     optimizer_factor: float = 4.0, threads: int = 1, ranks: int = 2,
                      recheck: float | None = RECHECK) -> BlockCosts:
     """Measure ``workload`` (``"file.py:fn"`` or a Workload) into a :class:`BlockCosts`.
 
     ``device`` defaults to ``cuda`` when present, else ``cpu``. ``link=False``
-    skips the link benchmark (zero-cost links). ``threads``: intra-op threads
+    skips the link benchmark (zero-cost links). ``ranks``: the links of every
+    pair among that many local ranks are measured, as far as this host has
+    GPUs (NCCL) or cores (gloo) for them (:func:`link_world`). ``threads``: intra-op threads
     to time with, the count each rank will train with. ``recheck``: see
     :func:`profile_graph`. Raises ValueError (WorkloadError,
     CaptureError's message) on a workload that cannot be profiled.
@@ -170,7 +192,7 @@ def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
     costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, device=device,
                           warmup=warmup, repeats=repeats, link=link, use_cache=use_cache,
                           progress=progress, optimizer_factor=optimizer_factor,
-                          threads=threads, recheck=recheck)
+                          threads=threads, ranks=ranks, recheck=recheck)
     if isinstance(workload, str):
         costs.meta["workload"] = workload
     return costs
@@ -194,14 +216,16 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                   device: str | None = None, warmup: int = 3, repeats: int = 5,
                   link: bool = True, use_cache: bool = True, progress: bool = True,
                   optimizer_factor: float = 4.0, optimizer: str = "adamw",
-                  threads: int = 1, contention: int = 0,
+                  threads: int = 1, contention: int = 0, ranks: int | None = None,
                   recheck: float | None = RECHECK) -> BlockCosts:
     """Like :func:`profile_workload` for a workload already captured into ``opgraph``.
 
     ``optimizer`` (``adamw``, ``adam``, ``sgd``) is measured for the extra memory
     and the time of its step. ``contention``: how many other ranks will train
     at the same time on this machine (CPU only); that many companion processes
-    run the same blocks while they are timed. ``recheck``: a cached table is
+    run the same blocks while they are timed. ``ranks``: the plan's rank count,
+    whose links are measured as far as this host has the devices
+    (:func:`link_world`; default ``contention + 1``). ``recheck``: a cached table is
     used only if the blocks, run once more in sequence, take within this
     fraction of the time it recorded (None: trust the cache as it is).
     """
@@ -260,7 +284,11 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     memory = None
     if dev.type == "cuda":
         memory = int(torch.cuda.get_device_properties(dev).total_memory)
-    link_model, links = link_costs(use_cache=use_cache) if link else (Link(), {})
+    if link:
+        backend, world = link_world(dev, contention + 1 if ranks is None else ranks)
+        link_model, links = link_costs(ranks=world, backend=backend, use_cache=use_cache)
+    else:
+        link_model, links = Link(), {}
     overhead = float(cached["action_overhead"])
     step_overhead = None
     if link:
