@@ -29,7 +29,7 @@ from orgel.plan.planner import PlanResult, plan, predict
 from orgel.profile.costs import BlockCosts
 from orgel.schedule.ir import Plan, StageGraph
 from orgel.schedule.validate import validate
-from orgel.sim import simulate
+from orgel.sim import SimResult, simulate
 
 
 def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan:
@@ -40,6 +40,17 @@ def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan
     table's ``tied`` groups) is the same when the table was profiled from
     ``opgraph``; the split's modules decide when they differ.
     """
+    out = _with_split(p, opgraph)
+    if costs is not None:
+        predict(out, costs)
+    else:
+        sim = simulate(out)
+        out.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
+    return out
+
+
+def _with_split(p: Plan, opgraph: Any) -> Plan:
+    """``p`` with the split's stages, edges and tied weights, validated, not yet predicted."""
     from orgel.split import split_plan
 
     if not all(s.nodes for s in p.stage_graph.stages):
@@ -56,12 +67,13 @@ def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan
     if groups:
         out.meta["tied_weights"] = groups
     validate(out)
-    if costs is not None:
-        predict(out, costs)
-    else:
-        sim = simulate(out)
-        out.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
     return out
+
+
+def _split_and_predict(p: Plan, opgraph: Any, costs: BlockCosts) -> tuple[Plan, SimResult]:
+    """:func:`attach_split` with ``costs``, and the prediction it stored (simulated once)."""
+    out = _with_split(p, opgraph)
+    return out, predict(out, costs)
 
 
 def tied_weights(split: Any, placement: list[tuple[int, ...]]) -> list[dict[str, Any]]:
@@ -137,8 +149,7 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
         costs.meta["workload"] = workload
     options.setdefault("rows", costs.rows)
     result = plan(costs, ranks, microbatches, memory=memory, planner=planner, dp=dp, **options)
-    result.plan = attach_split(result.plan, opgraph)
-    result.sim = predict(result.plan, costs)
+    result.plan, result.sim = _split_and_predict(result.plan, opgraph, costs)
     return result
 
 
@@ -193,8 +204,7 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
     result = search_microbatches(costs_at, batch, ranks, dp=dp, choices=choices, progress=say,
                                  **options)
     rows = batch // result.plan.microbatches
-    result.plan = attach_split(result.plan, graphs[rows])
-    result.sim = predict(result.plan, all_costs[rows])
+    result.plan, result.sim = _split_and_predict(result.plan, graphs[rows], all_costs[rows])
     return result, graphs[rows]
 
 
