@@ -77,7 +77,13 @@ fewer, larger micro-batches on the memory-bound MLP models (DLRM 1.16x at 4
 ranks) and from shallow pipelines where the sequential one has no data
 parallelism to hide its bubbles (Uno 1.96x / 3.64x at 16 / 32 ranks over a
 pure pipeline); against sequential pipelines that may also replicate, the
-gain is 0.98-1.16x.
+gain is 0.98-1.16x. The ``bound`` column caps what any plan doing seq's
+computation (its micro-batch size) can gain, by removing all of seq's idle
+time: 1.07-1.13x on MMT, so 1.3x there would need a larger micro-batch to run
+faster per sample, which MMT's compute-bound GEMMs do not. DLRM and Uno leave
+more idle time (bounds 1.3-5x), but it waits on the join block (one GEMM with
+~20 % of the FLOPs) and on its weight all-reduce once replicated, which bind
+the graph plan as well.
 """
 
 from __future__ import annotations
@@ -329,7 +335,8 @@ def run_config(name: str, builder: Builder, ranks: int, batch: int, args: argpar
     limited = "*" if seq is not None and seq.mb == seq_fit < top else " "
     return (f"{name:<10} {ranks:3d} {batch:6d} | {cell(graph)} | {cell(seq)} | {cell(one)} | "
             f"{gain_s} {gain_o} {gain_p} | {seq_fit:5d}{limited} "
-            f"{seq.bubble if seq else float('nan'):5.2f} | {search:6.3f} "
+            f"{seq.bubble if seq else float('nan'):5.2f} "
+            f"{1 / (1 - seq.bubble) if seq else float('nan'):5.2f}x | {search:6.3f} "
             f"{search / max(calls, 1):6.3f} {alone / max(calls, 1):6.3f} {gp if gp else '-':>6}\n"
             f"{'':21}{graph.label if graph else '-'}   seq: "
             f"{seq.label if seq else '-'}")
@@ -359,7 +366,8 @@ def main() -> None:
               f"{'spl/ms':>6} | {'seq mb x m':>12} {'ms':>4} {'spl/ms':>6} | "
               f"{'1f1b mb x m':>12} {'ms':>4} {'spl/ms':>6} | "
               f"{'gain':>5} {'g/1f1b':>6} {'g/pipe':>6} | "
-              f"{'seqfit':>6} {'bubbl':>5} | {'search':>6} {'/call':>6} {'graph':>6} {'GP s':>6}")
+              f"{'seqfit':>6} {'bubbl':>5} {'bound':>6} | "
+              f"{'search':>6} {'/call':>6} {'graph':>6} {'GP s':>6}")
     print(header)
     print("-" * len(header))
     for name in args.models:
@@ -371,7 +379,9 @@ def main() -> None:
     print("\ngain = graph samples/ms over seq (all families) | over 1f1b-only | over seq "
           "without data parallelism (d = 1); "
           "seqfit = largest mb the sequential pipeline fits without recompute "
-          "(* = seq chose it: memory-limited); bubbl = seq plan's idle fraction.")
+          "(* = seq chose it: memory-limited); bubbl = seq plan's idle fraction (waiting "
+          "on messages and all-reduces included); bound = 1 / (1 - bubbl): no plan doing "
+          "seq's computation at seq's micro-batch size gains more.")
 
 
 if __name__ == "__main__":
