@@ -121,6 +121,9 @@ class Scorer:
         self._cp = np.concatenate([[0], np.cumsum(costs.params)]).astype(np.int64)
         self._ca = np.concatenate([[0], np.cumsum(costs.activations)]).astype(np.int64)
         self._ck = np.concatenate([[0], np.cumsum(costs.weight_kept)]).astype(np.int64)
+        # backward peak of blocks [a, b) (see profile.costs.grad_overlap):
+        # cp[b] - ca[a] + max over a <= j < b of (ca[j + 1] - cp[j])
+        self._peak_at = _RangeMax(self._ca[1:] - self._cp[:-1])
         # a split backward's halves as measured apart (see profile.costs.stage_cost)
         self._csi = np.concatenate([[0.0], np.cumsum(costs.split_input)]) \
             if costs.split_input else None
@@ -165,10 +168,12 @@ class Scorer:
             if split and a and self._csi is not None and self._csw is not None:
                 weight = float(self._csw[b] - self._csw[a])
                 bwd = float(self._csi[b] - self._csi[a]) + weight
+            acts = int(self._ca[b] - self._ca[a])
+            peak = int(self._cp[b] - self._ca[a]) + self._peak_at(a, b) if b > a else 0
             out.append(StageCost(
                 fwd=float(self._cf[b] - self._cf[a]), bwd=bwd, bwd_weight=weight,
-                params=params, grads=grads, optimizer=optimizer,
-                activations=int(self._ca[b] - self._ca[a]),
+                params=params, grads=grads, optimizer=optimizer, activations=acts,
+                grad_overlap=max(0, acts + grads - peak),
                 # a first stage's I keeps only its outputs' gradients for W
                 weight_kept=(0 if not split else int(self._ck[b] - self._ck[a]) if a
                              else int(self._cross[b])),
@@ -439,3 +444,20 @@ def rename(template: Template, perm: tuple[int, ...]) -> Template:
     meta = dict(base.meta, ranks_renamed=list(perm))
     return Template(template.label, template.family, dict(template.options),
                     dataclasses.replace(base, placement=placement, schedule=schedule, meta=meta))
+
+
+class _RangeMax:
+    """Maximum of ``values[a:b]`` in O(1) per query (a sparse table)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.levels = [np.asarray(values, dtype=np.int64)]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self.levels[-1]
+            self.levels.append(np.maximum(prev[:-width], prev[width:]))
+            width *= 2
+
+    def __call__(self, a: int, b: int) -> int:
+        k = (b - a).bit_length() - 1
+        level = self.levels[k]
+        return int(max(level[a], level[b - (1 << k)]))

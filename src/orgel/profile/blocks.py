@@ -257,12 +257,13 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     # One forward under saved-tensor hooks: bytes kept for backward, each storage once.
+    batch = {a.untyped_storage().data_ptr() for a, c in zip(args, fixed, strict=True)
+             if c and isinstance(a, torch.Tensor)}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in param_ptrs and ptr not in saved:
-            saved[ptr] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in param_ptrs:
+            _count_saved(saved, t, batch)
         return t
 
     inputs = fresh_inputs()
@@ -333,9 +334,10 @@ def loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,
         return loss_fn(split.unflatten_outputs(outs), targets)
 
     saved: dict[int, int] = {}
+    batch = {t.untyped_storage().data_ptr() for t in _tensors(targets)}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        _count_saved(saved, t, batch)
         return t
 
     outs = outputs()
@@ -368,6 +370,33 @@ def _input_half(state: tuple[list[Any], list[torch.Tensor]], grad_outs: list[tor
     leaves = [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
     _, work = input_backward([o for o, _ in pairs], [g for _, g in pairs], leaves, params)
     return work
+
+
+def _count_saved(saved: dict[int, int], t: torch.Tensor, batch: set[int]) -> None:
+    """Record the bytes a saved tensor keeps alive, once per storage.
+
+    A saved tensor keeps its whole storage alive, except a slice of the
+    batch (``batch``: the storages of the model's inputs and targets): the
+    caller holds the whole batch for the step anyway, and a micro-batch is
+    one slice of it (or, on another device, a copy of just that slice).
+    """
+    storage = t.untyped_storage()
+    ptr = storage.data_ptr()
+    if ptr in batch:
+        saved[ptr] = max(saved.get(ptr, 0), min(storage.nbytes(), t.numel() * t.element_size()))
+    else:
+        saved.setdefault(ptr, storage.nbytes())
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) tuple, list or dict, or ``value`` itself."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],

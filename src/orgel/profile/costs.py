@@ -406,7 +406,32 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
         weight_kept=(0 if not split else sum(bc.weight_kept[b] for b in blocks) if fed
                      else _outgoing(bc, inside)),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
+        grad_overlap=grad_overlap(bc, blocks, grads),
     )
+
+
+def grad_overlap(bc: BlockCosts, blocks: list[int] | range, grads: int) -> int:
+    """Bytes of a stage's activations and ``grads`` never alive together in its backward.
+
+    Autograd runs a backward in the reverse order of the forward (blocks in
+    index order) and frees each op's saved tensors once it has run, as it
+    makes the gradients of the weights it used. While block ``k`` runs, the
+    stage holds at most the gradients of blocks ``>= k`` and the activations
+    of blocks ``<= k`` (block ``k`` counted both ways); the peak over ``k``
+    is at most activations + gradients, and the difference is the overlap.
+    A block's gradients are taken as its whole parameter bytes (a tied
+    weight counted in every block that reads it), which only lowers the overlap.
+    """
+    order = sorted(blocks)
+    acts = [bc.activations[b] for b in order]
+    made = [bc.params[b] for b in order]
+    later, peak = sum(made), 0
+    earlier = 0
+    for a, g in zip(acts, made, strict=True):
+        earlier += a
+        peak = max(peak, later + earlier)
+        later -= g
+    return max(0, sum(acts) + grads - peak)
 
 
 def _outgoing(bc: BlockCosts, inside: set[int]) -> int:

@@ -25,6 +25,10 @@ class StageCost:
     gradients), alive from the start of ``I`` to the end of ``W``; schedules
     without ``I``/``W`` ignore it. ``temporary`` is the peak extra memory
     while an action runs. ``params``/``grads``/``optimizer`` are static bytes.
+    ``grad_overlap``: bytes of activations and gradients that are never alive
+    together during the stage's first backward of a step, which makes the
+    gradients while it frees that micro-batch's activations block by block
+    (see :func:`orgel.profile.costs.stage_cost`); 0 counts both in full.
     """
 
     fwd: float
@@ -36,6 +40,7 @@ class StageCost:
     activations: int = 0
     temporary: int = 0
     weight_kept: int = 0
+    grad_overlap: int = 0
 
     @property
     def weight_grad(self) -> float:

@@ -71,6 +71,7 @@ class StageArrays:
     static: np.ndarray
     grads: np.ndarray
     weight_kept: np.ndarray | None = None  # per stage; None when every stage has 0
+    grad_overlap: np.ndarray | None = None  # per stage; None when every stage has 0
 
     @classmethod
     def from_costs(cls, costs: Costs, num_stages: int) -> StageArrays:
@@ -86,9 +87,10 @@ class StageArrays:
             dtype=np.float64,
         ).reshape(num_stages, 7)
         kept = np.array([s.weight_kept for s in costs.stages], dtype=np.float64)
+        overlap = np.array([s.grad_overlap for s in costs.stages], dtype=np.float64)
         fwd, bwd, wgrad, activations, temporary, static, grads = table.T
         return cls(fwd, bwd, wgrad, activations, temporary, static, grads,
-                   kept if kept.any() else None)
+                   kept if kept.any() else None, overlap if overlap.any() else None)
 
     def check(self, costs: Costs, split: np.ndarray) -> None:
         """Raise :class:`PlanError` on a negative time, or on ``bwd_weight > bwd``
@@ -437,7 +439,7 @@ class CompiledPlan:
                 arrays.bwd if bwd is None else np.asarray(bwd, dtype=np.float64),
                 arrays.wgrad if wgrad is None else np.asarray(wgrad, dtype=np.float64),
                 arrays.activations, arrays.temporary, arrays.static, arrays.grads,
-                arrays.weight_kept,
+                arrays.weight_kept, arrays.grad_overlap,
             )
         dur = self.durations(costs, arrays, edge_bytes)
         end = self.longest(dur)
@@ -468,4 +470,5 @@ class CompiledPlan:
             msg_bytes=msg_bytes,
             weight_kept=arrays.weight_kept,
             grads=arrays.grads,
+            grad_overlap=arrays.grad_overlap,
         )

@@ -129,6 +129,7 @@ def peak_memory(
     msg_bytes: np.ndarray,
     weight_kept: np.ndarray | None = None,
     grads: np.ndarray | None = None,
+    grad_overlap: np.ndarray | None = None,
 ) -> np.ndarray:
     """Peak bytes per rank (int64); arguments are per stage, per op or per message.
 
@@ -141,6 +142,11 @@ def peak_memory(
     parameters' gradients before each step, so a stage's gradients exist from
     its first ``B``/``W`` on a rank, not from the step's start (a GPipe step
     peaks before any backward). The step ends with all of ``static``.
+    ``grad_overlap`` (per stage, optional): what that first ``B`` holds less
+    than its micro-batch's activations plus all the gradients (autograd frees
+    the one as it makes the other; a ``W`` frees its graph only at its end, so
+    it gets none); a replica keeps its share of activations, so the overlap
+    counts at that share (a lower bound of the replica's saving).
     """
     static_rank = layout.host @ static
     n = len(layout.op_stage)
@@ -153,7 +159,14 @@ def peak_memory(
         made = grads[layout.op_stage] * layout.first_grad
         before = np.cumsum(made) - made
         before -= before[layout.first_of_rank]
-        run, gap = run + before + made, gap + before
+        during = made
+        if grad_overlap is not None:
+            # only a whole B frees activations as it goes; a W releases its graph at its end
+            whole = layout.net_sign < 0
+            if layout.late_sign is not None:
+                whole &= layout.late_sign == 0
+            during = made - (grad_overlap * share)[layout.op_stage] * layout.first_grad * whole
+        run, gap = run + before + during, gap + before
     if weight_kept is not None and layout.late_sign is not None:
         late_run, late_gap = layout.alive(weight_kept * share, late=True)
         run, gap = run + late_run, gap + late_gap
