@@ -125,6 +125,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--planner", default="beam")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--families", nargs="*", metavar="FAMILY",
+                        help="restrict the beam planner to these schedule families "
+                        "(e.g. gpipe looped-bfs), to check one kind of schedule")
     parser.add_argument("--verbose", action="store_true",
                         help="print each plan's costs and where each rank's step went")
     args = parser.parse_args()
@@ -136,8 +139,9 @@ def main() -> None:
     for name in args.workloads:
         spec = WORKLOADS[name]
         loads = [os.getloadavg()[0]]
+        options = {"families": args.families} if args.families else {}
         result = plan_workload(spec, ranks=2, microbatches=args.microbatches, blocks=args.blocks,
-                               planner=args.planner, progress=False)
+                               planner=args.planner, progress=False, **options)
         loads.append(os.getloadavg()[0])
         out = spawn(_rank, 2, spec, result.plan.to_json(), args.steps, timeout=300.0, threads=1)
         loads.append(os.getloadavg()[0])

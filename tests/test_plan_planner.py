@@ -97,3 +97,15 @@ def test_data_parallel_replicas() -> None:
     assert best.step_time <= two.step_time + 1e-9
     with pytest.raises(ValueError, match="dp must be a positive integer that divides ranks=4"):
         plan(costs, 4, 4, dp=3)
+
+
+def test_families_restrict_the_sequential_search() -> None:
+    costs = chain()
+    free = plan(costs, 4, 8, planner="beam")
+    only = plan(costs, 4, 8, planner="beam", families=["gpipe"])
+    assert only.plan.meta["schedule_label"] == "gpipe"
+    assert free.step_time <= only.step_time
+    with pytest.raises(ValueError, match="families must name some of gpipe, 1f1b"):
+        plan(costs, 4, 8, families=["zb-v"])
+    with pytest.raises(ValueError, match="families"):
+        plan(costs, 4, 8, families=[])

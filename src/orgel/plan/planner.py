@@ -107,7 +107,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
          planner: str = "auto", width: int = 4, max_move: int = 10, max_loops: int = 8,
          time_limit: float | None = None, per_member: int | None = None,
          dp: int | None = 1, groups: int = 3, top: int = 3, max_replicas: int | None = None,
-         rows: int | None = None) -> PlanResult:
+         rows: int | None = None, families: list[str] | None = None) -> PlanResult:
     """The fastest feasible plan of ``costs`` on ``ranks`` ranks (see the module docstring).
 
     ``memory`` overrides the table's ``memory_per_rank`` (bytes; None keeps it).
@@ -126,8 +126,9 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     pure pipeline, every stage on one rank; ``dp`` replicates on top of it).
     ``rows`` is a micro-batch's row count along the batch dimension: every
     stage's replicas (times ``dp``) must divide it, since each takes an equal
-    share of every micro-batch. Raises :class:`InfeasibleError` when nothing
-    fits, ValueError on bad options.
+    share of every micro-batch. ``families`` restricts the sequential search
+    to these schedule families (e.g. ``["gpipe"]``; None: all). Raises
+    :class:`InfeasibleError` when nothing fits, ValueError on bad options.
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}: choose one of {', '.join(PLANNERS)}")
@@ -145,6 +146,14 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     if dp is not None and rows is not None and rows % dp:
         raise ValueError(f"dp={dp} replicas cannot split {rows}-row micro-batches evenly: "
                          f"pick a dp that divides {rows} or change the batch size")
+    if families is not None:
+        from orgel.plan.templates import sequential_families
+
+        known = sequential_families()
+        unknown = sorted(set(families) - set(known))
+        if not families or unknown:
+            raise ValueError(f"families must name some of {', '.join(known)}; "
+                             f"got {list(families)!r}")
     degrees = [d for d in range(1, ranks + 1) if ranks % d == 0] if dp is None else [dp]
     degrees = [d for d in degrees if rows is None or rows % d == 0]
     if min(ranks // d for d in degrees) > costs.num_blocks:
@@ -153,7 +162,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     started = time.perf_counter()
     scorer = Scorer(costs, memory=memory)
     options = dict(width=width, max_move=max_move, max_loops=max_loops, time_limit=time_limit,
-                   per_member=per_member, groups=groups, top=top)
+                   per_member=per_member, groups=groups, top=top, families=families)
     graph_options: dict[str, Any] = {"max_replicas": max_replicas, "pure_dp": False}
     candidates: list[tuple[float, str, Plan]] = []
     base_times: dict[str, float | None] = {}

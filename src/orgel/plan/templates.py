@@ -36,6 +36,12 @@ def _families() -> dict[str, Any]:
     return FAMILIES
 
 
+def sequential_families() -> list[str]:
+    """The schedule families the sequential search draws its templates from."""
+    return [f for f in ("gpipe", "1f1b", "zb-h1", "interleaved", "looped", "looped-bfs",
+                        "dag-1f1b") if f in _families()]
+
+
 def prefetch_options(ranks: int) -> list[list[int]]:
     """Prefetch vectors ``B_f`` to try: front-loaded ramp, none, one extra on all but the last."""
     p = ranks
