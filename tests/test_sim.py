@@ -329,3 +329,21 @@ def test_weight_kept_lives_from_i_to_w() -> None:
     assert simulate(plain).peak_memory == [110]
     again = Costs.from_dict(plan.costs.to_dict())
     assert again.stages[0].weight_kept == 100
+
+
+def test_first_backward_frees_activations_as_it_makes_gradients() -> None:
+    # One stage, GPipe order F0 F1 B0 B1: params 1000 (grads 1000), activations
+    # 300 per micro-batch. B0 holds both micro-batches' activations and makes the
+    # gradients: 1000 + 600 + 1000 counted in full; the overlap (200) is what
+    # freeing B0's own activations as it goes saves. Then B1: 300 + 2000.
+    def peak(overlap: int, text: str) -> int:
+        costs = Costs([StageCost(1, 2, params=1000, activations=300, grad_overlap=overlap)])
+        return simulate(make_plan(StageGraph.chain(1), [(0,)], text, costs)).peak_memory[0]
+
+    gpipe = "rank0: F0.0 F0.1 B0.0 B0.1"
+    assert (peak(0, gpipe), peak(200, gpipe)) == (2600, 2400)
+    # A split backward's W frees its graph only when it ends: no overlap there.
+    split = "rank0: F0.0 F0.1 I0.0 I0.1 W0.0 W0.1"
+    assert peak(200, split) == peak(0, split) == 2600
+    again = Costs.from_dict(Costs([StageCost(1, 2, grad_overlap=7)]).to_dict())
+    assert again.stages[0].grad_overlap == 7
