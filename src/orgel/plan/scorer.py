@@ -124,6 +124,11 @@ class Scorer:
         # backward peak of blocks [a, b) (see profile.costs.grad_overlap):
         # cp[b] - ca[a] + max over a <= j < b of (ca[j + 1] - cp[j])
         self._peak_at = _RangeMax(self._ca[1:] - self._cp[:-1])
+        # a block's saved inputs count when a producer lies before the stage's first block
+        self._inp = np.asarray(costs.input_saved, dtype=np.int64)
+        self._first_producer = np.arange(costs.num_blocks)
+        for a, b in costs.edges:
+            self._first_producer[b] = min(self._first_producer[b], a)
         # a split backward's halves as measured apart (see profile.costs.stage_cost)
         self._csi = np.concatenate([[0.0], np.cumsum(costs.split_input)]) \
             if costs.split_input else None
@@ -170,10 +175,14 @@ class Scorer:
                 bwd = float(self._csi[b] - self._csi[a]) + weight
             acts = int(self._ca[b] - self._ca[a])
             peak = int(self._cp[b] - self._ca[a]) + self._peak_at(a, b) if b > a else 0
+            overlap = max(0, acts + grads - peak)
+            if self._inp.any():
+                entered = self._first_producer[a:b] < a
+                acts += int(self._inp[a:b][entered].sum())
             out.append(StageCost(
                 fwd=float(self._cf[b] - self._cf[a]), bwd=bwd, bwd_weight=weight,
                 params=params, grads=grads, optimizer=optimizer, activations=acts,
-                grad_overlap=max(0, acts + grads - peak),
+                grad_overlap=overlap,
                 # a first stage's I keeps only its outputs' gradients for W
                 weight_kept=(0 if not split else int(self._ck[b] - self._ck[a]) if a
                              else int(self._cross[b])),

@@ -218,7 +218,7 @@ class TreeCosts:
             bc = self.bc
             blocks = node.blocks
             got = (sum(bc.fwd[b] + bc.bwd[b] for b in blocks), sum(bc.params[b] for b in blocks),
-                   sum(bc.activations[b] for b in blocks),
+                   sum(bc.activations[b] + bc.input_saved[b] for b in blocks),
                    max((bc.temporary[b] for b in blocks), default=0))
             self._memo[id(node)] = got
         return got

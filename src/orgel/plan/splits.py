@@ -79,7 +79,8 @@ def time_weights(bc: BlockCosts) -> np.ndarray:
 def memory_weights(bc: BlockCosts) -> np.ndarray:
     """Weights + grads + optimizer state + saved activations per block (Pfeife's start)."""
     return (np.asarray(bc.params, dtype=np.float64) * bc.optimizer_factor
-            + np.asarray(bc.activations, dtype=np.float64))
+            + np.asarray(bc.activations, dtype=np.float64)
+            + np.asarray(bc.input_saved, dtype=np.float64))
 
 
 #: Baseline name -> how it weighs blocks (None: equal counts).

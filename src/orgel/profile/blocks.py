@@ -16,7 +16,11 @@ its own:
   ``activations``: bytes one forward leaves alive until its backward: what
   autograd saves (saved-tensor hooks, each storage once, parameters left out)
   or, if more, everything the forward allocated that is still alive when it
-  returns (its outputs too, which the runtime keeps for the backward);
+  returns (its outputs too, which the runtime keeps for the backward); the
+  block's inputs from other blocks are left out: their producers count them
+  (as outputs) inside a stage;
+* ``input_saved``: the bytes of those inputs autograd saves, which a stage
+  holds for a block fed from another stage (the received value);
 * ``weight_kept``: what the split backward's ``I`` keeps alive for ``W``,
   the output gradients ``W`` holds included;
 * ``temporary``: the peak of forward + backward above that, run as a step's
@@ -68,6 +72,7 @@ class BlockMeasure:
     output: int
     temporary: int
     weight_kept: int = 0
+    input_saved: int = 0
 
 
 class Timer:
@@ -202,6 +207,7 @@ class BlockProbe:
     output: int
     temporary: int
     weight_kept: int
+    input_saved: int = 0
 
     def result(self, times: dict[str, float]) -> BlockMeasure:
         """The measure, given the median ms of each job."""
@@ -213,7 +219,8 @@ class BlockProbe:
             wgrad = bwd * wgrad / (inp + wgrad)
         return BlockMeasure(fwd=times["fwd"], bwd=bwd, wgrad=min(wgrad, bwd), params=self.params,
                             activations=self.activations, output=self.output,
-                            temporary=self.temporary, weight_kept=self.weight_kept)
+                            temporary=self.temporary, weight_kept=self.weight_kept,
+                            input_saved=self.input_saved)
 
 
 def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
@@ -310,10 +317,15 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
                 del incoming
                 weight_kept = int(mode.now)
             del work, state
+    # Inputs other blocks made: inside a stage their producer counts them (as its
+    # outputs); a stage fed from elsewhere holds what this block saves of them.
+    fed = {a.untyped_storage().data_ptr() for a, c in zip(args, fixed, strict=True)
+           if not c and isinstance(a, torch.Tensor)}
+    input_saved = sum(n for ptr, n in saved.items() if ptr in fed)
     kept, temporary = _temporary(module, fresh_inputs, forward, grad_outs, device,
-                                 sum(saved.values()), loss)
+                                 sum(saved.values()) - input_saved, loss)
     return BlockProbe(jobs=jobs, params=param_bytes, activations=kept, output=out_bytes,
-                      temporary=temporary, weight_kept=weight_kept)
+                      temporary=temporary, weight_kept=weight_kept, input_saved=input_saved)
 
 
 def loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,

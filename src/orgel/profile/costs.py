@@ -9,7 +9,7 @@ studied without a model. Times are milliseconds, sizes bytes::
 
     {"blocks": [{"fwd": 1.2, "bwd": 2.4, "wgrad": 1.1, "params": 16777216,
                  "activations": 8388608, "output": 8388608, "temporary": 0,
-                 "weight_kept": 0, "split_input": 1.5, "split_weight": 1.4,
+                 "weight_kept": 0, "input_saved": 0, "split_input": 1.5, "split_weight": 1.4,
                  "optimizer_ms": 0.3}, ...],
      "edges": [[0, 1], [1, 2]],            # optional: default a chain
      "link": {"latency": 0.02, "per_mib": 0.05},
@@ -22,21 +22,23 @@ studied without a model. Times are milliseconds, sizes bytes::
      "rows": 4,                            # optional: rows per micro-batch it was measured at
      "tied": [{"blocks": [0, 11], "nbytes": 4194304, "name": "tok_emb.weight"}]}  # optional
 
-An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to
-half of ``bwd``. ``rows`` (optional) is the micro-batch size, in rows along the
-batch dimension, that the times and activation bytes were measured at:
-``orgel plan --costs FILE --batch B`` needs it to scale the table to other
-micro-batch sizes (:meth:`BlockCosts.scaled`). ``weight_kept`` (optional, default 0) is what a split
-backward's ``I`` keeps for its ``W`` beyond the forward's activations (the
-gradients ``W`` starts from). ``split_input``/``split_weight`` (optional, all
-blocks or none) are a block's ``I`` and ``W`` as measured when the backward
-runs split: apart, the halves cost more than one backward (``I`` walks the
-graph and keeps gradients, ``W`` starts autograd again per parameter group), so
-a split schedule's stages take these instead of ``bwd - wgrad`` and ``wgrad``.
-``optimizer_ms`` (optional, all blocks or none) is each block's optimizer step;
-without it a rank's step takes ``optimizer_ms_per_mib`` per MiB of its
-parameters. ``step_overhead`` (optional) is what every step costs outside its
-actions on two ranks (setup, the loss all-reduce round).
+An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to half of
+``bwd``. ``rows`` (optional) is the micro-batch size, in rows along the batch dimension,
+that the times and activation bytes were measured at: ``orgel plan --costs FILE --batch
+B`` needs it to scale the table to other micro-batch sizes (:meth:`BlockCosts.scaled`).
+``weight_kept`` (optional, default 0) is what a split backward's ``I`` keeps for its
+``W`` beyond the forward's activations (the gradients ``W`` starts from).
+``input_saved`` (optional, default 0) is the part of a block's inputs from other blocks
+that it saves for backward, counted only when another stage feeds the block (inside a
+stage the producer's ``activations`` hold it); without it ``activations`` should include
+them. ``split_input``/``split_weight`` (optional, all blocks or none) are a block's
+``I`` and ``W`` as measured when the backward runs split: apart, the halves cost more
+than one backward (``I`` walks the graph and keeps gradients, ``W`` starts autograd
+again per parameter group), so a split schedule's stages take these instead of ``bwd -
+wgrad`` and ``wgrad``. ``optimizer_ms`` (optional, all blocks or none) is each block's
+optimizer step; without it a rank's step takes ``optimizer_ms_per_mib`` per MiB of its
+parameters. ``step_overhead`` (optional) is what every step costs outside its actions on
+two ranks (setup, the loss all-reduce round).
 
 ``tied`` (optional) lists parameters that several blocks read (a token
 embedding tied to the LM head): ``blocks`` (two or more block indices),
@@ -63,7 +65,8 @@ from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
-               "nodes", "weight_kept", "split_input", "split_weight", "optimizer_ms")
+               "nodes", "weight_kept", "input_saved", "split_input", "split_weight",
+               "optimizer_ms")
 #: Optional per-block times: given for every block or for none.
 _OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
@@ -105,6 +108,7 @@ class BlockCosts:
     nodes: list[list[str]] = field(default_factory=list)  # fx node names per block, if known
     optimizer_temporary: float = 0.0  # optimizer step's extra bytes, as a multiple of params
     weight_kept: list[int] = field(default_factory=list)  # I -> W bytes per block (0 if empty)
+    input_saved: list[int] = field(default_factory=list)  # saved inputs from blocks (0 if empty)
     optimizer_ms_per_mib: float = 0.0  # the optimizer step's time per MiB of parameters
     rows: int | None = None  # rows per micro-batch the table was measured at, if known
     tied: list[TiedGroup] = field(default_factory=list)  # parameters several blocks read
@@ -127,6 +131,11 @@ class BlockCosts:
             self.weight_kept = [0] * n
         if len(self.weight_kept) != n:
             raise CostsFileError(f"'weight_kept' has {len(self.weight_kept)} entries, expected "
+                                 f"one per block ({n})")
+        if not self.input_saved:
+            self.input_saved = [0] * n
+        if len(self.input_saved) != n:
+            raise CostsFileError(f"'input_saved' has {len(self.input_saved)} entries, expected "
                                  f"one per block ({n})")
         for name in _OPTIONAL_TIMES:
             got = getattr(self, name)
@@ -194,6 +203,7 @@ class BlockCosts:
             names=list(self.names), meta=dict(self.meta), nodes=[list(n) for n in self.nodes],
             optimizer_temporary=self.optimizer_temporary,
             weight_kept=[int(b * factor) for b in self.weight_kept],
+            input_saved=[int(b * factor) for b in self.input_saved],
             optimizer_ms_per_mib=self.optimizer_ms_per_mib, rows=_scaled_rows(self.rows, factor),
             tied=list(self.tied),  # parameter bytes do not scale with rows
             split_input=[t * factor for t in self.split_input],
@@ -208,7 +218,8 @@ class BlockCosts:
             {"name": self.names[i], "fwd": self.fwd[i], "bwd": self.bwd[i],
              "wgrad": self.wgrad[i], "params": self.params[i],
              "activations": self.activations[i], "output": self.output[i],
-             "temporary": self.temporary[i], "weight_kept": self.weight_kept[i]}
+             "temporary": self.temporary[i], "weight_kept": self.weight_kept[i],
+             "input_saved": self.input_saved[i]}
             for i in range(self.num_blocks)
         ]
         for i, nodes in enumerate(self.nodes):
@@ -265,7 +276,8 @@ class BlockCosts:
             cols["fwd"].append(fwd)
             cols["bwd"].append(bwd)
             cols["wgrad"].append(wgrad)
-            for key in ("params", "activations", "output", "temporary", "weight_kept"):
+            for key in ("params", "activations", "output", "temporary", "weight_kept",
+                        "input_saved"):
                 cols[key].append(int(_number(b.get(key, 0), f"blocks[{i}].{key}")))
             for key in _OPTIONAL_TIMES:
                 if key in b:
@@ -310,7 +322,7 @@ class BlockCosts:
                                         "optimizer_temporary"),
             optimizer_ms_per_mib=_number(data.get("optimizer_ms_per_mib", 0.0),
                                          "optimizer_ms_per_mib"),
-            weight_kept=cols["weight_kept"],
+            weight_kept=cols["weight_kept"], input_saved=cols["input_saved"],
             names=cols["name"], meta=dict(data.get("meta") or {}),
             nodes=cols["nodes"] if any(cols["nodes"]) else [], rows=data.get("rows"),
             tied=_tied_list(data.get("tied", [])),
@@ -391,7 +403,8 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     (see :func:`orgel.profile.tied.tied_shared`), left out here.
     """
     inside = set(blocks)
-    fed = any(a not in inside for a, b in bc.edges if b in inside)
+    entered = {b for a, b in bc.edges if b in inside and a not in inside}
+    fed = bool(entered)
     params = sum(bc.params[b] for b in blocks) - tied_within(bc, blocks) - shared
     params, grads, optimizer = static_parts(params, bc.optimizer_factor)
     bwd = sum(bc.bwd[b] for b in blocks)
@@ -402,7 +415,8 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     return StageCost(
         fwd=sum(bc.fwd[b] for b in blocks), bwd=bwd, bwd_weight=weight,
         params=params, grads=grads, optimizer=optimizer,
-        activations=sum(bc.activations[b] for b in blocks),
+        activations=sum(bc.activations[b] + (bc.input_saved[b] if b in entered else 0)
+                        for b in blocks),
         weight_kept=(0 if not split else sum(bc.weight_kept[b] for b in blocks) if fed
                      else _outgoing(bc, inside)),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
