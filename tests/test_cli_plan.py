@@ -158,3 +158,12 @@ def test_plan_from_workload_runs_exactly(tmp_path: Path, monkeypatch: pytest.Mon
     assert main(["run", f"{source}:tiny", "--ranks", "2", "--microbatches", m, "--plan",
                  str(out), "--steps", "1", "--check"]) == 0
     assert "-> OK" in capsys.readouterr().out
+
+
+def test_plan_families(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    costs = write_costs(tmp_path / "costs.json")
+    assert main(["plan", "--costs", str(costs), "--ranks", "2", "--microbatches", "4",
+                 "--planner", "beam", "--families", "gpipe", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"].startswith("gpipe")
+    assert main(["plan", "--costs", str(costs), "--ranks", "2", "--families", "zb-v"]) == 2
+    assert "families must name some of gpipe" in capsys.readouterr().err

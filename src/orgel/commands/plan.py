@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "link and runtime-overhead benchmarks (free links, bare overhead)")
     parser.add_argument("--max-loops", type=int, default=8, metavar="V",
                         help="most stages per rank in looped schedules (default 8)")
+    parser.add_argument("--families", nargs="+", metavar="FAMILY",
+                        help="schedule families the sequential search may use (default all: "
+                        "gpipe 1f1b zb-h1 interleaved looped looped-bfs dag-1f1b)")
     parser.add_argument("--beam-width", type=int, default=4, metavar="K",
                         help="beam width of the split search (default 4)")
     parser.add_argument("--time-limit", type=float, metavar="S",
@@ -118,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"{flag} must be at least 1, got {value}")
     options: dict[str, Any] = dict(memory=memory, planner=args.planner, dp=dp,
                                    width=args.beam_width, max_loops=args.max_loops,
-                                   time_limit=args.time_limit, max_replicas=args.max_replicas)
+                                   time_limit=args.time_limit, max_replicas=args.max_replicas,
+                                   families=args.families)
     if args.rows is not None:
         options["rows"] = args.rows
     try:
