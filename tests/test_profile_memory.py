@@ -194,7 +194,7 @@ def test_first_backward_frees_activations_as_it_makes_gradients(
     measured = measured_step_peak(model, w, plan)
     # Still above: the first B's temporary holds a gradient made and added into the
     # existing one (measured so), while in the first B it is the gradient itself.
-    assert measured <= predicted <= 1.15 * measured
+    assert measured <= predicted <= 1.1 * measured
     assert predicted < both  # counting gradients and activations in full: further off
 
 
@@ -218,9 +218,10 @@ def test_grad_overlap_follows_the_backward_order_and_the_scorer_agrees() -> None
     skips = [(i, i + rng.randint(2, 6)) for i in range(0, n - 6, 3)]  # skip connections
     bc = BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n,
                     params=[rng.randint(0, 99) for _ in range(n)],
-                    activations=[rng.randint(0, 99) for _ in range(n)], output=[1] * n,
+                    activations=[rng.randint(20, 99) for _ in range(n)], output=[1] * n,
                     temporary=[0] * n, edges=[(i, i + 1) for i in range(n - 1)] + skips,
-                    input_saved=[rng.randint(0, 9) for _ in range(n)])
+                    input_saved=[rng.randint(0, 9) for _ in range(n)],
+                    output_unsaved=[rng.randint(0, 20) for _ in range(n)])
     scorer = Scorer(bc)
     for _ in range(50):
         points = sorted(rng.sample(range(1, n), rng.randint(1, 5)))
@@ -246,10 +247,30 @@ def test_saved_inputs_count_where_another_stage_feeds_the_block() -> None:
     assert again.input_saved == [0, 50, 5] and bc.scaled(2.0).input_saved == [0, 100, 10]
 
 
+def test_outputs_no_block_saves_are_freed_inside_a_stage() -> None:
+    from orgel.profile.costs import BlockCosts, CostsFileError, stage_cost
+
+    # Block 0 leaves 40 bytes of outputs it does not save; block 1 saves 10 of its
+    # inputs, block 2 (the skip) 5: at most 15 of the 40 outlive the stage's forward.
+    bc = BlockCosts(fwd=[1.0] * 3, bwd=[2.0] * 3, wgrad=[1.0] * 3, params=[0] * 3,
+                    activations=[100, 20, 8], output=[40, 8, 1], temporary=[0] * 3,
+                    edges=[(0, 1), (1, 2), (0, 2)], input_saved=[0, 10, 5],
+                    output_unsaved=[40, 8, 1])
+    # block 1's 8 unsaved bytes feed block 2, which saves at most 5 of what it reads
+    assert stage_cost(bc, [0, 1, 2]).activations == 128 - (40 - 15) - (8 - 5)
+    # a consumer in another stage holds block 0's outputs: nothing freed for block 0
+    assert stage_cost(bc, [0, 1]).activations == 120
+    assert stage_cost(bc, [2]).activations == 8 + 5  # the last block keeps its outputs
+    with pytest.raises(CostsFileError, match="output_unsaved is part of its activations"):
+        BlockCosts(fwd=[1.0], bwd=[2.0], wgrad=[1.0], params=[0], activations=[1], output=[1],
+                   temporary=[0], edges=[], output_unsaved=[2])
+
+
 def test_a_saved_slice_of_the_batch_counts_its_own_bytes() -> None:
     lin = nn.Linear(32, 8)
     stage = StageModule(index=0, module=lin, inputs=["x"], outputs=["y"])
     batch = torch.randn(64, 32)  # the caller's batch: 4 micro-batches of 16 rows
     probe = block_probe(stage, [batch[:16]], CPU, constant=[True])
-    # the linear saves its input slice (16 x 32 floats), not the whole batch's storage
-    assert probe.activations == max(16 * 32 * 4, 16 * 8 * 4)
+    # the linear saves its input slice (16 x 32 floats), not the whole batch's storage;
+    # its output (16 x 8), which it does not save, is alive too when the forward returns
+    assert (probe.activations, probe.output_unsaved) == (16 * 32 * 4 + 16 * 8 * 4, 16 * 8 * 4)

@@ -44,6 +44,7 @@ from orgel.profile.costs import (
     stage_costs,
     stage_graph,
     static_parts,
+    unsaved_outputs,
 )
 from orgel.profile.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
 from orgel.schedule.comm import derive_comm
@@ -129,6 +130,11 @@ class Scorer:
         self._first_producer = np.arange(costs.num_blocks)
         for a, b in costs.edges:
             self._first_producer[b] = min(self._first_producer[b], a)
+        # outputs no one saves, freed where the stage holds all their consumers
+        spare, consumers = unsaved_outputs(costs)
+        self._spare = np.asarray(spare, dtype=np.int64)
+        self._last_consumer = np.array([max(c) if c else costs.num_blocks for c in consumers],
+                                       dtype=np.int64)
         # a split backward's halves as measured apart (see profile.costs.stage_cost)
         self._csi = np.concatenate([[0.0], np.cumsum(costs.split_input)]) \
             if costs.split_input else None
@@ -179,6 +185,9 @@ class Scorer:
             if self._inp.any():
                 entered = self._first_producer[a:b] < a
                 acts += int(self._inp[a:b][entered].sum())
+            if self._spare.any():
+                freed = int(self._spare[a:b][self._last_consumer[a:b] < b].sum())
+                acts, overlap = acts - freed, max(0, overlap - freed)
             out.append(StageCost(
                 fwd=float(self._cf[b] - self._cf[a]), bwd=bwd, bwd_weight=weight,
                 params=params, grads=grads, optimizer=optimizer, activations=acts,

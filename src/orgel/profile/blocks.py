@@ -21,6 +21,9 @@ its own:
   (as outputs) inside a stage;
 * ``input_saved``: the bytes of those inputs autograd saves, which a stage
   holds for a block fed from another stage (the received value);
+* ``output_unsaved``: the bytes of its outputs the block does not save itself
+  (part of ``activations``): inside a stage they outlive the forward only if
+  a consumer saves them;
 * ``weight_kept``: what the split backward's ``I`` keeps alive for ``W``,
   the output gradients ``W`` holds included;
 * ``temporary``: the peak of forward + backward above that, run as a step's
@@ -73,6 +76,7 @@ class BlockMeasure:
     temporary: int
     weight_kept: int = 0
     input_saved: int = 0
+    output_unsaved: int = 0
 
 
 class Timer:
@@ -208,6 +212,7 @@ class BlockProbe:
     temporary: int
     weight_kept: int
     input_saved: int = 0
+    output_unsaved: int = 0
 
     def result(self, times: dict[str, float]) -> BlockMeasure:
         """The measure, given the median ms of each job."""
@@ -220,7 +225,7 @@ class BlockProbe:
         return BlockMeasure(fwd=times["fwd"], bwd=bwd, wgrad=min(wgrad, bwd), params=self.params,
                             activations=self.activations, output=self.output,
                             temporary=self.temporary, weight_kept=self.weight_kept,
-                            input_saved=self.input_saved)
+                            input_saved=self.input_saved, output_unsaved=self.output_unsaved)
 
 
 def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
@@ -277,6 +282,14 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = forward(inputs)
     out_bytes = sum(_nbytes(o) for o in outs if isinstance(o, torch.Tensor))
+    # Outputs the block made and does not save: the forward leaves them alive for the
+    # next block, which may or may not save them (an input passed through is not made).
+    made_before = param_ptrs | {a.untyped_storage().data_ptr() for a in args
+                                if isinstance(a, torch.Tensor)}
+    unsaved = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in outs
+               if isinstance(o, torch.Tensor)}
+    output_unsaved = sum(n for ptr, n in unsaved.items()
+                         if ptr not in saved and ptr not in made_before)
     grad_outs = [torch.randn_like(o) if _float(o) and o.requires_grad else None for o in outs]
     diff_outs = [(o, g) for o, g in zip(outs, grad_outs, strict=True) if g is not None]
     del inputs, outs
@@ -322,10 +335,14 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
     fed = {a.untyped_storage().data_ptr() for a, c in zip(args, fixed, strict=True)
            if not c and isinstance(a, torch.Tensor)}
     input_saved = sum(n for ptr, n in saved.items() if ptr in fed)
-    kept, temporary = _temporary(module, fresh_inputs, forward, grad_outs, device,
-                                 sum(saved.values()) - input_saved, loss)
+    own = sum(saved.values()) - input_saved
+    kept, temporary, alive = _temporary(module, fresh_inputs, forward, grad_outs, device, own,
+                                        loss)
+    # the rest of what the forward left alive (at least what autograd saved), and them
+    kept = max(alive - output_unsaved, own) + output_unsaved
     return BlockProbe(jobs=jobs, params=param_bytes, activations=kept, output=out_bytes,
-                      temporary=temporary, weight_kept=weight_kept, input_saved=input_saved)
+                      temporary=temporary, weight_kept=weight_kept, input_saved=input_saved,
+                      output_unsaved=output_unsaved)
 
 
 def loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,
@@ -414,8 +431,9 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],
                forward: Callable[[list[Any]], list[torch.Tensor]],
                grad_outs: list[torch.Tensor | None], device: torch.device,
-               saved: int, loss: LossProbe | None = None) -> tuple[int, int]:
-    """(bytes kept from forward to backward, peak extra bytes of forward + backward).
+               saved: int, loss: LossProbe | None = None) -> tuple[int, int, int]:
+    """(bytes kept from forward to backward, peak extra bytes of forward + backward,
+    bytes the forward left alive as measured).
 
     On CUDA the allocator's counters; elsewhere :class:`LiveBytes`. What the
     forward leaves alive (saved tensors and the outputs the runtime holds for
@@ -456,7 +474,7 @@ def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],
     module.zero_grad(set_to_none=True)
     # the loss's saved bytes are counted apart (:func:`loss_jobs`), on top of ``kept``
     alive = max(int(kept), saved) + int(held) - int(kept)
-    return max(int(kept), saved), max(int(peak) - alive, 0)
+    return max(int(kept), saved), max(int(peak) - alive, 0), int(kept)
 
 
 def _backward(out: list[torch.Tensor], grad_outs: list[torch.Tensor | None],

@@ -31,7 +31,10 @@ B`` needs it to scale the table to other micro-batch sizes (:meth:`BlockCosts.sc
 ``input_saved`` (optional, default 0) is the part of a block's inputs from other blocks
 that it saves for backward, counted only when another stage feeds the block (inside a
 stage the producer's ``activations`` hold it); without it ``activations`` should include
-them. ``split_input``/``split_weight`` (optional, all blocks or none) are a block's
+them. ``output_unsaved`` (optional, default 0) is the part of ``activations`` that is
+the block's own outputs it does not save: inside a stage whose blocks consume all of
+them, they stay alive only as far as those blocks save their inputs.
+``split_input``/``split_weight`` (optional, all blocks or none) are a block's
 ``I`` and ``W`` as measured when the backward runs split: apart, the halves cost more
 than one backward (``I`` walks the graph and keeps gradients, ``W`` starts autograd
 again per parameter group), so a split schedule's stages take these instead of ``bwd -
@@ -65,7 +68,8 @@ from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
-               "nodes", "weight_kept", "input_saved", "split_input", "split_weight",
+               "nodes", "weight_kept", "input_saved", "output_unsaved", "split_input",
+               "split_weight",
                "optimizer_ms")
 #: Optional per-block times: given for every block or for none.
 _OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
@@ -109,6 +113,7 @@ class BlockCosts:
     optimizer_temporary: float = 0.0  # optimizer step's extra bytes, as a multiple of params
     weight_kept: list[int] = field(default_factory=list)  # I -> W bytes per block (0 if empty)
     input_saved: list[int] = field(default_factory=list)  # saved inputs from blocks (0 if empty)
+    output_unsaved: list[int] = field(default_factory=list)  # outputs it does not save
     optimizer_ms_per_mib: float = 0.0  # the optimizer step's time per MiB of parameters
     rows: int | None = None  # rows per micro-batch the table was measured at, if known
     tied: list[TiedGroup] = field(default_factory=list)  # parameters several blocks read
@@ -132,11 +137,15 @@ class BlockCosts:
         if len(self.weight_kept) != n:
             raise CostsFileError(f"'weight_kept' has {len(self.weight_kept)} entries, expected "
                                  f"one per block ({n})")
-        if not self.input_saved:
-            self.input_saved = [0] * n
-        if len(self.input_saved) != n:
-            raise CostsFileError(f"'input_saved' has {len(self.input_saved)} entries, expected "
-                                 f"one per block ({n})")
+        for name in ("input_saved", "output_unsaved"):
+            if not getattr(self, name):
+                setattr(self, name, [0] * n)
+            if len(getattr(self, name)) != n:
+                raise CostsFileError(f"'{name}' has {len(getattr(self, name))} entries, "
+                                     f"expected one per block ({n})")
+        if any(u > a for u, a in zip(self.output_unsaved, self.activations, strict=True)):
+            raise CostsFileError("a block's output_unsaved is part of its activations: it "
+                                 "cannot exceed them")
         for name in _OPTIONAL_TIMES:
             got = getattr(self, name)
             if got and len(got) != n:
@@ -204,6 +213,7 @@ class BlockCosts:
             optimizer_temporary=self.optimizer_temporary,
             weight_kept=[int(b * factor) for b in self.weight_kept],
             input_saved=[int(b * factor) for b in self.input_saved],
+            output_unsaved=[int(b * factor) for b in self.output_unsaved],
             optimizer_ms_per_mib=self.optimizer_ms_per_mib, rows=_scaled_rows(self.rows, factor),
             tied=list(self.tied),  # parameter bytes do not scale with rows
             split_input=[t * factor for t in self.split_input],
@@ -219,7 +229,7 @@ class BlockCosts:
              "wgrad": self.wgrad[i], "params": self.params[i],
              "activations": self.activations[i], "output": self.output[i],
              "temporary": self.temporary[i], "weight_kept": self.weight_kept[i],
-             "input_saved": self.input_saved[i]}
+             "input_saved": self.input_saved[i], "output_unsaved": self.output_unsaved[i]}
             for i in range(self.num_blocks)
         ]
         for i, nodes in enumerate(self.nodes):
@@ -277,7 +287,7 @@ class BlockCosts:
             cols["bwd"].append(bwd)
             cols["wgrad"].append(wgrad)
             for key in ("params", "activations", "output", "temporary", "weight_kept",
-                        "input_saved"):
+                        "input_saved", "output_unsaved"):
                 cols[key].append(int(_number(b.get(key, 0), f"blocks[{i}].{key}")))
             for key in _OPTIONAL_TIMES:
                 if key in b:
@@ -323,6 +333,7 @@ class BlockCosts:
             optimizer_ms_per_mib=_number(data.get("optimizer_ms_per_mib", 0.0),
                                          "optimizer_ms_per_mib"),
             weight_kept=cols["weight_kept"], input_saved=cols["input_saved"],
+            output_unsaved=cols["output_unsaved"],
             names=cols["name"], meta=dict(data.get("meta") or {}),
             nodes=cols["nodes"] if any(cols["nodes"]) else [], rows=data.get("rows"),
             tied=_tied_list(data.get("tied", [])),
@@ -405,6 +416,10 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     inside = set(blocks)
     entered = {b for a, b in bc.edges if b in inside and a not in inside}
     fed = bool(entered)
+    freed = 0  # outputs that neither their block nor, inside the stage, a consumer saves
+    if any(bc.output_unsaved):
+        spare, consumers = unsaved_outputs(bc)
+        freed = sum(spare[b] for b in blocks if consumers[b] and consumers[b] <= inside)
     params = sum(bc.params[b] for b in blocks) - tied_within(bc, blocks) - shared
     params, grads, optimizer = static_parts(params, bc.optimizer_factor)
     bwd = sum(bc.bwd[b] for b in blocks)
@@ -416,12 +431,31 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
         fwd=sum(bc.fwd[b] for b in blocks), bwd=bwd, bwd_weight=weight,
         params=params, grads=grads, optimizer=optimizer,
         activations=sum(bc.activations[b] + (bc.input_saved[b] if b in entered else 0)
-                        for b in blocks),
+                        for b in blocks) - freed,
         weight_kept=(0 if not split else sum(bc.weight_kept[b] for b in blocks) if fed
                      else _outgoing(bc, inside)),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
-        grad_overlap=grad_overlap(bc, blocks, grads),
+        grad_overlap=max(0, grad_overlap(bc, blocks, grads) - freed),
     )
+
+
+def unsaved_outputs(bc: BlockCosts) -> tuple[list[int], list[set[int]]]:
+    """Per block: its outputs' bytes that no one saves, and the blocks consuming them.
+
+    A block's ``output_unsaved`` bytes stay alive after the forward only as far
+    as a consumer saves its inputs; at most the consumers' ``input_saved`` of
+    them is (their saved inputs may come from other blocks too). So a stage
+    whose blocks consume all of a block's outputs keeps
+    ``output_unsaved - min(output_unsaved, sum of the consumers' input_saved)``
+    bytes less than its blocks' ``activations`` add up to: the first list.
+    A block no other block reads (a model output) keeps its outputs.
+    """
+    consumers: list[set[int]] = [set() for _ in range(bc.num_blocks)]
+    for a, b in bc.edges:
+        consumers[a].add(b)
+    spare = [max(0, bc.output_unsaved[b] - sum(bc.input_saved[c] for c in consumers[b]))
+             if consumers[b] else 0 for b in range(bc.num_blocks)]
+    return spare, consumers
 
 
 def grad_overlap(bc: BlockCosts, blocks: list[int] | range, grads: int) -> int:

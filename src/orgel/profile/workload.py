@@ -53,7 +53,7 @@ from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 15
+PROFILE_VERSION = 16
 
 #: A cached table is re-measured when its blocks now run this much faster or slower.
 RECHECK = 0.25
@@ -317,6 +317,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         optimizer_ms_per_mib=float(cached.get("optimizer_ms_per_mib", 0.0)),
         weight_kept=[int(b) for b in cached.get("weight_kept", [])],
         input_saved=[int(b) for b in cached.get("input_saved", [])],
+        output_unsaved=[int(b) for b in cached.get("output_unsaved", [])],
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         meta={"workload": type(w.model).__name__, "target_blocks": blocks, "num_blocks": n,
               "graph_hash": graph_hash(opgraph), "device": str(dev), "dtype": dtypes,
@@ -513,5 +514,5 @@ def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: b
 def _columns(measures: list[BlockMeasure]) -> dict[str, Any]:
     """Per-block measures as the cached table's columns."""
     keys = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "weight_kept",
-            "input_saved")
+            "input_saved", "output_unsaved")
     return {k: [getattr(m, k) for m in measures] for k in keys}
