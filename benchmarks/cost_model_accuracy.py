@@ -175,7 +175,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name, sched, pred, meas, ppeak, mpeak, loads, buffers in rows:
-        mem = "  ".join(f"{p / 2**20:.1f}/{m / 2**20:.1f} ({p / m:.2f})"
+        mem = "  ".join(f"{p / 2**20:.1f}/{m / 2**20:.1f} ({p / m:.3f})"
                         for p, m in zip(ppeak, mpeak, strict=True))
         (median, fastest) = meas
         err, err_fast = (100 * (pred - median) / median, 100 * (pred - fastest) / fastest)

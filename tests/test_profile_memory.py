@@ -88,19 +88,21 @@ def test_loss_probe_checks_its_form() -> None:
                     loss=(lambda outs: outs[0].sum(), {0}))  # type: ignore[arg-type]
 
 
-def measured_step_peak(model: nn.Module, w: Any, plan: Any) -> int:
-    """Run ``plan`` on one in-process rank: the second step's peak tensor bytes.
+def measured_step_peak(model: nn.Module, w: Any, plan: Any, *, alone: bool = True) -> int:
+    """Run ``plan``: the second step's peak tensor bytes on this rank.
 
     Static bytes as the benchmark counts them (parameters and optimizer state)
-    plus every tensor the step makes, the gradients included.
+    plus every tensor the step makes, the gradients included. ``alone``: run as
+    the only rank, in this process (else in the caller's process group).
     """
     from orgel.graph.capture import capture
     from orgel.runtime.executor import Executor
     from orgel.split import split_plan
     from orgel.workload import microbatches, named_inputs
 
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if alone:
+        assert not dist.is_initialized()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         split = split_plan(capture(model, named_inputs(
             model, microbatches(w, plan.microbatches)[0][0])), plan)
@@ -125,7 +127,8 @@ def measured_step_peak(model: nn.Module, w: Any, plan: Any) -> int:
             executor.step(inputs, w.targets)
         return sum(static.values()) + mode.peak
     finally:
-        dist.destroy_process_group()
+        if alone:
+            dist.destroy_process_group()
 
 
 def test_predicted_peak_covers_a_measured_step(tmp_path: Path,
@@ -274,3 +277,61 @@ def test_a_saved_slice_of_the_batch_counts_its_own_bytes() -> None:
     # the linear saves its input slice (16 x 32 floats), not the whole batch's storage;
     # its output (16 x 8), which it does not save, is alive too when the forward returns
     assert (probe.activations, probe.output_unsaved) == (16 * 32 * 4 + 16 * 8 * 4, 16 * 8 * 4)
+
+
+def replicated_mlp() -> Any:
+    from orgel.workload import Workload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 16))
+    return Workload(model, (torch.randn(64, 64),), torch.randint(0, 16, (64,)),
+                    nn.functional.cross_entropy)
+
+
+def _replica_peak(rank: int, world: int, plan_json: str) -> int:
+    from orgel.schedule.ir import Plan
+
+    w = replicated_mlp()
+    return measured_step_peak(w.model, w, Plan.from_json(plan_json), alone=False)
+
+
+@pytest.mark.slow  # spawns 2 gloo ranks
+def test_a_replicated_stage_holds_a_flat_copy_of_its_gradients(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data parallelism sums a flat copy of the gradients at the step's end: the end
+    of step's floor counts it beside the optimizer step's temporaries (the larger
+    of the two, one after the other), on top of weights, gradients and AdamW state.
+
+    Here the optimizer step is the larger and the peak: the measured step held
+    1 KiB more than AdamW alone on copies of the parameters does (a bias-sized
+    temporary and a scalar, 0.05% of the peak), hence the 0.5% allowance.
+    """
+    from orgel.plan import plan_workload
+    from orgel.runtime.launch import spawn
+
+    monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
+    result = plan_workload(replicated_mlp(), ranks=2, microbatches=2, blocks=3, link=False,
+                           progress=False, threads=1, dp=2)
+    plan = result.plan
+    assert plan.placement == [(0, 1)] * len(plan.placement)
+    params = sum(p.numel() * 4 for p in replicated_mlp().model.parameters())
+    assert min(result.sim.peak_memory) >= 5 * params  # 4 x params static + the flat copy
+    measured = spawn(_replica_peak, 2, plan.to_json(), timeout=60)
+    for got, predicted in zip(measured, result.sim.peak_memory, strict=True):
+        assert got <= 1.005 * predicted and predicted <= 1.1 * got
+
+
+def test_end_of_step_floor_takes_the_flat_gradient_copy_or_the_optimizer_step() -> None:
+    from orgel.profile.costs import BlockCosts, optimizer_peak, stage_costs
+
+    bc = BlockCosts(fwd=[1.0] * 2, bwd=[2.0] * 2, wgrad=[1.0] * 2, params=[1000, 3000],
+                    activations=[0] * 2, output=[0] * 2, temporary=[0] * 2, edges=[(0, 1)],
+                    optimizer_factor=4, optimizer_temporary=0.25)
+    costs = stage_costs(bc, [[0], [1]])
+    # stage 0 replicated on ranks 0 and 1, stage 1 on rank 1 alone
+    floor = optimizer_peak(bc, costs, [(0, 1), (1,)], 2)
+    # rank 0: 4 x 1000 static, then the larger of the flat copy (1000) and AdamW's 250
+    # rank 1: 4 x 4000 static; flat copy 1000 against the optimizer's 0.25 x 4000
+    assert floor == [4000 + 1000, 16000 + 1000]
+    assert optimizer_peak(bc, costs, [(0,), (1,)], 2) == [4000 + 250, 12000 + 750]

@@ -256,7 +256,7 @@ def predict(p: Plan, costs: BlockCosts) -> SimResult:
     end = end_of_step(costs, p)
     sim.step_time += end
     sim.peak_memory = [a + b for a, b in zip(sim.peak_memory, held_sends(p), strict=True)]
-    if costs.optimizer_temporary > 0 and p.costs is not None:
+    if p.costs is not None:
         floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)
         sim.peak_memory = [max(a, b) for a, b in zip(sim.peak_memory, floor, strict=True)]
     p.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}

@@ -336,10 +336,8 @@ class Scorer:
         self.evaluations += 1
         step, peak = cp.evaluate(costs, edge_bytes=edge_bytes)
         peak = peak + cp.held_send_bytes(edge_bytes)  # see planner.held_sends
-        if self.bc.optimizer_temporary > 0:
-            floor = optimizer_peak(self.bc, costs, template.base.placement,
-                                   template.base.num_ranks)
-            peak = np.maximum(peak, np.asarray(floor, dtype=peak.dtype))
+        floor = optimizer_peak(self.bc, costs, template.base.placement, template.base.num_ranks)
+        peak = np.maximum(peak, np.asarray(floor, dtype=peak.dtype))
         feasible = self.memory is None or bool(peak.max() <= self.memory)
         return Score(step, peak, feasible)
 

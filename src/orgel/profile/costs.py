@@ -547,18 +547,23 @@ def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> 
 
 def optimizer_peak(bc: BlockCosts, costs: Costs, placement: list[tuple[int, ...]],
                    num_ranks: int) -> list[int]:
-    """Bytes per rank during the optimizer step: static bytes plus its temporaries.
+    """Bytes per rank at the step's end: static bytes plus the larger of two temporaries.
 
-    Activations are gone by then, so this is a floor under the simulated peak,
-    not an addition to it (``optimizer_temporary`` x params; 0 when unknown).
+    The data-parallel all-reduce sums a flat copy of a replicated stage's
+    gradients (freed once copied back), then the optimizer step makes its own
+    temporaries (``optimizer_temporary`` x params; 0 when unknown). Activations
+    are gone by then, so this is a floor under the simulated peak, not an
+    addition to it.
     """
-    out = [0] * num_ranks
+    static, step, flat = [0] * num_ranks, [0] * num_ranks, [0] * num_ranks
     for s, ranks in enumerate(placement):
         st = costs.stages[s]
-        extra = st.static_bytes + int(bc.optimizer_temporary * st.params)
         for r in ranks:
-            out[r] += extra
-    return out
+            static[r] += st.static_bytes
+            step[r] += int(bc.optimizer_temporary * st.params)
+            if len(ranks) > 1:
+                flat[r] += st.params if st.grads is None else st.grads
+    return [a + max(b, c) for a, b, c in zip(static, step, flat, strict=True)]
 
 
 def chain_split(bounds: list[int] | tuple[int, ...], num_blocks: int) -> list[range]:
