@@ -7,8 +7,9 @@ the runtime's executor and measure
 * the step time: median over steps 2..N of the slowest rank's step, and the
   fastest of them (the step least disturbed by other processes: the profile
   predicts the unloaded machine, see below);
-* the peak tensor memory per rank during one step: parameters and AdamW state
-  plus every tensor allocated during the step (gradients included), tracked by
+* the peak tensor memory per rank during one step: parameters and AdamW state,
+  gloo's receive buffers (kept across steps), plus every tensor allocated during
+  the step (gradients included), tracked by
   :class:`orgel.profile.memory.LiveBytes` (each storage counted once, freed
   when its last tensor dies).
 
@@ -86,12 +87,13 @@ def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int) -> dict[
     mode = LiveBytes()
     with mode:
         executor.step(inputs, workload.targets)
-    # gloo posts every receive at the step's start into buffers kept across steps
-    # (NCCL posts just in time, as the model charges): reported apart, not in the peak
+    # gloo posts every receive at the step's start into buffers kept across steps:
+    # held all the time, like the static bytes (the model charges them on gloo)
     kept = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
             for bufs in executor.transport.buffers.values() for b in bufs}
-    return {"times": times, "peak": sum(static.values()) + mode.peak, "breakdown": breakdown,
-            "actions": actions, "recv_buffers": sum(kept.values())}
+    buffers = sum(n for ptr, n in kept.items() if ptr not in static)
+    return {"times": times, "peak": sum(static.values()) + buffers + mode.peak,
+            "breakdown": breakdown, "actions": actions, "recv_buffers": buffers}
 
 
 def _per_action(result: Any, out: list[dict[str, Any]]) -> None:
@@ -186,10 +188,8 @@ def main() -> None:
     print("\nerr = (predicted - measured) / measured, for the median step and the fastest; "
           "memory ratio = predicted / measured (target 1.00-1.10); load: the 1-minute load "
           "average before profiling, before and after the run (this host's cores: "
-          f"{os.cpu_count() or 0}); last column: MiB per rank of gloo's receive buffers, "
-          "posted for every message at the step's start and kept across steps, outside "
-          "both the measured peak and the model (which charges a message from its "
-          "transfer to its receiving action, as NCCL's just-in-time receives hold it).")
+          f"{os.cpu_count() or 0}); recv: MiB per rank of gloo's receive buffers, posted "
+          "for every message at the step's start and kept across steps (in both peaks).")
 
 
 if __name__ == "__main__":

@@ -109,3 +109,32 @@ def test_families_restrict_the_sequential_search() -> None:
         plan(costs, 4, 8, families=["zb-v"])
     with pytest.raises(ValueError, match="families"):
         plan(costs, 4, 8, families=[])
+
+
+def test_gloo_plans_hold_every_receive_buffer() -> None:
+    from dataclasses import replace
+
+    from orgel.plan.planner import held_sends, predict
+    from orgel.plan.scorer import Scorer, Template
+    from orgel.schedule.comm import derive_comm
+    from orgel.schedule.families import build_schedule
+    from orgel.sim import simulate
+
+    nccl = chain()
+    gloo = replace(nccl, meta={"device": "cpu"})  # profiled on the CPU: runs on gloo
+    assert gloo.receives_posted_ahead and not nccl.receives_posted_ahead
+    one = Template("1f1b", "1f1b", {}, build_schedule("1f1b", 2, 4))
+    scorer = Scorer(gloo)
+    p = scorer.to_plan(one, [range(0, 12), range(12, 24)])
+    # every message a rank receives in a step, posted at its start into a kept buffer
+    posted = [0, 0]
+    for m in derive_comm(p).messages:
+        posted[m.dst_rank] += m.nbytes
+    assert min(posted) > 0
+    on_gloo, on_nccl = predict(p, gloo).peak_memory, predict(p, nccl).peak_memory
+    # held all the time (not only from a transfer to its receiving action)
+    assert all(g >= n for g, n in zip(on_gloo, on_nccl, strict=True)) and on_gloo != on_nccl
+    assert on_gloo == [a + b for a, b in zip(
+        simulate(p, receives_kept=True).peak_memory, held_sends(p), strict=True)]
+    # the search charges them too: its score's peak is the prediction's
+    assert scorer.score_chain(one, [12]).peak_memory.tolist() == on_gloo

@@ -99,6 +99,12 @@ def test_memory_hand_computed() -> None:
     assert result.peak_memory == [273, 2032]
     assert result.peak_inflight == [2, 1]
     assert CompiledPlan(plan).evaluate()[1].tolist() == [273, 2032]
+    # gloo posts every receive at the step's start into buffers kept across steps:
+    # two gradients (14) on rank0 all the time, and two activations (14) on rank1,
+    # instead of each message from its transfer to its receiving action.
+    kept = simulate(plan, receives_kept=True)
+    assert kept.peak_memory == [273 + 14, 2032 - 7 + 14]
+    assert CompiledPlan(plan).evaluate(receives_kept=True)[1].tolist() == [287, 2039]
 
 
 def test_recompute_keeps_inputs_and_pays_forward_again() -> None:

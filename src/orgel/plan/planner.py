@@ -249,10 +249,11 @@ def predict(p: Plan, costs: BlockCosts) -> SimResult:
     """Simulate ``p`` and store the prediction in it.
 
     The step time adds :func:`end_of_step`; peak memory
-    counts the sends the runtime may hold at once (:func:`held_sends`)
+    counts the sends the runtime may hold at once (:func:`held_sends`),
+    on gloo (``costs.receives_posted_ahead``) the receive buffers it keeps,
     and the optimizer step.
     """
-    sim = simulate(p)
+    sim = simulate(p, receives_kept=costs.receives_posted_ahead)
     end = end_of_step(costs, p)
     sim.step_time += end
     sim.peak_memory = [a + b for a, b in zip(sim.peak_memory, held_sends(p), strict=True)]

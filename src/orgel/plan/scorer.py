@@ -334,7 +334,9 @@ class Scorer:
                       action_overhead=self.bc.action_overhead,
                       memory_per_rank=self.memory)
         self.evaluations += 1
-        step, peak = cp.evaluate(costs, edge_bytes=edge_bytes)
+        # gloo's receive buffers are kept across steps (BlockCosts.receives_posted_ahead)
+        step, peak = cp.evaluate(costs, edge_bytes=edge_bytes,
+                                 receives_kept=self.bc.receives_posted_ahead)
         peak = peak + cp.held_send_bytes(edge_bytes)  # see planner.held_sends
         floor = optimizer_peak(self.bc, costs, template.base.placement, template.base.num_ranks)
         peak = np.maximum(peak, np.asarray(floor, dtype=peak.dtype))

@@ -187,6 +187,13 @@ class BlockCosts:
     def num_blocks(self) -> int:
         return len(self.fwd)
 
+    @property
+    def receives_posted_ahead(self) -> bool:
+        """Profiled on the CPU, so run on gloo, which posts every receive of a step
+        at its start into buffers kept across steps
+        (:meth:`orgel.sim.compiled.CompiledPlan.posted_receive_bytes`)."""
+        return str(self.meta.get("device", "")).startswith("cpu")
+
     def is_chain(self) -> bool:
         """Whether every edge joins consecutive blocks (a plain sequence)."""
         return all(b == a + 1 for a, b in self.edges)

@@ -357,6 +357,21 @@ class CompiledPlan:
                 out[r] = int(per_action[lo:hi].max())
         return out
 
+    def posted_receive_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
+        """Per rank, the bytes of every message it receives in a step.
+
+        On gloo ``orgel.runtime.comm`` posts every receive at the step's start
+        into a buffer per message kept across steps: memory the rank holds all
+        the time, on top of what the simulator counts (it charges a message
+        from its transfer to its receiving action, as NCCL's receives hold it).
+        """
+        out = np.zeros(self.num_ranks, dtype=np.int64)
+        if self.num_messages == 0:
+            return out
+        ranks = self.op_rank[self.msg_recv]
+        np.add.at(out, ranks, self.message_bytes(edge_bytes).astype(np.int64))
+        return out
+
     def _comm_durations(self, costs: Costs, edge_bytes: np.ndarray | None) -> np.ndarray:
         """Transfer time of every message.
 
@@ -425,8 +440,12 @@ class CompiledPlan:
         bwd: np.ndarray | None = None,
         wgrad: np.ndarray | None = None,
         edge_bytes: np.ndarray | None = None,
+        receives_kept: bool = False,
     ) -> tuple[float, np.ndarray]:
         """``(step_time, peak_memory[rank])`` under ``costs`` (default: the plan's).
+
+        ``receives_kept``: every receive is posted at the step's start into a
+        buffer kept across steps (gloo, see :meth:`posted_receive_bytes`).
 
         ``fwd``/``bwd``/``wgrad`` (one entry per stage, whole micro-batch) and
         ``edge_bytes`` (one per stage-graph edge) override the costs' values,
@@ -444,7 +463,7 @@ class CompiledPlan:
         dur = self.durations(costs, arrays, edge_bytes)
         end = self.longest(dur)
         step = float(end.max()) if len(end) else 0.0
-        return step, self.peak_memory(arrays, dur, end, edge_bytes)
+        return step, self.peak_memory(arrays, dur, end, edge_bytes, receives_kept)
 
     def peak_memory(
         self,
@@ -452,11 +471,21 @@ class CompiledPlan:
         dur: np.ndarray,
         end: np.ndarray,
         edge_bytes: np.ndarray | None = None,
+        receives_kept: bool = False,
     ) -> np.ndarray:
-        """Peak bytes per rank given op durations and end times (see :mod:`memory`)."""
+        """Peak bytes per rank given op durations and end times (see :mod:`memory`).
+
+        ``receives_kept``: the receive buffers are held all the time
+        (:meth:`posted_receive_bytes`) instead of from a message's transfer
+        until its receiving action starts.
+        """
         nc, nm = self.num_compute, self.num_messages
         msg_bytes = self.message_bytes(edge_bytes)
-        return peak_memory(
+        held = np.zeros(self.num_ranks, dtype=np.int64)
+        if receives_kept:
+            held = self.posted_receive_bytes(edge_bytes)
+            msg_bytes = np.zeros_like(msg_bytes)
+        return held + peak_memory(
             self.memory,
             keep=self.keep_bytes(arrays, edge_bytes),
             activations=arrays.activations,

@@ -99,6 +99,7 @@ def simulate(
     compiled: CompiledPlan | None = None,
     comm: CommPlan | None = None,
     check: bool = True,
+    receives_kept: bool = False,
 ) -> SimResult:
     """Simulate one step of ``plan`` under ``costs`` (default: ``plan.costs``).
 
@@ -106,7 +107,10 @@ def simulate(
     ``comm`` to reuse its derived messages. With ``check`` (default) the plan
     is validated first (:func:`orgel.schedule.validate.validate`: every action
     once, on a rank hosting its stage, after what it needs); a plan that is
-    known valid can skip it. Raises :class:`PlanError` when the plan is
+    known valid can skip it. ``receives_kept``: every receive buffer is held
+    all the step (gloo posts them at its start and keeps them across steps)
+    instead of from its transfer until its receiving action starts. Raises
+    :class:`PlanError` when the plan is
     invalid, has no costs, the costs do not match its stages, or the schedule
     deadlocks.
     """
@@ -124,7 +128,7 @@ def simulate(
     busy_ms = np.bincount(cp.op_rank, weights=dur[:nc], minlength=cp.num_ranks)
     busy = (busy_ms / step).tolist() if step > 0 else [0.0] * cp.num_ranks
     bubble = 1.0 - float(busy_ms.sum()) / (step * cp.num_ranks) if step > 0 else 0.0
-    peak = cp.peak_memory(arrays, dur, end)
+    peak = cp.peak_memory(arrays, dur, end, receives_kept=receives_kept)
     return SimResult(
         step_time=step,
         timeline=timeline,
