@@ -303,9 +303,9 @@ def test_a_replicated_stage_holds_a_flat_copy_of_its_gradients(
     of step's floor counts it beside the optimizer step's temporaries (the larger
     of the two, one after the other), on top of weights, gradients and AdamW state.
 
-    Here the optimizer step is the larger and the peak: the measured step held
-    1 KiB more than AdamW alone on copies of the parameters does (a bias-sized
-    temporary and a scalar, 0.05% of the peak), hence the 0.5% allowance.
+    Here the optimizer step is the larger and the peak (AdamW steps one tensor
+    after another and still holds the previous one's temporaries when it starts
+    the next: the profile steps the parameters in the model's order for this).
     """
     from orgel.plan import plan_workload
     from orgel.runtime.launch import spawn
@@ -319,11 +319,11 @@ def test_a_replicated_stage_holds_a_flat_copy_of_its_gradients(
     assert min(result.sim.peak_memory) >= 5 * params  # 4 x params static + the flat copy
     measured = spawn(_replica_peak, 2, plan.to_json(), timeout=60)
     for got, predicted in zip(measured, result.sim.peak_memory, strict=True):
-        assert got <= 1.005 * predicted and predicted <= 1.1 * got
+        assert got <= predicted <= 1.1 * got
 
 
 def test_end_of_step_floor_takes_the_flat_gradient_copy_or_the_optimizer_step() -> None:
-    from orgel.profile.costs import BlockCosts, optimizer_peak, stage_costs
+    from orgel.profile.costs import STEP_SCALARS, BlockCosts, optimizer_peak, stage_costs
 
     bc = BlockCosts(fwd=[1.0] * 2, bwd=[2.0] * 2, wgrad=[1.0] * 2, params=[1000, 3000],
                     activations=[0] * 2, output=[0] * 2, temporary=[0] * 2, edges=[(0, 1)],
@@ -333,5 +333,6 @@ def test_end_of_step_floor_takes_the_flat_gradient_copy_or_the_optimizer_step() 
     floor = optimizer_peak(bc, costs, [(0, 1), (1,)], 2)
     # rank 0: 4 x 1000 static, then the larger of the flat copy (1000) and AdamW's 250
     # rank 1: 4 x 4000 static; flat copy 1000 against the optimizer's 0.25 x 4000
-    assert floor == [4000 + 1000, 16000 + 1000]
-    assert optimizer_peak(bc, costs, [(0,), (1,)], 2) == [4000 + 250, 12000 + 750]
+    s = STEP_SCALARS  # the step's loss scalars
+    assert floor == [s + 4000 + 1000, s + 16000 + 1000]
+    assert optimizer_peak(bc, costs, [(0,), (1,)], 2) == [s + 4000 + 250, s + 12000 + 750]

@@ -552,6 +552,10 @@ def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> 
     return graph
 
 
+#: Bytes of the scalars a rank's step holds to its end (see :func:`optimizer_peak`).
+STEP_SCALARS = 512
+
+
 def optimizer_peak(bc: BlockCosts, costs: Costs, placement: list[tuple[int, ...]],
                    num_ranks: int) -> list[int]:
     """Bytes per rank at the step's end: static bytes plus the larger of two temporaries.
@@ -562,7 +566,9 @@ def optimizer_peak(bc: BlockCosts, costs: Costs, placement: list[tuple[int, ...]
     are gone by then, so this is a floor under the simulated peak, not an
     addition to it.
     """
-    static, step, flat = [0] * num_ranks, [0] * num_ranks, [0] * num_ranks
+    # plus the step's running loss and its all-reduced summary (0-dim tensors:
+    # 512 bytes covers them, the CUDA allocator's smallest block)
+    static, step, flat = [STEP_SCALARS] * num_ranks, [0] * num_ranks, [0] * num_ranks
     for s, ranks in enumerate(placement):
         st = costs.stages[s]
         for r in ranks:

@@ -53,7 +53,7 @@ from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 16
+PROFILE_VERSION = 17
 
 #: A cached table is re-measured when its blocks now run this much faster or slower.
 RECHECK = 0.25
@@ -270,12 +270,15 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                               repeats, progress, contention, threads,
                               loss=(w.loss_fn, targets), optimizer=optimizer)
         # The optimizer's time has a per-tensor part: time it on every parameter
-        # tensor when they are small enough to copy, else on the largest eight.
-        largest = sorted(w.model.parameters(), key=lambda p: -p.numel())
-        if sum(p.numel() * p.element_size() for p in largest) > 256 << 20:
-            largest = largest[:8]
+        # tensor when they are small enough to copy, else on the largest eight. In
+        # the model's order, as the ranks step them: a per-tensor optimizer still
+        # holds the previous tensor's temporaries while it starts the next one.
+        params = list(w.model.parameters())
+        if sum(p.numel() * p.element_size() for p in params) > 256 << 20:
+            keep = set(sorted(range(len(params)), key=lambda i: -params[i].numel())[:8])
+            params = [p for i, p in enumerate(params) if i in keep]
         with intra_op_threads(threads):
-            extra, ms_per_mib = optimizer_temporary(largest, optimizer, timed=True)
+            extra, ms_per_mib = optimizer_temporary(params, optimizer, timed=True)
         cached["optimizer_temporary"] = extra
         cached["optimizer_ms_per_mib"] = ms_per_mib
         _store("blocks", key, cached)
