@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from orgel.profile.memory import LiveBytes
 from orgel.runtime.backward import WeightWork, input_backward, weight_backward
@@ -336,8 +337,7 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
            if not c and isinstance(a, torch.Tensor)}
     input_saved = sum(n for ptr, n in saved.items() if ptr in fed)
     own = sum(saved.values()) - input_saved
-    kept, temporary, alive = _temporary(module, fresh_inputs, forward, grad_outs, device, own,
-                                        loss)
+    temporary, alive = _temporary(module, fresh_inputs, forward, grad_outs, device, own, loss)
     # the rest of what the forward left alive (at least what autograd saved), and them
     kept = max(alive - output_unsaved, own) + output_unsaved
     return BlockProbe(jobs=jobs, params=param_bytes, activations=kept, output=out_bytes,
@@ -363,7 +363,8 @@ def loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,
         return loss_fn(split.unflatten_outputs(outs), targets)
 
     saved: dict[int, int] = {}
-    batch = {t.untyped_storage().data_ptr() for t in _tensors(targets)}
+    batch = {t.untyped_storage().data_ptr() for t in tree_flatten(targets)[0]
+             if isinstance(t, torch.Tensor)}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         _count_saved(saved, t, batch)
@@ -417,23 +418,11 @@ def _count_saved(saved: dict[int, int], t: torch.Tensor, batch: set[int]) -> Non
         saved.setdefault(ptr, storage.nbytes())
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) tuple, list or dict, or ``value`` itself."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],
                forward: Callable[[list[Any]], list[torch.Tensor]],
                grad_outs: list[torch.Tensor | None], device: torch.device,
-               saved: int, loss: LossProbe | None = None) -> tuple[int, int, int]:
-    """(bytes kept from forward to backward, peak extra bytes of forward + backward,
-    bytes the forward left alive as measured).
+               saved: int, loss: LossProbe | None = None) -> tuple[int, int]:
+    """(peak extra bytes of forward + backward, bytes the forward left alive as measured).
 
     On CUDA the allocator's counters; elsewhere :class:`LiveBytes`. What the
     forward leaves alive (saved tensors and the outputs the runtime holds for
@@ -474,7 +463,7 @@ def _temporary(module: torch.nn.Module, fresh: Callable[[], list[Any]],
     module.zero_grad(set_to_none=True)
     # the loss's saved bytes are counted apart (:func:`loss_jobs`), on top of ``kept``
     alive = max(int(kept), saved) + int(held) - int(kept)
-    return max(int(kept), saved), max(int(peak) - alive, 0), int(kept)
+    return max(int(peak) - alive, 0), int(kept)
 
 
 def _backward(out: list[torch.Tensor], grad_outs: list[torch.Tensor | None],

@@ -69,8 +69,7 @@ from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
                "nodes", "weight_kept", "input_saved", "output_unsaved", "split_input",
-               "split_weight",
-               "optimizer_ms")
+               "split_weight", "optimizer_ms")
 #: Optional per-block times: given for every block or for none.
 _OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
@@ -132,12 +131,7 @@ class BlockCosts:
                                      f"expected one per block ({n})")
         if not self.names:
             self.names = [f"block{i}" for i in range(n)]
-        if not self.weight_kept:
-            self.weight_kept = [0] * n
-        if len(self.weight_kept) != n:
-            raise CostsFileError(f"'weight_kept' has {len(self.weight_kept)} entries, expected "
-                                 f"one per block ({n})")
-        for name in ("input_saved", "output_unsaved"):
+        for name in ("weight_kept", "input_saved", "output_unsaved"):
             if not getattr(self, name):
                 setattr(self, name, [0] * n)
             if len(getattr(self, name)) != n:
@@ -575,7 +569,7 @@ def optimizer_peak(bc: BlockCosts, costs: Costs, placement: list[tuple[int, ...]
             static[r] += st.static_bytes
             step[r] += int(bc.optimizer_temporary * st.params)
             if len(ranks) > 1:
-                flat[r] += st.params if st.grads is None else st.grads
+                flat[r] += st.grad_bytes
     return [a + max(b, c) for a, b, c in zip(static, step, flat, strict=True)]
 
 

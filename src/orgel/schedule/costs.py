@@ -51,9 +51,13 @@ class StageCost:
         return self.bwd - self.weight_grad
 
     @property
+    def grad_bytes(self) -> int:
+        """The gradients' bytes (``params`` when ``grads`` is not given)."""
+        return self.params if self.grads is None else self.grads
+
+    @property
     def static_bytes(self) -> int:
-        grads = self.params if self.grads is None else self.grads
-        return self.params + grads + self.optimizer
+        return self.params + self.grad_bytes + self.optimizer
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class StageArrays:
             )
         table = np.array(
             [(s.fwd, s.bwd, s.weight_grad, s.activations, s.temporary, s.static_bytes,
-              s.params if s.grads is None else s.grads) for s in costs.stages],
+              s.grad_bytes) for s in costs.stages],
             dtype=np.float64,
         ).reshape(num_stages, 7)
         kept = np.array([s.weight_kept for s in costs.stages], dtype=np.float64)

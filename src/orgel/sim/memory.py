@@ -54,6 +54,7 @@ class MemoryLayout:
     late_sign: np.ndarray | None = None  # per op: +1 for I (allocates), -1 for W, else 0
     is_late: np.ndarray | None = None  # per op: 1.0 for I
     first_grad: np.ndarray | None = None  # per op: 1.0 for its stage's first B/W on its rank
+    first_whole: np.ndarray | None = None  # first_grad, where that op is a whole B (not W)
 
     @classmethod
     def build(
@@ -89,6 +90,7 @@ class MemoryLayout:
             nonempty=nonempty, host=host, peak_inflight=np.zeros(num_ranks, dtype=np.int64),
             late_sign=(op_kind == 2).astype(np.float64) - (op_kind == 3),
             is_late=(op_kind == 2).astype(np.float64), first_grad=first_grad,
+            first_whole=first_grad * (op_kind == 1),
         )
         inflight = np.zeros(num_ranks, dtype=np.int64)
         if len(nonempty):
@@ -160,12 +162,9 @@ def peak_memory(
         before = np.cumsum(made) - made
         before -= before[layout.first_of_rank]
         during = made
-        if grad_overlap is not None:
+        if grad_overlap is not None and layout.first_whole is not None:
             # only a whole B frees activations as it goes; a W releases its graph at its end
-            whole = layout.net_sign < 0
-            if layout.late_sign is not None:
-                whole &= layout.late_sign == 0
-            during = made - (grad_overlap * share)[layout.op_stage] * layout.first_grad * whole
+            during = made - (grad_overlap * share)[layout.op_stage] * layout.first_whole
         run, gap = run + before + during, gap + before
     if weight_kept is not None and layout.late_sign is not None:
         late_run, late_gap = layout.alive(weight_kept * share, late=True)
