@@ -40,12 +40,11 @@ def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan
     table's ``tied`` groups) is the same when the table was profiled from
     ``opgraph``; the split's modules decide when they differ.
     """
-    out = _with_split(p, opgraph)
     if costs is not None:
-        predict(out, costs)
-    else:
-        sim = simulate(out)
-        out.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
+        return _split_and_predict(p, opgraph, costs)[0]
+    out = _with_split(p, opgraph)
+    sim = simulate(out)
+    out.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
     return out
 
 

@@ -4,7 +4,7 @@
 on GPUs) and measures the ordered pairs ``(a, b)`` one after another while the
 other ranks idle at a barrier. Rank ``a`` sends ``n`` bytes and rank ``b``
 answers with 4 bytes, so a round trip costs both latencies plus ``n`` bytes
-``a -> b``: a line through the median round trips ``(MiB, ms)``, weighted by
+``a -> b``: a line through the fastest round trips ``(MiB, ms)``, weighted by
 relative error so the small sizes set the intercept and the large ones the
 slope, gives the pair's ms/MiB (its slope) and latency (half its intercept).
 Every wait is bounded by ``timeout`` and a timeout names the pair it was

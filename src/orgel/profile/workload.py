@@ -274,7 +274,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         # the model's order, as the ranks step them: a per-tensor optimizer still
         # holds the previous tensor's temporaries while it starts the next one.
         params = list(w.model.parameters())
-        if sum(p.numel() * p.element_size() for p in params) > 256 << 20:
+        if sum(p.numel() * p.element_size() for p in params) > OPTIMIZER_COPY_LIMIT:
             keep = set(sorted(range(len(params)), key=lambda i: -params[i].numel())[:8])
             params = [p for i, p in enumerate(params) if i in keep]
         with intra_op_threads(threads):
