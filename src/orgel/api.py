@@ -27,6 +27,7 @@ import torch
 
 from orgel import checkpoint as ckpt
 from orgel.engine import OptimizerFactory, RankEngine
+from orgel.guard import untouched
 from orgel.schedule.ir import Plan
 from orgel.workload import Workload, named_inputs, validate_workload
 
@@ -251,12 +252,8 @@ def pipeline(
                               timeout_s=timeout_s, keys=keys, aliases=aliases)
     from orgel.controller import LocalGroup
 
-    # "auto": the planner captures every micro-batch size it tries; capture the chosen one.
-    graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
-    the_plan = _resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp)
-    if graph is None:
-        graph = _capture(workload, the_plan.microbatches)
-    split = _split(workload, graph, the_plan)
+    with untouched(model):  # the workers fork afterwards, from the caller's own state
+        the_plan, split = _prepare(workload, plan, ranks, microbatches, memory, dp)
 
     def make_engine(rank: int) -> RankEngine:
         return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=loss_fn,
@@ -289,15 +286,17 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
-    graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
-    text: list[str | None] = [None]
-    if rank == 0:
-        text = [_resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp).to_json()]
-    dist.broadcast_object_list(text, src=0)
-    the_plan = Plan.from_json(str(text[0]))
-    if graph is None:
-        graph = _capture(workload, the_plan.microbatches)
-    split = _split(workload, graph, the_plan)
+    with untouched(workload.model):
+        graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
+        text: list[str | None] = [None]
+        if rank == 0:
+            text = [_resolve_plan(plan, workload, graph, ranks, microbatches, memory,
+                                  dp).to_json()]
+        dist.broadcast_object_list(text, src=0)
+        the_plan = Plan.from_json(str(text[0]))
+        if graph is None:
+            graph = _capture(workload, the_plan.microbatches)
+        split = _split(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         timeout_s=timeout_s)
     return Pipeline(the_plan, _OwnRank(engine, world, owns_group=owns_group), model=workload.model,
@@ -306,6 +305,17 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
 
 
 # -- the seams to capture, planning and split -------------------------------------------------
+
+
+def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
+             microbatches: int | str, memory: int | None, dp: int) -> tuple[Plan, Any]:
+    """Capture, plan (or check ``plan``) and split: the plan and the SplitModel."""
+    # "auto": the planner captures every micro-batch size it tries; capture the chosen one.
+    graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
+    the_plan = _resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp)
+    if graph is None:
+        graph = _capture(workload, the_plan.microbatches)
+    return the_plan, _split(workload, graph, the_plan)
 
 
 def _capture(workload: Workload, microbatches: int) -> Any:

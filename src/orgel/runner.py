@@ -43,6 +43,7 @@ import torch
 
 from orgel.closure import ClosureEngine, OutputsFunction, Slot
 from orgel.engine import OptimizerFactory, RankEngine
+from orgel.guard import untouched
 from orgel.schedule.ir import Plan
 
 _TOKEN = re.compile(r"\.([A-Za-z_]\w*)|\[\'([^\']+)\'\]|\[(\d+)\]")
@@ -309,15 +310,16 @@ class Backend:
                  for n in first}
         rows = next(iter(batch.values())).shape[0]
         workload = Workload(self.model, batch, torch.zeros(rows), _profiling_loss)
-        graph = api._capture(workload, self.microbatches)
-        # dynamo's graph has the micro-batch's shapes baked in and the user's model is
-        # not ours to re-trace per replica: plan chains of one rank per stage (beam)
-        plan = api._resolve_plan(self.given_plan, workload, graph, self.ranks,
-                                 self.microbatches, self.memory, self.dp, planner="beam")
-        if any(len(r) > 1 for r in plan.placement):
-            raise ValueError("orgel.backend runs stages on one rank each; give a plan "
-                             "without data-parallel stages")
-        split = api._split(workload, graph, plan)
+        with untouched(self.model):
+            graph = api._capture(workload, self.microbatches)
+            # dynamo's graph has the micro-batch's shapes baked in and the user's model is
+            # not ours to re-trace per replica: plan chains of one rank per stage (beam)
+            plan = api._resolve_plan(self.given_plan, workload, graph, self.ranks,
+                                     self.microbatches, self.memory, self.dp, planner="beam")
+            if any(len(r) > 1 for r in plan.placement):
+                raise ValueError("orgel.backend runs stages on one rank each; give a plan "
+                                 "without data-parallel stages")
+            split = api._split(workload, graph, plan)
         self._loss_rank = plan.placement[split.loss_stage][0]
         self._input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
                                     if st.model_inputs})

@@ -130,19 +130,11 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
             f"batch size {batch} is not divisible into {microbatches} micro-batches; "
             f"choose a micro-batch count that divides {batch}"
         )
-    # A trial forward must not change the model: BatchNorm statistics and the
-    # RNG state are put back afterwards.
-    buffers = {n: b.detach().clone() for n, b in w.model.named_buffers()}
-    rng = torch.get_rng_state()
-    try:
-        with torch.no_grad():
-            outputs = w.model(**named)
-            loss = w.loss_fn(outputs, w.targets)
-    finally:
-        with torch.no_grad():
-            for n, b in w.model.named_buffers():
-                b.copy_(buffers[n])
-        torch.set_rng_state(rng)
+    # A trial forward must not change the model (BatchNorm statistics, the RNG).
+    from orgel.guard import untouched
+
+    with untouched(w.model), torch.no_grad():
+        loss = w.loss_fn(w.model(**named), w.targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise WorkloadError(

@@ -9,8 +9,8 @@ names dynamo's reason and the user's source line. Export route:
 
 Either way the graph is then run once on the real inputs to measure, per node,
 output sizes, FLOPs (``FlopCounterMode``) and the bytes autograd saves for
-backward (``saved_tensors_hooks``). The model's buffers and the RNG state are
-restored afterwards, so capturing does not change the model.
+backward (``saved_tensors_hooks``). The model and torch's global state are
+restored afterwards (:func:`orgel.guard.untouched`), so capturing changes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
+from orgel.guard import untouched
 from orgel.workload import named_inputs
 
 METHODS = ("auto", "dynamo", "export")
@@ -41,10 +42,8 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto") -> OpG
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     named = named_inputs(model, inputs)
-    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    rng = torch.get_rng_state()
     notes: list[str] = []
-    try:
+    with untouched(model):
         if method == "export":
             raw = _export_graph(model, named)
         else:
@@ -57,20 +56,8 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto") -> OpG
                     raise CaptureError(f"torch.compile could not capture the model: {exc}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
                 raw = _export_graph(model, named)
-        _restore(model, saved_buffers, rng)
         used = "export" if method == "export" or notes else "dynamo"
-        graph = measure(model, named, raw, notes, used)
-    finally:
-        _restore(model, saved_buffers, rng)
-    return graph
-
-
-def _restore(model: torch.nn.Module, buffers: dict[str, torch.Tensor], rng: torch.Tensor) -> None:
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name in buffers:
-                b.copy_(buffers[name])
-    torch.set_rng_state(rng)
+        return measure(model, named, raw, notes, used)
 
 
 # -- the two routes: both return (gm, roles, leaves, treespec) -------------------------

@@ -19,9 +19,14 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec
+from orgel.graph.regions import collapse_transforms
 
 # Nodes that switch state rather than compute: recorded as each node's grad mode.
 GRAD_SWITCH = torch._C._set_grad_enabled
+AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
+AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
+#: Graph nodes that change a mode rather than compute: recorded on the nodes they govern.
+STRUCTURAL = (GRAD_SWITCH, AUTOCAST_ENTER, AUTOCAST_EXIT)
 _DROP = {"_log_api_usage_once"}
 
 #: (graph, placeholder roles, output leaves, output treespec) from a capture route.
@@ -74,6 +79,8 @@ def measure(
     model: torch.nn.Module, named: dict[str, Any], raw: Raw, notes: list[str], method: str
 ) -> OpGraph:
     gm, roles, raw_leaves, treespec = raw
+    if collapse_transforms(gm):
+        notes.append("torch.vmap regions run whole, each as one node")
     graph = gm.graph
     input_names = [r[1] for r in roles.values() if r[0] == "input"]
     # Name values by what they are: a model input's placeholder takes the input's name.
@@ -119,11 +126,11 @@ def measure(
     facts = _run_measured(gm, args, attr_of, params, buffers)
     nodes: dict[str, OpNode] = {}
     for node in graph.nodes:
-        if node.op not in ("call_function", "call_method") or node.target is GRAD_SWITCH:
+        if node.op not in ("call_function", "call_method") or node.target in STRUCTURAL:
             continue
         reads = [n for n in node.all_input_nodes if n.op != "call_function"
-                 or n.target is not GRAD_SWITCH]
-        value, saved, flops, grad_mode = facts[node.name]
+                 or n.target not in STRUCTURAL]
+        value, saved, flops, grad_mode, autocast = facts[node.name]
         shape, dtype, nbytes, is_tensor, requires_grad = _describe(value)
         pnames = tuple(dict.fromkeys(attr_of[n.name] for n in reads if n.name in attr_of))
         nodes[node.name] = OpNode(
@@ -133,7 +140,7 @@ def measure(
             param_bytes=sum(_nbytes(params, buffers, constants, p) for p in pnames),
             flops=flops if flops else (value.numel() if isinstance(value, torch.Tensor) else 0),
             saved_bytes=saved, requires_grad=requires_grad, is_tensor=is_tensor,
-            grad_enabled=grad_mode, source=_source(node),
+            grad_enabled=grad_mode, autocast=autocast, source=_source(node),
             constant=None if is_tensor or holds_tensors(value, 3) else value,
             mutates=mutated.get(node.name),
         )
@@ -268,12 +275,13 @@ def holds_tensors(obj: Any, depth: int) -> bool:
 def _run_measured(
     gm: torch.fx.GraphModule, args: list[Any], attr_of: dict[str, str],
     params: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor],
-) -> dict[str, tuple[Any, int, int, bool]]:
-    """Run the graph on real tensors: per node (output, saved bytes, FLOPs, grad mode)."""
+) -> dict[str, tuple[Any, int, int, bool, tuple[tuple[Any, ...], ...]]]:
+    """Run the graph on real tensors: per node (output, saved bytes, FLOPs, grad mode, autocast)."""
     excluded = {t.untyped_storage().data_ptr() for t in [*params.values(), *buffers.values()]}
     counted: set[int] = set()
     keep: list[Any] = []  # hold saved storages so a freed address is never reused
-    facts: dict[str, tuple[Any, int, int, bool]] = {}
+    facts: dict[str, tuple[Any, int, int, bool, tuple[tuple[Any, ...], ...]]] = {}
+    autocast: list[tuple[Any, ...]] = []  # the open autocast regions' arguments
 
     class Measured(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
@@ -286,9 +294,14 @@ def _run_measured(
                 return t
 
             grad_mode = torch.is_grad_enabled()
+            regions = tuple(autocast)
             counter = FlopCounterMode(display=False)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
                 out = super().run_node(n)
+            if n.target is AUTOCAST_ENTER:
+                autocast.append(tuple(n.args))
+            elif n.target is AUTOCAST_EXIT:
+                autocast.pop()
             nbytes = 0
             for t in saved:
                 storage = t.untyped_storage()
@@ -298,7 +311,7 @@ def _run_measured(
                 counted.add(key)
                 keep.append(storage)
                 nbytes += storage.nbytes()
-            facts[n.name] = (out, nbytes, int(counter.get_total_flops()), grad_mode)
+            facts[n.name] = (out, nbytes, int(counter.get_total_flops()), grad_mode, regions)
             return out
 
     grad_before = torch.is_grad_enabled()

@@ -34,7 +34,9 @@ class OpNode:
     ``saved_bytes`` is what autograd kept for backward when it ran (measured,
     not guessed; parameters and storages already counted by an earlier node are
     left out); ``flops`` counts matmul/conv/attention FLOPs, or one per output
-    element for other ops; ``grad_enabled`` is the grad mode it ran under.
+    element for other ops; ``grad_enabled`` is the grad mode it ran under and
+    ``autocast`` the arguments of the autocast regions around it (outermost first,
+    as passed to ``torch.amp.autocast_mode._enter_autocast``).
     An in-place node (``mutates`` set) is, for every later reader, the new
     version of the value it overwrote: capture rewires those readers to it.
     """
@@ -53,6 +55,7 @@ class OpNode:
     requires_grad: bool = False
     is_tensor: bool = True
     grad_enabled: bool = True
+    autocast: tuple[tuple[Any, ...], ...] = ()
     source: str = ""
     constant: Any = None  # the output itself when it holds no tensors (sizes, ints)
     mutates: str | None = None  # the value this node overwrites in place (``x.add_(y)``)
@@ -101,8 +104,9 @@ class OpGraph:
     ``graph_module`` has one placeholder per model input (named like the input),
     per parameter/buffer (see ``attr_of``) and per lifted constant.
     ``nodes`` holds the compute nodes in a topological order (the graph's own
-    order); structural nodes (grad-mode switches) are left out of ``nodes`` and
-    recorded as each node's ``grad_enabled`` instead.
+    order); structural nodes (grad-mode switches, autocast entries and exits) are
+    left out of ``nodes`` and recorded as each node's ``grad_enabled`` and
+    ``autocast`` instead, so that a stage re-enters the regions it starts in.
     """
 
     graph_module: torch.fx.GraphModule

@@ -23,11 +23,10 @@ from typing import Any
 import torch
 
 from orgel.graph.blocks import BlockGraph
+from orgel.graph.measure import AUTOCAST_ENTER, AUTOCAST_EXIT, GRAD_SWITCH
 from orgel.graph.opgraph import OpGraph
 from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value
 from orgel.split.types import SplitModel, StageModule
-
-_GRAD_SWITCH = torch._C._set_grad_enabled
 
 Assignment = Sequence[int] | Mapping[Any, int]
 
@@ -318,15 +317,36 @@ def _stage_module(
         raise SplitError(f"value {n.name} is not available in this stage")
 
     grad = True
+    regions: list[tuple[tuple[Any, ...], torch.fx.Node]] = []  # open autocast regions
     for name in names:
         info = opg.nodes[name]
+        if tuple(args for args, _ in regions) != info.autocast:
+            _enter_regions(g, regions, info.autocast)
         if info.grad_enabled != grad:
-            g.call_function(_GRAD_SWITCH, (info.grad_enabled,))
+            g.call_function(GRAD_SWITCH, (info.grad_enabled,))
             grad = info.grad_enabled
         if info.mutates is not None and first_mutator.get(info.mutates) == name:
             sent[info.mutates] = g.call_method("clone", (env[info.mutates],))
         env[name] = g.node_copy(fx_nodes[name], lookup)
+    _enter_regions(g, regions, ())
     if not grad:
-        g.call_function(_GRAD_SWITCH, (True,))
+        g.call_function(GRAD_SWITCH, (True,))
     g.output(tuple(sent.get(n, env[n]) for n in outputs))
     return torch.fx.GraphModule(attrs, g)
+
+
+def _enter_regions(g: torch.fx.Graph, regions: list[tuple[tuple[Any, ...], torch.fx.Node]],
+                   target: tuple[tuple[Any, ...], ...]) -> None:
+    """Exit and enter autocast regions until ``regions`` holds ``target`` (outermost first).
+
+    A stage that starts inside a region the model opened in an earlier stage
+    enters it again; one that ends inside a region exits it before returning.
+    """
+    keep = 0
+    while keep < min(len(regions), len(target)) and regions[keep][0] == target[keep]:
+        keep += 1
+    while len(regions) > keep:
+        _, entered = regions.pop()
+        g.call_function(AUTOCAST_EXIT, (entered,))
+    for args in target[keep:]:
+        regions.append((args, g.call_function(AUTOCAST_ENTER, args)))

@@ -1,0 +1,92 @@
+"""Leave the caller's model and torch's global state exactly as orgel found them.
+
+Everything orgel does before the first training step (validating the
+workload, capturing the graph, measuring and profiling it, planning,
+splitting) runs the user's model or pieces of it in train mode. A forward in
+train mode moves BatchNorm statistics, counts ``num_batches_tracked`` and
+draws from the RNG; a backward fills ``.grad``; a failure half-way through can
+leave grad mode switched off or a ``torch.vmap`` level open. :func:`untouched`
+wraps all of that once, at the entry points, so that no step of the
+preparation has to remember to put anything back:
+
+* buffers are copied and written back in place (the stage modules share the
+  model's tensors, so they start from the caller's values too);
+* parameters are never written by the preparation; their version counters
+  prove it, and a change is reported as an error rather than silently kept;
+* ``.grad``, ``requires_grad`` and every module's train/eval flag are restored;
+* the torch (CPU and CUDA), Python and NumPy RNG states, grad mode and the
+  functorch (vmap/grad) nesting depth are restored, also after an exception.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from orgel.checkpoint import rng_state, set_rng_state
+
+
+def _global_state() -> dict[str, Any]:
+    return {
+        "rng": rng_state(),
+        "grad": torch.is_grad_enabled(),
+        "functorch": torch._C._functorch.get_dynamic_layer_stack_depth(),
+    }
+
+
+def _restore_global(saved: dict[str, Any]) -> None:
+    depth = torch._C._functorch.get_dynamic_layer_stack_depth()
+    if depth > saved["functorch"]:  # a transform (vmap, grad) left open by an exception
+        torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(saved["functorch"])
+    torch.set_grad_enabled(saved["grad"])
+    set_rng_state(saved["rng"])
+
+
+@contextmanager
+def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """Run the body, then put ``model`` and torch's global state back as they were.
+
+    Raises RuntimeError after the body if the body changed a parameter in place
+    (orgel's preparation never should; the message names the parameter).
+    """
+    saved = _global_state()
+    modules = [] if model is None else list(model.modules())
+    training = [m.training for m in modules]
+    params = [] if model is None else list(model.named_parameters())
+    flags = [(p.requires_grad, p.grad, p._version) for _, p in params]
+    grads = [None if p.grad is None else p.grad.detach().clone() for _, p in params]
+    buffers = [] if model is None else [b for b in model.buffers() if b is not None]
+    copies = [b.detach().clone() for b in buffers]
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        _restore_global(saved)  # first: no tensor may be touched inside an open vmap
+        with torch.no_grad():
+            for b, copy in zip(buffers, copies, strict=True):
+                if b.is_meta or not torch.equal(b, copy):
+                    b.copy_(copy)
+        for m, flag in zip(modules, training, strict=True):
+            m.training = flag
+        changed = []
+        for (name, p), (requires_grad, grad, version), value in zip(params, flags, grads,
+                                                                      strict=True):
+            p.requires_grad_(requires_grad)
+            p.grad = grad
+            if grad is not None and value is not None and not torch.equal(grad, value):
+                with torch.no_grad():
+                    grad.copy_(value)
+            if p._version != version:
+                changed.append(name)
+        if changed and not failed and sys.exc_info()[0] is None:
+            raise RuntimeError(
+                f"orgel changed parameter(s) {', '.join(changed[:5])} in place while preparing "
+                "the pipeline; this is a bug in orgel, please report it with the model"
+            )

@@ -1,0 +1,140 @@
+"""One architecture through ``orgel.pipeline`` against one process, as a user would run it.
+
+:func:`orgel_check` builds the workload, snapshots everything ``orgel.pipeline``
+must leave alone (parameters, buffers, ``requires_grad`` flags, train/eval
+modes, gradients, the global RNG state), runs ``orgel.pipeline(...)`` and one
+``step`` through the production path (local spawn, the real split, the real
+launcher), and compares the pipelined parameters and buffers with a copy of the
+model trained in this process by gradient accumulation over the same
+micro-batches with the same SGD step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import orgel
+from orgel.models import ZooWorkload
+from orgel.workload import Workload, microbatches
+
+LR = 0.1
+#: Largest accepted difference, relative to the tensor's scale: max|a-b| / (1 + max|b|).
+TOLERANCE = 1e-5
+
+
+@dataclass
+class Outcome:
+    """What happened to one architecture: ``status`` is "exact", "differs" or "fails"."""
+
+    name: str
+    status: str
+    detail: str = ""
+    loss: float = math.nan
+    ref_loss: float = math.nan
+    worst: dict[str, float] = field(default_factory=dict)
+    trace: str = ""
+
+    def line(self) -> str:
+        if self.status == "exact":
+            return f"{self.name:<22} exact"
+        return f"{self.name:<22} {self.status}: {self.detail}"
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, Any]:
+    """Everything about ``model`` and torch's global RNG that orgel must not change."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "grads": {n: None if p.grad is None else p.grad.clone()
+                  for n, p in model.named_parameters()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What differs between two snapshots, one line per difference (empty when bit-identical)."""
+    out: list[str] = []
+    for key, t in before["state"].items():
+        u = after["state"].get(key)
+        if u is None or u.dtype != t.dtype or u.shape != t.shape or not torch.equal(u, t):
+            out.append(f"state {key} changed")
+    for part in ("requires_grad", "training"):
+        if before[part] != after[part]:
+            out.append(f"{part} flags changed")
+    for name, g in before["grads"].items():
+        h = after["grads"].get(name)
+        if (g is None) != (h is None) or (g is not None and not torch.equal(g, h)):
+            out.append(f"grad of {name} changed")
+    if not torch.equal(before["rng"], after["rng"]):
+        out.append("global RNG state changed")
+    return out
+
+
+def reference_step(model: torch.nn.Module, workload: Workload, m: int) -> float:
+    """One SGD step of ``model`` in this process: gradient accumulation over ``m`` micro-batches."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for inputs, targets in microbatches(Workload(model, workload.inputs, workload.targets,
+                                                 workload.loss_fn), m):
+        loss = workload.loss_fn(model(**inputs), targets) / m
+        loss.backward()
+        total += float(loss.detach())
+    opt.step()
+    return total
+
+
+def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a-b| / (1 + max|b|), in float64 (0.0 for empty tensors; inf for shape mismatch)."""
+    if a.shape != b.shape:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    a64, b64 = a.detach().double(), b.detach().double()
+    return float((a64 - b64).abs().max() / (1.0 + b64.abs().max()))
+
+
+def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
+                **options: Any) -> Outcome:
+    """Train ``build()`` one step through orgel and in one process; compare every tensor."""
+    try:
+        w: ZooWorkload = build()
+        workload = Workload(w.model, w.inputs, w.targets, w.loss_fn)
+        reference = copy.deepcopy(w.model)
+        before = snapshot(w.model)
+        pipe = orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=ranks,
+                              microbatches=m, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+                              timeout_s=120.0, **options)
+        try:
+            touched = changes(before, snapshot(w.model))
+            loss = pipe.step(w.inputs, w.targets)
+            got = pipe.state_dict()
+        finally:
+            pipe.close()
+    except Exception as exc:  # noqa: BLE001 - reported as the outcome
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        return Outcome(name, "fails", f"{type(exc).__name__}: {first}",
+                       trace=traceback.format_exc())
+    ref_loss = reference_step(reference, workload, m)
+    if touched:
+        return Outcome(name, "differs", "orgel.pipeline changed the model: "
+                       + "; ".join(touched[:3]), loss, ref_loss)
+    expected = reference.state_dict()
+    worst: dict[str, float] = {"loss": abs(loss - ref_loss) / (1.0 + abs(ref_loss))}
+    for key, t in expected.items():
+        if key not in got:
+            return Outcome(name, "differs", f"{key} missing from pipe.state_dict()", loss, ref_loss)
+        worst[key] = relative_diff(got[key], t)
+    bad = {k: v for k, v in worst.items() if not v <= TOLERANCE}
+    if bad:
+        key = max(bad, key=lambda k: bad[k])
+        return Outcome(name, "differs", f"{key} by {bad[key]:.2e} ({len(bad)} tensors over "
+                       f"{TOLERANCE:g})", loss, ref_loss, worst)
+    return Outcome(name, "exact", "", loss, ref_loss, worst)
