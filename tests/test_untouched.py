@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from archzoo.check import changes, orgel_check, snapshot
 from torch import nn
 
+from archzoo.check import changes, orgel_check, snapshot
 from orgel.guard import untouched
 from orgel.models import ZooWorkload
 
