@@ -102,12 +102,18 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
-                **options: Any) -> Outcome:
-    """Train ``build()`` one step through orgel and in one process; compare every tensor."""
+                plan_for: Any = None, **options: Any) -> Outcome:
+    """Train ``build()`` one step through orgel and in one process; compare every tensor.
+
+    ``plan_for(workload)``, if given, returns the plan to pass to ``orgel.pipeline``;
+    ``options`` go to ``orgel.pipeline`` as they are.
+    """
     try:
         w: ZooWorkload = build()
         workload = Workload(w.model, w.inputs, w.targets, w.loss_fn)
         reference = copy.deepcopy(w.model)
+        if plan_for is not None:
+            options["plan"] = plan_for(w)
         before = snapshot(w.model)
         pipe = orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=ranks,
                               microbatches=m, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
@@ -138,3 +144,23 @@ def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         return Outcome(name, "differs", f"{key} by {bad[key]:.2e} ({len(bad)} tensors over "
                        f"{TOLERANCE:g})", loss, ref_loss, worst)
     return Outcome(name, "exact", "", loss, ref_loss, worst)
+
+
+def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
+                   **schedule: Any) -> Outcome:
+    """:func:`orgel_check` with a FLOP-balanced chain as the plan (no profiling, quick).
+
+    ``schedule`` goes to :func:`orgel.runtime.plans.balanced_plan` (default 1F1B).
+
+    The plan comes from a capture of a copy of the model, so the model handed
+    to ``orgel.pipeline`` is still the caller's untouched one.
+    """
+    from orgel.graph import capture
+    from orgel.runtime.plans import balanced_plan
+
+    def plan_for(w: ZooWorkload) -> Any:
+        model = copy.deepcopy(w.model)
+        first, _ = microbatches(Workload(model, w.inputs, w.targets, w.loss_fn), m)[0]
+        return balanced_plan(capture(model, first), ranks=ranks, microbatches=m, **schedule)
+
+    return orgel_check(name, build, ranks=ranks, m=m, plan_for=plan_for)

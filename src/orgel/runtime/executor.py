@@ -132,8 +132,12 @@ class Executor:
     # -- public -------------------------------------------------------------------
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        """This rank's parameters (every hosted stage, in stage order)."""
-        return [p for _, info in sorted(self.stages.items()) for p in info.params]
+        """This rank's parameters (every hosted stage, in stage order), each object once.
+
+        Two stages on one rank that share a tied parameter hold the same object:
+        the optimizer must see it once, or it would step it twice.
+        """
+        return self.sync.all_params
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(qualified name in the original model, parameter)`` for this rank's stages."""

@@ -44,7 +44,9 @@ class GradSync:
                  device: torch.device) -> None:
         self.rank = rank
         self.device = device
-        self.all_params = [p for _, info in sorted(stages.items()) for p in info.params]
+        # each object once: stages on one rank that share a tied parameter hold one object
+        self.all_params = list({id(p): p for _, info in sorted(stages.items())
+                                for p in info.params}.values())
         self.timeout = timeout
         self.world_group = world_group
         # qualified name -> local copies; which copy counts for the norm
@@ -121,14 +123,21 @@ class GradSync:
                 p.grad.copy_(flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
                 offset += n
         self.pending = []
-        for name, copies in self.tied.items():
+        # Every rank launches the tied sums in one order (by name), all before waiting
+        # on any: a rank that waited on its first would block a peer whose first differs.
+        sums: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []
+        for name in sorted(self.tied):
+            # a Parameter two stages on this rank share is one copy: autograd summed it
+            copies = list({id(p): p for p in self.tied[name]}.values())
             total = _grad(copies[0]).clone()
             for p in copies[1:]:
                 total += _grad(p)
             group = self.tied_groups.get(name)
-            if group is not None:
-                self._wait(dist.all_reduce(total, group=group, async_op=True),
-                           f"the tied parameter {name!r}")
+            work = None if group is None else dist.all_reduce(total, group=group, async_op=True)
+            sums.append((name, work, total, copies))
+        for name, work, total, copies in sums:
+            if work is not None:
+                self._wait(work, f"the tied parameter {name!r}")
             for p in copies:
                 p.grad.copy_(total)  # type: ignore[union-attr]
         # the norm costs a pass over every gradient: only when clipping needs it
