@@ -74,7 +74,8 @@ class Pipeline:
                  loss_ranks: Sequence[int], state_keys: list[str], aliases: dict[str, str],
                  spmd: bool) -> None:
         self.plan = plan
-        self._model = model  # only its forward signature is used: to name positional inputs
+        # its forward signature names positional inputs; it holds the tensors no stage reads
+        self._model = model
         self._ranks = ranks
         self._loss_rank = loss_ranks[0]
         self._state_keys = state_keys
@@ -113,6 +114,13 @@ class Pipeline:
         for part in self._ranks.call("state_dict"):
             for name, t in part.items():
                 merged.setdefault(name, t)
+        # Tensors the forward never reads (an unused pooler, a spare buffer) are in no
+        # stage; training cannot change them, so the caller's model holds their values.
+        own = self._model.state_dict()
+        for key in self._state_keys:
+            name = self._aliases.get(key, key)
+            if name not in merged and key in own:
+                merged[name] = own[key].detach().clone()
         return _in_model_order(merged, self._state_keys, self._aliases)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

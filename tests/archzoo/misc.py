@@ -440,7 +440,11 @@ class DLRMLike(nn.Module):
 
 
 class FrozenBackbone(nn.Module):
-    """A frozen 2-layer backbone (``requires_grad=False``) followed by trainable layers."""
+    """A frozen 2-layer backbone (``requires_grad=False``) followed by trainable layers.
+
+    Like many Hugging Face models it also holds tensors its forward never reads:
+    a spare head (a pooler) and a buffer.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -449,6 +453,8 @@ class FrozenBackbone(nn.Module):
         self.neck = ResidualMLP()
         self.hidden = nn.Linear(DIM, DIM)
         self.head = nn.Linear(DIM, CLASSES)
+        self.unused_pooler = nn.Linear(DIM, DIM)
+        self.register_buffer("unused_ids", torch.arange(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.neck(F.gelu(self.backbone(x)))
@@ -577,7 +583,7 @@ def dlrm_like() -> ZooWorkload:
 
 
 def frozen_part() -> ZooWorkload:
-    """Frozen backbone followed by trainable layers."""
+    """Frozen backbone followed by trainable layers; a pooler and a buffer left unused."""
     return _workload(FrozenBackbone, (_features(17, (16,)),), _labels(17), _ce_loss)
 
 

@@ -310,21 +310,23 @@ class Executor:
                 else:
                     grads = self._inbox.pop(self.msg_index[(dst, self.rank, e, m, True, part)])
                 for name, g in zip(floats, grads, strict=True):
+                    if part == (0, 1, 1):  # the whole value (a scalar has no rows to cut)
+                        pieces.setdefault(name, []).append((-1, -1, g))
+                        continue
                     rows = run.outputs[info.out_index[name]].shape[self.batch_dim]
-                    start, stop = ((0, rows) if part == (0, 1, 1)
-                                   else part_rows(part, info.replica, info.replicas, rows))
+                    start, stop = part_rows(part, info.replica, info.replicas, rows)
                     pieces.setdefault(name, []).append((start, stop, g))
             self._local_grads.pop((e, m), None)
         result: dict[str, torch.Tensor] = {}
         for name, parts in pieces.items():
-            out = run.outputs[info.out_index[name]]
-            rows = out.shape[self.batch_dim]
-            if len(parts) == 1 and parts[0][:2] == (0, rows):
+            if len(parts) == 1 and parts[0][0] == -1:
                 result[name] = parts[0][2]
                 continue
-            total = torch.zeros_like(out)
+            total = torch.zeros_like(run.outputs[info.out_index[name]])
             for start, stop, g in parts:
-                total.narrow(self.batch_dim, start, stop - start).add_(g)
+                target = total if start == -1 else total.narrow(self.batch_dim, start,
+                                                                stop - start)
+                target.add_(g)
             result[name] = total
         return result
 

@@ -17,6 +17,7 @@ separate ranks. Shapes are fixed to the micro-batch the graph was captured on.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -130,7 +131,6 @@ def _check_acyclic(opg: OpGraph, node_stage: dict[str, int], num_stages: int) ->
     for a, b in witness:
         succ[a].append(b)
     color = dict.fromkeys(range(num_stages), 0)
-    order: list[int] = []
     stack_path: list[int] = []
 
     def visit(s: int) -> None:
@@ -152,12 +152,26 @@ def _check_acyclic(opg: OpGraph, node_stage: dict[str, int], num_stages: int) ->
                 visit(t)
         stack_path.pop()
         color[s] = 2
-        order.append(s)
 
     for s in range(num_stages):
         if color[s] == 0:
             visit(s)
-    return order[::-1]
+    # The order itself: the lowest-numbered ready stage first, so that stages
+    # numbered in a topological order (blocks, chains) keep their own order.
+    indegree = {s: 0 for s in range(num_stages)}
+    for _, b in witness:
+        indegree[b] += 1
+    ready = [s for s in range(num_stages) if indegree[s] == 0]
+    heapq.heapify(ready)
+    stable: list[int] = []
+    while ready:
+        s = heapq.heappop(ready)
+        stable.append(s)
+        for t in succ[s]:
+            indegree[t] -= 1
+            if indegree[t] == 0:
+                heapq.heappush(ready, t)
+    return stable
 
 
 # -- building the stage modules ------------------------------------------------------
