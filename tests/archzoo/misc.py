@@ -602,7 +602,8 @@ BUILDERS: dict[str, Callable[[], ZooWorkload]] = {
     )
 }
 
-#: Models that ``torch.compile(fullgraph=True)`` cannot capture as one graph, and why.
+#: Models that ``torch.compile(fullgraph=True)`` with Dynamo's default settings cannot capture
+#: as one graph, and why (orgel's capture sets ``allow_rnn``, so the RNNs capture there).
 GRAPH_BREAKS: dict[str, str] = {
     "lstm_lm": "Dynamo does not trace nn.LSTM (torch._dynamo.config.allow_rnn is False)",
     "gru_classifier": "Dynamo does not trace nn.GRU (torch._dynamo.config.allow_rnn is False)",

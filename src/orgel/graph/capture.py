@@ -97,7 +97,9 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
     try:
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         # Traced with grad enabled, as in training: dynamo specialises on grad mode.
-        result = compiled(**named)
+        # allow_rnn: trace nn.LSTM/GRU/RNN as ops instead of breaking the graph at them.
+        with torch._dynamo.config.patch(allow_rnn=True):
+            result = compiled(**named)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
         # Unsupported: a graph break; UserError: a guard on a data-dependent value
         # (``if t.item() > 0``), which is a graph break under fullgraph too.
