@@ -1,9 +1,11 @@
-"""Autocast and vmap regions in a captured forward, cut at every position.
+"""Autocast and vmap regions and in-place activations in a captured forward, cut everywhere.
 
 An autocast region (transformers 4.x Llama's rotary embedding turns autocast
 off locally) that a stage boundary cuts must be re-entered by the later stage;
 a ``torch.vmap`` traced inline (transformers 4.x GPT-2's masks) must run whole
-in one stage. Both are checked at every cut of the graph against one process.
+in one stage; an in-place activation on a stage's input (``nn.ReLU6(inplace=True)``
+calls ``F.hardtanh(x, 0.0, 6.0, True)``, the flag passed by position) must update
+a copy of the received leaf. Each is checked at every cut against one process.
 """
 
 from __future__ import annotations
@@ -49,11 +51,25 @@ class VmapMask(nn.Module):
         return self.b(h * keep)
 
 
+class InplaceOnInput(nn.Module):
+    """Blocks that start with an in-place ReLU6 (MobileNetV2) or hardswish (MobileNetV3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.relu6, self.hardswish = nn.ReLU6(inplace=True), nn.Hardswish(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu6(self.a(x) * 4)
+        h = self.hardswish(self.b(h) * 4)
+        return self.c(h)
+
+
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-@pytest.mark.parametrize("model_cls", [AutocastOff, VmapMask])
+@pytest.mark.parametrize("model_cls", [AutocastOff, VmapMask, InplaceOnInput])
 def test_every_two_stage_cut_matches_one_process(model_cls: type[nn.Module]) -> None:
     torch.manual_seed(0)
     model = model_cls()

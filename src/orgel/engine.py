@@ -140,6 +140,7 @@ class RankEngine:
             if rng:
                 ckpt.set_rng_state(rng)
         self.step_count = int(part["step"])
+        self.executor.steps_done = self.step_count  # the random streams go on from there
         return self.step_count
 
 

@@ -10,6 +10,7 @@ become explicit edges, and the result is an :class:`OpGraph`.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 from typing import Any
@@ -176,6 +177,17 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift}
 
 
+def _inplace_flag(node: torch.fx.Node) -> bool:
+    """Whether ``node`` passes ``inplace=True``, by keyword or by position (``F.hardtanh``)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin without a signature, or other arguments
+        return False
+    return bound.arguments.get("inplace") is True
+
+
 def _mutated_arg(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor argument ``node`` overwrites in place, if any."""
     if node.op not in ("call_function", "call_method") or not node.args:
@@ -192,7 +204,7 @@ def _mutated_arg(node: torch.fx.Node) -> torch.fx.Node | None:
         inplace = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
     else:
         name = getattr(target, "__name__", "")
-        inplace = (target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+        inplace = (target in _INPLACE_OPERATORS or _inplace_flag(node)
                    or (name.endswith("_") and not name.startswith("_")))
     return first if inplace else None
 

@@ -32,11 +32,11 @@ from orgel.runtime.stage import (
     Run,
     StageInfo,
     part_rows,
+    random_stream,
     replica_pairs,
-    rng_state,
-    set_rng_state,
     share,
     split_batch,
+    stream_seed,
 )
 from orgel.runtime.trace import Event
 from orgel.schedule.comm import derive_comm
@@ -58,7 +58,8 @@ class Executor:
     step), ``batch_dim``, ``store`` (rendezvous store; default: the process group's),
     ``post_ahead`` (post every receive at the step's start; default: yes for gloo, no for
     NCCL, whose pair streams match in order, so receives go just in time in channel order),
-    ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss).
+    ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss),
+    ``seed`` (the base of every forward's random stream; default ``torch.initial_seed()``).
     """
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
@@ -66,7 +67,8 @@ class Executor:
                  max_grad_norm: float | None = None, timeout: float = 60.0,
                  device: torch.device | str | None = None, dynamic_shapes: bool = False,
                  batch_dim: int = 0, store: Any = None, check_plan: bool = True,
-                 post_ahead: bool | None = None, check_finite: bool = False) -> None:
+                 post_ahead: bool | None = None, check_finite: bool = False,
+                 seed: int | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -127,6 +129,10 @@ class Executor:
         }
         self.events: list[Event] = []
         self.grad_norm = 0.0
+        # random draws (dropout): one stream per (seed, step, stage, micro-batch); torch's
+        # initial seed is what the user set with torch.manual_seed, and no draw consumes it
+        self.seed = torch.initial_seed() if seed is None else seed
+        self.steps_done = 0
         self._signature: Any = None
 
     # -- public -------------------------------------------------------------------
@@ -187,6 +193,7 @@ class Executor:
                               cause=exc) from exc
         self._signature = signature
         self._runs, self._inbox, self._local_grads = {}, {}, {}
+        self.steps_done += 1
         return loss
 
     # -- the action loop ----------------------------------------------------------
@@ -264,15 +271,15 @@ class Executor:
         args = [share(mb[n], info.replica, info.replicas, self.batch_dim)
                 if n in stage.model_inputs else leaves[n] for n in stage.inputs]
         run = Run(args, leaves, ())
-        if info.recompute:
-            run.rng = rng_state(self.device)
-            with torch.no_grad():
-                run.outputs, run.loss = self._compute(info, args, m)
-        else:
+        with self._draws(a.stage, m), torch.set_grad_enabled(not info.recompute):
             run.outputs, run.loss = self._compute(info, args, m)
         if run.loss is not None:
             self._loss = self._loss + run.loss.detach()
         self._runs[(a.stage, m)] = run
+
+    def _draws(self, stage: int, m: int) -> Any:
+        """The random stream of stage ``stage``'s forward on micro-batch ``m`` this step."""
+        return random_stream(stream_seed(self.seed, self.steps_done, stage, m), self.device)
 
     def _compute(self, info: StageInfo, args: list[Any],
                  m: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
@@ -335,14 +342,9 @@ class Executor:
         info, m = self.stages[a.stage], a.microbatch
         run = self._runs[(a.stage, m)]
         out_grads = self._output_grads(info, m)
-        if info.recompute:
-            # replay the forward's random draws, then resume the rank's own stream
-            # (as torch.utils.checkpoint does), so recompute changes no later draw
-            resume = rng_state(self.device)
-            set_rng_state(run.rng, self.device)
-            with torch.enable_grad():
+        if info.recompute:  # the forward's own stream again: the same dropout masks
+            with self._draws(a.stage, m), torch.enable_grad():
                 run.outputs, run.loss = self._compute(info, run.args, m)
-            set_rng_state(resume, self.device)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if run.loss is not None and run.loss.requires_grad:

@@ -10,6 +10,9 @@ same rule as :mod:`orgel.schedule.comm`.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from math import lcm
 from typing import Any
@@ -144,18 +147,26 @@ class Run:
     leaves: dict[str, torch.Tensor]  # edge-value name -> leaf tensor
     outputs: tuple[torch.Tensor, ...]
     loss: torch.Tensor | None = None
-    rng: Any = None  # RNG state before the forward, for an exact recompute
     work: Any = None  # what I kept for W (orgel.runtime.backward.WeightWork)
 
 
-def rng_state(device: torch.device) -> Any:
-    """The RNG state a recompute must restore to repeat dropout exactly."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+def stream_seed(base: int, step: int, stage: int, microbatch: int) -> int:
+    """The seed of one forward's random draws: a hash of (base seed, step, stage, micro-batch)."""
+    digest = hashlib.blake2b(f"{base}:{step}:{stage}:{microbatch}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
 
 
-def set_rng_state(state: Any, device: torch.device) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
+@contextmanager
+def random_stream(seed: int, device: torch.device) -> Iterator[None]:
+    """Draw from a generator seeded with ``seed`` inside; the rank's own state resumes after.
+
+    Every forward of a stage on a micro-batch draws from its own stream, so
+    dropout masks depend on (seed, step, stage, micro-batch) only: not on the
+    schedule, the placement or the other stages, and a recompute replays them.
+    """
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+        yield
