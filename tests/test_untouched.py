@@ -74,3 +74,34 @@ def test_untouched_reports_a_parameter_changed_in_place() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="weight"), untouched(model), torch.no_grad():
         model.weight.mul_(2)
+
+
+class _Breaks(nn.Module):
+    """Fails capture half-way: dynamo has started tracing under vmap when the break hits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.vmap(torch.tanh)(self.a(x))
+        if h.mean() > 0:  # a graph break
+            h = h * 2
+        return h
+
+
+@pytest.mark.slow
+def test_a_failed_pipeline_then_a_good_one_in_the_same_process() -> None:
+    import orgel
+    from orgel.graph import GraphBreakError
+
+    torch.manual_seed(0)
+    bad = _Breaks()
+    x = torch.randn(4, 8)
+    depth = torch._C._functorch.get_dynamic_layer_stack_depth()
+    with pytest.raises(GraphBreakError, match="h.mean"):
+        orgel.pipeline(bad, (x,), torch.randn(4, 8), F.mse_loss, ranks=2, microbatches=2)
+    assert torch.is_grad_enabled()
+    assert torch._C._functorch.get_dynamic_layer_stack_depth() == depth
+    outcome = orgel_check("conv_bn", _conv_bn)
+    assert outcome.status == "exact", outcome.line()
