@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The transformers 4.x leg: the Hugging Face exactness tests again, under transformers 4.57.
+# Users run both lines (4.x and 5.x build masks, rotary embeddings and attention differently:
+# 4.57's GPT-2 builds its masks with torch.vmap, its Llama turns autocast off locally), so
+# both are tested. A second virtual environment, .venv4, beside the main one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv4
+. .venv4/bin/activate
+pip install torch==2.13.0
+pip install -e ".[dev]" "transformers==4.57.*"
+python -m pytest -q -m hf tests/test_zoo.py
