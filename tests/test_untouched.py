@@ -8,6 +8,8 @@ at 7, and the pipelined training started from them.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,3 +107,23 @@ def test_a_failed_pipeline_then_a_good_one_in_the_same_process() -> None:
     assert torch._C._functorch.get_dynamic_layer_stack_depth() == depth
     outcome = orgel_check("conv_bn", _conv_bn)
     assert outcome.status == "exact", outcome.line()
+
+
+@pytest.mark.slow
+def test_recomputed_batchnorm_updates_its_statistics_once_per_microbatch() -> None:
+    """A recomputed stage replays its forward; BatchNorm must not count the replay."""
+    import dataclasses
+
+    from orgel.graph import capture
+    from orgel.runtime.plans import balanced_plan
+    from orgel.workload import Workload, microbatches
+
+    def plan_for(w: ZooWorkload) -> object:
+        model = copy.deepcopy(w.model)
+        first = microbatches(Workload(model, w.inputs, w.targets, w.loss_fn), 2)[0][0]
+        plan = balanced_plan(capture(model, first), ranks=2, microbatches=2)
+        return dataclasses.replace(plan, recompute=[True] * plan.num_stages)
+
+    outcome = orgel_check("conv_bn_recompute", _conv_bn, plan_for=plan_for)
+    assert outcome.status == "exact", outcome.line()
+    assert outcome.worst["1.num_batches_tracked"] == 0.0

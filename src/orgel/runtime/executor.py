@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -271,6 +272,8 @@ class Executor:
         args = [share(mb[n], info.replica, info.replicas, self.batch_dim)
                 if n in stage.model_inputs else leaves[n] for n in stage.inputs]
         run = Run(args, leaves, ())
+        if info.recompute and stage.written:
+            run.buffers = {n: stage.module.get_buffer(n).clone() for n in stage.written}
         with self._draws(a.stage, m), torch.set_grad_enabled(not info.recompute):
             run.outputs, run.loss = self._compute(info, args, m)
         if run.loss is not None:
@@ -343,7 +346,7 @@ class Executor:
         run = self._runs[(a.stage, m)]
         out_grads = self._output_grads(info, m)
         if info.recompute:  # the forward's own stream again: the same dropout masks
-            with self._draws(a.stage, m), torch.enable_grad():
+            with self._draws(a.stage, m), torch.enable_grad(), _replayed(info, run):
                 run.outputs, run.loss = self._compute(info, run.args, m)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
@@ -402,3 +405,29 @@ def _signature(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple((k, _signature(v)) for k, v in sorted(value.items()))
     return None
+
+
+@contextmanager
+def _replayed(info: StageInfo, run: Run) -> Iterator[None]:
+    """Recompute on the written buffers as the forward found them, and keep the current ones.
+
+    The recompute updates the forward-time copies (swapped in for it) instead of the
+    live buffers, so BatchNorm statistics are updated once per micro-batch, as in one
+    process; the live tensors are not written at all (autograd may have saved them).
+    """
+    if not run.buffers:
+        yield
+        return
+    module = info.stage.module
+    live: dict[str, torch.Tensor] = {}
+    for name, copy in run.buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(owner)
+        live[name] = holder._buffers[leaf]  # type: ignore[assignment]
+        holder._buffers[leaf] = copy
+    try:
+        yield
+    finally:
+        for name, tensor in live.items():
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner)._buffers[leaf] = tensor

@@ -148,6 +148,8 @@ class Run:
     outputs: tuple[torch.Tensor, ...]
     loss: torch.Tensor | None = None
     work: Any = None  # what I kept for W (orgel.runtime.backward.WeightWork)
+    #: a recomputed stage's written buffers as its forward found them
+    buffers: dict[str, torch.Tensor] | None = None
 
 
 def stream_seed(base: int, step: int, stage: int, microbatch: int) -> int:

@@ -236,6 +236,7 @@ def _build(
         stages.append(StageModule(
             index=s, module=module, inputs=model_in + received, outputs=outputs,
             model_inputs=model_in, param_names=pnames, buffer_names=bnames,
+            written=[n for n in bnames if n in opg.written],
         ))
 
     # A buffer the forward updates must live in exactly one stage: a copy read

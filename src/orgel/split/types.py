@@ -27,7 +27,9 @@ class StageModule:
     the micro-batch on whichever rank hosts the stage) and values received from
     other stages (produced under the same name by the stage graph's edges).
     ``param_names``/``buffer_names`` map the module's own parameter/buffer names
-    (``module.named_parameters()``) to qualified names in the original model.
+    (``module.named_parameters()``) to qualified names in the original model;
+    ``written`` lists the module's buffers its forward updates in place (BatchNorm
+    statistics), which a recompute must not update a second time.
     """
 
     index: int
@@ -37,6 +39,7 @@ class StageModule:
     model_inputs: list[str] = field(default_factory=list)
     param_names: dict[str, str] = field(default_factory=dict)
     buffer_names: dict[str, str] = field(default_factory=dict)
+    written: list[str] = field(default_factory=list)
 
 
 @dataclass
