@@ -234,6 +234,7 @@ def pipeline(
     plan: Plan | str | Path | None = None,
     timeout_s: float = 300.0,
     threads: int | None = None,
+    replicated: Sequence[str] = (),
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -245,12 +246,16 @@ def pipeline(
     ``microbatches="auto"`` lets the planner choose the count for the example
     batch (each size it tries is profiled; ``pipe.plan.meta["microbatch_search"]``
     lists them); with a given ``plan``, "auto" takes the plan's count.
+    Every input tensor whose size along dim 0 is the batch size is split into
+    micro-batches; name the inputs that are not batched (a lookup table, a
+    temperature) in ``replicated`` and every micro-batch gets them whole.
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
     """
     _check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:
         optimizer = _default_optimizer
-    workload = Workload(model, inputs, targets, loss_fn)
+    workload = Workload(model, inputs, targets, loss_fn, replicated=tuple(replicated))
+    executor_options = {"replicated": workload.replicated}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     spmd = under_torchrun()
@@ -265,6 +270,7 @@ def pipeline(
 
     def make_engine(rank: int) -> RankEngine:
         return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=loss_fn,
+                          executor_options=executor_options,
                           timeout_s=timeout_s)
 
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
@@ -306,6 +312,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
             graph = _capture(workload, the_plan.microbatches)
         split = _split(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
+                        executor_options={"replicated": workload.replicated},
                         timeout_s=timeout_s)
     return Pipeline(the_plan, _OwnRank(engine, world, owns_group=owns_group), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],

@@ -36,6 +36,8 @@ class Workload:
     targets: Targets
     loss_fn: Callable[[Any, Any], torch.Tensor]
     batch_dim: int = 0
+    #: names of inputs that are not batched: each micro-batch gets them whole
+    replicated: tuple[str, ...] = ()
 
 
 def load_workload(spec: str) -> Workload:
@@ -109,13 +111,18 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
 
     Checks: the model is a module; inputs are tensors (tuple or dict); something
     has a batch dimension; every batched tensor's batch size is the same and
-    divisible by ``microbatches``; the loss on the whole batch is a scalar.
+    divisible by ``microbatches`` (inputs named in ``replicated`` are not batched);
+    the loss on the whole batch is a scalar.
     """
     if not isinstance(w.model, torch.nn.Module):
         raise WorkloadError(f"model must be a torch.nn.Module, got {type(w.model).__name__}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise WorkloadError(f"microbatches must be a positive integer, got {microbatches!r}")
     named = named_inputs(w.model, w.inputs)
+    unknown = sorted(set(w.replicated) - set(named))
+    if unknown:
+        raise WorkloadError(f"replicated names {unknown} are not inputs of the model; "
+                            f"its inputs are {list(named)}")
     for name, value in named.items():
         if not isinstance(value, torch.Tensor) and value is not None:
             raise WorkloadError(
@@ -146,9 +153,17 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
 
 def _batch_size(w: Workload) -> int:
     named = named_inputs(w.model, w.inputs)
-    tensors = [t for t in named.values() if isinstance(t, torch.Tensor)] + _tensors(w.targets)
-    dim = w.batch_dim
-    sizes = {int(t.shape[dim]) for t in tensors if t.dim() > dim}
+    return batch_size(({k: v for k, v in named.items() if k not in w.replicated}, w.targets),
+                      w.batch_dim)
+
+
+def batch_size(values: Any, dim: int = 0) -> int:
+    """The batch size of ``values`` (nested tuples/lists/dicts of tensors) along ``dim``.
+
+    The tensors that have a dimension ``dim`` must agree on its size; tensors
+    without one (scalars) are not batched. Raises :class:`WorkloadError` otherwise.
+    """
+    sizes = {int(t.shape[dim]) for t in _tensors(values) if t.dim() > dim}
     if not sizes:
         raise WorkloadError(
             f"no input or target has a batch dimension {dim}; give at least one tensor "
@@ -157,37 +172,55 @@ def _batch_size(w: Workload) -> int:
     if len(sizes) > 1:
         raise WorkloadError(
             f"tensors disagree on the batch size along dim {dim}: {sorted(sizes)}; "
-            "give every batched input and target the same batch size"
+            "give every batched input and target the same batch size, and name the "
+            "inputs that are not batched in orgel.pipeline(..., replicated=[...])"
         )
     return sizes.pop()
 
 
-def _split(value: Any, m: int, dim: int, batch: int) -> list[Any]:
+def split_batch(value: Any, m: int, dim: int, batch: int) -> list[Any]:
+    """``m`` micro-batches of ``value``: the one rule for what is batched.
+
+    A tensor whose size along ``dim`` is the batch size ``batch`` is chunked into
+    ``m`` equal parts; every other value (a scalar, a table of another size, a
+    non-tensor) goes whole to every micro-batch. Tuples, lists, named tuples and
+    dicts are split element by element.
+    """
     if isinstance(value, torch.Tensor):
         if value.dim() > dim and value.shape[dim] == batch:
             return list(value.chunk(m, dim=dim))
         return [value] * m
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        parts = [_split(v, m, dim, batch) for v in value]
+        parts = [split_batch(v, m, dim, batch) for v in value]
         return [type(value)(*(p[i] for p in parts)) for i in range(m)]
     if isinstance(value, (tuple, list)):
-        parts = [_split(v, m, dim, batch) for v in value]
+        parts = [split_batch(v, m, dim, batch) for v in value]
         return [type(value)(p[i] for p in parts) for i in range(m)]
     if isinstance(value, dict):
-        parts_d = {k: _split(v, m, dim, batch) for k, v in value.items()}
+        parts_d = {k: split_batch(v, m, dim, batch) for k, v in value.items()}
         return [{k: p[i] for k, p in parts_d.items()} for i in range(m)]
     return [value] * m
 
 
 def microbatches(w: Workload, m: int) -> list[tuple[dict[str, torch.Tensor], Targets]]:
     """Split inputs (by name) and targets into ``m`` equal micro-batches along ``batch_dim``."""
-    batch = _batch_size(w)
+    return split_microbatches(named_inputs(w.model, w.inputs), w.targets, m, w.batch_dim,
+                              w.replicated)
+
+
+def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int, dim: int = 0,
+                       replicated: tuple[str, ...] = ()) -> list[tuple[dict[str, Any], Targets]]:
+    """``m`` micro-batches of named ``inputs`` and ``targets``: what the runtime and the
+    reference both use. Inputs named in ``replicated`` go whole to every micro-batch;
+    the rest follow :func:`split_batch`."""
+    batched = {k: v for k, v in inputs.items() if k not in replicated}
+    batch = batch_size((batched, targets), dim)
     if m < 1 or batch % m:
         raise WorkloadError(
             f"batch size {batch} is not divisible into {m} micro-batches; "
             f"choose a micro-batch count that divides {batch}"
         )
-    named = named_inputs(w.model, w.inputs)
-    inputs = _split(named, m, w.batch_dim, batch)
-    targets = _split(w.targets, m, w.batch_dim, batch)
-    return list(zip(inputs, targets, strict=True))
+    parts = split_batch(batched, m, dim, batch)
+    target_parts = split_batch(targets, m, dim, batch)
+    return [({k: part[k] if k in part else inputs[k] for k in inputs}, t)
+            for part, t in zip(parts, target_parts, strict=True)]

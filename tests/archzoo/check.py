@@ -83,7 +83,8 @@ def reference_step(model: torch.nn.Module, workload: Workload, m: int) -> float:
     opt.zero_grad(set_to_none=True)
     total = 0.0
     for inputs, targets in microbatches(Workload(model, workload.inputs, workload.targets,
-                                                 workload.loss_fn), m):
+                                                 workload.loss_fn,
+                                                 replicated=workload.replicated), m):
         loss = workload.loss_fn(model(**inputs), targets) / m
         loss.backward()
         total += float(loss.detach())
@@ -128,6 +129,7 @@ def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         first = (str(exc).strip().splitlines() or [""])[0][:160]
         return Outcome(name, "fails", f"{type(exc).__name__}: {first}",
                        trace=traceback.format_exc())
+    workload.replicated = tuple(options.get("replicated", ()))
     ref_loss = reference_step(reference, workload, m)
     if touched:
         return Outcome(name, "differs", "orgel.pipeline changed the model: "
@@ -147,7 +149,7 @@ def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
 
 
 def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
-                   **schedule: Any) -> Outcome:
+                   replicated: tuple[str, ...] = (), **schedule: Any) -> Outcome:
     """:func:`orgel_check` with a FLOP-balanced chain as the plan (no profiling, quick).
 
     ``schedule`` goes to :func:`orgel.runtime.plans.balanced_plan` (default 1F1B).
@@ -160,7 +162,9 @@ def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
 
     def plan_for(w: ZooWorkload) -> Any:
         model = copy.deepcopy(w.model)
-        first, _ = microbatches(Workload(model, w.inputs, w.targets, w.loss_fn), m)[0]
+        first, _ = microbatches(Workload(model, w.inputs, w.targets, w.loss_fn,
+                                         replicated=replicated), m)[0]
         return balanced_plan(capture(model, first), ranks=ranks, microbatches=m, **schedule)
 
-    return orgel_check(name, build, ranks=ranks, m=m, plan_for=plan_for)
+    options = {"replicated": replicated} if replicated else {}
+    return orgel_check(name, build, ranks=ranks, m=m, plan_for=plan_for, **options)

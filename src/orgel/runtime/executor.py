@@ -36,7 +36,6 @@ from orgel.runtime.stage import (
     random_stream,
     replica_pairs,
     share,
-    split_batch,
     stream_seed,
 )
 from orgel.runtime.trace import Event
@@ -44,6 +43,7 @@ from orgel.schedule.comm import derive_comm
 from orgel.schedule.ir import Action, Plan
 from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
+from orgel.workload import batch_size, split_microbatches
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -60,7 +60,9 @@ class Executor:
     ``post_ahead`` (post every receive at the step's start; default: yes for gloo, no for
     NCCL, whose pair streams match in order, so receives go just in time in channel order),
     ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss),
-    ``seed`` (the base of every forward's random stream; default ``torch.initial_seed()``).
+    ``seed`` (the base of every forward's random stream; default ``torch.initial_seed()``),
+    ``replicated`` (names of model inputs that are not batched: every micro-batch and
+    replica gets them whole).
     """
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
@@ -69,7 +71,7 @@ class Executor:
                  device: torch.device | str | None = None, dynamic_shapes: bool = False,
                  batch_dim: int = 0, store: Any = None, check_plan: bool = True,
                  post_ahead: bool | None = None, check_finite: bool = False,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, replicated: tuple[str, ...] = ()) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -133,6 +135,7 @@ class Executor:
         # random draws (dropout): one stream per (seed, step, stage, micro-batch); torch's
         # initial seed is what the user set with torch.manual_seed, and no draw consumes it
         self.seed = torch.initial_seed() if seed is None else seed
+        self.replicated = tuple(replicated)
         self.steps_done = 0
         self._signature: Any = None
 
@@ -160,9 +163,13 @@ class Executor:
         for p in self.parameters():
             p.grad = None
         m = self.plan.microbatches
-        self._inputs = split_batch({k: _to(v, self.device) for k, v in inputs.items()}, m,
-                                   self.batch_dim)
-        self._targets = split_batch(_to(targets, self.device), m, self.batch_dim)
+        # the workload's own rule: what has the batch size along batch_dim is split
+        parts = split_microbatches({k: _to(v, self.device) for k, v in inputs.items()},
+                                   _to(targets, self.device), m, self.batch_dim, self.replicated)
+        self._inputs = [p for p, _ in parts]
+        self._targets = [t for _, t in parts]
+        self._mb_rows = batch_size(({k: v for k, v in parts[0][0].items()
+                                     if k not in self.replicated}, parts[0][1]), self.batch_dim)
         signature = _signature(inputs)
         exchange = self.dynamic_shapes or signature != self._signature
         self._runs: dict[tuple[int, int], Run] = {}
@@ -269,8 +276,9 @@ class Executor:
                 leaves[v.name] = t.detach().requires_grad_(self._carries_grad(v.name, t))
         stage = info.stage
         mb = self._inputs[m]
-        args = [share(mb[n], info.replica, info.replicas, self.batch_dim)
-                if n in stage.model_inputs else leaves[n] for n in stage.inputs]
+        args = [leaves[n] if n not in stage.model_inputs else mb[n] if n in self.replicated
+                else share(mb[n], info.replica, info.replicas, self.batch_dim, self._mb_rows)
+                for n in stage.inputs]
         run = Run(args, leaves, ())
         if info.recompute and stage.written:
             run.buffers = {n: stage.module.get_buffer(n).clone() for n in stage.written}
@@ -294,7 +302,8 @@ class Executor:
         if not info.is_loss:
             return outputs, None
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
-        targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim)
+        targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim,
+                        self._mb_rows)
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
         if self.check_finite and not bool(torch.isfinite(loss).all()):
             raise FloatingPointError(f"the loss of micro-batch {m} is {loss.item()} "

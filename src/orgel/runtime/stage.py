@@ -54,12 +54,17 @@ def part_rows(part: Part, replica: int, replicas: int, local_rows: int) -> tuple
     return lo * total // parts - offset, hi * total // parts - offset
 
 
-def share(value: Any, replica: int, replicas: int, dim: int) -> Any:
-    """Replica ``replica``'s rows of every tensor in ``value`` (tensors, lists, dicts)."""
+def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
+    """Replica ``replica``'s rows of every batched tensor in ``value`` (tensors, lists, dicts).
+
+    As in :func:`orgel.workload.split_batch`, a tensor is batched when its size
+    along ``dim`` is the micro-batch's ``rows``; anything else goes whole to every replica.
+    """
     if replicas == 1:
         return value
     if isinstance(value, torch.Tensor):
-        rows = value.shape[dim]
+        if value.dim() <= dim or value.shape[dim] != rows:
+            return value
         if rows % replicas:
             raise ValueError(
                 f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
@@ -68,28 +73,10 @@ def share(value: Any, replica: int, replicas: int, dim: int) -> Any:
         size = rows // replicas
         return value.narrow(dim, replica * size, size)
     if isinstance(value, (list, tuple)):
-        return type(value)(share(v, replica, replicas, dim) for v in value)
+        return type(value)(share(v, replica, replicas, dim, rows) for v in value)
     if isinstance(value, dict):
-        return {k: share(v, replica, replicas, dim) for k, v in value.items()}
+        return {k: share(v, replica, replicas, dim, rows) for k, v in value.items()}
     return value
-
-
-def split_batch(value: Any, m: int, dim: int) -> list[Any]:
-    """``m`` micro-batches of ``value`` (tensors chunked along ``dim``; others repeated)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or value.shape[dim] % m:
-            raise ValueError(
-                f"a batch of shape {tuple(value.shape)} cannot be split into {m} equal "
-                f"micro-batches along dim {dim}: choose a batch size divisible by {m}"
-            )
-        return list(value.chunk(m, dim=dim))
-    if isinstance(value, (list, tuple)):
-        parts = [split_batch(v, m, dim) for v in value]
-        return [type(value)(p[i] for p in parts) for i in range(m)]
-    if isinstance(value, dict):
-        parts_d = {k: split_batch(v, m, dim) for k, v in value.items()}
-        return [{k: p[i] for k, p in parts_d.items()} for i in range(m)]
-    return [value] * m
 
 
 @dataclass

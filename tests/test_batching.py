@@ -1,0 +1,74 @@
+"""One rule for what is batched: the workload's, in validation, the reference and the runtime.
+
+A tensor whose size along the batch dimension is the batch size is split into
+micro-batches (and shared by a stage's replicas); every other input goes whole
+to every micro-batch: a 0-dim temperature, and the inputs the user names in
+``orgel.pipeline(..., replicated=[...])``, such as a table of 2 rows (whose first
+dimension happens to divide the micro-batch count). The runtime used to chunk
+every input tensor: the scalar crashed, and the table was silently cut in two.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archzoo.check import balanced_check
+from orgel.models import ZooWorkload
+from orgel.workload import (
+    Workload,
+    WorkloadError,
+    batch_size,
+    split_batch,
+    split_microbatches,
+    validate_workload,
+)
+
+
+class WithTables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor,
+                temperature: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x) + table.sum(0))  # table: (2, 8), not batched
+        h = torch.tanh(self.b(h) / temperature)  # temperature: 0-dim
+        return self.c(h)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def _workload() -> ZooWorkload:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    inputs = (torch.randn(4, 8, generator=g), torch.randn(2, 8, generator=g), torch.tensor(1.5))
+    return ZooWorkload(WithTables(), inputs, torch.randn(4, 2, generator=g), _mse)
+
+
+def test_split_batch_cuts_only_what_has_the_batch_size() -> None:
+    x, table, t = torch.randn(4, 8), torch.randn(2, 8), torch.tensor(1.5)
+    assert batch_size((x, t)) == 4
+    parts = split_batch((x, table, t), 2, 0, 4)
+    assert [tuple(p[0].shape) for p in parts] == [(2, 8), (2, 8)]
+    assert all(p[1] is table and p[2] is t for p in parts)
+    named = split_microbatches({"x": x, "table": torch.randn(4, 8)}, None, 2,
+                               replicated=("table",))
+    assert [tuple(p["table"].shape) for p, _ in named] == [(4, 8), (4, 8)]
+
+
+def test_an_unmarked_table_is_refused_with_what_to_do() -> None:
+    w = _workload()
+    with pytest.raises(WorkloadError, match=r"replicated=\["):
+        validate_workload(Workload(*w), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{}, {"dp": 2}], ids=["pipeline", "replicas"])
+def test_unbatched_inputs_go_whole_to_every_microbatch_and_replica(options: dict) -> None:
+    outcome = balanced_check("tables", _workload, replicated=("table",), **options)
+    assert outcome.status == "exact", outcome.line() + outcome.trace[-2000:]
