@@ -35,6 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel.engine import RankEngine
+from orgel.workload import batch_size
 
 
 class RankInbox:
@@ -164,5 +165,8 @@ class ClosureEngine(RankEngine):
         """One step; ``placeholders`` only give shapes, the inputs arrive per micro-batch."""
         self.surrogate.reset()
         self.executor.fetched = set()
-        self.executor.step(placeholders, torch.arange(self.plan.microbatches))
+        # the "targets" are each row's micro-batch index: micro-batch m's are all m
+        m = self.plan.microbatches
+        rows = batch_size(placeholders)
+        self.executor.step(placeholders, torch.arange(m).repeat_interleave(rows // m))
         self.step_count += 1
