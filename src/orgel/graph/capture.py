@@ -15,6 +15,7 @@ restored afterwards (:func:`orgel.guard.untouched`), so capturing changes nothin
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -27,6 +28,9 @@ from orgel.guard import untouched
 from orgel.workload import named_inputs
 
 METHODS = ("auto", "dynamo", "export")
+#: Log calls in a forward that capture skips rather than break the graph at (the
+#: ``*_once`` ones are what transformers adds to ``logging.Logger``).
+_LOG_METHODS = ("debug", "info", "warning", "warning_once", "info_once")
 
 __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture"]
 
@@ -64,6 +68,11 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto") -> OpG
 # roles: placeholder name -> ("input", name) | ("param", qualname) | ("buffer", qualname)
 #        | ("const", tensor); leaves: ("out", index) | ("input", name) | ("const", obj)
 
+def _log_calls() -> set[Any]:
+    return {getattr(logging.Logger, name) for name in _LOG_METHODS
+            if hasattr(logging.Logger, name)}
+
+
 def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, tuple[str, Any]]:
     roles: dict[int, tuple[str, Any]] = {}
     for name, t in named.items():
@@ -97,8 +106,9 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
     try:
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         # Traced with grad enabled, as in training: dynamo specialises on grad mode.
-        # allow_rnn: trace nn.LSTM/GRU/RNN as ops instead of breaking the graph at them.
-        with torch._dynamo.config.patch(allow_rnn=True):
+        # Breaks that need not happen: allow_rnn traces nn.LSTM/GRU/RNN as ops; a log
+        # message in the forward (Longformer's "Initializing global attention") is skipped.
+        with torch._dynamo.config.patch(allow_rnn=True, ignore_logging_functions=_log_calls()):
             result = compiled(**named)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
         # Unsupported: a graph break; UserError: a guard on a data-dependent value

@@ -1,0 +1,63 @@
+"""Every architecture of the coverage zoo trains one step through orgel exactly as in one process.
+
+Each model goes through ``orgel.pipeline`` on 2 ranks with 2 micro-batches and
+SGD (the production path: capture, split, spawn, step), with a FLOP-balanced
+1F1B chain as its plan so that the suite needs no profiling; the model must
+come back from ``orgel.pipeline`` bit-identical, and every parameter and buffer
+after the step must match gradient accumulation in one process
+(``archzoo.check``). ``benchmarks/coverage.py`` runs the same zoo with
+orgel's own planning.
+
+The Hugging Face models carry the ``hf`` marker: ``.ci/run`` runs them again
+under transformers 4.x (``tests/transformers4.sh``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import transformers
+
+from archzoo import archs
+from archzoo.check import balanced_check
+
+ARCHS = archs()
+#: Models orgel refuses, with the error it must give: the line and what to change. Each
+#: forward branches on a tensor's value, so Dynamo captures it only as several graphs.
+REFUSED = {
+    "data_dependent_branch": r"graph break .*misc\.py:\d+ `if h\.mean\(\) > 0",
+    "item_print": r"graph break .*misc\.py:\d+ .*item\(\)",
+    # its block-sparse attention plans random blocks with NumPy on every forward
+    "hf_bigbird": r"graph break .*modeling_big_bird\.py:\d+ `curr_r_cnt",
+    # `if is_global_attn:` on `.any().item()` of the global-attention mask
+    "hf_longformer": r"graph break .*modeling_longformer\.py:\d+ `if is_glob",
+}
+if transformers.__version__.startswith("4."):
+    REFUSED.update({
+        # 4.x draws `torch.rand([])` for layerdrop in training and branches on it, even at 0
+        "hf_opt": r"graph break .*modeling_opt\.py:\d+ `if dropout_probability",
+        "hf_bart": r"graph break .*modeling_bart\.py:\d+ `if dropout_probability",
+        "hf_whisper": r"graph break .*modeling_whisper\.py:\d+ `if dropout_probability",
+        # 4.x loops over the experts that some token chose (`for expert_idx in expert_hit`)
+        "hf_mixtral": r"graph break .*modeling_mixtral\.py:\d+ `for expert_idx",
+    })
+
+
+def _params(names: list[str]) -> list[object]:
+    return [pytest.param(n, marks=[pytest.mark.slow] + ([pytest.mark.hf] if n.startswith("hf_")
+                                                        else []))
+            for n in names]
+
+
+@pytest.mark.parametrize("name", _params([n for n in ARCHS if n not in REFUSED]))
+def test_one_step_matches_one_process(name: str) -> None:
+    outcome = balanced_check(name, ARCHS[name])
+    assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+
+
+@pytest.mark.parametrize("name", _params(sorted(REFUSED)))
+def test_refused_with_the_line_to_change(name: str) -> None:
+    outcome = balanced_check(name, ARCHS[name])
+    assert outcome.status == "fails"
+    assert re.search(REFUSED[name], outcome.detail), outcome.detail
