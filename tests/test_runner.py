@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import orgel.runner as ob
@@ -206,5 +207,41 @@ def test_a_graph_break_in_the_compiled_model_is_a_clear_error() -> None:
         with pytest.raises(GraphBreakError, match="graph break") as info:
             pipe.step(closure, x, y)
         assert "fullgraph=True" in str(info.value)
+    finally:
+        pipe.close()
+
+
+class LSTMTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.lstm = nn.LSTM(8, 8, num_layers=2, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lstm(torch.tanh(self.inp(x)))[0])
+
+
+def test_an_lstm_compiles_as_one_graph_and_matches_single_process() -> None:
+    """Dynamo breaks the graph at nn.LSTM by default; the runner steps with allow_rnn."""
+    torch.manual_seed(0)
+    model = LSTMTagger()
+    ref = copy.deepcopy(model)
+    ref_opt = _sgd(list(ref.parameters()))
+    x, y = torch.randn(4, 5, 6), torch.randn(4, 5, 3)
+    pipe = ob.backend(ranks=2, microbatches=2, optimizer=_sgd, threads=1)
+    compiled = torch.compile(model, backend=pipe)
+
+    def closure(x: torch.Tensor, y: torch.Tensor) -> None:
+        (F.mse_loss(compiled(x), y) / 2).backward()
+
+    try:
+        pipe.step(closure, x, y)
+        for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
+            (F.mse_loss(ref(xm), ym) / 2).backward()
+        ref_opt.step()
+        state = pipe.state_dict()
+        for name, t in ref.state_dict().items():
+            torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         pipe.close()

@@ -43,6 +43,7 @@ import torch
 
 from orgel.closure import ClosureEngine, OutputsFunction, Slot
 from orgel.engine import OptimizerFactory, RankEngine
+from orgel.graph.capture import dynamo_settings
 from orgel.guard import untouched
 from orgel.schedule.ir import Plan
 
@@ -271,7 +272,8 @@ class Backend:
         self._local.microbatch = m
         slot = self._slots[m]
         try:
-            slot.result = closure(*args)
+            with dynamo_settings():  # thread-local: the closure compiles the model here
+                slot.result = closure(*args)
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = exc
         finally:

@@ -32,7 +32,7 @@ METHODS = ("auto", "dynamo", "export")
 #: ``*_once`` ones are what transformers adds to ``logging.Logger``).
 _LOG_METHODS = ("debug", "info", "warning", "warning_once", "info_once")
 
-__all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture"]
+__all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_settings"]
 
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto") -> OpGraph:
@@ -68,9 +68,16 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto") -> OpG
 # roles: placeholder name -> ("input", name) | ("param", qualname) | ("buffer", qualname)
 #        | ("const", tensor); leaves: ("out", index) | ("input", name) | ("const", obj)
 
-def _log_calls() -> set[Any]:
-    return {getattr(logging.Logger, name) for name in _LOG_METHODS
-            if hasattr(logging.Logger, name)}
+def dynamo_settings() -> Any:
+    """Dynamo's options while orgel traces a forward (capture, and ``orgel.backend``'s steps).
+
+    They avoid graph breaks that need not happen: ``allow_rnn`` traces
+    ``nn.LSTM``/``GRU``/``RNN`` as ops, and log calls in the forward (Longformer's
+    "Initializing global attention on CLS token") are skipped instead of breaking.
+    """
+    calls = {getattr(logging.Logger, name) for name in _LOG_METHODS
+             if hasattr(logging.Logger, name)}
+    return torch._dynamo.config.patch(allow_rnn=True, ignore_logging_functions=calls)
 
 
 def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, tuple[str, Any]]:
@@ -106,9 +113,7 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
     try:
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         # Traced with grad enabled, as in training: dynamo specialises on grad mode.
-        # Breaks that need not happen: allow_rnn traces nn.LSTM/GRU/RNN as ops; a log
-        # message in the forward (Longformer's "Initializing global attention") is skipped.
-        with torch._dynamo.config.patch(allow_rnn=True, ignore_logging_functions=_log_calls()):
+        with dynamo_settings():
             result = compiled(**named)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
         # Unsupported: a graph break; UserError: a guard on a data-dependent value
