@@ -22,14 +22,7 @@ _COMMANDS = (
 
 
 def _load_commands() -> list[ModuleType]:
-    modules = []
-    for name in _COMMANDS:
-        try:
-            modules.append(importlib.import_module(f"orgel.commands.{name}"))
-        except ModuleNotFoundError as exc:
-            if exc.name != f"orgel.commands.{name}":
-                raise
-    return modules
+    return [importlib.import_module(f"orgel.commands.{name}") for name in _COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -454,9 +454,3 @@ def graph_plan(scorer: Scorer, ranks: int, microbatches: int, *,
     score, template, blocks, stages, bound = chosen
     plan = scorer.to_plan(template, blocks, meta={"planner": "graph"})
     return GraphResult(plan, score, template, stages, bound, len(found))
-
-
-def sp_tree_for(bc: BlockCosts) -> SPTree:
-    """The series-parallel tree of a cost table's block DAG."""
-    return decompose(bc.num_blocks, bc.edges)
-

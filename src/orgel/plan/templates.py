@@ -25,21 +25,10 @@ from orgel.schedule.families import FAMILIES, build_schedule
 from orgel.schedule.ir import PlanError, StageGraph
 
 
-def _families() -> dict[str, Any]:
-    # The other family modules register themselves on import; tolerate their absence.
-    for module in ("orgel.schedule.families_looped", "orgel.schedule.families_zb",
-                   "orgel.schedule.families_dag"):
-        try:
-            __import__(module)
-        except ImportError:
-            pass
-    return FAMILIES
-
-
 def sequential_families() -> list[str]:
     """The schedule families the sequential search draws its templates from."""
     return [f for f in ("gpipe", "1f1b", "zb-h1", "interleaved", "looped", "looped-bfs",
-                        "dag-1f1b") if f in _families()]
+                        "dag-1f1b") if f in FAMILIES]
 
 
 def prefetch_options(ranks: int) -> list[list[int]]:
@@ -72,7 +61,7 @@ def template_specs(ranks: int, microbatches: int, num_blocks: int, *, max_loops:
     its backward split into ``I`` and deferred ``W`` (ZB-H1 for one stage per
     rank), then Pfeife's looped schedules, looped BFS and their variants.
     """
-    fams = _families()
+    fams = FAMILIES
     wanted = set(families) if families else None
     p, m = ranks, microbatches
     specs: list[Spec] = []
@@ -113,23 +102,6 @@ def build_template(spec: Spec, ranks: int, microbatches: int) -> Template | None
         return None
     options = dict(spec.options, split_backward=True) if spec.split_backward else spec.options
     return Template(spec.label, spec.family, options, base)
-
-
-def chain_templates(ranks: int, microbatches: int, num_blocks: int, *,
-                    max_loops: int = 4, families: list[str] | None = None) -> list[Template]:
-    """All templates of :func:`template_specs`, built, without duplicate schedules."""
-    out: list[Template] = []
-    seen: set[tuple[Any, ...]] = set()
-    for spec in template_specs(ranks, microbatches, num_blocks, max_loops=max_loops,
-                               families=families):
-        t = build_template(spec, ranks, microbatches)
-        if t is None:
-            continue
-        key = schedule_key(t)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
 
 
 def schedule_key(t: Template) -> tuple[Any, ...]:

@@ -11,9 +11,9 @@ measured step beside the simulator's prediction for the same Plan.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -151,8 +151,3 @@ def save_views(plan: Plan, events: list[Event], *, trace: str | Path | None = No
     if png is not None:
         measured.save_png(png, below=predicted)
     return predicted
-
-
-def to_dicts(rows: list[RankSummary]) -> list[dict[str, Any]]:
-    """Rank summaries as plain dicts (for JSON reports)."""
-    return [asdict(r) for r in rows]
