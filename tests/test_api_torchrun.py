@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orgel.controller import free_port
+from orgel.runtime.launch import free_port
 
 pytestmark = pytest.mark.slow
 

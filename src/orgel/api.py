@@ -28,6 +28,7 @@ import torch
 from orgel import checkpoint as ckpt
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.guard import untouched
+from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
 from orgel.workload import Workload, named_inputs, validate_workload
 
@@ -60,11 +61,6 @@ class _OwnRank:
         if self.owns_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 class Pipeline:

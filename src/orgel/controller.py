@@ -22,7 +22,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -32,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.runtime.launch import free_port
+
 
 class WorkerError(RuntimeError):
     """A worker raised or died; the group is closed. ``rank`` names the first one seen."""
@@ -39,13 +40,6 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, rank: int) -> None:
         super().__init__(message)
         self.rank = rank
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker_main(

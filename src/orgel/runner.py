@@ -45,6 +45,7 @@ from orgel.closure import ClosureEngine, OutputsFunction, Slot
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.graph.capture import dynamo_settings
 from orgel.guard import untouched
+from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
 
 _TOKEN = re.compile(r"\.([A-Za-z_]\w*)|\[\'([^\']+)\'\]|\[(\d+)\]")
@@ -303,7 +304,7 @@ class Backend:
 
         if self.model is None:
             raise RuntimeError("the compiled model was never called")
-        if api.under_torchrun():
+        if under_torchrun():
             raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
                                "the ranks); under torchrun use orgel.pipeline")
         first = self._slots[0].inputs

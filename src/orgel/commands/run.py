@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
               f"{plan.microbatches} micro-batches, {plan.meta.get('schedule', 'custom')} "
               f"schedule; stage ranks {[list(r) for r in plan.placement]}")
     start = time.perf_counter()
+    from orgel.runtime.launch import under_torchrun
+
     if under_torchrun():
         results = _torchrun_rank(args, plan.to_json())
         if results is None:
@@ -137,11 +139,6 @@ def run(args: argparse.Namespace) -> int:
             return 1
     elapsed = time.perf_counter() - start
     return _report(results, plan, args, elapsed)
-
-
-def under_torchrun() -> bool:
-    """Whether this process is one rank of a torchrun job (many machines)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, Any]] | None:

@@ -34,12 +34,11 @@ from orgel.runtime.stage import (
     StageInfo,
     part_rows,
     random_stream,
-    replica_pairs,
     share,
     stream_seed,
 )
 from orgel.runtime.trace import Event
-from orgel.schedule.comm import derive_comm
+from orgel.schedule.comm import derive_comm, replica_pairs
 from orgel.schedule.ir import Action, Plan
 from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
@@ -104,7 +103,7 @@ class Executor:
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)
                           if self.rank in (m.src_rank, m.dst_rank)}
-        self.pairs = [replica_pairs(len(plan.placement[e.src]), len(plan.placement[e.dst]))
+        self.pairs = [replica_pairs(len(plan.placement[e.src]), len(plan.placement[e.dst]), 0)
                       for e in plan.stage_graph.edges]
         if store is None:
             store = dist.distributed_c10d._get_default_store()
@@ -260,7 +259,7 @@ class Executor:
         for e in info.in_edges:
             edge = self.plan.stage_graph.edges[e]
             pieces: list[list[torch.Tensor]] = []
-            for j, part in self.pairs[e][1][info.replica]:
+            for j, part, _ in self.pairs[e][1][info.replica]:
                 src = self.plan.placement[edge.src][j]
                 if src == self.rank:
                     producer = self.stages[edge.src]
@@ -320,7 +319,7 @@ class Executor:
             edge = self.plan.stage_graph.edges[e]
             floats = [v.name for v in edge.values
                       if self._carries_grad(v.name, run.outputs[info.out_index[v.name]])]
-            for k, part in self.pairs[e][0][info.replica]:
+            for k, part, _ in self.pairs[e][0][info.replica]:
                 dst = self.plan.placement[edge.dst][k]
                 if dst == self.rank:
                     local = self._local_grads[(e, m)]
@@ -385,7 +384,7 @@ class Executor:
         for e in info.in_edges:
             edge = self.plan.stage_graph.edges[e]
             if any(self.plan.placement[edge.src][j] == self.rank
-                   for j, _ in self.pairs[e][1][info.replica]):
+                   for j, _, _ in self.pairs[e][1][info.replica]):
                 self._local_grads[(e, m)] = {v.name: self._in_grads[v.name]
                                              for v in edge.values if v.name in self._in_grads}
 

@@ -33,6 +33,12 @@ import torch.distributed as dist
 from orgel.runtime.errors import ERROR_DIR_ENV, SpawnError, read_records, record_failure, summarize
 
 
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun job (or of any launcher that sets
+    torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -14,7 +14,6 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from math import lcm
 from typing import Any
 
 import torch
@@ -23,22 +22,6 @@ from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel, StageModule
 
 Part = tuple[int, int, int]
-
-
-def replica_pairs(n_src: int, n_dst: int) -> tuple[dict[int, list[tuple[int, Part]]],
-                                                    dict[int, list[tuple[int, Part]]]]:
-    """Overlapping replica pairs of an edge: ``(by producer, by consumer)`` replica."""
-    parts = lcm(n_src, n_dst)
-    by_src: dict[int, list[tuple[int, Part]]] = {j: [] for j in range(n_src)}
-    by_dst: dict[int, list[tuple[int, Part]]] = {k: [] for k in range(n_dst)}
-    step_src, step_dst = parts // n_src, parts // n_dst
-    for j in range(n_src):
-        lo_j, hi_j = j * step_src, (j + 1) * step_src
-        for k in range(lo_j // step_dst, (hi_j - 1) // step_dst + 1):
-            part = (max(lo_j, k * step_dst), min(hi_j, (k + 1) * step_dst), parts)
-            by_src[j].append((k, part))
-            by_dst[k].append((j, part))
-    return by_src, by_dst
 
 
 def part_rows(part: Part, replica: int, replicas: int, local_rows: int) -> tuple[int, int]:
