@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -148,3 +151,39 @@ def test_missing_checkpoint_and_foreign_names_say_what_to_do(tmp_path: Path) -> 
     _save(tmp_path, model, _shards(model, GROUPS2), 1)
     with pytest.raises(ckpt.CheckpointError, match="different model"):
         ckpt.read_names(tmp_path, ["encoder.weight"])
+
+
+@pytest.mark.parametrize("crash_at", range(1, 9))
+def test_resaving_a_step_leaves_a_complete_checkpoint_at_every_instant(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash_at: int) -> None:
+    """A crash anywhere while step 1 is saved again: LATEST still names a whole checkpoint.
+
+    The old code deleted the step folder while LATEST named it, then renamed the new one.
+    """
+    model = _model()
+    _save(tmp_path, model, _shards(model, GROUPS2), 1)
+    calls = {"n": 0}
+    real = {"replace": os.replace, "rmtree": shutil.rmtree}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == crash_at:
+                raise OSError("simulated crash")
+            return real[name](*args, **kwargs)
+        return call
+
+    for rank, (params, opt) in enumerate(_shards(model, GROUPS2)):
+        shard = ckpt.make_shard(rank=rank, step=1, params=params, buffers=[],
+                                optimizer=ckpt.named_optimizer_state(opt, params))
+        ckpt.write_shard(tmp_path, 1, rank, shard)
+    monkeypatch.setattr(ckpt.os, "replace", counted("replace"))
+    monkeypatch.setattr(ckpt.shutil, "rmtree", counted("rmtree"))
+    try:
+        ckpt.commit(tmp_path, 1, 2, json.dumps({"plan": "x"}))
+    except OSError:
+        pass
+    monkeypatch.undo()
+    folder = ckpt.resolve(tmp_path)
+    assert (folder / "meta.json").exists() and (folder / "rank1.pt").exists()
+    assert ckpt.read_meta(tmp_path)["step"] == 1

@@ -245,15 +245,37 @@ def commit(
     _write_text_atomic(staged / "plan.json", plan_json.rstrip("\n") + "\n")
     _write_text_atomic(staged / "meta.json", json.dumps(meta, indent=1) + "\n")
     final = step_dir(root, step)
-    if final.exists():  # re-saving the same step: the new one replaces it
+    # At every instant LATEST names a complete checkpoint, whatever crashes in between.
+    previous = None
+    if final.exists():  # re-saving the same step: LATEST moves to a linked copy first
+        previous = root / f"{final.name}.old"
+        shutil.rmtree(previous, ignore_errors=True)
+        shutil.copytree(final, previous, copy_function=os.link)
+        _write_text_atomic(root / LATEST, previous.name + "\n")
         shutil.rmtree(final)
     os.replace(staged, final)
+    _fsync_dir(root)
     _write_text_atomic(root / LATEST, final.name + "\n")
+    _fsync_dir(root)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
     complete = sorted(p for p in root.iterdir() if _STEP_RE.match(p.name))
     for old in complete[: max(0, len(complete) - keep)]:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames inside ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # -- reading ------------------------------------------------------------------------------
