@@ -32,6 +32,8 @@ REFUSED = {
     "hf_bigbird": r"graph break .*modeling_big_bird\.py:\d+ `curr_r_cnt",
     # `if is_global_attn:` on `.any().item()` of the global-attention mask
     "hf_longformer": r"graph break .*modeling_longformer\.py:\d+ `if is_glob",
+    # chunk lengths from `np.lcm` (a NumPy number); then `torch.manual_seed` in its layers
+    "hf_reformer": r"graph break .*modeling_reformer\.py:\d+ ",
 }
 if transformers.__version__.startswith("4."):
     REFUSED.update({
