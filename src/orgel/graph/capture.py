@@ -64,10 +64,6 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto") -> OpG
         return measure(model, named, raw, notes, used)
 
 
-# -- the two routes: both return (gm, roles, leaves, treespec) -------------------------
-# roles: placeholder name -> ("input", name) | ("param", qualname) | ("buffer", qualname)
-#        | ("const", tensor); leaves: ("out", index) | ("input", name) | ("const", obj)
-
 def dynamo_settings() -> Any:
     """Dynamo's options while orgel traces a forward (capture, and ``orgel.backend``'s steps).
 
@@ -79,6 +75,10 @@ def dynamo_settings() -> Any:
              if hasattr(logging.Logger, name)}
     return torch._dynamo.config.patch(allow_rnn=True, ignore_logging_functions=calls)
 
+
+# -- the two routes: both return (gm, roles, leaves, treespec) -------------------------
+# roles: placeholder name -> ("input", name) | ("param", qualname) | ("buffer", qualname)
+#        | ("const", tensor); leaves: ("out", index) | ("input", name) | ("const", obj)
 
 def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, tuple[str, Any]]:
     roles: dict[int, tuple[str, Any]] = {}
