@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from orgel.plan.templates import _families
 from orgel.plan.transforms import split_backward, stage_heights
 from orgel.schedule.costs import Costs
 from orgel.schedule.families import build_schedule
@@ -24,7 +23,6 @@ def test_chain_rewrite_is_valid_and_faster() -> None:
 
 
 def test_dag_rewrite_uses_depth() -> None:
-    _families()
     graph = StageGraph.from_edges(4, [(0, 1), (0, 2), (1, 3), (2, 3)])
     base = build_schedule("dag-1f1b", 4, 6, stage_graph=graph,
                           placement=[(0,), (1,), (2,), (3,)])
