@@ -9,7 +9,9 @@ step on one in-process rank and compares the predicted peak with the measured.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
+from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -336,3 +338,40 @@ def test_end_of_step_floor_takes_the_flat_gradient_copy_or_the_optimizer_step() 
     s = STEP_SCALARS  # the step's loss scalars
     assert floor == [s + 4000 + 1000, s + 16000 + 1000]
     assert optimizer_peak(bc, costs, [(0,), (1,)], 2) == [s + 4000 + 250, s + 12000 + 750]
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_fast_scorer_and_stage_cost_agree_on_every_field(split: bool) -> None:
+    """The search's prefix-sum stage costs equal the prediction's, over random splits of
+    two towers that meet at the end (CLIP-like: the second tower's first stage is fed by
+    no stage, so its W is its whole backward and its I keeps only its outputs' gradients)."""
+    from orgel.plan.scorer import Scorer
+    from orgel.profile.costs import BlockCosts, stage_cost
+
+    rng = random.Random(1)
+    n, half = 20, 10
+    edges = [(i, i + 1) for i in range(half - 1)] + [(i, i + 1) for i in range(half, n - 1)]
+    edges += [(half - 1, n - 1)]  # the towers join at the last block
+    edges += [(i, i + rng.randint(2, 4)) for i in range(0, half - 4, 3)]  # skips in tower 1
+    bc = BlockCosts(fwd=[rng.uniform(1, 3) for _ in range(n)],
+                    bwd=[rng.uniform(2, 6) for _ in range(n)],
+                    wgrad=[rng.uniform(0.5, 2) for _ in range(n)],
+                    params=[rng.randint(0, 99) for _ in range(n)],
+                    activations=[rng.randint(20, 99) for _ in range(n)],
+                    output=[rng.randint(1, 9) for _ in range(n)],
+                    temporary=[rng.randint(0, 9) for _ in range(n)], edges=sorted(edges),
+                    weight_kept=[rng.randint(0, 9) for _ in range(n)],
+                    input_saved=[rng.randint(0, 9) for _ in range(n)],
+                    output_unsaved=[rng.randint(0, 20) for _ in range(n)],
+                    split_input=[rng.uniform(1, 3) for _ in range(n)],
+                    split_weight=[rng.uniform(1, 3) for _ in range(n)])
+    scorer = Scorer(bc)
+    unfed_seen = 0
+    for _ in range(60):
+        points = sorted(rng.sample(range(1, n), rng.randint(1, 5)))
+        bounds = [0, *points, n]
+        unfed_seen += half in bounds
+        for s, fast in enumerate(scorer.chain_stage_costs(points, split=split)):
+            slow = stage_cost(bc, range(bounds[s], bounds[s + 1]), split=split)
+            assert astuple(fast) == pytest.approx(astuple(slow)), (points, s)
+    assert unfed_seen > 0  # some split starts a stage at the second tower

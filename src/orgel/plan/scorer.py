@@ -111,6 +111,9 @@ class Scorer:
         last = list(range(costs.num_blocks))
         for a, b in costs.edges:
             last[a] = max(last[a], b)
+        # bytes of block a's outputs that blocks at or after c read: a stage [a', c) no other
+        # stage feeds hands these to W (see profile.costs.stage_cost's weight_kept)
+        self._last_reader = np.array(last, dtype=np.int64)
         for a in range(costs.num_blocks):
             if last[a] > a:
                 cross[a + 1] += costs.output[a]
@@ -127,6 +130,7 @@ class Scorer:
         self._peak_at = _RangeMax(self._ca[1:] - self._cp[:-1])
         # a block's saved inputs count when a producer lies before the stage's first block
         self._inp = np.asarray(costs.input_saved, dtype=np.int64)
+        self._output = np.asarray(costs.output, dtype=np.int64)
         self._first_producer = np.arange(costs.num_blocks)
         for a, b in costs.edges:
             self._first_producer[b] = min(self._first_producer[b], a)
@@ -173,10 +177,11 @@ class Scorer:
                 params -= tied_within(bc, range(a, b))
             params, grads, optimizer = static_parts(params, factor)
             bwd = float(self._cb[b] - self._cb[a])
-            # The first stage computes no input gradient: W is its whole backward
-            # (see orgel.profile.costs.stage_cost).
-            weight = float(self._cw[b] - self._cw[a]) if a else bwd
-            if split and a and self._csi is not None and self._csw is not None:
+            # A stage no other stage feeds (the first, or a second tower's first) computes
+            # no input gradient: W is its whole backward (orgel.profile.costs.stage_cost).
+            fed = bool((self._first_producer[a:b] < a).any())
+            weight = float(self._cw[b] - self._cw[a]) if fed else bwd
+            if split and fed and self._csi is not None and self._csw is not None:
                 weight = float(self._csw[b] - self._csw[a])
                 bwd = float(self._csi[b] - self._csi[a]) + weight
             acts = int(self._ca[b] - self._ca[a])
@@ -192,9 +197,9 @@ class Scorer:
                 fwd=float(self._cf[b] - self._cf[a]), bwd=bwd, bwd_weight=weight,
                 params=params, grads=grads, optimizer=optimizer, activations=acts,
                 grad_overlap=overlap,
-                # a first stage's I keeps only its outputs' gradients for W
-                weight_kept=(0 if not split else int(self._ck[b] - self._ck[a]) if a
-                             else int(self._cross[b])),
+                # an unfed stage's I keeps only its outputs' gradients for W
+                weight_kept=(0 if not split else int(self._ck[b] - self._ck[a]) if fed
+                             else int(self._output[a:b][self._last_reader[a:b] >= b].sum())),
                 temporary=max(temp[a:b]) if b > a else 0,
             ))
         return out
