@@ -46,3 +46,14 @@ def test_bad_options_say_what_to_change(capsys: pytest.CaptureFixture[str]) -> N
     assert "--dp 2 must divide --ranks 3" in capsys.readouterr().err
     assert main(["run", "nowhere.py:workload"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_orgels_own_errors_print_as_one_message(capsys: pytest.CaptureFixture[str]) -> None:
+    """A graph break in `orgel run` was a traceback; it is one line that names what to change."""
+    import orgel.models.graphbreak as graphbreak
+
+    code = main(["run", f"{graphbreak.__file__}:build_graphbreak", "--ranks", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("orgel run: graph break") and "Traceback" not in err
+    assert "h.mean().item() > 0.0" in err

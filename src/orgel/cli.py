@@ -50,6 +50,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("orgel: interrupted", file=sys.stderr)
         return 130
+    except _orgel_errors() as exc:  # orgel's own: the message says what to change
+        print(f"orgel {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _orgel_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions orgel raises to say what to change; anything else keeps its traceback."""
+    from orgel.checkpoint import CheckpointError
+    from orgel.graph.opgraph import CaptureError
+    from orgel.plan.planner import InfeasibleError
+    from orgel.profile.costs import CostsFileError
+    from orgel.schedule.ir import PlanError
+    from orgel.split.split import SplitError
+    from orgel.workload import WorkloadError
+
+    return (CaptureError, CheckpointError, CostsFileError, InfeasibleError, PlanError,
+            SplitError, WorkloadError)
 
 
 if __name__ == "__main__":
