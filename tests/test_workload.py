@@ -126,3 +126,13 @@ def test_load_workload_from_a_file(tmp_path: Path) -> None:
         load_workload(f"{tmp_path}/missing.py:workload")
     with pytest.raises(WorkloadError, match="path/to/file.py:function"):
         load_workload(str(path))
+
+
+def test_a_model_with_nothing_to_train_is_refused() -> None:
+    """It used to train "3 steps" that changed nothing, silently."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).requires_grad_(False)
+    w = Workload(model, (torch.randn(4, 4),), torch.randn(4, 2), nn.functional.mse_loss)
+    with pytest.raises(WorkloadError, match="no trainable parameters"):
+        validate_workload(w, 2)
+    model[1].requires_grad_(True)  # partly frozen is fine
+    validate_workload(w, 2)

@@ -112,7 +112,7 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
     Checks: the model is a module; inputs are tensors (tuple or dict); something
     has a batch dimension; every batched tensor's batch size is the same and
     divisible by ``microbatches`` (inputs named in ``replicated`` are not batched);
-    the loss on the whole batch is a scalar.
+    some parameter is trainable; the loss on the whole batch is a scalar.
     """
     if not isinstance(w.model, torch.nn.Module):
         raise WorkloadError(f"model must be a torch.nn.Module, got {type(w.model).__name__}")
@@ -131,6 +131,11 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
             )
     if not callable(w.loss_fn):
         raise WorkloadError("loss_fn must be callable as loss_fn(outputs, targets)")
+    if not any(p.requires_grad for p in w.model.parameters()):
+        raise WorkloadError(
+            "the model has no trainable parameters (none requires grad), so training would "
+            "change nothing: unfreeze some (p.requires_grad_(True)) or run it without orgel"
+        )
     batch = _batch_size(w)
     if batch % microbatches:
         raise WorkloadError(
