@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -73,8 +74,25 @@ def test_recompute_when_memory_is_tight() -> None:
 def test_infeasible_memory_names_what_would_fit() -> None:
     costs = chain()
     with pytest.raises(InfeasibleError, match=r"no plan fits in 10MiB per rank on 4 ranks: "
-                       r"the smallest plan found needs [0-9]+MiB per rank: give --memory"):
+                       r"the smallest plan found needs [0-9.]+MiB per rank: give --memory"):
         plan(costs, 4, 8, memory=10 * MiB, max_loops=1)
+
+
+def test_infeasible_sizes_read_right_at_every_scale() -> None:
+    """``memory=1024`` said "fits in 0MiB ... needs 1MiB: give --memory 1MiB"."""
+    from orgel.commands.plan import parse_size
+
+    tiny = BlockCosts(fwd=[1.0] * 4, bwd=[2.0] * 4, wgrad=[1.0] * 4, params=[700] * 4,
+                      activations=[300] * 4, output=[100] * 4, temporary=[0] * 4,
+                      edges=[(i, i + 1) for i in range(3)], link=Link(0.02, 0.05))
+    with pytest.raises(InfeasibleError) as info:
+        plan(tiny, 2, 2, memory=1024, max_loops=1)
+    match = re.search(r"fits in (\S+) per rank .* needs (\S+) per rank: give --memory (\S+) ",
+                      str(info.value))
+    assert match, str(info.value)
+    have, need, give = match.groups()
+    assert have == "1KiB" and need == give and need != have
+    assert parse_size(give) > 1024
 
 
 def test_options_are_checked() -> None:

@@ -331,10 +331,14 @@ def _baselines(scorer: Scorer, ranks: int, microbatches: int
 
 
 def _size(nbytes: float) -> str:
-    """Bytes as ``2.50GiB`` or ``300MiB`` (rounded up, so the hint always fits)."""
-    if nbytes >= 1 << 30:
-        return f"{math.ceil(nbytes / (1 << 30) * 100) / 100:.2f}GiB"
-    return f"{math.ceil(nbytes / (1 << 20))}MiB"
+    """Bytes as ``1KiB``, ``1.38MiB`` or ``2.5GiB`` in the largest unit that fits, rounded up
+    to two decimals so that a hint always fits and two different sizes read differently."""
+    unit, scale = "B", 1
+    for name, size in (("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30)):
+        if nbytes >= size:
+            unit, scale = name, size
+    value = math.ceil(nbytes / scale * 100) / 100
+    return f"{value:.2f}".rstrip("0").rstrip(".") + unit
 
 
 def _least_memory(costs: BlockCosts, ranks: int, microbatches: int) -> int | None:
