@@ -143,3 +143,34 @@ def test_options_are_checked_up_front() -> None:
         pipeline(model, inputs, targets, loss_fn, ranks=2, dp=3)
     with pytest.raises(ValueError, match="optimizer must be a function"):
         pipeline(model, inputs, targets, loss_fn, ranks=2, optimizer="adam")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_a_dropped_pipeline_stops_its_workers_and_close_is_idempotent() -> None:
+    import gc
+    import time
+
+    pipe, _, _ = _start(2)
+    pids = pipe.worker_pids
+    with pipe:
+        pipe.step(*_batch(0))
+    pipe.close()  # a second close does nothing
+    assert not any(_alive(pid) for pid in pids)
+
+    pipe, _, _ = _start(2)
+    pids = pipe.worker_pids
+    del pipe  # never closed: garbage collection stops the workers
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no longer counts: the worker has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import signal
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -124,6 +125,9 @@ class LocalGroup:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
+        # A pipeline dropped without close() still stops its workers (at garbage
+        # collection, or at interpreter exit at the latest).
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
         self._collect(list(range(num_ranks)), "start")
 
     @property
@@ -200,21 +204,33 @@ class LocalGroup:
     def kill(self) -> None:
         """Kill every worker this group started (by process id) and mark the group closed."""
         self._closed = True
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs:
-            proc.join(timeout=5)
+        self._finalizer.detach()
+        _kill(self._procs)
 
     def close(self) -> None:
-        """Ask the workers to leave the process group and exit; kill any that do not."""
-        if self._closed:
-            return
-        for conn in self._conns:
-            try:
-                conn.send(("__close__", (), {}))
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self._procs:
-            proc.join(timeout=10)
-        self.kill()
+        """Ask the workers to leave the process group and exit; kill any that do not.
+
+        Idempotent; also runs when the group is garbage-collected or the interpreter exits.
+        """
+        self._closed = True
+        self._finalizer()
+
+
+def _kill(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
+
+
+def _stop_workers(procs: list[Any], conns: list[Connection]) -> None:
+    """Ask the workers to leave the process group and exit; kill any that do not."""
+    for conn in conns:
+        try:
+            conn.send(("__close__", (), {}))
+        except (BrokenPipeError, OSError):
+            pass
+    for proc in procs:
+        proc.join(timeout=10)
+    _kill(procs)
