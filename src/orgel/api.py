@@ -262,7 +262,12 @@ def pipeline(
     from orgel.controller import LocalGroup
 
     with untouched(model):  # the workers fork afterwards, from the caller's own state
-        the_plan, split = _prepare(workload, plan, ranks, microbatches, memory, dp)
+        the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp)
+    if graph.glue is not None:  # several graphs: the controller runs the Python between them
+        from orgel import glued
+
+        return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
+                           timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
 
     def make_engine(rank: int) -> RankEngine:
         return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=loss_fn,
@@ -298,6 +303,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
     rank = dist.get_rank()
     with untouched(workload.model):
         graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
+        if graph is not None:
+            _one_graph_only(graph)
         text: list[str | None] = [None]
         if rank == 0:
             text = [_resolve_plan(plan, workload, graph, ranks, microbatches, memory,
@@ -306,6 +313,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
             graph = _capture(workload, the_plan.microbatches)
+        _one_graph_only(graph)
         split = _split(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         executor_options={"replicated": workload.replicated},
@@ -315,18 +323,38 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                     state_keys=keys, aliases=aliases, spmd=True)
 
 
+def _one_graph_only(graph: Any) -> None:
+    if graph.glue is not None:
+        from orgel.graph.opgraph import GraphBreakError
+
+        raise GraphBreakError(f"{graph.glue.reason} Under torchrun orgel needs one graph; a "
+                              "forward of several graphs trains in local-spawn mode (python "
+                              "train.py, without torchrun)")
+
+
 # -- the seams to capture, planning and split -------------------------------------------------
 
 
 def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
-             microbatches: int | str, memory: int | None, dp: int) -> tuple[Plan, Any]:
-    """Capture, plan (or check ``plan``) and split: the plan and the SplitModel."""
+             microbatches: int | str, memory: int | None,
+             dp: int) -> tuple[Plan, Any, Any]:
+    """Capture, plan (or check ``plan``) and split: the plan, the SplitModel and the graph."""
     # "auto": the planner captures every micro-batch size it tries; capture the chosen one.
     graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
-    the_plan = _resolve_plan(plan, workload, graph, ranks, microbatches, memory, dp)
+    planned = workload
+    if graph is not None and graph.glue is not None:
+        # the graphs' outputs are not the model's output: profile the loss stage with a sum
+        from orgel.runner import _profiling_loss
+
+        planned = Workload(workload.model, workload.inputs, workload.targets, _profiling_loss,
+                           workload.batch_dim, workload.replicated)
+    the_plan = _resolve_plan(plan, planned, graph, ranks, microbatches, memory, dp)
     if graph is None:
         graph = _capture(workload, the_plan.microbatches)
-    return the_plan, _split(workload, graph, the_plan)
+        if graph.glue is not None:
+            raise ValueError("the forward has graph breaks (Dynamo captures it as several "
+                             "graphs); give microbatches as an int, not 'auto'")
+    return the_plan, _split(workload, graph, the_plan), graph
 
 
 def _capture(workload: Workload, microbatches: int) -> Any:

@@ -35,6 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel.engine import RankEngine
+from orgel.graph import glue
 from orgel.workload import batch_size
 
 
@@ -136,6 +137,12 @@ def lazy_executor_class() -> type:
     class LazyInputsExecutor(Executor):
         inbox: RankInbox | None = None
         fetched: set[int] = set()
+        exchange: Any = None  # the rank's RankExchange, for a forward of several graphs
+
+        def _compute(self, info: Any, args: list[Any], m: int) -> Any:
+            if self.exchange is not None:  # the exchanges in this stage serve micro-batch m
+                self.exchange.microbatch = m
+            return super()._compute(info, args, m)
 
         def _forward(self, a: Any) -> None:
             m = a.microbatch
@@ -160,11 +167,18 @@ class ClosureEngine(RankEngine):
                          timeout_s=timeout_s, executor_class=lazy_executor_class())
         self.executor.inbox = self.inbox
         self.surrogate.divisor = float(self.executor.loss_divisor)
+        if any(n.target is glue.exchange for st in split.stages
+               for n in st.module.graph.nodes):
+            self.exchange = glue.RankExchange(self.inbox, self.executor.device)
+            self.executor.exchange = self.exchange
+            glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
 
     def closure_step(self, placeholders: dict[str, torch.Tensor]) -> None:
         """One step; ``placeholders`` only give shapes, the inputs arrive per micro-batch."""
         self.surrogate.reset()
         self.executor.fetched = set()
+        if self.executor.exchange is not None:
+            self.executor.exchange.begin(self.step_count)
         # the "targets" are each row's micro-batch index: micro-batch m's are all m
         m = self.plan.microbatches
         rows = batch_size(placeholders)

@@ -35,24 +35,40 @@ _LOG_METHODS = ("debug", "info", "warning", "warning_once", "info_once")
 __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_settings"]
 
 
-def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto") -> OpGraph:
+def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
+            several: bool = True) -> OpGraph:
     """Capture ``model``'s forward on ``inputs`` (tuple or dict) as an :class:`OpGraph`.
 
     ``method``: ``"dynamo"`` (torch.compile backend), ``"export"`` (torch.export,
     non-strict) or ``"auto"`` (dynamo, falling back to export when dynamo fails
     for a reason other than a graph break). Facts are measured on these inputs:
     pass one micro-batch to get per-micro-batch sizes.
+
+    A forward with graph breaks is captured as its several Dynamo graphs joined
+    by exchange points (:mod:`orgel.graph.glue`; ``graph.glue`` describes them);
+    ``several=False`` raises :class:`GraphBreakError` instead.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     named = named_inputs(model, inputs)
     notes: list[str] = []
     with untouched(model):
+        glue = None
         if method == "export":
             raw = _export_graph(model, named)
         else:
             try:
                 raw = _dynamo_graph(model, named)
+            except GraphBreakError as exc:
+                if not several:
+                    raise
+                # run as several graphs, the Python between them in the controller
+                from orgel.graph.glue import capture_graphs
+
+                raw, glue = capture_graphs(model, named, str(exc))
+                notes.append(f"Dynamo captured the forward as {len(glue.calls)} graphs "
+                             f"(first break: {str(exc).split('. orgel')[0]}); the Python "
+                             "between them runs in the controller for each micro-batch")
             except CaptureError:
                 raise
             except Exception as exc:  # dynamo internal failure: try export
@@ -60,8 +76,10 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto") -> OpG
                     raise CaptureError(f"torch.compile could not capture the model: {exc}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
                 raw = _export_graph(model, named)
-        used = "export" if method == "export" or notes else "dynamo"
-        return measure(model, named, raw, notes, used)
+        used = "export" if method == "export" or (notes and glue is None) else "dynamo"
+        graph = measure(model, named, raw, notes, used)
+        graph.glue = glue
+        return graph
 
 
 def dynamo_settings() -> Any:

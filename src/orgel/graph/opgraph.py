@@ -121,6 +121,8 @@ class OpGraph:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     written: list[str] = field(default_factory=list)  # buffers the forward updates in place
+    #: a forward Dynamo captured as several graphs, joined (:class:`orgel.graph.glue.Glue`)
+    glue: Any = None
 
     @property
     def outputs(self) -> list[str]:

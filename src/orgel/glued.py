@@ -1,0 +1,310 @@
+"""Training a forward of several graphs: the controller runs the Python between them.
+
+A model whose forward Dynamo captures as several graphs (see
+:mod:`orgel.graph.glue`) is planned and split as one joined graph; its
+exchange points sit in stages on the ranks. In training, the controller runs
+the model's forward once per micro-batch, each in its own thread, through
+``torch.compile`` with a backend whose graphs are remote: calling graph ``c``
+sends its arguments to the rank holding exchange ``c`` (graph 0's model inputs
+to the input stages, as the closure runner does) and returns graph ``c``'s
+outputs when the rank of the next exchange (or the loss stage) sends them. The
+Python between graphs - branches, ``.item()``, NumPy, and the graphs that
+read no parameter or buffer - runs here, on the real values of that micro-batch; ``loss_fn`` runs here too, and its backward sends
+each graph's output gradients back and receives its argument gradients.
+
+Every micro-batch must run the graphs the capture ran, in the same order: a
+forward that takes another branch (or specialises a graph on a Python value
+that changed, such as a float from ``.item()``) stops the step with an error
+naming the graph call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from orgel.api import Pipeline
+from orgel.graph import glue as glue_mod
+from orgel.graph.capture import dynamo_settings
+from orgel.graph.opgraph import CaptureError
+from orgel.workload import named_inputs, split_microbatches
+
+
+class GlueError(CaptureError):
+    """A micro-batch's forward ran other graphs than the captured forward."""
+
+
+class Stopped(RuntimeError):
+    """The step stopped elsewhere (a rank or another micro-batch failed) while this one waited."""
+
+
+class Mailbox:
+    """Messages from the ranks to the controller by ``(kind, key)``; a reader thread per rank."""
+
+    def __init__(self, conns: list[Connection], timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._items: dict[tuple[str, Any], Any] = {}
+        self._cond = threading.Condition()
+        self._aborted: str | None = None
+        for r, conn in enumerate(conns):
+            threading.Thread(target=self._read, args=(r, conn), daemon=True,
+                             name=f"orgel-mail{r}").start()
+
+    def _read(self, rank: int, conn: Connection) -> None:
+        while True:
+            try:
+                kind, key, payload = conn.recv()
+            except (EOFError, OSError):
+                self.abort(f"rank {rank} closed its pipe")
+                return
+            with self._cond:
+                self._items[(kind, key)] = payload
+                self._cond.notify_all()
+
+    def abort(self, why: str) -> None:
+        with self._cond:
+            self._aborted = self._aborted or why
+            self._cond.notify_all()
+
+    def get(self, kind: str, key: Any, rank: int, what: str) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while (kind, key) not in self._items:
+                if self._aborted is not None:
+                    raise Stopped(f"the step stopped ({self._aborted}) while the "
+                                       f"controller waited for {what} from rank {rank}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the controller waited {self.timeout_s:g} s for {what} "
+                                       f"from rank {rank}")
+                self._cond.wait(left)
+            return self._items.pop((kind, key))
+
+
+class _Slot:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.calls = 0
+        self.anchor: torch.Tensor | None = None
+        self.result: float = 0.0
+        self.error: BaseException | None = None
+
+
+class _GraphCall(torch.autograd.Function):
+    """Graph ``c`` of one micro-batch, run by the ranks: ``(anchor, *outputs)``."""
+
+    @staticmethod
+    def forward(ctx: Any, pipe: GluedPipeline, slot: _Slot, c: int, inputs: dict[str, Any],
+                anchor: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.pipe, ctx.slot, ctx.c, ctx.count = pipe, slot, c, len(values)
+        outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
+        ctx.floating = [t.is_floating_point() for t in outs]
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        return (anchor.detach().clone(), *outs)
+
+    @staticmethod
+    def backward(ctx: Any, anchor_grad: Any, *grads: Any) -> tuple[Any, ...]:
+        sent = [g if floating else None for g, floating in zip(grads, ctx.floating, strict=True)]
+        got = ctx.pipe._back(ctx.slot, ctx.c, sent, ctx.count)
+        return (None, None, None, None, None, *got)
+
+
+class GluedPipeline(Pipeline):
+    """:class:`orgel.api.Pipeline` for a forward of several graphs (local spawn only).
+
+    ``step(inputs, targets)`` runs the forward, ``loss_fn`` and backward of
+    each micro-batch here in its own thread, the graphs on the ranks; the rest
+    of the API is :class:`~orgel.api.Pipeline`'s.
+    """
+
+    def __init__(self, plan: Any, group: Any, conns: list[Connection], *, glue: Any,
+                 split: Any, model: torch.nn.Module,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], replicated: tuple[str, ...],
+                 timeout_s: float, state_keys: list[str], aliases: dict[str, str]) -> None:
+        loss_rank = plan.placement[split.loss_stage][0]
+        super().__init__(plan, group, model=model, loss_ranks=[loss_rank], state_keys=state_keys,
+                         aliases=aliases, spmd=False)
+        self.glue = glue
+        self.loss_fn = loss_fn
+        self.replicated = replicated
+        self._conns = conns
+        self._locks = [threading.Lock() for _ in conns]
+        self._mail = Mailbox(conns, timeout_s)
+        self._rank_of = exchange_ranks(plan, split)
+        self._input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
+                                    if st.model_inputs})
+        self._input_names = list(split.model_input_names)
+        self._params = dict(model.named_parameters())
+        self._state_ids = {id(t) for t in [*model.parameters(), *model.buffers()]}
+        self._local = threading.local()
+        self._compiled = torch.compile(model, backend=self._backend, dynamic=False)
+
+    # -- the graphs, as torch.compile hands them over -------------------------------------
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        code = gm.code
+
+        def run(*args: Any) -> Any:
+            if not any(id(a) in self._state_ids for a in args):
+                return gm(*args)  # no parameter or buffer: glue, it runs here
+            return self._call(code, args)
+
+        return run
+
+    def _call(self, code: str, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        slot: _Slot | None = getattr(self._local, "slot", None)
+        if slot is None:
+            raise RuntimeError("this compiled model runs only inside pipe.step(...)")
+        c = slot.calls
+        slot.calls += 1
+        calls = self.glue.calls
+        if c >= len(calls) or calls[c].code != code:
+            expected = (f"graph {c} of {len(calls)} ({calls[c].where})" if c < len(calls)
+                        else f"no graph after the last of {len(calls)}")
+            raise GlueError(
+                f"micro-batch {slot.index}'s forward ran another graph than the captured "
+                f"forward at graph call {c} (expected {expected}): it took another branch, or "
+                "Dynamo specialised a graph on a Python value that changed (a float from "
+                ".item(), a shape). orgel pipelines a forward of several graphs when every "
+                "micro-batch runs the same graphs; make the branch a tensor op (torch.where) "
+                "or keep such values as tensors")
+        call = calls[c]
+        inputs: dict[str, torch.Tensor] = {}
+        for i, (kind, name) in enumerate(call.roles):
+            if kind == "param" and args[i] is not self._params.get(name):
+                raise GlueError(f"graph call {c} of micro-batch {slot.index} reads another "
+                                f"parameter than {name!r}, which the captured forward read")
+            if kind == "input":
+                if args[i].requires_grad:
+                    raise RuntimeError(f"model input {name!r} requires grad; pass inputs that "
+                                       "do not")
+                inputs[name] = args[i].detach()
+        values = [args[i] for i in call.glue]
+        assert slot.anchor is not None
+        out = _GraphCall.apply(self, slot, c, inputs, slot.anchor, *values)
+        slot.anchor = out[0]
+        return tuple(out[1:])
+
+    def _send(self, rank: int, message: tuple[str, Any, Any]) -> None:
+        with self._locks[rank]:
+            self._conns[rank].send(message)
+
+    def _run(self, slot: _Slot, c: int, inputs: dict[str, Any],
+             values: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        m, key = slot.index, (self.steps, c, slot.index)
+        if self.glue.has_exchange(c):
+            self._send(self._rank_of[c], ("x_in", key, [v.detach() for v in values]))
+        if c == 0:
+            for r in self._input_ranks:
+                self._send(r, ("in", m, inputs))
+        if c + 1 < len(self.glue.calls):
+            after = (self.steps, c + 1, m)
+            return list(self._mail.get("x_out", after, self._rank_of[c + 1],
+                                       f"graph {c}'s outputs of micro-batch {m}"))
+        outs = self._mail.get("out", m, self._loss_rank, f"the outputs of micro-batch {m}")
+        return list(outs[:-1])  # the last one is the exchanges' anchor
+
+    def _back(self, slot: _Slot, c: int, grads: list[Any], count: int) -> list[Any]:
+        m, key = slot.index, (self.steps, c, slot.index)
+        if c + 1 < len(self.glue.calls):
+            self._send(self._rank_of[c + 1], ("x_outgrad", (self.steps, c + 1, m), grads))
+        else:
+            self._send(self._loss_rank, ("grad", m, [*grads, None]))
+        if not self.glue.has_exchange(c):
+            return [None] * count
+        return list(self._mail.get("x_ingrad", key, self._rank_of[c],
+                                   f"the gradients of graph {c}'s arguments of micro-batch {m}"))
+
+    # -- a step ---------------------------------------------------------------------------
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """One training step on a whole batch; returns the mean loss over micro-batches."""
+        named = named_inputs(self._model, inputs)
+        m = self.plan.microbatches
+        parts = split_microbatches(named, targets, m, 0, self.replicated)
+        slots = [_Slot(i) for i in range(m)]
+        threads = [threading.Thread(target=self._run_microbatch, args=(slots[i], *parts[i]),
+                                    name=f"orgel-forward{i}", daemon=True) for i in range(m)]
+        for t in threads:
+            t.start()
+        placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
+                        for n, t in named.items() if n in self._input_names}
+        try:
+            self._ranks.call("closure_step", placeholders)
+        except Exception:
+            self._mail.abort("a rank failed")
+            for t in threads:
+                t.join()
+            self._raise_first(slots)
+            raise
+        for t in threads:
+            t.join()
+        self._raise_first(slots)
+        self.steps += 1
+        return sum(s.result for s in slots)
+
+    @staticmethod
+    def _raise_first(slots: list[_Slot]) -> None:
+        """The first micro-batch's own error (not one that only saw the step stop)."""
+        for slot in slots:
+            if slot.error is not None and not isinstance(slot.error, Stopped):
+                raise slot.error
+
+    def _run_microbatch(self, slot: _Slot, inputs: dict[str, Any], targets: Any) -> None:
+        self._local.slot = slot
+        try:
+            slot.anchor = torch.zeros((), requires_grad=True)
+            with dynamo_settings(), torch.enable_grad():
+                out = self._compiled(**inputs)
+                loss = self.loss_fn(out, targets) / self.plan.microbatches
+                if slot.calls != len(self.glue.calls):
+                    raise GlueError(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
+                                    f"the captured forward ran {len(self.glue.calls)}")
+                # the anchors chain every graph call: backward reaches each, last one first
+                (loss + slot.anchor * 0).backward()
+            slot.result = float(loss.detach())
+        except BaseException as exc:  # noqa: BLE001 - re-raised by step()
+            slot.error = getattr(exc, "inner_exception", None) or exc
+            self._mail.abort(f"micro-batch {slot.index} failed: {type(exc).__name__}")
+            self._ranks.kill()  # the ranks wait on this micro-batch: stop them
+
+
+def exchange_ranks(plan: Any, split: Any) -> dict[int, int]:
+    """For each exchange (by graph call), the rank whose stage holds it."""
+    found: dict[int, int] = {}
+    for s, stage in enumerate(split.stages):
+        graph = getattr(stage.module, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "call_function" and node.target is glue_mod.exchange:
+                found[int(node.args[1])] = plan.placement[s][0]
+    return found
+
+
+def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, timeout_s: float,
+          threads: int | None, keys: list[str], aliases: dict[str, str]) -> GluedPipeline:
+    """Fork the ranks for ``split`` (closure engines with exchanges); the pipeline object."""
+    import multiprocessing as mp
+
+    from orgel.closure import ClosureEngine
+    from orgel.controller import LocalGroup
+
+    if any(len(r) > 1 for r in plan.placement):
+        raise ValueError("a forward of several graphs runs each stage on one rank; give a plan "
+                         "without data-parallel stages (dp=1)")
+    ctx = mp.get_context("fork")
+    pipes = [ctx.Pipe() for _ in range(plan.num_ranks)]
+
+    def make_engine(rank: int) -> Any:
+        return ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
+                             timeout_s=timeout_s)
+
+    group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
+    return GluedPipeline(plan, group, [here for here, _ in pipes], glue=glue, split=split,
+                         model=workload.model, loss_fn=workload.loss_fn,
+                         replicated=workload.replicated, timeout_s=timeout_s, state_keys=keys,
+                         aliases=aliases)
