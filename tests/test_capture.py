@@ -151,7 +151,7 @@ class Breaks(nn.Module):
 
 def test_graph_break_names_reason_line_and_fix() -> None:
     with pytest.raises(GraphBreakError) as info:
-        capture(Breaks(), (torch.randn(2, 4),))
+        capture(Breaks(), (torch.randn(2, 4),), several=False)
     message = str(info.value)
     line = inspect.getsourcelines(Breaks.forward)[1] + 2
     assert f"test_capture.py:{line}" in message

@@ -112,4 +112,4 @@ def test_second_tower_reads_only_its_own_input() -> None:
 def test_graph_break_is_a_clear_error(name: str) -> None:
     w = Workload(*workload(name))
     with pytest.raises(GraphBreakError, match=r"graph break .* at .*\.py:\d+ `.+`.*torch\.where"):
-        capture(w.model, w.inputs)
+        capture(w.model, w.inputs, several=False)

@@ -85,6 +85,8 @@ class SurrogateLoss:
             for t, g in zip(flat, grads, strict=True):
                 if g is not None and t.requires_grad:
                     total = total + (t * g.to(t.device, t.dtype)).sum()
+        if not isinstance(total, torch.Tensor) and not torch.is_grad_enabled():
+            return torch.zeros(())  # a recomputed stage's first forward: no graph is kept
         if not isinstance(total, torch.Tensor):
             raise RuntimeError("the compiled model's outputs do not require grad: nothing to train")
         return total * self.divisor

@@ -9,8 +9,9 @@ sends its arguments to the rank holding exchange ``c`` (graph 0's model inputs
 to the input stages, as the closure runner does) and returns graph ``c``'s
 outputs when the rank of the next exchange (or the loss stage) sends them. The
 Python between graphs - branches, ``.item()``, NumPy, and the graphs that
-read no parameter or buffer - runs here, on the real values of that micro-batch; ``loss_fn`` runs here too, and its backward sends
-each graph's output gradients back and receives its argument gradients.
+read no parameter or buffer - runs here, on the real values of that
+micro-batch; ``loss_fn`` runs here too, and its backward sends each graph's
+output gradients back and receives its argument gradients.
 
 Every micro-batch must run the graphs the capture ran, in the same order: a
 forward that takes another branch (or specialises a graph on a Python value

@@ -126,7 +126,7 @@ def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         finally:
             pipe.close()
     except Exception as exc:  # noqa: BLE001 - reported as the outcome
-        first = (str(exc).strip().splitlines() or [""])[0][:400]
+        first = (str(exc).strip().splitlines() or [""])[0][:2000]
         return Outcome(name, "fails", f"{type(exc).__name__}: {first}",
                        trace=traceback.format_exc())
     workload.replicated = tuple(options.get("replicated", ()))

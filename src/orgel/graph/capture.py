@@ -3,8 +3,9 @@
 Dynamo route: ``torch.compile(model, backend=..., fullgraph=True)`` hands our
 backend the fx graph with parameters and buffers lifted as inputs, and the real
 tensors behind them, so placeholders are matched to parameters, buffers and
-model inputs by identity (never by position). A graph break is an error that
-names dynamo's reason and the user's source line. Export route:
+model inputs by identity (never by position). A graph break makes capture
+join the forward's several graphs instead (:mod:`orgel.graph.glue`); where that
+cannot work the error names dynamo's reason and the user's source line. Export route:
 ``torch.export.export(strict=False)``, whose graph signature names the same roles.
 
 Either way the graph is then run once on the real inputs to measure, per node,
@@ -278,8 +279,8 @@ def _describe_break(exc: BaseException) -> str:
     hints = re.findall(r"Hint: (.+)", text)
     hint = f" Dynamo's hint: {hints[0].strip()}" if hints else ""
     return (
-        f"graph break ({kind}){where}{reason}. orgel pipelines one graph of the whole "
-        "forward: rewrite that line without the break (no .item()/Python branches on "
+        f"graph break ({kind}){where}{reason}. For one graph of the whole forward, "
+        "rewrite that line without the break (no .item()/Python branches on "
         "tensor values, no print; use torch.where or torch.cond), or move it out of "
         f"the model into the loss or data code.{hint}"
     )

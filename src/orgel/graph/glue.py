@@ -233,12 +233,13 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
     if not seen:
         raise CaptureError("torch.compile produced no graph; does the model compute anything "
                            "with tensors?")
-    used = _eager_parameters(result, params)
+    used = _eager_parameters(result, model)
     if used:
         raise CaptureError(
             f"{reason} orgel pipelines such a forward as several graphs, but parameter "
-            f"{used[0]!r} is used by code Dynamo ran outside every graph, where no stage can "
-            "train it: keep parameters inside traceable code (or fix the break)")
+            f"{used[0]!r} is trained by code Dynamo ran outside every graph (the Python "
+            "between graphs, or the backward of a custom autograd Function), where no stage "
+            "can train it: keep parameters inside traceable code (or fix the break)")
     # a graph that reads no parameter or buffer is a pure function of its arguments: it
     # runs in the controller with the Python around it (so it may differ per micro-batch)
     seen = [s for s in seen if any(id(a) in params or id(a) in buffers for a in s[1])]
@@ -282,22 +283,22 @@ def _where(gm: torch.fx.GraphModule) -> str:
     return ""
 
 
-def _eager_parameters(result: Any, params: dict[int, str]) -> list[str]:
-    """Names of real parameters that the output's autograd graph reaches directly."""
-    roots = [t.grad_fn for t in pytree.tree_leaves(_plain(result))
-             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[int] = set()
-    found: list[str] = []
-    while roots:
-        fn = roots.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        variable = getattr(fn, "variable", None)
-        if variable is not None and id(variable) in params:
-            found.append(params[id(variable)])
-        roots.extend(nxt for nxt, _ in fn.next_functions)
-    return sorted(set(found))
+def _eager_parameters(result: Any, model: torch.nn.Module) -> list[str]:
+    """Names of real parameters that a backward from the output trains.
+
+    The graphs ran on detached copies, so a real parameter gets a gradient only
+    from code outside every graph: the glue, or a custom autograd Function whose
+    backward runs layers again (Reformer's reversible layers). The caller
+    restores the gradients (:func:`orgel.guard.untouched`).
+    """
+    leaves = [t for t in pytree.tree_leaves(_plain(result))
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    if not leaves:
+        return []
+    for p in model.parameters():
+        p.grad = None
+    torch.autograd.backward([t.sum() for t in leaves])
+    return sorted(n for n, p in model.named_parameters() if p.grad is not None)
 
 
 def _plain(obj: Any) -> Any:
