@@ -160,3 +160,13 @@ def test_a_forward_of_several_graphs_is_refused_under_torchrun() -> None:
     graph = capture(BranchEveryMicrobatch(), (torch.randn(2, 8),))
     with pytest.raises(GraphBreakError, match="local-spawn mode"):
         api._one_graph_only(graph)
+
+
+def test_a_plain_rank_engine_refuses_a_split_with_exchanges() -> None:
+    from orgel.engine import RankEngine
+    from orgel.split import split_plan
+
+    graph = capture(BranchEveryMicrobatch(), (torch.randn(2, 8),))
+    plan = balanced_plan(graph, ranks=2, microbatches=1)
+    with pytest.raises(CaptureError, match="only through orgel.pipeline"):
+        RankEngine(0, plan, split_plan(graph, plan), optimizer=None, loss_fn=F.mse_loss)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from orgel import checkpoint as ckpt
+from orgel.graph import glue
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
@@ -41,6 +42,12 @@ class RankEngine:
     ) -> None:
         from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
+        if executor_class is None and any(
+                n.target is glue.exchange for st in split.stages
+                for n in getattr(st.module, "graph", torch.fx.Graph()).nodes):
+            raise glue.CaptureError("this split joins several graphs of a forward with graph "
+                                    "breaks: it trains only through orgel.pipeline (local "
+                                    "spawn), whose controller runs the Python between them")
         self.rank = rank
         self.plan = plan
         self.split = split

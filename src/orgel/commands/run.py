@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             # the graph is captured for one replica's rows of a micro-batch
             share = microbatches(workload, args.microbatches * args.dp)[0][0]
-            graph = capture(workload.model, share)
+            graph = capture(workload.model, share, several=False)
             plan = balanced_plan(graph, ranks=args.ranks, microbatches=args.microbatches,
                                  schedule=args.schedule, dp=args.dp,
                                  stages_per_rank=args.stages_per_rank)
@@ -242,7 +242,7 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     workload = load_workload(spec)
     plan = Plan.from_json(plan_json)
     share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
-    graph = capture(workload.model, share)
+    graph = capture(workload.model, share, several=False)
     split = split_plan(graph, plan)
     executor = Executor(plan, split, loss_fn=workload.loss_fn,
                         optimizer_factory=optimizer_factory(options["optimizer"], options["lr"]),

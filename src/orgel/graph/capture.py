@@ -68,7 +68,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
 
                 raw, glue = capture_graphs(model, named, str(exc))
                 notes.append(f"Dynamo captured the forward as {len(glue.calls)} graphs "
-                             f"(first break: {str(exc).split('. orgel')[0]}); the Python "
+                             f"(first break: {str(exc).split('. For one graph')[0]}); the Python "
                              "between them runs in the controller for each micro-batch")
             except CaptureError:
                 raise
