@@ -59,7 +59,8 @@ def test_user_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture)
     assert "--stages must be between 1 and --blocks" in capsys.readouterr().err
 
 
-def test_a_graph_break_is_reported_as_several_graphs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_graph_break_is_reported_as_several_graphs(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
     path = _write(tmp_path, """
         from orgel.models import build
         def workload():
