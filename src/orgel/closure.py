@@ -169,8 +169,7 @@ class ClosureEngine(RankEngine):
                          timeout_s=timeout_s, executor_class=lazy_executor_class())
         self.executor.inbox = self.inbox
         self.surrogate.divisor = float(self.executor.loss_divisor)
-        if any(n.target is glue.exchange for st in split.stages
-               for n in st.module.graph.nodes):
+        if glue.exchange_stages(split):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
             self.executor.exchange = self.exchange
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller

@@ -42,9 +42,7 @@ class RankEngine:
     ) -> None:
         from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
-        if executor_class is None and any(
-                n.target is glue.exchange for st in split.stages
-                for n in getattr(st.module, "graph", torch.fx.Graph()).nodes):
+        if executor_class is None and glue.exchange_stages(split):
             raise glue.CaptureError("this split joins several graphs of a forward with graph "
                                     "breaks: it trains only through orgel.pipeline (local "
                                     "spawn), whose controller runs the Python between them")

@@ -277,13 +277,7 @@ class GluedPipeline(Pipeline):
 
 def exchange_ranks(plan: Any, split: Any) -> dict[int, int]:
     """For each exchange (by graph call), the rank whose stage holds it."""
-    found: dict[int, int] = {}
-    for s, stage in enumerate(split.stages):
-        graph = getattr(stage.module, "graph", None)
-        for node in graph.nodes if graph is not None else ():
-            if node.op == "call_function" and node.target is glue_mod.exchange:
-                found[int(node.args[1])] = plan.placement[s][0]
-    return found
+    return {c: plan.placement[s][0] for c, s in glue_mod.exchange_stages(split).items()}
 
 
 def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, timeout_s: float,

@@ -122,6 +122,17 @@ class _Recorded(torch.autograd.Function):
         return (None, None, None, *zeros)
 
 
+def exchange_stages(split: Any) -> dict[int, int]:
+    """For each exchange in ``split`` (by graph call), the index of the stage that holds it."""
+    found: dict[int, int] = {}
+    for s, stage in enumerate(split.stages):
+        graph = getattr(stage.module, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "call_function" and node.target is exchange:
+                found[int(node.args[1])] = s
+    return found
+
+
 def set_runtime(runtime: Any) -> None:
     """Make ``exchange`` ask ``runtime`` (a rank's :class:`RankExchange`)."""
     global _RUNTIME
