@@ -82,6 +82,37 @@ class ParamBranch(nn.Module):
         return self.down(h)
 
 
+@torch._dynamo.disable
+def _eagerly(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return layer(h)
+
+
+class EagerParts(nn.Module):
+    """Layers Dynamo runs outside every graph: a tied embedding (the head, in a graph, reads
+    the same weight) and a LayerNorm no graph reads. The controller trains them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.a = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(_eagerly(self.emb, ids)))
+        h = self.b(_eagerly(self.norm, h))
+        return self.head(torch.relu(h))
+
+
+def _eager_parts() -> ZooWorkload:
+    torch.manual_seed(3)
+    ids = torch.randint(0, 16, (8, 5))
+    return ZooWorkload(EagerParts(), (ids,), torch.randint(0, 16, (8, 5)),
+                       lambda out, y: F.cross_entropy(out.flatten(0, 1), y.reshape(-1)))
+
+
 def _branching() -> ZooWorkload:
     torch.manual_seed(0)
     x = torch.randn(8, 8)
@@ -132,6 +163,121 @@ def test_recomputed_stages_with_exchanges_train_exactly() -> None:
 def test_an_earlier_graphs_output_in_the_loss_and_a_buffer_train_exactly() -> None:
     outcome = orgel_check("side_output", _side)
     assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+
+
+def test_capture_lists_the_parameters_trained_outside_every_graph() -> None:
+    w = _eager_parts()
+    graph = capture(w.model, (w.inputs[0][:2],))
+    assert graph.glue is not None
+    assert sorted(graph.glue.eager) == ["emb.weight", "norm.bias", "norm.weight"]
+    assert all(p.grad is None for p in w.model.parameters())  # the check's backward is undone
+
+
+@pytest.mark.slow
+def test_parameters_trained_outside_every_graph_train_exactly() -> None:
+    # emb.weight is also the head's (a stage holds it: the controller's gradient is added
+    # there); norm.* are in no stage (rank 0 keeps and steps them)
+    outcome = orgel_check("eager_parts", _eager_parts)
+    assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+    outcome = orgel_check("eager_parts", _eager_parts, ranks=3, m=4)
+    assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+
+
+@pytest.mark.slow
+def test_parameters_trained_outside_every_graph_resume_from_a_checkpoint(tmp_path) -> None:
+    w = _eager_parts()
+    opt = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731 - state to save
+    kw = {"ranks": 2, "microbatches": 2, "optimizer": opt, "timeout_s": 60.0}
+    with orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, **kw) as pipe:
+        pipe.step(w.inputs, w.targets)
+        pipe.save(tmp_path)
+        second = pipe.step(w.inputs, w.targets)
+        state = pipe.state_dict()
+    # the caller's model was never trained: its norm is still the initial one
+    assert torch.equal(w.model.norm.weight, torch.ones(8))
+    with orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, **kw) as pipe:
+        assert pipe.load(tmp_path) == 1
+        assert pipe.step(w.inputs, w.targets) == second
+        resumed = pipe.state_dict()
+    assert resumed.keys() == state.keys()
+    for key in state:
+        assert torch.equal(resumed[key], state[key]), key
+
+
+class Inner(nn.Module):
+    """A layer of the model's own code (Dynamo compiles its frame, unlike torch.nn's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.w
+
+
+class ThroughFunction(torch.autograd.Function):
+    """A custom Function whose forward breaks the graph and runs a layer (with grad off)."""
+
+    @staticmethod
+    def forward(ctx: object, h: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        if h.sum() > 0:  # a graph break: the layer's graph runs inside Function.forward
+            h = h * 2
+        return layer(h)
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None
+
+
+class GradOffGraph(nn.Module):
+    """Capture fails half-way (under vmap, then a graph run with gradients off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.inner = Inner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.vmap(torch.tanh)(self.a(x))
+        return ThroughFunction.apply(h, self.inner) + h
+
+
+def test_a_graph_run_with_gradients_off_is_refused() -> None:
+    with pytest.raises(CaptureError, match="runs with gradients off"):
+        capture(GradOffGraph(), (torch.randn(2, 8),))
+
+
+class Routed(nn.Module):
+    """Only the rows the data chooses go on (selected between graphs, as a MoE's loop over
+    the tokens each expert got): the second graph's shapes differ per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = _rows_chosen(self.a(x), x[:, 0] > 0)
+        return self.b(chosen).sum(0, keepdim=True).expand(x.shape[0], 4)
+
+
+@torch._dynamo.disable
+def _rows_chosen(h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return h[keep]
+
+
+@pytest.mark.slow
+def test_shapes_that_depend_on_the_data_are_refused() -> None:
+    from orgel.glued import GlueError
+
+    torch.manual_seed(4)
+    x = torch.randn(4, 4)
+    x[:, 0] = torch.tensor([1.0, 1.0, 1.0, -1.0])  # micro-batch 0 keeps 2 rows, 1 keeps 1
+    with orgel.pipeline(Routed(), (x,), torch.randn(4, 4), F.mse_loss, ranks=2, microbatches=2,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), timeout_s=60.0) as pipe:
+        with pytest.raises(GlueError, match=r"shape \[1, 4\] where the captured forward had "
+                                            r"\[2, 4\]"):
+            pipe.step((x,), torch.randn(4, 4))
 
 
 @pytest.mark.slow

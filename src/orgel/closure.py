@@ -159,29 +159,74 @@ def lazy_executor_class() -> type:
 
 
 class ClosureEngine(RankEngine):
-    """Worker side of the closure runner: lazy model inputs and the surrogate loss."""
+    """Worker side of the closure runner: lazy model inputs and the surrogate loss.
+
+    For a forward of several graphs (``glue``) it also keeps the parameters the
+    controller trains that are homed on this rank (:func:`orgel.graph.glue.eager_homes`):
+    before the gradient sums it adds the controller's gradients (``"p_grad"``),
+    after the optimizer it sends their new values back (``"p_value"``).
+    """
 
     def __init__(self, rank: int, plan: Any, split: Any, *, optimizer: Any, conn: Connection,
-                 timeout_s: float) -> None:
+                 timeout_s: float, glue_info: Any = None,
+                 model: torch.nn.Module | None = None) -> None:
         self.inbox = RankInbox(conn)
         self.surrogate = SurrogateLoss(self.inbox)
+        homes = (glue.eager_homes(glue_info, plan, split) if glue_info is not None else {})
+        self.homed = sorted(n for n, r in homes.items() if r == rank)
+        held = {n for st in (split.stages[s] for s in plan.stages_on(rank))
+                for n in st.param_names.values()}
+        extra = {}
+        if model is not None:
+            for name in self.homed:
+                if name not in held:  # no stage reads it: this rank keeps its own copy
+                    extra[name] = torch.nn.Parameter(model.get_parameter(name).detach().clone())
         super().__init__(rank, plan, split, optimizer=optimizer, loss_fn=self.surrogate,
-                         timeout_s=timeout_s, executor_class=lazy_executor_class())
+                         timeout_s=timeout_s, executor_class=lazy_executor_class(),
+                         executor_options={"extra_params": extra})
         self.executor.inbox = self.inbox
         self.surrogate.divisor = float(self.executor.loss_divisor)
         if glue.exchange_stages(split):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
             self.executor.exchange = self.exchange
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
+        if self.homed:
+            self.executor.before_reduce = self._add_controller_grads
+            self.executor.after_optimizer = self._send_values
 
-    def closure_step(self, placeholders: dict[str, torch.Tensor]) -> None:
-        """One step; ``placeholders`` only give shapes, the inputs arrive per micro-batch."""
+    def _homed_params(self) -> dict[str, torch.nn.Parameter]:
+        """Each homed parameter's first copy on this rank, by name."""
+        found: dict[str, torch.nn.Parameter] = {}
+        for name, p in self.executor.named_parameters():
+            if name in self.homed:
+                found.setdefault(name, p)
+        return found
+
+    def _add_controller_grads(self) -> None:
+        grads = self.inbox.get("p_grad", self.step_count)
+        for name, p in self._homed_params().items():
+            g = grads.get(name)
+            if g is None:
+                continue
+            g = g.to(p.device, p.dtype)
+            p.grad = g if p.grad is None else p.grad + g
+
+    def _send_values(self) -> None:
+        values = {n: p.detach().cpu().clone() for n, p in self._homed_params().items()}
+        self.inbox.send(("p_value", (self.step_count, self.rank), values))
+
+    def closure_step(self, placeholders: dict[str, torch.Tensor], rows: int | None = None) -> None:
+        """One step; ``placeholders`` only give shapes, the inputs arrive per micro-batch.
+
+        ``rows`` is the batch size where no placeholder has it (no stage reads a
+        model input: the forward's first graph takes what code before it made).
+        """
         self.surrogate.reset()
         self.executor.fetched = set()
         if self.executor.exchange is not None:
             self.executor.exchange.begin(self.step_count)
         # the "targets" are each row's micro-batch index: micro-batch m's are all m
         m = self.plan.microbatches
-        rows = batch_size(placeholders)
+        rows = batch_size(placeholders) if rows is None else rows
         self.executor.step(placeholders, torch.arange(m).repeat_interleave(rows // m))
         self.step_count += 1

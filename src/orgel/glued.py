@@ -13,6 +13,13 @@ read no parameter or buffer - runs here, on the real values of that
 micro-batch; ``loss_fn`` runs here too, and its backward sends each graph's
 output gradients back and receives its argument gradients.
 
+Parameters that code outside every graph trains (a module Dynamo ran eagerly,
+a custom Function's backward; :attr:`orgel.graph.glue.Glue.eager`) get their
+gradient here, on the controller's own copy of them, summed over the
+micro-batches in order; the rank that holds them (or rank 0, for one no stage
+reads) adds it before its gradient sums, steps them with its optimizer, keeps
+them in its checkpoint shard, and sends their new values back.
+
 Every micro-batch must run the graphs the capture ran, in the same order: a
 forward that takes another branch (or specialises a graph on a Python value
 that changed, such as a float from ``.item()``) stops the step with an error
@@ -29,11 +36,12 @@ from typing import Any
 
 import torch
 
+from orgel import guard
 from orgel.api import Pipeline
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
 from orgel.graph.opgraph import CaptureError
-from orgel.workload import named_inputs, split_microbatches
+from orgel.workload import batch_size, named_inputs, split_microbatches
 
 
 class GlueError(CaptureError):
@@ -94,6 +102,8 @@ class _Slot:
         self.anchor: torch.Tensor | None = None
         self.result: float = 0.0
         self.error: BaseException | None = None
+        # gradients of the parameters the controller trains (by name), this micro-batch's
+        self.grads: dict[str, torch.Tensor] = {}
 
 
 class _GraphCall(torch.autograd.Function):
@@ -140,10 +150,16 @@ class GluedPipeline(Pipeline):
         self._input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
                                     if st.model_inputs})
         self._input_names = list(split.model_input_names)
-        self._params = dict(model.named_parameters())
-        self._state_ids = {id(t) for t in [*model.parameters(), *model.buffers()]}
+        # the parameters code outside every graph trains: their gradients are computed
+        # here, on a copy of them (the caller's model stays as it was), and a rank steps them
+        self._homes = glue_mod.eager_homes(glue, plan, split)
+        runner = self._runner = _controller_copy(model, glue.eager)
+        self._eager = {name: runner.get_parameter(name) for name in glue.eager}
+        self._params = dict(runner.named_parameters())
+        self._state_ids = {id(t) for t in [*runner.parameters(), *runner.buffers()]}
         self._local = threading.local()
-        self._compiled = torch.compile(model, backend=self._backend, dynamic=False)
+        self._compiled = torch.compile(runner, backend=self._backend, dynamic=False)
+        self._warm = False
 
     # -- the graphs, as torch.compile hands them over -------------------------------------
 
@@ -151,6 +167,8 @@ class GluedPipeline(Pipeline):
         code = gm.code
 
         def run(*args: Any) -> Any:
+            if getattr(self._local, "warming", False):
+                return gm(*args)  # compiling every graph before the first step (_warm_up)
             if not any(id(a) in self._state_ids for a in args):
                 return gm(*args)  # no parameter or buffer: glue, it runs here
             return self._call(code, args)
@@ -186,14 +204,28 @@ class GluedPipeline(Pipeline):
                                        "do not")
                 inputs[name] = args[i].detach()
         values = [args[i] for i in call.glue]
+        shapes = [tuple(v.shape) for v in values]
+        if shapes != call.shapes:
+            j = next(j for j, (a, b) in enumerate(zip(shapes, call.shapes, strict=True)) if a != b)
+            raise GlueError(
+                f"micro-batch {slot.index}'s graph call {c} ({call.where}) gets an argument of "
+                f"shape {list(shapes[j])} where the captured forward had {list(call.shapes[j])}: "
+                "the Python between graphs makes shapes that depend on the data (torch.where, "
+                "nonzero, a loop over what the tokens chose). orgel pipelines a forward of "
+                "several graphs when every micro-batch's graphs see the same shapes; compute "
+                "such a part with fixed shapes (a dense mask instead of an index list)")
         assert slot.anchor is not None
         out = _GraphCall.apply(self, slot, c, inputs, slot.anchor, *values)
         slot.anchor = out[0]
         return tuple(out[1:])
 
     def _send(self, rank: int, message: tuple[str, Any, Any]) -> None:
-        with self._locks[rank]:
-            self._conns[rank].send(message)
+        try:
+            with self._locks[rank]:
+                self._conns[rank].send(message)
+        except OSError as exc:  # the rank is gone: its own error is the one to report
+            raise Stopped(f"rank {rank} closed its pipe while the controller sent it "
+                          f"{message[0]!r}") from exc
 
     def _run(self, slot: _Slot, c: int, inputs: dict[str, Any],
              values: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -228,15 +260,24 @@ class GluedPipeline(Pipeline):
         named = named_inputs(self._model, inputs)
         m = self.plan.microbatches
         parts = split_microbatches(named, targets, m, 0, self.replicated)
+        if not self._warm:
+            self._warm_up(parts[0][0])
         slots = [_Slot(i) for i in range(m)]
         threads = [threading.Thread(target=self._run_microbatch, args=(slots[i], *parts[i]),
                                     name=f"orgel-forward{i}", daemon=True) for i in range(m)]
         for t in threads:
             t.start()
+        if self._eager:  # once every micro-batch is done, its homes get the gradients
+            threads.append(threading.Thread(target=self._send_grads, args=(slots, threads[:]),
+                                            name="orgel-eager-grads", daemon=True))
+            threads[-1].start()
         placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
                         for n, t in named.items() if n in self._input_names}
+        # the ranks count rows from the placeholders, or from here when no stage reads an input
+        rows = batch_size(({n: t for n, t in named.items() if n not in self.replicated},
+                           targets))
         try:
-            self._ranks.call("closure_step", placeholders)
+            self._ranks.call("closure_step", placeholders, rows)
         except Exception:
             self._mail.abort("a rank failed")
             for t in threads:
@@ -246,8 +287,75 @@ class GluedPipeline(Pipeline):
         for t in threads:
             t.join()
         self._raise_first(slots)
+        self._receive_values()
         self.steps += 1
         return sum(s.result for s in slots)
+
+    def _warm_up(self, inputs: dict[str, Any]) -> None:
+        """Run micro-batch 0's forward here once, every graph locally, before the first step.
+
+        Dynamo compiles each frame the first time a thread runs it; two
+        micro-batch threads compiling the same frames at once can each get a
+        differently specialised graph (then the step fails with a GlueError).
+        Compiling them here, in one thread, leaves the threads only cache hits.
+        The controller's copy, grad mode and RNG are put back afterwards.
+        """
+        self._local.warming = True
+        try:
+            with guard.untouched(self._runner), dynamo_settings(), torch.enable_grad():
+                self._compiled(**inputs)
+        finally:
+            self._local.warming = False
+        self._warm = True
+
+    def _send_grads(self, slots: list[_Slot], threads: list[threading.Thread]) -> None:
+        """Sum the micro-batches' gradients in micro-batch order; send each to its home rank."""
+        for t in threads:
+            t.join()
+        if any(s.error is not None for s in slots):
+            return
+        by_rank: dict[int, dict[str, torch.Tensor | None]] = {
+            r: {} for r in sorted(set(self._homes.values()))}
+        for name in self._eager:
+            total: torch.Tensor | None = None
+            for slot in slots:
+                g = slot.grads.get(name)
+                if g is not None:
+                    total = g.clone() if total is None else total.add_(g)
+            by_rank[self._homes[name]][name] = total
+        for r, grads in by_rank.items():
+            self._send(r, ("p_grad", self.steps, grads))
+
+    def _receive_values(self) -> None:
+        """The new values of the parameters the controller trains, from their home ranks."""
+        if not self._eager:
+            return
+        with torch.no_grad():
+            for r in sorted(set(self._homes.values())):
+                values = self._mail.get("p_value", (self.steps, r), r,
+                                        "the parameters the controller trains, after the step")
+                for name, value in values.items():
+                    self._eager[name].copy_(value)
+
+    def _pull_values(self) -> None:
+        """Refresh the controller's copies from the ranks (after a load)."""
+        if not self._eager:
+            return
+        state: dict[str, torch.Tensor] = {}
+        for part in self._ranks.call("state_dict"):
+            state.update(part)
+        with torch.no_grad():
+            for name, p in self._eager.items():
+                p.copy_(state[name])
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
+        self._pull_values()
+
+    def load(self, directory: Any) -> int:
+        step = super().load(directory)
+        self._pull_values()
+        return step
 
     @staticmethod
     def _raise_first(slots: list[_Slot]) -> None:
@@ -259,20 +367,40 @@ class GluedPipeline(Pipeline):
     def _run_microbatch(self, slot: _Slot, inputs: dict[str, Any], targets: Any) -> None:
         self._local.slot = slot
         try:
-            slot.anchor = torch.zeros((), requires_grad=True)
+            first = slot.anchor = torch.zeros((), requires_grad=True)
             with dynamo_settings(), torch.enable_grad():
                 out = self._compiled(**inputs)
                 loss = self.loss_fn(out, targets) / self.plan.microbatches
                 if slot.calls != len(self.glue.calls):
                     raise GlueError(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
                                     f"the captured forward ran {len(self.glue.calls)}")
-                # the anchors chain every graph call: backward reaches each, last one first
-                (loss + slot.anchor * 0).backward()
+                # the anchors chain every graph call: backward reaches each, last one first;
+                # the gradients of the parameters trained here are kept per micro-batch
+                names = list(self._eager)
+                grads = torch.autograd.grad(loss + slot.anchor * 0,
+                                            [first, *self._eager.values()], allow_unused=True)
+                slot.grads = {n: g for n, g in zip(names, grads[1:], strict=True)
+                              if g is not None}
             slot.result = float(loss.detach())
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = getattr(exc, "inner_exception", None) or exc
             self._mail.abort(f"micro-batch {slot.index} failed: {type(exc).__name__}")
             self._ranks.kill()  # the ranks wait on this micro-batch: stop them
+
+
+def _controller_copy(model: torch.nn.Module, eager: list[str]) -> torch.nn.Module:
+    """``model`` with its own copies of the ``eager`` parameters and of every buffer.
+
+    Every other parameter stays the caller's object (no memory, and graph
+    calls are recognised by them); the controller's eager code trains and
+    updates only its copies (a buffer the Python between graphs writes
+    included), so the caller's model is never changed.
+    """
+    import copy
+
+    eager_ids = {id(model.get_parameter(n)) for n in eager}
+    memo: dict[int, Any] = {id(p): p for p in model.parameters() if id(p) not in eager_ids}
+    return copy.deepcopy(model, memo)
 
 
 def exchange_ranks(plan: Any, split: Any) -> dict[int, int]:
@@ -296,7 +424,7 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
 
     def make_engine(rank: int) -> Any:
         return ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, glue_info=glue, model=workload.model)
 
     group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
     return GluedPipeline(plan, group, [here for here, _ in pipes], glue=glue, split=split,

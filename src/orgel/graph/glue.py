@@ -64,6 +64,7 @@ class Call:
     roles: list[tuple[str, Any]]
     outputs: int
     where: str = ""
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # of the glue arguments
 
     @property
     def glue(self) -> list[int]:
@@ -79,6 +80,9 @@ class Glue:
     calls: list[Call]
     reason: str  # Dynamo's graph break, as the single-graph capture reported it
     exchanges: dict[int, str] = field(default_factory=dict)  # call -> its exchange node
+    #: parameters that code outside every graph trains (the Python between graphs, a module
+    #: Dynamo ran eagerly, a custom Function's backward), by name; see :func:`eager_homes`
+    eager: list[str] = field(default_factory=list)
 
     def has_exchange(self, c: int) -> bool:
         """Call ``c`` is preceded by an exchange (every call but a first one without glue)."""
@@ -131,6 +135,22 @@ def exchange_stages(split: Any) -> dict[int, int]:
             if node.op == "call_function" and node.target is exchange:
                 found[int(node.args[1])] = s
     return found
+
+
+def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, int]:
+    """For each parameter the controller trains (:attr:`Glue.eager`), the rank that steps it.
+
+    A parameter that a stage also reads (a tied embedding Dynamo ran eagerly in
+    one place) lives on the lowest rank holding such a stage: the controller's
+    gradient is added to that copy's before the tied sum. Any other lives on
+    rank 0, as a parameter of no stage.
+    """
+    homes: dict[str, int] = {}
+    for name in glue.eager:
+        ranks = [plan.placement[s][0] for s, st in enumerate(split.stages)
+                 if name in st.param_names.values()]
+        homes[name] = min(ranks, default=0)
+    return homes
 
 
 def set_runtime(runtime: Any) -> None:
@@ -207,9 +227,10 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
 
     Returns the capture route's raw form (graph module, placeholder roles,
     output leaves, output spec; see :mod:`orgel.graph.capture`) and the
-    :class:`Glue` that the controller follows in training. Refuses a forward
-    whose glue uses a parameter (Dynamo ran that code outside every graph, so
-    no stage could train it).
+    :class:`Glue` that the controller follows in training. Parameters that
+    code outside every graph trains are listed in :attr:`Glue.eager`: the
+    controller computes their gradients, a rank keeps and steps them
+    (:func:`eager_homes`).
     """
     from orgel.graph.capture import dynamo_settings
 
@@ -224,6 +245,17 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
             # autograd graph afterwards was used by the glue, outside every graph
             shadow = [a.detach().requires_grad_(a.requires_grad)
                       if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
+            # with gradients off, a graph whose inputs could carry a gradient would carry
+            # one on a rank (stages run with gradients on)
+            if not torch.is_grad_enabled() and any(
+                    isinstance(a, torch.Tensor) and (id(a) in params or a.requires_grad)
+                    for a in args):
+                raise CaptureError(
+                    f"{reason} orgel then tried to pipeline the forward as several graphs, but "
+                    f"the graph at {_where(gm)!r} runs with gradients off (under torch.no_grad, "
+                    "or in the forward of a custom autograd Function, as reversible layers "
+                    "are): a stage would train it. Keep that code free of graph breaks, or "
+                    "outside torch.no_grad")
             out = gm(*shadow)
             seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
             return out
@@ -235,6 +267,8 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
         compiled = torch.compile(model, backend=backend, dynamic=False)
         with dynamo_settings(), torch.enable_grad():
             result = compiled(**named)
+    except CaptureError:
+        raise
     except Exception as exc:
         raise CaptureError(f"{reason} orgel then tried to pipeline the forward as several "
                            f"graphs, and Dynamo failed: {type(exc).__name__}: "
@@ -244,13 +278,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
     if not seen:
         raise CaptureError("torch.compile produced no graph; does the model compute anything "
                            "with tensors?")
-    used = _eager_parameters(result, model)
-    if used:
-        raise CaptureError(
-            f"{reason} orgel pipelines such a forward as several graphs, but parameter "
-            f"{used[0]!r} is trained by code Dynamo ran outside every graph (the Python "
-            "between graphs, or the backward of a custom autograd Function), where no stage "
-            "can train it: keep parameters inside traceable code (or fix the break)")
+    eager = _eager_parameters(result, model)
     # a graph that reads no parameter or buffer is a pure function of its arguments: it
     # runs in the controller with the Python around it (so it may differ per micro-batch)
     seen = [s for s in seen if any(id(a) in params or id(a) in buffers for a in s[1])]
@@ -275,13 +303,14 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
             else:
                 roles.append(("glue", len(glue)))
                 glue.append(a.detach().clone().requires_grad_(a.requires_grad))
-        calls.append(Call(gm.code, roles, len(outs), _where(gm)))
+        calls.append(Call(gm.code, roles, len(outs), _where(gm),
+                          [tuple(t.shape) for t in glue]))
         recorded[c] = glue
     key = f"g{next(_keys)}"
     _EXAMPLES[key] = recorded
     while len(_EXAMPLES) > _KEEP:
         _EXAMPLES.popitem(last=False)
-    glue_info = Glue(key, calls, reason)
+    glue_info = Glue(key, calls, reason, eager=eager)
     return _join([gm for gm, _, _ in seen], glue_info, recorded), glue_info
 
 

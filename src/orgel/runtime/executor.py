@@ -61,7 +61,9 @@ class Executor:
     ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss),
     ``seed`` (the base of every forward's random stream; default ``torch.initial_seed()``),
     ``replicated`` (names of model inputs that are not batched: every micro-batch and
-    replica gets them whole).
+    replica gets them whole), ``extra_params`` (parameters of no stage that this rank
+    keeps and steps, by original name: code outside every graph trains them, and
+    ``before_reduce`` adds their gradients).
     """
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
@@ -70,7 +72,8 @@ class Executor:
                  device: torch.device | str | None = None, dynamic_shapes: bool = False,
                  batch_dim: int = 0, store: Any = None, check_plan: bool = True,
                  post_ahead: bool | None = None, check_finite: bool = False,
-                 seed: int | None = None, replicated: tuple[str, ...] = ()) -> None:
+                 seed: int | None = None, replicated: tuple[str, ...] = (),
+                 extra_params: dict[str, torch.nn.Parameter] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -116,6 +119,14 @@ class Executor:
             self.transport.warm_up()
         self.sync = GradSync(plan, split, self.rank, self.stages, ranks=ranks, world_group=None,
                              timeout=timeout, device=self.device)
+        # parameters of no stage that this rank steps (code outside every graph trains them)
+        self.extra_params = dict(extra_params or {})
+        for p in self.extra_params.values():
+            self.sync.all_params.append(p)
+            self.sync.norm_params.append(p)
+        # called after the backward work, before the gradient sums; after the optimizer
+        self.before_reduce: Callable[[], None] | None = None
+        self.after_optimizer: Callable[[], None] | None = None
         self.reduce_after: dict[int, list[tuple[int, ...]]] = {}
         for rset in self.sync.dp:
             last = max(p for p, a in enumerate(self.actions)
@@ -153,6 +164,7 @@ class Executor:
         for _, info in sorted(self.stages.items()):
             for local, p in info.stage.module.named_parameters():
                 yield info.stage.param_names.get(local, f"stage{info.index}.{local}"), p
+        yield from self.extra_params.items()
 
     def step(self, inputs: dict[str, Any], targets: Any) -> float:
         """Run one training step over the whole batch; return its mean loss (every rank)."""
@@ -186,12 +198,16 @@ class Executor:
             self.transport.finish()
             self._event("wait", "sends", start)
             start = self._now()
+            if self.before_reduce is not None:
+                self.before_reduce()
             loss, self.grad_norm = self.sync.finish(self._loss, self.max_grad_norm)
             self._event("sync", "gradients", start)
             if self.optimizer is not None:
                 start = self._now()
                 self.optimizer.step()
                 self._event("optim", "optimizer", start)
+            if self.after_optimizer is not None:
+                self.after_optimizer()
         except Exception as exc:
             where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
                      else "the end of the step (sends, gradient reduction, optimizer)")
