@@ -8,6 +8,7 @@ return promptly with one report naming rank, action and peer.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -91,3 +92,32 @@ def test_non_finite_loss_is_caught_where_it_appears() -> None:
     first = message.splitlines()[0]
     assert first.startswith("rank 2: the loss of micro-batch ") and "is nan (stage 2)" in first
     assert message.count("FloatingPointError: the loss") == 1
+
+
+def fail_first(rank: int, world: int) -> None:
+    """Rank 1 raises in its first forward, while rank 0 waits for the first step's shapes."""
+    _, split_model, plan, _ = build("1f1b-3")
+
+    def hook(module: torch.nn.Module, args: object) -> None:
+        raise StageBroke("stage 1 cannot start")
+
+    if rank == 1:
+        split_model.stages[1].module.register_forward_pre_hook(hook)
+    ex = Executor(plan, split_model, loss_fn=ce_loss, optimizer_factory=sgd, timeout=60.0)
+    inputs, targets = batch("gpt")
+    ex.step(inputs, targets)
+
+
+def test_a_failure_stops_ranks_waiting_on_the_store_at_once() -> None:
+    # the first step exchanges shapes through the rendezvous store, whose waits do not see a
+    # peer die: the failing rank's abort flag ends them (a hang check: well under 60 s)
+    start = time.monotonic()
+    with pytest.raises(SpawnError) as info:
+        spawn(fail_first, 3, timeout=60.0)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert message.splitlines()[0].startswith("rank 1: stage 1 cannot start")
+    assert message.count("StageBroke: stage 1 cannot start") == 1
+    assert re.search(r"rank [02]: (stopped: rank 1 failed \(StageBroke, reported above\) while "
+                     r"this rank waited for the shapes|lost rank 1)", message), message
+    assert elapsed < 30, f"the ranks took {elapsed:.0f} s to stop"

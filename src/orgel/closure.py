@@ -49,12 +49,12 @@ class RankInbox:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self._kept: dict[tuple[str, int], Any] = {}
+        self._kept: dict[tuple[str, Any], Any] = {}
 
-    def send(self, message: tuple[str, int, Any]) -> None:
+    def send(self, message: tuple[str, Any, Any]) -> None:
         self.conn.send(message)
 
-    def get(self, kind: str, m: int) -> Any:
+    def get(self, kind: str, m: Any) -> Any:
         """The payload of message ``(kind, m)``, waiting for it."""
         while (kind, m) not in self._kept:
             got_kind, got_m, payload = self.conn.recv()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +58,25 @@ _instances = 0
 
 #: Default cap on the bytes of sends pending at once (gloo, receives posted ahead).
 MAX_PENDING_BYTES = 64 << 20
+#: The store key (one per plan instance) a failing rank sets to its message, so that the
+#: others' waits on the store stop early.
+ABORT_KEY = "orgel/abort/{instance}"
+#: How often a wait on the store looks at the abort flag (seconds).
+ABORT_POLL_S = 0.25
+
+
+class PeerAborted(RuntimeError):
+    """Another rank set the abort flag; the message is its failure."""
+
+
+def announce_failure(store: Any, key: str, message: str) -> None:
+    """Set abort flag ``key`` to ``message`` unless a first failure already did (best effort)."""
+    if store is None:
+        return
+    try:
+        store.compare_set(key, "", message)
+    except Exception:  # noqa: BLE001 - the store may be gone with its host rank
+        pass
 
 
 @dataclass(eq=False)  # identity: deque.remove must not compare tensors
@@ -194,6 +214,29 @@ class Transport:
     def _shape_key(self, i: int) -> str:
         return f"orgel/shape/{self.instance}/{self.epoch}/{i}"
 
+    def _wait_key(self, key: str) -> None:
+        """Wait for ``key`` in the store, in slices: a failed rank's abort flag ends it early.
+
+        A store wait does not see a peer die (the store lives on rank 0, not on
+        the peer), so each slice also checks this plan's abort flag (:data:`ABORT_KEY`).
+        """
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait([key], timedelta(seconds=max(0.001, min(ABORT_POLL_S, left))))
+                return
+            except Exception:
+                abort = ABORT_KEY.format(instance=self.instance)
+                if self.store.check([abort]):
+                    raise PeerAborted(self.store.get(abort).decode(errors="replace")) from None
+                if left <= ABORT_POLL_S:
+                    raise
+
+    def announce_failure(self, message: str) -> None:
+        """Set the abort flag so that peers waiting on the store stop now (best effort)."""
+        announce_failure(self.store, ABORT_KEY.format(instance=self.instance), message)
+
     def _what(self, i: int) -> str:
         return describe(self.plan, self.comm.messages[i])
 
@@ -202,8 +245,12 @@ class Transport:
         if self.exchange:
             key = self._shape_key(i)
             try:
-                self.store.wait([key], timedelta(seconds=self.timeout))
+                self._wait_key(key)
                 spec = json.loads(self.store.get(key))
+            except PeerAborted as exc:
+                what = f"the shapes of {self._what(i)} from rank {m.src_rank}"
+                raise CommFailure(f"stopped: {exc} while this rank waited for {what}",
+                                  peer=m.src_rank, what=what, timed_out=False) from exc
             except Exception as exc:  # noqa: BLE001 - re-raised with the peer named
                 raise self._failure(i, m.src_rank, "receiving the shapes of", exc) from exc
             shapes = [(tuple(s), _dtype(d)) for s, d in spec]

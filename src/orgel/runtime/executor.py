@@ -211,6 +211,9 @@ class Executor:
         except Exception as exc:
             where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
                      else "the end of the step (sends, gradient reduction, optimizer)")
+            # peers waiting on the store (shape exchange) stop now, not at their timeout
+            self.transport.announce_failure(f"rank {self.rank} failed "
+                                            f"({type(exc).__name__}, reported above)")
             raise StepFailure(f"rank {self.rank}: {exc} [while running {where}]",
                               rank=self.rank, action=str(action or "end of step"),
                               cause=exc) from exc

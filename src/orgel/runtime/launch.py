@@ -82,16 +82,23 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         dist.barrier()
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then exit
         record_failure(rank, exc)
-        sys.stdout.flush()
-        os._exit(1)  # no teardown: peers blocked on us must see the connection close
-    sys.stdout.flush()
-    # run multiprocessing's finalizers (semaphores made by libraries, e.g. during capture)
-    # so the launcher's resource tracker has nothing to warn about, then leave without
-    # destroy_process_group, which can block on a dead peer
+        _leave(1)  # no teardown: peers blocked on us must see the connection close
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Exit now, without destroy_process_group (which can block on a dead peer).
+
+    multiprocessing's finalizers run first (semaphores made by libraries, e.g.
+    during capture), so the launcher's resource tracker has nothing to warn about.
+    """
     from multiprocessing import util
 
-    util._run_finalizers(0)  # type: ignore[attr-defined]
-    os._exit(0)
+    sys.stdout.flush()
+    try:
+        util._run_finalizers(0)  # type: ignore[attr-defined]
+    finally:
+        os._exit(code)
 
 
 @contextmanager
