@@ -324,7 +324,10 @@ class GluedPipeline(Pipeline):
                     total = g.clone() if total is None else total.add_(g)
             by_rank[self._homes[name]][name] = total
         for r, grads in by_rank.items():
-            self._send(r, ("p_grad", self.steps, grads))
+            try:
+                self._send(r, ("p_grad", self.steps, grads))
+            except Stopped:  # a rank failed: the step reports that rank's error
+                return
 
     def _receive_values(self) -> None:
         """The new values of the parameters the controller trains, from their home ranks."""
