@@ -153,6 +153,7 @@ class GluedPipeline(Pipeline):
         # the parameters code outside every graph trains: their gradients are computed
         # here, on a copy of them (the caller's model stays as it was), and a rank steps them
         self._homes = glue_mod.eager_homes(glue, plan, split)
+        self._home_ranks = sorted(set(self._homes.values()))
         runner = self._runner = _controller_copy(model, glue.eager)
         self._eager = {name: runner.get_parameter(name) for name in glue.eager}
         self._params = dict(runner.named_parameters())
@@ -314,8 +315,7 @@ class GluedPipeline(Pipeline):
             t.join()
         if any(s.error is not None for s in slots):
             return
-        by_rank: dict[int, dict[str, torch.Tensor | None]] = {
-            r: {} for r in sorted(set(self._homes.values()))}
+        by_rank: dict[int, dict[str, torch.Tensor | None]] = {r: {} for r in self._home_ranks}
         for name in self._eager:
             total: torch.Tensor | None = None
             for slot in slots:
@@ -334,7 +334,7 @@ class GluedPipeline(Pipeline):
         if not self._eager:
             return
         with torch.no_grad():
-            for r in sorted(set(self._homes.values())):
+            for r in self._home_ranks:
                 values = self._mail.get("p_value", (self.steps, r), r,
                                         "the parameters the controller trains, after the step")
                 for name, value in values.items():

@@ -69,16 +69,6 @@ class PeerAborted(RuntimeError):
     """Another rank set the abort flag; the message is its failure."""
 
 
-def announce_failure(store: Any, key: str, message: str) -> None:
-    """Set abort flag ``key`` to ``message`` unless a first failure already did (best effort)."""
-    if store is None:
-        return
-    try:
-        store.compare_set(key, "", message)
-    except Exception:  # noqa: BLE001 - the store may be gone with its host rank
-        pass
-
-
 @dataclass(eq=False)  # identity: deque.remove must not compare tensors
 class _Send:
     """One message in flight: its work handles keep ``tensors`` alive until done."""
@@ -234,8 +224,15 @@ class Transport:
                     raise
 
     def announce_failure(self, message: str) -> None:
-        """Set the abort flag so that peers waiting on the store stop now (best effort)."""
-        announce_failure(self.store, ABORT_KEY.format(instance=self.instance), message)
+        """Set this plan's abort flag to ``message`` unless a first failure already did.
+
+        Best effort: peers waiting on the store stop now; the store may be gone
+        with its host rank.
+        """
+        try:
+            self.store.compare_set(ABORT_KEY.format(instance=self.instance), "", message)
+        except Exception:  # noqa: BLE001 - nothing more to do for a failing rank
+            pass
 
     def _what(self, i: int) -> str:
         return describe(self.plan, self.comm.messages[i])
