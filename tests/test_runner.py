@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import orgel.runner as ob
-from orgel.graph.capture import GraphBreakError
+from orgel.glued import GlueError
 from orgel.models import build
 from orgel.models.clip import contrastive_loss
 
@@ -195,18 +195,198 @@ def test_checkpoint_resumes_a_new_runner_bit_identically(tmp_path: Path) -> None
         assert torch.equal(resumed[name], t), name
 
 
-def test_a_graph_break_in_the_compiled_model_is_a_clear_error() -> None:
-    model, (x,), y, loss_fn = build("graphbreak", batch_size=4, seed=0)
-    pipe = ob.backend(ranks=2, microbatches=2, optimizer=_sgd, threads=1)
+class BreakBN(nn.Module):
+    """BatchNorm on both sides of a graph break (``.item()``), and a side output of graph 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.bn_a = nn.BatchNorm1d(8)
+        self.b = nn.Linear(8, 8)
+        self.bn_b = nn.BatchNorm1d(8)
+        self.c = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.bn_a(self.a(x)))
+        scale = 2.0 if h.mean().item() > 0 else 0.5  # a graph break; the branch is glue
+        g = torch.tanh(self.bn_b(self.b(h * scale)))
+        return self.c(g), h
+
+
+def _train_both(closure_for: Any, model: nn.Module, batches: list[tuple[torch.Tensor, ...]],
+                extra: nn.Module | None = None) -> tuple[Any, dict[str, Any], list[Any], list[Any]]:
+    """``closure_for(model)`` on orgel.backend (2 ranks) and in one process, compared.
+
+    Returns the (closed) runner, its final state and both runs' closure results.
+    """
+    ref = copy.deepcopy(model)
+    ref_extra = copy.deepcopy(extra)
+    ref_opt = _sgd([*ref.parameters(), *(ref_extra.parameters() if ref_extra else [])])
+    extra_opt = _sgd(list(extra.parameters())) if extra is not None else None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    compiled = torch.compile(model, backend=pipe)
+    got, want = [], []
+    try:
+        for batch in batches:
+            got.append(pipe.step(closure_for(compiled, extra), *batch))
+            # the calling process's first step leaves the caller's model as it was
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            if extra_opt is not None:
+                extra_opt.step()
+                extra_opt.zero_grad()
+            ref_opt.zero_grad()
+            ref_closure = closure_for(ref, ref_extra)
+            want.append([ref_closure(*(t.chunk(M)[m] for t in batch)) for m in range(M)])
+            ref_opt.step()
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    if extra is not None:
+        for (name, p), q in zip(extra.named_parameters(), ref_extra.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    return pipe, state, got, want
+
+
+def _break_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(2)]
+
+
+def test_a_compiled_model_with_graph_breaks_trains_exactly_buffers_included() -> None:
+    """Dynamo compiles the forward as two graphs; each is split across the ranks, the
+    Python between them runs in each closure, BatchNorm statistics move once per
+    micro-batch; the side output of graph 0 reaches the loss past graph 1."""
+    torch.manual_seed(0)
+
+    def closure_for(model: Any, _: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            out, h = model(x)
+            loss = (F.mse_loss(out, y) + 0.1 * h.pow(2).mean()) / M
+            loss.backward()
+            return loss.detach()
+
+        return closure
+
+    pipe, state, got, want = _train_both(closure_for, BreakBN(), _break_batches())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.stack(g), torch.stack(w), rtol=1e-5, atol=1e-6)
+    assert len(pipe.pipe.glue.calls) == 2  # several graphs, one pipeline
+    assert state["bn_b.num_batches_tracked"].item() == 2 * M
+
+
+def test_graph_calls_the_loss_does_not_reach_get_zero_gradients() -> None:
+    """A loss of graph 0's side output only (graph 1's backward never runs by itself), and a
+    closure with no backward at all: the pipeline runs those backwards with zero gradients."""
+    torch.manual_seed(1)
+
+    def side_only(model: Any, _: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> None:
+            _, h = model(x)
+            (h.pow(2).mean() / M).backward()
+
+        return closure
+
+    _train_both(side_only, BreakBN(), _break_batches())
+
+    def no_backward(model: Any, _: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> float:
+            return float(F.mse_loss(model(x)[0], y))
+
+        return closure
+
+    torch._dynamo.reset()
+    _, _, got, want = _train_both(no_backward, BreakBN(), _break_batches()[:1])
+    assert got == want
+
+
+def test_trainable_preprocessing_and_two_calls_per_closure() -> None:
+    """The closure's own layer feeds the compiled model (its output requires grad) and the
+    compiled model runs twice per closure: its gradient comes back to the closure."""
+    torch.manual_seed(2)
+    embed = nn.Linear(4, 6)
+
+    def closure_for(model: Any, pre: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> None:
+            first, _ = model(pre(x))
+            second, _ = model(pre(x.flip(0)))
+            (F.mse_loss(first + second, y) / M).backward()
+
+        return closure
+
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g))]
+    pipe, _, _, _ = _train_both(closure_for, BreakBN(), batches, extra=embed)
+    assert len(pipe.pipe.glue.calls) == 4
+
+
+@torch._dynamo.disable
+def _eagerly(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return layer(h)
+
+
+class EagerNorm(BreakBN):
+    """BreakBN with a LayerNorm that Dynamo runs outside every graph, between the two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(_eagerly(self.norm, x))
+
+
+def test_parameters_only_the_python_between_graphs_uses_keep_their_grad_here() -> None:
+    """As for the closure's own layers: their gradient (summed over micro-batches) lands in
+    the calling process's ``.grad``, the caller's optimizer steps them; the pipeline trains
+    the rest."""
+    torch.manual_seed(4)
+    model = EagerNorm()
+    ref = copy.deepcopy(model)
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
     compiled = torch.compile(model, backend=pipe)
 
-    def closure(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss_fn(compiled(x), y).backward()
+    def closure_for(net: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> None:
+            (F.mse_loss(net(x)[0], y) / M).backward()
 
+        return closure
+
+    x, y = _break_batches()[0]
     try:
-        with pytest.raises(GraphBreakError, match="graph break") as info:
-            pipe.step(closure, x, y)
-        assert "fullgraph=True" in str(info.value)
+        pipe.step(closure_for(compiled), x, y)
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    ref_opt = _sgd(list(ref.parameters()))
+    for m in range(M):
+        closure_for(ref)(x.chunk(M)[m], y.chunk(M)[m])
+    for name in ("norm.weight", "norm.bias"):
+        torch.testing.assert_close(model.get_parameter(name).grad,
+                                   ref.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+    ref_opt.step()
+    for name, t in ref.state_dict().items():
+        if not name.startswith("norm."):  # the caller's optimizer would step those
+            torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_closure_that_takes_another_branch_is_a_clear_error() -> None:
+    torch.manual_seed(3)
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    compiled = torch.compile(BreakBN(), backend=pipe)
+
+    def closure(x: torch.Tensor) -> None:
+        out, _ = compiled(x)
+        if x[0, 0] > 0:  # micro-batch 1 calls the model a second time
+            out = out + compiled(x)[0]
+        out.sum().backward()
+
+    x = torch.cat([-torch.ones(2, 6), torch.ones(2, 6)])
+    try:
+        with pytest.raises(GlueError, match="expected no graph after the last of 2"):
+            pipe.step(closure, x)
     finally:
         pipe.close()
 

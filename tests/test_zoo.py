@@ -20,7 +20,7 @@ import pytest
 import transformers
 
 from archzoo import archs
-from archzoo.check import balanced_check
+from archzoo.check import backend_check, balanced_check
 
 ARCHS = archs()
 #: Models orgel refuses, with the error it must give: the break's line and why the forward
@@ -56,3 +56,16 @@ def test_refused_with_the_line_to_change(name: str) -> None:
     outcome = balanced_check(name, ARCHS[name])
     assert outcome.status == "fails"
     assert re.search(REFUSED[name], outcome.detail), outcome.detail
+
+
+#: Through ``torch.compile(model, backend=orgel.backend(...))`` and a closure: forwards Dynamo
+#: captures as several graphs (a branch, ``.item()``, Longformer's global-attention check)
+#: and as one (GPT-2, whose 4.x masks use vmap; a CNN with BatchNorm and in-place activations).
+BACKEND = ["data_dependent_branch", "item_print", "siamese_batchnorm", "hf_longformer",
+           "hf_gpt2", "mobilenet_v3"]
+
+
+@pytest.mark.parametrize("name", _params(BACKEND))
+def test_the_compile_backend_matches_one_process(name: str) -> None:
+    outcome = backend_check(name, ARCHS[name])
+    assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace

@@ -104,6 +104,7 @@ class _Slot:
         self.error: BaseException | None = None
         # gradients of the parameters the controller trains (by name), this micro-batch's
         self.grads: dict[str, torch.Tensor] = {}
+        self.backed: set[int] = set()  # graph calls whose backward ran
 
 
 class _GraphCall(torch.autograd.Function):
@@ -121,6 +122,10 @@ class _GraphCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, anchor_grad: Any, *grads: Any) -> tuple[Any, ...]:
         sent = [g if floating else None for g, floating in zip(grads, ctx.floating, strict=True)]
+        # a later call the loss does not reach has not run its backward: the ranks take the
+        # backwards in reverse order, so it goes first, with zero gradients
+        ctx.pipe._back_unreached(ctx.slot, after=ctx.c)
+        ctx.slot.backed.add(ctx.c)
         got = ctx.pipe._back(ctx.slot, ctx.c, sent, ctx.count)
         return (None, None, None, None, None, *got)
 
@@ -254,29 +259,50 @@ class GluedPipeline(Pipeline):
         return list(self._mail.get("x_ingrad", key, self._rank_of[c],
                                    f"the gradients of graph {c}'s arguments of micro-batch {m}"))
 
+    def _back_unreached(self, slot: _Slot, *, after: int) -> None:
+        """Run the backward of every call after ``after`` that has not, with zero gradients.
+
+        The autograd engine reaches a call's backward before its predecessor's
+        (the anchors chain them) unless the loss does not depend on the call at
+        all; then its true gradients are zero, and its argument gradients, which
+        would flow into nothing, are dropped.
+        """
+        for c in range(min(slot.calls, len(self.glue.calls)) - 1, after, -1):
+            if c not in slot.backed:
+                slot.backed.add(c)
+                self._back(slot, c, [None] * self.glue.calls[c].outputs,
+                           len(self.glue.calls[c].glue))
+
     # -- a step ---------------------------------------------------------------------------
 
     def step(self, inputs: Any, targets: Any) -> float:
         """One training step on a whole batch; returns the mean loss over micro-batches."""
         named = named_inputs(self._model, inputs)
-        m = self.plan.microbatches
-        parts = split_microbatches(named, targets, m, 0, self.replicated)
+        parts = split_microbatches(named, targets, self.plan.microbatches, 0, self.replicated)
         if not self._warm:
             self._warm_up(parts[0][0])
-        slots = [_Slot(i) for i in range(m)]
-        threads = [threading.Thread(target=self._run_microbatch, args=(slots[i], *parts[i]),
-                                    name=f"orgel-forward{i}", daemon=True) for i in range(m)]
+        placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
+                        for n, t in named.items() if n in self._input_names}
+        # the ranks count rows from the placeholders, or from here when no stage reads an input
+        rows = batch_size(({n: t for n, t in named.items() if n not in self.replicated},
+                           targets))
+        slots = self._run_threads(lambda slot: self._run_microbatch(slot, *parts[slot.index]),
+                                  placeholders, rows)
+        return sum(s.result for s in slots)
+
+    def _run_threads(self, work: Callable[[_Slot], None], placeholders: dict[str, torch.Tensor],
+                     rows: int) -> list[_Slot]:
+        """``work(slot)`` for every micro-batch, each in its own thread, beside the ranks' step."""
+        slots = [_Slot(i) for i in range(self.plan.microbatches)]
+        threads = [threading.Thread(target=self._guarded, args=(work, slot),
+                                    name=f"orgel-forward{slot.index}", daemon=True)
+                   for slot in slots]
         for t in threads:
             t.start()
         if self._eager:  # once every micro-batch is done, its homes get the gradients
             threads.append(threading.Thread(target=self._send_grads, args=(slots, threads[:]),
                                             name="orgel-eager-grads", daemon=True))
             threads[-1].start()
-        placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
-                        for n, t in named.items() if n in self._input_names}
-        # the ranks count rows from the placeholders, or from here when no stage reads an input
-        rows = batch_size(({n: t for n, t in named.items() if n not in self.replicated},
-                           targets))
         try:
             self._ranks.call("closure_step", placeholders, rows)
         except Exception:
@@ -290,7 +316,16 @@ class GluedPipeline(Pipeline):
         self._raise_first(slots)
         self._receive_values()
         self.steps += 1
-        return sum(s.result for s in slots)
+        return slots
+
+    def _guarded(self, work: Callable[[_Slot], None], slot: _Slot) -> None:
+        self._local.slot = slot
+        try:
+            work(slot)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by step()
+            slot.error = getattr(exc, "inner_exception", None) or exc
+            self._mail.abort(f"micro-batch {slot.index} failed: {type(exc).__name__}")
+            self._ranks.kill()  # the ranks wait on this micro-batch: stop them
 
     def _warm_up(self, inputs: dict[str, Any]) -> None:
         """Run micro-batch 0's forward here once, every graph locally, before the first step.
@@ -368,27 +403,49 @@ class GluedPipeline(Pipeline):
                 raise slot.error
 
     def _run_microbatch(self, slot: _Slot, inputs: dict[str, Any], targets: Any) -> None:
-        self._local.slot = slot
-        try:
-            first = slot.anchor = torch.zeros((), requires_grad=True)
-            with dynamo_settings(), torch.enable_grad():
-                out = self._compiled(**inputs)
-                loss = self.loss_fn(out, targets) / self.plan.microbatches
-                if slot.calls != len(self.glue.calls):
-                    raise GlueError(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
-                                    f"the captured forward ran {len(self.glue.calls)}")
-                # the anchors chain every graph call: backward reaches each, last one first;
-                # the gradients of the parameters trained here are kept per micro-batch
-                names = list(self._eager)
-                grads = torch.autograd.grad(loss + slot.anchor * 0,
-                                            [first, *self._eager.values()], allow_unused=True)
-                slot.grads = {n: g for n, g in zip(names, grads[1:], strict=True)
-                              if g is not None}
-            slot.result = float(loss.detach())
-        except BaseException as exc:  # noqa: BLE001 - re-raised by step()
-            slot.error = getattr(exc, "inner_exception", None) or exc
-            self._mail.abort(f"micro-batch {slot.index} failed: {type(exc).__name__}")
-            self._ranks.kill()  # the ranks wait on this micro-batch: stop them
+        first = slot.anchor = torch.zeros((), requires_grad=True)
+        with dynamo_settings(), torch.enable_grad():
+            out = self._compiled(**inputs)
+            loss = self.loss_fn(out, targets) / self.plan.microbatches
+            self._check_calls(slot)
+            # the anchors chain every graph call: backward reaches each, last one first;
+            # the gradients of the parameters trained here are kept per micro-batch
+            names = list(self._eager)
+            grads = torch.autograd.grad(loss + slot.anchor * 0,
+                                        [first, *self._eager.values()], allow_unused=True)
+            slot.grads = {n: g for n, g in zip(names, grads[1:], strict=True) if g is not None}
+        slot.result = float(loss.detach())
+
+    def _check_calls(self, slot: _Slot) -> None:
+        if slot.calls != len(self.glue.calls):
+            raise GlueError(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
+                            f"the captured forward ran {len(self.glue.calls)}")
+
+
+class ClosurePipeline(GluedPipeline):
+    """The graphs of ``orgel.backend``'s compiled model, when it has graph breaks.
+
+    The closures of :meth:`orgel.runner.Backend.step` replace ``model`` and
+    ``loss_fn``: each runs in its own thread, calls the compiled model (whose
+    graphs reach :meth:`_call` through the backend) and runs its own backward.
+    A graph call the closure's loss does not reach gets zero gradients.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._warm = True  # orgel.backend ran micro-batch 0's forward to find the graphs
+
+    def step_closures(self, closure: Callable[..., Any], pieces: list[list[Any]],
+                      rows: int) -> list[Any]:
+        """Run ``closure(*pieces[m])`` for every micro-batch ``m``; their return values."""
+        def work(slot: _Slot) -> None:
+            slot.anchor = torch.zeros((), requires_grad=True)
+            with dynamo_settings():
+                slot.result = closure(*pieces[slot.index])
+            self._check_calls(slot)
+            self._back_unreached(slot, after=-1)  # no backward, or one that missed some
+
+        return [s.result for s in self._run_threads(work, {}, rows)]
 
 
 def _controller_copy(model: torch.nn.Module, eager: list[str]) -> torch.nn.Module:
@@ -412,8 +469,12 @@ def exchange_ranks(plan: Any, split: Any) -> dict[int, int]:
 
 
 def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, timeout_s: float,
-          threads: int | None, keys: list[str], aliases: dict[str, str]) -> GluedPipeline:
-    """Fork the ranks for ``split`` (closure engines with exchanges); the pipeline object."""
+          threads: int | None, keys: list[str], aliases: dict[str, str],
+          closures: bool = False) -> GluedPipeline:
+    """Fork the ranks for ``split`` (closure engines with exchanges); the pipeline object.
+
+    ``closures``: a :class:`ClosurePipeline`, for ``orgel.backend``.
+    """
     import multiprocessing as mp
 
     from orgel.closure import ClosureEngine
@@ -430,7 +491,7 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
                              timeout_s=timeout_s, glue_info=glue, model=workload.model)
 
     group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
-    return GluedPipeline(plan, group, [here for here, _ in pipes], glue=glue, split=split,
-                         model=workload.model, loss_fn=workload.loss_fn,
-                         replicated=workload.replicated, timeout_s=timeout_s, state_keys=keys,
-                         aliases=aliases)
+    cls = ClosurePipeline if closures else GluedPipeline
+    return cls(plan, group, [here for here, _ in pipes], glue=glue, split=split,
+               model=workload.model, loss_fn=workload.loss_fn, replicated=workload.replicated,
+               timeout_s=timeout_s, state_keys=keys, aliases=aliases)

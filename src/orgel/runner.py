@@ -21,8 +21,13 @@ inputs straight to the ranks that host input stages, which start on them while
 other closures are still pre-processing; a closure's loss and backward
 (post-processing) run while the ranks work on other micro-batches. Outputs and
 gradients cross through :mod:`orgel.closure`; the optimizer steps once every
-closure is done. The first step is the exception: it captures, plans and
-starts the ranks once every closure has reached its model call. Gradients
+closure is done. The first step is the exception: it first runs micro-batch
+0's closure up to its backward to find the graphs (:meth:`Backend._discover`),
+then captures, plans and starts the ranks once every closure has reached its
+model call. A compiled model with graph breaks (several graphs that read
+parameters, or one called more than once) is joined and pipelined as
+:mod:`orgel.glued` does for ``orgel.pipeline``; the closures run the Python
+between its graphs (:class:`orgel.glued.ClosurePipeline`). Gradients
 accumulate over micro-batches as in gradient accumulation: divide the loss by
 ``microbatches`` for a batch-mean loss. A closure that never calls
 ``backward`` contributes a zero gradient.
@@ -33,9 +38,12 @@ The model's inputs must not require grad (run pre-processing under ``no_grad``).
 
 from __future__ import annotations
 
+import keyword
 import re
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +67,8 @@ class GraphModel(torch.nn.Module):
     checkpoints see the original names; ``forward(**inputs)`` calls the graph.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                 roles: list[tuple[str, str]] | None = None) -> None:
         super().__init__()
         # dynamo hands over a lazily compiled GraphModule whose first forward generates
         # its code; dynamo refuses to trace that step, and orgel's capture traces this
@@ -70,27 +79,18 @@ class GraphModel(torch.nn.Module):
         self.graph_module = gm
         self.roles: list[tuple[str, str]] = []  # (kind, name) per placeholder, in order
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        for node, value in zip(placeholders, example_inputs, strict=True):
-            kind, name = _role(node, value)
+        # dynamo drops the placeholders' sources once the backend returns: pass the roles
+        # read while it was compiling (``roles``) to build one later
+        if roles is None:
+            roles = [_role(node, value) for node, value in zip(placeholders, example_inputs,
+                                                               strict=True)]
+        for (kind, name), value in zip(roles, example_inputs, strict=True):
             if kind in ("param", "buffer"):
-                self._register(kind, name, value)
+                register_state(self, kind, name, value)
             elif kind == "const":
                 self.register_buffer(name, value, persistent=False)
             self.roles.append((kind, name))
         self.input_names = [n for k, n in self.roles if k == "input"]
-
-    def _register(self, kind: str, name: str, value: torch.Tensor) -> None:
-        *path, leaf = name.split(".")
-        owner: torch.nn.Module = self
-        for part in path:
-            if part not in owner._modules:
-                owner.add_module(part, torch.nn.Module())
-            owner = owner._modules[part]  # type: ignore[assignment]
-        if kind == "param":
-            assert isinstance(value, torch.nn.Parameter)
-            owner.register_parameter(leaf, value)
-        else:
-            owner.register_buffer(leaf, value)
 
     def forward(self, **inputs: torch.Tensor) -> Any:
         args = []
@@ -106,6 +106,21 @@ class GraphModel(torch.nn.Module):
         return self.graph_module(*args)
 
 
+def register_state(module: torch.nn.Module, kind: str, name: str, value: torch.Tensor) -> None:
+    """Register ``value`` as parameter or buffer ``name`` (dotted) of ``module``."""
+    *path, leaf = name.split(".")
+    owner: torch.nn.Module = module
+    for part in path:
+        if part not in owner._modules:
+            owner.add_module(part, torch.nn.Module())
+        owner = owner._modules[part]  # type: ignore[assignment]
+    if kind == "param":
+        assert isinstance(value, torch.nn.Parameter)
+        owner.register_parameter(leaf, value)
+    else:
+        owner.register_buffer(leaf, value)
+
+
 def _role(node: torch.fx.Node, value: Any) -> tuple[str, str]:
     """(kind, name) of a dynamo placeholder: param/buffer by original name, input, const."""
     grapharg = node.meta.get("grapharg")
@@ -119,7 +134,9 @@ def _role(node: torch.fx.Node, value: Any) -> tuple[str, str]:
     if "_buffers" in tokens:
         return "buffer", ".".join(t for t in tokens[1:] if t not in ("_modules", "_buffers"))
     if text.startswith("L[") and tokens and isinstance(value, torch.Tensor):
-        return "input", tokens[-1]
+        name = tokens[-1]  # an argument taken as L["args"][0] is named by its position
+        plain = name.isidentifier() and not keyword.iskeyword(name)
+        return "input", name if plain else f"arg{name}"
     return "const", f"_orgel_const_{node.name}"
 
 
@@ -146,28 +163,139 @@ class Backend:
         self._local = threading.local()
         self._slots: list[Slot] = []
         self._pending_load: str | Path | None = None
+        # the graph calls micro-batch 0's forward made on the first step (see _discover)
+        self._found: list[tuple[Any, ...]] | None = None
+        self._discovering = False
+        self._names: dict[int, str] | None = None  # id -> name in the compiled model
+        self._module: torch.nn.Module | None = None  # the compiled module, when one is
 
     # -- torch.compile side -------------------------------------------------------------
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        if self.model is not None:
-            from orgel.graph.capture import GraphBreakError
-
-            # Closures compile concurrently on the first step: the same graph again is fine.
-            if gm.code == self.model.graph_module.code:
-                return self._forward
-            raise GraphBreakError(
-                "torch.compile handed orgel.backend a second graph: the compiled model has a "
-                "graph break (or its input shapes changed). orgel pipelines exactly one graph "
-                "per runner; find the break with torch.compile(model, fullgraph=True) and "
-                "keep micro-batch shapes fixed"
-            )
         if any(isinstance(v, torch.SymInt) for v in example_inputs):
             raise ValueError("torch.compile traced the model with dynamic shapes; orgel "
                              "pipelines fixed shapes: use torch.compile(model, backend=pipe, "
                              "dynamic=False) and micro-batches of one size")
-        self.model = GraphModel(gm, example_inputs)
-        return self._forward
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        roles = [_role(n, v) for n, v in zip(placeholders, example_inputs, strict=True)]
+        stateful = any(kind in ("param", "buffer") for kind, _ in roles)
+
+        def run(*args: Any) -> Any:
+            if self._discovering:
+                return self._record(gm, example_inputs, roles, args)
+            if not stateful:  # reads no parameter or buffer: runs here, as the closure does
+                return gm(*args)
+            from orgel.glued import ClosurePipeline
+
+            if isinstance(self.pipe, ClosurePipeline):
+                return self.pipe._call(gm.code, args)
+            if self.model is None:
+                raise RuntimeError("call the compiled model inside a closure run by "
+                                   "pipe.step(...)")
+            if gm.code == self.model.graph_module.code:
+                return self._forward(*args)
+            from orgel.graph.capture import GraphBreakError
+
+            raise GraphBreakError(
+                "torch.compile handed orgel.backend another graph after the first step found "
+                "one: the compiled model's input shapes changed, or its forward took another "
+                "path. Keep micro-batch shapes fixed")
+
+        return run
+
+    # -- the first step: find the graphs ----------------------------------------------------
+
+    def _discover(self, closure: Callable[..., Any], args: list[Any]) -> None:
+        """Run micro-batch 0's closure up to its backward; record the graphs it calls.
+
+        The graphs run here on detached copies of the parameters and buffers
+        (nothing of the caller's changes), and the closure stops where it calls
+        ``backward`` (or ``torch.autograd.grad``), before any gradient exists.
+        One graph that reads parameters is pipelined as is; several are joined
+        (:mod:`orgel.graph.glue`) and the closures run the Python between them.
+        """
+        self._found = []
+        self._discovering = True
+        try:
+            with untouched(), dynamo_settings(), _stopped_at_backward():
+                closure(*args)
+        except _ForwardDone:
+            pass
+        except BaseException as exc:
+            self._found = None
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, ValueError | RuntimeError):
+                raise inner from None
+            raise
+        finally:
+            self._discovering = False
+
+    def _record(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                roles: list[tuple[str, str]], args: tuple[Any, ...]) -> Any:
+        from orgel.graph.glue import check_grad_mode
+
+        if self._names is None:
+            self._module = _compiled_module()
+            self._names = {} if self._module is None else _names_by_id(self._module)
+        # a graph of a resumed frame names the parameters from one of its locals (a
+        # submodule on the stack): name them as the compiled model does
+        roles = [(kind, self._names.get(id(a), name)) if kind in ("param", "buffer")
+                 else (kind, name) for (kind, name), a in zip(roles, args, strict=True)]
+        kinds = [kind for kind, _ in roles]
+        shadow = [a.detach().requires_grad_(a.requires_grad) if k == "param"
+                  else a.detach().clone() if k == "buffer" else a
+                  for a, k in zip(args, kinds, strict=True)]
+        if "param" in kinds or "buffer" in kinds:
+            check_grad_mode(gm, [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
+                            "The compiled model has graph breaks.")
+        out = gm(*shadow)
+        assert self._found is not None
+        if "param" in kinds or "buffer" in kinds:
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            self._found.append((gm, example_inputs, roles, list(args), outs))
+        return out
+
+    def _start_glued(self, rows: int) -> None:
+        """Plan and start the joined graphs of a compiled model with graph breaks."""
+        from orgel import api, glued
+        from orgel.graph.glue import join_calls
+        from orgel.graph.measure import measure
+        from orgel.workload import Workload
+
+        if under_torchrun():
+            raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
+                               "the ranks); under torchrun use orgel.pipeline")
+        assert self._found is not None
+        # the caller's parameters and buffers by original name: the compiled module, or
+        # (a compiled function) a module holding what its graphs read
+        holder = self._module or torch.nn.Module()
+        prepared = []
+        for gm, _, roles, args, outs in self._found:
+            given: list[tuple[str, Any] | None] = []
+            for (kind, name), a in zip(roles, args, strict=True):
+                if kind in ("param", "buffer"):
+                    if self._module is None and not _has_state(holder, kind, name):
+                        register_state(holder, kind, name, a)
+                    given.append((kind, name))
+                else:  # model inputs and what the Python between graphs made: exchanged
+                    given.append(None)
+            prepared.append((gm, list(args), outs, given))
+        reason = (f"torch.compile captured the compiled model as {len(prepared)} graphs that "
+                  "read parameters.")
+        raw, glue = join_calls(prepared, reason, eager=[])
+        workload = Workload(holder, {}, torch.zeros(rows), _profiling_loss)
+        with untouched(holder):
+            graph = measure(holder, {}, raw, [reason], "dynamo")
+            graph.glue = glue
+            plan = api._resolve_plan(self.given_plan, workload, graph, self.ranks,
+                                     self.microbatches, self.memory, self.dp, planner="beam")
+            split = api._split(workload, graph, plan)
+        keys, aliases = api.model_aliases(holder)
+        self.pipe = glued.start(workload, plan, split, glue, optimizer=self.optimizer,
+                                timeout_s=self.timeout_s, threads=self.threads, keys=keys,
+                                aliases=aliases, closures=True)
+        if self._pending_load is not None:
+            self.pipe.load(self._pending_load)
 
     def _forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
         m = getattr(self._local, "microbatch", None)
@@ -222,7 +350,25 @@ class Backend:
         """
         if not callable(closure):
             raise TypeError("step(closure, *batch): closure must be callable")
+        from orgel.glued import ClosurePipeline
+
         pieces = _slice(batch, self.microbatches)
+        rows = next((a.shape[0] for a in batch if isinstance(a, torch.Tensor) and a.dim() > 0),
+                    self.microbatches)
+        if self.pipe is None and self.model is None:  # the first step: find the graphs
+            self._discover(closure, pieces[0])
+            assert self._found is not None
+            if not self._found:
+                raise RuntimeError("the closure for micro-batch 0 returned without calling "
+                                   "the compiled model (or it reads no parameter); call it "
+                                   "once per closure")
+            if len(self._found) == 1:
+                gm, example_inputs, roles, *_ = self._found[0]
+                self.model = GraphModel(gm, example_inputs, roles)
+            else:
+                self._start_glued(rows)
+        if isinstance(self.pipe, ClosurePipeline):
+            return self.pipe.step_closures(closure, pieces, rows)
         self._slots = [Slot(m) for m in range(self.microbatches)]
         threads = [threading.Thread(target=self._run_closure, args=(closure, m, pieces[m]),
                                     name=f"orgel-closure{m}", daemon=True)
@@ -339,8 +485,11 @@ class Backend:
 
         group = LocalGroup(self.ranks, make_engine, timeout_s=self.timeout_s,
                            threads=self.threads)
-        keys, aliases = api.model_aliases(self.model)
-        self.pipe = api.Pipeline(plan, group, model=self.model,
+        # names and tensors no graph reads (tied aliases, an unused pooler) come from the
+        # compiled module, when there is one
+        owner = self._module or self.model
+        keys, aliases = api.model_aliases(owner)
+        self.pipe = api.Pipeline(plan, group, model=owner,
                                  loss_ranks=[self._loss_rank], state_keys=keys, aliases=aliases,
                                  spmd=False)
         if self._pending_load is not None:
@@ -405,6 +554,57 @@ def _profiling_loss(outputs: Any, targets: Any) -> torch.Tensor:
     if not leaves:
         raise RuntimeError("the compiled model returns no floating-point tensor to train")
     return sum((t.sum() for t in leaves), torch.zeros(()))
+
+
+class _ForwardDone(BaseException):
+    """Raised where the closure run by :meth:`Backend._discover` calls backward."""
+
+
+@contextmanager
+def _stopped_at_backward() -> Iterator[None]:
+    """``backward`` and ``torch.autograd.grad`` raise :class:`_ForwardDone` in the body."""
+    saved = torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
+
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        raise _ForwardDone
+
+    torch.Tensor.backward = torch.autograd.backward = torch.autograd.grad = stop  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = saved  # type: ignore[method-assign]
+
+
+def _compiled_module() -> torch.nn.Module | None:
+    """The module ``torch.compile`` wrapped, found on the calling frames (None: a function).
+
+    The compiled model's call runs through ``torch.compile``'s module wrapper
+    (``OptimizedModule``), which holds the caller's module.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, OptimizedModule):
+                return value._orig_mod  # type: ignore[no-any-return]
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _names_by_id(model: torch.nn.Module) -> dict[int, str]:
+    """Each parameter's and buffer's first name in ``model`` (a tied one's canonical name)."""
+    names = {id(b): n for n, b in model.named_buffers()}
+    names.update({id(p): n for n, p in model.named_parameters()})
+    return names
+
+
+def _has_state(module: torch.nn.Module, kind: str, name: str) -> bool:
+    try:
+        (module.get_parameter if kind == "param" else module.get_buffer)(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _slice(batch: tuple[Any, ...], m: int) -> list[list[Any]]:

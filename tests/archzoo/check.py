@@ -21,7 +21,7 @@ import torch
 
 import orgel
 from orgel.models import ZooWorkload
-from orgel.workload import Workload, microbatches
+from orgel.workload import Workload, microbatches, named_inputs
 
 LR = 0.1
 #: Largest accepted difference, relative to the tensor's scale: max|a-b| / (1 + max|b|).
@@ -130,9 +130,15 @@ def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         return Outcome(name, "fails", f"{type(exc).__name__}: {first}",
                        trace=traceback.format_exc())
     workload.replicated = tuple(options.get("replicated", ()))
+    return compare(name, got, loss, reference, workload, m, touched)
+
+
+def compare(name: str, got: dict[str, torch.Tensor], loss: float, reference: torch.nn.Module,
+            workload: Workload, m: int, touched: list[str]) -> Outcome:
+    """The outcome of a pipelined step (``got``, ``loss``) against one process on ``reference``."""
     ref_loss = reference_step(reference, workload, m)
     if touched:
-        return Outcome(name, "differs", "orgel.pipeline changed the model: "
+        return Outcome(name, "differs", "orgel changed the model: "
                        + "; ".join(touched[:3]), loss, ref_loss)
     expected = reference.state_dict()
     worst: dict[str, float] = {"loss": abs(loss - ref_loss) / (1.0 + abs(ref_loss))}
@@ -146,6 +152,48 @@ def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         return Outcome(name, "differs", f"{key} by {bad[key]:.2e} ({len(bad)} tensors over "
                        f"{TOLERANCE:g})", loss, ref_loss, worst)
     return Outcome(name, "exact", "", loss, ref_loss, worst)
+
+
+def backend_check(name: str, build: Any, *, ranks: int = 2, m: int = 2) -> Outcome:
+    """:func:`orgel_check` through ``torch.compile(model, backend=orgel.backend(...))``.
+
+    The closure calls the compiled model with the micro-batch's inputs by name,
+    divides the loss by ``m`` and runs its backward, as a user's would. Dynamo
+    captures the forward as one graph or several; either way the step must match
+    one process, and the caller's model must stay as it was (its RNG use is the
+    closures', as in one process, so the RNG state is not compared).
+    """
+    try:
+        torch._dynamo.reset()
+        w: ZooWorkload = build()
+        workload = Workload(w.model, w.inputs, w.targets, w.loss_fn)
+        reference = copy.deepcopy(w.model)
+        named = named_inputs(w.model, w.inputs)
+        keys = list(named)
+        before = snapshot(w.model)
+        pipe = orgel.backend(ranks=ranks, microbatches=m, timeout_s=120.0,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=LR))
+        compiled = torch.compile(w.model, backend=pipe, dynamic=False)
+
+        def closure(*args: Any) -> float:
+            *values, targets = args
+            loss = w.loss_fn(compiled(**dict(zip(keys, values, strict=True))), targets) / m
+            loss.backward()
+            return float(loss.detach())
+
+        try:
+            loss = sum(pipe.step(closure, *named.values(), w.targets))
+            got = pipe.state_dict()
+        finally:
+            pipe.close()
+        after = snapshot(w.model)
+        before["rng"] = after["rng"]
+        touched = changes(before, after)
+    except Exception as exc:  # noqa: BLE001 - reported as the outcome
+        first = (str(exc).strip().splitlines() or [""])[0][:2000]
+        return Outcome(name, "fails", f"{type(exc).__name__}: {first}",
+                       trace=traceback.format_exc())
+    return compare(name, got, loss, reference, workload, m, touched)
 
 
 def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,

@@ -489,6 +489,20 @@ class Mixer(nn.Module):
         return self.head(self.norm(self.blocks(self.stem(x))).mean(1))
 
 
+class SiameseBN(nn.Module):
+    """One encoder with BatchNorm applied to two views (SimCLR-style): its statistics move
+    twice per forward, so every update of them must stay in one stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, DIM), nn.BatchNorm1d(DIM), nn.ReLU(),
+                                     nn.Linear(DIM, DIM), nn.BatchNorm1d(DIM), nn.GELU())
+        self.head = nn.Linear(2 * DIM, CLASSES)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.encoder(a), self.encoder(b)], dim=-1))
+
+
 def lstm_lm() -> ZooWorkload:
     """Embedding, 2-layer LSTM, vocabulary head; next-token cross-entropy."""
     ids, targets = _tokens(0)
@@ -587,6 +601,12 @@ def frozen_part() -> ZooWorkload:
     return _workload(FrozenBackbone, (_features(17, (16,)),), _labels(17), _ce_loss)
 
 
+def siamese_batchnorm() -> ZooWorkload:
+    """One BatchNorm encoder applied to two views, a head on both."""
+    return _workload(SiameseBN, (_features(19, (16,)), _features(20, (16,))), _labels(19),
+                     _ce_loss)
+
+
 def layernorm_gelu_mlp_mixer() -> ZooWorkload:
     """MLP-Mixer on a ``(4, 16, 32)`` input."""
     return _workload(Mixer, (_features(18, (16, DIM)),), _labels(18), _ce_loss)
@@ -599,6 +619,7 @@ BUILDERS: dict[str, Callable[[], ZooWorkload]] = {
         shared_layer, tied_embedding, shared_across_far_layers, inplace_input, vmap_mask,
         buffer_counter, autocast_region, autocast_bf16_region, no_grad_region,
         multi_output_dict, moe_topk, dlrm_like, frozen_part, layernorm_gelu_mlp_mixer,
+        siamese_batchnorm,
     )
 }
 

@@ -121,10 +121,40 @@ def coarsen(
         segs
     ) < 20 * target and _split_largest(segs, paths, cost, cut_ok, limit):
         pass
+    segs = _keep_writers_together(opgraph, segs, position)
     live = _live_bytes(opgraph, names, position)
     groups = _partition(segs, min(target, len(segs)), paths, cost, preds, live, slack)
     blocks = [names[segs[i][0]:segs[j - 1][1]] for i, j in groups]
     return _assemble(opgraph, blocks, paths, [segs[i][0] for i, _ in groups])
+
+
+def writer_spans(opgraph: OpGraph, position: dict[str, int]) -> list[tuple[int, int]]:
+    """``(first, last)`` positions of the nodes reading each buffer the forward updates in place.
+
+    No stage boundary may fall inside a span: the buffer lives in one stage.
+    """
+    users = opgraph.param_users()
+    return sorted((min(ix), max(ix)) for buf in opgraph.written
+                  if len(ix := [position[n] for n in users.get(buf, ()) if n in position]) > 1)
+
+
+def _keep_writers_together(opgraph: OpGraph, segs: list[tuple[int, int, int]],
+                           position: dict[str, int]) -> list[tuple[int, int, int]]:
+    """Merge the segments between the first and last reader of each buffer updated in place.
+
+    A buffer the forward writes lives in one stage (its updates are ordered);
+    a module used twice in one forward (a BatchNorm in a siamese encoder)
+    writes it in two places, so everything between them is one block.
+    """
+    spans = writer_spans(opgraph, position)
+    out: list[tuple[int, int, int]] = []
+    for seg in segs:
+        if out and any(lo < seg[0] <= hi for lo, hi in spans):  # a cut inside a span
+            start, _, depth = out[-1]
+            out[-1] = (start, seg[1], min(depth, seg[2]))
+        else:
+            out.append(seg)
+    return out
 
 
 def _live_bytes(opgraph: OpGraph, names: list[str], position: dict[str, int]) -> list[int]:

@@ -245,17 +245,8 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
             # autograd graph afterwards was used by the glue, outside every graph
             shadow = [a.detach().requires_grad_(a.requires_grad)
                       if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
-            # with gradients off, a graph whose inputs could carry a gradient would carry
-            # one on a rank (stages run with gradients on)
-            if not torch.is_grad_enabled() and any(
-                    isinstance(a, torch.Tensor) and (id(a) in params or a.requires_grad)
-                    for a in args):
-                raise CaptureError(
-                    f"{reason} orgel then tried to pipeline the forward as several graphs, but "
-                    f"the graph at {_where(gm)!r} runs with gradients off (under torch.no_grad, "
-                    "or in the forward of a custom autograd Function, as reversible layers "
-                    "are): a stage would train it. Keep that code free of graph breaks, or "
-                    "outside torch.no_grad")
+            check_grad_mode(gm, [isinstance(a, torch.Tensor)
+                                 and (id(a) in params or a.requires_grad) for a in args], reason)
             out = gm(*shadow)
             seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
             return out
@@ -285,21 +276,57 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
     if not seen:
         raise CaptureError(f"{reason} No graph of the forward reads a parameter: nothing to "
                            "pipeline")
-    calls: list[Call] = []
-    recorded: dict[int, list[torch.Tensor]] = {}
+    prepared = []
     for c, (gm, args, outs) in enumerate(seen):
-        roles: list[tuple[str, Any]] = []
-        glue: list[torch.Tensor] = []
+        roles: list[tuple[str, Any] | None] = []
         for a in args:
-            if not isinstance(a, torch.Tensor):
-                raise CaptureError(f"graph {c} of the forward takes a {type(a).__name__}, not a "
-                                   "tensor; orgel captures with static shapes")
             if id(a) in params:
                 roles.append(("param", params[id(a)]))
             elif id(a) in buffers:
                 roles.append(("buffer", buffers[id(a)]))
             elif c == 0 and id(a) in inputs:
                 roles.append(("input", inputs[id(a)]))
+            else:
+                roles.append(None)
+        prepared.append((gm, args, outs, roles))
+    return join_calls(prepared, reason, eager)
+
+
+def check_grad_mode(gm: torch.fx.GraphModule, trainable: list[bool], reason: str) -> None:
+    """Refuse a graph run with gradients off whose inputs could carry one (``trainable``).
+
+    A stage runs with gradients on, so on a rank such a graph would train what
+    the forward left alone.
+    """
+    if not torch.is_grad_enabled() and any(trainable):
+        raise CaptureError(
+            f"{reason} orgel then tried to pipeline the forward as several graphs, but "
+            f"the graph at {_where(gm)!r} runs with gradients off (under torch.no_grad, "
+            "or in the forward of a custom autograd Function, as reversible layers "
+            "are): a stage would train it. Keep that code free of graph breaks, or "
+            "outside torch.no_grad")
+
+
+def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
+                                list[tuple[str, Any] | None]]],
+               reason: str, eager: list[str]) -> tuple[Any, Glue]:
+    """The joined graph and its :class:`Glue` from the graph calls a forward ran, in order.
+
+    Each call is ``(graph, arguments, outputs, roles)``; ``roles[i]`` is
+    ``("param"|"buffer"|"input", name)`` or None for a value the Python between
+    graphs hands over (recorded now, exchanged in training).
+    """
+    calls: list[Call] = []
+    recorded: dict[int, list[torch.Tensor]] = {}
+    for c, (gm, args, outs, given) in enumerate(seen):
+        roles: list[tuple[str, Any]] = []
+        glue: list[torch.Tensor] = []
+        for a, role in zip(args, given, strict=True):
+            if not isinstance(a, torch.Tensor):
+                raise CaptureError(f"graph {c} of the forward takes a {type(a).__name__}, not a "
+                                   "tensor; orgel captures with static shapes")
+            if role is not None:
+                roles.append(role)
             else:
                 roles.append(("glue", len(glue)))
                 glue.append(a.detach().clone().requires_grad_(a.requires_grad))
@@ -311,7 +338,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
     while len(_EXAMPLES) > _KEEP:
         _EXAMPLES.popitem(last=False)
     glue_info = Glue(key, calls, reason, eager=eager)
-    return _join([gm for gm, _, _ in seen], glue_info, recorded), glue_info
+    return _join([gm for gm, _, _, _ in seen], glue_info, recorded), glue_info
 
 
 def _where(gm: torch.fx.GraphModule) -> str:

@@ -154,14 +154,20 @@ def input_backward(
 
 
 def weight_backward(work: WeightWork) -> None:
-    """Accumulate the parameters' gradients from what :func:`input_backward` kept."""
-    for params, edges, values, clamp in work.groups:
+    """Accumulate the parameters' gradients from what :func:`input_backward` kept.
+
+    Groups can pass through the same nodes (a module applied twice, across an
+    exchange): all but the last keep the saved tensors, which go with ``work``.
+    """
+    last = max((i for i, g in enumerate(work.groups) if g[1]), default=-1)
+    for i, (params, edges, values, clamp) in enumerate(work.groups):
         if not edges:
             continue
         hooks = [n.register_prehook(lambda _grads, saved=saved: saved)
                  for n, saved in clamp.items()]
         try:
-            torch.autograd.backward(edges, values, inputs=params)  # type: ignore[arg-type]
+            torch.autograd.backward(edges, values, inputs=params,  # type: ignore[arg-type]
+                                    retain_graph=i < last)
         finally:
             for h in hooks:
                 h.remove()

@@ -20,17 +20,30 @@ LOOPED = {"interleaved": "stages_per_rank", "looped-bfs": "stages_per_rank", "lo
 
 
 def balanced_assignment(graph: Any, stages: int) -> dict[str, int]:
-    """Node name -> stage, contiguous in node order, about equal FLOPs per stage."""
+    """Node name -> stage, contiguous in node order, about equal FLOPs per stage.
+
+    The nodes between the first and last reader of a buffer the forward
+    updates in place (a BatchNorm used twice) stay in one stage.
+    """
+    from orgel.graph.blocks import writer_spans
     from orgel.plan.splits import balanced_points
     from orgel.split.assign import stages_from_cuts
 
     names = list(graph.nodes)
     weights = [max(1.0, float(getattr(graph.nodes[n], "flops", 0) or 0)) for n in names]
+    spans = writer_spans(graph, {n: i for i, n in enumerate(names)})
+    units: list[list[int]] = []  # runs of nodes that no cut may divide
+    for i in range(len(names)):
+        if units and any(lo < i <= hi for lo, hi in spans):
+            units[-1].append(i)
+        else:
+            units.append([i])
     try:
-        points = list(balanced_points(weights, stages))
+        points = list(balanced_points([sum(weights[i] for i in u) for u in units], stages))
     except ValueError as exc:
         raise PlanError(f"{exc}; use fewer ranks or stages per rank") from None
-    return dict(zip(names, stages_from_cuts(len(names), points), strict=True))
+    per_unit = stages_from_cuts(len(units), points)
+    return {names[i]: stage for u, stage in zip(units, per_unit, strict=True) for i in u}
 
 
 def balanced_plan(graph: Any, *, ranks: int, microbatches: int, schedule: str = "1f1b",
