@@ -174,3 +174,21 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_checkpoints_plan_for_another_model_says_so(tmp_path: Path) -> None:
+    """The plan saved with a 2-layer GPT's checkpoint, given to a 3-layer one."""
+    pipe, _, _ = _start(2)
+    try:
+        pipe.step(*_batch(0))
+        plan = pipe.plan
+        pipe.save(tmp_path)
+    finally:
+        pipe.close()
+    bigger, inputs, targets, loss_fn = build("gpt", batch_size=24, seed=0, n_layers=3,
+                                             d_model=32)
+    for given in (plan, ckpt.resolve(tmp_path) / "plan.json"):
+        with pytest.raises(ValueError, match=r"the plan does not match this model: \d+ of its "
+                           r"graph's \d+ nodes are in no stage .*plan again"):
+            pipeline(bigger, inputs, targets, loss_fn, ranks=2, microbatches=4, plan=given,
+                     threads=1)

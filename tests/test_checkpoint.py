@@ -187,3 +187,36 @@ def test_resaving_a_step_leaves_a_complete_checkpoint_at_every_instant(
     folder = ckpt.resolve(tmp_path)
     assert (folder / "meta.json").exists() and (folder / "rank1.pt").exists()
     assert ckpt.read_meta(tmp_path)["step"] == 1
+
+
+def test_a_truncated_or_replaced_shard_names_the_file_and_the_last_good_checkpoint(
+        tmp_path: Path) -> None:
+    model = _model()
+    shards = _shards(model, GROUPS2)
+    _save(tmp_path, model, shards, 1)
+    shutil.copytree(tmp_path / "step-00000001", tmp_path / "kept" / "step-00000001")
+    _save(tmp_path, model, shards, 2)  # removes step 1 (commit keeps one by default)
+    with pytest.raises(ckpt.CheckpointError, match="no other complete checkpoint"):
+        (ckpt.resolve(tmp_path) / "rank1.pt").write_bytes(b"PK\x03\x04")
+        ckpt.read_shard(tmp_path, 1)
+    shutil.move(tmp_path / "kept" / "step-00000001", tmp_path / "step-00000001")
+    newest = ckpt.resolve(tmp_path) / "rank1.pt"
+    _save(tmp_path / "fresh", model, shards, 2)
+    shutil.copy(tmp_path / "fresh" / "step-00000002" / "rank1.pt", newest)
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])  # a copy that stopped half-way
+    with pytest.raises(ckpt.CheckpointError, match=r"rank1\.pt is incomplete or corrupt .*"
+                       r"newest other complete checkpoint is .*step-00000001"):
+        ckpt.read_shard(tmp_path, 1)
+
+    class Payload:  # what a pickle with code in it would rebuild
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (print, ("pwned",))
+
+    torch.save({"params": Payload()}, newest)
+    with pytest.raises(ckpt.CheckpointError, match="weights_only loading refuses"):
+        ckpt.read_shard(tmp_path, 1)
+    newest.unlink()
+    with pytest.raises(ckpt.CheckpointError, match="rank1.pt is missing"):
+        ckpt.read_shard(tmp_path, 1)
+    assert set(ckpt.read_shard(tmp_path / "step-00000001", 1)["params"]) == set(GROUPS2[1])

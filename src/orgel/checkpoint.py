@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -318,10 +319,35 @@ def read_plan_json(path: str | Path) -> str:
 def read_shard(path: str | Path, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s shard, loaded with ``weights_only=True`` onto the CPU."""
     folder = resolve(path)
-    shard: dict[str, Any] = torch.load(
-        folder / f"rank{rank}.pt", weights_only=True, map_location="cpu"
-    )
+    file = folder / f"rank{rank}.pt"
+    try:
+        shard: dict[str, Any] = torch.load(file, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint shard {file} is missing: the checkpoint is "
+                              f"incomplete{_other_checkpoints(folder)}") from None
+    except pickle.UnpicklingError as exc:  # weights_only refused a pickled object
+        raise CheckpointError(
+            f"checkpoint shard {file} holds Python objects that weights_only loading refuses "
+            f"({str(exc).splitlines()[0][:200]}): it was not written by orgel, or was replaced; "
+            f"orgel never unpickles code{_other_checkpoints(folder)}") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint shard {file} is incomplete or corrupt ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'})"
+            f"{_other_checkpoints(folder)}") from None
+    if not isinstance(shard, dict) or "params" not in shard:
+        raise CheckpointError(f"checkpoint shard {file} is not an orgel shard (no 'params')")
     return shard
+
+
+def _other_checkpoints(folder: Path) -> str:
+    """``"; complete checkpoints beside it: ..."`` for a message (empty when there are none)."""
+    others = sorted(p.name for p in folder.parent.glob("step-*")
+                    if p != folder and (p / "meta.json").exists())
+    if not others:
+        return "; no other complete checkpoint is beside it"
+    return (f"; the newest other complete checkpoint is {folder.parent / others[-1]} "
+            "(load that step folder)")
 
 
 def read_names(path: str | Path, names: Iterable[str]) -> dict[str, Any]:

@@ -63,7 +63,27 @@ def split_plan(graph: OpGraph | BlockGraph, plan: Plan | StageGraph) -> SplitMod
             raise SplitError(f"plan stage {s} lists neither blocks nor nodes to compute")
     if all(isinstance(k, str) for k in mapping) and isinstance(graph, BlockGraph):
         graph = graph.opgraph
+    if all(isinstance(k, str) for k in mapping) and isinstance(graph, OpGraph):
+        _check_same_graph(graph, set(mapping))
     return split_model(graph, mapping)
+
+
+def _check_same_graph(graph: OpGraph, named: set[str]) -> None:
+    """Refuse a plan whose stages name other nodes than ``graph`` has (another model's plan)."""
+    missing = [n for n in graph.nodes if n not in named]
+    extra = sorted(named - set(graph.nodes))
+    if not missing and not extra:
+        return
+    found = []
+    if missing:
+        found.append(f"{len(missing)} of its graph's {len(graph.nodes)} nodes are in no stage "
+                     f"of the plan (e.g. {missing[:3]})")
+    if extra:
+        found.append(f"the plan names {len(extra)} nodes the graph lacks (e.g. {extra[:3]})")
+    raise SplitError(
+        f"the plan does not match this model: {' and '.join(found)}. The plan, or the "
+        "checkpoint it came from, was made for another model or other input shapes: plan "
+        "again (plan=None, or leave out --plan) or give the plan made for this model")
 
 
 # -- assignment → node stages --------------------------------------------------------
