@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from orgel import guard
-from orgel.api import Pipeline
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
 from orgel.graph.opgraph import CaptureError
+from orgel.pipe import Pipeline
 from orgel.workload import batch_size, named_inputs, split_microbatches
 
 
@@ -131,11 +131,11 @@ class _GraphCall(torch.autograd.Function):
 
 
 class GluedPipeline(Pipeline):
-    """:class:`orgel.api.Pipeline` for a forward of several graphs (local spawn only).
+    """:class:`orgel.pipe.Pipeline` for a forward of several graphs (local spawn only).
 
     ``step(inputs, targets)`` runs the forward, ``loss_fn`` and backward of
     each micro-batch here in its own thread, the graphs on the ranks; the rest
-    of the API is :class:`~orgel.api.Pipeline`'s.
+    of the API is :class:`~orgel.pipe.Pipeline`'s.
     """
 
     def __init__(self, plan: Any, group: Any, conns: list[Connection], *, glue: Any,

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from orgel.closure import ClosureEngine, OutputsFunction, Slot
+from orgel.closure import ClosureEngine, OutputsFunction, Slot, profiling_loss
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.graph.capture import dynamo_settings
 from orgel.guard import untouched
@@ -154,7 +154,7 @@ class Backend:
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.timeout_s, self.threads = timeout_s, threads
         self.model: GraphModel | None = None
-        self.pipe: Any = None  # an orgel.api.Pipeline once the ranks run
+        self.pipe: Any = None  # an orgel.pipe.Pipeline once the ranks run
         self._conns: list[Any] = []  # controller's end of each rank's pipe
         self._locks = [threading.Lock() for _ in range(ranks)]
         self._input_ranks: list[int] = []
@@ -283,7 +283,7 @@ class Backend:
         reason = (f"torch.compile captured the compiled model as {len(prepared)} graphs that "
                   "read parameters.")
         raw, glue = join_calls(prepared, reason, eager=[])
-        workload = Workload(holder, {}, torch.zeros(rows), _profiling_loss)
+        workload = Workload(holder, {}, torch.zeros(rows), profiling_loss)
         with untouched(holder):
             graph = measure(holder, {}, raw, [reason], "dynamo")
             graph.glue = glue
@@ -458,7 +458,7 @@ class Backend:
         batch = {n: torch.cat([s.inputs[n] for s in self._slots])  # type: ignore[index]
                  for n in first}
         rows = next(iter(batch.values())).shape[0]
-        workload = Workload(self.model, batch, torch.zeros(rows), _profiling_loss)
+        workload = Workload(self.model, batch, torch.zeros(rows), profiling_loss)
         with untouched(self.model):
             graph = api._capture(workload, self.microbatches)
             # dynamo's graph has the micro-batch's shapes baked in and the user's model is
@@ -506,7 +506,7 @@ class Backend:
         return dict(self._running().state_dict())
 
     def save(self, directory: str | Path) -> Path:
-        """Checkpoint every rank atomically (see :meth:`orgel.api.Pipeline.save`)."""
+        """Checkpoint every rank atomically (see :meth:`orgel.pipe.Pipeline.save`)."""
         return Path(self._running().save(directory))
 
     def load(self, directory: str | Path) -> int | None:
@@ -539,21 +539,6 @@ class Backend:
         if self.pipe is None:
             raise RuntimeError("the pipeline starts on the first pipe.step(closure, ...)")
         return self.pipe
-
-
-def _profiling_loss(outputs: Any, targets: Any) -> torch.Tensor:
-    """A stand-in loss, used only to time the loss stage's backward while profiling.
-
-    Training never calls it: the closure computes the real loss, and the loss
-    stage back-propagates the closure's gradient of the outputs through the
-    surrogate ``sum(outputs * grad)`` (see :mod:`orgel.closure`), which costs the
-    same as this sum.
-    """
-    leaves = [t for t in torch.utils._pytree.tree_leaves(outputs)
-              if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not leaves:
-        raise RuntimeError("the compiled model returns no floating-point tensor to train")
-    return sum((t.sum() for t in leaves), torch.zeros(()))
 
 
 class _ForwardDone(BaseException):

@@ -1,7 +1,7 @@
 """Linear splits of the block sequence: balanced by a weight, and the comparison baselines.
 
-A linear split of ``n`` blocks into ``k`` stages is given by its *points*: the
-first block of stages 1..k-1, strictly increasing in ``1..n-1``. The baselines
+A linear split of ``n`` blocks into ``k`` stages is given by its *points*
+(:mod:`orgel.split.points`): the first block of stages 1..k-1. The baselines
 follow the usual partitioners: uniform layers (same number of blocks per stage),
 uniform parameters (DeepSpeed's ``parameters`` method) and uniform time (the
 balanced split of forward + backward time), each run with 1F1B.
@@ -12,63 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 from orgel.profile.costs import BlockCosts
+from orgel.split.points import Points, balanced_points, uniform_points, valid_points
 
-Points = tuple[int, ...]
-
-
-def balanced_points(weights: list[float] | np.ndarray, parts: int) -> Points:
-    """Points that cut ``weights`` into ``parts`` pieces of nearly equal sum.
-
-    Stage ``s`` ends where the running sum is closest to ``(s + 1) / parts`` of
-    the total; points are then pushed apart so every stage has a block.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    n = len(w)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} blocks into {parts} stages: need 1 <= stages <= "
-                         "blocks (coarsen less or use fewer stages)")
-    if parts == 1:
-        return ()
-    if w.sum() <= 0:
-        return uniform_points(n, parts)
-    cum = np.cumsum(w)
-    targets = cum[-1] * np.arange(1, parts) / parts
-    after = np.searchsorted(cum, targets, side="left")  # first index with cum >= target
-    points = []
-    for t, i in zip(targets, after, strict=True):
-        # Cut after block i (point i + 1) or before it (point i), whichever is closer.
-        below = cum[i - 1] if i > 0 else 0.0
-        points.append(int(i + 1) if cum[i] - t <= t - below else int(i))
-    return _spread(points, n, parts)
-
-
-def _spread(points: list[int], n: int, parts: int) -> Points:
-    """Add points (splitting the largest parts) until there are ``parts - 1`` of them."""
-    pts = sorted({p for p in points if 0 < p < n})
-    while len(pts) < parts - 1:
-        bounds = [0, *pts, n]
-        sizes = [(bounds[i + 1] - bounds[i], i) for i in range(len(bounds) - 1)]
-        size, i = max(sizes)
-        pts.append(bounds[i] + size // 2)
-        pts.sort()
-    return tuple(pts[: parts - 1])
-
-
-def uniform_points(n: int, parts: int) -> Points:
-    """The same number of blocks per stage (first stages take the remainder)."""
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} blocks into {parts} stages")
-    return tuple(round(i * n / parts) for i in range(1, parts))
-
-
-def valid_points(points: Points, n: int) -> bool:
-    """Strictly increasing, inside ``1..n-1``."""
-    prev = 0
-    for p in points:
-        if p <= prev:
-            return False
-        prev = p
-    return prev < n or not points
+# the cut points themselves live in orgel.split.points (split and runtime cut there too)
+__all__ = ["BASELINES", "Points", "balanced_points", "baseline_points", "memory_weights",
+           "time_weights", "uniform_points", "valid_points"]
 
 
 def time_weights(bc: BlockCosts) -> np.ndarray:

@@ -26,8 +26,8 @@ def balanced_assignment(graph: Any, stages: int) -> dict[str, int]:
     updates in place (a BatchNorm used twice) stay in one stage.
     """
     from orgel.graph.blocks import writer_spans
-    from orgel.plan.splits import balanced_points
     from orgel.split.assign import stages_from_cuts
+    from orgel.split.points import balanced_points
 
     names = list(graph.nodes)
     weights = [max(1.0, float(getattr(graph.nodes[n], "flops", 0) or 0)) for n in names]

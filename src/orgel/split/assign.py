@@ -61,7 +61,7 @@ def balanced_assignment(graph: BlockGraph, num_stages: int, *, weight: str = "fl
     if weight not in ("flops", "params"):
         raise ValueError(f"weight must be 'flops' or 'params', got {weight!r}")
     _check(num_stages, len(graph.blocks))
-    from orgel.plan.splits import balanced_points  # the planner's balanced cut
+    from orgel.split.points import balanced_points
 
     w = [float(max(b.flops if weight == "flops" else b.param_bytes, 1)) for b in graph.blocks]
     return stages_from_cuts(len(w), list(balanced_points(w, num_stages)))

@@ -1,0 +1,185 @@
+"""The object a pipeline is driven through: :class:`Pipeline` (step, state, checkpoints).
+
+``orgel.pipeline`` (:mod:`orgel.api`), ``orgel.backend`` (:mod:`orgel.runner`)
+and the several-graph controller (:mod:`orgel.glued`) all return one; it talks
+to the ranks through a group (:class:`orgel.controller.LocalGroup` in local
+spawn, :class:`OwnRank` under torchrun).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel import checkpoint as ckpt
+from orgel.engine import RankEngine
+from orgel.schedule.ir import Plan
+from orgel.workload import named_inputs
+
+
+class OwnRank:
+    """SPMD: this process is one rank; ``call`` runs locally and all-gathers the results."""
+
+    def __init__(self, engine: RankEngine, num_ranks: int, *, owns_group: bool) -> None:
+        self.engine = engine
+        self.num_ranks = num_ranks
+        self.owns_group = owns_group
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        result = getattr(self.engine, method)(*args, **kwargs)
+        gathered: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(gathered, result)
+        return gathered
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        # a process group left alive can keep a rank from exiting after the script ends
+        if self.owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+class Pipeline:
+    """A model pipelined over ``plan.num_ranks`` ranks; see :func:`pipeline`."""
+
+    def __init__(self, plan: Plan, ranks: Any, *, model: torch.nn.Module,
+                 loss_ranks: Sequence[int], state_keys: list[str], aliases: dict[str, str],
+                 spmd: bool) -> None:
+        self.plan = plan
+        # its forward signature names positional inputs; it holds the tensors no stage reads
+        self._model = model
+        self._ranks = ranks
+        self._loss_rank = loss_ranks[0]
+        self._state_keys = state_keys
+        self._aliases = aliases
+        self.spmd = spmd
+        self.steps = 0
+
+    @property
+    def num_ranks(self) -> int:
+        return self.plan.num_ranks
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """Run one training step (forward, backward, optimizer) on a whole batch; the loss."""
+        named = named_inputs(self._model, inputs)
+        if self.spmd:  # every rank gets the loss from the executor: nothing to gather
+            loss = self._ranks.engine.step(named, targets)
+        else:
+            loss = self._ranks.call("step", named, targets)[self._loss_rank]
+        self.steps += 1
+        return float(loss)
+
+    def predicted(self) -> Any:
+        """The simulator's prediction for this plan (a SimResult: step_time, peak_memory, ...)."""
+        from orgel.sim import simulate
+
+        return simulate(self.plan)
+
+    def timeline(self) -> list[Any]:
+        """The measured events of the last step, every rank merged (orgel.runtime.trace.Event)."""
+        events = [e for part in self._ranks.call("timeline") for e in part]
+        return sorted(events, key=lambda e: (e.start, e.rank))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state_dict (same keys and order), gathered from all ranks."""
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._ranks.call("state_dict"):
+            for name, t in part.items():
+                merged.setdefault(name, t)
+        # Tensors the forward never reads (an unused pooler, a spare buffer) are in no
+        # stage; training cannot change them, so the caller's model holds their values.
+        own = self._model.state_dict()
+        for key in self._state_keys:
+            name = self._aliases.get(key, key)
+            if name not in merged and key in own:
+                merged[name] = own[key].detach().clone()
+        return _in_model_order(merged, self._state_keys, self._aliases)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load an original-model state_dict into every rank's stages (by original names)."""
+        self._ranks.call("load_state", dict(state))
+
+    def save(self, directory: str | Path) -> Path:
+        """Write a checkpoint of every rank atomically into ``directory``; returns its folder."""
+        root = str(directory)
+        Path(root).mkdir(parents=True, exist_ok=True)
+        step = self.steps
+        self._ranks.call("save_shard", root, step)
+        folder = ckpt.step_dir(root, step)
+        if not self.spmd or _own_rank() == 0:
+            folder = ckpt.commit(root, step, self.num_ranks, self.plan.to_json(),
+                                 aliases=self._aliases)
+        if self.spmd:
+            self._ranks.barrier()
+        return folder
+
+    def load(self, directory: str | Path) -> int:
+        """Resume from the checkpoint in ``directory`` (any plan, any rank count); its step."""
+        meta = ckpt.read_meta(directory)
+        saved_plan = Plan.from_json(ckpt.read_plan_json(directory))
+        same = (int(meta["num_ranks"]) == self.num_ranks
+                and saved_plan.to_dict()["schedule"] == self.plan.to_dict()["schedule"]
+                and saved_plan.placement == self.plan.placement)
+        steps = self._ranks.call("load_shard", str(ckpt.resolve(directory)), same_layout=same)
+        self.steps = int(steps[0])
+        return self.steps
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the local-spawn workers by rank (empty under torchrun)."""
+        return list(getattr(self._ranks, "pids", []))
+
+    def close(self) -> None:
+        """Stop the workers (local spawn); the pipeline cannot be used afterwards."""
+        self._ranks.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _own_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _in_model_order(merged: dict[str, torch.Tensor], keys: list[str],
+                    aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        name = aliases.get(key, key)
+        if name in merged:
+            out[key] = merged[name]
+    for name, t in merged.items():  # anything the split added that the model does not list
+        if name not in out and name not in aliases.values():
+            out[name] = t
+    return out
+
+
+def model_aliases(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
+    """The model's state_dict keys and, for tied tensors, key -> the canonical name."""
+    canonical: dict[int, str] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        canonical.setdefault(id(t), name)
+    keys: list[str] = []
+    aliases: dict[str, str] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        keys.append(key)
+        name = canonical.get(id(t), key)
+        if name != key:
+            aliases[key] = name
+    return keys, aliases
