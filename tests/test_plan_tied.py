@@ -7,6 +7,7 @@ field (:mod:`orgel.profile.tied`); the last test checks the two agree.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -42,12 +43,16 @@ def tied_plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
 
 def test_meta_lists_the_embedding_stages_and_bytes(tied_plan: Plan) -> None:
     assert tied_plan.placement == [(0,), (1,)]
-    [group] = tied_plan.meta["tied_weights"]
-    assert group["name"] in ("tok_emb.weight", "lm_head.weight")
-    assert group["stages"] == [0, 1]
-    assert group["nbytes"] == 128 * 32 * 4  # vocab x d_model float32
+    [group] = tied_plan.tied
+    assert group.name in ("tok_emb.weight", "lm_head.weight")
+    assert group.stages == (0, 1)
+    assert group.nbytes == 128 * 32 * 4  # vocab x d_model float32
     again = Plan.from_json(tied_plan.to_json())  # plain data: survives the plan file
-    assert again.meta["tied_weights"] == tied_plan.meta["tied_weights"]
+    assert again.tied == tied_plan.tied
+    # a plan file written when the groups lived in its meta still reads
+    data = json.loads(tied_plan.to_json())
+    data["meta"]["tied_weights"] = data.pop("tied_weights")
+    assert Plan.from_dict(data).tied == tied_plan.tied
 
 
 def test_simulated_step_grows_by_the_all_reduce(tied_plan: Plan) -> None:
@@ -55,8 +60,8 @@ def test_simulated_step_grows_by_the_all_reduce(tied_plan: Plan) -> None:
     assert p.costs is not None
     p.costs.link = Link(latency=0.5, per_mib=4.0)
     untied = copy.deepcopy(p)
-    del untied.meta["tied_weights"]
-    nbytes = p.meta["tied_weights"][0]["nbytes"]
+    untied.tied = []
+    nbytes = p.tied[0].nbytes
     ring = 2 * (2 - 1) * p.costs.link.time(nbytes // 2)  # ring all-reduce on 2 ranks
     # 1F1B ends with stage 0's last backward; the all-reduce waits for it.
     assert simulate(p).step_time == pytest.approx(simulate(untied).step_time + ring)
@@ -68,7 +73,7 @@ def test_stages_on_one_rank_need_no_all_reduce(tied_plan: Plan) -> None:
     split = split_plan(graph, tied_plan)
     assert len(split.tied) == 1
     assert tied_weights(split, [(0,), (0,)]) == []
-    assert tied_weights(split, [(0,), (1,)]) == tied_plan.meta["tied_weights"]
+    assert tied_weights(split, [(0,), (1,)]) == tied_plan.tied
 
 
 @pytest.mark.parametrize("shape", ["1f1b", "v"])
@@ -93,5 +98,5 @@ def test_scorer_and_split_agree_on_tied_weights(shape: str, tmp_path: object,
     p = Scorer(costs).to_plan(template, blocks)
     attached = attach_split(p, graph, costs)
     # the scorer's groups (from the cost table) are the split's (from its modules)
-    assert attached.meta.get("tied_weights") == p.meta.get("tied_weights")
-    assert ("tied_weights" in p.meta) == (shape == "1f1b")
+    assert attached.tied == p.tied
+    assert bool(p.tied) == (shape == "1f1b")

@@ -18,7 +18,7 @@ from orgel.profile.tied import plan_tied_weights, tied_groups
 from orgel.profile.workload import capture_workload
 from orgel.schedule.costs import Link
 from orgel.schedule.families import build_schedule
-from orgel.schedule.ir import Plan
+from orgel.schedule.ir import Plan, TiedWeight
 from orgel.sim import simulate
 from orgel.workload import Workload
 
@@ -54,7 +54,7 @@ def test_planner_keeps_tied_stages_on_one_rank() -> None:
     result = plan(table(), 2, 4)
     p = result.plan
     assert len(ranks_of(p, holder_stages(p))) == 1
-    assert "tied_weights" not in p.meta
+    assert not p.tied
     # What the planner predicted is what the simulator says of the returned plan.
     assert result.sim is not None
     end = p.prediction["end_of_step"]  # type: ignore[index]
@@ -68,13 +68,12 @@ def test_planner_prices_the_all_reduce_when_it_splits_the_tied_blocks() -> None:
     p = result.plan
     holders = holder_stages(p)
     assert len(ranks_of(p, holders)) == 2
-    assert p.meta["tied_weights"] == [{"name": "tok_emb.weight", "stages": holders,
-                                       "nbytes": EMB}]
+    assert p.tied == [TiedWeight("tok_emb.weight", tuple(holders), EMB)]
     assert result.sim is not None
     end = p.prediction["end_of_step"]  # type: ignore[index]
     assert result.sim.step_time == pytest.approx(simulate(p).step_time + end)
     without = Plan.from_json(p.to_json())
-    del without.meta["tied_weights"]
+    without.tied = []
     assert simulate(p).step_time > simulate(without).step_time + bc.link.time(EMB // 2)
 
 
@@ -99,8 +98,8 @@ def test_score_equals_simulate_of_to_plan(family: str) -> None:
     blocks = [range(a, b) for a, b in zip((0, *points), (*points, 6), strict=True)]
     score = scorer.score_chain(tmpl, points)
     p = scorer.to_plan(tmpl, blocks)
-    [group] = p.meta["tied_weights"]
-    assert group == {"name": "tok_emb.weight", "stages": [0, len(blocks) - 1], "nbytes": EMB}
+    [group] = p.tied
+    assert group == TiedWeight("tok_emb.weight", (0, len(blocks) - 1), EMB)
     assert score.step_time == pytest.approx(simulate(p).step_time)
     # predict adds the sends a rank holds, as the scorer does
     assert list(score.peak_memory) == pytest.approx(predict(p, bc).peak_memory)
@@ -129,7 +128,7 @@ def test_tied_parameter_counts_once_per_rank() -> None:
     scorer = Scorer(bc)
     blocks = [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
     p = scorer.to_plan(tmpl, blocks)
-    assert "tied_weights" not in p.meta
+    assert not p.tied
     assert p.costs is not None and p.costs.stages[3].params == 4 * MIB
     assert list(scorer.score_chain(tmpl, (1, 3, 5)).peak_memory) == \
         pytest.approx(predict(p, bc).peak_memory)
@@ -140,16 +139,16 @@ def test_plan_tied_weights_leaves_out_groups_on_one_rank() -> None:
     blocks = [range(0, 3), range(3, 6)]
     assert plan_tied_weights(bc, blocks, [(0,), (0,)]) == []
     assert plan_tied_weights(bc, blocks, [(0,), (1,)]) == [
-        {"name": "tok_emb.weight", "stages": [0, 1], "nbytes": EMB}]
+        TiedWeight("tok_emb.weight", (0, 1), EMB)]
     # non-range splits too
-    assert plan_tied_weights(bc, [[0, 1, 2], [3, 4, 5]], [(0,), (1,)])[0]["stages"] == [0, 1]
+    assert plan_tied_weights(bc, [[0, 1, 2], [3, 4, 5]], [(0,), (1,)])[0].stages == (0, 1)
 
 
 def test_untied_table_scores_as_before() -> None:
     bc = table(tied=False)
     tmpl = one_f_one_b(2, 4)
     p = Scorer(bc).to_plan(tmpl, [range(0, 3), range(3, 6)])
-    assert "tied_weights" not in p.meta
+    assert not p.tied
     assert Scorer(bc).score_chain(tmpl, (3,)).step_time == pytest.approx(simulate(p).step_time)
 
 
@@ -220,16 +219,15 @@ def test_graph_planner_scores_the_tied_all_reduce() -> None:
     p = g.plan
     holders = holder_stages(p)
     if len(ranks_of(p, holders)) > 1:
-        assert p.meta["tied_weights"] == [{"name": "tok_emb.weight", "stages": holders,
-                                           "nbytes": EMB}]
+        assert p.tied == [TiedWeight("tok_emb.weight", tuple(holders), EMB)]
     else:
-        assert "tied_weights" not in p.meta
+        assert not p.tied
     assert g.score.step_time == pytest.approx(simulate(p).step_time)
     # The same layout scored without the group is cheaper by the all-reduce, if any.
     untied = Scorer(dataclasses.replace(bc, tied=[]))
     blocks = [list(st.blocks) for st in p.stage_graph.stages]
     plain = untied.score_split(g.template, blocks).step_time
-    assert (g.score.step_time > plain) == ("tied_weights" in p.meta)
+    assert (g.score.step_time > plain) == bool(p.tied)
 
 
 def test_tight_memory_still_finds_the_v_shape() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from orgel.schedule import Costs, Link, Plan, PlanError, StageCost, StageGraph
 from orgel.schedule.families import build_schedule
+from orgel.schedule.ir import TiedWeight
 from orgel.schedule.text import parse_schedule
 from orgel.sim import CompiledPlan, simulate
 
@@ -181,13 +182,17 @@ def test_tied_weights_all_reduce() -> None:
     costs = Costs.uniform(2, 1.0, 2.0)
     costs.link = Link(latency=0.5)
     plan = build_schedule("1f1b", 2, 2)
-    plan.meta["tied_weights"] = [{"stages": [0, 1], "nbytes": 64}]
+    plan.tied = [TiedWeight("w", (0, 1), 64)]
     result = simulate(plan, costs)
     # last backward on rank0 ends at 9; ring of 2: 2 steps of 32 bytes at 0.5 each
     assert result.step_time == 9 + 1
-    with pytest.raises(PlanError, match="tied_weights"):
-        plan.meta["tied_weights"] = [{"stages": [0, 1]}]
-        CompiledPlan(plan)
+    data = plan.to_dict()
+    data["tied_weights"] = [{"stages": [0, 1]}]
+    with pytest.raises(PlanError, match=r"tied_weights\[0\] must look like"):
+        Plan.from_dict(data)
+    data["tied_weights"] = [{"name": "w", "stages": [0, 2], "nbytes": 64}]
+    with pytest.raises(PlanError, match="needs at least two of the 2 stages"):
+        Plan.from_dict(data)
 
 
 def test_tied_bytes_leave_a_replicated_stage_all_reduce() -> None:
@@ -197,7 +202,7 @@ def test_tied_bytes_leave_a_replicated_stage_all_reduce() -> None:
     costs = Costs([StageCost(1, 2), StageCost(2, 4, params=1 << 20)], link=Link(per_mib=4.0))
     plan = make_plan(StageGraph.chain(2), [(0,), (1, 2)],
                      "rank0: F0.0 B0.0\nrank1: F1.0 B1.0\nrank2: F1.0 B1.0", costs)
-    plan.meta["tied_weights"] = [{"stages": [0, 1], "nbytes": 1 << 18}]
+    plan.tied = [TiedWeight("w", (0, 1), 1 << 18)]
     events = {(e.rank, e.label): e for e in simulate(plan).timeline.events}
     stage = events[(1, "allreduce s1")]
     assert stage.end - stage.start == pytest.approx(2 * 1 * 4.0 * 0.375)  # 0.75 MiB / 2

@@ -302,10 +302,7 @@ def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None) -> Plan:
     blocks = [list(s.blocks) for s in out.stage_graph.stages]
     out.costs = stage_costs(costs, blocks, split=split, placement=out.placement)
     out.costs.memory_per_rank = memory
-    out.meta.pop("tied_weights", None)
-    tied = plan_tied_weights(costs, blocks, out.placement)
-    if tied:
-        out.meta["tied_weights"] = tied
+    out.tied = plan_tied_weights(costs, blocks, out.placement)
     return out
 
 

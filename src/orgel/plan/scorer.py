@@ -20,7 +20,7 @@ all pairs the template is used as it is.
 
 Tied weights. With ``BlockCosts.tied`` (a parameter several blocks read), each
 candidate's stages holding a group's blocks are looked up; where they span more
-than one rank the compiled plan carries the group in ``meta["tied_weights"]``
+than one rank the compiled plan carries the group in its ``tied`` field
 and prices its gradient all-reduce exactly as :func:`orgel.sim.simulate` does
 (compiled plans are cached per template, edges, recompute flags and these
 stage sets). A tied parameter counts once per stage and once per rank in the
@@ -49,7 +49,7 @@ from orgel.profile.costs import (
 from orgel.profile.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Costs, StageCost
-from orgel.schedule.ir import Plan, StageGraph
+from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.sim.compiled import CompiledPlan
 
 
@@ -281,25 +281,22 @@ class Scorer:
 
     def compiled(self, template: Template, graph: StageGraph,
                  recompute: tuple[bool, ...],
-                 tied: list[dict[str, Any]] | None = None) -> CompiledPlan:
+                 tied: list[TiedWeight] | None = None) -> CompiledPlan:
         """The compiled plan of ``template`` over ``graph`` (cached by edge set).
 
-        ``tied``: the candidate's ``meta["tied_weights"]`` (see
+        ``tied``: the candidate's tied groups (see
         :func:`orgel.profile.tied.plan_tied_weights`); part of the cache key.
         """
-        tied_key = tuple((tuple(g["stages"]), g["nbytes"]) for g in tied) if tied else ()
+        tied_key = tuple((g.stages, g.nbytes) for g in tied) if tied else ()
         key = (id(template), tuple((e.src, e.dst) for e in graph.edges), recompute, tied_key)
         cp = self._compiled.get(key)
         if cp is None:
             meta = dict(template.base.meta)
-            meta.pop("tied_weights", None)
-            if tied:
-                meta["tied_weights"] = [dict(g) for g in tied]
             plan = Plan(stage_graph=graph, placement=template.base.placement,
                         num_ranks=template.base.num_ranks,
                         microbatches=template.base.microbatches,
                         schedule=template.base.schedule, recompute=list(recompute),
-                        meta=meta)
+                        meta=meta, tied=list(tied or ()))
             cp = CompiledPlan(plan)
             self._compiled[key] = cp
         return cp
@@ -374,17 +371,15 @@ class Scorer:
                             split=template.splits_backward, placement=template.base.placement)
         costs.memory_per_rank = self.memory
         plan_meta = dict(template.base.meta)
-        plan_meta.pop("tied_weights", None)
+        # the all-reduces the score priced; attach_split re-derives them from the split
         tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement)
-        if tied:  # the all-reduces the score priced; attach_split re-derives them from the split
-            plan_meta["tied_weights"] = tied
         plan_meta.update(meta or {})
         return Plan(stage_graph=graph, placement=template.base.placement,
                     num_ranks=template.base.num_ranks,
                     microbatches=template.base.microbatches,
                     schedule=[list(a) for a in template.base.schedule],
                     recompute=list(recompute) if recompute else [],
-                    costs=costs, meta=plan_meta)
+                    costs=costs, meta=plan_meta, tied=tied)
 
     # -- per-pair links ----------------------------------------------------------
 

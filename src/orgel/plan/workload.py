@@ -5,7 +5,7 @@ captured op graph by *nodes* and sends values by the names the split gives
 them. :func:`attach_split` fills every stage's nodes (its blocks' nodes, in
 graph order), splits the graph by the plan and takes the split's stage graph
 (edge values named and sized as the runtime will send them), records the
-parameters that stages on different ranks share (``meta["tied_weights"]``, whose
+parameters that stages on different ranks share (the plan's ``tied``, whose
 gradient all-reduce the simulator then counts), then re-simulates.
 :func:`auto_plan` is the hook ``orgel.pipeline`` calls when no plan is given.
 
@@ -27,7 +27,7 @@ from typing import Any
 from orgel.plan.batch import microbatch_choices, search_microbatches
 from orgel.plan.planner import PlanResult, plan, predict
 from orgel.profile.costs import BlockCosts
-from orgel.schedule.ir import Plan, StageGraph
+from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
 
@@ -35,7 +35,7 @@ from orgel.sim import SimResult, simulate
 def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan:
     """``p`` with stage nodes, the named edges of the split of ``opgraph`` and its tied weights.
 
-    ``meta["tied_weights"]`` is recomputed from the split (see :func:`tied_weights`):
+    ``tied`` is recomputed from the split (see :func:`tied_weights`):
     the planner's entry (:meth:`orgel.plan.scorer.Scorer.to_plan`, from the cost
     table's ``tied`` groups) is the same when the table was profiled from
     ``opgraph``; the split's modules decide when they differ.
@@ -59,12 +59,10 @@ def _with_split(p: Plan, opgraph: Any) -> Plan:
     stages = tuple(replace(st, name=p.stage_graph.stages[i].name,
                            blocks=p.stage_graph.stages[i].blocks)
                    for i, st in enumerate(split.stage_graph.stages))
+    # the tied groups of an earlier split give way to this one's
     out = Plan(StageGraph(stages, split.stage_graph.edges), p.placement, p.num_ranks,
-               p.microbatches, p.schedule, list(p.recompute), p.costs, None, dict(p.meta))
-    groups = tied_weights(split, p.placement)
-    out.meta.pop("tied_weights", None)  # from an earlier split: this one decides
-    if groups:
-        out.meta["tied_weights"] = groups
+               p.microbatches, p.schedule, list(p.recompute), p.costs, None, dict(p.meta),
+               tied=tied_weights(split, p.placement))
     validate(out)
     return out
 
@@ -75,15 +73,15 @@ def _split_and_predict(p: Plan, opgraph: Any, costs: BlockCosts) -> tuple[Plan, 
     return out, predict(out, costs)
 
 
-def tied_weights(split: Any, placement: list[tuple[int, ...]]) -> list[dict[str, Any]]:
+def tied_weights(split: Any, placement: list[tuple[int, ...]]) -> list[TiedWeight]:
     """The parameters that stages on different ranks share, one entry per parameter.
 
-    Each is ``{"name": qualified name, "stages": [...], "nbytes": N}``: the
+    For each (its qualified name, the stages holding it, its bytes) the
     runtime sums the copies' gradients over the ranks of those stages
     (:mod:`orgel.runtime.optim`), one all-reduce of ``N`` bytes per parameter.
     A parameter whose stages all sit on one rank is summed locally and left out.
     """
-    out: list[dict[str, Any]] = []
+    out: list[TiedWeight] = []
     for name in split.tied:
         stages: list[int] = []
         nbytes = 0
@@ -94,7 +92,7 @@ def tied_weights(split: Any, placement: list[tuple[int, ...]]) -> list[dict[str,
                 param = dict(st.module.named_parameters())[local[0]]
                 nbytes = param.numel() * param.element_size()
         if len({r for s in stages for r in placement[s]}) > 1:
-            out.append({"name": name, "stages": stages, "nbytes": nbytes})
+            out.append(TiedWeight(name, tuple(stages), nbytes))
     return out
 
 

@@ -5,7 +5,7 @@ head, a layer applied twice) ends up in every stage that holds one of those
 blocks. :func:`tied_groups` finds such parameters in a captured graph for the
 cost table (``BlockCosts.tied``, a list of :class:`TiedGroup`);
 :func:`plan_tied_weights` turns them, for a split and placement, into the
-plan's ``meta["tied_weights"]``: the groups whose stages sit on more than one
+plan's ``tied`` field: the groups whose stages sit on more than one
 rank, whose gradient the runtime all-reduces each step
 (:mod:`orgel.runtime.optim`) and the simulator prices. A stage holds such a
 parameter once, and so does a rank (:func:`tied_within`, :func:`tied_shared`
@@ -17,6 +17,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from orgel.schedule.ir import TiedWeight
 
 if TYPE_CHECKING:
     from orgel.graph.blocks import BlockGraph
@@ -150,12 +152,11 @@ def _range_starts(stage_blocks: list[list[int]] | list[range]) -> list[int] | No
 
 def plan_tied_weights(bc: BlockCosts, stage_blocks: list[list[int]] | list[range],
                       placement: list[tuple[int, ...]],
-                      holders: list[tuple[int, ...]] | None = None) -> list[dict[str, Any]]:
-    """``meta["tied_weights"]`` of a split: the groups whose stages span several ranks.
+                      holders: list[tuple[int, ...]] | None = None) -> list[TiedWeight]:
+    """The plan's ``tied`` groups of a split: those whose stages span several ranks.
 
-    Each entry is ``{"name", "stages", "nbytes"}``, the form
-    :func:`orgel.plan.workload.tied_weights` records from a real split, in
-    the same order (by name). A group whose stages share one rank is summed
+    The same entries :func:`orgel.plan.workload.tied_weights` records from a
+    real split, in the same order (by name). A group whose stages share one rank is summed
     locally and left out. ``holders``: :func:`tied_stages` of the split, if known.
     """
     out = []
@@ -164,6 +165,6 @@ def plan_tied_weights(bc: BlockCosts, stage_blocks: list[list[int]] | list[range
     for g, stages in zip(bc.tied, holders, strict=True):
         ranks = {r for s in stages for r in placement[s]}
         if len(ranks) > 1:
-            out.append({"name": g.name, "stages": list(stages), "nbytes": g.nbytes})
-    out.sort(key=lambda e: (e["name"], e["stages"]))
+            out.append(TiedWeight(g.name, tuple(stages), g.nbytes))
+    out.sort(key=lambda e: (e.name, e.stages))
     return out

@@ -222,6 +222,31 @@ class StageGraph:
         self.topological_order()
 
 
+@dataclass(frozen=True)
+class TiedWeight:
+    """A parameter that stages on more than one rank share: its copies' gradients are summed.
+
+    ``stages``: the stages holding a copy (at least two ranks among them);
+    ``nbytes``: the parameter's size, the all-reduce's message.
+    """
+
+    name: str
+    stages: tuple[int, ...]
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "stages": list(self.stages), "nbytes": self.nbytes}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "tied_weights") -> TiedWeight:
+        try:
+            return cls(str(data.get("name", "")), tuple(int(s) for s in data["stages"]),
+                       int(data["nbytes"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise PlanError(f"{where} must look like {{'name': 'emb.weight', 'stages': [0, 3], "
+                            f"'nbytes': 1024}}, got {data!r}") from None
+
+
 @dataclass
 class Plan:
     """Everything needed to run (or simulate) one pipelined training step.
@@ -238,7 +263,9 @@ class Plan:
       recompute them before its backward;
     * ``costs`` and ``prediction``: optional, filled by the profiler/planner and
       the simulator; ``meta``: free-form JSON (schedule family, parameters,
-      planner name, …).
+      planner name, …);
+    * ``tied``: the parameters stages on different ranks share (:class:`TiedWeight`),
+      whose gradients the ranks all-reduce every step.
 
     Sends and receives are not written: they follow from the stage graph
     (see :mod:`orgel.schedule.comm`).
@@ -254,11 +281,21 @@ class Plan:
     prediction: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
+    tied: list[TiedWeight] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.placement = [tuple(int(r) for r in ranks) for ranks in self.placement]
         if not self.recompute:
             self.recompute = [False] * self.stage_graph.num_stages
+        self.tied = [t if isinstance(t, TiedWeight) else TiedWeight.from_dict(t, f"tied[{i}]")
+                     for i, t in enumerate(self.tied)]
+        for i, t in enumerate(self.tied):
+            bad = [st for st in t.stages if not 0 <= st < self.stage_graph.num_stages]
+            if bad or len(t.stages) < 2 or t.nbytes < 0:
+                raise PlanError(
+                    f"tied weight {i} ({t.name or 'unnamed'}) names stages {list(t.stages)} and "
+                    f"{t.nbytes} bytes: it needs at least two of the {self.num_stages} stages "
+                    "and a size >= 0")
 
     @property
     def num_stages(self) -> int:
@@ -313,6 +350,7 @@ class Plan:
             "costs": None if self.costs is None else self.costs.to_dict(),
             "prediction": self.prediction,
             "meta": self.meta,
+            "tied_weights": [t.to_dict() for t in self.tied],
         }
 
     @classmethod
@@ -348,6 +386,11 @@ class Plan:
             )
             schedule = [_parse_rank(r, line) for r, line in enumerate(data["schedule"])]
             costs = data.get("costs")
+            meta = dict(data.get("meta") or {})
+            # plans written before the field existed kept the groups in their meta
+            tied = data.get("tied_weights", meta.pop("tied_weights", ()))
+            if not isinstance(tied, list | tuple):
+                raise PlanError(f"tied_weights must be a list, got {tied!r}")
             return cls(
                 stage_graph=StageGraph(stages, edges),
                 placement=[tuple(s["ranks"]) for s in stages_data],
@@ -357,7 +400,8 @@ class Plan:
                 recompute=[bool(s.get("recompute", False)) for s in stages_data],
                 costs=None if costs is None else Costs.from_dict(costs),
                 prediction=data.get("prediction"),
-                meta=dict(data.get("meta") or {}),
+                meta=meta,
+                tied=[TiedWeight.from_dict(t, f"tied_weights[{i}]") for i, t in enumerate(tied)],
             )
         except KeyError as exc:
             raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None

@@ -200,21 +200,11 @@ class CompiledPlan:
     def _build_allreduces(self, plan: Plan) -> None:
         groups: list[AllReduce] = []
         tied_groups: list[AllReduce] = []
-        for i, tied in enumerate(plan.meta.get("tied_weights", ())):
-            try:
-                stages = tuple(int(s) for s in tied["stages"])
-                nbytes = int(tied["nbytes"])
-            except (KeyError, TypeError, ValueError):
-                raise PlanError(
-                    f"meta.tied_weights[{i}] must look like {{'stages': [0, 3], 'nbytes': 1024}}"
-                ) from None
-            bad = [s for s in stages if not 0 <= s < self.num_stages]
-            if bad:
-                raise PlanError(f"meta.tied_weights[{i}] names stages {bad}, but there are "
-                                f"only {self.num_stages} stages")
-            ranks = tuple(sorted({r for s in stages for r in plan.placement[s]}))
+        for i, group in enumerate(plan.tied):
+            ranks = tuple(sorted({r for s in group.stages for r in plan.placement[s]}))
             if len(ranks) > 1:
-                tied_groups.append(AllReduce(ranks, stages, nbytes, f"allreduce tied{i}"))
+                tied_groups.append(AllReduce(ranks, group.stages, group.nbytes,
+                                             f"allreduce tied{i}"))
         for s, ranks in enumerate(plan.placement):
             if len(ranks) > 1:
                 tied = sum(int(g.nbytes or 0) for g in tied_groups if s in g.stages)

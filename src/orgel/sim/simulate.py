@@ -16,8 +16,8 @@ The model (Pfeife §3.3, an operation dependency graph and its longest path):
   replicas once every replica's last ``B``/``W`` of the stage has finished;
   ring model, ``2(n-1)`` steps of ``grad_bytes/n`` each over the slowest link of
   the ring, i.e. about ``2(n-1)/n x grad_bytes`` per rank. Tied weights shared by
-  stages on different ranks (``plan.meta["tied_weights"] = [{"stages": [0, 3],
-  "nbytes": N}]``) get the same all-reduce among the ranks holding them. The
+  stages on different ranks (``plan.tied``, e.g. ``[TiedWeight("emb.weight", (0, 3),
+  N)]``) get the same all-reduce among the ranks holding them. The
   step ends when the last compute or all-reduce ends.
 
 Memory is described in :mod:`orgel.sim.memory`.
