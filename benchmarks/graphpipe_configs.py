@@ -92,12 +92,12 @@ import argparse
 import time
 from dataclasses import dataclass
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan import plan
 from orgel.plan.graph import graph_plan
 from orgel.plan.planner import InfeasibleError
 from orgel.plan.scorer import Scorer
 from orgel.plan.sequential import sequential_plan
-from orgel.profile.costs import BlockCosts
 from orgel.runtime.plans import replicate
 from orgel.schedule.costs import Link
 from orgel.sim import simulate

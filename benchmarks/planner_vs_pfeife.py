@@ -18,8 +18,8 @@ import argparse
 import random
 import time
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan import plan
-from orgel.profile.costs import BlockCosts
 from orgel.schedule.costs import Link
 
 MiB = 1 << 20

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from orgel.api import pipeline
+from orgel.costs.blocks import BlockCosts, CostsFileError
 from orgel.models import build
 from orgel.plan import (
     InfeasibleError,
@@ -18,7 +19,6 @@ from orgel.plan import (
     search_microbatches,
 )
 from orgel.plan.batch import coarse_choices
-from orgel.profile.costs import BlockCosts, CostsFileError
 from orgel.schedule.costs import Link
 from orgel.schedule.validate import validate
 from orgel.workload import Workload

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan.beam import _moves, beam_search
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.splits import balanced_points, time_weights
-from orgel.profile.costs import BlockCosts
 from orgel.schedule.costs import Link
 from orgel.schedule.families import build_schedule
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orgel.profile.costs import BlockCosts, CostsFileError, stage_costs, stage_graph
+from orgel.costs.blocks import BlockCosts, CostsFileError, stage_costs, stage_graph
 
 MiB = 1 << 20
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan.graph import graph_plan
 from orgel.plan.scorer import Scorer
 from orgel.plan.sequential import sequential_plan
-from orgel.profile.costs import BlockCosts
 from orgel.schedule.costs import Link
 from orgel.schedule.validate import validate
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan import InfeasibleError, plan
-from orgel.profile.costs import BlockCosts
 from orgel.schedule.costs import Link
 from orgel.schedule.ir import Plan
 from orgel.schedule.validate import validate

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan import auto_plan, plan
 from orgel.plan.replicas import StageSpec, replica_counts, spread_replicas
-from orgel.profile.costs import BlockCosts
 from orgel.profile.workload import capture_workload
 from orgel.workload import Workload
 

@@ -1,7 +1,7 @@
 """Tied weights in the cost model: attach_split records them; the simulator adds the all-reduce.
 
 The planner's scorer derives the same groups from the cost table's ``tied``
-field (:mod:`orgel.profile.tied`); the last test checks the two agree.
+field (:mod:`orgel.costs.tied`); the last test checks the two agree.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import json
 
 import pytest
 
+from orgel.costs.blocks import chain_split
+from orgel.costs.tied import tied_groups
 from orgel.graph.blocks import coarsen
 from orgel.models import build
 from orgel.plan import attach_split, plan_workload
 from orgel.plan.scorer import Scorer
 from orgel.plan.templates import one_f_one_b, v_shape
 from orgel.plan.workload import tied_weights
-from orgel.profile.costs import chain_split
-from orgel.profile.tied import tied_groups
 from orgel.profile.workload import capture_workload, profile_graph
 from orgel.schedule.costs import Link
 from orgel.schedule.ir import Plan

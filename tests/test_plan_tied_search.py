@@ -7,14 +7,14 @@ import json
 
 import pytest
 
+from orgel.costs.blocks import BlockCosts, CostsFileError, TiedGroup, stage_costs
+from orgel.costs.tied import plan_tied_weights, tied_groups
 from orgel.graph.blocks import coarsen
 from orgel.models import build
 from orgel.plan.graph import graph_plan
 from orgel.plan.planner import InfeasibleError, plan, predict
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.templates import one_f_one_b, v_shape
-from orgel.profile.costs import BlockCosts, CostsFileError, TiedGroup, stage_costs
-from orgel.profile.tied import plan_tied_weights, tied_groups
 from orgel.profile.workload import capture_workload
 from orgel.schedule.costs import Link
 from orgel.schedule.families import build_schedule

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import orgel.profile.workload as profile_mod
+from orgel.costs.blocks import BlockCosts, stage_cost
 from orgel.plan.planner import end_of_step, plan
 from orgel.profile.blocks import Timer, interleaved
-from orgel.profile.costs import BlockCosts, stage_cost
 from orgel.profile.memory import optimizer_jobs
 from orgel.profile.overhead import _simulated, fit_overheads
 from orgel.profile.workload import profile_workload
@@ -265,7 +265,7 @@ def test_split_stages_take_their_measured_halves() -> None:
 
 
 def test_measured_halves_and_optimizer_times_in_the_costs_file() -> None:
-    from orgel.profile.costs import CostsFileError
+    from orgel.costs.blocks import CostsFileError
 
     costs = chain(split_input=[1.0] * 4, split_weight=[2.0] * 4, optimizer_ms=[0.1] * 4,
                   step_overhead=0.5)

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from orgel.commands.profile import format_table
+from orgel.costs.blocks import BlockCosts
 from orgel.plan import plan
 from orgel.plan.planner import end_of_step
 from orgel.plan.scorer import Scorer, best_ranks, channel_traffic, rename
 from orgel.plan.templates import one_f_one_b
 from orgel.profile import links as links_mod
 from orgel.profile import workload
-from orgel.profile.costs import BlockCosts
 from orgel.profile.links import (
     _Bench,
     fit_link,

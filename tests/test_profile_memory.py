@@ -206,8 +206,8 @@ def test_first_backward_frees_activations_as_it_makes_gradients(
 def test_grad_overlap_follows_the_backward_order_and_the_scorer_agrees() -> None:
     import random
 
+    from orgel.costs.blocks import BlockCosts, grad_overlap, stage_cost
     from orgel.plan.scorer import Scorer
-    from orgel.profile.costs import BlockCosts, grad_overlap, stage_cost
 
     # activations 4, 1, 1; gradients 1, 1, 4 (bytes): the backward runs block 2
     # first, then 1, then 0; while a block runs, its own activations and gradients
@@ -239,7 +239,7 @@ def test_grad_overlap_follows_the_backward_order_and_the_scorer_agrees() -> None
 
 
 def test_saved_inputs_count_where_another_stage_feeds_the_block() -> None:
-    from orgel.profile.costs import BlockCosts, stage_cost
+    from orgel.costs.blocks import BlockCosts, stage_cost
 
     # 0 -> 1 -> 2 and a skip 0 -> 2: block 2 saves 5 bytes of what it reads
     bc = BlockCosts(fwd=[1.0] * 3, bwd=[2.0] * 3, wgrad=[1.0] * 3, params=[0] * 3,
@@ -253,7 +253,7 @@ def test_saved_inputs_count_where_another_stage_feeds_the_block() -> None:
 
 
 def test_outputs_no_block_saves_are_freed_inside_a_stage() -> None:
-    from orgel.profile.costs import BlockCosts, CostsFileError, stage_cost
+    from orgel.costs.blocks import BlockCosts, CostsFileError, stage_cost
 
     # Block 0 leaves 40 bytes of outputs it does not save; block 1 saves 10 of its
     # inputs, block 2 (the skip) 5: at most 15 of the 40 outlive the stage's forward.
@@ -325,7 +325,7 @@ def test_a_replicated_stage_holds_a_flat_copy_of_its_gradients(
 
 
 def test_end_of_step_floor_takes_the_flat_gradient_copy_or_the_optimizer_step() -> None:
-    from orgel.profile.costs import STEP_SCALARS, BlockCosts, optimizer_peak, stage_costs
+    from orgel.costs.blocks import STEP_SCALARS, BlockCosts, optimizer_peak, stage_costs
 
     bc = BlockCosts(fwd=[1.0] * 2, bwd=[2.0] * 2, wgrad=[1.0] * 2, params=[1000, 3000],
                     activations=[0] * 2, output=[0] * 2, temporary=[0] * 2, edges=[(0, 1)],
@@ -345,8 +345,8 @@ def test_the_fast_scorer_and_stage_cost_agree_on_every_field(split: bool) -> Non
     """The search's prefix-sum stage costs equal the prediction's, over random splits of
     two towers that meet at the end (CLIP-like: the second tower's first stage is fed by
     no stage, so its W is its whole backward and its I keeps only its outputs' gradients)."""
+    from orgel.costs.blocks import BlockCosts, stage_cost
     from orgel.plan.scorer import Scorer
-    from orgel.profile.costs import BlockCosts, stage_cost
 
     rng = random.Random(1)
     n, half = 20, 10

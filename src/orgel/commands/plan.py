@@ -74,8 +74,8 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from orgel.costs.blocks import BlockCosts, CostsFileError
     from orgel.plan import PLANNERS, InfeasibleError, plan
-    from orgel.profile.costs import BlockCosts, CostsFileError
 
     if (args.workload is None) == (args.costs is None):
         return _fail("give either a WORKLOAD (FILE.py:FUNCTION) or --costs FILE, not both")

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan.planner import InfeasibleError, PlanResult, plan
-from orgel.profile.costs import BlockCosts
 
 #: By default counts go up to this many micro-batches per rank.
 PER_RANK = 8

@@ -45,10 +45,10 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan.replicas import StageSpec, replica_counts, score_layouts
 from orgel.plan.scorer import Score, Scorer, Template
 from orgel.plan.sp import Leaf, Parallel, Series, SPTree, TreeCosts, decompose
-from orgel.profile.costs import BlockCosts
 from orgel.schedule.ir import Plan
 
 

@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from orgel.costs.blocks import BlockCosts, chain_split, optimizer_peak, stage_costs
+from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
-from orgel.profile.costs import BlockCosts, chain_split, optimizer_peak, stage_costs
-from orgel.profile.tied import plan_tied_weights
 from orgel.schedule.ir import Plan
 from orgel.sim import SimResult, simulate
 from orgel.sim.compiled import CompiledPlan

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from orgel.costs.blocks import BlockCosts, stage_graph
 from orgel.plan.scorer import Score, Scorer, Template
 from orgel.plan.transforms import split_backward
-from orgel.profile.costs import BlockCosts, stage_graph
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import PlanError
 

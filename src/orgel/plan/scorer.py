@@ -24,7 +24,7 @@ than one rank the compiled plan carries the group in its ``tied`` field
 and prices its gradient all-reduce exactly as :func:`orgel.sim.simulate` does
 (compiled plans are cached per template, edges, recompute flags and these
 stage sets). A tied parameter counts once per stage and once per rank in the
-static bytes (:func:`orgel.profile.tied.tied_shared`).
+static bytes (:func:`orgel.costs.tied.tied_shared`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from orgel.profile.costs import (
+from orgel.costs.blocks import (
     BlockCosts,
     optimizer_peak,
     stage_cost,
@@ -46,7 +46,7 @@ from orgel.profile.costs import (
     static_parts,
     unsaved_outputs,
 )
-from orgel.profile.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
+from orgel.costs.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph, TiedWeight
@@ -112,7 +112,7 @@ class Scorer:
         for a, b in costs.edges:
             last[a] = max(last[a], b)
         # bytes of block a's outputs that blocks at or after c read: a stage [a', c) no other
-        # stage feeds hands these to W (see profile.costs.stage_cost's weight_kept)
+        # stage feeds hands these to W (see costs.blocks.stage_cost's weight_kept)
         self._last_reader = np.array(last, dtype=np.int64)
         for a in range(costs.num_blocks):
             if last[a] > a:
@@ -125,7 +125,7 @@ class Scorer:
         self._cp = np.concatenate([[0], np.cumsum(costs.params)]).astype(np.int64)
         self._ca = np.concatenate([[0], np.cumsum(costs.activations)]).astype(np.int64)
         self._ck = np.concatenate([[0], np.cumsum(costs.weight_kept)]).astype(np.int64)
-        # backward peak of blocks [a, b) (see profile.costs.grad_overlap):
+        # backward peak of blocks [a, b) (see costs.blocks.grad_overlap):
         # cp[b] - ca[a] + max over a <= j < b of (ca[j + 1] - cp[j])
         self._peak_at = _RangeMax(self._ca[1:] - self._cp[:-1])
         # a block's saved inputs count when a producer lies before the stage's first block
@@ -139,7 +139,7 @@ class Scorer:
         self._spare = np.asarray(spare, dtype=np.int64)
         self._last_consumer = np.array([max(c) if c else costs.num_blocks for c in consumers],
                                        dtype=np.int64)
-        # a split backward's halves as measured apart (see profile.costs.stage_cost)
+        # a split backward's halves as measured apart (see costs.blocks.stage_cost)
         self._csi = np.concatenate([[0.0], np.cumsum(costs.split_input)]) \
             if costs.split_input else None
         self._csw = np.concatenate([[0.0], np.cumsum(costs.split_weight)]) \
@@ -178,7 +178,7 @@ class Scorer:
             params, grads, optimizer = static_parts(params, factor)
             bwd = float(self._cb[b] - self._cb[a])
             # A stage no other stage feeds (the first, or a second tower's first) computes
-            # no input gradient: W is its whole backward (orgel.profile.costs.stage_cost).
+            # no input gradient: W is its whole backward (orgel.costs.blocks.stage_cost).
             fed = bool((self._first_producer[a:b] < a).any())
             weight = float(self._cw[b] - self._cw[a]) if fed else bwd
             if split and fed and self._csi is not None and self._csw is not None:
@@ -285,7 +285,7 @@ class Scorer:
         """The compiled plan of ``template`` over ``graph`` (cached by edge set).
 
         ``tied``: the candidate's tied groups (see
-        :func:`orgel.profile.tied.plan_tied_weights`); part of the cache key.
+        :func:`orgel.costs.tied.plan_tied_weights`); part of the cache key.
         """
         tied_key = tuple((g.stages, g.nbytes) for g in tied) if tied else ()
         key = (id(template), tuple((e.src, e.dst) for e in graph.edges), recompute, tied_key)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from orgel.profile.costs import BlockCosts
+from orgel.costs.blocks import BlockCosts
 
 
 @dataclass(frozen=True)

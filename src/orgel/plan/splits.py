@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from orgel.profile.costs import BlockCosts
+from orgel.costs.blocks import BlockCosts
 from orgel.split.points import Points, balanced_points, uniform_points, valid_points
 
 # the cut points themselves live in orgel.split.points (split and runtime cut there too)

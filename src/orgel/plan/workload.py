@@ -24,9 +24,9 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from orgel.costs.blocks import BlockCosts
 from orgel.plan.batch import microbatch_choices, search_microbatches
 from orgel.plan.planner import PlanResult, plan, predict
-from orgel.profile.costs import BlockCosts
 from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from orgel.costs.blocks import BlockCosts
 from orgel.profile.blocks import (
     BlockMeasure,
     BlockProbe,
@@ -48,7 +49,6 @@ from orgel.profile.blocks import (
     spin_up,
 )
 from orgel.profile.contention import companions
-from orgel.profile.costs import BlockCosts
 from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
 
@@ -229,8 +229,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     used only if the blocks, run once more in sequence, take within this
     fraction of the time it recorded (None: trust the cache as it is).
     """
+    from orgel.costs.tied import tied_groups
     from orgel.graph import coarsen
-    from orgel.profile.tied import tied_groups
     from orgel.split import split_model
     from orgel.workload import microbatches as split_batches
     from orgel.workload import named_inputs

@@ -28,7 +28,7 @@ class StageCost:
     ``grad_overlap``: bytes of activations and gradients that are never alive
     together during the stage's first backward of a step, which makes the
     gradients while it frees that micro-batch's activations block by block
-    (see :func:`orgel.profile.costs.stage_cost`); 0 counts both in full.
+    (see :func:`orgel.costs.blocks.stage_cost`); 0 counts both in full.
     """
 
     fwd: float

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 from orgel.schedule.ir import TiedWeight
 
 if TYPE_CHECKING:
+    from orgel.costs.blocks import BlockCosts
     from orgel.graph.blocks import BlockGraph
     from orgel.graph.opgraph import OpGraph
-    from orgel.profile.costs import BlockCosts
 
 
 @dataclass(frozen=True)

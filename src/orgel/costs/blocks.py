@@ -49,7 +49,7 @@ embedding tied to the LM head): ``blocks`` (two or more block indices),
 includes the parameter; a stage holds it once, and so does a rank (stages on
 one rank share it), so :func:`stage_costs` counts it once there. Stages on
 different ranks each hold a copy whose gradients the runtime all-reduces
-every step (see :func:`orgel.profile.tied.plan_tied_weights`).
+every step (see :func:`orgel.costs.tied.plan_tied_weights`).
 
 :func:`stage_costs` sums blocks into stages and :func:`stage_graph` builds
 the stage DAG (with edge bytes) for a split.
@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orgel.profile.tied import TiedGroup, check_group, tied_shared, tied_within
+from orgel.costs.tied import TiedGroup, check_group, tied_shared, tied_within
 from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
@@ -90,7 +90,7 @@ class BlockCosts:
     optimizer state. ``edges`` are ``(producer, consumer)`` block pairs; each
     carries the producer's ``output`` bytes. ``meta`` records where the table
     came from (graph hash, device, block-graph settings). ``tied`` lists the
-    parameters several blocks read (:class:`~orgel.profile.tied.TiedGroup`).
+    parameters several blocks read (:class:`~orgel.costs.tied.TiedGroup`).
     """
 
     fwd: list[float]
@@ -412,7 +412,7 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     gradients of its outputs, all it keeps for ``W``.
     A tied parameter counts once however many of ``blocks`` read it;
     ``shared``: parameter bytes another stage on the same rank already holds
-    (see :func:`orgel.profile.tied.tied_shared`), left out here.
+    (see :func:`orgel.costs.tied.tied_shared`), left out here.
     """
     inside = set(blocks)
     entered = {b for a, b in bc.edges if b in inside and a not in inside}
@@ -500,7 +500,7 @@ def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
     """Sum blocks into stages: ``stage_blocks[s]`` lists the blocks of stage ``s``.
 
     ``placement`` (the plan's, optional) lets a tied parameter count once per
-    rank (:func:`orgel.profile.tied.tied_shared`); without it, once per stage.
+    rank (:func:`orgel.costs.tied.tied_shared`); without it, once per stage.
     """
     shared = (tied_shared(bc, stage_blocks, placement) if placement is not None
               else [0] * len(stage_blocks))
