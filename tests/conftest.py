@@ -1,14 +1,21 @@
-"""Shared test settings: one intra-op thread in the test process.
+"""Shared test settings: one intra-op thread in the test process; process-starting tests are slow.
 
 The machine has two cores and the multi-process tests put one rank on each; a
 test process that also spreads its own ops over every core only adds contention
 (measured: the capture/split tests went from 3 min 44 s to 24 s).
+
+Every test that starts a process (forked or spawned ranks, a subprocess) must
+carry the ``slow`` marker, so that ``pytest -m "not slow"`` stays a quick
+single-process run: a test without it that starts one fails, saying so.
 """
 
 from __future__ import annotations
 
+import multiprocessing.process
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,3 +34,29 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty profile cache (``$ORGEL_CACHE``) for this test."""
     monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture(autouse=True)
+def _process_starting_tests_are_marked_slow(request: pytest.FixtureRequest,
+                                            monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    started: list[str] = []
+    start = multiprocessing.process.BaseProcess.start
+    popen = subprocess.Popen.__init__
+
+    def recording_start(self: Any) -> None:
+        started.append(f"process {self.name}")
+        start(self)
+
+    def recording_popen(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+        started.append(f"subprocess {str(args)[:60]}")
+        popen(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_popen)
+    yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} starts {started[0]} but is not marked slow: add "
+                    "@pytest.mark.slow (or pytestmark = pytest.mark.slow for the module)")

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from orgel.controller import LocalGroup, WorkerError
 
+pytestmark = pytest.mark.slow  # starts rank processes
+
 
 class _SumEngine:
     """A tiny engine: each rank holds ``rank + 1`` and sums with the others."""

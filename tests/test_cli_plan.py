@@ -138,6 +138,7 @@ def tiny():
 '''
 
 
+@pytest.mark.slow
 def test_plan_from_workload_runs_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = '''
 import json, operator
 from orgel.runtime.launch import spawn
@@ -14,6 +16,7 @@ print(json.dumps(spawn(operator.add, 2, timeout=30.0)))  # rank + world on each 
 '''
 
 
+@pytest.mark.slow
 def test_spawn_from_an_unguarded_script(tmp_path: Path) -> None:
     script = tmp_path / "unguarded.py"
     script.write_text(SCRIPT)

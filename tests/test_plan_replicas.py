@@ -84,6 +84,7 @@ def test_bad_options_are_rejected() -> None:
         plan(diamond(), 2, 4, dp=2, rows=3)
 
 
+@pytest.mark.slow
 def test_auto_plan_pure_pipeline_and_rows_from_the_workload() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),

@@ -124,6 +124,7 @@ def _touch(path: str) -> None:
         f.write("x")
 
 
+@pytest.mark.slow
 def test_companions_run_meanwhile(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     with companions(1, lambda: _touch(str(marker))):
