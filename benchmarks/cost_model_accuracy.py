@@ -41,16 +41,18 @@ WORKLOADS = {
 }
 
 
-def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int) -> dict[str, Any]:
+def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int,
+          precision: str = "32") -> dict[str, Any]:
     from orgel.graph.capture import capture
     from orgel.runtime.executor import Executor
     from orgel.schedule.ir import Plan
     from orgel.split import split_plan
-    from orgel.workload import load_workload, microbatches, named_inputs
+    from orgel.workload import load_workload, microbatches, named_inputs, with_precision
 
-    workload = load_workload(spec)
+    workload = with_precision(load_workload(spec), precision)
     plan = Plan.from_json(plan_json)
-    graph = capture(workload.model, microbatches(workload, plan.microbatches)[0][0])
+    graph = capture(workload.model, microbatches(workload, plan.microbatches)[0][0],
+                    precision=precision)
     split = split_plan(graph, plan)
     optimizers: list[torch.optim.Optimizer] = []
 

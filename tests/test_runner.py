@@ -372,6 +372,23 @@ def test_parameters_only_the_python_between_graphs_uses_keep_their_grad_here() -
             torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_an_autocast_around_the_compiled_model_is_refused_not_dropped() -> None:
+    torch.manual_seed(5)
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    compiled = torch.compile(BreakBN(), backend=pipe)
+
+    def closure(x: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = compiled(x)
+        out.float().sum().backward()
+
+    try:
+        with pytest.raises(RuntimeError, match="runs under a torch.autocast the closure opened"):
+            pipe.step(closure, torch.randn(4, 6))
+    finally:
+        pipe.close()
+
+
 def test_a_closure_that_takes_another_branch_is_a_clear_error() -> None:
     torch.manual_seed(3)
     pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)

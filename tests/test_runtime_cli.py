@@ -57,3 +57,17 @@ def test_orgels_own_errors_print_as_one_message(capsys: pytest.CaptureFixture[st
     assert code == 2
     assert err.startswith("orgel run: graph break") and "Traceback" not in err
     assert "h.mean().item() > 0.0" in err
+
+
+@pytest.mark.slow
+def test_run_bf16_mixed_checks_against_one_process_under_autocast(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", GPT, "--ranks", "2", "--microbatches", "2", "--steps", "2",
+                 "--precision", "bf16-mixed", "--check", "--tolerance", "1e-5"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "-> OK" in out
+    with pytest.raises(SystemExit) as info:  # argparse: not one of the choices
+        main(["run", GPT, "--precision", "16-mixed"])
+    assert info.value.code == 2
+    assert "invalid choice: '16-mixed'" in capsys.readouterr().err

@@ -29,6 +29,7 @@ from orgel import checkpoint as ckpt
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.guard import untouched
 from orgel.pipe import OwnRank, Pipeline, model_aliases
+from orgel.precision import autocast_loss
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
 from orgel.workload import Workload, validate_workload
@@ -67,6 +68,7 @@ def pipeline(
     timeout_s: float = 300.0,
     threads: int | None = None,
     replicated: Sequence[str] = (),
+    precision: str = "32",
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -81,12 +83,16 @@ def pipeline(
     Every input tensor whose size along dim 0 is the batch size is split into
     micro-batches; name the inputs that are not batched (a lookup table, a
     temperature) in ``replicated`` and every micro-batch gets them whole.
+    ``precision``: ``"32"`` (default) or ``"bf16-mixed"``: the forward and
+    ``loss_fn`` under ``torch.autocast`` with bfloat16, as one process would run
+    them (:mod:`orgel.precision`).
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
     """
     _check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:
         optimizer = _default_optimizer
-    workload = Workload(model, inputs, targets, loss_fn, replicated=tuple(replicated))
+    workload = Workload(model, inputs, targets, autocast_loss(loss_fn, precision),
+                        replicated=tuple(replicated), precision=precision)
     executor_options = {"replicated": workload.replicated}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
@@ -106,7 +112,7 @@ def pipeline(
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
 
     def make_engine(rank: int) -> RankEngine:
-        return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=loss_fn,
+        return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                           executor_options=executor_options,
                           timeout_s=timeout_s)
 
@@ -183,7 +189,7 @@ def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
         from orgel.closure import profiling_loss
 
         planned = Workload(workload.model, workload.inputs, workload.targets, profiling_loss,
-                           workload.batch_dim, workload.replicated)
+                           workload.batch_dim, workload.replicated, workload.precision)
     the_plan = _resolve_plan(plan, planned, graph, ranks, microbatches, memory, dp)
     if graph is None:
         graph = _capture(workload, the_plan.microbatches)
@@ -199,7 +205,7 @@ def _capture(workload: Workload, microbatches: int) -> Any:
     from orgel.workload import microbatches as slice_batches
 
     first_inputs, _ = slice_batches(workload, microbatches)[0]
-    return capture(workload.model, first_inputs)
+    return capture(workload.model, first_inputs, precision=workload.precision)
 
 
 def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,

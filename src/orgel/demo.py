@@ -56,18 +56,20 @@ def _batches(name: str, workload: Any, batch_size: int) -> Iterator[tuple[Any, A
         yield workload.inputs, workload.targets
 
 
-def _reference_loss(workload: Any, model: torch.nn.Module, pieces: int) -> float:
+def _reference_loss(workload: Any, model: torch.nn.Module, pieces: int,
+                    precision: str = "32") -> float:
     """The first step's loss in one process: the mean of the losses of the same ``pieces``.
 
     A step's loss is the mean over micro-batches and, inside a data-parallel
     stage, over each replica's share: losses such as CLIP's that depend on the
     batch composition must be cut the same way to compare.
     """
+    from orgel.precision import autocast
     from orgel.workload import Workload
     from orgel.workload import microbatches as slice_batches
 
     w = Workload(model, workload.inputs, workload.targets, workload.loss_fn)
-    with torch.no_grad():
+    with torch.no_grad(), autocast(precision):
         losses = [float(w.loss_fn(model(**inp), tgt)) for inp, tgt in slice_batches(w, pieces)]
     return sum(losses) / len(losses)
 
@@ -107,8 +109,12 @@ def describe_plan(plan: Any) -> str:
 
 def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatches: int = 4,
              batch_size: int = 16, out: str | Path = "orgel-demo", seed: int = 0,
-             stream: TextIO | None = None, progress: bool = True) -> DemoResult:
-    """Run the demo and print to ``stream`` (stdout); files go to ``out``."""
+             stream: TextIO | None = None, progress: bool = True,
+             precision: str = "32") -> DemoResult:
+    """Run the demo and print to ``stream`` (stdout); files go to ``out``.
+
+    ``precision``: ``"32"`` or ``"bf16-mixed"`` (see :mod:`orgel.precision`).
+    """
     import threading
 
     from tqdm import tqdm
@@ -143,13 +149,13 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
 
     started = time.perf_counter()
     pipe = pipeline(workload.model, first_inputs, first_targets, workload.loss_fn, ranks=ranks,
-                    microbatches=microbatches,
+                    microbatches=microbatches, precision=precision,
                     optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     with pipe:
         say(f"captured, planned and started the ranks in {time.perf_counter() - started:.1f} s")
         say(describe_plan(pipe.plan))
         replicas = len(pipe.plan.placement[0])  # every stage has the same count (orgel.api)
-        reference = _reference_loss(workload, initial, microbatches * replicas)
+        reference = _reference_loss(workload, initial, microbatches * replicas, precision)
         losses: list[float] = []
         times: list[float] = []
         bar = tqdm(total=steps, unit="step", disable=not progress, file=sys.stderr,

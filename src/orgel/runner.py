@@ -181,6 +181,12 @@ class Backend:
         stateful = any(kind in ("param", "buffer") for kind, _ in roles)
 
         def run(*args: Any) -> Any:
+            if stateful and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+                raise RuntimeError(
+                    "the compiled model runs under a torch.autocast the closure opened: its "
+                    "graph holds no casts (autocast applies around it), and the ranks would run "
+                    "it in float32. Open the autocast inside the model's forward, or use "
+                    "orgel.pipeline(..., precision='bf16-mixed')")
             if self._discovering:
                 return self._record(gm, example_inputs, roles, args)
             if not stateful:  # reads no parameter or buffer: runs here, as the closure does

@@ -38,6 +38,17 @@ class Workload:
     batch_dim: int = 0
     #: names of inputs that are not batched: each micro-batch gets them whole
     replicated: tuple[str, ...] = ()
+    #: ``"32"`` or ``"bf16-mixed"`` (:mod:`orgel.precision`): the autocast the forward is
+    #: captured in; ``loss_fn`` is expected to apply it already (see ``with_precision``)
+    precision: str = "32"
+
+
+def with_precision(w: Workload, precision: str) -> Workload:
+    """``w`` trained under ``precision`` (:mod:`orgel.precision`): its loss under the autocast."""
+    from orgel.precision import autocast_loss
+
+    return Workload(w.model, w.inputs, w.targets, autocast_loss(w.loss_fn, precision), w.batch_dim,
+                    w.replicated, precision)
 
 
 def load_workload(spec: str) -> Workload:

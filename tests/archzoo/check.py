@@ -21,6 +21,7 @@ import torch
 
 import orgel
 from orgel.models import ZooWorkload
+from orgel.precision import autocast_dtype
 from orgel.workload import Workload, microbatches, named_inputs
 
 LR = 0.1
@@ -78,14 +79,20 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 
 def reference_step(model: torch.nn.Module, workload: Workload, m: int) -> float:
-    """One SGD step of ``model`` in this process: gradient accumulation over ``m`` micro-batches."""
+    """One SGD step of ``model`` in this process: gradient accumulation over ``m`` micro-batches.
+
+    Under ``workload.precision="bf16-mixed"`` the forward and the loss run in
+    ``torch.autocast`` with bfloat16, as a user writes it.
+    """
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.zero_grad(set_to_none=True)
     total = 0.0
+    dtype = autocast_dtype(workload.precision)
     for inputs, targets in microbatches(Workload(model, workload.inputs, workload.targets,
                                                  workload.loss_fn,
                                                  replicated=workload.replicated), m):
-        loss = workload.loss_fn(model(**inputs), targets) / m
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = workload.loss_fn(model(**inputs), targets) / m
         loss.backward()
         total += float(loss.detach())
     opt.step()
@@ -103,7 +110,7 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
-                plan_for: Any = None, **options: Any) -> Outcome:
+                plan_for: Any = None, tolerance: float = TOLERANCE, **options: Any) -> Outcome:
     """Train ``build()`` one step through orgel and in one process; compare every tensor.
 
     ``plan_for(workload)``, if given, returns the plan to pass to ``orgel.pipeline``;
@@ -130,11 +137,13 @@ def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         return Outcome(name, "fails", f"{type(exc).__name__}: {first}",
                        trace=traceback.format_exc())
     workload.replicated = tuple(options.get("replicated", ()))
-    return compare(name, got, loss, reference, workload, m, touched)
+    workload.precision = options.get("precision", "32")
+    return compare(name, got, loss, reference, workload, m, touched, tolerance)
 
 
 def compare(name: str, got: dict[str, torch.Tensor], loss: float, reference: torch.nn.Module,
-            workload: Workload, m: int, touched: list[str]) -> Outcome:
+            workload: Workload, m: int, touched: list[str],
+            tolerance: float = TOLERANCE) -> Outcome:
     """The outcome of a pipelined step (``got``, ``loss``) against one process on ``reference``."""
     ref_loss = reference_step(reference, workload, m)
     if touched:
@@ -146,11 +155,11 @@ def compare(name: str, got: dict[str, torch.Tensor], loss: float, reference: tor
         if key not in got:
             return Outcome(name, "differs", f"{key} missing from pipe.state_dict()", loss, ref_loss)
         worst[key] = relative_diff(got[key], t)
-    bad = {k: v for k, v in worst.items() if not v <= TOLERANCE}
+    bad = {k: v for k, v in worst.items() if not v <= tolerance}
     if bad:
         key = max(bad, key=lambda k: bad[k])
         return Outcome(name, "differs", f"{key} by {bad[key]:.2e} ({len(bad)} tensors over "
-                       f"{TOLERANCE:g})", loss, ref_loss, worst)
+                       f"{tolerance:g})", loss, ref_loss, worst)
     return Outcome(name, "exact", "", loss, ref_loss, worst)
 
 
@@ -197,7 +206,8 @@ def backend_check(name: str, build: Any, *, ranks: int = 2, m: int = 2) -> Outco
 
 
 def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
-                   replicated: tuple[str, ...] = (), **schedule: Any) -> Outcome:
+                   replicated: tuple[str, ...] = (), precision: str = "32",
+                   tolerance: float = TOLERANCE, **schedule: Any) -> Outcome:
     """:func:`orgel_check` with a FLOP-balanced chain as the plan (no profiling, quick).
 
     ``schedule`` goes to :func:`orgel.runtime.plans.balanced_plan` (default 1F1B).
@@ -212,7 +222,11 @@ def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         model = copy.deepcopy(w.model)
         first, _ = microbatches(Workload(model, w.inputs, w.targets, w.loss_fn,
                                          replicated=replicated), m)[0]
-        return balanced_plan(capture(model, first), ranks=ranks, microbatches=m, **schedule)
+        return balanced_plan(capture(model, first, precision=precision), ranks=ranks,
+                             microbatches=m, **schedule)
 
-    options = {"replicated": replicated} if replicated else {}
-    return orgel_check(name, build, ranks=ranks, m=m, plan_for=plan_for, **options)
+    options: dict[str, Any] = {"replicated": replicated} if replicated else {}
+    if precision != "32":
+        options["precision"] = precision
+    return orgel_check(name, build, ranks=ranks, m=m, plan_for=plan_for, tolerance=tolerance,
+                       **options)

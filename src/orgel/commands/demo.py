@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="orgel-demo", metavar="DIR",
                         help="where to write timeline.png, trace.json and plan.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from orgel.precision import add_argument
+
+    add_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_demo(model=args.model, ranks=args.ranks, steps=args.steps,
                           microbatches=args.microbatches, batch_size=args.batch_size,
-                          out=args.out, progress=not args.no_progress)
+                          out=args.out, progress=not args.no_progress,
+                          precision=args.precision)
     except ValueError as exc:  # options the planner or the model reject
         print(f"orgel demo: {exc}", file=sys.stderr)
         return 2

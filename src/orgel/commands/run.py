@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds any rank waits for a message before failing (default 60)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank (default 1)")
+    from orgel.precision import add_argument
+
+    add_argument(parser)
 
 
 def optimizer_factory(name: str, lr: float) -> Any:
@@ -91,13 +94,19 @@ def run(args: argparse.Namespace) -> int:
     from orgel.runtime.plans import balanced_plan
     from orgel.schedule.ir import Plan, PlanError
     from orgel.schedule.validate import validate
-    from orgel.workload import WorkloadError, load_workload, microbatches, validate_workload
+    from orgel.workload import (
+        WorkloadError,
+        load_workload,
+        microbatches,
+        validate_workload,
+        with_precision,
+    )
 
     problem = _check_args(args)
     if problem:
         return _fail(problem)
     try:
-        workload = load_workload(args.workload)
+        workload = with_precision(load_workload(args.workload), args.precision)
         validate_workload(workload, args.microbatches * args.dp)
         if args.plan:
             plan = Plan.load(args.plan)
@@ -108,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             # the graph is captured for one replica's rows of a micro-batch
             share = microbatches(workload, args.microbatches * args.dp)[0][0]
-            graph = capture(workload.model, share, several=False)
+            graph = capture(workload.model, share, several=False, precision=args.precision)
             plan = balanced_plan(graph, ranks=args.ranks, microbatches=args.microbatches,
                                  schedule=args.schedule, dp=args.dp,
                                  stages_per_rank=args.stages_per_rank)
@@ -183,7 +192,10 @@ def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
     if not args.check:
         return 0
     params = {name: t for r in results for name, t in r["params"]}
-    ref_losses, ref_params = reference(load_workload(args.workload), args)
+    from orgel.workload import with_precision
+
+    ref_losses, ref_params = reference(with_precision(load_workload(args.workload),
+                                                      args.precision), args)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
     missing = sorted(set(ref_params) - set(params))
     if missing:
@@ -199,6 +211,7 @@ def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
 
 def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
     """Losses and final parameters of the unmodified model, one process, same steps."""
+    from orgel.precision import autocast
     from orgel.workload import microbatches
 
     torch.manual_seed(0)
@@ -210,7 +223,8 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
         optimizer.zero_grad()
         total = 0.0
         for inputs, targets in batches:
-            loss = workload.loss_fn(model(**inputs), targets) / len(batches)
+            with autocast(workload.precision):
+                loss = workload.loss_fn(model(**inputs), targets) / len(batches)
             loss.backward()
             total += loss.item()
         if args.max_grad_norm is not None:
@@ -237,12 +251,12 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     from orgel.runtime.executor import Executor
     from orgel.schedule.ir import Plan
     from orgel.split import split_plan
-    from orgel.workload import load_workload, microbatches, named_inputs
+    from orgel.workload import load_workload, microbatches, named_inputs, with_precision
 
-    workload = load_workload(spec)
+    workload = with_precision(load_workload(spec), options.get("precision", "32"))
     plan = Plan.from_json(plan_json)
     share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
-    graph = capture(workload.model, share, several=False)
+    graph = capture(workload.model, share, several=False, precision=workload.precision)
     split = split_plan(graph, plan)
     executor = Executor(plan, split, loss_fn=workload.loss_fn,
                         optimizer_factory=optimizer_factory(options["optimizer"], options["lr"]),

@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
 from orgel.guard import untouched
+from orgel.precision import autocast_dtype, device_type
 from orgel.workload import named_inputs
 
 METHODS = ("auto", "dynamo", "export")
@@ -37,7 +38,7 @@ __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_sett
 
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
-            several: bool = True) -> OpGraph:
+            several: bool = True, precision: str = "32") -> OpGraph:
     """Capture ``model``'s forward on ``inputs`` (tuple or dict) as an :class:`OpGraph`.
 
     ``method``: ``"dynamo"`` (torch.compile backend), ``"export"`` (torch.export,
@@ -48,20 +49,30 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
     A forward with graph breaks is captured as its several Dynamo graphs joined
     by exchange points (:mod:`orgel.graph.glue`; ``graph.glue`` describes them);
     ``several=False`` raises :class:`GraphBreakError` instead.
+
+    ``precision="bf16-mixed"`` captures the forward inside ``torch.autocast``
+    (bfloat16): the graph holds the region (:mod:`orgel.precision`).
     """
+    dtype = autocast_dtype(precision)
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     named = named_inputs(model, inputs)
     notes: list[str] = []
     with untouched(model):
         glue = None
+        if method == "export" and dtype is not None:
+            raise CaptureError(f"precision={precision!r} captures with TorchDynamo; use "
+                               "method='dynamo' or 'auto'")
         if method == "export":
             raw = _export_graph(model, named)
         else:
             try:
-                raw = _dynamo_graph(model, named)
+                raw = _dynamo_graph(model, named, dtype)
             except GraphBreakError as exc:
-                if not several:
+                if not several or dtype is not None:
+                    if dtype is not None:
+                        raise GraphBreakError(f"{exc} Under precision={precision!r} orgel "
+                                              "needs one graph of the forward") from None
                     raise
                 # run as several graphs, the Python between them in the controller
                 from orgel.graph.glue import capture_graphs
@@ -73,7 +84,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             except CaptureError:
                 raise
             except Exception as exc:  # dynamo internal failure: try export
-                if method == "dynamo":
+                if method == "dynamo" or dtype is not None:
                     raise CaptureError(f"torch.compile could not capture the model: {exc}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
                 raw = _export_graph(model, named)
@@ -111,7 +122,8 @@ def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, 
     return roles
 
 
-def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
+def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
+                  autocast: torch.dtype | None = None) -> Raw:
     captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
     returned: list[Any] = []
 
@@ -130,7 +142,15 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
     # previous capture of another instance (or >8 of them) would skip our backend.
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        target: Any = model
+        if autocast is not None:  # the region is part of the graph: every stage re-enters it
+            kind = device_type(list(named.values()))
+
+            def target(**kwargs: Any) -> Any:
+                with torch.autocast(kind, dtype=autocast):
+                    return model(**kwargs)
+
+        compiled = torch.compile(target, backend=backend, fullgraph=True, dynamic=False)
         # Traced with grad enabled, as in training: dynamo specialises on grad mode.
         with dynamo_settings():
             result = compiled(**named)

@@ -185,7 +185,7 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
     def costs_at(rows: int) -> BlockCosts:
         parts = example // rows
         inputs, _ = split_batches(w, parts)[0]
-        graphs[rows] = capture(w.model, named_inputs(w.model, inputs))
+        graphs[rows] = capture(w.model, named_inputs(w.model, inputs), precision=w.precision)
         costs = profile_graph(w, graphs[rows], microbatches=parts, blocks=blocks, link=link,
                               progress=progress, threads=threads, contention=ranks - 1,
                               ranks=ranks)

@@ -209,7 +209,7 @@ def capture_workload(workload: Any, microbatches: int) -> tuple[Any, Any]:
         raise ValueError("workload must be 'file.py:function' or an orgel.workload.Workload")
     validate_workload(w, microbatches)
     inputs, _ = split_batches(w, microbatches)[0]
-    return w, capture(w.model, named_inputs(w.model, inputs))
+    return w, capture(w.model, named_inputs(w.model, inputs), precision=w.precision)
 
 
 def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,

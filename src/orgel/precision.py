@@ -1,0 +1,91 @@
+"""Training precision, named as the ecosystem names it: ``"32"`` and ``"bf16-mixed"``.
+
+``"bf16-mixed"`` is ``torch.autocast(dtype=torch.bfloat16)`` around the
+forward and the loss, as one process writes it::
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+
+Parameters, gradients and optimizer state stay float32. orgel captures the
+forward inside that autocast region, so the graph holds the region and every
+stage re-enters it (:mod:`orgel.split`): each op runs in the dtype it has in
+one process, profiling measures it so, and values cross between ranks in the
+dtype they have (bfloat16 activations: half the bytes). The loss runs under the
+same autocast on the loss rank.
+
+A model whose parameters are already bfloat16 (``model.to(torch.bfloat16)``)
+trains with the default ``"32"``: orgel keeps the dtypes it finds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+#: precision name -> the autocast dtype (None: no autocast)
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "32": None,
+    "32-true": None,
+    "bf16-mixed": torch.bfloat16,
+}
+_LATER = {
+    "16-mixed": "float16 autocast needs loss scaling across the ranks, which orgel does not do "
+                "yet; use 'bf16-mixed'",
+    "bf16-true": "orgel does not convert your model; call model.to(torch.bfloat16) yourself "
+                 "and keep precision='32' (orgel keeps the dtypes it finds)",
+}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``precision``; ValueError naming the values for anything else."""
+    if precision in PRECISIONS:
+        return PRECISIONS[precision]
+    why = _LATER.get(str(precision))
+    if why is not None:
+        raise ValueError(f"precision={precision!r} is not supported: {why}")
+    raise ValueError(f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)}, "
+                     f"got {precision!r}")
+
+
+def device_type(values: Any) -> str:
+    """The device type autocast should use for these tensors (the first one's; else cpu)."""
+    for t in pytree.tree_leaves(values):
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+class AutocastLoss:
+    """``loss_fn`` run under the precision's autocast, on the outputs' device type."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], dtype: torch.dtype) -> None:
+        self.loss_fn = loss_fn
+        self.dtype = dtype
+
+    def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
+        with torch.autocast(device_type(outputs), dtype=self.dtype):
+            return self.loss_fn(outputs, targets)
+
+
+def autocast_loss(loss_fn: Callable[[Any, Any], torch.Tensor],
+                   precision: str) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss_fn`` under ``precision``'s autocast (``loss_fn`` itself for ``"32"``)."""
+    dtype = autocast_dtype(precision)
+    return loss_fn if dtype is None else AutocastLoss(loss_fn, dtype)
+
+
+def autocast(precision: str, device: str = "cpu") -> Any:
+    """The context one process runs its forward and loss in under ``precision``."""
+    dtype = autocast_dtype(precision)
+    return torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def add_argument(parser: Any) -> None:
+    """``--precision`` for a command line."""
+    parser.add_argument("--precision", default="32", choices=list(PRECISIONS),
+                        help="'32' (default) or 'bf16-mixed': the forward and the loss under "
+                             "torch.autocast with bfloat16, float32 parameters")
