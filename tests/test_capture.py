@@ -163,7 +163,7 @@ def test_auto_falls_back_to_export_when_dynamo_fails(monkeypatch: pytest.MonkeyP
     # ``orgel.graph.capture`` the attribute is the function; the module lives in sys.modules.
     capture_module = importlib.import_module("orgel.graph.capture")
 
-    def broken(model: nn.Module, named: dict) -> None:
+    def broken(model: nn.Module, named: dict, autocast: object = None) -> None:
         raise RuntimeError("dynamo internal error")
 
     monkeypatch.setattr(capture_module, "_dynamo_graph", broken)

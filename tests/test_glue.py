@@ -305,7 +305,7 @@ def test_a_forward_of_several_graphs_is_refused_under_torchrun() -> None:
 
     graph = capture(BranchEveryMicrobatch(), (torch.randn(2, 8),))
     with pytest.raises(GraphBreakError, match="local-spawn mode"):
-        api._one_graph_only(graph)
+        api.one_graph_only(graph)
 
 
 def test_a_plain_rank_engine_refuses_a_split_with_exchanges() -> None:

@@ -35,8 +35,9 @@ from orgel.schedule.ir import Plan
 from orgel.workload import Workload, validate_workload
 
 
-def _check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
+def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
                    plan: Any) -> None:
+    """Raise ValueError for options ``orgel.pipeline`` and ``orgel.backend`` cannot take."""
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks must be a positive int, got {ranks!r}")
     if microbatches != "auto" and (not isinstance(microbatches, int)
@@ -88,9 +89,9 @@ def pipeline(
     them (:mod:`orgel.precision`).
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
     """
-    _check_options(ranks, microbatches, optimizer, memory, dp, plan)
+    check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:
-        optimizer = _default_optimizer
+        optimizer = default_optimizer
     workload = Workload(model, inputs, targets, autocast_loss(loss_fn, precision),
                         replicated=tuple(replicated), precision=precision)
     executor_options = {"replicated": workload.replicated}
@@ -122,7 +123,8 @@ def pipeline(
                     aliases=aliases, spmd=False)
 
 
-def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Each rank's optimizer when none is given: AdamW, learning rate 1e-3."""
     return torch.optim.AdamW(params, lr=1e-3)
 
 
@@ -144,19 +146,19 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     with untouched(workload.model):
-        graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
+        graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
         if graph is not None:
-            _one_graph_only(graph)
+            one_graph_only(graph)
         text: list[str | None] = [None]
         if rank == 0:
-            text = [_resolve_plan(plan, workload, graph, ranks, microbatches, memory,
+            text = [resolve_plan(plan, workload, graph, ranks, microbatches, memory,
                                   dp).to_json()]
         dist.broadcast_object_list(text, src=0)
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
-            graph = _capture(workload, the_plan.microbatches)
-        _one_graph_only(graph)
-        split = _split(workload, graph, the_plan)
+            graph = capture_microbatch(workload, the_plan.microbatches)
+        one_graph_only(graph)
+        split = split_for(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         executor_options={"replicated": workload.replicated},
                         timeout_s=timeout_s)
@@ -165,7 +167,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                     state_keys=keys, aliases=aliases, spmd=True)
 
 
-def _one_graph_only(graph: Any) -> None:
+def one_graph_only(graph: Any) -> None:
+    """Refuse a graph of several Dynamo graphs (torchrun runs one graph)."""
     if graph.glue is not None:
         from orgel.graph.opgraph import GraphBreakError
 
@@ -182,7 +185,7 @@ def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
              dp: int) -> tuple[Plan, Any, Any]:
     """Capture, plan (or check ``plan``) and split: the plan, the SplitModel and the graph."""
     # "auto": the planner captures every micro-batch size it tries; capture the chosen one.
-    graph = None if microbatches == "auto" else _capture(workload, int(microbatches))
+    graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
     planned = workload
     if graph is not None and graph.glue is not None:
         # the graphs' outputs are not the model's output: profile the loss stage with a sum
@@ -190,16 +193,16 @@ def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
 
         planned = Workload(workload.model, workload.inputs, workload.targets, profiling_loss,
                            workload.batch_dim, workload.replicated, workload.precision)
-    the_plan = _resolve_plan(plan, planned, graph, ranks, microbatches, memory, dp)
+    the_plan = resolve_plan(plan, planned, graph, ranks, microbatches, memory, dp)
     if graph is None:
-        graph = _capture(workload, the_plan.microbatches)
+        graph = capture_microbatch(workload, the_plan.microbatches)
         if graph.glue is not None:
             raise ValueError("the forward has graph breaks (Dynamo captures it as several "
                              "graphs); give microbatches as an int, not 'auto'")
-    return the_plan, _split(workload, graph, the_plan), graph
+    return the_plan, split_for(workload, graph, the_plan), graph
 
 
-def _capture(workload: Workload, microbatches: int) -> Any:
+def capture_microbatch(workload: Workload, microbatches: int) -> Any:
     """The op graph of ``workload``'s model, measured on one micro-batch."""
     from orgel.graph.capture import capture
     from orgel.workload import microbatches as slice_batches
@@ -208,9 +211,10 @@ def _capture(workload: Workload, microbatches: int) -> Any:
     return capture(workload.model, first_inputs, precision=workload.precision)
 
 
-def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
+def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
                   microbatches: int | str, memory: int | None, dp: int,
                   planner: str | None = None) -> Plan:
+    """The given plan (object or file), checked against the options, or the planner's."""
     if isinstance(plan, Plan):
         given = plan
     elif plan is not None:
@@ -232,7 +236,7 @@ def _resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any
     return given
 
 
-def _split(workload: Workload, graph: Any, plan: Plan) -> Any:
+def split_for(workload: Workload, graph: Any, plan: Plan) -> Any:
     """Split ``graph`` by ``plan``; with replicated stages, from a capture of one replica's rows.
 
     Captured graphs have fixed shapes, so a stage on ``r`` ranks needs the graph
@@ -247,7 +251,7 @@ def _split(workload: Workload, graph: Any, plan: Plan) -> Any:
                          "same number of ranks")
     replicas = counts.pop()
     if replicas > 1:
-        graph = _capture(workload, plan.microbatches * replicas)
+        graph = capture_microbatch(workload, plan.microbatches * replicas)
     return split_plan(graph, plan)
 
 

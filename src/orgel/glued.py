@@ -304,7 +304,7 @@ class GluedPipeline(Pipeline):
                                             name="orgel-eager-grads", daemon=True))
             threads[-1].start()
         try:
-            self._ranks.call("closure_step", placeholders, rows)
+            self.call_ranks("closure_step", placeholders, rows)
         except Exception:
             self._mail.abort("a rank failed")
             for t in threads:
@@ -325,7 +325,7 @@ class GluedPipeline(Pipeline):
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = getattr(exc, "inner_exception", None) or exc
             self._mail.abort(f"micro-batch {slot.index} failed: {type(exc).__name__}")
-            self._ranks.kill()  # the ranks wait on this micro-batch: stop them
+            self.kill()  # the ranks wait on this micro-batch: stop them
 
     def _warm_up(self, inputs: dict[str, Any]) -> None:
         """Run micro-batch 0's forward here once, every graph locally, before the first step.
@@ -380,7 +380,7 @@ class GluedPipeline(Pipeline):
         if not self._eager:
             return
         state: dict[str, torch.Tensor] = {}
-        for part in self._ranks.call("state_dict"):
+        for part in self.call_ranks("state_dict"):
             state.update(part)
         with torch.no_grad():
             for name, p in self._eager.items():

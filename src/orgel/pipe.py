@@ -140,6 +140,20 @@ class Pipeline:
         """Process ids of the local-spawn workers by rank (empty under torchrun)."""
         return list(getattr(self._ranks, "pids", []))
 
+    def call_ranks(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``method`` of every rank's engine (:class:`orgel.engine.RankEngine`); by rank.
+
+        The seam the closure runners (:mod:`orgel.runner`, :mod:`orgel.glued`) drive
+        their steps through.
+        """
+        return list(self._ranks.call(method, *args, **kwargs))
+
+    def kill(self) -> None:
+        """Stop the local-spawn ranks at once (a micro-batch they wait on failed here)."""
+        kill = getattr(self._ranks, "kill", None)
+        if kill is not None:
+            kill()
+
     def close(self) -> None:
         """Stop the workers (local spawn); the pipeline cannot be used afterwards."""
         self._ranks.close()

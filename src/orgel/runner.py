@@ -146,11 +146,11 @@ class Backend:
     def __init__(self, *, ranks: int, microbatches: int, optimizer: OptimizerFactory | None,
                  memory: int | None, dp: int, plan: Plan | str | Path | None,
                  timeout_s: float, threads: int | None) -> None:
-        from orgel.api import _check_options, _default_optimizer
+        from orgel.api import check_options, default_optimizer
 
-        _check_options(ranks, microbatches, optimizer, memory, dp, plan)
+        check_options(ranks, microbatches, optimizer, memory, dp, plan)
         self.ranks, self.microbatches = ranks, microbatches
-        self.optimizer = optimizer or _default_optimizer
+        self.optimizer = optimizer or default_optimizer
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.timeout_s, self.threads = timeout_s, threads
         self.model: GraphModel | None = None
@@ -293,9 +293,9 @@ class Backend:
         with untouched(holder):
             graph = measure(holder, {}, raw, [reason], "dynamo")
             graph.glue = glue
-            plan = api._resolve_plan(self.given_plan, workload, graph, self.ranks,
+            plan = api.resolve_plan(self.given_plan, workload, graph, self.ranks,
                                      self.microbatches, self.memory, self.dp, planner="beam")
-            split = api._split(workload, graph, plan)
+            split = api.split_for(workload, graph, plan)
         keys, aliases = api.model_aliases(holder)
         self.pipe = glued.start(workload, plan, split, glue, optimizer=self.optimizer,
                                 timeout_s=self.timeout_s, threads=self.threads, keys=keys,
@@ -392,7 +392,7 @@ class Backend:
             reader = threading.Thread(target=self._read_outputs, daemon=True)
             reader.start()
             try:
-                self.pipe._ranks.call("closure_step", self._placeholders)
+                self.pipe.call_ranks("closure_step", self._placeholders)
             except Exception:
                 for slot in self._slots:
                     slot.called.wait()
@@ -435,7 +435,7 @@ class Backend:
             if slot.error is None and slot.inputs is not None and not slot.grad_sent:
                 self._send_grad(slot, None)  # no backward: zero gradient for this micro-batch
             elif self.pipe is not None and (slot.error is not None or slot.inputs is None):
-                self.pipe._ranks.kill()  # the ranks wait on this closure: stop them
+                self.pipe.kill()  # the ranks wait on this closure: stop them
 
     def _read_outputs(self) -> None:
         for _ in range(self.microbatches):
@@ -466,15 +466,15 @@ class Backend:
         rows = next(iter(batch.values())).shape[0]
         workload = Workload(self.model, batch, torch.zeros(rows), profiling_loss)
         with untouched(self.model):
-            graph = api._capture(workload, self.microbatches)
+            graph = api.capture_microbatch(workload, self.microbatches)
             # dynamo's graph has the micro-batch's shapes baked in and the user's model is
             # not ours to re-trace per replica: plan chains of one rank per stage (beam)
-            plan = api._resolve_plan(self.given_plan, workload, graph, self.ranks,
+            plan = api.resolve_plan(self.given_plan, workload, graph, self.ranks,
                                      self.microbatches, self.memory, self.dp, planner="beam")
             if any(len(r) > 1 for r in plan.placement):
                 raise ValueError("orgel.backend runs stages on one rank each; give a plan "
                                  "without data-parallel stages")
-            split = api._split(workload, graph, plan)
+            split = api.split_for(workload, graph, plan)
         self._loss_rank = plan.placement[split.loss_stage][0]
         self._input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
                                     if st.model_inputs})
