@@ -1,13 +1,17 @@
-"""Mixed precision: ``precision="bf16-mixed"`` trains as one process under torch.autocast.
+"""Mixed precision: ``precision="bf16-mixed"``/``"16-mixed"`` trains as one process does.
 
 A pipelined bf16-mixed step must equal one process running the same autocast
-forward and loss with gradient accumulation over the micro-batches. Every op runs
+forward and loss with gradient accumulation over the micro-batches; 16-mixed
+must also scale the loss, skip and back off exactly as ``torch.amp.GradScaler``. Every op runs
 in the same dtype on the same values in both (the autocast region is part of the
 captured graph and each stage re-enters it), so the only differences are float32
 sums in another order: the tolerance is the zoo's, a relative 1e-5.
 """
 
 from __future__ import annotations
+
+import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +22,7 @@ from archzoo.check import balanced_check
 from orgel.graph import capture
 from orgel.models import ZooWorkload, build
 from orgel.precision import autocast_dtype
-from orgel.runtime.plans import balanced_assignment
+from orgel.runtime.plans import balanced_assignment, balanced_plan
 from orgel.split import split_model
 from orgel.workload import Workload, microbatches
 
@@ -79,15 +83,94 @@ def test_values_cross_the_cut_in_the_dtype_they_have() -> None:
 
 
 def test_unsupported_precisions_say_what_to_do_instead() -> None:
-    with pytest.raises(ValueError, match="loss scaling .* use 'bf16-mixed'"):
-        autocast_dtype("16-mixed")
     with pytest.raises(ValueError, match=r"model.to\(torch.bfloat16\) yourself"):
         autocast_dtype("bf16-true")
-    with pytest.raises(ValueError, match="precision must be one of '32', '32-true', 'bf16-mixed'"):
+    with pytest.raises(ValueError, match="precision must be one of '32', '32-true', 'bf16-mixed', "
+                       "'16-mixed'"):
         autocast_dtype("fp8")
     model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
-    with pytest.raises(ValueError, match="16-mixed"):
-        orgel.pipeline(model, inputs, targets, loss_fn, precision="16-mixed")
+    with pytest.raises(ValueError, match="bf16-true"):
+        orgel.pipeline(model, inputs, targets, loss_fn, precision="bf16-true")
+    with pytest.raises(ValueError, match="loss_scale is for precision='16-mixed'"):
+        orgel.pipeline(model, inputs, targets, loss_fn, precision="bf16-mixed",
+                       loss_scale={"init_scale": 8.0})
+
+
+def _gpt() -> ZooWorkload:
+    return build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
+
+
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _fp16_pipeline(model: torch.nn.Module, w: ZooWorkload, init_scale: float) -> orgel.Pipeline:
+    first, _ = microbatches(Workload(copy.deepcopy(model), w.inputs, w.targets, w.loss_fn), 2)[0]
+    plan = balanced_plan(capture(copy.deepcopy(model), first, precision="16-mixed"), ranks=2,
+                         microbatches=2)
+    return orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=2,
+                          optimizer=_sgd, threads=1, plan=plan, precision="16-mixed",
+                          loss_scale={"init_scale": init_scale})
+
+
+def _fp16_reference(model: torch.nn.Module, w: ZooWorkload, init_scale: float,
+                    steps: int) -> list[float]:
+    """One process with torch.amp.GradScaler and gradient accumulation; the scale after each."""
+    opt = _sgd(list(model.parameters()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scales = []
+    for _ in range(steps):
+        opt.zero_grad()
+        for inputs, targets in microbatches(Workload(model, w.inputs, w.targets, w.loss_fn), 2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = w.loss_fn(model(**inputs), targets) / 2
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.slow
+def test_fp16_mixed_skips_the_same_steps_as_grad_scaler_and_recovers() -> None:
+    """A scale that overflows on purpose: every rank skips those steps and halves the scale,
+    as GradScaler does in one process; then training goes on, with the same parameters."""
+    w = _gpt()
+    ref = copy.deepcopy(w.model)
+    init = 2.0 ** 20  # float16 gradients overflow at it (measured), not at half of it
+    with _fp16_pipeline(w.model, w, init) as pipe:
+        states = []
+        for _ in range(3):
+            pipe.step(w.inputs, w.targets)
+            states.append(pipe.loss_scale)
+        got = pipe.state_dict()
+    scales = _fp16_reference(ref, w, init, 3)
+    assert [s["scale"] for s in states] == scales
+    skipped = [s["skipped"] for s in states]
+    assert skipped[0] and not skipped[-1], skipped  # overflowed, then recovered
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_fp16_mixed_checkpoint_resumes_bit_identically_scaler_included(tmp_path: Path) -> None:
+    init = 2.0 ** 20  # the first step is skipped, the next two train
+    w = _gpt()
+    with _fp16_pipeline(copy.deepcopy(w.model), w, init) as pipe:
+        for _ in range(3):
+            pipe.step(w.inputs, w.targets)
+        straight, straight_scale = pipe.state_dict(), pipe.loss_scale
+    with _fp16_pipeline(copy.deepcopy(w.model), w, init) as pipe:
+        for _ in range(2):
+            pipe.step(w.inputs, w.targets)
+        pipe.save(tmp_path)
+    with _fp16_pipeline(copy.deepcopy(w.model), w, 1.0) as pipe:  # the checkpoint's scale wins
+        pipe.load(tmp_path)
+        pipe.step(w.inputs, w.targets)
+        resumed, resumed_scale = pipe.state_dict(), pipe.loss_scale
+    assert resumed_scale == straight_scale
+    for name, t in straight.items():
+        assert torch.equal(resumed[name], t), name
 
 
 @pytest.mark.slow

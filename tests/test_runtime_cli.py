@@ -68,6 +68,13 @@ def test_run_bf16_mixed_checks_against_one_process_under_autocast(
     assert code == 0, out
     assert "-> OK" in out
     with pytest.raises(SystemExit) as info:  # argparse: not one of the choices
-        main(["run", GPT, "--precision", "16-mixed"])
+        main(["run", GPT, "--precision", "bf16-true"])
     assert info.value.code == 2
-    assert "invalid choice: '16-mixed'" in capsys.readouterr().err
+    assert "invalid choice: 'bf16-true'" in capsys.readouterr().err
+    # float16 with loss scaling and clipping, against torch.amp.GradScaler in one process
+    code = main(["run", GPT, "--ranks", "2", "--microbatches", "2", "--steps", "2",
+                 "--precision", "16-mixed", "--max-grad-norm", "0.5", "--check",
+                 "--tolerance", "1e-5"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "-> OK" in out

@@ -29,7 +29,7 @@ from orgel import checkpoint as ckpt
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.guard import untouched
 from orgel.pipe import OwnRank, Pipeline, model_aliases
-from orgel.precision import autocast_loss
+from orgel.precision import autocast_loss, scales_loss
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
 from orgel.workload import Workload, validate_workload
@@ -70,6 +70,7 @@ def pipeline(
     threads: int | None = None,
     replicated: Sequence[str] = (),
     precision: str = "32",
+    loss_scale: dict[str, float] | None = None,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -84,9 +85,12 @@ def pipeline(
     Every input tensor whose size along dim 0 is the batch size is split into
     micro-batches; name the inputs that are not batched (a lookup table, a
     temperature) in ``replicated`` and every micro-batch gets them whole.
-    ``precision``: ``"32"`` (default) or ``"bf16-mixed"``: the forward and
+    ``precision``: ``"32"`` (default), ``"bf16-mixed"`` (the forward and
     ``loss_fn`` under ``torch.autocast`` with bfloat16, as one process would run
-    them (:mod:`orgel.precision`).
+    them) or ``"16-mixed"`` (float16, with GradScaler's loss scaling for the whole
+    pipeline; ``pipe.loss_scale`` reports it); see :mod:`orgel.precision`.
+    ``loss_scale`` takes GradScaler's options for 16-mixed (``init_scale``,
+    ``growth_factor``, ``backoff_factor``, ``growth_interval``; its defaults otherwise).
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
@@ -94,12 +98,16 @@ def pipeline(
         optimizer = default_optimizer
     workload = Workload(model, inputs, targets, autocast_loss(loss_fn, precision),
                         replicated=tuple(replicated), precision=precision)
-    executor_options = {"replicated": workload.replicated}
+    if loss_scale is not None and not scales_loss(precision):
+        raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
+                         f"precision={precision!r} does not scale the loss")
+    scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
+    executor_options = {"replicated": workload.replicated, "loss_scaling": scaling}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     spmd = under_torchrun()
     if spmd:
-        return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches,
+        return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches, scaling=scaling,
                               optimizer=optimizer, memory=memory, dp=dp, plan=plan,
                               timeout_s=timeout_s, keys=keys, aliases=aliases)
     from orgel.controller import LocalGroup
@@ -131,7 +139,7 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
 def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                    optimizer: OptimizerFactory, memory: int | None, dp: int,
                    plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
-                   aliases: dict[str, str]) -> Pipeline:
+                   aliases: dict[str, str], scaling: bool | dict[str, Any] = False) -> Pipeline:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -160,7 +168,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         one_graph_only(graph)
         split = split_for(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
-                        executor_options={"replicated": workload.replicated},
+                        executor_options={"replicated": workload.replicated,
+                                          "loss_scaling": scaling},
                         timeout_s=timeout_s)
     return Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],

@@ -89,6 +89,13 @@ class RankEngine:
         """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""
         return list(self.executor.events)
 
+    def loss_scale(self) -> dict[str, Any] | None:
+        """The loss scaler's state and whether the last step was skipped (None: no scaling)."""
+        scaler = getattr(self.executor, "scaler", None)
+        if scaler is None:
+            return None
+        return {**scaler.state_dict(), "skipped": bool(self.executor.skipped)}
+
     # -- state -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -124,8 +131,13 @@ class RankEngine:
             buffers=self.named_buffers(),
             optimizer=None if opt is None else ckpt.named_optimizer_state(opt, _unique(params)),
             rng=ckpt.rng_state(),
+            extra=self._extra_state(),
         )
         return str(ckpt.write_shard(root, step, self.rank, shard))
+
+    def _extra_state(self) -> dict[str, Any]:
+        scaler = getattr(self.executor, "scaler", None)
+        return {} if scaler is None else {"loss_scale": scaler.state_dict()}
 
     def load_shard(self, path: str, *, same_layout: bool) -> int:
         """Resume from the checkpoint at ``path``: tensors and optimizer state by name.
@@ -140,6 +152,11 @@ class RankEngine:
         opt = self.optimizer
         if opt is not None and part["optimizer"]["state"]:
             ckpt.load_named_optimizer_state(opt, _unique(params), part["optimizer"])
+        scaler = getattr(self.executor, "scaler", None)
+        if scaler is not None:  # one scale for the pipeline: every shard holds it
+            state = (ckpt.read_shard(path, 0).get("extra") or {}).get("loss_scale")
+            if state is not None:
+                scaler.load_state_dict(state)
         if same_layout:
             rng = ckpt.read_shard(path, self.rank).get("rng")
             if rng:

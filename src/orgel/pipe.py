@@ -140,6 +140,14 @@ class Pipeline:
         """Process ids of the local-spawn workers by rank (empty under torchrun)."""
         return list(getattr(self._ranks, "pids", []))
 
+    @property
+    def loss_scale(self) -> dict[str, Any] | None:
+        """Under ``precision="16-mixed"``: ``{"scale", "growth_tracker", "skipped"}`` after the
+        last step (``skipped``: its gradients held an inf/NaN and no rank stepped); else None.
+        """
+        states = [s for s in self.call_ranks("loss_scale") if s is not None]
+        return states[0] if states else None
+
     def call_ranks(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``method`` of every rank's engine (:class:`orgel.engine.RankEngine`); by rank.
 

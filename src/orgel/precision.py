@@ -1,4 +1,4 @@
-"""Training precision, named as the ecosystem names it: ``"32"`` and ``"bf16-mixed"``.
+"""Training precision, named as the ecosystem names it: ``"32"``, ``"bf16-mixed"``, ``"16-mixed"``.
 
 ``"bf16-mixed"`` is ``torch.autocast(dtype=torch.bfloat16)`` around the
 forward and the loss, as one process writes it::
@@ -6,6 +6,9 @@ forward and the loss, as one process writes it::
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = loss_fn(model(x), y)
     loss.backward()
+
+``"16-mixed"`` is the same with float16 and ``torch.amp.GradScaler``'s loss
+scaling, done for the whole pipeline at once (:mod:`orgel.runtime.scaler`).
 
 Parameters, gradients and optimizer state stay float32. orgel captures the
 forward inside that autocast region, so the graph holds the region and every
@@ -31,10 +34,9 @@ PRECISIONS: dict[str, torch.dtype | None] = {
     "32": None,
     "32-true": None,
     "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
 }
 _LATER = {
-    "16-mixed": "float16 autocast needs loss scaling across the ranks, which orgel does not do "
-                "yet; use 'bf16-mixed'",
     "bf16-true": "orgel does not convert your model; call model.to(torch.bfloat16) yourself "
                  "and keep precision='32' (orgel keeps the dtypes it finds)",
 }
@@ -49,6 +51,11 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
         raise ValueError(f"precision={precision!r} is not supported: {why}")
     raise ValueError(f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)}, "
                      f"got {precision!r}")
+
+
+def scales_loss(precision: str) -> bool:
+    """Whether ``precision`` trains with loss scaling (float16)."""
+    return autocast_dtype(precision) == torch.float16
 
 
 def device_type(values: Any) -> str:
@@ -87,5 +94,6 @@ def autocast(precision: str, device: str = "cpu") -> Any:
 def add_argument(parser: Any) -> None:
     """``--precision`` for a command line."""
     parser.add_argument("--precision", default="32", choices=list(PRECISIONS),
-                        help="'32' (default) or 'bf16-mixed': the forward and the loss under "
-                             "torch.autocast with bfloat16, float32 parameters")
+                        help="'32' (default), 'bf16-mixed' (the forward and the loss under "
+                             "torch.autocast with bfloat16, float32 parameters) or '16-mixed' "
+                             "(float16 with loss scaling)")

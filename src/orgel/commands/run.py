@@ -211,12 +211,14 @@ def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
 
 def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
     """Losses and final parameters of the unmodified model, one process, same steps."""
-    from orgel.precision import autocast
+    from orgel.precision import autocast, scales_loss
     from orgel.workload import microbatches
 
     torch.manual_seed(0)
     model = copy.deepcopy(workload.model)
     optimizer = optimizer_factory(args.optimizer, args.lr)(list(model.parameters()))
+    # float16: torch.amp.GradScaler, as one process would train it
+    scaler = torch.amp.GradScaler("cpu", enabled=scales_loss(workload.precision))
     batches = microbatches(workload, args.microbatches)
     losses = []
     for _ in range(args.steps):
@@ -225,11 +227,13 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
         for inputs, targets in batches:
             with autocast(workload.precision):
                 loss = workload.loss_fn(model(**inputs), targets) / len(batches)
-            loss.backward()
+            scaler.scale(loss).backward()
             total += loss.item()
         if args.max_grad_norm is not None:
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -248,6 +252,7 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
               options: dict[str, Any]) -> dict[str, Any]:
     """One rank of ``orgel run``: capture, split by the plan, train, report."""
     from orgel.graph.capture import capture
+    from orgel.precision import scales_loss
     from orgel.runtime.executor import Executor
     from orgel.schedule.ir import Plan
     from orgel.split import split_plan
@@ -262,7 +267,8 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
                         optimizer_factory=optimizer_factory(options["optimizer"], options["lr"]),
                         max_grad_norm=options["max_grad_norm"], timeout=options["timeout"],
                         batch_dim=workload.batch_dim, check_plan=False,
-                        check_finite=options.get("check_finite", False))
+                        check_finite=options.get("check_finite", False),
+                        loss_scaling=scales_loss(workload.precision))
     inputs = named_inputs(workload.model, workload.inputs)
     torch.manual_seed(0)
     losses = [executor.step(inputs, workload.targets) for _ in range(options["steps"])]

@@ -29,6 +29,7 @@ from orgel.runtime.backward import input_backward, weight_backward
 from orgel.runtime.comm import Transport
 from orgel.runtime.errors import StepFailure
 from orgel.runtime.optim import GradSync
+from orgel.runtime.scaler import LossScaler
 from orgel.runtime.stage import (
     Run,
     StageInfo,
@@ -63,7 +64,9 @@ class Executor:
     ``replicated`` (names of model inputs that are not batched: every micro-batch and
     replica gets them whole), ``extra_params`` (parameters of no stage that this rank
     keeps and steps, by original name: code outside every graph trains them, and
-    ``before_reduce`` adds their gradients).
+    ``before_reduce`` adds their gradients), ``loss_scaling`` (float16: one loss scale
+    for the whole pipeline, :mod:`orgel.runtime.scaler`; a dict gives GradScaler's options;
+    :attr:`skipped` says whether the last step was skipped for an inf/NaN gradient).
     """
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
@@ -73,7 +76,8 @@ class Executor:
                  batch_dim: int = 0, store: Any = None, check_plan: bool = True,
                  post_ahead: bool | None = None, check_finite: bool = False,
                  seed: int | None = None, replicated: tuple[str, ...] = (),
-                 extra_params: dict[str, torch.nn.Parameter] | None = None) -> None:
+                 extra_params: dict[str, torch.nn.Parameter] | None = None,
+                 loss_scaling: bool | dict[str, Any] = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -135,6 +139,9 @@ class Executor:
         params = self.parameters()
         self.optimizer = (optimizer_factory(params) if optimizer_factory is not None and params
                           else None)
+        options = loss_scaling if isinstance(loss_scaling, dict) else {}
+        self.scaler = LossScaler(self.device, **options) if loss_scaling else None
+        self.skipped = False  # the last step's gradients held an inf/NaN: no optimizer step
         # a division, like the single-process reference's loss / microbatches
         self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])
         self.dispatch: dict[str, Callable[[Action], None]] = {
@@ -200,9 +207,11 @@ class Executor:
             start = self._now()
             if self.before_reduce is not None:
                 self.before_reduce()
-            loss, self.grad_norm = self.sync.finish(self._loss, self.max_grad_norm)
+            loss, self.grad_norm = self.sync.finish(self._loss, self.max_grad_norm,
+                                                    self.scaler)
+            self.skipped = self.sync.found_inf
             self._event("sync", "gradients", start)
-            if self.optimizer is not None:
+            if self.optimizer is not None and not self.skipped:
                 start = self._now()
                 self.optimizer.step()
                 self._event("optim", "optimizer", start)
@@ -379,7 +388,7 @@ class Executor:
         grads: list[torch.Tensor | None] = []
         if run.loss is not None and run.loss.requires_grad:
             roots.append(run.loss)
-            grads.append(None)
+            grads.append(None if self.scaler is None else self.scaler.loss_gradient(run.loss))
         for name, g in out_grads.items():
             out = run.outputs[info.out_index[name]]
             if out.requires_grad:

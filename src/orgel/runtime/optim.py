@@ -86,6 +86,7 @@ class GradSync:
             if name in self.tied:
                 self.tied_groups[name] = group
         self.pending: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []
+        self.found_inf = False  # the last step's gradients held an inf/NaN (loss scaling)
 
     def launch_replicas(self, rset: tuple[int, ...]) -> None:
         """Start the sum over the replicas of ``rset``'s stages (asynchronous)."""
@@ -110,10 +111,15 @@ class GradSync:
                        f"lost a peer in the all-reduce of {what}: {transport_reason(exc)}")
             raise CommFailure(message, peer=None, what=what, timed_out=timed_out) from exc
 
-    def finish(self, loss: torch.Tensor, max_norm: float | None) -> tuple[float, float]:
+    def finish(self, loss: torch.Tensor, max_norm: float | None,
+               scaler: Any = None) -> tuple[float, float]:
         """Complete every reduction, clip by global norm; return ``(loss, grad norm)``.
 
         The norm is computed only when ``max_norm`` is given (otherwise it is NaN).
+        With a :class:`orgel.runtime.scaler.LossScaler` the gradients are unscaled
+        before the norm, the inf/NaN verdict of every rank is summed with the loss,
+        and :attr:`found_inf` says whether the step must be skipped (then nothing is
+        clipped, and the scale backs off).
         """
         for what, work, flat, params in self.pending:
             self._wait(work, what)
@@ -140,17 +146,22 @@ class GradSync:
                 self._wait(work, f"the tied parameter {name!r}")
             for p in copies:
                 p.grad.copy_(total)  # type: ignore[union-attr]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        found = zero if scaler is None else scaler.unscale_(self.all_params).double()
         # the norm costs a pass over every gradient: only when clipping needs it
         norms = [torch.linalg.vector_norm(p.grad) for p in self.norm_params
                  if p.grad is not None] if max_norm is not None else []
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
-        summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq])
+        summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
+                               found])
         self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
                    "the step's loss and gradient norm")
         total_loss, sq = float(summary[0]), float(summary[1])
+        self.found_inf = bool(summary[2] > 0)
+        if scaler is not None:
+            scaler.update(self.found_inf)
         norm = sq ** 0.5 if max_norm is not None else float("nan")
-        if max_norm is not None:
+        if max_norm is not None and not self.found_inf:
             coef = min(1.0, max_norm / (norm + 1e-6))
             if coef < 1.0:
                 for p in self.all_params:
