@@ -372,21 +372,44 @@ def test_parameters_only_the_python_between_graphs_uses_keep_their_grad_here() -
             torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_an_autocast_around_the_compiled_model_is_refused_not_dropped() -> None:
+def test_an_autocast_the_closure_opens_around_the_model_is_honoured() -> None:
+    """bf16 autocast around the compiled model's call, as a user writes it: the ranks run the
+    graph under the same autocast, and the step matches one process; with graph breaks it
+    is a clear error."""
     torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 3))
+
+    def closure_for(net: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(net(x).float(), y) / M
+            loss.backward()
+            return loss.detach()
+
+        return closure
+
+    _, _, got, want = _train_both(closure_for_both(closure_for), model, _break_batches())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.stack(g), torch.stack(w), rtol=1e-5, atol=1e-6)
     pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
     compiled = torch.compile(BreakBN(), backend=pipe)
 
-    def closure(x: torch.Tensor) -> None:
+    def with_breaks(x: torch.Tensor, y: torch.Tensor) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out, _ = compiled(x)
-        out.float().sum().backward()
+        F.mse_loss(out.float(), y).backward()
 
     try:
-        with pytest.raises(RuntimeError, match="runs under a torch.autocast the closure opened"):
-            pipe.step(closure, torch.randn(4, 6))
+        with pytest.raises(RuntimeError, match="has graph breaks and runs under torch.autocast"):
+            pipe.step(with_breaks, *_break_batches()[0])
     finally:
         pipe.close()
+
+
+def closure_for_both(make: Any) -> Any:
+    """``_train_both``'s closure maker from one that takes only the model."""
+    return lambda net, _extra: make(net)
 
 
 def test_a_closure_that_takes_another_branch_is_a_clear_error() -> None:

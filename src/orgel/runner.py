@@ -68,8 +68,12 @@ class GraphModel(torch.nn.Module):
     """
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
-                 roles: list[tuple[str, str]] | None = None) -> None:
+                 roles: list[tuple[str, str]] | None = None,
+                 autocast: tuple[str, torch.dtype] | None = None) -> None:
         super().__init__()
+        # the autocast the caller ran the graph under: forward re-opens it, so a capture of
+        # this module holds the region and every stage re-enters it
+        self.autocast = autocast
         # dynamo hands over a lazily compiled GraphModule whose first forward generates
         # its code; dynamo refuses to trace that step, and orgel's capture traces this
         # module again, so generate the code now
@@ -103,7 +107,22 @@ class GraphModel(torch.nn.Module):
                 args.append(self.get_parameter(name))
             else:
                 args.append(self.get_buffer(name))
-        return self.graph_module(*args)
+        if self.autocast is None:
+            return self.graph_module(*args)
+        with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
+            return self.graph_module(*args)
+
+
+def ambient_autocast() -> tuple[str, torch.dtype] | None:
+    """``(device type, dtype)`` of the autocast enabled around this call (None: none)."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
+
+
+def _describe(state: tuple[str, torch.dtype] | None) -> str:
+    return "no autocast" if state is None else f"torch.autocast({state[0]!r}, dtype={state[1]})"
 
 
 def register_state(module: torch.nn.Module, kind: str, name: str, value: torch.Tensor) -> None:
@@ -168,6 +187,7 @@ class Backend:
         self._discovering = False
         self._names: dict[int, str] | None = None  # id -> name in the compiled model
         self._module: torch.nn.Module | None = None  # the compiled module, when one is
+        self._autocast: tuple[str, torch.dtype] | None = None  # around the model (1st step)
 
     # -- torch.compile side -------------------------------------------------------------
 
@@ -181,12 +201,8 @@ class Backend:
         stateful = any(kind in ("param", "buffer") for kind, _ in roles)
 
         def run(*args: Any) -> Any:
-            if stateful and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-                raise RuntimeError(
-                    "the compiled model runs under a torch.autocast the closure opened: its "
-                    "graph holds no casts (autocast applies around it), and the ranks would run "
-                    "it in float32. Open the autocast inside the model's forward, or use "
-                    "orgel.pipeline(..., precision='bf16-mixed')")
+            if stateful:
+                self._check_autocast()
             if self._discovering:
                 return self._record(gm, example_inputs, roles, args)
             if not stateful:  # reads no parameter or buffer: runs here, as the closure does
@@ -208,6 +224,24 @@ class Backend:
                 "path. Keep micro-batch shapes fixed")
 
         return run
+
+    def _check_autocast(self) -> None:
+        """The closure's autocast around the model must be the one the first step found.
+
+        Autocast applies around a Dynamo graph (the graph holds no casts): the
+        ranks re-create the one the first step ran under (:attr:`GraphModel.autocast`).
+        """
+        now = ambient_autocast()
+        if self._discovering:
+            if self._autocast is not None and now != self._autocast:
+                raise RuntimeError("the compiled model ran under two different autocasts in "
+                                   "one forward; orgel.backend takes one")
+            self._autocast = now
+        elif now != self._autocast:
+            raise RuntimeError(
+                f"the compiled model now runs under {_describe(now)} but the first step ran it "
+                f"under {_describe(self._autocast)}: the ranks run it as the first step did. "
+                "Keep the autocast around the compiled model the same in every closure")
 
     # -- the first step: find the graphs ----------------------------------------------------
 
@@ -370,7 +404,14 @@ class Backend:
                                    "once per closure")
             if len(self._found) == 1:
                 gm, example_inputs, roles, *_ = self._found[0]
-                self.model = GraphModel(gm, example_inputs, roles)
+                self.model = GraphModel(gm, example_inputs, roles, self._autocast)
+            elif self._autocast is not None:
+                around = _describe(self._autocast)
+                raise RuntimeError(
+                    f"the compiled model has graph breaks and runs under {around} the "
+                    "closure opened: orgel.backend re-creates such an autocast for one "
+                    "graph only. Remove the graph break, or use orgel.pipeline(..., "
+                    "precision='bf16-mixed')")
             else:
                 self._start_glued(rows)
         if isinstance(self.pipe, ClosurePipeline):
