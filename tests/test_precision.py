@@ -184,3 +184,21 @@ def test_a_model_already_in_bfloat16_trains_as_it_is() -> None:
 
     outcome = balanced_check("vit-bf16", make)
     assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+
+
+@pytest.mark.slow
+def test_orgel_plan_profiles_and_plans_in_the_chosen_precision(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The same workload planned in float32 and bf16-mixed: autocast's bfloat16 activations
+    make every rank's predicted peak memory smaller (the plans differ where they should)."""
+    import json
+
+    from orgel.cli import main
+
+    peaks = {}
+    for precision in ("32", "bf16-mixed"):
+        code = main(["plan", "examples/gpt.py:workload", "--ranks", "2", "--microbatches", "4",
+                     "--no-link", "--json", "--precision", precision])
+        assert code == 0
+        peaks[precision] = json.loads(capsys.readouterr().out)["peak_memory"]
+    assert all(b < f for b, f in zip(peaks["bf16-mixed"], peaks["32"], strict=True)), peaks

@@ -407,6 +407,43 @@ def test_an_autocast_the_closure_opens_around_the_model_is_honoured() -> None:
         pipe.close()
 
 
+def test_precision_bf16_mixed_runs_the_compiled_model_under_autocast() -> None:
+    """orgel.backend(precision="bf16-mixed") with a closure that opens no autocast equals one
+    process whose closure opens it around the model call; float16 is refused."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60,
+                      precision="bf16-mixed")
+    compiled = torch.compile(model, backend=pipe)
+    x, y = _break_batches()[0]
+
+    def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(compiled(x).float(), y) / M
+        loss.backward()
+        return loss.detach()
+
+    try:
+        got = pipe.step(closure, x, y)
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    ref_opt = _sgd(list(ref.parameters()))
+    want = []
+    for m in range(M):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ref(x.chunk(M)[m])
+        loss = F.mse_loss(out.float(), y.chunk(M)[m]) / M
+        loss.backward()
+        want.append(loss.detach())
+    ref_opt.step()
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="float16 needs the closure's own backward"):
+        ob.backend(precision="16-mixed")
+
+
 def closure_for_both(make: Any) -> Any:
     """``_train_both``'s closure maker from one that takes only the model."""
     return lambda net, _extra: make(net)

@@ -53,6 +53,7 @@ from orgel.closure import ClosureEngine, OutputsFunction, Slot, profiling_loss
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.graph.capture import dynamo_settings
 from orgel.guard import untouched
+from orgel.precision import device_type
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
 
@@ -164,7 +165,7 @@ class Backend:
 
     def __init__(self, *, ranks: int, microbatches: int, optimizer: OptimizerFactory | None,
                  memory: int | None, dp: int, plan: Plan | str | Path | None,
-                 timeout_s: float, threads: int | None) -> None:
+                 timeout_s: float, threads: int | None, precision: str = "32") -> None:
         from orgel.api import check_options, default_optimizer
 
         check_options(ranks, microbatches, optimizer, memory, dp, plan)
@@ -188,6 +189,13 @@ class Backend:
         self._names: dict[int, str] | None = None  # id -> name in the compiled model
         self._module: torch.nn.Module | None = None  # the compiled module, when one is
         self._autocast: tuple[str, torch.dtype] | None = None  # around the model (1st step)
+        from orgel.precision import autocast_dtype, scales_loss
+
+        self._precision = autocast_dtype(precision)  # ValueError for unknown names
+        if scales_loss(precision):
+            raise ValueError("orgel.backend takes precision '32' or 'bf16-mixed': float16 "
+                             "needs the closure's own backward scaled as well; use "
+                             "orgel.pipeline(..., precision='16-mixed')")
 
     # -- torch.compile side -------------------------------------------------------------
 
@@ -403,13 +411,17 @@ class Backend:
                                    "the compiled model (or it reads no parameter); call it "
                                    "once per closure")
             if len(self._found) == 1:
-                gm, example_inputs, roles, *_ = self._found[0]
-                self.model = GraphModel(gm, example_inputs, roles, self._autocast)
-            elif self._autocast is not None:
-                around = _describe(self._autocast)
+                gm, example_inputs, roles, args, _ = self._found[0]
+                around = self._autocast
+                if around is None and self._precision is not None:
+                    around = (device_type(args), self._precision)
+                self.model = GraphModel(gm, example_inputs, roles, around)
+            elif self._autocast is not None or self._precision is not None:
+                under = (_describe(self._autocast) if self._autocast is not None
+                         else "precision='bf16-mixed'")
                 raise RuntimeError(
-                    f"the compiled model has graph breaks and runs under {around} the "
-                    "closure opened: orgel.backend re-creates such an autocast for one "
+                    f"the compiled model has graph breaks and runs under {under}: "
+                    "orgel.backend re-creates such an autocast for one "
                     "graph only. Remove the graph break, or use orgel.pipeline(..., "
                     "precision='bf16-mixed')")
             else:
@@ -657,13 +669,16 @@ def _slice(batch: tuple[Any, ...], m: int) -> list[list[Any]]:
 
 def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactory | None = None,
             memory: int | None = None, dp: int = 1, plan: Plan | str | Path | None = None,
-            timeout_s: float = 300.0, threads: int | None = None) -> Backend:
+            timeout_s: float = 300.0, threads: int | None = None,
+            precision: str = "32") -> Backend:
     """A torch.compile backend that pipelines the compiled model; also its closure runner.
 
     Use the returned object as ``torch.compile(model, backend=pipe)`` and train
     with ``pipe.step(closure, *batch)``. The ranks start on the first step (the
     graph is captured on that step's first micro-batch). Options as in
-    :func:`orgel.pipeline`.
+    :func:`orgel.pipeline`; ``precision="bf16-mixed"`` runs the compiled model
+    under ``torch.autocast`` with bfloat16, as an autocast the closure opens
+    around it would (the closure's own loss is the closure's).
     """
     return Backend(ranks=ranks, microbatches=microbatches, optimizer=optimizer, memory=memory,
-                   dp=dp, plan=plan, timeout_s=timeout_s, threads=threads)
+                   dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision)

@@ -51,6 +51,13 @@ def with_precision(w: Workload, precision: str) -> Workload:
                     w.replicated, precision)
 
 
+def in_precision(spec: str, precision: str) -> str | Workload:
+    """``spec`` as it is for ``"32"``; else the loaded workload trained in ``precision``."""
+    if precision in ("32", "32-true"):
+        return spec
+    return with_precision(load_workload(spec), precision)
+
+
 def load_workload(spec: str) -> Workload:
     """Load ``"path/to/file.py:function"``; the function returns the 4-tuple (or a Workload)."""
     path_text, sep, func_name = spec.rpartition(":")

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "step's batch; the costs file must give the 'rows' it was measured at")
     parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 2GiB "
                         "(default: the costs file's memory_per_rank, else unlimited)")
+    from orgel.precision import add_argument
+
+    add_argument(parser)
     parser.add_argument("--planner", default="auto", help="auto (default), beam, graph, "
                         "uniform-layers, uniform-params or uniform-time")
     parser.add_argument("--dp", default="1", metavar="D", help="data-parallel replicas of the "
@@ -133,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
             result = plan(BlockCosts.load(args.costs), args.ranks, microbatches, **options)
         else:
             from orgel.plan.workload import plan_workload
+            from orgel.workload import in_precision
 
-            result = plan_workload(args.workload, ranks=args.ranks, microbatches=microbatches,
+            workload = in_precision(args.workload, args.precision)
+            result = plan_workload(workload, ranks=args.ranks, microbatches=microbatches,
                                    blocks=args.blocks, progress=not args.json,
                                    link=not args.no_link, **options)
     except (InfeasibleError, CostsFileError) as exc:

@@ -27,18 +27,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--out", metavar="COSTS.json", help="write the costs file here "
                         "(input for orgel plan --costs)")
+    from orgel.precision import add_argument
+
+    add_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the costs file as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     from orgel.profile.workload import profile_workload
+    from orgel.workload import in_precision
 
     if min(args.microbatches, args.blocks, args.repeats) < 1 or args.ranks < 2:
         print("orgel profile: --microbatches, --blocks and --repeats must be at least 1, "
               "--ranks at least 2", file=sys.stderr)
         return 2
     try:
-        costs = profile_workload(args.workload, microbatches=args.microbatches,
+        workload = in_precision(args.workload, args.precision)
+        costs = profile_workload(workload, microbatches=args.microbatches,
                                  blocks=args.blocks, device=args.device, repeats=args.repeats,
                                  link=not args.no_link, use_cache=not args.no_cache,
                                  ranks=args.ranks,
