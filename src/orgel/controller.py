@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.runtime.errors import StepFailure
 from orgel.runtime.launch import free_port
 
 
@@ -84,11 +85,27 @@ def _worker_main(
         try:
             result = getattr(engine, method)(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
-            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            conn.send(("error", *_report(exc)))
             continue
         conn.send(("ok", result, ""))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _report(exc: BaseException) -> tuple[str, str]:
+    """``(one line, traceback)`` of a worker's failure: a failed step by its cause, once.
+
+    A step failure (:class:`orgel.runtime.errors.StepFailure`) wraps the error
+    that stopped it with the action it was running; the report gives that
+    error's type and message with the action, and that error's traceback only.
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, StepFailure) and isinstance(cause, BaseException):
+        where = str(exc).rsplit(" [while running ", 1)
+        action = f" [while running {where[1]}" if len(where) == 2 else ""
+        return (f"{type(cause).__name__}: {cause}{action}",
+                "".join(traceback.format_exception(cause)))
+    return f"{type(exc).__name__}: {exc}", traceback.format_exc()
 
 
 class LocalGroup:

@@ -1,0 +1,129 @@
+"""Fault injection through the public API: every fault ends the step with one clear report.
+
+Each case starts ``orgel.pipeline`` on 2 local ranks, trains one good step, then
+injects a fault on a rank during the second step: an exception in the loss, in
+the optimizer, a rank stopped with SIGSTOP (hung). The step must raise at once
+(the hung rank: once the configured timeout runs out) with a message naming the
+rank and the cause; afterwards no worker process is left and a new pipeline in
+the same process trains. ``benchmarks/faults.py`` prints the measured times.
+
+The fault switches on when a file exists (the forked ranks see the same file
+system), so the capture and profiling in the calling process never trip it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import orgel
+from orgel.controller import WorkerError
+
+pytestmark = pytest.mark.slow  # starts rank processes
+
+TIMEOUT_S = 6.0
+
+
+class Injected(RuntimeError):
+    """The error a fault raises on purpose."""
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def faulty_loss(flag: Path) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if flag.exists():
+            raise Injected("the loss cannot be computed")
+        return F.mse_loss(out, y)
+
+    return loss
+
+
+def faulty_optimizer(flag: Path) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    class Faulty(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            if flag.exists():
+                raise Injected("the optimizer cannot step")
+            return super().step(closure)
+
+    return lambda params: Faulty(params, lr=0.1)
+
+
+def start(flag: Path, fault: str) -> orgel.Pipeline:
+    x, y = _batch()
+    loss = faulty_loss(flag) if fault == "loss" else F.mse_loss
+    optimizer = (faulty_optimizer(flag) if fault == "optimizer"
+                 else (lambda p: torch.optim.SGD(p, lr=0.1)))
+    return orgel.pipeline(_model(), (x,), y, loss, ranks=2, microbatches=2, optimizer=optimizer,
+                          threads=1, timeout_s=TIMEOUT_S)
+
+
+def inject(pipe: orgel.Pipeline, flag: Path, fault: str) -> tuple[str, float]:
+    """Train one good step, inject ``fault``, run a step: (its error message, seconds)."""
+    x, y = _batch()
+    pipe.step((x,), y)
+    if fault == "sigstop":
+        os.kill(pipe.worker_pids[1], signal.SIGSTOP)
+    else:
+        flag.touch()
+    start_s = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        pipe.step((x,), y)
+    return str(info.value), time.monotonic() - start_s
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie no one reaped is gone too
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
+
+
+@pytest.mark.parametrize("fault", ["loss", "optimizer", "sigstop"])
+def test_a_fault_ends_the_step_with_one_report_and_leaves_nothing_behind(
+        fault: str, tmp_path: Path) -> None:
+    flag = tmp_path / "fault"
+    pipe = start(flag, fault)
+    pids = pipe.worker_pids
+    try:
+        message, seconds = inject(pipe, flag, fault)
+    finally:
+        pipe.close()
+    if fault == "sigstop":  # a hung rank: its peer's receive times out, naming it
+        assert f"timed out after {TIMEOUT_S:g} s" in message and "rank 1" in message, message
+        assert seconds < TIMEOUT_S + 30, seconds  # the configured timeout, not longer
+    else:
+        assert f"Injected: the {fault} cannot" in message, message
+        assert message.count("Traceback (most recent call last)") == 1, message
+        assert seconds < TIMEOUT_S, seconds  # at once: no rank waited for its timeout
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids), "worker processes were left behind"
+    # the process stays usable: a new pipeline trains
+    flag.unlink(missing_ok=True)
+    with start(flag, "none") as again:
+        x, y = _batch()
+        assert torch.isfinite(torch.tensor(again.step((x,), y)))
