@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_faults import TIMEOUT_S, _gone, inject, start  # noqa: E402 - the test's cases
+from test_faults import TIMEOUT_S, _gone, run_fault  # noqa: E402 - the test's cases
 
 
 def main() -> None:
@@ -27,14 +27,7 @@ def main() -> None:
     print(f"{'fault':<10} {'step raised s':>13} {'all exited s':>12}  first line of the error")
     for fault in ("loss", "optimizer", "sigstop"):
         with tempfile.TemporaryDirectory() as tmp:
-            flag = Path(tmp) / "fault"
-            pipe = start(flag, fault)
-            pids = pipe.worker_pids
-            try:
-                message, raised = inject(pipe, flag, fault)
-            finally:
-                pipe.close()
-            begin = time.monotonic() - raised  # the fault, not the good step before it
+            message, raised, pids, begin = run_fault(Path(tmp) / "fault", fault)
             while not all(_gone(p) for p in pids):
                 time.sleep(0.01)
             exited = time.monotonic() - begin

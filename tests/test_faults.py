@@ -77,7 +77,10 @@ def start(flag: Path, fault: str) -> orgel.Pipeline:
 
 
 def inject(pipe: orgel.Pipeline, flag: Path, fault: str) -> tuple[str, float]:
-    """Train one good step, inject ``fault``, run a step: (its error message, seconds)."""
+    """Train one good step, inject ``fault``, run a step: (its error message, seconds).
+
+    The seconds count from the injection (:func:`time.monotonic` minus them is when).
+    """
     x, y = _batch()
     pipe.step((x,), y)
     if fault == "sigstop":
@@ -88,6 +91,22 @@ def inject(pipe: orgel.Pipeline, flag: Path, fault: str) -> tuple[str, float]:
     with pytest.raises(WorkerError) as info:
         pipe.step((x,), y)
     return str(info.value), time.monotonic() - start_s
+
+
+def run_fault(flag: Path, fault: str) -> tuple[str, float, list[int], float]:
+    """Start a pipeline, inject ``fault``, close.
+
+    Returns the error message, the seconds the step took to raise, the worker
+    pids and the :func:`time.monotonic` of the injection.
+    """
+    pipe = start(flag, fault)
+    pids = pipe.worker_pids
+    try:
+        message, seconds = inject(pipe, flag, fault)
+        injected = time.monotonic() - seconds
+    finally:
+        pipe.close()
+    return message, seconds, pids, injected
 
 
 def _gone(pid: int) -> bool:
@@ -105,12 +124,7 @@ def _gone(pid: int) -> bool:
 def test_a_fault_ends_the_step_with_one_report_and_leaves_nothing_behind(
         fault: str, tmp_path: Path) -> None:
     flag = tmp_path / "fault"
-    pipe = start(flag, fault)
-    pids = pipe.worker_pids
-    try:
-        message, seconds = inject(pipe, flag, fault)
-    finally:
-        pipe.close()
+    message, seconds, pids, _ = run_fault(flag, fault)
     if fault == "sigstop":  # a hung rank: its peer's receive times out, naming it
         assert f"timed out after {TIMEOUT_S:g} s" in message and "rank 1" in message, message
         assert seconds < TIMEOUT_S + 30, seconds  # the configured timeout, not longer
