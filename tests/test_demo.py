@@ -10,6 +10,7 @@ import pytest
 
 from orgel.cli import main
 from orgel.demo import run_demo
+from test_timeline import gantt_kinds
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,8 @@ def test_demo_trains_checks_and_writes_the_timeline(tmp_path: Path) -> None:
     names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     assert {"rank 0", "rank 1", "predicted rank 0", "predicted rank 1"} <= names
     assert any(e.get("ph") == "X" and e["pid"] == 1 for e in trace["traceEvents"])
-    assert Path(result.files["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = gantt_kinds(Path(result.files["png"]))  # the plan's actions, drawn
+    assert drawn["F"] > 200 and (drawn["B"] > 200 or drawn["W"] > 200)
     assert json.loads(Path(result.files["plan"]).read_text())["num_ranks"] == 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from orgel.schedule import Action, Costs
@@ -82,14 +83,42 @@ def test_ascii_of_a_simulated_schedule_fits_its_labels() -> None:
     assert rows[-1].rstrip().endswith(" ms")
 
 
-def test_png_gantt_two_timelines(tmp_path: Path) -> None:
+def colour_area(pixels: np.ndarray, colour: str) -> int:
+    """How many pixels of the image have ``colour`` (a #rrggbb string)."""
+    rgb = np.array([int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(pixels[..., :3] - rgb).max(axis=-1) < 0.02).sum())
+
+
+def gantt_kinds(path: Path) -> dict[str, int]:
+    """The area of each action kind's colour in a Gantt PNG that orgel wrote."""
+    import matplotlib.image
+
+    from orgel.sim.gantt import COLOURS
+
+    pixels = matplotlib.image.imread(path)
+    return {kind: colour_area(pixels, colour) for kind, colour in COLOURS.items()}
+
+
+def test_png_gantt_draws_both_timelines_to_scale(tmp_path: Path) -> None:
+    """The chart read back: forward and backward boxes in both panels, in proportion to
+    their time (a backward takes twice a forward here), and the weight-grad colour only
+    where a schedule splits the backward."""
+    import matplotlib.image
+
+    from orgel.sim.gantt import COLOURS
+
     costs = Costs.uniform(2, 1.0, 2.0, latency=0.1)
     predicted = simulate(build_schedule("1f1b", 2, 3, nbytes=1), costs).timeline
     measured = simulate(build_schedule("gpipe", 2, 3, nbytes=1), costs).timeline
     path = tmp_path / "gantt.png"
     predicted.save_png(path, below=measured)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert path.stat().st_size > 5000
+    pixels = matplotlib.image.imread(path)
+    top, bottom = pixels[: len(pixels) // 2], pixels[len(pixels) // 2:]
+    for panel in (top, bottom):
+        forward, backward = colour_area(panel, COLOURS["F"]), colour_area(panel, COLOURS["B"])
+        assert forward > 500 and backward > 500
+        assert 1.5 < backward / forward < 2.5  # boxes as wide as their times
+    assert colour_area(pixels, COLOURS["W"]) < 10  # no weight-grad actions in these plans
 
 
 def test_simulated_timeline_has_every_action_and_transfer() -> None:

@@ -81,10 +81,22 @@ class Pipeline:
         return float(loss)
 
     def predicted(self) -> Any:
-        """The simulator's prediction for this plan (a SimResult: step_time, peak_memory, ...)."""
+        """The prediction for this plan (a SimResult: step_time, peak_memory, timeline, ...).
+
+        The simulator's timeline of the plan; the step time and peak memory are
+        the ones the planner stored in ``plan.prediction`` when it chose the plan
+        (they add what no action covers: the optimizer and the step's closing
+        all-reduce, the sends and receive buffers the runtime holds), so both
+        report one number.
+        """
         from orgel.sim import simulate
 
-        return simulate(self.plan)
+        sim = simulate(self.plan)
+        stored = self.plan.prediction or {}
+        sim.step_time += float(stored.get("end_of_step", 0.0))
+        if stored.get("peak_memory") is not None:
+            sim.peak_memory = [int(b) for b in stored["peak_memory"]]
+        return sim
 
     def timeline(self) -> list[Any]:
         """The measured events of the last step, every rank merged (orgel.runtime.trace.Event)."""
