@@ -141,3 +141,44 @@ def test_a_fault_ends_the_step_with_one_report_and_leaves_nothing_behind(
     with start(flag, "none") as again:
         x, y = _batch()
         assert torch.isfinite(torch.tensor(again.step((x,), y)))
+
+
+FAULTY_WORKLOAD = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+calls = [0]
+
+
+def loss(out, y):
+    calls[0] += 1
+    if calls[0] > {after}:  # this process's second step
+        raise RuntimeError("the loss cannot be computed")
+    return F.mse_loss(out, y)
+
+
+def workload():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return model, (torch.randn(8, 8),), torch.randn(8, 4), loss
+"""
+
+
+def test_orgel_run_reports_a_failing_loss_once_and_exits_nonzero(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI: the workload's own error, under a header, with the rank and the action."""
+    from orgel.cli import main
+
+    spec = tmp_path / "faulty.py"
+    spec.write_text(FAULTY_WORKLOAD.format(after=2))  # 2 micro-batches: the second step fails
+    start_s = time.monotonic()
+    code = main(["run", f"{spec}:workload", "--ranks", "2", "--microbatches", "2",
+                 "--steps", "3", "--timeout", str(TIMEOUT_S)])
+    seconds = time.monotonic() - start_s
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith(f"orgel run: {spec}:workload failed\nrank 1: the loss cannot be computed "
+                          "[while running F1."), err
+    assert err.count("RuntimeError: the loss cannot be computed") == 1, err
+    assert seconds < 60, seconds  # no rank waited out a chain of timeouts

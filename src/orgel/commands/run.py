@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
                             timeout=args.timeout, threads=args.threads)
         except SpawnError as exc:
-            print(f"orgel run: the run failed\n{exc}", file=sys.stderr)
+            print(f"orgel run: {args.workload} failed\n{exc}", file=sys.stderr)
             return 1
     elapsed = time.perf_counter() - start
     return _report(results, plan, args, elapsed)
