@@ -444,6 +444,34 @@ def test_precision_bf16_mixed_runs_the_compiled_model_under_autocast() -> None:
         ob.backend(precision="16-mixed")
 
 
+def test_a_compiled_function_with_graph_breaks_whose_names_clash_is_refused() -> None:
+    """Dynamo names a resumed frame's parameters after its locals: two layers held in locals
+    of the same name in two frames would share one name; orgel refuses rather than mix them."""
+    torch.manual_seed(7)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def part(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        h = layer(h)
+        if h.sum() > 0:  # a graph break: the rest runs in a resumed frame
+            h = h * 2
+        return torch.tanh(layer(h))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return part(second, part(first, x))
+
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    compiled = torch.compile(forward, backend=pipe)
+
+    def closure(x: torch.Tensor) -> None:
+        compiled(x).sum().backward()
+
+    try:
+        with pytest.raises(RuntimeError, match="compile the module"):
+            pipe.step(closure, torch.randn(4, 4))
+    finally:
+        pipe.close()
+
+
 def closure_for_both(make: Any) -> Any:
     """``_train_both``'s closure maker from one that takes only the model."""
     return lambda net, _extra: make(net)

@@ -318,10 +318,18 @@ class Backend:
         # (a compiled function) a module holding what its graphs read
         holder = self._module or torch.nn.Module()
         prepared = []
+        named: dict[str, int] = {}  # name -> id of the tensor it stands for
         for gm, _, roles, args, outs in self._found:
             given: list[tuple[str, Any] | None] = []
             for (kind, name), a in zip(roles, args, strict=True):
                 if kind in ("param", "buffer"):
+                    if named.setdefault(name, id(a)) != id(a):
+                        # a compiled function: Dynamo names a resumed frame's tensors
+                        # after its locals, which can give two tensors one name
+                        raise RuntimeError(
+                            f"two tensors of the compiled function's graphs are both named "
+                            f"{name!r}: compile the module (torch.compile(model, backend=pipe)) "
+                            "so that orgel names them as the model does")
                     if self._module is None and not _has_state(holder, kind, name):
                         register_state(holder, kind, name, a)
                     given.append((kind, name))
