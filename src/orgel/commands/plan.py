@@ -28,6 +28,13 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def _time_limit(args: argparse.Namespace) -> float | str | None:
+    """The planner's ``time_limit`` for ``--time-limit``/``--thorough`` (default "auto")."""
+    if args.thorough:
+        return None
+    return "auto" if args.time_limit is None else args.time_limit
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", nargs="?", help="workload as FILE.py:FUNCTION (or use "
                         "--costs)")
@@ -64,8 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "gpipe 1f1b zb-h1 interleaved looped looped-bfs dag-1f1b)")
     parser.add_argument("--beam-width", type=int, default=4, metavar="K",
                         help="beam width of the split search (default 4)")
-    parser.add_argument("--time-limit", type=float, metavar="S",
-                        help="seconds for the beam phase (default: until it converges)")
+    search = parser.add_mutually_exclusive_group()
+    search.add_argument("--time-limit", type=float, metavar="S",
+                        help="seconds for the beam phase (default: 0.3 s plus 0.1 ms per "
+                             "block and rank; the search keeps the best plan found)")
+    search.add_argument("--thorough", action="store_true",
+                        help="let the beam phase run until it converges (no time limit)")
     parser.add_argument("--out", metavar="PLAN.json", help="write the plan here")
     parser.add_argument("--png", metavar="FILE", help="draw the simulated timeline here")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -124,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"{flag} must be at least 1, got {value}")
     options: dict[str, Any] = dict(memory=memory, planner=args.planner, dp=dp,
                                    width=args.beam_width, max_loops=args.max_loops,
-                                   time_limit=args.time_limit, max_replicas=args.max_replicas,
+                                   time_limit=_time_limit(args),
+                                   max_replicas=args.max_replicas,
                                    families=args.families)
     if args.rows is not None:
         options["rows"] = args.rows
