@@ -208,7 +208,7 @@ def search_budget(blocks: int, ranks: int) -> float:
     The search is anytime: it keeps the best plan found when the time is up.
     Small problems converge well inside the budget and never meet it; on the
     400-block instance Pfeife's planner was timed on (4 ranks) it gives 0.46 s
-    where converging takes 3.3 s, for a plan predicted 1% slower
+    where converging takes 3-4 s, for a plan predicted under 1% slower
     (``benchmarks/planner_vs_pfeife.py`` prints both).
     """
     return 0.3 + 1e-4 * blocks * ranks
