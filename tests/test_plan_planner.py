@@ -156,3 +156,37 @@ def test_gloo_plans_hold_every_receive_buffer() -> None:
         simulate(p, receives_kept=True).peak_memory, held_sends(p), strict=True)]
     # the search charges them too: its score's peak is the prediction's
     assert scorer.score_chain(one, [12]).peak_memory.tolist() == on_gloo
+
+
+def test_the_default_search_budget_scales_with_the_problem(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan() hands the sequential search search_budget(blocks, ranks) by default, nothing
+    with time_limit=None (orgel plan --thorough), and refuses a budget that is no time."""
+    import orgel.plan.planner as planner_module
+    from orgel.commands.plan import _time_limit
+
+    seen: list[object] = []
+    real = planner_module.sequential_plan
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs["time_limit"])
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(planner_module, "sequential_plan", spy)
+    costs = BlockCosts(fwd=[1.0] * 12, bwd=[2.0] * 12, wgrad=[1.0] * 12,
+                       params=[1 << 20] * 12, activations=[1 << 20] * 12, output=[1 << 20] * 12,
+                       temporary=[0] * 12, edges=[(i, i + 1) for i in range(11)],
+                       link=Link(0.01, 0.1))
+    plan(costs, 4, 8, planner="beam")
+    plan(costs, 4, 8, planner="beam", time_limit=None)
+    assert seen == [planner_module.search_budget(12, 4), None]
+    assert planner_module.search_budget(400, 4) == pytest.approx(0.46)
+    with pytest.raises(ValueError, match="time_limit must be positive seconds"):
+        plan(costs, 4, 8, time_limit=0)
+
+    class Args:
+        thorough, time_limit = False, None
+
+    assert _time_limit(Args()) == "auto"  # type: ignore[arg-type]
+    Args.thorough = True
+    assert _time_limit(Args()) is None  # type: ignore[arg-type]
