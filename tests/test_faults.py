@@ -182,3 +182,27 @@ def test_orgel_run_reports_a_failing_loss_once_and_exits_nonzero(
                           "[while running F1."), err
     assert err.count("RuntimeError: the loss cannot be computed") == 1, err
     assert seconds < 60, seconds  # no rank waited out a chain of timeouts
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_replaced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local ranks meet on a port that was free when chosen; if another process takes it
+    first, orgel chooses another; if every try is taken, the error says so."""
+    import socket
+
+    import orgel.controller as controller
+    from orgel.runtime.launch import free_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        ports = iter([taken])
+        monkeypatch.setattr(controller, "free_port", lambda: next(ports, None) or free_port())
+        flag = Path("/nonexistent/orgel-fault")
+        with start(flag, "none") as pipe:  # the first port is taken: started on the second
+            x, y = _batch()
+            assert torch.isfinite(torch.tensor(pipe.step((x,), y)))
+        monkeypatch.setattr(controller, "free_port", lambda: taken)
+        with pytest.raises(WorkerError, match="EADDRINUSE"):
+            start(flag, "none")

@@ -108,6 +108,10 @@ def _report(exc: BaseException) -> tuple[str, str]:
     return f"{type(exc).__name__}: {exc}", traceback.format_exc()
 
 
+#: how many ports LocalGroup tries when the one it chose is taken before rank 0 binds it
+_PORT_ATTEMPTS = 3
+
+
 class LocalGroup:
     """``num_ranks`` forked workers, each running ``make_engine(rank)``, driven by :meth:`call`."""
 
@@ -121,20 +125,30 @@ class LocalGroup:
     ) -> None:
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
-        ctx = mp.get_context("fork")
-        port = free_port()
         cores = os.cpu_count() or 1
-        threads = threads or max(1, cores // num_ranks)
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
+        threads = threads or max(1, cores // num_ranks)
+        # The port was free when chosen; another process can take it before rank 0 binds
+        # it. That is no fault of the run: choose another and start again.
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                self._start(free_port(), threads, make_engine)
+                return
+            except WorkerError as exc:
+                if "EADDRINUSE" not in str(exc) or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+
+    def _start(self, port: int, threads: int, make_engine: Callable[[int], Any]) -> None:
+        ctx = mp.get_context("fork")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         self._closed = False
-        for rank in range(num_ranks):
+        for rank in range(self.num_ranks):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, num_ranks, port, timeout_s, threads, make_engine, child),
+                args=(rank, self.num_ranks, port, self.timeout_s, threads, make_engine, child),
                 name=f"orgel-rank{rank}",
                 daemon=True,
             )
@@ -145,7 +159,7 @@ class LocalGroup:
         # A pipeline dropped without close() still stops its workers (at garbage
         # collection, or at interpreter exit at the latest).
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
-        self._collect(list(range(num_ranks)), "start")
+        self._collect(list(range(self.num_ranks)), "start")
 
     @property
     def pids(self) -> list[int]:
