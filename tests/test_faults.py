@@ -206,3 +206,40 @@ def test_a_port_taken_before_rank_0_binds_it_is_replaced(
         monkeypatch.setattr(controller, "free_port", lambda: taken)
         with pytest.raises(WorkerError, match="EADDRINUSE"):
             start(flag, "none")
+
+
+def test_a_disk_that_fills_during_save_commits_nothing_and_training_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save on a rank fails with ENOSPC: save raises naming the rank and the cause, the
+    previous checkpoint stays the latest, no partial file stays, and the pipeline trains and
+    saves again once there is room."""
+    import errno
+
+    from orgel import checkpoint as ckpt
+
+    flag = tmp_path / "disk-full"
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if flag.exists() and getattr(f, "name", "").endswith(".partial"):
+            f.write(b"PK\x03\x04 half a shard")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)  # before the ranks fork: they inherit it
+    root = tmp_path / "ckpt"
+    x, y = _batch()
+    with start(flag, "none") as pipe:
+        pipe.step((x,), y)
+        first = pipe.save(root)
+        pipe.step((x,), y)
+        flag.touch()
+        with pytest.raises(ckpt.CheckpointError, match=r"saving the checkpoint of step 2 .* "
+                           r"failed on rank \d \(OSError: \[Errno 28\] No space left on device\); "
+                           r"nothing was committed and .*step-00000001 is still the latest"):
+            pipe.save(root)
+        assert ckpt.resolve(root) == first
+        assert not list(root.rglob("*.partial")) and not (root / "step-00000002.tmp").exists()
+        pipe.step((x,), y)  # the ranks are alive and train on
+        flag.unlink()
+        assert pipe.save(root).name == "step-00000003"

@@ -189,10 +189,14 @@ def write_shard(root: str | Path, step: int, rank: int, shard: dict[str, Any]) -
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank{rank}.pt"
     tmp = folder / f".rank{rank}.pt.partial"
-    with open(tmp, "wb") as f:
-        torch.save(shard, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(shard, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a partial file is worth nothing, and takes space
+        raise
     os.replace(tmp, path)
     return path
 

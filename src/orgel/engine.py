@@ -120,8 +120,13 @@ class RankEngine:
             raise KeyError(f"state_dict has no entry for {missing[:5]} (rank {self.rank})")
         return count
 
-    def save_shard(self, root: str, step: int) -> str:
-        """Write this rank's shard of the checkpoint at ``step`` (not yet committed)."""
+    def save_shard(self, root: str, step: int) -> str | dict[str, str]:
+        """Write this rank's shard of the checkpoint at ``step`` (not yet committed).
+
+        Returns the shard's path, or ``{"error": ...}`` when the file system
+        refused it (a full disk): the rank keeps training, and
+        :meth:`orgel.pipe.Pipeline.save` reports it without committing.
+        """
         params = self.named_params()
         opt = self.optimizer
         shard = ckpt.make_shard(
@@ -133,7 +138,10 @@ class RankEngine:
             rng=ckpt.rng_state(),
             extra=self._extra_state(),
         )
-        return str(ckpt.write_shard(root, step, self.rank, shard))
+        try:
+            return str(ckpt.write_shard(root, step, self.rank, shard))
+        except OSError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def _extra_state(self) -> dict[str, Any]:
         scaler = getattr(self.executor, "scaler", None)

@@ -8,6 +8,7 @@ spawn, :class:`OwnRank` under torchrun).
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,20 @@ class Pipeline:
         root = str(directory)
         Path(root).mkdir(parents=True, exist_ok=True)
         step = self.steps
-        self._ranks.call("save_shard", root, step)
+        written = self._ranks.call("save_shard", root, step)
+        failed = [(r, w["error"]) for r, w in enumerate(written) if isinstance(w, dict)]
+        if failed:  # nothing is committed; the ranks train on
+            if not self.spmd or _own_rank() == 0:
+                shutil.rmtree(ckpt.staging_dir(root, step), ignore_errors=True)
+            try:
+                latest = f"{ckpt.resolve(root)} is still the latest complete checkpoint"
+            except ckpt.CheckpointError:
+                latest = "no complete checkpoint exists there yet"
+            r, why = failed[0]
+            raise ckpt.CheckpointError(
+                f"saving the checkpoint of step {step} in {root} failed on rank {r} ({why}); "
+                f"nothing was committed and {latest}. The pipeline can go on training: free "
+                "space or choose another directory, then save again")
         folder = ckpt.step_dir(root, step)
         if not self.spmd or _own_rank() == 0:
             folder = ckpt.commit(root, step, self.num_ranks, self.plan.to_json(),
