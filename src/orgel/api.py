@@ -29,10 +29,10 @@ from orgel import checkpoint as ckpt
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.guard import untouched
 from orgel.pipe import OwnRank, Pipeline, model_aliases
-from orgel.precision import autocast_loss, scales_loss
+from orgel.precision import scales_loss
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
-from orgel.workload import Workload, validate_workload
+from orgel.workload import Workload, validate_workload, with_precision
 
 
 def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
@@ -96,8 +96,8 @@ def pipeline(
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:
         optimizer = default_optimizer
-    workload = Workload(model, inputs, targets, autocast_loss(loss_fn, precision),
-                        replicated=tuple(replicated), precision=precision)
+    workload = with_precision(Workload(model, inputs, targets, loss_fn,
+                                       replicated=tuple(replicated)), precision)
     if loss_scale is not None and not scales_loss(precision):
         raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
                          f"precision={precision!r} does not scale the loss")

@@ -161,14 +161,16 @@ class RankEngine:
         if opt is not None and part["optimizer"]["state"]:
             ckpt.load_named_optimizer_state(opt, _unique(params), part["optimizer"])
         scaler = getattr(self.executor, "scaler", None)
-        if scaler is not None:  # one scale for the pipeline: every shard holds it
-            state = (ckpt.read_shard(path, 0).get("extra") or {}).get("loss_scale")
-            if state is not None:
+        if scaler is not None or same_layout:
+            # this rank's own shard (rank 0's when the checkpoint had fewer ranks): every
+            # shard holds the pipeline's one loss scale; the RNG state is this rank's
+            saved = int(ckpt.read_meta(path)["num_ranks"])
+            shard = ckpt.read_shard(path, self.rank if self.rank < saved else 0)
+            state = (shard.get("extra") or {}).get("loss_scale")
+            if scaler is not None and state is not None:
                 scaler.load_state_dict(state)
-        if same_layout:
-            rng = ckpt.read_shard(path, self.rank).get("rng")
-            if rng:
-                ckpt.set_rng_state(rng)
+            if same_layout and shard.get("rng"):
+                ckpt.set_rng_state(shard["rng"])
         self.step_count = int(part["step"])
         self.executor.steps_done = self.step_count  # the random streams go on from there
         return self.step_count

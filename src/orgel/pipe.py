@@ -218,11 +218,17 @@ def _in_model_order(merged: dict[str, torch.Tensor], keys: list[str],
     return out
 
 
-def model_aliases(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
-    """The model's state_dict keys and, for tied tensors, key -> the canonical name."""
+def canonical_names(model: torch.nn.Module) -> dict[int, str]:
+    """By id, each parameter's and buffer's first name in ``model`` (a tied one's canonical)."""
     canonical: dict[int, str] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         canonical.setdefault(id(t), name)
+    return canonical
+
+
+def model_aliases(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
+    """The model's state_dict keys and, for tied tensors, key -> the canonical name."""
+    canonical = canonical_names(model)
     keys: list[str] = []
     aliases: dict[str, str] = {}
     for key, t in model.state_dict(keep_vars=True).items():

@@ -53,6 +53,7 @@ from orgel.closure import ClosureEngine, OutputsFunction, Slot, profiling_loss
 from orgel.engine import OptimizerFactory, RankEngine
 from orgel.graph.capture import dynamo_settings
 from orgel.guard import untouched
+from orgel.pipe import canonical_names
 from orgel.precision import device_type
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
@@ -284,7 +285,7 @@ class Backend:
 
         if self._names is None:
             self._module = _compiled_module()
-            self._names = {} if self._module is None else _names_by_id(self._module)
+            self._names = {} if self._module is None else canonical_names(self._module)
         # a graph of a resumed frame names the parameters from one of its locals (a
         # submodule on the stack): name them as the compiled model does
         roles = [(kind, self._names.get(id(a), name)) if kind in ("param", "buffer")
@@ -323,15 +324,17 @@ class Backend:
             given: list[tuple[str, Any] | None] = []
             for (kind, name), a in zip(roles, args, strict=True):
                 if kind in ("param", "buffer"):
-                    if named.setdefault(name, id(a)) != id(a):
+                    if name not in named:
+                        named[name] = id(a)
+                        if self._module is None:
+                            register_state(holder, kind, name, a)
+                    elif named[name] != id(a):
                         # a compiled function: Dynamo names a resumed frame's tensors
                         # after its locals, which can give two tensors one name
                         raise RuntimeError(
                             f"two tensors of the compiled function's graphs are both named "
                             f"{name!r}: compile the module (torch.compile(model, backend=pipe)) "
                             "so that orgel names them as the model does")
-                    if self._module is None and not _has_state(holder, kind, name):
-                        register_state(holder, kind, name, a)
                     given.append((kind, name))
                 else:  # model inputs and what the Python between graphs made: exchanged
                     given.append(None)
@@ -642,21 +645,6 @@ def _compiled_module() -> torch.nn.Module | None:
                 return value._orig_mod  # type: ignore[no-any-return]
         frame = frame.f_back  # type: ignore[assignment]
     return None
-
-
-def _names_by_id(model: torch.nn.Module) -> dict[int, str]:
-    """Each parameter's and buffer's first name in ``model`` (a tied one's canonical name)."""
-    names = {id(b): n for n, b in model.named_buffers()}
-    names.update({id(p): n for n, p in model.named_parameters()})
-    return names
-
-
-def _has_state(module: torch.nn.Module, kind: str, name: str) -> bool:
-    try:
-        (module.get_parameter if kind == "param" else module.get_buffer)(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _slice(batch: tuple[Any, ...], m: int) -> list[list[Any]]:

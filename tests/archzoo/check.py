@@ -21,7 +21,7 @@ import torch
 
 import orgel
 from orgel.models import ZooWorkload
-from orgel.precision import autocast_dtype
+from orgel.precision import autocast
 from orgel.workload import Workload, microbatches, named_inputs
 
 LR = 0.1
@@ -87,11 +87,10 @@ def reference_step(model: torch.nn.Module, workload: Workload, m: int) -> float:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.zero_grad(set_to_none=True)
     total = 0.0
-    dtype = autocast_dtype(workload.precision)
     for inputs, targets in microbatches(Workload(model, workload.inputs, workload.targets,
                                                  workload.loss_fn,
                                                  replicated=workload.replicated), m):
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with autocast(workload.precision):
             loss = workload.loss_fn(model(**inputs), targets) / m
         loss.backward()
         total += float(loss.detach())

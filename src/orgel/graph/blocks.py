@@ -138,6 +138,11 @@ def writer_spans(opgraph: OpGraph, position: dict[str, int]) -> list[tuple[int, 
                   if len(ix := [position[n] for n in users.get(buf, ()) if n in position]) > 1)
 
 
+def cuts_a_span(spans: list[tuple[int, int]], at: int) -> bool:
+    """Whether a stage boundary before position ``at`` falls inside one of ``spans``."""
+    return any(lo < at <= hi for lo, hi in spans)
+
+
 def _keep_writers_together(opgraph: OpGraph, segs: list[tuple[int, int, int]],
                            position: dict[str, int]) -> list[tuple[int, int, int]]:
     """Merge the segments between the first and last reader of each buffer updated in place.
@@ -149,7 +154,7 @@ def _keep_writers_together(opgraph: OpGraph, segs: list[tuple[int, int, int]],
     spans = writer_spans(opgraph, position)
     out: list[tuple[int, int, int]] = []
     for seg in segs:
-        if out and any(lo < seg[0] <= hi for lo, hi in spans):  # a cut inside a span
+        if out and cuts_a_span(spans, seg[0]):
             start, _, depth = out[-1]
             out[-1] = (start, seg[1], min(depth, seg[2]))
         else:

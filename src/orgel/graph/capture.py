@@ -69,10 +69,10 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             try:
                 raw = _dynamo_graph(model, named, dtype)
             except GraphBreakError as exc:
-                if not several or dtype is not None:
-                    if dtype is not None:
-                        raise GraphBreakError(f"{exc} Under precision={precision!r} orgel "
-                                              "needs one graph of the forward") from None
+                if dtype is not None:
+                    raise GraphBreakError(f"{exc} Under precision={precision!r} orgel "
+                                          "needs one graph of the forward") from None
+                if not several:
                     raise
                 # run as several graphs, the Python between them in the controller
                 from orgel.graph.glue import capture_graphs

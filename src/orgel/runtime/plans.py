@@ -25,7 +25,7 @@ def balanced_assignment(graph: Any, stages: int) -> dict[str, int]:
     The nodes between the first and last reader of a buffer the forward
     updates in place (a BatchNorm used twice) stay in one stage.
     """
-    from orgel.graph.blocks import writer_spans
+    from orgel.graph.blocks import cuts_a_span, writer_spans
     from orgel.split.assign import stages_from_cuts
     from orgel.split.points import balanced_points
 
@@ -34,7 +34,7 @@ def balanced_assignment(graph: Any, stages: int) -> dict[str, int]:
     spans = writer_spans(graph, {n: i for i, n in enumerate(names)})
     units: list[list[int]] = []  # runs of nodes that no cut may divide
     for i in range(len(names)):
-        if units and any(lo < i <= hi for lo, hi in spans):
+        if units and cuts_a_span(spans, i):
             units[-1].append(i)
         else:
             units.append([i])
