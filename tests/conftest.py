@@ -23,6 +23,10 @@ import torch
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> Iterator[None]:
+    # matplotlib builds its font cache on first import by running fc-list; on a fresh
+    # machine that subprocess would be charged to whichever quick test draws first.
+    import matplotlib.font_manager  # noqa: F401
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
