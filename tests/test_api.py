@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from orgel import checkpoint as ckpt
-from orgel.api import Pipeline, load, pipeline
-from orgel.controller import WorkerError
+from orgel.explicit.api import Pipeline, load, pipeline
 from orgel.models import build
+from orgel.runtime import checkpoint as ckpt
+from orgel.worker.group import WorkerError
 
 pytestmark = pytest.mark.slow
 LR = 0.05

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orgel.controller import LocalGroup, WorkerError
+from orgel.worker.group import LocalGroup, WorkerError
 
 pytestmark = pytest.mark.slow  # starts rank processes
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = '''
 import json, sys
 import torch
-import orgel.api as api
+import orgel.explicit.api as api
 from orgel.models import build
 
 model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from orgel import checkpoint as ckpt
+from orgel import guard
+from orgel.runtime import checkpoint as ckpt
 
 Shard = tuple[ckpt.NamedTensors, torch.optim.Optimizer]
 
@@ -49,7 +50,7 @@ def _save(root: Path, model: nn.Module, shards: list[Shard], step: int) -> None:
         shard = ckpt.make_shard(
             rank=rank, step=step, params=params,
             buffers=buffers if rank == 0 else [],
-            optimizer=ckpt.named_optimizer_state(opt, params), rng=ckpt.rng_state(),
+            optimizer=ckpt.named_optimizer_state(opt, params), rng=guard.rng_state(),
         )
         ckpt.write_shard(root, step, rank, shard)
     ckpt.commit(root, step, len(shards), json.dumps({"plan": "x"}))
@@ -132,14 +133,14 @@ def test_shards_are_plain_data_and_rng_round_trips(tmp_path: Path) -> None:
     torch.manual_seed(3)
     random.seed(3)
     np.random.seed(3)
-    state = ckpt.rng_state()
+    state = guard.rng_state()
     expected = (torch.rand(2), random.random(), np.random.rand())
     model = _model()
     _save(tmp_path, model, _shards(model, GROUPS2), 4)
     shard = ckpt.read_shard(tmp_path, 1)  # weights_only=True inside: no objects
     assert shard["step"] == 4 and set(shard["params"]) == set(GROUPS2[1])
     assert json.loads(ckpt.read_plan_json(tmp_path)) == {"plan": "x"}
-    ckpt.set_rng_state(state)
+    guard.set_rng_state(state)
     again = (torch.rand(2), random.random(), np.random.rand())
     assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
 

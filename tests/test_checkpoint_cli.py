@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from orgel import checkpoint as ckpt
 from orgel.cli import main
+from orgel.runtime import checkpoint as ckpt
 from orgel.schedule.families import build_schedule
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orgel.cli import main
-from orgel.demo import run_demo
+from orgel.explicit.demo import run_demo
 from test_timeline import gantt_kinds
 
 pytestmark = pytest.mark.slow

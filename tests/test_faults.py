@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import orgel
-from orgel.controller import WorkerError
+from orgel.worker.group import WorkerError
 
 pytestmark = pytest.mark.slow  # starts rank processes
 
@@ -190,7 +190,7 @@ def test_a_port_taken_before_rank_0_binds_it_is_replaced(
     first, orgel chooses another; if every try is taken, the error says so."""
     import socket
 
-    import orgel.controller as controller
+    import orgel.worker.group as controller
     from orgel.runtime.launch import free_port
 
     with socket.socket() as busy:
@@ -215,7 +215,7 @@ def test_a_disk_that_fills_during_save_commits_nothing_and_training_goes_on(
     saves again once there is room."""
     import errno
 
-    from orgel import checkpoint as ckpt
+    from orgel.runtime import checkpoint as ckpt
 
     flag = tmp_path / "disk-full"
     real_save = torch.save

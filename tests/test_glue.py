@@ -268,7 +268,7 @@ def _rows_chosen(h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_shapes_that_depend_on_the_data_are_refused() -> None:
-    from orgel.glued import GlueError
+    from orgel.explicit.glued import GlueError
 
     torch.manual_seed(4)
     x = torch.randn(4, 4)
@@ -301,7 +301,7 @@ def test_microbatches_on_different_parameter_paths_are_refused() -> None:
 
 
 def test_a_forward_of_several_graphs_is_refused_under_torchrun() -> None:
-    from orgel import api
+    from orgel.explicit import api
 
     graph = capture(BranchEveryMicrobatch(), (torch.randn(2, 8),))
     with pytest.raises(GraphBreakError, match="local-spawn mode"):
@@ -309,8 +309,8 @@ def test_a_forward_of_several_graphs_is_refused_under_torchrun() -> None:
 
 
 def test_a_plain_rank_engine_refuses_a_split_with_exchanges() -> None:
-    from orgel.engine import RankEngine
     from orgel.split import split_plan
+    from orgel.worker.engine import RankEngine
 
     graph = capture(BranchEveryMicrobatch(), (torch.randn(2, 8),))
     plan = balanced_plan(graph, ranks=2, microbatches=1)

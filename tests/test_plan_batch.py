@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orgel.api import pipeline
 from orgel.costs.blocks import BlockCosts, CostsFileError
+from orgel.explicit.api import pipeline
 from orgel.models import build
 from orgel.plan import (
     InfeasibleError,

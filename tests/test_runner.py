@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import orgel.runner as ob
-from orgel.glued import GlueError
+import orgel.transparent.backend as ob
+from orgel.explicit.glued import GlueError
 from orgel.models import build
 from orgel.models.clip import contrastive_loss
 

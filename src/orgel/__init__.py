@@ -8,13 +8,13 @@ sub-packages named by the flow: graph, profile, schedule, sim, plan, split,
 runtime.
 """
 
-from orgel.api import Pipeline, load, pipeline
+from orgel.explicit.api import Pipeline, load, pipeline
 from orgel.graph import capture
-from orgel.runner import Backend, backend
 from orgel.schedule import Action, Costs, Plan, PlanError, StageGraph
 from orgel.schedule.families import build_schedule
 from orgel.schedule.validate import validate
 from orgel.sim import simulate
+from orgel.transparent.backend import Backend, backend
 from orgel.workload import Workload, load_workload
 
 __version__ = "0.1.0"

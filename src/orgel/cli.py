@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _orgel_errors() -> tuple[type[BaseException], ...]:
     """The exceptions orgel raises to say what to change; anything else keeps its traceback."""
-    from orgel.checkpoint import CheckpointError
     from orgel.costs.blocks import CostsFileError
     from orgel.graph.opgraph import CaptureError
     from orgel.plan.planner import InfeasibleError
+    from orgel.runtime.checkpoint import CheckpointError
     from orgel.schedule.ir import PlanError
     from orgel.split.split import SplitError
     from orgel.workload import WorkloadError

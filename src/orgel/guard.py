@@ -20,14 +20,48 @@ preparation has to remember to put anything back:
 
 from __future__ import annotations
 
+import random
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
-from orgel.checkpoint import rng_state, set_rng_state
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch, CUDA if present, Python, NumPy) as plain data."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    npst = state["numpy"]
+    np.random.set_state(
+        (npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
+         npst["has_gauss"], npst["cached"])
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _global_state() -> dict[str, Any]:

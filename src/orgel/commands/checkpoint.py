@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orgel import checkpoint as ckpt
+    from orgel.runtime import checkpoint as ckpt
 
     try:
         meta = ckpt.read_meta(args.dir)

@@ -11,7 +11,7 @@ HELP = ("train a small model on local CPU ranks: print the plan, train with a pr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from orgel.demo import MODELS
+    from orgel.explicit.demo import MODELS
 
     parser.add_argument("--model", choices=MODELS, default="gpt",
                         help="which model to pipeline (default: gpt on the shipped corpus)")
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orgel.demo import run_demo
+    from orgel.explicit.demo import run_demo
 
     for name in ("ranks", "steps", "microbatches", "batch_size"):
         value = getattr(args, name)

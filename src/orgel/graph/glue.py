@@ -19,7 +19,7 @@ planned like any other node, it lives in one stage. In training it sends its
 inputs to the controller, which runs the glue for that micro-batch and sends
 back graph ``c``'s arguments; its backward sends the gradients of those
 arguments and returns the controller's gradients of graph ``c-1``'s outputs
-(:class:`RankExchange` on the ranks, :mod:`orgel.glued` in the controller).
+(:class:`RankExchange` on the ranks, :mod:`orgel.explicit.glued` in the controller).
 While orgel measures and profiles the graph, it returns the values recorded
 when the forward ran once.
 

@@ -20,19 +20,19 @@ per micro-batch, each in its own thread. A closure's model call hands its
 inputs straight to the ranks that host input stages, which start on them while
 other closures are still pre-processing; a closure's loss and backward
 (post-processing) run while the ranks work on other micro-batches. Outputs and
-gradients cross through :mod:`orgel.closure`; the optimizer steps once every
+gradients cross through :mod:`orgel.worker.closure`; the optimizer steps once every
 closure is done. The first step is the exception: it first runs micro-batch
 0's closure up to its backward to find the graphs (:meth:`Backend._discover`),
 then captures, plans and starts the ranks once every closure has reached its
 model call. A compiled model with graph breaks (several graphs that read
 parameters, or one called more than once) is joined and pipelined as
-:mod:`orgel.glued` does for ``orgel.pipeline``; the closures run the Python
-between its graphs (:class:`orgel.glued.ClosurePipeline`). Gradients
+:mod:`orgel.explicit.glued` does for ``orgel.pipeline``; the closures run the Python
+between its graphs (:class:`orgel.explicit.glued.ClosurePipeline`). Gradients
 accumulate over micro-batches as in gradient accumulation: divide the loss by
 ``microbatches`` for a batch-mean loss. A closure that never calls
 ``backward`` contributes a zero gradient.
 
-Mode: local spawn (the calling process drives forked ranks), see :mod:`orgel.api`.
+Mode: local spawn (the calling process drives forked ranks), see :mod:`orgel.explicit.api`.
 The model's inputs must not require grad (run pre-processing under ``no_grad``).
 """
 
@@ -49,14 +49,14 @@ from typing import Any
 
 import torch
 
-from orgel.closure import ClosureEngine, OutputsFunction, Slot, profiling_loss
-from orgel.engine import OptimizerFactory, RankEngine
 from orgel.graph.capture import dynamo_settings
 from orgel.guard import untouched
-from orgel.pipe import canonical_names
 from orgel.precision import device_type
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
+from orgel.worker.closure import ClosureEngine, OutputsFunction, Slot, profiling_loss
+from orgel.worker.engine import OptimizerFactory, RankEngine
+from orgel.worker.pipe import canonical_names
 
 _TOKEN = re.compile(r"\.([A-Za-z_]\w*)|\[\'([^\']+)\'\]|\[(\d+)\]")
 
@@ -167,7 +167,7 @@ class Backend:
     def __init__(self, *, ranks: int, microbatches: int, optimizer: OptimizerFactory | None,
                  memory: int | None, dp: int, plan: Plan | str | Path | None,
                  timeout_s: float, threads: int | None, precision: str = "32") -> None:
-        from orgel.api import check_options, default_optimizer
+        from orgel.explicit.api import check_options, default_optimizer
 
         check_options(ranks, microbatches, optimizer, memory, dp, plan)
         self.ranks, self.microbatches = ranks, microbatches
@@ -175,7 +175,7 @@ class Backend:
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.timeout_s, self.threads = timeout_s, threads
         self.model: GraphModel | None = None
-        self.pipe: Any = None  # an orgel.pipe.Pipeline once the ranks run
+        self.pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
         self._conns: list[Any] = []  # controller's end of each rank's pipe
         self._locks = [threading.Lock() for _ in range(ranks)]
         self._input_ranks: list[int] = []
@@ -216,7 +216,7 @@ class Backend:
                 return self._record(gm, example_inputs, roles, args)
             if not stateful:  # reads no parameter or buffer: runs here, as the closure does
                 return gm(*args)
-            from orgel.glued import ClosurePipeline
+            from orgel.explicit.glued import ClosurePipeline
 
             if isinstance(self.pipe, ClosurePipeline):
                 return self.pipe._call(gm.code, args)
@@ -306,7 +306,7 @@ class Backend:
 
     def _start_glued(self, rows: int) -> None:
         """Plan and start the joined graphs of a compiled model with graph breaks."""
-        from orgel import api, glued
+        from orgel.explicit import api, glued
         from orgel.graph.glue import join_calls
         from orgel.graph.measure import measure
         from orgel.workload import Workload
@@ -409,7 +409,7 @@ class Backend:
         """
         if not callable(closure):
             raise TypeError("step(closure, *batch): closure must be callable")
-        from orgel.glued import ClosurePipeline
+        from orgel.explicit.glued import ClosurePipeline
 
         pieces = _slice(batch, self.microbatches)
         rows = next((a.shape[0] for a in batch if isinstance(a, torch.Tensor) and a.dim() > 0),
@@ -514,8 +514,8 @@ class Backend:
     def _start(self) -> None:
         import multiprocessing as mp
 
-        from orgel import api
-        from orgel.controller import LocalGroup
+        from orgel.explicit import api
+        from orgel.worker.group import LocalGroup
         from orgel.workload import Workload
 
         if self.model is None:
@@ -576,7 +576,7 @@ class Backend:
         return dict(self._running().state_dict())
 
     def save(self, directory: str | Path) -> Path:
-        """Checkpoint every rank atomically (see :meth:`orgel.pipe.Pipeline.save`)."""
+        """Checkpoint every rank atomically (see :meth:`orgel.worker.pipe.Pipeline.save`)."""
         return Path(self._running().save(directory))
 
     def load(self, directory: str | Path) -> int | None:
@@ -585,7 +585,7 @@ class Backend:
         Before the first step the load happens when the ranks start; returns None then.
         """
         if self.pipe is None:
-            from orgel import checkpoint as ckpt
+            from orgel.runtime import checkpoint as ckpt
 
             meta = ckpt.read_meta(directory)  # fail now on a missing or foreign checkpoint
             saved = Plan.from_json(ckpt.read_plan_json(directory))

@@ -123,7 +123,7 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     # and leave "leaked semaphore" warnings at exit. One process draws the bar.
     tqdm.set_lock(threading.RLock())
 
-    from orgel.api import pipeline
+    from orgel.explicit.api import pipeline
     from orgel.models import build
     from orgel.runtime.trace import save_views
 
@@ -154,7 +154,7 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     with pipe:
         say(f"captured, planned and started the ranks in {time.perf_counter() - started:.1f} s")
         say(describe_plan(pipe.plan))
-        replicas = len(pipe.plan.placement[0])  # every stage has the same count (orgel.api)
+        replicas = len(pipe.plan.placement[0])  # every stage: the same count
         reference = _reference_loss(workload, initial, microbatches * replicas, precision)
         losses: list[float] = []
         times: list[float] = []

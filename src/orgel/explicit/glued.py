@@ -40,7 +40,7 @@ from orgel import guard
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
 from orgel.graph.opgraph import CaptureError
-from orgel.pipe import Pipeline
+from orgel.worker.pipe import Pipeline
 from orgel.workload import batch_size, named_inputs, split_microbatches
 
 
@@ -131,11 +131,11 @@ class _GraphCall(torch.autograd.Function):
 
 
 class GluedPipeline(Pipeline):
-    """:class:`orgel.pipe.Pipeline` for a forward of several graphs (local spawn only).
+    """:class:`orgel.worker.pipe.Pipeline` for a forward of several graphs (local spawn only).
 
     ``step(inputs, targets)`` runs the forward, ``loss_fn`` and backward of
     each micro-batch here in its own thread, the graphs on the ranks; the rest
-    of the API is :class:`~orgel.pipe.Pipeline`'s.
+    of the API is :class:`~orgel.worker.pipe.Pipeline`'s.
     """
 
     def __init__(self, plan: Any, group: Any, conns: list[Connection], *, glue: Any,
@@ -425,7 +425,7 @@ class GluedPipeline(Pipeline):
 class ClosurePipeline(GluedPipeline):
     """The graphs of ``orgel.backend``'s compiled model, when it has graph breaks.
 
-    The closures of :meth:`orgel.runner.Backend.step` replace ``model`` and
+    The closures of :meth:`orgel.transparent.backend.Backend.step` replace ``model`` and
     ``loss_fn``: each runs in its own thread, calls the compiled model (whose
     graphs reach :meth:`_call` through the backend) and runs its own backward.
     A graph call the closure's loss does not reach gets zero gradients.
@@ -477,8 +477,8 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     """
     import multiprocessing as mp
 
-    from orgel.closure import ClosureEngine
-    from orgel.controller import LocalGroup
+    from orgel.worker.closure import ClosureEngine
+    from orgel.worker.group import LocalGroup
 
     if any(len(r) > 1 for r in plan.placement):
         raise ValueError("a forward of several graphs runs each stage on one rank; give a plan "

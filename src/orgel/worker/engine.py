@@ -2,10 +2,10 @@
 
 The :class:`RankEngine` is what both launch modes drive. In local-spawn mode a
 forked worker holds one and the controller calls its methods through
-:class:`orgel.controller.LocalGroup`; under ``torchrun`` the script holds its
+:class:`orgel.worker.group.LocalGroup`; under ``torchrun`` the script holds its
 own rank's engine and calls it directly. It owns nothing clever: training is
 the runtime's :class:`~orgel.runtime.Executor`, the format is
-:mod:`orgel.checkpoint`; the engine maps between the stage modules' local
+:mod:`orgel.runtime.checkpoint`; the engine maps between the stage modules' local
 parameter names and the original model's names, which is what makes gathered
 ``state_dict``s and re-sharded resumes possible.
 """
@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from orgel import checkpoint as ckpt
+from orgel import guard
 from orgel.graph import glue
+from orgel.runtime import checkpoint as ckpt
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
@@ -125,7 +126,7 @@ class RankEngine:
 
         Returns the shard's path, or ``{"error": ...}`` when the file system
         refused it (a full disk): the rank keeps training, and
-        :meth:`orgel.pipe.Pipeline.save` reports it without committing.
+        :meth:`orgel.worker.pipe.Pipeline.save` reports it without committing.
         """
         params = self.named_params()
         opt = self.optimizer
@@ -135,7 +136,7 @@ class RankEngine:
             params=params,
             buffers=self.named_buffers(),
             optimizer=None if opt is None else ckpt.named_optimizer_state(opt, _unique(params)),
-            rng=ckpt.rng_state(),
+            rng=guard.rng_state(),
             extra=self._extra_state(),
         )
         try:
@@ -170,7 +171,7 @@ class RankEngine:
             if scaler is not None and state is not None:
                 scaler.load_state_dict(state)
             if same_layout and shard.get("rng"):
-                ckpt.set_rng_state(shard["rng"])
+                guard.set_rng_state(shard["rng"])
         self.step_count = int(part["step"])
         self.executor.steps_done = self.step_count  # the random streams go on from there
         return self.step_count

@@ -1,8 +1,8 @@
 """The object a pipeline is driven through: :class:`Pipeline` (step, state, checkpoints).
 
-``orgel.pipeline`` (:mod:`orgel.api`), ``orgel.backend`` (:mod:`orgel.runner`)
-and the several-graph controller (:mod:`orgel.glued`) all return one; it talks
-to the ranks through a group (:class:`orgel.controller.LocalGroup` in local
+``orgel.pipeline`` (:mod:`orgel.explicit.api`), ``orgel.backend`` (:mod:`orgel.transparent.backend`)
+and the several-graph controller (:mod:`orgel.explicit.glued`) all return one; it talks
+to the ranks through a group (:class:`orgel.worker.group.LocalGroup` in local
 spawn, :class:`OwnRank` under torchrun).
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from orgel import checkpoint as ckpt
-from orgel.engine import RankEngine
+from orgel.runtime import checkpoint as ckpt
 from orgel.schedule.ir import Plan
+from orgel.worker.engine import RankEngine
 from orgel.workload import named_inputs
 
 
@@ -175,10 +175,10 @@ class Pipeline:
         return states[0] if states else None
 
     def call_ranks(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``method`` of every rank's engine (:class:`orgel.engine.RankEngine`); by rank.
+        """Run ``method`` of every rank's engine (:class:`orgel.worker.engine.RankEngine`); by rank.
 
-        The seam the closure runners (:mod:`orgel.runner`, :mod:`orgel.glued`) drive
-        their steps through.
+        The seam the closure runners (:mod:`orgel.transparent.backend`,
+        :mod:`orgel.explicit.glued`) drive their steps through.
         """
         return list(self._ranks.call(method, *args, **kwargs))
 

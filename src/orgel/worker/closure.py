@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from orgel.engine import RankEngine
 from orgel.graph import glue
+from orgel.worker.engine import RankEngine
 from orgel.workload import batch_size
 
 
@@ -237,7 +237,7 @@ def profiling_loss(outputs: Any, targets: Any) -> torch.Tensor:
 
     Training never calls it: the closure computes the real loss, and the loss
     stage back-propagates the closure's gradient of the outputs through the
-    surrogate ``sum(outputs * grad)`` (see :mod:`orgel.closure`), which costs the
+    surrogate ``sum(outputs * grad)`` (see :mod:`orgel.worker.closure`), which costs the
     same as this sum.
     """
     leaves = [t for t in torch.utils._pytree.tree_leaves(outputs)

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from orgel import checkpoint as ckpt
-from orgel.engine import OptimizerFactory, RankEngine
 from orgel.guard import untouched
-from orgel.pipe import OwnRank, Pipeline, model_aliases
 from orgel.precision import scales_loss
+from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
+from orgel.worker.engine import OptimizerFactory, RankEngine
+from orgel.worker.pipe import OwnRank, Pipeline, model_aliases
 from orgel.workload import Workload, validate_workload, with_precision
 
 
@@ -110,12 +110,12 @@ def pipeline(
         return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches, scaling=scaling,
                               optimizer=optimizer, memory=memory, dp=dp, plan=plan,
                               timeout_s=timeout_s, keys=keys, aliases=aliases)
-    from orgel.controller import LocalGroup
+    from orgel.worker.group import LocalGroup
 
     with untouched(model):  # the workers fork afterwards, from the caller's own state
         the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp)
     if graph.glue is not None:  # several graphs: the controller runs the Python between them
-        from orgel import glued
+        from orgel.explicit import glued
 
         return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
@@ -198,7 +198,7 @@ def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
     planned = workload
     if graph is not None and graph.glue is not None:
         # the graphs' outputs are not the model's output: profile the loss stage with a sum
-        from orgel.closure import profiling_loss
+        from orgel.worker.closure import profiling_loss
 
         planned = Workload(workload.model, workload.inputs, workload.targets, profiling_loss,
                            workload.batch_dim, workload.replicated, workload.precision)
