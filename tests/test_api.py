@@ -14,7 +14,7 @@ import torch
 from orgel.explicit.api import Pipeline, load, pipeline
 from orgel.models import build
 from orgel.runtime import checkpoint as ckpt
-from orgel.worker.group import WorkerError
+from orgel.runtime.errors import WorkerError
 
 pytestmark = pytest.mark.slow
 LR = 0.05

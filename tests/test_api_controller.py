@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orgel.worker.group import LocalGroup, WorkerError
+from orgel.runtime.errors import WorkerError
+from orgel.runtime.launch import LocalGroup
 
 pytestmark = pytest.mark.slow  # starts rank processes
 

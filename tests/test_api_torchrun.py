@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,10 @@ def _kill_running(marker: str) -> None:
             continue
 
 
-def test_pipeline_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
+def _torchrun(tmp_path: Path, script_text: str, *args: str) -> tuple[int, str]:
+    """Run ``script_text`` on 2 ranks under torchrun; its exit code and its output."""
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # Output goes to a file, not a pipe: a pipe held open by a stray rank would
     # keep communicate() waiting after torchrun itself has exited or been killed.
@@ -65,7 +67,7 @@ def test_pipeline_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
              "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
-             str(tmp_path / "ckpt")],
+             *args],
             stdout=out, stderr=subprocess.STDOUT, text=True, env=env,
             start_new_session=True,  # so a hang can be killed with every rank it started
         )
@@ -76,11 +78,57 @@ def test_pipeline_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
             _kill_running(str(script))  # ranks torchrun started in sessions of their own
             proc.wait()
             raise
-    stderr = log.read_text(errors="replace")
-    assert proc.returncode == 0, stderr[-3000:]
+    return proc.returncode, log.read_text(errors="replace")
+
+
+def test_pipeline_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
+    code, stderr = _torchrun(tmp_path, SCRIPT, str(tmp_path / "ckpt"))
+    assert code == 0, stderr[-3000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / "ckpt" / f"result{rank}.json").read_text())
         assert result["spmd"] is True
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["diff"] < 1e-5
     assert (tmp_path / "ckpt" / "step-00000002" / "rank1.pt").exists()
+
+
+FAULTY = '''
+import sys, time
+import torch
+import torch.nn.functional as F
+from torch import nn
+import orgel
+
+calls = [0]
+
+
+def loss(out, y):
+    calls[0] += 1
+    if calls[0] > 2:  # the second step, on the rank that computes the loss (rank 1)
+        with open(sys.argv[1], "w") as f:
+            f.write(repr(time.time()))
+        raise RuntimeError("the loss cannot be computed")
+    return F.mse_loss(out, y)
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+x, y = torch.randn(8, 8), torch.randn(8, 4)
+pipe = orgel.pipeline(model, (x,), y, loss, ranks=2, microbatches=2, timeout_s=60,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+for _ in range(3):
+    pipe.step((x,), y)
+'''
+
+
+def test_a_rank_that_raises_under_torchrun_stops_the_other_within_seconds(
+        tmp_path: Path) -> None:
+    """Rank 1's loss raises in step 2 while rank 0 waits for its gradient (timeout 60 s):
+    rank 0 stops within seconds, and the output names rank 1, the action and the cause."""
+    fault = tmp_path / "fault-time"
+    code, out = _torchrun(tmp_path, FAULTY, str(fault))
+    ended = time.time()
+    assert code != 0
+    assert "RuntimeError: the loss cannot be computed" in out, out[-3000:]
+    assert "rank 1" in out and "[while running F1." in out, out[-3000:]
+    assert ended - float(fault.read_text()) < 15, "rank 0 waited for its receive's timeout"

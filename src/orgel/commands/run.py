@@ -89,7 +89,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Plan (or load), validate, spawn, train, print; optionally check against one process."""
     from orgel.graph.capture import capture
-    from orgel.runtime.errors import SpawnError
+    from orgel.runtime.errors import WorkerError
     from orgel.runtime.launch import spawn
     from orgel.runtime.plans import balanced_plan
     from orgel.schedule.ir import Plan, PlanError
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
                             timeout=args.timeout, threads=args.threads)
-        except SpawnError as exc:
+        except WorkerError as exc:
             print(f"orgel run: {args.workload} failed\n{exc}", file=sys.stderr)
             return 1
     elapsed = time.perf_counter() - start
@@ -154,7 +154,7 @@ def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, A
     """Run this rank under torchrun; rank 0 gets every rank's results, others ``[]``."""
     import torch.distributed as dist
 
-    from orgel.runtime.errors import record_failure
+    from orgel.runtime.errors import report_failure
     from orgel.runtime.launch import init_from_env
 
     rank, world = init_from_env(timeout=args.timeout)
@@ -168,7 +168,7 @@ def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, A
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
     except Exception as exc:  # noqa: BLE001 - one message per rank, root cause marked
-        record_failure(rank, exc)
+        report_failure(rank, exc)
         return None
     return [g for g in gathered or []]
 

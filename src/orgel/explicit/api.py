@@ -110,7 +110,7 @@ def pipeline(
         return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches, scaling=scaling,
                               optimizer=optimizer, memory=memory, dp=dp, plan=plan,
                               timeout_s=timeout_s, keys=keys, aliases=aliases)
-    from orgel.worker.group import LocalGroup
+    from orgel.runtime.launch import LocalGroup
 
     with untouched(model):  # the workers fork afterwards, from the caller's own state
         the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp)

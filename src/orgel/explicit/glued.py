@@ -477,8 +477,8 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     """
     import multiprocessing as mp
 
+    from orgel.runtime.launch import LocalGroup
     from orgel.worker.closure import ClosureEngine
-    from orgel.worker.group import LocalGroup
 
     if any(len(r) > 1 for r in plan.placement):
         raise ValueError("a forward of several graphs runs each stage on one rank; give a plan "

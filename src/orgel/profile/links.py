@@ -70,7 +70,7 @@ def measure_links(world: int = 2, *, backend: str = "gloo",
     ``sizes`` (bytes, at least two distinct) are sent ``repeats`` timed times
     each (the fastest is kept: other processes only ever add time).
     ``timeout`` (seconds) bounds every wait; a rank that stalls raises
-    :class:`orgel.runtime.errors.SpawnError` naming the pair.
+    :class:`orgel.runtime.errors.WorkerError` naming the pair.
     """
     samples = measure_link_samples(world, backend=backend, sizes=sizes, repeats=repeats,
                                    timeout=timeout)

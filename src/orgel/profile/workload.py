@@ -63,7 +63,7 @@ OPTIMIZER_COPY_LIMIT = 256 << 20
 
 
 def rank_threads(ranks: int) -> int:
-    """Intra-op threads each of ``ranks`` local ranks trains with (``orgel.worker.group``)."""
+    """Intra-op threads each of ``ranks`` local ranks trains with (``orgel.runtime.launch``)."""
     return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 

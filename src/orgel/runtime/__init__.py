@@ -2,14 +2,15 @@
 
 * :class:`Executor` runs one rank's actions of a Plan over a SplitModel
   (``step(inputs, targets) -> loss``; ``events``: the step's measured timeline);
-* :func:`spawn` starts local gloo ranks; :func:`init_from_env` joins torchrun;
+* :class:`LocalGroup` starts local ranks and drives them, :func:`spawn` runs one
+  function on fresh ones (the same launcher); :func:`init_from_env` joins torchrun;
 * :func:`balanced_plan`/:func:`replicate`: simple plans until the planner's;
 * :func:`gather_events`, :func:`summary`, :func:`save_views`: measured timelines.
 """
 
-from orgel.runtime.errors import CommFailure, SpawnError, StepFailure
+from orgel.runtime.errors import CommFailure, StepFailure, WorkerError
 from orgel.runtime.executor import Executor
-from orgel.runtime.launch import init_from_env, spawn
+from orgel.runtime.launch import LocalGroup, init_from_env, spawn
 from orgel.runtime.plans import balanced_plan, replicate
 from orgel.runtime.trace import Event, gather_events, save_views, summary
 
@@ -17,8 +18,9 @@ __all__ = [
     "CommFailure",
     "Event",
     "Executor",
-    "SpawnError",
+    "LocalGroup",
     "StepFailure",
+    "WorkerError",
     "balanced_plan",
     "gather_events",
     "init_from_env",

@@ -1,30 +1,22 @@
 """Failures of a distributed step: what went wrong, on which rank, in which action.
 
-A rank that fails writes one JSON record (``rank{r}.json``) into the directory
-named by ``ORGEL_ERROR_DIR`` (set by :func:`orgel.runtime.launch.spawn`) and
-exits; the launcher reads every record and prints the root cause once. Under
-``torchrun`` (no directory), the rank prints its record to stderr itself.
+Two kinds of failure:
 
-Two kinds of records:
+* a root cause: an exception raised by the rank's own work (a stage, the loss,
+  the optimizer), or a rank that died; its traceback is kept;
+* a consequence (:func:`is_comm_error`): a receive, send or collective that
+  timed out or lost its peer, usually because another rank failed; its message
+  names the rank, the action it was executing and the peer it waited on.
 
-* ``error``: an exception raised by the rank's own work (a stage, the loss,
-  the optimizer). This is a root cause; its traceback is kept.
-* ``comm``: a receive, send or collective that timed out or lost its peer.
-  Usually a consequence of another rank's failure; its message names the rank,
-  the action it was executing and the peer it waited on.
+:func:`describe` turns either into the one line and the traceback that the
+local launcher (:class:`orgel.runtime.launch.LocalGroup`) puts in its report,
+and that a rank under ``torchrun`` prints itself (:func:`report_failure`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 import traceback
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
-ERROR_DIR_ENV = "ORGEL_ERROR_DIR"
 
 
 class CommFailure(RuntimeError):
@@ -52,22 +44,16 @@ class StepFailure(RuntimeError):
         self.cause = cause
 
 
-class SpawnError(RuntimeError):
-    """One or more spawned ranks failed; the message holds the root cause once."""
+class WorkerError(RuntimeError):
+    """A local rank raised or died; every rank was stopped. ``rank`` names the root cause's.
 
+    The message holds the root cause once (with its traceback), then one line per
+    other rank that reported a consequence.
+    """
 
-@dataclass
-class FailureRecord:
-    """What one rank writes when it fails (plain JSON)."""
-
-    rank: int
-    kind: str  # "error" (root cause) or "comm" (timeout / lost peer)
-    message: str
-    traceback: str
-    time: float
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -83,50 +69,28 @@ def is_comm_error(exc: BaseException) -> bool:
     )
 
 
-def record_failure(rank: int, exc: BaseException) -> FailureRecord:
-    """Build the record for ``exc`` raised on ``rank`` and write/print it."""
-    kind = "comm" if is_comm_error(exc) else "error"
-    cause = exc.cause if isinstance(exc, StepFailure) and kind == "error" else exc
-    tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
-    message = str(exc) if isinstance(exc, StepFailure) else f"rank {rank}: {exc}"
-    record = FailureRecord(rank, kind, message, tb if kind == "error" else "", time.time())
-    directory = os.environ.get(ERROR_DIR_ENV)
-    if directory:
-        path = Path(directory) / f"rank{rank}.json"
-        path.write_text(record.to_json())
-    else:
-        text = record.message if kind == "comm" else f"{record.message}\n{record.traceback}"
-        print(f"orgel: {text}", file=sys.stderr, flush=True)
-    return record
+def describe(exc: BaseException) -> tuple[str, str]:
+    """``(one line, traceback)`` of a rank's failure: a failed step by its cause, once.
+
+    A step failure (:class:`StepFailure`) wraps the error that stopped it with the
+    action it was running; the line gives that error's type and message with the
+    action, and the traceback is that error's only. A consequence
+    (:func:`is_comm_error`) needs no traceback: its line names the peer.
+    """
+    cause = exc.cause if isinstance(exc, StepFailure) else exc
+    action = ""
+    if isinstance(exc, StepFailure):
+        where = str(exc).rsplit(" [while running ", 1)
+        action = f" [while running {where[1]}" if len(where) == 2 else ""
+    if is_comm_error(exc):
+        return f"{cause}{action}", ""
+    return (f"{type(cause).__name__}: {cause}{action}",
+            "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
 
 
-def read_records(directory: str | Path) -> list[FailureRecord]:
-    """All failure records in ``directory``, earliest first."""
-    records = []
-    for path in sorted(Path(directory).glob("rank*.json")):
-        try:
-            records.append(FailureRecord(**json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
-            continue  # a rank died while writing: its exit code still tells
-    return sorted(records, key=lambda r: r.time)
-
-
-def summarize(records: list[FailureRecord], exitcodes: dict[int, int | None]) -> str:
-    """One report: the root cause (with traceback) once, then one line per other rank."""
-    roots = [r for r in records if r.kind == "error"]
-    lines: list[str] = []
-    reported = {r.rank for r in records}
-    if roots:
-        root = roots[0]
-        lines.append(root.message)
-        lines.append(root.traceback.rstrip())
-        others = [r for r in records if r is not root]
-    else:
-        others = list(records)
-    for rank, code in sorted(exitcodes.items()):
-        if rank not in reported and code not in (0, None):
-            lines.append(f"rank {rank} exited with code {code} without reporting an error "
-                         "(killed or crashed)")
-    for r in others:
-        lines.append(r.message)
-    return "\n".join(lines)
+def report_failure(rank: int, exc: BaseException) -> None:
+    """Print ``exc`` raised on ``rank`` to stderr, as a rank with no launcher above it does
+    (under ``torchrun``): one line naming the rank, the traceback for a root cause."""
+    line, tb = describe(exc)
+    text = f"rank {rank}: {line}" + (f"\n{tb.rstrip()}" if tb else "")
+    print(f"orgel: {text}", file=sys.stderr, flush=True)

@@ -1,36 +1,55 @@
-"""Start the ranks: spawn local processes, or join a ``torchrun`` job from its environment.
+"""Start the ranks: local processes this one drives, or join a ``torchrun`` job.
 
-:func:`spawn` runs ``fn(rank, world, *args)`` in ``nranks`` fresh processes on
-this machine (rendezvous on 127.0.0.1 at a free port, gloo by default, one
-thread per rank unless told otherwise) and returns each rank's result. A rank
-that fails writes one failure record (:mod:`orgel.runtime.errors`); the
-launcher waits for the others to stop on their own (they time out or see the
-lost peer), terminates any that do not, and raises :class:`SpawnError` with the
-root cause shown once.
+One launcher for one machine, :class:`LocalGroup` (Piper's single controller,
+kept small): the calling process (the *controller*) starts ``num_ranks``
+workers; each joins a process group on 127.0.0.1, builds its engine with
+``make_engine(rank)`` and serves commands ``(method, args)`` sent over a pipe,
+answering with the return value or the error. Every command goes to all ranks
+at once because most of them (a training step, a checkpoint) need every rank.
+``orgel.pipeline`` forks its workers, so they inherit the captured graph, the
+plan and the stage modules (nothing the user built has to be pickled);
+:func:`spawn` starts fresh interpreters and runs one function on each.
+
+A failure means the same thing everywhere: the first rank that raises or dies
+is the root cause, every worker is killed at once (a rank blocked on a
+message from a failed peer would otherwise wait for its timeout) and
+:class:`~orgel.runtime.errors.WorkerError` reports the cause once. Only when
+the first report is a consequence (a peer lost or timed out) does the
+controller wait, up to a second, for the cause: a death or another rank's own
+error.
 
 :func:`init_from_env` is the same program under ``torchrun`` (many machines):
-it reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+it reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; there
+``torchrun`` stops the other ranks when one exits with an error.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
-import pickle
+import signal
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from orgel.runtime.errors import ERROR_DIR_ENV, SpawnError, read_records, record_failure, summarize
+from orgel.runtime.errors import WorkerError, describe, is_comm_error
+
+#: how many ports a group tries when the one it chose is taken before rank 0 binds it
+PORT_ATTEMPTS = 3
+#: how long the controller waits for a failure's cause after a consequence reached it (s)
+CAUSE_GRACE_S = 1.0
 
 
 def under_torchrun() -> bool:
@@ -61,58 +80,281 @@ def init_from_env(*, backend: str | None = None, timeout: float = 60.0) -> tuple
     return dist.get_rank(), dist.get_world_size()
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-            timeout: float, threads: int | None, backend: str, outdir: str) -> None:
-    os.environ[ERROR_DIR_ENV] = outdir
-    # the rank's stderr goes to a log (shown by the launcher on success): on failure the
-    # report says it once, without N copies of C++ warnings and fx's own printouts
-    log = os.open(Path(outdir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 2)
-    if threads is not None:
-        torch.set_num_threads(threads)
+def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads: int,
+                 backend: str, log_dir: str | None, make_engine: Callable[[int], Any],
+                 conn: Connection) -> None:
+    # A killed controller must not leave orphans: die with it (Linux only).
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
-                              timeout=timedelta(seconds=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout))
-        result = fn(rank, world, *args)
-        with open(Path(outdir) / f"result{rank}.pkl", "wb") as f:
-            pickle.dump(result, f)
-        # every rank reaches here before any tears down the store it may still read
-        dist.barrier()
-    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then exit
-        record_failure(rank, exc)
-        _leave(1)  # no teardown: peers blocked on us must see the connection close
-    _leave(0)
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if log_dir is not None:  # shown by spawn on success; a failure is reported once instead
+        os.dup2(os.open(Path(log_dir) / f"rank{rank}.log",
+                        os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
+        engine = make_engine(rank)
+    except BaseException as exc:  # noqa: BLE001 - reported to the controller
+        conn.send(("error", *describe(exc), is_comm_error(exc)))
+        return
+    conn.send(("ok", None, "", False))
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            break
+        if method == "__close__":
+            conn.send(("ok", None, "", False))
+            break
+        try:
+            result = getattr(engine, method)(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            conn.send(("error", *describe(exc), is_comm_error(exc)))
+            continue
+        conn.send(("ok", result, "", False))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def _leave(code: int) -> None:
-    """Exit now, without destroy_process_group (which can block on a dead peer).
+class LocalGroup:
+    """``num_ranks`` local workers, each running ``make_engine(rank)``, driven by :meth:`call`.
 
-    multiprocessing's finalizers run first (semaphores made by libraries, e.g.
-    during capture), so the launcher's resource tracker has nothing to warn about.
+    ``context``: ``"fork"`` (the workers inherit this process's memory) or
+    ``"spawn"`` (fresh interpreters: ``make_engine`` must be picklable).
+    ``threads``: intra-op threads per rank (default: the cores shared out).
+    ``log_dir``: where each rank's stderr goes, if not to this process's.
     """
-    from multiprocessing import util
 
-    sys.stdout.flush()
-    try:
-        util._run_finalizers(0)  # type: ignore[attr-defined]
-    finally:
-        os._exit(code)
+    def __init__(self, num_ranks: int, make_engine: Callable[[int], Any], *,
+                 timeout_s: float = 300.0, threads: int | None = None, context: str = "fork",
+                 backend: str = "gloo", log_dir: str | None = None) -> None:
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout_s}")
+        self.num_ranks = num_ranks
+        self.timeout_s = timeout_s
+        threads = threads or max(1, (os.cpu_count() or 1) // num_ranks)
+        # The port was free when chosen; another process can take it before rank 0 binds
+        # it. That is no fault of the run: choose another and start again.
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                self._start(free_port(), threads, make_engine, context, backend, log_dir)
+                return
+            except WorkerError as exc:
+                if "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                    raise
+
+    def _start(self, port: int, threads: int, make_engine: Callable[[int], Any], context: str,
+               backend: str, log_dir: str | None) -> None:
+        ctx: Any = mp.get_context(context)
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        self._closed = False
+        for rank in range(self.num_ranks):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, name=f"orgel-rank{rank}", daemon=True,
+                               args=(rank, self.num_ranks, port, self.timeout_s, threads,
+                                     backend, log_dir, make_engine, child))
+            with _main_left_alone(make_engine if context == "spawn" else None):
+                proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        # A group dropped without close() still stops its workers (at garbage
+        # collection, or at interpreter exit at the latest).
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        self._collect(list(range(self.num_ranks)), "start", self.timeout_s + 30)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers, by rank."""
+        return [int(p.pid) for p in self._procs]
+
+    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None,
+             wait_s: float | None = -1.0, **kwargs: Any) -> list[Any]:
+        """Run ``engine.method(*args, **kwargs)`` on ``ranks`` (all by default); results by rank.
+
+        ``wait_s``: how long to wait for the answers (default: the group's timeout
+        plus 30 s; ``None``: as long as the ranks run, whose own waits time out).
+        """
+        if self._closed:
+            raise WorkerError("the local ranks are closed; create a new pipeline", -1)
+        targets = list(range(self.num_ranks)) if ranks is None else list(ranks)
+        for r in targets:
+            try:
+                self._conns[r].send((method, args, kwargs))
+            except (BrokenPipeError, OSError):
+                self._fail(targets, method, {r: (self._death(r, method), "", False)}, {})
+        return self._collect(targets, method, self.timeout_s + 30 if wait_s == -1.0 else wait_s)
+
+    def _collect(self, ranks: list[int], what: str, wait_s: float | None) -> list[Any]:
+        results: dict[int, Any] = {}
+        pending = {self._conns[r]: r for r in ranks}
+        sentinels = {self._procs[r].sentinel: r for r in ranks}
+        while pending:
+            ready = wait(list(pending) + list(sentinels), timeout=wait_s)
+            if not ready:
+                quiet = sorted(pending.values())
+                self._fail(ranks, what, {quiet[0]: (
+                    f"gave no answer to {what!r} within {wait_s:g} s (ranks {quiet})", "",
+                    False)}, results)
+            for r in sorted({pending.get(o, sentinels.get(o)) for o in ready}):  # type: ignore
+                if self._conns[r] not in pending:
+                    continue
+                if not self._conns[r].poll():  # its process ended with nothing to say
+                    self._fail(ranks, what, {r: (self._death(r, what), "", False)}, results)
+                status, value, tb, consequence = self._receive(r, what)
+                if status == "error":
+                    self._fail(ranks, what, {r: (value, tb, consequence)}, results)
+                results[r] = value
+                del pending[self._conns[r]]
+        return [results[r] for r in ranks]
+
+    def _receive(self, r: int, what: str) -> tuple[str, Any, str, bool]:
+        """Rank ``r``'s answer; a rank whose pipe closed answers with its death."""
+        try:
+            status, value, tb, consequence = self._conns[r].recv()
+        except (EOFError, OSError):
+            return "error", self._death(r, what), "", False
+        if status == "error":
+            value = f"failed in {what}: {value}"
+        return status, value, tb, consequence
+
+    def _fail(self, ranks: list[int], what: str, first: dict[int, tuple[str, str, bool]],
+              done: dict[int, Any]) -> None:
+        """Kill every worker and raise one report: the root cause once, then the others.
+
+        ``first`` maps the first failed rank to ``(what happened, traceback,
+        whether it is a consequence)``. A rank's own error is the cause: the
+        report goes out at once, with whatever else is already there. After a
+        consequence or a death, wait up to :data:`CAUSE_GRACE_S` for the cause
+        and for what the other ranks (whose waits a death ends) have to say.
+        """
+        failures = dict(first)
+        others = [r for r in ranks if r not in failures and r not in done]
+        own_error = any(not f[2] and f[1] for f in failures.values())
+        deadline = time.monotonic() + (0.0 if own_error else CAUSE_GRACE_S)
+        while others:
+            by_object = {self._conns[r]: r for r in others}
+            by_object.update({self._procs[r].sentinel: r for r in others})
+            ready = wait(list(by_object), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for r in sorted({by_object[o] for o in ready}):  # type: ignore[index]
+                others.remove(r)
+                answer = (self._receive(r, what) if self._conns[r].poll()
+                          else ("error", self._death(r, what), "", False))
+                if answer[0] == "error":
+                    failures[r] = answer[1:]
+                    if not answer[3] and answer[2]:  # a rank's own error: the cause is here
+                        deadline = time.monotonic()
+        self.kill()
+        # the cause: a rank's own error (it has a traceback), else a death, else the first
+        ranked = sorted(failures, key=lambda r: (failures[r][2], not failures[r][1]))
+        root = ranked[0]
+        lines = [f"rank {r} {failures[r][0]}" for r in [root, *sorted(set(ranked) - {root})]]
+        if failures[root][1]:
+            lines.insert(1, failures[root][1].rstrip())
+        if others:
+            lines.append(f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+                         f"had not finished {what!r}: stopped")
+        raise WorkerError("\n".join(lines), root)
+
+    def _death(self, rank: int, what: str) -> str:
+        proc = self._procs[rank]
+        proc.join(timeout=1)
+        code = proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"died during {what} ({how}); resume from the last checkpoint"
+
+    def kill(self) -> None:
+        """Kill every worker this group started (by process id) and mark the group closed."""
+        self._closed = True
+        self._finalizer.detach()
+        _kill(self._procs)
+
+    def close(self) -> None:
+        """Ask the workers to leave the process group and exit; kill any that do not.
+
+        Idempotent; also runs when the group is garbage-collected or the interpreter exits.
+        """
+        self._closed = True
+        self._finalizer()
+
+
+def _kill(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
+
+
+def _stop_workers(procs: list[Any], conns: list[Connection]) -> None:
+    """Ask the workers to leave the process group and exit; kill any that do not."""
+    for conn in conns:
+        try:
+            conn.send(("__close__", (), {}))
+        except (BrokenPipeError, OSError):
+            pass
+    for proc in procs:
+        proc.join(timeout=10)
+    _kill(procs)
+
+
+class _Job:
+    """The engine :func:`spawn` gives each rank: it runs ``fn(rank, world, *args)`` once."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], world: int,
+                 rank: int) -> None:
+        self.fn, self.args, self.world, self.rank = fn, args, world, rank
+
+    def run(self) -> Any:
+        return self.fn(self.rank, self.world, *self.args)
+
+
+def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0,
+          threads: int | None = 1, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, nranks, *args)`` on ``nranks`` fresh local processes; their results.
+
+    ``fn`` must be importable (module level) and its arguments and results
+    picklable. ``timeout`` (seconds) is the process group's timeout. A failing
+    rank stops them all: :class:`~orgel.runtime.errors.WorkerError` names the
+    root cause. Each rank's stderr is printed, prefixed, once all succeeded.
+    """
+    with tempfile.TemporaryDirectory(prefix="orgel-") as logs:
+        group = LocalGroup(nranks, functools.partial(_Job, fn, args, nranks), timeout_s=timeout,
+                           threads=threads, context="spawn", backend=backend, log_dir=logs)
+        try:
+            results = group.call("run", wait_s=None)
+        finally:
+            group.close()
+        for r in range(nranks):
+            text = (Path(logs) / f"rank{r}.log").read_text(errors="replace").strip()
+            if text:
+                print(f"[rank {r}] " + text.replace("\n", f"\n[rank {r}] "), file=sys.stderr)
+    return results
 
 
 @contextmanager
-def _main_left_alone(fn: Callable[..., Any]) -> Iterator[None]:
-    """While processes start, keep the ``spawn`` children from re-running ``__main__``.
+def _main_left_alone(make_engine: Callable[..., Any] | None) -> Iterator[None]:
+    """While a ``spawn`` child starts, keep it from re-running ``__main__``.
 
     A spawned child imports the parent's main script before it runs anything,
     so a script without an ``if __name__ == "__main__"`` guard (a notebook
     cell, or a training script under torchrun that profiles on rank 0) would
-    run again in every child and start children of its own. When ``fn`` lives
-    in an importable module the children never need ``__main__``: hide it.
+    run again in every child and start children of its own. When the function
+    the ranks run lives in an importable module the children never need
+    ``__main__``: hide it.
     """
+    fn = getattr(make_engine, "args", (make_engine,))[0]  # spawn's partial(_Job, fn, ...)
     main = sys.modules.get("__main__")
-    if main is None or getattr(fn, "__module__", "__main__") == "__main__":
+    if make_engine is None or main is None or getattr(fn, "__module__", "__main__") == "__main__":
         yield
         return
     saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__")
@@ -124,59 +366,3 @@ def _main_left_alone(fn: Callable[..., Any]) -> Iterator[None]:
     finally:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
-
-
-def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0,
-          threads: int | None = 1, backend: str = "gloo") -> list[Any]:
-    """Run ``fn(rank, nranks, *args)`` on ``nranks`` local processes; return their results.
-
-    ``fn`` must be importable (module level) and its results picklable.
-    ``timeout`` (seconds) is the process group's timeout; raises
-    :class:`SpawnError` naming the root cause when any rank fails.
-    """
-    if not isinstance(nranks, int) or nranks < 1:
-        raise ValueError(f"nranks must be a positive integer, got {nranks!r}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout}")
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="orgel-") as outdir:
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, nranks, port, fn, args, timeout,
-                                                   threads, backend, outdir), daemon=True)
-                 for r in range(nranks)]
-        with _main_left_alone(fn):
-            for p in procs:
-                p.start()
-        _join(procs, timeout)
-        codes = {r: p.exitcode for r, p in enumerate(procs)}
-        if any(c != 0 for c in codes.values()):
-            records = read_records(outdir)
-            raise SpawnError(summarize(records, codes))
-        for r in range(nranks):
-            text = (Path(outdir) / f"rank{r}.log").read_text(errors="replace").strip()
-            if text:
-                print(f"[rank {r}] " + text.replace("\n", f"\n[rank {r}] "), file=sys.stderr)
-        results = []
-        for r in range(nranks):
-            with open(Path(outdir) / f"result{r}.pkl", "rb") as f:
-                results.append(pickle.load(f))
-        return results
-
-
-def _join(procs: list[Any], timeout: float) -> None:
-    """Wait for every rank; once one fails, give the rest ``timeout`` + 5 s to stop."""
-    deadline: float | None = None
-    while True:
-        alive = [p for p in procs if p.exitcode is None]
-        if not alive:
-            return
-        failed = any(p.exitcode not in (None, 0) for p in procs)
-        if failed and deadline is None:
-            deadline = time.monotonic() + timeout + 5.0
-        if deadline is not None and time.monotonic() > deadline:
-            for p in alive:
-                p.terminate()
-            for p in alive:
-                p.join(5)
-            return
-        alive[0].join(0.05)

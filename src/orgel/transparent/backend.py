@@ -515,7 +515,7 @@ class Backend:
         import multiprocessing as mp
 
         from orgel.explicit import api
-        from orgel.worker.group import LocalGroup
+        from orgel.runtime.launch import LocalGroup
         from orgel.workload import Workload
 
         if self.model is None:

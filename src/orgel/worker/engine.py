@@ -2,7 +2,7 @@
 
 The :class:`RankEngine` is what both launch modes drive. In local-spawn mode a
 forked worker holds one and the controller calls its methods through
-:class:`orgel.worker.group.LocalGroup`; under ``torchrun`` the script holds its
+:class:`orgel.runtime.launch.LocalGroup`; under ``torchrun`` the script holds its
 own rank's engine and calls it directly. It owns nothing clever: training is
 the runtime's :class:`~orgel.runtime.Executor`, the format is
 :mod:`orgel.runtime.checkpoint`; the engine maps between the stage modules' local

@@ -2,7 +2,7 @@
 
 ``orgel.pipeline`` (:mod:`orgel.explicit.api`), ``orgel.backend`` (:mod:`orgel.transparent.backend`)
 and the several-graph controller (:mod:`orgel.explicit.glued`) all return one; it talks
-to the ranks through a group (:class:`orgel.worker.group.LocalGroup` in local
+to the ranks through a group (:class:`orgel.runtime.launch.LocalGroup` in local
 spawn, :class:`OwnRank` under torchrun).
 """
 
