@@ -71,6 +71,7 @@ def pipeline(
     replicated: Sequence[str] = (),
     precision: str = "32",
     loss_scale: dict[str, float] | None = None,
+    check_finite: bool = False,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -91,6 +92,8 @@ def pipeline(
     pipeline; ``pipe.loss_scale`` reports it); see :mod:`orgel.precision`.
     ``loss_scale`` takes GradScaler's options for 16-mixed (``init_scale``,
     ``growth_factor``, ``backoff_factor``, ``growth_interval``; its defaults otherwise).
+    ``check_finite`` stops the step at the first micro-batch whose loss is NaN or
+    infinite, naming it (one sync per micro-batch on the loss rank).
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
@@ -102,14 +105,16 @@ def pipeline(
         raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
                          f"precision={precision!r} does not scale the loss")
     scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
-    executor_options = {"replicated": workload.replicated, "loss_scaling": scaling}
+    executor_options = {"replicated": workload.replicated, "loss_scaling": scaling,
+                        "check_finite": check_finite}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     spmd = under_torchrun()
     if spmd:
-        return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches, scaling=scaling,
-                              optimizer=optimizer, memory=memory, dp=dp, plan=plan,
-                              timeout_s=timeout_s, keys=keys, aliases=aliases)
+        return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches,
+                              executor_options=executor_options, optimizer=optimizer,
+                              memory=memory, dp=dp, plan=plan, timeout_s=timeout_s, keys=keys,
+                              aliases=aliases)
     from orgel.runtime.launch import LocalGroup
 
     with untouched(model):  # the workers fork afterwards, from the caller's own state
@@ -117,6 +122,9 @@ def pipeline(
     if graph.glue is not None:  # several graphs: the controller runs the Python between them
         from orgel.explicit import glued
 
+        if check_finite:
+            raise ValueError("check_finite is not available for a forward of several graphs "
+                             "(the loss runs in this process): check the loss pipe.step returns")
         return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
 
@@ -139,7 +147,7 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
 def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                    optimizer: OptimizerFactory, memory: int | None, dp: int,
                    plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
-                   aliases: dict[str, str], scaling: bool | dict[str, Any] = False) -> Pipeline:
+                   aliases: dict[str, str], executor_options: dict[str, Any]) -> Pipeline:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -168,9 +176,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         one_graph_only(graph)
         split = split_for(workload, graph, the_plan)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
-                        executor_options={"replicated": workload.replicated,
-                                          "loss_scaling": scaling},
-                        timeout_s=timeout_s)
+                        executor_options=executor_options, timeout_s=timeout_s)
     return Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],
                     state_keys=keys, aliases=aliases, spmd=True)
