@@ -50,11 +50,11 @@ from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
 from orgel.costs.roofline import estimate_costs  # noqa: E402
 from orgel.plan.beam import beam_search  # noqa: E402
+from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, plan, predict  # noqa: E402
 from orgel.plan.scorer import Scorer  # noqa: E402
 from orgel.plan.sequential import _start  # noqa: E402
 from orgel.plan.templates import Spec, build_template  # noqa: E402
-from orgel.plan.device import capture_meta  # noqa: E402
 
 GIB = 1 << 30
 MICROBATCHES = 8  # Table 5
@@ -184,7 +184,8 @@ def table5(device: Any, blocks: int) -> None:
         mem = [sim.peak_memory[0] / GIB, sim.peak_memory[-1] / GIB]
         try:
             best = plan(costs, row.ranks, MICROBATCHES, rows=row.rows)
-            best_text = f"{best.step_time:7.0f} {str(best.plan.meta.get('schedule_label'))[:28]:<28}"
+            label = str(best.plan.meta.get("schedule_label"))[:28]
+            best_text = f"{best.step_time:7.0f} {label:<28}"
         except InfeasibleError:
             best_text = f"{'-':>7} {'nothing fits':<28}"
         star = "*" if row.rejected else " "
@@ -220,7 +221,8 @@ def table1(device: Any, blocks: int) -> None:
             ds = f"{'OOM':>7} {'-' if base is None else f'{items / base * 1000:.1f}':>10} {'':5}"
         else:
             ds_rate = None if base is None else items / base * 1000
-            ds = (f"{row.deepspeed:>7.1f} {'does not fit' if ds_rate is None else f'{ds_rate:.1f}':>10} "
+            shown = "does not fit" if ds_rate is None else f"{ds_rate:.1f}"
+            ds = (f"{row.deepspeed:>7.1f} {shown:>10} "
                   f"{'' if ds_rate is None else _ratio(ds_rate, row.deepspeed):>5}")
         print(f"{row.model:<5} {row.ranks:>2} {row.microbatches:>3} | {ds} | {row.pfeife:>7.1f} "
               f"{best_text} | {implied:4.1f}")
