@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", metavar="M", help="micro-batches per step, or "
                         "'auto' to choose for the whole batch (default: auto for a workload; "
                         "with --costs, auto when --batch is given, else 2 x ranks)")
+    parser.add_argument("--device", metavar="NAME|FILE.json", help="plan a workload for a "
+                        "device model instead of profiling it here: a100-40gb, a100-80gb, "
+                        "h100-80gb, v100-16gb, rtx3090-24gb, or a JSON file (see README); "
+                        "build big models on the meta device")
+    parser.add_argument("--tf32", action="store_true", help="with --device: fp32 matmuls "
+                        "run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)")
     parser.add_argument("--batch", type=int, metavar="B", help="with --costs: rows in one "
                         "step's batch; the costs file must give the 'rows' it was measured at")
     parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 2GiB "
@@ -89,6 +95,7 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from orgel.costs.blocks import BlockCosts, CostsFileError
+    from orgel.costs.devices import DeviceError
     from orgel.plan import PLANNERS, InfeasibleError, plan
 
     if (args.workload is None) == (args.costs is None):
@@ -105,6 +112,14 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--microbatches must be a number or 'auto', got {args.microbatches!r}")
         if microbatches < 1:
             return _fail(f"--microbatches must be at least 1, got {microbatches}")
+    if args.device is not None and args.workload is None:
+        return _fail("--device estimates a WORKLOAD's costs: give FILE.py:FUNCTION (a costs "
+                     "file already has its times)")
+    if args.tf32 and args.device is None:
+        return _fail("--tf32 is for --device (profiling measures what the GPU does)")
+    if args.device is not None and microbatches is None:
+        return _fail("--device needs --microbatches M (the micro-batch count is not searched "
+                     "for a device model)")
     if args.batch is not None:
         if args.costs is None:
             return _fail("--batch is for --costs: a workload plans its own example batch")
@@ -146,6 +161,14 @@ def run(args: argparse.Namespace) -> int:
         elif args.costs is not None:
             assert microbatches is not None
             result = plan(BlockCosts.load(args.costs), args.ranks, microbatches, **options)
+        elif args.device is not None:
+            from orgel.plan.device import plan_on_device
+            from orgel.workload import in_precision
+
+            assert microbatches is not None
+            result = plan_on_device(in_precision(args.workload, args.precision), args.device,
+                                    ranks=args.ranks, microbatches=microbatches,
+                                    blocks=args.blocks, tf32=args.tf32, **options)
         else:
             from orgel.plan.workload import plan_workload
             from orgel.workload import in_precision
@@ -154,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             result = plan_workload(workload, ranks=args.ranks, microbatches=microbatches,
                                    blocks=args.blocks, progress=not args.json,
                                    link=not args.no_link, **options)
-    except (InfeasibleError, CostsFileError) as exc:
+    except (InfeasibleError, CostsFileError, DeviceError) as exc:
         return _fail(str(exc))
     except (ValueError, FileNotFoundError, ImportError) as exc:
         return _fail(str(exc))

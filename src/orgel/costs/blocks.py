@@ -20,7 +20,8 @@ studied without a model. Times are milliseconds, sizes bytes::
      "optimizer_ms_per_mib": 0.0,          # optional, optimizer step ms per MiB of params
      "step_overhead": 0.8,                 # optional, ms per step outside the actions
      "rows": 4,                            # optional: rows per micro-batch it was measured at
-     "tied": [{"blocks": [0, 11], "nbytes": 4194304, "name": "tok_emb.weight"}]}  # optional
+     "tied": [{"blocks": [0, 11], "nbytes": 4194304, "name": "tok_emb.weight"}],  # optional
+     "node": {"ranks": 8, "link": {"latency": 0.005, "per_mib": 0.04}}}  # optional
 
 An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to half of
 ``bwd``. ``rows`` (optional) is the micro-batch size, in rows along the batch dimension,
@@ -42,6 +43,11 @@ wgrad`` and ``wgrad``. ``optimizer_ms`` (optional, all blocks or none) is each b
 optimizer step; without it a rank's step takes ``optimizer_ms_per_mib`` per MiB of its
 parameters. ``step_overhead`` (optional) is what every step costs outside its actions on
 two ranks (setup, the loss all-reduce round).
+
+``node`` (optional): ranks ``0..ranks-1`` share a node, and so on; a
+message or all-reduce between ranks on different nodes takes ``node.link``
+instead of ``link`` (``orgel plan --device`` writes it from the device's
+interconnects).
 
 ``tied`` (optional) lists parameters that several blocks read (a token
 embedding tied to the LM head): ``blocks`` (two or more block indices),
@@ -74,7 +80,7 @@ _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "tempor
 _OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
              "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib", "rows",
-             "tied", "step_overhead")
+             "tied", "step_overhead", "node")
 
 
 class CostsFileError(ValueError):
@@ -120,6 +126,8 @@ class BlockCosts:
     split_weight: list[float] = field(default_factory=list)  # W run apart, per block (or none)
     optimizer_ms: list[float] = field(default_factory=list)  # optimizer step, per block (or none)
     step_overhead: float | None = None  # ms per step outside the actions, on two ranks
+    node_ranks: int | None = None  # ranks per node: pairs across nodes take node_link
+    node_link: Link | None = None
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -220,7 +228,8 @@ class BlockCosts:
             split_input=[t * factor for t in self.split_input],
             split_weight=[t * factor for t in self.split_weight],
             optimizer_ms=list(self.optimizer_ms),  # the optimizer works on parameters
-            step_overhead=self.step_overhead)
+            step_overhead=self.step_overhead, node_ranks=self.node_ranks,
+            node_link=self.node_link)
 
     # -- JSON --------------------------------------------------------------------
 
@@ -252,6 +261,10 @@ class BlockCosts:
             **({} if self.rows is None else {"rows": self.rows}),
             **({"tied": [g.to_dict() for g in self.tied]} if self.tied else {}),
             **({} if self.step_overhead is None else {"step_overhead": self.step_overhead}),
+            **({} if self.node_ranks is None or self.node_link is None else
+               {"node": {"ranks": self.node_ranks,
+                         "link": {"latency": self.node_link.latency,
+                                  "per_mib": self.node_link.per_mib}}}),
             "meta": self.meta,
         }
 
@@ -342,6 +355,7 @@ class BlockCosts:
             optimizer_ms=cols["optimizer_ms"],
             step_overhead=(None if data.get("step_overhead") is None
                            else _number(data["step_overhead"], "step_overhead")),
+            **_node(data.get("node")),
         )
 
     def save(self, path: str | Path) -> None:
@@ -386,6 +400,18 @@ def _tied_list(data: Any) -> list[Any]:
         raise CostsFileError("'tied' must be a list of {\"blocks\": [0, 11], \"nbytes\": N, "
                              "\"name\": \"...\"} objects (blocks that read one parameter)")
     return data
+
+
+def _node(data: Any) -> dict[str, Any]:
+    """The ``node`` entry as BlockCosts' ``node_ranks`` and ``node_link`` (empty: none)."""
+    if data is None:
+        return {}
+    ranks = data.get("ranks") if isinstance(data, dict) else None
+    if (not isinstance(data, dict) or set(data) - {"ranks", "link"} or isinstance(ranks, bool)
+            or not isinstance(ranks, int) or ranks < 1):
+        raise CostsFileError("'node' must be {\"ranks\": ranks per node (>= 1), \"link\": "
+                             f"{{\"latency\": ms, \"per_mib\": ms}}}}, got {data!r}")
+    return {"node_ranks": ranks, "node_link": _link(data.get("link", {}), "node.link")}
 
 
 def _link(data: Any, where: str) -> Link:
@@ -508,7 +534,7 @@ def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
         stages=[stage_cost(bc, stage_blocks[s], split=split, shared=shared[s])
                 for s in range(len(stage_blocks))],
         link=bc.link, links=dict(bc.links), action_overhead=bc.action_overhead,
-        memory_per_rank=bc.memory_per_rank,
+        memory_per_rank=bc.memory_per_rank, node_ranks=bc.node_ranks, node_link=bc.node_link,
     )
 
 

@@ -284,12 +284,19 @@ def holds_tensors(obj: Any, depth: int) -> bool:
     return hasattr(obj, "__dict__") and holds_tensors(vars(obj), depth - 1)
 
 
+def _storage_key(storage: Any) -> int:
+    """What tells storages apart: the address, or on the meta device (no data, every
+    address 0) the storage object itself, which every view of it shares."""
+    return int(storage._cdata) if storage.device.type == "meta" else int(storage.data_ptr())
+
+
 def _run_measured(
     gm: torch.fx.GraphModule, args: list[Any], attr_of: dict[str, str],
     params: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor],
 ) -> dict[str, tuple[Any, int, int, bool, tuple[tuple[Any, ...], ...]]]:
     """Run the graph on real tensors: per node (output, saved bytes, FLOPs, grad mode, autocast)."""
-    excluded = {t.untyped_storage().data_ptr() for t in [*params.values(), *buffers.values()]}
+    excluded = {_storage_key(t.untyped_storage())
+                for t in [*params.values(), *buffers.values()]}
     counted: set[int] = set()
     keep: list[Any] = []  # hold saved storages so a freed address is never reused
     facts: dict[str, tuple[Any, int, int, bool, tuple[tuple[Any, ...], ...]]] = {}
@@ -317,7 +324,7 @@ def _run_measured(
             nbytes = 0
             for t in saved:
                 storage = t.untyped_storage()
-                key = storage.data_ptr()
+                key = _storage_key(storage)
                 if key in excluded or key in counted or storage.nbytes() == 0:
                     continue
                 counted.add(key)

@@ -334,7 +334,8 @@ class Scorer:
         cp = self.compiled(template, graph, rec, tied)
         costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
                       action_overhead=self.bc.action_overhead,
-                      memory_per_rank=self.memory)
+                      memory_per_rank=self.memory, node_ranks=self.bc.node_ranks,
+                      node_link=self.bc.node_link)
         self.evaluations += 1
         # gloo's receive buffers are kept across steps (BlockCosts.receives_posted_ahead)
         step, peak = cp.evaluate(costs, edge_bytes=edge_bytes,
@@ -411,7 +412,8 @@ class Scorer:
         ranks = template.base.num_ranks
         cuts = self._cross[1:-1]
         nbytes = int(np.median(cuts[cuts > 0])) if (cuts > 0).any() else 1 << 20
-        costs = Costs(stages=[], link=self.bc.link, links=self.bc.links)
+        costs = Costs(stages=[], link=self.bc.link, links=self.bc.links,
+                      node_ranks=self.bc.node_ranks, node_link=self.bc.node_link)
         return np.array([[costs.link_between(a, b).time(nbytes) if a != b else 0.0
                           for b in range(ranks)] for a in range(ranks)])
 

@@ -79,7 +79,9 @@ class Costs:
 
     ``links`` overrides ``link`` for particular (sender, receiver) rank pairs.
     ``action_overhead`` is the fixed cost (dispatch, Python, launch) added to
-    every compute action.
+    every compute action. ``node_ranks`` (with ``node_link``): ranks
+    ``0..node_ranks-1`` share a node, and so on; two ranks on different nodes
+    talk over ``node_link`` instead of ``link`` (a pair in ``links`` still wins).
     """
 
     stages: list[StageCost]
@@ -87,9 +89,22 @@ class Costs:
     links: dict[tuple[int, int], Link] = field(default_factory=dict)
     action_overhead: float = 0.0
     memory_per_rank: int | None = None
+    node_ranks: int | None = None
+    node_link: Link | None = None
 
     def link_between(self, src: int, dst: int) -> Link:
-        return self.links.get((src, dst), self.link)
+        link = self.links.get((src, dst))
+        if link is not None:
+            return link
+        if self.node_ranks and self.node_link is not None \
+                and src // self.node_ranks != dst // self.node_ranks:
+            return self.node_link
+        return self.link
+
+    @property
+    def uniform_links(self) -> bool:
+        """Whether every rank pair takes ``link`` (no pairs, no nodes)."""
+        return not self.links and not (self.node_ranks and self.node_link is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +113,8 @@ class Costs:
             "links": [[s, d, asdict(link)] for (s, d), link in sorted(self.links.items())],
             "action_overhead": self.action_overhead,
             "memory_per_rank": self.memory_per_rank,
+            **({} if self.node_ranks is None or self.node_link is None else
+               {"node_ranks": self.node_ranks, "node_link": asdict(self.node_link)}),
         }
 
     @classmethod
@@ -108,6 +125,8 @@ class Costs:
             links={(int(s), int(d)): Link(**lk) for s, d, lk in data.get("links", [])},
             action_overhead=float(data.get("action_overhead", 0.0)),
             memory_per_rank=data.get("memory_per_rank"),
+            node_ranks=data.get("node_ranks"),
+            node_link=Link(**data["node_link"]) if data.get("node_link") else None,
         )
 
     @classmethod

@@ -371,15 +371,16 @@ class CompiledPlan:
         """
         links = costs.links
         hit = self._link_cache
-        if hit is None or hit[0] is not links or hit[1] != len(links) or hit[2] != costs.link:
-            if links:
+        key = (costs.link, costs.node_ranks, costs.node_link)
+        if hit is None or hit[0] is not links or hit[1] != len(links) or hit[2] != key:
+            if not costs.uniform_links:
                 per_channel = [costs.link_between(s, d) for s, d in self.channels]
                 latency = np.array([lk.latency for lk in per_channel])[self.msg_channel]
                 per_mib = np.array([lk.per_mib for lk in per_channel])[self.msg_channel]
             else:
                 latency = np.full(self.num_messages, costs.link.latency)
                 per_mib = np.full(self.num_messages, costs.link.per_mib)
-            hit = (links, len(links), costs.link, latency, per_mib / _MIB, None)
+            hit = (links, len(links), key, latency, per_mib / _MIB, None)
         if edge_bytes is None and hit[5] is not None:
             return hit[5]
         nbytes = self.message_bytes(edge_bytes)

@@ -1,0 +1,132 @@
+"""Llama-3-70B and GPT-3-175B planned for 64, 256 and 1024 GPUs (data x pipeline parallel).
+
+    python benchmarks/at_scale.py [--device h100-80gb] [--gpus 64 256 1024] \
+        [--model llama3-70b]
+
+Each model is built at its real depth on the meta device (transformers
+configs, no weights), captured once with one sequence per micro-batch, costed
+by the roofline device model and planned by the same planner and simulator
+as any table, for every pipeline depth ``P`` (dividing the GPUs, at most the
+blocks) with ``dp = GPUs / P`` replicas of the pipeline. A step is the
+1M-token batch (Llama-3: 256 sequences of 4096 tokens; GPT-3: 512 of 2048;
+their published batches are 4x and 3x that, which only lengthens the step
+and the simulation), so each replica runs ``batch / dp`` one-sequence
+micro-batches. Depths whose weights and optimizer state alone cannot fit a GPU
+are skipped; the search is the beam planner over 1F1B, ZB-H1 and interleaved
+1F1B (two stages per rank at most), 2 s of beam per depth. Pipelines are
+placed on consecutive GPUs, 8 per node: the all-reduce of a stage's
+gradients across replicas runs over the inter-node link.
+
+Precision: bf16 weights and activations (the model built in bfloat16, so
+matmuls take the bf16 peak and values are 2 bytes), fp32 master weights and
+Adam state: 16 bytes per parameter, ``optimizer_factor = 8`` times the bf16
+parameter bytes, and the optimizer's passes over twice the bytes.
+
+orgel has no tensor parallelism: a stage is at least one whole block on one
+GPU, so a GPU must hold its stage's weights, gradients and Adam state
+(16 bytes per parameter) plus its in-flight activations. That forces deep
+pipelines (70B: 1.1 TB of state, at least 15 H100s per pipeline; 175B:
+2.8 TB, at least 36) and one-sequence micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import big  # noqa: E402
+
+from orgel.costs.blocks import BlockCosts  # noqa: E402
+from orgel.costs.devices import load_device  # noqa: E402
+from orgel.costs.roofline import estimate_costs  # noqa: E402
+from orgel.plan.device import capture_meta  # noqa: E402
+from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
+
+GIB = 1 << 30
+MODELS = {
+    "llama3-70b": (lambda: big.llama3_70b(1, 4096), 256, 4096),
+    "gpt3-175b": (lambda: big.gpt3_175b(1, 2048), 512, 2048),
+}
+
+
+def costs_of(name: str, device: Any, blocks: int) -> tuple[BlockCosts, float, float]:
+    """The one-sequence table of ``name`` in bf16 on ``device``: (costs, capture s, params)."""
+    started = time.perf_counter()
+    w = MODELS[name][0]()
+    w.model.to(torch.bfloat16)
+    _, graph = capture_meta(w, 1)
+    costs = estimate_costs(graph, device, blocks=blocks, rows=1)
+    costs.optimizer_factor = 8.0  # bf16 weights + bf16 grads + fp32 master, m, v = 16 B/param
+    costs.optimizer_ms = [2 * t for t in costs.optimizer_ms]  # fp32 state: twice the bytes
+    params = sum(p.numel() for p in w.model.parameters())
+    return costs, time.perf_counter() - started, params
+
+
+def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int
+              ) -> tuple[PlanResult | None, int, float]:
+    """The fastest plan over pipeline depths: (result, pipeline depth, seconds)."""
+    started = time.perf_counter()
+    best: tuple[PlanResult, int] | None = None
+    static = sum(costs.static_bytes(b) for b in range(costs.num_blocks))
+    for depth in (4, 8, 16, 32, 64, 128):
+        dp = gpus // depth
+        if gpus % depth or depth > costs.num_blocks or batch % dp or static / depth > memory:
+            continue
+        microbatches = batch // dp
+        try:
+            # dp replicas each take 1/dp of a micro-batch: scale the one-row table up by dp
+            result = plan(costs.scaled(dp), gpus, microbatches, dp=dp, rows=dp,
+                          max_replicas=1, time_limit=2.0, planner="beam", max_loops=2,
+                          families=["1f1b", "zb-h1", "interleaved"])
+        except InfeasibleError:
+            continue
+        if best is None or result.step_time < best[0].step_time:
+            best = (result, depth)
+    seconds = time.perf_counter() - started
+    return (None, 0, seconds) if best is None else (best[0], best[1], seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="h100-80gb")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--model", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    device = load_device(args.device)
+    print(f"device {device.name}: {device.gpus_per_node} GPUs per node, "
+          f"{device.intra_node.name} inside, {device.inter_node.name} between nodes")
+    print(f"{'model':<11} {'GPUs':>5} {'P x dp':>9} {'M':>4} {'schedule':<30} {'step s':>7} "
+          f"{'tok/s/GPU':>9} {'MFU':>5} {'bubble':>6} {'max GiB/GPU':>11} {'plan s':>6}")
+    for name in args.model:
+        blocks = 2 * (96 if name.startswith("gpt3") else 80) + 2
+        costs, captured, params = costs_of(name, device, blocks)
+        _, batch, seq = MODELS[name]
+        print(f"{name}: {params / 1e9:.1f}B parameters, {costs.num_blocks} blocks, captured "
+              f"and costed in {captured:.1f} s")
+        for gpus in args.gpus:
+            result, depth, seconds = best_plan(costs, gpus, batch, device.memory_bytes)
+            if result is None:
+                print(f"{name:<11} {gpus:>5} nothing fits ({seconds:.1f} s)")
+                continue
+            step = result.step_time / 1000
+            tokens = batch * seq / step / gpus
+            mfu = 6 * params * tokens / device.peak("bf16")
+            label = str(result.plan.meta.get("schedule_label"))[:30]
+            print(f"{name:<11} {gpus:>5} {f'{depth}x{gpus // depth}':>9} "
+                  f"{result.plan.microbatches:>4} {label:<30} {step:>7.2f} {tokens:>9.0f} "
+                  f"{mfu:>5.1%} {result.sim.bubble_fraction:>6.1%} "
+                  f"{max(result.sim.peak_memory) / GIB:>11.1f} {seconds:>6.1f}")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    print(f"peak memory of this process: {peak:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Block costs for a device not at hand: a roofline per op from the captured FLOPs and bytes.
+
+:func:`estimate_costs` turns a captured :class:`~orgel.graph.opgraph.OpGraph`
+(captured on real tensors or on the meta device: only shapes, FLOPs and saved
+bytes are read) and a :class:`~orgel.costs.devices.Device` into the same
+:class:`~orgel.costs.blocks.BlockCosts` table that profiling measures, so every
+planner and the simulator run unchanged. Per op:
+
+* its class (:func:`op_class`): ``matmul`` (linear, matmul, bmm, conv),
+  ``attention`` (SDPA), ``normalization`` (norms, softmax, reductions),
+  ``elementwise`` (the rest), or ``free`` (views, no kernel);
+* its forward time, the roofline ``max(FLOPs / (peak x eff), bytes / (bandwidth
+  x eff))`` with ``eff`` the device's efficiency for the class, peak by the
+  op's math mode (``fp32``, or ``tf32`` when asked, ``bf16``, ``fp16``) and
+  bytes = inputs + parameters + output;
+* its backward: a matmul's input gradient costs one forward per activation
+  input that needs a gradient, its weight gradient one forward (the
+  ``wgrad`` column); attention's backward 2.5 forwards (flash attention's five
+  GEMMs against two); any other op's backward twice its forward traffic, its
+  parameters' gradient (a norm's scale, an embedding's table) one forward.
+
+A block takes the sum of its ops, but never less than the host needs to issue
+their kernels (``launch_us`` each; a backward issues two per op). Memory is
+read from the capture: parameters, the bytes autograd saved (activations),
+the values other blocks read (output), twice the largest value (temporary: a
+value and its gradient). The loss (outside the graph) is charged to the block
+that makes the model's outputs as a softmax cross-entropy over them. The
+optimizer is Adam in fp32: 4 x parameters of state, one more as the step's
+temporaries, and seven passes over the parameter bytes per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orgel.costs.blocks import BlockCosts
+from orgel.costs.devices import FP32_MATMUL_EFFICIENCY, Device
+
+_FREE = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as",
+         "unsqueeze", "squeeze", "getitem", "size", "flatten", "unflatten", "split", "chunk",
+         "unbind", "narrow", "slice", "select", "alias", "detach", "view_as", "dim",
+         "numel", "unfold", "as_strided", "_assert_tensor_metadata", "getattr",
+         "movedim", "split_with_sizes", "identity"}
+_MATMUL = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum",
+           "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d",
+           "__matmul__"}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "flash_attention",
+              "_scaled_dot_product_cudnn_attention"}
+_NORMALIZATION = {"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "batch_norm",
+                  "native_batch_norm", "instance_norm", "softmax", "_softmax", "log_softmax",
+                  "_log_softmax", "mean", "sum", "var", "std", "amax", "amin", "max", "min",
+                  "norm", "cumsum", "logsumexp", "var_mean", "cross_entropy", "nll_loss"}
+_TYPE_CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "_to_copy"}
+_MODES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+#: Adam in fp32: read parameter, gradient and two moments, write three.
+ADAM_PASSES = 7
+#: The loss's softmax cross-entropy: passes over the logits forward and backward.
+LOSS_FORWARD_PASSES, LOSS_BACKWARD_PASSES = 3, 2
+
+
+def op_class(op: str, opgraph: Any = None, node: Any = None) -> str:
+    """``matmul``, ``attention``, ``normalization``, ``elementwise`` or ``free`` for an op name.
+
+    A dtype cast to the dtype it already has is free (given the graph and node).
+    """
+    name = op.lower().rstrip("_") if op not in ("_softmax", "_log_softmax") else op
+    if name in _MATMUL:
+        return "matmul"
+    if name in _ATTENTION or "attention" in name:
+        return "attention"
+    if name in _NORMALIZATION:
+        return "normalization"
+    if name in _FREE:
+        return "free"
+    if name in _TYPE_CASTS and node is not None and opgraph is not None:
+        sources = [opgraph.nodes[i].dtype for i in node.inputs if i in opgraph.nodes]
+        if sources and all(d == node.dtype for d in sources):
+            return "free"
+    return "elementwise"
+
+
+class Roofline:
+    """Per-op forward/backward times (ms) on ``device`` for ``opgraph``'s nodes."""
+
+    def __init__(self, opgraph: Any, device: Device, *, tf32: bool = False) -> None:
+        self.g = opgraph
+        self.device = device
+        self.tf32 = tf32
+        self.input_bytes = _model_input_bytes(opgraph)
+
+    def mode(self, dtype: str | None) -> str:
+        mode = _MODES.get(dtype or "float32", "fp32")
+        return "tf32" if mode == "fp32" and self.tf32 else mode
+
+    def traffic(self, node: Any) -> int:
+        """Bytes an op reads and writes: its tensor inputs, its parameters, its output."""
+        inputs = sum(self.g.nodes[i].nbytes if i in self.g.nodes else self.input_bytes.get(i, 0)
+                     for i in node.inputs)
+        return int(inputs + node.param_bytes + node.nbytes)
+
+    def grad_inputs(self, node: Any) -> int:
+        """How many of the op's activation inputs need a gradient."""
+        return sum(1 for i in node.inputs if i in self.g.nodes and self.g.nodes[i].requires_grad)
+
+    def times(self, node: Any) -> tuple[float, float, float, int]:
+        """``(fwd, bwd, wgrad, kernels)`` of one op: ms, ms, ms and kernels launched."""
+        cls = op_class(node.op, self.g, node)
+        if cls == "free" or not node.is_tensor and node.nbytes == 0:
+            return 0.0, 0.0, 0.0, 0
+        dev = self.device
+        bw = dev.memory_gbs * 1e9
+        traffic = self.traffic(node)
+        trains = node.requires_grad and node.grad_enabled
+        if cls in ("matmul", "attention"):
+            mode = self.mode(node.dtype)
+            eff = dev.efficiency[cls]
+            if cls == "matmul" and mode == "fp32":
+                eff = FP32_MATMUL_EFFICIENCY
+            fwd = max(node.flops / (dev.peak(mode) * eff),
+                      traffic / (bw * dev.efficiency["elementwise"])) * 1000
+            if not trains:
+                return fwd, 0.0, 0.0, 1
+            if cls == "attention":
+                return fwd, 2.5 * fwd, 0.0, 1
+            weight = fwd if node.params else 0.0
+            return fwd, min(2, self.grad_inputs(node)) * fwd + weight, weight, 1
+        fwd = traffic / (bw * dev.efficiency[cls]) * 1000
+        if not trains:
+            return fwd, 0.0, 0.0, 1
+        weight = fwd if node.params else 0.0
+        return fwd, 2 * fwd + weight, weight, 1
+
+
+def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool = False,
+                   rows: int | None = None, loss: bool = True,
+                   blockgraph: Any = None) -> BlockCosts:
+    """The block cost table of one micro-batch of ``opgraph`` on ``device`` (module docstring).
+
+    ``blocks``: how many blocks to coarsen into (or pass ``blockgraph``);
+    ``tf32``: fp32 matmuls run on TF32 tensor cores (``torch.backends.cuda.
+    matmul.allow_tf32``, off by default in PyTorch); ``rows``: the micro-batch's
+    rows, recorded for ``--batch`` scaling; ``loss``: charge a cross-entropy
+    over the model's outputs to the block that makes them.
+    """
+    from orgel.costs.tied import tied_groups
+    from orgel.graph import coarsen
+    from orgel.profile.workload import graph_hash
+
+    bg = blockgraph if blockgraph is not None else coarsen(opgraph, blocks)
+    roof = Roofline(opgraph, device, tf32=tf32)
+    launch = device.launch_us / 1000
+    node_block = bg.node_block
+    cols: dict[str, list[Any]] = {k: [] for k in ("fwd", "bwd", "wgrad", "params", "acts",
+                                                  "temp", "kept", "opt")}
+    outputs = set(opgraph.outputs)
+    readers: dict[str, set[int]] = {}
+    for node in opgraph.nodes.values():
+        for i in node.inputs:
+            readers.setdefault(i, set()).add(node_block[node.name])
+    out_bytes = []
+    for block in bg.blocks:
+        fwd = bwd = wgrad = 0.0
+        kernels = 0
+        params: dict[str, int] = {}
+        acts = temp = kept = 0
+        out = 0
+        for name in block.nodes:
+            node = opgraph.nodes[name]
+            f, b, w, k = roof.times(node)
+            fwd, bwd, wgrad, kernels = fwd + f, bwd + b, wgrad + w, kernels + k
+            for p in node.params:
+                if p in opgraph.params:
+                    params[p] = opgraph.tensor_bytes(p)
+            acts += node.saved_bytes
+            temp = max(temp, 2 * node.nbytes)
+            if w > 0 and op_class(node.op) == "matmul":
+                kept += node.nbytes  # W needs the output's gradient
+            if readers.get(name, set()) - {block.index} or name in outputs:
+                out += node.nbytes
+        if loss and block.produces_output:
+            logits = sum(opgraph.nodes[n].nbytes for n in outputs if n in opgraph.nodes)
+            rate = device.memory_gbs * 1e9 * device.efficiency["normalization"]
+            fwd += LOSS_FORWARD_PASSES * logits / rate * 1000
+            bwd += LOSS_BACKWARD_PASSES * logits / rate * 1000
+            acts += logits
+            kernels += 3
+        # The host issues the kernels ahead of the GPU; a block of tiny ops waits on it.
+        fwd = max(fwd, kernels * launch)
+        bwd = max(bwd, 2 * kernels * launch) if bwd > 0 else 0.0
+        nparams = sum(params.values())
+        cols["fwd"].append(fwd)
+        cols["bwd"].append(bwd)
+        cols["wgrad"].append(min(wgrad, bwd))
+        cols["params"].append(nparams)
+        cols["acts"].append(acts)
+        cols["temp"].append(temp)
+        cols["kept"].append(kept)
+        cols["opt"].append(ADAM_PASSES * nparams / (device.memory_gbs * 1e9
+                                                   * device.efficiency["elementwise"]) * 1000)
+        out_bytes.append(out)
+    edges = sorted({(e.src, e.dst) for e in bg.edges if e.src != e.dst})
+    return BlockCosts(
+        fwd=cols["fwd"], bwd=cols["bwd"], wgrad=cols["wgrad"], params=cols["params"],
+        activations=cols["acts"], output=out_bytes, temporary=cols["temp"], edges=edges,
+        link=device.intra_node.link(), memory_per_rank=device.memory_bytes,
+        optimizer_factor=4.0, optimizer_temporary=1.0, weight_kept=cols["kept"],
+        names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
+        rows=rows, tied=tied_groups(opgraph, bg), optimizer_ms=cols["opt"],
+        node_ranks=device.gpus_per_node, node_link=device.inter_node.link(),
+        meta={"device": device.name, "estimated": "roofline", "tf32": tf32,
+              "target_blocks": blocks, "num_blocks": len(bg.blocks),
+              "graph_hash": graph_hash(opgraph)})
+
+
+def _model_input_bytes(opgraph: Any) -> dict[str, int]:
+    """Bytes of each model input, read off the graph's placeholders."""
+    out: dict[str, int] = {}
+    for node in opgraph.graph_module.graph.nodes:
+        if node.op == "placeholder" and node.name in opgraph.model_inputs:
+            value = node.meta.get("example_value", node.meta.get("val"))
+            if value is not None and hasattr(value, "numel"):
+                out[node.name] = int(value.numel() * value.element_size())
+    return out

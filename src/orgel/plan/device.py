@@ -1,0 +1,76 @@
+"""Plan a workload for a device model instead of profiling it (``orgel plan --device``).
+
+:func:`device_costs` captures one micro-batch of a workload (built on the meta
+device for models of any size, or on real tensors) and estimates its block
+cost table on a :class:`~orgel.costs.devices.Device` by roofline
+(:mod:`orgel.costs.roofline`); :func:`plan_on_device` hands that table to the
+same planners and simulator as a profiled one. The plan names blocks and
+nodes of the capture; it is a prediction for hardware not at hand, not bound
+to a split of the graph (nothing here runs it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orgel.costs.blocks import BlockCosts
+from orgel.costs.devices import Device, load_device
+from orgel.plan.planner import PlanResult, plan
+from orgel.plan.workload import microbatch_rows
+
+
+def device_costs(workload: Any, device: Device | str, *, microbatches: int, blocks: int = 32,
+                 tf32: bool = False) -> BlockCosts:
+    """``workload`` (``"file.py:fn"`` or a Workload) estimated on ``device`` per micro-batch."""
+    from orgel.costs.roofline import estimate_costs
+
+    dev = load_device(device) if isinstance(device, str) else device
+    w, opgraph = capture_meta(workload, microbatches)
+
+    costs = estimate_costs(opgraph, dev, blocks=blocks, tf32=tf32,
+                           rows=microbatch_rows(w, microbatches))
+    costs.meta["workload"] = workload if isinstance(workload, str) else type(w.model).__name__
+    costs.meta["microbatches"] = microbatches
+    return costs
+
+
+def plan_on_device(workload: Any, device: Device | str, *, ranks: int, microbatches: int,
+                   blocks: int = 32, tf32: bool = False, **options: Any) -> PlanResult:
+    """The planner's best plan of ``workload`` on ``ranks`` of ``device`` (estimated costs).
+
+    ``options`` go to :func:`~orgel.plan.planner.plan` (``dp``, ``memory``,
+    ``planner``, ``max_replicas``, ...); ``rows`` defaults to a micro-batch's rows.
+    """
+    costs = device_costs(workload, device, microbatches=microbatches, blocks=blocks, tf32=tf32)
+    options.setdefault("rows", costs.rows)
+    return plan(costs, ranks, microbatches, **options)
+
+
+def capture_meta(workload: Any, microbatches: int) -> tuple[Any, Any]:
+    """Load (if named) and capture one micro-batch: ``(Workload, OpGraph)``.
+
+    A model on the meta device skips the workload check's trial forward (eager
+    code may read a value, ``.item()``, which meta tensors do not have; the
+    capture traces instead); any other goes through
+    :func:`~orgel.profile.workload.capture_workload` and its checks.
+    """
+    import torch
+
+    from orgel.graph import capture
+    from orgel.profile.workload import capture_workload
+    from orgel.workload import Workload, load_workload, named_inputs
+    from orgel.workload import microbatches as split_batches
+
+    w = load_workload(workload) if isinstance(workload, str) else workload
+    if not isinstance(w, Workload):
+        raise ValueError("workload must be 'file.py:function' or an orgel.workload.Workload")
+    if not any(p.is_meta for p in w.model.parameters()):
+        return capture_workload(w, microbatches)
+    batch = microbatch_rows(w, 1)
+    if batch is None or batch % microbatches:
+        raise ValueError(f"the workload's batch ({batch} rows) does not split into "
+                         f"{microbatches} micro-batches: choose a count that divides it")
+    inputs, _ = split_batches(w, microbatches)[0]
+    with torch.device("meta"):
+        graph = capture(w.model, named_inputs(w.model, inputs), precision=w.precision)
+    return w, graph
