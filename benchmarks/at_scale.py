@@ -46,9 +46,9 @@ import big  # noqa: E402
 
 from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
-from orgel.costs.roofline import estimate_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
+from orgel.profile.roofline import estimate_costs  # noqa: E402
 
 GIB = 1 << 30
 MODELS = {

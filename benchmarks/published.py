@@ -3,7 +3,7 @@
     python benchmarks/published.py [--table 5|1|all] [--device a100-40gb] [--blocks 64]
 
 Nothing here ran on a GPU: every model is built on the meta device (shapes
-only), captured, costed by the roofline device model (:mod:`orgel.costs.roofline`)
+only), captured, costed by the roofline device model (:mod:`orgel.profile.roofline`)
 and planned by the same planners and simulator as a profiled table. The
 calibration is the device's (``orgel.costs.devices``), the same for every row.
 
@@ -48,13 +48,13 @@ import big  # noqa: E402
 
 from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
-from orgel.costs.roofline import estimate_costs  # noqa: E402
 from orgel.plan.beam import beam_search  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, plan, predict  # noqa: E402
 from orgel.plan.scorer import Scorer  # noqa: E402
 from orgel.plan.sequential import _start  # noqa: E402
 from orgel.plan.templates import Spec, build_template  # noqa: E402
+from orgel.profile.roofline import estimate_costs  # noqa: E402
 
 GIB = 1 << 30
 MICROBATCHES = 8  # Table 5

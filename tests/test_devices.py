@@ -10,8 +10,8 @@ import torch
 
 from orgel.costs.blocks import BlockCosts
 from orgel.costs.devices import DEVICES, DeviceError, device_from_dict, load_device
-from orgel.costs.roofline import Roofline, estimate_costs, op_class
 from orgel.graph import capture
+from orgel.profile.roofline import Roofline, estimate_costs, op_class
 from orgel.schedule.costs import Costs, Link
 
 

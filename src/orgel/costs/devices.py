@@ -1,7 +1,7 @@
 """Device models: what a GPU and its links can do, built in or read from a JSON file.
 
 A :class:`Device` is the small typed record the roofline estimator
-(:mod:`orgel.costs.roofline`) turns a captured graph into block costs with:
+(:mod:`orgel.profile.roofline`) turns a captured graph into block costs with:
 dense peak TFLOP/s per math mode, memory bandwidth and capacity, the fraction
 of the roofline each op class reaches (``efficiency``), the host's cost to
 issue one kernel, and two interconnects (inside a node, between nodes) with
@@ -39,7 +39,7 @@ from typing import Any
 
 from orgel.schedule.costs import Link
 
-#: The op classes a device calibrates (:func:`orgel.costs.roofline.op_class`).
+#: The op classes a device calibrates (:func:`orgel.profile.roofline.op_class`).
 OP_CLASSES = ("matmul", "attention", "elementwise", "normalization")
 #: Math modes a device lists peaks for; fp32 storage runs as "tf32" only if asked.
 MATH_MODES = ("fp32", "tf32", "bf16", "fp16")

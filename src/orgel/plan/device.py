@@ -3,7 +3,7 @@
 :func:`device_costs` captures one micro-batch of a workload (built on the meta
 device for models of any size, or on real tensors) and estimates its block
 cost table on a :class:`~orgel.costs.devices.Device` by roofline
-(:mod:`orgel.costs.roofline`); :func:`plan_on_device` hands that table to the
+(:mod:`orgel.profile.roofline`); :func:`plan_on_device` hands that table to the
 same planners and simulator as a profiled one. The plan names blocks and
 nodes of the capture; it is a prediction for hardware not at hand, not bound
 to a split of the graph (nothing here runs it).
@@ -22,7 +22,7 @@ from orgel.plan.workload import microbatch_rows
 def device_costs(workload: Any, device: Device | str, *, microbatches: int, blocks: int = 32,
                  tf32: bool = False) -> BlockCosts:
     """``workload`` (``"file.py:fn"`` or a Workload) estimated on ``device`` per micro-batch."""
-    from orgel.costs.roofline import estimate_costs
+    from orgel.profile.roofline import estimate_costs
 
     dev = load_device(device) if isinstance(device, str) else device
     w, opgraph = capture_meta(workload, microbatches)
