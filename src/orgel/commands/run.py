@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from orgel.runtime.plans import balanced_plan
     from orgel.schedule.ir import Plan, PlanError
     from orgel.schedule.validate import validate
+    from orgel.split import split_plan
+    from orgel.split.split import SplitError
     from orgel.workload import (
         WorkloadError,
         load_workload,
@@ -124,7 +126,11 @@ def run(args: argparse.Namespace) -> int:
         if args.recompute:
             plan.recompute = [True] * plan.num_stages
         validate(plan)  # an invalid plan never starts a process
-    except (WorkloadError, PlanError, OSError, ValueError) as exc:
+        if args.plan:  # nor does a plan made for another model
+            share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
+            split_plan(capture(workload.model, share, several=False, precision=args.precision),
+                       plan)
+    except (WorkloadError, PlanError, SplitError, OSError, ValueError) as exc:
         return _fail(str(exc))
     if os.environ.get("RANK", "0") == "0":
         print(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks, "

@@ -51,6 +51,7 @@ class RankEngine:
         self.plan = plan
         self.split = split
         self.step_count = 0
+        self._read: dict[str, Any] | None = None  # what read_checkpoint read, until applied
         self.executor = (executor_class or Executor)(
             plan, split, rank=rank, loss_fn=loss_fn, optimizer_factory=optimizer,
             timeout=timeout_s, **(executor_options or {}),
@@ -148,30 +149,45 @@ class RankEngine:
         scaler = getattr(self.executor, "scaler", None)
         return {} if scaler is None else {"loss_scale": scaler.state_dict()}
 
-    def load_shard(self, path: str, *, same_layout: bool) -> int:
-        """Resume from the checkpoint at ``path``: tensors and optimizer state by name.
+    def read_checkpoint(self, path: str, *, same_layout: bool) -> dict[str, str] | None:
+        """Read, not yet apply, this rank's part of the checkpoint at ``path``.
 
-        ``same_layout`` (same plan and rank count) also restores this rank's RNG
-        states, which a bit-identical resume needs; otherwise RNG is left alone.
+        A checkpoint this rank cannot read comes back as ``{"error": why}``: every
+        rank reads before any applies (:meth:`apply_checkpoint`), so a bad shard
+        changes no rank. ``same_layout`` (same plan and rank count) also reads this
+        rank's RNG states, which a bit-identical resume needs.
         """
-        params = self.named_params()
-        names = [n for n, _ in params] + [n for n, _ in self.named_buffers()]
-        part = ckpt.read_names(path, names)
+        self._read = None
+        names = [n for n, _ in self.named_params()] + [n for n, _ in self.named_buffers()]
+        try:
+            part = ckpt.read_names(path, names)
+            shard: dict[str, Any] = {}
+            if getattr(self.executor, "scaler", None) is not None or same_layout:
+                # this rank's own shard (rank 0's when the checkpoint had fewer ranks): every
+                # shard holds the pipeline's one loss scale; the RNG state is this rank's
+                saved = int(ckpt.read_meta(path)["num_ranks"])
+                shard = ckpt.read_shard(path, self.rank if self.rank < saved else 0)
+        except ckpt.CheckpointError as exc:
+            return {"error": str(exc)}
+        self._read = {"part": part, "shard": shard, "rng": same_layout}
+        return None
+
+    def apply_checkpoint(self) -> int:
+        """Load what :meth:`read_checkpoint` read: tensors and optimizer state by name; the step."""
+        if self._read is None:
+            raise RuntimeError("apply_checkpoint without a successful read_checkpoint")
+        part, shard = self._read["part"], self._read["shard"]
         self.load_state({**part["params"], **part["buffers"]})
         opt = self.optimizer
         if opt is not None and part["optimizer"]["state"]:
-            ckpt.load_named_optimizer_state(opt, _unique(params), part["optimizer"])
+            ckpt.load_named_optimizer_state(opt, _unique(self.named_params()), part["optimizer"])
         scaler = getattr(self.executor, "scaler", None)
-        if scaler is not None or same_layout:
-            # this rank's own shard (rank 0's when the checkpoint had fewer ranks): every
-            # shard holds the pipeline's one loss scale; the RNG state is this rank's
-            saved = int(ckpt.read_meta(path)["num_ranks"])
-            shard = ckpt.read_shard(path, self.rank if self.rank < saved else 0)
-            state = (shard.get("extra") or {}).get("loss_scale")
-            if scaler is not None and state is not None:
-                scaler.load_state_dict(state)
-            if same_layout and shard.get("rng"):
-                guard.set_rng_state(shard["rng"])
+        state = (shard.get("extra") or {}).get("loss_scale")
+        if scaler is not None and state is not None:
+            scaler.load_state_dict(state)
+        if self._read["rng"] and shard.get("rng"):
+            guard.set_rng_state(shard["rng"])
+        self._read = None
         self.step_count = int(part["step"])
         self.executor.steps_done = self.step_count  # the random streams go on from there
         return self.step_count

@@ -157,7 +157,14 @@ class Pipeline:
         same = (int(meta["num_ranks"]) == self.num_ranks
                 and saved_plan.to_dict()["schedule"] == self.plan.to_dict()["schedule"]
                 and saved_plan.placement == self.plan.placement)
-        steps = self._ranks.call("load_shard", str(ckpt.resolve(directory)), same_layout=same)
+        read = self._ranks.call("read_checkpoint", str(ckpt.resolve(directory)),
+                                same_layout=same)
+        failed = [(r, w["error"]) for r, w in enumerate(read) if w]
+        if failed:  # no rank applied anything: the pipeline trains on as it was
+            r, why = failed[0]
+            raise ckpt.CheckpointError(f"rank {r} cannot resume: {why}. No rank's state "
+                                       f"changed; the pipeline is still at step {self.steps}")
+        steps = self._ranks.call("apply_checkpoint")
         self.steps = int(steps[0])
         return self.steps
 
