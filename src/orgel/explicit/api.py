@@ -31,7 +31,13 @@ from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import OptimizerFactory, RankEngine
-from orgel.worker.materialize import Init, Weights, WeightsArg, materialize_stages
+from orgel.worker.materialize import (
+    Init,
+    Weights,
+    WeightsArg,
+    materialize_stages,
+    process_memory,
+)
 from orgel.worker.pipe import OwnRank, Pipeline, model_aliases
 from orgel.workload import Workload, validate_workload, with_precision
 
@@ -135,11 +141,15 @@ def pipeline(
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
 
     def make_engine(rank: int) -> RankEngine:
+        made = {}
         if source is not None:  # in the worker: only this rank's stages get memory
-            materialize_stages(split, the_plan.stages_on(rank), source)
-        return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
-                          executor_options=executor_options,
-                          timeout_s=timeout_s)
+            made = {"start": process_memory(reset_peak=True)["rss"],
+                    "made": materialize_stages(split, the_plan.stages_on(rank), source)}
+        engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
+                            loss_fn=workload.loss_fn, executor_options=executor_options,
+                            timeout_s=timeout_s)
+        engine.made = made
+        return engine
 
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
     return Pipeline(the_plan, group, model=workload.model,
@@ -199,14 +209,17 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
             graph = capture_microbatch(workload, the_plan.microbatches)
         one_graph_only(graph)
         split = split_for(workload, graph, the_plan)
+    made = {}
     if source is not None:
         source.seed = int(text[1])
-        materialize_stages(split, the_plan.stages_on(rank), source,
-                           "cuda" if dist.get_backend() == "nccl" else "cpu")
+        made = {"start": process_memory(reset_peak=True)["rss"],
+                "made": materialize_stages(split, the_plan.stages_on(rank), source,
+                                           "cuda" if dist.get_backend() == "nccl" else "cpu")}
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         executor_options={"replicated": workload.replicated,
                                           "loss_scaling": scaling},
                         timeout_s=timeout_s)
+    engine.made = made
     return Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],
                     state_keys=keys, aliases=aliases, spmd=True, source=source)

@@ -46,7 +46,8 @@ def module_seed(seed: int, module: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(module.encode())) % (2**63)
 
 
-def _apply_order(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+def _apply_order(module: torch.nn.Module,
+                 prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
     """Modules as ``module.apply`` visits them: children first, then the module."""
     for name, child in module.named_children():
         yield from _apply_order(child, f"{prefix}{name}.")
@@ -149,13 +150,14 @@ class Weights:
         twin = copy.copy(module)  # its children stay the model's (meta: writes do nothing)
         twin._parameters = dict(module._parameters)
         twin._buffers = dict(module._buffers)
+        tables: dict[bool, dict[str, Any]] = {True: twin._parameters, False: twin._buffers}
         for key, t, is_param in _direct(module):
             made = real.get(id(t))
             if made is None:
                 empty = torch.empty_like(t, device=device)
                 made = _like(t, empty.fill_(float("nan")) if empty.is_floating_point()
                              else empty.zero_())
-            (twin._parameters if is_param else twin._buffers)[key] = made
+            tables[is_param][key] = made
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(module_seed(self.seed, mname))
@@ -166,7 +168,7 @@ class Weights:
             self.init(twin)
         made_now: dict[int, torch.Tensor] = {}
         for key, t, is_param in _direct(module):
-            now = (twin._parameters if is_param else twin._buffers)[key]
+            now = tables[is_param][key]
             if now is not None:
                 made_now[id(t)] = now
         return made_now
@@ -248,7 +250,14 @@ def materialize_stages(split: SplitModel, stages: Sequence[int], weights: Weight
     slots: list[tuple[dict[str, Any], str, str]] = []  # (table, key, canonical name)
     for s in stages:
         for sub in split.stages[s].module.modules():
-            for table in (sub._parameters, sub._buffers):
+            plain = [k for k, v in vars(sub).items() if isinstance(v, torch.Tensor) and v.is_meta]
+            if plain:
+                raise MaterializeError(
+                    f"stage {s} reads a constant tensor on the meta device ({plain[0]}) that "
+                    "is no parameter or buffer of the model: make it a buffer "
+                    "(module.register_buffer) so that it can be initialized or loaded by name")
+            tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+            for table in tables:
                 for key, t in table.items():
                     if t is None or not t.is_meta:
                         continue
@@ -272,11 +281,38 @@ def materialized(split: SplitModel, stages: Sequence[int], weights: Weights,
 
     What the controller profiles a meta model with: one block's tensors at a time.
     """
-    before = [(table, dict(table)) for s in stages for sub in split.stages[s].module.modules()
-              for table in (sub._parameters, sub._buffers)]
+    before: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        (table, dict(table)) for s in stages for sub in split.stages[s].module.modules()
+        for table in (sub._parameters, sub._buffers)]
     try:
         yield materialize_stages(split, stages, weights, device)
     finally:
         for table, saved in before:
             table.clear()
             table.update(saved)
+
+
+def process_memory(*, reset_peak: bool = False) -> dict[str, int]:
+    """This process's resident bytes now (``rss``) and at most since the last reset (``peak``).
+
+    Linux: ``VmRSS``/``VmHWM`` of ``/proc/self/status``; ``reset_peak`` first sets
+    the peak to the present (``/proc/self/clear_refs``), so that a forked rank's
+    peak is its own and not the controller's before the fork.
+    """
+    if reset_peak:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+    found: dict[str, int] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        found = {"VmRSS": peak, "VmHWM": peak}
+    return {"rss": found.get("VmRSS", 0), "peak": found.get("VmHWM", 0)}
