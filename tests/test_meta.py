@@ -331,3 +331,67 @@ def test_a_meta_gpt_is_profiled_block_by_block_and_trains_like_one_process(cache
     assert list(state) == list(reference.state_dict())
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+TORCHRUN_SCRIPT = '''
+import json, sys
+import torch
+import orgel.explicit.api as api
+from test_meta import Chain, _batch, _sgd, chain_init
+
+with torch.device("meta"):
+    model = Chain(4, 32)
+x, y = _batch(32)
+torch.manual_seed(5 + torch.distributed.get_rank() if torch.distributed.is_initialized() else 5)
+pipe = api.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=2, microbatches=2,
+                    optimizer=_sgd, init=chain_init)
+loss = pipe.step((x,), y)
+state = {k: v.tolist() for k, v in pipe.state_dict().items()}
+made = pipe.call_ranks("memory")[pipe._ranks.engine.rank]["made"]
+with open(f"{sys.argv[1]}/rank{torch.distributed.get_rank()}.json", "w") as f:
+    json.dump({"loss": loss, "state": state, "made": made}, f)
+pipe.close()
+'''
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_rank_makes_its_own_stages_with_rank_zeros_seed(
+        tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from orgel.runtime.launch import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+             str(tmp_path)], stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
+        try:
+            proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise
+    assert proc.returncode == 0, log.read_text(errors="replace")[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    x, y = _batch(32)
+    ref_loss, updated = reference_in_pieces(  # rank 0's seed (5), every rank
+        lambda i: initialized(torch.nn.Linear(32, 32), f"layers.{i}", 5, chain_init), 4, x, y, 2)
+    layer = (32 * 32 + 32) * 4
+    made = [r["made"] for r in results]  # each rank its own layers, together the model
+    assert sum(made) == 4 * layer and all(0 < m < 4 * layer for m in made)
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-6)
+        for part in updated:
+            for name, t in part.items():
+                torch.testing.assert_close(torch.tensor(r["state"][name]), t, rtol=1e-6,
+                                           atol=1e-7, msg=name)
