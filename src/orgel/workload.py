@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 Targets = Any  # a tensor, a tuple/list of tensors, or None
 
@@ -161,10 +162,15 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
             f"choose a micro-batch count that divides {batch}"
         )
     # A trial forward must not change the model (BatchNorm statistics, the RNG).
+    from orgel.graph.capture import on_meta
     from orgel.guard import untouched
 
+    targets = w.targets
+    if on_meta(w.model):  # shapes only: the batch goes to the meta device with the model
+        named, targets = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
+                                              (named, targets))
     with untouched(w.model), torch.no_grad():
-        loss = w.loss_fn(w.model(**named), w.targets)
+        loss = w.loss_fn(w.model(**named), targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise WorkloadError(

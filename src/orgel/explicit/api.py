@@ -31,6 +31,13 @@ from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import OptimizerFactory, RankEngine
+from orgel.worker.materialize import (
+    Init,
+    Weights,
+    WeightsArg,
+    materialize_stages,
+    process_memory,
+)
 from orgel.worker.pipe import OwnRank, Pipeline, model_aliases
 from orgel.workload import Workload, validate_workload, with_precision
 
@@ -72,6 +79,8 @@ def pipeline(
     precision: str = "32",
     loss_scale: dict[str, float] | None = None,
     check_finite: bool = False,
+    init: Init | None = None,
+    weights: WeightsArg | None = None,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -95,6 +104,15 @@ def pipeline(
     ``check_finite`` stops the step at the first micro-batch whose loss is NaN or
     infinite, naming it (one sync per micro-batch on the loss rank).
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
+
+    A model built on the meta device (``with torch.device("meta"): model = ...``)
+    is captured, planned and split without memory; each rank then makes only its
+    own stages' tensors (:mod:`orgel.worker.materialize`), from ``init`` (applied
+    to each module that holds them, after its ``reset_parameters()``, seeded per
+    module name from ``torch.initial_seed()``, so the values do not depend on the
+    plan) and/or ``weights`` (a state_dict, a ``torch.save`` file read with mmap,
+    or safetensors files; each rank reads only its own names). Planning it
+    profiles one block at a time, each made from ``init``/``weights`` and freed.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:
@@ -109,16 +127,18 @@ def pipeline(
                         "check_finite": check_finite}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
+    source = meta_weights(model, init, weights)
     spmd = under_torchrun()
     if spmd:
         return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches,
                               executor_options=executor_options, optimizer=optimizer,
                               memory=memory, dp=dp, plan=plan, timeout_s=timeout_s, keys=keys,
-                              aliases=aliases)
+                              aliases=aliases, source=source)
     from orgel.runtime.launch import LocalGroup
 
     with untouched(model):  # the workers fork afterwards, from the caller's own state
-        the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp)
+        the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp,
+                                          source)
     if graph.glue is not None:  # several graphs: the controller runs the Python between them
         from orgel.explicit import glued
 
@@ -129,14 +149,35 @@ def pipeline(
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
 
     def make_engine(rank: int) -> RankEngine:
-        return RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
-                          executor_options=executor_options,
-                          timeout_s=timeout_s)
+        made = {}
+        if source is not None:  # in the worker: only this rank's stages get memory
+            made = {"start": process_memory(reset_peak=True)["rss"],
+                    "made": materialize_stages(split, the_plan.stages_on(rank), source)}
+        engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
+                            loss_fn=workload.loss_fn, executor_options=executor_options,
+                            timeout_s=timeout_s)
+        engine.made = made
+        return engine
 
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
     return Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
-                    aliases=aliases, spmd=False)
+                    aliases=aliases, spmd=False, source=source)
+
+
+def meta_weights(model: torch.nn.Module, init: Init | None,
+                 weights: WeightsArg | None) -> Weights | None:
+    """Where a meta model's values come from (None for a model with values); checks them."""
+    from orgel.graph.capture import on_meta
+
+    if not on_meta(model):
+        if init is not None or weights is not None:
+            raise ValueError("init= and weights= are for a model built on the meta device "
+                             "(with torch.device('meta'): model = ...); this model has values "
+                             "already: leave them out, or load weights with "
+                             "model.load_state_dict before orgel.pipeline")
+        return None
+    return Weights(model, init=init, weights=weights, seed=torch.initial_seed())
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -147,7 +188,8 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
 def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                    optimizer: OptimizerFactory, memory: int | None, dp: int,
                    plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
-                   aliases: dict[str, str], executor_options: dict[str, Any]) -> Pipeline:
+                   aliases: dict[str, str], executor_options: dict[str, Any],
+                   source: Weights | None = None) -> Pipeline:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -165,21 +207,28 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
         if graph is not None:
             one_graph_only(graph)
-        text: list[str | None] = [None]
-        if rank == 0:
+        text: list[Any] = [None, None]
+        if rank == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
             text = [resolve_plan(plan, workload, graph, ranks, microbatches, memory,
-                                  dp).to_json()]
+                                  dp, source=source).to_json(), torch.initial_seed()]
         dist.broadcast_object_list(text, src=0)
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
             graph = capture_microbatch(workload, the_plan.microbatches)
         one_graph_only(graph)
         split = split_for(workload, graph, the_plan)
+    made = {}
+    if source is not None:
+        source.seed = int(text[1])
+        made = {"start": process_memory(reset_peak=True)["rss"],
+                "made": materialize_stages(split, the_plan.stages_on(rank), source,
+                                           "cuda" if dist.get_backend() == "nccl" else "cpu")}
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         executor_options=executor_options, timeout_s=timeout_s)
+    engine.made = made
     return Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],
-                    state_keys=keys, aliases=aliases, spmd=True)
+                    state_keys=keys, aliases=aliases, spmd=True, source=source)
 
 
 def one_graph_only(graph: Any) -> None:
@@ -197,7 +246,7 @@ def one_graph_only(graph: Any) -> None:
 
 def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
              microbatches: int | str, memory: int | None,
-             dp: int) -> tuple[Plan, Any, Any]:
+             dp: int, source: Weights | None = None) -> tuple[Plan, Any, Any]:
     """Capture, plan (or check ``plan``) and split: the plan, the SplitModel and the graph."""
     # "auto": the planner captures every micro-batch size it tries; capture the chosen one.
     graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
@@ -208,7 +257,8 @@ def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
 
         planned = Workload(workload.model, workload.inputs, workload.targets, profiling_loss,
                            workload.batch_dim, workload.replicated, workload.precision)
-    the_plan = resolve_plan(plan, planned, graph, ranks, microbatches, memory, dp)
+    the_plan = resolve_plan(plan, planned, graph, ranks, microbatches, memory, dp,
+                            source=source)
     if graph is None:
         graph = capture_microbatch(workload, the_plan.microbatches)
         if graph.glue is not None:
@@ -228,7 +278,7 @@ def capture_microbatch(workload: Workload, microbatches: int) -> Any:
 
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
                   microbatches: int | str, memory: int | None, dp: int,
-                  planner: str | None = None) -> Plan:
+                  planner: str | None = None, source: Weights | None = None) -> Plan:
     """The given plan (object or file), checked against the options, or the planner's."""
     if isinstance(plan, Plan):
         given = plan
@@ -239,9 +289,12 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
 
         # auto_plan reads the micro-batch rows and plans one rank per stage by
         # default (max_replicas=1): captured stages have fixed shapes.
+        if source is not None and microbatches == "auto":
+            raise ValueError("a model on the meta device is planned for one micro-batch "
+                             "count: give microbatches as an int, not 'auto'")
         given = auto_plan(workload, graph, ranks=ranks,
                           microbatches=None if microbatches == "auto" else int(microbatches),
-                          memory=memory, dp=dp, planner=planner or "auto")
+                          memory=memory, dp=dp, planner=planner or "auto", source=source)
     if given.num_ranks != ranks:
         raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
                          "pass ranks to match or plan=None to plan again")

@@ -10,7 +10,9 @@ cannot work the error names dynamo's reason and the user's source line. Export r
 
 Either way the graph is then run once on the real inputs to measure, per node,
 output sizes, FLOPs (``FlopCounterMode``) and the bytes autograd saves for
-backward (``saved_tensors_hooks``). The model and torch's global state are
+backward (``saved_tensors_hooks``). A model built on the meta device
+(``with torch.device("meta"):``) is captured and measured on meta copies of the
+inputs: the same facts, no parameter or activation memory. The model and torch's global state are
 restored afterwards (:func:`orgel.guard.untouched`), so capturing changes nothing.
 """
 
@@ -34,7 +36,7 @@ METHODS = ("auto", "dynamo", "export")
 #: ``*_once`` ones are what transformers adds to ``logging.Logger``).
 _LOG_METHODS = ("debug", "info", "warning", "warning_once", "info_once")
 
-__all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_settings"]
+__all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_settings", "on_meta"]
 
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
@@ -58,21 +60,28 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     named = named_inputs(model, inputs)
     notes: list[str] = []
+    traced = named
+    if on_meta(model):  # shapes only: the inputs are traced on the meta device with the model
+        traced = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in named.items()}
+        notes.append("the model is on the meta device: captured and measured without memory")
     with untouched(model):
         glue = None
         if method == "export" and dtype is not None:
             raise CaptureError(f"precision={precision!r} captures with TorchDynamo; use "
                                "method='dynamo' or 'auto'")
         if method == "export":
-            raw = _export_graph(model, named)
+            raw = _export_graph(model, traced)
         else:
             try:
-                raw = _dynamo_graph(model, named, dtype)
+                raw = _dynamo_graph(model, traced, dtype)
             except GraphBreakError as exc:
                 if dtype is not None:
                     raise GraphBreakError(f"{exc} Under precision={precision!r} orgel "
                                           "needs one graph of the forward") from None
-                if not several:
+                if not several or traced is not named:
+                    if traced is not named:
+                        raise GraphBreakError(f"{exc} A model on the meta device needs one "
+                                              "graph of the forward") from None
                     raise
                 # run as several graphs, the Python between them in the controller
                 from orgel.graph.glue import capture_graphs
@@ -87,11 +96,21 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 if method == "dynamo" or dtype is not None:
                     raise CaptureError(f"torch.compile could not capture the model: {exc}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
-                raw = _export_graph(model, named)
+                raw = _export_graph(model, traced)
         used = "export" if method == "export" or (notes and glue is None) else "dynamo"
         graph = measure(model, named, raw, notes, used)
         graph.glue = glue
         return graph
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device (any parameter or buffer there).
+
+    Such a model has shapes and dtypes but no values: capture measures it on
+    meta inputs (shapes, FLOPs, bytes per node, nothing allocated), and each rank
+    materializes only its own stages (:mod:`orgel.worker.materialize`).
+    """
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def dynamo_settings() -> Any:

@@ -10,6 +10,7 @@ become explicit edges, and the result is an :class:`OpGraph`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import re
@@ -122,9 +123,13 @@ def measure(
         elif node.op == "call_function" and _op_name(node) in _DROP:
             graph.erase_node(node)
     mutated = _rewire_inplace(graph, attr_of)
+    fake = any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
+    if fake:  # a meta model, traced on meta inputs: its graph runs where the inputs are
+        to_device(gm, next((a.device for a in args if isinstance(a, torch.Tensor)
+                            and not a.is_meta), torch.device("cpu")))
     gm.recompile()
 
-    facts = _run_measured(gm, args, attr_of, params, buffers)
+    facts = _run_measured(gm, args, attr_of, params, buffers, fake=fake)
     nodes: dict[str, OpNode] = {}
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method") or node.target in STRUCTURAL:
@@ -284,19 +289,71 @@ def holds_tensors(obj: Any, depth: int) -> bool:
     return hasattr(obj, "__dict__") and holds_tensors(vars(obj), depth - 1)
 
 
-def _storage_key(storage: Any) -> int:
-    """What tells storages apart: the address, or on the meta device (no data, every
-    address 0) the storage object itself, which every view of it shares."""
-    return int(storage._cdata) if storage.device.type == "meta" else int(storage.data_ptr())
+def to_device(gm: torch.fx.GraphModule, device: torch.device) -> bool:
+    """Make ``gm``'s ops that name the meta device (``torch.arange(n, device=x.device)``
+    traced on meta inputs) name ``device``; whether any did. Recompile afterwards."""
+    meta = torch.device("meta")
+    changed = False
+
+    def swap(a: Any) -> Any:
+        nonlocal changed
+        if isinstance(a, torch.device) and a == meta:
+            changed = True
+            return device
+        return a
+
+    for node in gm.graph.nodes:
+        node.args = pytree.tree_map(swap, node.args)
+        node.kwargs = pytree.tree_map(swap, node.kwargs)
+    return changed
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """One number per storage: its address, or for a storage without data (meta, fake) the
+    storage object's own (negative: never an address)."""
+    ptr = int(storage.data_ptr()) if storage.device.type != "meta" else 0
+    return ptr if ptr else -int(storage._cdata)
+
+
+def _fake_args(args: list[Any], mode: Any) -> list[Any]:
+    """``args`` as fake tensors on their real devices (meta parameters on the CPU).
+
+    Ops on fake tensors dispatch as on that device (scaled-dot-product attention
+    picks the CPU kernel, and saves what it saves) without allocating anything.
+    """
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_meta:
+            with mode:
+                t = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cpu")
+            out.append(t.requires_grad_(a.requires_grad))
+        elif isinstance(a, torch.Tensor):
+            out.append(mode.from_tensor(a))
+        else:
+            out.append(a)
+    return out
 
 
 def _run_measured(
     gm: torch.fx.GraphModule, args: list[Any], attr_of: dict[str, str],
-    params: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor],
+    params: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor], *,
+    fake: bool = False,
 ) -> dict[str, tuple[Any, int, int, bool, tuple[tuple[Any, ...], ...]]]:
-    """Run the graph on real tensors: per node (output, saved bytes, FLOPs, grad mode, autocast)."""
-    excluded = {_storage_key(t.untyped_storage())
-                for t in [*params.values(), *buffers.values()]}
+    """Run the graph on real tensors: per node (output, saved bytes, FLOPs, grad mode, autocast).
+
+    ``fake``: on fake tensors instead (a meta model): the same facts, no memory.
+    """
+    weights: list[torch.Tensor] = [*params.values(), *buffers.values()]
+    mode: Any = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+        held = set(map(id, weights))
+        fakes = _fake_args(args, mode)
+        weights = [f for a, f in zip(args, fakes, strict=True) if id(a) in held]
+        args = fakes
+    excluded = {_storage_key(t.untyped_storage()) for t in weights}
     counted: set[int] = set()
     keep: list[Any] = []  # hold saved storages so a freed address is never reused
     facts: dict[str, tuple[Any, int, int, bool, tuple[tuple[Any, ...], ...]]] = {}
@@ -335,7 +392,7 @@ def _run_measured(
 
     grad_before = torch.is_grad_enabled()
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), mode:
             Measured(gm).run(*args)
     finally:
         torch._C._set_grad_enabled(grad_before)

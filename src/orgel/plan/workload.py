@@ -208,7 +208,7 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
 def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int | None,
               memory: int | None = None, dp: int = 1, blocks: int = 32,
               max_replicas: int | None = 1, rows: int | None = None,
-              threads: int | None = None, planner: str = "auto") -> Plan:
+              threads: int | None = None, planner: str = "auto", source: Any = None) -> Plan:
     """The planner's plan for a workload (``orgel.pipeline``'s hook).
 
     ``graph`` is the workload captured at ``microbatches`` micro-batches; with
@@ -223,11 +223,16 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
     ``rows`` (default: the workload's micro-batch rows) limits replica counts
     to its divisors. ``threads``: intra-op threads each rank trains with
     (default :func:`~orgel.profile.workload.rank_threads` of ``ranks``).
+    ``source``: a meta model's values, profiled one block at a time
+    (:func:`~orgel.profile.workload.profile_graph`).
     """
     from orgel.profile.workload import profile_graph, rank_threads
 
     threads = threads or rank_threads(ranks)
     if microbatches is None:
+        if source is not None:
+            raise ValueError("a model on the meta device is planned for a given micro-batch "
+                             "count: give microbatches")
         if graph is not None or rows is not None:
             raise ValueError("with microbatches=None the search captures every micro-batch "
                              "size it tries: leave graph and rows out")
@@ -240,7 +245,7 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
                          "(orgel.profile.workload.capture_workload), or microbatches=None")
     costs = profile_graph(workload, graph, microbatches=microbatches, blocks=blocks,
                           progress=False, threads=threads, contention=ranks - 1,
-                          ranks=ranks)
+                          ranks=ranks, source=source)
     if rows is None:
         rows = microbatch_rows(workload, microbatches)
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,

@@ -217,7 +217,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                   link: bool = True, use_cache: bool = True, progress: bool = True,
                   optimizer_factor: float = 4.0, optimizer: str = "adamw",
                   threads: int = 1, contention: int = 0, ranks: int | None = None,
-                  recheck: float | None = RECHECK) -> BlockCosts:
+                  recheck: float | None = RECHECK, source: Any = None) -> BlockCosts:
     """Like :func:`profile_workload` for a workload already captured into ``opgraph``.
 
     ``optimizer`` (``adamw``, ``adam``, ``sgd``) is measured for the extra memory
@@ -228,6 +228,9 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     (:func:`link_world`; default ``contention + 1``). ``recheck``: a cached table is
     used only if the blocks, run once more in sequence, take within this
     fraction of the time it recorded (None: trust the cache as it is).
+    ``source``: for a model on the meta device, where its values come from
+    (:class:`orgel.worker.materialize.Weights`): the blocks are measured one at
+    a time, each made and freed (:mod:`orgel.profile.meta`).
     """
     from orgel.costs.tied import tied_groups
     from orgel.graph import coarsen
@@ -259,11 +262,19 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                     threads=threads, contention=contention)
     cached = _cached("blocks", key) if use_cache else None
     blocks_run: _Blocks | None = None
-    if cached is not None and recheck is not None:
+    if cached is not None and recheck is not None and source is None:
         blocks_run = _Blocks(bg, split_model, named, dev)
         with intra_op_threads(threads):
             if _drifted(blocks_run, cached, dev, contention, threads, recheck):
                 cached = None
+    if cached is None and source is not None:
+        from orgel.profile.meta import measure_blocks
+
+        crowd = oversubscription(contention, threads) if dev.type == "cpu" else 1.0
+        with intra_op_threads(threads):
+            cached = measure_blocks(split_model(bg, list(range(len(bg.blocks)))), named, source,
+                                    dev, warmup=warmup, repeats=repeats, crowd=crowd,
+                                    loss=(w.loss_fn, targets))
     if cached is None:
         with intra_op_threads(threads):
             cached = _measure(blocks_run or _Blocks(bg, split_model, named, dev), dev, warmup,
@@ -274,6 +285,10 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         # the model's order, as the ranks step them: a per-tensor optimizer still
         # holds the previous tensor's temporaries while it starts the next one.
         params = list(w.model.parameters())
+        if source is not None:  # a meta model: shapes of its largest tensors
+            from orgel.profile.meta import optimizer_sample
+
+            params = optimizer_sample(w.model)
         if sum(p.numel() * p.element_size() for p in params) > OPTIMIZER_COPY_LIMIT:
             keep = set(sorted(range(len(params)), key=lambda i: -params[i].numel())[:8])
             params = [p for i, p in enumerate(params) if i in keep]

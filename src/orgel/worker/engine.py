@@ -52,6 +52,8 @@ class RankEngine:
         self.split = split
         self.step_count = 0
         self._read: dict[str, Any] | None = None  # what read_checkpoint read, until applied
+        #: a meta model's rank: resident bytes before it made its stages, and the bytes made
+        self.made: dict[str, int] = {}
         self.executor = (executor_class or Executor)(
             plan, split, rank=rank, loss_fn=loss_fn, optimizer_factory=optimizer,
             timeout=timeout_s, **(executor_options or {}),
@@ -90,6 +92,17 @@ class RankEngine:
     def timeline(self) -> list[Any]:
         """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""
         return list(self.executor.events)
+
+    def memory(self) -> dict[str, int]:
+        """This process's resident bytes: ``rss`` now, ``peak`` since the rank started.
+
+        For a rank of a meta model also ``start`` (before it made its stages) and
+        ``made`` (the bytes of the tensors it made): ``peak - start`` is what
+        holding and training its stages took.
+        """
+        from orgel.worker.materialize import process_memory
+
+        return {**process_memory(), **self.made}
 
     def loss_scale(self) -> dict[str, Any] | None:
         """The loss scaler's state and whether the last step was skipped (None: no scaling)."""

@@ -56,7 +56,7 @@ class Pipeline:
 
     def __init__(self, plan: Plan, ranks: Any, *, model: torch.nn.Module,
                  loss_ranks: Sequence[int], state_keys: list[str], aliases: dict[str, str],
-                 spmd: bool) -> None:
+                 spmd: bool, source: Any = None) -> None:
         self.plan = plan
         # its forward signature names positional inputs; it holds the tensors no stage reads
         self._model = model
@@ -66,6 +66,8 @@ class Pipeline:
         self._aliases = aliases
         self.spmd = spmd
         self.steps = 0
+        # a meta model's values (orgel.worker.materialize.Weights): for tensors no stage holds
+        self._source = source
 
     @property
     def num_ranks(self) -> int:
@@ -113,6 +115,10 @@ class Pipeline:
         # Tensors the forward never reads (an unused pooler, a spare buffer) are in no
         # stage; training cannot change them, so the caller's model holds their values.
         own = self._model.state_dict()
+        unread = [self._aliases.get(k, k) for k in self._state_keys
+                  if self._aliases.get(k, k) not in merged and k in own]
+        if self._source is not None and unread:  # a meta model: make them as a rank would
+            merged.update({n: t.detach() for n, t in self._source.tensors(unread).items()})
         for key in self._state_keys:
             name = self._aliases.get(key, key)
             if name not in merged and key in own:

@@ -1,0 +1,103 @@
+"""Profile a model built on the meta device one block at a time, never holding it whole.
+
+A meta model has no values to run, and may not fit in one process. The
+controller profiles it block by block: each block's tensors are made from the
+pipeline's ``init``/``weights`` (:func:`orgel.worker.materialize.materialized`),
+the block runs on the previous blocks' real outputs, is measured as
+:mod:`orgel.profile.workload` measures a block (:func:`~orgel.profile.blocks.block_probe`,
+its jobs timed in :func:`~orgel.profile.blocks.interleaved` rounds) and its
+tensors are freed before the next block's are made. So the controller's peak is
+one block's parameters plus the activations still to be read.
+
+What the whole-model profile adds is left out: no companion processes run
+meanwhile (``contention``; the per-core share of ranks x threads is still
+applied), blocks are not timed in sequence (the in-sequence scale is 1), and the
+optimizer is timed on a few of the largest parameters' shapes only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from orgel.profile.blocks import (
+    Timer,
+    action_overhead,
+    block_probe,
+    interleaved,
+    loss_jobs,
+    spin_up,
+)
+from orgel.worker.materialize import Weights, materialized
+
+#: bytes of parameters the optimizer's step is timed on (largest tensors first, at least one)
+OPTIMIZER_SAMPLE = 64 << 20
+
+
+def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torch.device, *,
+                   warmup: int, repeats: int, crowd: float = 1.0,
+                   loss: tuple[Any, Any] | None = None) -> dict[str, Any]:
+    """The cached table's columns for every block of ``split`` (one stage per block)."""
+    from orgel.profile.workload import _columns, _loss_probe, _to
+
+    timer = Timer(dev, warmup=warmup, repeats=repeats)
+    values: dict[str, Any] = {k: _to(v, dev) for k, v in named.items()}
+    last_read = {name: b for b, stage in enumerate(split.stages) for name in stage.inputs}
+    last_read.update(dict.fromkeys(split.output_names, len(split.stages)))
+    measures, times_of = [], []
+    saved, loss_times = 0, {}
+    spin_up(dev)
+    for b, stage in enumerate(split.stages):
+        with materialized(split, [b], source, dev):
+            args = [values[name] for name in stage.inputs]
+            with torch.no_grad():
+                result = stage.module(*args)
+            outs = list(result) if isinstance(result, (tuple, list)) else [result]
+            values.update(zip(stage.outputs, outs, strict=True))
+            probe_loss = None
+            if loss is not None and b == split.loss_stage:
+                probe_loss = _loss_probe(split, loss[0], _to(loss[1], dev))
+            probe = block_probe(stage, args, dev, constant=[n in named for n in stage.inputs],
+                                loss=probe_loss)
+            jobs = [dict(probe.jobs)]
+            if probe_loss is not None and loss is not None:
+                group, saved = loss_jobs(split, values, loss[0], _to(loss[1], dev))
+                jobs.append(group)
+            timed = interleaved(jobs, timer)
+            timed = [{k: t * crowd for k, t in group.items()} for group in timed]
+            measures.append(probe.result(timed[0]))
+            times_of.append(timed[0])
+            if len(timed) > 1:
+                loss_times = timed[1]
+            del probe, jobs, args, outs, result
+            stage.module.zero_grad(set_to_none=True)
+        for name in [n for n in values if last_read.get(n, -1) <= b and n not in named]:
+            del values[name]  # no later block reads it
+    out = _columns(measures)
+    out["split_input"] = [t.get("inp", 0.0) for t in times_of]
+    out["split_weight"] = [t.get("wgrad", 0.0) for t in times_of]
+    out["action_overhead"] = action_overhead(timer)
+    out["wall_per_cpu"] = 1.0
+    out["oversubscription"] = crowd
+    if loss is not None:
+        b = split.loss_stage
+        out["fwd"][b] += loss_times.get("fwd", 0.0)
+        out["bwd"][b] += loss_times.get("bwd", 0.0)
+        out["split_input"][b] += loss_times.get("bwd", 0.0)
+        out["activations"][b] += saved
+    out["in_sequence_scale"] = 1.0
+    out["whole_ms"] = sum(out["fwd"]) + sum(out["bwd"])
+    return out
+
+
+def optimizer_sample(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Zero tensors shaped as the model's largest parameters, up to :data:`OPTIMIZER_SAMPLE`."""
+    out: list[torch.Tensor] = []
+    total = 0
+    for p in sorted(model.parameters(), key=lambda p: -p.numel()):
+        if out and total + p.numel() * p.element_size() > OPTIMIZER_SAMPLE:
+            break
+        out.append(torch.zeros(p.shape, dtype=p.dtype))
+        total += p.numel() * p.element_size()
+    return out
