@@ -1,16 +1,19 @@
-"""How fast a fault ends a step: time from the fault to the step's error, and to the last exit.
+"""How fast a fault ends a step: time from the fault to the error, and to the last exit.
 
-Each case (``tests/test_faults.py``'s: an exception in the loss, in the
-optimizer, a rank stopped with SIGSTOP) starts ``orgel.pipeline`` on 2 local
-ranks with a 6 s timeout, trains one step, injects the fault and runs a step:
-the table gives the seconds until that step raised, until every worker process
-was gone, and the first line of the error::
+Runs ``tests/test_faults.py``'s cases. Through ``orgel.pipeline`` (2 local ranks,
+a 6 s timeout): one good step, the fault, a step; the table gives the seconds
+until that step raised and until every worker process was gone. Through
+``orgel run`` (fresh rank interpreters): the seconds from the fault (written by
+the failing rank) until the command returned. Last, the first line of the
+report::
 
     python benchmarks/faults.py
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 import tempfile
@@ -19,19 +22,42 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_faults import TIMEOUT_S, _gone, run_fault  # noqa: E402 - the test's cases
+from test_faults import (  # noqa: E402 - the test's cases
+    API_FAULTS,
+    CLI_FAULTS,
+    TIMEOUT_S,
+    _gone,
+    orgel_run,
+    run_fault,
+    workload_file,
+)
 
 
 def main() -> None:
+    from orgel.cli import main as orgel
+
     print(f"2 local ranks, timeout {TIMEOUT_S:g} s, load {os.getloadavg()[0]:.1f}")
-    print(f"{'fault':<10} {'step raised s':>13} {'all exited s':>12}  first line of the error")
-    for fault in ("loss", "optimizer", "sigstop"):
+    print(f"{'entry':<6} {'fault':<10} {'raised s':>8} {'exited s':>8} {'bound s':>7}  "
+          "first line of the report")
+    for fault, (_, bound) in API_FAULTS.items():
         with tempfile.TemporaryDirectory() as tmp:
             message, raised, pids, begin = run_fault(Path(tmp) / "fault", fault)
             while not all(_gone(p) for p in pids):
                 time.sleep(0.01)
             exited = time.monotonic() - begin
-        print(f"{fault:<10} {raised:>13.2f} {exited:>12.2f}  {message.splitlines()[0][:110]}")
+        print(f"{'API':<6} {fault:<10} {raised:>8.2f} {exited:>8.2f} {bound:>7.1f}  "
+              f"{message.splitlines()[0][:100]}")
+    for fault, (_, bound) in CLI_FAULTS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            spec, times = workload_file(Path(tmp), fault)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                orgel(orgel_run(spec, *(("--check-finite",) if fault == "nan" else ())))
+            returned = time.time() - float(times.read_text())
+        line = err.getvalue().splitlines()[1] if err.getvalue().count("\n") > 1 else ""
+        print(f"{'CLI':<6} {fault:<10} {returned:>8.2f} {returned:>8.2f} {bound:>7.1f}  "
+              f"{line[:100]}")
+    print(f"load at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -369,6 +369,21 @@ def test_orgel_run_reports_a_failing_workload_once_and_exits_nonzero(
     assert seconds < bound, f"{fault}: orgel run returned {seconds:.2f} s after the fault"
 
 
+def test_a_failed_orgel_run_leaves_no_semaphore_behind(tmp_path: Path) -> None:
+    """The ranks are killed when one fails; what their libraries registered (tqdm's lock)
+    must not make the resource tracker warn at exit (checked in a process of its own)."""
+    import subprocess
+    import sys
+
+    spec, _ = workload_file(tmp_path, "sigkill")
+    code = f"from orgel.cli import main; raise SystemExit(main({orgel_run(spec)!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "died during run (killed by signal 9)" in out.stderr
+    assert "leaked semaphore" not in out.stderr, out.stderr[-2000:]
+
+
 def test_orgel_run_refuses_a_plan_that_deadlocks_or_was_made_for_another_model(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Both are refused before any process starts, saying why and what to do."""

@@ -90,6 +90,11 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    if mp.get_start_method(allow_none=True) == "spawn" and "fork" in mp.get_all_start_methods():
+        # a spawned child inherits "spawn"; as any Linux process, start others by fork: then
+        # the locks its libraries make (tqdm's) are unlinked at once, and a rank killed when
+        # another fails leaves no semaphore for the resource tracker to warn about
+        mp.set_start_method("fork", force=True)
     if log_dir is not None:  # shown by spawn on success; a failure is reported once instead
         os.dup2(os.open(Path(log_dir) / f"rank{rank}.log",
                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
