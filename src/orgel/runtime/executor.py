@@ -67,6 +67,13 @@ class Executor:
     ``before_reduce`` adds their gradients), ``loss_scaling`` (float16: one loss scale
     for the whole pipeline, :mod:`orgel.runtime.scaler`; a dict gives GradScaler's options;
     :attr:`skipped` says whether the last step was skipped for an inf/NaN gradient).
+
+    Hooks a driver may set (the closure runner does): ``fetch_inputs(m)`` returns
+    micro-batch ``m``'s model inputs when its first forward that reads them runs
+    (the step's ``inputs`` then only give shapes); ``on_microbatch(m)`` runs right
+    before a stage computes micro-batch ``m`` (its forward or a recompute);
+    ``before_reduce()`` after the backward work, before the gradient sums;
+    ``after_optimizer()`` after the optimizer step.
     """
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
@@ -128,9 +135,12 @@ class Executor:
         for p in self.extra_params.values():
             self.sync.all_params.append(p)
             self.sync.norm_params.append(p)
-        # called after the backward work, before the gradient sums; after the optimizer
+        # the driver's hooks (see the class docstring)
+        self.fetch_inputs: Callable[[int], dict[str, torch.Tensor]] | None = None
+        self.on_microbatch: Callable[[int], None] | None = None
         self.before_reduce: Callable[[], None] | None = None
         self.after_optimizer: Callable[[], None] | None = None
+        self._fetched: set[int] = set()
         self.reduce_after: dict[int, list[tuple[int, ...]]] = {}
         for rset in self.sync.dp:
             last = max(p for p, a in enumerate(self.actions)
@@ -185,6 +195,7 @@ class Executor:
         parts = split_microbatches({k: _to(v, self.device) for k, v in inputs.items()},
                                    _to(targets, self.device), m, self.batch_dim, self.replicated)
         self._inputs = [p for p, _ in parts]
+        self._fetched = set()
         self._targets = [t for _, t in parts]
         self._mb_rows = batch_size(({k: v for k, v in parts[0][0].items()
                                      if k not in self.replicated}, parts[0][1]), self.batch_dim)
@@ -283,6 +294,9 @@ class Executor:
 
     def _forward(self, a: Action) -> None:
         info, m = self.stages[a.stage], a.microbatch
+        if self.fetch_inputs is not None and info.stage.model_inputs and m not in self._fetched:
+            self._inputs[m] = {k: v.to(self.device) for k, v in self.fetch_inputs(m).items()}
+            self._fetched.add(m)
         leaves: dict[str, torch.Tensor] = {}
         for e in info.in_edges:
             edge = self.plan.stage_graph.edges[e]
@@ -321,6 +335,8 @@ class Executor:
 
     def _compute(self, info: StageInfo, args: list[Any],
                  m: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        if self.on_microbatch is not None:
+            self.on_microbatch(m)
         out = info.stage.module(*args)
         outputs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
         if len(outputs) != len(info.stage.outputs):

@@ -12,8 +12,8 @@ controller, closure m            input-stage rank(s)       loss-stage rank
   loss.backward() ── "grad", m, d loss/d outputs ──▶ surrogate loss ──▶ B ...
 ```
 
-An input stage's first forward of ``m`` waits for ``"in", m``
-(:func:`lazy_executor_class`), so the ranks start on early micro-batches while
+An input stage's first forward of ``m`` waits for ``"in", m`` (the executor's
+``fetch_inputs`` hook), so the ranks start on early micro-batches while
 later closures are still pre-processing. On the loss-stage rank the
 executor's ``loss_fn`` is a :class:`SurrogateLoss`: it ships
 the outputs, waits for their gradient ``g`` and returns ``sum(outputs * g)``
@@ -63,18 +63,23 @@ class RankInbox:
 
 
 class SurrogateLoss:
-    """The executor's ``loss_fn`` on the loss-stage rank; ``targets[0]`` is the micro-batch."""
+    """The executor's ``loss_fn`` on the loss-stage rank, for micro-batch :attr:`microbatch`.
+
+    The executor's ``on_microbatch`` hook sets :attr:`microbatch` before the loss
+    stage computes; the targets the executor passes are placeholders.
+    """
 
     def __init__(self, inbox: RankInbox) -> None:
         self.inbox = inbox
         self.divisor = 1.0  # set to the executor's loss divisor once it exists
+        self.microbatch = 0
         self._grads: dict[int, list[torch.Tensor | None] | None] = {}
 
     def reset(self) -> None:
         self._grads.clear()
 
     def __call__(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        m = int(targets.reshape(-1)[0].item())
+        m = self.microbatch
         flat = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         if m not in self._grads:  # a recomputed forward reuses the gradient it already has
             self.inbox.send(("out", m, [t.detach().cpu() for t in flat]))
@@ -126,38 +131,6 @@ class Slot:
         self.done = False
 
 
-def lazy_executor_class() -> type:
-    """The runtime's Executor, fed model inputs per micro-batch as the closures produce them.
-
-    The step starts with placeholder inputs of the right shapes; the first
-    forward of an input stage for micro-batch ``m`` takes the real inputs from
-    the controller (``"in"``, ``m``), so closures still pre-processing later
-    micro-batches overlap the pipeline's work on earlier ones.
-    """
-    from orgel.runtime.executor import Executor
-
-    class LazyInputsExecutor(Executor):
-        inbox: RankInbox | None = None
-        fetched: set[int] = set()
-        exchange: Any = None  # the rank's RankExchange, for a forward of several graphs
-
-        def _compute(self, info: Any, args: list[Any], m: int) -> Any:
-            if self.exchange is not None:  # the exchanges in this stage serve micro-batch m
-                self.exchange.microbatch = m
-            return super()._compute(info, args, m)
-
-        def _forward(self, a: Any) -> None:
-            m = a.microbatch
-            needs = bool(self.stages[a.stage].stage.model_inputs)
-            if self.inbox is not None and needs and m not in self.fetched:
-                real = self.inbox.get("in", m)
-                self._inputs[m] = {k: v.to(self.device) for k, v in real.items()}
-                self.fetched.add(m)
-            super()._forward(a)
-
-    return LazyInputsExecutor
-
-
 class ClosureEngine(RankEngine):
     """Worker side of the closure runner: lazy model inputs and the surrogate loss.
 
@@ -166,6 +139,8 @@ class ClosureEngine(RankEngine):
     before the gradient sums it adds the controller's gradients (``"p_grad"``),
     after the optimizer it sends their new values back (``"p_value"``).
     """
+
+    serves_exchanges = True
 
     def __init__(self, rank: int, plan: Any, split: Any, *, optimizer: Any, conn: Connection,
                  timeout_s: float, glue_info: Any = None,
@@ -182,17 +157,26 @@ class ClosureEngine(RankEngine):
                 if name not in held:  # no stage reads it: this rank keeps its own copy
                     extra[name] = torch.nn.Parameter(model.get_parameter(name).detach().clone())
         super().__init__(rank, plan, split, optimizer=optimizer, loss_fn=self.surrogate,
-                         timeout_s=timeout_s, executor_class=lazy_executor_class(),
-                         executor_options={"extra_params": extra})
-        self.executor.inbox = self.inbox
+                         timeout_s=timeout_s, executor_options={"extra_params": extra})
+        # the step's inputs give shapes; each micro-batch's real ones come from the
+        # controller when a stage first needs them, so closures still pre-processing later
+        # micro-batches overlap the pipeline's work on earlier ones
+        self.executor.fetch_inputs = lambda m: self.inbox.get("in", m)
+        self.executor.on_microbatch = self._at_microbatch
         self.surrogate.divisor = float(self.executor.loss_divisor)
+        self.exchange: glue.RankExchange | None = None
         if glue.exchange_stages(split):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
-            self.executor.exchange = self.exchange
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
         if self.homed:
             self.executor.before_reduce = self._add_controller_grads
             self.executor.after_optimizer = self._send_values
+
+    def _at_microbatch(self, m: int) -> None:
+        """A stage is about to compute micro-batch ``m``: the loss and the exchanges serve it."""
+        self.surrogate.microbatch = m
+        if self.exchange is not None:
+            self.exchange.microbatch = m
 
     def _homed_params(self) -> dict[str, torch.nn.Parameter]:
         """Each homed parameter's first copy on this rank, by name."""
@@ -222,13 +206,10 @@ class ClosureEngine(RankEngine):
         model input: the forward's first graph takes what code before it made).
         """
         self.surrogate.reset()
-        self.executor.fetched = set()
-        if self.executor.exchange is not None:
-            self.executor.exchange.begin(self.step_count)
-        # the "targets" are each row's micro-batch index: micro-batch m's are all m
-        m = self.plan.microbatches
+        if self.exchange is not None:
+            self.exchange.begin(self.step_count)
         rows = batch_size(placeholders) if rows is None else rows
-        self.executor.step(placeholders, torch.arange(m).repeat_interleave(rows // m))
+        self.executor.step(placeholders, torch.zeros(rows))  # targets: placeholders too
         self.step_count += 1
 
 

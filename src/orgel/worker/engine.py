@@ -29,6 +29,10 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 class RankEngine:
     """Rank ``rank``'s executor, optimizer and checkpoint shard for ``plan``."""
 
+    #: whether this engine answers the exchanges of a forward of several graphs (the
+    #: closure engine does: the controller runs the Python between the graphs)
+    serves_exchanges = False
+
     def __init__(
         self,
         rank: int,
@@ -39,11 +43,10 @@ class RankEngine:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         timeout_s: float = 300.0,
         executor_options: dict[str, Any] | None = None,
-        executor_class: type | None = None,
     ) -> None:
         from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
-        if executor_class is None and glue.exchange_stages(split):
+        if not self.serves_exchanges and glue.exchange_stages(split):
             raise glue.CaptureError("this split joins several graphs of a forward with graph "
                                     "breaks: it trains only through orgel.pipeline (local "
                                     "spawn), whose controller runs the Python between them")
@@ -54,7 +57,7 @@ class RankEngine:
         self._read: dict[str, Any] | None = None  # what read_checkpoint read, until applied
         #: a meta model's rank: resident bytes before it made its stages, and the bytes made
         self.made: dict[str, int] = {}
-        self.executor = (executor_class or Executor)(
+        self.executor = Executor(
             plan, split, rank=rank, loss_fn=loss_fn, optimizer_factory=optimizer,
             timeout=timeout_s, **(executor_options or {}),
         )
