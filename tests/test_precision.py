@@ -22,8 +22,9 @@ from archzoo.check import balanced_check
 from orgel.graph import capture
 from orgel.models import ZooWorkload, build
 from orgel.precision import autocast_dtype
-from orgel.runtime.plans import balanced_assignment, balanced_plan
+from orgel.runtime.plans import balanced_plan
 from orgel.split import split_model
+from orgel.split.assign import balanced_assignment
 from orgel.workload import Workload, microbatches
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from orgel.graph.capture import capture
-from orgel.runtime.plans import balanced_assignment, balanced_plan, replicate
+from orgel.runtime.plans import balanced_plan, replicate
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import PlanError
 from orgel.schedule.validate import validate
+from orgel.split.assign import balanced_assignment
 
 
 def test_replicate_gives_every_stage_dp_ranks_and_the_same_actions() -> None:
@@ -28,7 +29,7 @@ def test_balanced_plan_cuts_in_node_order_and_schedules() -> None:
     model = GPT(GPTConfig(vocab_size=16, d_model=8, n_layers=4, n_heads=2, seq_len=4))
     graph = capture(model, {"tokens": torch.randint(0, 16, (2, 4))})
     assignment = balanced_assignment(graph, 4)
-    stages = list(assignment.values())
+    stages = list(assignment)
     assert stages == sorted(stages) and set(stages) == {0, 1, 2, 3}
     plan = balanced_plan(graph, ranks=4, microbatches=4, schedule="interleaved", dp=2)
     assert plan.num_stages == 4 and plan.num_ranks == 4

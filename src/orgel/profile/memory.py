@@ -63,6 +63,18 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+#: the optimizers profiling can measure, by the name orgel's options give them
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def optimizer_class(kind: str) -> Callable[..., torch.optim.Optimizer]:
+    """The optimizer named ``kind``; a clear error for a name profiling cannot measure."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
+    return OPTIMIZERS[kind]
+
+
 def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw", *,
                         timed: bool = False) -> Any:
     """Extra bytes of one optimizer step as a multiple of the parameters' bytes.
@@ -73,14 +85,12 @@ def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw", *,
     temporaries at once). ``timed=True`` returns ``(multiple, ms per MiB of
     parameters)``, the step's time being the median of five more steps.
     """
-    makers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-    if kind not in makers:
-        raise ValueError(f"optimizer must be one of {', '.join(makers)}, got {kind!r}")
+    make = optimizer_class(kind)
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
     total = sum(p.numel() * p.element_size() for p in copies)
     if total == 0:
         return (0.0, 0.0) if timed else 0.0
-    opt = makers[kind](copies, lr=1e-3)
+    opt = make(copies, lr=1e-3)
     for _ in range(2):
         for p in copies:
             p.grad = torch.randn_like(p)
@@ -109,9 +119,7 @@ def optimizer_jobs(groups: list[list[torch.Tensor]], kind: str = "adamw"
     (the runtime steps one optimizer per rank over its stages' parameters:
     the blocks' steps add up to it). A group without parameters gets no job.
     """
-    makers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-    if kind not in makers:
-        raise ValueError(f"optimizer must be one of {', '.join(makers)}, got {kind!r}")
+    make = optimizer_class(kind)
     jobs: list[dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]] = []
     for params in groups:
         if not params:
@@ -120,7 +128,7 @@ def optimizer_jobs(groups: list[list[torch.Tensor]], kind: str = "adamw"
         copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
         for p in copies:
             p.grad = torch.randn_like(p)
-        opt = makers[kind](copies, lr=1e-3)
+        opt = make(copies, lr=1e-3)
         opt.step()
         def step(_: object, opt: torch.optim.Optimizer = opt) -> None:
             opt.step()

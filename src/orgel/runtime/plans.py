@@ -19,36 +19,10 @@ from orgel.schedule.ir import Plan, PlanError
 LOOPED = {"interleaved": "stages_per_rank", "looped-bfs": "stages_per_rank", "looped": "loops"}
 
 
-def balanced_assignment(graph: Any, stages: int) -> dict[str, int]:
-    """Node name -> stage, contiguous in node order, about equal FLOPs per stage.
-
-    The nodes between the first and last reader of a buffer the forward
-    updates in place (a BatchNorm used twice) stay in one stage.
-    """
-    from orgel.graph.blocks import cuts_a_span, writer_spans
-    from orgel.split.assign import stages_from_cuts
-    from orgel.split.points import balanced_points
-
-    names = list(graph.nodes)
-    weights = [max(1.0, float(getattr(graph.nodes[n], "flops", 0) or 0)) for n in names]
-    spans = writer_spans(graph, {n: i for i, n in enumerate(names)})
-    units: list[list[int]] = []  # runs of nodes that no cut may divide
-    for i in range(len(names)):
-        if units and cuts_a_span(spans, i):
-            units[-1].append(i)
-        else:
-            units.append([i])
-    try:
-        points = list(balanced_points([sum(weights[i] for i in u) for u in units], stages))
-    except ValueError as exc:
-        raise PlanError(f"{exc}; use fewer ranks or stages per rank") from None
-    per_unit = stages_from_cuts(len(units), points)
-    return {names[i]: stage for u, stage in zip(units, per_unit, strict=True) for i in u}
-
-
 def balanced_plan(graph: Any, *, ranks: int, microbatches: int, schedule: str = "1f1b",
                   dp: int = 1, stages_per_rank: int = 2, **options: Any) -> Plan:
     """Split ``graph`` evenly and schedule it with family ``schedule`` on ``ranks`` ranks."""
+    from orgel.split.assign import balanced_assignment
     from orgel.split.split import split_model
 
     if dp < 1 or ranks % dp:
@@ -57,7 +31,11 @@ def balanced_plan(graph: Any, *, ranks: int, microbatches: int, schedule: str = 
     per_rank = stages_per_rank if schedule in LOOPED else 1
     if schedule in LOOPED:
         options[LOOPED[schedule]] = per_rank
-    split = split_model(graph, balanced_assignment(graph, pipeline * per_rank))
+    try:
+        assignment = balanced_assignment(graph, pipeline * per_rank)
+    except ValueError as exc:
+        raise PlanError(f"{exc}; use fewer ranks or stages per rank") from None
+    split = split_model(graph, assignment)
     plan = build_schedule(schedule, pipeline, microbatches, stage_graph=split.stage_graph,
                           **options)
     plan.meta["planner"] = "balanced chain (FLOPs in node order)"

@@ -33,8 +33,8 @@ def _check(num_stages: int, available: int) -> None:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
     if num_stages > available:
         raise ValueError(
-            f"cannot make {num_stages} stages from {available} blocks; ask for fewer stages "
-            "or more blocks"
+            f"cannot make {num_stages} stages from {available} blocks (or nodes); ask for fewer "
+            "stages or more blocks"
         )
 
 
@@ -53,18 +53,47 @@ def stages_from_cuts(count: int, cuts: list[int]) -> list[int]:
     return stages
 
 
-def balanced_assignment(graph: BlockGraph, num_stages: int, *, weight: str = "flops") -> list[int]:
-    """One stage per block: contiguous runs of the block order with about equal ``weight``.
+def balanced_assignment(graph: BlockGraph | OpGraph, num_stages: int, *,
+                        weight: str = "flops") -> list[int]:
+    """The stage of each unit (a block of a BlockGraph; a node of an OpGraph, in node order):
+    contiguous runs with about equal ``weight``, ``"flops"`` or ``"params"`` (parameter bytes).
 
-    ``weight`` is ``"flops"`` or ``"params"`` (parameter bytes).
+    In an op graph the nodes between the first and last reader of a buffer the forward
+    updates in place (a BatchNorm used twice) stay in one stage; blocks already do.
     """
-    if weight not in ("flops", "params"):
-        raise ValueError(f"weight must be 'flops' or 'params', got {weight!r}")
-    _check(num_stages, len(graph.blocks))
+    from orgel.graph.blocks import cuts_a_span, writer_spans
     from orgel.split.points import balanced_points
 
-    w = [float(max(b.flops if weight == "flops" else b.param_bytes, 1)) for b in graph.blocks]
-    return stages_from_cuts(len(w), list(balanced_points(w, num_stages)))
+    if weight not in ("flops", "params"):
+        raise ValueError(f"weight must be 'flops' or 'params', got {weight!r}")
+    if isinstance(graph, BlockGraph):
+        w = [float(max(b.flops if weight == "flops" else b.param_bytes, 1)) for b in graph.blocks]
+        units = [[i] for i in range(len(w))]
+    else:
+        names = list(graph.nodes)
+        w = [float(max(_node_weight(graph, n, weight), 1)) for n in names]
+        spans = writer_spans(graph, {n: i for i, n in enumerate(names)})
+        units = []  # runs of nodes that no cut may divide
+        for i in range(len(names)):
+            if units and cuts_a_span(spans, i):
+                units[-1].append(i)
+            else:
+                units.append([i])
+    _check(num_stages, len(units))
+    per_unit = stages_from_cuts(len(units), list(balanced_points(
+        [sum(w[i] for i in u) for u in units], num_stages)))
+    out = [0] * len(w)
+    for unit, stage in zip(units, per_unit, strict=True):
+        for i in unit:
+            out[i] = stage
+    return out
+
+
+def _node_weight(graph: OpGraph, name: str, weight: str) -> float:
+    node = graph.nodes[name]
+    if weight == "flops":
+        return float(getattr(node, "flops", 0) or 0)
+    return float(sum(graph.tensor_bytes(p) for p in node.params))
 
 
 def random_assignment(
