@@ -1,9 +1,7 @@
-"""Profiled block times match a direct run: same thread count as the ranks, no inflation."""
+"""Blocks are profiled with the thread count the ranks train with, and the caller's is kept."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ from torch import nn
 
 import orgel.profile.workload as profile_mod
 from orgel.profile.workload import profile_workload, rank_threads
-from orgel.workload import Workload, microbatches, named_inputs
+from orgel.workload import Workload
 
 
 def mlp() -> Workload:
@@ -26,44 +24,17 @@ def mlp() -> Workload:
                     nn.functional.mse_loss)
 
 
-def direct_forward_ms(w: Workload, m: int, repeats: int = 15) -> float:
-    """Mean ms of the whole model's forward (autograd recording) on one micro-batch.
-
-    The mean, as the profiler's times carry the machine's share pooled over
-    every sample (a preemption now and then counts, as it does for a rank).
-    """
-    inputs, _ = microbatches(w, m)[0]
-    named = named_inputs(w.model, inputs)
-    times = []
-    for i in range(repeats + 3):
-        t0 = time.perf_counter()
-        w.model(**named)
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.fmean(times)
-
-
-def test_block_forward_sum_matches_direct_forward(cache: Path) -> None:
+def test_profiling_records_and_restores_the_thread_count(cache: Path) -> None:
+    """The table says which thread count its times are for, and profiling leaves the
+    caller's count as it was. (That the blocks run with it is the next test; a time
+    compared with a direct run would depend on the machine's load.)"""
     w = mlp()
     before = torch.get_num_threads()
-    costs = profile_workload(w, microbatches=2, blocks=4, link=False, repeats=7,
+    costs = profile_workload(w, microbatches=2, blocks=4, link=False, repeats=3,
                              progress=False, use_cache=False, threads=1)
     assert torch.get_num_threads() == before  # restored after profiling
     assert costs.meta["threads"] == 1
-    torch.set_num_threads(1)
-    try:
-        direct = direct_forward_ms(w, 2)
-        # Profile and direct timing interleaved once more, so a burst of load on a
-        # shared machine hits both sides: compare medians of each.
-        again = profile_workload(w, microbatches=2, blocks=4, link=False, repeats=7,
-                                 progress=False, use_cache=False, threads=1)
-        direct = statistics.median([direct, direct_forward_ms(w, 2)])
-    finally:
-        torch.set_num_threads(before)
-    summed = statistics.median([sum(costs.fwd), sum(again.fwd)])
-    # The blocks together do the same work as the whole forward: a sane factor, not
-    # the 40-200x of profiling with a thread pool fighting for shared cores.
-    assert 0.3 * direct <= summed <= 3.0 * direct, (summed, direct)
+    assert len(costs.fwd) == 4 and all(t > 0 for t in costs.fwd)
 
 
 def test_blocks_are_timed_with_the_ranks_thread_count(
