@@ -46,6 +46,10 @@ import torch.distributed as dist
 
 from orgel.runtime.errors import WorkerError, describe, is_comm_error
 
+#: what torchrun tells its ranks (a local group's workers are not torchrun's ranks)
+_TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT"}
 #: how many ports a group tries when the one it chose is taken before rank 0 binds it
 PORT_ATTEMPTS = 3
 #: how long the controller waits for a failure's cause after a consequence reached it (s)
@@ -99,9 +103,15 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
         os.dup2(os.open(Path(log_dir) / f"rank{rank}.log",
                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     torch.set_num_threads(threads)
+    # a group started by a torchrun rank (to measure links while planning) is a world of
+    # its own: torchrun's variables would make torch join torchrun's store instead
+    for key in [k for k in os.environ if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC")]:
+        del os.environ[key]
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore("127.0.0.1", port, num_ranks, rank == 0,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=num_ranks,
+                                timeout=timedelta(seconds=timeout_s))
         engine = make_engine(rank)
     except BaseException as exc:  # noqa: BLE001 - reported to the controller
         conn.send(("error", *describe(exc), is_comm_error(exc)))
