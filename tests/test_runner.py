@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,35 @@ def test_closure_errors_and_misuse_are_reported() -> None:
         pipe.close()
     with pytest.raises(ValueError, match="not divisible into 2 micro-batches"):
         ob.backend(microbatches=2).step(lambda x: x, torch.ones(3))
+
+
+def test_a_closure_that_hangs_is_reported_within_the_timeout() -> None:
+    """The runner never waits on a closure forever: one that hangs before calling the
+    compiled model (here micro-batch 1, on the first step) ends the step after the
+    timeout with an error naming it."""
+    text_tower, head, _ = _clip()
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=3)
+    compiled = torch.compile(head, backend=pipe)
+    release = threading.Event()
+
+    def closure(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> None:
+        if weights[0] == 2:  # micro-batch 1's rows
+            release.wait(60)
+        with torch.no_grad():
+            text = text_tower(tokens)
+        (contrastive_loss(compiled(text, pixels), weights) / M).backward()
+
+    tokens, pixels, weights = _batch(0)
+    weights[4:] = 2
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="the closure for micro-batch 1 neither called "
+                           "the compiled model nor returned within 3 s"):
+            pipe.step(closure, tokens, pixels, weights)
+        assert time.monotonic() - start < 3 + 30  # the timeout, not the closure's 60 s
+    finally:
+        release.set()
+        pipe.close()
 
 
 def test_graph_model_keeps_original_parameter_names() -> None:

@@ -376,7 +376,9 @@ class Backend:
         if self.pipe is not None:  # running: the input stages take it now (see closure.py)
             self._feed(slot)
         slot.called.set()
-        slot.delivered.wait()
+        if not slot.delivered.wait(self._wait_s):
+            raise TimeoutError(f"micro-batch {slot.index}'s outputs did not arrive from the loss "
+                               f"rank {self._loss_rank} within {self._wait_s:g} s")
         if slot.outputs is None:
             raise RuntimeError("the pipelined step was aborted")
         anchor = torch.zeros((), requires_grad=True)
@@ -448,7 +450,7 @@ class Backend:
         try:
             if self.pipe is None:  # first step: every closure's inputs give the graph's batch
                 for slot in self._slots:
-                    slot.called.wait()
+                    self._await_call(slot)
                 self._check_closures()
                 self._start()
                 for slot in self._slots:
@@ -459,18 +461,35 @@ class Backend:
                 self.pipe.call_ranks("closure_step", self._placeholders)
             except Exception:
                 for slot in self._slots:
-                    slot.called.wait()
+                    slot.called.wait(self._wait_s)
                 self._check_closures()  # a closure that failed first is the cause to report
                 raise
-            reader.join()
+            reader.join(self._wait_s)
         finally:
             for slot in self._slots:  # release closures still waiting (after an error)
                 slot.delivered.set()
             for t in threads:
-                t.join()
+                t.join(self._wait_s)
+        running = [m for m, t in enumerate(threads) if t.is_alive()]
+        if running:
+            raise TimeoutError(f"the closures of micro-batches {running} have not returned "
+                               f"{self._wait_s:g} s after the pipelined step ended; a closure "
+                               "must not wait on anything after its backward")
         self._check_closures()
         self.pipe.steps += 1
         return [s.result for s in self._slots]
+
+    @property
+    def _wait_s(self) -> float:
+        """How long the runner waits for a closure, or for outputs from the ranks."""
+        return self.timeout_s
+
+    def _await_call(self, slot: Slot) -> None:
+        """Wait until the closure of ``slot`` called the compiled model (or ended)."""
+        if not slot.called.wait(self._wait_s):
+            raise TimeoutError(f"the closure for micro-batch {slot.index} neither called the "
+                               f"compiled model nor returned within {self._wait_s:g} s; call "
+                               "the model once per closure")
 
     def _check_closures(self) -> None:
         for slot in self._slots:
