@@ -31,6 +31,7 @@ bounds a block of small kernels from below.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -122,12 +123,6 @@ DEVICES: dict[str, Device] = {
         source="NVIDIA A100 datasheet (SXM4 40GB): 19.5 FP32, 156 TF32, 312 BF16/FP16 "
                "TFLOP/s dense, 1,555 GB/s HBM2, 600 GB/s NVLink; DGX A100: 8 GPUs, "
                "one 200 Gb/s HDR port per GPU; 39.4 GiB is what torch reports usable"),
-    "a100-80gb": Device(
-        "a100-80gb", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
-        memory_gbs=2039, memory_gib=79.1,
-        intra_node=_ic("NVLink 3 via NVSwitch (600 GB/s both ways)", 300.0, 10.0),
-        inter_node=_IB_HDR,
-        source="NVIDIA A100 datasheet (SXM4 80GB): as a100-40gb with 2,039 GB/s HBM2e"),
     "h100-80gb": Device(
         "h100-80gb", {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},
         memory_gbs=3350, memory_gib=79.1,
@@ -155,6 +150,9 @@ DEVICES: dict[str, Device] = {
                "FP32 accumulate, what autocast gets: 71 here is optimistic), 936 GB/s "
                "GDDR6X, PCIe 4.0 x16 (32 GB/s, ~25 achieved)"),
 }
+DEVICES["a100-80gb"] = dataclasses.replace(
+    DEVICES["a100-40gb"], name="a100-80gb", memory_gbs=2039, memory_gib=79.1,
+    source="NVIDIA A100 datasheet (SXM4 80GB): as a100-40gb with 2,039 GB/s HBM2e")
 
 
 def load_device(spec: str | Path) -> Device:
