@@ -15,16 +15,16 @@ import torch
 
 from orgel.explicit.api import pipeline
 from orgel.graph import capture
-from orgel.graph.capture import on_meta
 from orgel.models import build
 from orgel.runtime import checkpoint as ckpt
 from orgel.split import split_model
-from orgel.worker.materialize import (
+from orgel.split.materialize import (
     MaterializeError,
     Weights,
     materialize_stages,
     module_seed,
 )
+from orgel.workload import on_meta
 
 LR = 0.1
 

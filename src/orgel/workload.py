@@ -125,6 +125,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device (any parameter or buffer there).
+
+    Such a model has shapes and dtypes but no values: capture measures it on
+    meta inputs (shapes, FLOPs, bytes per node, nothing allocated), and each rank
+    materializes only its own stages (:mod:`orgel.split.materialize`).
+    """
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
 def validate_workload(w: Workload, microbatches: int = 1) -> None:
     """Raise :class:`WorkloadError` unless ``w`` can be split into ``microbatches``.
 
@@ -162,7 +172,6 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
             f"choose a micro-batch count that divides {batch}"
         )
     # A trial forward must not change the model (BatchNorm statistics, the RNG).
-    from orgel.graph.capture import on_meta
     from orgel.guard import untouched
 
     targets = w.targets

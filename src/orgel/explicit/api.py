@@ -30,14 +30,14 @@ from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.launch import under_torchrun
 from orgel.schedule.ir import Plan
-from orgel.worker.engine import OptimizerFactory, RankEngine
-from orgel.worker.materialize import (
+from orgel.split.materialize import (
     Init,
     Weights,
     WeightsArg,
     materialize_stages,
     process_memory,
 )
+from orgel.worker.engine import OptimizerFactory, RankEngine
 from orgel.worker.pipe import OwnRank, Pipeline, model_aliases
 from orgel.workload import Workload, validate_workload, with_precision
 
@@ -107,7 +107,7 @@ def pipeline(
 
     A model built on the meta device (``with torch.device("meta"): model = ...``)
     is captured, planned and split without memory; each rank then makes only its
-    own stages' tensors (:mod:`orgel.worker.materialize`), from ``init`` (applied
+    own stages' tensors (:mod:`orgel.split.materialize`), from ``init`` (applied
     to each module that holds them, after its ``reset_parameters()``, seeded per
     module name from ``torch.initial_seed()``, so the values do not depend on the
     plan) and/or ``weights`` (a state_dict, a ``torch.save`` file read with mmap,
@@ -168,7 +168,7 @@ def pipeline(
 def meta_weights(model: torch.nn.Module, init: Init | None,
                  weights: WeightsArg | None) -> Weights | None:
     """Where a meta model's values come from (None for a model with values); checks them."""
-    from orgel.graph.capture import on_meta
+    from orgel.workload import on_meta
 
     if not on_meta(model):
         if init is not None or weights is not None:

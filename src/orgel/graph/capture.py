@@ -29,14 +29,14 @@ from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
 from orgel.guard import untouched
 from orgel.precision import autocast_dtype, device_type
-from orgel.workload import named_inputs
+from orgel.workload import named_inputs, on_meta
 
 METHODS = ("auto", "dynamo", "export")
 #: Log calls in a forward that capture skips rather than break the graph at (the
 #: ``*_once`` ones are what transformers adds to ``logging.Logger``).
 _LOG_METHODS = ("debug", "info", "warning", "warning_once", "info_once")
 
-__all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_settings", "on_meta"]
+__all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_settings"]
 
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
@@ -101,16 +101,6 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
         graph = measure(model, named, raw, notes, used)
         graph.glue = glue
         return graph
-
-
-def on_meta(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was built on the meta device (any parameter or buffer there).
-
-    Such a model has shapes and dtypes but no values: capture measures it on
-    meta inputs (shapes, FLOPs, bytes per node, nothing allocated), and each rank
-    materializes only its own stages (:mod:`orgel.worker.materialize`).
-    """
-    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def dynamo_settings() -> Any:

@@ -2,7 +2,7 @@
 
 A meta model has no values to run, and may not fit in one process. The
 controller profiles it block by block: each block's tensors are made from the
-pipeline's ``init``/``weights`` (:func:`orgel.worker.materialize.materialized`),
+pipeline's ``init``/``weights`` (:func:`orgel.split.materialize.materialized`),
 the block runs on the previous blocks' real outputs, is measured as
 :mod:`orgel.profile.workload` measures a block (:func:`~orgel.profile.blocks.block_probe`,
 its jobs timed in :func:`~orgel.profile.blocks.interleaved` rounds) and its
@@ -29,7 +29,7 @@ from orgel.profile.blocks import (
     loss_jobs,
     spin_up,
 )
-from orgel.worker.materialize import Weights, materialized
+from orgel.split.materialize import Weights, materialized
 
 #: bytes of parameters the optimizer's step is timed on (largest tensors first, at least one)
 OPTIMIZER_SAMPLE = 64 << 20

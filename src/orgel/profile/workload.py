@@ -229,7 +229,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     used only if the blocks, run once more in sequence, take within this
     fraction of the time it recorded (None: trust the cache as it is).
     ``source``: for a model on the meta device, where its values come from
-    (:class:`orgel.worker.materialize.Weights`): the blocks are measured one at
+    (:class:`orgel.split.materialize.Weights`): the blocks are measured one at
     a time, each made and freed (:mod:`orgel.profile.meta`).
     """
     from orgel.costs.tied import tied_groups

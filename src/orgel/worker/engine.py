@@ -103,7 +103,7 @@ class RankEngine:
         ``made`` (the bytes of the tensors it made): ``peak - start`` is what
         holding and training its stages took.
         """
-        from orgel.worker.materialize import process_memory
+        from orgel.split.materialize import process_memory
 
         return {**process_memory(), **self.made}
 

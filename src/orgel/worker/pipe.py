@@ -66,7 +66,7 @@ class Pipeline:
         self._aliases = aliases
         self.spmd = spmd
         self.steps = 0
-        # a meta model's values (orgel.worker.materialize.Weights): for tensors no stage holds
+        # a meta model's values (orgel.split.materialize.Weights): for tensors no stage holds
         self._source = source
 
     @property
