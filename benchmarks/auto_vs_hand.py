@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hand_split import WORKLOADS, Workload, cut  # noqa: E402
+from vs_torch_pipelining import _cpu_busy, _own_cpu  # noqa: E402
 
 import orgel  # noqa: E402
 from orgel.runtime.launch import free_port  # noqa: E402
@@ -66,6 +67,16 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 #: batch per workload (the micro-batch count is 2 per rank)
 BATCH = {"gpt": 8, "llama": 8, "vit": 16, "unet": 16, "clip": 32}
 LR = 1e-3
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of the processes ``pids`` (threads included) so far."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _threads(ranks: int) -> int:
@@ -117,7 +128,7 @@ def _torch_schedule(work: Workload, name: str, rank: int, world: int, m: int) ->
     schedule._maybe_compute_loss = timed("L", schedule._maybe_compute_loss)  # type: ignore
     opt_step = timed("optim", opt.step)
 
-    def step() -> tuple[float, float | None, float]:
+    def step() -> tuple[float, float | None, float, dict[str, float]]:
         """One barrier-to-barrier step: wall seconds, the loss (on its rank), compute seconds."""
         spans.clear()
         losses: list[torch.Tensor] = []
@@ -133,7 +144,10 @@ def _torch_schedule(work: Workload, name: str, rank: int, world: int, m: int) ->
         dist.barrier()
         wall = time.perf_counter() - t0
         loss = float(torch.stack([x.detach() for x in losses]).mean()) if losses else None
-        return wall, loss, sum(e - s for _, s, e in spans)
+        kinds: dict[str, float] = {}
+        for kind, s, e in spans:
+            kinds[kind] = kinds.get(kind, 0.0) + e - s
+        return wall, loss, sum(kinds.values()), kinds
 
     return step
 
@@ -204,14 +218,21 @@ class TorchGroup:
 
     def run(self, name: str, steps: int) -> list[dict[str, Any]]:
         """``steps`` steps of ``name``: per step the wall time, loss and per-rank compute."""
+        cpu0 = cpu_seconds([p.pid for p in self.procs if p.pid is not None])
         for c in self.conns:
             c.send((name, steps))
         per_rank = self._gather()
+        cpu = cpu_seconds([p.pid for p in self.procs if p.pid is not None]) - cpu0
         out = []
         for i in range(steps):
             loss = next((r[i][1] for r in per_rank if r[i][1] is not None), None)
+            kinds: dict[str, float] = {}
+            for r in per_rank:
+                for k, v in r[i][3].items():
+                    kinds[k] = kinds.get(k, 0.0) + v
             out.append({"wall": max(r[i][0] for r in per_rank), "loss": loss,
-                        "busy": [r[i][2] for r in per_rank]})
+                        "busy": [r[i][2] for r in per_rank], "kinds": kinds,
+                        "cpu": cpu / steps})
         return out
 
     def close(self) -> None:
@@ -234,16 +255,23 @@ COMPUTE = ("F", "B", "I", "W", "optim")
 def orgel_steps(pipe: Any, work: Workload, steps: int) -> list[dict[str, Any]]:
     """``steps`` calls of ``pipe.step``, timed here; the last one's measured timeline."""
     out = []
+    cpu0 = cpu_seconds(pipe.worker_pids)
     for _ in range(steps):
         t0 = time.perf_counter()
         loss = pipe.step(work.inputs, work.targets)
         out.append({"wall": time.perf_counter() - t0, "loss": loss})
+    cpu = (cpu_seconds(pipe.worker_pids) - cpu0) / steps
+    for r in out:
+        r["cpu"] = cpu
     events = pipe.timeline()
     busy = [0.0] * pipe.num_ranks
+    kinds: dict[str, float] = {}
     for e in events:
         if e.kind in COMPUTE:
             busy[e.rank] += e.end - e.start
+            kinds[e.kind] = kinds.get(e.kind, 0.0) + e.end - e.start
     out[-1]["busy"] = busy
+    out[-1]["kinds"] = kinds
     out[-1]["trace"] = max(e.end for e in events) - min(e.start for e in events)
     return out
 
@@ -278,6 +306,13 @@ def _split_busy(busy: list[float], wall: float) -> str:
             f"{(top - mean) * 1e3:.0f} + bubble/comm/overhead {(wall - top) * 1e3:.0f}")
 
 
+def _kinds(runs: list[dict[str, Any]]) -> str:
+    """Compute time of all ranks per step by kind (mean over ``runs``), in ms."""
+    names = sorted({k for r in runs for k in r["kinds"]}, key="FBIWLoptim".find)
+    return ", ".join(f"{k} {statistics.mean(r['kinds'].get(k, 0.0) for r in runs) * 1e3:.0f}"
+                     for k in names)
+
+
 def bench_row(key: str, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
     m = 2 * ranks
     batch = 4 * ranks if args.tiny else BATCH[key]
@@ -309,12 +344,16 @@ def bench_row(key: str, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
         orgel_steps(pipe, work, args.warmup)
         torch_runs: list[dict[str, Any]] = []
         orgel_runs: list[dict[str, Any]] = []
+        busy0, own0, t1 = _cpu_busy(), _own_cpu(), time.perf_counter()
         for i in range(args.rounds):
             for fw in (("torch", "orgel") if i % 2 == 0 else ("orgel", "torch")):
                 if fw == "torch":
                     torch_runs += group.run(best, args.steps)
                 else:
                     orgel_runs += orgel_steps(pipe, work, args.steps)
+        # other processes' CPU during the timed rounds, in cores (the machine is shared)
+        own = _own_cpu() - own0 + sum(r["cpu"] for r in torch_runs + orgel_runs)
+        row["foreign"] = max(0.0, (_cpu_busy() - busy0 - own) / (time.perf_counter() - t1))
         row.update(
             screen=screen, best=best, first_torch=first_torch, first_orgel=first_orgel,
             torch=batch / statistics.median(r["wall"] for r in torch_runs),
@@ -327,15 +366,25 @@ def bench_row(key: str, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
         orgel_busy = [statistics.mean(r["busy"][k] for r in with_trace) for k in range(ranks)]
         row["torch_line"] = _split_busy(torch_busy,
                                         statistics.median(r["wall"] for r in torch_runs))
-        orgel_wall = statistics.median(r["wall"] for r in orgel_runs)
         trace = statistics.median(r["trace"] for r in with_trace)
+        dispatch = statistics.median(r["wall"] - r["trace"] for r in with_trace)
         row["orgel_line"] = (_split_busy(orgel_busy, trace) + f"; + dispatch "
-                             f"{(orgel_wall - trace) * 1e3:.0f} (controller)")
+                             f"{dispatch * 1e3:.0f} (controller)")
         row["torch_busy"], row["orgel_busy"] = torch_busy, orgel_busy
+        row["torch_cpu"] = statistics.median(r["cpu"] for r in torch_runs) * 1e3
+        row["orgel_cpu"] = statistics.median(r["cpu"] for r in orgel_runs) * 1e3
+        row["torch_kinds"] = _kinds(torch_runs)
+        row["orgel_kinds"] = _kinds(with_trace)
     finally:
         pipe.close()
         group.close()
     return row
+
+
+def _predicted_gain(row: dict[str, Any]) -> str:
+    """orgel's predicted step of an equal-layer split over that of its own plan."""
+    base = row["baselines"].get("uniform-layers")
+    return f"{base / row['predicted']:.2f}" if base else "?"
 
 
 def main() -> None:
@@ -353,7 +402,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per system and round")
     args = parser.parse_args()
     if args.quick:
-        args.workloads, args.ranks = "gpt,clip", "2"
+        if args.workloads == ",".join(WORKLOADS):
+            args.workloads = "gpt,clip"
+        args.ranks = "2"
         args.warmup, args.screen, args.rounds, args.steps = 1, 2, 2, 2
     if args.tiny:
         args.warmup, args.screen, args.rounds, args.steps = 1, 1, 2, 1
@@ -389,13 +440,20 @@ def main() -> None:
                       f"{k} {v:.0f} ms" for k, v in row["baselines"].items()))
             print(f"  torch {row['best']}: {row['torch_line']}")
             print(f"  orgel: {row['orgel_line']}")
+            print(f"  compute of all ranks by kind (ms/step): torch {row['torch_kinds']}; "
+                  f"orgel {row['orgel_kinds']}; CPU time of all ranks (ms/step): torch "
+                  f"{row['torch_cpu']:.0f}, orgel {row['orgel_cpu']:.0f}")
+            predicted = _predicted_gain(row)
             print(f"  -> torch {row['torch']:.2f} samples/s, orgel {row['orgel']:.2f}, "
-                  f"ratio {row['orgel'] / row['torch']:.2f}", flush=True)
+                  f"ratio {row['orgel'] / row['torch']:.2f} (orgel's model predicts "
+                  f"{predicted} over its equal-block 1F1B split); other processes' load "
+                  f"{row['foreign']:.2f} cores", flush=True)
     print("\n| workload | ranks | torch best | torch samples/s | orgel plan | orgel samples/s "
-          "| orgel / torch |\n|---|---|---|---|---|---|---|")
+          "| orgel / torch | predicted | foreign load |\n|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['workload']} | {row['ranks']} | {row['best']} | {row['torch']:.2f} | "
-              f"{row['plan']} | {row['orgel']:.2f} | {row['orgel'] / row['torch']:.2f} |")
+              f"{row['plan']} | {row['orgel']:.2f} | {row['orgel'] / row['torch']:.2f} | "
+              f"{_predicted_gain(row)} | {row['foreign']:.2f} |")
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; "
           f"{(time.time() - start) / 60:.1f} min")
 
