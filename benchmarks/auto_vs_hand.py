@@ -9,7 +9,8 @@ ViT-like, U-Net-like with long skips, CLIP-like two towers) and each rank count:
   rides through, see ``hand_split.py``), one ``PipelineStage`` per piece, and
   torch's own schedule classes: GPipe, 1F1B, interleaved 1F1B (2 stages per
   rank) and ZBV (2 stages per rank in a V), each where it applies. torch's best
-  schedule (median of a screening run) is the one compared.
+  schedule (the highest median over the timed rounds) is the one compared:
+  picking the best of four noisy medians favours torch a little.
 * **orgel**: ``orgel.pipeline(model, inputs, targets, loss_fn, ranks=N,
   microbatches=m)`` with every other option at its default (it profiles and
   plans itself), the same model, weights, batch, micro-batch count and optimizer
@@ -20,10 +21,15 @@ Both run on local gloo ranks with ``cores // ranks`` threads each (at least 1:
 side, each idle (blocked on a pipe) while the other runs. A torch step is timed
 on its ranks between two barriers; an orgel step is ``pipe.step`` timed in the
 calling process (it includes sending the batch to the workers and the loss
-back). After the warm-up and screening, ``--rounds`` rounds alternate torch's
-best and orgel, ``--steps`` steps each; the medians of all timed steps are
-compared. The first-step loss of every torch schedule and of orgel are checked
-against each other (same weights, same micro-batches).
+back). After a warm-up, each of ``--rounds`` rounds runs ``--steps`` steps of
+orgel and of every torch schedule, in an order that rotates from round to
+round, so that a busy spell of the shared machine hits every system alike; the
+medians of all timed steps are compared. The first-step loss of every torch
+schedule and of orgel are checked against each other (same weights, same
+micro-batches). The CPU time of every rank (from /proc) and the other
+processes' load during the rounds (from /proc/stat, in cores) are printed too:
+when other processes take cores, a rank's "compute" spans stretch with them,
+while the CPU time does not.
 
 Each row is explained from both timelines: per rank, the compute time (forward,
 backward, loss, optimizer; for torch, spans recorded around its stages'
@@ -32,7 +38,7 @@ compute minus the mean) and what is left of the step on the slowest rank
 (bubble, communication waits, runtime overhead); for orgel also the
 simulator's prediction and, from the controller, the dispatch overhead.
 
-    python benchmarks/auto_vs_hand.py                 # the full table (about 15 minutes)
+    python benchmarks/auto_vs_hand.py                 # the full table (about 10 minutes)
     python benchmarks/auto_vs_hand.py --quick         # GPT-like and CLIP-like on 2 ranks
     python benchmarks/auto_vs_hand.py --tiny --workloads gpt --ranks 2   # seconds: checks it runs
 """
@@ -325,39 +331,38 @@ def bench_row(key: str, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
     row["setup"] = time.perf_counter() - t0
     try:
         first_orgel = orgel_steps(pipe, work, 1)[0]["loss"]
-        screen: dict[str, float] = {}
         first_torch: dict[str, float] = {}
         failed: dict[str, str] = {}
         applicable = list(group.schedules)
-        for name in applicable:
+        for name in applicable:  # warm-up, and the sanity check's first-step losses
             try:
-                res = group.run(name, args.warmup + args.screen)
+                first_torch[name] = group.run(name, args.warmup)[0]["loss"]
             except TorchFailure as err:  # the group is closed: start one without it
                 failed[name] = str(err)
                 group = TorchGroup(work, ranks, m, [s for s in applicable if s not in failed])
-                continue
-            first_torch[name] = res[0]["loss"]
-            screen[name] = statistics.median(r["wall"] for r in res[args.warmup:])
         row["failed"] = failed
         row["not_applicable"] = [s for s in args.schedules if s not in applicable]
-        best = min(screen, key=lambda k: screen[k])
-        orgel_steps(pipe, work, args.warmup)
-        torch_runs: list[dict[str, Any]] = []
-        orgel_runs: list[dict[str, Any]] = []
+        if args.warmup > 1:
+            orgel_steps(pipe, work, args.warmup - 1)
+        # every round runs orgel and each torch schedule, in an order that rotates
+        systems = ["orgel", *first_torch]
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
         busy0, own0, t1 = _cpu_busy(), _own_cpu(), time.perf_counter()
         for i in range(args.rounds):
-            for fw in (("torch", "orgel") if i % 2 == 0 else ("orgel", "torch")):
-                if fw == "torch":
-                    torch_runs += group.run(best, args.steps)
-                else:
-                    orgel_runs += orgel_steps(pipe, work, args.steps)
+            for name in systems[i % len(systems):] + systems[:i % len(systems)]:
+                runs[name] += (orgel_steps(pipe, work, args.steps) if name == "orgel"
+                               else group.run(name, args.steps))
         # other processes' CPU during the timed rounds, in cores (the machine is shared)
-        own = _own_cpu() - own0 + sum(r["cpu"] for r in torch_runs + orgel_runs)
+        own = _own_cpu() - own0 + sum(r["cpu"] for rs in runs.values() for r in rs)
         row["foreign"] = max(0.0, (_cpu_busy() - busy0 - own) / (time.perf_counter() - t1))
+        rates = {name: batch / statistics.median(r["wall"] for r in rs)
+                 for name, rs in runs.items()}
+        orgel_runs = runs.pop("orgel")
+        best = max(runs, key=lambda k: rates[k])
+        torch_runs = runs[best]
         row.update(
-            screen=screen, best=best, first_torch=first_torch, first_orgel=first_orgel,
-            torch=batch / statistics.median(r["wall"] for r in torch_runs),
-            orgel=batch / statistics.median(r["wall"] for r in orgel_runs),
+            rates=rates, best=best, first_torch=first_torch, first_orgel=first_orgel,
+            torch=rates[best], orgel=rates["orgel"],
             plan=plan_summary(pipe.plan), shares=stage_shares(pipe.plan),
             predicted=pipe.predicted().step_time,
             baselines=pipe.plan.meta.get("baselines", {}))
@@ -397,7 +402,6 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--screen", type=int, default=3, help="timed steps per torch schedule")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="steps per system and round")
     args = parser.parse_args()
@@ -405,17 +409,17 @@ def main() -> None:
         if args.workloads == ",".join(WORKLOADS):
             args.workloads = "gpt,clip"
         args.ranks = "2"
-        args.warmup, args.screen, args.rounds, args.steps = 1, 2, 2, 2
+        args.warmup, args.rounds, args.steps = 1, 2, 2
     if args.tiny:
-        args.warmup, args.screen, args.rounds, args.steps = 1, 1, 2, 1
+        args.warmup, args.rounds, args.steps = 1, 2, 1
     keys = args.workloads.split(",")
     args.schedules = args.schedules.split(",")
     ranks = [int(r) for r in args.ranks.split(",")]
     start = time.time()
     print(f"auto_vs_hand: {time.strftime('%Y-%m-%d %H:%M %Z')}, torch {torch.__version__}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start; "
-          f"warm-up {args.warmup}, screening {args.screen} steps per torch schedule, "
-          f"{args.rounds} rounds x {args.steps} steps per system", flush=True)
+          f"warm-up {args.warmup} steps; {args.rounds} rounds of {args.steps} steps of orgel "
+          "and of every torch schedule, alternating", flush=True)
     rows = []
     for key in keys:
         for n in ranks:
@@ -430,8 +434,8 @@ def main() -> None:
                   + ", ".join(f"{k} {v:.6f}" for k, v in row["first_torch"].items())
                   + f" -> {'same' if spread < 1e-4 * max(1.0, abs(losses[0])) else 'DIFFERENT'}"
                   f" (spread {spread:.1e})")
-            print("  torch screening (samples/s): " + ", ".join(
-                f"{k} {row['batch'] / v:.1f}" for k, v in row["screen"].items())
+            print("  torch, every schedule (samples/s): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in row["rates"].items() if k != "orgel")
                 + "".join(f"; {k} n/a (fewer layers than stages)"
                           for k in row["not_applicable"])
                 + "".join(f"; {k} FAILS ({v})" for k, v in row["failed"].items()))
