@@ -21,9 +21,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orgel.costs.blocks import BlockCosts, chain_split, optimizer_peak, stage_costs
+import numpy as np
+
+from orgel.costs.blocks import (
+    BlockCosts,
+    chain_split,
+    optimizer_peak,
+    stage_costs,
+    stage_graph,
+)
 from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
+from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
@@ -186,11 +195,14 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
             base_times = baselines
         for step, name, p in found:
             if d > 1:
-                p = _replicate(p, d, costs, scorer.memory)
-                check = simulate(p)
-                if not check.fits:
+                single, p = p, _replicate(p, d, costs, scorer.memory)
+                step_peak = replica_step(single, p)  # one replica simulated, all-reduces priced
+                if step_peak is None:
+                    check = simulate(p)
+                    step_peak = check.step_time, np.asarray(check.peak_memory)
+                if scorer.memory is not None and step_peak[1].max() > scorer.memory:
                     continue
-                step, name = check.step_time, f"{name} x dp{d}"
+                step, name = step_peak[0], f"{name} x dp{d}"
             candidates.append((step + end_of_step(costs, p), name, p))
     if not candidates:
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
@@ -319,6 +331,9 @@ def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None) -> Plan:
     out = replicate(p, dp)
     split = any(a.kind == "I" for actions in out.schedule for a in actions)
     blocks = [list(s.blocks) for s in out.stage_graph.stages]
+    # p's edges carry a replica's share of a micro-batch; each replica's messages take
+    # their share of the whole micro-batch's edges (not a share of the share)
+    out.stage_graph = stage_graph(costs, blocks)
     out.costs = stage_costs(costs, blocks, split=split, placement=out.placement)
     out.costs.memory_per_rank = memory
     out.tied = plan_tied_weights(costs, blocks, out.placement)

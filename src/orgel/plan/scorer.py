@@ -145,6 +145,7 @@ class Scorer:
         self._csw = np.concatenate([[0.0], np.cumsum(costs.split_weight)]) \
             if costs.split_weight else None
         self._compiled: dict[tuple[Any, ...], CompiledPlan] = {}
+        self._topologies: dict[tuple[Any, ...], CompiledPlan] = {}  # one per key, any flags
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
         # id(template) -> (template, renamed); the template is kept so its id stays unique
         self._placed: dict[tuple[int, tuple[tuple[int, int], ...]],
@@ -288,17 +289,24 @@ class Scorer:
         :func:`orgel.costs.tied.plan_tied_weights`); part of the cache key.
         """
         tied_key = tuple((g.stages, g.nbytes) for g in tied) if tied else ()
-        key = (id(template), tuple((e.src, e.dst) for e in graph.edges), recompute, tied_key)
-        cp = self._compiled.get(key)
+        key = (id(template), tuple((e.src, e.dst) for e in graph.edges), tied_key)
+        cp = self._compiled.get(key + (recompute,))
         if cp is None:
-            meta = dict(template.base.meta)
-            plan = Plan(stage_graph=graph, placement=template.base.placement,
-                        num_ranks=template.base.num_ranks,
-                        microbatches=template.base.microbatches,
-                        schedule=template.base.schedule, recompute=list(recompute),
-                        meta=meta, tied=list(tied or ()))
-            cp = CompiledPlan(plan)
-            self._compiled[key] = cp
+            # recompute flags change no dependency: compile the topology once per key
+            # and give each set of flags a copy that shares it (CompiledPlan.with_recompute)
+            base = self._topologies.get(key)
+            if base is None:
+                meta = dict(template.base.meta)
+                plan = Plan(stage_graph=graph, placement=template.base.placement,
+                            num_ranks=template.base.num_ranks,
+                            microbatches=template.base.microbatches,
+                            schedule=template.base.schedule, recompute=list(recompute),
+                            meta=meta, tied=list(tied or ()))
+                cp = CompiledPlan(plan)
+            else:
+                cp = base.with_recompute(recompute)
+            self._compiled[key + (recompute,)] = cp
+            self._topologies.setdefault(key, cp)
         return cp
 
     def score_chain(self, template: Template, points: tuple[int, ...],

@@ -82,10 +82,12 @@ def sequential_plan(scorer: Scorer, ranks: int, microbatches: int, *, max_loops:
     specs = template_specs(ranks, microbatches, scorer.bc.num_blocks, max_loops=max_loops,
                            families=families)
     args = (width, max_move, slack, groups, top, time_limit, per_member)
-    result = _search(scorer, specs, ranks, microbatches, None, *args)
+    # both passes use the same Template objects, so the scorer compiles each once
+    built: dict[int, Template | None] = {}  # id(spec) -> its template
+    result = _search(scorer, specs, ranks, microbatches, None, built, *args)
     if result is not None:
         return result
-    result = _search(scorer, specs, ranks, microbatches, True, *args)
+    result = _search(scorer, specs, ranks, microbatches, True, built, *args)
     if result is None:
         return None
     return _relax_recompute(scorer, result)
@@ -115,8 +117,8 @@ def _start(scorer: Scorer, t: Template, recompute: tuple[bool, ...] | None
 
 
 def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
-            recompute_all: bool | None, width: int, max_move: int, slack: float,
-            groups: int, top: int, time_limit: float | None,
+            recompute_all: bool | None, built: dict[int, Template | None], width: int,
+            max_move: int, slack: float, groups: int, top: int, time_limit: float | None,
             per_member: int | None) -> SequentialResult | None:
     start_time = time.perf_counter()
     deadline = None if time_limit is None else start_time + time_limit
@@ -127,7 +129,9 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
 
     def score_spec(spec: Spec) -> float:
         nonlocal tried
-        t = build_template(spec, ranks, microbatches)
+        if id(spec) not in built:
+            built[id(spec)] = build_template(spec, ranks, microbatches)
+        t = built[id(spec)]
         if t is None or t.num_stages > n:
             return math.inf
         key = schedule_key(t)

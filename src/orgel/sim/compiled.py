@@ -19,6 +19,8 @@ Op numbering: compute ops first (rank by rank, in list order), then messages
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,8 +154,31 @@ class CompiledPlan:
         self.recompute = np.array(plan.recompute, dtype=bool)
         self._straight: Any = None
         self._calls = 0
+        self._topology: CompiledPlan | None = None  # the plan whose longest path this one runs
         self._arrays_cache: tuple[tuple[Any, ...], StageArrays] | None = None
         self._link_cache: tuple[Any, ...] | None = None
+
+    def with_recompute(self, recompute: list[bool] | tuple[bool, ...]) -> CompiledPlan:
+        """This compiled plan with other recompute flags, sharing its topology.
+
+        Recompute changes durations and what a forward keeps, never which op
+        waits for which: the copy shares the dependency graph (and its
+        straight-line code) and rebuilds only the memory layout.
+        """
+        flags = [bool(f) for f in recompute]
+        if len(flags) != self.num_stages:
+            raise PlanError(f"recompute has {len(flags)} entries but there are "
+                            f"{self.num_stages} stages: give one per stage")
+        out = copy.copy(self)
+        out.plan = dataclasses.replace(self.plan, recompute=flags)
+        out.recompute = np.array(flags, dtype=bool)
+        out.stage_recompute = out.recompute.astype(np.float64)
+        out.memory = MemoryLayout.build(self.op_rank, self.op_stage, self.op_kind,
+                                        self.rank_start, self.plan.placement, flags)
+        out._topology = self._topology or self
+        out._arrays_cache = None
+        out._link_cache = None
+        return out
 
     # -- construction ------------------------------------------------------------
 
@@ -198,32 +223,10 @@ class CompiledPlan:
         self.msg_recv = np.array([start[m.dst_rank] + m.recv_pos for m in msgs], dtype=np.int64)
 
     def _build_allreduces(self, plan: Plan) -> None:
-        groups: list[AllReduce] = []
-        tied_groups: list[AllReduce] = []
-        for i, group in enumerate(plan.tied):
-            ranks = tuple(sorted({r for s in group.stages for r in plan.placement[s]}))
-            if len(ranks) > 1:
-                tied_groups.append(AllReduce(ranks, group.stages, group.nbytes,
-                                             f"allreduce tied{i}"))
-        for s, ranks in enumerate(plan.placement):
-            if len(ranks) > 1:
-                tied = sum(int(g.nbytes or 0) for g in tied_groups if s in g.stages)
-                groups.append(AllReduce(tuple(ranks), (s,), None, f"allreduce s{s}", tied))
-        groups += tied_groups
-        self.allreduces = groups
+        self.allreduces, last = plan_allreduces(plan)
         # Each all-reduce waits for the last backward (B or W) of its stages on every rank.
-        self._allreduce_preds: list[list[int]] = []
-        for g in groups:
-            preds = []
-            for r in g.ranks:
-                base = int(self.rank_start[r])
-                last = -1
-                for p, a in enumerate(plan.schedule[r]):
-                    if a.stage in g.stages and a.kind in ("B", "W"):
-                        last = p
-                if last >= 0:
-                    preds.append(base + last)
-            self._allreduce_preds.append(preds)
+        self._allreduce_preds = [[int(self.rank_start[r]) + pos for r, pos in ps]
+                                 for ps in last]
 
     def _build_graph(self) -> None:
         nc, nm = self.num_compute, self.num_messages
@@ -391,15 +394,7 @@ class CompiledPlan:
         return comm
 
     def _allreduce_time(self, g: AllReduce, costs: Costs, arrays: StageArrays) -> float:
-        """Ring all-reduce: 2(n-1) steps of nbytes/n over the slowest ring link."""
-        if g.nbytes is None:
-            nbytes = max(0, int(arrays.grads[g.stages[0]]) - g.tied_bytes)
-        else:
-            nbytes = g.nbytes
-        n = len(g.ranks)
-        chunk = nbytes // n
-        ring = [costs.link_between(g.ranks[i], g.ranks[(i + 1) % n]) for i in range(n)]
-        return 2 * (n - 1) * max(lk.time(chunk) for lk in ring)
+        return allreduce_time(g, costs, arrays.grads)
 
     def longest(self, durations: np.ndarray) -> np.ndarray:
         """End time of every op (earliest start = latest predecessor end).
@@ -408,6 +403,8 @@ class CompiledPlan:
         that the topology is compiled to straight-line code (see
         :mod:`orgel.sim.longest`), which pays off only over many calls.
         """
+        if self._topology is not None:
+            return self._topology.longest(durations)
         if self._straight is None:
             self._calls += 1
             if self._calls <= STRAIGHT_LINE_AFTER or self.num_ops < STRAIGHT_LINE_MIN_OPS:
@@ -492,3 +489,54 @@ class CompiledPlan:
             grads=arrays.grads,
             grad_overlap=arrays.grad_overlap,
         )
+
+
+def plan_allreduces(plan: Plan) -> tuple[list[AllReduce], list[list[tuple[int, int]]]]:
+    """The gradient all-reduces of ``plan`` and what each waits for.
+
+    One per stage on several ranks (its replicas) and one per tied weight group
+    spanning ranks; each waits for the last ``B``/``W`` of its stages on each
+    of its ranks, given as ``(rank, position in the rank's list)``.
+    """
+    groups: list[AllReduce] = []
+    tied_groups: list[AllReduce] = []
+    for i, group in enumerate(plan.tied):
+        ranks = tuple(sorted({r for s in group.stages for r in plan.placement[s]}))
+        if len(ranks) > 1:
+            tied_groups.append(AllReduce(ranks, group.stages, group.nbytes,
+                                         f"allreduce tied{i}"))
+    for s, ranks in enumerate(plan.placement):
+        if len(ranks) > 1:
+            tied = sum(int(g.nbytes or 0) for g in tied_groups if s in g.stages)
+            groups.append(AllReduce(tuple(ranks), (s,), None, f"allreduce s{s}", tied))
+    groups += tied_groups
+    last_of: dict[tuple[int, int], int] = {}  # (rank, stage) -> position of its last B/W
+    needed = {(r, s) for g in groups for r in g.ranks for s in g.stages}
+    for r in {r for r, _ in needed}:
+        for pos, a in enumerate(plan.schedule[r]):
+            if a.kind in ("B", "W"):
+                last_of[(r, a.stage)] = pos
+    preds: list[list[tuple[int, int]]] = []
+    for g in groups:
+        ps = []
+        for r in g.ranks:
+            positions = [last_of[(r, s)] for s in g.stages if (r, s) in last_of]
+            if positions:
+                ps.append((r, max(positions)))
+        preds.append(ps)
+    return groups, preds
+
+
+def allreduce_time(g: AllReduce, costs: Costs, grads: np.ndarray) -> float:
+    """Ring all-reduce: 2(n-1) steps of nbytes/n over the slowest ring link.
+
+    ``grads``: gradient bytes per stage (a stage's own all-reduce reads it).
+    """
+    if g.nbytes is None:
+        nbytes = max(0, int(grads[g.stages[0]]) - g.tied_bytes)
+    else:
+        nbytes = g.nbytes
+    n = len(g.ranks)
+    chunk = nbytes // n
+    ring = [costs.link_between(g.ranks[i], g.ranks[(i + 1) % n]) for i in range(n)]
+    return 2 * (n - 1) * max(lk.time(chunk) for lk in ring)
