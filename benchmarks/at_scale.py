@@ -57,9 +57,17 @@ MODELS = {
 }
 
 
-def costs_of(name: str, device: Any, blocks: int) -> tuple[BlockCosts, float, float]:
-    """The one-sequence table of ``name`` in bf16 on ``device``: (costs, capture s, params)."""
+def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None
+             ) -> tuple[BlockCosts, float, float]:
+    """The one-sequence table of ``name`` in bf16 on ``device``: (costs, capture s, params).
+
+    ``cache``: a folder to keep tables in (a table found there is read, not captured).
+    """
     started = time.perf_counter()
+    saved = None if cache is None else cache / f"{name}-{device.name}.json"
+    if saved is not None and saved.exists():
+        costs = BlockCosts.load(saved)
+        return costs, time.perf_counter() - started, float(costs.meta["parameters"])
     w = MODELS[name][0]()
     w.model.to(torch.bfloat16)
     _, graph = capture_meta(w, 1)
@@ -67,6 +75,10 @@ def costs_of(name: str, device: Any, blocks: int) -> tuple[BlockCosts, float, fl
     costs.optimizer_factor = 8.0  # bf16 weights + bf16 grads + fp32 master, m, v = 16 B/param
     costs.optimizer_ms = [2 * t for t in costs.optimizer_ms]  # fp32 state: twice the bytes
     params = sum(p.numel() for p in w.model.parameters())
+    costs.meta["parameters"] = params
+    if saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        costs.save(saved)
     return costs, time.perf_counter() - started, params
 
 
@@ -99,6 +111,8 @@ def main() -> None:
     parser.add_argument("--device", default="h100-80gb")
     parser.add_argument("--gpus", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--model", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="folder for the captured tables (reused by later runs)")
     args = parser.parse_args()
     device = load_device(args.device)
     print(f"device {device.name}: {device.gpus_per_node} GPUs per node, "
@@ -107,7 +121,7 @@ def main() -> None:
           f"{'tok/s/GPU':>9} {'MFU':>5} {'bubble':>6} {'max GiB/GPU':>11} {'plan s':>6}")
     for name in args.model:
         blocks = 2 * (96 if name.startswith("gpt3") else 80) + 2
-        costs, captured, params = costs_of(name, device, blocks)
+        costs, captured, params = costs_of(name, device, blocks, args.cache)
         _, batch, seq = MODELS[name]
         print(f"{name}: {params / 1e9:.1f}B parameters, {costs.num_blocks} blocks, captured "
               f"and costed in {captured:.1f} s")

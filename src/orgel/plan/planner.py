@@ -38,6 +38,7 @@ from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
 from orgel.schedule.ir import Plan
+from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
 from orgel.sim.compiled import CompiledPlan
 
@@ -284,10 +285,12 @@ def predict(p: Plan, costs: BlockCosts) -> SimResult:
     on gloo (``costs.receives_posted_ahead``) the receive buffers it keeps,
     and the optimizer step.
     """
-    sim = simulate(p, receives_kept=costs.receives_posted_ahead)
+    compiled = CompiledPlan(p, comm=validate(p))  # one compile: simulation and sends
+    sim = simulate(p, compiled=compiled, check=False, receives_kept=costs.receives_posted_ahead)
     end = end_of_step(costs, p)
     sim.step_time += end
-    sim.peak_memory = [a + b for a, b in zip(sim.peak_memory, held_sends(p), strict=True)]
+    held = compiled.held_send_bytes()
+    sim.peak_memory = [a + int(b) for a, b in zip(sim.peak_memory, held, strict=True)]
     if p.costs is not None:
         floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)
         sim.peak_memory = [max(a, b) for a, b in zip(sim.peak_memory, floor, strict=True)]
@@ -348,7 +351,7 @@ def _label(p: Plan, template: Template) -> None:
 def _baselines(scorer: Scorer, ranks: int, microbatches: int
                ) -> dict[str, tuple[float, Plan | None]]:
     """Each baseline split with 1F1B: (step time, plan or None when it does not fit)."""
-    template = one_f_one_b(ranks, microbatches)
+    template = one_f_one_b(ranks, microbatches, scorer.templates)
     out: dict[str, tuple[float, Plan | None]] = {}
     for name in BASELINES:
         points = baseline_points(scorer.bc, name, ranks)

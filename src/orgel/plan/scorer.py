@@ -146,6 +146,8 @@ class Scorer:
             if costs.split_weight else None
         self._compiled: dict[tuple[Any, ...], CompiledPlan] = {}
         self._topologies: dict[tuple[Any, ...], CompiledPlan] = {}  # one per key, any flags
+        # schedule templates built for this table (orgel.plan.templates.cached_template)
+        self.templates: dict[tuple[Any, ...], Template | None] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
         # id(template) -> (template, renamed); the template is kept so its id stays unique
         self._placed: dict[tuple[int, tuple[tuple[int, int], ...]],

@@ -29,7 +29,7 @@ import numpy as np
 from orgel.plan.beam import beam_search
 from orgel.plan.scorer import Score, Scorer, Template
 from orgel.plan.splits import Points, balanced_points, memory_weights, time_weights
-from orgel.plan.templates import Spec, build_template, schedule_key, template_specs
+from orgel.plan.templates import Spec, cached_template, schedule_key, template_specs
 
 RAMPS = (0.0, 0.1, 0.2)
 
@@ -82,12 +82,10 @@ def sequential_plan(scorer: Scorer, ranks: int, microbatches: int, *, max_loops:
     specs = template_specs(ranks, microbatches, scorer.bc.num_blocks, max_loops=max_loops,
                            families=families)
     args = (width, max_move, slack, groups, top, time_limit, per_member)
-    # both passes use the same Template objects, so the scorer compiles each once
-    built: dict[int, Template | None] = {}  # id(spec) -> its template
-    result = _search(scorer, specs, ranks, microbatches, None, built, *args)
+    result = _search(scorer, specs, ranks, microbatches, None, *args)
     if result is not None:
         return result
-    result = _search(scorer, specs, ranks, microbatches, True, built, *args)
+    result = _search(scorer, specs, ranks, microbatches, True, *args)
     if result is None:
         return None
     return _relax_recompute(scorer, result)
@@ -117,8 +115,8 @@ def _start(scorer: Scorer, t: Template, recompute: tuple[bool, ...] | None
 
 
 def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
-            recompute_all: bool | None, built: dict[int, Template | None], width: int,
-            max_move: int, slack: float, groups: int, top: int, time_limit: float | None,
+            recompute_all: bool | None, width: int, max_move: int, slack: float,
+            groups: int, top: int, time_limit: float | None,
             per_member: int | None) -> SequentialResult | None:
     start_time = time.perf_counter()
     deadline = None if time_limit is None else start_time + time_limit
@@ -129,9 +127,8 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
 
     def score_spec(spec: Spec) -> float:
         nonlocal tried
-        if id(spec) not in built:
-            built[id(spec)] = build_template(spec, ranks, microbatches)
-        t = built[id(spec)]
+        # both passes (and the baselines) share one Template per spec: compiled once
+        t = cached_template(scorer.templates, spec, ranks, microbatches)
         if t is None or t.num_stages > n:
             return math.inf
         key = schedule_key(t)
