@@ -274,7 +274,8 @@ def held_sends(p: Plan) -> list[int]:
     (the shape exchange) still holds every send until it ends; it is not
     the steady state this predicts.
     """
-    return [int(b) for b in CompiledPlan(p).held_send_bytes()]
+    grads = None if p.costs is None else p.costs.edge_grad_bytes
+    return [int(b) for b in CompiledPlan(p).held_send_bytes(grad_bytes=grads)]
 
 
 def predict(p: Plan, costs: BlockCosts) -> SimResult:
@@ -289,7 +290,8 @@ def predict(p: Plan, costs: BlockCosts) -> SimResult:
     sim = simulate(p, compiled=compiled, check=False, receives_kept=costs.receives_posted_ahead)
     end = end_of_step(costs, p)
     sim.step_time += end
-    held = compiled.held_send_bytes()
+    held = compiled.held_send_bytes(
+        grad_bytes=None if p.costs is None else p.costs.edge_grad_bytes)
     sim.peak_memory = [a + int(b) for a, b in zip(sim.peak_memory, held, strict=True)]
     if p.costs is not None:
         floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)

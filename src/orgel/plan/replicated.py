@@ -65,5 +65,6 @@ def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False
         ready = max((float(end[int(cp.rank_start[r % p]) + pos]) for r, pos in preds),
                     default=0.0)
         step = max(step, ready + allreduce_time(group, link_costs, grads))
-    peak = cp.peak_memory(arrays, dur, end, receives_kept=receives_kept)
+    peak = cp.peak_memory(arrays, dur, end, receives_kept=receives_kept,
+                          grad_bytes=costs.edge_grad_bytes)
     return step, np.tile(peak, dp)

@@ -39,6 +39,7 @@ import numpy as np
 
 from orgel.costs.blocks import (
     BlockCosts,
+    edge_grad_bytes,
     optimizer_peak,
     stage_cost,
     stage_costs,
@@ -331,11 +332,15 @@ class Scorer:
         graph = self._graph_for(stage_blocks, template)
         template = self.placed(template, graph)
         rec = tuple(recompute) if recompute else (False,) * template.num_stages
+        grads = None
         if graph is template.base.stage_graph:
             edge_bytes = np.array([self._cross[stage_blocks[e.dst][0]] for e in graph.edges],
                                   dtype=np.int64)
+            if self.bc.edge_grads and self.bc.is_chain():
+                grads = edge_grad_bytes(self.bc, stage_blocks)
         else:
             edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
+            grads = edge_grad_bytes(self.bc, stage_blocks)
         tied = None
         if self.bc.tied:
             holders = tied_stages(self.bc, stage_blocks)
@@ -345,12 +350,12 @@ class Scorer:
         costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
                       action_overhead=self.bc.action_overhead,
                       memory_per_rank=self.memory, node_ranks=self.bc.node_ranks,
-                      node_link=self.bc.node_link)
+                      node_link=self.bc.node_link, edge_grad_bytes=grads)
         self.evaluations += 1
         # gloo's receive buffers are kept across steps (BlockCosts.receives_posted_ahead)
         step, peak = cp.evaluate(costs, edge_bytes=edge_bytes,
                                  receives_kept=self.bc.receives_posted_ahead)
-        peak = peak + cp.held_send_bytes(edge_bytes)  # see planner.held_sends
+        peak = peak + cp.held_send_bytes(edge_bytes, grads)  # see planner.held_sends
         floor = optimizer_peak(self.bc, costs, template.base.placement, template.base.num_ranks)
         peak = np.maximum(peak, np.asarray(floor, dtype=peak.dtype))
         feasible = self.memory is None or bool(peak.max() <= self.memory)

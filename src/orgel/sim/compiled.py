@@ -216,6 +216,7 @@ class CompiledPlan:
         self.msg_edge = np.array([m.edge for m in msgs], dtype=np.int64)
         self.msg_part_num = np.array([m.part[1] - m.part[0] for m in msgs], dtype=np.int64)
         self.msg_part_den = np.array([m.part[2] for m in msgs], dtype=np.int64)
+        self.msg_grad = np.array([m.grad for m in msgs], dtype=bool)
         self.msg_channel = np.array(
             [channel_index[(m.src_rank, m.dst_rank)] for m in msgs], dtype=np.int64
         )
@@ -324,14 +325,26 @@ class CompiledPlan:
             parts.append(np.asarray(reduce, dtype=np.float64))
         return np.concatenate(parts)
 
-    def message_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
-        """Bytes of every message (its share of its edge's bytes)."""
-        if edge_bytes is None:
-            return self.default_msg_bytes
-        eb = np.asarray(edge_bytes, dtype=np.int64)
-        return eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
+    def message_bytes(self, edge_bytes: np.ndarray | None = None,
+                      grad_bytes: list[int] | np.ndarray | None = None) -> np.ndarray:
+        """Bytes of every message (its share of its edge's bytes).
 
-    def held_send_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
+        ``grad_bytes`` (per edge, optional): what a gradient message of the edge
+        carries instead (``Costs.edge_grad_bytes``: values without a gradient send
+        none back).
+        """
+        if edge_bytes is None and grad_bytes is None:
+            return self.default_msg_bytes
+        eb = self.default_edge_bytes if edge_bytes is None \
+            else np.asarray(edge_bytes, dtype=np.int64)
+        per = eb[self.msg_edge]
+        if grad_bytes is not None:
+            per = np.where(self.msg_grad, np.asarray(grad_bytes, dtype=np.int64)[self.msg_edge],
+                           per)
+        return per * self.msg_part_num // self.msg_part_den
+
+    def held_send_bytes(self, edge_bytes: np.ndarray | None = None,
+                        grad_bytes: list[int] | np.ndarray | None = None) -> np.ndarray:
         """Per rank, the most bytes it sends right after one action.
 
         ``orgel.runtime.comm`` waits for a send once the sender's next action
@@ -342,7 +355,8 @@ class CompiledPlan:
         out = np.zeros(self.num_ranks, dtype=np.int64)
         if self.num_messages == 0:
             return out
-        per_action = np.bincount(self.msg_send, weights=self.message_bytes(edge_bytes),
+        per_action = np.bincount(self.msg_send,
+                                 weights=self.message_bytes(edge_bytes, grad_bytes),
                                  minlength=self.num_compute)
         for r in range(self.num_ranks):
             lo, hi = int(self.rank_start[r]), int(self.rank_start[r + 1])
@@ -350,7 +364,8 @@ class CompiledPlan:
                 out[r] = int(per_action[lo:hi].max())
         return out
 
-    def posted_receive_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
+    def posted_receive_bytes(self, edge_bytes: np.ndarray | None = None,
+                             grad_bytes: list[int] | np.ndarray | None = None) -> np.ndarray:
         """Per rank, the bytes of every message it receives in a step.
 
         On gloo ``orgel.runtime.comm`` posts every receive at the step's start
@@ -362,7 +377,7 @@ class CompiledPlan:
         if self.num_messages == 0:
             return out
         ranks = self.op_rank[self.msg_recv]
-        np.add.at(out, ranks, self.message_bytes(edge_bytes).astype(np.int64))
+        np.add.at(out, ranks, self.message_bytes(edge_bytes, grad_bytes).astype(np.int64))
         return out
 
     def _comm_durations(self, costs: Costs, edge_bytes: np.ndarray | None) -> np.ndarray:
@@ -384,11 +399,12 @@ class CompiledPlan:
                 latency = np.full(self.num_messages, costs.link.latency)
                 per_mib = np.full(self.num_messages, costs.link.per_mib)
             hit = (links, len(links), key, latency, per_mib / _MIB, None)
-        if edge_bytes is None and hit[5] is not None:
+        grads = costs.edge_grad_bytes
+        if edge_bytes is None and grads is None and hit[5] is not None:
             return hit[5]
-        nbytes = self.message_bytes(edge_bytes)
+        nbytes = self.message_bytes(edge_bytes, grads)
         comm = np.where(nbytes > 0, hit[3] + hit[4] * nbytes, 0.0)
-        if edge_bytes is None:
+        if edge_bytes is None and grads is None:
             hit = (*hit[:5], comm)
         self._link_cache = hit
         return comm
@@ -451,7 +467,8 @@ class CompiledPlan:
         dur = self.durations(costs, arrays, edge_bytes)
         end = self.longest(dur)
         step = float(end.max()) if len(end) else 0.0
-        return step, self.peak_memory(arrays, dur, end, edge_bytes, receives_kept)
+        return step, self.peak_memory(arrays, dur, end, edge_bytes, receives_kept,
+                                      costs.edge_grad_bytes)
 
     def peak_memory(
         self,
@@ -460,18 +477,22 @@ class CompiledPlan:
         end: np.ndarray,
         edge_bytes: np.ndarray | None = None,
         receives_kept: bool = False,
+        grad_bytes: list[int] | np.ndarray | None = None,
     ) -> np.ndarray:
         """Peak bytes per rank given op durations and end times (see :mod:`memory`).
+
+        ``grad_bytes``: per edge, what its gradient messages carry (see
+        :meth:`message_bytes`).
 
         ``receives_kept``: the receive buffers are held all the time
         (:meth:`posted_receive_bytes`) instead of from a message's transfer
         until its receiving action starts.
         """
         nc, nm = self.num_compute, self.num_messages
-        msg_bytes = self.message_bytes(edge_bytes)
+        msg_bytes = self.message_bytes(edge_bytes, grad_bytes)
         held = np.zeros(self.num_ranks, dtype=np.int64)
         if receives_kept:
-            held = self.posted_receive_bytes(edge_bytes)
+            held = self.posted_receive_bytes(edge_bytes, grad_bytes)
             msg_bytes = np.zeros_like(msg_bytes)
         return held + peak_memory(
             self.memory,
