@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -52,6 +53,11 @@ from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.sim.compiled import CompiledPlan
+
+#: Ops of compiled plans a scorer keeps (about 1 KiB of Python objects each): a
+#: pipeline of 64 ranks over 512 micro-batches compiles to ~0.5M ops, and a search
+#: that kept every split's stage graph would not stay within a few GiB.
+COMPILED_OPS = 1_500_000
 
 
 @dataclass
@@ -145,8 +151,10 @@ class Scorer:
             if costs.split_input else None
         self._csw = np.concatenate([[0.0], np.cumsum(costs.split_weight)]) \
             if costs.split_weight else None
-        self._compiled: dict[tuple[Any, ...], CompiledPlan] = {}
-        self._topologies: dict[tuple[Any, ...], CompiledPlan] = {}  # one per key, any flags
+        # (template, stage edges, tied groups) -> recompute flags -> compiled plan,
+        # least recently used first (see _evict)
+        self._compiled: OrderedDict[tuple[Any, ...],
+                                    dict[tuple[bool, ...], CompiledPlan]] = OrderedDict()
         # schedule templates built for this table (orgel.plan.templates.cached_template)
         self.templates: dict[tuple[Any, ...], Template | None] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
@@ -293,12 +301,19 @@ class Scorer:
         """
         tied_key = tuple((g.stages, g.nbytes) for g in tied) if tied else ()
         key = (id(template), tuple((e.src, e.dst) for e in graph.edges), tied_key)
-        cp = self._compiled.get(key + (recompute,))
+        variants = self._compiled.get(key)
+        if variants is None:
+            variants = self._compiled[key] = {}
+            self._evict(keep=key)
+        else:
+            self._compiled.move_to_end(key)
+        cp = variants.get(recompute)
         if cp is None:
-            # recompute flags change no dependency: compile the topology once per key
-            # and give each set of flags a copy that shares it (CompiledPlan.with_recompute)
-            base = self._topologies.get(key)
-            if base is None:
+            if variants:
+                # recompute flags change no dependency: every set of flags shares one
+                # compiled topology (CompiledPlan.with_recompute)
+                cp = next(iter(variants.values())).with_recompute(recompute)
+            else:
                 meta = dict(template.base.meta)
                 plan = Plan(stage_graph=graph, placement=template.base.placement,
                             num_ranks=template.base.num_ranks,
@@ -306,11 +321,17 @@ class Scorer:
                             schedule=template.base.schedule, recompute=list(recompute),
                             meta=meta, tied=list(tied or ()))
                 cp = CompiledPlan(plan)
-            else:
-                cp = base.with_recompute(recompute)
-            self._compiled[key + (recompute,)] = cp
-            self._topologies.setdefault(key, cp)
+            variants[recompute] = cp
         return cp
+
+    def _evict(self, keep: tuple[Any, ...]) -> None:
+        """Drop the least recently used compiled plans beyond :data:`COMPILED_OPS` ops."""
+        total = sum(next(iter(v.values())).num_ops for v in self._compiled.values() if v)
+        for key in list(self._compiled):
+            if total <= COMPILED_OPS or key == keep:
+                break
+            variants = self._compiled.pop(key)
+            total -= next(iter(variants.values())).num_ops if variants else 0
 
     def score_chain(self, template: Template, points: tuple[int, ...],
                     recompute: tuple[bool, ...] | None = None) -> Score:

@@ -50,6 +50,7 @@ def longest_path(
 
 _CACHE: dict[tuple[tuple[int, ...], ...], Callable[[list[float]], list[float]]] = {}
 _CACHE_SIZE = 16
+_CACHE_OPS = 400_000
 
 
 def straight_line_for(
@@ -64,7 +65,9 @@ def straight_line_for(
     fn = _CACHE.get(key)
     if fn is None:
         fn = make_straight_line(preds, order)
-        if len(_CACHE) >= _CACHE_SIZE:
+        # a few big topologies hold as much as many small ones: bound the ops kept too
+        while _CACHE and (len(_CACHE) >= _CACHE_SIZE
+                          or sum(len(k) for k in _CACHE) + len(key) > _CACHE_OPS):
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = fn
     return fn
