@@ -82,9 +82,12 @@ def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None
     return costs, time.perf_counter() - started, params
 
 
-def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int
-              ) -> tuple[PlanResult | None, int, float]:
-    """The fastest plan over pipeline depths: (result, pipeline depth, seconds)."""
+def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int,
+              time_limit: float | None = 2.0) -> tuple[PlanResult | None, int, float]:
+    """The fastest plan over pipeline depths: (result, pipeline depth, seconds).
+
+    ``time_limit``: seconds of beam search per depth (None: until it converges).
+    """
     started = time.perf_counter()
     best: tuple[PlanResult, int] | None = None
     static = sum(costs.static_bytes(b) for b in range(costs.num_blocks))
@@ -96,7 +99,7 @@ def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int
         try:
             # dp replicas each take 1/dp of a micro-batch: scale the one-row table up by dp
             result = plan(costs.scaled(dp), gpus, microbatches, dp=dp, rows=dp,
-                          max_replicas=1, time_limit=2.0, planner="beam", max_loops=2,
+                          max_replicas=1, time_limit=time_limit, planner="beam", max_loops=2,
                           families=["1f1b", "zb-h1", "interleaved"])
         except InfeasibleError:
             continue
@@ -113,12 +116,17 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--cache", type=Path, default=None,
                         help="folder for the captured tables (reused by later runs)")
+    parser.add_argument("--compare", nargs=2, metavar=("MODEL", "GPUS"),
+                        default=["llama3-70b", "1024"],
+                        help="also plan this row with the beam run to convergence (no time "
+                             "limit) and print both step times ('none' to skip)")
     args = parser.parse_args()
     device = load_device(args.device)
     print(f"device {device.name}: {device.gpus_per_node} GPUs per node, "
           f"{device.intra_node.name} inside, {device.inter_node.name} between nodes")
-    print(f"{'model':<11} {'GPUs':>5} {'P x dp':>9} {'M':>4} {'schedule':<30} {'step s':>7} "
-          f"{'tok/s/GPU':>9} {'MFU':>5} {'bubble':>6} {'max GiB/GPU':>11} {'plan s':>6}")
+    print(f"{'model':<11} {'GPUs':>5} {'P x dp':>9} {'M':>4} {'schedule':<28} {'recomp':>7} "
+          f"{'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} {'bubble':>6} {'GiB/GPU':>7} "
+          f"{'plan s':>6} {'RSS GiB':>7}")
     for name in args.model:
         blocks = 2 * (96 if name.startswith("gpt3") else 80) + 2
         costs, captured, params = costs_of(name, device, blocks, args.cache)
@@ -133,13 +141,25 @@ def main() -> None:
             step = result.step_time / 1000
             tokens = batch * seq / step / gpus
             mfu = 6 * params * tokens / device.peak("bf16")
-            label = str(result.plan.meta.get("schedule_label"))[:30]
+            label = str(result.plan.meta.get("schedule_label"))[:28]
+            recompute = f"{sum(result.plan.recompute)}/{result.plan.num_stages}"
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
             print(f"{name:<11} {gpus:>5} {f'{depth}x{gpus // depth}':>9} "
-                  f"{result.plan.microbatches:>4} {label:<30} {step:>7.2f} {tokens:>9.0f} "
-                  f"{mfu:>5.1%} {result.sim.bubble_fraction:>6.1%} "
-                  f"{max(result.sim.peak_memory) / GIB:>11.1f} {seconds:>6.1f}")
+                  f"{result.plan.microbatches:>4} {label:<28} {recompute:>7} {step:>7.2f} "
+                  f"{tokens:>9.0f} {mfu:>5.1%} {result.sim.bubble_fraction:>6.1%} "
+                  f"{max(result.sim.peak_memory) / GIB:>7.1f} {seconds:>6.1f} {rss:>7.2f}",
+                  flush=True)
+            if [name, str(gpus)] == args.compare:
+                slow, slow_depth, slow_s = best_plan(costs, gpus, batch, device.memory_bytes,
+                                                     time_limit=None)
+                if slow is not None:
+                    print(f"  same row, beam to convergence: {slow_depth}x{gpus // slow_depth} "
+                          f"{slow.plan.meta.get('schedule_label')}, step "
+                          f"{slow.step_time / 1000:.3f} s against {step:.3f} s "
+                          f"(ratio {result.step_time / slow.step_time:.4f}), {slow_s:.1f} s "
+                          f"to plan", flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
-    print(f"peak memory of this process: {peak:.2f} GiB")
+    print(f"peak memory (RSS) of this process: {peak:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -163,6 +164,7 @@ class Scorer:
                            tuple[Template, Template]] = {}
         self.rename_ranks = rename_ranks
         self.evaluations = 0
+        self.pruned = 0  # candidates memory_floor ruled out before the simulator
         # The static bytes a tied parameter's extra copies add at most: the quick
         # memory checks allow for them so they never reject a split that fits once
         # each rank counts the parameter once (the scores count exactly).
@@ -368,6 +370,11 @@ class Scorer:
             stages = self._share_tied(template, stage_blocks, stages, holders)
             tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement, holders)
         cp = self.compiled(template, graph, rec, tied)
+        if self.memory is not None:
+            least = memory_floor(cp, stages, edge_bytes, rec)
+            if least.max() > self.memory:  # cannot fit: no need to simulate it
+                self.pruned += 1
+                return Score(math.inf, least, False)
         costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
                       action_overhead=self.bc.action_overhead,
                       memory_per_rank=self.memory, node_ranks=self.bc.node_ranks,
@@ -500,6 +507,46 @@ def rename(template: Template, perm: tuple[int, ...]) -> Template:
     meta = dict(base.meta, ranks_renamed=list(perm))
     return Template(template.label, template.family, dict(template.options),
                     dataclasses.replace(base, placement=placement, schedule=schedule, meta=meta))
+
+
+def stage_peak_alive(cp: CompiledPlan) -> np.ndarray:
+    """Per stage, the most micro-batches whose kept bytes it holds at once (a topology fact).
+
+    A forward adds one, the backward (or ``W``) that frees it takes one away;
+    counted per stage along its rank's action order. Cached on ``cp``.
+    """
+    hit = getattr(cp, "_stage_peak_alive", None)
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
+    out = np.zeros(cp.num_stages, dtype=np.int64)
+    if cp.num_compute:
+        order = np.argsort(cp.op_stage, kind="stable")  # each stage's ops in list order
+        stage = cp.op_stage[order]
+        count = np.cumsum(cp.memory.net_sign[order])
+        starts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]])
+        count -= np.repeat(np.r_[0.0, count[starts[1:] - 1]], np.diff(np.r_[starts, len(stage)]))
+        out[stage[starts]] = np.maximum.reduceat(count, starts).round().astype(np.int64)
+    cp._stage_peak_alive = out  # type: ignore[attr-defined]
+    return out
+
+
+def memory_floor(cp: CompiledPlan, stages: list[StageCost], edge_bytes: np.ndarray,
+                 recompute: tuple[bool, ...]) -> np.ndarray:
+    """A lower bound of every rank's peak bytes, without simulating.
+
+    At the moment a stage holds its most micro-batches (:func:`stage_peak_alive`)
+    its rank holds at least their kept bytes (activations, or its inputs when it
+    recomputes) on top of the weights and optimizer state of every stage it
+    hosts (gradients come later). The simulator's peak is never below it.
+    """
+    early = np.array([st.static_bytes - st.grad_bytes for st in stages], dtype=np.float64)
+    acts = np.array([st.activations for st in stages], dtype=np.float64)
+    if any(recompute):
+        inputs = np.bincount(cp.edge_dst, weights=edge_bytes, minlength=cp.num_stages)
+        acts = np.where(np.asarray(recompute, dtype=bool), inputs, acts)
+    kept = stage_peak_alive(cp) * acts * cp.stage_share
+    host = cp.memory.host
+    return host @ early + (host * kept).max(axis=1, initial=0.0)
 
 
 class _RangeMax:
