@@ -118,8 +118,8 @@ def main() -> None:
                         help="folder for the captured tables (reused by later runs)")
     parser.add_argument("--compare", nargs=2, metavar=("MODEL", "GPUS"),
                         default=["llama3-70b", "1024"],
-                        help="also plan this row with the beam run to convergence (no time "
-                             "limit) and print both step times ('none' to skip)")
+                        help="also plan this row with 10x the beam time per depth and print "
+                             "both step times (a model not planned skips it)")
     args = parser.parse_args()
     device = load_device(args.device)
     print(f"device {device.name}: {device.gpus_per_node} GPUs per node, "
@@ -151,9 +151,9 @@ def main() -> None:
                   flush=True)
             if [name, str(gpus)] == args.compare:
                 slow, slow_depth, slow_s = best_plan(costs, gpus, batch, device.memory_bytes,
-                                                     time_limit=None)
+                                                     time_limit=20.0)
                 if slow is not None:
-                    print(f"  same row, beam to convergence: {slow_depth}x{gpus // slow_depth} "
+                    print(f"  same row, 20 s of beam per depth: {slow_depth}x{gpus // slow_depth} "
                           f"{slow.plan.meta.get('schedule_label')}, step "
                           f"{slow.step_time / 1000:.3f} s against {step:.3f} s "
                           f"(ratio {result.step_time / slow.step_time:.4f}), {slow_s:.1f} s "

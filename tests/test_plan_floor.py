@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orgel.costs.blocks import BlockCosts, chain_split
-from orgel.plan.scorer import Scorer, memory_floor
+from orgel.plan.scorer import Scorer, memory_floor, stage_peak_alive
 from orgel.plan.templates import build_template, template_specs
 from orgel.schedule.costs import Link
 
@@ -36,12 +36,12 @@ def test_floor_is_below_the_simulated_peak(family: str) -> None:
                                                               replace=False)))
             recompute = tuple(bool(x) for x in rng.integers(0, 2, n))
             score = scorer.score_chain(t, points, recompute)
-            blocks = chain_split(points, costs.num_blocks)
-            graph = scorer._graph_for(blocks, t)
-            cp = scorer.compiled(scorer.placed(t, graph), graph, recompute)
+            graph = scorer._graph_for(chain_split(points, costs.num_blocks), t)
             edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
             stages = scorer.chain_stage_costs(points, split=t.splits_backward)
-            floor = memory_floor(cp, stages, edge_bytes, recompute)
+            alive = stage_peak_alive(t.base.schedule, n)
+            floor = memory_floor(alive, t.placement, t.base.num_ranks, stages,
+                                 [(e.src, e.dst) for e in graph.edges], edge_bytes, recompute)
             assert (floor <= score.peak_memory + 1).all()
             assert floor.max() > 0
 

@@ -369,12 +369,18 @@ class Scorer:
             holders = tied_stages(self.bc, stage_blocks)
             stages = self._share_tied(template, stage_blocks, stages, holders)
             tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement, holders)
-        cp = self.compiled(template, graph, rec, tied)
         if self.memory is not None:
-            least = memory_floor(cp, stages, edge_bytes, rec)
-            if least.max() > self.memory:  # cannot fit: no need to simulate it
+            key = ("alive", id(template))
+            alive = self._arrays.get(key)
+            if alive is None:
+                alive = self._arrays[key] = stage_peak_alive(template.base.schedule,
+                                                             template.num_stages)
+            least = memory_floor(alive, template.base.placement, template.base.num_ranks,
+                                 stages, [(e.src, e.dst) for e in graph.edges], edge_bytes, rec)
+            if least.max() > self.memory:  # cannot fit: neither compile nor simulate it
                 self.pruned += 1
                 return Score(math.inf, least, False)
+        cp = self.compiled(template, graph, rec, tied)
         costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
                       action_overhead=self.bc.action_overhead,
                       memory_per_rank=self.memory, node_ranks=self.bc.node_ranks,
@@ -509,43 +515,48 @@ def rename(template: Template, perm: tuple[int, ...]) -> Template:
                     dataclasses.replace(base, placement=placement, schedule=schedule, meta=meta))
 
 
-def stage_peak_alive(cp: CompiledPlan) -> np.ndarray:
-    """Per stage, the most micro-batches whose kept bytes it holds at once (a topology fact).
+def stage_peak_alive(schedule: list[list[Any]], num_stages: int) -> np.ndarray:
+    """Per stage, the most micro-batches whose kept bytes it holds at once on a rank.
 
-    A forward adds one, the backward (or ``W``) that frees it takes one away;
-    counted per stage along its rank's action order. Cached on ``cp``.
+    A forward adds one, the backward (or ``W``) that frees it takes one away,
+    counted along each rank's action list: a fact of the schedule alone.
     """
-    hit = getattr(cp, "_stage_peak_alive", None)
-    if hit is not None:
-        return hit  # type: ignore[no-any-return]
-    out = np.zeros(cp.num_stages, dtype=np.int64)
-    if cp.num_compute:
-        order = np.argsort(cp.op_stage, kind="stable")  # each stage's ops in list order
-        stage = cp.op_stage[order]
-        count = np.cumsum(cp.memory.net_sign[order])
-        starts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]])
-        count -= np.repeat(np.r_[0.0, count[starts[1:] - 1]], np.diff(np.r_[starts, len(stage)]))
-        out[stage[starts]] = np.maximum.reduceat(count, starts).round().astype(np.int64)
-    cp._stage_peak_alive = out  # type: ignore[attr-defined]
+    out = np.zeros(num_stages, dtype=np.int64)
+    for actions in schedule:
+        alive: dict[int, int] = {}
+        for a in actions:
+            if a.kind == "F":
+                alive[a.stage] = alive.get(a.stage, 0) + 1
+                out[a.stage] = max(out[a.stage], alive[a.stage])
+            elif a.kind in ("B", "W"):
+                alive[a.stage] = alive.get(a.stage, 0) - 1
     return out
 
 
-def memory_floor(cp: CompiledPlan, stages: list[StageCost], edge_bytes: np.ndarray,
-                 recompute: tuple[bool, ...]) -> np.ndarray:
+def memory_floor(alive: np.ndarray, placement: list[tuple[int, ...]], num_ranks: int,
+                 stages: list[StageCost], edges: list[tuple[int, int]],
+                 edge_bytes: np.ndarray, recompute: tuple[bool, ...]) -> np.ndarray:
     """A lower bound of every rank's peak bytes, without simulating.
 
-    At the moment a stage holds its most micro-batches (:func:`stage_peak_alive`)
-    its rank holds at least their kept bytes (activations, or its inputs when it
-    recomputes) on top of the weights and optimizer state of every stage it
+    At the moment a stage holds its most micro-batches (``alive``, from
+    :func:`stage_peak_alive`) its rank holds at least their kept bytes
+    (activations, or with recompute its inputs: the bytes of its incoming
+    ``edges``) on top of the weights and optimizer state of every stage it
     hosts (gradients come later). The simulator's peak is never below it.
     """
+    n = len(stages)
     early = np.array([st.static_bytes - st.grad_bytes for st in stages], dtype=np.float64)
     acts = np.array([st.activations for st in stages], dtype=np.float64)
     if any(recompute):
-        inputs = np.bincount(cp.edge_dst, weights=edge_bytes, minlength=cp.num_stages)
+        dst = np.array([d for _, d in edges], dtype=np.int64)
+        inputs = np.bincount(dst, weights=edge_bytes, minlength=n)
         acts = np.where(np.asarray(recompute, dtype=bool), inputs, acts)
-    kept = stage_peak_alive(cp) * acts * cp.stage_share
-    host = cp.memory.host
+    host = np.zeros((num_ranks, n))
+    share = np.zeros(n)
+    for s, ranks in enumerate(placement):
+        host[list(ranks), s] = 1.0
+        share[s] = 1.0 / len(ranks)
+    kept = alive * acts * share
     return host @ early + (host * kept).max(axis=1, initial=0.0)
 
 
