@@ -1,7 +1,7 @@
 """Llama-3-70B and GPT-3-175B planned for 64, 256 and 1024 GPUs (data x pipeline parallel).
 
     python benchmarks/at_scale.py [--device h100-80gb] [--gpus 64 256 1024] \
-        [--model llama3-70b]
+        [--model llama3-70b] [--cache DIR] [--compare llama3-70b 1024]
 
 Each model is built at its real depth on the meta device (transformers
 configs, no weights), captured once with one sequence per micro-batch, costed
@@ -9,13 +9,18 @@ by the roofline device model and planned by the same planner and simulator
 as any table, for every pipeline depth ``P`` (dividing the GPUs, at most the
 blocks) with ``dp = GPUs / P`` replicas of the pipeline. A step is the
 1M-token batch (Llama-3: 256 sequences of 4096 tokens; GPT-3: 512 of 2048;
-their published batches are 4x and 3x that, which only lengthens the step
-and the simulation), so each replica runs ``batch / dp`` one-sequence
-micro-batches. Depths whose weights and optimizer state alone cannot fit a GPU
-are skipped; the search is the beam planner over 1F1B, ZB-H1 and interleaved
-1F1B (two stages per rank at most), 2 s of beam per depth. Pipelines are
-placed on consecutive GPUs, 8 per node: the all-reduce of a stage's
-gradients across replicas runs over the inter-node link.
+their published batches are 4x and 3x that), so each replica runs
+``batch / dp`` one-sequence micro-batches. Depths whose weights and optimizer
+state alone cannot fit a GPU are skipped; the search is the beam planner over
+1F1B, ZB-H1 and interleaved 1F1B (two stages per rank at most), 2 s of beam
+per depth. Pipelines are placed on consecutive GPUs, 8 per node: the
+all-reduce of a stage's gradients across replicas runs over the inter-node
+link. The replicas are priced from one simulated pipeline plus the
+all-reduces (:mod:`orgel.plan.replicated`), and candidates that cannot fit
+memory are ruled out before they are simulated. Every row prints the
+planning time and the process's peak RSS so far; ``--cache DIR`` keeps the
+captured tables for later runs; ``--compare MODEL GPUS`` plans that row again
+with 10x the beam time and prints both step times.
 
 Precision: bf16 weights and activations (the model built in bfloat16, so
 matmuls take the bf16 peak and values are 2 bytes), fp32 master weights and

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from orgel.costs.blocks import BlockCosts, chain_split
-from orgel.plan.scorer import Scorer, memory_floor, stage_peak_alive
+from orgel.plan.floor import memory_floor, stage_peak_alive
+from orgel.plan.scorer import Scorer
 from orgel.plan.templates import build_template, template_specs
 from orgel.schedule.costs import Link
 

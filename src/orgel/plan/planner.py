@@ -10,8 +10,11 @@ Planners (``planner=``):
 * ``uniform-layers``, ``uniform-params``, ``uniform-time``: the baselines, 1F1B;
 * ``auto`` (default): all of the above, the fastest feasible plan wins.
 
-Every plan is scored by the one simulator. When nothing fits, the error says
-how much memory per rank (or how many ranks) would.
+Every plan is scored by the one simulator. With ``dp`` replicas of a pipeline
+the pipeline is searched once and the replicated plan priced from its
+simulation plus the gradient all-reduces (:mod:`orgel.plan.replicated`; the
+full simulation of every rank only when the replicas' links differ). When
+nothing fits, the error says how much memory per rank (or how many ranks) would.
 """
 
 from __future__ import annotations

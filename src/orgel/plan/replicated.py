@@ -22,7 +22,8 @@ import numpy as np
 
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
-from orgel.sim.compiled import CompiledPlan, StageArrays, allreduce_time, plan_allreduces
+from orgel.sim.allreduce import allreduce_time, plan_allreduces
+from orgel.sim.compiled import CompiledPlan, StageArrays
 
 
 def same_links(single: Plan, costs: Costs, dp: int) -> bool:
