@@ -118,8 +118,6 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
             recompute_all: bool | None, width: int, max_move: int, slack: float,
             groups: int, top: int, time_limit: float | None,
             per_member: int | None) -> SequentialResult | None:
-    start_time = time.perf_counter()
-    deadline = None if time_limit is None else start_time + time_limit
     n = scorer.bc.num_blocks
     seen: set[tuple[object, ...]] = set()
     scored: list[tuple[float, int, Template, list[Points], Score]] = []
@@ -175,6 +173,9 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
     rec0 = (True,) * t0.num_stages if recompute_all else None
     best = SequentialResult(t0, pts0[0], rec0, score0, tried, 0)
     ceiling = step0
+    # the beam's own time: screening the templates can take longer than the whole
+    # budget on a big problem, and would leave the beam none
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
     for searched, (_, _, t, pts, _) in enumerate(chosen, start=1):
         rec = (True,) * t.num_stages if recompute_all else None
         share = None
