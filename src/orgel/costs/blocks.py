@@ -80,7 +80,7 @@ _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "tempor
 _OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
              "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib", "rows",
-             "tied", "step_overhead", "node")
+             "tied", "step_overhead", "node", "edge_grads")
 
 
 class CostsFileError(ValueError):
@@ -128,6 +128,9 @@ class BlockCosts:
     step_overhead: float | None = None  # ms per step outside the actions, on two ranks
     node_ranks: int | None = None  # ranks per node: pairs across nodes take node_link
     node_link: Link | None = None
+    # bytes of edge (a, b)'s values that carry a gradient back (absent: all of output[a]);
+    # a mask or a position table read by every layer carries none
+    edge_grads: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -165,6 +168,11 @@ class BlockCosts:
         if self.nodes and len(self.nodes) != n:
             raise CostsFileError(f"'nodes' has {len(self.nodes)} entries, expected one per block")
         self.edges = [(int(a), int(b)) for a, b in self.edges]
+        known = set(self.edges)
+        for (a, b), nbytes in self.edge_grads.items():
+            if (a, b) not in known or nbytes < 0:
+                raise CostsFileError(f"edge_grads names [{a}, {b}] with {nbytes} bytes: give "
+                                     "bytes >= 0 for edges listed in 'edges'")
         for a, b in self.edges:
             if not (0 <= a < n and 0 <= b < n):
                 raise CostsFileError(f"edge [{a}, {b}] names a block outside 0..{n - 1}")
@@ -229,7 +237,8 @@ class BlockCosts:
             split_weight=[t * factor for t in self.split_weight],
             optimizer_ms=list(self.optimizer_ms),  # the optimizer works on parameters
             step_overhead=self.step_overhead, node_ranks=self.node_ranks,
-            node_link=self.node_link)
+            node_link=self.node_link,
+            edge_grads={e: int(b * factor) for e, b in self.edge_grads.items()})
 
     # -- JSON --------------------------------------------------------------------
 
@@ -260,6 +269,8 @@ class BlockCosts:
             "optimizer_ms_per_mib": self.optimizer_ms_per_mib,
             **({} if self.rows is None else {"rows": self.rows}),
             **({"tied": [g.to_dict() for g in self.tied]} if self.tied else {}),
+            **({"edge_grads": [[a, b, n] for (a, b), n in sorted(self.edge_grads.items())]}
+               if self.edge_grads else {}),
             **({} if self.step_overhead is None else {"step_overhead": self.step_overhead}),
             **({} if self.node_ranks is None or self.node_link is None else
                {"node": {"ranks": self.node_ranks,
@@ -356,6 +367,7 @@ class BlockCosts:
             step_overhead=(None if data.get("step_overhead") is None
                            else _number(data["step_overhead"], "step_overhead")),
             **_node(data.get("node")),
+            edge_grads=_edge_grads(data.get("edge_grads", [])),
         )
 
     def save(self, path: str | Path) -> None:
@@ -400,6 +412,14 @@ def _tied_list(data: Any) -> list[Any]:
         raise CostsFileError("'tied' must be a list of {\"blocks\": [0, 11], \"nbytes\": N, "
                              "\"name\": \"...\"} objects (blocks that read one parameter)")
     return data
+
+
+def _edge_grads(data: Any) -> dict[tuple[int, int], int]:
+    if not isinstance(data, list) or not all(
+            isinstance(x, list) and len(x) == 3 and all(isinstance(v, int) for v in x)
+            for x in data):
+        raise CostsFileError("'edge_grads' must be a list of [producer, consumer, bytes]")
+    return {(a, b): n for a, b, n in data}
 
 
 def _node(data: Any) -> dict[str, Any]:
@@ -535,7 +555,32 @@ def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
                 for s in range(len(stage_blocks))],
         link=bc.link, links=dict(bc.links), action_overhead=bc.action_overhead,
         memory_per_rank=bc.memory_per_rank, node_ranks=bc.node_ranks, node_link=bc.node_link,
+        edge_grad_bytes=edge_grad_bytes(bc, stage_blocks),
     )
+
+
+def edge_grad_bytes(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]
+                    ) -> list[int] | None:
+    """Bytes each edge of :func:`stage_graph` carries back as gradients (None: all of them).
+
+    A producing block's share is the most that any of its edges into the
+    consuming stage carries back (``bc.edge_grads``; the whole output without
+    an entry): its values that need a gradient, once per stage as in
+    :func:`stage_graph`.
+    """
+    if not bc.edge_grads:
+        return None
+    owner = [0] * bc.num_blocks
+    for s, blocks in enumerate(stage_blocks):
+        for b in blocks:
+            owner[b] = s
+    grads: dict[tuple[int, int], dict[int, int]] = {}
+    for a, b in bc.edges:
+        sa, sb = owner[a], owner[b]
+        if sa != sb:
+            per = grads.setdefault((sa, sb), {})
+            per[a] = max(per.get(a, 0), min(bc.output[a], bc.edge_grads.get((a, b), bc.output[a])))
+    return [sum(per.values()) for _, per in sorted(grads.items())]
 
 
 def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> StageGraph:

@@ -100,6 +100,8 @@ def beam_search(scorer: Scorer, template: Template, starts: list[Points], *,
         changed = False
         order = np.argsort(lb, kind="stable")
         for i in order if limit is None else order[:limit]:
+            if beam and deadline is not None and time.perf_counter() > deadline:
+                break  # out of time: a member's moves can take minutes on a big problem
             if not fits[i] or lb[i] >= min(threshold(), ceiling):
                 continue
             cand = fresh[int(i)]

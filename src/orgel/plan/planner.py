@@ -10,8 +10,11 @@ Planners (``planner=``):
 * ``uniform-layers``, ``uniform-params``, ``uniform-time``: the baselines, 1F1B;
 * ``auto`` (default): all of the above, the fastest feasible plan wins.
 
-Every plan is scored by the one simulator. When nothing fits, the error says
-how much memory per rank (or how many ranks) would.
+Every plan is scored by the one simulator. With ``dp`` replicas of a pipeline
+the pipeline is searched once and the replicated plan priced from its
+simulation plus the gradient all-reduces (:mod:`orgel.plan.replicated`; the
+full simulation of every rank only when the replicas' links differ). When
+nothing fits, the error says how much memory per rank (or how many ranks) would.
 """
 
 from __future__ import annotations
@@ -21,14 +24,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orgel.costs.blocks import BlockCosts, chain_split, optimizer_peak, stage_costs
+import numpy as np
+
+from orgel.costs.blocks import (
+    BlockCosts,
+    chain_split,
+    optimizer_peak,
+    stage_costs,
+    stage_graph,
+)
 from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
+from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
 from orgel.schedule.ir import Plan
+from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
 from orgel.sim.compiled import CompiledPlan
 
@@ -186,11 +199,14 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
             base_times = baselines
         for step, name, p in found:
             if d > 1:
-                p = _replicate(p, d, costs, scorer.memory)
-                check = simulate(p)
-                if not check.fits:
+                single, p = p, _replicate(p, d, costs, scorer.memory)
+                step_peak = replica_step(single, p)  # one replica simulated, all-reduces priced
+                if step_peak is None:
+                    check = simulate(p)
+                    step_peak = check.step_time, np.asarray(check.peak_memory)
+                if scorer.memory is not None and step_peak[1].max() > scorer.memory:
                     continue
-                step, name = check.step_time, f"{name} x dp{d}"
+                step, name = step_peak[0], f"{name} x dp{d}"
             candidates.append((step + end_of_step(costs, p), name, p))
     if not candidates:
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
@@ -261,7 +277,8 @@ def held_sends(p: Plan) -> list[int]:
     (the shape exchange) still holds every send until it ends; it is not
     the steady state this predicts.
     """
-    return [int(b) for b in CompiledPlan(p).held_send_bytes()]
+    grads = None if p.costs is None else p.costs.edge_grad_bytes
+    return [int(b) for b in CompiledPlan(p).held_send_bytes(grad_bytes=grads)]
 
 
 def predict(p: Plan, costs: BlockCosts) -> SimResult:
@@ -272,10 +289,13 @@ def predict(p: Plan, costs: BlockCosts) -> SimResult:
     on gloo (``costs.receives_posted_ahead``) the receive buffers it keeps,
     and the optimizer step.
     """
-    sim = simulate(p, receives_kept=costs.receives_posted_ahead)
+    compiled = CompiledPlan(p, comm=validate(p))  # one compile: simulation and sends
+    sim = simulate(p, compiled=compiled, check=False, receives_kept=costs.receives_posted_ahead)
     end = end_of_step(costs, p)
     sim.step_time += end
-    sim.peak_memory = [a + b for a, b in zip(sim.peak_memory, held_sends(p), strict=True)]
+    held = compiled.held_send_bytes(
+        grad_bytes=None if p.costs is None else p.costs.edge_grad_bytes)
+    sim.peak_memory = [a + int(b) for a, b in zip(sim.peak_memory, held, strict=True)]
     if p.costs is not None:
         floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)
         sim.peak_memory = [max(a, b) for a, b in zip(sim.peak_memory, floor, strict=True)]
@@ -319,6 +339,9 @@ def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None) -> Plan:
     out = replicate(p, dp)
     split = any(a.kind == "I" for actions in out.schedule for a in actions)
     blocks = [list(s.blocks) for s in out.stage_graph.stages]
+    # p's edges carry a replica's share of a micro-batch; each replica's messages take
+    # their share of the whole micro-batch's edges (not a share of the share)
+    out.stage_graph = stage_graph(costs, blocks)
     out.costs = stage_costs(costs, blocks, split=split, placement=out.placement)
     out.costs.memory_per_rank = memory
     out.tied = plan_tied_weights(costs, blocks, out.placement)
@@ -333,7 +356,7 @@ def _label(p: Plan, template: Template) -> None:
 def _baselines(scorer: Scorer, ranks: int, microbatches: int
                ) -> dict[str, tuple[float, Plan | None]]:
     """Each baseline split with 1F1B: (step time, plan or None when it does not fit)."""
-    template = one_f_one_b(ranks, microbatches)
+    template = one_f_one_b(ranks, microbatches, scorer.templates)
     out: dict[str, tuple[float, Plan | None]] = {}
     for name in BASELINES:
         points = baseline_points(scorer.bc, name, ranks)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -39,6 +41,7 @@ import numpy as np
 
 from orgel.costs.blocks import (
     BlockCosts,
+    edge_grad_bytes,
     optimizer_peak,
     stage_cost,
     stage_costs,
@@ -47,10 +50,16 @@ from orgel.costs.blocks import (
     unsaved_outputs,
 )
 from orgel.costs.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
+from orgel.plan.floor import memory_floor, stage_peak_alive
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.sim.compiled import CompiledPlan
+
+#: Ops of compiled plans a scorer keeps (about 1 KiB of Python objects each): a
+#: pipeline of 64 ranks over 512 micro-batches compiles to ~0.5M ops, and a search
+#: that kept every split's stage graph would not stay within a few GiB.
+COMPILED_OPS = 1_500_000
 
 
 @dataclass
@@ -144,13 +153,19 @@ class Scorer:
             if costs.split_input else None
         self._csw = np.concatenate([[0.0], np.cumsum(costs.split_weight)]) \
             if costs.split_weight else None
-        self._compiled: dict[tuple[Any, ...], CompiledPlan] = {}
+        # (template, stage edges, tied groups) -> recompute flags -> compiled plan,
+        # least recently used first (see _evict)
+        self._compiled: OrderedDict[tuple[Any, ...],
+                                    dict[tuple[bool, ...], CompiledPlan]] = OrderedDict()
+        # schedule templates built for this table (orgel.plan.templates.cached_template)
+        self.templates: dict[tuple[Any, ...], Template | None] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
         # id(template) -> (template, renamed); the template is kept so its id stays unique
         self._placed: dict[tuple[int, tuple[tuple[int, int], ...]],
                            tuple[Template, Template]] = {}
         self.rename_ranks = rename_ranks
         self.evaluations = 0
+        self.pruned = 0  # candidates memory_floor ruled out before the simulator
         # The static bytes a tied parameter's extra copies add at most: the quick
         # memory checks allow for them so they never reject a split that fits once
         # each rank counts the parameter once (the scores count exactly).
@@ -288,18 +303,38 @@ class Scorer:
         :func:`orgel.costs.tied.plan_tied_weights`); part of the cache key.
         """
         tied_key = tuple((g.stages, g.nbytes) for g in tied) if tied else ()
-        key = (id(template), tuple((e.src, e.dst) for e in graph.edges), recompute, tied_key)
-        cp = self._compiled.get(key)
+        key = (id(template), tuple((e.src, e.dst) for e in graph.edges), tied_key)
+        variants = self._compiled.get(key)
+        if variants is None:
+            variants = self._compiled[key] = {}
+            self._evict(keep=key)
+        else:
+            self._compiled.move_to_end(key)
+        cp = variants.get(recompute)
         if cp is None:
-            meta = dict(template.base.meta)
-            plan = Plan(stage_graph=graph, placement=template.base.placement,
-                        num_ranks=template.base.num_ranks,
-                        microbatches=template.base.microbatches,
-                        schedule=template.base.schedule, recompute=list(recompute),
-                        meta=meta, tied=list(tied or ()))
-            cp = CompiledPlan(plan)
-            self._compiled[key] = cp
+            if variants:
+                # recompute flags change no dependency: every set of flags shares one
+                # compiled topology (CompiledPlan.with_recompute)
+                cp = next(iter(variants.values())).with_recompute(recompute)
+            else:
+                meta = dict(template.base.meta)
+                plan = Plan(stage_graph=graph, placement=template.base.placement,
+                            num_ranks=template.base.num_ranks,
+                            microbatches=template.base.microbatches,
+                            schedule=template.base.schedule, recompute=list(recompute),
+                            meta=meta, tied=list(tied or ()))
+                cp = CompiledPlan(plan)
+            variants[recompute] = cp
         return cp
+
+    def _evict(self, keep: tuple[Any, ...]) -> None:
+        """Drop the least recently used compiled plans beyond :data:`COMPILED_OPS` ops."""
+        total = sum(next(iter(v.values())).num_ops for v in self._compiled.values() if v)
+        for key in list(self._compiled):
+            if total <= COMPILED_OPS or key == keep:
+                break
+            variants = self._compiled.pop(key)
+            total -= next(iter(variants.values())).num_ops if variants else 0
 
     def score_chain(self, template: Template, points: tuple[int, ...],
                     recompute: tuple[bool, ...] | None = None) -> Score:
@@ -321,26 +356,41 @@ class Scorer:
         graph = self._graph_for(stage_blocks, template)
         template = self.placed(template, graph)
         rec = tuple(recompute) if recompute else (False,) * template.num_stages
+        grads = None
         if graph is template.base.stage_graph:
             edge_bytes = np.array([self._cross[stage_blocks[e.dst][0]] for e in graph.edges],
                                   dtype=np.int64)
+            if self.bc.edge_grads and self.bc.is_chain():
+                grads = edge_grad_bytes(self.bc, stage_blocks)
         else:
             edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
+            grads = edge_grad_bytes(self.bc, stage_blocks)
         tied = None
         if self.bc.tied:
             holders = tied_stages(self.bc, stage_blocks)
             stages = self._share_tied(template, stage_blocks, stages, holders)
             tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement, holders)
+        if self.memory is not None:
+            key = ("alive", id(template))
+            alive = self._arrays.get(key)
+            if alive is None:
+                alive = self._arrays[key] = stage_peak_alive(template.base.schedule,
+                                                             template.num_stages)
+            least = memory_floor(alive, template.base.placement, template.base.num_ranks,
+                                 stages, [(e.src, e.dst) for e in graph.edges], edge_bytes, rec)
+            if least.max() > self.memory:  # cannot fit: neither compile nor simulate it
+                self.pruned += 1
+                return Score(math.inf, least, False)
         cp = self.compiled(template, graph, rec, tied)
         costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
                       action_overhead=self.bc.action_overhead,
                       memory_per_rank=self.memory, node_ranks=self.bc.node_ranks,
-                      node_link=self.bc.node_link)
+                      node_link=self.bc.node_link, edge_grad_bytes=grads)
         self.evaluations += 1
         # gloo's receive buffers are kept across steps (BlockCosts.receives_posted_ahead)
         step, peak = cp.evaluate(costs, edge_bytes=edge_bytes,
                                  receives_kept=self.bc.receives_posted_ahead)
-        peak = peak + cp.held_send_bytes(edge_bytes)  # see planner.held_sends
+        peak = peak + cp.held_send_bytes(edge_bytes, grads)  # see planner.held_sends
         floor = optimizer_peak(self.bc, costs, template.base.placement, template.base.num_ranks)
         peak = np.maximum(peak, np.asarray(floor, dtype=peak.dtype))
         feasible = self.memory is None or bool(peak.max() <= self.memory)

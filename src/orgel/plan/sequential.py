@@ -29,7 +29,7 @@ import numpy as np
 from orgel.plan.beam import beam_search
 from orgel.plan.scorer import Score, Scorer, Template
 from orgel.plan.splits import Points, balanced_points, memory_weights, time_weights
-from orgel.plan.templates import Spec, build_template, schedule_key, template_specs
+from orgel.plan.templates import Spec, cached_template, schedule_key, template_specs
 
 RAMPS = (0.0, 0.1, 0.2)
 
@@ -118,8 +118,6 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
             recompute_all: bool | None, width: int, max_move: int, slack: float,
             groups: int, top: int, time_limit: float | None,
             per_member: int | None) -> SequentialResult | None:
-    start_time = time.perf_counter()
-    deadline = None if time_limit is None else start_time + time_limit
     n = scorer.bc.num_blocks
     seen: set[tuple[object, ...]] = set()
     scored: list[tuple[float, int, Template, list[Points], Score]] = []
@@ -127,7 +125,8 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
 
     def score_spec(spec: Spec) -> float:
         nonlocal tried
-        t = build_template(spec, ranks, microbatches)
+        # both passes (and the baselines) share one Template per spec: compiled once
+        t = cached_template(scorer.templates, spec, ranks, microbatches)
         if t is None or t.num_stages > n:
             return math.inf
         key = schedule_key(t)
@@ -174,6 +173,9 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
     rec0 = (True,) * t0.num_stages if recompute_all else None
     best = SequentialResult(t0, pts0[0], rec0, score0, tried, 0)
     ceiling = step0
+    # the beam's own time: screening the templates can take longer than the whole
+    # budget on a big problem, and would leave the beam none
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
     for searched, (_, _, t, pts, _) in enumerate(chosen, start=1):
         rec = (True,) * t.num_stages if recompute_all else None
         share = None

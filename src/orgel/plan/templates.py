@@ -104,6 +104,19 @@ def build_template(spec: Spec, ranks: int, microbatches: int) -> Template | None
     return Template(spec.label, spec.family, options, base)
 
 
+def cached_template(cache: dict[tuple[Any, ...], Template | None], spec: Spec, ranks: int,
+                    microbatches: int) -> Template | None:
+    """:func:`build_template` once per spec and counts in ``cache`` (a scorer's).
+
+    One Template object per schedule lets the scorer compile it once for every
+    search that uses it (baselines, both recompute passes).
+    """
+    key = (spec.label, spec.family, spec.split_backward, ranks, microbatches)
+    if key not in cache:
+        cache[key] = build_template(spec, ranks, microbatches)
+    return cache[key]
+
+
 def schedule_key(t: Template) -> tuple[Any, ...]:
     """What makes two templates the same schedule: placement and action lists."""
     return (tuple(t.base.placement), tuple(tuple(a) for a in t.base.schedule))
@@ -122,6 +135,11 @@ def v_shape(ranks: int, microbatches: int) -> Template | None:
     return Template("v-shape (dag-1f1b)", "dag-1f1b", {"placement": "v"}, base)
 
 
-def one_f_one_b(ranks: int, microbatches: int) -> Template:
-    """The plain 1F1B template (what the baselines use)."""
-    return Template("1f1b", "1f1b", {}, build_schedule("1f1b", ranks, microbatches))
+def one_f_one_b(ranks: int, microbatches: int,
+                cache: dict[tuple[Any, ...], Template | None] | None = None) -> Template:
+    """The plain 1F1B template (what the baselines use); ``cache``: see :func:`cached_template`."""
+    spec = Spec("1f1b", "1f1b", {}, 1)
+    t = build_template(spec, ranks, microbatches) if cache is None \
+        else cached_template(cache, spec, ranks, microbatches)
+    assert t is not None  # 1F1B takes any counts
+    return t

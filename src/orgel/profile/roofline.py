@@ -201,6 +201,14 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
                                                    * device.efficiency["elementwise"]) * 1000)
         out_bytes.append(out)
     edges = sorted({(e.src, e.dst) for e in bg.edges if e.src != e.dst})
+    # a value that needs no gradient (a mask, a position table) sends nothing back
+    grads: dict[tuple[int, int], int] = {}
+    for e in bg.edges:
+        if e.src != e.dst:
+            back = sum(opgraph.nodes[v].nbytes for v in e.values
+                       if v in opgraph.nodes and opgraph.nodes[v].requires_grad)
+            if back < out_bytes[e.src]:
+                grads[(e.src, e.dst)] = max(grads.get((e.src, e.dst), 0), back)
     return BlockCosts(
         fwd=cols["fwd"], bwd=cols["bwd"], wgrad=cols["wgrad"], params=cols["params"],
         activations=cols["acts"], output=out_bytes, temporary=cols["temp"], edges=edges,
@@ -208,7 +216,7 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
         optimizer_factor=4.0, optimizer_temporary=1.0, weight_kept=cols["kept"],
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         rows=rows, tied=tied_groups(opgraph, bg), optimizer_ms=cols["opt"],
-        node_ranks=device.gpus_per_node, node_link=device.inter_node.link(),
+        node_ranks=device.gpus_per_node, node_link=device.inter_node.link(), edge_grads=grads,
         meta={"device": device.name, "estimated": "roofline", "tf32": tf32,
               "target_blocks": blocks, "num_blocks": len(bg.blocks),
               "graph_hash": graph_hash(opgraph)})

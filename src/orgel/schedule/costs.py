@@ -91,6 +91,9 @@ class Costs:
     memory_per_rank: int | None = None
     node_ranks: int | None = None
     node_link: Link | None = None
+    #: per stage-graph edge, the bytes its gradient messages carry (None: the edge's bytes);
+    #: values that need no gradient (masks, position tables) send none back
+    edge_grad_bytes: list[int] | None = None
 
     def link_between(self, src: int, dst: int) -> Link:
         link = self.links.get((src, dst))
@@ -115,6 +118,8 @@ class Costs:
             "memory_per_rank": self.memory_per_rank,
             **({} if self.node_ranks is None or self.node_link is None else
                {"node_ranks": self.node_ranks, "node_link": asdict(self.node_link)}),
+            **({} if self.edge_grad_bytes is None
+               else {"edge_grad_bytes": list(self.edge_grad_bytes)}),
         }
 
     @classmethod
@@ -127,6 +132,8 @@ class Costs:
             memory_per_rank=data.get("memory_per_rank"),
             node_ranks=data.get("node_ranks"),
             node_link=Link(**data["node_link"]) if data.get("node_link") else None,
+            edge_grad_bytes=(None if data.get("edge_grad_bytes") is None
+                             else [int(b) for b in data["edge_grad_bytes"]]),
         )
 
     @classmethod

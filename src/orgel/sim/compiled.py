@@ -19,6 +19,8 @@ Op numbering: compute ops first (rank by rank, in list order), then messages
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +29,11 @@ import numpy as np
 from orgel.schedule.comm import CommPlan, derive_comm
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan, PlanError
+from orgel.sim.allreduce import AllReduce, allreduce_time, plan_allreduces
 from orgel.sim.longest import longest_path, straight_line_for
 from orgel.sim.memory import MemoryLayout, peak_memory
+
+__all__ = ["AllReduce", "CompiledPlan", "StageArrays", "allreduce_time", "plan_allreduces"]
 
 _MIB = float(1 << 20)
 _KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
@@ -40,23 +45,6 @@ _KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
 STRAIGHT_LINE_AFTER = 100
 #: Below this many ops the generic loop is as fast as straight-line code.
 STRAIGHT_LINE_MIN_OPS = 32
-
-
-@dataclass(frozen=True)
-class AllReduce:
-    """A gradient all-reduce among ``ranks`` (a data-parallel stage or a tied weight group).
-
-    ``stages`` are the stages whose gradients it sums; ``nbytes`` is ``None`` for
-    a stage's own gradients (read from its costs, less ``tied_bytes``: the
-    runtime reduces a tied weight's gradient in its own group, not the stage's)
-    or a fixed byte count for a tied weight group.
-    """
-
-    ranks: tuple[int, ...]
-    stages: tuple[int, ...]
-    nbytes: int | None
-    label: str
-    tied_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,8 +140,31 @@ class CompiledPlan:
         self.recompute = np.array(plan.recompute, dtype=bool)
         self._straight: Any = None
         self._calls = 0
+        self._topology: CompiledPlan | None = None  # the plan whose longest path this one runs
         self._arrays_cache: tuple[tuple[Any, ...], StageArrays] | None = None
         self._link_cache: tuple[Any, ...] | None = None
+
+    def with_recompute(self, recompute: list[bool] | tuple[bool, ...]) -> CompiledPlan:
+        """This compiled plan with other recompute flags, sharing its topology.
+
+        Recompute changes durations and what a forward keeps, never which op
+        waits for which: the copy shares the dependency graph (and its
+        straight-line code) and rebuilds only the memory layout.
+        """
+        flags = [bool(f) for f in recompute]
+        if len(flags) != self.num_stages:
+            raise PlanError(f"recompute has {len(flags)} entries but there are "
+                            f"{self.num_stages} stages: give one per stage")
+        out = copy.copy(self)
+        out.plan = dataclasses.replace(self.plan, recompute=flags)
+        out.recompute = np.array(flags, dtype=bool)
+        out.stage_recompute = out.recompute.astype(np.float64)
+        out.memory = MemoryLayout.build(self.op_rank, self.op_stage, self.op_kind,
+                                        self.rank_start, self.plan.placement, flags)
+        out._topology = self._topology or self
+        out._arrays_cache = None
+        out._link_cache = None
+        return out
 
     # -- construction ------------------------------------------------------------
 
@@ -191,6 +202,7 @@ class CompiledPlan:
         self.msg_edge = np.array([m.edge for m in msgs], dtype=np.int64)
         self.msg_part_num = np.array([m.part[1] - m.part[0] for m in msgs], dtype=np.int64)
         self.msg_part_den = np.array([m.part[2] for m in msgs], dtype=np.int64)
+        self.msg_grad = np.array([m.grad for m in msgs], dtype=bool)
         self.msg_channel = np.array(
             [channel_index[(m.src_rank, m.dst_rank)] for m in msgs], dtype=np.int64
         )
@@ -198,32 +210,10 @@ class CompiledPlan:
         self.msg_recv = np.array([start[m.dst_rank] + m.recv_pos for m in msgs], dtype=np.int64)
 
     def _build_allreduces(self, plan: Plan) -> None:
-        groups: list[AllReduce] = []
-        tied_groups: list[AllReduce] = []
-        for i, group in enumerate(plan.tied):
-            ranks = tuple(sorted({r for s in group.stages for r in plan.placement[s]}))
-            if len(ranks) > 1:
-                tied_groups.append(AllReduce(ranks, group.stages, group.nbytes,
-                                             f"allreduce tied{i}"))
-        for s, ranks in enumerate(plan.placement):
-            if len(ranks) > 1:
-                tied = sum(int(g.nbytes or 0) for g in tied_groups if s in g.stages)
-                groups.append(AllReduce(tuple(ranks), (s,), None, f"allreduce s{s}", tied))
-        groups += tied_groups
-        self.allreduces = groups
+        self.allreduces, last = plan_allreduces(plan)
         # Each all-reduce waits for the last backward (B or W) of its stages on every rank.
-        self._allreduce_preds: list[list[int]] = []
-        for g in groups:
-            preds = []
-            for r in g.ranks:
-                base = int(self.rank_start[r])
-                last = -1
-                for p, a in enumerate(plan.schedule[r]):
-                    if a.stage in g.stages and a.kind in ("B", "W"):
-                        last = p
-                if last >= 0:
-                    preds.append(base + last)
-            self._allreduce_preds.append(preds)
+        self._allreduce_preds = [[int(self.rank_start[r]) + pos for r, pos in ps]
+                                 for ps in last]
 
     def _build_graph(self) -> None:
         nc, nm = self.num_compute, self.num_messages
@@ -321,14 +311,26 @@ class CompiledPlan:
             parts.append(np.asarray(reduce, dtype=np.float64))
         return np.concatenate(parts)
 
-    def message_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
-        """Bytes of every message (its share of its edge's bytes)."""
-        if edge_bytes is None:
-            return self.default_msg_bytes
-        eb = np.asarray(edge_bytes, dtype=np.int64)
-        return eb[self.msg_edge] * self.msg_part_num // self.msg_part_den
+    def message_bytes(self, edge_bytes: np.ndarray | None = None,
+                      grad_bytes: list[int] | np.ndarray | None = None) -> np.ndarray:
+        """Bytes of every message (its share of its edge's bytes).
 
-    def held_send_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
+        ``grad_bytes`` (per edge, optional): what a gradient message of the edge
+        carries instead (``Costs.edge_grad_bytes``: values without a gradient send
+        none back).
+        """
+        if edge_bytes is None and grad_bytes is None:
+            return self.default_msg_bytes
+        eb = self.default_edge_bytes if edge_bytes is None \
+            else np.asarray(edge_bytes, dtype=np.int64)
+        per = eb[self.msg_edge]
+        if grad_bytes is not None:
+            per = np.where(self.msg_grad, np.asarray(grad_bytes, dtype=np.int64)[self.msg_edge],
+                           per)
+        return per * self.msg_part_num // self.msg_part_den
+
+    def held_send_bytes(self, edge_bytes: np.ndarray | None = None,
+                        grad_bytes: list[int] | np.ndarray | None = None) -> np.ndarray:
         """Per rank, the most bytes it sends right after one action.
 
         ``orgel.runtime.comm`` waits for a send once the sender's next action
@@ -339,7 +341,8 @@ class CompiledPlan:
         out = np.zeros(self.num_ranks, dtype=np.int64)
         if self.num_messages == 0:
             return out
-        per_action = np.bincount(self.msg_send, weights=self.message_bytes(edge_bytes),
+        per_action = np.bincount(self.msg_send,
+                                 weights=self.message_bytes(edge_bytes, grad_bytes),
                                  minlength=self.num_compute)
         for r in range(self.num_ranks):
             lo, hi = int(self.rank_start[r]), int(self.rank_start[r + 1])
@@ -347,7 +350,8 @@ class CompiledPlan:
                 out[r] = int(per_action[lo:hi].max())
         return out
 
-    def posted_receive_bytes(self, edge_bytes: np.ndarray | None = None) -> np.ndarray:
+    def posted_receive_bytes(self, edge_bytes: np.ndarray | None = None,
+                             grad_bytes: list[int] | np.ndarray | None = None) -> np.ndarray:
         """Per rank, the bytes of every message it receives in a step.
 
         On gloo ``orgel.runtime.comm`` posts every receive at the step's start
@@ -359,7 +363,7 @@ class CompiledPlan:
         if self.num_messages == 0:
             return out
         ranks = self.op_rank[self.msg_recv]
-        np.add.at(out, ranks, self.message_bytes(edge_bytes).astype(np.int64))
+        np.add.at(out, ranks, self.message_bytes(edge_bytes, grad_bytes).astype(np.int64))
         return out
 
     def _comm_durations(self, costs: Costs, edge_bytes: np.ndarray | None) -> np.ndarray:
@@ -381,25 +385,18 @@ class CompiledPlan:
                 latency = np.full(self.num_messages, costs.link.latency)
                 per_mib = np.full(self.num_messages, costs.link.per_mib)
             hit = (links, len(links), key, latency, per_mib / _MIB, None)
-        if edge_bytes is None and hit[5] is not None:
+        grads = costs.edge_grad_bytes
+        if edge_bytes is None and grads is None and hit[5] is not None:
             return hit[5]
-        nbytes = self.message_bytes(edge_bytes)
+        nbytes = self.message_bytes(edge_bytes, grads)
         comm = np.where(nbytes > 0, hit[3] + hit[4] * nbytes, 0.0)
-        if edge_bytes is None:
+        if edge_bytes is None and grads is None:
             hit = (*hit[:5], comm)
         self._link_cache = hit
         return comm
 
     def _allreduce_time(self, g: AllReduce, costs: Costs, arrays: StageArrays) -> float:
-        """Ring all-reduce: 2(n-1) steps of nbytes/n over the slowest ring link."""
-        if g.nbytes is None:
-            nbytes = max(0, int(arrays.grads[g.stages[0]]) - g.tied_bytes)
-        else:
-            nbytes = g.nbytes
-        n = len(g.ranks)
-        chunk = nbytes // n
-        ring = [costs.link_between(g.ranks[i], g.ranks[(i + 1) % n]) for i in range(n)]
-        return 2 * (n - 1) * max(lk.time(chunk) for lk in ring)
+        return allreduce_time(g, costs, arrays.grads)
 
     def longest(self, durations: np.ndarray) -> np.ndarray:
         """End time of every op (earliest start = latest predecessor end).
@@ -408,6 +405,8 @@ class CompiledPlan:
         that the topology is compiled to straight-line code (see
         :mod:`orgel.sim.longest`), which pays off only over many calls.
         """
+        if self._topology is not None:
+            return self._topology.longest(durations)
         if self._straight is None:
             self._calls += 1
             if self._calls <= STRAIGHT_LINE_AFTER or self.num_ops < STRAIGHT_LINE_MIN_OPS:
@@ -454,7 +453,8 @@ class CompiledPlan:
         dur = self.durations(costs, arrays, edge_bytes)
         end = self.longest(dur)
         step = float(end.max()) if len(end) else 0.0
-        return step, self.peak_memory(arrays, dur, end, edge_bytes, receives_kept)
+        return step, self.peak_memory(arrays, dur, end, edge_bytes, receives_kept,
+                                      costs.edge_grad_bytes)
 
     def peak_memory(
         self,
@@ -463,18 +463,22 @@ class CompiledPlan:
         end: np.ndarray,
         edge_bytes: np.ndarray | None = None,
         receives_kept: bool = False,
+        grad_bytes: list[int] | np.ndarray | None = None,
     ) -> np.ndarray:
         """Peak bytes per rank given op durations and end times (see :mod:`memory`).
+
+        ``grad_bytes``: per edge, what its gradient messages carry (see
+        :meth:`message_bytes`).
 
         ``receives_kept``: the receive buffers are held all the time
         (:meth:`posted_receive_bytes`) instead of from a message's transfer
         until its receiving action starts.
         """
         nc, nm = self.num_compute, self.num_messages
-        msg_bytes = self.message_bytes(edge_bytes)
+        msg_bytes = self.message_bytes(edge_bytes, grad_bytes)
         held = np.zeros(self.num_ranks, dtype=np.int64)
         if receives_kept:
-            held = self.posted_receive_bytes(edge_bytes)
+            held = self.posted_receive_bytes(edge_bytes, grad_bytes)
             msg_bytes = np.zeros_like(msg_bytes)
         return held + peak_memory(
             self.memory,
@@ -492,3 +496,4 @@ class CompiledPlan:
             grads=arrays.grads,
             grad_overlap=arrays.grad_overlap,
         )
+

@@ -24,6 +24,7 @@ few thousand ops; ``benchmarks/simulator_speed.py`` prints all three.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -48,8 +49,9 @@ def longest_path(
     return end
 
 
-_CACHE: dict[tuple[tuple[int, ...], ...], Callable[[list[float]], list[float]]] = {}
+_CACHE: dict[tuple[int, bytes], Callable[[list[float]], list[float]]] = {}
 _CACHE_SIZE = 16
+_CACHE_OPS = 400_000
 
 
 def straight_line_for(
@@ -60,11 +62,17 @@ def straight_line_for(
     A planner that rebuilds the same schedule for new split points gets the
     same predecessor lists, so it compiles once.
     """
-    key = tuple(tuple(p) for p in preds)
+    # a digest, not the tuples themselves: a cache of big topologies would otherwise
+    # keep millions of small tuples alive for the garbage collector to walk
+    flat = np.fromiter((u for p in preds for u in p), dtype=np.int64)
+    sizes = np.fromiter((len(p) for p in preds), dtype=np.int64, count=len(preds))
+    key = (len(preds), hashlib.blake2b(sizes.tobytes() + flat.tobytes(), digest_size=20).digest())
     fn = _CACHE.get(key)
     if fn is None:
         fn = make_straight_line(preds, order)
-        if len(_CACHE) >= _CACHE_SIZE:
+        # a few big topologies hold as much as many small ones: bound the ops kept too
+        while _CACHE and (len(_CACHE) >= _CACHE_SIZE
+                          or sum(k[0] for k in _CACHE) + key[0] > _CACHE_OPS):
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = fn
     return fn

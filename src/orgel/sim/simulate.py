@@ -128,7 +128,8 @@ def simulate(
     busy_ms = np.bincount(cp.op_rank, weights=dur[:nc], minlength=cp.num_ranks)
     busy = (busy_ms / step).tolist() if step > 0 else [0.0] * cp.num_ranks
     bubble = 1.0 - float(busy_ms.sum()) / (step * cp.num_ranks) if step > 0 else 0.0
-    peak = cp.peak_memory(arrays, dur, end, receives_kept=receives_kept)
+    peak = cp.peak_memory(arrays, dur, end, receives_kept=receives_kept,
+                          grad_bytes=costs.edge_grad_bytes)
     return SimResult(
         step_time=step,
         timeline=timeline,

@@ -1,0 +1,71 @@
+"""A data-parallel plan priced from one replica: its pipeline simulated once, plus the all-reduces.
+
+``dp`` replicas of a pipeline (:func:`orgel.runtime.plans.replicate`: replica
+``k`` of rank ``r`` is rank ``r + P k``) run the same actions on the same
+share of every micro-batch and never message one another, so where every
+replica's messages take the same links their timelines are one timeline. The
+only ops that join them are the gradient all-reduces (a stage over its
+replicas; a tied weight over every rank that holds it), and nothing waits for
+an all-reduce: each starts when the last backward of its stages has ended on
+all its ranks and the step ends with the last of them. So the replicated
+step is the pipeline's step or the latest ``last backward + all-reduce``,
+whichever is later, and every replica's memory is the pipeline's: exactly
+what simulating all ``P x dp`` ranks gives (:func:`orgel.sim.simulate`), at
+the cost of ``P`` ranks. When the replicas' links differ (a pipeline that
+does not fill whole nodes), :func:`replica_step` says so and the caller
+simulates in full.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orgel.schedule.costs import Costs
+from orgel.schedule.ir import Plan
+from orgel.sim.allreduce import allreduce_time, plan_allreduces
+from orgel.sim.compiled import CompiledPlan, StageArrays
+
+
+def same_links(single: Plan, costs: Costs, dp: int) -> bool:
+    """Whether every replica's messages take the links replica 0's take."""
+    p = single.num_ranks
+    pairs = {(a, b) for a in range(p) for b in range(p) if a != b}
+    for a, b in pairs:
+        first = costs.link_between(a, b)
+        if any(costs.link_between(a + p * k, b + p * k) != first for k in range(1, dp)):
+            return False
+    return True
+
+
+def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False
+                 ) -> tuple[float, np.ndarray] | None:
+    """``(step_time, peak_memory[rank])`` of ``replicated`` from one simulation of ``single``.
+
+    ``single`` is the pipeline (``P`` ranks, costs of its share of a
+    micro-batch); ``replicated`` is it on ``dp`` replica groups (whole
+    micro-batch costs, every stage on ``dp`` ranks). None when the replicas'
+    links differ (simulate ``replicated`` in full then).
+    """
+    p, total = single.num_ranks, replicated.num_ranks
+    if total % p or single.costs is None or replicated.costs is None:
+        return None
+    dp = total // p
+    link_costs = replicated.costs
+    if not link_costs.uniform_links and not same_links(single, link_costs, dp):
+        return None
+    cp = CompiledPlan(single)
+    costs, arrays = cp.stage_arrays(None)
+    dur = cp.durations(costs, arrays)
+    end = cp.longest(dur)
+    nc, nm = cp.num_compute, cp.num_messages
+    step = float(end[:nc + nm].max()) if nc + nm else 0.0
+    # the replicated plan's all-reduces, each after the last backward of its stages
+    grads = StageArrays.from_costs(link_costs, replicated.num_stages).grads
+    groups, last = plan_allreduces(replicated)
+    for group, preds in zip(groups, last, strict=True):
+        ready = max((float(end[int(cp.rank_start[r % p]) + pos]) for r, pos in preds),
+                    default=0.0)
+        step = max(step, ready + allreduce_time(group, link_costs, grads))
+    peak = cp.peak_memory(arrays, dur, end, receives_kept=receives_kept,
+                          grad_bytes=costs.edge_grad_bytes)
+    return step, np.tile(peak, dp)
