@@ -154,7 +154,7 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     with pipe:
         say(f"captured, planned and started the ranks in {time.perf_counter() - started:.1f} s")
         say(describe_plan(pipe.plan))
-        replicas = len(pipe.plan.placement[0])  # every stage: the same count
+        replicas = len(pipe.plan.placement[0])  # every stage has this many replicas
         reference = _reference_loss(workload, initial, microbatches * replicas, precision)
         losses: list[float] = []
         times: list[float] = []
