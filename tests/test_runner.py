@@ -128,11 +128,13 @@ def test_a_closure_that_hangs_is_reported_within_the_timeout() -> None:
     text_tower, head, _ = _clip()
     pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=3)
     compiled = torch.compile(head, backend=pipe)
-    release = threading.Event()
+    release, left = threading.Event(), threading.Event()
 
     def closure(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> None:
-        if weights[0] == 2:  # micro-batch 1's rows
-            release.wait(60)
+        if weights[0] == 2:  # micro-batch 1's rows: hang until released, then leave
+            release.wait(60)  # (without compiling: the next test's Dynamo must be alone)
+            left.set()
+            return
         with torch.no_grad():
             text = text_tower(tokens)
         (contrastive_loss(compiled(text, pixels), weights) / M).backward()
@@ -147,6 +149,7 @@ def test_a_closure_that_hangs_is_reported_within_the_timeout() -> None:
         assert time.monotonic() - start < 3 + 30  # the timeout, not the closure's 60 s
     finally:
         release.set()
+        assert left.wait(10)
         pipe.close()
 
 
