@@ -149,10 +149,7 @@ def pipeline(
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
 
     def make_engine(rank: int) -> RankEngine:
-        made = {}
-        if source is not None:  # in the worker: only this rank's stages get memory
-            made = {"start": process_memory(reset_peak=True)["rss"],
-                    "made": materialize_stages(split, the_plan.stages_on(rank), source)}
+        made = _make_own_stages(split, the_plan, rank, source)  # in the worker, after the fork
         engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
                             loss_fn=workload.loss_fn, executor_options=executor_options,
                             timeout_s=timeout_s)
@@ -163,6 +160,17 @@ def pipeline(
     return Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
                     aliases=aliases, spmd=False, source=source)
+
+
+def _make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
+                     device: str = "cpu") -> dict[str, int]:
+    """Give this rank's stages of a meta model their tensors (nothing for a model with
+    values); the resident bytes before, and the bytes made (``RankEngine.made``)."""
+    if source is None:
+        return {}
+    start = process_memory(reset_peak=True)["rss"]
+    return {"start": start,
+            "made": materialize_stages(split, plan.stages_on(rank), source, device)}
 
 
 def meta_weights(model: torch.nn.Module, init: Init | None,
@@ -217,12 +225,10 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
             graph = capture_microbatch(workload, the_plan.microbatches)
         one_graph_only(graph)
         split = split_for(workload, graph, the_plan)
-    made = {}
     if source is not None:
         source.seed = int(text[1])
-        made = {"start": process_memory(reset_peak=True)["rss"],
-                "made": materialize_stages(split, the_plan.stages_on(rank), source,
-                                           "cuda" if dist.get_backend() == "nccl" else "cpu")}
+    made = _make_own_stages(split, the_plan, rank, source,
+                            "cuda" if dist.get_backend() == "nccl" else "cpu")
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         executor_options=executor_options, timeout_s=timeout_s)
     engine.made = made
