@@ -39,7 +39,7 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
                    warmup: int, repeats: int, crowd: float = 1.0,
                    loss: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """The cached table's columns for every block of ``split`` (one stage per block)."""
-    from orgel.profile.workload import _columns, _loss_probe, _to
+    from orgel.profile.workload import _loss_probe, _to, table_columns
 
     timer = Timer(dev, warmup=warmup, repeats=repeats)
     values: dict[str, Any] = {k: _to(v, dev) for k, v in named.items()}
@@ -74,18 +74,9 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
             stage.module.zero_grad(set_to_none=True)
         for name in [n for n in values if last_read.get(n, -1) <= b and n not in named]:
             del values[name]  # no later block reads it
-    out = _columns(measures)
-    out["split_input"] = [t.get("inp", 0.0) for t in times_of]
-    out["split_weight"] = [t.get("wgrad", 0.0) for t in times_of]
-    out["action_overhead"] = action_overhead(timer)
-    out["wall_per_cpu"] = 1.0
-    out["oversubscription"] = crowd
-    if loss is not None:
-        b = split.loss_stage
-        out["fwd"][b] += loss_times.get("fwd", 0.0)
-        out["bwd"][b] += loss_times.get("bwd", 0.0)
-        out["split_input"][b] += loss_times.get("bwd", 0.0)
-        out["activations"][b] += saved
+    out = table_columns(measures, times_of, loss_stage=split.loss_stage,
+                        loss_times=loss_times if loss is not None else None, saved=saved,
+                        overhead=action_overhead(timer), wall_per_cpu=1.0, crowd=crowd)
     out["in_sequence_scale"] = 1.0
     out["whole_ms"] = sum(out["fwd"]) + sum(out["bwd"])
     return out

@@ -459,27 +459,16 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
         for stage in split.stages:
             stage.module.zero_grad(set_to_none=True)
     n = len(probes)
-    out = _columns([p.result(t) for p, t in zip(probes, times, strict=False)])
-    # ``I`` then ``W`` as measured: together they take 30-45% more than one
-    # backward on a fed block (the input half's graph walk, one autograd call per
-    # parameter group), which the table's ``bwd``/``wgrad`` split leaves out.
-    out["split_input"] = [t.get("inp", 0.0) for t in times[:n]]
-    out["split_weight"] = [t.get("wgrad", 0.0) for t in times[:n]]
-    out["action_overhead"] = empty
-    out["wall_per_cpu"] = stats.get("wall_per_cpu", 1.0)
-    out["oversubscription"] = crowd
+    measures = [p.result(t) for p, t in zip(probes, times, strict=False)]
+    out = table_columns(measures, times[:n], loss_stage=b, saved=saved,
+                        loss_times=times[at_loss] if loss is not None else None,
+                        overhead=empty, wall_per_cpu=stats.get("wall_per_cpu", 1.0),
+                        crowd=crowd)
     if len(times) > at_optimizer:
         out["optimizer_ms"] = [t.get("optimizer", 0.0) for t in times[at_optimizer:]]
     whole = times[n]["whole"]
-    isolated = sum(out["fwd"]) + sum(out["bwd"])
+    isolated = sum(m.fwd + m.bwd for m in measures)  # the blocks alone, the loss left out
     scale = whole / isolated if isolated > 0 and whole > 0 else 1.0
-    if loss is not None:
-        # The loss runs in the stage that produces the model's outputs: its forward
-        # there, its backward (the gradient of the outputs) in that stage's input half.
-        out["fwd"][b] += times[at_loss]["fwd"]
-        out["bwd"][b] += times[at_loss].get("bwd", 0.0)
-        out["split_input"][b] += times[at_loss].get("bwd", 0.0)
-        out["activations"][b] += saved
     for key in ("fwd", "bwd", "wgrad", "split_input", "split_weight"):
         out[key] = [t * scale for t in out[key]]
     out["in_sequence_scale"] = scale
@@ -527,6 +516,32 @@ def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: b
                                                      desc="profiling blocks", unit="block",
                                                      disable=not progress))]
     return probes, [dict(p.jobs) for p in probes]
+
+
+def table_columns(measures: list[BlockMeasure], times: list[dict[str, float]], *,
+                  loss_stage: int, loss_times: dict[str, float] | None, saved: int,
+                  overhead: float, wall_per_cpu: float, crowd: float) -> dict[str, Any]:
+    """The cached table's columns from each block's measure and its timed jobs.
+
+    ``I`` then ``W`` as measured (``split_input``/``split_weight``): together they
+    take 30-45% more than one backward on a fed block (the input half's graph walk,
+    one autograd call per parameter group), which ``bwd``/``wgrad`` leave out. The
+    loss (``loss_times``, ``saved`` bytes) runs in the stage that produces the
+    model's outputs: its forward there, its backward (the outputs' gradient) in
+    that stage's input half.
+    """
+    out = _columns(measures)
+    out["split_input"] = [t.get("inp", 0.0) for t in times]
+    out["split_weight"] = [t.get("wgrad", 0.0) for t in times]
+    out["action_overhead"] = overhead
+    out["wall_per_cpu"] = wall_per_cpu
+    out["oversubscription"] = crowd
+    if loss_times is not None:
+        out["fwd"][loss_stage] += loss_times.get("fwd", 0.0)
+        out["bwd"][loss_stage] += loss_times.get("bwd", 0.0)
+        out["split_input"][loss_stage] += loss_times.get("bwd", 0.0)
+        out["activations"][loss_stage] += saved
+    return out
 
 
 def _columns(measures: list[BlockMeasure]) -> dict[str, Any]:
