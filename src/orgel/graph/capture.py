@@ -78,10 +78,10 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 if dtype is not None:
                     raise GraphBreakError(f"{exc} Under precision={precision!r} orgel "
                                           "needs one graph of the forward") from None
-                if not several or traced is not named:
-                    if traced is not named:
-                        raise GraphBreakError(f"{exc} A model on the meta device needs one "
-                                              "graph of the forward") from None
+                if traced is not named:
+                    raise GraphBreakError(f"{exc} A model on the meta device needs one "
+                                          "graph of the forward") from None
+                if not several:
                     raise
                 # run as several graphs, the Python between them in the controller
                 from orgel.graph.glue import capture_graphs
