@@ -57,14 +57,12 @@ def capture_meta(workload: Any, microbatches: int) -> tuple[Any, Any]:
     import torch
 
     from orgel.graph import capture
-    from orgel.profile.workload import capture_workload
-    from orgel.workload import Workload, load_workload, named_inputs
+    from orgel.profile.workload import as_workload, capture_workload
     from orgel.workload import microbatches as split_batches
+    from orgel.workload import named_inputs, on_meta
 
-    w = load_workload(workload) if isinstance(workload, str) else workload
-    if not isinstance(w, Workload):
-        raise ValueError("workload must be 'file.py:function' or an orgel.workload.Workload")
-    if not any(p.is_meta for p in w.model.parameters()):
+    w = as_workload(workload)
+    if not on_meta(w.model):
         return capture_workload(w, microbatches)
     batch = microbatch_rows(w, 1)
     if batch is None or batch % microbatches:

@@ -160,13 +160,11 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
     :func:`~orgel.plan.batch.search_microbatches` and on to the planner.
     """
     from orgel.graph import capture
-    from orgel.profile.workload import profile_graph
-    from orgel.workload import Workload, load_workload, named_inputs, validate_workload
+    from orgel.profile.workload import as_workload, profile_graph
     from orgel.workload import microbatches as split_batches
+    from orgel.workload import named_inputs, validate_workload
 
-    w = load_workload(workload) if isinstance(workload, str) else workload
-    if not isinstance(w, Workload):
-        raise ValueError("workload must be 'file.py:function' or an orgel.workload.Workload")
+    w = as_workload(workload)
     validate_workload(w, 1)
     example = microbatch_rows(w, 1)
     if example is None:

@@ -198,15 +198,23 @@ def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
     return costs
 
 
-def capture_workload(workload: Any, microbatches: int) -> tuple[Any, Any]:
-    """Load (if named) and check a workload; capture one micro-batch: (Workload, OpGraph)."""
-    from orgel.graph import capture
-    from orgel.workload import Workload, load_workload, named_inputs, validate_workload
-    from orgel.workload import microbatches as split_batches
+def as_workload(workload: Any) -> Any:
+    """``workload`` as a Workload: loaded if it is named ``"file.py:function"``."""
+    from orgel.workload import Workload, load_workload
 
     w = load_workload(workload) if isinstance(workload, str) else workload
     if not isinstance(w, Workload):
         raise ValueError("workload must be 'file.py:function' or an orgel.workload.Workload")
+    return w
+
+
+def capture_workload(workload: Any, microbatches: int) -> tuple[Any, Any]:
+    """Load (if named) and check a workload; capture one micro-batch: (Workload, OpGraph)."""
+    from orgel.graph import capture
+    from orgel.workload import microbatches as split_batches
+    from orgel.workload import named_inputs, validate_workload
+
+    w = as_workload(workload)
     validate_workload(w, microbatches)
     inputs, _ = split_batches(w, microbatches)[0]
     return w, capture(w.model, named_inputs(w.model, inputs), precision=w.precision)
