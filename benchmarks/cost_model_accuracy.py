@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="gloo ranks (more than this host's cores: they share them)")
     parser.add_argument("--planner", default="beam")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     parser.add_argument("--families", nargs="*", metavar="FAMILY",
@@ -149,13 +151,15 @@ def main() -> None:
         spec = WORKLOADS[name]
         loads = [os.getloadavg()[0]]
         options = {"families": args.families} if args.families else {}
-        result = plan_workload(spec, ranks=2, microbatches=args.microbatches, blocks=args.blocks,
+        result = plan_workload(spec, ranks=args.ranks, microbatches=args.microbatches,
+                               blocks=args.blocks,
                                planner=args.planner, progress=False, **options)
         loads.append(os.getloadavg()[0])
-        out = spawn(_rank, 2, spec, result.plan.to_json(), args.steps, timeout=300.0, threads=1)
+        out = spawn(_rank, args.ranks, spec, result.plan.to_json(), args.steps, timeout=300.0,
+                    threads=1)
         loads.append(os.getloadavg()[0])
         per_step = [max(r["times"][i] for r in out) for i in range(1, args.steps)]
-        measured = (statistics.median(per_step), min(per_step))
+        measured = (statistics.median(per_step), min(per_step), per_step)
         peaks = [r["peak"] for r in out]
         buffers = [r["recv_buffers"] for r in out]
         rows.append((name, result.plan.meta.get("schedule_label", "?"), result.step_time,
@@ -181,12 +185,21 @@ def main() -> None:
     for name, sched, pred, meas, ppeak, mpeak, loads, buffers in rows:
         mem = "  ".join(f"{p / 2**20:.1f}/{m / 2**20:.1f} ({p / m:.3f})"
                         for p, m in zip(ppeak, mpeak, strict=True))
-        (median, fastest) = meas
+        (median, fastest, _) = meas
         err, err_fast = (100 * (pred - median) / median, 100 * (pred - fastest) / fastest)
         load = "/".join(f"{x:.1f}" for x in loads)
         print(f"{name:<10} {sched[:34]:<34} {pred:8.1f} {median:8.1f} {err:5.1f}%  "
               f"{fastest:7.1f} {err_fast:5.1f}%  {mem}  {load}  "
               f"{'/'.join(f'{b / 2**20:.2f}' for b in buffers)}")
+    print("\nper-step error distribution, (predicted - step) / step over the measured steps:")
+    print(f"{'workload':<10} {'steps':>5} {'min':>7} {'p25':>7} {'median':>7} {'p75':>7} "
+          f"{'max':>7}  within 10%")
+    for name, _, pred, meas, *_ in rows:
+        errs = sorted(100 * (pred - t) / t for t in meas[2])
+        q = statistics.quantiles(errs, n=4) if len(errs) > 1 else errs * 3
+        near = sum(abs(e) <= 10 for e in errs)
+        print(f"{name:<10} {len(errs):5d} {errs[0]:6.1f}% {q[0]:6.1f}% {q[1]:6.1f}% "
+              f"{q[2]:6.1f}% {errs[-1]:6.1f}%  {near}/{len(errs)}")
     print("\nerr = (predicted - measured) / measured, for the median step and the fastest; "
           "memory ratio = predicted / measured (target 1.00-1.10); load: the 1-minute load "
           "average before profiling, before and after the run (this host's cores: "

@@ -14,7 +14,8 @@ from orgel.schedule.costs import Link
 from orgel.sim import simulate
 
 
-def table(n: int = 12, *, tied: bool = False, node_ranks: int | None = 4) -> BlockCosts:
+def table(n: int = 12, *, tied: bool = False, node_ranks: int | None = 4,
+          cores: float | None = None) -> BlockCosts:
     """An uneven chain with a skip edge, on nodes of ``node_ranks`` ranks with a slow link."""
     fwd = [1.0 + (i % 3) * 0.5 for i in range(n)]
     groups = [TiedGroup((0, n - 1), 1 << 22, "emb")] if tied else []
@@ -24,14 +25,16 @@ def table(n: int = 12, *, tied: bool = False, node_ranks: int | None = 4) -> Blo
                       output=[1 << 18] * n, temporary=[1 << 16] * n,
                       edges=[*[(i, i + 1) for i in range(n - 1)], (0, 4)],
                       link=Link(latency=0.01, per_mib=0.01), node_ranks=node_ranks,
-                      node_link=Link(latency=0.05, per_mib=0.2), tied=groups)
+                      node_link=Link(latency=0.05, per_mib=0.2), tied=groups, cores=cores)
 
 
 @pytest.mark.parametrize("family", ["1f1b", "zb-h1", "interleaved"])
-@pytest.mark.parametrize(("ranks", "dp", "tied"), [(4, 2, False), (4, 3, True), (2, 4, False)])
+@pytest.mark.parametrize(("ranks", "dp", "tied", "cores"),
+                         [(4, 2, False, None), (4, 3, True, None), (2, 4, False, None),
+                          (4, 2, False, 3.0)])
 def test_replica_step_equals_the_full_simulation(family: str, ranks: int, dp: int,
-                                                 tied: bool) -> None:
-    costs = table(tied=tied)
+                                                 tied: bool, cores: float | None) -> None:
+    costs = table(tied=tied, cores=cores)  # cores: all ranks take turns on 3
     scorer = Scorer(costs.scaled(1.0 / dp), memory=None)
     spec = next(s for s in template_specs(ranks, 8, costs.num_blocks, max_loops=2,
                                           families=[family]) if s.family == family)

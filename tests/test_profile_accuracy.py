@@ -56,14 +56,6 @@ def test_job_time_is_its_cpu_median_not_the_load(monkeypatch: pytest.MonkeyPatch
     assert stats["wall_per_cpu"] == pytest.approx(50 / 28)
 
 
-def test_oversubscription_counts_ranks_threads_over_cores(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(profile_mod.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
-    assert profile_mod.oversubscription(1, 1) == 1.0  # two ranks on two cores
-    assert profile_mod.oversubscription(3, 1) == 2.0  # four ranks take turns
-    assert profile_mod.oversubscription(1, 2) == 2.0
-
-
 def fixed_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every timed job takes 1 ms; all blocks in sequence take 2 ms per block (scale 1)."""
     def fake(jobs: list[dict[str, Any]], timer: Timer, **kwargs: Any) -> list[dict[str, float]]:

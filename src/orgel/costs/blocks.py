@@ -21,7 +21,8 @@ studied without a model. Times are milliseconds, sizes bytes::
      "step_overhead": 0.8,                 # optional, ms per step outside the actions
      "rows": 4,                            # optional: rows per micro-batch it was measured at
      "tied": [{"blocks": [0, 11], "nbytes": 4194304, "name": "tok_emb.weight"}],  # optional
-     "node": {"ranks": 8, "link": {"latency": 0.005, "per_mib": 0.04}}}  # optional
+     "node": {"ranks": 8, "link": {"latency": 0.005, "per_mib": 0.04}},  # optional
+     "cores": 2}                           # optional: ranks sharing a host's processors
 
 An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to half of
 ``bwd``. ``rows`` (optional) is the micro-batch size, in rows along the batch dimension,
@@ -43,6 +44,14 @@ wgrad`` and ``wgrad``. ``optimizer_ms`` (optional, all blocks or none) is each b
 optimizer step; without it a rank's step takes ``optimizer_ms_per_mib`` per MiB of its
 parameters. ``step_overhead`` (optional) is what every step costs outside its actions on
 two ranks (setup, the loss all-reduce round).
+
+``cores`` (optional): the ranks share one host's processors, and this many of
+them can compute at full speed at once (CPU ranks: the host's cores divided by
+each rank's threads; the profiler writes it for CPU ranks). Block times are a
+rank's with a core to itself; with more ranks than ``cores`` the simulator
+spreads the step's compute over the cores
+(:meth:`orgel.sim.compiled.CompiledPlan.shared_bound`). Leave it out when every
+rank has its own device.
 
 ``node`` (optional): ranks ``0..ranks-1`` share a node, and so on; a
 message or all-reduce between ranks on different nodes takes ``node.link``
@@ -80,7 +89,7 @@ _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "tempor
 _OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
              "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib", "rows",
-             "tied", "step_overhead", "node", "edge_grads")
+             "tied", "step_overhead", "node", "edge_grads", "cores")
 
 
 class CostsFileError(ValueError):
@@ -131,6 +140,7 @@ class BlockCosts:
     # bytes of edge (a, b)'s values that carry a gradient back (absent: all of output[a]);
     # a mask or a position table read by every layer carries none
     edge_grads: dict[tuple[int, int], int] = field(default_factory=dict)
+    cores: float | None = None  # ranks that compute at once on a shared host (None: own devices)
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -158,6 +168,10 @@ class BlockCosts:
                                      f"({n}) or leave it out of every block")
             if any(t < 0 for t in got):
                 raise CostsFileError(f"'{name}' has a negative time; times are ms >= 0")
+        if self.cores is not None and not self.cores > 0:
+            raise CostsFileError(f"'cores' must be a positive number of ranks that compute at "
+                                 f"once, got {self.cores!r}; leave it out when every rank has "
+                                 "its own device")
         if bool(self.split_input) != bool(self.split_weight):
             raise CostsFileError("give 'split_input' and 'split_weight' together (a block's "
                                  "I and W measured apart) or neither")
@@ -238,7 +252,8 @@ class BlockCosts:
             optimizer_ms=list(self.optimizer_ms),  # the optimizer works on parameters
             step_overhead=self.step_overhead, node_ranks=self.node_ranks,
             node_link=self.node_link,
-            edge_grads={e: int(b * factor) for e, b in self.edge_grads.items()})
+            edge_grads={e: int(b * factor) for e, b in self.edge_grads.items()},
+            cores=self.cores)
 
     # -- JSON --------------------------------------------------------------------
 
@@ -276,6 +291,7 @@ class BlockCosts:
                {"node": {"ranks": self.node_ranks,
                          "link": {"latency": self.node_link.latency,
                                   "per_mib": self.node_link.per_mib}}}),
+            **({} if self.cores is None else {"cores": self.cores}),
             "meta": self.meta,
         }
 
@@ -368,6 +384,7 @@ class BlockCosts:
                            else _number(data["step_overhead"], "step_overhead")),
             **_node(data.get("node")),
             edge_grads=_edge_grads(data.get("edge_grads", [])),
+            cores=None if data.get("cores") is None else _number(data["cores"], "cores"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -555,7 +572,7 @@ def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
                 for s in range(len(stage_blocks))],
         link=bc.link, links=dict(bc.links), action_overhead=bc.action_overhead,
         memory_per_rank=bc.memory_per_rank, node_ranks=bc.node_ranks, node_link=bc.node_link,
-        edge_grad_bytes=edge_grad_bytes(bc, stage_blocks),
+        edge_grad_bytes=edge_grad_bytes(bc, stage_blocks), cores=bc.cores,
     )
 
 

@@ -43,7 +43,7 @@ from orgel.plan.templates import one_f_one_b
 from orgel.schedule.ir import Plan
 from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
-from orgel.sim.compiled import CompiledPlan
+from orgel.sim.compiled import CompiledPlan, shared_step
 
 PLANNERS = ("auto", "beam", "graph", *BASELINES)
 
@@ -241,7 +241,8 @@ def end_of_step(costs: BlockCosts, p: Plan) -> float:
     per-step part through the runtime on two ranks (``costs.step_overhead``:
     one all-reduce round; more ranks add ``log2`` rounds of the link's
     latency) and each block's optimizer step (``costs.optimizer_ms``; else
-    ``optimizer_ms_per_mib`` of the rank's parameters).
+    ``optimizer_ms_per_mib`` of the rank's parameters). Ranks that share
+    ``costs.cores`` take turns at their optimizer steps too.
     """
     ranks = p.num_ranks
     rounds = math.ceil(math.log2(ranks)) if ranks > 1 else 0
@@ -251,20 +252,18 @@ def end_of_step(costs: BlockCosts, p: Plan) -> float:
     else:
         fixed = float(fixed) + 2 * max(0, rounds - 1) * costs.link.latency
     per_block = costs.optimizer_ms
+    per_rank_ms = [0.0] * ranks
     if per_block and all(st.blocks for st in p.stage_graph.stages):
-        per_rank_ms = [0.0] * ranks
         for s, placed in enumerate(p.placement):
             ms = sum(float(per_block[b]) for b in p.stage_graph.stages[s].blocks)
             for r in placed:
                 per_rank_ms[r] += ms
-        return fixed + max(per_rank_ms)
-    if p.costs is None or costs.optimizer_ms_per_mib <= 0:
-        return fixed
-    per_rank = [0] * ranks
-    for s, placed in enumerate(p.placement):
-        for r in placed:
-            per_rank[r] += p.costs.stages[s].params
-    return fixed + costs.optimizer_ms_per_mib * max(per_rank) / (1 << 20)
+    elif p.costs is not None and costs.optimizer_ms_per_mib > 0:
+        for s, placed in enumerate(p.placement):
+            for r in placed:
+                per_rank_ms[r] += costs.optimizer_ms_per_mib * p.costs.stages[s].params / (1 << 20)
+    # every rank steps at once: on shared cores, the slowest rank or all of them spread out
+    return fixed + max(max(per_rank_ms), shared_step(sum(per_rank_ms), ranks, costs.cores))
 
 
 def held_sends(p: Plan) -> list[int]:

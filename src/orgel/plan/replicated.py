@@ -23,7 +23,7 @@ import numpy as np
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
 from orgel.sim.allreduce import allreduce_time, plan_allreduces
-from orgel.sim.compiled import CompiledPlan, StageArrays
+from orgel.sim.compiled import CompiledPlan, StageArrays, shared_step
 
 
 def same_links(single: Plan, costs: Costs, dp: int) -> bool:
@@ -59,6 +59,8 @@ def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False
     end = cp.longest(dur)
     nc, nm = cp.num_compute, cp.num_messages
     step = float(end[:nc + nm].max()) if nc + nm else 0.0
+    # every replica computes what replica 0 does, on cores they may share
+    step = max(step, shared_step(dp * float(dur[:nc].sum()), total, link_costs.cores))
     # the replicated plan's all-reduces, each after the last backward of its stages
     grads = StageArrays.from_costs(link_costs, replicated.num_stages).grads
     groups, last = plan_allreduces(replicated)

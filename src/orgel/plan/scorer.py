@@ -385,7 +385,8 @@ class Scorer:
         costs = Costs(stages=stages, link=self.bc.link, links=self.bc.links,
                       action_overhead=self.bc.action_overhead,
                       memory_per_rank=self.memory, node_ranks=self.bc.node_ranks,
-                      node_link=self.bc.node_link, edge_grad_bytes=grads)
+                      node_link=self.bc.node_link, edge_grad_bytes=grads,
+                      cores=self.bc.cores)
         self.evaluations += 1
         # gloo's receive buffers are kept across steps (BlockCosts.receives_posted_ahead)
         step, peak = cp.evaluate(costs, edge_bytes=edge_bytes,

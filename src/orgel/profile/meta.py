@@ -36,7 +36,7 @@ OPTIMIZER_SAMPLE = 64 << 20
 
 
 def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torch.device, *,
-                   warmup: int, repeats: int, crowd: float = 1.0,
+                   warmup: int, repeats: int,
                    loss: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """The cached table's columns for every block of ``split`` (one stage per block)."""
     from orgel.profile.workload import _loss_probe, _to, table_columns
@@ -65,7 +65,6 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
                 group, saved = loss_jobs(split, values, loss[0], _to(loss[1], dev))
                 jobs.append(group)
             timed = interleaved(jobs, timer)
-            timed = [{k: t * crowd for k, t in group.items()} for group in timed]
             measures.append(probe.result(timed[0]))
             times_of.append(timed[0])
             if len(timed) > 1:
@@ -76,7 +75,7 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
             del values[name]  # no later block reads it
     out = table_columns(measures, times_of, loss_stage=split.loss_stage,
                         loss_times=loss_times if loss is not None else None, saved=saved,
-                        overhead=action_overhead(timer), wall_per_cpu=1.0, crowd=crowd)
+                        overhead=action_overhead(timer), wall_per_cpu=1.0)
     out["in_sequence_scale"] = 1.0
     out["whole_ms"] = sum(out["fwd"]) + sum(out["bwd"])
     return out

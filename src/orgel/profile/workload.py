@@ -53,7 +53,7 @@ from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 17
+PROFILE_VERSION = 18
 
 #: A cached table is re-measured when its blocks now run this much faster or slower.
 RECHECK = 0.25
@@ -91,14 +91,18 @@ def link_world(device: torch.device, ranks: int, *, gpus: int | None = None,
     return "gloo", max(2, min(ranks, cores))
 
 
-def oversubscription(contention: int, threads: int) -> float:
-    """How many times over the ranks' threads fill this machine's cores (at least 1).
+def shared_cores(device: torch.device, threads: int) -> float | None:
+    """How many ranks of ``threads`` threads compute at full speed at once (None off the CPU).
 
-    Blocks are timed by their CPU time (:func:`orgel.profile.blocks.interleaved`);
-    ``contention + 1`` ranks of ``threads`` threads each on fewer cores take
-    turns, each getting its share of a core.
+    CPU ranks share this host's cores; blocks are timed by their CPU time
+    (:func:`orgel.profile.blocks.interleaved`), a rank's with a core to itself,
+    and the simulator spreads a step's compute over the cores when more
+    ranks than this compute (:func:`orgel.sim.compiled.shared_step`). Each
+    accelerator rank has a device of its own.
     """
-    return max(1.0, (contention + 1) * threads / max(1, _cores()))
+    if device.type != "cpu":
+        return None
+    return max(1, _cores()) / max(1, threads)
 
 
 def cache_dir() -> Path:
@@ -278,10 +282,9 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     if cached is None and source is not None:
         from orgel.profile.meta import measure_blocks
 
-        crowd = oversubscription(contention, threads) if dev.type == "cpu" else 1.0
         with intra_op_threads(threads):
             cached = measure_blocks(split_model(bg, list(range(len(bg.blocks)))), named, source,
-                                    dev, warmup=warmup, repeats=repeats, crowd=crowd,
+                                    dev, warmup=warmup, repeats=repeats,
                                     loss=(w.loss_fn, targets))
     if cached is None:
         with intra_op_threads(threads):
@@ -350,12 +353,11 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
               "microbatch_shapes": shapes, "microbatches": microbatches,
               "threads": threads, "contention": contention,
               "in_sequence_scale": cached.get("in_sequence_scale", 1.0),
-              "wall_per_cpu": cached.get("wall_per_cpu", 1.0),
-              "oversubscription": cached.get("oversubscription", 1.0)},
+              "wall_per_cpu": cached.get("wall_per_cpu", 1.0)},
         split_input=[float(t) for t in cached.get("split_input", [])],
         split_weight=[float(t) for t in cached.get("split_weight", [])],
         optimizer_ms=[float(t) for t in cached.get("optimizer_ms", [])],
-        step_overhead=step_overhead,
+        step_overhead=step_overhead, cores=shared_cores(dev, threads),
     )
 
 
@@ -416,8 +418,6 @@ def _drifted(blocks: _Blocks, cached: dict[str, Any], dev: torch.device, content
         spin_up(dev, 0.2)
         now = interleaved([{"whole": (lambda: None, lambda _: blocks.train())}],
                           Timer(dev, warmup=1, repeats=5))[0]["whole"]
-    if dev.type == "cpu":
-        now *= oversubscription(contention, threads)  # as the table's times were
     for stage in blocks.split.stages:
         stage.module.zero_grad(set_to_none=True)
     return abs(now / before - 1.0) > tolerance
@@ -460,9 +460,6 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
         stats: dict[str, float] = {}
         times = interleaved(jobs, timer, progress="timing blocks" if progress else None,
                             stats=stats)
-        # More ranks x threads than cores: each rank gets its share of a core.
-        crowd = oversubscription(contention, threads) if dev.type == "cpu" else 1.0
-        times = [{k: t * crowd for k, t in group.items()} for group in times]
         empty = action_overhead(timer)
         for stage in split.stages:
             stage.module.zero_grad(set_to_none=True)
@@ -470,8 +467,7 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
     measures = [p.result(t) for p, t in zip(probes, times, strict=False)]
     out = table_columns(measures, times[:n], loss_stage=b, saved=saved,
                         loss_times=times[at_loss] if loss is not None else None,
-                        overhead=empty, wall_per_cpu=stats.get("wall_per_cpu", 1.0),
-                        crowd=crowd)
+                        overhead=empty, wall_per_cpu=stats.get("wall_per_cpu", 1.0))
     if len(times) > at_optimizer:
         out["optimizer_ms"] = [t.get("optimizer", 0.0) for t in times[at_optimizer:]]
     whole = times[n]["whole"]
@@ -528,7 +524,7 @@ def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: b
 
 def table_columns(measures: list[BlockMeasure], times: list[dict[str, float]], *,
                   loss_stage: int, loss_times: dict[str, float] | None, saved: int,
-                  overhead: float, wall_per_cpu: float, crowd: float) -> dict[str, Any]:
+                  overhead: float, wall_per_cpu: float) -> dict[str, Any]:
     """The cached table's columns from each block's measure and its timed jobs.
 
     ``I`` then ``W`` as measured (``split_input``/``split_weight``): together they
@@ -543,7 +539,6 @@ def table_columns(measures: list[BlockMeasure], times: list[dict[str, float]], *
     out["split_weight"] = [t.get("wgrad", 0.0) for t in times]
     out["action_overhead"] = overhead
     out["wall_per_cpu"] = wall_per_cpu
-    out["oversubscription"] = crowd
     if loss_times is not None:
         out["fwd"][loss_stage] += loss_times.get("fwd", 0.0)
         out["bwd"][loss_stage] += loss_times.get("bwd", 0.0)

@@ -82,6 +82,13 @@ class Costs:
     every compute action. ``node_ranks`` (with ``node_link``): ranks
     ``0..node_ranks-1`` share a node, and so on; two ranks on different nodes
     talk over ``node_link`` instead of ``link`` (a pair in ``links`` still wins).
+    ``cores``: how many ranks can compute at full speed at once when the ranks
+    share one host's processors (CPU ranks: the cores divided by each rank's
+    threads); None when each rank has a device of its own. Stage times are a
+    rank's with a core to itself, so with more ranks than ``cores`` a step
+    takes at least the compute of every rank divided by ``cores``: the bubble
+    of one rank is the time another gets its core
+    (:meth:`orgel.sim.compiled.CompiledPlan.shared_bound`).
     """
 
     stages: list[StageCost]
@@ -94,6 +101,7 @@ class Costs:
     #: per stage-graph edge, the bytes its gradient messages carry (None: the edge's bytes);
     #: values that need no gradient (masks, position tables) send none back
     edge_grad_bytes: list[int] | None = None
+    cores: float | None = None
 
     def link_between(self, src: int, dst: int) -> Link:
         link = self.links.get((src, dst))
@@ -120,6 +128,7 @@ class Costs:
                {"node_ranks": self.node_ranks, "node_link": asdict(self.node_link)}),
             **({} if self.edge_grad_bytes is None
                else {"edge_grad_bytes": list(self.edge_grad_bytes)}),
+            **({} if self.cores is None else {"cores": self.cores}),
         }
 
     @classmethod
@@ -134,6 +143,7 @@ class Costs:
             node_link=Link(**data["node_link"]) if data.get("node_link") else None,
             edge_grad_bytes=(None if data.get("edge_grad_bytes") is None
                              else [int(b) for b in data["edge_grad_bytes"]]),
+            cores=None if data.get("cores") is None else float(data["cores"]),
         )
 
     @classmethod

@@ -47,6 +47,22 @@ STRAIGHT_LINE_AFTER = 100
 STRAIGHT_LINE_MIN_OPS = 32
 
 
+def shared_step(compute_ms: float, ranks: int, cores: float | None) -> float:
+    """The least step of ``ranks`` ranks that share ``cores`` processors (0 if they do not).
+
+    A schedule's longest path times each action as if its rank had a core to
+    itself. When more ranks than cores compute, they take turns, but a rank
+    waiting in a bubble gives its core to the others: the step cannot beat
+    the compute of every rank (``compute_ms``) spread over the cores, and on a
+    crowded host it approaches that. (Charging every action a fixed crowding
+    factor instead counts each bubble as lost time, though the bubble is where
+    the other ranks run.)
+    """
+    if cores is None or cores >= ranks:
+        return 0.0
+    return compute_ms / max(cores, 1e-9)
+
+
 @dataclass(frozen=True)
 class StageArrays:
     """Per-stage costs as arrays (what :meth:`CompiledPlan.evaluate` reads from Costs)."""
@@ -414,6 +430,13 @@ class CompiledPlan:
             self._straight = straight_line_for(self.preds, self.order)
         return np.asarray(self._straight(durations.tolist()))
 
+    def shared_bound(self, costs: Costs, durations: np.ndarray) -> float:
+        """The least step when the ranks share ``costs.cores`` processors (:func:`shared_step`)."""
+        if self.num_compute == 0:
+            return 0.0
+        return shared_step(float(durations[: self.num_compute].sum()), self.num_ranks,
+                           costs.cores)
+
     def keep_bytes(self, arrays: StageArrays, edge_bytes: np.ndarray | None = None) -> np.ndarray:
         """Bytes one forward keeps per stage until its backward: activations, or inputs."""
         if not self.recompute.any():
@@ -452,7 +475,7 @@ class CompiledPlan:
             )
         dur = self.durations(costs, arrays, edge_bytes)
         end = self.longest(dur)
-        step = float(end.max()) if len(end) else 0.0
+        step = max(float(end.max()) if len(end) else 0.0, self.shared_bound(costs, dur))
         return step, self.peak_memory(arrays, dur, end, edge_bytes, receives_kept,
                                       costs.edge_grad_bytes)
 

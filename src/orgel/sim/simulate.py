@@ -122,7 +122,7 @@ def simulate(
     dur = cp.durations(costs, arrays)
     end = np.asarray(longest_path(cp.preds, cp.order, dur.tolist()))
     start = end - dur
-    step = float(end.max()) if len(end) else 0.0
+    step = max(float(end.max()) if len(end) else 0.0, cp.shared_bound(costs, dur))
     timeline, op_event = _timeline(cp, start, end)
     nc = cp.num_compute
     busy_ms = np.bincount(cp.op_rank, weights=dur[:nc], minlength=cp.num_ranks)
