@@ -14,6 +14,7 @@ lose on their own (no fixed threshold). Kept in the blocks table by
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -127,13 +128,15 @@ def measure_overhead(link: Link, *, counts: tuple[int, int] = (4, 16),
     """Run the empty pipeline on two gloo ranks: ``(per action, per step)`` ms.
 
     The pipeline runs with ``counts`` micro-batches in turn (see
-    :func:`fit_overheads`); each count's lower-quartile step counts, what the
-    runtime costs when other processes leave it alone (as the blocks are
-    timed: by their CPU time, :func:`orgel.profile.blocks.interleaved`).
+    :func:`fit_overheads`); each count's median step counts, as the step the
+    planner predicts is a median one. (The lower quartile, used before,
+    left out the wake-ups and scheduler delays that every other step pays:
+    the median step of the models in ``benchmarks/cost_model_accuracy.py``
+    came out 4-18% above its prediction.)
     """
     from orgel.runtime.launch import spawn
 
     results = spawn(_rank, 2, tuple(counts), steps, timeout=120.0, threads=1)
-    measured = {m: sorted(max(r[k][i] for r in results) for i in range(steps))[steps // 4]
+    measured = {m: statistics.median(max(r[k][i] for r in results) for i in range(steps))
                 for k, m in enumerate(counts)}
     return fit_overheads(measured, link)

@@ -53,7 +53,7 @@ from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
-PROFILE_VERSION = 18
+PROFILE_VERSION = 19
 
 #: A cached table is re-measured when its blocks now run this much faster or slower.
 RECHECK = 0.25
