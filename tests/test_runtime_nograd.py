@@ -31,6 +31,8 @@ WIDTH, ROWS, TOKENS, MICROBATCHES = 16, 8, 5, 2
 class Masked(torch.nn.Module):
     """Layers that all read one mask (bool) and one table (float, no gradient) made up front."""
 
+    freq: torch.Tensor
+
     def __init__(self, layers: int = 3) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers))
@@ -210,7 +212,7 @@ def test_hugging_face_llama_drops_the_rotary_tables_gradient_and_trains_exactly(
     from orgel.workload import Workload, microbatches
 
     build = archs()["hf_llama"]
-    schedule = {"schedule": "interleaved", "stages_per_rank": 3}
+    schedule: dict[str, Any] = {"schedule": "interleaved", "stages_per_rank": 3}
     w = build()
     model = copy.deepcopy(w.model)  # the plan balanced_check makes, to look at its messages
     first, _ = microbatches(Workload(model, w.inputs, w.targets, w.loss_fn), 2)[0]
