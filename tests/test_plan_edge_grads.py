@@ -13,6 +13,7 @@ from orgel.graph import capture
 from orgel.plan.scorer import Scorer
 from orgel.plan.templates import one_f_one_b
 from orgel.profile.roofline import estimate_costs
+from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Link
 from orgel.sim import simulate
 
@@ -69,6 +70,34 @@ def test_gradient_free_edges_cost_no_time_and_hold_no_memory() -> None:
     p = scorer_free.to_plan(template, blocks)
     sim = simulate(p)
     assert sim.step_time == pytest.approx(b.step_time)
+    # ... on the messages too: the mask-only edge 0 -> 2 has none back
+    mask_only = [i for i, e in enumerate(p.stage_graph.edges) if (e.src, e.dst) == (0, 2)]
+    assert [v.grad for v in p.stage_graph.edges[mask_only[0]].values] == [False]
+    sent = {(m.edge, m.grad) for m in derive_comm(p).messages}
+    assert (mask_only[0], False) in sent and (mask_only[0], True) not in sent
+
+
+def chain(gradless_cut: int | None) -> BlockCosts:
+    """Four blocks in a row; the cut before ``gradless_cut`` sends no gradient back."""
+    n = 4
+    return BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[1 << 10] * n,
+                      activations=[1 << 20] * n, output=[1 << 20] * n, temporary=[0] * n,
+                      edges=[(i, i + 1) for i in range(n - 1)],
+                      edge_grads={} if gradless_cut is None else {(gradless_cut - 1,
+                                                                   gradless_cut): 0},
+                      link=Link(latency=0.5, per_mib=0.5))
+
+
+def test_a_chain_cut_that_sends_no_gradient_has_no_gradient_message() -> None:
+    scorer = Scorer(chain(2))
+    template = one_f_one_b(2, 4)
+    kept = scorer.score_chain(template, (1,))  # a cut with gradients, compiled first
+    free = scorer.score_chain(template, (2,))
+    assert free.step_time < Scorer(chain(None)).score_chain(template, (2,)).step_time
+    for points, score, grads in (((1,), kept, 4), ((2,), free, 0)):
+        p = scorer.to_plan(template, chain_split(points, 4))
+        assert sum(m.grad for m in derive_comm(p).messages) == grads, points
+        assert simulate(p).step_time == pytest.approx(score.step_time), points
 
 
 def test_edge_grads_must_name_edges() -> None:

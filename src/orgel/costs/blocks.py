@@ -604,7 +604,9 @@ def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> 
     """The stage DAG of a split: one edge per stage pair, one value per producing block.
 
     A block's output goes to another stage once, however many of that stage's
-    blocks read it. Raises ValueError when the split leaves a block out, puts
+    blocks read it; it carries a gradient (``Value.grad``) unless none of its
+    edges into that stage sends one back (``bc.edge_grads``, as in
+    :func:`edge_grad_bytes`). Raises ValueError when the split leaves a block out, puts
     one in two stages or makes a cycle between stages.
     """
     owner = [-1] * bc.num_blocks
@@ -617,16 +619,20 @@ def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> 
     if missing:
         raise ValueError(f"blocks {missing[:10]} are in no stage")
     values: dict[tuple[int, int], dict[int, int]] = {}
+    grads: dict[tuple[int, int], set[int]] = {}  # blocks whose value sends a gradient back
     for a, b in bc.edges:
         sa, sb = owner[a], owner[b]
         if sa != sb:
             values.setdefault((sa, sb), {})[a] = bc.output[a]
+            if (a, b) not in bc.edge_grads or bc.edge_grads[(a, b)] > 0:
+                grads.setdefault((sa, sb), set()).add(a)
     stages = tuple(Stage(name=f"stage{s}", blocks=tuple(blocks),
                          nodes=tuple(n for b in sorted(blocks) for n in bc.nodes[b])
                          if bc.nodes else ())
                    for s, blocks in enumerate(stage_blocks))
     edges = tuple(
-        Edge(sa, sb, tuple(Value(f"block{a}", nbytes) for a, nbytes in sorted(vals.items())))
+        Edge(sa, sb, tuple(Value(f"block{a}", nbytes, a in grads.get((sa, sb), ()))
+                           for a, nbytes in sorted(vals.items())))
         for (sa, sb), vals in sorted(values.items())
     )
     graph = StageGraph(stages, edges)

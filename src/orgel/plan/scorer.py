@@ -116,6 +116,10 @@ class Scorer:
         # (stage i feeds only stage i+1 and forwards every live value through it).
         self.sequential = sequential
         self.chain = costs.is_chain() or sequential
+        # cuts of a chain table before these blocks send no gradient back (costs.edge_grads):
+        # a split there takes the stage graph that says so (no gradient message)
+        self._gradless = ({b for (a, b), n in costs.edge_grads.items() if n == 0}
+                          if costs.is_chain() else set())
         cross = np.zeros(costs.num_blocks + 1, dtype=np.int64)
         last = list(range(costs.num_blocks))
         for a, b in costs.edges:
@@ -290,7 +294,8 @@ class Scorer:
 
     def _graph_for(self, stage_blocks: list[range] | list[list[int]],
                    template: Template) -> StageGraph:
-        if self.chain and all(isinstance(b, range) for b in stage_blocks):
+        if self.chain and all(isinstance(b, range) for b in stage_blocks) and not any(
+                b and b[0] in self._gradless for b in stage_blocks[1:]):
             return template.base.stage_graph  # chain of stages, bytes passed separately
         return stage_graph(self.bc, stage_blocks)
 
@@ -300,10 +305,12 @@ class Scorer:
         """The compiled plan of ``template`` over ``graph`` (cached by edge set).
 
         ``tied``: the candidate's tied groups (see
-        :func:`orgel.costs.tied.plan_tied_weights`); part of the cache key.
+        :func:`orgel.costs.tied.plan_tied_weights`); part of the cache key, as is
+        which edges send gradients back (``Edge.carries_grad``: their messages).
         """
         tied_key = tuple((g.stages, g.nbytes) for g in tied) if tied else ()
-        key = (id(template), tuple((e.src, e.dst) for e in graph.edges), tied_key)
+        key = (id(template), tuple((e.src, e.dst, e.carries_grad) for e in graph.edges),
+               tied_key)
         variants = self._compiled.get(key)
         if variants is None:
             variants = self._compiled[key] = {}

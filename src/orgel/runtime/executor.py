@@ -12,7 +12,10 @@ optimizer.
 Boundary protocol: received (or locally handed over) activations become
 detached leaves with ``requires_grad``; an output's gradient is the sum over
 its consumers; the loss of each micro-batch is scaled by
-``1 / (microbatches x loss replicas)``.
+``1 / (microbatches x loss replicas)``. A value that carries no gradient (the
+split's ``requires_grad``, the plan's ``Value.grad``: masks, integer ids,
+position tables) sends none back, and an edge of only such values has no
+gradient message (:func:`check_gradient_values` holds the plan to the split).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class Executor:
                              f"{dist.get_world_size()}: start {plan.num_ranks} ranks")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        check_gradient_values(plan, split)
         # validate derives the communication for its dry run; keep that one
         comm = validate(plan) if check_plan else derive_comm(plan)
         self.plan, self.split, self.loss_fn = plan, split, loss_fn
@@ -361,6 +365,8 @@ class Executor:
         pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
         for e in info.out_edges:
             edge = self.plan.stage_graph.edges[e]
+            if not edge.carries_grad:  # no message and nothing handed over: no gradient
+                continue
             floats = [v.name for v in edge.values
                       if self._carries_grad(v.name, run.outputs[info.out_index[v.name]])]
             for k, part, _ in self.pairs[e][0][info.replica]:
@@ -427,8 +433,8 @@ class Executor:
                           for n, g in got.items()}
         for e in info.in_edges:
             edge = self.plan.stage_graph.edges[e]
-            if any(self.plan.placement[edge.src][j] == self.rank
-                   for j, _, _ in self.pairs[e][1][info.replica]):
+            if edge.carries_grad and any(self.plan.placement[edge.src][j] == self.rank
+                                         for j, _, _ in self.pairs[e][1][info.replica]):
                 self._local_grads[(e, m)] = {v.name: self._in_grads[v.name]
                                              for v in edge.values if v.name in self._in_grads}
 
@@ -437,6 +443,24 @@ class Executor:
         run = self._runs.pop((a.stage, a.microbatch))
         if run.work is not None:
             weight_backward(run.work)
+
+
+def check_gradient_values(plan: Plan, split: SplitModel) -> None:
+    """Raise ValueError where ``plan`` sends no gradient for a value whose gradient counts.
+
+    A value the plan marks ``grad=False`` has no gradient message (none at all
+    when its edge has no other value), so the split must agree that it carries
+    none (``split.requires_grad``), or its consumers' gradients would be lost. The
+    other way round is harmless: a plan written without the flags sends a
+    gradient message that carries fewer tensors, or none.
+    """
+    for e in plan.stage_graph.edges:
+        for v in e.values:
+            if not v.grad and split.requires_grad.get(v.name, True):
+                raise ValueError(
+                    f"the plan says value {v.name} of edge {e.src}->{e.dst} carries no "
+                    "gradient, but the split's stages differentiate it: the plan was made "
+                    "for another capture of the model; plan again for this one")
 
 
 def _to(value: Any, device: torch.device) -> Any:

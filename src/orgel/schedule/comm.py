@@ -9,7 +9,11 @@ runtime:
   arrive before ``F(s, m)`` there;
 * gradients: after ``B(s, m)`` (or its input half ``I(s, m)``) on a rank hosting
   ``s``, the gradients of every edge ``u -> s`` go back to the ranks hosting
-  ``u``; they must arrive before ``B(u, m)``/``I(u, m)`` there.
+  ``u``; they must arrive before ``B(u, m)``/``I(u, m)`` there. Only the values
+  that carry a gradient (``Value.grad``) send one, and an edge none of whose
+  values does (a mask, integer ids, a position table) has no gradient message
+  at all: nothing is sent, received or waited for, and ``B(u, m)`` does not
+  depend on ``B(s, m)`` through it.
 
 An edge whose producer and consumer replicas share a rank carries no message.
 A stage on ``n`` ranks is data-parallel inside the stage: replica ``k`` takes
@@ -43,7 +47,7 @@ class Message(NamedTuple):
     microbatch: int
     grad: bool  # False: activations (after the producer's F); True: gradients (after B/I)
     part: tuple[int, int, int]  # rows [start/parts, stop/parts) of the micro-batch
-    nbytes: int  # edge bytes x share
+    nbytes: int  # edge bytes (gradients: of the values that carry one) x share
     send_pos: int  # position in schedule[src_rank] of the action that produces it
     recv_pos: int  # position in schedule[dst_rank] of the first action that needs it
 
@@ -117,10 +121,9 @@ def derive_comm(plan: Plan) -> CommPlan:
     for i, e in enumerate(graph.edges):
         out_edges[e.src].append(i)
         in_edges[e.dst].append(i)
-        by_src, by_dst = replica_pairs(len(plan.placement[e.src]), len(plan.placement[e.dst]),
-                                        e.nbytes)
-        fwd_pairs.append(by_src)
-        bwd_pairs.append(by_dst)
+        n_src, n_dst = len(plan.placement[e.src]), len(plan.placement[e.dst])
+        fwd_pairs.append(replica_pairs(n_src, n_dst, e.nbytes)[0])
+        bwd_pairs.append(replica_pairs(n_src, n_dst, e.grad_nbytes)[1])
 
     # Where each receiving action sits: (stage, microbatch) -> position, per rank.
     f_at: list[dict[tuple[int, int], int]] = [{} for _ in range(num_ranks)]
@@ -178,6 +181,8 @@ def derive_comm(plan: Plan) -> CommPlan:
                             emit(r, dst, i, a, False, part, nbytes, p, dst_stage)
             elif a.kind in ("B", "I"):
                 for i in in_edges[a.stage]:
+                    if not graph.edges[i].carries_grad:
+                        continue
                     src_stage = graph.edges[i].src
                     src_ranks = plan.placement[src_stage]
                     for other, part, nbytes in bwd_pairs[i][k]:

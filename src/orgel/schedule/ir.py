@@ -73,10 +73,29 @@ def _parse_rank(rank: int, line: str) -> list[Action]:
 
 
 class Value(NamedTuple):
-    """A named tensor that crosses a stage boundary; ``nbytes`` per micro-batch."""
+    """A named tensor that crosses a stage boundary; ``nbytes`` per micro-batch.
+
+    ``grad``: whether a gradient comes back for it. Integer ids, masks and
+    values that depend on nothing trained (position tables) carry none; an edge
+    whose values all carry none has no gradient messages (:mod:`orgel.schedule.comm`).
+    """
 
     name: str
     nbytes: int
+    grad: bool = True
+
+    def to_json(self) -> list[Any]:
+        """``[name, nbytes]``, with ``false`` after them for a value without gradient."""
+        return [self.name, self.nbytes] if self.grad else [self.name, self.nbytes, False]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Value:
+        """Read :meth:`to_json`'s list (a plan written without the flag: gradients)."""
+        if not isinstance(data, list | tuple) or len(data) not in (2, 3) or (
+                len(data) == 3 and not isinstance(data[2], bool)):
+            raise PlanError(f"an edge value must look like [name, bytes] or [name, bytes, "
+                            f"false] (false: it carries no gradient), got {data!r}")
+        return cls(str(data[0]), int(data[1]), data[2] if len(data) == 3 else True)
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,19 @@ class Edge:
     @property
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self.values)
+
+    @property
+    def carries_grad(self) -> bool:
+        """Whether gradients go back along the edge: one of its values carries one.
+
+        An edge without values (a synthetic dependency) counts as carrying one.
+        """
+        return not self.values or any(v.grad for v in self.values)
+
+    @property
+    def grad_nbytes(self) -> int:
+        """Bytes of the gradients that go back: those of the values that carry one."""
+        return sum(v.nbytes for v in self.values if v.grad)
 
 
 @dataclass(frozen=True)
@@ -343,7 +375,7 @@ class Plan:
                 for i, s in enumerate(g.stages)
             ],
             "edges": [
-                {"src": e.src, "dst": e.dst, "values": [[v.name, v.nbytes] for v in e.values]}
+                {"src": e.src, "dst": e.dst, "values": [v.to_json() for v in e.values]}
                 for e in g.edges
             ],
             "schedule": [" ".join(str(a) for a in actions) for actions in self.schedule],
@@ -380,7 +412,7 @@ class Plan:
                 Edge(
                     int(e["src"]),
                     int(e["dst"]),
-                    tuple(Value(str(n), int(b)) for n, b in e.get("values", ())),
+                    tuple(Value.from_json(v) for v in e.get("values", ())),
                 )
                 for e in data.get("edges", ())
             )

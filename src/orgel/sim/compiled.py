@@ -150,9 +150,11 @@ class CompiledPlan:
         )
         self.edge_dst = np.array([e.dst for e in graph.edges], dtype=np.int64)
         self.default_edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
-        self.default_msg_bytes = (
-            self.default_edge_bytes[self.msg_edge] * self.msg_part_num // self.msg_part_den
-        )
+        # a gradient message carries the values that carry a gradient (Value.grad)
+        self.default_grad_bytes = np.array([e.grad_nbytes for e in graph.edges], dtype=np.int64)
+        self.default_msg_bytes = np.where(
+            self.msg_grad, self.default_grad_bytes[self.msg_edge],
+            self.default_edge_bytes[self.msg_edge]) * self.msg_part_num // self.msg_part_den
         self.recompute = np.array(plan.recompute, dtype=bool)
         self._straight: Any = None
         self._calls = 0
@@ -333,7 +335,8 @@ class CompiledPlan:
 
         ``grad_bytes`` (per edge, optional): what a gradient message of the edge
         carries instead (``Costs.edge_grad_bytes``: values without a gradient send
-        none back).
+        none back). With neither argument a gradient message carries the bytes of
+        its edge's values that carry a gradient (``Value.grad``).
         """
         if edge_bytes is None and grad_bytes is None:
             return self.default_msg_bytes

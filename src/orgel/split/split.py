@@ -285,19 +285,20 @@ def _build(
         )
         for s in range(num_stages)
     )
+    crossing = {n for vals in edge_values.values() for n in vals}
+    requires_grad = {n: _differentiable(opg, n) for n in sorted(crossing)}
     edges = tuple(
-        Edge(a, b, tuple(Value(n, nbytes(n)) for n in vals))
+        Edge(a, b, tuple(Value(n, nbytes(n), requires_grad[n]) for n in vals))
         for (a, b), vals in sorted(edge_values.items())
     )
     stage_graph = StageGraph(ir_stages, edges)
     stage_graph.check()
-    crossing = {n for vals in edge_values.values() for n in vals}
     return SplitModel(
         stages=stages, stage_graph=stage_graph, loss_stage=loss_stage,
         output_names=list(out_names), unflatten_outputs=opg.unflatten(list(out_names)),
         model_input_names=list(opg.model_inputs),
         tied=sorted(n for n, ss in holders.items() if len(ss) > 1),
-        requires_grad={n: _differentiable(opg, n) for n in sorted(crossing)},
+        requires_grad=requires_grad,
     )
 
 

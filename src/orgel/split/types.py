@@ -66,5 +66,7 @@ class SplitModel:
     tied: list[str] = field(default_factory=list)
     #: For every value sent between stages, whether it carries a gradient: the
     #: receiver marks it ``requires_grad`` and sends a gradient back only if True
-    #: (integer ids, masks and values computed under ``no_grad`` carry none).
+    #: (integer ids, masks and values computed under ``no_grad`` carry none). The
+    #: stage graph's values say the same (``Value.grad``), so that an edge of such
+    #: values has no gradient message at all.
     requires_grad: dict[str, bool] = field(default_factory=dict)
