@@ -64,12 +64,13 @@ def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int,
     executor = Executor(plan, split, loss_fn=workload.loss_fn, optimizer_factory=make_optimizer,
                         timeout=120.0, batch_dim=workload.batch_dim, check_plan=False)
     inputs = named_inputs(workload.model, workload.inputs)
-    times = []
+    times, cpu = [], []
     actions: list[tuple[str, str, float]] = []  # (kind, name, ms) of every step but the first
     for i in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         executor.step(inputs, workload.targets)
         times.append((time.perf_counter() - t0) * 1000.0)
+        cpu.append((time.process_time() - c0) * 1000.0)
         if i > 0:
             actions += [(e.kind, e.name, (e.end - e.start) * 1000.0) for e in executor.events]
     # Static bytes: parameters and the optimizer state, once each. Gradients are
@@ -94,7 +95,7 @@ def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int,
     kept = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
             for bufs in executor.transport.buffers.values() for b in bufs}
     buffers = sum(n for ptr, n in kept.items() if ptr not in static)
-    return {"times": times, "peak": sum(static.values()) + buffers + mode.peak,
+    return {"times": times, "cpu": cpu, "peak": sum(static.values()) + buffers + mode.peak,
             "breakdown": breakdown, "actions": actions, "recv_buffers": buffers}
 
 
@@ -176,7 +177,9 @@ def main() -> None:
                 print(f"  stage {s}: fwd {st.fwd:.2f} bwd {st.bwd:.2f} w {st.weight_grad:.2f}")
             for r, got in enumerate(out):
                 busy = {k: round(v, 1) for k, v in sorted(got["breakdown"].items())}
-                print(f"  rank {r} measured last step {got['times'][-1]:.1f} ms: {busy}")
+                print(f"  rank {r} measured last step {got['times'][-1]:.1f} ms: {busy}; "
+                      f"median step {statistics.median(got['times'][1:]):.1f} ms wall, "
+                      f"{statistics.median(got['cpu'][1:]):.1f} ms CPU (all its threads)")
             _per_action(result, out)
     header = (f"{'workload':<10} {'schedule':<34} {'pred ms':>8} {'meas ms':>8} {'err':>6}  "
               f"{'fastest':>7} {'err':>6}  {'peak MiB pred / meas (ratio) per rank'}  load  recv")
