@@ -49,9 +49,9 @@ two ranks (setup, the loss all-reduce round).
 them can compute at full speed at once (CPU ranks: the host's cores divided by
 each rank's threads; the profiler writes it for CPU ranks). Block times are a
 rank's with a core to itself; with more ranks than ``cores`` the simulator
-spreads the step's compute over the cores
-(:meth:`orgel.sim.compiled.CompiledPlan.shared_bound`). Leave it out when every
-rank has its own device.
+slows each action by how many ranks compute during it over the cores
+(:meth:`orgel.sim.compiled.CompiledPlan.shared_timeline`). Leave it out when
+every rank has its own device.
 
 ``node`` (optional): ranks ``0..ranks-1`` share a node, and so on; a
 message or all-reduce between ranks on different nodes takes ``node.link``

@@ -55,12 +55,12 @@ def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False
         return None
     cp = CompiledPlan(single)
     costs, arrays = cp.stage_arrays(None)
-    dur = cp.durations(costs, arrays)
-    end = cp.longest(dur)
+    alone = cp.durations(costs, arrays)
+    # every replica computes what replica 0 does at the same time, on cores they may share
+    dur, end = cp.shared_timeline(link_costs, alone, copies=dp)
     nc, nm = cp.num_compute, cp.num_messages
     step = float(end[:nc + nm].max()) if nc + nm else 0.0
-    # every replica computes what replica 0 does, on cores they may share
-    step = max(step, shared_step(dp * float(dur[:nc].sum()), total, link_costs.cores))
+    step = max(step, shared_step(dp * float(alone[:nc].sum()), total, link_costs.cores))
     # the replicated plan's all-reduces, each after the last backward of its stages
     grads = StageArrays.from_costs(link_costs, replicated.num_stages).grads
     groups, last = plan_allreduces(replicated)

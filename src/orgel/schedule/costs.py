@@ -85,10 +85,11 @@ class Costs:
     ``cores``: how many ranks can compute at full speed at once when the ranks
     share one host's processors (CPU ranks: the cores divided by each rank's
     threads); None when each rank has a device of its own. Stage times are a
-    rank's with a core to itself, so with more ranks than ``cores`` a step
-    takes at least the compute of every rank divided by ``cores``: the bubble
-    of one rank is the time another gets its core
-    (:meth:`orgel.sim.compiled.CompiledPlan.shared_bound`).
+    rank's with a core to itself; with more ranks than ``cores``, an action
+    slows down by how many ranks compute during it over the cores, and the
+    step takes at least every rank's compute over the cores: the bubble of
+    one rank is the time another gets its core
+    (:meth:`orgel.sim.compiled.CompiledPlan.shared_timeline`).
     """
 
     stages: list[StageCost]

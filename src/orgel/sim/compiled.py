@@ -47,6 +47,24 @@ STRAIGHT_LINE_AFTER = 100
 STRAIGHT_LINE_MIN_OPS = 32
 
 
+#: Fixed-point rounds of :meth:`CompiledPlan.shared_timeline` (ranks sharing cores).
+SHARE_ROUNDS = 6
+
+
+def mean_overlap(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For each interval, the mean number of the intervals (itself included) open during it."""
+    n = len(start)
+    t = np.concatenate([start, end])
+    delta = np.concatenate([np.ones(n), -np.ones(n)])
+    order = np.lexsort((delta, t))  # at equal times an interval closes before one opens
+    ts = t[order]
+    count = np.cumsum(delta[order])
+    area = np.concatenate([[0.0], np.cumsum(count[:-1] * np.diff(ts))])
+    inside = np.interp(end, ts, area) - np.interp(start, ts, area)
+    length = end - start
+    return np.where(length > 0, inside / np.where(length > 0, length, 1.0), 1.0)
+
+
 def shared_step(compute_ms: float, ranks: int, cores: float | None) -> float:
     """The least step of ``ranks`` ranks that share ``cores`` processors (0 if they do not).
 
@@ -440,6 +458,34 @@ class CompiledPlan:
         return shared_step(float(durations[: self.num_compute].sum()), self.num_ranks,
                            costs.cores)
 
+    def shared_timeline(self, costs: Costs, durations: np.ndarray, *, copies: int = 1
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """``(durations, end times)`` of every op when the ranks share ``costs.cores``.
+
+        ``durations`` are each action's with a core to itself. With more ranks
+        than cores, an action runs slower by the number of ranks computing
+        during it over the cores (processor sharing): found by fixed-point
+        rounds, each timing the schedule with the last round's slowdowns
+        (:data:`SHARE_ROUNDS`, averaged with the one before so they settle).
+        ``copies``: that many replicas run this timeline at once on the same
+        cores (data parallelism priced from one pipeline). Without shared
+        cores, the schedule's own times.
+        """
+        cores, nc = costs.cores, self.num_compute
+        if cores is None or cores >= self.num_ranks * copies or nc == 0:
+            return durations, self.longest(durations)
+        factor = np.ones(nc)
+        out = durations
+        for _ in range(SHARE_ROUNDS):
+            out = durations.copy()
+            out[:nc] *= factor
+            end = self.longest(out)
+            busy = copies * mean_overlap(end[:nc] - out[:nc], end[:nc])
+            factor = 0.5 * (factor + np.maximum(1.0, busy / max(cores, 1e-9)))
+        out = durations.copy()
+        out[:nc] *= factor
+        return out, self.longest(out)
+
     def keep_bytes(self, arrays: StageArrays, edge_bytes: np.ndarray | None = None) -> np.ndarray:
         """Bytes one forward keeps per stage until its backward: activations, or inputs."""
         if not self.recompute.any():
@@ -476,9 +522,9 @@ class CompiledPlan:
                 arrays.activations, arrays.temporary, arrays.static, arrays.grads,
                 arrays.weight_kept, arrays.grad_overlap,
             )
-        dur = self.durations(costs, arrays, edge_bytes)
-        end = self.longest(dur)
-        step = max(float(end.max()) if len(end) else 0.0, self.shared_bound(costs, dur))
+        alone = self.durations(costs, arrays, edge_bytes)
+        dur, end = self.shared_timeline(costs, alone)
+        step = max(float(end.max()) if len(end) else 0.0, self.shared_bound(costs, alone))
         return step, self.peak_memory(arrays, dur, end, edge_bytes, receives_kept,
                                       costs.edge_grad_bytes)
 

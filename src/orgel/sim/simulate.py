@@ -35,7 +35,6 @@ from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
 from orgel.schedule.validate import validate
 from orgel.sim.compiled import CompiledPlan
-from orgel.sim.longest import longest_path
 from orgel.sim.timeline import Event, Timeline
 
 
@@ -119,10 +118,10 @@ def simulate(
         comm = derived if comm is None else comm
     cp = CompiledPlan(plan, comm=comm) if compiled is None else compiled
     costs, arrays = cp.stage_arrays(costs)
-    dur = cp.durations(costs, arrays)
-    end = np.asarray(longest_path(cp.preds, cp.order, dur.tolist()))
+    alone = cp.durations(costs, arrays)
+    dur, end = cp.shared_timeline(costs, alone)
     start = end - dur
-    step = max(float(end.max()) if len(end) else 0.0, cp.shared_bound(costs, dur))
+    step = max(float(end.max()) if len(end) else 0.0, cp.shared_bound(costs, alone))
     timeline, op_event = _timeline(cp, start, end)
     nc = cp.num_compute
     busy_ms = np.bincount(cp.op_rank, weights=dur[:nc], minlength=cp.num_ranks)
