@@ -151,8 +151,28 @@ def _torch_runner(name: str, modules: list[nn.Sequential], rank: int, world: int
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
            "zbv": ScheduleZBVZeroBubble}[name]
     schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=m, loss_fn=lm_loss)
+    spans: list[tuple[str, float, float]] = []  # (kind, start, end) of this rank's last step
+
+    def timed(kind: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append((kind, t0, time.perf_counter()))
+        return run
+
+    # the stages' own entry points, timed as orgel's executor times its actions
+    for st in stages:
+        st.forward_one_chunk = timed("F", st.forward_one_chunk)  # type: ignore[method-assign]
+        st.backward_one_chunk = timed("B", st.backward_one_chunk)  # type: ignore[method-assign]
+        st.backward_weight_one_chunk = timed(  # type: ignore[method-assign]
+            "W", st.backward_weight_one_chunk)
+    schedule._maybe_compute_loss = timed("loss", schedule._maybe_compute_loss)  # type: ignore
+    opt_step = timed("optim", opt.step)
 
     def step() -> None:
+        spans.clear()
         opt.zero_grad()
         kwargs: dict[str, Any] = {}
         if n - 1 in mine:
@@ -161,9 +181,40 @@ def _torch_runner(name: str, modules: list[nn.Sequential], rank: int, world: int
             schedule.step(tokens, **kwargs)
         else:
             schedule.step(**kwargs)
-        opt.step()
+        opt_step()
 
+    step.spans = spans  # type: ignore[attr-defined]
     return step, schedule, mine
+
+
+def _breakdown(spans: list[tuple[str, float]], wall: float) -> dict[str, Any]:
+    """ms per kind of a traced step (``(kind, seconds)`` spans) and what is left of ``wall``.
+
+    orgel's actions include its loss (in the last stage's F) and, for a split
+    backward, I as ``B``; torch's loss is apart (``loss``), so it is added to F.
+    """
+    out: dict[str, Any] = {"wall": wall * 1e3}
+    for kind, sec in spans:
+        key = "F" if kind == "loss" else kind
+        out[key] = out.get(key, 0.0) + sec * 1e3
+        out.setdefault("n" + key, 0)
+        out["n" + key] += kind != "loss"
+    out["rest"] = out["wall"] - sum(out.get(k, 0.0) for k in ("F", "B", "W", "optim"))
+    return out
+
+
+def _traced(fw: str, runner: Any, ex: Any) -> dict[str, Any]:
+    """One barrier-to-barrier step of ``runner``, broken down by kind of action."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    runner()
+    wall = time.perf_counter() - t0
+    if fw == "torch":
+        spans = [(k, e - s) for k, s, e in runner.spans]
+    else:
+        spans = [("B" if e.kind == "I" else e.kind, e.end - e.start) for e in ex.events
+                 if e.kind in ("F", "B", "I", "W", "optim")]
+    return _breakdown(spans, wall)
 
 
 def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +227,7 @@ def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     tokens, targets = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     hidden = batch // m * config.seq_len * config.d_model * 4
     runners: dict[tuple[str, str], Any] = {}
+    executors: dict[str, Executor] = {}
     for name in opts["schedules"]:
         n = 4 if name in ("interleaved", "zbv") else 2
         step, schedule, _ = _torch_runner(name, stage_modules(config, n), rank, world, m,
@@ -192,6 +244,7 @@ def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         ex = Executor(plan, split, loss_fn=lm_loss, timeout=120,
                       optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-3))
         runners[("orgel", name)] = (lambda ex=ex: ex.step({"tokens": tokens}, targets))
+        executors[name] = ex
     single = single_runner(opts, rank)
     results: dict[str, list[tuple[float, float, float]]] = {}
     for step in [single, *runners.values()]:
@@ -209,7 +262,15 @@ def rank_bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             for fw in ("torch", "orgel"):
                 results.setdefault(f"{fw} {name}", []).append(
                     _measure(runners[(fw, name)], opts["steps"], batch, world))
-    return results
+    # traced steps: where each rank's step goes, by kind of action (median of each)
+    traces: dict[str, Any] = {}
+    for name in opts["schedules"]:
+        for fw in ("torch", "orgel"):
+            got = [_traced(fw, runners[(fw, name)], executors[name])
+                   for _ in range(opts["traced"])]
+            traces[f"{fw} {name}"] = {k: statistics.median(g.get(k, 0.0) for g in got)
+                                      for k in got[0]}
+    return {"rates": results, "trace": traces}
 
 
 def single_runner(opts: dict[str, Any], rank: int) -> Any:
@@ -253,14 +314,16 @@ def main() -> None:
     config = dict(vocab_size=1000, d_model=256, n_layers=8, n_heads=8, seq_len=128)
     opts: dict[str, Any] = {"config": config, "batch": 32, "microbatches": 8,
                             "repeats": args.repeats, "steps": args.steps,
-                            "warmup": args.warmup, "schedules": args.schedules.split(",")}
+                            "warmup": args.warmup, "schedules": args.schedules.split(","),
+                            "traced": 5}
     if args.quick:
         opts.update(config=dict(vocab_size=50, d_model=16, n_layers=4, n_heads=2, seq_len=8),
-                    batch=8, microbatches=4, repeats=1, steps=1, warmup=1)
+                    batch=8, microbatches=4, repeats=1, steps=1, warmup=1, traced=1)
     print(f"config {opts['config']}, batch {opts['batch']}, {opts['microbatches']} "
           f"micro-batches, {opts['repeats']} repeats x {opts['steps']} steps; "
           f"load average before {os.getloadavg()[0]:.2f}")
-    rows = spawn(rank_bench, 2, opts, threads=1, timeout=600)[0]
+    out = spawn(rank_bench, 2, opts, threads=1, timeout=600)
+    rows = out[0]["rates"]
     base = statistics.median(x[0] for x in rows["one process, 1 thread"])
     print(f"\n{'':28s} {'samples/s':>10s} {'x 1-thread':>10s} {'x torch':>8s} "
           f"{'CPU ms/sample':>13s} {'foreign cores':>13s}")
@@ -276,6 +339,20 @@ def main() -> None:
         print(f"{name:28s} {rate:10.2f} {rate / base:10.2f} {vs_torch:>8s} {cpu:13.1f} "
               f"{foreign:13.2f}{flag}")
     print(f"load average after {os.getloadavg()[0]:.2f}")
+    print(f"\nwhere a step goes, per rank (median of {opts['traced']} traced steps after the "
+          "runs, ms): F includes the loss, B the input half of a split backward; rest = the "
+          "step less its actions: waiting for peers, communication, the framework's Python")
+    print(f"{'':20s} {'rank':>4s} {'step':>7s} {'F (n)':>12s} {'B (n)':>12s} {'W (n)':>12s} "
+          f"{'optim':>6s} {'rest':>7s}")
+    for name in opts["schedules"]:
+        for fw in ("torch", "orgel"):
+            for r, rank_out in enumerate(out):
+                t = rank_out["trace"][f"{fw} {name}"]
+                cells = [f"{t.get(k, 0.0):7.1f} ({int(t.get('n' + k, 0)):2d})"
+                         for k in ("F", "B", "W")]
+                print(f"{fw + ' ' + name:20s} {r:4d} {t['wall']:7.1f} {cells[0]:>12s} "
+                      f"{cells[1]:>12s} {cells[2]:>12s} {t.get('optim', 0.0):6.1f} "
+                      f"{t['rest']:7.1f}")
 
 
 if __name__ == "__main__":
