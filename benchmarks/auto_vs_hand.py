@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hand_split import WORKLOADS, Workload, cut  # noqa: E402
-from vs_torch_pipelining import _cpu_busy, _own_cpu  # noqa: E402
+from vs_torch_pipelining import _cpu_busy, _own_cpu, trace_torch  # noqa: E402
 
 import orgel  # noqa: E402
 from orgel.runtime.launch import free_port  # noqa: E402
@@ -115,24 +115,7 @@ def _torch_schedule(work: Workload, name: str, rank: int, world: int, m: int) ->
            "zbv": ScheduleZBVZeroBubble}[name]
     schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=m,
                    loss_fn=work.stage_loss)
-    spans: list[tuple[str, float, float]] = []
-
-    def timed(kind: str, fn: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spans.append((kind, t0, time.perf_counter()))
-        return run
-
-    for st in stages:
-        st.forward_one_chunk = timed("F", st.forward_one_chunk)  # type: ignore[method-assign]
-        st.backward_one_chunk = timed("B", st.backward_one_chunk)  # type: ignore[method-assign]
-        st.backward_weight_one_chunk = timed(  # type: ignore[method-assign]
-            "W", st.backward_weight_one_chunk)
-    schedule._maybe_compute_loss = timed("L", schedule._maybe_compute_loss)  # type: ignore
-    opt_step = timed("optim", opt.step)
+    spans, opt_step = trace_torch(stages, schedule, opt, loss="L")
 
     def step() -> tuple[float, float | None, float, dict[str, float]]:
         """One barrier-to-barrier step: wall seconds, the loss (on its rank), compute seconds."""

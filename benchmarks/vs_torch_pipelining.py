@@ -130,6 +130,35 @@ def _measure(step: Any, steps: int, batch: int, world: int) -> tuple[float, floa
     return batch * steps / wall, foreign, float(own) * 1e3 / (batch * steps)
 
 
+def trace_torch(stages: list[Any], schedule: Any, opt: torch.optim.Optimizer,
+                loss: str = "loss") -> tuple[list[tuple[str, float, float]], Any]:
+    """Time torch's stages as orgel's executor times its actions.
+
+    Wraps each stage's ``forward_one_chunk`` (F), ``backward_one_chunk`` (B, or
+    I in a zero-bubble schedule) and ``backward_weight_one_chunk`` (W), and the
+    schedule's loss (kind ``loss``). Returns the list the spans go to, ``(kind,
+    start, end)`` in seconds (clear it per step), and ``opt.step`` timed as
+    ``optim``.
+    """
+    spans: list[tuple[str, float, float]] = []
+
+    def timed(kind: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append((kind, t0, time.perf_counter()))
+        return run
+
+    for st in stages:
+        st.forward_one_chunk = timed("F", st.forward_one_chunk)
+        st.backward_one_chunk = timed("B", st.backward_one_chunk)
+        st.backward_weight_one_chunk = timed("W", st.backward_weight_one_chunk)
+    schedule._maybe_compute_loss = timed(loss, schedule._maybe_compute_loss)
+    return spans, timed("optim", opt.step)
+
+
 def _torch_runner(name: str, modules: list[nn.Sequential], rank: int, world: int, m: int,
                   tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, list[int]]:
     from torch.distributed.pipelining import (
@@ -151,25 +180,7 @@ def _torch_runner(name: str, modules: list[nn.Sequential], rank: int, world: int
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
            "zbv": ScheduleZBVZeroBubble}[name]
     schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=m, loss_fn=lm_loss)
-    spans: list[tuple[str, float, float]] = []  # (kind, start, end) of this rank's last step
-
-    def timed(kind: str, fn: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spans.append((kind, t0, time.perf_counter()))
-        return run
-
-    # the stages' own entry points, timed as orgel's executor times its actions
-    for st in stages:
-        st.forward_one_chunk = timed("F", st.forward_one_chunk)  # type: ignore[method-assign]
-        st.backward_one_chunk = timed("B", st.backward_one_chunk)  # type: ignore[method-assign]
-        st.backward_weight_one_chunk = timed(  # type: ignore[method-assign]
-            "W", st.backward_weight_one_chunk)
-    schedule._maybe_compute_loss = timed("loss", schedule._maybe_compute_loss)  # type: ignore
-    opt_step = timed("optim", opt.step)
+    spans, opt_step = trace_torch(stages, schedule, opt)
 
     def step() -> None:
         spans.clear()
