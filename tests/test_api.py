@@ -81,6 +81,11 @@ def test_two_ranks_match_the_single_process_reference() -> None:
         predicted = pipe.predicted()
         assert predicted.step_time == pytest.approx(pipe.plan.prediction["step_time"])
         assert {e.rank for e in predicted.timeline.events} == {0, 1}
+        # the planner counted SGD's momentum (one copy of the weights), not Adam's two
+        costs = pipe.plan.costs
+        assert costs is not None
+        for st in costs.stages:
+            assert st.optimizer == pytest.approx(st.params, rel=1e-6, abs=1)
 
 
 def test_sigkill_mid_training_then_resume_is_bit_identical(tmp_path: Path) -> None:

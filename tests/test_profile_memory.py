@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from orgel.profile.blocks import block_probe, loss_jobs
-from orgel.profile.memory import LiveBytes
+from orgel.profile.memory import LiveBytes, optimizer_factor
 from orgel.split.types import StageModule
 
 CPU = torch.device("cpu")
@@ -375,3 +375,14 @@ def test_the_fast_scorer_and_stage_cost_agree_on_every_field(split: bool) -> Non
             slow = stage_cost(bc, range(bounds[s], bounds[s + 1]), split=split)
             assert astuple(fast) == pytest.approx(astuple(slow)), (points, s)
     assert unfed_seen > 0  # some split starts a stage at the second tower
+
+
+@pytest.mark.parametrize(("make", "factor"), [
+    (lambda p: torch.optim.SGD(p, lr=0.1), 2.0),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 3.0),
+    (lambda p: torch.optim.AdamW(p), 4.0),
+    (lambda p: torch.optim.Adam(p, amsgrad=True), 5.0),
+])
+def test_the_optimizer_factor_counts_the_state_a_users_optimizer_keeps(
+        make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], factor: float) -> None:
+    assert optimizer_factor(make) == pytest.approx(factor)

@@ -138,7 +138,7 @@ def pipeline(
 
     with untouched(model):  # the workers fork afterwards, from the caller's own state
         the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp,
-                                          source)
+                                          source, optimizer)
     if graph.glue is not None:  # several graphs: the controller runs the Python between them
         from orgel.explicit import glued
 
@@ -218,7 +218,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         text: list[Any] = [None, None]
         if rank == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
             text = [resolve_plan(plan, workload, graph, ranks, microbatches, memory,
-                                  dp, source=source).to_json(), torch.initial_seed()]
+                                  dp, source=source, optimizer=optimizer).to_json(),
+                    torch.initial_seed()]
         dist.broadcast_object_list(text, src=0)
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
@@ -252,7 +253,8 @@ def one_graph_only(graph: Any) -> None:
 
 def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
              microbatches: int | str, memory: int | None,
-             dp: int, source: Weights | None = None) -> tuple[Plan, Any, Any]:
+             dp: int, source: Weights | None = None,
+             optimizer: OptimizerFactory | None = None) -> tuple[Plan, Any, Any]:
     """Capture, plan (or check ``plan``) and split: the plan, the SplitModel and the graph."""
     # "auto": the planner captures every micro-batch size it tries; capture the chosen one.
     graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
@@ -264,7 +266,7 @@ def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
         planned = Workload(workload.model, workload.inputs, workload.targets, profiling_loss,
                            workload.batch_dim, workload.replicated, workload.precision)
     the_plan = resolve_plan(plan, planned, graph, ranks, microbatches, memory, dp,
-                            source=source)
+                            source=source, optimizer=optimizer)
     if graph is None:
         graph = capture_microbatch(workload, the_plan.microbatches)
         if graph.glue is not None:
@@ -284,8 +286,13 @@ def capture_microbatch(workload: Workload, microbatches: int) -> Any:
 
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
                   microbatches: int | str, memory: int | None, dp: int,
-                  planner: str | None = None, source: Weights | None = None) -> Plan:
-    """The given plan (object or file), checked against the options, or the planner's."""
+                  planner: str | None = None, source: Weights | None = None,
+                  optimizer: OptimizerFactory | None = None) -> Plan:
+    """The given plan (object or file), checked against the options, or the planner's.
+
+    ``optimizer`` (the ranks' factory; default AdamW) sets how much state the
+    planner counts per parameter byte (:func:`orgel.profile.memory.optimizer_factor`).
+    """
     if isinstance(plan, Plan):
         given = plan
     elif plan is not None:
@@ -298,9 +305,12 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
         if source is not None and microbatches == "auto":
             raise ValueError("a model on the meta device is planned for one micro-batch "
                              "count: give microbatches as an int, not 'auto'")
+        from orgel.profile.memory import optimizer_factor
+
         given = auto_plan(workload, graph, ranks=ranks,
                           microbatches=None if microbatches == "auto" else int(microbatches),
-                          memory=memory, dp=dp, planner=planner or "auto", source=source)
+                          memory=memory, dp=dp, planner=planner or "auto", source=source,
+                          optimizer_factor=optimizer_factor(optimizer or default_optimizer))
     if given.num_ranks != ranks:
         raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
                          "pass ranks to match or plan=None to plan again")

@@ -152,12 +152,14 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
 
 def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: int = 32,
                link: bool = True, progress: bool = True, threads: int = 1,
-               dp: int | None = 1, **options: Any) -> tuple[PlanResult, Any]:
+               dp: int | None = 1, optimizer_factor: float = 4.0,
+               **options: Any) -> tuple[PlanResult, Any]:
     """Choose the micro-batch count for ``batch`` rows of ``workload`` and plan it.
 
     Returns the runnable plan's result and the op graph captured at the chosen
     micro-batch size (what the runtime splits). ``options`` go to
-    :func:`~orgel.plan.batch.search_microbatches` and on to the planner.
+    :func:`~orgel.plan.batch.search_microbatches` and on to the planner;
+    ``optimizer_factor`` to the profile (see :func:`auto_plan`).
     """
     from orgel.graph import capture
     from orgel.profile.workload import as_workload, profile_graph
@@ -186,7 +188,7 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
         graphs[rows] = capture(w.model, named_inputs(w.model, inputs), precision=w.precision)
         costs = profile_graph(w, graphs[rows], microbatches=parts, blocks=blocks, link=link,
                               progress=progress, threads=threads, contention=ranks - 1,
-                              ranks=ranks)
+                              ranks=ranks, optimizer_factor=optimizer_factor)
         if isinstance(workload, str):
             costs.meta["workload"] = workload
         all_costs[rows] = costs
@@ -206,7 +208,8 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
 def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int | None,
               memory: int | None = None, dp: int = 1, blocks: int = 32,
               max_replicas: int | None = 1, rows: int | None = None,
-              threads: int | None = None, planner: str = "auto", source: Any = None) -> Plan:
+              threads: int | None = None, planner: str = "auto", source: Any = None,
+              optimizer_factor: float = 4.0) -> Plan:
     """The planner's plan for a workload (``orgel.pipeline``'s hook).
 
     ``graph`` is the workload captured at ``microbatches`` micro-batches; with
@@ -222,7 +225,9 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
     to its divisors. ``threads``: intra-op threads each rank trains with
     (default :func:`~orgel.profile.workload.rank_threads` of ``ranks``).
     ``source``: a meta model's values, profiled one block at a time
-    (:func:`~orgel.profile.workload.profile_graph`).
+    (:func:`~orgel.profile.workload.profile_graph`). ``optimizer_factor``: a
+    rank's weights, gradients and optimizer state per weight byte (4: Adam;
+    :func:`~orgel.profile.memory.optimizer_factor` measures a user's optimizer).
     """
     from orgel.profile.workload import profile_graph, rank_threads
 
@@ -236,14 +241,14 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
                              "size it tries: leave graph and rows out")
         result, _ = plan_batch(workload, ranks=ranks, progress=False, threads=threads,
                                blocks=blocks, memory=memory, dp=dp, planner=planner,
-                               max_replicas=max_replicas)
+                               max_replicas=max_replicas, optimizer_factor=optimizer_factor)
         return result.plan
     if graph is None:
         raise ValueError("give the graph captured at microbatches micro-batches "
                          "(orgel.profile.workload.capture_workload), or microbatches=None")
     costs = profile_graph(workload, graph, microbatches=microbatches, blocks=blocks,
                           progress=False, threads=threads, contention=ranks - 1,
-                          ranks=ranks, source=source)
+                          ranks=ranks, source=source, optimizer_factor=optimizer_factor)
     if rows is None:
         rows = microbatch_rows(workload, microbatches)
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,

@@ -110,6 +110,28 @@ def optimizer_temporary(params: list[torch.Tensor], kind: str = "adamw", *,
     return (0.0, 0.0) if timed else 0.0
 
 
+def optimizer_factor(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+                     ) -> float:
+    """Weights + gradients + ``make``'s state, as a multiple of the weights' bytes.
+
+    ``make(params)`` is a user's optimizer factory (``orgel.pipeline``'s
+    ``optimizer``). It runs one step on two small float32 parameters (a matrix
+    and a vector) with random gradients; its state tensors are counted (a
+    per-parameter step count, a 0-dim tensor, is left out). Plain SGD gives
+    2, SGD with momentum 3, Adam and AdamW 4: the factor the planner multiplies
+    parameters by for a rank's static memory (:attr:`BlockCosts.optimizer_factor`).
+    """
+    params = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = make(params)
+    opt.step()
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return 2.0 + state / weights
+
+
 def optimizer_jobs(groups: list[list[torch.Tensor]], kind: str = "adamw"
                    ) -> list[dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]]:
     """Jobs timing one ``kind`` step over copies of each group of parameters (one per block).

@@ -347,7 +347,8 @@ class Backend:
             graph = measure(holder, {}, raw, [reason], "dynamo")
             graph.glue = glue
             plan = api.resolve_plan(self.given_plan, workload, graph, self.ranks,
-                                     self.microbatches, self.memory, self.dp, planner="beam")
+                                     self.microbatches, self.memory, self.dp, planner="beam",
+                                     optimizer=self.optimizer)
             split = api.split_for(workload, graph, plan)
         keys, aliases = api.model_aliases(holder)
         self.pipe = glued.start(workload, plan, split, glue, optimizer=self.optimizer,
@@ -553,7 +554,8 @@ class Backend:
             # dynamo's graph has the micro-batch's shapes baked in and the user's model is
             # not ours to re-trace per replica: plan chains of one rank per stage (beam)
             plan = api.resolve_plan(self.given_plan, workload, graph, self.ranks,
-                                     self.microbatches, self.memory, self.dp, planner="beam")
+                                     self.microbatches, self.memory, self.dp, planner="beam",
+                                     optimizer=self.optimizer)
             if any(len(r) > 1 for r in plan.placement):
                 raise ValueError("orgel.backend runs stages on one rank each; give a plan "
                                  "without data-parallel stages")
