@@ -23,7 +23,7 @@ import numpy as np
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
 from orgel.sim.allreduce import allreduce_time, plan_allreduces
-from orgel.sim.compiled import CompiledPlan, StageArrays, shared_step
+from orgel.sim.compiled import CompiledPlan, StageArrays
 
 
 def same_links(single: Plan, costs: Costs, dp: int) -> bool:
@@ -57,10 +57,9 @@ def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False
     costs, arrays = cp.stage_arrays(None)
     alone = cp.durations(costs, arrays)
     # every replica computes what replica 0 does at the same time, on cores they may share
-    dur, end = cp.shared_timeline(link_costs, alone, copies=dp)
+    dur, end, least = cp.shared_timeline(link_costs, alone, copies=dp)
     nc, nm = cp.num_compute, cp.num_messages
-    step = float(end[:nc + nm].max()) if nc + nm else 0.0
-    step = max(step, shared_step(dp * float(alone[:nc].sum()), total, link_costs.cores))
+    step = max(float(end[:nc + nm].max()) if nc + nm else 0.0, least)
     # the replicated plan's all-reduces, each after the last backward of its stages
     grads = StageArrays.from_costs(link_costs, replicated.num_stages).grads
     groups, last = plan_allreduces(replicated)

@@ -10,8 +10,8 @@ tensors are freed before the next block's are made. So the controller's peak is
 one block's parameters plus the activations still to be read.
 
 What the whole-model profile adds is left out: no companion processes run
-meanwhile (``contention``; the per-core share of ranks x threads is still
-applied), blocks are not timed in sequence (the in-sequence scale is 1), and the
+meanwhile (``contention``; the table still says how many cores the ranks
+share, ``BlockCosts.cores``), blocks are not timed in sequence (the in-sequence scale is 1), and the
 optimizer is timed on a few of the largest parameters' shapes only.
 """
 

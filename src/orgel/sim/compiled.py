@@ -451,16 +451,9 @@ class CompiledPlan:
             self._straight = straight_line_for(self.preds, self.order)
         return np.asarray(self._straight(durations.tolist()))
 
-    def shared_bound(self, costs: Costs, durations: np.ndarray) -> float:
-        """The least step when the ranks share ``costs.cores`` processors (:func:`shared_step`)."""
-        if self.num_compute == 0:
-            return 0.0
-        return shared_step(float(durations[: self.num_compute].sum()), self.num_ranks,
-                           costs.cores)
-
     def shared_timeline(self, costs: Costs, durations: np.ndarray, *, copies: int = 1
-                        ) -> tuple[np.ndarray, np.ndarray]:
-        """``(durations, end times)`` of every op when the ranks share ``costs.cores``.
+                        ) -> tuple[np.ndarray, np.ndarray, float]:
+        """``(durations, end times, least step)`` when the ranks share ``costs.cores``.
 
         ``durations`` are each action's with a core to itself. With more ranks
         than cores, an action runs slower by the number of ranks computing
@@ -469,11 +462,14 @@ class CompiledPlan:
         (:data:`SHARE_ROUNDS`, averaged with the one before so they settle).
         ``copies``: that many replicas run this timeline at once on the same
         cores (data parallelism priced from one pipeline). Without shared
-        cores, the schedule's own times.
+        cores, the schedule's own times. The least step is every rank's compute
+        over the cores (:func:`shared_step`; 0 without shared cores): a step
+        takes the later of it and the last end.
         """
         cores, nc = costs.cores, self.num_compute
+        least = shared_step(copies * float(durations[:nc].sum()), self.num_ranks * copies, cores)
         if cores is None or cores >= self.num_ranks * copies or nc == 0:
-            return durations, self.longest(durations)
+            return durations, self.longest(durations), least
         factor = np.ones(nc)
         out = durations
         for _ in range(SHARE_ROUNDS):
@@ -484,7 +480,7 @@ class CompiledPlan:
             factor = 0.5 * (factor + np.maximum(1.0, busy / max(cores, 1e-9)))
         out = durations.copy()
         out[:nc] *= factor
-        return out, self.longest(out)
+        return out, self.longest(out), least
 
     def keep_bytes(self, arrays: StageArrays, edge_bytes: np.ndarray | None = None) -> np.ndarray:
         """Bytes one forward keeps per stage until its backward: activations, or inputs."""
@@ -523,8 +519,8 @@ class CompiledPlan:
                 arrays.weight_kept, arrays.grad_overlap,
             )
         alone = self.durations(costs, arrays, edge_bytes)
-        dur, end = self.shared_timeline(costs, alone)
-        step = max(float(end.max()) if len(end) else 0.0, self.shared_bound(costs, alone))
+        dur, end, least = self.shared_timeline(costs, alone)
+        step = max(float(end.max()) if len(end) else 0.0, least)
         return step, self.peak_memory(arrays, dur, end, edge_bytes, receives_kept,
                                       costs.edge_grad_bytes)
 

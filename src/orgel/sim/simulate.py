@@ -119,9 +119,9 @@ def simulate(
     cp = CompiledPlan(plan, comm=comm) if compiled is None else compiled
     costs, arrays = cp.stage_arrays(costs)
     alone = cp.durations(costs, arrays)
-    dur, end = cp.shared_timeline(costs, alone)
+    dur, end, least = cp.shared_timeline(costs, alone)
     start = end - dur
-    step = max(float(end.max()) if len(end) else 0.0, cp.shared_bound(costs, alone))
+    step = max(float(end.max()) if len(end) else 0.0, least)
     timeline, op_event = _timeline(cp, start, end)
     nc = cp.num_compute
     busy_ms = np.bincount(cp.op_rank, weights=dur[:nc], minlength=cp.num_ranks)
