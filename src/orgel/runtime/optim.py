@@ -12,7 +12,10 @@ the whole batch computes (the mean-reduced loss convention). Hence:
   gradients of every copy on every rank (replicas included) and give each copy
   the total, so the copies stay equal after the optimizer step;
 * the global gradient norm counts each parameter once (replica 0, first copy)
-  and is all-reduced with the step's loss in one small collective.
+  and is all-reduced with the step's loss in one small collective;
+* a step call that only accumulates (``accumulate=k``) reduces nothing but its
+  loss: the sums above are linear, so the ``k``-th call reduces the k calls'
+  gradients at once.
 """
 
 from __future__ import annotations
@@ -110,6 +113,13 @@ class GradSync:
                        if timed_out else
                        f"lost a peer in the all-reduce of {what}: {transport_reason(exc)}")
             raise CommFailure(message, peer=None, what=what, timed_out=timed_out) from exc
+
+    def reduce_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss summed over the ranks, and nothing else (a call that accumulates)."""
+        total = loss.detach().double().reshape(()).to(self.device).clone()
+        self._wait(dist.all_reduce(total, group=self.world_group, async_op=True),
+                   "the step's loss")
+        return float(total)
 
     def finish(self, loss: torch.Tensor, max_norm: float | None,
                scaler: Any = None) -> tuple[float, float]:
