@@ -309,3 +309,20 @@ def test_the_planner_counts_an_optimizer_that_groups_by_name() -> None:
     assert params.names == ["a.weight", "a.bias"] and len(params) == 2
     assert [n for n, _ in params.named()] == params.names
     assert [len(g["params"]) for g in _groups(params.named())] == [1, 1]
+
+
+@pytest.mark.slow
+def test_ranks_with_different_group_structures_are_refused() -> None:
+    """A factory that leaves out a group a rank holds nothing of (the embeddings, on the
+    last stage's rank) would shift the groups' indices: refused, naming the counts."""
+    w = _gpt()
+
+    def drops_empty(params: NamedParameters) -> torch.optim.Optimizer:
+        emb = [p for n, p in params.named() if "emb" in n]
+        rest = [p for n, p in params.named() if "emb" not in n]
+        return torch.optim.SGD([g for g in ({"params": emb}, {"params": rest}) if g["params"]],
+                               lr=0.1)
+
+    with pytest.raises(ValueError, match=r"different number of parameter groups.*\{0: 2, 1: 1\}"):
+        orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=M,
+                       plan=_plan(w, 2), optimizer=drops_empty, threads=1)
