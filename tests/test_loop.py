@@ -185,6 +185,25 @@ def test_accumulation_with_tied_parameters_and_replicas(name: str, dp: int) -> N
 
 
 @pytest.mark.slow
+def test_grad_norm_is_reported_without_clipping() -> None:
+    """No max_grad_norm: nothing is clipped, and pipe.grad_norm is still the global norm."""
+    w = _gpt()
+    model = copy.deepcopy(w.model)
+    opt = _adamw_over(model.named_parameters())
+    with orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=M,
+                        plan=_plan(w, 2), optimizer=_adamw, threads=1) as pipe:
+        for c in range(2):
+            pipe.step(*_batch(c))
+            inputs, targets = _batch(c)
+            w.loss_fn(model(*inputs), targets).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            opt.step()
+            opt.zero_grad()
+            assert pipe.grad_norm == pytest.approx(float(norm), rel=1e-5)
+        _assert_state(pipe.state_dict(), model)
+
+
+@pytest.mark.slow
 def test_accumulation_under_loss_scaling_unscales_once_before_clipping() -> None:
     """float16 with GradScaler: the scale overflows on purpose, then recovers; each step
     unscales the k calls' gradients once, clips and steps (or skips) as GradScaler does."""

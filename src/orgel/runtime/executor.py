@@ -173,7 +173,7 @@ class Executor:
             "F": self._forward, "B": self._backward, "I": self._backward, "W": self._weight,
         }
         self.events: list[Event] = []
-        self.grad_norm: float | None = None  # the last optimizer step's (None: not computed)
+        self.grad_norm: float | None = None  # the last optimizer step's (None: no step yet)
         # random draws (dropout): one stream per (seed, step, stage, micro-batch); torch's
         # initial seed is what the user set with torch.manual_seed, and no draw consumes it
         self.seed = torch.initial_seed() if seed is None else seed
@@ -251,7 +251,7 @@ class Executor:
                 self.loop.finish()
             else:
                 loss, norm = self.sync.finish(self._loss, self.max_grad_norm, self.scaler)
-                self.grad_norm = None if self.max_grad_norm is None else norm
+                self.grad_norm = norm
                 self.skipped = self.sync.found_inf
                 self._event("sync", "gradients", start)
                 start = self._now()

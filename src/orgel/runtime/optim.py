@@ -125,7 +125,8 @@ class GradSync:
                scaler: Any = None) -> tuple[float, float]:
         """Complete every reduction, clip by global norm; return ``(loss, grad norm)``.
 
-        The norm is computed only when ``max_norm`` is given (otherwise it is NaN).
+        The norm (before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it) is
+        computed on every step: the loop reports it (``pipe.grad_norm``).
         With a :class:`orgel.runtime.scaler.LossScaler` the gradients are unscaled
         before the norm, the inf/NaN verdict of every rank is summed with the loss,
         and :attr:`found_inf` says whether the step must be skipped (then nothing is
@@ -158,9 +159,9 @@ class GradSync:
                 p.grad.copy_(total)  # type: ignore[union-attr]
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
-        # the norm costs a pass over every gradient: only when clipping needs it
+        # one pass over every gradient, each counted once (replica 0, first tied copy)
         norms = [torch.linalg.vector_norm(p.grad) for p in self.norm_params
-                 if p.grad is not None] if max_norm is not None else []
+                 if p.grad is not None]
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
                                found])
@@ -170,7 +171,7 @@ class GradSync:
         self.found_inf = bool(summary[2] > 0)
         if scaler is not None:
             scaler.update(self.found_inf)
-        norm = sq ** 0.5 if max_norm is not None else float("nan")
+        norm = sq ** 0.5
         if max_norm is not None and not self.found_inf:
             coef = min(1.0, max_norm / (norm + 1e-6))
             if coef < 1.0:

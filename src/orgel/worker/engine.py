@@ -98,7 +98,7 @@ class RankEngine:
         return self.executor.loop.rates()
 
     def grad_norm(self) -> float | None:
-        """The last optimizer step's global gradient norm before clipping (None: not computed)."""
+        """The last optimizer step's global gradient norm before clipping (None: no step yet)."""
         return self.executor.grad_norm
 
     def param_groups(self) -> int | None:

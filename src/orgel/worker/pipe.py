@@ -107,9 +107,8 @@ class Pipeline:
 
     @property
     def grad_norm(self) -> float | None:
-        """The last optimizer step's global gradient norm, before clipping (as
-        ``torch.nn.utils.clip_grad_norm_`` returns it); None without ``max_grad_norm`` (pass
-        ``max_grad_norm=float("inf")`` to measure it without clipping) or before a step.
+        """The last optimizer step's global gradient norm over all ranks, before clipping
+        (as ``torch.nn.utils.clip_grad_norm_`` returns it); None before the first step.
         """
         norm = self._ask("grad_norm")
         return None if norm is None else float(norm)
