@@ -204,6 +204,7 @@ def test_grad_norm_is_reported_without_clipping() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_accumulation_under_loss_scaling_unscales_once_before_clipping() -> None:
     """float16 with GradScaler: the scale overflows on purpose, then recovers; each step
     unscales the k calls' gradients once, clips and steps (or skips) as GradScaler does."""
