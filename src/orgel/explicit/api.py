@@ -29,6 +29,7 @@ from orgel.guard import untouched
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.launch import under_torchrun
+from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import (
     Init,
@@ -81,6 +82,10 @@ def pipeline(
     check_finite: bool = False,
     init: Init | None = None,
     weights: WeightsArg | None = None,
+    scheduler: SchedulerFactory | None = None,
+    lr: LearningRate | None = None,
+    max_grad_norm: float | None = None,
+    accumulate: int = 1,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -105,6 +110,20 @@ def pipeline(
     infinite, naming it (one sync per micro-batch on the loss rank).
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
 
+    The training loop (:mod:`orgel.runtime.optimizer`): ``optimizer`` receives the
+    rank's parameters as a list that also has ``.names`` and ``.named()`` (their
+    names in ``model``), so groups by name (no weight decay on biases) come out
+    alike on every rank. ``scheduler(opt)`` returns a
+    ``torch.optim.lr_scheduler.LRScheduler`` built over every rank's optimizer and
+    stepped after every optimizer step; or ``lr(step)`` returns the learning rate
+    of every group for optimizer step ``step`` (not both). ``max_grad_norm`` clips
+    the gradients by their global norm over all ranks, as
+    ``torch.nn.utils.clip_grad_norm_`` does (``pipe.grad_norm`` reports the norm).
+    ``accumulate=k``: each ``step`` runs forward and backward of its batch and the
+    optimizer steps on every k-th call with the gradients of the k calls, each
+    call's loss counting ``1/k``; ``pipe.steps`` counts optimizer steps and
+    ``pipe.lr`` reports the rates in force.
+
     A model built on the meta device (``with torch.device("meta"): model = ...``)
     is captured, planned and split without memory; each rank then makes only its
     own stages' tensors (:mod:`orgel.split.materialize`), from ``init`` (applied
@@ -117,6 +136,10 @@ def pipeline(
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:
         optimizer = default_optimizer
+    check_loop_options(optimizer=optimizer, scheduler=scheduler, lr=lr,
+                       max_grad_norm=max_grad_norm, accumulate=accumulate)
+    loop = {"scheduler": scheduler, "lr": lr, "max_grad_norm": max_grad_norm,
+            "accumulate": accumulate}
     workload = with_precision(Workload(model, inputs, targets, loss_fn,
                                        replicated=tuple(replicated)), precision)
     if loss_scale is not None and not scales_loss(precision):
@@ -124,7 +147,7 @@ def pipeline(
                          f"precision={precision!r} does not scale the loss")
     scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
     executor_options = {"replicated": workload.replicated, "loss_scaling": scaling,
-                        "check_finite": check_finite}
+                        "check_finite": check_finite, **loop}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)
@@ -146,7 +169,8 @@ def pipeline(
             raise ValueError("check_finite is not available for a forward of several graphs "
                              "(the loss runs in this process): check the loss pipe.step returns")
         return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
-                           timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
+                           timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases,
+                           options=loop)
 
     def make_engine(rank: int) -> RankEngine:
         made = _make_own_stages(split, the_plan, rank, source)  # in the worker, after the fork
@@ -157,9 +181,23 @@ def pipeline(
         return engine
 
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
-    return Pipeline(the_plan, group, model=workload.model,
+    pipe = Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
-                    aliases=aliases, spmd=False, source=source)
+                    aliases=aliases, spmd=False, source=source, accumulate=accumulate)
+    check_param_groups(pipe)
+    return pipe
+
+
+def check_param_groups(pipe: Pipeline) -> None:
+    """Raise ValueError (and stop the ranks) unless every rank's optimizer has as many
+    parameter groups: the schedule, the checkpoint and a re-shard match groups by index."""
+    counts = {r: n for r, n in enumerate(pipe.call_ranks("param_groups")) if n is not None}
+    if len(set(counts.values())) > 1:
+        pipe.close()
+        raise ValueError(f"the optimizer factory built a different number of parameter groups "
+                         f"on different ranks ({counts}, by rank): build the same groups on "
+                         "every rank, leaving a group's list empty where a rank holds none of "
+                         "its parameters")
 
 
 def _make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
@@ -233,9 +271,12 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         executor_options=executor_options, timeout_s=timeout_s)
     engine.made = made
-    return Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group), model=workload.model,
-                    loss_ranks=the_plan.placement[split.loss_stage],
-                    state_keys=keys, aliases=aliases, spmd=True, source=source)
+    pipe = Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group),
+                    model=workload.model, loss_ranks=the_plan.placement[split.loss_stage],
+                    state_keys=keys, aliases=aliases, spmd=True, source=source,
+                    accumulate=int(executor_options.get("accumulate", 1)))
+    check_param_groups(pipe)
+    return pipe
 
 
 def one_graph_only(graph: Any) -> None:

@@ -470,10 +470,12 @@ def exchange_ranks(plan: Any, split: Any) -> dict[int, int]:
 
 def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, timeout_s: float,
           threads: int | None, keys: list[str], aliases: dict[str, str],
-          closures: bool = False) -> GluedPipeline:
+          closures: bool = False, options: dict[str, Any] | None = None) -> GluedPipeline:
     """Fork the ranks for ``split`` (closure engines with exchanges); the pipeline object.
 
-    ``closures``: a :class:`ClosurePipeline`, for ``orgel.backend``.
+    ``closures``: a :class:`ClosurePipeline`, for ``orgel.backend``. ``options``: the
+    training loop's executor options (``scheduler``, ``lr``, ``max_grad_norm``;
+    ``accumulate`` must be 1: the exchanges are keyed by optimizer step).
     """
     import multiprocessing as mp
 
@@ -483,12 +485,17 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     if any(len(r) > 1 for r in plan.placement):
         raise ValueError("a forward of several graphs runs each stage on one rank; give a plan "
                          "without data-parallel stages (dp=1)")
+    if int((options or {}).get("accumulate", 1)) != 1:
+        raise ValueError("accumulate is not available for a forward of several graphs (graph "
+                         "breaks): leave accumulate=1 and give each step the whole batch, or "
+                         "remove the graph breaks")
     ctx = mp.get_context("fork")
     pipes = [ctx.Pipe() for _ in range(plan.num_ranks)]
 
     def make_engine(rank: int) -> Any:
         return ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
-                             timeout_s=timeout_s, glue_info=glue, model=workload.model)
+                             timeout_s=timeout_s, glue_info=glue, model=workload.model,
+                             options=options)
 
     group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
     cls = ClosurePipeline if closures else GluedPipeline

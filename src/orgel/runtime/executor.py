@@ -7,7 +7,8 @@ list; for each action it waits for the messages that must arrive before it
 dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``), then
 sends what the action produced. After the list: wait for the sends, reduce
 gradients across replicas and tied copies, clip by the global norm, step the
-optimizer.
+optimizer and its schedule (with ``accumulate=k``, only every ``k``-th call does
+this; see :mod:`orgel.runtime.optimizer`).
 
 Boundary protocol: received (or locally handed over) activations become
 detached leaves with ``requires_grad``; an output's gradient is the sum over
@@ -32,6 +33,13 @@ from orgel.runtime.backward import input_backward, weight_backward
 from orgel.runtime.comm import Transport
 from orgel.runtime.errors import StepFailure
 from orgel.runtime.optim import GradSync
+from orgel.runtime.optimizer import (
+    LearningRate,
+    NamedParameters,
+    OptimizerFactory,
+    OptimizerLoop,
+    SchedulerFactory,
+)
 from orgel.runtime.scaler import LossScaler
 from orgel.runtime.stage import (
     Run,
@@ -48,15 +56,16 @@ from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
 from orgel.workload import batch_size, split_microbatches
 
-OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
 
 class Executor:
     """Runs one rank's part of ``plan`` over the stages of ``split``.
 
     Keyword options: ``loss_fn(outputs, targets)`` (required), ``rank`` (default:
     this process's rank), ``optimizer_factory`` (``lambda params: torch.optim.X(params,
-    ...)``, built over this rank's parameters; ``None``: gradients only),
+    ...)``, built over this rank's parameters as :class:`~orgel.runtime.optimizer.NamedParameters`;
+    ``None``: gradients only), ``scheduler`` (``optimizer -> LRScheduler``, stepped after
+    every optimizer step) or ``lr`` (``step -> learning rate``), ``accumulate`` (the
+    optimizer steps on every k-th call; each call's loss counts ``1/k``),
     ``max_grad_norm`` (clip by the global norm over all ranks), ``timeout``
     (seconds for every wait), ``device``, ``dynamic_shapes`` (exchange shapes every
     step), ``batch_dim``, ``store`` (rendezvous store; default: the process group's),
@@ -87,7 +96,9 @@ class Executor:
                  post_ahead: bool | None = None, check_finite: bool = False,
                  seed: int | None = None, replicated: tuple[str, ...] = (),
                  extra_params: dict[str, torch.nn.Parameter] | None = None,
-                 loss_scaling: bool | dict[str, Any] = False) -> None:
+                 loss_scaling: bool | dict[str, Any] = False,
+                 scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
+                 accumulate: int = 1) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -150,9 +161,9 @@ class Executor:
             last = max(p for p, a in enumerate(self.actions)
                        if plan.placement[a.stage] == rset and a.kind in ("B", "W"))
             self.reduce_after.setdefault(last, []).append(rset)
-        params = self.parameters()
-        self.optimizer = (optimizer_factory(params) if optimizer_factory is not None and params
-                          else None)
+        self.loop = OptimizerLoop(self.named_for_optimizer(), optimizer_factory,
+                                  scheduler=scheduler, lr=lr, accumulate=accumulate)
+        self.optimizer = self.loop.optimizer
         options = loss_scaling if isinstance(loss_scaling, dict) else {}
         self.scaler = LossScaler(self.device, **options) if loss_scaling else None
         self.skipped = False  # the last step's gradients held an inf/NaN: no optimizer step
@@ -162,12 +173,13 @@ class Executor:
             "F": self._forward, "B": self._backward, "I": self._backward, "W": self._weight,
         }
         self.events: list[Event] = []
-        self.grad_norm = 0.0
+        self.grad_norm: float | None = None  # the last optimizer step's (None: no step yet)
         # random draws (dropout): one stream per (seed, step, stage, micro-batch); torch's
         # initial seed is what the user set with torch.manual_seed, and no draw consumes it
         self.seed = torch.initial_seed() if seed is None else seed
         self.replicated = tuple(replicated)
-        self.steps_done = 0
+        self.steps_done = 0  # step calls (each has its own random streams)
+        self._final = True
         self._signature: Any = None
 
     # -- public -------------------------------------------------------------------
@@ -187,13 +199,25 @@ class Executor:
                 yield info.stage.param_names.get(local, f"stage{info.index}.{local}"), p
         yield from self.extra_params.items()
 
+    def named_for_optimizer(self) -> NamedParameters:
+        """:meth:`parameters` with their original names: what the optimizer factory gets."""
+        name_of: dict[int, str] = {}
+        for name, p in self.named_parameters():
+            name_of.setdefault(id(p), name)
+        return NamedParameters((name_of[id(p)], p) for p in self.parameters())
+
     def step(self, inputs: dict[str, Any], targets: Any) -> float:
-        """Run one training step over the whole batch; return its mean loss (every rank)."""
+        """Run forward and backward of the whole batch; return its mean loss (every rank).
+
+        The optimizer (and its schedule) steps on every ``accumulate``-th call,
+        after the gradient reductions and clipping; the calls between only add
+        to the gradients.
+        """
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
         self.events = []
-        for p in self.parameters():
-            p.grad = None
+        self.loop.begin()
+        self._final = self.loop.final  # this call reduces, clips and steps
         m = self.plan.microbatches
         # the workload's own rule: what has the batch size along batch_dim is split
         parts = split_microbatches({k: _to(v, self.device) for k, v in inputs.items()},
@@ -222,16 +246,19 @@ class Executor:
             start = self._now()
             if self.before_reduce is not None:
                 self.before_reduce()
-            loss, self.grad_norm = self.sync.finish(self._loss, self.max_grad_norm,
-                                                    self.scaler)
-            self.skipped = self.sync.found_inf
-            self._event("sync", "gradients", start)
-            if self.optimizer is not None and not self.skipped:
+            if not self._final:  # accumulating: the gradients stay where they are
+                loss = self.sync.reduce_loss(self._loss)
+                self.loop.finish()
+            else:
+                loss, norm = self.sync.finish(self._loss, self.max_grad_norm, self.scaler)
+                self.grad_norm = norm
+                self.skipped = self.sync.found_inf
+                self._event("sync", "gradients", start)
                 start = self._now()
-                self.optimizer.step()
+                self.loop.finish(skipped=self.skipped)
                 self._event("optim", "optimizer", start)
-            if self.after_optimizer is not None:
-                self.after_optimizer()
+                if self.after_optimizer is not None:
+                    self.after_optimizer()
         except Exception as exc:
             where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
                      else "the end of the step (sends, gradient reduction, optimizer)")
@@ -266,7 +293,7 @@ class Executor:
         for i in self.comm.sends_after[self.rank][pos]:
             self.transport.send(i, self._outgoing(i))
         self._in_grads = {}
-        for rset in self.reduce_after.get(pos, ()):
+        for rset in self.reduce_after.get(pos, ()) if self._final else ():
             self.sync.launch_replicas(rset)
 
     def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
@@ -410,7 +437,8 @@ class Executor:
         grads: list[torch.Tensor | None] = []
         if run.loss is not None and run.loss.requires_grad:
             roots.append(run.loss)
-            grads.append(None if self.scaler is None else self.scaler.loss_gradient(run.loss))
+            grads.append(self.loop.loss_gradient(
+                run.loss, None if self.scaler is None else self.scaler.scale))
         for name, g in out_grads.items():
             out = run.outputs[info.out_index[name]]
             if out.requires_grad:

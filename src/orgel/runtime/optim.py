@@ -12,7 +12,10 @@ the whole batch computes (the mean-reduced loss convention). Hence:
   gradients of every copy on every rank (replicas included) and give each copy
   the total, so the copies stay equal after the optimizer step;
 * the global gradient norm counts each parameter once (replica 0, first copy)
-  and is all-reduced with the step's loss in one small collective.
+  and is all-reduced with the step's loss in one small collective;
+* a step call that only accumulates (``accumulate=k``) reduces nothing but its
+  loss: the sums above are linear, so the ``k``-th call reduces the k calls'
+  gradients at once.
 """
 
 from __future__ import annotations
@@ -111,11 +114,19 @@ class GradSync:
                        f"lost a peer in the all-reduce of {what}: {transport_reason(exc)}")
             raise CommFailure(message, peer=None, what=what, timed_out=timed_out) from exc
 
+    def reduce_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss summed over the ranks, and nothing else (a call that accumulates)."""
+        total = loss.detach().double().reshape(()).to(self.device).clone()
+        self._wait(dist.all_reduce(total, group=self.world_group, async_op=True),
+                   "the step's loss")
+        return float(total)
+
     def finish(self, loss: torch.Tensor, max_norm: float | None,
                scaler: Any = None) -> tuple[float, float]:
         """Complete every reduction, clip by global norm; return ``(loss, grad norm)``.
 
-        The norm is computed only when ``max_norm`` is given (otherwise it is NaN).
+        The norm (before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it) is
+        computed on every step: the loop reports it (``pipe.grad_norm``).
         With a :class:`orgel.runtime.scaler.LossScaler` the gradients are unscaled
         before the norm, the inf/NaN verdict of every rank is summed with the loss,
         and :attr:`found_inf` says whether the step must be skipped (then nothing is
@@ -148,9 +159,9 @@ class GradSync:
                 p.grad.copy_(total)  # type: ignore[union-attr]
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
-        # the norm costs a pass over every gradient: only when clipping needs it
+        # one pass over every gradient, each counted once (replica 0, first tied copy)
         norms = [torch.linalg.vector_norm(p.grad) for p in self.norm_params
-                 if p.grad is not None] if max_norm is not None else []
+                 if p.grad is not None]
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
                                found])
@@ -160,7 +171,7 @@ class GradSync:
         self.found_inf = bool(summary[2] > 0)
         if scaler is not None:
             scaler.update(self.found_inf)
-        norm = sq ** 0.5 if max_norm is not None else float("nan")
+        norm = sq ** 0.5
         if max_norm is not None and not self.found_inf:
             coef = min(1.0, max_norm / (norm + 1e-6))
             if coef < 1.0:

@@ -8,13 +8,15 @@ scale after 2000 steps without one. In a pipeline the whole model must agree:
 * one scale for the whole pipeline: every rank holds the same value and updates
   it by the same rule from the same verdict, so they never drift apart;
 * the loss rank starts each micro-batch's backward from the scale (the
-  gradient of the loss is ``scale``, as for ``scaler.scale(loss).backward()``),
+  gradient of the loss is ``scale``, as for ``scaler.scale(loss).backward()``;
+  ``scale / k`` when accumulating over k calls, :mod:`orgel.runtime.optimizer`),
   so every gradient that crosses between ranks is scaled, as in one process;
 * after the gradient sums every rank unscales its gradients with GradScaler's
   own kernel, and the inf/NaN verdict is summed over all ranks in the step's
   closing all-reduce: every rank skips the same steps;
-* gradients are unscaled before clipping; the scale and its growth counter
-  are saved in the checkpoint shard and restored with it.
+* gradients are unscaled once, at the optimizer step, before clipping; the
+  scale and its growth counter are saved in the checkpoint shard and restored
+  with it.
 """
 
 from __future__ import annotations
@@ -35,10 +37,6 @@ class LossScaler:
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
-
-    def loss_gradient(self, loss: torch.Tensor) -> torch.Tensor:
-        """The gradient a micro-batch's (already divided) loss starts its backward from."""
-        return self.scale.to(loss.dtype).expand_as(loss)
 
     def unscale_(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """Divide every gradient by the scale in place; 1.0 if one holds an inf or NaN here."""

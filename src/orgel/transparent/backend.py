@@ -53,6 +53,7 @@ from orgel.graph.capture import dynamo_settings
 from orgel.guard import untouched
 from orgel.precision import device_type
 from orgel.runtime.launch import under_torchrun
+from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
 from orgel.worker.closure import ClosureEngine, OutputsFunction, Slot, profiling_loss
 from orgel.worker.engine import OptimizerFactory, RankEngine
@@ -166,12 +167,19 @@ class Backend:
 
     def __init__(self, *, ranks: int, microbatches: int, optimizer: OptimizerFactory | None,
                  memory: int | None, dp: int, plan: Plan | str | Path | None,
-                 timeout_s: float, threads: int | None, precision: str = "32") -> None:
+                 timeout_s: float, threads: int | None, precision: str = "32",
+                 scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
+                 max_grad_norm: float | None = None, accumulate: int = 1) -> None:
         from orgel.explicit.api import check_options, default_optimizer
 
         check_options(ranks, microbatches, optimizer, memory, dp, plan)
         self.ranks, self.microbatches = ranks, microbatches
         self.optimizer = optimizer or default_optimizer
+        check_loop_options(optimizer=self.optimizer, scheduler=scheduler, lr=lr,
+                           max_grad_norm=max_grad_norm, accumulate=accumulate)
+        #: the ranks' training-loop options (see orgel.runtime.optimizer)
+        self.loop: dict[str, Any] = {"scheduler": scheduler, "lr": lr,
+                                     "max_grad_norm": max_grad_norm, "accumulate": accumulate}
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.timeout_s, self.threads = timeout_s, threads
         self.model: GraphModel | None = None
@@ -353,7 +361,7 @@ class Backend:
         keys, aliases = api.model_aliases(holder)
         self.pipe = glued.start(workload, plan, split, glue, optimizer=self.optimizer,
                                 timeout_s=self.timeout_s, threads=self.threads, keys=keys,
-                                aliases=aliases, closures=True)
+                                aliases=aliases, closures=True, options=self.loop)
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
 
@@ -477,7 +485,7 @@ class Backend:
                                f"{self._wait_s:g} s after the pipelined step ended; a closure "
                                "must not wait on anything after its backward")
         self._check_closures()
-        self.pipe.steps += 1
+        self.pipe.called()
         return [s.result for s in self._slots]
 
     @property
@@ -572,7 +580,8 @@ class Backend:
 
         def make_engine(rank: int) -> RankEngine:
             return ClosureEngine(rank, plan, split, optimizer=self.optimizer,
-                                 conn=pipes[rank][1], timeout_s=self.timeout_s)
+                                 conn=pipes[rank][1], timeout_s=self.timeout_s,
+                                 options=self.loop)
 
         group = LocalGroup(self.ranks, make_engine, timeout_s=self.timeout_s,
                            threads=self.threads)
@@ -582,7 +591,8 @@ class Backend:
         keys, aliases = api.model_aliases(owner)
         self.pipe = api.Pipeline(plan, group, model=owner,
                                  loss_ranks=[self._loss_rank], state_keys=keys, aliases=aliases,
-                                 spmd=False)
+                                 spmd=False, accumulate=self.loop["accumulate"])
+        api.check_param_groups(self.pipe)
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
 
@@ -591,6 +601,22 @@ class Backend:
     @property
     def plan(self) -> Plan:
         return self._running().plan
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (one per ``accumulate`` step calls)."""
+        return int(self._running().steps)
+
+    @property
+    def lr(self) -> list[float]:
+        """The learning rates in force for the next optimizer step, one per param group."""
+        return list(self._running().lr)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last optimizer step's global gradient norm before clipping (see Pipeline)."""
+        norm = self._running().grad_norm
+        return None if norm is None else float(norm)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The compiled model's parameters and buffers by their original names."""
@@ -687,7 +713,9 @@ def _slice(batch: tuple[Any, ...], m: int) -> list[list[Any]]:
 def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactory | None = None,
             memory: int | None = None, dp: int = 1, plan: Plan | str | Path | None = None,
             timeout_s: float = 300.0, threads: int | None = None,
-            precision: str = "32") -> Backend:
+            precision: str = "32", scheduler: SchedulerFactory | None = None,
+            lr: LearningRate | None = None, max_grad_norm: float | None = None,
+            accumulate: int = 1) -> Backend:
     """A torch.compile backend that pipelines the compiled model; also its closure runner.
 
     Use the returned object as ``torch.compile(model, backend=pipe)`` and train
@@ -695,7 +723,12 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     graph is captured on that step's first micro-batch). Options as in
     :func:`orgel.pipeline`; ``precision="bf16-mixed"`` runs the compiled model
     under ``torch.autocast`` with bfloat16, as an autocast the closure opens
-    around it would (the closure's own loss is the closure's).
+    around it would (the closure's own loss is the closure's). ``scheduler``, ``lr``,
+    ``max_grad_norm`` and ``accumulate`` as in :func:`orgel.pipeline`; with
+    ``accumulate=k`` the closures' gradients count ``1/k`` (as ``(loss / k).backward()``)
+    and the optimizer steps on every k-th ``step``.
     """
     return Backend(ranks=ranks, microbatches=microbatches, optimizer=optimizer, memory=memory,
-                   dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision)
+                   dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
+                   scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
+                   accumulate=accumulate)

@@ -144,7 +144,8 @@ class ClosureEngine(RankEngine):
 
     def __init__(self, rank: int, plan: Any, split: Any, *, optimizer: Any, conn: Connection,
                  timeout_s: float, glue_info: Any = None,
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None,
+                 options: dict[str, Any] | None = None) -> None:
         self.inbox = RankInbox(conn)
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (glue.eager_homes(glue_info, plan, split) if glue_info is not None else {})
@@ -157,7 +158,8 @@ class ClosureEngine(RankEngine):
                 if name not in held:  # no stage reads it: this rank keeps its own copy
                     extra[name] = torch.nn.Parameter(model.get_parameter(name).detach().clone())
         super().__init__(rank, plan, split, optimizer=optimizer, loss_fn=self.surrogate,
-                         timeout_s=timeout_s, executor_options={"extra_params": extra})
+                         timeout_s=timeout_s,
+                         executor_options={**(options or {}), "extra_params": extra})
         # the step's inputs give shapes; each micro-batch's real ones come from the
         # controller when a stage first needs them, so closures still pre-processing later
         # micro-batches overlap the pipeline's work on earlier ones

@@ -20,10 +20,11 @@ import torch
 from orgel import guard
 from orgel.graph import glue
 from orgel.runtime import checkpoint as ckpt
+from orgel.runtime.optimizer import OptimizerFactory
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
-OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+__all__ = ["OptimizerFactory", "RankEngine"]
 
 
 class RankEngine:
@@ -91,6 +92,18 @@ class RankEngine:
         loss = self.executor.step(inputs, targets)
         self.step_count += 1
         return float(loss)
+
+    def lr(self) -> list[float] | None:
+        """The learning rates in force for the next optimizer step, one per param group."""
+        return self.executor.loop.rates()
+
+    def grad_norm(self) -> float | None:
+        """The last optimizer step's global gradient norm before clipping (None: no step yet)."""
+        return self.executor.grad_norm
+
+    def param_groups(self) -> int | None:
+        """How many parameter groups this rank's optimizer has (None: no optimizer here)."""
+        return self.executor.loop.groups()
 
     def timeline(self) -> list[Any]:
         """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""
@@ -162,8 +175,12 @@ class RankEngine:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     def _extra_state(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"loop": {**self.executor.loop.state_dict(),
+                                          "calls": self.executor.steps_done}}
         scaler = getattr(self.executor, "scaler", None)
-        return {} if scaler is None else {"loss_scale": scaler.state_dict()}
+        if scaler is not None:
+            extra["loss_scale"] = scaler.state_dict()
+        return extra
 
     def read_checkpoint(self, path: str, *, same_layout: bool) -> dict[str, str] | None:
         """Read, not yet apply, this rank's part of the checkpoint at ``path``.
@@ -178,11 +195,18 @@ class RankEngine:
         try:
             part = ckpt.read_names(path, names)
             shard: dict[str, Any] = {}
-            if getattr(self.executor, "scaler", None) is not None or same_layout:
+            loop = self.executor.loop
+            if (getattr(self.executor, "scaler", None) is not None or same_layout
+                    or loop.scheduler is not None):
                 # this rank's own shard (rank 0's when the checkpoint had fewer ranks): every
-                # shard holds the pipeline's one loss scale; the RNG state is this rank's
+                # shard holds the pipeline's one loss scale and schedule; the RNG state is
+                # this rank's
                 saved = int(ckpt.read_meta(path)["num_ranks"])
                 shard = ckpt.read_shard(path, self.rank if self.rank < saved else 0)
+            if loop.scheduler is not None and not _saved_loop(shard).get("scheduler"):
+                return {"error": "the checkpoint holds no learning-rate scheduler state (it "
+                                 "was saved by a pipeline without scheduler=): resume it "
+                                 "without scheduler=, or give lr= a function of the step"}
         except ckpt.CheckpointError as exc:
             return {"error": str(exc)}
         self._read = {"part": part, "shard": shard, "rng": same_layout}
@@ -204,9 +228,18 @@ class RankEngine:
         if self._read["rng"] and shard.get("rng"):
             guard.set_rng_state(shard["rng"])
         self._read = None
-        self.step_count = int(part["step"])
-        self.executor.steps_done = self.step_count  # the random streams go on from there
-        return self.step_count
+        step = int(part["step"])
+        saved = _saved_loop(shard)
+        self.executor.loop.load_state_dict(saved, step)
+        # the random streams go on from there (one per step call)
+        self.executor.steps_done = int(saved.get("calls", step))
+        self.step_count = step
+        return step
+
+
+def _saved_loop(shard: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer loop's state in a shard (an empty dict when it holds none)."""
+    return dict((shard.get("extra") or {}).get("loop") or {})
 
 
 def _unique(params: ckpt.NamedTensors) -> ckpt.NamedTensors:

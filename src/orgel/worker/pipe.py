@@ -56,7 +56,7 @@ class Pipeline:
 
     def __init__(self, plan: Plan, ranks: Any, *, model: torch.nn.Module,
                  loss_ranks: Sequence[int], state_keys: list[str], aliases: dict[str, str],
-                 spmd: bool, source: Any = None) -> None:
+                 spmd: bool, source: Any = None, accumulate: int = 1) -> None:
         self.plan = plan
         # its forward signature names positional inputs; it holds the tensors no stage reads
         self._model = model
@@ -65,7 +65,11 @@ class Pipeline:
         self._state_keys = state_keys
         self._aliases = aliases
         self.spmd = spmd
+        #: optimizer steps taken (with ``accumulate=k``: one per k step calls)
         self.steps = 0
+        #: step calls per optimizer step, and the calls made since the last one
+        self.accumulate = accumulate
+        self.pending = 0
         # a meta model's values (orgel.split.materialize.Weights): for tensors no stage holds
         self._source = source
 
@@ -74,14 +78,48 @@ class Pipeline:
         return self.plan.num_ranks
 
     def step(self, inputs: Any, targets: Any) -> float:
-        """Run one training step (forward, backward, optimizer) on a whole batch; the loss."""
+        """Train on a whole batch; its mean loss.
+
+        Forward and backward run on every call; the optimizer (and its schedule)
+        steps on every ``accumulate``-th call, after clipping, with the gradients
+        of those calls (each call's loss counting ``1/accumulate``).
+        """
         named = named_inputs(self._model, inputs)
         if self.spmd:  # every rank gets the loss from the executor: nothing to gather
             loss = self._ranks.engine.step(named, targets)
         else:
             loss = self._ranks.call("step", named, targets)[self._loss_rank]
-        self.steps += 1
+        self.called()
         return float(loss)
+
+    def called(self) -> None:
+        """Count a step call made on the ranks: every ``accumulate``-th is an optimizer step."""
+        self.pending += 1
+        if self.pending >= self.accumulate:
+            self.pending = 0
+            self.steps += 1
+
+    @property
+    def lr(self) -> list[float]:
+        """The learning rates in force for the next optimizer step, one per param group."""
+        rates = self._ask("lr")
+        return [] if rates is None else list(rates)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last optimizer step's global gradient norm over all ranks, before clipping
+        (as ``torch.nn.utils.clip_grad_norm_`` returns it); None before the first step.
+        """
+        norm = self._ask("grad_norm")
+        return None if norm is None else float(norm)
+
+    def _ask(self, method: str) -> Any:
+        """The first rank's answer that is not None (every rank that has one agrees)."""
+        if self.spmd:  # this rank's own answer: no collective
+            answers = [getattr(self._ranks.engine, method)()]
+        else:
+            answers = self._ranks.call(method)
+        return next((a for a in answers if a is not None), None)
 
     def predicted(self) -> Any:
         """The prediction for this plan (a SimResult: step_time, peak_memory, timeline, ...).
@@ -131,6 +169,12 @@ class Pipeline:
 
     def save(self, directory: str | Path) -> Path:
         """Write a checkpoint of every rank atomically into ``directory``; returns its folder."""
+        if self.pending:
+            raise ckpt.CheckpointError(
+                f"pipe.save in the middle of an accumulation ({self.pending} of "
+                f"{self.accumulate} step calls made since the last optimizer step): their "
+                "gradients are not in a checkpoint. Save after the optimizer steps, when "
+                "pipe.steps has grown")
         root = str(directory)
         Path(root).mkdir(parents=True, exist_ok=True)
         step = self.steps
@@ -172,6 +216,7 @@ class Pipeline:
                                        f"changed; the pipeline is still at step {self.steps}")
         steps = self._ranks.call("apply_checkpoint")
         self.steps = int(steps[0])
+        self.pending = 0
         return self.steps
 
     @property

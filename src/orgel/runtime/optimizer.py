@@ -1,0 +1,229 @@
+"""Each rank's optimizer step: parameter groups by name, learning-rate schedule, accumulation.
+
+A user's loop in one process does::
+
+    opt = make_optimizer(named_groups(model.named_parameters()))
+    sched = make_scheduler(opt)
+    for call, (x, y) in enumerate(batches):
+        (loss_fn(model(x), y) / k).backward()
+        if (call + 1) % k == 0:
+            clip_grad_norm_(model.parameters(), max_norm)
+            opt.step(); sched.step(); opt.zero_grad()
+
+Every rank of a pipeline does the same over its own parameters, and the
+ranks agree because they run one rule from one set of options:
+
+* the optimizer factory receives :class:`NamedParameters`, the rank's
+  parameters with their names in the original model, so a factory that groups
+  by name (no weight decay on biases and norms) builds the same groups on
+  every rank (a group may be empty on a rank);
+* the schedule (a ``torch.optim.lr_scheduler`` factory, or a function ``step ->
+  learning rate``) is built over every rank's optimizer and stepped after every
+  optimizer step, so every rank's rates follow it alike;
+* with ``accumulate=k`` each step call runs forward and backward of its batch,
+  gradients add up over ``k`` calls (each call's loss counts ``1/k``) and only
+  the ``k``-th reduces them across ranks, clips and steps
+  (:class:`OptimizerLoop`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
+LearningRate = Callable[[int], float]
+
+
+class NamedParameters(list[torch.nn.Parameter]):
+    """A list of Parameters that also knows each one's name in the original model.
+
+    What an optimizer factory receives: use it as a list, or group by
+    :attr:`names` / :meth:`named` as one would group ``model.named_parameters()``.
+    """
+
+    def __init__(self, named: Iterable[tuple[str, torch.nn.Parameter]] = ()) -> None:
+        pairs = list(named)
+        super().__init__(p for _, p in pairs)
+        #: each parameter's original name, in the list's order
+        self.names: list[str] = [n for n, _ in pairs]
+
+    def named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(original name, parameter)`` pairs, like ``model.named_parameters()``."""
+        return list(zip(self.names, self, strict=True))
+
+
+def probe_parameters() -> NamedParameters:
+    """Two small parameters (a matrix ``weight``, a vector ``bias``) to try a factory on.
+
+    Their values draw nothing from torch's random generator: trying the caller's
+    factories leaves the caller's random stream as it was.
+    """
+    return NamedParameters([
+        ("weight", torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64))),
+        ("bias", torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64)))])
+
+
+def check_loop_options(*, optimizer: OptimizerFactory, scheduler: Any, lr: Any,
+                       max_grad_norm: Any, accumulate: Any) -> None:
+    """Raise ValueError for training-loop options ``orgel.pipeline``/``orgel.backend`` cannot take.
+
+    A scheduler factory is tried on the optimizer ``optimizer`` builds over
+    :func:`probe_parameters`, so a factory that returns no LRScheduler fails
+    here, in the caller, before any rank starts.
+    """
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive int (optimizer steps on every k-th "
+                         f"step call), got {accumulate!r}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
+                                      or not isinstance(max_grad_norm, int | float)
+                                      or math.isnan(max_grad_norm) or max_grad_norm <= 0):
+        raise ValueError(f"max_grad_norm must be a positive number (clip the global gradient "
+                         f"norm to it) or None, got {max_grad_norm!r}")
+    if scheduler is not None and lr is not None:
+        raise ValueError("give scheduler= or lr=, not both: lr= is a function step -> learning "
+                         "rate that sets every group's rate; scheduler= builds a "
+                         "torch.optim.lr_scheduler over each rank's optimizer")
+    if lr is not None:
+        if not callable(lr):
+            raise ValueError(f"lr must be a function step -> learning rate, got {lr!r}; a "
+                             "constant rate goes in the optimizer factory "
+                             "(lambda params: torch.optim.AdamW(params, lr=...))")
+        first = lr(0)
+        if isinstance(first, bool) or not isinstance(first, int | float):
+            raise ValueError(f"lr(0) returned {first!r}: lr must return the learning rate of "
+                             "a step as a float")
+    if scheduler is not None:
+        if not callable(scheduler):
+            raise ValueError("scheduler must be a function optimizer -> "
+                             "torch.optim.lr_scheduler.LRScheduler, e.g. lambda opt: "
+                             "torch.optim.lr_scheduler.LambdaLR(opt, warmup)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            made = scheduler(optimizer(probe_parameters()))
+        check_scheduler(made)
+
+
+def check_scheduler(made: Any) -> None:
+    """Raise ValueError unless ``made`` is a scheduler the pipeline can step after every step."""
+    if isinstance(made, ReduceLROnPlateau):
+        raise ValueError("scheduler returned ReduceLROnPlateau, which steps on a metric the "
+                         "pipeline does not have; give a schedule by step (LambdaLR, "
+                         "CosineAnnealingLR, ...) or set the rate from your loop with lr=")
+    if not isinstance(made, LRScheduler):
+        raise ValueError(f"scheduler returned {type(made).__name__}, not a "
+                         "torch.optim.lr_scheduler.LRScheduler: the factory takes the "
+                         "optimizer and returns its scheduler, e.g. lambda opt: "
+                         "torch.optim.lr_scheduler.LambdaLR(opt, warmup)")
+
+
+class OptimizerLoop:
+    """One rank's optimizer with its schedule and accumulation count.
+
+    The executor asks :attr:`final` whether the current step call is the one
+    that reduces, clips and steps (the ``accumulate``-th since the last step),
+    starts each backward from :meth:`loss_gradient`, and calls :meth:`begin` at
+    the start of every call and :meth:`finish` at its end.
+    """
+
+    def __init__(self, named: NamedParameters, factory: OptimizerFactory | None, *,
+                 scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
+                 accumulate: int = 1) -> None:
+        self.params = list(named)
+        self.optimizer = factory(named) if factory is not None and named else None
+        self.scheduler: LRScheduler | None = None
+        if self.optimizer is not None and scheduler is not None:
+            made = scheduler(self.optimizer)
+            check_scheduler(made)
+            self.scheduler = made
+        self.lr = lr
+        self.accumulate = accumulate
+        self.steps = 0  # optimizer steps taken (the schedule's position)
+        self.pending = 0  # step calls since the last optimizer step
+        self._set_rate()
+
+    @property
+    def final(self) -> bool:
+        """Whether the running call is the one that steps (call :meth:`begin` first)."""
+        return self.pending + 1 >= self.accumulate
+
+    def begin(self) -> None:
+        """Start a step call: a new accumulation drops the gradients of the last step."""
+        if self.pending == 0:
+            for p in self.params:
+                p.grad = None
+
+    def loss_gradient(self, loss: torch.Tensor, scale: torch.Tensor | None) -> Any:
+        """The gradient a micro-batch's loss starts its backward from (None: one).
+
+        ``1/accumulate`` times the loss scale, as ``(scaler.scale(loss) / k).backward()``.
+        """
+        if scale is None and self.accumulate == 1:
+            return None
+        grad = torch.ones((), dtype=loss.dtype, device=loss.device) if scale is None else scale
+        if self.accumulate > 1:
+            grad = grad / self.accumulate
+        return grad.to(loss.dtype).expand_as(loss)
+
+    def finish(self, *, skipped: bool = False) -> None:
+        """End a step call; on the :attr:`final` one step the optimizer and the schedule.
+
+        ``skipped`` (the gradients held an inf/NaN under loss scaling): the
+        optimizer does not step but the schedule moves on, as a plain loop that
+        calls ``scheduler.step()`` after ``scaler.step(opt)`` does.
+        """
+        if not self.final:
+            self.pending += 1
+            return
+        self.pending = 0
+        if self.optimizer is not None and not skipped:
+            self.optimizer.step()
+        self.steps += 1
+        if self.scheduler is not None:
+            with warnings.catch_warnings():
+                # a skipped first step: torch warns that the scheduler stepped first
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                self.scheduler.step()
+        self._set_rate()
+
+    def _set_rate(self) -> None:
+        if self.lr is not None and self.optimizer is not None:
+            rate = float(self.lr(self.steps))
+            for group in self.optimizer.param_groups:
+                group["lr"] = rate
+
+    def rates(self) -> list[float] | None:
+        """The learning rates in force for the next step, one per group (None: no optimizer)."""
+        if self.optimizer is None:
+            return None
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def groups(self) -> int | None:
+        """How many parameter groups the optimizer has (None: no optimizer on this rank)."""
+        return None if self.optimizer is None else len(self.optimizer.param_groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's position and state (the optimizer's is saved by name elsewhere)."""
+        return {"steps": self.steps,
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], steps: int) -> None:
+        """Resume at optimizer step ``steps`` (the scheduler's own state when it was saved).
+
+        Gradients accumulated since the last optimizer step are dropped.
+        """
+        self.pending = 0
+        self.steps = int(state.get("steps", steps))
+        saved = state.get("scheduler")
+        if self.scheduler is not None and saved is not None:
+            self.scheduler.load_state_dict(saved)
+        elif self.scheduler is not None:
+            raise ValueError("the checkpoint holds no learning-rate scheduler state; it was "
+                             "saved by a pipeline without scheduler=")
+        self._set_rate()
