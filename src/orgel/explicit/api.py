@@ -38,7 +38,8 @@ from orgel.split.materialize import (
     process_memory,
 )
 from orgel.worker.engine import OptimizerFactory, RankEngine
-from orgel.worker.pipe import OwnRank, Pipeline, model_aliases
+from orgel.worker.pipe import OwnRank, Pipeline
+from orgel.worker.state import model_aliases, own_stage_copies
 from orgel.workload import Workload, validate_workload, with_precision
 
 
@@ -159,7 +160,7 @@ def pipeline(
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
     return Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
-                    aliases=aliases, spmd=False, source=source)
+                    aliases=aliases, spmd=False, source=source, workload=workload)
 
 
 def _make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
@@ -228,6 +229,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         split = split_for(workload, graph, the_plan)
     if source is not None:
         source.seed = int(text[1])
+    else:  # the stages train copies: the caller's model changes only through pipe.copy_to
+        own_stage_copies(split.stages[s].module for s in the_plan.stages_on(rank))
     made = _make_own_stages(split, the_plan, rank, source,
                             "cuda" if dist.get_backend() == "nccl" else "cpu")
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
@@ -235,7 +238,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
     engine.made = made
     return Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],
-                    state_keys=keys, aliases=aliases, spmd=True, source=source)
+                    state_keys=keys, aliases=aliases, spmd=True, source=source,
+                    workload=workload)
 
 
 def one_graph_only(graph: Any) -> None:

@@ -20,6 +20,7 @@ gradient message (:func:`check_gradient_values` holds the plan to the split).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,7 +31,13 @@ import torch.distributed as dist
 
 from orgel.runtime.backward import input_backward, weight_backward
 from orgel.runtime.comm import Transport
-from orgel.runtime.errors import StepFailure
+from orgel.runtime.errors import (
+    PeerStepFailed,
+    StepAbandoned,
+    StepFailure,
+    describe,
+    is_comm_error,
+)
 from orgel.runtime.optim import GradSync
 from orgel.runtime.scaler import LossScaler
 from orgel.runtime.stage import (
@@ -169,6 +176,10 @@ class Executor:
         self.replicated = tuple(replicated)
         self.steps_done = 0
         self._signature: Any = None
+        #: a rank's own error in an action ends the step on every rank, which drop it and
+        #: train on (:meth:`_drop_step`); False: it stops the step at once (StepFailure)
+        self.abandon_on_error = False
+        self._failed: tuple[BaseException, str] | None = None  # this step's own error, where
 
     # -- public -------------------------------------------------------------------
 
@@ -210,6 +221,7 @@ class Executor:
         self._local_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._in_grads: dict[str, torch.Tensor] = {}
         self._loss = torch.zeros((), device=self.device)
+        self._failed = None
         self.transport.begin(exchange_shapes=exchange)
         pos, action = -1, None
         try:
@@ -223,7 +235,9 @@ class Executor:
             if self.before_reduce is not None:
                 self.before_reduce()
             loss, self.grad_norm = self.sync.finish(self._loss, self.max_grad_norm,
-                                                    self.scaler)
+                                                    self.scaler, self._failed is not None)
+            if self.sync.failed:
+                raise self._drop_step()
             self.skipped = self.sync.found_inf
             self._event("sync", "gradients", start)
             if self.optimizer is not None and not self.skipped:
@@ -232,6 +246,8 @@ class Executor:
                 self._event("optim", "optimizer", start)
             if self.after_optimizer is not None:
                 self.after_optimizer()
+        except StepAbandoned:
+            raise
         except Exception as exc:
             where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
                      else "the end of the step (sends, gradient reduction, optimizer)")
@@ -260,14 +276,58 @@ class Executor:
             start = self._now()
             self._inbox[i] = self.transport.recv(i)
             self._event("wait", f"recv {action}", start, self.comm.messages[i].src_rank)
-        start = self._now()
-        self.dispatch[action.kind](action)
-        self._event(action.kind, str(action), start)
+        if self._failed is None:
+            start = self._now()
+            try:
+                self.dispatch[action.kind](action)
+            except Exception as exc:
+                if not self.abandon_on_error or is_comm_error(exc):
+                    raise
+                self._fail_action(exc, f"{action} (position {pos} of {len(self.actions)})")
+            else:
+                self._event(action.kind, str(action), start)
         for i in self.comm.sends_after[self.rank][pos]:
-            self.transport.send(i, self._outgoing(i))
+            if self._failed is None:
+                self.transport.send(i, self._outgoing(i))
+            else:  # the step is being dropped: its receivers still get the message
+                self.transport.send_placeholder(i)
         self._in_grads = {}
         for rset in self.reduce_after.get(pos, ()):
             self.sync.launch_replicas(rset)
+
+    # -- a step every rank drops ----------------------------------------------------
+
+    def _fail_action(self, exc: Exception, where: str) -> None:
+        """This rank's work raised: report it once, then go on with the step's messages only.
+
+        The rest of the action list runs its receives and sends (placeholders,
+        :meth:`Transport.send_placeholder`) and no compute, so every rank reaches
+        the step's closing all-reduce, which tells all of them to drop the step.
+        """
+        self._failed = (exc, where)
+        line, tb = describe(StepFailure(f"rank {self.rank}: {exc} [while running {where}]",
+                                        rank=self.rank, action=where, cause=exc))
+        self.transport.announce_step_failure(json.dumps([self.rank, line, tb]))
+
+    def _drop_step(self) -> StepAbandoned:
+        """Drop this step on this rank (some rank's work raised): its error to raise.
+
+        No optimizer step, no gradients kept, nothing of the step's computation
+        kept; the next step exchanges shapes again (a dropped step's messages may
+        have had none).
+        """
+        for p in self.parameters():
+            p.grad = None
+        self._runs, self._inbox, self._local_grads, self._in_grads = {}, {}, {}, {}
+        self._signature = None
+        root, line, tb = json.loads(self.transport.step_failure())
+        if self._failed is not None and root == self.rank:
+            cause: BaseException = self._failed[0]
+            where = self._failed[1]
+        else:
+            cause, where = PeerStepFailed(f"rank {root} failed in this step"), "the step"
+        return StepAbandoned(f"rank {self.rank}: {cause} [while running {where}]", rank=root,
+                             action=where, cause=cause, report=(line, tb))
 
     def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
         """Whether value ``name`` sends a gradient back (the split says; default: floats)."""

@@ -13,6 +13,7 @@ parameter names and the original model's names, which is what makes gathered
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +62,8 @@ class RankEngine:
             plan, split, rank=rank, loss_fn=loss_fn, optimizer_factory=optimizer,
             timeout=timeout_s, **(executor_options or {}),
         )
+        # a forward of several graphs has a controller in the step: it stops at the first error
+        self.executor.abandon_on_error = not self.serves_exchanges
 
     # -- what this rank holds ------------------------------------------------------------
 
@@ -91,6 +94,19 @@ class RankEngine:
         loss = self.executor.step(inputs, targets)
         self.step_count += 1
         return float(loss)
+
+    def try_step(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`step`; a step every rank dropped comes back as :class:`Dropped` instead.
+
+        The local launcher stops every rank when a method raises; a dropped step
+        is no such failure (the ranks train on), so the controller gets it as a value.
+        """
+        from orgel.runtime.errors import StepAbandoned
+
+        try:
+            return self.step(*args, **kwargs)
+        except StepAbandoned as exc:
+            return Dropped(exc.rank, exc.report)
 
     def timeline(self) -> list[Any]:
         """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""
@@ -123,20 +139,26 @@ class RankEngine:
             for n, t in self.named_params() + self.named_buffers()
         }
 
-    def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> int:
-        """Copy tensors (by original name) into this rank's copies; returns how many."""
-        count = 0
+    def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = False) -> list[str]:
+        """Copy tensors (by held name) into this rank's copies; the names it loaded.
+
+        Names this rank does not hold are skipped; with ``strict``, a name this
+        rank holds that ``tensors`` lacks raises KeyError (the controller checks a
+        state against the model's keys before it sends it: see
+        :class:`orgel.worker.state.StateNames`).
+        """
+        loaded: list[str] = []
         missing = []
         with torch.no_grad():
             for name, t in self.named_params() + self.named_buffers():
                 if name in tensors:
                     t.copy_(tensors[name])
-                    count += 1
+                    loaded.append(name)
                 else:
                     missing.append(name)
         if strict and missing:
             raise KeyError(f"state_dict has no entry for {missing[:5]} (rank {self.rank})")
-        return count
+        return loaded
 
     def save_shard(self, root: str, step: int) -> str | dict[str, str]:
         """Write this rank's shard of the checkpoint at ``step`` (not yet committed).
@@ -193,7 +215,7 @@ class RankEngine:
         if self._read is None:
             raise RuntimeError("apply_checkpoint without a successful read_checkpoint")
         part, shard = self._read["part"], self._read["shard"]
-        self.load_state({**part["params"], **part["buffers"]})
+        self.load_state({**part["params"], **part["buffers"]}, strict=True)
         opt = self.optimizer
         if opt is not None and part["optimizer"]["state"]:
             ckpt.load_named_optimizer_state(opt, _unique(self.named_params()), part["optimizer"])
@@ -207,6 +229,15 @@ class RankEngine:
         self.step_count = int(part["step"])
         self.executor.steps_done = self.step_count  # the random streams go on from there
         return self.step_count
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """What :meth:`RankEngine.try_step` returns for a step every rank dropped: the rank
+    whose own error came first, and its line and traceback."""
+
+    rank: int
+    report: tuple[str, str]
 
 
 def _unique(params: ckpt.NamedTensors) -> ckpt.NamedTensors:
