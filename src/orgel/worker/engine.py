@@ -89,24 +89,21 @@ class RankEngine:
 
     # -- training ----------------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        """One training step; the batch's mean loss (the executor reduces it to every rank)."""
-        loss = self.executor.step(inputs, targets)
-        self.step_count += 1
-        return float(loss)
+    def step(self, inputs: Any, targets: Any) -> float | Dropped:
+        """One training step; the batch's mean loss (the executor reduces it to every rank).
 
-    def try_step(self, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`step`; a step every rank dropped comes back as :class:`Dropped` instead.
-
-        The local launcher stops every rank when a method raises; a dropped step
-        is no such failure (the ranks train on), so the controller gets it as a value.
+        A step every rank dropped (one rank's own work raised) comes back as
+        :class:`Dropped`, not raised: the local launcher stops every rank when a
+        method raises, and the ranks train on after a dropped step.
         """
         from orgel.runtime.errors import StepAbandoned
 
         try:
-            return self.step(*args, **kwargs)
+            loss = self.executor.step(inputs, targets)
         except StepAbandoned as exc:
             return Dropped(exc.rank, exc.report)
+        self.step_count += 1
+        return float(loss)
 
     def timeline(self) -> list[Any]:
         """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""
@@ -233,7 +230,7 @@ class RankEngine:
 
 @dataclass(frozen=True)
 class Dropped:
-    """What :meth:`RankEngine.try_step` returns for a step every rank dropped: the rank
+    """What :meth:`RankEngine.step` returns for a step every rank dropped: the rank
     whose own error came first, and its line and traceback."""
 
     rank: int

@@ -86,9 +86,9 @@ class Pipeline:
         named = named_inputs(self._model, inputs)
         self._check_batch(named, targets)
         if self.spmd:  # every rank gets the loss from the executor: nothing to gather
-            loss = _kept([self._ranks.engine.try_step(named, targets)])[0]
+            loss = _kept([self._ranks.engine.step(named, targets)])[0]
         else:
-            loss = _kept(self._ranks.call("try_step", named, targets))[self._loss_rank]
+            loss = _kept(self._ranks.call("step", named, targets))[self._loss_rank]
         self.steps += 1
         return float(loss)
 
