@@ -232,3 +232,56 @@ def test_an_error_inside_a_rank_drops_the_step_and_training_goes_on(where: str) 
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         _assert_state(pipe.state_dict(), reference)
         assert pipe.steps == 3
+
+
+@pytest.mark.hf
+def test_a_peft_lora_llama_loads_the_pipelines_state_strictly() -> None:
+    """A LoRA-wrapped Llama (rotary ``inv_freq``: non-persistent buffers; frozen base
+    weights; tied embeddings): its state_dict loads strictly from the pipeline's, and
+    ``copy_to`` gives the caller's model one process's trained values."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def lora() -> nn.Module:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=32, tie_word_embeddings=True)
+        base = LlamaForCausalLM(config)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                          lora_dropout=0.0))
+        with torch.no_grad():  # LoRA starts its B at zero: give the test something to see
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        return model
+
+    def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out["logits"].reshape(-1, VOCAB), y.reshape(-1))
+
+    model = lora()
+    inv_freq = [n for n, _ in model.named_buffers() if n.endswith("inv_freq")]
+    assert inv_freq and not set(inv_freq) & set(model.state_dict())  # non-persistent
+    x, y = _batch(0)
+    pipe = orgel.pipeline(model, {"input_ids": x}, y, lm_loss, ranks=2, microbatches=2,
+                          optimizer=_sgd, threads=1, timeout_s=60)
+    with pipe:
+        losses = [pipe.step({"input_ids": _batch(s)[0]}, _batch(s)[1]) for s in range(2)]
+        state = pipe.state_dict()
+        pipe.copy_to()
+    reference = lora()
+    opt = _sgd([p for p in reference.parameters() if p.requires_grad])
+    ref_losses = []
+    for s in range(2):
+        bx, by = _batch(s)
+        opt.zero_grad()
+        loss = lm_loss(reference(input_ids=bx), by)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert list(state) == list(reference.state_dict())
+    fresh = lora()
+    fresh.load_state_dict(state)  # strict
+    _assert_state(fresh.state_dict(), reference)
+    _assert_state(model.state_dict(), reference)
