@@ -285,3 +285,26 @@ def test_a_peft_lora_llama_loads_the_pipelines_state_strictly() -> None:
     fresh.load_state_dict(state)  # strict
     _assert_state(fresh.state_dict(), reference)
     _assert_state(model.state_dict(), reference)
+
+
+def test_a_dropped_step_leaves_every_tensor_as_it_was() -> None:
+    """BatchNorm statistics the dropped step's forwards updated, on the rank that did not
+    fail, are put back: the state after the dropped step is the state before it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16),
+                          nn.Tanh(), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+    with orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, microbatches=2,
+                        optimizer=_sgd, threads=1, timeout_s=30) as pipe:
+        pipe.step((x,), y)
+        before = pipe.state_dict()
+        bad = y.clone()
+        bad[-1] = 9
+        with pytest.raises(StepError, match="rank 1 failed in step: IndexError"):
+            pipe.step((x * 3,), bad)
+        after = pipe.state_dict()
+        assert list(after) == list(before)
+        for name, t in before.items():
+            assert torch.equal(after[name], t), name
+        assert "1.running_mean" in after

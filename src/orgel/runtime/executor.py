@@ -222,6 +222,11 @@ class Executor:
         self._in_grads: dict[str, torch.Tensor] = {}
         self._loss = torch.zeros((), device=self.device)
         self._failed = None
+        # what the step's forwards update in place (BatchNorm statistics): a dropped step
+        # puts them back
+        self._written = ({(s, n): info.stage.module.get_buffer(n).clone()
+                          for s, info in self.stages.items() for n in info.stage.written}
+                         if self.abandon_on_error else {})
         self.transport.begin(exchange_shapes=exchange)
         pos, action = -1, None
         try:
@@ -312,12 +317,16 @@ class Executor:
     def _drop_step(self) -> StepAbandoned:
         """Drop this step on this rank (some rank's work raised): its error to raise.
 
-        No optimizer step, no gradients kept, nothing of the step's computation
+        No optimizer step, no gradients kept, the buffers the forwards updated
+        (BatchNorm statistics) as they were, nothing of the step's computation
         kept; the next step exchanges shapes again (a dropped step's messages may
         have had none).
         """
         for p in self.parameters():
             p.grad = None
+        with torch.no_grad():
+            for (s, name), saved in self._written.items():
+                self.stages[s].stage.module.get_buffer(name).copy_(saved)
         self._runs, self._inbox, self._local_grads, self._in_grads = {}, {}, {}, {}
         self._signature = None
         root, line, tb = json.loads(self.transport.step_failure())
