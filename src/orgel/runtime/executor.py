@@ -16,6 +16,16 @@ its consumers; the loss of each micro-batch is scaled by
 split's ``requires_grad``, the plan's ``Value.grad``: masks, integer ids,
 position tables) sends none back, and an edge of only such values has no
 gradient message (:func:`check_gradient_values` holds the plan to the split).
+
+A dropped step (``abandon_on_error``, set by :class:`orgel.worker.engine.RankEngine`):
+when an action's own work raises (a loss on a target out of range, a stage on a
+bad input), the rank records its error in the rendezvous store and runs the rest
+of its list with the messages only (placeholders for its sends, no compute), so
+every posted receive meets its send. The step's closing all-reduce carries a
+"failed" flag: every rank then drops the step (no optimizer step, gradients and
+updated buffers put back) and raises :class:`~orgel.runtime.errors.StepAbandoned`
+with the first error. A communication failure, a dead or hung rank, or an error
+at the end of the step still ends the pipeline (:class:`StepFailure`).
 """
 
 from __future__ import annotations

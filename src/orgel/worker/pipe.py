@@ -82,7 +82,16 @@ class Pipeline:
         return self.plan.num_ranks
 
     def step(self, inputs: Any, targets: Any) -> float:
-        """Run one training step (forward, backward, optimizer) on a whole batch; the loss."""
+        """Run one training step (forward, backward, optimizer) on a whole batch; the loss.
+
+        A batch the pipeline cannot take (other input names, dtypes, a batch size
+        the micro-batches do not divide, targets of another batch size) raises
+        :class:`~orgel.workload.WorkloadError` here before any rank sees it. An error
+        a rank's work raises for the data's own reason (a target out of range in
+        the loss) raises :class:`~orgel.runtime.errors.StepError`: every rank dropped
+        the step and the pipeline trains on. A dead or hung rank, or a lost
+        connection, raises :class:`~orgel.runtime.errors.WorkerError` and ends it.
+        """
         named = named_inputs(self._model, inputs)
         self._check_batch(named, targets)
         if self.spmd:  # every rank gets the loss from the executor: nothing to gather
