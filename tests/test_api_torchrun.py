@@ -133,3 +133,60 @@ def test_a_rank_that_raises_under_torchrun_stops_the_other_within_seconds(
     assert "RuntimeError: the loss cannot be computed" in out, out[-3000:]
     assert "rank 1" in out and "[while running F1." in out, out[-3000:]
     assert ended - float(fault.read_text()) < 15, "rank 0 waited for its receive's timeout"
+
+
+COPY_TO = '''
+import copy, json, sys
+import torch
+import orgel
+from orgel.models import build
+from orgel.runtime.errors import StepError
+
+model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
+initial = copy.deepcopy(model.state_dict())
+reference = copy.deepcopy(model)
+sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=4, optimizer=sgd)
+losses = [pipe.step(inputs, targets)]
+bad = targets.clone()
+bad[0, 0] = 10 ** 6  # no such token: the loss raises on the loss rank only
+try:
+    pipe.step(inputs, bad)
+    dropped = ""
+except StepError as exc:
+    dropped = str(exc).splitlines()[0]
+losses.append(pipe.step(inputs, targets))
+untouched = all(torch.equal(model.state_dict()[k], v) for k, v in initial.items())
+pipe.copy_to()
+opt = sgd(list(reference.parameters()))
+ref_losses = []
+for _ in range(2):
+    opt.zero_grad()
+    loss = loss_fn(reference(*inputs), targets)
+    loss.backward()
+    opt.step()
+    ref_losses.append(loss.item())
+mine = model.state_dict()
+diff = max((mine[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+rank = torch.distributed.get_rank()
+with open(f"{sys.argv[1]}/result{rank}.json", "w") as f:
+    json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "untouched": untouched,
+               "dropped": dropped, "keys": list(mine) == list(reference.state_dict())}, f)
+pipe.close()
+'''
+
+
+def test_torchrun_leaves_the_callers_model_alone_until_copy_to_and_survives_a_bad_batch(
+        tmp_path: Path) -> None:
+    """Each rank's stages train copies: the caller's model is as it was on every rank
+    until ``copy_to`` writes all of the trained values into it, on every rank. A target
+    out of range raises in rank 1's loss: both ranks get StepError and train on as one
+    process that skipped that batch."""
+    code, out = _torchrun(tmp_path, COPY_TO, str(tmp_path))
+    assert code == 0, out[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert result["untouched"] is True
+        assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
+        assert result["diff"] < 1e-5 and result["keys"] is True
+        assert result["dropped"].startswith("rank 1 failed in step: IndexError"), result

@@ -262,3 +262,56 @@ def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int, dim: in
     target_parts = split_batch(targets, m, dim, batch)
     return [({k: part[k] if k in part else inputs[k] for k in inputs}, t)
             for part, t in zip(parts, target_parts, strict=True)]
+
+
+def check_batch(example: tuple[dict[str, Any], Targets], batch: tuple[dict[str, Any], Targets],
+                microbatches: int, dim: int = 0, replicated: tuple[str, ...] = ()) -> None:
+    """Raise :class:`WorkloadError` unless a step's named inputs and targets fit the pipeline.
+
+    ``example`` is the batch the pipeline was built from (named inputs, targets).
+    The step's inputs must have the same names, every tensor the example's dtype
+    (inputs and targets alike), the targets the inputs' batch size along ``dim``,
+    and that batch size must divide into ``microbatches``. Checked before any rank
+    sees the batch, so a batch that fails here changes nothing.
+    """
+    (ex_inputs, ex_targets), (inputs, targets) = example, batch
+    unknown = [k for k in inputs if k not in ex_inputs]
+    missing = [k for k in ex_inputs if k not in inputs and ex_inputs[k] is not None]
+    if unknown or missing:
+        raise WorkloadError(
+            f"the batch's inputs {list(inputs)} are not the model inputs the pipeline was "
+            f"built with {list(ex_inputs)}"
+            + (f"; unknown: {unknown}" if unknown else "")
+            + (f"; missing: {missing}" if missing else "")
+            + ": give every step the same inputs by the same names")
+    for name, value in inputs.items():
+        _same_kind(f"input {name!r}", ex_inputs[name], value)
+    ex_leaves, ex_spec = pytree.tree_flatten(ex_targets)
+    leaves, spec = pytree.tree_flatten(targets)
+    if spec != ex_spec:
+        raise WorkloadError(f"the targets are {spec} but the pipeline was built with targets "
+                            f"{ex_spec}: give every step targets of the same structure")
+    for k, (ex, got) in enumerate(zip(ex_leaves, leaves, strict=True)):
+        _same_kind(f"target {k}", ex, got)
+    batched = {k: v for k, v in inputs.items() if k not in replicated}
+    if _tensors(batched) and _tensors(targets):
+        rows, target_rows = batch_size(batched, dim), batch_size(targets, dim)
+        if rows != target_rows:
+            raise WorkloadError(
+                f"the inputs have batch size {rows} but the targets {target_rows} (along dim "
+                f"{dim}): give as many targets as inputs")
+    rows = batch_size((batched, targets), dim)
+    if rows % microbatches:
+        raise WorkloadError(
+            f"batch size {rows} is not divisible into the pipeline's {microbatches} "
+            f"micro-batches; give a batch whose size is a multiple of {microbatches}")
+
+
+def _same_kind(what: str, example: Any, value: Any) -> None:
+    """Raise unless ``value`` is a tensor of ``example``'s dtype (or both are no tensor)."""
+    if isinstance(example, torch.Tensor) != isinstance(value, torch.Tensor):
+        raise WorkloadError(f"{what} is a {type(value).__name__} but the pipeline was built "
+                            f"with a {type(example).__name__}")
+    if isinstance(value, torch.Tensor) and value.dtype != example.dtype:
+        raise WorkloadError(f"{what} is {value.dtype} but the pipeline was built with "
+                            f"{example.dtype}: convert it (.to({example.dtype}))")

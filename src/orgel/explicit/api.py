@@ -39,7 +39,8 @@ from orgel.split.materialize import (
     process_memory,
 )
 from orgel.worker.engine import OptimizerFactory, RankEngine
-from orgel.worker.pipe import OwnRank, Pipeline, model_aliases
+from orgel.worker.pipe import OwnRank, Pipeline
+from orgel.worker.state import model_aliases, own_stage_copies
 from orgel.workload import Workload, validate_workload, with_precision
 
 
@@ -183,7 +184,8 @@ def pipeline(
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
     pipe = Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
-                    aliases=aliases, spmd=False, source=source, accumulate=accumulate)
+                    aliases=aliases, spmd=False, source=source, accumulate=accumulate,
+                    workload=workload)
     check_param_groups(pipe)
     return pipe
 
@@ -266,6 +268,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         split = split_for(workload, graph, the_plan)
     if source is not None:
         source.seed = int(text[1])
+    else:  # the stages train copies: the caller's model changes only through pipe.copy_to
+        own_stage_copies(split.stages[s].module for s in the_plan.stages_on(rank))
     made = _make_own_stages(split, the_plan, rank, source,
                             "cuda" if dist.get_backend() == "nccl" else "cpu")
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
@@ -274,7 +278,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
     pipe = Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group),
                     model=workload.model, loss_ranks=the_plan.placement[split.loss_stage],
                     state_keys=keys, aliases=aliases, spmd=True, source=source,
-                    accumulate=int(executor_options.get("accumulate", 1)))
+                    accumulate=int(executor_options.get("accumulate", 1)), workload=workload)
     check_param_groups(pipe)
     return pipe
 

@@ -386,9 +386,10 @@ class GluedPipeline(Pipeline):
             for name, p in self._eager.items():
                 p.copy_(state[name])
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
+    def load_state_dict(self, state: Any, strict: bool = True) -> Any:
+        result = super().load_state_dict(state, strict)
         self._pull_values()
+        return result
 
     def load(self, directory: Any) -> int:
         step = super().load(directory)

@@ -6,6 +6,7 @@ Layout of a checkpoint root ``DIR``::
     DIR/step-00000012/meta.json format, step, number of ranks, which shard holds which name
     DIR/step-00000012/plan.json the Plan the run used (JSON, see orgel.schedule.ir)
     DIR/step-00000012/rank0.pt  rank 0's shard (torch.save of plain dicts, lists and tensors)
+    DIR/step-00000012/unread.pt the model's tensors no stage reads (no rank holds them)
 
 A save writes every shard into ``step-N.tmp/``, then :func:`commit` renames the
 folder to ``step-N`` and replaces ``LATEST`` with ``os.replace``; only then are
@@ -26,7 +27,7 @@ import os
 import pickle
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch
 FORMAT = "orgel-checkpoint"
 VERSION = 1
 LATEST = "LATEST"
+UNREAD = "unread.pt"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -179,6 +181,8 @@ def commit(
     *,
     keep: int = 1,
     aliases: dict[str, str] | None = None,
+    keys: list[str] | None = None,
+    unread: Callable[[set[str]], dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Seal the staged checkpoint at ``step`` once every rank has written its shard.
 
@@ -186,6 +190,9 @@ def commit(
     at it and removes all but the newest ``keep`` complete checkpoints.
     ``aliases`` maps extra state_dict keys of the original model (tied tensors)
     to the name the shards store them under, so :func:`state_dict` lists both.
+    ``keys``: the model's state_dict keys in order (:func:`state_dict` returns
+    exactly those). ``unread(held)``: the model's tensors outside the names the
+    shards hold (tensors no stage reads), written to ``unread.pt``.
     """
     root = Path(root)
     staged = staging_dir(root, step)
@@ -198,6 +205,9 @@ def commit(
         shard = torch.load(staged / f"rank{r}.pt", weights_only=True, map_location="cpu")
         for name in list(shard["params"]) + list(shard["buffers"]):
             owners.setdefault(name, []).append(r)
+    extra = unread(set(owners)) if unread is not None else {}
+    if extra:
+        torch.save({n: t.detach().to("cpu") for n, t in extra.items()}, staged / UNREAD)
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -207,7 +217,10 @@ def commit(
         "plan": "plan.json",
         "owners": owners,
         "aliases": dict(aliases or {}),
+        "unread": sorted(extra),
     }
+    if keys is not None:
+        meta["keys"] = list(keys)
     _write_text_atomic(staged / "plan.json", plan_json.rstrip("\n") + "\n")
     _write_text_atomic(staged / "meta.json", json.dumps(meta, indent=1) + "\n")
     final = step_dir(root, step)
@@ -351,14 +364,31 @@ def read_names(path: str | Path, names: Iterable[str]) -> dict[str, Any]:
 
 
 def state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The original model's ``state_dict`` (parameters and buffers) from a checkpoint."""
+    """The original model's ``state_dict`` from a checkpoint: its keys in its order.
+
+    Tensors no stage read come from ``unread.pt``. A checkpoint that recorded
+    the model's keys gives exactly those (non-persistent buffers and lifted
+    constants the stages hold are left out); an older one every name, sorted.
+    """
     meta = read_meta(path)
     out: dict[str, torch.Tensor] = {}
     for r in range(int(meta["num_ranks"])):
         shard = read_shard(path, r)
         for name, t in list(shard["params"].items()) + list(shard["buffers"].items()):
             out.setdefault(name, t)
-    for alias, name in meta.get("aliases", {}).items():
+    if meta.get("unread"):
+        file = resolve(path) / UNREAD
+        try:
+            rest = torch.load(file, weights_only=True, map_location="cpu")
+        except (FileNotFoundError, pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+            raise CheckpointError(f"{file} (the tensors no stage reads) cannot be read "
+                                  f"({type(exc).__name__}): the checkpoint is incomplete") from None
+        for name, t in rest.items():
+            out.setdefault(name, t)
+    aliases: dict[str, str] = meta.get("aliases", {})
+    if "keys" in meta:
+        return {k: out[aliases.get(k, k)] for k in meta["keys"] if aliases.get(k, k) in out}
+    for alias, name in aliases.items():
         if name in out:
             out[alias] = out[name]
     return dict(sorted(out.items()))

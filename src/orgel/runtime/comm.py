@@ -61,6 +61,9 @@ MAX_PENDING_BYTES = 64 << 20
 #: The store key (one per plan instance) a failing rank sets to its message, so that the
 #: others' waits on the store stop early.
 ABORT_KEY = "orgel/abort/{instance}"
+#: The store key (one per plan instance and abandoned step) a rank whose own work raised
+#: sets to its report; the step goes on with placeholders and every rank drops it.
+STEP_FAILED_KEY = "orgel/step-failed/{instance}/{count}"
 #: How often a wait on the store looks at the abort flag (seconds).
 ABORT_POLL_S = 0.25
 
@@ -149,6 +152,9 @@ class Transport:
         self.instance = _instances
         self.exchange = True
         self.epoch = 0
+        #: the shapes and dtypes each outgoing message last had (what a placeholder sends)
+        self.sent_specs: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        self.abandoned = 0  # steps every rank dropped so far: names the next failure's key
         self.wait_ms: dict[int, float] = {}
 
     # -- step boundaries ----------------------------------------------------------
@@ -234,6 +240,33 @@ class Transport:
         except Exception:  # noqa: BLE001 - nothing more to do for a failing rank
             pass
 
+    # -- a step every rank drops ---------------------------------------------------
+
+    def send_placeholder(self, i: int) -> None:
+        """Send message ``i`` as zeros of the shapes it last had, for a step being dropped.
+
+        A rank whose work raised goes on with the step's messages so that every
+        posted receive finds its send and every send its receive (a posted gloo
+        receive cannot be cancelled): the transport is then as reusable as after
+        any step. A message never sent before has no tensors; shapes are
+        exchanged in that case (the step exchanges them: the first one, or one
+        after a dropped step), so the receiver posts none.
+        """
+        self.send(i, [torch.zeros(shape, dtype=dtype, device=self.device)
+                      for shape, dtype in self.sent_specs.get(i, [])])
+
+    def announce_step_failure(self, report: str) -> None:
+        """Record ``report`` as this step's failure unless another rank's came first."""
+        key = STEP_FAILED_KEY.format(instance=self.instance, count=self.abandoned)
+        self.store.compare_set(key, "", report)
+
+    def step_failure(self) -> str:
+        """The report of the rank whose failure came first in the step being dropped; the
+        next failure gets a key of its own."""
+        key = STEP_FAILED_KEY.format(instance=self.instance, count=self.abandoned)
+        self.abandoned += 1
+        return self.store.get(key).decode(errors="replace")
+
     def _what(self, i: int) -> str:
         return describe(self.plan, self.comm.messages[i])
 
@@ -299,6 +332,7 @@ class Transport:
         if self.settle and cap is not None:
             while self.pending and self.pending_bytes + nbytes > cap:
                 self._complete(self.pending[0])
+        self.sent_specs[i] = [(tuple(t.shape), t.dtype) for t in tensors]
         if self.exchange:
             spec = [[list(t.shape), str(t.dtype)] for t in tensors]
             self.store.set(self._shape_key(i), json.dumps(spec))

@@ -44,6 +44,26 @@ class StepFailure(RuntimeError):
         self.cause = cause
 
 
+class StepAbandoned(StepFailure):
+    """Every rank dropped this step after one rank's own work raised (its data's reason).
+
+    Raised on every rank at the end of the step: ``rank`` is the rank whose error
+    came first, ``report`` its line and traceback (:func:`describe`), ``cause``
+    this rank's own error (on the others :class:`PeerStepFailed`). No rank
+    stepped its optimizer; gradients and messages of the step are gone, and the
+    pipeline can train on.
+    """
+
+    def __init__(self, message: str, *, rank: int, action: str, cause: BaseException,
+                 report: tuple[str, str]) -> None:
+        super().__init__(message, rank=rank, action=action, cause=cause)
+        self.report = report
+
+
+class PeerStepFailed(RuntimeError):
+    """Another rank's work raised during this step: this rank dropped the step with it."""
+
+
 class WorkerError(RuntimeError):
     """A local rank raised or died; every rank was stopped. ``rank`` names the root cause's.
 
@@ -56,9 +76,30 @@ class WorkerError(RuntimeError):
         self.rank = rank
 
 
+class StepError(WorkerError):
+    """A step failed on a rank for its data's own reason; every rank dropped that step.
+
+    The pipeline is still usable: no rank changed its parameters or optimizer
+    state, and the next ``step`` trains as if this one had not been called.
+    ``rank`` is the rank whose error came first; the message holds it once.
+    """
+
+
+def step_error(rank: int, report: tuple[str, str]) -> StepError:
+    """The caller's :class:`StepError` for the step rank ``rank`` failed (``report``:
+    its :func:`describe` line and traceback)."""
+    line, tb = report
+    text = f"rank {rank} failed in step: {line}"
+    if tb:
+        text += "\n" + tb.rstrip()
+    return StepError(text + "\nEvery rank dropped this step (no parameter or optimizer state "
+                     "changed): the pipeline is still usable; fix or skip this batch and "
+                     "train on", rank)
+
+
 def is_comm_error(exc: BaseException) -> bool:
     """Whether ``exc`` comes from the transport (timeout, closed connection)."""
-    if isinstance(exc, CommFailure):
+    if isinstance(exc, (CommFailure, PeerStepFailed)):
         return True
     if isinstance(exc, StepFailure):
         return is_comm_error(exc.cause)

@@ -17,10 +17,21 @@ its consumers; the loss of each micro-batch is scaled by
 split's ``requires_grad``, the plan's ``Value.grad``: masks, integer ids,
 position tables) sends none back, and an edge of only such values has no
 gradient message (:func:`check_gradient_values` holds the plan to the split).
+
+A dropped step (``abandon_on_error``, set by :class:`orgel.worker.engine.RankEngine`):
+when an action's own work raises (a loss on a target out of range, a stage on a
+bad input), the rank records its error in the rendezvous store and runs the rest
+of its list with the messages only (placeholders for its sends, no compute), so
+every posted receive meets its send. The step's closing all-reduce carries a
+"failed" flag: every rank then drops the step (no optimizer step, gradients and
+updated buffers put back) and raises :class:`~orgel.runtime.errors.StepAbandoned`
+with the first error. A communication failure, a dead or hung rank, or an error
+at the end of the step still ends the pipeline (:class:`StepFailure`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +42,13 @@ import torch.distributed as dist
 
 from orgel.runtime.backward import input_backward, weight_backward
 from orgel.runtime.comm import Transport
-from orgel.runtime.errors import StepFailure
+from orgel.runtime.errors import (
+    PeerStepFailed,
+    StepAbandoned,
+    StepFailure,
+    describe,
+    is_comm_error,
+)
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import (
     LearningRate,
@@ -181,6 +198,10 @@ class Executor:
         self.steps_done = 0  # step calls (each has its own random streams)
         self._final = True
         self._signature: Any = None
+        #: a rank's own error in an action ends the step on every rank, which drop it and
+        #: train on (:meth:`_drop_step`); False: it stops the step at once (StepFailure)
+        self.abandon_on_error = False
+        self._failed: tuple[BaseException, str] | None = None  # this step's own error, where
 
     # -- public -------------------------------------------------------------------
 
@@ -234,6 +255,12 @@ class Executor:
         self._local_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._in_grads: dict[str, torch.Tensor] = {}
         self._loss = torch.zeros((), device=self.device)
+        self._failed = None
+        # what the step's forwards update in place (BatchNorm statistics): a dropped step
+        # puts them back
+        self._written = ({(s, n): info.stage.module.get_buffer(n).clone()
+                          for s, info in self.stages.items() for n in info.stage.written}
+                         if self.abandon_on_error else {})
         self.transport.begin(exchange_shapes=exchange)
         pos, action = -1, None
         try:
@@ -246,11 +273,17 @@ class Executor:
             start = self._now()
             if self.before_reduce is not None:
                 self.before_reduce()
+            failed = self._failed is not None
             if not self._final:  # accumulating: the gradients stay where they are
-                loss = self.sync.reduce_loss(self._loss)
+                loss = self.sync.reduce_loss(self._loss, failed)
+                if self.sync.failed:
+                    raise self._drop_step()
                 self.loop.finish()
             else:
-                loss, norm = self.sync.finish(self._loss, self.max_grad_norm, self.scaler)
+                loss, norm = self.sync.finish(self._loss, self.max_grad_norm, self.scaler,
+                                              failed)
+                if self.sync.failed:
+                    raise self._drop_step()
                 self.grad_norm = norm
                 self.skipped = self.sync.found_inf
                 self._event("sync", "gradients", start)
@@ -259,6 +292,8 @@ class Executor:
                 self._event("optim", "optimizer", start)
                 if self.after_optimizer is not None:
                     self.after_optimizer()
+        except StepAbandoned:
+            raise
         except Exception as exc:
             where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
                      else "the end of the step (sends, gradient reduction, optimizer)")
@@ -287,14 +322,64 @@ class Executor:
             start = self._now()
             self._inbox[i] = self.transport.recv(i)
             self._event("wait", f"recv {action}", start, self.comm.messages[i].src_rank)
-        start = self._now()
-        self.dispatch[action.kind](action)
-        self._event(action.kind, str(action), start)
+        if self._failed is None:
+            start = self._now()
+            try:
+                self.dispatch[action.kind](action)
+            except Exception as exc:
+                if not self.abandon_on_error or is_comm_error(exc):
+                    raise
+                self._fail_action(exc, f"{action} (position {pos} of {len(self.actions)})")
+            else:
+                self._event(action.kind, str(action), start)
         for i in self.comm.sends_after[self.rank][pos]:
-            self.transport.send(i, self._outgoing(i))
+            if self._failed is None:
+                self.transport.send(i, self._outgoing(i))
+            else:  # the step is being dropped: its receivers still get the message
+                self.transport.send_placeholder(i)
         self._in_grads = {}
         for rset in self.reduce_after.get(pos, ()) if self._final else ():
             self.sync.launch_replicas(rset)
+
+    # -- a step every rank drops ----------------------------------------------------
+
+    def _fail_action(self, exc: Exception, where: str) -> None:
+        """This rank's work raised: report it once, then go on with the step's messages only.
+
+        The rest of the action list runs its receives and sends (placeholders,
+        :meth:`Transport.send_placeholder`) and no compute, so every rank reaches
+        the step's closing all-reduce, which tells all of them to drop the step.
+        """
+        self._failed = (exc, where)
+        line, tb = describe(StepFailure(f"rank {self.rank}: {exc} [while running {where}]",
+                                        rank=self.rank, action=where, cause=exc))
+        self.transport.announce_step_failure(json.dumps([self.rank, line, tb]))
+
+    def _drop_step(self) -> StepAbandoned:
+        """Drop this step on this rank (some rank's work raised): its error to raise.
+
+        No optimizer step, no gradients kept (with ``accumulate`` > 1, those of the
+        calls since the last optimizer step too: the accumulation starts again), the
+        buffers the forwards updated (BatchNorm statistics) as they were, nothing of
+        the step's computation kept; the next step exchanges shapes again (a dropped
+        step's messages may have had none).
+        """
+        for p in self.parameters():
+            p.grad = None
+        self.loop.pending = 0
+        with torch.no_grad():
+            for (s, name), saved in self._written.items():
+                self.stages[s].stage.module.get_buffer(name).copy_(saved)
+        self._runs, self._inbox, self._local_grads, self._in_grads = {}, {}, {}, {}
+        self._signature = None
+        root, line, tb = json.loads(self.transport.step_failure())
+        if self._failed is not None and root == self.rank:
+            cause: BaseException = self._failed[0]
+            where = self._failed[1]
+        else:
+            cause, where = PeerStepFailed(f"rank {root} failed in this step"), "the step"
+        return StepAbandoned(f"rank {self.rank}: {cause} [while running {where}]", rank=root,
+                             action=where, cause=cause, report=(line, tb))
 
     def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
         """Whether value ``name`` sends a gradient back (the split says; default: floats)."""

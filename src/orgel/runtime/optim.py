@@ -90,6 +90,7 @@ class GradSync:
                 self.tied_groups[name] = group
         self.pending: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         self.found_inf = False  # the last step's gradients held an inf/NaN (loss scaling)
+        self.failed = False  # a rank's work raised in the last step: every rank drops it
 
     def launch_replicas(self, rset: tuple[int, ...]) -> None:
         """Start the sum over the replicas of ``rset``'s stages (asynchronous)."""
@@ -114,15 +115,19 @@ class GradSync:
                        f"lost a peer in the all-reduce of {what}: {transport_reason(exc)}")
             raise CommFailure(message, peer=None, what=what, timed_out=timed_out) from exc
 
-    def reduce_loss(self, loss: torch.Tensor) -> float:
-        """The step's loss summed over the ranks, and nothing else (a call that accumulates)."""
-        total = loss.detach().double().reshape(()).to(self.device).clone()
+    def reduce_loss(self, loss: torch.Tensor, failed: bool = False) -> float:
+        """The step's loss summed over the ranks, and whether any rank's work raised
+        (:attr:`failed`), nothing else: a call that accumulates."""
+        total = torch.stack([loss.detach().double().reshape(()).to(self.device),
+                             torch.tensor(float(failed), dtype=torch.float64,
+                                          device=self.device)])
         self._wait(dist.all_reduce(total, group=self.world_group, async_op=True),
                    "the step's loss")
-        return float(total)
+        self.failed = bool(total[1] > 0)
+        return float(total[0])
 
     def finish(self, loss: torch.Tensor, max_norm: float | None,
-               scaler: Any = None) -> tuple[float, float]:
+               scaler: Any = None, failed: bool = False) -> tuple[float, float]:
         """Complete every reduction, clip by global norm; return ``(loss, grad norm)``.
 
         The norm (before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it) is
@@ -130,7 +135,9 @@ class GradSync:
         With a :class:`orgel.runtime.scaler.LossScaler` the gradients are unscaled
         before the norm, the inf/NaN verdict of every rank is summed with the loss,
         and :attr:`found_inf` says whether the step must be skipped (then nothing is
-        clipped, and the scale backs off).
+        clipped, and the scale backs off). ``failed``: this rank's work raised this
+        step; summed with the loss too, :attr:`failed` says whether any rank's did
+        (then nothing is clipped and the scale stays: every rank drops the step).
         """
         for what, work, flat, params in self.pending:
             self._wait(work, what)
@@ -164,11 +171,14 @@ class GradSync:
                  if p.grad is not None]
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
-                               found])
+                               found, zero + float(failed)])
         self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
                    "the step's loss and gradient norm")
         total_loss, sq = float(summary[0]), float(summary[1])
         self.found_inf = bool(summary[2] > 0)
+        self.failed = bool(summary[3] > 0)
+        if self.failed:
+            return total_loss, float("nan")
         if scaler is not None:
             scaler.update(self.found_inf)
         norm = sq ** 0.5

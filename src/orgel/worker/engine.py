@@ -13,6 +13,7 @@ parameter names and the original model's names, which is what makes gathered
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,6 +63,8 @@ class RankEngine:
             plan, split, rank=rank, loss_fn=loss_fn, optimizer_factory=optimizer,
             timeout=timeout_s, **(executor_options or {}),
         )
+        # a forward of several graphs has a controller in the step: it stops at the first error
+        self.executor.abandon_on_error = not self.serves_exchanges
 
     # -- what this rank holds ------------------------------------------------------------
 
@@ -87,9 +90,19 @@ class RankEngine:
 
     # -- training ----------------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        """One training step; the batch's mean loss (the executor reduces it to every rank)."""
-        loss = self.executor.step(inputs, targets)
+    def step(self, inputs: Any, targets: Any) -> float | Dropped:
+        """One training step; the batch's mean loss (the executor reduces it to every rank).
+
+        A step every rank dropped (one rank's own work raised) comes back as
+        :class:`Dropped`, not raised: the local launcher stops every rank when a
+        method raises, and the ranks train on after a dropped step.
+        """
+        from orgel.runtime.errors import StepAbandoned
+
+        try:
+            loss = self.executor.step(inputs, targets)
+        except StepAbandoned as exc:
+            return Dropped(exc.rank, exc.report)
         self.step_count += 1
         return float(loss)
 
@@ -136,20 +149,26 @@ class RankEngine:
             for n, t in self.named_params() + self.named_buffers()
         }
 
-    def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> int:
-        """Copy tensors (by original name) into this rank's copies; returns how many."""
-        count = 0
+    def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = False) -> list[str]:
+        """Copy tensors (by held name) into this rank's copies; the names it loaded.
+
+        Names this rank does not hold are skipped; with ``strict``, a name this
+        rank holds that ``tensors`` lacks raises KeyError (the controller checks a
+        state against the model's keys before it sends it: see
+        :class:`orgel.worker.state.StateNames`).
+        """
+        loaded: list[str] = []
         missing = []
         with torch.no_grad():
             for name, t in self.named_params() + self.named_buffers():
                 if name in tensors:
                     t.copy_(tensors[name])
-                    count += 1
+                    loaded.append(name)
                 else:
                     missing.append(name)
         if strict and missing:
             raise KeyError(f"state_dict has no entry for {missing[:5]} (rank {self.rank})")
-        return count
+        return loaded
 
     def save_shard(self, root: str, step: int) -> str | dict[str, str]:
         """Write this rank's shard of the checkpoint at ``step`` (not yet committed).
@@ -217,7 +236,7 @@ class RankEngine:
         if self._read is None:
             raise RuntimeError("apply_checkpoint without a successful read_checkpoint")
         part, shard = self._read["part"], self._read["shard"]
-        self.load_state({**part["params"], **part["buffers"]})
+        self.load_state({**part["params"], **part["buffers"]}, strict=True)
         opt = self.optimizer
         if opt is not None and part["optimizer"]["state"]:
             ckpt.load_named_optimizer_state(opt, _unique(self.named_params()), part["optimizer"])
@@ -240,6 +259,15 @@ class RankEngine:
 def _saved_loop(shard: dict[str, Any]) -> dict[str, Any]:
     """The optimizer loop's state in a shard (an empty dict when it holds none)."""
     return dict((shard.get("extra") or {}).get("loop") or {})
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """What :meth:`RankEngine.step` returns for a step every rank dropped: the rank
+    whose own error came first, and its line and traceback."""
+
+    rank: int
+    report: tuple[str, str]
 
 
 def _unique(params: ckpt.NamedTensors) -> ckpt.NamedTensors:

@@ -9,16 +9,20 @@ spawn, :class:`OwnRank` under torchrun).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from orgel.runtime import checkpoint as ckpt
+from orgel.runtime.errors import StepError
 from orgel.schedule.ir import Plan
-from orgel.worker.engine import RankEngine
-from orgel.workload import named_inputs
+from orgel.worker.engine import Dropped, RankEngine
+from orgel.worker.state import StateNames, canonical_names, model_aliases
+
+__all__ = ["OwnRank", "Pipeline", "canonical_names", "model_aliases"]
+from orgel.workload import check_batch, named_inputs
 
 
 class OwnRank:
@@ -56,14 +60,18 @@ class Pipeline:
 
     def __init__(self, plan: Plan, ranks: Any, *, model: torch.nn.Module,
                  loss_ranks: Sequence[int], state_keys: list[str], aliases: dict[str, str],
-                 spmd: bool, source: Any = None, accumulate: int = 1) -> None:
+                 spmd: bool, source: Any = None, accumulate: int = 1,
+                 workload: Any = None) -> None:
         self.plan = plan
         # its forward signature names positional inputs; it holds the tensors no stage reads
         self._model = model
         self._ranks = ranks
         self._loss_rank = loss_ranks[0]
-        self._state_keys = state_keys
         self._aliases = aliases
+        #: the model's state_dict keys and where each is held: the one rule for names
+        self._names = StateNames(state_keys, aliases)
+        #: values load_state_dict gave tensors no rank holds, by held name
+        self._loaded: dict[str, torch.Tensor] = {}
         self.spmd = spmd
         #: optimizer steps taken (with ``accumulate=k``: one per k step calls)
         self.steps = 0
@@ -72,6 +80,8 @@ class Pipeline:
         self.pending = 0
         # a meta model's values (orgel.split.materialize.Weights): for tensors no stage holds
         self._source = source
+        # the example batch (orgel.workload.Workload) each step's batch is checked against
+        self._workload = workload
 
     @property
     def num_ranks(self) -> int:
@@ -83,12 +93,26 @@ class Pipeline:
         Forward and backward run on every call; the optimizer (and its schedule)
         steps on every ``accumulate``-th call, after clipping, with the gradients
         of those calls (each call's loss counting ``1/accumulate``).
+
+        A batch the pipeline cannot take (other input names, dtypes, a batch size
+        the micro-batches do not divide, targets of another batch size) raises
+        :class:`~orgel.workload.WorkloadError` here before any rank sees it. An error
+        a rank's work raises for the data's own reason (a target out of range in
+        the loss) raises :class:`~orgel.runtime.errors.StepError`: every rank dropped
+        the step (with ``accumulate`` > 1, the gradients accumulated since the last
+        optimizer step too) and the pipeline trains on. A dead or hung rank, or a lost
+        connection, raises :class:`~orgel.runtime.errors.WorkerError` and ends it.
         """
         named = named_inputs(self._model, inputs)
-        if self.spmd:  # every rank gets the loss from the executor: nothing to gather
-            loss = self._ranks.engine.step(named, targets)
-        else:
-            loss = self._ranks.call("step", named, targets)[self._loss_rank]
+        self._check_batch(named, targets)
+        try:
+            if self.spmd:  # every rank gets the loss from the executor: nothing to gather
+                loss = _kept([self._ranks.engine.step(named, targets)])[0]
+            else:
+                loss = _kept(self._ranks.call("step", named, targets))[self._loss_rank]
+        except StepError:
+            self.pending = 0  # every rank dropped the accumulated gradients with the step
+            raise
         self.called()
         return float(loss)
 
@@ -121,6 +145,13 @@ class Pipeline:
             answers = self._ranks.call(method)
         return next((a for a in answers if a is not None), None)
 
+    def _check_batch(self, named: dict[str, Any], targets: Any) -> None:
+        """Refuse, here and before any rank sees it, a batch the pipeline cannot take."""
+        w = self._workload
+        if w is not None:
+            check_batch((named_inputs(w.model, w.inputs), w.targets), (named, targets),
+                        self.plan.microbatches, w.batch_dim, w.replicated)
+
     def predicted(self) -> Any:
         """The prediction for this plan (a SimResult: step_time, peak_memory, timeline, ...).
 
@@ -145,27 +176,74 @@ class Pipeline:
         return sorted(events, key=lambda e: (e.start, e.rank))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The original model's state_dict (same keys and order), gathered from all ranks."""
+        """``model.state_dict()``'s keys in its order (tied aliases included), gathered.
+
+        Tensors no stage reads (an unused pooler, a spare buffer) are on no rank:
+        training cannot change them, so they come from the caller's model (or the
+        last :meth:`load_state_dict`). Non-persistent buffers and the constants
+        capture lifts into the stages are not in the model's state_dict: not here.
+        """
         merged: dict[str, torch.Tensor] = {}
         for part in self._ranks.call("state_dict"):
             for name, t in part.items():
                 merged.setdefault(name, t)
-        # Tensors the forward never reads (an unused pooler, a spare buffer) are in no
-        # stage; training cannot change them, so the caller's model holds their values.
-        own = self._model.state_dict()
-        unread = [self._aliases.get(k, k) for k in self._state_keys
-                  if self._aliases.get(k, k) not in merged and k in own]
-        if self._source is not None and unread:  # a meta model: make them as a rank would
-            merged.update({n: t.detach() for n, t in self._source.tensors(unread).items()})
-        for key in self._state_keys:
-            name = self._aliases.get(key, key)
-            if name not in merged and key in own:
-                merged[name] = own[key].detach().clone()
-        return _in_model_order(merged, self._state_keys, self._aliases)
+        merged.update(self._unread(set(merged)))
+        return self._names.in_model_order(merged)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load an original-model state_dict into every rank's stages (by original names)."""
-        self._ranks.call("load_state", dict(state))
+    def _unread(self, held: set[str]) -> dict[str, torch.Tensor]:
+        """The tensors of the model's state no rank holds, by held name."""
+        names = [n for n in self._names.held_names() if n not in held]
+        out = {n: self._loaded[n] for n in names if n in self._loaded}
+        names = [n for n in names if n not in out]
+        if not names:
+            return out
+        if self._source is not None:  # a meta model: make them as a rank would
+            out.update({n: t.detach() for n, t in self._source.tensors(names).items()})
+            return out
+        own = self._model.state_dict()
+        out.update({n: own[n].detach().clone() for n in names if n in own})
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor],
+                        strict: bool = True) -> Any:
+        """Load a state_dict of the model into every rank's stages, as ``model.load_state_dict``.
+
+        With ``strict``, missing and unexpected keys raise RuntimeError here (in
+        torch's words, listing them); a shape that differs from the model's always
+        does. Nothing is sent to the ranks before the state passed the checks, so a
+        refused state changes nothing and the pipeline trains on. Returns torch's
+        ``(missing_keys, unexpected_keys)`` named tuple.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_state_dict expects a dict of tensors (a state_dict), got "
+                            f"{type(state).__name__}")
+        shapes = {k: t.shape for k, t in self._model.state_dict(keep_vars=True).items()}
+        result = self._names.check(state, shapes, strict=strict,
+                                   owner=f"the pipeline of {type(self._model).__name__}")
+        held = self._names.to_held(state)
+        loaded = {n for part in self._ranks.call("load_state", held) for n in part}
+        self._loaded.update({n: t.detach().clone() for n, t in held.items() if n not in loaded})
+        return result
+
+    def copy_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """Write the trained values into ``model`` (default: the model given to the pipeline).
+
+        Afterwards ``model.state_dict()`` equals :meth:`state_dict`. Under torchrun
+        call it on every rank (it gathers): each rank's model is fully updated.
+        Returns ``model``.
+        """
+        from orgel.workload import on_meta
+
+        target = self._model if model is None else model
+        if on_meta(target):
+            raise ValueError(
+                "copy_to cannot write into a model on the meta device (it has no memory for "
+                "values): take pipe.state_dict(), save a checkpoint with pipe.save(DIR) and "
+                "export it with `orgel checkpoint export DIR OUT`, or pass a model with values "
+                "(copy_to(model))")
+        state = self.state_dict()
+        target.load_state_dict(state, strict=True)
+        return target
 
     def save(self, directory: str | Path) -> Path:
         """Write a checkpoint of every rank atomically into ``directory``; returns its folder."""
@@ -195,7 +273,8 @@ class Pipeline:
         folder = ckpt.step_dir(root, step)
         if not self.spmd or _own_rank() == 0:
             folder = ckpt.commit(root, step, self.num_ranks, self.plan.to_json(),
-                                 aliases=self._aliases)
+                                 aliases=self._aliases, keys=self._names.keys,
+                                 unread=self._unread)
         if self.spmd:
             self._ranks.barrier()
         return folder
@@ -257,41 +336,19 @@ class Pipeline:
         self.close()
 
 
+def _kept(results: list[Any]) -> list[Any]:
+    """The ranks' results of a step (one under torchrun, by rank in local spawn); raise
+    :class:`~orgel.runtime.errors.StepError` in the caller when every rank dropped it."""
+    from orgel.runtime.errors import step_error
+
+    dropped = [r for r in results if isinstance(r, Dropped)]
+    if dropped:
+        raise step_error(dropped[0].rank, dropped[0].report)
+    return results
+
+
 def _own_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
 
-
-def _in_model_order(merged: dict[str, torch.Tensor], keys: list[str],
-                    aliases: dict[str, str]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key in keys:
-        name = aliases.get(key, key)
-        if name in merged:
-            out[key] = merged[name]
-    for name, t in merged.items():  # anything the split added that the model does not list
-        if name not in out and name not in aliases.values():
-            out[name] = t
-    return out
-
-
-def canonical_names(model: torch.nn.Module) -> dict[int, str]:
-    """By id, each parameter's and buffer's first name in ``model`` (a tied one's canonical)."""
-    canonical: dict[int, str] = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        canonical.setdefault(id(t), name)
-    return canonical
-
-
-def model_aliases(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
-    """The model's state_dict keys and, for tied tensors, key -> the canonical name."""
-    canonical = canonical_names(model)
-    keys: list[str] = []
-    aliases: dict[str, str] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        keys.append(key)
-        name = canonical.get(id(t), key)
-        if name != key:
-            aliases[key] = name
-    return keys, aliases
