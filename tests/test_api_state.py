@@ -69,10 +69,11 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _start(model: nn.Module | None = None) -> orgel.Pipeline:
+def _start(model: nn.Module | None = None, accumulate: int = 1) -> orgel.Pipeline:
     x, y = _batch(0)
     return orgel.pipeline(_net() if model is None else model, (x,), y, loss_fn, ranks=2,
-                          microbatches=2, optimizer=_sgd, threads=1, timeout_s=30)
+                          microbatches=2, optimizer=_sgd, threads=1, timeout_s=30,
+                          accumulate=accumulate)
 
 
 def _reference(steps: list[int]) -> tuple[nn.Module, list[float]]:
@@ -232,6 +233,32 @@ def test_an_error_inside_a_rank_drops_the_step_and_training_goes_on(where: str) 
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         _assert_state(pipe.state_dict(), reference)
         assert pipe.steps == 3
+
+
+def test_an_error_in_an_accumulating_call_drops_the_accumulation() -> None:
+    """With ``accumulate=2`` a call that fails after one good call drops both: the ranks
+    start the accumulation again, as one process that skipped both batches does."""
+    with _start(accumulate=2) as pipe:
+        pipe.step(*_batch(0))
+        x, y = _batch(1)
+        y = y.clone()
+        y[0, 0] = VOCAB + 1
+        with pytest.raises(StepError):
+            pipe.step(x, y)
+        assert (pipe.steps, pipe.pending) == (0, 0)
+        losses = [pipe.step(*_batch(s)) for s in (2, 3)]
+        assert (pipe.steps, pipe.pending) == (1, 0)
+        model = _net()
+        opt = _sgd(model.parameters())
+        ref = []
+        for s in (2, 3):
+            tokens, targets = _batch(s)
+            loss = loss_fn(model(tokens), targets)
+            (loss / 2).backward()
+            ref.append(loss.item())
+        opt.step()
+        assert losses == pytest.approx(ref, rel=1e-5)
+        _assert_state(pipe.state_dict(), model)
 
 
 @pytest.mark.hf
