@@ -13,7 +13,9 @@ Two launch modes, chosen from the environment, with the same object and methods:
   returns the loss on every rank.
 
 Methods that gather (``state_dict``, ``timeline``) or write (``save``) involve
-every rank in both modes; under torchrun call them on every rank.
+every rank in both modes; under torchrun call them on every rank. So do ``step``
+and ``evaluate``; evaluation runs a second capture of the model, made in eval
+mode when the pipeline starts (:func:`eval_split_for`).
 """
 
 from __future__ import annotations
@@ -147,19 +149,46 @@ def pipeline(
                              "(the loss runs in this process): check the loss pipe.step returns")
         return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases)
+    evaluation = eval_split_for(workload, the_plan, split)  # before the fork: ranks inherit it
 
     def make_engine(rank: int) -> RankEngine:
         made = _make_own_stages(split, the_plan, rank, source)  # in the worker, after the fork
         engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
                             loss_fn=workload.loss_fn, executor_options=executor_options,
-                            timeout_s=timeout_s)
+                            timeout_s=timeout_s, evaluation=evaluation)
         engine.made = made
         return engine
 
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
     return Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
-                    aliases=aliases, spmd=False, source=source)
+                    aliases=aliases, spmd=False, source=source,
+                    outputs=split.unflatten_outputs, evaluation=_unflatten(evaluation))
+
+
+def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
+    """The model captured in eval mode, cut into ``split``'s stages (:mod:`orgel.split.evaluation`).
+
+    Or, where that fails, a sentence saying why: the pipeline still trains, and
+    ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
+    replica's rows as in :func:`split_for`.
+    """
+    from orgel.split.evaluation import split_like
+
+    replicas = len(plan.placement[0])
+    try:
+        with untouched(workload.model):
+            workload.model.eval()
+            graph = capture_microbatch(workload, plan.microbatches * replicas)
+        if graph.glue is not None:
+            return "the model's eval-mode forward has graph breaks (several graphs)"
+        return split_like(graph, split)
+    except Exception as exc:  # noqa: BLE001 - the reason goes to evaluate's caller
+        return f"capturing the model in eval mode failed ({type(exc).__name__}: {exc})"
+
+
+def _unflatten(evaluation: Any) -> Any:
+    return evaluation if isinstance(evaluation, str) else evaluation.unflatten_outputs
 
 
 def _make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
@@ -226,16 +255,19 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
             graph = capture_microbatch(workload, the_plan.microbatches)
         one_graph_only(graph)
         split = split_for(workload, graph, the_plan)
+        evaluation = eval_split_for(workload, the_plan, split)
     if source is not None:
         source.seed = int(text[1])
     made = _make_own_stages(split, the_plan, rank, source,
                             "cuda" if dist.get_backend() == "nccl" else "cpu")
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
-                        executor_options=executor_options, timeout_s=timeout_s)
+                        executor_options=executor_options, timeout_s=timeout_s,
+                        evaluation=evaluation)
     engine.made = made
     return Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group), model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage],
-                    state_keys=keys, aliases=aliases, spmd=True, source=source)
+                    state_keys=keys, aliases=aliases, spmd=True, source=source,
+                    outputs=split.unflatten_outputs, evaluation=_unflatten(evaluation))
 
 
 def one_graph_only(graph: Any) -> None:

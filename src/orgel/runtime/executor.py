@@ -32,6 +32,7 @@ from orgel.runtime.backward import input_backward, weight_backward
 from orgel.runtime.comm import Transport
 from orgel.runtime.errors import StepFailure
 from orgel.runtime.optim import GradSync
+from orgel.runtime.outputs import Share, keep
 from orgel.runtime.scaler import LossScaler
 from orgel.runtime.stage import (
     Run,
@@ -77,7 +78,13 @@ class Executor:
     before a stage computes micro-batch ``m`` (its forward or a recompute);
     ``before_reduce()`` after the backward work, before the gradient sums;
     ``after_optimizer()`` after the optimizer step.
+
+    ``step(..., outputs=True)`` also keeps the model's outputs on the loss stage's
+    ranks (:attr:`kept`, :mod:`orgel.runtime.outputs`).
     """
+
+    #: whether forwards record autograd graphs (:mod:`orgel.runtime.forward_only`: no)
+    training = True
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
                  rank: int | None = None, optimizer_factory: OptimizerFactory | None = None,
@@ -169,6 +176,8 @@ class Executor:
         self.replicated = tuple(replicated)
         self.steps_done = 0
         self._signature: Any = None
+        self.kept: dict[int, Share] | None = None  # by micro-batch, when step keeps outputs
+        self.with_loss = True  # whether the loss stage runs loss_fn
 
     # -- public -------------------------------------------------------------------
 
@@ -187,8 +196,12 @@ class Executor:
                 yield info.stage.param_names.get(local, f"stage{info.index}.{local}"), p
         yield from self.extra_params.items()
 
-    def step(self, inputs: dict[str, Any], targets: Any) -> float:
-        """Run one training step over the whole batch; return its mean loss (every rank)."""
+    def step(self, inputs: dict[str, Any], targets: Any, *, outputs: bool = False) -> float:
+        """Run one training step over the whole batch; return its mean loss (every rank).
+
+        ``outputs``: keep this rank's shares of the model's outputs in :attr:`kept`.
+        """
+        self.kept = {} if outputs else None
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
         self.events = []
@@ -318,7 +331,8 @@ class Executor:
             for k, v in enumerate(edge.values):
                 t = (pieces[0][k] if len(pieces) == 1
                      else torch.cat([p[k] for p in pieces], dim=self.batch_dim))
-                leaves[v.name] = t.detach().requires_grad_(self._carries_grad(v.name, t))
+                leaves[v.name] = t.detach().requires_grad_(self.training
+                                                           and self._carries_grad(v.name, t))
         stage = info.stage
         mb = self._inputs[m]
         args = [leaves[n] if n not in stage.model_inputs else mb[n] if n in self.replicated
@@ -327,7 +341,8 @@ class Executor:
         run = Run(args, leaves, ())
         if info.recompute and stage.written:
             run.buffers = {n: stage.module.get_buffer(n).clone() for n in stage.written}
-        with self._draws(a.stage, m), torch.set_grad_enabled(not info.recompute):
+        with self._draws(a.stage, m), torch.set_grad_enabled(self.training
+                                                             and not info.recompute):
             run.outputs, run.loss = self._compute(info, args, m)
         if run.loss is not None:
             self._loss = self._loss + run.loss.detach()
@@ -349,6 +364,11 @@ class Executor:
         if not info.is_loss:
             return outputs, None
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
+        if self.kept is not None:  # asked for: a copy on the CPU (a recompute replaces it)
+            self.kept[m] = keep(m, info.replica, self._mb_rows // info.replicas,
+                                self.batch_dim, model_outs)
+        if not self.with_loss:
+            return outputs, None
         targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim,
                         self._mb_rows)
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)

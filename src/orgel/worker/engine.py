@@ -43,6 +43,7 @@ class RankEngine:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         timeout_s: float = 300.0,
         executor_options: dict[str, Any] | None = None,
+        evaluation: SplitModel | str | None = None,
     ) -> None:
         from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
@@ -61,6 +62,15 @@ class RankEngine:
             plan, split, rank=rank, loss_fn=loss_fn, optimizer_factory=optimizer,
             timeout=timeout_s, **(executor_options or {}),
         )
+        #: the forward-only pass (``evaluation``: the eval-mode split, or why there is none)
+        self.forward_only: Any = None
+        self.no_evaluation = "this pipeline was made without an eval-mode split"
+        if isinstance(evaluation, SplitModel):
+            from orgel.runtime.forward_only import ForwardOnly
+
+            self.forward_only = ForwardOnly(self.executor, evaluation)
+        elif evaluation is not None:
+            self.no_evaluation = evaluation
 
     # -- what this rank holds ------------------------------------------------------------
 
@@ -86,11 +96,30 @@ class RankEngine:
 
     # -- training ----------------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        """One training step; the batch's mean loss (the executor reduces it to every rank)."""
-        loss = self.executor.step(inputs, targets)
+    def step(self, inputs: Any, targets: Any, *,
+             outputs: bool = False) -> float | tuple[float, list[Any]]:
+        """One training step; the batch's mean loss (the executor reduces it to every rank).
+
+        ``outputs``: also this rank's shares of the model's outputs
+        (:class:`orgel.runtime.outputs.Share`; none on a rank without the loss stage).
+        """
+        loss = float(self.executor.step(inputs, targets, outputs=outputs))
         self.step_count += 1
-        return float(loss)
+        if not outputs:
+            return loss
+        kept = self.executor.kept or {}
+        self.executor.kept = None
+        return loss, [kept[m] for m in sorted(kept)]
+
+    def evaluate(self, inputs: Any, targets: Any, *, loss: bool,
+                 outputs: bool) -> tuple[float | None, list[Any]]:
+        """Forward only, in eval mode (:mod:`orgel.runtime.forward_only`): the mean loss
+        (every rank; None without ``loss``) and this rank's shares of the outputs."""
+        if self.forward_only is None:
+            raise RuntimeError(f"evaluation is not available: {self.no_evaluation}")
+        result: tuple[float | None, list[Any]] = self.forward_only.run(
+            inputs, targets, loss=loss, outputs=outputs)
+        return result
 
     def timeline(self) -> list[Any]:
         """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""

@@ -1,0 +1,155 @@
+"""Evaluation (forward only, eval mode) and the model's outputs through orgel.pipeline.
+
+Each test runs a pipeline on two forked gloo ranks and compares with one
+process doing the same in plain PyTorch: ``model.eval(); with torch.no_grad():``
+for ``pipe.evaluate``, the model's own outputs for ``step(..., outputs=True)``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import orgel
+from orgel.graph import capture
+from orgel.runtime.plans import balanced_plan
+from orgel.workload import Workload, microbatches
+
+pytestmark = pytest.mark.slow
+
+
+class BatchNormNet(nn.Module):
+    """BatchNorm, dropout and a branch on ``self.training``: eval differs from train."""
+
+    def __init__(self, p: float = 0.3) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(16, 16)
+        self.fc3 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.drop(torch.relu(self.bn(self.fc1(x))))
+        h = torch.relu(self.fc2(h))
+        if self.training:
+            h = h * 1.5
+        logits = self.fc3(h)
+        return {"logits": logits, "norm": logits.pow(2).mean()}
+
+
+def _loss(out: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out["logits"], y)
+
+
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _batch(step: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + step)
+    return (torch.randn(8, 8, generator=g),), torch.randint(0, 4, (8,), generator=g)
+
+
+def _model(p: float) -> nn.Module:
+    torch.manual_seed(0)
+    return BatchNormNet(p)
+
+
+def _start(model: nn.Module, *, dp: int = 1) -> Any:
+    inputs, targets = _batch(0)
+    mb = 2
+    graph = capture(model, microbatches(Workload(model, inputs, targets, _loss), mb * dp)[0][0])
+    plan = balanced_plan(graph, ranks=2, microbatches=mb, schedule="1f1b", dp=dp)
+    return orgel.pipeline(model, inputs, targets, _loss, ranks=2, microbatches=mb, plan=plan,
+                          optimizer=_sgd, threads=1)
+
+
+def _eval_reference(model: nn.Module, state: dict[str, torch.Tensor],
+                    x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, Any]]:
+    one = copy.deepcopy(model)
+    one.load_state_dict(state)
+    one.eval()
+    with torch.no_grad():
+        out = one(x)
+        return float(_loss(out, y)), out
+
+
+def test_evaluate_is_eval_mode_and_leaves_training_as_it_was() -> None:
+    model = _model(0.3)
+    (x,), y = _batch(5)
+    with _start(copy.deepcopy(model)) as pipe:
+        assert pipe.plan.num_stages == 2
+        first = pipe.step(*_batch(0))
+        state = pipe.state_dict()
+        loss = pipe.evaluate((x,), y)
+        again, out = pipe.evaluate((x,), y, outputs=True)
+        only = pipe.evaluate((x,), outputs=True)
+        assert pipe.state_dict().keys() == state.keys()
+        for name, t in pipe.state_dict().items():  # no buffer update, no optimizer step
+            assert torch.equal(t, state[name]), name
+        second = pipe.step(*_batch(1))
+        after = pipe.state_dict()
+    ref_loss, ref_out = _eval_reference(model, state, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert again == pytest.approx(ref_loss, rel=1e-5)
+    torch.testing.assert_close(out["logits"], ref_out["logits"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(only["logits"], ref_out["logits"], rtol=1e-5, atol=1e-6)
+    # a 0-dim leaf: one per micro-batch (the reference's is the mean over the batch)
+    assert isinstance(out["norm"], list) and len(out["norm"]) == 2
+    halves = ref_out["logits"].chunk(2)
+    for got, half in zip(out["norm"], halves, strict=True):
+        torch.testing.assert_close(got, half.pow(2).mean(), rtol=1e-5, atol=1e-6)
+    # eval mode really differs from train mode here (BatchNorm, dropout, the branch)
+    train_mode = copy.deepcopy(model)
+    train_mode.load_state_dict(state)
+    with torch.no_grad():
+        assert not torch.allclose(train_mode(x)["logits"], out["logits"], atol=1e-3)
+    # the next step trains as if no evaluation had run (random streams included)
+    with _start(copy.deepcopy(model)) as never:
+        assert never.step(*_batch(0)) == first
+        assert never.step(*_batch(1)) == second
+        for name, t in never.state_dict().items():
+            assert torch.equal(t, after[name]), name
+
+
+def test_step_outputs_equal_one_process() -> None:
+    model = _model(0.0)  # no dropout: one process's training forward is the same
+    reference = copy.deepcopy(model)
+    opt = _sgd(list(reference.parameters()))
+    with _start(copy.deepcopy(model)) as pipe:
+        for s in range(2):
+            inputs, targets = _batch(s)
+            loss, out = pipe.step(inputs, targets, outputs=True)
+            halves = [reference(part) for part in inputs[0].chunk(2)]  # BatchNorm: per micro-batch
+            ref_loss = sum(_loss(h, t) for h, t in zip(halves, targets.chunk(2), strict=True)) / 2
+            opt.zero_grad()
+            ref_loss.backward()
+            opt.step()
+            assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+            torch.testing.assert_close(out["logits"],
+                                       torch.cat([h["logits"] for h in halves]).detach(),
+                                       rtol=1e-5, atol=1e-6)
+            assert [float(n) for n in out["norm"]] == pytest.approx(
+                [float(h["norm"]) for h in halves], rel=1e-5)
+        assert pipe.step(*_batch(2)) == pytest.approx(
+            float(sum(_loss(reference(p), t) for p, t in zip(
+                _batch(2)[0][0].chunk(2), _batch(2)[1].chunk(2), strict=True)) / 2), rel=1e-5)
+
+
+def test_outputs_of_a_loss_stage_on_two_replicas_come_back_in_order() -> None:
+    model = _model(0.0)
+    (x,), y = _batch(7)
+    with _start(copy.deepcopy(model), dp=2) as pipe:
+        assert pipe.plan.placement[-1] == (0, 1)
+        loss, out = pipe.evaluate((x,), y, outputs=True)
+        state = pipe.state_dict()
+    ref_loss, ref_out = _eval_reference(model, state, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    torch.testing.assert_close(out["logits"], ref_out["logits"], rtol=1e-5, atol=1e-6)
+    assert len(out["norm"]) == 4  # 2 micro-batches x 2 replicas
