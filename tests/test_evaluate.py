@@ -153,3 +153,33 @@ def test_outputs_of_a_loss_stage_on_two_replicas_come_back_in_order() -> None:
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     torch.testing.assert_close(out["logits"], ref_out["logits"], rtol=1e-5, atol=1e-6)
     assert len(out["norm"]) == 4  # 2 micro-batches x 2 replicas
+
+
+@pytest.mark.hf
+def test_hugging_face_llama_perplexity_and_its_model_output() -> None:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from zoo import hf_llama
+
+    w = hf_llama(batch_size=4, seed=0)
+    model, loss_fn = w.model, w.loss_fn
+    first, _ = microbatches(Workload(model, w.inputs, w.targets, loss_fn), 2)[0]
+    plan = balanced_plan(capture(model, first), ranks=2, microbatches=2)
+    ids = torch.randint(0, model.config.vocab_size, w.inputs["input_ids"].shape,
+                        generator=torch.Generator().manual_seed(3))
+    targets = torch.roll(ids, -1, dims=1)
+    with orgel.pipeline(copy.deepcopy(model), w.inputs, w.targets, loss_fn, ranks=2,
+                        microbatches=2, plan=plan, optimizer=_sgd, threads=1) as pipe:
+        pipe.step(w.inputs, w.targets)
+        loss, out = pipe.evaluate({"input_ids": ids}, targets, outputs=True)
+        state = pipe.state_dict()
+    one = copy.deepcopy(model)
+    one.load_state_dict(state, strict=False)  # the state also lists the rotary table
+    one.eval()
+    with torch.no_grad():
+        expected = one(input_ids=ids)
+        ref_loss = float(loss_fn(expected, targets))
+    assert isinstance(out, CausalLMOutputWithPast)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert float(torch.tensor(loss).exp()) == pytest.approx(float(torch.tensor(ref_loss).exp()),
+                                                            rel=1e-5)  # the perplexity
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)

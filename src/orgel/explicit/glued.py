@@ -130,6 +130,12 @@ class _GraphCall(torch.autograd.Function):
         return (None, None, None, None, None, *got)
 
 
+#: why a forward of several graphs cannot evaluate (``Pipeline.evaluate`` raises with it)
+NO_EVALUATION = ("a forward of several graphs (graph breaks) is not evaluated by orgel yet; "
+                 "rewrite the model's graph breaks for one graph, or evaluate a copy of the "
+                 "model in one process with the values of pipe.state_dict()")
+
+
 class GluedPipeline(Pipeline):
     """:class:`orgel.worker.pipe.Pipeline` for a forward of several graphs (local spawn only).
 
@@ -144,7 +150,7 @@ class GluedPipeline(Pipeline):
                  timeout_s: float, state_keys: list[str], aliases: dict[str, str]) -> None:
         loss_rank = plan.placement[split.loss_stage][0]
         super().__init__(plan, group, model=model, loss_ranks=[loss_rank], state_keys=state_keys,
-                         aliases=aliases, spmd=False)
+                         aliases=aliases, spmd=False, evaluation=NO_EVALUATION)
         self.glue = glue
         self.loss_fn = loss_fn
         self.replicated = replicated
@@ -275,8 +281,11 @@ class GluedPipeline(Pipeline):
 
     # -- a step ---------------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any) -> float:
+    def step(self, inputs: Any, targets: Any, *, outputs: bool = False) -> float:
         """One training step on a whole batch; returns the mean loss over micro-batches."""
+        if outputs:
+            raise ValueError("step(..., outputs=True) is not available for a forward of several "
+                             "graphs (graph breaks) yet: call step(inputs, targets)")
         named = named_inputs(self._model, inputs)
         parts = split_microbatches(named, targets, self.plan.microbatches, 0, self.replicated)
         if not self._warm:
