@@ -8,6 +8,8 @@ for ``pipe.evaluate``, the model's own outputs for ``step(..., outputs=True)``.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -183,3 +185,42 @@ def test_hugging_face_llama_perplexity_and_its_model_output() -> None:
     assert float(torch.tensor(loss).exp()) == pytest.approx(float(torch.tensor(ref_loss).exp()),
                                                             rel=1e-5)  # the perplexity
     torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)
+
+
+TORCHRUN = '''
+import copy, json, sys
+sys.path.insert(0, {tests!r})
+import torch
+from test_evaluate import _batch, _eval_reference, _model, _start
+
+model = _model(0.3)
+pipe = _start(copy.deepcopy(model))
+pipe.step(*_batch(0))
+state = pipe.state_dict()
+(x,), y = _batch(5)
+loss = pipe.evaluate((x,), y)
+again, out = pipe.evaluate((x,), y, outputs=True)
+step_loss, step_out = pipe.step(*_batch(1), outputs=True)
+ref_loss, ref_out = _eval_reference(model, state, x, y)
+rank = torch.distributed.get_rank()
+with open(f"{{sys.argv[1]}}/result{{rank}}.json", "w") as f:
+    json.dump({{"loss": loss, "again": again, "ref": ref_loss, "spmd": pipe.spmd,
+               "diff": (out["logits"] - ref_out["logits"]).abs().max().item(),
+               "rows": step_out["logits"].shape[0], "norms": len(step_out["norm"])}}, f)
+pipe.close()
+'''
+
+
+def test_under_torchrun_every_rank_gets_the_evaluation_and_the_outputs(tmp_path: Path) -> None:
+    from test_api_torchrun import _torchrun
+
+    code, log = _torchrun(tmp_path, TORCHRUN.format(tests=str(Path(__file__).parent)),
+                          str(tmp_path))
+    assert code == 0, log[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert result["spmd"] is True
+        assert result["loss"] == pytest.approx(result["ref"], rel=1e-5)
+        assert result["again"] == pytest.approx(result["ref"], rel=1e-5)
+        assert result["diff"] < 1e-5
+        assert (result["rows"], result["norms"]) == (8, 2)
