@@ -160,6 +160,7 @@ def test_outputs_of_a_loss_stage_on_two_replicas_come_back_in_order() -> None:
 @pytest.mark.hf
 def test_hugging_face_llama_perplexity_and_its_model_output() -> None:
     from transformers.modeling_outputs import CausalLMOutputWithPast
+
     from zoo import hf_llama
 
     w = hf_llama(batch_size=4, seed=0)
@@ -224,3 +225,76 @@ def test_under_torchrun_every_rank_gets_the_evaluation_and_the_outputs(tmp_path:
         assert result["again"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["diff"] < 1e-5
         assert (result["rows"], result["norms"]) == (8, 2)
+
+
+def test_a_meta_model_evaluates_with_the_values_its_ranks_made() -> None:
+    with torch.device("meta"):
+        model = _model(0.3)
+    inputs, targets = _batch(0)
+    (x,), y = _batch(4)
+
+    def init(module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            nn.init.normal_(p, std=0.3)
+
+    with orgel.pipeline(model, inputs, targets, _loss, ranks=2, microbatches=2, init=init,
+                        optimizer=_sgd, threads=1) as pipe:
+        pipe.step(inputs, targets)
+        loss, out = pipe.evaluate((x,), y, outputs=True)
+        state = pipe.state_dict()
+    ref_loss, ref_out = _eval_reference(_model(0.3), state, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    torch.testing.assert_close(out["logits"], ref_out["logits"], rtol=1e-5, atol=1e-6)
+
+
+class TrainOnlyTail(nn.Module):
+    """A layer that runs in training only: in eval mode its stage would have no work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.noise = nn.Linear(4, 4)
+        self.last = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.training:
+            h = self.noise(h)
+        return self.last(h)
+
+
+def test_the_eval_split_shares_the_training_weights_or_says_why_it_cannot() -> None:
+    from orgel.guard import untouched
+    from orgel.split import split_model
+    from orgel.split.evaluation import share_weights, split_like
+    from orgel.split.split import SplitError
+
+    model = BatchNormNet()
+    x = torch.randn(4, 8)
+    graph = capture(model, (x,))
+    stage_of = {n: 0 if i < len(graph.nodes) // 2 else 1 for i, n in enumerate(graph.nodes)}
+    train = split_model(graph, stage_of)
+    with untouched(model):
+        model.eval()
+        eval_graph = capture(model, (x,))
+    evaluation = split_like(eval_graph, train)
+    assert len(evaluation.stages) == 2 and evaluation.loss_stage == train.loss_stage
+    for stage in train.stages:  # as on a rank: the training stages hold their own copies
+        for sub in stage.module.modules():
+            sub._parameters = {k: nn.Parameter(p.detach().clone()) for k, p in
+                               sub._parameters.items()}
+    share_weights(evaluation, train, [0, 1])
+    for s in (0, 1):
+        trained = {id(t) for t in train.stages[s].module.state_dict(keep_vars=True).values()}
+        held = evaluation.stages[s].module.state_dict(keep_vars=True)
+        assert held and all(id(t) in trained for t in held.values())
+
+    tail = TrainOnlyTail()
+    graph = capture(tail, (torch.randn(2, 4),))
+    train = split_model(graph, {n: ["first", "noise", "last"].index(graph.nodes[n].module)
+                                for n in graph.nodes})
+    with untouched(tail):
+        tail.eval()
+        eval_graph = capture(tail, (torch.randn(2, 4),))
+    with pytest.raises(SplitError, match=r"no operation for stage\(s\) \[1\]"):
+        split_like(eval_graph, train)

@@ -173,18 +173,29 @@ def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
     ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
     replica's rows as in :func:`split_for`.
     """
-    from orgel.split.evaluation import split_like
+    from orgel.runtime.forward_only import check_forward
+    from orgel.split.evaluation import eval_only, split_like
+    from orgel.workload import on_meta
 
     replicas = len(plan.placement[0])
     try:
         with untouched(workload.model):
             workload.model.eval()
             graph = capture_microbatch(workload, plan.microbatches * replicas)
-        if graph.glue is not None:
-            return "the model's eval-mode forward has graph breaks (several graphs)"
-        return split_like(graph, split)
     except Exception as exc:  # noqa: BLE001 - the reason goes to evaluate's caller
         return f"capturing the model in eval mode failed ({type(exc).__name__}: {exc})"
+    if graph.glue is not None:
+        return "the model's eval-mode forward has graph breaks (Dynamo captures several graphs)"
+    try:
+        evaluation = split_like(graph, split)
+        check_forward(plan, evaluation)
+    except ValueError as exc:  # SplitError, PlanError
+        return str(exc)
+    unmade = eval_only(evaluation, split)
+    if unmade and on_meta(workload.model):
+        return (f"the eval-mode forward of this meta model reads {unmade[:3]}, which no "
+                "training stage makes")
+    return evaluation
 
 
 def _unflatten(evaluation: Any) -> Any:

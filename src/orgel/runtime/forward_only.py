@@ -28,7 +28,7 @@ from orgel.runtime.errors import StepFailure
 from orgel.runtime.executor import Executor, _signature, _to
 from orgel.runtime.outputs import Share
 from orgel.runtime.stage import Run, StageInfo
-from orgel.schedule.comm import derive_comm, replica_pairs
+from orgel.schedule.comm import CommPlan, derive_comm, replica_pairs
 from orgel.schedule.ir import Plan, PlanError
 from orgel.schedule.validate import dry_run
 from orgel.split.evaluation import share_weights
@@ -58,6 +58,17 @@ def forward_plan(plan: Plan, split: SplitModel) -> Plan:
     return forward
 
 
+def check_forward(plan: Plan, split: SplitModel) -> tuple[Plan, CommPlan]:
+    """The forward-only plan of ``split`` and its messages; :class:`PlanError` if it cannot run."""
+    forward = forward_plan(plan, split)
+    comm = derive_comm(forward)
+    stuck = dry_run(forward, comm=comm).stuck
+    if stuck:
+        raise PlanError(f"evaluation: the forwards of the plan cannot all run in eval "
+                        f"mode (ranks {sorted({r for r, _ in stuck})} wait forever)")
+    return forward, comm
+
+
 class ForwardOnly(Executor):
     """The forward-only pass of one rank, next to its training :class:`Executor`."""
 
@@ -66,12 +77,7 @@ class ForwardOnly(Executor):
     def __init__(self, executor: Executor, split: SplitModel) -> None:  # noqa: D107
         # deliberately not Executor.__init__: no optimizer, no gradient sync, and the
         # training executor's options, device and random base seed as they are
-        plan = forward_plan(executor.plan, split)
-        comm = derive_comm(plan)
-        stuck = dry_run(plan, comm=comm).stuck
-        if stuck:
-            raise PlanError(f"evaluation: the forwards of the plan cannot all run in eval "
-                            f"mode (ranks {sorted({r for r, _ in stuck})} wait forever)")
+        plan, comm = check_forward(executor.plan, split)
         self.owner = executor
         self.plan, self.split, self.comm = plan, split, comm
         self.rank, self.device = executor.rank, executor.device

@@ -108,21 +108,37 @@ def share_weights(evaluation: SplitModel, train: SplitModel, stages: list[int]) 
     (no training stage holds it: training never changes it) stays the capture's own.
     """
     for s in stages:
-        own = train.stages[s]
-        held: dict[str, torch.Tensor] = {}
-        for local, p in own.module.named_parameters():
-            held[own.param_names.get(local, local)] = p
-        for local, b in own.module.named_buffers():
-            held[own.buffer_names.get(local, local)] = b
+        held = _held(train, s)
         stage = evaluation.stages[s]
-        names = ([(local, stage.param_names.get(local, local), True)
-                  for local, _ in stage.module.named_parameters()]
-                 + [(local, stage.buffer_names.get(local, local), False)
-                    for local, _ in stage.module.named_buffers()])
-        for local, original, is_param in names:
+        for local, original, is_param in _tensor_names(evaluation, s):
             if original not in held:
                 continue
             owner, _, leaf = local.rpartition(".")
             holder = stage.module.get_submodule(owner)
             table = holder._parameters if is_param else holder._buffers
             table[leaf] = held[original]  # type: ignore[assignment]
+
+
+def eval_only(evaluation: SplitModel, train: SplitModel) -> list[str]:
+    """The parameters and buffers an eval stage reads that its training stage does not hold."""
+    return [original for s in range(len(evaluation.stages))
+            for _, original, _ in _tensor_names(evaluation, s) if original not in _held(train, s)]
+
+
+def _held(train: SplitModel, s: int) -> dict[str, torch.Tensor]:
+    own = train.stages[s]
+    held: dict[str, torch.Tensor] = {}
+    for local, p in own.module.named_parameters():
+        held[own.param_names.get(local, local)] = p
+    for local, b in own.module.named_buffers():
+        held[own.buffer_names.get(local, local)] = b
+    return held
+
+
+def _tensor_names(split: SplitModel, s: int) -> list[tuple[str, str, bool]]:
+    """``(local name, original name, is a parameter)`` of stage ``s``'s parameters and buffers."""
+    stage = split.stages[s]
+    return ([(local, stage.param_names.get(local, local), True)
+             for local, _ in stage.module.named_parameters()]
+            + [(local, stage.buffer_names.get(local, local), False)
+               for local, _ in stage.module.named_buffers()])
