@@ -133,7 +133,7 @@ def test_step_outputs_equal_one_process() -> None:
             opt.zero_grad()
             ref_loss.backward()
             opt.step()
-            assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+            assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
             torch.testing.assert_close(out["logits"],
                                        torch.cat([h["logits"] for h in halves]).detach(),
                                        rtol=1e-5, atol=1e-6)
@@ -166,12 +166,15 @@ def test_hugging_face_llama_perplexity_and_its_model_output() -> None:
     w = hf_llama(batch_size=4, seed=0)
     model, loss_fn = w.model, w.loss_fn
     first, _ = microbatches(Workload(model, w.inputs, w.targets, loss_fn), 2)[0]
-    plan = balanced_plan(capture(model, first), ranks=2, microbatches=2)
+    # 6 stages, 3 per rank: the mask and rotary tables go from stage 0 to later stages
+    plan = balanced_plan(capture(model, first), ranks=2, microbatches=2,
+                         schedule="interleaved", stages_per_rank=3)
     ids = torch.randint(0, model.config.vocab_size, w.inputs["input_ids"].shape,
                         generator=torch.Generator().manual_seed(3))
     targets = torch.roll(ids, -1, dims=1)
     with orgel.pipeline(copy.deepcopy(model), w.inputs, w.targets, loss_fn, ranks=2,
                         microbatches=2, plan=plan, optimizer=_sgd, threads=1) as pipe:
+        assert pipe.plan.num_stages == 6
         pipe.step(w.inputs, w.targets)
         loss, out = pipe.evaluate({"input_ids": ids}, targets, outputs=True)
         state = pipe.state_dict()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from orgel.runtime.stage import (
     StageInfo,
     part_rows,
     random_stream,
+    replayed,
     share,
     stream_seed,
 )
@@ -424,7 +424,7 @@ class Executor:
         run = self._runs[(a.stage, m)]
         out_grads = self._output_grads(info, m)
         if info.recompute:  # the forward's own stream again: the same dropout masks
-            with self._draws(a.stage, m), torch.enable_grad(), _replayed(info, run):
+            with self._draws(a.stage, m), torch.enable_grad(), replayed(info, run):
                 run.outputs, run.loss = self._compute(info, run.args, m)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
@@ -501,29 +501,3 @@ def _signature(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple((k, _signature(v)) for k, v in sorted(value.items()))
     return None
-
-
-@contextmanager
-def _replayed(info: StageInfo, run: Run) -> Iterator[None]:
-    """Recompute on the written buffers as the forward found them, and keep the current ones.
-
-    The recompute updates the forward-time copies (swapped in for it) instead of the
-    live buffers, so BatchNorm statistics are updated once per micro-batch, as in one
-    process; the live tensors are not written at all (autograd may have saved them).
-    """
-    if not run.buffers:
-        yield
-        return
-    module = info.stage.module
-    live: dict[str, torch.Tensor] = {}
-    for name, copy in run.buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        holder = module.get_submodule(owner)
-        live[name] = holder._buffers[leaf]  # type: ignore[assignment]
-        holder._buffers[leaf] = copy
-    try:
-        yield
-    finally:
-        for name, tensor in live.items():
-            owner, _, leaf = name.rpartition(".")
-            module.get_submodule(owner)._buffers[leaf] = tensor

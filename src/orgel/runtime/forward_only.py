@@ -74,7 +74,7 @@ class ForwardOnly(Executor):
 
     training = False
 
-    def __init__(self, executor: Executor, split: SplitModel) -> None:  # noqa: D107
+    def __init__(self, executor: Executor, split: SplitModel) -> None:
         # deliberately not Executor.__init__: no optimizer, no gradient sync, and the
         # training executor's options, device and random base seed as they are
         plan, comm = check_forward(executor.plan, split)
@@ -101,6 +101,8 @@ class ForwardOnly(Executor):
         self.transport = Transport(plan, comm, self.rank, store=own.store, device=self.device,
                                    timeout=own.timeout, ranks=own.ranks,
                                    post_ahead=own.post_ahead, group=own.group)
+        if dist.get_backend() == "nccl":  # every rank builds it with its engine: collective
+            self.transport.warm_up()
         self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])
         self.dispatch = {"F": self._forward}
         self.reduce_after: dict[int, list[tuple[int, ...]]] = {}
@@ -121,6 +123,8 @@ class ForwardOnly(Executor):
         rank's shares of the outputs (empty unless ``outputs`` and it hosts the loss stage)."""
         self._t0, self._wall0 = time.perf_counter(), time.time()
         self.events = []
+        # the training stages' tensors as they are now (a load or a move may have replaced them)
+        share_weights(self.split, self.owner.split, list(self.stages))
         self.kept = {} if outputs else None
         self.with_loss = loss
         m = self.plan.microbatches
