@@ -177,11 +177,10 @@ def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
     from orgel.split.evaluation import eval_only, split_like
     from orgel.workload import on_meta
 
-    replicas = len(plan.placement[0])
     try:
         with untouched(workload.model):
             workload.model.eval()
-            graph = capture_microbatch(workload, plan.microbatches * replicas)
+            graph = capture_microbatch(workload, plan.microbatches * stage_replicas(plan))
     except Exception as exc:  # noqa: BLE001 - the reason goes to evaluate's caller
         return f"capturing the model in eval mode failed ({type(exc).__name__}: {exc})"
     if graph.glue is not None:
@@ -371,15 +370,20 @@ def split_for(workload: Workload, graph: Any, plan: Plan) -> Any:
     """
     from orgel.split import split_plan
 
+    replicas = stage_replicas(plan)
+    if replicas > 1:
+        graph = capture_microbatch(workload, plan.microbatches * replicas)
+    return split_plan(graph, plan)
+
+
+def stage_replicas(plan: Plan) -> int:
+    """How many ranks every stage of ``plan`` has (the captures are of one replica's rows)."""
     counts = {len(ranks) for ranks in plan.placement}
     if len(counts) != 1:
         raise ValueError(f"the plan gives stages different replica counts {sorted(counts)}; "
                          "orgel's captured stages have fixed shapes: give every stage the "
                          "same number of ranks")
-    replicas = counts.pop()
-    if replicas > 1:
-        graph = capture_microbatch(workload, plan.microbatches * replicas)
-    return split_plan(graph, plan)
+    return counts.pop()
 
 
 def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any,
