@@ -303,3 +303,24 @@ def test_the_eval_split_shares_the_training_weights_or_says_why_it_cannot() -> N
         eval_graph = capture(tail, (torch.randn(2, 4),))
     with pytest.raises(SplitError, match=r"no operation for stage\(s\) \[1\]"):
         split_like(eval_graph, train)
+
+
+def test_a_forward_of_several_graphs_returns_its_outputs_and_refuses_evaluation() -> None:
+    from test_glue import SideOutput, _side_loss
+
+    torch.manual_seed(1)
+    model = SideOutput()
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    reference = copy.deepcopy(model)
+    with orgel.pipeline(model, (x,), y, _side_loss, ranks=2, microbatches=2, threads=1,
+                        optimizer=_sgd) as pipe:
+        loss, (logits, h) = pipe.step((x,), y, outputs=True)
+        with pytest.raises(RuntimeError, match="several graphs"):
+            pipe.evaluate((x,), y)
+    with torch.no_grad():
+        parts = [reference(p) for p in x.chunk(2)]
+    torch.testing.assert_close(logits, torch.cat([p[0] for p in parts]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h, torch.cat([p[1] for p in parts]), rtol=1e-5, atol=1e-6)
+    assert loss == pytest.approx(sum(_side_loss(p, t).item()
+                                     for p, t in zip(parts, y.chunk(2), strict=True)) / 2,
+                                 rel=1e-5)

@@ -9,8 +9,9 @@ replica's share of the model's output leaves, detached and copied to the CPU
 micro-batch order, and inside a micro-batch in replica order (a loss stage on
 several ranks: each replica's rows). A leaf that has the batch rows along the
 batch dimension in every share is concatenated along it; any other leaf (a 0-dim
-tensor such as a loss the model returns, or a tensor without the batch
-dimension) comes back as a list with one entry per share, in that same order.
+tensor such as a loss the model returns, a tensor without the batch
+dimension, a non-tensor) comes back as a list with one entry per share, in that
+same order.
 The structure is the model's own (tensor, tuple, dict, a Hugging Face
 ``ModelOutput``), rebuilt by the split's ``unflatten_outputs``.
 """
@@ -32,14 +33,15 @@ class Share:
     replica: int
     rows: int  # the batch rows of this share
     dim: int  # the batch dimension
-    leaves: list[torch.Tensor]
+    leaves: list[Any]
 
 
-def keep(microbatch: int, replica: int, rows: int, dim: int,
-         leaves: list[torch.Tensor]) -> Share:
-    """A :class:`Share` of ``leaves``: detached copies on the CPU (buffers get reused)."""
+def keep(microbatch: int, replica: int, rows: int, dim: int, leaves: list[Any]) -> Share:
+    """A :class:`Share` of ``leaves``: tensors as detached copies on the CPU (receive
+    buffers get reused), anything else as it is."""
     return Share(microbatch, replica, rows, dim,
-                 [t.detach().to("cpu", copy=True) for t in leaves])
+                 [t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
+                  for t in leaves])
 
 
 def merge(shares: list[Share], unflatten: Callable[[list[Any]], Any]) -> Any:
@@ -51,7 +53,7 @@ def merge(shares: list[Share], unflatten: Callable[[list[Any]], Any]) -> Any:
     for k in range(len(shares[0].leaves)):
         column = [s.leaves[k] for s in shares]
         dim = shares[0].dim
-        batched = all(t.dim() > dim and t.shape[dim] == s.rows
+        batched = all(isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == s.rows
                       for t, s in zip(column, shares, strict=True))
         leaves.append(torch.cat(column, dim=dim) if batched else column)
     return unflatten(leaves)
