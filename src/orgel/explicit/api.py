@@ -13,7 +13,9 @@ Two launch modes, chosen from the environment, with the same object and methods:
   returns the loss on every rank.
 
 Methods that gather (``state_dict``, ``timeline``) or write (``save``) involve
-every rank in both modes; under torchrun call them on every rank.
+every rank in both modes; under torchrun call them on every rank. So do ``step``
+and ``evaluate``; evaluation runs a second capture of the model, made in eval
+mode when the pipeline starts (:func:`eval_split_for`).
 """
 
 from __future__ import annotations
@@ -172,12 +174,13 @@ def pipeline(
         return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases,
                            options=loop)
+    evaluation = eval_split_for(workload, the_plan, split)  # before the fork: ranks inherit it
 
     def make_engine(rank: int) -> RankEngine:
         made = _make_own_stages(split, the_plan, rank, source)  # in the worker, after the fork
         engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
                             loss_fn=workload.loss_fn, executor_options=executor_options,
-                            timeout_s=timeout_s)
+                            timeout_s=timeout_s, evaluation=evaluation)
         engine.made = made
         return engine
 
@@ -185,7 +188,8 @@ def pipeline(
     pipe = Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
                     aliases=aliases, spmd=False, source=source, accumulate=accumulate,
-                    workload=workload)
+                    workload=workload, outputs=split.unflatten_outputs,
+                    evaluation=_unflatten(evaluation))
     check_param_groups(pipe)
     return pipe
 
@@ -200,6 +204,41 @@ def check_param_groups(pipe: Pipeline) -> None:
                          f"on different ranks ({counts}, by rank): build the same groups on "
                          "every rank, leaving a group's list empty where a rank holds none of "
                          "its parameters")
+
+
+def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
+    """The model captured in eval mode, cut into ``split``'s stages (:mod:`orgel.split.evaluation`).
+
+    Or, where that fails, a sentence saying why: the pipeline still trains, and
+    ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
+    replica's rows as in :func:`split_for`.
+    """
+    from orgel.runtime.forward_only import check_forward
+    from orgel.split.evaluation import eval_only, split_like
+    from orgel.workload import on_meta
+
+    try:
+        with untouched(workload.model):
+            workload.model.eval()
+            graph = capture_microbatch(workload, plan.microbatches * stage_replicas(plan))
+    except Exception as exc:  # noqa: BLE001 - the reason goes to evaluate's caller
+        return f"capturing the model in eval mode failed ({type(exc).__name__}: {exc})"
+    if graph.glue is not None:
+        return "the model's eval-mode forward has graph breaks (Dynamo captures several graphs)"
+    try:
+        evaluation = split_like(graph, split)
+        check_forward(plan, evaluation)
+    except ValueError as exc:  # SplitError, PlanError
+        return str(exc)
+    unmade = eval_only(evaluation, split)
+    if unmade and on_meta(workload.model):
+        return (f"the eval-mode forward of this meta model reads {unmade[:3]}, which no "
+                "training stage makes")
+    return evaluation
+
+
+def _unflatten(evaluation: Any) -> Any:
+    return evaluation if isinstance(evaluation, str) else evaluation.unflatten_outputs
 
 
 def _make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
@@ -266,6 +305,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
             graph = capture_microbatch(workload, the_plan.microbatches)
         one_graph_only(graph)
         split = split_for(workload, graph, the_plan)
+        evaluation = eval_split_for(workload, the_plan, split)
     if source is not None:
         source.seed = int(text[1])
     else:  # the stages train copies: the caller's model changes only through pipe.copy_to
@@ -273,12 +313,14 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
     made = _make_own_stages(split, the_plan, rank, source,
                             "cuda" if dist.get_backend() == "nccl" else "cpu")
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
-                        executor_options=executor_options, timeout_s=timeout_s)
+                        executor_options=executor_options, timeout_s=timeout_s,
+                        evaluation=evaluation)
     engine.made = made
     pipe = Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group),
                     model=workload.model, loss_ranks=the_plan.placement[split.loss_stage],
                     state_keys=keys, aliases=aliases, spmd=True, source=source,
-                    accumulate=int(executor_options.get("accumulate", 1)), workload=workload)
+                    accumulate=int(executor_options.get("accumulate", 1)), workload=workload,
+                    outputs=split.unflatten_outputs, evaluation=_unflatten(evaluation))
     check_param_groups(pipe)
     return pipe
 
@@ -373,15 +415,20 @@ def split_for(workload: Workload, graph: Any, plan: Plan) -> Any:
     """
     from orgel.split import split_plan
 
+    replicas = stage_replicas(plan)
+    if replicas > 1:
+        graph = capture_microbatch(workload, plan.microbatches * replicas)
+    return split_plan(graph, plan)
+
+
+def stage_replicas(plan: Plan) -> int:
+    """How many ranks every stage of ``plan`` has (the captures are of one replica's rows)."""
     counts = {len(ranks) for ranks in plan.placement}
     if len(counts) != 1:
         raise ValueError(f"the plan gives stages different replica counts {sorted(counts)}; "
                          "orgel's captured stages have fixed shapes: give every stage the "
                          "same number of ranks")
-    replicas = counts.pop()
-    if replicas > 1:
-        graph = capture_microbatch(workload, plan.microbatches * replicas)
-    return split_plan(graph, plan)
+    return counts.pop()
 
 
 def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any,

@@ -35,11 +35,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from orgel import guard
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
 from orgel.graph.opgraph import CaptureError
+from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
 from orgel.workload import batch_size, named_inputs, split_microbatches
 
@@ -101,6 +103,7 @@ class _Slot:
         self.calls = 0
         self.anchor: torch.Tensor | None = None
         self.result: float = 0.0
+        self.outputs: Any = None  # the model's outputs, detached on the CPU, when asked for
         self.error: BaseException | None = None
         # gradients of the parameters the controller trains (by name), this micro-batch's
         self.grads: dict[str, torch.Tensor] = {}
@@ -130,12 +133,19 @@ class _GraphCall(torch.autograd.Function):
         return (None, None, None, None, None, *got)
 
 
+#: why a forward of several graphs cannot evaluate (``Pipeline.evaluate`` raises with it)
+NO_EVALUATION = ("a forward of several graphs (graph breaks) is not evaluated by orgel yet; "
+                 "rewrite the model's graph breaks for one graph, or evaluate a copy of the "
+                 "model in one process with the values of pipe.state_dict()")
+
+
 class GluedPipeline(Pipeline):
     """:class:`orgel.worker.pipe.Pipeline` for a forward of several graphs (local spawn only).
 
     ``step(inputs, targets)`` runs the forward, ``loss_fn`` and backward of
     each micro-batch here in its own thread, the graphs on the ranks; the rest
-    of the API is :class:`~orgel.worker.pipe.Pipeline`'s.
+    of the API is :class:`~orgel.worker.pipe.Pipeline`'s, except ``evaluate``,
+    which raises with :data:`NO_EVALUATION`.
     """
 
     def __init__(self, plan: Any, group: Any, conns: list[Connection], *, glue: Any,
@@ -144,9 +154,10 @@ class GluedPipeline(Pipeline):
                  timeout_s: float, state_keys: list[str], aliases: dict[str, str]) -> None:
         loss_rank = plan.placement[split.loss_stage][0]
         super().__init__(plan, group, model=model, loss_ranks=[loss_rank], state_keys=state_keys,
-                         aliases=aliases, spmd=False)
+                         aliases=aliases, spmd=False, evaluation=NO_EVALUATION)
         self.glue = glue
         self.loss_fn = loss_fn
+        self._keep_outputs = False  # whether this step keeps the model's outputs
         self.replicated = replicated
         self._conns = conns
         self._locks = [threading.Lock() for _ in conns]
@@ -275,8 +286,13 @@ class GluedPipeline(Pipeline):
 
     # -- a step ---------------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        """One training step on a whole batch; returns the mean loss over micro-batches."""
+    def step(self, inputs: Any, targets: Any, *, outputs: bool = False) -> Any:
+        """One training step on a whole batch; returns the mean loss over micro-batches.
+
+        ``outputs=True``: ``(loss, outputs)``, the model's outputs as
+        :meth:`orgel.worker.pipe.Pipeline.step` returns them (computed here, in this process).
+        """
+        self._keep_outputs = outputs
         named = named_inputs(self._model, inputs)
         parts = split_microbatches(named, targets, self.plan.microbatches, 0, self.replicated)
         if not self._warm:
@@ -288,7 +304,13 @@ class GluedPipeline(Pipeline):
                            targets))
         slots = self._run_threads(lambda slot: self._run_microbatch(slot, *parts[slot.index]),
                                   placeholders, rows)
-        return sum(s.result for s in slots)
+        loss = sum(s.result for s in slots)
+        if not outputs:
+            return loss
+        _, spec = pytree.tree_flatten(slots[0].outputs)
+        shares = [keep(s.index, 0, rows // len(slots), 0, pytree.tree_flatten(s.outputs)[0])
+                  for s in slots]
+        return loss, merge(shares, lambda leaves: pytree.tree_unflatten(leaves, spec))
 
     def _run_threads(self, work: Callable[[_Slot], None], placeholders: dict[str, torch.Tensor],
                      rows: int) -> list[_Slot]:
@@ -407,6 +429,8 @@ class GluedPipeline(Pipeline):
         first = slot.anchor = torch.zeros((), requires_grad=True)
         with dynamo_settings(), torch.enable_grad():
             out = self._compiled(**inputs)
+            if self._keep_outputs:
+                slot.outputs = out
             loss = self.loss_fn(out, targets) / self.plan.microbatches
             self._check_calls(slot)
             # the anchors chain every graph call: backward reaches each, last one first;

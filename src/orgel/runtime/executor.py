@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -57,12 +56,14 @@ from orgel.runtime.optimizer import (
     OptimizerLoop,
     SchedulerFactory,
 )
+from orgel.runtime.outputs import Share, keep
 from orgel.runtime.scaler import LossScaler
 from orgel.runtime.stage import (
     Run,
     StageInfo,
     part_rows,
     random_stream,
+    replayed,
     share,
     stream_seed,
 )
@@ -103,7 +104,13 @@ class Executor:
     before a stage computes micro-batch ``m`` (its forward or a recompute);
     ``before_reduce()`` after the backward work, before the gradient sums;
     ``after_optimizer()`` after the optimizer step.
+
+    ``step(..., outputs=True)`` also keeps the model's outputs on the loss stage's
+    ranks (:attr:`kept`, :mod:`orgel.runtime.outputs`).
     """
+
+    #: whether forwards record autograd graphs (:mod:`orgel.runtime.forward_only`: no)
+    training = True
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
                  rank: int | None = None, optimizer_factory: OptimizerFactory | None = None,
@@ -202,6 +209,8 @@ class Executor:
         #: train on (:meth:`_drop_step`); False: it stops the step at once (StepFailure)
         self.abandon_on_error = False
         self._failed: tuple[BaseException, str] | None = None  # this step's own error, where
+        self.kept: dict[int, Share] | None = None  # by micro-batch, when step keeps outputs
+        self.with_loss = True  # whether the loss stage runs loss_fn
 
     # -- public -------------------------------------------------------------------
 
@@ -227,13 +236,15 @@ class Executor:
             name_of.setdefault(id(p), name)
         return NamedParameters((name_of[id(p)], p) for p in self.parameters())
 
-    def step(self, inputs: dict[str, Any], targets: Any) -> float:
+    def step(self, inputs: dict[str, Any], targets: Any, *, outputs: bool = False) -> float:
         """Run forward and backward of the whole batch; return its mean loss (every rank).
 
         The optimizer (and its schedule) steps on every ``accumulate``-th call,
         after the gradient reductions and clipping; the calls between only add
-        to the gradients.
+        to the gradients. ``outputs``: keep this rank's shares of the model's
+        outputs in :attr:`kept`.
         """
+        self.kept = {} if outputs else None
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
         self.events = []
@@ -430,7 +441,8 @@ class Executor:
             for k, v in enumerate(edge.values):
                 t = (pieces[0][k] if len(pieces) == 1
                      else torch.cat([p[k] for p in pieces], dim=self.batch_dim))
-                leaves[v.name] = t.detach().requires_grad_(self._carries_grad(v.name, t))
+                leaves[v.name] = t.detach().requires_grad_(self.training
+                                                           and self._carries_grad(v.name, t))
         stage = info.stage
         mb = self._inputs[m]
         args = [leaves[n] if n not in stage.model_inputs else mb[n] if n in self.replicated
@@ -439,7 +451,8 @@ class Executor:
         run = Run(args, leaves, ())
         if info.recompute and stage.written:
             run.buffers = {n: stage.module.get_buffer(n).clone() for n in stage.written}
-        with self._draws(a.stage, m), torch.set_grad_enabled(not info.recompute):
+        with self._draws(a.stage, m), torch.set_grad_enabled(self.training
+                                                             and not info.recompute):
             run.outputs, run.loss = self._compute(info, args, m)
         if run.loss is not None:
             self._loss = self._loss + run.loss.detach()
@@ -461,6 +474,11 @@ class Executor:
         if not info.is_loss:
             return outputs, None
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
+        if self.kept is not None:  # asked for: a copy on the CPU (a recompute replaces it)
+            self.kept[m] = keep(m, info.replica, self._mb_rows // info.replicas,
+                                self.batch_dim, model_outs)
+        if not self.with_loss:
+            return outputs, None
         targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim,
                         self._mb_rows)
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
@@ -516,7 +534,7 @@ class Executor:
         run = self._runs[(a.stage, m)]
         out_grads = self._output_grads(info, m)
         if info.recompute:  # the forward's own stream again: the same dropout masks
-            with self._draws(a.stage, m), torch.enable_grad(), _replayed(info, run):
+            with self._draws(a.stage, m), torch.enable_grad(), replayed(info, run):
                 run.outputs, run.loss = self._compute(info, run.args, m)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
@@ -594,29 +612,3 @@ def _signature(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple((k, _signature(v)) for k, v in sorted(value.items()))
     return None
-
-
-@contextmanager
-def _replayed(info: StageInfo, run: Run) -> Iterator[None]:
-    """Recompute on the written buffers as the forward found them, and keep the current ones.
-
-    The recompute updates the forward-time copies (swapped in for it) instead of the
-    live buffers, so BatchNorm statistics are updated once per micro-batch, as in one
-    process; the live tensors are not written at all (autograd may have saved them).
-    """
-    if not run.buffers:
-        yield
-        return
-    module = info.stage.module
-    live: dict[str, torch.Tensor] = {}
-    for name, copy in run.buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        holder = module.get_submodule(owner)
-        live[name] = holder._buffers[leaf]  # type: ignore[assignment]
-        holder._buffers[leaf] = copy
-    try:
-        yield
-    finally:
-        for name, tensor in live.items():
-            owner, _, leaf = name.rpartition(".")
-            module.get_submodule(owner)._buffers[leaf] = tensor

@@ -142,3 +142,29 @@ def random_stream(seed: int, device: torch.device) -> Iterator[None]:
         if devices:
             torch.cuda.default_generators[device.index or 0].manual_seed(seed)
         yield
+
+
+@contextmanager
+def replayed(info: StageInfo, run: Run) -> Iterator[None]:
+    """Recompute on the written buffers as the forward found them, and keep the current ones.
+
+    The recompute updates the forward-time copies (swapped in for it) instead of the
+    live buffers, so BatchNorm statistics are updated once per micro-batch, as in one
+    process; the live tensors are not written at all (autograd may have saved them).
+    """
+    if not run.buffers:
+        yield
+        return
+    module = info.stage.module
+    live: dict[str, torch.Tensor] = {}
+    for name, copy in run.buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(owner)
+        live[name] = holder._buffers[leaf]  # type: ignore[assignment]
+        holder._buffers[leaf] = copy
+    try:
+        yield
+    finally:
+        for name, tensor in live.items():
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner)._buffers[leaf] = tensor

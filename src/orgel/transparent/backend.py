@@ -62,6 +62,12 @@ from orgel.worker.pipe import canonical_names
 _TOKEN = re.compile(r"\.([A-Za-z_]\w*)|\[\'([^\']+)\'\]|\[(\d+)\]")
 
 
+#: why orgel.backend's pipeline does not evaluate (``Pipeline.evaluate`` raises with it)
+NO_EVALUATION = ("orgel.backend runs your closure as a training step; it has no forward-only "
+                 "evaluation: evaluate a copy of the model in one process with the values of "
+                 "its state_dict(), or use orgel.pipeline, whose pipe.evaluate runs on the ranks")
+
+
 class GraphModel(torch.nn.Module):
     """The graph TorchDynamo captured, as a module holding the original parameters.
 
@@ -591,7 +597,8 @@ class Backend:
         keys, aliases = api.model_aliases(owner)
         self.pipe = api.Pipeline(plan, group, model=owner,
                                  loss_ranks=[self._loss_rank], state_keys=keys, aliases=aliases,
-                                 spmd=False, accumulate=self.loop["accumulate"])
+                                 spmd=False, accumulate=self.loop["accumulate"],
+                                 evaluation=NO_EVALUATION)
         api.check_param_groups(self.pipe)
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
@@ -642,6 +649,10 @@ class Backend:
             self._pending_load = directory
             return None
         return int(self.pipe.load(directory))
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """Not available: raises RuntimeError saying what to do instead (:data:`NO_EVALUATION`)."""
+        raise RuntimeError(f"evaluation is not available: {NO_EVALUATION}")
 
     def timeline(self) -> list[Any]:
         """Measured events of the last step, all ranks (orgel.runtime.trace.Event)."""

@@ -45,6 +45,7 @@ class RankEngine:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         timeout_s: float = 300.0,
         executor_options: dict[str, Any] | None = None,
+        evaluation: SplitModel | str | None = None,
     ) -> None:
         from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
@@ -65,6 +66,15 @@ class RankEngine:
         )
         # a forward of several graphs has a controller in the step: it stops at the first error
         self.executor.abandon_on_error = not self.serves_exchanges
+        #: the forward-only pass (``evaluation``: the eval-mode split, or why there is none)
+        self.forward_only: Any = None
+        self.no_evaluation = "this pipeline was made without an eval-mode split"
+        if isinstance(evaluation, SplitModel):
+            from orgel.runtime.forward_only import ForwardOnly
+
+            self.forward_only = ForwardOnly(self.executor, evaluation)
+        elif evaluation is not None:
+            self.no_evaluation = evaluation
 
     # -- what this rank holds ------------------------------------------------------------
 
@@ -90,9 +100,12 @@ class RankEngine:
 
     # -- training ----------------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any) -> float | Dropped:
+    def step(self, inputs: Any, targets: Any, *,
+             outputs: bool = False) -> float | tuple[float, list[Any]] | Dropped:
         """One training step; the batch's mean loss (the executor reduces it to every rank).
 
+        ``outputs``: also this rank's shares of the model's outputs
+        (:class:`orgel.runtime.outputs.Share`; none on a rank without the loss stage).
         A step every rank dropped (one rank's own work raised) comes back as
         :class:`Dropped`, not raised: the local launcher stops every rank when a
         method raises, and the ranks train on after a dropped step.
@@ -100,11 +113,26 @@ class RankEngine:
         from orgel.runtime.errors import StepAbandoned
 
         try:
-            loss = self.executor.step(inputs, targets)
+            loss = float(self.executor.step(inputs, targets, outputs=outputs))
         except StepAbandoned as exc:
+            self.executor.kept = None
             return Dropped(exc.rank, exc.report)
         self.step_count += 1
-        return float(loss)
+        if not outputs:
+            return loss
+        kept = self.executor.kept or {}
+        self.executor.kept = None
+        return loss, [kept[m] for m in sorted(kept)]
+
+    def evaluate(self, inputs: Any, targets: Any, *, loss: bool,
+                 outputs: bool) -> tuple[float | None, list[Any]]:
+        """Forward only, in eval mode (:mod:`orgel.runtime.forward_only`): the mean loss
+        (every rank; None without ``loss``) and this rank's shares of the outputs."""
+        if self.forward_only is None:
+            raise RuntimeError(f"evaluation is not available: {self.no_evaluation}")
+        result: tuple[float | None, list[Any]] = self.forward_only.run(
+            inputs, targets, loss=loss, outputs=outputs)
+        return result
 
     def lr(self) -> list[float] | None:
         """The learning rates in force for the next optimizer step, one per param group."""

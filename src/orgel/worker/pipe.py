@@ -1,4 +1,4 @@
-"""The object a pipeline is driven through: :class:`Pipeline` (step, state, checkpoints).
+"""The object a pipeline is driven through: :class:`Pipeline` (step, evaluate, state, checkpoints).
 
 ``orgel.pipeline`` (:mod:`orgel.explicit.api`), ``orgel.backend`` (:mod:`orgel.transparent.backend`)
 and the several-graph controller (:mod:`orgel.explicit.glued`) all return one; it talks
@@ -9,7 +9,7 @@ spawn, :class:`OwnRank` under torchrun).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.errors import StepError
+from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import Dropped, RankEngine
 from orgel.worker.state import StateNames, canonical_names, model_aliases
@@ -55,13 +56,22 @@ class OwnRank:
             dist.destroy_process_group()
 
 
+Unflatten = Callable[[list[Any]], Any]
+
+
 class Pipeline:
-    """A model pipelined over ``plan.num_ranks`` ranks; see :func:`pipeline`."""
+    """A model pipelined over ``plan.num_ranks`` ranks; see :func:`pipeline`.
+
+    ``outputs`` rebuilds the model's output structure from the training stages'
+    output leaves (``step(..., outputs=True)``); ``evaluation`` the same for the
+    eval-mode stages (``evaluate``), or says why this pipeline cannot evaluate.
+    """
 
     def __init__(self, plan: Plan, ranks: Any, *, model: torch.nn.Module,
                  loss_ranks: Sequence[int], state_keys: list[str], aliases: dict[str, str],
                  spmd: bool, source: Any = None, accumulate: int = 1,
-                 workload: Any = None) -> None:
+                 workload: Any = None, outputs: Unflatten | None = None,
+                 evaluation: Unflatten | str | None = None) -> None:
         self.plan = plan
         # its forward signature names positional inputs; it holds the tensors no stage reads
         self._model = model
@@ -82,17 +92,26 @@ class Pipeline:
         self._source = source
         # the example batch (orgel.workload.Workload) each step's batch is checked against
         self._workload = workload
+        self._outputs = outputs
+        self._evaluation = ("this pipeline was made without an eval-mode capture"
+                            if evaluation is None else evaluation)
 
     @property
     def num_ranks(self) -> int:
         return self.plan.num_ranks
 
-    def step(self, inputs: Any, targets: Any) -> float:
+    def step(self, inputs: Any, targets: Any, *, outputs: bool = False) -> Any:
         """Train on a whole batch; its mean loss.
 
         Forward and backward run on every call; the optimizer (and its schedule)
         steps on every ``accumulate``-th call, after clipping, with the gradients
         of those calls (each call's loss counting ``1/accumulate``).
+
+        ``outputs=True`` returns ``(loss, outputs)``: the model's outputs for the
+        whole batch, in micro-batch order, as the model returns them, on this
+        process's CPU (see :mod:`orgel.runtime.outputs` for leaves without the batch
+        rows, such as a 0-dim tensor: a list per micro-batch). Under torchrun every
+        rank gets them. Nothing is sent when they are not asked for.
 
         A batch the pipeline cannot take (other input names, dtypes, a batch size
         the micro-batches do not divide, targets of another batch size) raises
@@ -104,9 +123,15 @@ class Pipeline:
         connection, raises :class:`~orgel.runtime.errors.WorkerError` and ends it.
         """
         named = named_inputs(self._model, inputs)
+        if outputs and self._outputs is None:
+            raise ValueError("step(..., outputs=True) is not available for this pipeline "
+                             "(orgel.backend's runner: compute what you need from the "
+                             "outputs inside your closure)")
         self._check_batch(named, targets)
         try:
-            if self.spmd:  # every rank gets the loss from the executor: nothing to gather
+            if outputs:
+                results = _kept(self._ranks.call("step", named, targets, outputs=True))
+            elif self.spmd:  # every rank gets the loss from the executor: nothing to gather
                 loss = _kept([self._ranks.engine.step(named, targets)])[0]
             else:
                 loss = _kept(self._ranks.call("step", named, targets))[self._loss_rank]
@@ -114,7 +139,37 @@ class Pipeline:
             self.pending = 0  # every rank dropped the accumulated gradients with the step
             raise
         self.called()
+        if outputs:
+            assert self._outputs is not None
+            shares = [share for _, part in results for share in part]
+            return float(results[self._loss_rank][0]), merge(shares, self._outputs)
         return float(loss)
+
+    def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        """Forward only over a whole batch in eval mode, as one process runs
+        ``model.eval(); with torch.no_grad(): loss_fn(model(x), y)``.
+
+        BatchNorm reads its running statistics, dropout is off; nothing records
+        gradients, no optimizer steps, no buffer changes, and the next ``step``
+        trains exactly as if this evaluation had not run (random streams included).
+        Returns the mean loss over the micro-batches (``loss_fn(outputs, targets)``,
+        also with ``targets=None``); with ``outputs=True`` the model's outputs as
+        ``step`` returns them: ``outputs`` alone when ``targets`` is None (no loss is
+        computed), else ``(loss, outputs)``. Under torchrun every rank gets the result.
+        """
+        if not callable(self._evaluation):
+            raise RuntimeError(f"evaluation is not available: {self._evaluation}")
+        named = named_inputs(self._model, inputs)
+        self._check_batch(named, targets)
+        loss = targets is not None or not outputs
+        if self.spmd and not outputs:  # the loss is reduced to every rank: nothing to gather
+            return self._ranks.engine.evaluate(named, targets, loss=True, outputs=False)[0]
+        results = self._ranks.call("evaluate", named, targets, loss=loss, outputs=outputs)
+        value = results[self._loss_rank][0]
+        if not outputs:
+            return value
+        out = merge([share for _, part in results for share in part], self._evaluation)
+        return (value, out) if loss else out
 
     def called(self) -> None:
         """Count a step call made on the ranks: every ``accumulate``-th is an optimizer step."""
@@ -149,7 +204,8 @@ class Pipeline:
         """Refuse, here and before any rank sees it, a batch the pipeline cannot take."""
         w = self._workload
         if w is not None:
-            check_batch((named_inputs(w.model, w.inputs), w.targets), (named, targets),
+            example_targets = None if targets is None else w.targets  # evaluate(x) alone
+            check_batch((named_inputs(w.model, w.inputs), example_targets), (named, targets),
                         self.plan.microbatches, w.batch_dim, w.replicated)
 
     def predicted(self) -> Any:

@@ -1,0 +1,174 @@
+"""Evaluation on one rank: the plan's forwards only, in eval mode, with no trace left behind.
+
+:class:`ForwardOnly` runs the eval-mode stages (:mod:`orgel.split.evaluation`) of
+this rank over a whole batch the way one process runs ``model.eval(); with
+torch.no_grad(): loss_fn(model(x), y)``: BatchNorm reads its running statistics,
+dropout is off, nothing records gradients, no optimizer steps and no buffer is
+updated. The schedule is the training plan's ``F`` actions in the plan's order
+(:func:`forward_plan`), with their activation messages only, derived once; the
+stage modules hold the training stages' own parameters and buffers, so each
+evaluation reads the current trained values. The training state is left as it
+was: the executor's step count, random streams and gradients are not touched.
+
+It reuses the executor's forward (receiving, replica rows, the loss of each
+micro-batch, kept outputs) with its own plan, stages and transport, and
+``training = False``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from orgel.runtime.comm import Transport
+from orgel.runtime.errors import StepFailure
+from orgel.runtime.executor import Executor, _signature, _to
+from orgel.runtime.outputs import Share
+from orgel.runtime.stage import Run, StageInfo
+from orgel.schedule.comm import CommPlan, derive_comm, replica_pairs
+from orgel.schedule.ir import Plan, PlanError
+from orgel.schedule.validate import dry_run
+from orgel.split.evaluation import share_weights
+from orgel.split.types import SplitModel
+from orgel.workload import batch_size, split_microbatches
+
+
+def forward_plan(plan: Plan, split: SplitModel) -> Plan:
+    """``plan`` with only its ``F`` actions (same order, ranks, placement) over ``split``'s stages.
+
+    Raises :class:`PlanError` when the eval split's stage graph needs a value
+    before this order produces it (the eval-mode forward moved work against the
+    training order).
+    """
+    schedule = [[a for a in actions if a.kind == "F"] for actions in plan.schedule]
+    forward = Plan(stage_graph=split.stage_graph, placement=list(plan.placement),
+                   num_ranks=plan.num_ranks, microbatches=plan.microbatches, schedule=schedule,
+                   meta={"forward_only": True})
+    for r, actions in enumerate(schedule):
+        at = {(a.stage, a.microbatch): p for p, a in enumerate(actions)}
+        for e in split.stage_graph.edges:
+            for m in range(plan.microbatches):
+                src, dst = at.get((e.src, m)), at.get((e.dst, m))
+                if src is not None and dst is not None and src > dst:
+                    raise PlanError(f"evaluation: rank {r} runs F{e.dst}.{m} before "
+                                    f"F{e.src}.{m}, whose values it reads in eval mode")
+    return forward
+
+
+def check_forward(plan: Plan, split: SplitModel) -> tuple[Plan, CommPlan]:
+    """The forward-only plan of ``split`` and its messages; :class:`PlanError` if it cannot run."""
+    forward = forward_plan(plan, split)
+    comm = derive_comm(forward)
+    stuck = dry_run(forward, comm=comm).stuck
+    if stuck:
+        raise PlanError(f"evaluation: the forwards of the plan cannot all run in eval "
+                        f"mode (ranks {sorted({r for r, _ in stuck})} wait forever)")
+    return forward, comm
+
+
+class ForwardOnly(Executor):
+    """The forward-only pass of one rank, next to its training :class:`Executor`."""
+
+    training = False
+
+    def __init__(self, executor: Executor, split: SplitModel) -> None:
+        # deliberately not Executor.__init__: no optimizer, no gradient sync, and the
+        # training executor's options, device and random base seed as they are
+        plan, comm = check_forward(executor.plan, split)
+        self.owner = executor
+        self.plan, self.split, self.comm = plan, split, comm
+        self.rank, self.device = executor.rank, executor.device
+        self.loss_fn, self.batch_dim = executor.loss_fn, executor.batch_dim
+        self.replicated, self.seed = executor.replicated, executor.seed
+        self.check_finite, self.timeout = executor.check_finite, executor.timeout
+        self.dynamic_shapes = executor.dynamic_shapes
+        self.actions = plan.schedule[self.rank]
+        share_weights(split, executor.split, plan.stages_on(self.rank))
+        self.stages = {s: StageInfo.build(plan, split, s, self.rank)
+                       for s in plan.stages_on(self.rank)}
+        for info in self.stages.values():
+            info.stage.module.to(self.device)  # its constants; the weights are there already
+            info.stage.module.eval()
+        self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
+                          for i, m in enumerate(comm.messages)
+                          if self.rank in (m.src_rank, m.dst_rank)}
+        self.pairs = [replica_pairs(len(plan.placement[e.src]), len(plan.placement[e.dst]), 0)
+                      for e in plan.stage_graph.edges]
+        own = executor.transport
+        self.transport = Transport(plan, comm, self.rank, store=own.store, device=self.device,
+                                   timeout=own.timeout, ranks=own.ranks,
+                                   post_ahead=own.post_ahead, group=own.group)
+        if dist.get_backend() == "nccl":  # every rank builds it with its engine: collective
+            self.transport.warm_up()
+        self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])
+        self.dispatch = {"F": self._forward}
+        self.reduce_after: dict[int, list[tuple[int, ...]]] = {}
+        self.fetch_inputs = None
+        self.on_microbatch = None
+        self.kept = None
+        self.with_loss = True
+        self.events = []
+        self._signature = None
+
+    def _draws(self, stage: int, m: int) -> Any:
+        """A forward that draws in eval mode: the training step's stream, which is not advanced."""
+        return self.owner._draws(stage, m)
+
+    def run(self, inputs: dict[str, Any], targets: Any, *, loss: bool,
+            outputs: bool) -> tuple[float | None, list[Share]]:
+        """Evaluate the whole batch: the mean loss (every rank; None without ``loss``) and this
+        rank's shares of the outputs (empty unless ``outputs`` and it hosts the loss stage)."""
+        self._t0, self._wall0 = time.perf_counter(), time.time()
+        self.events = []
+        # the training stages' tensors as they are now (a load or a move may have replaced them)
+        share_weights(self.split, self.owner.split, list(self.stages))
+        self.kept = {} if outputs else None
+        self.with_loss = loss
+        m = self.plan.microbatches
+        parts = split_microbatches({k: _to(v, self.device) for k, v in inputs.items()},
+                                   _to(targets, self.device), m, self.batch_dim, self.replicated)
+        self._inputs = [p for p, _ in parts]
+        self._targets = [t for _, t in parts]
+        self._fetched = set()
+        self._mb_rows = batch_size(({k: v for k, v in parts[0][0].items()
+                                     if k not in self.replicated}, parts[0][1]), self.batch_dim)
+        signature = _signature(inputs)
+        self._runs: dict[tuple[int, int], Run] = {}
+        self._inbox: dict[int, list[torch.Tensor]] = {}
+        self._in_grads: dict[str, torch.Tensor] = {}
+        self._loss = torch.zeros((), device=self.device)
+        self.transport.begin(exchange_shapes=self.dynamic_shapes or signature != self._signature)
+        pos, action = -1, None
+        try:
+            with torch.no_grad():
+                for pos, action in enumerate(self.actions):
+                    self._execute(pos, action)
+                    if not self._read_here(action.stage):  # sent already: free it now
+                        del self._runs[(action.stage, action.microbatch)]
+                pos, action = len(self.actions), None
+                self.transport.finish()
+                total = self._loss.clone()
+                if loss:
+                    dist.all_reduce(total)
+        except Exception as exc:
+            where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
+                     else "the end of the evaluation (sends, loss reduction)")
+            self.transport.announce_failure(f"rank {self.rank} failed "
+                                            f"({type(exc).__name__}, reported above)")
+            raise StepFailure(f"rank {self.rank}: {exc} [while evaluating, {where}]",
+                              rank=self.rank, action=str(action or "end of evaluation"),
+                              cause=exc) from exc
+        self._signature = signature
+        self._runs, self._inbox = {}, {}
+        kept = [] if self.kept is None else [self.kept[k] for k in sorted(self.kept)]
+        self.kept = None
+        return (float(total) if loss else None), kept
+
+    def _read_here(self, stage: int) -> bool:
+        """Whether a stage on this rank reads ``stage``'s outputs (handed over, no message)."""
+        edges = self.plan.stage_graph.edges
+        return any(self.rank in self.plan.placement[edges[i].dst]
+                   for i in self.stages[stage].out_edges)
