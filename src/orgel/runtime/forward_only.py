@@ -112,6 +112,8 @@ class ForwardOnly(Executor):
         self.with_loss = True
         self.events = []
         self._signature = None
+        # the training step's drop-on-error and accumulation state do not apply here
+        self.abandon_on_error, self._failed, self._final = False, None, True
 
     def _draws(self, stage: int, m: int) -> Any:
         """A forward that draws in eval mode: the training step's stream, which is not advanced."""
