@@ -157,9 +157,11 @@ def pipeline(
         return engine
 
     group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
-    return Pipeline(the_plan, group, model=workload.model,
+    pipe = Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
                     aliases=aliases, spmd=False, source=source)
+    pipe.check_batch = shape_check(workload, split, the_plan)
+    return pipe
 
 
 def _make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
@@ -233,9 +235,20 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         executor_options=executor_options, timeout_s=timeout_s)
     engine.made = made
-    return Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group), model=workload.model,
-                    loss_ranks=the_plan.placement[split.loss_stage],
+    pipe = Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group),
+                    model=workload.model, loss_ranks=the_plan.placement[split.loss_stage],
                     state_keys=keys, aliases=aliases, spmd=True, source=source)
+    pipe.check_batch = shape_check(workload, split, the_plan)
+    return pipe
+
+
+def shape_check(workload: Workload, split: Any, plan: Plan) -> Any:
+    """The check ``Pipeline.step`` runs on a batch before any rank starts: the sizes the
+    split's stages take (:class:`orgel.graph.sizes.Shapes`) against its micro-batches."""
+    from orgel.graph.sizes import batch_check
+
+    return batch_check(split.shapes, plan.microbatches, len(plan.placement[0]),
+                       workload.batch_dim, workload.replicated)
 
 
 def one_graph_only(graph: Any) -> None:
@@ -275,13 +288,18 @@ def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
     return the_plan, split_for(workload, graph, the_plan), graph
 
 
-def capture_microbatch(workload: Workload, microbatches: int) -> Any:
-    """The op graph of ``workload``'s model, measured on one micro-batch."""
+def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = True) -> Any:
+    """The op graph of ``workload``'s model, measured on one micro-batch.
+
+    ``dynamic``: with symbolic sizes where the model allows (:mod:`orgel.graph.sizes`),
+    so the stages split from it take batches of other sizes; ``graph.shapes`` says which.
+    """
     from orgel.graph.capture import capture
     from orgel.workload import microbatches as slice_batches
 
     first_inputs, _ = slice_batches(workload, microbatches)[0]
-    return capture(workload.model, first_inputs, precision=workload.precision)
+    return capture(workload.model, first_inputs, precision=workload.precision,
+                   dynamic=dynamic)
 
 
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,

@@ -372,7 +372,7 @@ class _Blocks:
         self.split = split_model(bg, list(range(len(bg.blocks))))
         self.named = named
         self.values: dict[str, Any] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
-                                       for k, v in named.items()}
+                                       for k, v in self.split.with_sizes(named).items()}
         self.args_of: list[list[Any]] = []
         with torch.no_grad():
             for stage in self.split.stages:

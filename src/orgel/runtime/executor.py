@@ -321,8 +321,7 @@ class Executor:
                 leaves[v.name] = t.detach().requires_grad_(self._carries_grad(v.name, t))
         stage = info.stage
         mb = self._inputs[m]
-        args = [leaves[n] if n not in stage.model_inputs else mb[n] if n in self.replicated
-                else share(mb[n], info.replica, info.replicas, self.batch_dim, self._mb_rows)
+        args = [leaves[n] if n in leaves else self._model_input(info, mb, n)
                 for n in stage.inputs]
         run = Run(args, leaves, ())
         if info.recompute and stage.written:
@@ -332,6 +331,15 @@ class Executor:
         if run.loss is not None:
             self._loss = self._loss + run.loss.detach()
         self._runs[(a.stage, m)] = run
+
+    def _model_input(self, info: StageInfo, mb: dict[str, Any], name: str) -> Any:
+        """This replica's share of model input ``name``, or a size of one (symbolic capture)."""
+        size = info.stage.sizes.get(name)
+        if size is not None:  # each rank reads the size off the micro-batch, no message
+            return int(self._model_input(info, mb, size[0]).shape[size[1]])
+        if name in self.replicated:
+            return mb[name]
+        return share(mb[name], info.replica, info.replicas, self.batch_dim, self._mb_rows)
 
     def _draws(self, stage: int, m: int) -> Any:
         """The random stream of stage ``stage``'s forward on micro-batch ``m`` this step."""

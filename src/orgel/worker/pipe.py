@@ -68,6 +68,9 @@ class Pipeline:
         self.steps = 0
         # a meta model's values (orgel.split.materialize.Weights): for tensors no stage holds
         self._source = source
+        #: ``check(named, targets)`` raising for a batch the stages cannot take, before any
+        #: rank starts the step (:func:`orgel.graph.sizes.batch_check`); None: no check
+        self.check_batch: Any = None
 
     @property
     def num_ranks(self) -> int:
@@ -76,6 +79,8 @@ class Pipeline:
     def step(self, inputs: Any, targets: Any) -> float:
         """Run one training step (forward, backward, optimizer) on a whole batch; the loss."""
         named = named_inputs(self._model, inputs)
+        if self.check_batch is not None:
+            self.check_batch(named, targets)
         if self.spmd:  # every rank gets the loss from the executor: nothing to gather
             loss = self._ranks.engine.step(named, targets)
         else:

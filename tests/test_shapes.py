@@ -1,0 +1,152 @@
+"""Batches of other sizes than the captured one: orgel.pipeline on 2 forked ranks vs one process.
+
+The graph is captured with symbolic sizes (:mod:`orgel.graph.sizes`), so a pipeline
+planned at one sequence length and batch size trains exactly on others; a size the
+model's code fixes gets a clear error in the caller before any rank starts, and the
+pipeline trains on afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from orgel.explicit.api import pipeline
+from orgel.graph.sizes import ShapeError
+from orgel.models import build
+
+pytestmark = pytest.mark.slow
+LR = 0.05
+VOCAB = 64
+
+
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _batch(shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, shape, generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _reference(make: Callable[[], Any], batches: list[tuple[Any, torch.Tensor]],
+               call: Callable[[nn.Module, torch.Tensor], Any]) -> tuple[nn.Module, list[float]]:
+    model, _, _, loss_fn = make()
+    opt = _sgd(list(model.parameters()))
+    losses = []
+    for tokens, targets in batches:
+        opt.zero_grad()
+        loss = loss_fn(call(model, tokens), targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _assert_close(state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    expected = model.state_dict()
+    assert list(state) == list(expected)
+    for name, t in expected.items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _gpt() -> Any:
+    return build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32, vocab_size=VOCAB,
+                 seq_len=64)
+
+
+#: (batch, length): planned at 8 x 16 (micro-batches of 2 x 16); longer, shorter,
+#: more rows per micro-batch, and the same element count in another shape
+GPT_SHAPES = [(8, 16), (8, 40), (8, 5), (16, 16), (32, 3), (8, 12), (4, 64)]
+
+
+def test_gpt_trains_exactly_on_other_lengths_and_batch_sizes() -> None:
+    model, _, _, loss_fn = _gpt()
+    tokens, targets = _batch((8, 16), 0)
+    batches = [_batch(s, 10 + i) for i, s in enumerate(GPT_SHAPES)]
+    with pipeline(model, (tokens,), targets, loss_fn, ranks=2, microbatches=4, optimizer=_sgd,
+                  threads=1) as pipe:
+        losses = [pipe.step((x,), y) for x, y in batches]
+        reference, ref_losses = _reference(_gpt, batches, lambda m, x: m(x))
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        _assert_close(pipe.state_dict(), reference)
+
+
+class Branchy(nn.Module):
+    """A model whose code fixes the sequence length: it branches on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        if tokens.shape[1] == 6:  # a guard: the captured graph holds for length 6 only
+            h = h * 2
+        return self.out(torch.relu(self.mid(h)))
+
+
+def _branchy() -> Any:
+    torch.manual_seed(0)
+    model = Branchy()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    tokens, targets = _batch((8, 6), 0)
+    return model, (tokens,), targets, loss_fn
+
+
+def test_a_size_the_model_fixes_is_refused_before_the_step_and_training_goes_on() -> None:
+    model, inputs, targets, loss_fn = _branchy()
+    ok = [_batch((8, 6), 1), _batch((16, 6), 2)]  # other batch sizes: dim 0 is free
+    with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=4, optimizer=_sgd,
+                  threads=1) as pipe:
+        first = pipe.step((ok[0][0],), ok[0][1])
+        # 8 x 3 micro-batches where 2 x 6 were captured: the same element count
+        bad = _batch((32, 3), 3)
+        with pytest.raises(ShapeError, match=r"input 'tokens' has size 3 along dim 1.*fixed "
+                                             r"to size 6.*this step did not run"):
+            pipe.step((bad[0],), bad[1])
+        second = pipe.step((ok[1][0],), ok[1][1])
+        reference, ref_losses = _reference(_branchy, ok, lambda m, x: m(x))
+        assert [first, second] == pytest.approx(ref_losses, rel=1e-5)
+        _assert_close(pipe.state_dict(), reference)
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        use_cache=False, bos_token_id=0, eos_token_id=1, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+
+    def loss_fn(out: Any, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+    tokens, targets = _batch((8, 32), 0)
+    return model, {"input_ids": tokens}, targets, loss_fn
+
+
+@pytest.mark.hf
+def test_hf_llama_planned_at_32_trains_exactly_at_other_lengths() -> None:
+    model, inputs, targets, loss_fn = _llama()
+    shapes = [(8, 32), (8, 48), (8, 32), (8, 20), (16, 32), (8, 96)]
+    batches = [_batch(s, 20 + i) for i, s in enumerate(shapes)]
+    with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=4, optimizer=_sgd,
+                  threads=1) as pipe:
+        losses = [pipe.step({"input_ids": x}, y) for x, y in batches]
+        reference, ref_losses = _reference(_llama, batches, lambda m, x: m(input_ids=x))
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        _assert_close(pipe.state_dict(), reference)
