@@ -149,3 +149,58 @@ def test_hf_llama_planned_at_32_trains_exactly_at_other_lengths() -> None:
         reference, ref_losses = _reference(_llama, batches, lambda m, x: m(input_ids=x))
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         _assert_close(pipe.state_dict(), reference)
+
+
+class SeqFirst(nn.Module):
+    """A sequence-first model: tokens ``[T, B]`` -> logits ``[T, B, vocab]`` (an nn.LSTM)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.rnn = nn.LSTM(16, 24)  # batch_first=False: [T, B, features]
+        self.out = nn.Linear(24, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.emb(tokens))
+        return self.out(h)
+
+
+def _seq_first() -> Any:
+    torch.manual_seed(0)
+    model = SeqFirst()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    tokens, targets = _batch((12, 8), 0)  # [T, B]
+    return model, (tokens,), targets, loss_fn
+
+
+def test_sequence_first_inputs_train_exactly_with_batch_dim_1() -> None:
+    model, inputs, targets, loss_fn = _seq_first()
+    # [T, B] batches of other batch sizes (the LSTM, unrolled over time, fixes T)
+    batches = [_batch(s, 30 + i) for i, s in enumerate([(12, 8), (12, 8), (12, 4), (12, 16)])]
+    with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, optimizer=_sgd,
+                  threads=1, batch_dim=1) as pipe:
+        losses = [pipe.step((x,), y) for x, y in batches]
+        reference, ref_losses = _reference(_seq_first, batches, lambda m, x: m(x))
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        _assert_close(pipe.state_dict(), reference)
+
+
+def test_a_wrong_batch_dim_is_refused_in_the_caller() -> None:
+    from orgel.workload import WorkloadError
+
+    model, inputs, targets, loss_fn = _seq_first()
+    # the default batch_dim=0 would cut [T, B] along time
+    with pytest.raises(WorkloadError, match=r"not batched along batch_dim=0.*batch_dim=1"):
+        pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, threads=1)
+    with pytest.raises(WorkloadError, match=r"batch_dim names \['ids'\].*inputs are \['tokens'\]"):
+        pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, threads=1,
+                 batch_dim={"ids": 1, "targets": 1})
+    # a dict with the right dimensions is the same as the int
+    with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, optimizer=_sgd,
+                  threads=1, batch_dim={"tokens": 1, "targets": 1}) as pipe:
+        loss = pipe.step(inputs, targets)
+    _, [expected] = _reference(_seq_first, [(inputs[0], targets)], lambda m, x: m(x))
+    assert loss == pytest.approx(expected, rel=1e-5)

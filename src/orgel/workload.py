@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,11 @@ import torch
 import torch.utils._pytree as pytree
 
 Targets = Any  # a tensor, a tuple/list of tensors, or None
+#: The batch dimension: one int for every input and the targets, or a dict from input
+#: name (and ``"targets"``) to its dimension; a name it leaves out is batched along 0.
+BatchDim = Any  # int | Mapping[str, int]
+
+TARGETS = "targets"
 
 
 class WorkloadError(ValueError):
@@ -36,7 +41,9 @@ class Workload:
     inputs: tuple[Any, ...] | dict[str, Any]
     targets: Targets
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    batch_dim: int = 0
+    #: the batch dimension (:func:`dim_of`): an int for everything, or a dict by input name
+    #: and ``"targets"``
+    batch_dim: BatchDim = 0
     #: names of inputs that are not batched: each micro-batch gets them whole
     replicated: tuple[str, ...] = ()
     #: ``"32"`` or ``"bf16-mixed"`` (:mod:`orgel.precision`): the autocast the forward is
@@ -165,6 +172,7 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
             "the model has no trainable parameters (none requires grad), so training would "
             "change nothing: unfreeze some (p.requires_grad_(True)) or run it without orgel"
         )
+    check_batch_dim(w.batch_dim, named, w.targets)
     batch = _batch_size(w)
     if batch % microbatches:
         raise WorkloadError(
@@ -187,33 +195,128 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
         )
     if not loss.dtype.is_floating_point:
         raise WorkloadError(f"loss_fn returned a {loss.dtype} tensor; it must be floating point")
+    if microbatches > 1 and not on_meta(w.model):
+        with untouched(w.model), torch.no_grad():
+            _check_rows(w, named, microbatches)
+
+
+def _check_rows(w: Workload, named: dict[str, Any], m: int) -> None:
+    """Raise when the last micro-batch's outputs (eval mode) are not those rows of the whole
+    batch's outputs: the inputs are not batched along ``batch_dim`` (``[T, B]`` data cut
+    along time, say), so a pipeline would train something else than one process."""
+    w.model.eval()
+    whole = pytree.tree_leaves(w.model(**named))
+    inputs, _ = split_microbatches(named, w.targets, m, w.batch_dim, w.replicated)[-1]
+    part = pytree.tree_leaves(w.model(**inputs))
+    batch, d = batch_rows(named, w.targets, w.batch_dim, w.replicated), dim_of(w.batch_dim,
+                                                                              TARGETS)
+    for full, piece in zip(whole, part, strict=False):
+        if not (isinstance(full, torch.Tensor) and isinstance(piece, torch.Tensor)
+                and full.dtype.is_floating_point and full.dim() > d
+                and full.shape[d] == batch and piece.shape[d] * m == batch):
+            continue
+        rows = full.narrow(d, batch - piece.shape[d], piece.shape[d])
+        if rows.shape != piece.shape:
+            continue
+        scale = float(rows.abs().max()) if rows.numel() else 0.0
+        if not torch.allclose(rows.float(), piece.float(), rtol=1e-3, atol=1e-4 * (1 + scale)):
+            raise WorkloadError(
+                f"the model's outputs for the last of {m} micro-batches are not the same rows "
+                f"of its outputs for the whole batch, so the inputs are not batched along "
+                f"batch_dim={w.batch_dim!r} (e.g. sequence-first [T, B] data cut along time): "
+                "give the dimension that is the batch, batch_dim=1 for [T, B] inputs and "
+                "targets, or a dict {input name: dim, 'targets': dim}")
 
 
 def _batch_size(w: Workload) -> int:
     named = named_inputs(w.model, w.inputs)
-    return batch_size(({k: v for k, v in named.items() if k not in w.replicated}, w.targets),
-                      w.batch_dim)
+    return batch_rows(named, w.targets, w.batch_dim, w.replicated)
+
+
+def dim_of(batch_dim: BatchDim, name: str) -> int:
+    """The batch dimension of input ``name`` (or of the targets, ``name="targets"``).
+
+    The one rule every part reads (the micro-batch split, each replica's share,
+    the planner's row count, ``orgel.backend``'s slicing): ``batch_dim`` is an int
+    for every input and the targets alike, or a dict by input name whose
+    ``"targets"`` entry is the targets' dimension; names it leaves out use 0.
+    """
+    if isinstance(batch_dim, Mapping):
+        return int(batch_dim.get(name, 0))
+    return int(batch_dim)
+
+
+def single_dim(batch_dim: BatchDim) -> int | None:
+    """The one dimension every value is batched along, or None when a dict gives several."""
+    if not isinstance(batch_dim, Mapping):
+        return int(batch_dim)
+    dims = {int(d) for d in batch_dim.values()}
+    if len(dims) > 1:
+        return None
+    return dims.pop() if dims else 0
+
+
+def check_batch_dim(batch_dim: BatchDim, inputs: dict[str, Any], targets: Targets) -> None:
+    """Raise :class:`WorkloadError` for a ``batch_dim`` that names no input or lies outside one."""
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, (int, Mapping)):
+        raise WorkloadError(f"batch_dim must be an int or a dict {{input name: dim}}, got "
+                            f"{batch_dim!r}")
+    if isinstance(batch_dim, Mapping):
+        unknown = sorted(set(batch_dim) - set(inputs) - {TARGETS})
+        if unknown:
+            raise WorkloadError(f"batch_dim names {unknown}, which are not inputs of the model; "
+                                f"its inputs are {list(inputs)} (and 'targets' for the targets)")
+        if TARGETS in inputs and TARGETS in batch_dim:
+            raise WorkloadError("the model has an input named 'targets', so batch_dim's "
+                                "'targets' entry is ambiguous: give one int for everything")
+        bad = [(k, d) for k, d in batch_dim.items() if not isinstance(d, int) or d < 0]
+    else:
+        bad = [("every input", batch_dim)] if batch_dim < 0 else []
+    if bad:
+        raise WorkloadError(f"batch_dim must be non-negative ints (count from the front); got "
+                            f"{bad}")
+    for name, value in [*inputs.items(), (TARGETS, targets)]:
+        d = dim_of(batch_dim, name)
+        tensors = _tensors(value)
+        if isinstance(batch_dim, Mapping) and name in batch_dim and tensors and all(
+                t.dim() <= d for t in tensors):
+            raise WorkloadError(f"batch_dim gives {name!r} batch dimension {d}, but it has "
+                                f"shape {tuple(tensors[0].shape)}")
+
+
+def batch_rows(inputs: dict[str, Any], targets: Targets, batch_dim: BatchDim = 0,
+               replicated: tuple[str, ...] | Any = ()) -> int:
+    """The batch size: every batched input's and the targets' size along its batch dimension.
+
+    Tensors without that dimension (scalars) are not batched, nor inputs named in
+    ``replicated``. Raises :class:`WorkloadError` when the sizes disagree or none has one.
+    """
+    sizes: dict[int, list[str]] = {}
+    for name, value in [*inputs.items(), (TARGETS, targets)]:
+        if name in replicated and name != TARGETS:
+            continue
+        d = dim_of(batch_dim, name)
+        for t in _tensors(value):
+            if t.dim() > d:
+                sizes.setdefault(int(t.shape[d]), []).append(f"{name}[dim {d}]")
+    if not sizes:
+        raise WorkloadError(
+            f"no input or target has a batch dimension (batch_dim={batch_dim!r}); give at "
+            "least one tensor with a batch dimension (or set batch_dim)")
+    if len(sizes) > 1:
+        seen = "; ".join(f"{n}: {', '.join(w[:3])}" for n, w in sorted(sizes.items()))
+        raise WorkloadError(
+            f"tensors disagree on the batch size ({seen}); give every batched input and "
+            "target the same batch size, set batch_dim to the dimension that is the batch "
+            "(an int, or a dict {input name: dim, 'targets': dim} for sequence-first "
+            "[T, B] inputs), and name the inputs that are not batched in "
+            "orgel.pipeline(..., replicated=[...])")
+    return next(iter(sizes))
 
 
 def batch_size(values: Any, dim: int = 0) -> int:
-    """The batch size of ``values`` (nested tuples/lists/dicts of tensors) along ``dim``.
-
-    The tensors that have a dimension ``dim`` must agree on its size; tensors
-    without one (scalars) are not batched. Raises :class:`WorkloadError` otherwise.
-    """
-    sizes = {int(t.shape[dim]) for t in _tensors(values) if t.dim() > dim}
-    if not sizes:
-        raise WorkloadError(
-            f"no input or target has a batch dimension {dim}; give at least one tensor "
-            "with a batch dimension (or set batch_dim)"
-        )
-    if len(sizes) > 1:
-        raise WorkloadError(
-            f"tensors disagree on the batch size along dim {dim}: {sorted(sizes)}; "
-            "give every batched input and target the same batch size, and name the "
-            "inputs that are not batched in orgel.pipeline(..., replicated=[...])"
-        )
-    return sizes.pop()
+    """The batch size of ``values`` (nested tuples/lists/dicts of tensors) along one ``dim``."""
+    return batch_rows({"values": values}, None, {"values": dim})
 
 
 def split_batch(value: Any, m: int, dim: int, batch: int) -> list[Any]:
@@ -246,19 +349,20 @@ def microbatches(w: Workload, m: int) -> list[tuple[dict[str, torch.Tensor], Tar
                               w.replicated)
 
 
-def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int, dim: int = 0,
-                       replicated: tuple[str, ...] = ()) -> list[tuple[dict[str, Any], Targets]]:
+def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int,
+                       dim: BatchDim = 0, replicated: tuple[str, ...] | Any = ()
+                       ) -> list[tuple[dict[str, Any], Targets]]:
     """``m`` micro-batches of named ``inputs`` and ``targets``: what the runtime and the
-    reference both use. Inputs named in ``replicated`` go whole to every micro-batch;
-    the rest follow :func:`split_batch`."""
-    batched = {k: v for k, v in inputs.items() if k not in replicated}
-    batch = batch_size((batched, targets), dim)
+    reference both use. ``dim`` is the batch dimension (:func:`dim_of`: an int, or a dict
+    by input name and ``"targets"``). Inputs named in ``replicated`` go whole to every
+    micro-batch; the rest follow :func:`split_batch` along their own dimension."""
+    batch = batch_rows(inputs, targets, dim, replicated)
     if m < 1 or batch % m:
         raise WorkloadError(
             f"batch size {batch} is not divisible into {m} micro-batches; "
             f"choose a micro-batch count that divides {batch}"
         )
-    parts = split_batch(batched, m, dim, batch)
-    target_parts = split_batch(targets, m, dim, batch)
-    return [({k: part[k] if k in part else inputs[k] for k in inputs}, t)
-            for part, t in zip(parts, target_parts, strict=True)]
+    parts = {k: [v] * m if k in replicated else split_batch(v, m, dim_of(dim, k), batch)
+             for k, v in inputs.items()}
+    target_parts = split_batch(targets, m, dim_of(dim, TARGETS), batch)
+    return [({k: p[i] for k, p in parts.items()}, target_parts[i]) for i in range(m)]

@@ -39,7 +39,7 @@ from orgel.split.materialize import (
 )
 from orgel.worker.engine import OptimizerFactory, RankEngine
 from orgel.worker.pipe import OwnRank, Pipeline, model_aliases
-from orgel.workload import Workload, validate_workload, with_precision
+from orgel.workload import BatchDim, Workload, validate_workload, with_precision
 
 
 def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
@@ -81,6 +81,7 @@ def pipeline(
     check_finite: bool = False,
     init: Init | None = None,
     weights: WeightsArg | None = None,
+    batch_dim: BatchDim = 0,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -92,9 +93,16 @@ def pipeline(
     ``microbatches="auto"`` lets the planner choose the count for the example
     batch (each size it tries is profiled; ``pipe.plan.meta["microbatch_search"]``
     lists them); with a given ``plan``, "auto" takes the plan's count.
-    Every input tensor whose size along dim 0 is the batch size is split into
-    micro-batches; name the inputs that are not batched (a lookup table, a
-    temperature) in ``replicated`` and every micro-batch gets them whole.
+    Every input tensor whose size along its batch dimension is the batch size is
+    split into micro-batches; name the inputs that are not batched (a lookup table,
+    a temperature) in ``replicated`` and every micro-batch gets them whole.
+    ``batch_dim``: the batch dimension, one int for every input and the targets
+    (``batch_dim=1`` for sequence-first ``[T, B]`` data), or a dict by input name
+    with a ``"targets"`` entry for the targets (names left out: 0); see
+    :func:`orgel.workload.dim_of`. A batch of other sizes than the example (another
+    sequence length or batch size) trains without planning again where the capture
+    left those sizes symbolic (:mod:`orgel.graph.sizes`); ``step`` raises
+    :class:`~orgel.graph.sizes.ShapeError` before any rank starts for one it cannot take.
     ``precision``: ``"32"`` (default), ``"bf16-mixed"`` (the forward and
     ``loss_fn`` under ``torch.autocast`` with bfloat16, as one process would run
     them) or ``"16-mixed"`` (float16, with GradScaler's loss scaling for the whole
@@ -117,14 +125,14 @@ def pipeline(
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:
         optimizer = default_optimizer
-    workload = with_precision(Workload(model, inputs, targets, loss_fn,
+    workload = with_precision(Workload(model, inputs, targets, loss_fn, batch_dim=batch_dim,
                                        replicated=tuple(replicated)), precision)
     if loss_scale is not None and not scales_loss(precision):
         raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
                          f"precision={precision!r} does not scale the loss")
     scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
     executor_options = {"replicated": workload.replicated, "loss_scaling": scaling,
-                        "check_finite": check_finite}
+                        "check_finite": check_finite, "batch_dim": batch_dim}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)

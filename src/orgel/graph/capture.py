@@ -147,10 +147,7 @@ def _dynamic_or_static(model: torch.nn.Module, named: dict[str, Any],
     try:
         return _dynamo_graph(model, named, autocast, dynamic=True)
     except Exception as exc:  # noqa: BLE001 - any failure: the static capture decides
-        try:
-            raw = _dynamo_graph(model, named, autocast)
-        except Exception:
-            raise exc from None
+        raw = _dynamo_graph(model, named, autocast)  # its error, if any, is today's error
         notes.append(f"captured with static sizes: the symbolic capture failed "
                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
         return raw

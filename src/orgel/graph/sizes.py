@@ -170,7 +170,7 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
         shape_env = getattr(getattr(value, "fake_mode", None), "shape_env", shape_env)
         dims: list[int | str] = []
         for d, size in enumerate(value.shape):
-            expr = size if isinstance(size, int) else size.node.expr
+            expr = size if isinstance(size, int) else _expr(size)
             if not isinstance(expr, sympy.Symbol):  # fixed by a guard (or never symbolic)
                 if not isinstance(expr, (int, sympy.Integer)):
                     raise CaptureError(f"{node.name} dim {d} has size {size}")
@@ -183,10 +183,17 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
         if role[0] == "input":
             inputs[role[1]] = tuple(dims)
     size_nodes = set()
+    fixed: list[tuple[torch.fx.Node, int]] = []
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
         if node.op == "placeholder" and isinstance(value, torch.SymInt):
-            expr = value.node.expr
+            expr = _expr(value)
+            if isinstance(expr, sympy.Integer):  # a size a guard fixed later: a number
+                fixed.append((node, int(expr)))
+                continue
+            if expr not in bound and not node.users:  # a size no op reads (fixed later)
+                fixed.append((node, 0))
+                continue
             if expr not in bound:
                 raise CaptureError(f"size {node.name} ({expr}) is no input's dimension")
             roles[node.name] = ("size", bound[expr])
@@ -197,6 +204,14 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
             if any(n not in size_nodes for n in node.all_input_nodes):
                 raise CaptureError(f"size node {node.name} reads a tensor")
             size_nodes.add(node)
+    for node, number in fixed:
+        for user in list(node.users):
+            user.args = pytree.tree_map(lambda a, n=node, v=number: v if a is n else a,
+                                        user.args)
+            user.kwargs = pytree.tree_map(lambda a, n=node, v=number: v if a is n else a,
+                                          user.kwargs)
+        gm.graph.erase_node(node)
+        roles.pop(node.name, None)
     symbols = {str(s): s for s in bound}
     guards: list[Any] = []
     ranges: dict[str, tuple[int, int | None]] = {}
@@ -208,6 +223,15 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
             if vr is not None:
                 ranges[str(s)] = (_bound(vr.lower) or 0, _bound(vr.upper))
     gm.meta["orgel_shapes"] = Shapes(inputs, guards, ranges, symbols)
+
+
+def _expr(size: torch.SymInt) -> Any:
+    """A symbolic size's expression after the guards' replacements (a number once fixed)."""
+    node = size.node
+    try:
+        return node.shape_env.replace(node.expr)
+    except Exception:  # noqa: BLE001 - no shape environment: the expression as it is
+        return node.expr
 
 
 def _bound(value: Any) -> int | None:
@@ -228,15 +252,15 @@ def batch_check(shapes: Shapes | None, microbatches: int, replicas: int, batch_d
     """``check(named, targets)``: raise in the caller, before any rank starts a step, for a
     batch whose micro-batches (each replica's share of one) the graph does not take."""
     from orgel.runtime.stage import share
-    from orgel.workload import batch_size, split_microbatches
+    from orgel.workload import batch_rows, dim_of, split_microbatches
 
     def check(named: dict[str, Any], targets: Any) -> None:
         parts = split_microbatches(named, targets, microbatches, batch_dim, replicated)
         first, first_targets = parts[0]
         if replicas > 1:
-            batched = {k: v for k, v in first.items() if k not in replicated}
-            rows = batch_size((batched, first_targets), batch_dim)
-            first = {**first, **share(batched, 0, replicas, batch_dim, rows)}
+            rows = batch_rows(first, first_targets, batch_dim, replicated)
+            first = {k: v if k in replicated else share(v, 0, replicas, dim_of(batch_dim, k),
+                                                          rows) for k, v in first.items()}
         if shapes is not None:
             shapes.check(first, "micro-batch" if replicas == 1 else "replica's micro-batch")
 

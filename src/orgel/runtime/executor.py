@@ -46,7 +46,7 @@ from orgel.schedule.comm import derive_comm, replica_pairs
 from orgel.schedule.ir import Action, Plan
 from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
-from orgel.workload import batch_size, split_microbatches
+from orgel.workload import TARGETS, BatchDim, batch_rows, dim_of, single_dim, split_microbatches
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -83,7 +83,7 @@ class Executor:
                  rank: int | None = None, optimizer_factory: OptimizerFactory | None = None,
                  max_grad_norm: float | None = None, timeout: float = 60.0,
                  device: torch.device | str | None = None, dynamic_shapes: bool = False,
-                 batch_dim: int = 0, store: Any = None, check_plan: bool = True,
+                 batch_dim: BatchDim = 0, store: Any = None, check_plan: bool = True,
                  post_ahead: bool | None = None, check_finite: bool = False,
                  seed: int | None = None, replicated: tuple[str, ...] = (),
                  extra_params: dict[str, torch.nn.Parameter] | None = None,
@@ -111,6 +111,14 @@ class Executor:
         self.device = torch.device(device)
         self.max_grad_norm, self.timeout = max_grad_norm, timeout
         self.dynamic_shapes, self.batch_dim = dynamic_shapes, batch_dim
+        # values between stages are cut along one dimension (replicated stages only)
+        act_dim = single_dim(batch_dim)
+        if act_dim is None and any(len(r) > 1 for r in plan.placement):
+            raise ValueError(f"batch_dim={batch_dim!r} gives inputs different batch dimensions, "
+                             "but the plan replicates stages, whose values between stages are "
+                             "cut along one dimension: give one int batch_dim, or a plan "
+                             "without replicated stages")
+        self.act_dim = 0 if act_dim is None else act_dim
         self.check_finite = check_finite
         self.actions = plan.schedule[self.rank]
         self.stages = {s: StageInfo.build(plan, split, s, self.rank)
@@ -201,8 +209,7 @@ class Executor:
         self._inputs = [p for p, _ in parts]
         self._fetched = set()
         self._targets = [t for _, t in parts]
-        self._mb_rows = batch_size(({k: v for k, v in parts[0][0].items()
-                                     if k not in self.replicated}, parts[0][1]), self.batch_dim)
+        self._mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
         signature = _signature(inputs)
         exchange = self.dynamic_shapes or signature != self._signature
         self._runs: dict[tuple[int, int], Run] = {}
@@ -291,8 +298,8 @@ class Executor:
     def _rows(self, t: torch.Tensor, part: tuple[int, int, int], info: StageInfo) -> torch.Tensor:
         if part == (0, 1, 1):
             return t
-        start, stop = part_rows(part, info.replica, info.replicas, t.shape[self.batch_dim])
-        return t.narrow(self.batch_dim, start, stop - start)
+        start, stop = part_rows(part, info.replica, info.replicas, t.shape[self.act_dim])
+        return t.narrow(self.act_dim, start, stop - start)
 
     # -- forward ------------------------------------------------------------------
 
@@ -317,7 +324,7 @@ class Executor:
                                                                   part)]))
             for k, v in enumerate(edge.values):
                 t = (pieces[0][k] if len(pieces) == 1
-                     else torch.cat([p[k] for p in pieces], dim=self.batch_dim))
+                     else torch.cat([p[k] for p in pieces], dim=self.act_dim))
                 leaves[v.name] = t.detach().requires_grad_(self._carries_grad(v.name, t))
         stage = info.stage
         mb = self._inputs[m]
@@ -339,7 +346,8 @@ class Executor:
             return int(self._model_input(info, mb, size[0]).shape[size[1]])
         if name in self.replicated:
             return mb[name]
-        return share(mb[name], info.replica, info.replicas, self.batch_dim, self._mb_rows)
+        return share(mb[name], info.replica, info.replicas, dim_of(self.batch_dim, name),
+                     self._mb_rows)
 
     def _draws(self, stage: int, m: int) -> Any:
         """The random stream of stage ``stage``'s forward on micro-batch ``m`` this step."""
@@ -357,8 +365,8 @@ class Executor:
         if not info.is_loss:
             return outputs, None
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
-        targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim,
-                        self._mb_rows)
+        targets = share(self._targets[m], info.replica, info.replicas,
+                        dim_of(self.batch_dim, TARGETS), self._mb_rows)
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
         if self.check_finite and not bool(torch.isfinite(loss).all()):
             raise FloatingPointError(f"the loss of micro-batch {m} is {loss.item()} "
@@ -389,7 +397,7 @@ class Executor:
                     if part == (0, 1, 1):  # the whole value (a scalar has no rows to cut)
                         pieces.setdefault(name, []).append((-1, -1, g))
                         continue
-                    rows = run.outputs[info.out_index[name]].shape[self.batch_dim]
+                    rows = run.outputs[info.out_index[name]].shape[self.act_dim]
                     start, stop = part_rows(part, info.replica, info.replicas, rows)
                     pieces.setdefault(name, []).append((start, stop, g))
             self._local_grads.pop((e, m), None)
@@ -400,7 +408,7 @@ class Executor:
                 continue
             total = torch.zeros_like(run.outputs[info.out_index[name]])
             for start, stop, g in parts:
-                target = total if start == -1 else total.narrow(self.batch_dim, start,
+                target = total if start == -1 else total.narrow(self.act_dim, start,
                                                                 stop - start)
                 target.add_(g)
             result[name] = total
