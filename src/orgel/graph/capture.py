@@ -148,8 +148,9 @@ def _dynamic_or_static(model: torch.nn.Module, named: dict[str, Any],
         return _dynamo_graph(model, named, autocast, dynamic=True)
     except Exception as exc:  # noqa: BLE001 - any failure: the static capture decides
         raw = _dynamo_graph(model, named, autocast)  # its error, if any, is today's error
+        reason = (str(exc).splitlines() or [""])[0][:200]
         notes.append(f"captured with static sizes: the symbolic capture failed "
-                     f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
+                     f"({type(exc).__name__}: {reason})")
         return raw
 
 

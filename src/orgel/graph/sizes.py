@@ -139,7 +139,7 @@ def size_settings(dynamic: bool) -> Any:
         return contextlib.nullcontext()
     import torch.fx.experimental._config as fx_config
 
-    return fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
+    return fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)  # type: ignore[attr-defined]
 
 
 def is_symbolic(value: Any) -> bool:

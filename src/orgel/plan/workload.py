@@ -100,9 +100,8 @@ def microbatch_rows(workload: Any, microbatches: int) -> int | None:
     """Rows of one micro-batch along the workload's batch dimension (None: no tensor input)."""
     import torch
 
-    from orgel.workload import microbatches as split_batches
-
     from orgel.workload import batch_rows
+    from orgel.workload import microbatches as split_batches
 
     first, targets = split_batches(workload, microbatches)[0]
     inputs = {k: v for k, v in first.items() if k not in workload.replicated}
