@@ -59,7 +59,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
     ``dynamic`` (Dynamo route): capture with symbolic sizes (:mod:`orgel.graph.sizes`),
     so the graph runs on batches of other sizes; where the model's code fixes a size
     it stays static, and where the symbolic capture fails the capture is static
-    (``graph.sizes.notes`` says why). Facts are measured at the example's sizes.
+    (``graph.notes`` says why). Facts are measured at the example's sizes.
     """
     dtype = autocast_dtype(precision)
     if method not in METHODS:
@@ -103,8 +103,18 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                     raise CaptureError(f"torch.compile could not capture the model: {exc}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
                 raw = _export_graph(model, traced)
-        used = "export" if method == "export" or (notes and glue is None) else "dynamo"
-        graph = measure(model, named, raw, notes, used)
+        exported = any(n.startswith("dynamo failed") for n in notes)
+        used = "export" if method == "export" or (exported and glue is None) else "dynamo"
+        try:
+            graph = measure(model, named, raw, notes, used)
+        except Exception as exc:  # noqa: BLE001
+            if "orgel_shapes" not in raw[0].meta:
+                raise
+            # the symbolic graph did not run where the static one may: capture that one
+            raw = _dynamo_graph(model, traced, dtype)
+            notes.append(f"captured with static sizes: the symbolic graph failed to run "
+                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
+            graph = measure(model, named, raw, notes, used)
         graph.glue = glue
         if glue is not None:  # several graphs: every graph call checks its own shapes
             graph.shapes = static_shapes(named)
