@@ -193,7 +193,7 @@ def test_a_wrong_batch_dim_is_refused_in_the_caller() -> None:
 
     model, inputs, targets, loss_fn = _seq_first()
     # the default batch_dim=0 would cut [T, B] along time
-    with pytest.raises(WorkloadError, match=r"not batched along batch_dim=0.*batch_dim=1"):
+    with pytest.raises(WorkloadError, match=r"cut along batch_dim=0.*the batch is dim 1.*batch_dim=1"):
         pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, threads=1)
     with pytest.raises(WorkloadError, match=r"batch_dim names \['ids'\].*inputs are \['tokens'\]"):
         pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, threads=1,

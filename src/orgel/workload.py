@@ -201,18 +201,48 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
 
 
 def _check_rows(w: Workload, named: dict[str, Any], m: int) -> None:
-    """Raise when the last micro-batch's outputs (eval mode) are not those rows of the whole
-    batch's outputs: the inputs are not batched along ``batch_dim`` (``[T, B]`` data cut
-    along time, say), so a pipeline would train something else than one process."""
+    """Raise when ``batch_dim`` is not the batch but another dimension is.
+
+    In eval mode, the last micro-batch's outputs should be the same rows of the whole
+    batch's outputs. Where they are not (``[T, B]`` data cut along time, or a model that
+    uses batch statistics, which orgel leaves alone) and they are when the batch is cut
+    along another dimension, the error names that dimension.
+    """
+    import dataclasses
+
     w.model.eval()
+    if _rows_agree(w, named, m) is not False:
+        return
+    ndim = max((t.dim() for t in _tensors(named)), default=0)
+    for d in range(ndim):
+        if d == single_dim(w.batch_dim):
+            continue
+        other = dataclasses.replace(w, batch_dim=d)
+        try:
+            agree = _rows_agree(other, named, m)
+        except WorkloadError:  # no batch along d
+            continue
+        if agree:
+            raise WorkloadError(
+                f"the model's outputs for the last of {m} micro-batches are not the same rows "
+                f"of its outputs for the whole batch when cut along batch_dim={w.batch_dim!r}, "
+                f"and they are when cut along dim {d}: the batch is dim {d} (sequence-first "
+                f"[T, B] data, say); pass batch_dim={d} (or a dict {{input name: dim, "
+                "'targets': dim}})")
+
+
+def _rows_agree(w: Workload, named: dict[str, Any], m: int) -> bool | None:
+    """Whether the last micro-batch's outputs are those rows of the whole batch's outputs
+    (None: nothing to compare)."""
     inputs, _ = split_microbatches(named, w.targets, m, w.batch_dim, w.replicated)[-1]
     try:
         whole = pytree.tree_leaves(w.model(**named))
         part = pytree.tree_leaves(w.model(**inputs))
-    except Exception:  # noqa: BLE001 - a model that cannot run so in eval mode: no check
-        return
-    batch, d = batch_rows(named, w.targets, w.batch_dim, w.replicated), dim_of(w.batch_dim,
-                                                                              TARGETS)
+    except Exception:  # noqa: BLE001 - a model that cannot run so: nothing to compare
+        return None
+    batch = batch_rows(named, w.targets, w.batch_dim, w.replicated)
+    d = dim_of(w.batch_dim, TARGETS)
+    compared = None
     for full, piece in zip(whole, part, strict=False):
         if not (isinstance(full, torch.Tensor) and isinstance(piece, torch.Tensor)
                 and full.dtype.is_floating_point and full.dim() > d
@@ -222,13 +252,10 @@ def _check_rows(w: Workload, named: dict[str, Any], m: int) -> None:
         if rows.shape != piece.shape:
             continue
         scale = float(rows.abs().max()) if rows.numel() else 0.0
+        compared = True
         if not torch.allclose(rows.float(), piece.float(), rtol=1e-3, atol=1e-4 * (1 + scale)):
-            raise WorkloadError(
-                f"the model's outputs for the last of {m} micro-batches are not the same rows "
-                f"of its outputs for the whole batch, so the inputs are not batched along "
-                f"batch_dim={w.batch_dim!r} (e.g. sequence-first [T, B] data cut along time): "
-                "give the dimension that is the batch, batch_dim=1 for [T, B] inputs and "
-                "targets, or a dict {input name: dim, 'targets': dim}")
+            return False
+    return compared
 
 
 def _batch_size(w: Workload) -> int:
