@@ -104,8 +104,9 @@ def run(name: str, args: argparse.Namespace) -> dict[str, float]:
               "ordinary": statistics.median(again)}
     print(f"{name:6s} tokens/s as given {result['given']:9.0f}  padded to {args.max_len} "
           f"{result['padded']:9.0f}  ratio {result['ratio']:.2f}x  | first step at a new "
-          f"length: +{result['new_extra'] * 1e3:.0f} ms median (+{result['new_extra_max'] * 1e3:.0f}"
-          f" ms max) over an ordinary step of {result['ordinary'] * 1e3:.0f} ms median",
+          f"length: {result['new_extra'] * 1e3:+.0f} ms median "
+          f"({result['new_extra_max'] * 1e3:+.0f} ms max) against an ordinary step of "
+          f"{result['ordinary'] * 1e3:.0f} ms median",
           flush=True)
     return result
 

@@ -92,9 +92,19 @@ class Branchy(nn.Module):
         return self.out(torch.relu(self.mid(h)))
 
 
-def _branchy() -> Any:
+class LongEnough(Branchy):
+    """A model whose code branches on a bound: the graph holds for lengths above 4 only."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        if tokens.shape[1] > 4:
+            h = h * 2
+        return self.out(torch.relu(self.mid(h)))
+
+
+def _branchy(kind: type[Branchy] = Branchy) -> Any:
     torch.manual_seed(0)
-    model = Branchy()
+    model = kind()
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -103,19 +113,26 @@ def _branchy() -> Any:
     return model, (tokens,), targets, loss_fn
 
 
-def test_a_size_the_model_fixes_is_refused_before_the_step_and_training_goes_on() -> None:
-    model, inputs, targets, loss_fn = _branchy()
-    ok = [_batch((8, 6), 1), _batch((16, 6), 2)]  # other batch sizes: dim 0 is free
+@pytest.mark.parametrize(("kind", "ok_len", "error"), [
+    (Branchy, 6, r"input 'tokens' has size 3 along dim 1.*fixed to size 6.*this step did not run"),
+    (LongEnough, 9, r"'tokens' dim 1 has size 3, but the captured graph holds for sizes >= 5 "
+                    r"there only.*this step did not run"),
+])
+def test_a_size_the_model_fixes_is_refused_before_the_step_and_training_goes_on(
+        kind: type[Branchy], ok_len: int, error: str) -> None:
+    model, inputs, targets, loss_fn = _branchy(kind)
+    # other batch sizes (dim 0 is free), and for LongEnough another length above 4
+    ok = [_batch((8, 6), 1), _batch((16, ok_len), 2)]
     with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=4, optimizer=_sgd,
                   threads=1) as pipe:
         first = pipe.step((ok[0][0],), ok[0][1])
-        # 8 x 3 micro-batches where 2 x 6 were captured: the same element count
+        # 8 x 3 micro-batches where 2 x 6 were captured: the same element count, and a
+        # length for which one process takes the other branch
         bad = _batch((32, 3), 3)
-        with pytest.raises(ShapeError, match=r"input 'tokens' has size 3 along dim 1.*fixed "
-                                             r"to size 6.*this step did not run"):
+        with pytest.raises(ShapeError, match=error):
             pipe.step((bad[0],), bad[1])
         second = pipe.step((ok[1][0],), ok[1][1])
-        reference, ref_losses = _reference(_branchy, ok, lambda m, x: m(x))
+        reference, ref_losses = _reference(lambda: _branchy(kind), ok, lambda m, x: m(x))
         assert [first, second] == pytest.approx(ref_losses, rel=1e-5)
         _assert_close(pipe.state_dict(), reference)
 
@@ -193,7 +210,8 @@ def test_a_wrong_batch_dim_is_refused_in_the_caller() -> None:
 
     model, inputs, targets, loss_fn = _seq_first()
     # the default batch_dim=0 would cut [T, B] along time
-    with pytest.raises(WorkloadError, match=r"cut along batch_dim=0.*the batch is dim 1.*batch_dim=1"):
+    with pytest.raises(WorkloadError,
+                       match=r"cut along batch_dim=0.*the batch is dim 1.*batch_dim=1"):
         pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, threads=1)
     with pytest.raises(WorkloadError, match=r"batch_dim names \['ids'\].*inputs are \['tokens'\]"):
         pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, threads=1,
