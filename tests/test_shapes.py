@@ -76,6 +76,21 @@ def test_gpt_trains_exactly_on_other_lengths_and_batch_sizes() -> None:
         _assert_close(pipe.state_dict(), reference)
 
 
+def test_replicated_stages_take_their_share_of_other_sizes() -> None:
+    """dp=2: each replica reads its sizes off its own rows of the micro-batch."""
+    model, _, _, loss_fn = _gpt()
+    tokens, targets = _batch((8, 16), 0)
+    shapes = [(8, 16), (8, 40), (16, 7), (8, 16)]
+    batches = [_batch(s, 40 + i) for i, s in enumerate(shapes)]
+    with pipeline(model, (tokens,), targets, loss_fn, ranks=2, dp=2, microbatches=2,
+                  optimizer=_sgd, threads=1) as pipe:
+        assert all(len(r) == 2 for r in pipe.plan.placement)
+        losses = [pipe.step((x,), y) for x, y in batches]
+        reference, ref_losses = _reference(_gpt, batches, lambda m, x: m(x))
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        _assert_close(pipe.state_dict(), reference)
+
+
 class Branchy(nn.Module):
     """A model whose code fixes the sequence length: it branches on it."""
 
