@@ -237,3 +237,26 @@ def test_a_wrong_batch_dim_is_refused_in_the_caller() -> None:
         loss = pipe.step(inputs, targets)
     _, [expected] = _reference(_seq_first, [(inputs[0], targets)], lambda m, x: m(x))
     assert loss == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.hf
+def test_hf_opt_whose_code_reads_tensor_sizes_trains_exactly_at_other_lengths() -> None:
+    """OPT calls ``hidden_states.size()``: capture writes it with the size placeholders."""
+    from archzoo import archs
+
+    make = archs()["hf_opt"]
+    model, inputs, targets, loss_fn = tuple(make())[:4]
+    vocab = model.config.vocab_size
+    shapes = [(4, 16), (4, 24), (8, 9), (4, 16)]
+    batches = []
+    for i, shape in enumerate(shapes):
+        g = torch.Generator().manual_seed(50 + i)
+        tokens = torch.randint(0, vocab, shape, generator=g)
+        batches.append((tokens, torch.roll(tokens, -1, dims=1)))
+    with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, optimizer=_sgd,
+                  threads=1) as pipe:
+        losses = [pipe.step({"input_ids": x}, y) for x, y in batches]
+        reference, ref_losses = _reference(lambda: tuple(make())[:4], batches,
+                                           lambda m, x: m(input_ids=x))
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        _assert_close(pipe.state_dict(), reference)

@@ -182,6 +182,7 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
             dims.append(str(expr))
         if role[0] == "input":
             inputs[role[1]] = tuple(dims)
+    _sizes_from_symbols(gm)
     size_nodes = set()
     fixed: list[tuple[torch.fx.Node, int]] = []
     for node in gm.graph.nodes:
@@ -223,6 +224,55 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
             if vr is not None:
                 ranges[str(s)] = (_bound(vr.lower) or 0, _bound(vr.upper))
     gm.meta["orgel_shapes"] = Shapes(inputs, guards, ranges, symbols)
+
+
+def _sizes_from_symbols(gm: torch.fx.GraphModule) -> None:
+    """Replace ``x.size()`` / ``x.size(d)`` on a tensor by the size placeholders it equals.
+
+    Such a node reads a tensor only for its shape; written with the placeholders it is
+    a size node like any other, which every stage recomputes. A dimension that is no
+    single symbol (``2 * s27``) is left alone (the capture then falls back to static).
+    """
+    import sympy
+
+    by_symbol = {_expr(n.meta["example_value"]): n for n in gm.graph.nodes
+                 if n.op == "placeholder" and isinstance(n.meta.get("example_value"),
+                                                         torch.SymInt)}
+
+    def term(size: Any) -> Any:
+        expr = size if isinstance(size, int) else _expr(size)
+        if isinstance(expr, (int, sympy.Integer)):
+            return int(expr)
+        if expr in by_symbol:
+            return by_symbol[expr]
+        raise KeyError(expr)
+
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_method" and node.target == "size" and node.args
+                and isinstance(node.args[0], torch.fx.Node)):
+            continue
+        value = node.meta.get("example_value")
+        try:
+            if isinstance(value, torch.Size):
+                dims = [term(d) for d in value]
+                with gm.graph.inserting_before(node):
+                    new = gm.graph.call_function(torch.Size, (dims,))
+                new.meta["example_value"] = value
+            elif isinstance(value, (int, torch.SymInt)):
+                new = term(value)
+            else:
+                continue
+        except KeyError:
+            continue
+        if isinstance(new, torch.fx.Node):
+            node.replace_all_uses_with(new)
+        else:
+            for user in list(node.users):
+                user.args = pytree.tree_map(lambda a, n=node, v=new: v if a is n else a,
+                                            user.args)
+                user.kwargs = pytree.tree_map(lambda a, n=node, v=new: v if a is n else a,
+                                              user.kwargs)
+        gm.graph.erase_node(node)
 
 
 def _expr(size: torch.SymInt) -> Any:
