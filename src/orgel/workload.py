@@ -4,8 +4,9 @@ A training workload is a model, its example inputs (a tuple of positional
 tensors or a dict of keyword tensors), the targets (a tensor or a tuple of
 tensors) and ``loss_fn(outputs, targets)`` returning a scalar averaged over the
 batch. Every tensor with a batch dimension (``batch_dim``, 0 unless told
-otherwise) is split into micro-batches; tensors without one are passed whole to
-every micro-batch. CLI commands name a workload as ``path/to/file.py:function``.
+otherwise; one int, or a dict by input name and ``"targets"``: :func:`dim_of`) is
+split into micro-batches; tensors without one are passed whole to every micro-batch.
+CLI commands name a workload as ``path/to/file.py:function``.
 """
 
 from __future__ import annotations

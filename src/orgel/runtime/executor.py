@@ -59,7 +59,8 @@ class Executor:
     ...)``, built over this rank's parameters; ``None``: gradients only),
     ``max_grad_norm`` (clip by the global norm over all ranks), ``timeout``
     (seconds for every wait), ``device``, ``dynamic_shapes`` (exchange shapes every
-    step), ``batch_dim``, ``store`` (rendezvous store; default: the process group's),
+    step), ``batch_dim`` (an int, or a dict by input name and ``"targets"``:
+    :func:`orgel.workload.dim_of`), ``store`` (rendezvous store; default: the process group's),
     ``post_ahead`` (post every receive at the step's start; default: yes for gloo, no for
     NCCL, whose pair streams match in order, so receives go just in time in channel order),
     ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss),
