@@ -42,17 +42,17 @@ def lm_loss(logits: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-def gpt(vocab: int, max_len: int) -> torch.nn.Module:
-    model, *_ = build("gpt", batch_size=8, seed=0, vocab_size=vocab, d_model=128, n_layers=4,
-                      n_heads=4, seq_len=max_len)
+def gpt(vocab: int, max_len: int, width: int, layers: int) -> torch.nn.Module:
+    model, *_ = build("gpt", batch_size=8, seed=0, vocab_size=vocab, d_model=width,
+                      n_layers=layers, n_heads=4, seq_len=max_len)
     return model
 
 
-def llama(vocab: int, max_len: int) -> torch.nn.Module:
+def llama(vocab: int, max_len: int, width: int, layers: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=max_len, use_cache=False, bos_token_id=0,
                          eos_token_id=1, attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def timed(pipe: Any, call: Any, tokens: torch.Tensor, targets: torch.Tensor) -> 
 
 
 def run(name: str, args: argparse.Namespace) -> dict[str, float]:
-    model = (gpt if name == "gpt" else llama)(args.vocab, args.max_len)
+    model = (gpt if name == "gpt" else llama)(args.vocab, args.max_len, args.width, args.layers)
     call = (lambda t: (t,)) if name == "gpt" else (lambda t: {"input_ids": t})
     tokens, targets = batch(args.batch, args.plan_len, args.vocab, 0)
     lengths = [int(x) for x in torch.randint(args.min_len, args.max_len + 1, (args.steps,),
@@ -99,10 +99,12 @@ def run(name: str, args: argparse.Namespace) -> dict[str, float]:
             pad += timed(pipe, call, *padded(x, y, args.max_len))
     real = sum(lengths) * args.batch
     extra = [a - b for a, b in zip(new, again, strict=True)]
-    result = {"given": real / given, "padded": real / pad, "ratio": pad / given,
+    result = {"length": statistics.mean(lengths), "given": real / given, "padded": real / pad,
+              "ratio": pad / given,
               "new_extra": statistics.median(extra), "new_extra_max": max(extra),
               "ordinary": statistics.median(again)}
-    print(f"{name:6s} tokens/s as given {result['given']:9.0f}  padded to {args.max_len} "
+    print(f"{name:6s} mean length {result['length']:.0f}: tokens/s as given "
+          f"{result['given']:9.0f}  padded to {args.max_len} "
           f"{result['padded']:9.0f}  ratio {result['ratio']:.2f}x  | first step at a new "
           f"length: {result['new_extra'] * 1e3:+.0f} ms median "
           f"({result['new_extra_max'] * 1e3:+.0f} ms max) against an ordinary step of "
@@ -121,11 +123,14 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--plan-len", type=int, default=128, help="the example's length")
     parser.add_argument("--vocab", type=int, default=1000)
+    parser.add_argument("--width", type=int, default=256, help="d_model / hidden_size")
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     print(f"load: {os.getloadavg()}; {args.steps} steps, batch {args.batch}, "
           f"{args.microbatches} micro-batches, lengths {args.min_len}-{args.max_len}, "
-          f"planned at {args.plan_len}", flush=True)
+          f"planned at {args.plan_len}; width {args.width}, {args.layers} layers, vocab "
+          f"{args.vocab}", flush=True)
     for name in (["gpt", "llama"] if args.model == "both" else [args.model]):
         run(name, args)
 

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec
 from orgel.graph.regions import collapse_transforms
-from orgel.graph.sizes import is_symbolic, static_shapes
+from orgel.graph.sizes import is_symbolic, static_shapes, symbolic_shapes
 
 # Nodes that switch state rather than compute: recorded as each node's grad mode.
 GRAD_SWITCH = torch._C._set_grad_enabled
@@ -191,6 +191,7 @@ def measure(
         written=_written_buffers(graph, attr_of, buffers), sizes=sizes,
         size_nodes=sorted(size_nodes - set(sizes)),
         shapes=gm.meta.get("orgel_shapes") or static_shapes(named),
+        symbolic_shapes=symbolic_shapes(graph, nodes) if sizes else {},
     )
 
 

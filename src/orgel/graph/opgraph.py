@@ -129,6 +129,8 @@ class OpGraph:
     size_nodes: list[str] = field(default_factory=list)
     #: the input sizes the graph takes (:class:`orgel.graph.sizes.Shapes`)
     shapes: Any = None
+    #: each tensor value's shape in the size symbols (ints and sympy expressions)
+    symbolic_shapes: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @property
     def outputs(self) -> list[str]:

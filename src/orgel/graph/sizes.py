@@ -226,6 +226,33 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
     gm.meta["orgel_shapes"] = Shapes(inputs, guards, ranges, symbols)
 
 
+def symbolic_shapes(graph: torch.fx.Graph, names: Any) -> dict[str, tuple[Any, ...]]:
+    """Each tensor node named in ``names``: ``(shape, dtype)``, the shape in the size symbols
+    (from Dynamo's fake value; ints where fixed)."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for node in graph.nodes:
+        value = node.meta.get("example_value")
+        if node.name in names and isinstance(value, torch.Tensor):
+            shape = tuple(d if isinstance(d, int) else _expr(d) for d in value.shape)
+            out[node.name] = (shape, value.dtype)
+    return out
+
+
+def evaluate_shape(shape: tuple[Any, ...], values: dict[Any, int]) -> tuple[int, ...] | None:
+    """``shape`` (from :func:`symbolic_shapes`) at the symbol ``values``; None if it cannot."""
+    out = []
+    for d in shape:
+        if isinstance(d, int):
+            out.append(d)
+            continue
+        try:
+            v = d.xreplace(values)
+            out.append(int(v))
+        except (TypeError, ValueError, AttributeError):
+            return None
+    return tuple(out)
+
+
 def _sizes_from_symbols(gm: torch.fx.GraphModule) -> None:
     """Replace ``x.size()`` / ``x.size(d)`` on a tensor by the size placeholders it equals.
 

@@ -213,6 +213,11 @@ class Executor:
         self._mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
         signature = _signature(inputs)
         exchange = self.dynamic_shapes or signature != self._signature
+        if exchange and self._signature is not None and not self.dynamic_shapes:
+            known = self._message_shapes(parts[0][0])
+            if known is not None:  # every rank computes them alike: no exchange
+                self.transport.set_shapes(known)
+                exchange = False
         self._runs: dict[tuple[int, int], Run] = {}
         self._inbox: dict[int, list[torch.Tensor]] = {}
         self._local_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -253,6 +258,43 @@ class Executor:
         self._runs, self._inbox, self._local_grads = {}, {}, {}
         self.steps_done += 1
         return loss
+
+    def _message_shapes(self, first: dict[str, Any]
+                        ) -> dict[int, list[tuple[tuple[int, ...], torch.dtype]]] | None:
+        """This rank's incoming messages' shapes for micro-batches like ``first``, from the
+        values' shapes in the size symbols (symbolic capture); None where they are unknown
+        (then the ranks exchange them). The same answer on every rank: all or none."""
+        from orgel.graph.sizes import evaluate_shape
+
+        shapes, known = self.split.shapes, self.split.value_shapes
+        if shapes is None or not known or any(len(r) > 1 for r in self.plan.placement):
+            return None
+        values: dict[Any, int] = {}
+        for name, dims in shapes.inputs.items():
+            t = first.get(name)
+            for d, sym in enumerate(dims):
+                if isinstance(sym, str):
+                    if not isinstance(t, torch.Tensor) or sym not in shapes.symbols:
+                        return None
+                    values[shapes.symbols[sym]] = int(t.shape[d])
+        out: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        for i, msg in enumerate(self.comm.messages):
+            specs = []
+            for v in self.plan.stage_graph.edges[msg.edge].values:
+                if v.name not in known:
+                    return None
+                shape, dtype = known[v.name]
+                carries = ((dtype.is_floating_point or dtype.is_complex)
+                           and self.split.requires_grad.get(v.name, True))
+                if msg.grad and not carries:
+                    continue
+                size = evaluate_shape(shape, values)
+                if size is None:
+                    return None
+                specs.append((size, dtype))
+            if msg.dst_rank == self.rank:
+                out[i] = specs
+        return out
 
     # -- the action loop ----------------------------------------------------------
 

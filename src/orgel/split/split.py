@@ -305,6 +305,7 @@ def _build(
         model_input_names=list(opg.model_inputs),
         tied=sorted(n for n, ss in holders.items() if len(ss) > 1),
         requires_grad=requires_grad, sizes=dict(opg.sizes), shapes=opg.shapes,
+        value_shapes={n: opg.symbolic_shapes[n] for n in crossing if n in opg.symbolic_shapes},
     )
 
 

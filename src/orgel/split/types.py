@@ -76,6 +76,9 @@ class SplitModel:
     sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: the input sizes the stages take (:class:`orgel.graph.sizes.Shapes`; None: unknown)
     shapes: Any = None
+    #: the shape of each value sent between stages, in the size symbols (symbolic capture):
+    #: each rank computes a new batch's message shapes itself instead of exchanging them
+    value_shapes: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def with_sizes(self, named: dict[str, Any]) -> dict[str, Any]:
         """``named`` model inputs and, for every size input, its value on them."""
