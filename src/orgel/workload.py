@@ -4,8 +4,9 @@ A training workload is a model, its example inputs (a tuple of positional
 tensors or a dict of keyword tensors), the targets (a tensor or a tuple of
 tensors) and ``loss_fn(outputs, targets)`` returning a scalar averaged over the
 batch. Every tensor with a batch dimension (``batch_dim``, 0 unless told
-otherwise) is split into micro-batches; tensors without one are passed whole to
-every micro-batch. CLI commands name a workload as ``path/to/file.py:function``.
+otherwise; one int, or a dict by input name and ``"targets"``: :func:`dim_of`) is
+split into micro-batches; tensors without one are passed whole to every micro-batch.
+CLI commands name a workload as ``path/to/file.py:function``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,11 @@ import torch
 import torch.utils._pytree as pytree
 
 Targets = Any  # a tensor, a tuple/list of tensors, or None
+#: The batch dimension: one int for every input and the targets, or a dict from input
+#: name (and ``"targets"``) to its dimension; a name it leaves out is batched along 0.
+BatchDim = Any  # int | Mapping[str, int]
+
+TARGETS = "targets"
 
 
 class WorkloadError(ValueError):
@@ -36,7 +42,9 @@ class Workload:
     inputs: tuple[Any, ...] | dict[str, Any]
     targets: Targets
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    batch_dim: int = 0
+    #: the batch dimension (:func:`dim_of`): an int for everything, or a dict by input name
+    #: and ``"targets"``
+    batch_dim: BatchDim = 0
     #: names of inputs that are not batched: each micro-batch gets them whole
     replicated: tuple[str, ...] = ()
     #: ``"32"`` or ``"bf16-mixed"`` (:mod:`orgel.precision`): the autocast the forward is
@@ -165,6 +173,7 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
             "the model has no trainable parameters (none requires grad), so training would "
             "change nothing: unfreeze some (p.requires_grad_(True)) or run it without orgel"
         )
+    check_batch_dim(w.batch_dim, named, w.targets)
     batch = _batch_size(w)
     if batch % microbatches:
         raise WorkloadError(
@@ -187,33 +196,158 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
         )
     if not loss.dtype.is_floating_point:
         raise WorkloadError(f"loss_fn returned a {loss.dtype} tensor; it must be floating point")
+    if microbatches > 1 and not on_meta(w.model):
+        with untouched(w.model), torch.no_grad():
+            _check_rows(w, named, microbatches)
+
+
+def _check_rows(w: Workload, named: dict[str, Any], m: int) -> None:
+    """Raise when ``batch_dim`` is not the batch but another dimension is.
+
+    In eval mode, the last micro-batch's outputs should be the same rows of the whole
+    batch's outputs. Where they are not (``[T, B]`` data cut along time, or a model that
+    uses batch statistics, which orgel leaves alone) and they are when the batch is cut
+    along another dimension, the error names that dimension.
+    """
+    import dataclasses
+
+    w.model.eval()
+    if _rows_agree(w, named, m) is not False:
+        return
+    ndim = max((t.dim() for t in _tensors(named)), default=0)
+    for d in range(ndim):
+        if d == single_dim(w.batch_dim):
+            continue
+        other = dataclasses.replace(w, batch_dim=d)
+        try:
+            agree = _rows_agree(other, named, m)
+        except WorkloadError:  # no batch along d
+            continue
+        if agree:
+            raise WorkloadError(
+                f"the model's outputs for the last of {m} micro-batches are not the same rows "
+                f"of its outputs for the whole batch when cut along batch_dim={w.batch_dim!r}, "
+                f"and they are when cut along dim {d}: the batch is dim {d} (sequence-first "
+                f"[T, B] data, say); pass batch_dim={d} (or a dict {{input name: dim, "
+                "'targets': dim}})")
+
+
+def _rows_agree(w: Workload, named: dict[str, Any], m: int) -> bool | None:
+    """Whether the last micro-batch's outputs are those rows of the whole batch's outputs
+    (None: nothing to compare)."""
+    inputs, _ = split_microbatches(named, w.targets, m, w.batch_dim, w.replicated)[-1]
+    try:
+        whole = pytree.tree_leaves(w.model(**named))
+        part = pytree.tree_leaves(w.model(**inputs))
+    except Exception:  # noqa: BLE001 - a model that cannot run so: nothing to compare
+        return None
+    batch = batch_rows(named, w.targets, w.batch_dim, w.replicated)
+    d = dim_of(w.batch_dim, TARGETS)
+    compared = None
+    for full, piece in zip(whole, part, strict=False):
+        if not (isinstance(full, torch.Tensor) and isinstance(piece, torch.Tensor)
+                and full.dtype.is_floating_point and full.dim() > d
+                and full.shape[d] == batch and piece.shape[d] * m == batch):
+            continue
+        rows = full.narrow(d, batch - piece.shape[d], piece.shape[d])
+        if rows.shape != piece.shape:
+            continue
+        scale = float(rows.abs().max()) if rows.numel() else 0.0
+        compared = True
+        if not torch.allclose(rows.float(), piece.float(), rtol=1e-3, atol=1e-4 * (1 + scale)):
+            return False
+    return compared
 
 
 def _batch_size(w: Workload) -> int:
     named = named_inputs(w.model, w.inputs)
-    return batch_size(({k: v for k, v in named.items() if k not in w.replicated}, w.targets),
-                      w.batch_dim)
+    return batch_rows(named, w.targets, w.batch_dim, w.replicated)
+
+
+def dim_of(batch_dim: BatchDim, name: str) -> int:
+    """The batch dimension of input ``name`` (or of the targets, ``name="targets"``).
+
+    The one rule every part reads (the micro-batch split, each replica's share,
+    the planner's row count, ``orgel.backend``'s slicing): ``batch_dim`` is an int
+    for every input and the targets alike, or a dict by input name whose
+    ``"targets"`` entry is the targets' dimension; names it leaves out use 0.
+    """
+    if isinstance(batch_dim, Mapping):
+        return int(batch_dim.get(name, 0))
+    return int(batch_dim)
+
+
+def single_dim(batch_dim: BatchDim) -> int | None:
+    """The one dimension every value is batched along, or None when a dict gives several."""
+    if not isinstance(batch_dim, Mapping):
+        return int(batch_dim)
+    dims = {int(d) for d in batch_dim.values()}
+    if len(dims) > 1:
+        return None
+    return dims.pop() if dims else 0
+
+
+def check_batch_dim(batch_dim: BatchDim, inputs: dict[str, Any], targets: Targets) -> None:
+    """Raise :class:`WorkloadError` for a ``batch_dim`` that names no input or lies outside one."""
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, (int, Mapping)):
+        raise WorkloadError(f"batch_dim must be an int or a dict {{input name: dim}}, got "
+                            f"{batch_dim!r}")
+    if isinstance(batch_dim, Mapping):
+        unknown = sorted(set(batch_dim) - set(inputs) - {TARGETS})
+        if unknown:
+            raise WorkloadError(f"batch_dim names {unknown}, which are not inputs of the model; "
+                                f"its inputs are {list(inputs)} (and 'targets' for the targets)")
+        if TARGETS in inputs and TARGETS in batch_dim:
+            raise WorkloadError("the model has an input named 'targets', so batch_dim's "
+                                "'targets' entry is ambiguous: give one int for everything")
+        bad = [(k, d) for k, d in batch_dim.items() if not isinstance(d, int) or d < 0]
+    else:
+        bad = [("every input", batch_dim)] if batch_dim < 0 else []
+    if bad:
+        raise WorkloadError(f"batch_dim must be non-negative ints (count from the front); got "
+                            f"{bad}")
+    for name, value in [*inputs.items(), (TARGETS, targets)]:
+        d = dim_of(batch_dim, name)
+        tensors = _tensors(value)
+        if isinstance(batch_dim, Mapping) and name in batch_dim and tensors and all(
+                t.dim() <= d for t in tensors):
+            raise WorkloadError(f"batch_dim gives {name!r} batch dimension {d}, but it has "
+                                f"shape {tuple(tensors[0].shape)}")
+
+
+def batch_rows(inputs: dict[str, Any], targets: Targets, batch_dim: BatchDim = 0,
+               replicated: tuple[str, ...] | Any = ()) -> int:
+    """The batch size: every batched input's and the targets' size along its batch dimension.
+
+    Tensors without that dimension (scalars) are not batched, nor inputs named in
+    ``replicated``. Raises :class:`WorkloadError` when the sizes disagree or none has one.
+    """
+    sizes: dict[int, list[str]] = {}
+    for name, value in [*inputs.items(), (TARGETS, targets)]:
+        if name in replicated and name != TARGETS:
+            continue
+        d = dim_of(batch_dim, name)
+        for t in _tensors(value):
+            if t.dim() > d:
+                sizes.setdefault(int(t.shape[d]), []).append(f"{name}[dim {d}]")
+    if not sizes:
+        raise WorkloadError(
+            f"no input or target has a batch dimension (batch_dim={batch_dim!r}); give at "
+            "least one tensor with a batch dimension (or set batch_dim)")
+    if len(sizes) > 1:
+        seen = "; ".join(f"{n}: {', '.join(w[:3])}" for n, w in sorted(sizes.items()))
+        raise WorkloadError(
+            f"tensors disagree on the batch size ({seen}); give every batched input and "
+            "target the same batch size, set batch_dim to the dimension that is the batch "
+            "(an int, or a dict {input name: dim, 'targets': dim} for sequence-first "
+            "[T, B] inputs), and name the inputs that are not batched in "
+            "orgel.pipeline(..., replicated=[...])")
+    return next(iter(sizes))
 
 
 def batch_size(values: Any, dim: int = 0) -> int:
-    """The batch size of ``values`` (nested tuples/lists/dicts of tensors) along ``dim``.
-
-    The tensors that have a dimension ``dim`` must agree on its size; tensors
-    without one (scalars) are not batched. Raises :class:`WorkloadError` otherwise.
-    """
-    sizes = {int(t.shape[dim]) for t in _tensors(values) if t.dim() > dim}
-    if not sizes:
-        raise WorkloadError(
-            f"no input or target has a batch dimension {dim}; give at least one tensor "
-            "with a batch dimension (or set batch_dim)"
-        )
-    if len(sizes) > 1:
-        raise WorkloadError(
-            f"tensors disagree on the batch size along dim {dim}: {sorted(sizes)}; "
-            "give every batched input and target the same batch size, and name the "
-            "inputs that are not batched in orgel.pipeline(..., replicated=[...])"
-        )
-    return sizes.pop()
+    """The batch size of ``values`` (nested tuples/lists/dicts of tensors) along one ``dim``."""
+    return batch_rows({"values": values}, None, {"values": dim})
 
 
 def split_batch(value: Any, m: int, dim: int, batch: int) -> list[Any]:
@@ -246,31 +380,34 @@ def microbatches(w: Workload, m: int) -> list[tuple[dict[str, torch.Tensor], Tar
                               w.replicated)
 
 
-def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int, dim: int = 0,
-                       replicated: tuple[str, ...] = ()) -> list[tuple[dict[str, Any], Targets]]:
+def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int,
+                       dim: BatchDim = 0, replicated: tuple[str, ...] | Any = ()
+                       ) -> list[tuple[dict[str, Any], Targets]]:
     """``m`` micro-batches of named ``inputs`` and ``targets``: what the runtime and the
-    reference both use. Inputs named in ``replicated`` go whole to every micro-batch;
-    the rest follow :func:`split_batch`."""
-    batched = {k: v for k, v in inputs.items() if k not in replicated}
-    batch = batch_size((batched, targets), dim)
+    reference both use. ``dim`` is the batch dimension (:func:`dim_of`: an int, or a dict
+    by input name and ``"targets"``). Inputs named in ``replicated`` go whole to every
+    micro-batch; the rest follow :func:`split_batch` along their own dimension."""
+    batch = batch_rows(inputs, targets, dim, replicated)
     if m < 1 or batch % m:
         raise WorkloadError(
             f"batch size {batch} is not divisible into {m} micro-batches; "
             f"choose a micro-batch count that divides {batch}"
         )
-    parts = split_batch(batched, m, dim, batch)
-    target_parts = split_batch(targets, m, dim, batch)
-    return [({k: part[k] if k in part else inputs[k] for k in inputs}, t)
-            for part, t in zip(parts, target_parts, strict=True)]
+    parts = {k: [v] * m if k in replicated else split_batch(v, m, dim_of(dim, k), batch)
+             for k, v in inputs.items()}
+    target_parts = split_batch(targets, m, dim_of(dim, TARGETS), batch)
+    return [({k: p[i] for k, p in parts.items()}, target_parts[i]) for i in range(m)]
 
 
 def check_batch(example: tuple[dict[str, Any], Targets], batch: tuple[dict[str, Any], Targets],
-                microbatches: int, dim: int = 0, replicated: tuple[str, ...] = ()) -> None:
+                microbatches: int, dim: BatchDim = 0,
+                replicated: tuple[str, ...] = ()) -> None:
     """Raise :class:`WorkloadError` unless a step's named inputs and targets fit the pipeline.
 
     ``example`` is the batch the pipeline was built from (named inputs, targets).
     The step's inputs must have the same names, every tensor the example's dtype
-    (inputs and targets alike), the targets the inputs' batch size along ``dim``,
+    (inputs and targets alike), the targets the inputs' batch size along their batch
+    dimensions (``dim``: :func:`dim_of`),
     and that batch size must divide into ``microbatches``. Checked before any rank
     sees the batch, so a batch that fails here changes nothing.
     """
@@ -295,12 +432,12 @@ def check_batch(example: tuple[dict[str, Any], Targets], batch: tuple[dict[str, 
         _same_kind(f"target {k}", ex, got)
     batched = {k: v for k, v in inputs.items() if k not in replicated}
     if _tensors(batched) and _tensors(targets):
-        rows, target_rows = batch_size(batched, dim), batch_size(targets, dim)
+        rows, target_rows = batch_rows(batched, None, dim), batch_rows({}, targets, dim)
         if rows != target_rows:
             raise WorkloadError(
-                f"the inputs have batch size {rows} but the targets {target_rows} (along dim "
-                f"{dim}): give as many targets as inputs")
-    rows = batch_size((batched, targets), dim)
+                f"the inputs have batch size {rows} but the targets {target_rows} (batch_dim "
+                f"{dim!r}): give as many targets as inputs")
+    rows = batch_rows(inputs, targets, dim, replicated)
     if rows % microbatches:
         raise WorkloadError(
             f"batch size {rows} is not divisible into the pipeline's {microbatches} "

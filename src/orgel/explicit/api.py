@@ -43,7 +43,7 @@ from orgel.split.materialize import (
 from orgel.worker.engine import OptimizerFactory, RankEngine
 from orgel.worker.pipe import OwnRank, Pipeline
 from orgel.worker.state import model_aliases, own_stage_copies
-from orgel.workload import Workload, validate_workload, with_precision
+from orgel.workload import BatchDim, Workload, validate_workload, with_precision
 
 
 def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
@@ -89,6 +89,7 @@ def pipeline(
     lr: LearningRate | None = None,
     max_grad_norm: float | None = None,
     accumulate: int = 1,
+    batch_dim: BatchDim = 0,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -100,9 +101,16 @@ def pipeline(
     ``microbatches="auto"`` lets the planner choose the count for the example
     batch (each size it tries is profiled; ``pipe.plan.meta["microbatch_search"]``
     lists them); with a given ``plan``, "auto" takes the plan's count.
-    Every input tensor whose size along dim 0 is the batch size is split into
-    micro-batches; name the inputs that are not batched (a lookup table, a
-    temperature) in ``replicated`` and every micro-batch gets them whole.
+    Every input tensor whose size along its batch dimension is the batch size is
+    split into micro-batches; name the inputs that are not batched (a lookup table,
+    a temperature) in ``replicated`` and every micro-batch gets them whole.
+    ``batch_dim``: the batch dimension, one int for every input and the targets
+    (``batch_dim=1`` for sequence-first ``[T, B]`` data), or a dict by input name
+    with a ``"targets"`` entry for the targets (names left out: 0); see
+    :func:`orgel.workload.dim_of`. A batch of other sizes than the example (another
+    sequence length or batch size) trains without planning again where the capture
+    left those sizes symbolic (:mod:`orgel.graph.sizes`); ``step`` raises
+    :class:`~orgel.graph.sizes.ShapeError` before any rank starts for one it cannot take.
     ``precision``: ``"32"`` (default), ``"bf16-mixed"`` (the forward and
     ``loss_fn`` under ``torch.autocast`` with bfloat16, as one process would run
     them) or ``"16-mixed"`` (float16, with GradScaler's loss scaling for the whole
@@ -143,14 +151,14 @@ def pipeline(
                        max_grad_norm=max_grad_norm, accumulate=accumulate)
     loop = {"scheduler": scheduler, "lr": lr, "max_grad_norm": max_grad_norm,
             "accumulate": accumulate}
-    workload = with_precision(Workload(model, inputs, targets, loss_fn,
+    workload = with_precision(Workload(model, inputs, targets, loss_fn, batch_dim=batch_dim,
                                        replicated=tuple(replicated)), precision)
     if loss_scale is not None and not scales_loss(precision):
         raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
                          f"precision={precision!r} does not scale the loss")
     scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
     executor_options = {"replicated": workload.replicated, "loss_scaling": scaling,
-                        "check_finite": check_finite, **loop}
+                        "check_finite": check_finite, "batch_dim": batch_dim, **loop}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)
@@ -190,6 +198,7 @@ def pipeline(
                     aliases=aliases, spmd=False, source=source, accumulate=accumulate,
                     workload=workload, outputs=split.unflatten_outputs,
                     evaluation=_unflatten(evaluation))
+    pipe.check_sizes = shape_check(workload, split, the_plan)
     check_param_groups(pipe)
     return pipe
 
@@ -321,8 +330,18 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                     state_keys=keys, aliases=aliases, spmd=True, source=source,
                     accumulate=int(executor_options.get("accumulate", 1)), workload=workload,
                     outputs=split.unflatten_outputs, evaluation=_unflatten(evaluation))
+    pipe.check_sizes = shape_check(workload, split, the_plan)
     check_param_groups(pipe)
     return pipe
+
+
+def shape_check(workload: Workload, split: Any, plan: Plan) -> Any:
+    """The check ``Pipeline.step`` runs on a batch before any rank starts: the sizes the
+    split's stages take (:class:`orgel.graph.sizes.Shapes`) against its micro-batches."""
+    from orgel.graph.sizes import batch_check
+
+    return batch_check(split.shapes, plan.microbatches, len(plan.placement[0]),
+                       workload.batch_dim, workload.replicated)
 
 
 def one_graph_only(graph: Any) -> None:
@@ -362,13 +381,18 @@ def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
     return the_plan, split_for(workload, graph, the_plan), graph
 
 
-def capture_microbatch(workload: Workload, microbatches: int) -> Any:
-    """The op graph of ``workload``'s model, measured on one micro-batch."""
+def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = True) -> Any:
+    """The op graph of ``workload``'s model, measured on one micro-batch.
+
+    ``dynamic``: with symbolic sizes where the model allows (:mod:`orgel.graph.sizes`),
+    so the stages split from it take batches of other sizes; ``graph.shapes`` says which.
+    """
     from orgel.graph.capture import capture
     from orgel.workload import microbatches as slice_batches
 
     first_inputs, _ = slice_batches(workload, microbatches)[0]
-    return capture(workload.model, first_inputs, precision=workload.precision)
+    return capture(workload.model, first_inputs, precision=workload.precision,
+                   dynamic=dynamic)
 
 
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,

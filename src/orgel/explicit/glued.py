@@ -43,7 +43,7 @@ from orgel.graph.capture import dynamo_settings
 from orgel.graph.opgraph import CaptureError
 from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
-from orgel.workload import batch_size, named_inputs, split_microbatches
+from orgel.workload import batch_rows, named_inputs, single_dim, split_microbatches
 
 
 class GlueError(CaptureError):
@@ -151,7 +151,8 @@ class GluedPipeline(Pipeline):
     def __init__(self, plan: Any, group: Any, conns: list[Connection], *, glue: Any,
                  split: Any, model: torch.nn.Module,
                  loss_fn: Callable[[Any, Any], torch.Tensor], replicated: tuple[str, ...],
-                 timeout_s: float, state_keys: list[str], aliases: dict[str, str]) -> None:
+                 timeout_s: float, state_keys: list[str], aliases: dict[str, str],
+                 batch_dim: int = 0) -> None:
         loss_rank = plan.placement[split.loss_stage][0]
         super().__init__(plan, group, model=model, loss_ranks=[loss_rank], state_keys=state_keys,
                          aliases=aliases, spmd=False, evaluation=NO_EVALUATION)
@@ -159,6 +160,7 @@ class GluedPipeline(Pipeline):
         self.loss_fn = loss_fn
         self._keep_outputs = False  # whether this step keeps the model's outputs
         self.replicated = replicated
+        self.batch_dim = batch_dim
         self._conns = conns
         self._locks = [threading.Lock() for _ in conns]
         self._mail = Mailbox(conns, timeout_s)
@@ -294,14 +296,14 @@ class GluedPipeline(Pipeline):
         """
         self._keep_outputs = outputs
         named = named_inputs(self._model, inputs)
-        parts = split_microbatches(named, targets, self.plan.microbatches, 0, self.replicated)
+        parts = split_microbatches(named, targets, self.plan.microbatches, self.batch_dim,
+                                   self.replicated)
         if not self._warm:
             self._warm_up(parts[0][0])
         placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
                         for n, t in named.items() if n in self._input_names}
         # the ranks count rows from the placeholders, or from here when no stage reads an input
-        rows = batch_size(({n: t for n, t in named.items() if n not in self.replicated},
-                           targets))
+        rows = batch_rows(named, targets, self.batch_dim, self.replicated)
         slots = self._run_threads(lambda slot: self._run_microbatch(slot, *parts[slot.index]),
                                   placeholders, rows)
         loss = sum(s.result for s in slots)
@@ -514,16 +516,21 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
         raise ValueError("accumulate is not available for a forward of several graphs (graph "
                          "breaks): leave accumulate=1 and give each step the whole batch, or "
                          "remove the graph breaks")
+    dim = single_dim(workload.batch_dim)
+    if dim is None:  # the graphs' arguments are not the model's inputs: one dimension
+        raise ValueError(f"batch_dim={workload.batch_dim!r} gives inputs different batch "
+                         "dimensions; a forward of several graphs (graph breaks) is cut along "
+                         "one: give one int batch_dim")
     ctx = mp.get_context("fork")
     pipes = [ctx.Pipe() for _ in range(plan.num_ranks)]
 
     def make_engine(rank: int) -> Any:
         return ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
                              timeout_s=timeout_s, glue_info=glue, model=workload.model,
-                             options=options)
+                             options=options, batch_dim=dim)
 
     group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
     cls = ClosurePipeline if closures else GluedPipeline
     return cls(plan, group, [here for here, _ in pipes], glue=glue, split=split,
                model=workload.model, loss_fn=workload.loss_fn, replicated=workload.replicated,
-               timeout_s=timeout_s, state_keys=keys, aliases=aliases)
+               timeout_s=timeout_s, state_keys=keys, aliases=aliases, batch_dim=dim)

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
+from orgel.graph.sizes import bind_sizes, mark_sizes, size_settings, static_shapes
 from orgel.guard import untouched
 from orgel.precision import autocast_dtype, device_type
 from orgel.workload import named_inputs, on_meta
@@ -40,7 +41,7 @@ __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_sett
 
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
-            several: bool = True, precision: str = "32") -> OpGraph:
+            several: bool = True, precision: str = "32", dynamic: bool = True) -> OpGraph:
     """Capture ``model``'s forward on ``inputs`` (tuple or dict) as an :class:`OpGraph`.
 
     ``method``: ``"dynamo"`` (torch.compile backend), ``"export"`` (torch.export,
@@ -54,6 +55,11 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
 
     ``precision="bf16-mixed"`` captures the forward inside ``torch.autocast``
     (bfloat16): the graph holds the region (:mod:`orgel.precision`).
+
+    ``dynamic`` (Dynamo route): capture with symbolic sizes (:mod:`orgel.graph.sizes`),
+    so the graph runs on batches of other sizes; where the model's code fixes a size
+    it stays static, and where the symbolic capture fails the capture is static
+    (``graph.notes`` says why). Facts are measured at the example's sizes.
     """
     dtype = autocast_dtype(precision)
     if method not in METHODS:
@@ -73,7 +79,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             raw = _export_graph(model, traced)
         else:
             try:
-                raw = _dynamo_graph(model, traced, dtype)
+                raw = _dynamic_or_static(model, traced, dtype, dynamic, notes)
             except GraphBreakError as exc:
                 if dtype is not None:
                     raise GraphBreakError(f"{exc} Under precision={precision!r} orgel "
@@ -97,9 +103,21 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                     raise CaptureError(f"torch.compile could not capture the model: {exc}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
                 raw = _export_graph(model, traced)
-        used = "export" if method == "export" or (notes and glue is None) else "dynamo"
-        graph = measure(model, named, raw, notes, used)
+        exported = any(n.startswith("dynamo failed") for n in notes)
+        used = "export" if method == "export" or (exported and glue is None) else "dynamo"
+        try:
+            graph = measure(model, named, raw, notes, used)
+        except Exception as exc:  # noqa: BLE001
+            if "orgel_shapes" not in raw[0].meta:
+                raise
+            # the symbolic graph did not run where the static one may: capture that one
+            raw = _dynamo_graph(model, traced, dtype)
+            notes.append(f"captured with static sizes: the symbolic graph failed to run "
+                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
+            graph = measure(model, named, raw, notes, used)
         graph.glue = glue
+        if glue is not None:  # several graphs: every graph call checks its own shapes
+            graph.shapes = static_shapes(named)
         return graph
 
 
@@ -131,8 +149,23 @@ def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, 
     return roles
 
 
+def _dynamic_or_static(model: torch.nn.Module, named: dict[str, Any],
+                       autocast: torch.dtype | None, dynamic: bool, notes: list[str]) -> Raw:
+    """Dynamo's graph with symbolic sizes, or with static ones where that fails."""
+    if not dynamic:
+        return _dynamo_graph(model, named, autocast)
+    try:
+        return _dynamo_graph(model, named, autocast, dynamic=True)
+    except Exception as exc:  # noqa: BLE001 - any failure: the static capture decides
+        raw = _dynamo_graph(model, named, autocast)  # its error, if any, is today's error
+        reason = (str(exc).splitlines() or [""])[0][:200]
+        notes.append(f"captured with static sizes: the symbolic capture failed "
+                     f"({type(exc).__name__}: {reason})")
+        return raw
+
+
 def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
-                  autocast: torch.dtype | None = None) -> Raw:
+                  autocast: torch.dtype | None = None, dynamic: bool = False) -> Raw:
     captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
     returned: list[Any] = []
 
@@ -159,10 +192,14 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
                 with torch.autocast(kind, dtype=autocast):
                     return model(**kwargs)
 
-        compiled = torch.compile(target, backend=backend, fullgraph=True, dynamic=False)
+        traced = named
+        if dynamic:  # views of the inputs carry the marks; the caller's tensors none
+            traced = mark_sizes(named)
+        compiled = torch.compile(target, backend=backend, fullgraph=True,
+                                 dynamic=None if dynamic else False)
         # Traced with grad enabled, as in training: dynamo specialises on grad mode.
-        with dynamo_settings():
-            result = compiled(**named)
+        with dynamo_settings(), size_settings(dynamic):
+            result = compiled(**traced)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
         # Unsupported: a graph break; UserError: a guard on a data-dependent value
         # (``if t.item() > 0``), which is a graph break under fullgraph too.
@@ -175,16 +212,19 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
             "of the forward (does the model compute anything with tensors?)"
         )
     gm, examples = captured[0]
-    by_id = _identity_roles(model, named)
+    by_id = _identity_roles(model, traced)
     roles: dict[str, tuple[str, Any]] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, example in zip(placeholders, examples, strict=True):
-        if not isinstance(example, torch.Tensor):
+        if isinstance(example, torch.Tensor):
+            roles[node.name] = by_id.get(id(example), ("const", example))
+        elif not dynamic:
             raise CaptureError(
                 f"graph input {node.name} is a {type(example).__name__}, not a tensor; "
-                "orgel captures with static shapes (no symbolic sizes)"
+                "orgel captured with static shapes"
             )
-        roles[node.name] = by_id.get(id(example), ("const", example))
+    if dynamic:
+        bind_sizes(gm, roles)
     out_index = {id(t): i for i, t in enumerate(returned[0]) if isinstance(t, torch.Tensor)}
     leaves, spec = pytree.tree_flatten(result)
     return gm, roles, [_leaf(x, out_index, by_id) for x in leaves], spec

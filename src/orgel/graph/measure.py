@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec
 from orgel.graph.regions import collapse_transforms
+from orgel.graph.sizes import is_symbolic, static_shapes, symbolic_shapes
 
 # Nodes that switch state rather than compute: recorded as each node's grad mode.
 GRAD_SWITCH = torch._C._set_grad_enabled
@@ -90,6 +91,7 @@ def measure(
         if node.op != "placeholder" and node.name in input_names:
             node._rename(node.name + "_v")
     attr_of: dict[str, str] = {}
+    sizes: dict[str, tuple[str, int]] = {}  # size placeholder -> (model input, dim)
     params: dict[str, torch.nn.Parameter] = {}
     buffers: dict[str, torch.Tensor] = {}
     constants: dict[str, torch.Tensor] = {}
@@ -102,6 +104,12 @@ def measure(
                 if node.name != payload:  # the namespace still remembers a renamed node
                     node.name = payload
                 args.append(named[payload])
+                continue
+            if kind == "size":  # measured at the example's size
+                name = f"{payload[0]}_size{payload[1]}"
+                node._rename(name)
+                sizes[node.name] = payload
+                args.append(int(named[payload[0]].shape[payload[1]]))
                 continue
             if kind == "param":
                 params[payload] = model.get_parameter(payload)
@@ -131,11 +139,18 @@ def measure(
 
     facts = _run_measured(gm, args, attr_of, params, buffers, fake=fake)
     nodes: dict[str, OpNode] = {}
+    # size arithmetic on the size placeholders: recomputed by every stage that reads it
+    size_nodes = set(sizes)
     for node in graph.nodes:
-        if node.op not in ("call_function", "call_method") or node.target in STRUCTURAL:
+        if (node.op in ("call_function", "call_method") and sizes
+                and is_symbolic(node.meta.get("example_value"))):
+            size_nodes.add(node.name)
+    for node in graph.nodes:
+        if (node.op not in ("call_function", "call_method") or node.target in STRUCTURAL
+                or node.name in size_nodes):
             continue
-        reads = [n for n in node.all_input_nodes if n.op != "call_function"
-                 or n.target not in STRUCTURAL]
+        reads = [n for n in node.all_input_nodes if (n.op != "call_function"
+                 or n.target not in STRUCTURAL) and n.name not in size_nodes]
         value, saved, flops, grad_mode, autocast = facts[node.name]
         shape, dtype, nbytes, is_tensor, requires_grad = _describe(value)
         pnames = tuple(dict.fromkeys(attr_of[n.name] for n in reads if n.name in attr_of))
@@ -173,7 +188,10 @@ def measure(
         params=params, buffers=buffers, constants=constants, attr_of=attr_of,
         output_spec=OutputSpec(treespec, leaves), method=method,
         aliases={k: v for k, v in aliases.items() if len(v) > 1}, notes=notes,
-        written=_written_buffers(graph, attr_of, buffers),
+        written=_written_buffers(graph, attr_of, buffers), sizes=sizes,
+        size_nodes=sorted(size_nodes - set(sizes)),
+        shapes=gm.meta.get("orgel_shapes") or static_shapes(named),
+        symbolic_shapes=symbolic_shapes(graph, nodes) if sizes else {},
     )
 
 

@@ -123,6 +123,14 @@ class OpGraph:
     written: list[str] = field(default_factory=list)  # buffers the forward updates in place
     #: a forward Dynamo captured as several graphs, joined (:class:`orgel.graph.glue.Glue`)
     glue: Any = None
+    #: size placeholders (symbolic capture): name -> (model input, dim) it is the size of
+    sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: graph nodes computing sizes from ``sizes`` (no OpNodes): each stage recomputes them
+    size_nodes: list[str] = field(default_factory=list)
+    #: the input sizes the graph takes (:class:`orgel.graph.sizes.Shapes`)
+    shapes: Any = None
+    #: each tensor value's shape in the size symbols (ints and sympy expressions)
+    symbolic_shapes: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @property
     def outputs(self) -> list[str]:

@@ -100,14 +100,14 @@ def microbatch_rows(workload: Any, microbatches: int) -> int | None:
     """Rows of one micro-batch along the workload's batch dimension (None: no tensor input)."""
     import torch
 
+    from orgel.workload import batch_rows
     from orgel.workload import microbatches as split_batches
 
-    first, _ = split_batches(workload, microbatches)[0]
-    values = first.values() if isinstance(first, dict) else first
-    for t in values:
-        if isinstance(t, torch.Tensor) and t.dim() > workload.batch_dim:
-            return int(t.shape[workload.batch_dim])
-    return None
+    first, targets = split_batches(workload, microbatches)[0]
+    inputs = {k: v for k, v in first.items() if k not in workload.replicated}
+    if not any(isinstance(t, torch.Tensor) for t in inputs.values()):
+        return None
+    return batch_rows(inputs, targets, workload.batch_dim)
 
 
 def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,

@@ -42,7 +42,7 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
     from orgel.profile.workload import _loss_probe, _to, table_columns
 
     timer = Timer(dev, warmup=warmup, repeats=repeats)
-    values: dict[str, Any] = {k: _to(v, dev) for k, v in named.items()}
+    values: dict[str, Any] = {k: _to(v, dev) for k, v in split.with_sizes(named).items()}
     last_read = {name: b for b, stage in enumerate(split.stages) for name in stage.inputs}
     last_read.update(dict.fromkeys(split.output_names, len(split.stages)))
     measures, times_of = [], []

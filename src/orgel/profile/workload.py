@@ -333,8 +333,9 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
             _store("blocks", key, cached)
         action, step_overhead = float(fitted[0]), float(fitted[1])
         overhead = max(overhead, action)
-    rows = next((int(t.shape[w.batch_dim]) for t in named.values()
-                 if isinstance(t, torch.Tensor) and t.dim() > w.batch_dim), None)
+    from orgel.plan.workload import microbatch_rows
+
+    rows = microbatch_rows(w, microbatches)
     return BlockCosts(
         rows=rows, tied=tied_groups(opgraph, bg),
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
@@ -372,7 +373,7 @@ class _Blocks:
         self.split = split_model(bg, list(range(len(bg.blocks))))
         self.named = named
         self.values: dict[str, Any] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
-                                       for k, v in named.items()}
+                                       for k, v in self.split.with_sizes(named).items()}
         self.args_of: list[list[Any]] = []
         with torch.no_grad():
             for stage in self.split.stages:

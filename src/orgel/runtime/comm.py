@@ -159,6 +159,13 @@ class Transport:
 
     # -- step boundaries ----------------------------------------------------------
 
+    def set_shapes(self, shapes: dict[int, list[tuple[tuple[int, ...], torch.dtype]]]) -> None:
+        """The incoming messages' shapes, known without an exchange (every rank agrees)."""
+        for i, spec in shapes.items():
+            if self.shapes.get(i) != spec:
+                self.shapes[i] = spec
+                self.buffers.pop(i, None)
+
     def begin(self, *, exchange_shapes: bool) -> None:
         """Start a step; ``exchange_shapes`` publishes/reads shapes through the store."""
         self.exchange = exchange_shapes or not self.shapes

@@ -72,7 +72,7 @@ from orgel.schedule.comm import derive_comm, replica_pairs
 from orgel.schedule.ir import Action, Plan
 from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
-from orgel.workload import batch_size, split_microbatches
+from orgel.workload import TARGETS, BatchDim, batch_rows, dim_of, single_dim, split_microbatches
 
 
 class Executor:
@@ -86,7 +86,8 @@ class Executor:
     optimizer steps on every k-th call; each call's loss counts ``1/k``),
     ``max_grad_norm`` (clip by the global norm over all ranks), ``timeout``
     (seconds for every wait), ``device``, ``dynamic_shapes`` (exchange shapes every
-    step), ``batch_dim``, ``store`` (rendezvous store; default: the process group's),
+    step), ``batch_dim`` (an int, or a dict by input name and ``"targets"``:
+    :func:`orgel.workload.dim_of`), ``store`` (rendezvous store; default: the process group's),
     ``post_ahead`` (post every receive at the step's start; default: yes for gloo, no for
     NCCL, whose pair streams match in order, so receives go just in time in channel order),
     ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss),
@@ -116,7 +117,7 @@ class Executor:
                  rank: int | None = None, optimizer_factory: OptimizerFactory | None = None,
                  max_grad_norm: float | None = None, timeout: float = 60.0,
                  device: torch.device | str | None = None, dynamic_shapes: bool = False,
-                 batch_dim: int = 0, store: Any = None, check_plan: bool = True,
+                 batch_dim: BatchDim = 0, store: Any = None, check_plan: bool = True,
                  post_ahead: bool | None = None, check_finite: bool = False,
                  seed: int | None = None, replicated: tuple[str, ...] = (),
                  extra_params: dict[str, torch.nn.Parameter] | None = None,
@@ -146,6 +147,14 @@ class Executor:
         self.device = torch.device(device)
         self.max_grad_norm, self.timeout = max_grad_norm, timeout
         self.dynamic_shapes, self.batch_dim = dynamic_shapes, batch_dim
+        # values between stages are cut along one dimension (replicated stages only)
+        act_dim = single_dim(batch_dim)
+        if act_dim is None and any(len(r) > 1 for r in plan.placement):
+            raise ValueError(f"batch_dim={batch_dim!r} gives inputs different batch dimensions, "
+                             "but the plan replicates stages, whose values between stages are "
+                             "cut along one dimension: give one int batch_dim, or a plan "
+                             "without replicated stages")
+        self.act_dim = 0 if act_dim is None else act_dim
         self.check_finite = check_finite
         self.actions = plan.schedule[self.rank]
         self.stages = {s: StageInfo.build(plan, split, s, self.rank)
@@ -250,17 +259,14 @@ class Executor:
         self.events = []
         self.loop.begin()
         self._final = self.loop.final  # this call reduces, clips and steps
-        m = self.plan.microbatches
-        # the workload's own rule: what has the batch size along batch_dim is split
-        parts = split_microbatches({k: _to(v, self.device) for k, v in inputs.items()},
-                                   _to(targets, self.device), m, self.batch_dim, self.replicated)
-        self._inputs = [p for p, _ in parts]
-        self._fetched = set()
-        self._targets = [t for _, t in parts]
-        self._mb_rows = batch_size(({k: v for k, v in parts[0][0].items()
-                                     if k not in self.replicated}, parts[0][1]), self.batch_dim)
+        first = self._take_batch(inputs, targets)
         signature = _signature(inputs)
         exchange = self.dynamic_shapes or signature != self._signature
+        if exchange and self._signature is not None and not self.dynamic_shapes:
+            known = self._message_shapes(first)
+            if known is not None:  # every rank computes them alike: no exchange
+                self.transport.set_shapes(known)
+                exchange = False
         self._runs: dict[tuple[int, int], Run] = {}
         self._inbox: dict[int, list[torch.Tensor]] = {}
         self._local_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -318,6 +324,58 @@ class Executor:
         self._runs, self._inbox, self._local_grads = {}, {}, {}
         self.steps_done += 1
         return loss
+
+    def _message_shapes(self, first: dict[str, Any]
+                        ) -> dict[int, list[tuple[tuple[int, ...], torch.dtype]]] | None:
+        """This rank's incoming messages' shapes for micro-batches like ``first``, from the
+        values' shapes in the size symbols (symbolic capture); None where they are unknown
+        (then the ranks exchange them). The same answer on every rank: all or none."""
+        from orgel.graph.sizes import evaluate_shape
+
+        shapes, known = self.split.shapes, self.split.value_shapes
+        if shapes is None or not known or any(len(r) > 1 for r in self.plan.placement):
+            return None
+        values: dict[Any, int] = {}
+        for name, dims in shapes.inputs.items():
+            t = first.get(name)
+            for d, sym in enumerate(dims):
+                if isinstance(sym, str):
+                    if not isinstance(t, torch.Tensor) or sym not in shapes.symbols:
+                        return None
+                    values[shapes.symbols[sym]] = int(t.shape[d])
+        out: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        for i, msg in enumerate(self.comm.messages):
+            specs = []
+            for v in self.plan.stage_graph.edges[msg.edge].values:
+                if v.name not in known:
+                    return None
+                shape, dtype = known[v.name]
+                carries = ((dtype.is_floating_point or dtype.is_complex)
+                           and self.split.requires_grad.get(v.name, True))
+                if msg.grad and not carries:
+                    continue
+                size = evaluate_shape(shape, values)
+                if size is None:
+                    return None
+                specs.append((size, dtype))
+            if msg.dst_rank == self.rank:
+                out[i] = specs
+        return out
+
+    def _take_batch(self, inputs: dict[str, Any], targets: Any) -> dict[str, Any]:
+        """Cut this step's batch into its micro-batches; the first one's inputs.
+
+        The workload's own rule (:func:`orgel.workload.split_microbatches`): what has
+        the batch size along its batch dimension is cut, the rest goes whole.
+        """
+        parts = split_microbatches({k: _to(v, self.device) for k, v in inputs.items()},
+                                   _to(targets, self.device), self.plan.microbatches,
+                                   self.batch_dim, self.replicated)
+        self._inputs = [p for p, _ in parts]
+        self._fetched = set()
+        self._targets = [t for _, t in parts]
+        self._mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
+        return parts[0][0]
 
     # -- the action loop ----------------------------------------------------------
 
@@ -414,8 +472,8 @@ class Executor:
     def _rows(self, t: torch.Tensor, part: tuple[int, int, int], info: StageInfo) -> torch.Tensor:
         if part == (0, 1, 1):
             return t
-        start, stop = part_rows(part, info.replica, info.replicas, t.shape[self.batch_dim])
-        return t.narrow(self.batch_dim, start, stop - start)
+        start, stop = part_rows(part, info.replica, info.replicas, t.shape[self.act_dim])
+        return t.narrow(self.act_dim, start, stop - start)
 
     # -- forward ------------------------------------------------------------------
 
@@ -440,13 +498,12 @@ class Executor:
                                                                   part)]))
             for k, v in enumerate(edge.values):
                 t = (pieces[0][k] if len(pieces) == 1
-                     else torch.cat([p[k] for p in pieces], dim=self.batch_dim))
+                     else torch.cat([p[k] for p in pieces], dim=self.act_dim))
                 leaves[v.name] = t.detach().requires_grad_(self.training
                                                            and self._carries_grad(v.name, t))
         stage = info.stage
         mb = self._inputs[m]
-        args = [leaves[n] if n not in stage.model_inputs else mb[n] if n in self.replicated
-                else share(mb[n], info.replica, info.replicas, self.batch_dim, self._mb_rows)
+        args = [leaves[n] if n in leaves else self._model_input(info, mb, n)
                 for n in stage.inputs]
         run = Run(args, leaves, ())
         if info.recompute and stage.written:
@@ -457,6 +514,16 @@ class Executor:
         if run.loss is not None:
             self._loss = self._loss + run.loss.detach()
         self._runs[(a.stage, m)] = run
+
+    def _model_input(self, info: StageInfo, mb: dict[str, Any], name: str) -> Any:
+        """This replica's share of model input ``name``, or a size of one (symbolic capture)."""
+        size = info.stage.sizes.get(name)
+        if size is not None:  # each rank reads the size off the micro-batch, no message
+            return int(self._model_input(info, mb, size[0]).shape[size[1]])
+        if name in self.replicated:
+            return mb[name]
+        return share(mb[name], info.replica, info.replicas, dim_of(self.batch_dim, name),
+                     self._mb_rows)
 
     def _draws(self, stage: int, m: int) -> Any:
         """The random stream of stage ``stage``'s forward on micro-batch ``m`` this step."""
@@ -476,11 +543,11 @@ class Executor:
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
         if self.kept is not None:  # asked for: a copy on the CPU (a recompute replaces it)
             self.kept[m] = keep(m, info.replica, self._mb_rows // info.replicas,
-                                self.batch_dim, model_outs)
+                                self.act_dim, model_outs)
         if not self.with_loss:
             return outputs, None
-        targets = share(self._targets[m], info.replica, info.replicas, self.batch_dim,
-                        self._mb_rows)
+        targets = share(self._targets[m], info.replica, info.replicas,
+                        dim_of(self.batch_dim, TARGETS), self._mb_rows)
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
         if self.check_finite and not bool(torch.isfinite(loss).all()):
             raise FloatingPointError(f"the loss of micro-batch {m} is {loss.item()} "
@@ -511,7 +578,7 @@ class Executor:
                     if part == (0, 1, 1):  # the whole value (a scalar has no rows to cut)
                         pieces.setdefault(name, []).append((-1, -1, g))
                         continue
-                    rows = run.outputs[info.out_index[name]].shape[self.batch_dim]
+                    rows = run.outputs[info.out_index[name]].shape[self.act_dim]
                     start, stop = part_rows(part, info.replica, info.replicas, rows)
                     pieces.setdefault(name, []).append((start, stop, g))
             self._local_grads.pop((e, m), None)
@@ -522,7 +589,7 @@ class Executor:
                 continue
             total = torch.zeros_like(run.outputs[info.out_index[name]])
             for start, stop, g in parts:
-                target = total if start == -1 else total.narrow(self.batch_dim, start,
+                target = total if start == -1 else total.narrow(self.act_dim, start,
                                                                 stop - start)
                 target.add_(g)
             result[name] = total

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from orgel.runtime.comm import Transport
 from orgel.runtime.errors import StepFailure
-from orgel.runtime.executor import Executor, _signature, _to
+from orgel.runtime.executor import Executor, _signature
 from orgel.runtime.outputs import Share
 from orgel.runtime.stage import Run, StageInfo
 from orgel.schedule.comm import CommPlan, derive_comm, replica_pairs
@@ -33,7 +33,6 @@ from orgel.schedule.ir import Plan, PlanError
 from orgel.schedule.validate import dry_run
 from orgel.split.evaluation import share_weights
 from orgel.split.types import SplitModel
-from orgel.workload import batch_size, split_microbatches
 
 
 def forward_plan(plan: Plan, split: SplitModel) -> Plan:
@@ -82,6 +81,7 @@ class ForwardOnly(Executor):
         self.plan, self.split, self.comm = plan, split, comm
         self.rank, self.device = executor.rank, executor.device
         self.loss_fn, self.batch_dim = executor.loss_fn, executor.batch_dim
+        self.act_dim = executor.act_dim
         self.replicated, self.seed = executor.replicated, executor.seed
         self.check_finite, self.timeout = executor.check_finite, executor.timeout
         self.dynamic_shapes = executor.dynamic_shapes
@@ -129,14 +129,7 @@ class ForwardOnly(Executor):
         share_weights(self.split, self.owner.split, list(self.stages))
         self.kept = {} if outputs else None
         self.with_loss = loss
-        m = self.plan.microbatches
-        parts = split_microbatches({k: _to(v, self.device) for k, v in inputs.items()},
-                                   _to(targets, self.device), m, self.batch_dim, self.replicated)
-        self._inputs = [p for p, _ in parts]
-        self._targets = [t for _, t in parts]
-        self._fetched = set()
-        self._mb_rows = batch_size(({k: v for k, v in parts[0][0].items()
-                                     if k not in self.replicated}, parts[0][1]), self.batch_dim)
+        self._take_batch(inputs, targets)
         signature = _signature(inputs)
         self._runs: dict[tuple[int, int], Run] = {}
         self._inbox: dict[int, list[torch.Tensor]] = {}

@@ -85,7 +85,8 @@ class StageInfo:
         in_edges = graph.producers(s)
         value_edge = {v.name: e for e in in_edges for v in graph.edges[e].values}
         for name in stage.inputs:
-            if name not in value_edge and name not in stage.model_inputs:
+            if (name not in value_edge and name not in stage.model_inputs
+                    and name not in stage.sizes):
                 raise ValueError(
                     f"stage {s} input {name!r} is neither a model input nor a value on an "
                     "incoming edge of the stage graph: the split and the plan disagree"

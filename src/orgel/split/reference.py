@@ -95,6 +95,9 @@ def stages_step(
                 if name in stage.model_inputs:
                     args.append(inputs[name])
                     continue
+                if name in stage.sizes:  # a size the capture left symbolic
+                    args.append(split.with_sizes(inputs)[name])
+                    continue
                 src = next(e.src for e in graph.edges if e.dst == s
                            and any(v.name == name for v in e.values))
                 value = outputs[src][name].detach()

@@ -12,7 +12,10 @@ statistics are updated in place by the stage that runs it.
 The stage modules hold the model's own Parameter and buffer objects, not
 copies (stages in one process share a tied parameter);
 :func:`orgel.split.reference.copy_stages` makes independent copies, as on
-separate ranks. Shapes are fixed to the micro-batch the graph was captured on.
+separate ranks. Sizes the capture left symbolic (:mod:`orgel.graph.sizes`) are stage
+inputs (``StageModule.sizes`` says which input dimension each is), and size
+arithmetic is recomputed in every stage that uses it; other sizes are fixed to
+the micro-batch the graph was captured on.
 """
 
 from __future__ import annotations
@@ -239,6 +242,7 @@ def _build(
             edge_values.setdefault((src_stage, s), []).append(name)
 
     fx_nodes = {n.name: n for n in opg.graph_module.graph.nodes}
+    size_reads = _size_reads(opg, fx_nodes, node_stage, num_stages)
     stages: list[StageModule] = []
     holders: dict[str, list[int]] = {}
     for s in range(num_stages):
@@ -248,15 +252,17 @@ def _build(
         if s == loss_stage:
             outputs += [n for n in out_names if n not in sends[s]]
         names = sorted((n for n, st in node_stage.items() if st == s), key=node_order.__getitem__)
-        module = _stage_module(opg, fx_nodes, names, model_in + received, outputs)
+        sizes = [n for n in opg.sizes if n in size_reads[s]]
+        module = _stage_module(opg, fx_nodes, names, model_in + sizes + received, outputs)
         pnames = {n: n for n, _ in module.named_parameters()}
         bnames = {n: n for n, _ in module.named_buffers() if n in opg.buffers}
         for n in pnames:
             holders.setdefault(n, []).append(s)
         stages.append(StageModule(
-            index=s, module=module, inputs=model_in + received, outputs=outputs,
+            index=s, module=module, inputs=model_in + sizes + received, outputs=outputs,
             model_inputs=model_in, param_names=pnames, buffer_names=bnames,
             written=[n for n in bnames if n in opg.written],
+            sizes={n: opg.sizes[n] for n in sizes},
         ))
 
     # A buffer the forward updates must live in exactly one stage: a copy read
@@ -298,8 +304,31 @@ def _build(
         output_names=list(out_names), unflatten_outputs=opg.unflatten(list(out_names)),
         model_input_names=list(opg.model_inputs),
         tied=sorted(n for n, ss in holders.items() if len(ss) > 1),
-        requires_grad=requires_grad,
+        requires_grad=requires_grad, sizes=dict(opg.sizes), shapes=opg.shapes,
+        value_shapes={n: opg.symbolic_shapes[n] for n in crossing if n in opg.symbolic_shapes},
     )
+
+
+def _size_reads(opg: OpGraph, fx_nodes: dict[str, torch.fx.Node], node_stage: dict[str, int],
+                num_stages: int) -> dict[int, set[str]]:
+    """The size placeholders each stage reads, directly or through size nodes it recomputes."""
+    size_nodes = set(opg.size_nodes)
+    below: dict[str, set[str]] = {}
+
+    def sizes_of(n: torch.fx.Node) -> set[str]:
+        if n.name in opg.sizes:
+            return {n.name}
+        if n.name not in size_nodes:
+            return set()
+        if n.name not in below:
+            below[n.name] = set().union(*(sizes_of(a) for a in n.all_input_nodes))
+        return below[n.name]
+
+    reads: dict[int, set[str]] = {s: set() for s in range(num_stages)}
+    for name, s in node_stage.items():
+        for arg in fx_nodes[name].all_input_nodes:
+            reads[s] |= sizes_of(arg)
+    return reads
 
 
 def _differentiable(opg: OpGraph, name: str) -> bool:
@@ -350,6 +379,9 @@ def _stage_module(
         node = opg.nodes.get(n.name)
         if node is not None and node.constant is not None:
             return node.constant
+        if n.name in opg.size_nodes:  # size arithmetic: recomputed here from the sizes
+            env[n.name] = g.node_copy(n, lookup)
+            return env[n.name]
         raise SplitError(f"value {n.name} is not available in this stage")
 
     grad = True

@@ -40,6 +40,8 @@ class StageModule:
     param_names: dict[str, str] = field(default_factory=dict)
     buffer_names: dict[str, str] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
+    #: inputs that are sizes (symbolic capture): name -> (model input, dim) whose size it is
+    sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,3 +72,17 @@ class SplitModel:
     #: stage graph's values say the same (``Value.grad``), so that an edge of such
     #: values has no gradient message at all.
     requires_grad: dict[str, bool] = field(default_factory=dict)
+    #: every size input of any stage: name -> (model input, dim) whose size it is
+    sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: the input sizes the stages take (:class:`orgel.graph.sizes.Shapes`; None: unknown)
+    shapes: Any = None
+    #: the shape of each value sent between stages, in the size symbols (symbolic capture):
+    #: each rank computes a new batch's message shapes itself instead of exchanging them
+    value_shapes: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def with_sizes(self, named: dict[str, Any]) -> dict[str, Any]:
+        """``named`` model inputs and, for every size input, its value on them."""
+        from orgel.graph.sizes import size_values
+
+        return {**named, **size_values({k: v for k, v in self.sizes.items() if v[0] in named},
+                                       named)}

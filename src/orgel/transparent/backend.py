@@ -175,7 +175,8 @@ class Backend:
                  memory: int | None, dp: int, plan: Plan | str | Path | None,
                  timeout_s: float, threads: int | None, precision: str = "32",
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
-                 max_grad_norm: float | None = None, accumulate: int = 1) -> None:
+                 max_grad_norm: float | None = None, accumulate: int = 1,
+                 batch_dim: int = 0) -> None:
         from orgel.explicit.api import check_options, default_optimizer
 
         check_options(ranks, microbatches, optimizer, memory, dp, plan)
@@ -188,6 +189,7 @@ class Backend:
                                      "max_grad_norm": max_grad_norm, "accumulate": accumulate}
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.timeout_s, self.threads = timeout_s, threads
+        self.batch_dim = batch_dim
         self.model: GraphModel | None = None
         self.pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
         self._conns: list[Any] = []  # controller's end of each rank's pipe
@@ -356,7 +358,8 @@ class Backend:
         reason = (f"torch.compile captured the compiled model as {len(prepared)} graphs that "
                   "read parameters.")
         raw, glue = join_calls(prepared, reason, eager=[])
-        workload = Workload(holder, {}, torch.zeros(rows), profiling_loss)
+        workload = Workload(holder, {}, _rows_at(rows, self.batch_dim), profiling_loss,
+                            batch_dim=self.batch_dim)
         with untouched(holder):
             graph = measure(holder, {}, raw, [reason], "dynamo")
             graph.glue = glue
@@ -428,8 +431,9 @@ class Backend:
             raise TypeError("step(closure, *batch): closure must be callable")
         from orgel.explicit.glued import ClosurePipeline
 
-        pieces = _slice(batch, self.microbatches)
-        rows = next((a.shape[0] for a in batch if isinstance(a, torch.Tensor) and a.dim() > 0),
+        pieces = _slice(batch, self.microbatches, self.batch_dim)
+        rows = next((a.shape[self.batch_dim] for a in batch
+                     if isinstance(a, torch.Tensor) and a.dim() > self.batch_dim),
                     self.microbatches)
         if self.pipe is None and self.model is None:  # the first step: find the graphs
             self._discover(closure, pieces[0])
@@ -559,10 +563,12 @@ class Backend:
                                "the ranks); under torchrun use orgel.pipeline")
         first = self._slots[0].inputs
         assert first is not None
-        batch = {n: torch.cat([s.inputs[n] for s in self._slots])  # type: ignore[index]
+        dim = self.batch_dim
+        batch = {n: torch.cat([s.inputs[n] for s in self._slots], dim)  # type: ignore[index]
                  for n in first}
-        rows = next(iter(batch.values())).shape[0]
-        workload = Workload(self.model, batch, torch.zeros(rows), profiling_loss)
+        rows = next(iter(batch.values())).shape[dim]
+        workload = Workload(self.model, batch, _rows_at(rows, dim), profiling_loss,
+                            batch_dim=dim)
         with untouched(self.model):
             graph = api.capture_microbatch(workload, self.microbatches)
             # dynamo's graph has the micro-batch's shapes baked in and the user's model is
@@ -587,7 +593,7 @@ class Backend:
         def make_engine(rank: int) -> RankEngine:
             return ClosureEngine(rank, plan, split, optimizer=self.optimizer,
                                  conn=pipes[rank][1], timeout_s=self.timeout_s,
-                                 options=self.loop)
+                                 options=self.loop, batch_dim=self.batch_dim)
 
         group = LocalGroup(self.ranks, make_engine, timeout_s=self.timeout_s,
                            threads=self.threads)
@@ -705,20 +711,20 @@ def _compiled_module() -> torch.nn.Module | None:
     return None
 
 
-def _slice(batch: tuple[Any, ...], m: int) -> list[list[Any]]:
-    """Each tensor argument cut into ``m`` equal pieces along dim 0; others passed whole."""
-    out: list[list[Any]] = [[] for _ in range(m)]
-    for i, arg in enumerate(batch):
-        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-            if arg.shape[0] % m:
-                raise ValueError(f"argument {i} has batch size {arg.shape[0]}, not divisible "
-                                 f"into {m} micro-batches; choose a divisible batch size")
-            for k, piece in enumerate(arg.chunk(m)):
-                out[k].append(piece)
-        else:
-            for k in range(m):
-                out[k].append(arg)
-    return out
+def _slice(batch: tuple[Any, ...], m: int, dim: int = 0) -> list[list[Any]]:
+    """``step``'s arguments cut into ``m`` micro-batches by the workload's one rule
+    (:func:`orgel.workload.split_microbatches`): along ``dim``, what has the batch size."""
+    from orgel.workload import split_microbatches
+
+    named = {f"argument {i}": arg for i, arg in enumerate(batch)}
+    if not any(isinstance(a, torch.Tensor) and a.dim() > dim for a in batch):
+        return [list(batch) for _ in range(m)]
+    return [list(part.values()) for part, _ in split_microbatches(named, None, m, dim)]
+
+
+def _rows_at(rows: int, dim: int) -> torch.Tensor:
+    """Placeholder targets with ``rows`` along the batch dimension ``dim``."""
+    return torch.zeros((1,) * dim + (rows,))
 
 
 def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactory | None = None,
@@ -726,7 +732,7 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
             timeout_s: float = 300.0, threads: int | None = None,
             precision: str = "32", scheduler: SchedulerFactory | None = None,
             lr: LearningRate | None = None, max_grad_norm: float | None = None,
-            accumulate: int = 1) -> Backend:
+            accumulate: int = 1, batch_dim: int = 0) -> Backend:
     """A torch.compile backend that pipelines the compiled model; also its closure runner.
 
     Use the returned object as ``torch.compile(model, backend=pipe)`` and train
@@ -738,8 +744,14 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     ``max_grad_norm`` and ``accumulate`` as in :func:`orgel.pipeline`; with
     ``accumulate=k`` the closures' gradients count ``1/k`` (as ``(loss / k).backward()``)
     and the optimizer steps on every k-th ``step``.
+    around it would (the closure's own loss is the closure's). ``batch_dim``: the
+    dimension ``step``'s tensor arguments are cut into micro-batches along (one int:
+    ``step`` takes positional arguments; 1 for sequence-first ``[T, B]`` data).
     """
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ValueError(f"batch_dim must be a non-negative int for orgel.backend (step takes "
+                         f"positional arguments), got {batch_dim!r}")
     return Backend(ranks=ranks, microbatches=microbatches, optimizer=optimizer, memory=memory,
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
-                   accumulate=accumulate)
+                   accumulate=accumulate, batch_dim=batch_dim)

@@ -145,7 +145,8 @@ class ClosureEngine(RankEngine):
     def __init__(self, rank: int, plan: Any, split: Any, *, optimizer: Any, conn: Connection,
                  timeout_s: float, glue_info: Any = None,
                  model: torch.nn.Module | None = None,
-                 options: dict[str, Any] | None = None) -> None:
+                 options: dict[str, Any] | None = None,
+                 batch_dim: int = 0) -> None:
         self.inbox = RankInbox(conn)
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (glue.eager_homes(glue_info, plan, split) if glue_info is not None else {})
@@ -159,7 +160,8 @@ class ClosureEngine(RankEngine):
                     extra[name] = torch.nn.Parameter(model.get_parameter(name).detach().clone())
         super().__init__(rank, plan, split, optimizer=optimizer, loss_fn=self.surrogate,
                          timeout_s=timeout_s,
-                         executor_options={**(options or {}), "extra_params": extra})
+                         executor_options={**(options or {}), "extra_params": extra,
+                                           "batch_dim": batch_dim})
         # the step's inputs give shapes; each micro-batch's real ones come from the
         # controller when a stage first needs them, so closures still pre-processing later
         # micro-batches overlap the pipeline's work on earlier ones
@@ -210,8 +212,10 @@ class ClosureEngine(RankEngine):
         self.surrogate.reset()
         if self.exchange is not None:
             self.exchange.begin(self.step_count)
-        rows = batch_size(placeholders) if rows is None else rows
-        self.executor.step(placeholders, torch.zeros(rows))  # targets: placeholders too
+        dim = int(self.executor.batch_dim)
+        rows = batch_size(placeholders, dim) if rows is None else rows
+        # targets: a placeholder too, with the batch along the batch dimension
+        self.executor.step(placeholders, torch.zeros((1,) * dim + (rows,)))
         self.step_count += 1
 
 

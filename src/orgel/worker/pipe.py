@@ -95,6 +95,9 @@ class Pipeline:
         self._outputs = outputs
         self._evaluation = ("this pipeline was made without an eval-mode capture"
                             if evaluation is None else evaluation)
+        #: ``check(named, targets)`` raising for a batch the stages cannot take, before any
+        #: rank starts the step (:func:`orgel.graph.sizes.batch_check`); None: no check
+        self.check_sizes: Any = None
 
     @property
     def num_ranks(self) -> int:
@@ -207,6 +210,8 @@ class Pipeline:
             example_targets = None if targets is None else w.targets  # evaluate(x) alone
             check_batch((named_inputs(w.model, w.inputs), example_targets), (named, targets),
                         self.plan.microbatches, w.batch_dim, w.replicated)
+        if self.check_sizes is not None:  # sizes the stages cannot take (orgel.graph.sizes)
+            self.check_sizes(named, targets)
 
     def predicted(self) -> Any:
         """The prediction for this plan (a SimResult: step_time, peak_memory, timeline, ...).
