@@ -18,7 +18,7 @@ or the same script on every rank under torchrun::
 
     torchrun --nproc-per-node 2 examples/train_llama.py --steps 40
 
-``--log FILE`` writes one JSON line per step (loss, learning rate, gradient norm) and per
+``--log-file FILE`` writes one JSON line per step (loss, learning rate, gradient norm) and per
 evaluation (validation loss, perplexity); ``tests/test_train_llama.py`` compares them with
 one process running the same loop in plain PyTorch.
 """
@@ -122,7 +122,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=0, help="0: never")
     parser.add_argument("--checkpoint", default="llama-ckpt", help="checkpoint folder")
     parser.add_argument("--resume", action="store_true", help="go on from --checkpoint")
-    parser.add_argument("--log", default=None, help="JSON lines of every step and evaluation")
+    parser.add_argument("--log-file", default=None, help="JSON lines of every step and evaluation")
     parser.add_argument("--export", default=None, help="torch.save the trained state_dict")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         pipe = orgel.pipeline(model, inputs, targets, loss_fn, **options)
     leader = not pipe.spmd or int(os.environ.get("RANK", "0")) == 0
-    log = open(args.log, "a") if args.log and leader else None  # noqa: SIM115
+    log = open(args.log_file, "a") if args.log_file and leader else None  # noqa: SIM115
 
     def record(entry: dict[str, Any]) -> None:
         if leader:

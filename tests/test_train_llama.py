@@ -108,7 +108,7 @@ def test_the_example_trains_checkpoints_and_resumes_as_one_process(tmp_path: Pat
     trained, evals, state = _reference(STEPS)
     assert len({e["length"] for e in trained}) > 1  # the lengths vary
     # an uninterrupted run on 2 local ranks, its weights exported from the caller's model
-    _run([sys.executable, str(EXAMPLE), *_args(tmp_path, "--steps", str(STEPS), "--log",
+    _run([sys.executable, str(EXAMPLE), *_args(tmp_path, "--steps", str(STEPS), "--log-file",
                                                 str(tmp_path / "a.jsonl"), "--export",
                                                 str(tmp_path / "model.pt"))], tmp_path)
     got, got_evals = _log(tmp_path / "a.jsonl")
@@ -122,9 +122,9 @@ def test_the_example_trains_checkpoints_and_resumes_as_one_process(tmp_path: Pat
     half = str(STEPS // 2)
     _run([sys.executable, str(EXAMPLE), *_args(tmp_path, "--steps", str(STEPS), "--stop-at", half,
                                                 "--save-every", half,
-                                                "--log", str(tmp_path / "b.jsonl"))], tmp_path)
+                                                "--log-file", str(tmp_path / "b.jsonl"))], tmp_path)
     _run([sys.executable, str(EXAMPLE), *_args(tmp_path, "--steps", str(STEPS), "--resume",
-                                                "--log", str(tmp_path / "b.jsonl"))], tmp_path)
+                                                "--log-file", str(tmp_path / "b.jsonl"))], tmp_path)
     resumed, resumed_evals = _log(tmp_path / "b.jsonl")
     _compare(resumed, trained)
     _compare(resumed_evals, evals)
@@ -134,7 +134,7 @@ def test_the_example_runs_under_torchrun(tmp_path: Path) -> None:
     trained, evals, _ = _reference(2)
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
-          *_args(tmp_path, "--steps", "2", "--log", str(tmp_path / "t.jsonl"))], tmp_path)
+          *_args(tmp_path, "--steps", "2", "--log-file", str(tmp_path / "t.jsonl"))], tmp_path)
     got, got_evals = _log(tmp_path / "t.jsonl")
     _compare(got, trained)
     _compare(got_evals, evals)
