@@ -27,12 +27,17 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel.graph.opgraph import CaptureError
+from orgel.workload import WorkloadError
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-class ShapeError(ValueError):
-    """A batch's sizes are not ones the captured graph computes exactly; the message says why."""
+class ShapeError(WorkloadError):
+    """A batch's sizes are not ones the captured graph computes exactly; the message says why.
+
+    A :class:`~orgel.workload.WorkloadError`: raised in the caller before any rank starts
+    the step, and the pipeline trains on.
+    """
 
 
 @dataclass
