@@ -26,12 +26,12 @@ every posted receive meets its send. The step's closing all-reduce carries a
 "failed" flag: every rank then drops the step (no optimizer step, gradients and
 updated buffers put back) and raises :class:`~orgel.runtime.errors.StepAbandoned`
 with the first error. A communication failure, a dead or hung rank, or an error
-at the end of the step still ends the pipeline (:class:`StepFailure`).
+at the end of the step still ends the pipeline (:class:`StepFailure`). The dropping
+itself: :mod:`orgel.runtime.dropped`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,13 +41,8 @@ import torch.distributed as dist
 
 from orgel.runtime.backward import input_backward, weight_backward
 from orgel.runtime.comm import Transport
-from orgel.runtime.errors import (
-    PeerStepFailed,
-    StepAbandoned,
-    StepFailure,
-    describe,
-    is_comm_error,
-)
+from orgel.runtime.dropped import DroppedStep
+from orgel.runtime.errors import StepAbandoned, StepFailure, is_comm_error
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import (
     LearningRate,
@@ -75,7 +70,7 @@ from orgel.split.types import SplitModel
 from orgel.workload import TARGETS, BatchDim, batch_rows, dim_of, single_dim, split_microbatches
 
 
-class Executor:
+class Executor(DroppedStep):
     """Runs one rank's part of ``plan`` over the stages of ``split``.
 
     Keyword options: ``loss_fn(outputs, targets)`` (required), ``rank`` (default:
@@ -273,11 +268,7 @@ class Executor:
         self._in_grads: dict[str, torch.Tensor] = {}
         self._loss = torch.zeros((), device=self.device)
         self._failed = None
-        # what the step's forwards update in place (BatchNorm statistics): a dropped step
-        # puts them back
-        self._written = ({(s, n): info.stage.module.get_buffer(n).clone()
-                          for s, info in self.stages.items() for n in info.stage.written}
-                         if self.abandon_on_error else {})
+        self._keep_written()  # a dropped step puts them back
         self.transport.begin(exchange_shapes=exchange)
         pos, action = -1, None
         try:
@@ -402,53 +393,10 @@ class Executor:
             else:
                 self._event(action.kind, str(action), start)
         for i in self.comm.sends_after[self.rank][pos]:
-            if self._failed is None:
-                self.transport.send(i, self._outgoing(i))
-            else:  # the step is being dropped: its receivers still get the message
-                self.transport.send_placeholder(i)
+            self._send(i)  # a placeholder while the step is being dropped
         self._in_grads = {}
         for rset in self.reduce_after.get(pos, ()) if self._final else ():
             self.sync.launch_replicas(rset)
-
-    # -- a step every rank drops ----------------------------------------------------
-
-    def _fail_action(self, exc: Exception, where: str) -> None:
-        """This rank's work raised: report it once, then go on with the step's messages only.
-
-        The rest of the action list runs its receives and sends (placeholders,
-        :meth:`Transport.send_placeholder`) and no compute, so every rank reaches
-        the step's closing all-reduce, which tells all of them to drop the step.
-        """
-        self._failed = (exc, where)
-        line, tb = describe(StepFailure(f"rank {self.rank}: {exc} [while running {where}]",
-                                        rank=self.rank, action=where, cause=exc))
-        self.transport.announce_step_failure(json.dumps([self.rank, line, tb]))
-
-    def _drop_step(self) -> StepAbandoned:
-        """Drop this step on this rank (some rank's work raised): its error to raise.
-
-        No optimizer step, no gradients kept (with ``accumulate`` > 1, those of the
-        calls since the last optimizer step too: the accumulation starts again), the
-        buffers the forwards updated (BatchNorm statistics) as they were, nothing of
-        the step's computation kept; the next step exchanges shapes again (a dropped
-        step's messages may have had none).
-        """
-        for p in self.parameters():
-            p.grad = None
-        self.loop.pending = 0
-        with torch.no_grad():
-            for (s, name), saved in self._written.items():
-                self.stages[s].stage.module.get_buffer(name).copy_(saved)
-        self._runs, self._inbox, self._local_grads, self._in_grads = {}, {}, {}, {}
-        self._signature = None
-        root, line, tb = json.loads(self.transport.step_failure())
-        if self._failed is not None and root == self.rank:
-            cause: BaseException = self._failed[0]
-            where = self._failed[1]
-        else:
-            cause, where = PeerStepFailed(f"rank {root} failed in this step"), "the step"
-        return StepAbandoned(f"rank {self.rank}: {cause} [while running {where}]", rank=root,
-                             action=where, cause=cause, report=(line, tb))
 
     def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
         """Whether value ``name`` sends a gradient back (the split says; default: floats)."""
