@@ -16,7 +16,8 @@ its consumers; the loss of each micro-batch is scaled by
 ``1 / (microbatches x loss replicas)``. A value that carries no gradient (the
 split's ``requires_grad``, the plan's ``Value.grad``: masks, integer ids,
 position tables) sends none back, and an edge of only such values has no
-gradient message (:func:`check_gradient_values` holds the plan to the split).
+gradient message (:func:`~orgel.runtime.messages.check_gradient_values` holds the plan to
+the split).
 
 A dropped step (``abandon_on_error``, set by :class:`orgel.worker.engine.RankEngine`):
 when an action's own work raises (a loss on a target out of range, a stage on a
@@ -43,6 +44,7 @@ from orgel.runtime.backward import input_backward, weight_backward
 from orgel.runtime.comm import Transport
 from orgel.runtime.dropped import DroppedStep
 from orgel.runtime.errors import StepAbandoned, StepFailure, is_comm_error
+from orgel.runtime.messages import check_gradient_values, message_shapes
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import (
     LearningRate,
@@ -258,7 +260,7 @@ class Executor(DroppedStep):
         signature = _signature(inputs)
         exchange = self.dynamic_shapes or signature != self._signature
         if exchange and self._signature is not None and not self.dynamic_shapes:
-            known = self._message_shapes(first)
+            known = message_shapes(self.plan, self.split, self.comm, self.rank, first)
             if known is not None:  # every rank computes them alike: no exchange
                 self.transport.set_shapes(known)
                 exchange = False
@@ -315,43 +317,6 @@ class Executor(DroppedStep):
         self._runs, self._inbox, self._local_grads = {}, {}, {}
         self.steps_done += 1
         return loss
-
-    def _message_shapes(self, first: dict[str, Any]
-                        ) -> dict[int, list[tuple[tuple[int, ...], torch.dtype]]] | None:
-        """This rank's incoming messages' shapes for micro-batches like ``first``, from the
-        values' shapes in the size symbols (symbolic capture); None where they are unknown
-        (then the ranks exchange them). The same answer on every rank: all or none."""
-        from orgel.graph.sizes import evaluate_shape
-
-        shapes, known = self.split.shapes, self.split.value_shapes
-        if shapes is None or not known or any(len(r) > 1 for r in self.plan.placement):
-            return None
-        values: dict[Any, int] = {}
-        for name, dims in shapes.inputs.items():
-            t = first.get(name)
-            for d, sym in enumerate(dims):
-                if isinstance(sym, str):
-                    if not isinstance(t, torch.Tensor) or sym not in shapes.symbols:
-                        return None
-                    values[shapes.symbols[sym]] = int(t.shape[d])
-        out: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
-        for i, msg in enumerate(self.comm.messages):
-            specs = []
-            for v in self.plan.stage_graph.edges[msg.edge].values:
-                if v.name not in known:
-                    return None
-                shape, dtype = known[v.name]
-                carries = ((dtype.is_floating_point or dtype.is_complex)
-                           and self.split.requires_grad.get(v.name, True))
-                if msg.grad and not carries:
-                    continue
-                size = evaluate_shape(shape, values)
-                if size is None:
-                    return None
-                specs.append((size, dtype))
-            if msg.dst_rank == self.rank:
-                out[i] = specs
-        return out
 
     def _take_batch(self, inputs: dict[str, Any], targets: Any) -> dict[str, Any]:
         """Cut this step's batch into its micro-batches; the first one's inputs.
@@ -589,24 +554,6 @@ class Executor(DroppedStep):
         run = self._runs.pop((a.stage, a.microbatch))
         if run.work is not None:
             weight_backward(run.work)
-
-
-def check_gradient_values(plan: Plan, split: SplitModel) -> None:
-    """Raise ValueError where ``plan`` sends no gradient for a value whose gradient counts.
-
-    A value the plan marks ``grad=False`` has no gradient message (none at all
-    when its edge has no other value), so the split must agree that it carries
-    none (``split.requires_grad``), or its consumers' gradients would be lost. The
-    other way round is harmless: a plan written without the flags sends a
-    gradient message that carries fewer tensors, or none.
-    """
-    for e in plan.stage_graph.edges:
-        for v in e.values:
-            if not v.grad and split.requires_grad.get(v.name, True):
-                raise ValueError(
-                    f"the plan says value {v.name} of edge {e.src}->{e.dst} carries no "
-                    "gradient, but the split's stages differentiate it: the plan was made "
-                    "for another capture of the model; plan again for this one")
 
 
 def _to(value: Any, device: torch.device) -> Any:
