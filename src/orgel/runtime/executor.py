@@ -4,8 +4,9 @@ Every rank (SPMD) builds an :class:`Executor` from the same Plan and SplitModel
 and calls :meth:`Executor.step` with the same batch. The rank walks its action
 list; for each action it waits for the messages that must arrive before it
 (posted ahead by :class:`~orgel.runtime.comm.Transport`), runs it through one
-dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``), then
-sends what the action produced. After the list: wait for the sends, reduce
+dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``; the
+backward ones: :mod:`orgel.runtime.backward_actions`), then sends what the
+action produced. After the list: wait for the sends, reduce
 gradients across replicas and tied copies, clip by the global norm, step the
 optimizer and its schedule (with ``accumulate=k``, only every ``k``-th call does
 this; see :mod:`orgel.runtime.optimizer`).
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orgel.runtime.backward import input_backward, weight_backward
+from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.comm import Transport
 from orgel.runtime.dropped import DroppedStep
 from orgel.runtime.errors import StepAbandoned, StepFailure, is_comm_error
@@ -60,7 +61,6 @@ from orgel.runtime.stage import (
     StageInfo,
     part_rows,
     random_stream,
-    replayed,
     share,
     stream_seed,
 )
@@ -72,7 +72,7 @@ from orgel.split.types import SplitModel
 from orgel.workload import TARGETS, BatchDim, batch_rows, dim_of, single_dim, split_microbatches
 
 
-class Executor(DroppedStep):
+class Executor(BackwardActions, DroppedStep):
     """Runs one rank's part of ``plan`` over the stages of ``split``.
 
     Keyword options: ``loss_fn(outputs, targets)`` (required), ``rank`` (default:
@@ -466,94 +466,6 @@ class Executor(DroppedStep):
             raise FloatingPointError(f"the loss of micro-batch {m} is {loss.item()} "
                                      f"(stage {info.index}): check the inputs and the lr")
         return outputs, loss / self.loss_divisor
-
-    # -- backward -----------------------------------------------------------------
-
-    def _output_grads(self, info: StageInfo, m: int) -> dict[str, torch.Tensor]:
-        """Each output's gradient: the sum over its consumers (local and remote)."""
-        run = self._runs[(info.index, m)]
-        pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        for e in info.out_edges:
-            edge = self.plan.stage_graph.edges[e]
-            if not edge.carries_grad:  # no message and nothing handed over: no gradient
-                continue
-            floats = [v.name for v in edge.values
-                      if self._carries_grad(v.name, run.outputs[info.out_index[v.name]])]
-            for k, part, _ in self.pairs[e][0][info.replica]:
-                dst = self.plan.placement[edge.dst][k]
-                if dst == self.rank:
-                    local = self._local_grads[(e, m)]
-                    consumer = self.stages[edge.dst]
-                    grads = [self._rows(local[n], part, consumer) for n in floats]
-                else:
-                    grads = self._inbox.pop(self.msg_index[(dst, self.rank, e, m, True, part)])
-                for name, g in zip(floats, grads, strict=True):
-                    if part == (0, 1, 1):  # the whole value (a scalar has no rows to cut)
-                        pieces.setdefault(name, []).append((-1, -1, g))
-                        continue
-                    rows = run.outputs[info.out_index[name]].shape[self.act_dim]
-                    start, stop = part_rows(part, info.replica, info.replicas, rows)
-                    pieces.setdefault(name, []).append((start, stop, g))
-            self._local_grads.pop((e, m), None)
-        result: dict[str, torch.Tensor] = {}
-        for name, parts in pieces.items():
-            if len(parts) == 1 and parts[0][0] == -1:
-                result[name] = parts[0][2]
-                continue
-            total = torch.zeros_like(run.outputs[info.out_index[name]])
-            for start, stop, g in parts:
-                target = total if start == -1 else total.narrow(self.act_dim, start,
-                                                                stop - start)
-                target.add_(g)
-            result[name] = total
-        return result
-
-    def _backward(self, a: Action) -> None:
-        """``B``: full backward; ``I``: input gradients only, keeping the graph for ``W``."""
-        info, m = self.stages[a.stage], a.microbatch
-        run = self._runs[(a.stage, m)]
-        out_grads = self._output_grads(info, m)
-        if info.recompute:  # the forward's own stream again: the same dropout masks
-            with self._draws(a.stage, m), torch.enable_grad(), replayed(info, run):
-                run.outputs, run.loss = self._compute(info, run.args, m)
-        roots: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        if run.loss is not None and run.loss.requires_grad:
-            roots.append(run.loss)
-            grads.append(self.loop.loss_gradient(
-                run.loss, None if self.scaler is None else self.scaler.scale))
-        for name, g in out_grads.items():
-            out = run.outputs[info.out_index[name]]
-            if out.requires_grad:
-                roots.append(out)
-                grads.append(g)
-        leaves = {n: t for n, t in run.leaves.items() if t.requires_grad}
-        if a.kind == "B":
-            if roots:
-                torch.autograd.backward(roots, grads)
-            got = {n: t.grad for n, t in leaves.items()}
-            del self._runs[(a.stage, m)]
-        else:
-            computed: list[torch.Tensor | None] = [None] * len(leaves)
-            if roots:
-                computed, run.work = input_backward(roots, grads, list(leaves.values()),
-                                                    [p for p in info.params if p.requires_grad])
-            got = dict(zip(leaves, computed, strict=True))
-            run.outputs = tuple(t.detach() for t in run.outputs)
-        self._in_grads = {n: g if g is not None else torch.zeros_like(leaves[n])
-                          for n, g in got.items()}
-        for e in info.in_edges:
-            edge = self.plan.stage_graph.edges[e]
-            if edge.carries_grad and any(self.plan.placement[edge.src][j] == self.rank
-                                         for j, _, _ in self.pairs[e][1][info.replica]):
-                self._local_grads[(e, m)] = {v.name: self._in_grads[v.name]
-                                             for v in edge.values if v.name in self._in_grads}
-
-    def _weight(self, a: Action) -> None:
-        """``W``: weight gradients from what ``I`` kept (see :mod:`orgel.runtime.backward`)."""
-        run = self._runs.pop((a.stage, a.microbatch))
-        if run.work is not None:
-            weight_backward(run.work)
 
 
 def _to(value: Any, device: torch.device) -> Any:
