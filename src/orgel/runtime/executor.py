@@ -61,7 +61,6 @@ from orgel.runtime.stage import (
     StageInfo,
     part_rows,
     random_stream,
-    share,
     stream_seed,
 )
 from orgel.runtime.trace import Event
@@ -69,7 +68,15 @@ from orgel.schedule.comm import derive_comm, replica_pairs
 from orgel.schedule.ir import Action, Plan
 from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
-from orgel.workload import TARGETS, BatchDim, batch_rows, dim_of, single_dim, split_microbatches
+from orgel.workload import (
+    TARGETS,
+    BatchDim,
+    batch_rows,
+    dim_of,
+    share,
+    single_dim,
+    split_microbatches,
+)
 
 
 class Executor(BackwardActions, DroppedStep):
