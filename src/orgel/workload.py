@@ -374,10 +374,45 @@ def split_batch(value: Any, m: int, dim: int, batch: int) -> list[Any]:
     return [value] * m
 
 
+def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
+    """Replica ``replica``'s rows of every batched tensor in ``value`` (tensors, lists, dicts).
+
+    As in :func:`split_batch`, a tensor is batched when its size
+    along ``dim`` is the micro-batch's ``rows``; anything else goes whole to every replica.
+    """
+    if replicas == 1:
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dim() <= dim or value.shape[dim] != rows:
+            return value
+        if rows % replicas:
+            raise ValueError(
+                f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
+                "choose a batch size divisible by microbatches x replicas"
+            )
+        size = rows // replicas
+        return value.narrow(dim, replica * size, size)
+    if isinstance(value, (list, tuple)):
+        return type(value)(share(v, replica, replicas, dim, rows) for v in value)
+    if isinstance(value, dict):
+        return {k: share(v, replica, replicas, dim, rows) for k, v in value.items()}
+    return value
+
+
 def microbatches(w: Workload, m: int) -> list[tuple[dict[str, torch.Tensor], Targets]]:
     """Split inputs (by name) and targets into ``m`` equal micro-batches along ``batch_dim``."""
     return split_microbatches(named_inputs(w.model, w.inputs), w.targets, m, w.batch_dim,
                               w.replicated)
+
+
+def microbatch_rows(w: Workload, m: int) -> int | None:
+    """Rows of one of ``m`` micro-batches along the workload's batch dimension (None: no
+    tensor input)."""
+    first, targets = microbatches(w, m)[0]
+    inputs = {k: v for k, v in first.items() if k not in w.replicated}
+    if not any(isinstance(t, torch.Tensor) for t in inputs.values()):
+        return None
+    return batch_rows(inputs, targets, w.batch_dim)
 
 
 def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int,

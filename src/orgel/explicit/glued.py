@@ -29,7 +29,6 @@ naming the graph call.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -38,6 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel import guard
+from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
 from orgel.graph.opgraph import CaptureError
@@ -48,53 +48,6 @@ from orgel.workload import batch_rows, named_inputs, single_dim, split_microbatc
 
 class GlueError(CaptureError):
     """A micro-batch's forward ran other graphs than the captured forward."""
-
-
-class Stopped(RuntimeError):
-    """The step stopped elsewhere (a rank or another micro-batch failed) while this one waited."""
-
-
-class Mailbox:
-    """Messages from the ranks to the controller by ``(kind, key)``; a reader thread per rank."""
-
-    def __init__(self, conns: list[Connection], timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._items: dict[tuple[str, Any], Any] = {}
-        self._cond = threading.Condition()
-        self._aborted: str | None = None
-        for r, conn in enumerate(conns):
-            threading.Thread(target=self._read, args=(r, conn), daemon=True,
-                             name=f"orgel-mail{r}").start()
-
-    def _read(self, rank: int, conn: Connection) -> None:
-        while True:
-            try:
-                kind, key, payload = conn.recv()
-            except (EOFError, OSError):
-                self.abort(f"rank {rank} closed its pipe")
-                return
-            with self._cond:
-                self._items[(kind, key)] = payload
-                self._cond.notify_all()
-
-    def abort(self, why: str) -> None:
-        with self._cond:
-            self._aborted = self._aborted or why
-            self._cond.notify_all()
-
-    def get(self, kind: str, key: Any, rank: int, what: str) -> Any:
-        deadline = time.monotonic() + self.timeout_s
-        with self._cond:
-            while (kind, key) not in self._items:
-                if self._aborted is not None:
-                    raise Stopped(f"the step stopped ({self._aborted}) while the "
-                                       f"controller waited for {what} from rank {rank}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"the controller waited {self.timeout_s:g} s for {what} "
-                                       f"from rank {rank}")
-                self._cond.wait(left)
-            return self._items.pop((kind, key))
 
 
 class _Slot:

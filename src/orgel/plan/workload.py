@@ -30,6 +30,7 @@ from orgel.plan.planner import PlanResult, plan, predict
 from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
+from orgel.workload import microbatch_rows
 
 
 def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan:
@@ -94,20 +95,6 @@ def tied_weights(split: Any, placement: list[tuple[int, ...]]) -> list[TiedWeigh
         if len({r for s in stages for r in placement[s]}) > 1:
             out.append(TiedWeight(name, tuple(stages), nbytes))
     return out
-
-
-def microbatch_rows(workload: Any, microbatches: int) -> int | None:
-    """Rows of one micro-batch along the workload's batch dimension (None: no tensor input)."""
-    import torch
-
-    from orgel.workload import batch_rows
-    from orgel.workload import microbatches as split_batches
-
-    first, targets = split_batches(workload, microbatches)[0]
-    inputs = {k: v for k, v in first.items() if k not in workload.replicated}
-    if not any(isinstance(t, torch.Tensor) for t in inputs.values()):
-        return None
-    return batch_rows(inputs, targets, workload.batch_dim)
 
 
 def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,

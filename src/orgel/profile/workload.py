@@ -51,6 +51,7 @@ from orgel.profile.blocks import (
 from orgel.profile.contention import companions
 from orgel.profile.memory import optimizer_jobs, optimizer_temporary
 from orgel.schedule.costs import Link
+from orgel.workload import microbatch_rows
 
 #: Bump when the measurement changes, so stale cached tables are not reused.
 PROFILE_VERSION = 19
@@ -333,8 +334,6 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
             _store("blocks", key, cached)
         action, step_overhead = float(fitted[0]), float(fitted[1])
         overhead = max(overhead, action)
-    from orgel.plan.workload import microbatch_rows
-
     rows = microbatch_rows(w, microbatches)
     return BlockCosts(
         rows=rows, tied=tied_groups(opgraph, bg),

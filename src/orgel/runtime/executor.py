@@ -4,8 +4,9 @@ Every rank (SPMD) builds an :class:`Executor` from the same Plan and SplitModel
 and calls :meth:`Executor.step` with the same batch. The rank walks its action
 list; for each action it waits for the messages that must arrive before it
 (posted ahead by :class:`~orgel.runtime.comm.Transport`), runs it through one
-dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``), then
-sends what the action produced. After the list: wait for the sends, reduce
+dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``; the
+backward ones: :mod:`orgel.runtime.backward_actions`), then sends what the
+action produced. After the list: wait for the sends, reduce
 gradients across replicas and tied copies, clip by the global norm, step the
 optimizer and its schedule (with ``accumulate=k``, only every ``k``-th call does
 this; see :mod:`orgel.runtime.optimizer`).
@@ -16,7 +17,8 @@ its consumers; the loss of each micro-batch is scaled by
 ``1 / (microbatches x loss replicas)``. A value that carries no gradient (the
 split's ``requires_grad``, the plan's ``Value.grad``: masks, integer ids,
 position tables) sends none back, and an edge of only such values has no
-gradient message (:func:`check_gradient_values` holds the plan to the split).
+gradient message (:func:`~orgel.runtime.messages.check_gradient_values` holds the plan to
+the split).
 
 A dropped step (``abandon_on_error``, set by :class:`orgel.worker.engine.RankEngine`):
 when an action's own work raises (a loss on a target out of range, a stage on a
@@ -26,12 +28,12 @@ every posted receive meets its send. The step's closing all-reduce carries a
 "failed" flag: every rank then drops the step (no optimizer step, gradients and
 updated buffers put back) and raises :class:`~orgel.runtime.errors.StepAbandoned`
 with the first error. A communication failure, a dead or hung rank, or an error
-at the end of the step still ends the pipeline (:class:`StepFailure`).
+at the end of the step still ends the pipeline (:class:`StepFailure`). The dropping
+itself: :mod:`orgel.runtime.dropped`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,15 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orgel.runtime.backward import input_backward, weight_backward
+from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.comm import Transport
-from orgel.runtime.errors import (
-    PeerStepFailed,
-    StepAbandoned,
-    StepFailure,
-    describe,
-    is_comm_error,
-)
+from orgel.runtime.dropped import DroppedStep
+from orgel.runtime.errors import StepAbandoned, StepFailure, is_comm_error
+from orgel.runtime.messages import check_gradient_values, message_shapes
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import (
     LearningRate,
@@ -63,8 +61,6 @@ from orgel.runtime.stage import (
     StageInfo,
     part_rows,
     random_stream,
-    replayed,
-    share,
     stream_seed,
 )
 from orgel.runtime.trace import Event
@@ -72,10 +68,18 @@ from orgel.schedule.comm import derive_comm, replica_pairs
 from orgel.schedule.ir import Action, Plan
 from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
-from orgel.workload import TARGETS, BatchDim, batch_rows, dim_of, single_dim, split_microbatches
+from orgel.workload import (
+    TARGETS,
+    BatchDim,
+    batch_rows,
+    dim_of,
+    share,
+    single_dim,
+    split_microbatches,
+)
 
 
-class Executor:
+class Executor(BackwardActions, DroppedStep):
     """Runs one rank's part of ``plan`` over the stages of ``split``.
 
     Keyword options: ``loss_fn(outputs, targets)`` (required), ``rank`` (default:
@@ -263,7 +267,7 @@ class Executor:
         signature = _signature(inputs)
         exchange = self.dynamic_shapes or signature != self._signature
         if exchange and self._signature is not None and not self.dynamic_shapes:
-            known = self._message_shapes(first)
+            known = message_shapes(self.plan, self.split, self.comm, self.rank, first)
             if known is not None:  # every rank computes them alike: no exchange
                 self.transport.set_shapes(known)
                 exchange = False
@@ -273,11 +277,7 @@ class Executor:
         self._in_grads: dict[str, torch.Tensor] = {}
         self._loss = torch.zeros((), device=self.device)
         self._failed = None
-        # what the step's forwards update in place (BatchNorm statistics): a dropped step
-        # puts them back
-        self._written = ({(s, n): info.stage.module.get_buffer(n).clone()
-                          for s, info in self.stages.items() for n in info.stage.written}
-                         if self.abandon_on_error else {})
+        self._keep_written()  # a dropped step puts them back
         self.transport.begin(exchange_shapes=exchange)
         pos, action = -1, None
         try:
@@ -325,43 +325,6 @@ class Executor:
         self.steps_done += 1
         return loss
 
-    def _message_shapes(self, first: dict[str, Any]
-                        ) -> dict[int, list[tuple[tuple[int, ...], torch.dtype]]] | None:
-        """This rank's incoming messages' shapes for micro-batches like ``first``, from the
-        values' shapes in the size symbols (symbolic capture); None where they are unknown
-        (then the ranks exchange them). The same answer on every rank: all or none."""
-        from orgel.graph.sizes import evaluate_shape
-
-        shapes, known = self.split.shapes, self.split.value_shapes
-        if shapes is None or not known or any(len(r) > 1 for r in self.plan.placement):
-            return None
-        values: dict[Any, int] = {}
-        for name, dims in shapes.inputs.items():
-            t = first.get(name)
-            for d, sym in enumerate(dims):
-                if isinstance(sym, str):
-                    if not isinstance(t, torch.Tensor) or sym not in shapes.symbols:
-                        return None
-                    values[shapes.symbols[sym]] = int(t.shape[d])
-        out: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
-        for i, msg in enumerate(self.comm.messages):
-            specs = []
-            for v in self.plan.stage_graph.edges[msg.edge].values:
-                if v.name not in known:
-                    return None
-                shape, dtype = known[v.name]
-                carries = ((dtype.is_floating_point or dtype.is_complex)
-                           and self.split.requires_grad.get(v.name, True))
-                if msg.grad and not carries:
-                    continue
-                size = evaluate_shape(shape, values)
-                if size is None:
-                    return None
-                specs.append((size, dtype))
-            if msg.dst_rank == self.rank:
-                out[i] = specs
-        return out
-
     def _take_batch(self, inputs: dict[str, Any], targets: Any) -> dict[str, Any]:
         """Cut this step's batch into its micro-batches; the first one's inputs.
 
@@ -402,53 +365,10 @@ class Executor:
             else:
                 self._event(action.kind, str(action), start)
         for i in self.comm.sends_after[self.rank][pos]:
-            if self._failed is None:
-                self.transport.send(i, self._outgoing(i))
-            else:  # the step is being dropped: its receivers still get the message
-                self.transport.send_placeholder(i)
+            self._send(i)  # a placeholder while the step is being dropped
         self._in_grads = {}
         for rset in self.reduce_after.get(pos, ()) if self._final else ():
             self.sync.launch_replicas(rset)
-
-    # -- a step every rank drops ----------------------------------------------------
-
-    def _fail_action(self, exc: Exception, where: str) -> None:
-        """This rank's work raised: report it once, then go on with the step's messages only.
-
-        The rest of the action list runs its receives and sends (placeholders,
-        :meth:`Transport.send_placeholder`) and no compute, so every rank reaches
-        the step's closing all-reduce, which tells all of them to drop the step.
-        """
-        self._failed = (exc, where)
-        line, tb = describe(StepFailure(f"rank {self.rank}: {exc} [while running {where}]",
-                                        rank=self.rank, action=where, cause=exc))
-        self.transport.announce_step_failure(json.dumps([self.rank, line, tb]))
-
-    def _drop_step(self) -> StepAbandoned:
-        """Drop this step on this rank (some rank's work raised): its error to raise.
-
-        No optimizer step, no gradients kept (with ``accumulate`` > 1, those of the
-        calls since the last optimizer step too: the accumulation starts again), the
-        buffers the forwards updated (BatchNorm statistics) as they were, nothing of
-        the step's computation kept; the next step exchanges shapes again (a dropped
-        step's messages may have had none).
-        """
-        for p in self.parameters():
-            p.grad = None
-        self.loop.pending = 0
-        with torch.no_grad():
-            for (s, name), saved in self._written.items():
-                self.stages[s].stage.module.get_buffer(name).copy_(saved)
-        self._runs, self._inbox, self._local_grads, self._in_grads = {}, {}, {}, {}
-        self._signature = None
-        root, line, tb = json.loads(self.transport.step_failure())
-        if self._failed is not None and root == self.rank:
-            cause: BaseException = self._failed[0]
-            where = self._failed[1]
-        else:
-            cause, where = PeerStepFailed(f"rank {root} failed in this step"), "the step"
-        return StepAbandoned(f"rank {self.rank}: {cause} [while running {where}]", rank=root,
-                             action=where, cause=cause, report=(line, tb))
 
     def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
         """Whether value ``name`` sends a gradient back (the split says; default: floats)."""
@@ -553,112 +473,6 @@ class Executor:
             raise FloatingPointError(f"the loss of micro-batch {m} is {loss.item()} "
                                      f"(stage {info.index}): check the inputs and the lr")
         return outputs, loss / self.loss_divisor
-
-    # -- backward -----------------------------------------------------------------
-
-    def _output_grads(self, info: StageInfo, m: int) -> dict[str, torch.Tensor]:
-        """Each output's gradient: the sum over its consumers (local and remote)."""
-        run = self._runs[(info.index, m)]
-        pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        for e in info.out_edges:
-            edge = self.plan.stage_graph.edges[e]
-            if not edge.carries_grad:  # no message and nothing handed over: no gradient
-                continue
-            floats = [v.name for v in edge.values
-                      if self._carries_grad(v.name, run.outputs[info.out_index[v.name]])]
-            for k, part, _ in self.pairs[e][0][info.replica]:
-                dst = self.plan.placement[edge.dst][k]
-                if dst == self.rank:
-                    local = self._local_grads[(e, m)]
-                    consumer = self.stages[edge.dst]
-                    grads = [self._rows(local[n], part, consumer) for n in floats]
-                else:
-                    grads = self._inbox.pop(self.msg_index[(dst, self.rank, e, m, True, part)])
-                for name, g in zip(floats, grads, strict=True):
-                    if part == (0, 1, 1):  # the whole value (a scalar has no rows to cut)
-                        pieces.setdefault(name, []).append((-1, -1, g))
-                        continue
-                    rows = run.outputs[info.out_index[name]].shape[self.act_dim]
-                    start, stop = part_rows(part, info.replica, info.replicas, rows)
-                    pieces.setdefault(name, []).append((start, stop, g))
-            self._local_grads.pop((e, m), None)
-        result: dict[str, torch.Tensor] = {}
-        for name, parts in pieces.items():
-            if len(parts) == 1 and parts[0][0] == -1:
-                result[name] = parts[0][2]
-                continue
-            total = torch.zeros_like(run.outputs[info.out_index[name]])
-            for start, stop, g in parts:
-                target = total if start == -1 else total.narrow(self.act_dim, start,
-                                                                stop - start)
-                target.add_(g)
-            result[name] = total
-        return result
-
-    def _backward(self, a: Action) -> None:
-        """``B``: full backward; ``I``: input gradients only, keeping the graph for ``W``."""
-        info, m = self.stages[a.stage], a.microbatch
-        run = self._runs[(a.stage, m)]
-        out_grads = self._output_grads(info, m)
-        if info.recompute:  # the forward's own stream again: the same dropout masks
-            with self._draws(a.stage, m), torch.enable_grad(), replayed(info, run):
-                run.outputs, run.loss = self._compute(info, run.args, m)
-        roots: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        if run.loss is not None and run.loss.requires_grad:
-            roots.append(run.loss)
-            grads.append(self.loop.loss_gradient(
-                run.loss, None if self.scaler is None else self.scaler.scale))
-        for name, g in out_grads.items():
-            out = run.outputs[info.out_index[name]]
-            if out.requires_grad:
-                roots.append(out)
-                grads.append(g)
-        leaves = {n: t for n, t in run.leaves.items() if t.requires_grad}
-        if a.kind == "B":
-            if roots:
-                torch.autograd.backward(roots, grads)
-            got = {n: t.grad for n, t in leaves.items()}
-            del self._runs[(a.stage, m)]
-        else:
-            computed: list[torch.Tensor | None] = [None] * len(leaves)
-            if roots:
-                computed, run.work = input_backward(roots, grads, list(leaves.values()),
-                                                    [p for p in info.params if p.requires_grad])
-            got = dict(zip(leaves, computed, strict=True))
-            run.outputs = tuple(t.detach() for t in run.outputs)
-        self._in_grads = {n: g if g is not None else torch.zeros_like(leaves[n])
-                          for n, g in got.items()}
-        for e in info.in_edges:
-            edge = self.plan.stage_graph.edges[e]
-            if edge.carries_grad and any(self.plan.placement[edge.src][j] == self.rank
-                                         for j, _, _ in self.pairs[e][1][info.replica]):
-                self._local_grads[(e, m)] = {v.name: self._in_grads[v.name]
-                                             for v in edge.values if v.name in self._in_grads}
-
-    def _weight(self, a: Action) -> None:
-        """``W``: weight gradients from what ``I`` kept (see :mod:`orgel.runtime.backward`)."""
-        run = self._runs.pop((a.stage, a.microbatch))
-        if run.work is not None:
-            weight_backward(run.work)
-
-
-def check_gradient_values(plan: Plan, split: SplitModel) -> None:
-    """Raise ValueError where ``plan`` sends no gradient for a value whose gradient counts.
-
-    A value the plan marks ``grad=False`` has no gradient message (none at all
-    when its edge has no other value), so the split must agree that it carries
-    none (``split.requires_grad``), or its consumers' gradients would be lost. The
-    other way round is harmless: a plan written without the flags sends a
-    gradient message that carries fewer tensors, or none.
-    """
-    for e in plan.stage_graph.edges:
-        for v in e.values:
-            if not v.grad and split.requires_grad.get(v.name, True):
-                raise ValueError(
-                    f"the plan says value {v.name} of edge {e.src}->{e.dst} carries no "
-                    "gradient, but the split's stages differentiate it: the plan was made "
-                    "for another capture of the model; plan again for this one")
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -37,31 +37,6 @@ def part_rows(part: Part, replica: int, replicas: int, local_rows: int) -> tuple
     return lo * total // parts - offset, hi * total // parts - offset
 
 
-def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
-    """Replica ``replica``'s rows of every batched tensor in ``value`` (tensors, lists, dicts).
-
-    As in :func:`orgel.workload.split_batch`, a tensor is batched when its size
-    along ``dim`` is the micro-batch's ``rows``; anything else goes whole to every replica.
-    """
-    if replicas == 1:
-        return value
-    if isinstance(value, torch.Tensor):
-        if value.dim() <= dim or value.shape[dim] != rows:
-            return value
-        if rows % replicas:
-            raise ValueError(
-                f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
-                "choose a batch size divisible by microbatches x replicas"
-            )
-        size = rows // replicas
-        return value.narrow(dim, replica * size, size)
-    if isinstance(value, (list, tuple)):
-        return type(value)(share(v, replica, replicas, dim, rows) for v in value)
-    if isinstance(value, dict):
-        return {k: share(v, replica, replicas, dim, rows) for k, v in value.items()}
-    return value
-
-
 @dataclass
 class StageInfo:
     """Static facts about one stage hosted on this rank."""

@@ -1,0 +1,61 @@
+"""The controller's inbox: what the ranks send the controller of a several-graph forward.
+
+:class:`Mailbox` reads each rank's pipe in its own thread and keeps every
+message by ``(kind, key)`` until :meth:`Mailbox.get` takes it; a closed pipe or
+:meth:`Mailbox.abort` stops every waiter with :class:`Stopped`
+(:mod:`orgel.explicit.glued` runs the controller).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+class Stopped(RuntimeError):
+    """The step stopped elsewhere (a rank or another micro-batch failed) while this one waited."""
+
+
+class Mailbox:
+    """Messages from the ranks to the controller by ``(kind, key)``; a reader thread per rank."""
+
+    def __init__(self, conns: list[Connection], timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._items: dict[tuple[str, Any], Any] = {}
+        self._cond = threading.Condition()
+        self._aborted: str | None = None
+        for r, conn in enumerate(conns):
+            threading.Thread(target=self._read, args=(r, conn), daemon=True,
+                             name=f"orgel-mail{r}").start()
+
+    def _read(self, rank: int, conn: Connection) -> None:
+        while True:
+            try:
+                kind, key, payload = conn.recv()
+            except (EOFError, OSError):
+                self.abort(f"rank {rank} closed its pipe")
+                return
+            with self._cond:
+                self._items[(kind, key)] = payload
+                self._cond.notify_all()
+
+    def abort(self, why: str) -> None:
+        with self._cond:
+            self._aborted = self._aborted or why
+            self._cond.notify_all()
+
+    def get(self, kind: str, key: Any, rank: int, what: str) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while (kind, key) not in self._items:
+                if self._aborted is not None:
+                    raise Stopped(f"the step stopped ({self._aborted}) while the "
+                                       f"controller waited for {what} from rank {rank}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the controller waited {self.timeout_s:g} s for {what} "
+                                       f"from rank {rank}")
+                self._cond.wait(left)
+            return self._items.pop((kind, key))
