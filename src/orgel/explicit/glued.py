@@ -249,6 +249,7 @@ class GluedPipeline(Pipeline):
         """
         self._keep_outputs = outputs
         named = named_inputs(self._model, inputs)
+        self._check_batch(named, targets)  # the graphs are static: their sizes, named
         parts = split_microbatches(named, targets, self.plan.microbatches, self.batch_dim,
                                    self.replicated)
         if not self._warm:
@@ -484,6 +485,16 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
 
     group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
     cls = ClosurePipeline if closures else GluedPipeline
-    return cls(plan, group, [here for here, _ in pipes], glue=glue, split=split,
+    pipe = cls(plan, group, [here for here, _ in pipes], glue=glue, split=split,
                model=workload.model, loss_fn=workload.loss_fn, replicated=workload.replicated,
                timeout_s=timeout_s, state_keys=keys, aliases=aliases, batch_dim=dim)
+    if not closures:  # a batch the static graphs cannot take is refused before any rank runs
+        from orgel.graph.sizes import batch_check, static_shapes
+
+        first = split_microbatches(named_inputs(workload.model, workload.inputs),
+                                   workload.targets, plan.microbatches, dim,
+                                   workload.replicated)[0][0]
+        pipe._workload = workload
+        pipe.check_sizes = batch_check(static_shapes(first), plan.microbatches, 1, dim,
+                                       workload.replicated)
+    return pipe
