@@ -635,9 +635,13 @@ class Backend:
         """The compiled model's parameters and buffers by their original names."""
         return dict(self._running().state_dict())
 
-    def save(self, directory: str | Path) -> Path:
-        """Checkpoint every rank atomically (see :meth:`orgel.worker.pipe.Pipeline.save`)."""
-        return Path(self._running().save(directory))
+    def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
+        """Checkpoint every rank atomically (see :meth:`orgel.worker.pipe.Pipeline.save`).
+
+        ``keep``: None (the default) removes no older checkpoint; ``keep=k`` all but the
+        newest ``k``.
+        """
+        return Path(self._running().save(directory, keep=keep))
 
     def load(self, directory: str | Path) -> int | None:
         """Resume from a checkpoint (its plan too, if none was given and the ranks match).
