@@ -15,10 +15,11 @@
 
     losses = pipe.step(closure, tokens, pixels)     # one value per micro-batch
 
-``step`` slices every batched argument into micro-batches and runs one closure
-per micro-batch, each in its own thread. A closure's model call hands its
-inputs straight to the ranks that host input stages, which start on them while
-other closures are still pre-processing; a closure's loss and backward
+``step`` slices every batched argument into micro-batches (all but those named in
+``orgel.backend(..., replicated=[positions])``) and runs one closure per
+micro-batch, each in its own thread. A closure's model call hands its inputs
+straight to the ranks that host input stages, which start on them while other
+closures are still pre-processing; a closure's loss and backward
 (post-processing) run while the ranks work on other micro-batches. Outputs and
 gradients cross through :mod:`orgel.worker.closure`; the optimizer steps once every
 closure is done. The first step is the exception: it first runs micro-batch
@@ -42,7 +43,7 @@ import keyword
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,7 @@ class Backend:
                  timeout_s: float, threads: int | None, precision: str = "32",
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
                  max_grad_norm: float | None = None, accumulate: int = 1,
-                 batch_dim: int = 0) -> None:
+                 batch_dim: int = 0, replicated: tuple[int, ...] = ()) -> None:
         from orgel.explicit.api import check_options, default_optimizer
 
         check_options(ranks, microbatches, optimizer, memory, dp, plan)
@@ -190,6 +191,8 @@ class Backend:
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.timeout_s, self.threads = timeout_s, threads
         self.batch_dim = batch_dim
+        #: positions of ``step``'s arguments that go whole to every closure
+        self.replicated = tuple(replicated)
         self.model: GraphModel | None = None
         self.pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
         self._conns: list[Any] = []  # controller's end of each rank's pipe
@@ -431,10 +434,7 @@ class Backend:
             raise TypeError("step(closure, *batch): closure must be callable")
         from orgel.explicit.glued import ClosurePipeline
 
-        pieces = _slice(batch, self.microbatches, self.batch_dim)
-        rows = next((a.shape[self.batch_dim] for a in batch
-                     if isinstance(a, torch.Tensor) and a.dim() > self.batch_dim),
-                    self.microbatches)
+        pieces, rows = _slice(batch, self.microbatches, self.batch_dim, self.replicated)
         if self.pipe is None and self.model is None:  # the first step: find the graphs
             self._discover(closure, pieces[0])
             assert self._found is not None
@@ -715,15 +715,41 @@ def _compiled_module() -> torch.nn.Module | None:
     return None
 
 
-def _slice(batch: tuple[Any, ...], m: int, dim: int = 0) -> list[list[Any]]:
-    """``step``'s arguments cut into ``m`` micro-batches by the workload's one rule
-    (:func:`orgel.workload.split_microbatches`): along ``dim``, what has the batch size."""
-    from orgel.workload import split_microbatches
+def _slice(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[int, ...] = ()
+           ) -> tuple[list[list[Any]], int]:
+    """``step``'s arguments cut into ``m`` micro-batches, and the batch size.
 
-    named = {f"argument {i}": arg for i, arg in enumerate(batch)}
-    if not any(isinstance(a, torch.Tensor) and a.dim() > dim for a in batch):
-        return [list(batch) for _ in range(m)]
-    return [list(part.values()) for part, _ in split_microbatches(named, None, m, dim)]
+    The workload's one rule (:func:`orgel.workload.split_microbatches`): along ``dim``,
+    what has the batch size is cut; the arguments at the positions ``replicated`` and
+    those without the dimension go whole to every micro-batch. With nothing to cut,
+    every closure gets the arguments whole and the batch size is ``m``.
+    """
+    from orgel.workload import WorkloadError, batch_rows, split_microbatches
+
+    beyond = [i for i in replicated if i >= len(batch)]
+    if beyond:
+        raise ValueError(f"orgel.backend(replicated={list(replicated)}) names argument "
+                         f"positions {beyond} but step got {len(batch)} batch arguments "
+                         "(positions count from 0 after the closure)")
+    named = {_argument(i): arg for i, arg in enumerate(batch)}
+    whole = tuple(_argument(i) for i in replicated)
+    if not any(isinstance(a, torch.Tensor) and a.dim() > dim
+               for i, a in enumerate(batch) if i not in replicated):
+        return [list(batch) for _ in range(m)], m
+    try:
+        rows = batch_rows(named, None, dim, whole)
+        parts = split_microbatches(named, None, m, dim, whole)
+    except WorkloadError as exc:
+        raise WorkloadError(
+            f"{exc}. For orgel.backend the inputs are step's arguments by position "
+            "('argument i' counts from 0 after the closure): name the ones that go whole "
+            "to every closure in orgel.backend(..., replicated=[i, ...])") from None
+    return [list(part.values()) for part, _ in parts], rows
+
+
+def _argument(i: int) -> str:
+    """How :func:`_slice` names ``step``'s argument at position ``i`` (0 after the closure)."""
+    return f"argument {i}"
 
 
 def _rows_at(rows: int, dim: int) -> torch.Tensor:
@@ -736,7 +762,8 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
             timeout_s: float = 300.0, threads: int | None = None,
             precision: str = "32", scheduler: SchedulerFactory | None = None,
             lr: LearningRate | None = None, max_grad_norm: float | None = None,
-            accumulate: int = 1, batch_dim: int = 0) -> Backend:
+            accumulate: int = 1, batch_dim: int = 0,
+            replicated: Sequence[int] = ()) -> Backend:
     """A torch.compile backend that pipelines the compiled model; also its closure runner.
 
     Use the returned object as ``torch.compile(model, backend=pipe)`` and train
@@ -751,11 +778,21 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     around it would (the closure's own loss is the closure's). ``batch_dim``: the
     dimension ``step``'s tensor arguments are cut into micro-batches along (one int:
     ``step`` takes positional arguments; 1 for sequence-first ``[T, B]`` data).
+    ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
+    closure) that every closure gets whole, such as class weights ``[C]`` whose size
+    happens to be the batch size; arguments without the batch dimension (a 0-dim
+    tensor, a Python number) go whole anyway. Every other tensor argument is cut along
+    ``batch_dim``, and all of them must have the same size there (the batch size).
     """
     if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
         raise ValueError(f"batch_dim must be a non-negative int for orgel.backend (step takes "
                          f"positional arguments), got {batch_dim!r}")
+    positions = list(replicated) if isinstance(replicated, (list, tuple)) else None
+    if positions is None or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                for i in positions):
+        raise ValueError(f"replicated must be a list of step's argument positions (ints >= 0, "
+                         f"0 is the first argument after the closure), got {replicated!r}")
     return Backend(ranks=ranks, microbatches=microbatches, optimizer=optimizer, memory=memory,
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
-                   accumulate=accumulate, batch_dim=batch_dim)
+                   accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions))
