@@ -196,6 +196,7 @@ def commit(
     exactly those). ``unread(held)``: the model's tensors outside the names the
     shards hold (tensors no stage reads), written to ``unread.pt``.
     """
+    kept = check_keep(keep)  # before anything is committed
     root = Path(root)
     staged = staging_dir(root, step)
     shards = [f"rank{r}.pt" for r in range(num_ranks)]
@@ -240,9 +241,9 @@ def commit(
     _fsync_dir(root)
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
-    if keep is not None:
+    if kept is not None:
         complete = sorted(p for p in root.iterdir() if _STEP_RE.match(p.name))
-        for old in complete[: max(0, len(complete) - check_keep(keep))]:
+        for old in complete[: max(0, len(complete) - kept)]:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
     return final
