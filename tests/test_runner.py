@@ -611,3 +611,48 @@ def test_replicated_arguments_reach_every_closure_whole() -> None:
     other = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
     with pytest.raises(ValueError, match=r"argument 2\[dim 0\].*replicated=\[i"):
         other.step(closure_for(model), x, y, weights[:3])  # 3 rows beside 4: named, refused
+
+
+class WithTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x) + table.sum(0)))  # table: (3, 8), not batched
+
+
+def test_a_replicated_argument_the_closure_passes_to_the_model_goes_whole() -> None:
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g),
+                torch.randn(3, 8, generator=g)) for _ in range(2)]
+    model = WithTable()
+    ref = copy.deepcopy(model)
+    ref_opt = _sgd(list(ref.parameters()))
+
+    def closure_for(net: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(net(x, table), y) / M
+            loss.backward()
+            return loss.detach()
+
+        return closure
+
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60,
+                      replicated=[2])
+    compiled = torch.compile(model, backend=pipe)
+    try:
+        for x, y, table in batches:
+            got = pipe.step(closure_for(compiled), x, y, table)
+            ref_opt.zero_grad()
+            want = [closure_for(ref)(xm, ym, table)
+                    for xm, ym in zip(x.chunk(M), y.chunk(M), strict=True)]
+            ref_opt.step()
+            torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5,
+                                       atol=1e-6)
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)

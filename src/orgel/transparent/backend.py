@@ -200,6 +200,7 @@ class Backend:
         self._input_ranks: list[int] = []
         self._loss_rank = -1
         self._placeholders: dict[str, torch.Tensor] = {}
+        self._rows: int | None = None  # the batch size of the model's inputs (placeholders)
         self._local = threading.local()
         self._slots: list[Slot] = []
         self._pending_load: str | Path | None = None
@@ -477,7 +478,7 @@ class Backend:
             reader = threading.Thread(target=self._read_outputs, daemon=True)
             reader.start()
             try:
-                self.pipe.call_ranks("closure_step", self._placeholders)
+                self.pipe.call_ranks("closure_step", self._placeholders, self._rows)
             except Exception:
                 for slot in self._slots:
                     slot.called.wait(self._wait_s)
@@ -554,7 +555,7 @@ class Backend:
 
         from orgel.explicit import api
         from orgel.runtime.launch import LocalGroup
-        from orgel.workload import Workload
+        from orgel.workload import Workload, batch_rows
 
         if self.model is None:
             raise RuntimeError("the compiled model was never called")
@@ -564,11 +565,16 @@ class Backend:
         first = self._slots[0].inputs
         assert first is not None
         dim = self.batch_dim
-        batch = {n: torch.cat([s.inputs[n] for s in self._slots], dim)  # type: ignore[index]
+        given = [s.inputs for s in self._slots]
+        shared = _shared_inputs(given)  # e.g. a replicated argument the closure passes on
+        whole = tuple(n for n, t in first.items() if n in shared or t.dim() <= dim)
+        batch = {n: first[n] if n in whole
+                 else torch.cat([g[n] for g in given], dim)  # type: ignore[index]
                  for n in first}
-        rows = next(iter(batch.values())).shape[dim]
+        rows = batch_rows(batch, None, dim, whole)
+        self._rows = rows
         workload = Workload(self.model, batch, _rows_at(rows, dim), profiling_loss,
-                            batch_dim=dim)
+                            batch_dim=dim, replicated=whole)
         with untouched(self.model):
             graph = api.capture_microbatch(workload, self.microbatches)
             # dynamo's graph has the micro-batch's shapes baked in and the user's model is
@@ -593,7 +599,8 @@ class Backend:
         def make_engine(rank: int) -> RankEngine:
             return ClosureEngine(rank, plan, split, optimizer=self.optimizer,
                                  conn=pipes[rank][1], timeout_s=self.timeout_s,
-                                 options=self.loop, batch_dim=self.batch_dim)
+                                 options={**self.loop, "replicated": whole},
+                                 batch_dim=self.batch_dim)
 
         group = LocalGroup(self.ranks, make_engine, timeout_s=self.timeout_s,
                            threads=self.threads)
@@ -745,6 +752,20 @@ def _slice(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[int, 
             "('argument i' counts from 0 after the closure): name the ones that go whole "
             "to every closure in orgel.backend(..., replicated=[i, ...])") from None
     return [list(part.values()) for part, _ in parts], rows
+
+
+def _shared_inputs(given: list[dict[str, torch.Tensor] | None]) -> tuple[str, ...]:
+    """The model inputs every micro-batch's closure passed as the same tensor (same memory,
+    shape and strides): not batched, such as a ``replicated`` argument passed on whole."""
+    first = given[0]
+    if first is None or len(given) < 2:
+        return ()
+
+    def where(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+    return tuple(n for n, t in first.items()
+                 if all(g is not None and where(g[n]) == where(t) for g in given[1:]))
 
 
 def _argument(i: int) -> str:
