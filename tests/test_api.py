@@ -200,3 +200,25 @@ def test_a_checkpoints_plan_for_another_model_says_so(tmp_path: Path) -> None:
                            r"graph's \d+ nodes are in no stage .*plan again"):
             pipeline(bigger, inputs, targets, loss_fn, ranks=2, microbatches=4, plan=given,
                      threads=1)
+
+
+def test_save_keeps_every_checkpoint_unless_told_how_many(tmp_path: Path) -> None:
+    pipe, _, _ = _start(2)
+    with pipe:
+        with pytest.raises(ckpt.CheckpointError, match=r"keep=0: give how many"):
+            pipe.save(tmp_path, keep=0)  # refused before any rank writes
+        assert not list(tmp_path.iterdir())
+        for s in range(3):
+            pipe.step(*_batch(s))
+            pipe.save(tmp_path)  # the default removes nothing
+        steps = [p.name for p in sorted(tmp_path.iterdir()) if p.name.startswith("step-")]
+        assert steps == ["step-00000001", "step-00000002", "step-00000003"]
+        pipe.step(*_batch(3))
+        pipe.save(tmp_path, keep=2)
+        steps = [p.name for p in sorted(tmp_path.iterdir()) if p.name.startswith("step-")]
+        assert steps == ["step-00000003", "step-00000004"]
+        assert ckpt.read_meta(tmp_path)["step"] == 4
+    # each kept checkpoint holds the weights one process has after that many steps
+    for n in (3, 4):
+        reference, _ = _reference(n)
+        _assert_close(ckpt.state_dict(ckpt.step_dir(tmp_path, n)), reference)

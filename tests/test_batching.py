@@ -10,6 +10,8 @@ every input tensor: the scalar crashed, and the table was silently cut in two.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,3 +74,49 @@ def test_an_unmarked_table_is_refused_with_what_to_do() -> None:
 def test_unbatched_inputs_go_whole_to_every_microbatch_and_replica(options: dict) -> None:
     outcome = balanced_check("tables", _workload, replicated=("table",), **options)
     assert outcome.status == "exact", outcome.line() + outcome.trace[-2000:]
+
+
+class BreakWithTable(nn.Module):
+    """A table input (2 rows, not batched) and a graph break: several graphs are glued."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x) + table.sum(0))
+        h = torch.relu(h) if h.mean().item() > 0 else torch.tanh(h)  # a graph break
+        return self.b(h)
+
+
+@pytest.mark.slow
+def test_a_forward_of_several_graphs_gives_replicated_inputs_whole() -> None:
+    from orgel.explicit.api import pipeline
+
+    torch.manual_seed(0)
+    model = BreakWithTable()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    x, table, y = (torch.randn(4, 8, generator=g), torch.randn(2, 8, generator=g),
+                   torch.randn(4, 2, generator=g))
+
+    def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1)
+
+    ref_opt = sgd(list(ref.parameters()))
+    with pipeline(model, (x, table), y, _mse, ranks=2, microbatches=2, replicated=["table"],
+                  optimizer=sgd, threads=1) as pipe:
+        assert pipe.glue is not None  # several graphs
+        losses = [pipe.step((x, table), y) for _ in range(2)]
+        state = pipe.state_dict()
+    for loss in losses:
+        ref_opt.zero_grad()
+        expected = 0.0
+        for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
+            part = _mse(ref(xm, table), ym) / 2
+            part.backward()
+            expected += part.item()
+        ref_opt.step()
+        assert loss == pytest.approx(expected, rel=1e-5)
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)

@@ -44,7 +44,8 @@ def _shards(model: nn.Module, groups: list[list[str]]) -> list[Shard]:
     return out
 
 
-def _save(root: Path, model: nn.Module, shards: list[Shard], step: int) -> None:
+def _save(root: Path, model: nn.Module, shards: list[Shard], step: int,
+          keep: int | None = None) -> None:
     buffers = list(model.named_buffers())
     for rank, (params, opt) in enumerate(shards):
         shard = ckpt.make_shard(
@@ -53,7 +54,7 @@ def _save(root: Path, model: nn.Module, shards: list[Shard], step: int) -> None:
             optimizer=ckpt.named_optimizer_state(opt, params), rng=guard.rng_state(),
         )
         ckpt.write_shard(root, step, rank, shard)
-    ckpt.commit(root, step, len(shards), json.dumps({"plan": "x"}))
+    ckpt.commit(root, step, len(shards), json.dumps({"plan": "x"}), keep=keep)
 
 
 GROUPS2 = [["0.weight", "0.bias", "1.weight"], ["1.bias", "2.weight", "2.bias"]]
@@ -122,10 +123,14 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert all(torch.equal(before[n], after[n]) for n in before)
     with pytest.raises(ckpt.CheckpointError, match="not written"):
         ckpt.commit(tmp_path, 2, 2, "{}")
-    # a later complete save replaces it and drops the older folder
+    # a later complete save replaces it; the older folder stays unless keep= says otherwise
     _save(tmp_path, model, shards, 3)
     assert ckpt.resolve(tmp_path).name == "step-00000003"
+    assert ckpt.step_dir(tmp_path, 1).exists()
+    _save(tmp_path, model, shards, 4, keep=1)
+    assert ckpt.resolve(tmp_path).name == "step-00000004"
     assert not ckpt.step_dir(tmp_path, 1).exists()
+    assert not ckpt.step_dir(tmp_path, 3).exists()
     assert ckpt.read_meta(tmp_path)["owners"]["2.bias"] == [1]
 
 
@@ -196,7 +201,7 @@ def test_a_truncated_or_replaced_shard_names_the_file_and_the_last_good_checkpoi
     shards = _shards(model, GROUPS2)
     _save(tmp_path, model, shards, 1)
     shutil.copytree(tmp_path / "step-00000001", tmp_path / "kept" / "step-00000001")
-    _save(tmp_path, model, shards, 2)  # removes step 1 (commit keeps one by default)
+    _save(tmp_path, model, shards, 2, keep=1)  # removes step 1
     with pytest.raises(ckpt.CheckpointError, match="no other complete checkpoint"):
         (ckpt.resolve(tmp_path) / "rank1.pt").write_bytes(b"PK\x03\x04")
         ckpt.read_shard(tmp_path, 1)

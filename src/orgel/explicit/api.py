@@ -143,6 +143,9 @@ def pipeline(
     plan) and/or ``weights`` (a state_dict, a ``torch.save`` file read with mmap,
     or safetensors files; each rank reads only its own names). Planning it
     profiles one block at a time, each made from ``init``/``weights`` and freed.
+    A meta model records no values, so ``init`` (or ``weights``) must also give the
+    buffers a constructor computes (a causal mask, position ids); a tensor left
+    unset is reported by name (:class:`orgel.split.materialize.MaterializeError`).
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     if optimizer is None:

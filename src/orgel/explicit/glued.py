@@ -478,10 +478,13 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     ctx = mp.get_context("fork")
     pipes = [ctx.Pipe() for _ in range(plan.num_ranks)]
 
+    # the ranks cut the batch by the workload's rule too: what it names replicated goes whole
+    engine_options = {**(options or {}), "replicated": tuple(workload.replicated)}
+
     def make_engine(rank: int) -> Any:
         return ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
                              timeout_s=timeout_s, glue_info=glue, model=workload.model,
-                             options=options, batch_dim=dim)
+                             options=engine_options, batch_dim=dim)
 
     group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
     cls = ClosurePipeline if closures else GluedPipeline

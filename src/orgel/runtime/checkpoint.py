@@ -179,21 +179,24 @@ def commit(
     num_ranks: int,
     plan_json: str,
     *,
-    keep: int = 1,
+    keep: int | None = None,
     aliases: dict[str, str] | None = None,
     keys: list[str] | None = None,
     unread: Callable[[set[str]], dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Seal the staged checkpoint at ``step`` once every rank has written its shard.
 
-    Writes meta.json and plan.json, renames the staging folder, points ``LATEST``
-    at it and removes all but the newest ``keep`` complete checkpoints.
+    Writes meta.json and plan.json, renames the staging folder and points ``LATEST``
+    at it. ``keep``: None (the default) leaves every older checkpoint in place; an int
+    ``k >= 1`` then removes all but the newest ``k`` complete checkpoints (by step),
+    never the one just committed (:func:`check_keep` says what is valid).
     ``aliases`` maps extra state_dict keys of the original model (tied tensors)
     to the name the shards store them under, so :func:`state_dict` lists both.
     ``keys``: the model's state_dict keys in order (:func:`state_dict` returns
     exactly those). ``unread(held)``: the model's tensors outside the names the
     shards hold (tensors no stage reads), written to ``unread.pt``.
     """
+    kept = check_keep(keep)  # before anything is committed
     root = Path(root)
     staged = staging_dir(root, step)
     shards = [f"rank{r}.pt" for r in range(num_ranks)]
@@ -238,11 +241,23 @@ def commit(
     _fsync_dir(root)
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
-    complete = sorted(p for p in root.iterdir() if _STEP_RE.match(p.name))
-    for old in complete[: max(0, len(complete) - keep)]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    if kept is not None:
+        complete = sorted(p for p in root.iterdir() if _STEP_RE.match(p.name))
+        for old in complete[: max(0, len(complete) - kept)]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def check_keep(keep: int | None) -> int | None:
+    """``keep`` as :func:`commit` takes it, or a :class:`CheckpointError` saying what to give."""
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise CheckpointError(
+            f"keep={keep!r}: give how many of the newest checkpoints to keep (an int >= 1; "
+            "the one just saved counts), or keep=None (the default) to remove none")
+    return keep
 
 
 def _fsync_dir(folder: Path) -> None:

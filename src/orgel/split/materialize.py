@@ -13,7 +13,12 @@ holds the whole model.
   runs on it, in ``model.apply`` order (children first), under a random seed of
   its own: :func:`module_seed` of the base seed and the module's qualified name.
   So a tensor's values depend on the seed and its module's name only, not on
-  the plan, the rank or which other modules a rank holds.
+  the plan, the rank or which other modules a rank holds. A tensor neither
+  writes (a buffer the constructor computes: a causal mask, position ids) is
+  reported by name (:class:`MaterializeError`), never left as a placeholder:
+  float tensors start as NaN, others are tracked (assigned, or written in place).
+  The meta module recorded no constructor arguments, so its constructor cannot
+  be re-run for them: ``init`` (or ``weights``) must give them.
 * ``weights``: a dict name -> tensor, a ``torch.save``d state_dict (opened with
   ``mmap=True``: only the tensors read are paged in) or safetensors files (each
   rank reads only its names). A tied tensor may be stored under any of its names.
@@ -128,25 +133,27 @@ class Weights:
         wanted = {id(self.tensor_of[n]) for n in names}
         real: dict[int, torch.Tensor] = {}
         seen: set[int] = set()
+        placed: dict[int, tuple[torch.Tensor, int]] = {}  # placeholder id -> (it, version)
         for mname, module in _apply_order(self.model):
             if id(module) in seen or not any(id(t) in wanted for _, t, _ in _direct(module)):
                 continue
             seen.add(id(module))
-            real.update(self._init_module(mname, module, real, device))
+            real.update(self._init_module(mname, module, real, placed, device))
         out: dict[str, torch.Tensor] = {}
         for name in names:
             t = real[id(self.tensor_of[name])]
-            if t.is_floating_point() and t.numel() and bool(t.isnan().all()):
-                raise MaterializeError(
-                    f"init left {name} unset (still NaN after reset_parameters() and init on "
-                    "its module): make init set every parameter and buffer of the modules it "
-                    "is given (a buffer computed in __init__ too), or pass weights= with it")
+            if _unset(t, placed.get(id(t))):
+                raise MaterializeError(_unset_message(name, t))
             out[name] = t
         return out
 
     def _init_module(self, mname: str, module: torch.nn.Module, real: dict[int, torch.Tensor],
-                     device: torch.device) -> dict[int, torch.Tensor]:
-        """Allocate a copy of ``module``'s own tensors, reset and init it; new tensors by id."""
+                     placed: dict[int, tuple[torch.Tensor, int]], device: torch.device
+                     ) -> dict[int, torch.Tensor]:
+        """Allocate a copy of ``module``'s own tensors, reset and init it; new tensors by id.
+
+        Each placeholder allocated goes into ``placed`` with its version counter.
+        """
         twin = copy.copy(module)  # its children stay the model's (meta: writes do nothing)
         twin._parameters = dict(module._parameters)
         twin._buffers = dict(module._buffers)
@@ -154,9 +161,8 @@ class Weights:
         for key, t, is_param in _direct(module):
             made = real.get(id(t))
             if made is None:
-                empty = torch.empty_like(t, device=device)
-                made = _like(t, empty.fill_(float("nan")) if empty.is_floating_point()
-                             else empty.zero_())
+                made = _like(t, _placeholder(t, device))
+                placed[id(made)] = (made, made._version)
             tables[is_param][key] = made
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -172,6 +178,47 @@ class Weights:
             if now is not None:
                 made_now[id(t)] = now
         return made_now
+
+
+def _placeholder(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What a tensor holds before reset and init: a value no real one has where the dtype
+    has such a value (NaN; an integer type's least value), else zeros (bool)."""
+    empty = torch.empty_like(meta, device=device)
+    if empty.is_floating_point() or empty.is_complex():
+        return empty.fill_(float("nan"))
+    if empty.dtype == torch.bool:
+        return empty.zero_()
+    return empty.fill_(torch.iinfo(empty.dtype).min)
+
+
+def _unset(t: torch.Tensor, placed: tuple[torch.Tensor, int] | None) -> bool:
+    """Whether reset and init left ``t`` as :func:`_placeholder` made it.
+
+    A float tensor is unset while all NaN (writes through ``.data`` count as writes).
+    Any other tensor is unset while it is the placeholder object (init did not assign
+    a new one) and no in-place op changed it (its version counter did not move) and,
+    for integers, every value is still the placeholder's.
+    """
+    if not t.numel():
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(t.isnan().all())
+    if placed is None or placed[0] is not t or t._version != placed[1]:
+        return False  # init assigned it, or wrote it in place
+    return t.dtype == torch.bool or bool((t == torch.iinfo(t.dtype).min).all())
+
+
+def _unset_message(name: str, t: torch.Tensor) -> str:
+    if t.is_floating_point() or t.is_complex():
+        what = "still NaN after reset_parameters() and init on its module"
+    else:
+        what = (f"a {t.dtype} tensor that reset_parameters() and init on its module did not "
+                "write; on the meta device a value its module's constructor computes (a "
+                "causal mask, position ids: torch.tril, torch.arange) is not made")
+    return (f"init left {name} unset ({what}): make init set every parameter and buffer of "
+            "the modules it is given, a buffer computed in __init__ too (write it in place, "
+            "e.g. m.mask.copy_(torch.tril(torch.ones_like(m.mask))), or assign it, e.g. "
+            "m.pos = torch.arange(n)), or pass weights= with it")
 
 
 def _like(meta: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,11 @@
 
     losses = pipe.step(closure, tokens, pixels)     # one value per micro-batch
 
-``step`` slices every batched argument into micro-batches and runs one closure
-per micro-batch, each in its own thread. A closure's model call hands its
-inputs straight to the ranks that host input stages, which start on them while
-other closures are still pre-processing; a closure's loss and backward
+``step`` slices every batched argument into micro-batches (all but those named in
+``orgel.backend(..., replicated=[positions])``) and runs one closure per
+micro-batch, each in its own thread. A closure's model call hands its inputs
+straight to the ranks that host input stages, which start on them while other
+closures are still pre-processing; a closure's loss and backward
 (post-processing) run while the ranks work on other micro-batches. Outputs and
 gradients cross through :mod:`orgel.worker.closure`; the optimizer steps once every
 closure is done. The first step is the exception: it first runs micro-batch
@@ -42,7 +43,7 @@ import keyword
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,7 @@ class Backend:
                  timeout_s: float, threads: int | None, precision: str = "32",
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
                  max_grad_norm: float | None = None, accumulate: int = 1,
-                 batch_dim: int = 0) -> None:
+                 batch_dim: int = 0, replicated: tuple[int, ...] = ()) -> None:
         from orgel.explicit.api import check_options, default_optimizer
 
         check_options(ranks, microbatches, optimizer, memory, dp, plan)
@@ -190,6 +191,8 @@ class Backend:
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.timeout_s, self.threads = timeout_s, threads
         self.batch_dim = batch_dim
+        #: positions of ``step``'s arguments that go whole to every closure
+        self.replicated = tuple(replicated)
         self.model: GraphModel | None = None
         self.pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
         self._conns: list[Any] = []  # controller's end of each rank's pipe
@@ -197,6 +200,7 @@ class Backend:
         self._input_ranks: list[int] = []
         self._loss_rank = -1
         self._placeholders: dict[str, torch.Tensor] = {}
+        self._rows: int | None = None  # the batch size of the model's inputs (placeholders)
         self._local = threading.local()
         self._slots: list[Slot] = []
         self._pending_load: str | Path | None = None
@@ -431,10 +435,7 @@ class Backend:
             raise TypeError("step(closure, *batch): closure must be callable")
         from orgel.explicit.glued import ClosurePipeline
 
-        pieces = _slice(batch, self.microbatches, self.batch_dim)
-        rows = next((a.shape[self.batch_dim] for a in batch
-                     if isinstance(a, torch.Tensor) and a.dim() > self.batch_dim),
-                    self.microbatches)
+        pieces, rows = _slice(batch, self.microbatches, self.batch_dim, self.replicated)
         if self.pipe is None and self.model is None:  # the first step: find the graphs
             self._discover(closure, pieces[0])
             assert self._found is not None
@@ -477,7 +478,7 @@ class Backend:
             reader = threading.Thread(target=self._read_outputs, daemon=True)
             reader.start()
             try:
-                self.pipe.call_ranks("closure_step", self._placeholders)
+                self.pipe.call_ranks("closure_step", self._placeholders, self._rows)
             except Exception:
                 for slot in self._slots:
                     slot.called.wait(self._wait_s)
@@ -554,7 +555,7 @@ class Backend:
 
         from orgel.explicit import api
         from orgel.runtime.launch import LocalGroup
-        from orgel.workload import Workload
+        from orgel.workload import Workload, batch_rows
 
         if self.model is None:
             raise RuntimeError("the compiled model was never called")
@@ -564,11 +565,16 @@ class Backend:
         first = self._slots[0].inputs
         assert first is not None
         dim = self.batch_dim
-        batch = {n: torch.cat([s.inputs[n] for s in self._slots], dim)  # type: ignore[index]
+        given = [s.inputs for s in self._slots]
+        shared = _shared_inputs(given)  # e.g. a replicated argument the closure passes on
+        whole = tuple(n for n, t in first.items() if n in shared or t.dim() <= dim)
+        batch = {n: first[n] if n in whole
+                 else torch.cat([g[n] for g in given], dim)  # type: ignore[index]
                  for n in first}
-        rows = next(iter(batch.values())).shape[dim]
+        rows = batch_rows(batch, None, dim, whole)
+        self._rows = rows
         workload = Workload(self.model, batch, _rows_at(rows, dim), profiling_loss,
-                            batch_dim=dim)
+                            batch_dim=dim, replicated=whole)
         with untouched(self.model):
             graph = api.capture_microbatch(workload, self.microbatches)
             # dynamo's graph has the micro-batch's shapes baked in and the user's model is
@@ -593,7 +599,8 @@ class Backend:
         def make_engine(rank: int) -> RankEngine:
             return ClosureEngine(rank, plan, split, optimizer=self.optimizer,
                                  conn=pipes[rank][1], timeout_s=self.timeout_s,
-                                 options=self.loop, batch_dim=self.batch_dim)
+                                 options={**self.loop, "replicated": whole},
+                                 batch_dim=self.batch_dim)
 
         group = LocalGroup(self.ranks, make_engine, timeout_s=self.timeout_s,
                            threads=self.threads)
@@ -635,9 +642,13 @@ class Backend:
         """The compiled model's parameters and buffers by their original names."""
         return dict(self._running().state_dict())
 
-    def save(self, directory: str | Path) -> Path:
-        """Checkpoint every rank atomically (see :meth:`orgel.worker.pipe.Pipeline.save`)."""
-        return Path(self._running().save(directory))
+    def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
+        """Checkpoint every rank atomically (see :meth:`orgel.worker.pipe.Pipeline.save`).
+
+        ``keep``: None (the default) removes no older checkpoint; ``keep=k`` all but the
+        newest ``k``.
+        """
+        return Path(self._running().save(directory, keep=keep))
 
     def load(self, directory: str | Path) -> int | None:
         """Resume from a checkpoint (its plan too, if none was given and the ranks match).
@@ -711,15 +722,55 @@ def _compiled_module() -> torch.nn.Module | None:
     return None
 
 
-def _slice(batch: tuple[Any, ...], m: int, dim: int = 0) -> list[list[Any]]:
-    """``step``'s arguments cut into ``m`` micro-batches by the workload's one rule
-    (:func:`orgel.workload.split_microbatches`): along ``dim``, what has the batch size."""
-    from orgel.workload import split_microbatches
+def _slice(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[int, ...] = ()
+           ) -> tuple[list[list[Any]], int]:
+    """``step``'s arguments cut into ``m`` micro-batches, and the batch size.
 
-    named = {f"argument {i}": arg for i, arg in enumerate(batch)}
-    if not any(isinstance(a, torch.Tensor) and a.dim() > dim for a in batch):
-        return [list(batch) for _ in range(m)]
-    return [list(part.values()) for part, _ in split_microbatches(named, None, m, dim)]
+    The workload's one rule (:func:`orgel.workload.split_microbatches`): along ``dim``,
+    what has the batch size is cut; the arguments at the positions ``replicated`` and
+    those without the dimension go whole to every micro-batch. With nothing to cut,
+    every closure gets the arguments whole and the batch size is ``m``.
+    """
+    from orgel.workload import WorkloadError, batch_rows, split_microbatches
+
+    beyond = [i for i in replicated if i >= len(batch)]
+    if beyond:
+        raise ValueError(f"orgel.backend(replicated={list(replicated)}) names argument "
+                         f"positions {beyond} but step got {len(batch)} batch arguments "
+                         "(positions count from 0 after the closure)")
+    named = {_argument(i): arg for i, arg in enumerate(batch)}
+    whole = tuple(_argument(i) for i in replicated)
+    if not any(isinstance(a, torch.Tensor) and a.dim() > dim
+               for i, a in enumerate(batch) if i not in replicated):
+        return [list(batch) for _ in range(m)], m
+    try:
+        rows = batch_rows(named, None, dim, whole)
+        parts = split_microbatches(named, None, m, dim, whole)
+    except WorkloadError as exc:
+        raise WorkloadError(
+            f"{exc}. For orgel.backend the inputs are step's arguments by position "
+            "('argument i' counts from 0 after the closure): name the ones that go whole "
+            "to every closure in orgel.backend(..., replicated=[i, ...])") from None
+    return [list(part.values()) for part, _ in parts], rows
+
+
+def _shared_inputs(given: list[dict[str, torch.Tensor] | None]) -> tuple[str, ...]:
+    """The model inputs every micro-batch's closure passed as the same tensor (same memory,
+    shape and strides): not batched, such as a ``replicated`` argument passed on whole."""
+    first = given[0]
+    if first is None or len(given) < 2:
+        return ()
+
+    def where(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+    return tuple(n for n, t in first.items()
+                 if all(g is not None and where(g[n]) == where(t) for g in given[1:]))
+
+
+def _argument(i: int) -> str:
+    """How :func:`_slice` names ``step``'s argument at position ``i`` (0 after the closure)."""
+    return f"argument {i}"
 
 
 def _rows_at(rows: int, dim: int) -> torch.Tensor:
@@ -732,7 +783,8 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
             timeout_s: float = 300.0, threads: int | None = None,
             precision: str = "32", scheduler: SchedulerFactory | None = None,
             lr: LearningRate | None = None, max_grad_norm: float | None = None,
-            accumulate: int = 1, batch_dim: int = 0) -> Backend:
+            accumulate: int = 1, batch_dim: int = 0,
+            replicated: Sequence[int] = ()) -> Backend:
     """A torch.compile backend that pipelines the compiled model; also its closure runner.
 
     Use the returned object as ``torch.compile(model, backend=pipe)`` and train
@@ -747,11 +799,21 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     around it would (the closure's own loss is the closure's). ``batch_dim``: the
     dimension ``step``'s tensor arguments are cut into micro-batches along (one int:
     ``step`` takes positional arguments; 1 for sequence-first ``[T, B]`` data).
+    ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
+    closure) that every closure gets whole, such as class weights ``[C]`` whose size
+    happens to be the batch size; arguments without the batch dimension (a 0-dim
+    tensor, a Python number) go whole anyway. Every other tensor argument is cut along
+    ``batch_dim``, and all of them must have the same size there (the batch size).
     """
     if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
         raise ValueError(f"batch_dim must be a non-negative int for orgel.backend (step takes "
                          f"positional arguments), got {batch_dim!r}")
+    positions = list(replicated) if isinstance(replicated, (list, tuple)) else None
+    if positions is None or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                for i in positions):
+        raise ValueError(f"replicated must be a list of step's argument positions (ints >= 0, "
+                         f"0 is the first argument after the closure), got {replicated!r}")
     return Backend(ranks=ranks, microbatches=microbatches, optimizer=optimizer, memory=memory,
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
-                   accumulate=accumulate, batch_dim=batch_dim)
+                   accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions))

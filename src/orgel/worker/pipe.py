@@ -306,8 +306,14 @@ class Pipeline:
         target.load_state_dict(state, strict=True)
         return target
 
-    def save(self, directory: str | Path) -> Path:
-        """Write a checkpoint of every rank atomically into ``directory``; returns its folder."""
+    def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
+        """Write a checkpoint of every rank atomically into ``directory``; returns its folder.
+
+        Each save is a folder ``step-NNNNNNNN`` under ``directory``. ``keep``: None (the
+        default) removes no older checkpoint; ``keep=k`` removes, once this one is
+        complete, all but the newest ``k`` (this one among them) of those in ``directory``.
+        """
+        ckpt.check_keep(keep)  # before any rank writes
         if self.pending:
             raise ckpt.CheckpointError(
                 f"pipe.save in the middle of an accumulation ({self.pending} of "
@@ -335,7 +341,7 @@ class Pipeline:
         if not self.spmd or _own_rank() == 0:
             folder = ckpt.commit(root, step, self.num_ranks, self.plan.to_json(),
                                  aliases=self._aliases, keys=self._names.keys,
-                                 unread=self._unread)
+                                 unread=self._unread, keep=keep)
         if self.spmd:
             self._ranks.barrier()
         return folder
