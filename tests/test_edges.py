@@ -1,0 +1,86 @@
+"""Parameters without a gradient, on every path: frozen, unused, replicated, tied.
+
+One process leaves a frozen parameter's (``requires_grad=False``) and an unused
+parameter's ``.grad`` None, so AdamW skips them (no weight decay, no step count).
+A pipeline with data-parallel replicas or tied copies sums gradients across
+ranks; these tests check that it leaves the same parameters alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import orgel
+from orgel.graph import capture
+from orgel.models import ZooWorkload, build
+from orgel.runtime.optimizer import NamedParameters
+from orgel.runtime.plans import balanced_plan
+from orgel.workload import Workload, microbatches
+
+ROWS, M = 8, 2
+FROZEN = "encoder.blocks.0.mlp.fc"  # a layer the forward uses, with requires_grad=False
+
+
+def _workload(name: str) -> ZooWorkload:
+    """A GPT with a frozen layer (the tied one: its tied embedding frozen too) and an
+    unused trainable layer."""
+    w = build(name, batch_size=ROWS, seed=0, n_layers=2, d_model=32)
+    for p in w.model.get_submodule(FROZEN).parameters():
+        p.requires_grad_(False)
+    if name == "tied":
+        w.model.get_parameter("tok_emb.weight").requires_grad_(False)
+    torch.manual_seed(1)
+    w.model.unused = torch.nn.Linear(8, 8)  # trainable, but the forward never calls it
+    return w
+
+
+def _adamw(params: NamedParameters) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list(params), lr=1e-2, eps=1e-6, weight_decay=0.5)
+
+
+def _plan(w: ZooWorkload, ranks: int, dp: int) -> Any:
+    first, _ = microbatches(Workload(copy.deepcopy(w.model), w.inputs, w.targets, w.loss_fn),
+                            M * dp)[0]
+    graph = capture(copy.deepcopy(w.model), first)
+    return balanced_plan(graph, ranks=ranks, microbatches=M, dp=dp)
+
+
+def _batch(call: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + call)
+    tokens = torch.randint(0, 128, (ROWS, 32), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dp"), [("gpt", 2), ("tied", 1)])
+def test_frozen_and_unused_parameters_stay_as_one_process_leaves_them(name: str,
+                                                                      dp: int) -> None:
+    """AdamW with weight decay over every parameter, frozen and unused ones included:
+    replicas (dp=2) or tied embeddings on two ranks move exactly the parameters one
+    process moves; the frozen layer and the unused one keep their values."""
+    w = _workload(name)
+    model = copy.deepcopy(w.model)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    opt = _adamw(NamedParameters(model.named_parameters()))
+    with orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=M,
+                        plan=_plan(w, 2, dp), optimizer=_adamw, threads=1) as pipe:
+        for c in range(2):
+            tokens, targets = _batch(c)
+            loss = pipe.step(tokens, targets)
+            ref = w.loss_fn(model(tokens), targets)
+            ref.backward()
+            opt.step()
+            opt.zero_grad()
+            assert loss == pytest.approx(ref.item(), rel=1e-5)
+        state = pipe.state_dict()
+    kept = [f"{FROZEN}.weight", f"{FROZEN}.bias", "unused.weight", "unused.bias"]
+    for n in kept + (["tok_emb.weight"] if name == "tied" else []):
+        assert torch.equal(state[n], before[n]), n  # one process leaves them as they were
+    expected = model.state_dict()  # Adam amplifies float noise of tiny gradients: 1e-5
+    bad = {n: float((state[n] - t).abs().max()) for n, t in expected.items()
+           if not torch.allclose(state[n], t, rtol=1e-5, atol=1e-5)}
+    assert not bad, bad
