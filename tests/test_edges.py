@@ -16,7 +16,7 @@ import torch
 
 import orgel
 from orgel.graph import capture
-from orgel.models import ZooWorkload, build
+from orgel.models import build
 from orgel.runtime.optimizer import NamedParameters
 from orgel.runtime.plans import balanced_plan
 from orgel.workload import Workload, microbatches
@@ -25,9 +25,23 @@ ROWS, M = 8, 2
 FROZEN = "encoder.blocks.0.mlp.fc"  # a layer the forward uses, with requires_grad=False
 
 
-def _workload(name: str) -> ZooWorkload:
-    """A GPT with a frozen layer (the tied one: its tied embedding frozen too) and an
-    unused trainable layer."""
+class WithAux(torch.nn.Module):
+    """A GPT that also returns an auxiliary output, which the loss ignores: its head
+    is trainable but no loss reaches it (one process leaves its gradient None)."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.aux = torch.nn.Linear(128, 4)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gpt(tokens)
+        return logits, self.aux(logits)
+
+
+def _workload(name: str) -> tuple[torch.nn.Module, Any]:
+    """A GPT with a frozen layer (the tied one: its tied embedding frozen too), an unused
+    trainable layer and a trainable head no loss reaches; its loss function."""
     w = build(name, batch_size=ROWS, seed=0, n_layers=2, d_model=32)
     for p in w.model.get_submodule(FROZEN).parameters():
         p.requires_grad_(False)
@@ -35,17 +49,22 @@ def _workload(name: str) -> ZooWorkload:
         w.model.get_parameter("tok_emb.weight").requires_grad_(False)
     torch.manual_seed(1)
     w.model.unused = torch.nn.Linear(8, 8)  # trainable, but the forward never calls it
-    return w
+    loss_fn = w.loss_fn
+
+    def first(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> Any:
+        return loss_fn(outputs[0], targets)
+    return WithAux(w.model), first
 
 
 def _adamw(params: NamedParameters) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list(params), lr=1e-2, eps=1e-6, weight_decay=0.5)
 
 
-def _plan(w: ZooWorkload, ranks: int, dp: int) -> Any:
-    first, _ = microbatches(Workload(copy.deepcopy(w.model), w.inputs, w.targets, w.loss_fn),
+def _plan(model: torch.nn.Module, loss_fn: Any, ranks: int, dp: int) -> Any:
+    inputs, targets = _batch(0)
+    first, _ = microbatches(Workload(copy.deepcopy(model), (inputs,), targets, loss_fn),
                             M * dp)[0]
-    graph = capture(copy.deepcopy(w.model), first)
+    graph = capture(copy.deepcopy(model), first)
     return balanced_plan(graph, ranks=ranks, microbatches=M, dp=dp)
 
 
@@ -62,23 +81,25 @@ def test_frozen_and_unused_parameters_stay_as_one_process_leaves_them(name: str,
     """AdamW with weight decay over every parameter, frozen and unused ones included:
     replicas (dp=2) or tied embeddings on two ranks move exactly the parameters one
     process moves; the frozen layer and the unused one keep their values."""
-    w = _workload(name)
-    model = copy.deepcopy(w.model)
+    net, loss_fn = _workload(name)
+    model = copy.deepcopy(net)
     before = {n: t.clone() for n, t in model.state_dict().items()}
     opt = _adamw(NamedParameters(model.named_parameters()))
-    with orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=M,
-                        plan=_plan(w, 2, dp), optimizer=_adamw, threads=1) as pipe:
+    inputs, targets = _batch(0)
+    with orgel.pipeline(net, (inputs,), targets, loss_fn, ranks=2, microbatches=M,
+                        plan=_plan(net, loss_fn, 2, dp), optimizer=_adamw, threads=1) as pipe:
         for c in range(2):
             tokens, targets = _batch(c)
             loss = pipe.step(tokens, targets)
-            ref = w.loss_fn(model(tokens), targets)
+            ref = loss_fn(model(tokens), targets)
             ref.backward()
             opt.step()
             opt.zero_grad()
             assert loss == pytest.approx(ref.item(), rel=1e-5)
         state = pipe.state_dict()
-    kept = [f"{FROZEN}.weight", f"{FROZEN}.bias", "unused.weight", "unused.bias"]
-    for n in kept + (["tok_emb.weight"] if name == "tied" else []):
+    kept = [f"gpt.{FROZEN}.weight", f"gpt.{FROZEN}.bias", "gpt.unused.weight",
+            "gpt.unused.bias", "aux.weight", "aux.bias"]
+    for n in kept + (["gpt.tok_emb.weight"] if name == "tied" else []):
         assert torch.equal(state[n], before[n]), n  # one process leaves them as they were
     expected = model.state_dict()  # Adam amplifies float noise of tiny gradients: 1e-5
     bad = {n: float((state[n] - t).abs().max()) for n, t in expected.items()
