@@ -105,3 +105,53 @@ def test_frozen_and_unused_parameters_stay_as_one_process_leaves_them(name: str,
     bad = {n: float((state[n] - t).abs().max()) for n, t in expected.items()
            if not torch.allclose(state[n], t, rtol=1e-5, atol=1e-5)}
     assert not bad, bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "accumulate"), [("adamw", 1), ("sgd", 2)])
+def test_backend_closure_without_backward_leaves_the_weights(kind: str, accumulate: int) -> None:
+    """orgel.backend: a step whose closures never call backward (an evaluation batch)
+    gives no gradient, so AdamW (weight decay) and momentum SGD change nothing, as
+    ``opt.step()`` after no backward in one process; with ``accumulate=2`` such a call
+    beside a training one leaves the training one's gradients as they are."""
+    torch._dynamo.reset()
+    w = build("gpt", batch_size=ROWS, seed=0, n_layers=2, d_model=32)
+    ref_model = copy.deepcopy(w.model)
+
+    def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if kind == "adamw":
+            return torch.optim.AdamW(params, lr=1e-2, eps=1e-6, weight_decay=0.5)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    ref_opt = factory(list(ref_model.parameters()))
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=factory, accumulate=accumulate,
+                         threads=1)
+    compiled = torch.compile(w.model, backend=pipe, dynamic=False)
+
+    def closure_for(model: Any, train: bool, divisor: int) -> Any:
+        def closure(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = w.loss_fn(model(tokens), targets) / M
+            if train:
+                (loss / divisor).backward()
+            return loss.detach()
+        return closure
+
+    try:
+        for c, train in enumerate([True, True, False, False, True, True]):
+            tokens, targets = _batch(c)
+            losses = pipe.step(closure_for(compiled, train, 1), tokens, targets)
+            want = [closure_for(ref_model, train, accumulate)(t, y)
+                    for t, y in zip(tokens.chunk(M), targets.chunk(M), strict=True)]
+            torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-5,
+                                       atol=1e-6)
+            if c % accumulate == accumulate - 1:
+                ref_opt.step()
+                ref_opt.zero_grad()
+        state = pipe.state_dict()
+        expected = ref_model.state_dict()
+        bad = {n: float((state[n] - t).abs().max()) for n, t in expected.items()
+               if not torch.allclose(state[n], t, rtol=1e-5, atol=1e-5)}
+        assert not bad, bad
+    finally:
+        pipe.close()
+

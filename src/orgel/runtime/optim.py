@@ -159,7 +159,8 @@ class GradSync:
         return float(total[0])
 
     def finish(self, loss: torch.Tensor, max_norm: float | None,
-               scaler: Any = None, failed: bool = False) -> tuple[float, float]:
+               scaler: Any = None, failed: bool = False,
+               graded: bool = True) -> tuple[float, float]:
         """Complete every reduction, clip by global norm; return ``(loss, grad norm)``.
 
         The norm (before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it) is
@@ -170,6 +171,10 @@ class GradSync:
         clipped, and the scale backs off). ``failed``: this rank's work raised this
         step; summed with the loss too, :attr:`failed` says whether any rank's did
         (then nothing is clipped and the scale stays: every rank drops the step).
+        ``graded``: this rank back-propagated a loss since the last optimizer step;
+        where no rank did (closures that never called ``backward``), every gradient
+        is set to None: the backward of the other stages ran from zeros, and one
+        process would hold no gradient at all.
         """
         for what, work, flat, params in self.pending:
             self._wait(work, what)
@@ -200,7 +205,7 @@ class GradSync:
                  if p.grad is not None]
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
-                               found, zero + float(failed)])
+                               found, zero + float(failed), zero + float(graded)])
         self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
                    "the step's loss and gradient norm")
         total_loss, sq = float(summary[0]), float(summary[1])
@@ -208,6 +213,9 @@ class GradSync:
         self.failed = bool(summary[3] > 0)
         if self.failed:
             return total_loss, float("nan")
+        if not summary[4] > 0:  # no loss had a gradient: none exists
+            for p in self.all_params:
+                p.grad = None
         if scaler is not None:
             scaler.update(self.found_inf)
         norm = sq ** 0.5
