@@ -17,6 +17,7 @@ import torch
 import orgel
 from orgel.graph import capture
 from orgel.models import build
+from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import NamedParameters
 from orgel.runtime.plans import balanced_plan
 from orgel.workload import Workload, microbatches
@@ -155,3 +156,81 @@ def test_backend_closure_without_backward_leaves_the_weights(kind: str, accumula
     finally:
         pipe.close()
 
+
+
+def _by_name(params: NamedParameters, *, swap: bool = False) -> torch.optim.Optimizer:
+    """Two groups by name, each with its own rate and weight decay (``swap``: the same
+    two groups in the other order)."""
+    decay = [p for n, p in params.named() if p.dim() >= 2 and "emb" not in n]
+    plain = [p for n, p in params.named() if not (p.dim() >= 2 and "emb" not in n)]
+    groups = [{"params": decay, "lr": 1e-2, "weight_decay": 0.5},
+              {"params": plain, "lr": 3e-3, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups[::-1] if swap else groups, eps=1e-6)
+
+
+def _halving(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+
+
+def _gpt_plan(w: Any, ranks: int) -> Any:
+    return _plan(w.model, w.loss_fn, ranks, 1)
+
+
+@pytest.mark.slow
+def test_resharded_groups_keep_each_parameters_hyper_parameters(tmp_path: Any) -> None:
+    """Saved on 2 ranks with two groups by name (own lr and weight decay, a schedule that
+    changes the rates), resumed on 3: every parameter's group hyper-parameters and
+    state, and after two more steps its value, equal one process that never stopped;
+    an optimizer whose groups differ from the saved ones is refused, no rank changed."""
+    w = build("gpt", batch_size=ROWS, seed=0, n_layers=2, d_model=32)
+    model = copy.deepcopy(w.model)
+    opt = _by_name(NamedParameters(model.named_parameters()))
+    sched = _halving(opt)
+    options: dict[str, Any] = {"optimizer": _by_name, "scheduler": _halving, "threads": 1}
+
+    def both(pipe: orgel.Pipeline, c: int) -> None:
+        tokens, targets = _batch(c)
+        loss = pipe.step(tokens, targets)
+        ref = w.loss_fn(model(tokens), targets)
+        ref.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        assert loss == pytest.approx(ref.item(), rel=1e-5)
+
+    with orgel.pipeline(copy.deepcopy(w.model), w.inputs, w.targets, w.loss_fn, ranks=2,
+                        microbatches=M, plan=_gpt_plan(w, 2), **options) as pipe:
+        for c in range(2):
+            both(pipe, c)
+        pipe.save(tmp_path)
+    swapped = {**options, "optimizer": lambda params: _by_name(params, swap=True)}
+    with pytest.raises(ckpt.CheckpointError, match=r"is in group 0 of the optimizer but was in "
+                                                    r"group 1 when the checkpoint was saved"):
+        orgel.load(tmp_path, copy.deepcopy(w.model), w.inputs, w.targets, w.loss_fn,
+                   ranks=3, plan=_gpt_plan(w, 3), **swapped).close()
+    with orgel.load(tmp_path, copy.deepcopy(w.model), w.inputs, w.targets, w.loss_fn,
+                    ranks=3, plan=_gpt_plan(w, 3), **options) as resumed:
+        assert resumed.lr == pytest.approx([g["lr"] for g in opt.param_groups], rel=1e-7)
+        # each rank's groups and state, as a checkpoint of the resumed pipeline holds them
+        folder = resumed.save(tmp_path / "again")
+        want = ckpt.named_optimizer_state(opt, list(model.named_parameters()))
+        group_of = ckpt.saved_group_of(want)
+        seen = set()
+        for r in range(3):
+            got = ckpt.read_shard(folder, r)["optimizer"]
+            for gi, group in enumerate(got["groups"]):
+                for name in group["params"]:
+                    hyper = want["groups"][group_of[name]]
+                    assert {k: v for k, v in group.items() if k != "params"} == {
+                        k: v for k, v in hyper.items() if k != "params"}, (r, gi, name)
+                    for k, v in want["state"][name].items():
+                        torch.testing.assert_close(got["state"][name][k], v)
+                    seen.add(name)
+        assert seen == set(group_of)
+        for c in range(2, 4):
+            both(resumed, c)
+        state = resumed.state_dict()
+    expected = model.state_dict()
+    bad = {n: float((state[n] - t).abs().max()) for n, t in expected.items()
+           if not torch.allclose(state[n], t, rtol=1e-5, atol=1e-5)}
+    assert not bad, bad
