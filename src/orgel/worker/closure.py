@@ -22,9 +22,9 @@ is exactly ``g``. The pipeline's backward then runs as if the closure's loss
 had been computed on the rank. A closure that never calls ``backward`` sends
 no gradient: its surrogate loss does not require one, and a step in which no
 micro-batch's loss had a gradient leaves every ``.grad`` None, so the optimizer
-changes nothing (as ``opt.step()`` after no backward in one process). In the controller, :class:`OutputsFunction`
-makes the received outputs part of the closure's autograd graph and sends the
-gradient when the closure calls ``backward``.
+changes nothing (as ``opt.step()`` after no backward in one process). In the
+controller, :class:`OutputsFunction` makes the received outputs part of the
+closure's autograd graph and sends the gradient when the closure calls ``backward``.
 """
 
 from __future__ import annotations
