@@ -99,6 +99,7 @@ class BackwardActions:
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if run.loss is not None and run.loss.requires_grad:
+            self.loop.graded += 1
             roots.append(run.loss)
             grads.append(self.loop.loss_gradient(
                 run.loss, None if self.scaler is None else self.scaler.scale))

@@ -86,9 +86,11 @@ def load_named_optimizer_state(
     """Load :func:`named_optimizer_state` output into ``optimizer``, matching by name.
 
     The saved state may come from other ranks (merged by :func:`read_names`):
-    every parameter finds its state by original name; group hyper-parameters
-    are taken from the saved group at the same index.
+    every parameter finds its state by original name. The groups must be the
+    saved ones (:func:`check_groups`), so each group takes the hyper-parameters
+    of the saved group of the same index: the group its parameters were in.
     """
+    check_groups(optimizer, params, named)
     id_of = {id(p): i for i, (_, p) in enumerate(params)}
     current = optimizer.state_dict()
     saved_groups = named.get("groups", [])
@@ -107,6 +109,45 @@ def load_named_optimizer_state(
         i: dict(named["state"][name]) for i, name in enumerate(names) if name in named["state"]
     }
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+
+def saved_group_of(named: dict[str, Any]) -> dict[str, int]:
+    """Each parameter's group index in saved optimizer state, by original name."""
+    if "group_of" in named:
+        return dict(named["group_of"])
+    return {n: gi for gi, g in enumerate(named.get("groups", [])) for n in g["params"]}
+
+
+def check_groups(optimizer: torch.optim.Optimizer, params: NamedTensors,
+                 named: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` unless ``optimizer`` groups ``params`` as saved.
+
+    Every parameter of ``params`` must be in the group of the same index as when
+    the checkpoint was saved (or in none, both times), and the group counts must
+    agree: group hyper-parameters and a scheduler's per-group state are restored
+    by index, so another grouping would hand a group another's learning rate or
+    weight decay. A checkpoint that saved no groups is not checked.
+    """
+    saved = named.get("groups") or []
+    if not saved:
+        return
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved)} parameter groups, this one has "
+            f"{len(optimizer.param_groups)}: build the optimizer's groups as when it was "
+            "saved (the same factory)")
+    was = saved_group_of(named)
+    now = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    for name, p in params:
+        before, after = was.get(name), now.get(id(p))
+        if before != after:
+            def where(gi: int | None) -> str:
+                return "in no group" if gi is None else f"in group {gi}"
+            raise CheckpointError(
+                f"parameter {name!r} is {where(after)} of the optimizer but was "
+                f"{where(before)} when the checkpoint was saved: build the optimizer's "
+                "groups as when it was saved (the same factory), or each group would "
+                "take another group's hyper-parameters")
 
 
 # -- shards -------------------------------------------------------------------------------
@@ -346,7 +387,8 @@ def _other_checkpoints(folder: Path) -> str:
 def read_names(path: str | Path, names: Iterable[str]) -> dict[str, Any]:
     """Parameters, buffers and optimizer state for ``names``, merged from the shards.
 
-    Returns ``{"params", "buffers", "optimizer": {"state", "groups"}, "step"}``;
+    Returns ``{"params", "buffers", "optimizer": {"state", "groups", "group_of"}, "step"}``
+    (``group_of``: each name's saved group index, from the shard that holds it);
     raises :class:`CheckpointError` naming any name no shard holds.
     """
     meta = read_meta(path)
@@ -362,18 +404,20 @@ def read_names(path: str | Path, names: Iterable[str]) -> dict[str, Any]:
     buffers: dict[str, torch.Tensor] = {}
     opt_state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
+    group_of: dict[str, int] = {}
     for r in ranks or [0]:
         shard = read_shard(path, r)
         params.update({n: t for n, t in shard["params"].items() if n in wanted})
         buffers.update({n: t for n, t in shard["buffers"].items() if n in wanted})
         opt = shard.get("optimizer") or {}
         opt_state.update({n: s for n, s in opt.get("state", {}).items() if n in wanted})
+        group_of.update({n: gi for n, gi in saved_group_of(opt).items() if n in wanted})
         if not groups:
             groups = opt.get("groups", [])
     return {
         "params": params,
         "buffers": buffers,
-        "optimizer": {"state": opt_state, "groups": groups},
+        "optimizer": {"state": opt_state, "groups": groups, "group_of": group_of},
         "step": int(meta["step"]),
     }
 

@@ -298,7 +298,7 @@ class Executor(BackwardActions, DroppedStep):
                 self.loop.finish()
             else:
                 loss, norm = self.sync.finish(self._loss, self.max_grad_norm, self.scaler,
-                                              failed)
+                                              failed, graded=self.loop.graded > 0)
                 if self.sync.failed:
                     raise self._drop_step()
                 self.grad_norm = norm

@@ -13,6 +13,11 @@ the whole batch computes (the mean-reduced loss convention). Hence:
   the total, so the copies stay equal after the optimizer step;
 * the global gradient norm counts each parameter once (replica 0, first copy)
   and is all-reduced with the step's loss in one small collective;
+* a parameter without a gradient stays without one, as in one process: a frozen
+  one (``requires_grad=False``) takes part in no sum, and every sum carries one
+  flag per parameter (whether the rank has a gradient for it), so one that no
+  replica's or copy's backward reached keeps ``.grad`` None and the optimizer
+  skips it (no weight decay, no moment update);
 * a step call that only accumulates (``accumulate=k``) reduces nothing but its
   loss: the sums above are linear, so the ``k``-th call reduces the k calls'
   gradients at once.
@@ -33,10 +38,36 @@ from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
 
-def _grad(p: torch.nn.Parameter) -> torch.Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
+def _pack(grads: list[torch.Tensor | None], params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One flat tensor to sum across ranks: each gradient (zeros where there is none),
+    then one flag per gradient, 1 where there is one."""
+    parts = [(torch.zeros_like(p) if g is None else g).reshape(-1)
+             for g, p in zip(grads, params, strict=True)]
+    flags = torch.tensor([float(g is not None) for g in grads], dtype=parts[0].dtype,
+                         device=parts[0].device)
+    return torch.cat([*parts, flags])
+
+
+def _unpack(flat: torch.Tensor, params: list[torch.nn.Parameter], sizes: list[int]) -> None:
+    """Set each ``params[i]``'s gradient to its part of a summed :func:`_pack` (the part
+    of ``sizes[i]`` elements), or to None where no rank had a gradient for it."""
+    flags = flat[-len(params):].tolist()
+    offset = 0
+    for p, n, flag in zip(params, sizes, flags, strict=True):
+        if flag > 0:
+            g = flat[offset:offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = g.to(p.dtype).clone()
+            else:
+                p.grad.copy_(g)
+        else:
+            p.grad = None
+        offset += n
+
+
+def trainable(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters a backward can give a gradient (frozen ones take part in no sum)."""
+    return [p for p in params if p.requires_grad]
 
 
 class GradSync:
@@ -94,10 +125,11 @@ class GradSync:
 
     def launch_replicas(self, rset: tuple[int, ...]) -> None:
         """Start the sum over the replicas of ``rset``'s stages (asynchronous)."""
-        group, params = self.dp[rset]
+        group, held = self.dp[rset]
+        params = trainable(held)
         if not params:
             return
-        flat = torch.cat([_grad(p).reshape(-1) for p in params])
+        flat = _pack([p.grad for p in params], params)
         work = dist.all_reduce(flat, group=group, async_op=True)
         self.pending.append((f"data-parallel gradients of ranks {list(rset)}", work, flat, params))
 
@@ -127,7 +159,8 @@ class GradSync:
         return float(total[0])
 
     def finish(self, loss: torch.Tensor, max_norm: float | None,
-               scaler: Any = None, failed: bool = False) -> tuple[float, float]:
+               scaler: Any = None, failed: bool = False,
+               graded: bool = True) -> tuple[float, float]:
         """Complete every reduction, clip by global norm; return ``(loss, grad norm)``.
 
         The norm (before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it) is
@@ -138,24 +171,25 @@ class GradSync:
         clipped, and the scale backs off). ``failed``: this rank's work raised this
         step; summed with the loss too, :attr:`failed` says whether any rank's did
         (then nothing is clipped and the scale stays: every rank drops the step).
+        ``graded``: this rank back-propagated a loss since the last optimizer step;
+        where no rank did (closures that never called ``backward``), every gradient
+        is set to None: the backward of the other stages ran from zeros, and one
+        process would hold no gradient at all.
         """
         for what, work, flat, params in self.pending:
             self._wait(work, what)
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
-                offset += n
+            _unpack(flat, params, [p.numel() for p in params])
         self.pending = []
         # Every rank launches the tied sums in one order (by name), all before waiting
         # on any: a rank that waited on its first would block a peer whose first differs.
         sums: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         for name in sorted(self.tied):
             # a Parameter two stages on this rank share is one copy: autograd summed it
-            copies = list({id(p): p for p in self.tied[name]}.values())
-            total = _grad(copies[0]).clone()
-            for p in copies[1:]:
-                total += _grad(p)
+            copies = trainable(list({id(p): p for p in self.tied[name]}.values()))
+            if not copies:
+                continue  # frozen: every copy on every rank is (they are one parameter)
+            grads = [p.grad for p in copies if p.grad is not None]
+            total = _pack([torch.stack(grads).sum(0) if grads else None], copies[:1])
             group = self.tied_groups.get(name)
             work = None if group is None else dist.all_reduce(total, group=group, async_op=True)
             sums.append((name, work, total, copies))
@@ -163,7 +197,7 @@ class GradSync:
             if work is not None:
                 self._wait(work, f"the tied parameter {name!r}")
             for p in copies:
-                p.grad.copy_(total)  # type: ignore[union-attr]
+                _unpack(total, [p], [p.numel()])
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
         # one pass over every gradient, each counted once (replica 0, first tied copy)
@@ -171,7 +205,7 @@ class GradSync:
                  if p.grad is not None]
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
-                               found, zero + float(failed)])
+                               found, zero + float(failed), zero + float(graded)])
         self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
                    "the step's loss and gradient norm")
         total_loss, sq = float(summary[0]), float(summary[1])
@@ -179,6 +213,9 @@ class GradSync:
         self.failed = bool(summary[3] > 0)
         if self.failed:
             return total_loss, float("nan")
+        if not summary[4] > 0:  # no loss had a gradient: none exists
+            for p in self.all_params:
+                p.grad = None
         if scaler is not None:
             scaler.update(self.found_inf)
         norm = sq ** 0.5

@@ -146,6 +146,9 @@ class OptimizerLoop:
         self.accumulate = accumulate
         self.steps = 0  # optimizer steps taken (the schedule's position)
         self.pending = 0  # step calls since the last optimizer step
+        #: micro-batch losses this rank back-propagated since the last optimizer step
+        #: (none on any rank: no gradient exists, as after no ``backward`` in one process)
+        self.graded = 0
         self._set_rate()
 
     @property
@@ -156,6 +159,7 @@ class OptimizerLoop:
     def begin(self) -> None:
         """Start a step call: a new accumulation drops the gradients of the last step."""
         if self.pending == 0:
+            self.graded = 0
             for p in self.params:
                 p.grad = None
 

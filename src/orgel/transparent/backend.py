@@ -31,7 +31,8 @@ parameters, or one called more than once) is joined and pipelined as
 between its graphs (:class:`orgel.explicit.glued.ClosurePipeline`). Gradients
 accumulate over micro-batches as in gradient accumulation: divide the loss by
 ``microbatches`` for a batch-mean loss. A closure that never calls
-``backward`` contributes a zero gradient.
+``backward`` contributes no gradient; a step whose closures all skip it (an
+evaluation batch) leaves every parameter and the optimizer's state as they were.
 
 Mode: local spawn (the calling process drives forked ranks), see :mod:`orgel.explicit.api`.
 The model's inputs must not require grad (run pre-processing under ``no_grad``).
@@ -536,7 +537,7 @@ class Backend:
             slot.done = True
             slot.called.set()
             if slot.error is None and slot.inputs is not None and not slot.grad_sent:
-                self._send_grad(slot, None)  # no backward: zero gradient for this micro-batch
+                self._send_grad(slot, None)  # no backward: no gradient from this micro-batch
             elif self.pipe is not None and (slot.error is not None or slot.inputs is None):
                 self.pipe.kill()  # the ranks wait on this closure: stop them
 

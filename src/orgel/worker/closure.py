@@ -19,9 +19,12 @@ executor's ``loss_fn`` is a :class:`SurrogateLoss`: it ships
 the outputs, waits for their gradient ``g`` and returns ``sum(outputs * g)``
 times the executor's loss divisor, whose gradient with respect to the outputs
 is exactly ``g``. The pipeline's backward then runs as if the closure's loss
-had been computed on the rank. In the controller, :class:`OutputsFunction`
-makes the received outputs part of the closure's autograd graph and sends the
-gradient when the closure calls ``backward``.
+had been computed on the rank. A closure that never calls ``backward`` sends
+no gradient: its surrogate loss does not require one, and a step in which no
+micro-batch's loss had a gradient leaves every ``.grad`` None, so the optimizer
+changes nothing (as ``opt.step()`` after no backward in one process). In the
+controller, :class:`OutputsFunction` makes the received outputs part of the
+closure's autograd graph and sends the gradient when the closure calls ``backward``.
 """
 
 from __future__ import annotations
@@ -85,11 +88,14 @@ class SurrogateLoss:
             self.inbox.send(("out", m, [t.detach().cpu() for t in flat]))
             self._grads[m] = self.inbox.get("grad", m)
         grads = self._grads[m]
+        if grads is None:
+            # the closure never called backward: a loss without a gradient, so this
+            # micro-batch gives none (a step of such closures steps no parameter)
+            return torch.zeros((), device=flat[0].device if flat else None)
         total = sum((t * 0.0).sum() for t in flat if t.requires_grad)
-        if grads is not None:
-            for t, g in zip(flat, grads, strict=True):
-                if g is not None and t.requires_grad:
-                    total = total + (t * g.to(t.device, t.dtype)).sum()
+        for t, g in zip(flat, grads, strict=True):
+            if g is not None and t.requires_grad:
+                total = total + (t * g.to(t.device, t.dtype)).sum()
         if not isinstance(total, torch.Tensor) and not torch.is_grad_enabled():
             return torch.zeros(())  # a recomputed stage's first forward: no graph is kept
         if not isinstance(total, torch.Tensor):

@@ -250,6 +250,9 @@ class RankEngine:
                 # this rank's
                 saved = int(ckpt.read_meta(path)["num_ranks"])
                 shard = ckpt.read_shard(path, self.rank if self.rank < saved else 0)
+            if self.optimizer is not None:  # the saved grouping, or nothing changes
+                ckpt.check_groups(self.optimizer, _unique(self.named_params()),
+                                  part["optimizer"])
             if loop.scheduler is not None and not _saved_loop(shard).get("scheduler"):
                 return {"error": "the checkpoint holds no learning-rate scheduler state (it "
                                  "was saved by a pipeline without scheduler=): resume it "
@@ -266,7 +269,7 @@ class RankEngine:
         part, shard = self._read["part"], self._read["shard"]
         self.load_state({**part["params"], **part["buffers"]}, strict=True)
         opt = self.optimizer
-        if opt is not None and part["optimizer"]["state"]:
+        if opt is not None and (part["optimizer"]["state"] or part["optimizer"]["groups"]):
             ckpt.load_named_optimizer_state(opt, _unique(self.named_params()), part["optimizer"])
         scaler = getattr(self.executor, "scaler", None)
         state = (shard.get("extra") or {}).get("loss_scale")
