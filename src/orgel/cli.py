@@ -45,11 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
+    from orgel.usercode import UserCodeError
+
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("orgel: interrupted", file=sys.stderr)
         return 130
+    except UserCodeError as exc:  # the workload's own error: its frames, under its name
+        print(f"orgel {args.command}: {exc}", file=sys.stderr)
+        return 1
     except _orgel_errors() as exc:  # orgel's own: the message says what to change
         print(f"orgel {args.command}: {exc}", file=sys.stderr)
         return 2
