@@ -65,9 +65,7 @@ def user_code(spec: str, *, diagnoses: tuple[type[BaseException], ...] = ()) -> 
     and errors with no frame of the user's (orgel's own, kept whole)."""
     try:
         yield
-    except (UserCodeError, *diagnoses):
-        raise
     except Exception as exc:
-        if not is_users(exc):
+        if isinstance(exc, (UserCodeError, *diagnoses)) or not is_users(exc):
             raise
         raise UserCodeError(spec, exc) from exc
