@@ -68,27 +68,35 @@ def workload():
 }
 
 
-def orgel_run(tmp_path: Path, name: str,
-              *extra: str) -> tuple[str, subprocess.CompletedProcess[str]]:
-    """``orgel run`` on workload ``name`` in a process of its own: (its spec, the result)."""
+def orgel(tmp_path: Path, command: str, name: str,
+          *extra: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """``orgel COMMAND`` on workload ``name`` in a process of its own: (its spec, the result)."""
     path = tmp_path / f"{name}.py"
     path.write_text(WORKLOADS[name][0])
     spec = f"{path}:workload"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    out = subprocess.run([sys.executable, "-m", "orgel.cli", "run", spec, "--ranks", "2",
-                          "--microbatches", "2", "--steps", "1", *extra],
+    out = subprocess.run([sys.executable, "-m", "orgel.cli", command, spec, *extra],
                          capture_output=True, text=True, env=env, timeout=300)
     return spec, out
 
 
-@pytest.mark.parametrize("name", ["raises", "syntax", "forward"])
-def test_the_workloads_own_error_shows_its_frames_only(name: str, tmp_path: Path) -> None:
-    spec, out = orgel_run(tmp_path, name)
+def orgel_run(tmp_path: Path, name: str,
+              *extra: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+    return orgel(tmp_path, "run", name, "--ranks", "2", "--microbatches", "2", "--steps", "1",
+                 *extra)
+
+
+@pytest.mark.parametrize(("command", "name"), [("run", "raises"), ("run", "syntax"),
+                                               ("run", "forward"), ("graph", "forward")])
+def test_the_workloads_own_error_shows_its_frames_only(command: str, name: str,
+                                                       tmp_path: Path) -> None:
+    spec, out = (orgel_run(tmp_path, name) if command == "run"
+                 else orgel(tmp_path, command, name))
     _, last, line = WORKLOADS[name]
     err = out.stderr
     assert out.returncode == 1, err
-    assert err.startswith(f"orgel run: the workload {spec} failed: "), err
+    assert err.startswith(f"orgel {command}: the workload {spec} failed: "), err
     assert err.rstrip().endswith(last), err
     assert line in err, err
     files = re.findall(r'^  File "([^"]+)"', err, flags=re.M)
