@@ -70,7 +70,11 @@ def in_precision(spec: str, precision: str) -> str | Workload:
 
 
 def load_workload(spec: str) -> Workload:
-    """Load ``"path/to/file.py:function"``; the function returns the 4-tuple (or a Workload)."""
+    """Load ``"path/to/file.py:function"``; the function returns the 4-tuple (or a Workload).
+
+    What the file or the function raises is the user's error: a
+    :class:`~orgel.usercode.UserCodeError` naming the workload, with the user's frames.
+    """
     path_text, sep, func_name = spec.rpartition(":")
     if not sep or not path_text or not func_name:
         raise WorkloadError(
