@@ -41,6 +41,11 @@ if sys.argv[1] == "profile":
     with companions(2, work):  # what the profiler runs while it times the blocks
         print("ready", flush=True)
         time.sleep(600)
+elif sys.argv[1] == "links":  # the link benchmark: ranks in fresh interpreters (spawn)
+    from orgel.profile.links import measure_link_samples
+
+    print("ready", flush=True)
+    measure_link_samples(2, sizes=(4, 1 << 20), repeats=1_000_000)
 else:
     from orgel.runtime import balanced_plan
 
@@ -54,13 +59,16 @@ else:
 '''
 
 
-def _marked(token: str) -> list[int]:
-    """Live processes (not zombies) whose environment holds ``MARKER=token``."""
+def _marked(token: str, command: str = "") -> list[int]:
+    """Live processes (not zombies) whose environment holds ``MARKER=token`` (and whose
+    command line holds ``command``)."""
     found = []
     needle = f"{MARKER}={token}".encode()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if command.encode() not in (proc / "cmdline").read_bytes():
                 continue
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
@@ -71,7 +79,7 @@ def _marked(token: str) -> list[int]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
-@pytest.mark.parametrize("phase", ["profile", "train"])
+@pytest.mark.parametrize("phase", ["profile", "links", "train"])
 def test_nothing_outlives_a_killed_script(phase: str, sig: signal.Signals,
                                           tmp_path: Path) -> None:
     token = os.urandom(6).hex()
@@ -84,6 +92,10 @@ def test_nothing_outlives_a_killed_script(phase: str, sig: signal.Signals,
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
+        deadline = time.monotonic() + 60.0  # spawned ranks: both running the benchmark
+        while phase == "links" and len(_marked(token, "spawn_main")) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "no ranks started"
+            time.sleep(0.1)
         started = [p for p in _marked(token) if p != proc.pid]
         assert len(started) >= 2, "the script started no process to watch"
         proc.send_signal(sig)
