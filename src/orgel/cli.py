@@ -45,11 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
+    from orgel.usercode import UserCodeError, user_code
+
+    # a command on a workload runs the user's code (the file, its model and loss): what that
+    # raises is shown as the user's error, under the workload's name
+    spec = getattr(args, "workload", None)
     try:
-        return int(args._run(args) or 0)
+        if not isinstance(spec, str):
+            return int(args._run(args) or 0)
+        with user_code(spec, diagnoses=_orgel_errors()):
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("orgel: interrupted", file=sys.stderr)
         return 130
+    except UserCodeError as exc:  # the workload's own error: its frames, under its name
+        print(f"orgel {args.command}: {exc}", file=sys.stderr)
+        return 1
     except _orgel_errors() as exc:  # orgel's own: the message says what to change
         print(f"orgel {args.command}: {exc}", file=sys.stderr)
         return 2

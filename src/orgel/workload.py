@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.usercode import user_code
+
 Targets = Any  # a tensor, a tuple/list of tensors, or None
 #: The batch dimension: one int for every input and the targets, or a dict from input
 #: name (and ``"targets"``) to its dimension; a name it leaves out is batched along 0.
@@ -68,7 +70,11 @@ def in_precision(spec: str, precision: str) -> str | Workload:
 
 
 def load_workload(spec: str) -> Workload:
-    """Load ``"path/to/file.py:function"``; the function returns the 4-tuple (or a Workload)."""
+    """Load ``"path/to/file.py:function"``; the function returns the 4-tuple (or a Workload).
+
+    What the file or the function raises is the user's error: a
+    :class:`~orgel.usercode.UserCodeError` naming the workload, with the user's frames.
+    """
     path_text, sep, func_name = spec.rpartition(":")
     if not sep or not path_text or not func_name:
         raise WorkloadError(
@@ -84,11 +90,13 @@ def load_workload(spec: str) -> Workload:
         raise WorkloadError(f"cannot import {path}: is it a Python file?")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
-    loader_spec.loader.exec_module(module)
+    with user_code(spec, diagnoses=(WorkloadError,)):  # the file's errors are the user's
+        loader_spec.loader.exec_module(module)
     func = getattr(module, func_name, None)
     if not callable(func):
         raise WorkloadError(f"{path} has no function {func_name!r}")
-    result = func()
+    with user_code(spec, diagnoses=(WorkloadError,)):
+        result = func()
     if isinstance(result, Workload):
         return result
     if hasattr(result, "_fields") and len(result) in (4, 5):  # a NamedTuple like the zoo's

@@ -88,48 +88,23 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan (or load), validate, spawn, train, print; optionally check against one process."""
-    from orgel.graph.capture import capture
+    from orgel.graph.opgraph import CaptureError
     from orgel.runtime.errors import WorkerError
     from orgel.runtime.launch import spawn
-    from orgel.runtime.plans import balanced_plan
-    from orgel.schedule.ir import Plan, PlanError
-    from orgel.schedule.validate import validate
-    from orgel.split import split_plan
+    from orgel.schedule.ir import PlanError
     from orgel.split.split import SplitError
-    from orgel.workload import (
-        WorkloadError,
-        load_workload,
-        microbatches,
-        validate_workload,
-        with_precision,
-    )
+    from orgel.usercode import user_code
+    from orgel.workload import WorkloadError
 
     problem = _check_args(args)
     if problem:
         return _fail(problem)
     try:
-        workload = with_precision(load_workload(args.workload), args.precision)
-        validate_workload(workload, args.microbatches * args.dp)
-        if args.plan:
-            plan = Plan.load(args.plan)
-            if plan.num_ranks != args.ranks:
-                return _fail(f"the plan is for {plan.num_ranks} ranks: pass --ranks "
-                             f"{plan.num_ranks}")
-            replicas(plan)
-        else:
-            # the graph is captured for one replica's rows of a micro-batch
-            share = microbatches(workload, args.microbatches * args.dp)[0][0]
-            graph = capture(workload.model, share, several=False, precision=args.precision)
-            plan = balanced_plan(graph, ranks=args.ranks, microbatches=args.microbatches,
-                                 schedule=args.schedule, dp=args.dp,
-                                 stages_per_rank=args.stages_per_rank)
-        if args.recompute:
-            plan.recompute = [True] * plan.num_stages
-        validate(plan)  # an invalid plan never starts a process
-        if args.plan:  # nor does a plan made for another model
-            share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
-            split_plan(capture(workload.model, share, several=False, precision=args.precision),
-                       plan)
+        # the workload's model and loss run here first (a trial step, the capture): what
+        # they raise is the user's error, shown by orgel.cli under the workload's name
+        with user_code(args.workload,
+                       diagnoses=(WorkloadError, PlanError, SplitError, CaptureError)):
+            plan = _prepare(args)
     except (WorkloadError, PlanError, SplitError, OSError, ValueError) as exc:
         return _fail(str(exc))
     if os.environ.get("RANK", "0") == "0":
@@ -150,10 +125,44 @@ def run(args: argparse.Namespace) -> int:
             results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
                             timeout=args.timeout, threads=args.threads)
         except WorkerError as exc:
-            print(f"orgel run: {args.workload} failed\n{exc}", file=sys.stderr)
+            print(f"orgel run: the workload {args.workload} failed\n{exc}", file=sys.stderr)
             return 1
     elapsed = time.perf_counter() - start
     return _report(results, plan, args, elapsed)
+
+
+def _prepare(args: argparse.Namespace) -> Any:
+    """Load and check the workload, make (or load) the plan and validate it; the plan."""
+    from orgel.graph.capture import capture
+    from orgel.runtime.plans import balanced_plan
+    from orgel.schedule.ir import Plan
+    from orgel.schedule.validate import validate
+    from orgel.split import split_plan
+    from orgel.workload import load_workload, microbatches, validate_workload, with_precision
+
+    workload = with_precision(load_workload(args.workload), args.precision)
+    validate_workload(workload, args.microbatches * args.dp)
+    if args.plan:
+        plan = Plan.load(args.plan)
+        if plan.num_ranks != args.ranks:
+            raise ValueError(f"the plan is for {plan.num_ranks} ranks: pass --ranks "
+                             f"{plan.num_ranks}")
+        replicas(plan)
+    else:
+        # the graph is captured for one replica's rows of a micro-batch
+        share = microbatches(workload, args.microbatches * args.dp)[0][0]
+        graph = capture(workload.model, share, several=False, precision=args.precision)
+        plan = balanced_plan(graph, ranks=args.ranks, microbatches=args.microbatches,
+                             schedule=args.schedule, dp=args.dp,
+                             stages_per_rank=args.stages_per_rank)
+    if args.recompute:
+        plan.recompute = [True] * plan.num_stages
+    validate(plan)  # an invalid plan never starts a process
+    if args.plan:  # nor does a plan made for another model
+        share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
+        split_plan(capture(workload.model, share, several=False, precision=args.precision),
+                   plan)
+    return plan
 
 
 def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, Any]] | None:
@@ -198,10 +207,12 @@ def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
     if not args.check:
         return 0
     params = {name: t for r in results for name, t in r["params"]}
+    from orgel.usercode import user_code
     from orgel.workload import with_precision
 
-    ref_losses, ref_params = reference(with_precision(load_workload(args.workload),
-                                                      args.precision), args)
+    with user_code(args.workload):  # the unmodified model, in this process
+        ref_losses, ref_params = reference(with_precision(load_workload(args.workload),
+                                                          args.precision), args)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
     missing = sorted(set(ref_params) - set(params))
     if missing:

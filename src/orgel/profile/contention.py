@@ -18,10 +18,13 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from orgel.runtime.lifeline import Lifeline, lifeline, tie
 
-def _loop(work: Callable[[], Any], stop: Any, ready: Any, threads: int) -> None:
+
+def _loop(work: Callable[[], Any], stop: Any, ready: Any, threads: int, line: Lifeline) -> None:
     import torch
 
+    tie(line)  # a profiler killed meanwhile leaves no companion spinning
     torch.set_num_threads(threads)
     work()  # one pass before the parent starts timing
     ready.release()
@@ -40,7 +43,7 @@ def companions(n: int, work: Callable[[], Any], *, threads: int = 1,
         return
     ctx = mp.get_context("fork")
     stop, ready = ctx.Event(), ctx.Semaphore(0)
-    procs = [ctx.Process(target=_loop, args=(work, stop, ready, threads), daemon=True,
+    procs = [ctx.Process(target=_loop, args=(work, stop, ready, threads, lifeline()), daemon=True,
                          name=f"orgel-profile-companion{i}") for i in range(n)]
     for p in procs:
         p.start()

@@ -64,6 +64,15 @@ class PeerStepFailed(RuntimeError):
     """Another rank's work raised during this step: this rank dropped the step with it."""
 
 
+class NonFiniteLoss(FloatingPointError):
+    """A loss is NaN or infinite (``check_finite``): orgel's own finding, whose message says
+    where and what to check; reported in one line, without a traceback."""
+
+
+#: errors whose message is the whole report: orgel found them and says what to change
+DIAGNOSES: tuple[type[BaseException], ...] = (NonFiniteLoss,)
+
+
 class WorkerError(RuntimeError):
     """A local rank raised or died; every rank was stopped. ``rank`` names the root cause's.
 
@@ -116,7 +125,8 @@ def describe(exc: BaseException) -> tuple[str, str]:
     A step failure (:class:`StepFailure`) wraps the error that stopped it with the
     action it was running; the line gives that error's type and message with the
     action, and the traceback is that error's only. A consequence
-    (:func:`is_comm_error`) needs no traceback: its line names the peer.
+    (:func:`is_comm_error`) needs no traceback: its line names the peer, nor does one of
+    orgel's own findings (:data:`DIAGNOSES`): its line says what to check.
     """
     cause = exc.cause if isinstance(exc, StepFailure) else exc
     action = ""
@@ -125,6 +135,8 @@ def describe(exc: BaseException) -> tuple[str, str]:
         action = f" [while running {where[1]}" if len(where) == 2 else ""
     if is_comm_error(exc):
         return f"{cause}{action}", ""
+    if isinstance(cause, DIAGNOSES):
+        return f"{type(cause).__name__}: {cause}{action}", ""
     return (f"{type(cause).__name__}: {cause}{action}",
             "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.comm import Transport
 from orgel.runtime.dropped import DroppedStep
-from orgel.runtime.errors import StepAbandoned, StepFailure, is_comm_error
+from orgel.runtime.errors import NonFiniteLoss, StepAbandoned, StepFailure, is_comm_error
 from orgel.runtime.messages import check_gradient_values, message_shapes
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import (
@@ -470,8 +470,8 @@ class Executor(BackwardActions, DroppedStep):
                         dim_of(self.batch_dim, TARGETS), self._mb_rows)
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
         if self.check_finite and not bool(torch.isfinite(loss).all()):
-            raise FloatingPointError(f"the loss of micro-batch {m} is {loss.item()} "
-                                     f"(stage {info.index}): check the inputs and the lr")
+            raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} "
+                                f"(stage {info.index}): check the inputs and the lr")
         return outputs, loss / self.loss_divisor
 
 

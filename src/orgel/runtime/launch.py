@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from orgel.runtime.errors import WorkerError, describe, is_comm_error
+from orgel.runtime.lifeline import Lifeline, lifeline, tie
 
 #: what torchrun tells its ranks (a local group's workers are not torchrun's ranks)
 _TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -86,14 +86,8 @@ def init_from_env(*, backend: str | None = None, timeout: float = 60.0) -> tuple
 
 def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads: int,
                  backend: str, log_dir: str | None, make_engine: Callable[[int], Any],
-                 conn: Connection) -> None:
-    # A killed controller must not leave orphans: die with it (Linux only).
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+                 conn: Connection, line: Lifeline) -> None:
+    tie(line)  # a killed controller leaves no orphans: its ranks end with it
     if mp.get_start_method(allow_none=True) == "spawn" and "fork" in mp.get_all_start_methods():
         # a spawned child inherits "spawn"; as any Linux process, start others by fork: then
         # the locks its libraries make (tqdm's) are unlinked at once, and a rank killed when
@@ -174,7 +168,7 @@ class LocalGroup:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"orgel-rank{rank}", daemon=True,
                                args=(rank, self.num_ranks, port, self.timeout_s, threads,
-                                     backend, log_dir, make_engine, child))
+                                     backend, log_dir, make_engine, child, lifeline()))
             with _main_left_alone(make_engine if context == "spawn" else None):
                 proc.start()
             child.close()
