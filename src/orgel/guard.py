@@ -124,3 +124,18 @@ def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
                 f"orgel changed parameter(s) {', '.join(changed[:5])} in place while preparing "
                 "the pipeline; this is a bug in orgel, please report it with the model"
             )
+
+
+def closure_thread() -> None:
+    """Set up a thread that runs a user's closure beside others: no autocast weight cache.
+
+    torch's autocast cache has one mutex for all threads: a Dynamo trace in one closure
+    thread takes it while holding the GIL (fake tensors through ``cached_cast``), and
+    another thread's ``autocast.__exit__`` clears the cache holding the mutex while it
+    waits for the GIL, and both wait forever (seen in the suite). The cache only saves
+    casting a weight again within one autocast region, so the values are the same; a
+    ``torch.autocast`` the closure opens without ``cache_enabled`` reads this thread's
+    setting, which is thread-local.
+    """
+    torch.set_autocast_cache_enabled(False)
+

@@ -298,6 +298,7 @@ class GluedPipeline(Pipeline):
 
     def _guarded(self, work: Callable[[_Slot], None], slot: _Slot) -> None:
         self._local.slot = slot
+        guard.closure_thread()
         try:
             work(slot)
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from orgel import guard
 from orgel.graph.capture import dynamo_settings
 from orgel.guard import untouched
 from orgel.precision import device_type
@@ -528,6 +529,7 @@ class Backend:
     def _run_closure(self, closure: Callable[..., Any], m: int, args: list[Any]) -> None:
         self._local.microbatch = m
         slot = self._slots[m]
+        guard.closure_thread()  # no autocast cache: torch's cache mutex can deadlock threads
         try:
             with dynamo_settings():  # thread-local: the closure compiles the model here
                 slot.result = closure(*args)

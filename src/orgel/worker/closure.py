@@ -50,16 +50,23 @@ class RankInbox:
     whatever order the closures produce them; :meth:`get` keeps the others.
     """
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, timeout_s: float | None = None) -> None:
         self.conn = conn
+        #: how long :meth:`get` waits for the controller (a closure that hangs there)
+        self.timeout_s = timeout_s
         self._kept: dict[tuple[str, Any], Any] = {}
 
     def send(self, message: tuple[str, Any, Any]) -> None:
         self.conn.send(message)
 
     def get(self, kind: str, m: Any) -> Any:
-        """The payload of message ``(kind, m)``, waiting for it."""
+        """The payload of message ``(kind, m)``, waiting for it (at most ``timeout_s``)."""
         while (kind, m) not in self._kept:
+            if self.timeout_s is not None and not self.conn.poll(self.timeout_s):
+                what = "inputs" if kind == "in" else "output gradients" if kind == "grad" else kind
+                raise TimeoutError(f"waited {self.timeout_s:g} s for the {what} of micro-batch "
+                                   f"{m} from the controller's closure, which neither sent "
+                                   "them nor failed")
             got_kind, got_m, payload = self.conn.recv()
             self._kept[(got_kind, got_m)] = payload
         return self._kept.pop((kind, m))
@@ -153,7 +160,7 @@ class ClosureEngine(RankEngine):
                  model: torch.nn.Module | None = None,
                  options: dict[str, Any] | None = None,
                  batch_dim: int = 0) -> None:
-        self.inbox = RankInbox(conn)
+        self.inbox = RankInbox(conn, timeout_s)
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (glue.eager_homes(glue_info, plan, split) if glue_info is not None else {})
         self.homed = sorted(n for n, r in homes.items() if r == rank)
