@@ -126,8 +126,10 @@ def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
             )
 
 
-def closure_thread() -> None:
-    """Set up a thread that runs a user's closure beside others: no autocast weight cache.
+@contextmanager
+def no_autocast_cache() -> Iterator[None]:
+    """Run a user's closure (and the compile that finds its graphs) without autocast's
+    weight cache, restoring this thread's setting afterwards.
 
     torch's autocast cache has one mutex for all threads: a Dynamo trace in one closure
     thread takes it while holding the GIL (fake tensors through ``cached_cast``), and
@@ -135,7 +137,12 @@ def closure_thread() -> None:
     waits for the GIL, and both wait forever (seen in the suite). The cache only saves
     casting a weight again within one autocast region, so the values are the same; a
     ``torch.autocast`` the closure opens without ``cache_enabled`` reads this thread's
-    setting, which is thread-local.
+    setting, which is thread-local. Dynamo guards on it, so the pass that first compiles
+    the closure's graphs runs under it too: the closure threads then run those graphs.
     """
+    before = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
-
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)

@@ -298,9 +298,9 @@ class GluedPipeline(Pipeline):
 
     def _guarded(self, work: Callable[[_Slot], None], slot: _Slot) -> None:
         self._local.slot = slot
-        guard.closure_thread()
         try:
-            work(slot)
+            with guard.no_autocast_cache():
+                work(slot)
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = getattr(exc, "inner_exception", None) or exc
             self._mail.abort(f"micro-batch {slot.index} failed: {type(exc).__name__}")
@@ -317,7 +317,8 @@ class GluedPipeline(Pipeline):
         """
         self._local.warming = True
         try:
-            with guard.untouched(self._runner), dynamo_settings(), torch.enable_grad():
+            with (guard.untouched(self._runner), dynamo_settings(), torch.enable_grad(),
+                  guard.no_autocast_cache()):
                 self._compiled(**inputs)
         finally:
             self._local.warming = False

@@ -288,7 +288,8 @@ class Backend:
         self._found = []
         self._discovering = True
         try:
-            with untouched(), dynamo_settings(), _stopped_at_backward():
+            with untouched(), dynamo_settings(), _stopped_at_backward(), \
+                    guard.no_autocast_cache():
                 closure(*args)
         except _ForwardDone:
             pass
@@ -529,9 +530,9 @@ class Backend:
     def _run_closure(self, closure: Callable[..., Any], m: int, args: list[Any]) -> None:
         self._local.microbatch = m
         slot = self._slots[m]
-        guard.closure_thread()  # no autocast cache: torch's cache mutex can deadlock threads
         try:
-            with dynamo_settings():  # thread-local: the closure compiles the model here
+            # thread-local: the closure compiles the model here, without the autocast cache
+            with dynamo_settings(), guard.no_autocast_cache():
                 slot.result = closure(*args)
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = exc
