@@ -211,12 +211,7 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
                 raise CaptureError(f"size node {node.name} reads a tensor")
             size_nodes.add(node)
     for node, number in fixed:
-        for user in list(node.users):
-            user.args = pytree.tree_map(lambda a, n=node, v=number: v if a is n else a,
-                                        user.args)
-            user.kwargs = pytree.tree_map(lambda a, n=node, v=number: v if a is n else a,
-                                          user.kwargs)
-        gm.graph.erase_node(node)
+        _replace(gm, node, number)
         roles.pop(node.name, None)
     symbols = {str(s): s for s in bound}
     guards: list[Any] = []
@@ -296,15 +291,19 @@ def _sizes_from_symbols(gm: torch.fx.GraphModule) -> None:
                 continue
         except KeyError:
             continue
-        if isinstance(new, torch.fx.Node):
-            node.replace_all_uses_with(new)
-        else:
-            for user in list(node.users):
-                user.args = pytree.tree_map(lambda a, n=node, v=new: v if a is n else a,
-                                            user.args)
-                user.kwargs = pytree.tree_map(lambda a, n=node, v=new: v if a is n else a,
-                                              user.kwargs)
-        gm.graph.erase_node(node)
+        _replace(gm, node, new)
+
+
+def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, new: Any) -> None:
+    """Make every user of ``node`` read ``new`` (a node, or a number put in as a constant),
+    and erase ``node``."""
+    if isinstance(new, torch.fx.Node):
+        node.replace_all_uses_with(new)
+    else:
+        for user in list(node.users):
+            user.args = pytree.tree_map(lambda a: new if a is node else a, user.args)
+            user.kwargs = pytree.tree_map(lambda a: new if a is node else a, user.kwargs)
+    gm.graph.erase_node(node)
 
 
 def _expr(size: torch.SymInt) -> Any:

@@ -312,18 +312,24 @@ class Executor(BackwardActions, DroppedStep):
         except StepAbandoned:
             raise
         except Exception as exc:
-            where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
-                     else "the end of the step (sends, gradient reduction, optimizer)")
-            # peers waiting on the store (shape exchange) stop now, not at their timeout
-            self.transport.announce_failure(f"rank {self.rank} failed "
-                                            f"({type(exc).__name__}, reported above)")
-            raise StepFailure(f"rank {self.rank}: {exc} [while running {where}]",
-                              rank=self.rank, action=str(action or "end of step"),
-                              cause=exc) from exc
+            raise self._stopped(exc, pos, action, "running", "end of step",
+                                "the end of the step (sends, gradient reduction, "
+                                "optimizer)") from exc
         self._signature = signature
         self._runs, self._inbox, self._local_grads = {}, {}, {}
         self.steps_done += 1
         return loss
+
+    def _stopped(self, exc: Exception, pos: int, action: Action | None, doing: str, end: str,
+                 end_detail: str) -> StepFailure:
+        """This rank's error that ends the pass (at ``action``, or at its ``end``): the
+        peers waiting on the store (shape exchange) are told now, not at their timeout."""
+        where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
+                 else end_detail)
+        self.transport.announce_failure(f"rank {self.rank} failed "
+                                        f"({type(exc).__name__}, reported above)")
+        return StepFailure(f"rank {self.rank}: {exc} [while {doing} {where}]",
+                           rank=self.rank, action=str(action or end), cause=exc)
 
     def _take_batch(self, inputs: dict[str, Any], targets: Any) -> dict[str, Any]:
         """Cut this step's batch into its micro-batches; the first one's inputs.

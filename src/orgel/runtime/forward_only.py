@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from orgel.runtime.comm import Transport
-from orgel.runtime.errors import StepFailure
 from orgel.runtime.executor import Executor, _signature
 from orgel.runtime.outputs import Share
 from orgel.runtime.stage import Run, StageInfo
@@ -149,13 +148,8 @@ class ForwardOnly(Executor):
                 if loss:
                     dist.all_reduce(total)
         except Exception as exc:
-            where = (f"{action} (position {pos} of {len(self.actions)})" if action is not None
-                     else "the end of the evaluation (sends, loss reduction)")
-            self.transport.announce_failure(f"rank {self.rank} failed "
-                                            f"({type(exc).__name__}, reported above)")
-            raise StepFailure(f"rank {self.rank}: {exc} [while evaluating, {where}]",
-                              rank=self.rank, action=str(action or "end of evaluation"),
-                              cause=exc) from exc
+            raise self._stopped(exc, pos, action, "evaluating,", "end of evaluation",
+                                "the end of the evaluation (sends, loss reduction)") from exc
         self._signature = signature
         self._runs, self._inbox = {}, {}
         kept = [] if self.kept is None else [self.kept[k] for k in sorted(self.kept)]

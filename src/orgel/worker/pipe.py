@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.errors import StepError
+from orgel.runtime.errors import StepError, step_error
 from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import Dropped, RankEngine
 from orgel.worker.state import StateNames, canonical_names, model_aliases
+from orgel.workload import check_batch, named_inputs
 
 __all__ = ["OwnRank", "Pipeline", "canonical_names", "model_aliases"]
-from orgel.workload import check_batch, named_inputs
 
 
 class OwnRank:
@@ -406,8 +406,6 @@ class Pipeline:
 def _kept(results: list[Any]) -> list[Any]:
     """The ranks' results of a step (one under torchrun, by rank in local spawn); raise
     :class:`~orgel.runtime.errors.StepError` in the caller when every rank dropped it."""
-    from orgel.runtime.errors import step_error
-
     dropped = [r for r in results if isinstance(r, Dropped)]
     if dropped:
         raise step_error(dropped[0].rank, dropped[0].report)
