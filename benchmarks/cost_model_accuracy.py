@@ -42,8 +42,9 @@ WORKLOADS = {
 
 
 def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int,
-          precision: str = "32") -> dict[str, Any]:
+          precision: str = "32", kind: str = "cpu") -> dict[str, Any]:
     from orgel.graph.capture import capture
+    from orgel.runtime.devices import host, rank_device
     from orgel.runtime.executor import Executor
     from orgel.schedule.ir import Plan
     from orgel.split import split_plan
@@ -61,14 +62,19 @@ def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int,
         optimizers.append(opt)
         return opt
 
+    device = rank_device(kind, rank)
+    cuda = device.type == "cuda"
     executor = Executor(plan, split, loss_fn=workload.loss_fn, optimizer_factory=make_optimizer,
-                        timeout=120.0, batch_dim=workload.batch_dim, check_plan=False)
+                        timeout=120.0, batch_dim=workload.batch_dim, check_plan=False,
+                        device=device)
     inputs = named_inputs(workload.model, workload.inputs)
     times, cpu = [], []
     actions: list[tuple[str, str, float]] = []  # (kind, name, ms) of every step but the first
     for i in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         executor.step(inputs, workload.targets)
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - t0) * 1000.0)
         cpu.append((time.process_time() - c0) * 1000.0)
         if i > 0:
@@ -87,6 +93,13 @@ def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int,
     breakdown: dict[str, float] = {}
     for e in executor.events:  # the last timed step: where its time went, per kind
         breakdown[e.kind] = breakdown.get(e.kind, 0.0) + (e.end - e.start) * 1000.0
+    if cuda:  # the caching allocator's own count: every byte this rank's tensors held
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        executor.step(inputs, workload.targets)
+        torch.cuda.synchronize(device)
+        return host({"times": times, "cpu": cpu, "peak": torch.cuda.max_memory_allocated(device),
+                     "breakdown": breakdown, "actions": actions, "recv_buffers": 0})
     mode = LiveBytes()
     with mode:
         executor.step(inputs, workload.targets)
@@ -142,22 +155,29 @@ def main() -> None:
                         "(e.g. gpipe looped-bfs), to check one kind of schedule")
     parser.add_argument("--verbose", action="store_true",
                         help="print each plan's costs and where each rank's step went")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
+                        help="where to profile and run (cuda: ranks share the GPUs over gloo "
+                             "where they outnumber them; peak memory is then "
+                             "torch.cuda.max_memory_allocated per rank)")
     args = parser.parse_args()
     from orgel.plan import plan_workload
+    from orgel.runtime.devices import backend_for, profiling_on, resolve_device
     from orgel.runtime.launch import spawn
 
+    kind = resolve_device(args.device)
     torch.set_num_threads(1)  # the ranks run with one thread each; profile the same way
     rows = []
     for name in args.workloads:
         spec = WORKLOADS[name]
         loads = [os.getloadavg()[0]]
         options = {"families": args.families} if args.families else {}
-        result = plan_workload(spec, ranks=args.ranks, microbatches=args.microbatches,
-                               blocks=args.blocks,
-                               planner=args.planner, progress=False, **options)
+        with profiling_on(kind):
+            result = plan_workload(spec, ranks=args.ranks, microbatches=args.microbatches,
+                                   blocks=args.blocks,
+                                   planner=args.planner, progress=False, **options)
         loads.append(os.getloadavg()[0])
-        out = spawn(_rank, args.ranks, spec, result.plan.to_json(), args.steps, timeout=300.0,
-                    threads=1)
+        out = spawn(_rank, args.ranks, spec, result.plan.to_json(), args.steps, "32", kind,
+                    timeout=300.0, threads=1, backend=backend_for(kind, args.ranks))
         loads.append(os.getloadavg()[0])
         per_step = [max(r["times"][i] for r in out) for i in range(1, args.steps)]
         measured = (statistics.median(per_step), min(per_step), per_step)

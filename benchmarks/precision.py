@@ -34,25 +34,31 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
+                        help="where to profile and run (see cost_model_accuracy.py)")
     args = parser.parse_args()
     from orgel.plan import plan_workload
+    from orgel.runtime.devices import backend_for, profiling_on, resolve_device
     from orgel.runtime.launch import spawn
     from orgel.workload import load_workload, with_precision
 
     torch.set_num_threads(1)  # the ranks run with one thread each; profile the same way
     mib = 1 << 20
-    print(f"{args.workload}: 2 gloo ranks, {args.microbatches} micro-batches, "
+    kind = resolve_device(args.device)
+    print(f"{args.workload}: 2 {backend_for(kind, 2)} ranks on {kind}, "
+          f"{args.microbatches} micro-batches, "
           f"{args.steps} steps, load {os.getloadavg()[0]:.1f}")
     print(f"{'precision':<11} {'plan':<28} {'sent/mb KiB':>11} {'step ms pred':>12} "
           f"{'meas':>7} {'ratio':>6}  peak MiB pred / meas per rank")
     rows = {}
     for precision in ("32", "bf16-mixed"):
         workload = with_precision(load_workload(args.workload), precision)
-        result = plan_workload(workload, ranks=2, microbatches=args.microbatches,
-                               blocks=args.blocks, planner="beam", progress=False)
+        with profiling_on(kind):
+            result = plan_workload(workload, ranks=2, microbatches=args.microbatches,
+                                   blocks=args.blocks, planner="beam", progress=False)
         plan = result.plan
-        out = spawn(_rank, 2, args.workload, plan.to_json(), args.steps, precision,
-                    timeout=300.0, threads=1)
+        out = spawn(_rank, 2, args.workload, plan.to_json(), args.steps, precision, kind,
+                    timeout=300.0, threads=1, backend=backend_for(kind, 2))
         per_step = [max(r["times"][i] for r in out) for i in range(1, args.steps)]
         measured = statistics.median(per_step)
         sent = sum(e.nbytes for e in plan.stage_graph.edges) / 1024

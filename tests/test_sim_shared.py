@@ -119,4 +119,5 @@ def test_the_profile_gives_cpu_ranks_the_cores_over_their_threads(
     monkeypatch.setattr(profile_mod.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
     assert profile_mod.shared_cores(torch.device("cpu"), 1) == 2.0
     assert profile_mod.shared_cores(torch.device("cpu"), 2) == 1.0
-    assert profile_mod.shared_cores(torch.device("cuda"), 1) is None
+    gpus = float(max(1, torch.cuda.device_count()))  # ranks beyond the GPUs share them
+    assert profile_mod.shared_cores(torch.device("cuda"), 1) == gpus

@@ -31,7 +31,8 @@ import torch
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states (torch, CUDA if present, Python, NumPy) as plain data."""
+    """This process's RNG states (torch, CUDA if this process uses it, Python, NumPy) as
+    plain data."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     state: dict[str, Any] = {
@@ -45,7 +46,7 @@ def rng_state() -> dict[str, Any]:
             "cached": float(cached),
         },
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # else unused; reading it would initialize CUDA here
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -1,4 +1,4 @@
-"""``orgel demo``: train a small model on local CPU ranks and show plan, timeline and check."""
+"""``orgel demo``: train a small model on local ranks (CPU or GPU); show plan, timeline, check."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 import sys
 
 NAME = "demo"
-HELP = ("train a small model on local CPU ranks: print the plan, train with a progress bar, "
-        "check the loss against one process, write a timeline PNG and a Perfetto trace")
+HELP = ("train a small model on local ranks (CPU or GPU): print the plan, train with a "
+        "progress bar, check the loss against one process, write a timeline PNG and a "
+        "Perfetto trace")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="orgel-demo", metavar="DIR",
                         help="where to write timeline.png, trace.json and plan.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the ranks compute (default auto: CUDA when present; "
+                             "ranks that outnumber the GPUs share them over gloo)")
     from orgel.precision import add_argument
 
     add_argument(parser)
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_demo(model=args.model, ranks=args.ranks, steps=args.steps,
                           microbatches=args.microbatches, batch_size=args.batch_size,
                           out=args.out, progress=not args.no_progress,
-                          precision=args.precision)
+                          precision=args.precision, device=args.device)
     except ValueError as exc:  # options the planner or the model reject
         print(f"orgel demo: {exc}", file=sys.stderr)
         return 2

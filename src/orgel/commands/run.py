@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds any rank waits for a message before failing (default 60)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank (default 1)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the ranks compute (default auto: CUDA when present; "
+                             "ranks that outnumber the GPUs share them over gloo)")
     from orgel.precision import add_argument
 
     add_argument(parser)
@@ -99,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
     problem = _check_args(args)
     if problem:
         return _fail(problem)
+    from orgel.runtime.devices import backend_for, resolve_device
+
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         # the workload's model and loss run here first (a trial step, the capture): what
         # they raise is the user's error, shown by orgel.cli under the workload's name
@@ -110,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks, "
               f"{plan.microbatches} micro-batches, {plan.meta.get('schedule', 'custom')} "
-              f"schedule; stage ranks {[list(r) for r in plan.placement]}")
+              f"schedule; stage ranks {[list(r) for r in plan.placement]}; device "
+              f"{args.device} ({backend_for(args.device, args.ranks)})")
     start = time.perf_counter()
     from orgel.runtime.launch import under_torchrun
 
@@ -123,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         try:
             results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
-                            timeout=args.timeout, threads=args.threads)
+                            timeout=args.timeout, threads=args.threads,
+                            backend=backend_for(args.device, args.ranks))
         except WorkerError as exc:
             print(f"orgel run: the workload {args.workload} failed\n{exc}", file=sys.stderr)
             return 1
@@ -172,7 +183,7 @@ def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, A
     from orgel.runtime.errors import report_failure
     from orgel.runtime.launch import init_from_env
 
-    rank, world = init_from_env(timeout=args.timeout)
+    rank, world = init_from_env(timeout=args.timeout, device=args.device)
     torch.set_num_threads(args.threads)
     if world != args.ranks:
         print(f"orgel run: torchrun started {world} ranks but --ranks is {args.ranks}",
@@ -229,20 +240,22 @@ def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
 def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
     """Losses and final parameters of the unmodified model, one process, same steps."""
     from orgel.precision import autocast, scales_loss
+    from orgel.runtime.devices import move
     from orgel.workload import microbatches
 
     torch.manual_seed(0)
-    model = copy.deepcopy(workload.model)
+    device = torch.device(getattr(args, "device", "cpu"))
+    model = copy.deepcopy(workload.model).to(device)
     optimizer = optimizer_factory(args.optimizer, args.lr)(list(model.parameters()))
     # float16: torch.amp.GradScaler, as one process would train it
-    scaler = torch.amp.GradScaler("cpu", enabled=scales_loss(workload.precision))
-    batches = microbatches(workload, args.microbatches)
+    scaler = torch.amp.GradScaler(device.type, enabled=scales_loss(workload.precision))
+    batches = move(microbatches(workload, args.microbatches), device)
     losses = []
     for _ in range(args.steps):
         optimizer.zero_grad()
         total = 0.0
         for inputs, targets in batches:
-            with autocast(workload.precision):
+            with autocast(workload.precision, device.type):
                 loss = workload.loss_fn(model(**inputs), targets) / len(batches)
             scaler.scale(loss).backward()
             total += loss.item()
@@ -252,7 +265,7 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
         scaler.step(optimizer)
         scaler.update()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
 def replicas(plan: Any) -> int:
@@ -280,7 +293,10 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
     graph = capture(workload.model, share, several=False, precision=workload.precision)
     split = split_plan(graph, plan)
+    from orgel.runtime.devices import host, rank_device
+
     executor = Executor(plan, split, loss_fn=workload.loss_fn,
+                        device=rank_device(options.get("device", "cpu"), rank),
                         optimizer_factory=optimizer_factory(options["optimizer"], options["lr"]),
                         max_grad_norm=options["max_grad_norm"], timeout=options["timeout"],
                         batch_dim=workload.batch_dim, check_plan=False,
@@ -290,5 +306,5 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     torch.manual_seed(0)
     losses = [executor.step(inputs, workload.targets) for _ in range(options["steps"])]
     params = [(n, p.detach().clone()) for n, p in executor.named_parameters()]
-    return {"losses": losses, "events": executor.events,
-            "params": params if options["check"] else []}
+    return host({"losses": losses, "events": executor.events,
+                 "params": params if options["check"] else []})

@@ -30,6 +30,13 @@ import torch
 from orgel.guard import untouched
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
+from orgel.runtime.devices import (
+    backend_for,
+    check_fork,
+    profiling_on,
+    rank_device,
+    resolve_device,
+)
 from orgel.runtime.launch import under_torchrun
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
@@ -90,6 +97,7 @@ def pipeline(
     max_grad_norm: float | None = None,
     accumulate: int = 1,
     batch_dim: BatchDim = 0,
+    device: str | None = None,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -120,6 +128,12 @@ def pipeline(
     ``check_finite`` stops the step at the first micro-batch whose loss is NaN or
     infinite, naming it (one sync per micro-batch on the loss rank).
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
+    ``device``: where the ranks compute, ``"cpu"``, ``"cuda"`` (local rank r on GPU
+    r mod the GPU count; ranks that outnumber the GPUs share them, their messages
+    staged through host memory) or ``"auto"`` (CUDA when present); by default the
+    model's device (:mod:`orgel.runtime.devices`). Local ranks are forked, so for
+    CUDA build the model on the CPU (or meta) and pass ``device="cuda"``: each rank
+    moves its own stages to its GPU, and this process never uses CUDA.
 
     The training loop (:mod:`orgel.runtime.optimizer`): ``optimizer`` receives the
     rank's parameters as a list that also has ``.names`` and ``.named()`` (their
@@ -165,15 +179,20 @@ def pipeline(
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)
+    kind = resolve_device(device, model=model)
     spmd = under_torchrun()
+    if not spmd:
+        check_fork(kind)
     if spmd:
         return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches,
                               executor_options=executor_options, optimizer=optimizer,
                               memory=memory, dp=dp, plan=plan, timeout_s=timeout_s, keys=keys,
-                              aliases=aliases, source=source)
+                              aliases=aliases, source=source, kind=kind)
     from orgel.runtime.launch import LocalGroup
 
-    with untouched(model):  # the workers fork afterwards, from the caller's own state
+    # the workers fork afterwards, from the caller's own state; this process never uses
+    # CUDA (a forked rank could not), so it profiles on the CPU
+    with untouched(model), profiling_on("cpu"):
         the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp,
                                           source, optimizer)
     if graph.glue is not None:  # several graphs: the controller runs the Python between them
@@ -182,20 +201,25 @@ def pipeline(
         if check_finite:
             raise ValueError("check_finite is not available for a forward of several graphs "
                              "(the loss runs in this process): check the loss pipe.step returns")
+        if kind != "cpu":
+            raise ValueError("a forward of several graphs (graph breaks) runs on CPU ranks "
+                             "only: pass device='cpu', or remove the graph breaks")
         return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases,
                            options=loop)
     evaluation = eval_split_for(workload, the_plan, split)  # before the fork: ranks inherit it
 
     def make_engine(rank: int) -> RankEngine:
-        made = _make_own_stages(split, the_plan, rank, source)  # in the worker, after the fork
+        here = rank_device(kind, rank)  # in the worker, after the fork
+        made = _make_own_stages(split, the_plan, rank, source, here)
         engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
-                            loss_fn=workload.loss_fn, executor_options=executor_options,
-                            timeout_s=timeout_s, evaluation=evaluation)
+                            loss_fn=workload.loss_fn, timeout_s=timeout_s, evaluation=evaluation,
+                            executor_options={**executor_options, "device": here})
         engine.made = made
         return engine
 
-    group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads)
+    group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads,
+                       backend=backend_for(kind, ranks))
     pipe = Pipeline(the_plan, group, model=workload.model,
                     loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
                     aliases=aliases, spmd=False, source=source, accumulate=accumulate,
@@ -254,7 +278,7 @@ def _unflatten(evaluation: Any) -> Any:
 
 
 def _make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
-                     device: str = "cpu") -> dict[str, int]:
+                     device: torch.device | str = "cpu") -> dict[str, int]:
     """Give this rank's stages of a meta model their tensors (nothing for a model with
     values); the resident bytes before, and the bytes made (``RankEngine.made``)."""
     if source is None:
@@ -288,7 +312,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                    optimizer: OptimizerFactory, memory: int | None, dp: int,
                    plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
                    aliases: dict[str, str], executor_options: dict[str, Any],
-                   source: Weights | None = None) -> Pipeline:
+                   source: Weights | None = None, kind: str = "cpu") -> Pipeline:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -299,7 +323,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                          f"pass ranks={world} or run torchrun --nproc-per-node {ranks}")
     owns_group = not dist.is_initialized()
     if owns_group:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(kind, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     with untouched(workload.model):
@@ -308,9 +332,10 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
             one_graph_only(graph)
         text: list[Any] = [None, None]
         if rank == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
-            text = [resolve_plan(plan, workload, graph, ranks, microbatches, memory,
-                                  dp, source=source, optimizer=optimizer).to_json(),
-                    torch.initial_seed()]
+            with profiling_on(kind):
+                text = [resolve_plan(plan, workload, graph, ranks, microbatches, memory,
+                                     dp, source=source, optimizer=optimizer).to_json(),
+                        torch.initial_seed()]
         dist.broadcast_object_list(text, src=0)
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
@@ -322,11 +347,11 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         source.seed = int(text[1])
     else:  # the stages train copies: the caller's model changes only through pipe.copy_to
         own_stage_copies(split.stages[s].module for s in the_plan.stages_on(rank))
-    made = _make_own_stages(split, the_plan, rank, source,
-                            "cuda" if dist.get_backend() == "nccl" else "cpu")
+    here = rank_device(kind, rank)
+    made = _make_own_stages(split, the_plan, rank, source, here)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
-                        executor_options=executor_options, timeout_s=timeout_s,
-                        evaluation=evaluation)
+                        executor_options={**executor_options, "device": here},
+                        timeout_s=timeout_s, evaluation=evaluation)
     engine.made = made
     pipe = Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group),
                     model=workload.model, loss_ranks=the_plan.placement[split.loss_stage],

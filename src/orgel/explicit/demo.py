@@ -1,4 +1,4 @@
-"""``orgel demo``: plan, train and measure a small model on local CPU ranks, end to end.
+"""``orgel demo``: plan, train and measure a small model on local ranks (CPU, or GPUs), end to end.
 
 What it shows, in order: the plan the planner chose (stages, schedule,
 predicted step time and memory per rank), training with a progress bar, the
@@ -57,7 +57,7 @@ def _batches(name: str, workload: Any, batch_size: int) -> Iterator[tuple[Any, A
 
 
 def _reference_loss(workload: Any, model: torch.nn.Module, pieces: int,
-                    precision: str = "32") -> float:
+                    precision: str = "32", device: str = "cpu") -> float:
     """The first step's loss in one process: the mean of the losses of the same ``pieces``.
 
     A step's loss is the mean over micro-batches and, inside a data-parallel
@@ -65,12 +65,15 @@ def _reference_loss(workload: Any, model: torch.nn.Module, pieces: int,
     batch composition must be cut the same way to compare.
     """
     from orgel.precision import autocast
+    from orgel.runtime.devices import move
     from orgel.workload import Workload
     from orgel.workload import microbatches as slice_batches
 
+    model = model.to(device)
     w = Workload(model, workload.inputs, workload.targets, workload.loss_fn)
-    with torch.no_grad(), autocast(precision):
-        losses = [float(w.loss_fn(model(**inp), tgt)) for inp, tgt in slice_batches(w, pieces)]
+    with torch.no_grad(), autocast(precision, device):
+        losses = [float(w.loss_fn(model(**inp), tgt))
+                  for inp, tgt in move(slice_batches(w, pieces), torch.device(device))]
     return sum(losses) / len(losses)
 
 
@@ -110,11 +113,15 @@ def describe_plan(plan: Any) -> str:
 def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatches: int = 4,
              batch_size: int = 16, out: str | Path = "orgel-demo", seed: int = 0,
              stream: TextIO | None = None, progress: bool = True,
-             precision: str = "32") -> DemoResult:
+             precision: str = "32", device: str = "cpu") -> DemoResult:
     """Run the demo and print to ``stream`` (stdout); files go to ``out``.
 
     ``precision``: ``"32"`` or ``"bf16-mixed"`` (see :mod:`orgel.precision`).
+    ``device``: ``"cpu"``, ``"cuda"`` or ``"auto"`` (:mod:`orgel.runtime.devices`).
     """
+    from orgel.runtime.devices import backend_for, resolve_device
+
+    device = resolve_device(device)
     import threading
 
     from tqdm import tqdm
@@ -143,19 +150,21 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     first_inputs, first_targets = next(data)
     workload = workload._replace(inputs=first_inputs, targets=first_targets)
     n_params = sum(p.numel() for p in workload.model.parameters())
+    where = "CPU" if device == "cpu" else "CUDA"
     say(f"orgel demo: {model} with {n_params / 1e6:.2f} M parameters (random init), batch "
-        f"{batch_size}, {ranks} local CPU ranks (gloo)")
+        f"{batch_size}, {ranks} local {where} ranks ({backend_for(device, ranks)})")
     initial = copy.deepcopy(workload.model)  # the single-process run starts from these weights
 
     started = time.perf_counter()
     pipe = pipeline(workload.model, first_inputs, first_targets, workload.loss_fn, ranks=ranks,
-                    microbatches=microbatches, precision=precision,
+                    microbatches=microbatches, precision=precision, device=device,
                     optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     with pipe:
         say(f"captured, planned and started the ranks in {time.perf_counter() - started:.1f} s")
         say(describe_plan(pipe.plan))
         replicas = len(pipe.plan.placement[0])  # every stage has this many replicas
-        reference = _reference_loss(workload, initial, microbatches * replicas, precision)
+        reference = _reference_loss(workload, initial, microbatches * replicas, precision,
+                                    device)
         losses: list[float] = []
         times: list[float] = []
         bar = tqdm(total=steps, unit="step", disable=not progress, file=sys.stderr,

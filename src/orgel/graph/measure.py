@@ -307,15 +307,18 @@ def holds_tensors(obj: Any, depth: int) -> bool:
     return hasattr(obj, "__dict__") and holds_tensors(vars(obj), depth - 1)
 
 
-def to_device(gm: torch.fx.GraphModule, device: torch.device) -> bool:
-    """Make ``gm``'s ops that name the meta device (``torch.arange(n, device=x.device)``
-    traced on meta inputs) name ``device``; whether any did. Recompile afterwards."""
-    meta = torch.device("meta")
+def to_device(gm: torch.fx.GraphModule, device: torch.device,
+              source: torch.device | str = "meta") -> bool:
+    """Make ``gm``'s ops that name the ``source`` device (``torch.arange(n, device=x.device)``
+    traced on inputs there, an autocast region entered for its device type) name
+    ``device``; whether any did. Recompile afterwards."""
+    source = torch.device(source)
     changed = False
 
     def swap(a: Any) -> Any:
         nonlocal changed
-        if isinstance(a, torch.device) and a == meta:
+        if isinstance(a, torch.device) and a.type == source.type and (
+                source.index is None or a.index in (None, source.index)):
             changed = True
             return device
         return a
@@ -323,6 +326,10 @@ def to_device(gm: torch.fx.GraphModule, device: torch.device) -> bool:
     for node in gm.graph.nodes:
         node.args = pytree.tree_map(swap, node.args)
         node.kwargs = pytree.tree_map(swap, node.kwargs)
+        if (node.target is torch.amp.autocast_mode._enter_autocast and node.args
+                and node.args[0] == source.type):  # the autocast region names a device type
+            node.args = (device.type, *node.args[1:])
+            changed = True
     return changed
 
 

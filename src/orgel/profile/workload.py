@@ -50,6 +50,8 @@ from orgel.profile.blocks import (
 )
 from orgel.profile.contention import companions
 from orgel.profile.memory import optimizer_jobs, optimizer_temporary
+from orgel.runtime.devices import profiling_device
+from orgel.runtime.stage import place
 from orgel.schedule.costs import Link
 from orgel.workload import microbatch_rows
 
@@ -93,14 +95,17 @@ def link_world(device: torch.device, ranks: int, *, gpus: int | None = None,
 
 
 def shared_cores(device: torch.device, threads: int) -> float | None:
-    """How many ranks of ``threads`` threads compute at full speed at once (None off the CPU).
+    """How many ranks of ``threads`` threads compute at full speed at once (None: all).
 
     CPU ranks share this host's cores; blocks are timed by their CPU time
     (:func:`orgel.profile.blocks.interleaved`), a rank's with a core to itself,
     and the simulator spreads a step's compute over the cores when more
-    ranks than this compute (:func:`orgel.sim.compiled.shared_step`). Each
-    accelerator rank has a device of its own.
+    ranks than this compute (:func:`orgel.sim.compiled.shared_step`). CUDA ranks
+    that outnumber the GPUs share them (:mod:`orgel.runtime.devices`): as many
+    compute at once as there are GPUs, the others' kernels wait their turn.
     """
+    if device.type == "cuda":
+        return float(max(1, torch.cuda.device_count()))
     if device.type != "cpu":
         return None
     return max(1, _cores()) / max(1, threads)
@@ -185,7 +190,8 @@ def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
                      recheck: float | None = RECHECK) -> BlockCosts:
     """Measure ``workload`` (``"file.py:fn"`` or a Workload) into a :class:`BlockCosts`.
 
-    ``device`` defaults to ``cuda`` when present, else ``cpu``. ``link=False``
+    ``device`` defaults to :func:`orgel.runtime.devices.profiling_device` (``cuda`` when
+    present, else ``cpu``). ``link=False``
     skips the link benchmark (zero-cost links). ``ranks``: the links of every
     pair among that many local ranks are measured, as far as this host has
     GPUs (NCCL) or cores (gloo) for them (:func:`link_world`). ``threads``: intra-op threads
@@ -263,7 +269,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     if isinstance(contention, bool) or not isinstance(contention, int) or contention < 0:
         raise ValueError(f"contention must be a non-negative integer (other ranks training "
                          f"at the same time), got {contention!r}")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(device) if device else profiling_device()
     inputs, targets = split_batches(w, microbatches)[0]
     named = named_inputs(w.model, inputs)
     bg = coarsen(opgraph, blocks)
@@ -376,7 +382,7 @@ class _Blocks:
         self.args_of: list[list[Any]] = []
         with torch.no_grad():
             for stage in self.split.stages:
-                stage.module.to(dev)
+                place(stage.module, dev)  # its tensors, and device constants captured elsewhere
                 args = [self.values[name] for name in stage.inputs]
                 self.args_of.append(args)
                 result = stage.module(*args)

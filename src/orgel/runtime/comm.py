@@ -105,12 +105,15 @@ class Transport:
     peer raises :class:`CommFailure` naming the peer and the message.
     ``max_pending_bytes`` caps the bytes of pending sends where waiting early is
     safe (see the module docstring); ``None``: no cap beyond one action's sends.
+    ``nccl``: the group is NCCL's (its waits only order streams). On gloo with a CUDA
+    ``device`` (ranks sharing a GPU, :mod:`orgel.runtime.devices`) every message is
+    staged through host memory: gloo sends and receives host tensors only.
     """
 
     def __init__(self, plan: Plan, comm_plan: CommPlan, rank: int, *, store: Any,
                  device: torch.device, timeout: float, post_ahead: bool,
                  group: Any = None, ranks: list[int] | None = None,
-                 max_pending_bytes: int | None = MAX_PENDING_BYTES) -> None:
+                 max_pending_bytes: int | None = MAX_PENDING_BYTES, nccl: bool = False) -> None:
         if max_pending_bytes is not None and max_pending_bytes < 0:
             raise ValueError(f"max_pending_bytes must be >= 0 bytes or None, got "
                              f"{max_pending_bytes}")
@@ -119,6 +122,9 @@ class Transport:
         self.rank = rank
         self.store = store
         self.device = device
+        self.nccl = nccl
+        #: where messages travel: gloo's are host tensors, staged to and from a GPU
+        self.wire = device if nccl or device.type != "cuda" else torch.device("cpu")
         self.timeout = timeout
         self.post_ahead = post_ahead
         self.group = group
@@ -176,7 +182,7 @@ class Transport:
         self.pending.clear()
         self.pending_bytes = self.peak_pending_bytes = self.peak_pending = self.sent_bytes = 0
         # gloo with every receive posted now on every rank (same inputs, same decision)
-        self.settle = self.post_ahead and not self.exchange and self.device.type != "cuda"
+        self.settle = self.post_ahead and not self.exchange and not self.nccl
         if self.post_ahead and not self.exchange:
             for i in self.incoming:
                 self._post(i)
@@ -198,7 +204,7 @@ class Transport:
         if self.settle:
             while self.pending and self.pending[0].pos < pos - 1:
                 self._complete(self.pending[0])
-        elif self.device.type == "cuda":
+        elif self.nccl:
             for send in [s for s in self.pending if all(w.is_completed() for w in s.works)]:
                 self._drop(send)
 
@@ -296,13 +302,12 @@ class Transport:
                 self.buffers.pop(i, None)
         if self.post_ahead:
             if i not in self.buffers:
-                self.buffers[i] = [torch.empty(s, dtype=d, device=self.device)
-                                   for s, d in self.shapes[i]]
+                self.buffers[i] = [self._empty(s, d) for s, d in self.shapes[i]]
             buffers = self.buffers[i]
         else:
             # posted just in time: a fresh buffer from the caching allocator, so only
             # the messages in flight hold memory (not one buffer per message of the step)
-            buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in self.shapes[i]]
+            buffers = [self._empty(s, d) for s, d in self.shapes[i]]
         src = self.ranks[m.src_rank]
         self.posted_buffers[i] = buffers
         self.posted[i] = [
@@ -324,7 +329,15 @@ class Transport:
         self.release(m.recv_pos)
         for w in self.posted[i]:
             self._wait(w, i, m.src_rank, "waiting for")
-        return self.posted_buffers.pop(i)
+        buffers = self.posted_buffers.pop(i)
+        if self.wire != self.device:  # staged: the host buffer may be posted again
+            return [b.to(self.device) for b in buffers]
+        return buffers
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A receive buffer on the wire (pinned host memory where staged to a GPU)."""
+        return torch.empty(shape, dtype=dtype, device=self.wire,
+                           pin_memory=self.wire != self.device)
 
     # -- sending ------------------------------------------------------------------
 
@@ -333,7 +346,7 @@ class Transport:
         m = self.comm.messages[i]
         # the next action is send_pos + 1: what the previous action sent is due now
         self.release(m.send_pos + 1)
-        tensors = [t.contiguous() for t in tensors]
+        tensors = [t.to(self.wire).contiguous() for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         cap = self.max_pending_bytes
         if self.settle and cap is not None:
@@ -370,7 +383,7 @@ class Transport:
                 w.wait()
 
     def _wait(self, work: Any, i: int, peer: int, doing: str) -> None:
-        if self.device.type == "cuda":
+        if self.nccl:
             # NCCL: wait() only makes the compute stream wait (no host block); the
             # process group's own timeout (watchdog) bounds the transfer
             work.wait()

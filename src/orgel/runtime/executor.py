@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.comm import Transport
+from orgel.runtime.devices import move
 from orgel.runtime.dropped import DroppedStep
 from orgel.runtime.errors import NonFiniteLoss, StepAbandoned, StepFailure, is_comm_error
 from orgel.runtime.messages import check_gradient_values, message_shapes
@@ -60,6 +61,7 @@ from orgel.runtime.stage import (
     Run,
     StageInfo,
     part_rows,
+    place,
     random_stream,
     stream_seed,
 )
@@ -164,7 +166,7 @@ class Executor(BackwardActions, DroppedStep):
         self.stages = {s: StageInfo.build(plan, split, s, self.rank)
                        for s in plan.stages_on(self.rank)}
         for info in self.stages.values():
-            info.stage.module.to(self.device)
+            place(info.stage.module, self.device)
         self.comm = comm
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)
@@ -177,7 +179,7 @@ class Executor(BackwardActions, DroppedStep):
         self.transport = Transport(plan, self.comm, self.rank, store=store, device=self.device,
                                    timeout=timeout, ranks=ranks,
                                    post_ahead=backend != "nccl" if post_ahead is None
-                                   else post_ahead)
+                                   else post_ahead, nccl=backend == "nccl")
         if backend == "nccl":
             self.transport.warm_up()
         self.sync = GradSync(plan, split, self.rank, self.stages, ranks=ranks, world_group=None,
@@ -337,8 +339,8 @@ class Executor(BackwardActions, DroppedStep):
         The workload's own rule (:func:`orgel.workload.split_microbatches`): what has
         the batch size along its batch dimension is cut, the rest goes whole.
         """
-        parts = split_microbatches({k: _to(v, self.device) for k, v in inputs.items()},
-                                   _to(targets, self.device), self.plan.microbatches,
+        parts = split_microbatches({k: move(v, self.device) for k, v in inputs.items()},
+                                   move(targets, self.device), self.plan.microbatches,
                                    self.batch_dim, self.replicated)
         self._inputs = [p for p, _ in parts]
         self._fetched = set()
@@ -479,16 +481,6 @@ class Executor(BackwardActions, DroppedStep):
             raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} "
                                 f"(stage {info.index}): check the inputs and the lr")
         return outputs, loss / self.loss_divisor
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
 
 
 def _signature(value: Any) -> Any:

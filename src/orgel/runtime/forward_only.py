@@ -26,7 +26,7 @@ import torch.distributed as dist
 from orgel.runtime.comm import Transport
 from orgel.runtime.executor import Executor, _signature
 from orgel.runtime.outputs import Share
-from orgel.runtime.stage import Run, StageInfo
+from orgel.runtime.stage import Run, StageInfo, place
 from orgel.schedule.comm import CommPlan, derive_comm, replica_pairs
 from orgel.schedule.ir import Plan, PlanError
 from orgel.schedule.validate import dry_run
@@ -89,7 +89,7 @@ class ForwardOnly(Executor):
         self.stages = {s: StageInfo.build(plan, split, s, self.rank)
                        for s in plan.stages_on(self.rank)}
         for info in self.stages.values():
-            info.stage.module.to(self.device)  # its constants; the weights are there already
+            place(info.stage.module, self.device)  # its constants; the weights are there
             info.stage.module.eval()
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(comm.messages)
@@ -99,7 +99,8 @@ class ForwardOnly(Executor):
         own = executor.transport
         self.transport = Transport(plan, comm, self.rank, store=own.store, device=self.device,
                                    timeout=own.timeout, ranks=own.ranks,
-                                   post_ahead=own.post_ahead, group=own.group)
+                                   post_ahead=own.post_ahead, group=own.group,
+                                   nccl=own.nccl)
         if dist.get_backend() == "nccl":  # every rank builds it with its engine: collective
             self.transport.warm_up()
         self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.runtime.devices import backend_for, host, rank_device, resolve_device
 from orgel.runtime.errors import WorkerError, describe, is_comm_error
 from orgel.runtime.lifeline import Lifeline, lifeline, tie
 
@@ -69,17 +70,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_from_env(*, backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
-    """Join the job described by torchrun's environment; return ``(rank, world)``."""
+def init_from_env(*, backend: str | None = None, timeout: float = 60.0,
+                  device: str = "auto") -> tuple[int, int]:
+    """Join the job described by torchrun's environment; return ``(rank, world)``.
+
+    ``backend`` by default: :func:`orgel.runtime.devices.backend_for` the ``device``
+    kind and the ranks on this node."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if k not in os.environ]
     if missing:
         raise RuntimeError(f"not under torchrun: {', '.join(missing)} not set; run with "
                            "torchrun or use orgel.runtime.spawn on one machine")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(resolve_device(device), int(os.environ.get(
+            "LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        rank_device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
@@ -102,6 +108,8 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
     for key in [k for k in os.environ if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC")]:
         del os.environ[key]
     try:
+        if backend == "nccl":  # one GPU per rank (orgel.runtime.devices.backend_for)
+            rank_device("cuda", rank)
         store = dist.TCPStore("127.0.0.1", port, num_ranks, rank == 0,
                               timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=num_ranks,
@@ -120,7 +128,7 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
             conn.send(("ok", None, "", False))
             break
         try:
-            result = getattr(engine, method)(*args, **kwargs)
+            result = host(getattr(engine, method)(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
             conn.send(("error", *describe(exc), is_comm_error(exc)))
             continue

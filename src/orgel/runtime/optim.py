@@ -78,6 +78,7 @@ class GradSync:
                  device: torch.device) -> None:
         self.rank = rank
         self.device = device
+        self.nccl = dist.get_backend() == "nccl"  # gloo reduces CUDA tensors too (staged)
         # each object once: stages on one rank that share a tied parameter hold one object
         self.all_params = list({id(p): p for _, info in sorted(stages.items())
                                 for p in info.params}.values())
@@ -134,7 +135,7 @@ class GradSync:
         self.pending.append((f"data-parallel gradients of ranks {list(rset)}", work, flat, params))
 
     def _wait(self, work: Any, what: str) -> None:
-        if self.device.type == "cuda":
+        if self.nccl:
             work.wait()  # NCCL: stream-ordered; the process group's watchdog bounds it
             return
         try:

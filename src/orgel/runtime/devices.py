@@ -1,0 +1,139 @@
+"""Where the ranks compute and how their messages travel: the one rule every launcher uses.
+
+* :func:`resolve_device` turns the user's ``device`` (``"cpu"``, ``"cuda"``,
+  ``"auto"`` or ``None``) into a device type, never initializing CUDA in this
+  process (the GPU count is read through NVML, which does not poison a fork).
+* :func:`rank_device`: local rank ``r`` of a CUDA run computes on GPU
+  ``r mod (GPUs)``; several ranks share a GPU when they outnumber the GPUs.
+* :func:`host`: what a rank answers its controller, with CUDA tensors copied to
+  the host (the controller of forked ranks must not use CUDA).
+* :func:`backend_for`: NCCL when every rank has a GPU of its own, otherwise gloo,
+  whose point-to-point messages the transport stages through pinned host memory
+  (:class:`orgel.runtime.comm.Transport`: gloo sends and receives host tensors
+  only; NCCL refuses two ranks on one GPU).
+* :func:`profiling_device`: where profiling measures by default (CUDA when present);
+  :func:`profiling_on` changes it for a block (``orgel.pipeline`` keeps a controller
+  whose ranks are forked off CUDA: it profiles on the CPU).
+* :func:`check_fork` refuses a CUDA run whose ranks would be forked from a process
+  that has initialized CUDA (a forked child cannot use it), saying what to do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def gpu_count() -> int:
+    """The GPUs this process sees, read without initializing CUDA (NVML)."""
+    return int(torch.cuda.device_count())
+
+
+def resolve_device(device: str | torch.device | None, *,
+                   model: torch.nn.Module | None = None) -> str:
+    """``"cpu"`` or ``"cuda"`` for the user's ``device``.
+
+    ``None``: the device of ``model``'s parameters (a model on the meta device, or
+    without parameters, goes where ``"auto"`` says); ``"auto"``: CUDA when this
+    process sees a GPU, else the CPU.
+    """
+    if device is None and model is not None:
+        found = {p.device.type for p in model.parameters()}
+        found |= {b.device.type for b in model.buffers()}
+        found.discard("meta")
+        if len(found) > 1:
+            raise ValueError(f"the model's tensors are on several devices ({sorted(found)}): "
+                             "put the whole model on one device, or pass device='cpu' or "
+                             "device='cuda'")
+        if found:
+            device = found.pop()
+    if device is None or (isinstance(device, str) and device in DEVICES):
+        kind = device or "auto"
+    else:
+        try:
+            kind = torch.device(device).type  # "cuda:1": the ranks choose their GPUs
+        except RuntimeError:
+            kind = str(device)
+    if kind == "auto":
+        return "cuda" if gpu_count() > 0 else "cpu"
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+    if kind == "cuda" and gpu_count() == 0:
+        raise ValueError("device='cuda' but this process sees no GPU (torch "
+                         f"{torch.__version__}, CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): use device='cpu'")
+    return kind
+
+
+def rank_device(kind: str, rank: int) -> torch.device:
+    """The device local rank ``rank`` computes on (torchrun's LOCAL_RANK when set), made
+    this process's current CUDA device. Called in the rank's own process."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local % gpu_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def backend_for(kind: str, ranks: int) -> str:
+    """The process group backend for ``ranks`` local ranks computing on ``kind``."""
+    if kind == "cuda" and ranks <= gpu_count() and torch.distributed.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def check_fork(kind: str) -> None:
+    """Raise ValueError if ranks forked from this process could not use CUDA."""
+    if kind == "cuda" and torch.cuda.is_initialized():
+        raise ValueError(
+            "this process has already used CUDA (a model or tensor on the GPU), and the "
+            "local ranks are forked from it, which CUDA does not allow: build the model on "
+            "the CPU (or the meta device) and pass device='cuda' (each rank moves its own "
+            "stages to its GPU), or start the ranks with torchrun")
+
+
+def host(value: Any) -> Any:
+    """``value`` with every CUDA tensor in it copied to the host (a CUDA tensor sent
+    through a pipe would travel as a CUDA IPC handle, which only a process using CUDA
+    can open)."""
+    return pytree.tree_map(
+        lambda t: t.cpu() if isinstance(t, torch.Tensor) and t.is_cuda else t, value)
+
+
+def move(value: Any, device: torch.device) -> Any:
+    """``value`` (tensors in tuples, lists and dicts) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(move(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: move(v, device) for k, v in value.items()}
+    return value
+
+
+_PROFILING: ContextVar[str | None] = ContextVar("orgel_profiling_device", default=None)
+
+
+def profiling_device() -> torch.device:
+    """Where profiling measures when not told: :func:`profiling_on`'s device, or CUDA when
+    this process sees a GPU, else the CPU."""
+    return torch.device(_PROFILING.get() or ("cuda" if gpu_count() > 0 else "cpu"))
+
+
+@contextmanager
+def profiling_on(device: str) -> Iterator[None]:
+    """Profile on ``device`` inside."""
+    token = _PROFILING.set(device)
+    try:
+        yield
+    finally:
+        _PROFILING.reset(token)
