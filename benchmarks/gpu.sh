@@ -18,11 +18,12 @@ step() {  # step NAME SECONDS COMMAND...: run, keep its log, go on whatever it r
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)";
   nproc; } >"$OUT/summary.log" 2>&1
 # the correctness checks side by side, then the timings alone on the GPU
-step tests "${TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py -rs &
-step demo "${DEMO_S:-150}" $PY -m orgel demo --device cuda --ranks 2 --steps 20 --no-progress \
+step tests "${TESTS_S:-140}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py -rs &
+step demo "${DEMO_S:-140}" $PY -m orgel demo --device cuda --ranks 2 --steps 20 --no-progress \
   --out "$OUT/demo" &
 wait
-step cost "${COST_S:-120}" $PY benchmarks/cost_model_accuracy.py --device cuda --steps 10 \
-  --workloads ${WORKLOADS:-GPT-like ViT-like}
-step precision "${PREC_S:-80}" $PY benchmarks/precision.py --device cuda --steps 10
+step cost "${COST_S:-90}" $PY benchmarks/cost_model_accuracy.py --device cuda --steps 10 \
+  --workloads ${WORKLOADS:-GPT-large}
+step precision "${PREC_S:-70}" $PY benchmarks/precision.py --device cuda --steps 10 \
+  --workload examples/gpt.py:workload_large
 cat "$OUT/summary.log"

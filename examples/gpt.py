@@ -36,6 +36,13 @@ def workload(
     return ZooWorkload(model, (tokens,), targets, lm_loss)
 
 
+def workload_large() -> ZooWorkload:
+    """A GPT sized to keep one GPU busy: 8 layers of width 1024 over 512 tokens, batch 16
+    (118 M parameters; ``benchmarks/cost_model_accuracy.py --device cuda``)."""
+    return workload(batch_size=16, seq_len=512, vocab_size=8192, d_model=1024, n_layers=8,
+                    n_heads=16)
+
+
 def main() -> None:
     """Train for ``--steps`` steps on the shipped corpus and print the loss."""
     args = example_arguments(__doc__, batch_size=8).parse_args()

@@ -147,3 +147,24 @@ def no_autocast_cache() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(before)
+
+
+@contextmanager
+def cuda_unused() -> Iterator[None]:
+    """Inside, ``torch.cuda.is_available()`` answers False unless this process uses CUDA
+    already, so that PyTorch's own code leaves CUDA uninitialized.
+
+    Dynamo saves and restores the CUDA RNG state around every frame it converts
+    when CUDA is available, which initializes CUDA; ranks forked afterwards could
+    then not use it. The controller of forked ranks captures the model inside this
+    (on the CPU) and never uses CUDA itself (:mod:`orgel.runtime.devices`).
+    """
+    if torch.cuda.is_initialized():
+        yield
+        return
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = available  # type: ignore[assignment]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from orgel.guard import untouched
+from orgel.guard import cuda_unused, untouched
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.devices import (
@@ -192,7 +192,7 @@ def pipeline(
 
     # the workers fork afterwards, from the caller's own state; this process never uses
     # CUDA (a forked rank could not), so it profiles on the CPU
-    with untouched(model), profiling_on("cpu"):
+    with untouched(model), profiling_on("cpu"), cuda_unused():
         the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp,
                                           source, optimizer)
     if graph.glue is not None:  # several graphs: the controller runs the Python between them
@@ -207,7 +207,8 @@ def pipeline(
         return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
                            timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases,
                            options=loop)
-    evaluation = eval_split_for(workload, the_plan, split)  # before the fork: ranks inherit it
+    with cuda_unused():  # before the fork: ranks inherit it
+        evaluation = eval_split_for(workload, the_plan, split)
 
     def make_engine(rank: int) -> RankEngine:
         here = rank_device(kind, rank)  # in the worker, after the fork

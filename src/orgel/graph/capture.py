@@ -130,7 +130,11 @@ def dynamo_settings() -> Any:
     """
     calls = {getattr(logging.Logger, name) for name in _LOG_METHODS
              if hasattr(logging.Logger, name)}
-    return torch._dynamo.config.patch(allow_rnn=True, ignore_logging_functions=calls)
+    options: dict[str, Any] = {"allow_rnn": True, "ignore_logging_functions": calls}
+    if hasattr(torch._dynamo.config, "log_compilation_metrics"):
+        # torch 2.11 logs each compile's config and fails to sort that set of functions
+        options["log_compilation_metrics"] = False
+    return torch._dynamo.config.patch(**options)
 
 
 # -- the two routes: both return (gm, roles, leaves, treespec) -------------------------
