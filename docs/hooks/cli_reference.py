@@ -14,7 +14,8 @@ from typing import Any
 MARKER = "<!-- orgel-help -->"
 
 
-def _parsers(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, argparse.ArgumentParser]]:
+def _parsers(parser: argparse.ArgumentParser,
+             path: str) -> list[tuple[str, argparse.ArgumentParser]]:
     """``[("orgel", parser), ("orgel demo", ...), ("orgel checkpoint info", ...), ...]``."""
     found = [(path, parser)]
     for action in parser._actions:

@@ -6,8 +6,12 @@ import argparse
 import sys
 
 NAME = "demo"
-HELP = ("train a small model on local CPU ranks: print the plan, train with a progress bar, "
-        "check the loss against one process, write a timeline PNG and a Perfetto trace")
+HELP = ("train a small model on local CPU ranks, check it against one process, draw its "
+        "timeline")
+EXAMPLES = (
+    "orgel demo",
+    "orgel demo --ranks 3 --steps 50 --model vit --out demo-vit",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
