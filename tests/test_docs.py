@@ -158,3 +158,27 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "cli" / "index.html").exists()
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and mkdocs' toc both write it for the headings here."""
+    text = re.sub(r"[^\w\s-]", "", heading.strip().lower())
+    return re.sub(r"\s+", "-", text)
+
+
+def test_readme_links_point_at_files_and_headings() -> None:
+    """README.md is read on GitHub, outside the site's strict build: its links are checked here."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        target, _, anchor = link.partition("#")
+        path = ROOT / target
+        assert path.exists(), f"README.md links to {target}, which does not exist"
+        if anchor:
+            headings = [line.lstrip("#").strip() for line in path.read_text().splitlines()
+                        if line.startswith("#")]
+            slugs = {_slug(h) for h in headings}
+            assert anchor in slugs, f"README.md: no heading #{anchor} in {target}"
