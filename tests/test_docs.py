@@ -182,3 +182,23 @@ def test_readme_links_point_at_files_and_headings() -> None:
                         if line.startswith("#")]
             slugs = {_slug(h) for h in headings}
             assert anchor in slugs, f"README.md: no heading #{anchor} in {target}"
+
+
+def test_the_file_formats_shown_are_read_back() -> None:
+    """The plan file and the costs file shown in the docs load as orgel reads them."""
+    import json
+
+    from orgel.costs.blocks import BlockCosts
+    from orgel.schedule import Plan
+
+    plan_files = [b for b in code_blocks(ROOT / "docs" / "plans.md")
+                  if b.language == "json" and '"version"' in b.code]
+    costs_files = [b for b in code_blocks(ROOT / "docs" / "planning.md")
+                   if b.language == "json" and b.code.startswith('{"blocks"')]
+    assert plan_files and costs_files
+    for block in plan_files:
+        plan = Plan.from_json(block.code)
+        assert plan.num_ranks == json.loads(block.code)["num_ranks"]
+    for block in costs_files:
+        costs = BlockCosts.from_dict(json.loads(block.code))
+        assert len(costs.fwd) == len(json.loads(block.code)["blocks"])
