@@ -202,3 +202,28 @@ def test_the_file_formats_shown_are_read_back() -> None:
     for block in costs_files:
         costs = BlockCosts.from_dict(json.loads(block.code))
         assert len(costs.fwd) == len(json.loads(block.code)["blocks"])
+
+
+def test_the_simulate_examples_print_the_step_times_shown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``orgel simulate`` lines in docs/plans.md run, and print the step time their comment says."""
+    import shlex
+
+    from orgel.cli import main
+    from orgel.schedule import build_schedule
+
+    monkeypatch.chdir(tmp_path)
+    build_schedule("1f1b", 2, 4).save("plan.json")  # what the last example reads
+    lines = [line for b in code_blocks(ROOT / "docs" / "plans.md") if b.language == ""
+             for line in b.code.splitlines() if line.startswith("orgel simulate ")]
+    assert len(lines) >= 4
+    for line in lines:
+        command, _, comment = line.partition("#")
+        assert main(shlex.split(command)[1:]) == 0, line
+        out = capsys.readouterr().out
+        expected = re.search(r"[\d.]+", comment)
+        if expected:
+            shown = (re.search(r'"step_time": ([\d.]+)', out) or
+                     re.search(r"step time ([\d.]+) ms", out))
+            assert shown is not None and float(shown[1]) == float(expected[0]), (line, out[:300])
