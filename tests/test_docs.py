@@ -9,7 +9,9 @@ so its syntax cannot rot either. A file whose runnable blocks start ranks
 (``orgel.pipeline``, ``orgel.backend``, ``orgel.load``) is a slow test.
 
 ``mkdocs build --strict`` (a broken link, a missing anchor or API reference fails) runs
-when mkdocs is installed (the ``docs`` extra: ``pip install -e ".[dev,docs]"``).
+when mkdocs is installed (the ``docs`` extra: ``pip install -e ".[dev,docs]"``). The README's
+links, the file formats the docs show and the ``orgel simulate`` lines with their step
+times are checked too.
 """
 
 from __future__ import annotations
