@@ -7,7 +7,10 @@ import importlib
 import sys
 from types import ModuleType
 
-# Each module defines NAME, HELP, add_arguments(parser) and run(args) -> int.
+from orgel.commands.text import command_parser, examples_text
+
+# Each module defines NAME, HELP (what it does, one line), EXAMPLES (command lines shown in its
+# --help), add_arguments(parser) and run(args) -> int.
 # Order here is the order in ``orgel --help``.
 _COMMANDS = (
     "demo",
@@ -19,6 +22,11 @@ _COMMANDS = (
     "profile",
     "checkpoint",
 )
+# shown by ``orgel --help``
+EXAMPLES = (
+    "orgel demo",
+    "orgel run examples/gpt.py:workload --ranks 2 --schedule 1f1b --microbatches 4 --check",
+)
 
 
 def _load_commands() -> list[ModuleType]:
@@ -28,12 +36,15 @@ def _load_commands() -> list[ModuleType]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orgel",
-        description="Automatic pipeline parallelism for PyTorch training: capture a model, "
-        "plan where every operation runs and in which order, simulate and run the plan.",
+        description="Automatic pipeline parallelism for PyTorch training: capture a model, plan "
+        "where every\noperation runs and in which order, simulate and run the plan.",
+        epilog=examples_text(EXAMPLES) + "\n\n'orgel COMMAND --help' shows a command's options "
+        "and examples.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _load_commands():
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        p = command_parser(sub, module.NAME, module.HELP, module.EXAMPLES)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

@@ -5,20 +5,27 @@ from __future__ import annotations
 import argparse
 import sys
 
+from orgel.commands.text import command_parser
+
 NAME = "checkpoint"
-HELP = "inspect an orgel checkpoint (info) or export it to the original model's state_dict"
+HELP = "inspect a checkpoint or export it as the original model's state_dict"
+EXAMPLES = (
+    "orgel checkpoint info ckpt",
+    "orgel checkpoint export ckpt model.pt",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    info = sub.add_parser("info", help="step, ranks, plan and tensors of a checkpoint")
+    info = command_parser(sub, "info", "print a checkpoint's step, ranks, plan and tensors",
+                          ["orgel checkpoint info ckpt"])
     info.add_argument("dir", metavar="DIR", help="checkpoint root (with LATEST) or step folder")
-    export = sub.add_parser(
-        "export", help="write the original model's state_dict (torch.save) to OUT",
-        description="Load the result with model.load_state_dict(torch.load(OUT, "
-        "weights_only=True)).")
+    export = command_parser(
+        sub, "export", "write the original model's state_dict (torch.save) to OUT",
+        ["orgel checkpoint export ckpt model.pt"])
     export.add_argument("dir", metavar="DIR", help="checkpoint root (with LATEST) or step folder")
-    export.add_argument("out", metavar="OUT", help="output file, e.g. model.pt")
+    export.add_argument("out", metavar="OUT", help="output file, e.g. model.pt; load it with "
+                        "model.load_state_dict(torch.load(OUT, weights_only=True))")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,9 +6,13 @@ import argparse
 import sys
 
 NAME = "demo"
-HELP = ("train a small model on local ranks (CPU or GPU): print the plan, train with a "
-        "progress bar, check the loss against one process, write a timeline PNG and a "
-        "Perfetto trace")
+HELP = ("train a small model on local ranks (CPU or GPU), check it against one process, draw "
+        "its timeline")
+EXAMPLES = (
+    "orgel demo",
+    "orgel demo --ranks 3 --steps 50 --model vit --out demo-vit",
+    "orgel demo --device cuda",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

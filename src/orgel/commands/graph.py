@@ -10,8 +10,10 @@ from typing import Any
 from orgel.commands.text import human_bytes
 
 NAME = "graph"
-HELP = ("capture a workload's forward and print its op graph, blocks (bytes, FLOPs), the "
-        "block DAG's branches and, with --stages, a balanced split")
+HELP = "capture a workload and print its op graph, blocks, block DAG and a balanced split"
+EXAMPLES = (
+    "orgel graph examples/gpt.py:workload --blocks 10 --stages 3 --microbatches 4",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,8 +9,11 @@ import sys
 from typing import Any
 
 NAME = "plan"
-HELP = ("search split points, placement and schedule for the fastest plan that fits memory "
-        "(from a workload or a costs file)")
+HELP = "search the fastest plan that fits memory, for a workload or a costs file"
+EXAMPLES = (
+    "orgel plan examples/gpt.py:workload --ranks 4 --microbatches 8 --out plan.json",
+    "orgel plan --costs costs.json --ranks 8 --microbatches 16 --json",
+)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20,

@@ -8,7 +8,10 @@ import sys
 from typing import Any
 
 NAME = "profile"
-HELP = "measure every block's time and memory and the link between ranks (cached on disk)"
+HELP = "measure every block's time and memory and the links between ranks (cached on disk)"
+EXAMPLES = (
+    "orgel profile examples/gpt.py:workload --microbatches 8 --blocks 32 --out costs.json",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

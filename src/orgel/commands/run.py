@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 NAME = "run"
-HELP = "run a workload's training steps on local ranks (gloo), optionally checked exactly"
+HELP = ("train a workload for a few steps on local ranks, optionally checked against one "
+        "process")
+EXAMPLES = (
+    "orgel run examples/gpt.py:workload --ranks 2 --schedule 1f1b --microbatches 4 --steps 3 "
+    "--check",
+    "orgel run examples/gpt.py:workload --ranks 4 --microbatches 8 --plan plan.json --check",
+    "orgel run examples/gpt.py:workload --ranks 2 --device cuda --check",
+)
 
 OPTIMIZERS = ("sgd", "adamw")
 

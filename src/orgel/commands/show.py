@@ -6,7 +6,10 @@ import argparse
 import sys
 
 NAME = "show"
-HELP = "print a PLAN.json's schedule (text form) and a text timeline of one simulated step"
+HELP = "print a plan file's schedule and a text timeline of one simulated step"
+EXAMPLES = (
+    "orgel show plan.json",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,8 +15,11 @@ if TYPE_CHECKING:  # the CLI imports its commands eagerly: keep numpy & co. out 
     from orgel.sim import SimResult
 
 NAME = "simulate"
-HELP = ("simulate one training step of a schedule family (uniform stage costs) or of a "
-        "PLAN.json: step time, bubbles, memory, timeline")
+HELP = "predict one training step of a schedule family or a plan file: time, bubbles, memory"
+EXAMPLES = (
+    "orgel simulate --schedule 1f1b --ranks 4 --microbatches 8 --fwd 1 --bwd 2",
+    "orgel simulate plan.json --png step.png --trace step.json",
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "looped", "zb-h1")
 _LOOPED = ("interleaved", "looped-bfs")

@@ -1,6 +1,22 @@
-"""Text formatting shared by the sub-commands' tables."""
+"""Text formatting shared by the sub-commands: their help's examples, their tables."""
 
 from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+
+def command_parser(sub: argparse._SubParsersAction, name: str, help: str,
+                   examples: Sequence[str]) -> argparse.ArgumentParser:
+    """A sub-command's parser whose help says what it does in one line and shows examples."""
+    return sub.add_parser(name, help=help, description=help, epilog=examples_text(examples),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def examples_text(examples: Sequence[str]) -> str:
+    """``examples:`` and one indented command line each, for a parser's epilog."""
+    return "example" + ("s" if len(examples) > 1 else "") + ":\n" + "\n".join(
+        f"  {line}" for line in examples)
 
 
 def human_bytes(nbytes: float) -> str:
