@@ -188,3 +188,24 @@ def test_captured_device_constants_follow_the_stage() -> None:
     assert "device(type='cpu')" not in gm.code and "_enter_autocast('cpu'" not in gm.code
     assert "device(type='meta')" in gm.code
     assert all(p.is_meta for p in gm.parameters())
+
+
+_SEEN: list[str] = []
+
+
+def _plan_here() -> object:
+    from orgel.schedule.families import build_schedule
+
+    _SEEN.append("planned")  # in the planning process only
+    return build_schedule("1f1b", 2, 4)
+
+
+@pytest.mark.slow
+def test_the_plan_for_cuda_ranks_is_made_in_a_process_of_its_own() -> None:
+    """The caller of CUDA ranks plans in a forked process (which may use the GPU): the
+    plan comes back, and nothing of the planning ran in the caller."""
+    from orgel.explicit.device_plan import plan_in_child
+
+    plan = plan_in_child(_plan_here, device="cpu", timeout_s=60)
+    assert (plan.num_ranks, plan.microbatches, plan.num_stages) == (2, 4, 2)
+    assert _SEEN == []

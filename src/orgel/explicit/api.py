@@ -133,7 +133,8 @@ def pipeline(
     staged through host memory) or ``"auto"`` (CUDA when present); by default the
     model's device (:mod:`orgel.runtime.devices`). Local ranks are forked, so for
     CUDA build the model on the CPU (or meta) and pass ``device="cuda"``: each rank
-    moves its own stages to its GPU, and this process never uses CUDA.
+    moves its own stages to its GPU, and this process never uses CUDA (a forked
+    process of its own profiles on the GPU and plans: :mod:`orgel.explicit.device_plan`).
 
     The training loop (:mod:`orgel.runtime.optimizer`): ``optimizer`` receives the
     rank's parameters as a list that also has ``.names`` and ``.named()`` (their
@@ -190,6 +191,15 @@ def pipeline(
                               aliases=aliases, source=source, kind=kind)
     from orgel.runtime.launch import LocalGroup
 
+    if kind == "cuda" and plan is None:  # timed on the GPU, by a process of its own
+        from orgel.explicit.device_plan import plan_in_child
+
+        def planned() -> Plan:
+            with untouched(model):
+                return _prepare(workload, None, ranks, microbatches, memory, dp, source,
+                                optimizer)[0]
+
+        plan = plan_in_child(planned, device=kind, timeout_s=timeout_s)
     # the workers fork afterwards, from the caller's own state; this process never uses
     # CUDA (a forked rank could not), so it profiles on the CPU
     with untouched(model), profiling_on("cpu"), cuda_unused():
