@@ -4,9 +4,10 @@ The workload (``file.py:function``) is captured and split by a balanced chain
 scheduled with ``--schedule`` (or by ``--plan PLAN.json``); ``--ranks``
 processes run ``--steps`` steps on the workload's batch and the loss of each
 step is printed. ``--device`` says where they compute (:mod:`orgel.runtime.devices`:
-CUDA ranks that outnumber the GPUs share them over gloo, else NCCL; CPU ranks gloo). ``--check`` also trains the unmodified model in this process
-with gradient accumulation over the same micro-batches and prints the largest
-loss and parameter differences (exit 1 beyond ``--tolerance``).
+CUDA ranks that outnumber the GPUs share them over gloo, else NCCL; CPU ranks gloo).
+``--check`` also trains the unmodified model in this process with gradient
+accumulation over the same micro-batches and prints the largest loss and parameter
+differences (exit 1 beyond ``--tolerance``).
 """
 
 from __future__ import annotations

@@ -147,13 +147,15 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
         by_group.setdefault(spec.group, []).append(spec)
     # With tied weights a group's representative may put the tied stages on two
     # ranks and pay their all-reduce while its V-shape keeps them on one: score
-    # the V-shape too, and rank the group by the better of the two.
+    # the V-shape too. DualPipeV holds fewer micro-batches' activations than the
+    # interleaved representative, so under a memory cap it may fit where that does
+    # not: score it too. A group ranks by the best of them.
     def represent(group: list[Spec]) -> float:
         best = score_spec(group[0])
-        if scorer.bc.tied:
-            for spec in group[1:]:
-                if spec.options.get("placement") == "v":
-                    best = min(best, score_spec(spec))
+        for spec in group[1:]:
+            if spec.family == "dualpipev" or (scorer.bc.tied
+                                              and spec.options.get("placement") == "v"):
+                best = min(best, score_spec(spec))
         return best
 
     reps = sorted((represent(g), v) for v, g in by_group.items())

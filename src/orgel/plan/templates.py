@@ -9,7 +9,8 @@ zero-bubble ZB-H1, and the same ``I``/``W`` split applied to the interleaved and
 looped schedules (:func:`orgel.plan.transforms.split_backward`); and, beyond
 round-robin placement, a "V" placement (the
 second loop runs back from the last rank to the first, so the turn-around
-stage pair shares a rank) scheduled by the DAG 1F1B family. Families that are
+stage pair shares a rank) scheduled by the DAG 1F1B family, and DualPipeV
+(:mod:`orgel.schedule.families_dualpipe`) on the same placement. Families that are
 not registered, or reject the parameters, are skipped. Duplicates (different
 parameters, same action lists) are dropped.
 """
@@ -28,7 +29,7 @@ from orgel.schedule.ir import PlanError, StageGraph
 def sequential_families() -> list[str]:
     """The schedule families the sequential search draws its templates from."""
     return [f for f in ("gpipe", "1f1b", "zb-h1", "interleaved", "looped", "looped-bfs",
-                        "dag-1f1b") if f in FAMILIES]
+                        "dag-1f1b", "dualpipev") if f in FAMILIES]
 
 
 def prefetch_options(ranks: int) -> list[list[int]]:
@@ -85,6 +86,7 @@ def template_specs(ranks: int, microbatches: int, num_blocks: int, *, max_loops:
                       for s in group if s.family == "looped"][:2]
             if v == 2:
                 group.append(Spec("v-shape (dag-1f1b)", "dag-1f1b", {"placement": "v"}, 2))
+                group.append(Spec("dualpipev", "dualpipev", {}, 2))
         specs.extend(s for s in group if s.family in fams
                      and (wanted is None or s.family in wanted))
     return specs

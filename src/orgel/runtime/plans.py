@@ -17,6 +17,8 @@ from orgel.schedule.ir import Plan, PlanError
 
 #: families whose stages loop over the ranks several times (option name for that count)
 LOOPED = {"interleaved": "stages_per_rank", "looped-bfs": "stages_per_rank", "looped": "loops"}
+#: families with a fixed number of stages per rank
+TWO_PER_RANK = {"dualpipev": 2}
 
 
 def balanced_plan(graph: Any, *, ranks: int, microbatches: int, schedule: str = "1f1b",
@@ -28,7 +30,7 @@ def balanced_plan(graph: Any, *, ranks: int, microbatches: int, schedule: str = 
     if dp < 1 or ranks % dp:
         raise PlanError(f"--dp {dp} must divide --ranks {ranks}")
     pipeline = ranks // dp
-    per_rank = stages_per_rank if schedule in LOOPED else 1
+    per_rank = stages_per_rank if schedule in LOOPED else TWO_PER_RANK.get(schedule, 1)
     if schedule in LOOPED:
         options[LOOPED[schedule]] = per_rank
     try:

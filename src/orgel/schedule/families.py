@@ -5,6 +5,7 @@ options after, checks the options up front, and returns a Plan whose ``meta``
 names the family and its parameters. ``build_schedule(name, ...)`` looks a
 family up in :data:`FAMILIES`.
 
+``dualpipev`` (two stages per rank in a V) lives in :mod:`orgel.schedule.families_dualpipe`.
 The looped families (``interleaved``, ``looped-bfs``, ``looped``) live in
 :mod:`orgel.schedule.families_looped`, ``dag-1f1b`` in
 :mod:`orgel.schedule.families_dag`.
@@ -22,6 +23,7 @@ from typing import Any
 
 from orgel.schedule.families_common import Family, check_counts, finish, resolve_graph
 from orgel.schedule.families_dag import dag_1f1b
+from orgel.schedule.families_dualpipe import dualpipev
 from orgel.schedule.families_looped import interleaved, looped, looped_bfs
 from orgel.schedule.ir import Action, Plan, PlanError, StageGraph
 
@@ -113,6 +115,7 @@ FAMILIES: dict[str, Family] = {
     "looped": looped,
     "zb-h1": zb_h1,
     "dag-1f1b": dag_1f1b,
+    "dualpipev": dualpipev,
 }
 
 
