@@ -382,24 +382,44 @@ def split_batch(value: Any, m: int, dim: int, batch: int) -> list[Any]:
     return [value] * m
 
 
+def replica_rows(rows: int, replica: int, replicas: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a micro-batch of ``rows`` rows that replica ``replica`` runs.
+
+    The one rule for data-parallel replicas. A stage placed on ``replicas`` ranks
+    runs *every* micro-batch on every replica, each on its own contiguous, equal
+    share of the micro-batch's rows along the batch dimension: replica ``k`` runs
+    rows ``[k*rows/replicas, (k+1)*rows/replicas)``. With a batch of ``B`` rows cut
+    into ``M`` micro-batches (:func:`split_batch`: micro-batch ``m`` is rows
+    ``[m*B/M, (m+1)*B/M)``), replica ``k`` thus runs batch rows
+    ``m*B/M + [k*B/(M*replicas), (k+1)*B/(M*replicas))`` for each ``m``, in
+    micro-batch order, through its own copy of the stage: BatchNorm normalises
+    over those rows, and updates that copy's running statistics, which the end
+    of each training step averages over the replicas (:mod:`orgel.runtime.buffers`).
+    Raises ValueError when ``rows`` does not divide by ``replicas``.
+    """
+    if rows % replicas:
+        raise ValueError(
+            f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
+            "choose a batch size divisible by microbatches x replicas"
+        )
+    size = rows // replicas
+    return replica * size, (replica + 1) * size
+
+
 def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
     """Replica ``replica``'s rows of every batched tensor in ``value`` (tensors, lists, dicts).
 
-    As in :func:`split_batch`, a tensor is batched when its size
-    along ``dim`` is the micro-batch's ``rows``; anything else goes whole to every replica.
+    As in :func:`split_batch`, a tensor is batched when its size along ``dim`` is
+    the micro-batch's ``rows``; anything else goes whole to every replica. Which
+    rows: :func:`replica_rows`.
     """
     if replicas == 1:
         return value
     if isinstance(value, torch.Tensor):
         if value.dim() <= dim or value.shape[dim] != rows:
             return value
-        if rows % replicas:
-            raise ValueError(
-                f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
-                "choose a batch size divisible by microbatches x replicas"
-            )
-        size = rows // replicas
-        return value.narrow(dim, replica * size, size)
+        start, stop = replica_rows(rows, replica, replicas)
+        return value.narrow(dim, start, stop - start)
     if isinstance(value, (list, tuple)):
         return type(value)(share(v, replica, replicas, dim, rows) for v in value)
     if isinstance(value, dict):
