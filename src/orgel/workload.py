@@ -110,7 +110,18 @@ def load_workload(spec: str) -> Workload:
 
 
 def named_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
-    """The model's inputs by keyword: positional ones are named by ``forward``'s signature."""
+    """The model's inputs by keyword: positional ones are named by ``forward``'s signature.
+
+    What orgel calls the forward with, everywhere (capture, the steps, the
+    references): the workload's inputs (:func:`given_inputs`), plus
+    ``use_cache=False`` for a model that would build a generation cache
+    (:func:`cache_off`).
+    """
+    return cache_off(model, given_inputs(model, inputs))
+
+
+def given_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
+    """The workload's own inputs by keyword: positional ones named by ``forward``'s signature."""
     if isinstance(inputs, dict):
         return dict(inputs)
     if isinstance(inputs, torch.Tensor):
@@ -129,6 +140,30 @@ def named_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]
             f"the workload gives {len(inputs)}; pass a dict of keyword inputs instead"
         )
     return {p.name: value for p, value in zip(positional, inputs, strict=False)}
+
+
+def cache_off(model: torch.nn.Module, named: dict[str, Any]) -> dict[str, Any]:
+    """``named`` with ``use_cache=False`` where ``model`` would otherwise build a KV cache.
+
+    A Hugging Face model (a ``config`` with ``use_cache``, a forward that takes
+    ``use_cache``) builds a generation cache by default (``use_cache=True``) and
+    returns it beside the logits. No training loss reads it; it costs a copy of
+    every layer's keys and values, and neither Dynamo on a meta model nor
+    torch.export can capture it. orgel trains the forward without it, as
+    Hugging Face's own training does: the outputs then hold no cache
+    (``past_key_values`` is None). A workload that passes ``use_cache`` keeps its
+    own value.
+    """
+    if "use_cache" in named or getattr(getattr(model, "config", None), "use_cache",
+                                       None) is None:
+        return named
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return named
+    if "use_cache" not in params:
+        return named
+    return {**named, "use_cache": False}
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -168,7 +203,7 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
     if unknown:
         raise WorkloadError(f"replicated names {unknown} are not inputs of the model; "
                             f"its inputs are {list(named)}")
-    for name, value in named.items():
+    for name, value in given_inputs(w.model, w.inputs).items():  # orgel's use_cache aside
         if not isinstance(value, torch.Tensor) and value is not None:
             raise WorkloadError(
                 f"input {name!r} is a {type(value).__name__}; inputs must be tensors "
@@ -193,10 +228,10 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
 
     targets = w.targets
     if on_meta(w.model):  # shapes only: the batch goes to the meta device with the model
-        named, targets = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
-                                              (named, targets))
-    with untouched(w.model), torch.no_grad():
-        loss = w.loss_fn(w.model(**named), targets)
+        loss = _meta_loss(w, named)
+    else:
+        with untouched(w.model), torch.no_grad():
+            loss = w.loss_fn(w.model(**named), targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise WorkloadError(
@@ -207,6 +242,32 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
     if microbatches > 1 and not on_meta(w.model):
         with untouched(w.model), torch.no_grad():
             _check_rows(w, named, microbatches)
+
+
+def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
+    """The loss of a trial forward of a meta model on meta copies of the batch.
+
+    Python in the forward that reads a value (transformers' check for packed
+    sequences, ``(ids[:, -1] == 0).all()``) cannot run on meta tensors; such a
+    forward is tried again on fake tensors, which transformers treats as
+    tracing (as Dynamo's capture sees the forward: the check is skipped).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from orgel.guard import untouched
+
+    batch = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (named, w.targets))
+    try:
+        with untouched(w.model), torch.no_grad():
+            return w.loss_fn(w.model(**batch[0]), batch[1])
+    except Exception as exc:  # noqa: BLE001 - the fake run decides; its error is this one
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with untouched(w.model), torch.no_grad(), mode:
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
+            try:
+                return w.loss_fn(w.model(**fake[0]), fake[1])
+            except Exception:  # noqa: BLE001
+                raise exc from None
 
 
 def _check_rows(w: Workload, named: dict[str, Any], m: int) -> None:
