@@ -110,7 +110,18 @@ def load_workload(spec: str) -> Workload:
 
 
 def named_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
-    """The model's inputs by keyword: positional ones are named by ``forward``'s signature."""
+    """The model's inputs by keyword: positional ones are named by ``forward``'s signature.
+
+    What orgel calls the forward with, everywhere (capture, the steps, the
+    references): the workload's inputs (:func:`given_inputs`), plus
+    ``use_cache=False`` for a model that would build a generation cache
+    (:func:`cache_off`).
+    """
+    return cache_off(model, given_inputs(model, inputs))
+
+
+def given_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
+    """The workload's own inputs by keyword: positional ones named by ``forward``'s signature."""
     if isinstance(inputs, dict):
         return dict(inputs)
     if isinstance(inputs, torch.Tensor):
@@ -129,6 +140,30 @@ def named_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]
             f"the workload gives {len(inputs)}; pass a dict of keyword inputs instead"
         )
     return {p.name: value for p, value in zip(positional, inputs, strict=False)}
+
+
+def cache_off(model: torch.nn.Module, named: dict[str, Any]) -> dict[str, Any]:
+    """``named`` with ``use_cache=False`` where ``model`` would otherwise build a KV cache.
+
+    A Hugging Face model (a ``config`` with ``use_cache``, a forward that takes
+    ``use_cache``) builds a generation cache by default (``use_cache=True``) and
+    returns it beside the logits. No training loss reads it; it costs a copy of
+    every layer's keys and values, and neither Dynamo on a meta model nor
+    torch.export can capture it. orgel trains the forward without it, as
+    Hugging Face's own training does: the outputs then hold no cache
+    (``past_key_values`` is None). A workload that passes ``use_cache`` keeps its
+    own value.
+    """
+    if "use_cache" in named or getattr(getattr(model, "config", None), "use_cache",
+                                       None) is None:
+        return named
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return named
+    if "use_cache" not in params:
+        return named
+    return {**named, "use_cache": False}
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -168,7 +203,7 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
     if unknown:
         raise WorkloadError(f"replicated names {unknown} are not inputs of the model; "
                             f"its inputs are {list(named)}")
-    for name, value in named.items():
+    for name, value in given_inputs(w.model, w.inputs).items():  # orgel's use_cache aside
         if not isinstance(value, torch.Tensor) and value is not None:
             raise WorkloadError(
                 f"input {name!r} is a {type(value).__name__}; inputs must be tensors "
@@ -193,10 +228,10 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
 
     targets = w.targets
     if on_meta(w.model):  # shapes only: the batch goes to the meta device with the model
-        named, targets = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
-                                              (named, targets))
-    with untouched(w.model), torch.no_grad():
-        loss = w.loss_fn(w.model(**named), targets)
+        loss = _meta_loss(w, named)
+    else:
+        with untouched(w.model), torch.no_grad():
+            loss = w.loss_fn(w.model(**named), targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise WorkloadError(
@@ -207,6 +242,32 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
     if microbatches > 1 and not on_meta(w.model):
         with untouched(w.model), torch.no_grad():
             _check_rows(w, named, microbatches)
+
+
+def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
+    """The loss of a trial forward of a meta model on meta copies of the batch.
+
+    Python in the forward that reads a value (transformers' check for packed
+    sequences, ``(ids[:, -1] == 0).all()``) cannot run on meta tensors; such a
+    forward is tried again on fake tensors, which transformers treats as
+    tracing (as Dynamo's capture sees the forward: the check is skipped).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from orgel.guard import untouched
+
+    batch = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (named, w.targets))
+    try:
+        with untouched(w.model), torch.no_grad():
+            return w.loss_fn(w.model(**batch[0]), batch[1])
+    except Exception as exc:  # noqa: BLE001 - the fake run decides; its error is this one
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with untouched(w.model), torch.no_grad(), mode:
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
+            try:
+                return w.loss_fn(w.model(**fake[0]), fake[1])
+            except Exception:  # noqa: BLE001
+                raise exc from None
 
 
 def _check_rows(w: Workload, named: dict[str, Any], m: int) -> None:
@@ -382,24 +443,44 @@ def split_batch(value: Any, m: int, dim: int, batch: int) -> list[Any]:
     return [value] * m
 
 
+def replica_rows(rows: int, replica: int, replicas: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a micro-batch of ``rows`` rows that replica ``replica`` runs.
+
+    The one rule for data-parallel replicas. A stage placed on ``replicas`` ranks
+    runs *every* micro-batch on every replica, each on its own contiguous, equal
+    share of the micro-batch's rows along the batch dimension: replica ``k`` runs
+    rows ``[k*rows/replicas, (k+1)*rows/replicas)``. With a batch of ``B`` rows cut
+    into ``M`` micro-batches (:func:`split_batch`: micro-batch ``m`` is rows
+    ``[m*B/M, (m+1)*B/M)``), replica ``k`` thus runs batch rows
+    ``m*B/M + [k*B/(M*replicas), (k+1)*B/(M*replicas))`` for each ``m``, in
+    micro-batch order, through its own copy of the stage: BatchNorm normalises
+    over those rows, and updates that copy's running statistics, which the end
+    of each training step averages over the replicas (:mod:`orgel.runtime.buffers`).
+    Raises ValueError when ``rows`` does not divide by ``replicas``.
+    """
+    if rows % replicas:
+        raise ValueError(
+            f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
+            "choose a batch size divisible by microbatches x replicas"
+        )
+    size = rows // replicas
+    return replica * size, (replica + 1) * size
+
+
 def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
     """Replica ``replica``'s rows of every batched tensor in ``value`` (tensors, lists, dicts).
 
-    As in :func:`split_batch`, a tensor is batched when its size
-    along ``dim`` is the micro-batch's ``rows``; anything else goes whole to every replica.
+    As in :func:`split_batch`, a tensor is batched when its size along ``dim`` is
+    the micro-batch's ``rows``; anything else goes whole to every replica. Which
+    rows: :func:`replica_rows`.
     """
     if replicas == 1:
         return value
     if isinstance(value, torch.Tensor):
         if value.dim() <= dim or value.shape[dim] != rows:
             return value
-        if rows % replicas:
-            raise ValueError(
-                f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
-                "choose a batch size divisible by microbatches x replicas"
-            )
-        size = rows // replicas
-        return value.narrow(dim, replica * size, size)
+        start, stop = replica_rows(rows, replica, replicas)
+        return value.narrow(dim, start, stop - start)
     if isinstance(value, (list, tuple)):
         return type(value)(share(v, replica, replicas, dim, rows) for v in value)
     if isinstance(value, dict):

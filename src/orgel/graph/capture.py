@@ -254,7 +254,11 @@ def _export_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
     try:
         ep = torch.export.export(model, (), kwargs=named, strict=False)
     except Exception as exc:
-        raise CaptureError(f"torch.export could not capture the model: {exc}") from exc
+        hint = ""
+        if "Cache" in str(exc):  # a Hugging Face model inside the user's own module
+            hint = (" (a Hugging Face model returns its generation cache: call it with "
+                    "use_cache=False; orgel does so for the model it is given)")
+        raise CaptureError(f"torch.export could not capture the model: {exc}{hint}") from exc
     gm = ep.graph_module
     _inline_grad_regions(gm)
     by_obj = _identity_roles(model, named)

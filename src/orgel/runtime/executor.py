@@ -6,10 +6,12 @@ list; for each action it waits for the messages that must arrive before it
 (posted ahead by :class:`~orgel.runtime.comm.Transport`), runs it through one
 dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``; the
 backward ones: :mod:`orgel.runtime.backward_actions`), then sends what the
-action produced. After the list: wait for the sends, reduce
-gradients across replicas and tied copies, clip by the global norm, step the
-optimizer and its schedule (with ``accumulate=k``, only every ``k``-th call does
-this; see :mod:`orgel.runtime.optimizer`).
+action produced. After the list: wait for the sends, reduce gradients across
+replicas and tied copies, clip by the global norm, average the buffers that
+replicated stages updated (BatchNorm statistics: :mod:`orgel.runtime.buffers`),
+step the optimizer and its schedule (with ``accumulate=k``, only every ``k``-th
+call does this, but the buffers are averaged on every call; see
+:mod:`orgel.runtime.optimizer`).
 
 Boundary protocol: received (or locally handed over) activations become
 detached leaves with ``requires_grad``; an output's gradient is the sum over
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from orgel.runtime.backward_actions import BackwardActions
+from orgel.runtime.buffers import ReplicaBuffers
 from orgel.runtime.comm import Transport
 from orgel.runtime.devices import move
 from orgel.runtime.dropped import DroppedStep
@@ -75,6 +78,7 @@ from orgel.workload import (
     BatchDim,
     batch_rows,
     dim_of,
+    replica_rows,
     share,
     single_dim,
     split_microbatches,
@@ -184,6 +188,9 @@ class Executor(BackwardActions, DroppedStep):
             self.transport.warm_up()
         self.sync = GradSync(plan, split, self.rank, self.stages, ranks=ranks, world_group=None,
                              timeout=timeout, device=self.device)
+        # BatchNorm statistics of replicated stages: averaged over the replicas every step
+        self.buffers = ReplicaBuffers(plan, self.stages,
+                                      {rset: group for rset, (group, _) in self.sync.dp.items()})
         # parameters of no stage that this rank steps (code outside every graph trains them)
         self.extra_params = dict(extra_params or {})
         for p in self.extra_params.values():
@@ -297,12 +304,14 @@ class Executor(BackwardActions, DroppedStep):
                 loss = self.sync.reduce_loss(self._loss, failed)
                 if self.sync.failed:
                     raise self._drop_step()
+                self.buffers.average(self.sync._wait)
                 self.loop.finish()
             else:
                 loss, norm = self.sync.finish(self._loss, self.max_grad_norm, self.scaler,
                                               failed, graded=self.loop.graded > 0)
                 if self.sync.failed:
                     raise self._drop_step()
+                self.buffers.average(self.sync._wait)
                 self.grad_norm = norm
                 self.skipped = self.sync.found_inf
                 self._event("sync", "gradients", start)
@@ -470,8 +479,8 @@ class Executor(BackwardActions, DroppedStep):
             return outputs, None
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
         if self.kept is not None:  # asked for: a copy on the CPU (a recompute replaces it)
-            self.kept[m] = keep(m, info.replica, self._mb_rows // info.replicas,
-                                self.act_dim, model_outs)
+            start, stop = replica_rows(self._mb_rows, info.replica, info.replicas)
+            self.kept[m] = keep(m, info.replica, stop - start, self.act_dim, model_outs)
         if not self.with_loss:
             return outputs, None
         targets = share(self._targets[m], info.replica, info.replicas,

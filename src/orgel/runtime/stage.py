@@ -1,7 +1,8 @@
 """What one rank knows about each stage it hosts: wiring, replica rows, saved state.
 
 A stage on ``n`` ranks is data-parallel inside the stage: replica ``k`` takes
-rows ``[k/n, (k+1)/n)`` of every micro-batch (along the batch dimension).
+rows ``[k/n, (k+1)/n)`` of every micro-batch (along the batch dimension; the
+rule: :func:`orgel.workload.replica_rows`).
 Between a producer on ``n`` ranks and a consumer on ``n'`` ranks, each pair of
 replicas whose rows overlap exchanges the overlap, a ``part`` ``(lo, hi, P)``
 with ``P = lcm(n, n')`` meaning rows ``[lo/P, hi/P)`` of the micro-batch, the
@@ -21,6 +22,7 @@ import torch.fx
 
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel, StageModule
+from orgel.workload import replica_rows
 
 Part = tuple[int, int, int]
 
@@ -34,7 +36,7 @@ def part_rows(part: Part, replica: int, replicas: int, local_rows: int) -> tuple
             f"a micro-batch of {total} rows cannot be split into {parts} equal parts: "
             f"choose a batch size divisible by microbatches x {parts}"
         )
-    offset = replica * local_rows
+    offset = replica_rows(total, replica, replicas)[0]
     return lo * total // parts - offset, hi * total // parts - offset
 
 
