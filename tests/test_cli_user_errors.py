@@ -1,5 +1,6 @@
-"""``orgel run`` on a workload whose own code fails: the user's frames under the workload's
-name, exit code 1, none of orgel's frames; what orgel finds itself in one line."""
+"""``orgel run``, ``graph``, ``profile`` and ``plan`` on a workload whose own code fails: the
+user's frames under the workload's name, exit code 1, none of orgel's frames; what orgel finds
+itself in one line."""
 
 from __future__ import annotations
 
@@ -88,11 +89,12 @@ def orgel_run(tmp_path: Path, name: str,
 
 
 @pytest.mark.parametrize(("command", "name"), [("run", "raises"), ("run", "syntax"),
-                                               ("run", "forward"), ("graph", "forward")])
+                                               ("run", "forward"), ("graph", "forward"),
+                                               ("profile", "forward"), ("plan", "raises")])
 def test_the_workloads_own_error_shows_its_frames_only(command: str, name: str,
                                                        tmp_path: Path) -> None:
     spec, out = (orgel_run(tmp_path, name) if command == "run"
-                 else orgel(tmp_path, command, name))
+                 else orgel(tmp_path, command, name, *(["--ranks", "2"] * (command == "plan"))))
     _, last, line = WORKLOADS[name]
     err = out.stderr
     assert out.returncode == 1, err

@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from orgel.profile.workload import profile_workload
+    from orgel.usercode import is_users
     from orgel.workload import in_precision
 
     if min(args.microbatches, args.blocks, args.repeats) < 1 or args.ranks < 2:
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
                                  ranks=args.ranks,
                                  progress=not args.json)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as exc:
+        if is_users(exc):  # the workload's own error: orgel.cli shows its frames
+            raise
         print(f"orgel profile: {exc}", file=sys.stderr)
         return 2
     data = costs.to_dict()
