@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most stages per rank in looped schedules (default 8)")
     parser.add_argument("--families", nargs="+", metavar="FAMILY",
                         help="schedule families the sequential search may use (default all: "
-                        "gpipe 1f1b zb-h1 interleaved looped looped-bfs dag-1f1b)")
+                        "gpipe 1f1b zb-h1 interleaved looped looped-bfs dag-1f1b dualpipev)")
     parser.add_argument("--beam-width", type=int, default=4, metavar="K",
                         help="beam width of the split search (default 4)")
     search = parser.add_mutually_exclusive_group()

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--schedule", default="1f1b",
                      help="schedule family over a balanced chain (default 1f1b): gpipe, 1f1b, "
-                          "interleaved, looped-bfs, looped, zb-h1, dag-1f1b")
+                          "interleaved, looped-bfs, looped, zb-h1, dag-1f1b, dualpipev")
     how.add_argument("--plan", help="a Plan JSON file to run instead (see orgel plan)")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--stages-per-rank", type=int, default=2,

@@ -21,7 +21,7 @@ EXAMPLES = (
     "orgel simulate plan.json --png step.png --trace step.json",
 )
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "looped", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "looped", "zb-h1", "dualpipev")
 _LOOPED = ("interleaved", "looped-bfs")
 
 
