@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,3 +57,33 @@ def test_input_then_weight_equals_full_backward(name: str) -> None:
                                             strict=True):
             assert p_halves.grad is not None, qual
             assert (p_full.grad - p_halves.grad).abs().max().item() < 1e-7, qual
+
+
+_CHANNELS_LAST_GROUP_NORM = """
+import torch
+from orgel.runtime.backward import input_backward, weight_backward
+torch.manual_seed(0)
+norm, conv = torch.nn.GroupNorm(8, 32), torch.nn.Conv2d(32, 32, 3, padding=1)
+params = [*norm.parameters(), *conv.parameters()]
+x = torch.randn(2, 32, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
+out = conv(torch.nn.functional.silu(norm(x * 1.5)))
+g = torch.randn_like(out)
+want = torch.autograd.grad(out, [x, *params], g, retain_graph=True)
+got, work = input_backward([out], [g], [x], params)
+weight_backward(work)
+for a, b in zip(want, [got[0], *(p.grad for p in params)], strict=True):
+    assert torch.equal(a, b)
+print("equal")
+"""
+
+
+@pytest.mark.slow
+def test_weight_half_of_a_channels_last_group_norm_does_not_crash() -> None:
+    """A GroupNorm on a channels-last CPU input, asked for its weights' gradients alone,
+    writes its input gradient through a null pointer in PyTorch's kernel (a diffusers
+    UNet's profile died of it): ``W`` asks for the input gradient too. In a subprocess,
+    so that a regression fails this test instead of killing the test run."""
+    done = subprocess.run([sys.executable, "-c", _CHANNELS_LAST_GROUP_NORM],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.strip() == "equal"

@@ -9,6 +9,8 @@ its own:
 * ``bwd``: the full backward (``torch.autograd.grad`` w.r.t. inputs and
   parameters), ``wgrad`` its weight half ``W`` as the runtime runs it
   (:func:`orgel.runtime.backward.weight_backward` after ``input_backward``);
+  the halves are tried once in a forked child first (:mod:`orgel.profile.trial`):
+  a block whose trial dies or raises is timed whole, with a ``note`` saying why;
   every block's jobs are timed in the same rounds (:func:`interleaved`:
   ``warmup`` rounds, then ``repeats``), each job's time its median CPU time
   (one intra-op thread; else wall time; CUDA events);
@@ -60,6 +62,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from orgel.profile.memory import LiveBytes
+from orgel.profile.trial import skip_split, trial
 from orgel.runtime.backward import WeightWork, input_backward, weight_backward
 from orgel.split.types import StageModule
 
@@ -78,6 +81,7 @@ class BlockMeasure:
     weight_kept: int = 0
     input_saved: int = 0
     output_unsaved: int = 0
+    note: str = ""  # a measurement not taken, and why (:mod:`orgel.profile.trial`)
 
 
 class Timer:
@@ -214,6 +218,7 @@ class BlockProbe:
     weight_kept: int
     input_saved: int = 0
     output_unsaved: int = 0
+    note: str = ""
 
     def result(self, times: dict[str, float]) -> BlockMeasure:
         """The measure, given the median ms of each job."""
@@ -226,7 +231,8 @@ class BlockProbe:
         return BlockMeasure(fwd=times["fwd"], bwd=bwd, wgrad=min(wgrad, bwd), params=self.params,
                             activations=self.activations, output=self.output,
                             temporary=self.temporary, weight_kept=self.weight_kept,
-                            input_saved=self.input_saved, output_unsaved=self.output_unsaved)
+                            input_saved=self.input_saved, output_unsaved=self.output_unsaved,
+                            note=self.note)
 
 
 def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
@@ -296,7 +302,7 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
     del inputs, outs
 
     jobs: dict[str, Job] = {"fwd": (fresh_inputs, forward)}
-    weight_kept = 0
+    weight_kept, note = 0, ""
     if diff_outs and (params or any(_float(a) and not c for a, c in zip(args, fixed,
                                                                         strict=True))):
         def setup() -> tuple[list[Any], list[torch.Tensor]]:
@@ -316,8 +322,14 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
         # The halves as the runtime runs them (orgel.runtime.backward): ``I`` towards
         # the inputs keeping the gradients ``W`` starts from, then ``W`` alone. A
         # second autograd.grad over the parameters would walk the input path again.
-        jobs["inp"] = (setup, lambda st: _input_half(st, grad_outs, params))
-        if params:
+        # Tried once in a forked child first: a kernel that crashes on the halves'
+        # masks must not take the caller down (orgel.profile.trial).
+        failed = trial([lambda: weight_backward(_input_half(setup(), grad_outs, params))])
+        if failed:
+            note = skip_split(failed[0])
+        else:
+            jobs["inp"] = (setup, lambda st: _input_half(st, grad_outs, params))
+        if params and not note:
             jobs["wgrad"] = (lambda: _input_half(setup(), grad_outs, params), weight_backward)
             # What ``I`` leaves alive for ``W`` (the gradients it kept; its input
             # gradients are sent away and dropped): held from ``I`` until ``W``.
@@ -342,7 +354,7 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
     kept = max(alive - output_unsaved, own) + output_unsaved
     return BlockProbe(jobs=jobs, params=param_bytes, activations=kept, output=out_bytes,
                       temporary=temporary, weight_kept=weight_kept, input_saved=input_saved,
-                      output_unsaved=output_unsaved)
+                      output_unsaved=output_unsaved, note=note)
 
 
 def loss_jobs(split: Any, values: dict[str, Any], loss_fn: Any,

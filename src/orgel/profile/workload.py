@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +316,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         cached["optimizer_temporary"] = extra
         cached["optimizer_ms_per_mib"] = ms_per_mib
         _store("blocks", key, cached)
+    for note in cached.get("notes", []):
+        warnings.warn(f"profile: {note}", stacklevel=2)
     n = len(bg.blocks)
     edges = sorted({(e.src, e.dst) for e in bg.edges if e.src != e.dst})
     memory = None
@@ -359,7 +362,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
               "microbatch_shapes": shapes, "microbatches": microbatches,
               "threads": threads, "contention": contention,
               "in_sequence_scale": cached.get("in_sequence_scale", 1.0),
-              "wall_per_cpu": cached.get("wall_per_cpu", 1.0)},
+              "wall_per_cpu": cached.get("wall_per_cpu", 1.0),
+              "notes": list(cached.get("notes", []))},
         split_input=[float(t) for t in cached.get("split_input", [])],
         split_weight=[float(t) for t in cached.get("split_weight", [])],
         optimizer_ms=[float(t) for t in cached.get("optimizer_ms", [])],
@@ -541,8 +545,10 @@ def table_columns(measures: list[BlockMeasure], times: list[dict[str, float]], *
     that stage's input half.
     """
     out = _columns(measures)
-    out["split_input"] = [t.get("inp", 0.0) for t in times]
+    # a block whose halves were not timed (BlockMeasure.note): its whole backward is its I
+    out["split_input"] = [t.get("inp", t.get("bwd", 0.0)) for t in times]
     out["split_weight"] = [t.get("wgrad", 0.0) for t in times]
+    out["notes"] = [f"block {b}: {m.note}" for b, m in enumerate(measures) if m.note]
     out["action_overhead"] = overhead
     out["wall_per_cpu"] = wall_per_cpu
     if loss_times is not None:

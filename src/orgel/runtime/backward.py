@@ -16,6 +16,13 @@ input path again). When a group starts from two intermediates and one lies
 below the other, a pre-hook in ``W`` replaces what flows into the lower one by
 its kept gradient, so nothing is counted twice. Roots that reach no input (the
 first stage) start ``W`` directly. The gradients equal a full backward's.
+
+``W`` asks a start node for its parameters' gradients alone, which a full backward
+never does for a node on the input path. PyTorch's CPU GroupNorm backward ignores
+that request on a channels-last input (``GroupNormBackwardKernelImplChannelsLast``
+writes the input gradient through a null pointer: a segmentation fault, in plain
+PyTorch too: ``torch.autograd.grad(gn(x_cl), gn.weight, g)``), so for such nodes
+``W`` also asks for the input gradient (:func:`_input_too`) and drops it.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ class WeightWork:
     """What ``I`` kept for ``W``: per parameter group, the start edges and gradients."""
 
     groups: list[tuple[list[torch.nn.Parameter], list[GradientEdge], list[torch.Tensor],
-                       dict[Node, tuple[Any, ...]]]] = field(default_factory=list)
+                       dict[Node, tuple[Any, ...]], list[GradientEdge]]] = \
+        field(default_factory=list)
 
 
 def _parents(roots: list[Node]) -> dict[Node, list[Node]]:
@@ -138,9 +146,11 @@ def input_backward(
         edges: list[GradientEdge] = []
         values: list[torch.Tensor] = []
         clamp: dict[Node, tuple[Any, ...]] = {}
+        extra: list[GradientEdge] = []
         for n in starts:
             if n in kept:
                 clamp[n] = kept[n]
+                extra += _input_too(n)
                 for k, kept_grad in enumerate(kept[n]):
                     if kept_grad is not None:
                         edges.append(GradientEdge(n, k))
@@ -149,8 +159,30 @@ def input_backward(
                 root, root_g = root_grad[n]
                 edges.append(GradientEdge(n, root.output_nr))
                 values.append(root_g)
-        work.groups.append((group_params, edges, values, clamp if len(clamp) > 1 else {}))
+        work.groups.append((group_params, edges, values, clamp if len(clamp) > 1 else {},
+                            extra))
     return leaf_grads, work
+
+
+def _input_too(node: Node) -> list[GradientEdge]:
+    """Input edges whose gradient ``W`` must ask ``node`` for, besides its parameters'.
+
+    PyTorch's CPU GroupNorm backward on a channels-last input writes the input
+    gradient whether or not it was asked for (through a null pointer when not):
+    for such a node ``W`` asks for it too, and drops it. Its cost is the input
+    half of one GroupNorm backward.
+    """
+    if node.name() != "NativeGroupNormBackward0":
+        return []
+    saved = getattr(node, "_saved_input", None)
+    if not isinstance(saved, torch.Tensor) or saved.device.type != "cpu" \
+            or saved.dim() not in (4, 5):
+        return []
+    fmt = torch.channels_last if saved.dim() == 4 else torch.channels_last_3d
+    if not saved.is_contiguous(memory_format=fmt):
+        return []
+    child, k = node.next_functions[0]
+    return [] if child is None else [GradientEdge(child, k)]
 
 
 def weight_backward(work: WeightWork) -> None:
@@ -160,13 +192,15 @@ def weight_backward(work: WeightWork) -> None:
     exchange): all but the last keep the saved tensors, which go with ``work``.
     """
     last = max((i for i, g in enumerate(work.groups) if g[1]), default=-1)
-    for i, (params, edges, values, clamp) in enumerate(work.groups):
+    for i, (params, edges, values, clamp, extra) in enumerate(work.groups):
         if not edges:
             continue
         hooks = [n.register_prehook(lambda _grads, saved=saved: saved)
                  for n, saved in clamp.items()]
         try:
-            torch.autograd.backward(edges, values, inputs=params,  # type: ignore[arg-type]
+            # ``extra``: input edges asked for only so that a kernel gets its mask right
+            # (:func:`_input_too`); backward computes their gradients and drops them
+            torch.autograd.backward(edges, values, inputs=[*params, *extra],  # type: ignore[arg-type]
                                     retain_graph=i < last)
         finally:
             for h in hooks:
