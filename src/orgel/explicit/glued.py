@@ -68,11 +68,12 @@ class _GraphCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, pipe: GluedPipeline, slot: _Slot, c: int, inputs: dict[str, Any],
-                anchor: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                grad: bool, anchor: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.pipe, ctx.slot, ctx.c, ctx.count = pipe, slot, c, len(values)
         outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
-        ctx.floating = [t.is_floating_point() for t in outs]
-        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        ctx.floating = [grad and t.is_floating_point() for t in outs]
+        ctx.mark_non_differentiable(*[t for t, f in zip(outs, ctx.floating, strict=True)
+                                      if not f])
         return (anchor.detach().clone(), *outs)
 
     @staticmethod
@@ -83,7 +84,7 @@ class _GraphCall(torch.autograd.Function):
         ctx.pipe._back_unreached(ctx.slot, after=ctx.c)
         ctx.slot.backed.add(ctx.c)
         got = ctx.pipe._back(ctx.slot, ctx.c, sent, ctx.count)
-        return (None, None, None, None, None, *got)
+        return (None, None, None, None, None, None, *got)
 
 
 #: why a forward of several graphs cannot evaluate (``Pipeline.evaluate`` raises with it)
@@ -127,10 +128,10 @@ class GluedPipeline(Pipeline):
         # the parameters code outside every graph trains: their gradients are computed
         # here, on a copy of them (the caller's model stays as it was), and a rank steps them
         self._homes = glue_mod.eager_homes(glue, plan, split)
+        self._home_ranks = sorted(set(self._homes.values()))
         self._split = split
         # the ranks that wait for the controller's gradients every step
-        self._grad_ranks = (list(range(plan.num_ranks)) if self.fallback
-                            else sorted(set(self._homes.values())))
+        self._grad_ranks = list(range(plan.num_ranks)) if self.fallback else self._home_ranks
         self._fallback = Fallback(model, glue, split)
         #: the micro-batches of the last step whose forward left the captured graphs
         self.off_path: list[int] = []
@@ -196,7 +197,11 @@ class GluedPipeline(Pipeline):
                 "several graphs when every micro-batch's graphs see the same shapes; compute "
                 "such a part with fixed shapes (a dense mask instead of an index list)")
         assert slot.anchor is not None
-        out = _GraphCall.apply(self, slot, c, inputs, slot.anchor, *values)
+        # a graph run with gradients off (a rotary table under torch.no_grad) still takes its
+        # place in the anchors' chain: its backward sends the ranks their zero gradients
+        grad = torch.is_grad_enabled()
+        with torch.enable_grad():
+            out = _GraphCall.apply(self, slot, c, inputs, grad, slot.anchor, *values)
         slot.anchor = out[0]
         return tuple(out[1:])
 
