@@ -88,9 +88,10 @@ class Fallback:
         """Raise where micro-batch ``index`` cannot run in the controller (``why``: it left)."""
         if self.written:
             raise GlueError(f"{why} orgel would run it in the calling process, but the "
-                            f"pipeline's stages update buffers in place ({', '.join(self.written)}: "
-                            "BatchNorm statistics?), which the ranks' stand-in run would change; "
-                            "make every micro-batch take the captured path")
+                            "pipeline's stages update buffers in place "
+                            f"({', '.join(self.written)}: BatchNorm statistics?), which the "
+                            "ranks' stand-in run would change; make every micro-batch take "
+                            "the captured path")
         if self.dummies is None:
             raise GlueError(f"{why} orgel would run it in the calling process, but the values "
                             "capture recorded are gone (more than 32 captures since); make the "

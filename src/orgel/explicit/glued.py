@@ -39,7 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel import guard
-from orgel.explicit.fallback import Deviated, Fallback, GlueError, deviation, summed
+from orgel.explicit.fallback import Deviated, Fallback, deviation, summed
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
@@ -68,7 +68,8 @@ class _GraphCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, pipe: GluedPipeline, slot: _Slot, c: int, inputs: dict[str, Any],
-                grad: bool, anchor: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                grad: bool, anchor: torch.Tensor,
+                *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.pipe, ctx.slot, ctx.c, ctx.count = pipe, slot, c, len(values)
         outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
         ctx.floating = [grad and t.is_floating_point() for t in outs]

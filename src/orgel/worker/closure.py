@@ -247,8 +247,8 @@ class ClosureEngine(RankEngine):
         grads, reset = self.inbox.get("p_grad", self.step_count)
         params = self._first_copies()
         if reset:
-            for p in self.executor.parameters():
-                p.grad = None
+            for param in self.executor.parameters():
+                param.grad = None
         for name, g in grads.items():
             p = params.get(name)
             if g is None or p is None:
