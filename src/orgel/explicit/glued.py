@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 
 from orgel import guard
 from orgel.explicit.fallback import Deviated, Fallback, deviation, summed
+from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
@@ -172,15 +173,16 @@ class GluedPipeline(Pipeline):
                 f"micro-batch {slot.index}'s forward ran another graph than the captured "
                 f"forward at graph call {c} (expected {expected}): it took another branch, or "
                 "Dynamo specialised a graph on a Python value that changed (a float from "
-                ".item(), a shape). orgel pipelines a forward of several graphs when every "
-                "micro-batch runs the same graphs; make the branch a tensor op (torch.where) "
-                "or keep such values as tensors")
+                ".item(), a shape). orgel.backend's closures need every micro-batch to run the "
+                "captured graphs (orgel.pipeline runs such a micro-batch in the calling "
+                "process); make the branch a tensor op (torch.where) or keep such values as "
+                "tensors")
         call = calls[c]
         inputs: dict[str, torch.Tensor] = {}
         for i, (kind, name) in enumerate(call.roles):
             if kind == "param" and args[i] is not self._params.get(name):
                 raise Deviated(f"graph call {c} of micro-batch {slot.index} reads another "
-                                f"parameter than {name!r}, which the captured forward read")
+                               f"parameter than {name!r}, which the captured forward read")
             if kind == "input":
                 if args[i].requires_grad:
                     raise RuntimeError(f"model input {name!r} requires grad; pass inputs that "
@@ -194,9 +196,10 @@ class GluedPipeline(Pipeline):
                 f"micro-batch {slot.index}'s graph call {c} ({call.where}) gets an argument of "
                 f"shape {list(shapes[j])} where the captured forward had {list(call.shapes[j])}: "
                 "the Python between graphs makes shapes that depend on the data (torch.where, "
-                "nonzero, a loop over what the tokens chose). orgel pipelines a forward of "
-                "several graphs when every micro-batch's graphs see the same shapes; compute "
-                "such a part with fixed shapes (a dense mask instead of an index list)")
+                "nonzero, a loop over what the tokens chose). orgel.backend's closures need "
+                "every micro-batch's graphs to see the captured shapes (orgel.pipeline runs "
+                "such a micro-batch in the calling process); compute such a part with fixed "
+                "shapes (a dense mask instead of an index list)")
         assert slot.anchor is not None
         # a graph run with gradients off (a rotary table under torch.no_grad) still takes its
         # place in the anchors' chain: its backward sends the ranks their zero gradients
