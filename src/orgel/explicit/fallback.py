@@ -22,9 +22,23 @@ ran fewer) is computed here instead, exactly as one process computes it:
    rank (:func:`orgel.graph.glue.home_rank`; rank 0 keeps a copy of every
    parameter no stage reads), which adds them before its gradient sums.
 
-Measured cost (``python benchmarks/branching.py``, the 2-core CPU machine shared
-with other work, a 4-layer MLP of width 256 with a branch, 2 ranks, 4
-micro-batches of 64 rows, median of 7 steps): see :data:`MEASURED`.
+Why the whole micro-batch, in the controller: the ranks hold only the captured
+graphs and run a fixed schedule, so a graph they do not hold has no place
+there, and its parameters may sit on several ranks; the controller can run any
+Python the forward takes, and one rule (everything of that micro-batch, here)
+needs no alignment of the graphs before and after the branch.
+
+What it costs: such a micro-batch's forward and backward run in the controller,
+one thread per micro-batch, beside the ranks' stand-in work; the step fetches
+every parameter once from the ranks; Dynamo compiles each new graph it meets on
+the way there once. ``python benchmarks/branching.py`` (2 ranks, 4 micro-batches
+of 64 rows, a 4+4-layer MLP with an ``if x.mean() > 0:`` between, SGD; median
+of 7 steps; the 2-core CPU machine shared with other work, load average 4.4-5.3)
+measured, for every micro-batch on the captured path / micro-batches 1 and 3
+off it / all 4 off it: 72.7 / 107.2 / 104.9 ms at width 256 (1.47x and 1.44x),
+119.1 / 182.7 / 198.5 ms at width 512 (1.53x and 1.67x). The captured path costs
+what it did before the fallback existed (68-82 ms either way, within the noise
+of that load).
 
 What it does not do: a pipeline whose stages update buffers in place
 (BatchNorm statistics) refuses such a micro-batch, since the stand-ins would
@@ -42,9 +56,6 @@ import torch
 
 from orgel.graph import glue as glue_mod
 from orgel.graph.opgraph import CaptureError
-
-#: The fallback's measured cost (see the module docstring), filled in from the benchmark.
-MEASURED = ""
 
 
 class GlueError(CaptureError):
