@@ -141,6 +141,10 @@ class GluedPipeline(Pipeline):
         self._eager = {name: runner.get_parameter(name) for name in glue.eager}
         self._params = dict(runner.named_parameters())
         self._state_ids = {id(t) for t in [*runner.parameters(), *runner.buffers()]}
+        # the caller's parameters (the ranks train them): a forward that reaches one outside
+        # every graph (Dynamo ran a frame as Python past its recompile limit) left the path
+        eager_ids = {id(p) for p in self._eager.values()}
+        self._remote_ids = {id(p) for p in runner.parameters() if id(p) not in eager_ids}
         self._local = threading.local()
         self._compiled = torch.compile(runner, backend=self._backend, dynamic=False)
         self._warm = False
@@ -416,6 +420,7 @@ class GluedPipeline(Pipeline):
             with dynamo_settings(), torch.enable_grad():
                 out = self._compiled(**inputs)
                 self._check_calls(slot)
+                self._check_outside(slot, out)
         except Exception as exc:
             found = deviation(exc)
             if found is None:
@@ -475,6 +480,28 @@ class GluedPipeline(Pipeline):
         if slot.calls != len(self.glue.calls):
             raise Deviated(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
                            f"the captured forward ran {len(self.glue.calls)}")
+
+    def _check_outside(self, slot: _Slot, out: Any) -> None:
+        """Raise :class:`Deviated` where ``out`` depends on a parameter the ranks train
+        through no graph call (code Dynamo ran as Python that the capture did not).
+
+        The walk covers the controller's own autograd graph: the Python between graphs
+        and one node per graph call.
+        """
+        seen: set[Any] = set()
+        todo: list[Any] = [t.grad_fn for t in pytree.tree_leaves(glue_mod._plain(out))
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)
+            if variable is not None and id(variable) in self._remote_ids:
+                raise Deviated(f"micro-batch {slot.index}'s forward used a parameter outside "
+                               "every graph call (Dynamo ran a frame as Python, past its "
+                               "recompile limit?)")
+            todo.extend(f for f, _ in fn.next_functions)
 
 
 class ClosurePipeline(GluedPipeline):
