@@ -53,31 +53,39 @@ def _rows(model: MeanBranch, up: bool, n: int, gen: torch.Generator) -> torch.Te
 
 def _reference(model: nn.Module, batches: list[tuple[Any, torch.Tensor]], m: int,
                loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-               optimizer: Callable[[Any], torch.optim.Optimizer]) -> list[float]:
-    """One process: each step's micro-batches in order, loss / m, then the optimizer."""
+               optimizer: Callable[[Any], torch.optim.Optimizer]
+               ) -> tuple[list[float], list[list[Any]]]:
+    """One process: each step's micro-batches in order, loss / m, then the optimizer.
+
+    Returns each step's loss and its micro-batches' outputs.
+    """
     opt = optimizer(list(model.parameters()))
-    losses = []
+    losses, outputs = [], []
     for inputs, y in batches:
         total = 0.0
         rows = y.shape[0] // m
+        outputs.append([])
         for i in range(m):
             part = {k: v[i * rows:(i + 1) * rows] for k, v in inputs.items()}
-            loss = loss_fn(model(**part), y[i * rows:(i + 1) * rows]) / m
+            out = model(**part)
+            loss = loss_fn(out, y[i * rows:(i + 1) * rows]) / m
             loss.backward()
             total += float(loss.detach())
+            outputs[-1].append(out)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-    return losses
+    return losses, outputs
 
 
 def _check(model: nn.Module, batches: list[tuple[dict[str, torch.Tensor], torch.Tensor]],
            loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], off: list[list[int]] | None,
-           m: int = 2, plan: Any = None) -> list[list[int] | None]:
+           m: int = 2, plan: Any = None, outputs: bool = False) -> list[list[int] | None]:
     """Train ``batches`` through orgel.pipeline and in one process; compare everything.
 
     Returns each step's :attr:`~orgel.explicit.glued.GluedPipeline.off_path` (None for a
-    forward of one graph); ``off``, if given, is what they must be.
+    forward of one graph); ``off``, if given, is what they must be. ``outputs``: the
+    model returns one tensor; each step's (``step(..., outputs=True)``) is compared too.
     """
     def optimizer(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
@@ -85,17 +93,24 @@ def _check(model: nn.Module, batches: list[tuple[dict[str, torch.Tensor], torch.
     reference = copy.deepcopy(model)
     before = copy.deepcopy(model.state_dict())
     inputs, targets = batches[0]
-    losses, left = [], []
+    losses, left, outs = [], [], []
     with orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=m,
                         optimizer=optimizer, timeout_s=120.0, plan=plan) as pipe:
         for x, y in batches:
-            losses.append(pipe.step(x, y))
+            if outputs:
+                loss, out = pipe.step(x, y, outputs=True)
+                outs.append(out)
+            else:
+                loss = pipe.step(x, y)
+            losses.append(loss)
             left.append(getattr(pipe, "off_path", None))
         got = pipe.state_dict()
-    expected = _reference(reference, batches, m, loss_fn, optimizer)
+    expected, expected_outs = _reference(reference, batches, m, loss_fn, optimizer)
     if off is not None:
         assert left == off
     assert losses == pytest.approx(expected, rel=1e-5)
+    for out, parts in zip(outs, expected_outs, strict=False):
+        assert relative_diff(out, torch.cat(parts)) <= 1e-5
     want = reference.state_dict()
     assert list(got) == list(want)
     # max|a-b| / (1 + max|b|): AdamW turns a gradient element near zero into a full step,
@@ -119,7 +134,7 @@ def test_microbatches_taking_either_arm_of_a_branch_train_exactly() -> None:
         batches.append(({"x": x}, torch.randint(0, 4, (8,), generator=gen)))
     # the third step runs both micro-batches in the controller: "up" gets no gradient, and
     # AdamW (weight decay) leaves it alone, as in one process
-    _check(model, batches, F.cross_entropy, off=[[1], [0], [0, 1]])
+    _check(model, batches, F.cross_entropy, off=[[1], [0], [0, 1]], outputs=True)
 
 
 @pytest.mark.slow
