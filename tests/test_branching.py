@@ -167,3 +167,37 @@ def test_mixtral_trains_exactly() -> None:
         assert any(left), left
     else:
         assert left == [None, None]
+
+
+class NormedBranch(MeanBranch):
+    """A BatchNorm (its stage updates buffers), then a branch on the input's mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.a(x))
+        if x.mean() > 0:
+            h = self.up(h)
+        else:
+            h = self.down(h)
+        return self.head(torch.relu(h))
+
+
+@pytest.mark.slow
+def test_a_microbatch_off_the_path_with_batchnorm_stages_is_a_clear_error() -> None:
+    from orgel.explicit.glued import GlueError
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    x[:4] += 3.0  # micro-batch 0 (captured) takes "up", micro-batch 1 "down"
+    x[4:] -= 3.0
+    y = torch.randint(0, 4, (8,))
+    pipe = orgel.pipeline(NormedBranch(), (x,), y, F.cross_entropy, ranks=2, microbatches=2,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), timeout_s=60.0)
+    try:
+        with pytest.raises(GlueError, match=r"update buffers in place \(.*norm\.running_mean"):
+            pipe.step((x,), y)
+    finally:
+        pipe.close()

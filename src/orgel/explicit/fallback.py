@@ -53,6 +53,7 @@ import threading
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from orgel.graph import glue as glue_mod
 from orgel.graph.opgraph import CaptureError
@@ -63,7 +64,14 @@ class GlueError(CaptureError):
 
 
 class Deviated(GlueError):
-    """A micro-batch's forward left the captured graphs: ``orgel.pipeline`` runs it here."""
+    """A micro-batch's forward left the captured graphs: ``orgel.pipeline`` runs it here.
+
+    ``what`` says where it left (the message may add advice for ``orgel.backend``).
+    """
+
+    def __init__(self, message: str, what: str | None = None) -> None:
+        super().__init__(message)
+        self.what = message if what is None else what
 
 
 def deviation(exc: BaseException) -> Deviated | None:
@@ -98,13 +106,13 @@ class Fallback:
     def check(self, index: int, why: str) -> None:
         """Raise where micro-batch ``index`` cannot run in the controller (``why``: it left)."""
         if self.written:
-            raise GlueError(f"{why} orgel would run it in the calling process, but the "
+            raise GlueError(f"{why}. orgel would run it in the calling process, but the "
                             "pipeline's stages update buffers in place "
                             f"({', '.join(self.written)}: BatchNorm statistics?), which the "
                             "ranks' stand-in run would change; make every micro-batch take "
                             "the captured path")
         if self.dummies is None:
-            raise GlueError(f"{why} orgel would run it in the calling process, but the values "
+            raise GlueError(f"{why}. orgel would run it in the calling process, but the values "
                             "capture recorded are gone (more than 32 captures since); make the "
                             "pipeline again")
 
@@ -139,6 +147,38 @@ class Fallback:
             self._fetched = pipe.steps
             return self._copy
 
+    def leave(self, pipe: Any, slot: Any, inputs: dict[str, Any], why: str) -> None:
+        """Micro-batch ``slot`` of ``pipe`` left the captured graphs: the ranks finish it
+        on stand-ins.
+
+        Each captured graph call it has not sent gets the arguments capture
+        recorded (graph 0 this micro-batch's model inputs), its outputs are
+        dropped, and every call gets zero output gradients: the ranks' part of
+        this micro-batch changes no gradient. :meth:`run` then computes it here.
+        """
+        self.check(slot.index, why)
+        assert self.dummies is not None
+        glue, m, step = pipe.glue, slot.index, pipe.steps
+        calls = glue.calls
+        first = {name: inputs[name].detach() for kind, name in calls[0].roles if kind == "input"}
+        start = slot.sent
+        for c in range(start, len(calls)):
+            if glue.has_exchange(c):
+                pipe._send(pipe._rank_of[c], ("x_in", (step, c, m), self.dummies[c]))
+            if c == 0:
+                for r in pipe._input_ranks:
+                    pipe._send(r, ("in", m, first))
+        for c in range(start, len(calls)):
+            if c + 1 < len(calls):
+                pipe._mail.get("x_out", (step, c + 1, m), pipe._rank_of[c + 1],
+                               f"graph {c}'s outputs of micro-batch {m}")
+            else:
+                pipe._mail.get("out", m, pipe._loss_rank, f"the outputs of micro-batch {m}")
+        slot.sent = slot.calls = len(calls)
+        slot.backed.clear()
+        pipe._back_unreached(slot, after=-1)
+        slot.off_path = True
+
     def run(self, pipe: Any, slot: Any, inputs: dict[str, Any], targets: Any) -> None:
         """Micro-batch ``slot`` in the controller: its loss, outputs and every gradient."""
         model = self.values(pipe)
@@ -160,6 +200,29 @@ class Fallback:
             slot.outputs = out
 
 
+def check_outside(index: int, out: Any, remote: set[int]) -> None:
+    """Raise :class:`Deviated` where ``out`` depends on a parameter in ``remote`` (by id: the
+    ones the ranks train) through no graph call: code Dynamo ran as Python that the
+    capture did not (a frame past its recompile limit).
+
+    The walk covers the controller's own autograd graph of micro-batch ``index``: the
+    Python between graphs and one node per graph call.
+    """
+    seen: set[Any] = set()
+    todo: list[Any] = [t.grad_fn for t in pytree.tree_leaves(glue_mod._plain(out))
+                       if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None and id(variable) in remote:
+            raise Deviated(f"micro-batch {index}'s forward used a parameter outside every "
+                           "graph call (Dynamo ran a frame as Python, past its recompile limit?)")
+        todo.extend(f for f, _ in fn.next_functions)
+
+
 def summed(slots: list[Any]) -> dict[str, torch.Tensor]:
     """Each parameter's gradient over the micro-batches (``slot.grads``), summed in order."""
     names = sorted({n for s in slots for n in s.grads})
@@ -172,4 +235,4 @@ def summed(slots: list[Any]) -> dict[str, torch.Tensor]:
     return total
 
 
-__all__ = ["Deviated", "Fallback", "GlueError", "deviation", "summed"]
+__all__ = ["Deviated", "Fallback", "GlueError", "check_outside", "deviation", "summed"]

@@ -39,7 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel import guard
-from orgel.explicit.fallback import Deviated, Fallback, deviation, summed
+from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation, summed
 from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
@@ -173,14 +173,15 @@ class GluedPipeline(Pipeline):
         if c >= len(calls) or calls[c].code != code:
             expected = (f"graph {c} of {len(calls)} ({calls[c].where})" if c < len(calls)
                         else f"no graph after the last of {len(calls)}")
+            what = (f"micro-batch {slot.index}'s forward ran another graph than the captured "
+                    f"forward at graph call {c} (expected {expected})")
             raise Deviated(
-                f"micro-batch {slot.index}'s forward ran another graph than the captured "
-                f"forward at graph call {c} (expected {expected}): it took another branch, or "
+                f"{what}: it took another branch, or "
                 "Dynamo specialised a graph on a Python value that changed (a float from "
                 ".item(), a shape). orgel.backend's closures need every micro-batch to run the "
                 "captured graphs (orgel.pipeline runs such a micro-batch in the calling "
                 "process); make the branch a tensor op (torch.where) or keep such values as "
-                "tensors")
+                "tensors", what)
         call = calls[c]
         inputs: dict[str, torch.Tensor] = {}
         for i, (kind, name) in enumerate(call.roles):
@@ -196,14 +197,16 @@ class GluedPipeline(Pipeline):
         shapes = [tuple(v.shape) for v in values]
         if shapes != call.shapes:
             j = next(j for j, (a, b) in enumerate(zip(shapes, call.shapes, strict=True)) if a != b)
+            what = (f"micro-batch {slot.index}'s graph call {c} ({call.where}) gets an argument "
+                    f"of shape {list(shapes[j])} where the captured forward had "
+                    f"{list(call.shapes[j])}")
             raise Deviated(
-                f"micro-batch {slot.index}'s graph call {c} ({call.where}) gets an argument of "
-                f"shape {list(shapes[j])} where the captured forward had {list(call.shapes[j])}: "
-                "the Python between graphs makes shapes that depend on the data (torch.where, "
-                "nonzero, a loop over what the tokens chose). orgel.backend's closures need "
+                f"{what}: the Python between graphs makes shapes that depend on the data "
+                "(torch.where, nonzero, a loop over what the tokens chose). orgel.backend's "
+                "closures need "
                 "every micro-batch's graphs to see the captured shapes (orgel.pipeline runs "
                 "such a micro-batch in the calling process); compute such a part with fixed "
-                "shapes (a dense mask instead of an index list)")
+                "shapes (a dense mask instead of an index list)", what)
         assert slot.anchor is not None
         # a graph run with gradients off (a rotary table under torch.no_grad) still takes its
         # place in the anchors' chain: its backward sends the ranks their zero gradients
@@ -420,12 +423,12 @@ class GluedPipeline(Pipeline):
             with dynamo_settings(), torch.enable_grad():
                 out = self._compiled(**inputs)
                 self._check_calls(slot)
-                self._check_outside(slot, out)
+                check_outside(slot.index, out, self._remote_ids)
         except Exception as exc:
             found = deviation(exc)
             if found is None:
                 raise
-            self._leave_path(slot, inputs, str(found))
+            self._fallback.leave(self, slot, inputs, found.what)
             self._fallback.run(self, slot, inputs, targets)
             return
         with dynamo_settings(), torch.enable_grad():
@@ -440,68 +443,10 @@ class GluedPipeline(Pipeline):
             slot.grads = {n: g for n, g in zip(names, grads[1:], strict=True) if g is not None}
         slot.result = float(loss.detach())
 
-    def _leave_path(self, slot: _Slot, inputs: dict[str, Any], why: str) -> None:
-        """Micro-batch ``slot`` left the captured graphs: the ranks finish it on stand-ins.
-
-        Each captured graph call it has not sent gets the arguments capture
-        recorded (graph 0 this micro-batch's model inputs), its outputs are
-        dropped, and every call gets zero output gradients: the ranks' part of
-        this micro-batch changes no gradient. It then runs in the controller
-        (:mod:`orgel.explicit.fallback`).
-        """
-        if not self.fallback:
-            raise Deviated(why)
-        self._fallback.check(slot.index, why)
-        dummies = self._fallback.dummies
-        assert dummies is not None
-        calls = self.glue.calls
-        first = {name: inputs[name].detach() for kind, name in calls[0].roles if kind == "input"}
-        start = slot.sent
-        for c in range(start, len(calls)):
-            key = (self.steps, c, slot.index)
-            if self.glue.has_exchange(c):
-                self._send(self._rank_of[c], ("x_in", key, dummies[c]))
-            if c == 0:
-                for r in self._input_ranks:
-                    self._send(r, ("in", slot.index, first))
-        for c in range(start, len(calls)):
-            if c + 1 < len(calls):
-                self._mail.get("x_out", (self.steps, c + 1, slot.index), self._rank_of[c + 1],
-                               f"graph {c}'s outputs of micro-batch {slot.index}")
-            else:
-                self._mail.get("out", slot.index, self._loss_rank,
-                               f"the outputs of micro-batch {slot.index}")
-        slot.sent = slot.calls = len(calls)
-        slot.backed.clear()
-        self._back_unreached(slot, after=-1)
-        slot.off_path = True
-
     def _check_calls(self, slot: _Slot) -> None:
         if slot.calls != len(self.glue.calls):
             raise Deviated(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
                            f"the captured forward ran {len(self.glue.calls)}")
-
-    def _check_outside(self, slot: _Slot, out: Any) -> None:
-        """Raise :class:`Deviated` where ``out`` depends on a parameter the ranks train
-        through no graph call (code Dynamo ran as Python that the capture did not).
-
-        The walk covers the controller's own autograd graph: the Python between graphs
-        and one node per graph call.
-        """
-        seen: set[Any] = set()
-        todo: list[Any] = [t.grad_fn for t in pytree.tree_leaves(glue_mod._plain(out))
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        while todo:
-            fn = todo.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            variable = getattr(fn, "variable", None)
-            if variable is not None and id(variable) in self._remote_ids:
-                raise Deviated(f"micro-batch {slot.index}'s forward used a parameter outside "
-                               "every graph call (Dynamo ran a frame as Python, past its "
-                               "recompile limit?)")
-            todo.extend(f for f, _ in fn.next_functions)
 
 
 class ClosurePipeline(GluedPipeline):
