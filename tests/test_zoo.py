@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import transformers
 
 from archzoo import archs
 from archzoo.check import backend_check, balanced_check
@@ -30,13 +29,6 @@ REFUSED = {
     # off) in its forward and again in its backward
     "hf_reformer": r"graph break .*modeling_reformer\.py:\d+ .*runs with gradients off",
 }
-if transformers.__version__.startswith("4."):
-    REFUSED.update({
-        # 4.x loops over the experts that some token chose (`for expert_idx in expert_hit`):
-        # how many tokens each expert gets, so the experts' graph shapes, differ per micro-batch
-        "hf_mixtral": r"graph call \d+ .*gets an argument of shape \[\d+, 32\] where the "
-                      r"captured forward had",
-    })
 
 
 def _params(names: list[str]) -> list[object]:

@@ -20,10 +20,12 @@ micro-batches in order; the rank that holds them (or rank 0, for one no stage
 reads) adds it before its gradient sums, steps them with its optimizer, keeps
 them in its checkpoint shard, and sends their new values back.
 
-Every micro-batch must run the graphs the capture ran, in the same order: a
-forward that takes another branch (or specialises a graph on a Python value
-that changed, such as a float from ``.item()``) stops the step with an error
-naming the graph call.
+A micro-batch whose forward runs other graphs than the capture ran (another
+branch, graphs specialised on a Python value that changed, other argument
+shapes) runs whole in the controller instead, on the ranks' values of the step
+(:mod:`orgel.explicit.fallback`); :attr:`GluedPipeline.off_path` lists them. In
+``orgel.backend``'s closures (:class:`ClosurePipeline`) it stops the step with an
+error naming the graph call.
 """
 
 from __future__ import annotations
@@ -37,23 +39,22 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel import guard
+from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation, summed
+from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
-from orgel.graph.opgraph import CaptureError
 from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
 from orgel.workload import batch_rows, named_inputs, single_dim, split_microbatches
-
-
-class GlueError(CaptureError):
-    """A micro-batch's forward ran other graphs than the captured forward."""
 
 
 class _Slot:
     def __init__(self, index: int) -> None:
         self.index = index
         self.calls = 0
+        self.sent = 0  # captured graph calls whose arguments went to the ranks
+        self.off_path = False  # the forward left the captured graphs: it ran here
         self.anchor: torch.Tensor | None = None
         self.result: float = 0.0
         self.outputs: Any = None  # the model's outputs, detached on the CPU, when asked for
@@ -68,11 +69,13 @@ class _GraphCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, pipe: GluedPipeline, slot: _Slot, c: int, inputs: dict[str, Any],
-                anchor: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                grad: bool, anchor: torch.Tensor,
+                *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.pipe, ctx.slot, ctx.c, ctx.count = pipe, slot, c, len(values)
         outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
-        ctx.floating = [t.is_floating_point() for t in outs]
-        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        ctx.floating = [grad and t.is_floating_point() for t in outs]
+        ctx.mark_non_differentiable(*[t for t, f in zip(outs, ctx.floating, strict=True)
+                                      if not f])
         return (anchor.detach().clone(), *outs)
 
     @staticmethod
@@ -83,7 +86,7 @@ class _GraphCall(torch.autograd.Function):
         ctx.pipe._back_unreached(ctx.slot, after=ctx.c)
         ctx.slot.backed.add(ctx.c)
         got = ctx.pipe._back(ctx.slot, ctx.c, sent, ctx.count)
-        return (None, None, None, None, None, *got)
+        return (None, None, None, None, None, None, *got)
 
 
 #: why a forward of several graphs cannot evaluate (``Pipeline.evaluate`` raises with it)
@@ -100,6 +103,9 @@ class GluedPipeline(Pipeline):
     of the API is :class:`~orgel.worker.pipe.Pipeline`'s, except ``evaluate``,
     which raises with :data:`NO_EVALUATION`.
     """
+
+    #: whether a micro-batch off the captured graphs runs in the controller (else: GlueError)
+    fallback = True
 
     def __init__(self, plan: Any, group: Any, conns: list[Connection], *, glue: Any,
                  split: Any, model: torch.nn.Module,
@@ -125,10 +131,20 @@ class GluedPipeline(Pipeline):
         # here, on a copy of them (the caller's model stays as it was), and a rank steps them
         self._homes = glue_mod.eager_homes(glue, plan, split)
         self._home_ranks = sorted(set(self._homes.values()))
+        self._split = split
+        # the ranks that wait for the controller's gradients every step
+        self._grad_ranks = list(range(plan.num_ranks)) if self.fallback else self._home_ranks
+        self._fallback = Fallback(model, glue, split)
+        #: the micro-batches of the last step whose forward left the captured graphs
+        self.off_path: list[int] = []
         runner = self._runner = _controller_copy(model, glue.eager)
         self._eager = {name: runner.get_parameter(name) for name in glue.eager}
         self._params = dict(runner.named_parameters())
         self._state_ids = {id(t) for t in [*runner.parameters(), *runner.buffers()]}
+        # the caller's parameters (the ranks train them): a forward that reaches one outside
+        # every graph (Dynamo ran a frame as Python past its recompile limit) left the path
+        eager_ids = {id(p) for p in self._eager.values()}
+        self._remote_ids = {id(p) for p in runner.parameters() if id(p) not in eager_ids}
         self._local = threading.local()
         self._compiled = torch.compile(runner, backend=self._backend, dynamic=False)
         self._warm = False
@@ -157,19 +173,21 @@ class GluedPipeline(Pipeline):
         if c >= len(calls) or calls[c].code != code:
             expected = (f"graph {c} of {len(calls)} ({calls[c].where})" if c < len(calls)
                         else f"no graph after the last of {len(calls)}")
-            raise GlueError(
-                f"micro-batch {slot.index}'s forward ran another graph than the captured "
-                f"forward at graph call {c} (expected {expected}): it took another branch, or "
+            what = (f"micro-batch {slot.index}'s forward ran another graph than the captured "
+                    f"forward at graph call {c} (expected {expected})")
+            raise Deviated(
+                f"{what}: it took another branch, or "
                 "Dynamo specialised a graph on a Python value that changed (a float from "
-                ".item(), a shape). orgel pipelines a forward of several graphs when every "
-                "micro-batch runs the same graphs; make the branch a tensor op (torch.where) "
-                "or keep such values as tensors")
+                ".item(), a shape). orgel.backend's closures need every micro-batch to run the "
+                "captured graphs (orgel.pipeline runs such a micro-batch in the calling "
+                "process); make the branch a tensor op (torch.where) or keep such values as "
+                "tensors", what)
         call = calls[c]
         inputs: dict[str, torch.Tensor] = {}
         for i, (kind, name) in enumerate(call.roles):
             if kind == "param" and args[i] is not self._params.get(name):
-                raise GlueError(f"graph call {c} of micro-batch {slot.index} reads another "
-                                f"parameter than {name!r}, which the captured forward read")
+                raise Deviated(f"graph call {c} of micro-batch {slot.index} reads another "
+                               f"parameter than {name!r}, which the captured forward read")
             if kind == "input":
                 if args[i].requires_grad:
                     raise RuntimeError(f"model input {name!r} requires grad; pass inputs that "
@@ -179,15 +197,22 @@ class GluedPipeline(Pipeline):
         shapes = [tuple(v.shape) for v in values]
         if shapes != call.shapes:
             j = next(j for j, (a, b) in enumerate(zip(shapes, call.shapes, strict=True)) if a != b)
-            raise GlueError(
-                f"micro-batch {slot.index}'s graph call {c} ({call.where}) gets an argument of "
-                f"shape {list(shapes[j])} where the captured forward had {list(call.shapes[j])}: "
-                "the Python between graphs makes shapes that depend on the data (torch.where, "
-                "nonzero, a loop over what the tokens chose). orgel pipelines a forward of "
-                "several graphs when every micro-batch's graphs see the same shapes; compute "
-                "such a part with fixed shapes (a dense mask instead of an index list)")
+            what = (f"micro-batch {slot.index}'s graph call {c} ({call.where}) gets an argument "
+                    f"of shape {list(shapes[j])} where the captured forward had "
+                    f"{list(call.shapes[j])}")
+            raise Deviated(
+                f"{what}: the Python between graphs makes shapes that depend on the data "
+                "(torch.where, nonzero, a loop over what the tokens chose). orgel.backend's "
+                "closures need "
+                "every micro-batch's graphs to see the captured shapes (orgel.pipeline runs "
+                "such a micro-batch in the calling process); compute such a part with fixed "
+                "shapes (a dense mask instead of an index list)", what)
         assert slot.anchor is not None
-        out = _GraphCall.apply(self, slot, c, inputs, slot.anchor, *values)
+        # a graph run with gradients off (a rotary table under torch.no_grad) still takes its
+        # place in the anchors' chain: its backward sends the ranks their zero gradients
+        grad = torch.is_grad_enabled()
+        with torch.enable_grad():
+            out = _GraphCall.apply(self, slot, c, inputs, grad, slot.anchor, *values)
         slot.anchor = out[0]
         return tuple(out[1:])
 
@@ -207,6 +232,7 @@ class GluedPipeline(Pipeline):
         if c == 0:
             for r in self._input_ranks:
                 self._send(r, ("in", m, inputs))
+        slot.sent = c + 1
         if c + 1 < len(self.glue.calls):
             after = (self.steps, c + 1, m)
             return list(self._mail.get("x_out", after, self._rank_of[c + 1],
@@ -277,7 +303,7 @@ class GluedPipeline(Pipeline):
                    for slot in slots]
         for t in threads:
             t.start()
-        if self._eager:  # once every micro-batch is done, its homes get the gradients
+        if self._grad_ranks:  # once every micro-batch is done, the homes get the gradients
             threads.append(threading.Thread(target=self._send_grads, args=(slots, threads[:]),
                                             name="orgel-eager-grads", daemon=True))
             threads[-1].start()
@@ -293,6 +319,7 @@ class GluedPipeline(Pipeline):
             t.join()
         self._raise_first(slots)
         self._receive_values()
+        self.off_path = [s.index for s in slots if s.off_path]
         self.steps += 1
         return slots
 
@@ -311,7 +338,7 @@ class GluedPipeline(Pipeline):
 
         Dynamo compiles each frame the first time a thread runs it; two
         micro-batch threads compiling the same frames at once can each get a
-        differently specialised graph (then the step fails with a GlueError).
+        differently specialised graph (then that micro-batch runs in the controller).
         Compiling them here, in one thread, leaves the threads only cache hits.
         The controller's copy, grad mode and RNG are put back afterwards.
         """
@@ -325,22 +352,29 @@ class GluedPipeline(Pipeline):
         self._warm = True
 
     def _send_grads(self, slots: list[_Slot], threads: list[threading.Thread]) -> None:
-        """Sum the micro-batches' gradients in micro-batch order; send each to its home rank."""
+        """Sum the micro-batches' gradients in micro-batch order; send each to its home rank.
+
+        Every rank of :attr:`_grad_ranks` gets one message a step (empty where none is
+        homed there): it waits for it before its gradient sums. Where every micro-batch
+        ran in the controller, the ranks' own backward ran on stand-ins only: the message
+        says so, and the rank drops those zero gradients first (torch leaves a parameter
+        no micro-batch reached without one).
+        """
         for t in threads:
             t.join()
         if any(s.error is not None for s in slots):
             return
-        by_rank: dict[int, dict[str, torch.Tensor | None]] = {r: {} for r in self._home_ranks}
-        for name in self._eager:
-            total: torch.Tensor | None = None
-            for slot in slots:
-                g = slot.grads.get(name)
-                if g is not None:
-                    total = g.clone() if total is None else total.add_(g)
-            by_rank[self._homes[name]][name] = total
+        by_rank: dict[int, dict[str, torch.Tensor | None]] = {r: {} for r in self._grad_ranks}
+        for name in self._eager:  # a parameter the glue trains: its home, even without a gradient
+            by_rank[self._homes[name]][name] = None
+        for name, total in summed(slots).items():
+            home = self._homes.get(name)
+            by_rank[glue_mod.home_rank(name, self.plan, self._split) if home is None
+                    else home][name] = total
+        reset = all(s.off_path for s in slots)
         for r, grads in by_rank.items():
             try:
-                self._send(r, ("p_grad", self.steps, grads))
+                self._send(r, ("p_grad", self.steps, (grads, reset)))
             except Stopped:  # a rank failed: the step reports that rank's error
                 return
 
@@ -385,12 +419,22 @@ class GluedPipeline(Pipeline):
 
     def _run_microbatch(self, slot: _Slot, inputs: dict[str, Any], targets: Any) -> None:
         first = slot.anchor = torch.zeros((), requires_grad=True)
+        try:
+            with dynamo_settings(), torch.enable_grad():
+                out = self._compiled(**inputs)
+                self._check_calls(slot)
+                check_outside(slot.index, out, self._remote_ids)
+        except Exception as exc:
+            found = deviation(exc)
+            if found is None:
+                raise
+            self._fallback.leave(self, slot, inputs, found.what)
+            self._fallback.run(self, slot, inputs, targets)
+            return
         with dynamo_settings(), torch.enable_grad():
-            out = self._compiled(**inputs)
             if self._keep_outputs:
                 slot.outputs = out
             loss = self.loss_fn(out, targets) / self.plan.microbatches
-            self._check_calls(slot)
             # the anchors chain every graph call: backward reaches each, last one first;
             # the gradients of the parameters trained here are kept per micro-batch
             names = list(self._eager)
@@ -401,8 +445,8 @@ class GluedPipeline(Pipeline):
 
     def _check_calls(self, slot: _Slot) -> None:
         if slot.calls != len(self.glue.calls):
-            raise GlueError(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
-                            f"the captured forward ran {len(self.glue.calls)}")
+            raise Deviated(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
+                           f"the captured forward ran {len(self.glue.calls)}")
 
 
 class ClosurePipeline(GluedPipeline):
@@ -413,6 +457,8 @@ class ClosurePipeline(GluedPipeline):
     graphs reach :meth:`_call` through the backend) and runs its own backward.
     A graph call the closure's loss does not reach gets zero gradients.
     """
+
+    fallback = False  # the closure is the user's: it cannot run again in the controller
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -486,7 +532,7 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     def make_engine(rank: int) -> Any:
         return ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
                              timeout_s=timeout_s, glue_info=glue, model=workload.model,
-                             options=engine_options, batch_dim=dim)
+                             options=engine_options, batch_dim=dim, fallback=not closures)
 
     group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
     cls = ClosurePipeline if closures else GluedPipeline

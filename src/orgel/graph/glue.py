@@ -137,20 +137,21 @@ def exchange_stages(split: Any) -> dict[int, int]:
     return found
 
 
-def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, int]:
-    """For each parameter the controller trains (:attr:`Glue.eager`), the rank that steps it.
+def home_rank(name: str, plan: Any, split: Any) -> int:
+    """The rank that steps parameter ``name`` when the controller computes its gradient.
 
-    A parameter that a stage also reads (a tied embedding Dynamo ran eagerly in
-    one place) lives on the lowest rank holding such a stage: the controller's
-    gradient is added to that copy's before the tied sum. Any other lives on
-    rank 0, as a parameter of no stage.
+    A parameter that a stage also reads lives on the lowest rank holding such a
+    stage: the controller's gradient is added to that copy's before the tied
+    sum. Any other lives on rank 0, as a parameter of no stage.
     """
-    homes: dict[str, int] = {}
-    for name in glue.eager:
-        ranks = [plan.placement[s][0] for s, st in enumerate(split.stages)
-                 if name in st.param_names.values()]
-        homes[name] = min(ranks, default=0)
-    return homes
+    ranks = [plan.placement[s][0] for s, st in enumerate(split.stages)
+             if name in st.param_names.values()]
+    return min(ranks, default=0)
+
+
+def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, int]:
+    """For each parameter the controller trains (:attr:`Glue.eager`), its :func:`home_rank`."""
+    return {name: home_rank(name, plan, split) for name in glue.eager}
 
 
 def set_runtime(runtime: Any) -> None:

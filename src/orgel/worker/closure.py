@@ -48,12 +48,18 @@ class RankInbox:
     A rank that hosts both an input stage and the loss stage receives model
     inputs (``"in"``) and output gradients (``"grad"``) on one pipe, in
     whatever order the closures produce them; :meth:`get` keeps the others.
+    A ``"v_fetch"`` it answers at once, from whichever :meth:`get` reads it: the
+    controller asks mid-step, and every rank reads its pipe at least once more
+    before the step ends (the controller's gradients, ``"p_grad"``).
     """
 
     def __init__(self, conn: Connection, timeout_s: float | None = None) -> None:
         self.conn = conn
         #: how long :meth:`get` waits for the controller (a closure that hangs there)
         self.timeout_s = timeout_s
+        #: answers the controller's ``"v_fetch"`` (the values of this rank's parameters and
+        #: buffers, by name) while :meth:`get` waits for anything; None: no such question
+        self.serve: Callable[[], dict[str, torch.Tensor]] | None = None
         self._kept: dict[tuple[str, Any], Any] = {}
 
     def send(self, message: tuple[str, Any, Any]) -> None:
@@ -68,6 +74,9 @@ class RankInbox:
                                    f"{m} from the controller's closure, which neither sent "
                                    "them nor failed")
             got_kind, got_m, payload = self.conn.recv()
+            if got_kind == "v_fetch" and self.serve is not None:
+                self.send(("v_values", got_m, self.serve()))
+                continue
             self._kept[(got_kind, got_m)] = payload
         return self._kept.pop((kind, m))
 
@@ -151,6 +160,13 @@ class ClosureEngine(RankEngine):
     controller trains that are homed on this rank (:func:`orgel.graph.glue.eager_homes`):
     before the gradient sums it adds the controller's gradients (``"p_grad"``),
     after the optimizer it sends their new values back (``"p_value"``).
+
+    ``fallback`` (``orgel.pipeline``'s forward of several graphs): a micro-batch whose
+    forward leaves the captured graphs runs in the controller
+    (:mod:`orgel.explicit.glued`), which may then train any parameter. Every step this
+    rank waits for a ``"p_grad"`` (possibly empty) and adds what it names to the copy
+    it holds; rank 0 keeps a copy of every parameter no stage reads; and it answers
+    ``"v_fetch"`` with the values of its parameters and buffers.
     """
 
     serves_exchanges = True
@@ -159,18 +175,24 @@ class ClosureEngine(RankEngine):
                  timeout_s: float, glue_info: Any = None,
                  model: torch.nn.Module | None = None,
                  options: dict[str, Any] | None = None,
-                 batch_dim: int = 0) -> None:
+                 batch_dim: int = 0, fallback: bool = False) -> None:
         self.inbox = RankInbox(conn, timeout_s)
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (glue.eager_homes(glue_info, plan, split) if glue_info is not None else {})
         self.homed = sorted(n for n, r in homes.items() if r == rank)
+        kept = list(self.homed)
+        if fallback and model is not None:  # the controller may train any parameter
+            kept += [n for n, _ in model.named_parameters()
+                     if n not in homes and glue.home_rank(n, plan, split) == rank]
         held = {n for st in (split.stages[s] for s in plan.stages_on(rank))
                 for n in st.param_names.values()}
         extra = {}
         if model is not None:
-            for name in self.homed:
+            for name in kept:
                 if name not in held:  # no stage reads it: this rank keeps its own copy
-                    extra[name] = torch.nn.Parameter(model.get_parameter(name).detach().clone())
+                    p = model.get_parameter(name)
+                    extra[name] = torch.nn.Parameter(p.detach().clone(),
+                                                     requires_grad=p.requires_grad)
         super().__init__(rank, plan, split, optimizer=optimizer, loss_fn=self.surrogate,
                          timeout_s=timeout_s,
                          executor_options={**(options or {}), "extra_params": extra,
@@ -185,9 +207,12 @@ class ClosureEngine(RankEngine):
         if glue.exchange_stages(split):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
-        if self.homed:
+        if self.homed or fallback:
             self.executor.before_reduce = self._add_controller_grads
+        if self.homed:
             self.executor.after_optimizer = self._send_values
+        if fallback:
+            self.inbox.serve = self._values_now
 
     def _at_microbatch(self, m: int) -> None:
         """A stage is about to compute micro-batch ``m``: the loss and the exchanges serve it."""
@@ -195,19 +220,38 @@ class ClosureEngine(RankEngine):
         if self.exchange is not None:
             self.exchange.microbatch = m
 
-    def _homed_params(self) -> dict[str, torch.nn.Parameter]:
-        """Each homed parameter's first copy on this rank, by name."""
+    def _first_copies(self) -> dict[str, torch.nn.Parameter]:
+        """Each parameter's first copy on this rank, by name."""
         found: dict[str, torch.nn.Parameter] = {}
         for name, p in self.executor.named_parameters():
-            if name in self.homed:
-                found.setdefault(name, p)
+            found.setdefault(name, p)
         return found
 
+    def _homed_params(self) -> dict[str, torch.nn.Parameter]:
+        """Each homed parameter's first copy on this rank, by name."""
+        return {n: p for n, p in self._first_copies().items() if n in self.homed}
+
+    def _values_now(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by name, copied to the CPU (``"v_fetch"``)."""
+        values = {n: p.detach().cpu().clone() for n, p in self._first_copies().items()}
+        for n, b in self.named_buffers():
+            values.setdefault(n, b.detach().cpu().clone())
+        return values
+
     def _add_controller_grads(self) -> None:
-        grads = self.inbox.get("p_grad", self.step_count)
-        for name, p in self._homed_params().items():
-            g = grads.get(name)
-            if g is None:
+        """Add the controller's gradients (``"p_grad"``: by name, homed here) to the copies.
+
+        With them comes ``reset``: every micro-batch ran in the controller, so this
+        rank's backward ran on stand-ins only and its gradients are dropped first.
+        """
+        grads, reset = self.inbox.get("p_grad", self.step_count)
+        params = self._first_copies()
+        if reset:
+            for param in self.executor.parameters():
+                param.grad = None
+        for name, g in grads.items():
+            p = params.get(name)
+            if g is None or p is None:
                 continue
             g = g.to(p.device, p.dtype)
             p.grad = g if p.grad is None else p.grad + g
