@@ -99,7 +99,7 @@ def test_build_schedule_errors() -> None:
 
 def test_registry_names() -> None:
     assert set(FAMILIES) == {
-        "gpipe", "1f1b", "interleaved", "looped-bfs", "looped", "zb-h1", "dag-1f1b"
+        "gpipe", "1f1b", "interleaved", "looped-bfs", "looped", "zb-h1", "dag-1f1b", "dualpipev"
     }
 
 
