@@ -32,12 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf", action="store_true", help="also draw the Hugging Face models")
     parser.add_argument("--model", action="append", help="draw only these models")
+    parser.add_argument("--auto", action="store_true",
+                        help="also draw the planner's own plans (schedule=auto; it profiles)")
     parser.add_argument("--traceback", action="store_true", help="print a crash's traceback")
     args = parser.parse_args(argv)
+
+    import os
+    import tempfile
 
     import torch
 
     torch.set_num_threads(1)
+    # the planner's profiles of schedule=auto draws: kept for this run's later draws
+    os.environ.setdefault("ORGEL_CACHE", tempfile.mkdtemp(prefix="orgel-fuzz-"))
     import fuzzing
 
     models: tuple[str, ...] = tuple(args.model or fuzzing.MODELS
@@ -52,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         def pick(name: str, options: Sequence[Any], rng: random.Random = rng) -> Any:
             return rng.choice(list(options))
 
-        setup = fuzzing.draw(pick, models)
+        setup = fuzzing.draw(pick, models, auto=args.auto)
         began = time.monotonic()
         print(f"[{i}] {setup.line()}", flush=True)
         try:

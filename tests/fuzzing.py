@@ -112,9 +112,11 @@ class Setup:
         return " ".join([head, *rest])
 
 
-def draw(pick: Pick, models: Sequence[str] = MODELS) -> Setup:
+def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setup:
     """A setup drawn with ``pick(name, options)``; valid by construction where it can be
-    (interleaved gets a micro-batch count that is a multiple of the pipeline's ranks)."""
+    (interleaved gets a micro-batch count that is a multiple of the pipeline's ranks).
+
+    ``auto``: also draw ``schedule="auto"``, the planner's own plan (it profiles: slow)."""
     model = pick("model", models)
     ranks = pick("ranks", (2, 3, 4))
     dps = [d for d in (1, 2, 4) if ranks % d == 0]
@@ -122,7 +124,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS) -> Setup:
         dps = [1]  # EXCLUDED["batchnorm dp>1"]
     dp = pick("dp", dps)
     pipeline = ranks // dp
-    schedule = pick("schedule", FAMILIES)
+    schedule = pick("schedule", FAMILIES + (("auto",) if auto else ()))
     if schedule == "interleaved":
         m = pipeline * pick("groups", (1, 2))
     else:
@@ -306,7 +308,10 @@ def canonical(model: torch.nn.Module) -> dict[str, str]:
 
 def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
               loss_fn: Any) -> Any:
-    """A balanced chain scheduled by the setup's family, with its recompute flags."""
+    """A balanced chain scheduled by the setup's family, with its recompute flags (None:
+    ``schedule="auto"``, orgel.pipeline plans)."""
+    if setup.schedule == "auto":
+        return None
     w = Workload(copy.deepcopy(model), inputs, targets, loss_fn)
     first, _ = microbatches(w, setup.microbatches * setup.dp)[0]
     graph = capture(copy.deepcopy(model), first, precision=setup.precision)
@@ -347,13 +352,16 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
             model = zoo.workload(setup.model, batch_size=setup.batch, seed=setup.seed).model
         freeze(setup, model)
         if setup.meta == "weights":
-            extra["weights"] = w.model.state_dict()
+            # with the buffers state_dict leaves out (non-persistent ones), as a user would
+            extra["weights"] = {**dict(w.model.named_buffers()), **w.model.state_dict()}
         else:
             extra["init"] = fuzz_init
     try:
         plan = make_plan(setup, model, w.inputs, w.targets, w.loss_fn)
     except PlanError as exc:
         raise Refused(f"plan: {exc}") from None
+    if plan is None:
+        extra["dp"] = setup.dp
     torch.manual_seed(seed)  # init= seeds each module from torch.initial_seed()
     try:
         pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks,
