@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf", action="store_true", help="also draw the Hugging Face models")
     parser.add_argument("--model", action="append", help="draw only these models")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="start no draw after this many minutes (then the summary)")
     parser.add_argument("--auto", action="store_true",
                         help="also draw the planner's own plans (schedule=auto; it profiles)")
     parser.add_argument("--traceback", action="store_true", help="print a crash's traceback")
@@ -53,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: Counter[str] = Counter()
     failed: list[str] = []
     start = time.monotonic()
+    draws = 0
     for i in range(args.draws):
+        if args.minutes is not None and time.monotonic() - start > 60 * args.minutes:
+            break
+        draws += 1
         rng = random.Random(f"{args.seed}/{i}")
 
         def pick(name: str, options: Sequence[Any], rng: random.Random = rng) -> Any:
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if not verdict.ok:
             failed.append(f"[{i}] {setup.line()}\n    {verdict.summary()}")
     elapsed = time.monotonic() - start
-    print(f"\n{args.draws} draws (seed {args.seed}) in {elapsed:.0f} s: "
+    print(f"\n{draws} draws (seed {args.seed}) in {elapsed:.0f} s: "
           + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     for line in failed:
         print(line)

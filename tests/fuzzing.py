@@ -46,6 +46,7 @@ import torch
 import orgel
 import zoo
 from orgel.graph import capture
+from orgel.graph.sizes import ShapeError
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.errors import WorkerError
 from orgel.runtime.plans import LOOPED, balanced_plan
@@ -60,6 +61,8 @@ MODELS: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "unet", "resnet", "dlrm
 HF_MODELS: tuple[str, ...] = ("hf_gpt2", "hf_bert", "hf_llama")
 FAMILIES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "looped", "zb-h1",
                              "dag-1f1b")
+#: models whose inputs and targets are (batch, sequence): drawn with shorter sequences too
+SEQUENCE: tuple[str, ...] = ("gpt", "tied", "hf_gpt2", "hf_llama")
 #: models with BatchNorm (running statistics; batch statistics)
 BATCHNORM: tuple[str, ...] = ("resnet",)
 #: corners not drawn, each for a known open defect (issue 25's item)
@@ -94,6 +97,7 @@ class Setup:
     max_grad_norm: float | None = None
     accumulate: int = 1
     meta: str = "none"  # none, weights, init
+    shape: str = "same"  # the steps' batches: same as the example, more rows, half the seq
     seed: int = 0
 
     @property
@@ -146,6 +150,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         max_grad_norm=pick("max_grad_norm", (None, 0.01, 1e3)),
         accumulate=pick("accumulate", (1, 2)),
         meta=pick("meta", ("none", "weights", "init")),
+        shape=pick("shape", ("same", "rows", "seq") if model in SEQUENCE else ("same", "rows")),
         seed=pick("seed", (0, 1, 2)),
     )
 
@@ -235,14 +240,31 @@ class Workloads:
 
 
 def workloads(setup: Setup) -> Workloads:
-    """The model with values and one batch per step call (rows shuffled per call)."""
+    """The model with values, its example batch, and one batch per step call (rows
+    shuffled per call; with ``shape="rows"`` one more row per share than the example,
+    with ``"seq"`` the first half of each sequence)."""
     w = zoo.workload(setup.model, batch_size=setup.batch, seed=setup.seed)
     freeze(setup, w.model)
     out = Workloads(w.model, w.inputs, w.targets, w.loss_fn)
+    inputs, targets, rows = w.inputs, w.targets, setup.batch
+    if setup.shape == "rows":
+        rows = (setup.rows + 1) * setup.microbatches * setup.dp
+        other = zoo.workload(setup.model, batch_size=rows, seed=setup.seed + 10)
+        inputs, targets = other.inputs, other.targets
+    elif setup.shape == "seq":
+        inputs, targets = _half_sequence(inputs), _half_sequence(targets)
     for call in range(STEPS * setup.accumulate):
-        order = torch.randperm(setup.batch, generator=torch.Generator().manual_seed(call))
-        out.batches.append((_rows(w.inputs, order), _rows(w.targets, order)))
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(call))
+        out.batches.append((_rows(inputs, order), _rows(targets, order)))
     return out
+
+
+def _half_sequence(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[:, : value.shape[1] // 2].contiguous()
+    if isinstance(value, dict):
+        return {k: _half_sequence(v) for k, v in value.items()}
+    return tuple(_half_sequence(v) for v in value)
 
 
 def _rows(value: Any, order: torch.Tensor) -> Any:
@@ -377,7 +399,10 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
     with pipe, tempfile.TemporaryDirectory() as tmp:
         losses, lrs, norms = [], [], []
         for call, (inputs, targets) in enumerate(w.batches):
-            losses.append(float(pipe.step(inputs, targets)))
+            try:
+                losses.append(float(pipe.step(inputs, targets)))
+            except ShapeError as exc:  # raised in the caller before any rank starts
+                raise Refused(f"ShapeError: {exc}") from None
             if (call + 1) % setup.accumulate == 0:
                 norms.append(pipe.grad_norm if setup.max_grad_norm is not None else None)
                 lrs.append(list(pipe.lr))
