@@ -53,3 +53,12 @@ def test_a_meta_model_trains_in_bf16_mixed() -> None:
     capture both asked for one)."""
     _check(fuzzing.Setup("gpt", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=1,
                          precision="bf16-mixed", meta="weights"))
+
+
+@pytest.mark.hf
+def test_a_meta_hugging_face_gpt2_trains() -> None:
+    """Found by the fuzzer: GPT2LMHeadModel built on the meta device failed in
+    orgel.pipeline's trial forward (transformers' mask helper reads ``mask.all()``, which
+    a meta tensor cannot give outside tracing) before anything was captured."""
+    _check(fuzzing.Setup("hf_gpt2", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=1,
+                         meta="weights"))
