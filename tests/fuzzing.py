@@ -311,6 +311,7 @@ class Result:
     optim: dict[str, list[dict[str, Any]]]
     keys: list[str] = field(default_factory=list)
     params: set[str] = field(default_factory=set)
+    evaluated: float | None = None  # pipe.evaluate's loss on the first batch, after training
 
 
 class Refused(Exception):
@@ -406,11 +407,17 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
             if (call + 1) % setup.accumulate == 0:
                 norms.append(pipe.grad_norm if setup.max_grad_norm is not None else None)
                 lrs.append(list(pipe.lr))
+        try:  # before the state is read: an evaluation changes no buffer
+            evaluated: float | None = float(pipe.evaluate(*w.batches[0]))
+        except RuntimeError as exc:
+            if "evaluation is not available" not in str(exc):
+                raise
+            evaluated = None
         state = pipe.state_dict()
         folder = pipe.save(tmp)
         copies, optim = _shards(folder, setup.ranks)
     names = canonical(w.model)
-    result = Result(losses, lrs, norms, {}, {}, keys=list(state))
+    result = Result(losses, lrs, norms, {}, {}, keys=list(state), evaluated=evaluated)
     for n, t in state.items():  # the gathered state_dict, then every rank's own copy
         result.copies.setdefault(names.get(n, n), []).append(t)
     for n, ts in copies.items():  # non-persistent buffers are in no state_dict: not compared
@@ -479,8 +486,16 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
                     for g in opt.param_groups])
     names = canonical(model)
     state = model.state_dict()
+    model.eval()
+    with torch.no_grad():
+        inputs, targets = w.batches[0]
+        evaluated = 0.0
+        for x, y in zip(_pieces(_to(inputs, dtype), shares), _pieces(_to(targets, dtype), shares),
+                        strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                evaluated += float(w.loss_fn(zoo.call(model, x), y)) / shares
     result = Result(losses, lrs, norms, {}, {}, keys=list(state),
-                    params={names[n] for n, _ in model.named_parameters()})
+                    params={names[n] for n, _ in model.named_parameters()}, evaluated=evaluated)
     for n, t in state.items():
         result.copies.setdefault(names[n], [t.detach().clone()])
     by_id = {id(p): n for n, p in model.named_parameters()}
@@ -513,6 +528,7 @@ class Verdict:
     differences: list[Difference] = field(default_factory=list)
     worst: dict[str, tuple[float, float]] = field(default_factory=dict)
     used_float64: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -527,6 +543,7 @@ class Verdict:
         head = "ok" if not bad else f"DIFFERS ({len(bad)})"
         if self.used_float64:
             head += " [float64 judged]"
+        head += "".join(f" [{n}]" for n in self.notes)
         lines = [f"{head}; max abs/rel by kind: {worst}"]
         lines += [f"    {d.kind} {d.name}: abs {d.abs:.3e} rel {d.rel:.3e} {d.note}"
                   for d in bad[:8]]
@@ -546,6 +563,8 @@ def _values(result: Result, params: set[str]) -> dict[tuple[str, str], list[torc
                     out.setdefault((f"opt.{k}", n), []).append(torch.as_tensor(v))
     out[("loss", "per call")] = [torch.tensor(result.losses, dtype=torch.float64)]
     out[("lr", "per step")] = [torch.tensor(result.lrs, dtype=torch.float64)]
+    if result.evaluated is not None:
+        out[("eval", "loss")] = [torch.tensor(result.evaluated, dtype=torch.float64)]
     if any(v is not None for v in result.norms):
         out[("grad_norm", "per step")] = [torch.tensor(result.norms, dtype=torch.float64)]
     return out
@@ -574,6 +593,9 @@ def compare(setup: Setup, got: Result, ref: Result,
         verdict.differences.append(Difference("keys", "state_dict", math.inf, math.inf,
                                               note=f"{got.keys[:4]} vs {ref.keys[:4]}"))
     ours, theirs = _values(got, ref.params), _values(ref, ref.params)
+    if got.evaluated is None:  # documented: evaluate raises, saying why (the step trains)
+        verdict.notes.append("pipe.evaluate not available")
+        theirs.pop(("eval", "loss"), None)
     for key in sorted(set(ours) | set(theirs)):
         kind, name = key
         if key not in theirs or key not in ours:
