@@ -9,24 +9,18 @@ hypothesis draw in the test, a seeded ``random.Random`` in the benchmark. A setu
 is a model of the zoo (``tests/zoo.py``), 2-4 ranks, ``dp``, a schedule family with
 its options (``orgel.runtime.plans.balanced_plan``), the micro-batch count, which
 stages recompute, frozen parameters, precision, optimizer, learning-rate schedule
-(``scheduler=`` or ``lr=``), clipping (``max_grad_norm=``), ``accumulate`` and meta
-init (``weights=`` or ``init=``).
+(``scheduler=`` or ``lr=``), clipping (``max_grad_norm=``), ``accumulate``, meta
+init (``weights=`` or ``init=``), and step batches of the example's sizes or of more
+rows or shorter sequences; ``draw(auto=True)`` also draws the planner's own plan.
 
 :func:`run_orgel` trains it for two optimizer steps through the production path
-(forked gloo ranks, the real split and launcher) and reads every copy of every
-parameter, buffer and optimizer state back from each rank's checkpoint shard;
+(forked gloo ranks, the real split and launcher), evaluates the first batch
+(``pipe.evaluate``), and reads every copy of every parameter, buffer and optimizer
+state back from each rank's checkpoint shard;
 :func:`run_reference` trains the same with plain torch in one process, micro-batch by
 micro-batch (a loss over a micro-batch, BatchNorm's statistics: the pipeline's
-semantics). :func:`compare` judges them:
-
-* **tight**: every tensor (and each step's loss, learning rate and gradient norm)
-  within ``atol + rtol * max|reference|`` (float32: rtol 1e-5, atol 1e-6;
-  bf16-mixed: rtol 1e-3, atol 1e-5), replica and tied copies included;
-* otherwise **against float64**: one process in float64 (no autocast) is run, and
-  each tensor that missed passes when orgel is no farther from it than one process
-  at the draw's precision, times :data:`FACTOR` (plus ``atol``): the draw is
-  ill-conditioned (BatchNorm over a tiny batch, Adam on a gradient that is zero in
-  exact arithmetic), not wrong.
+semantics); :func:`check` runs both and judges them with
+:func:`fuzz_verdict.compare` (tight tolerances, or float64 for an ill-conditioned draw).
 
 Corners with a known open defect are not drawn (see :data:`EXCLUDED`).
 """
@@ -45,6 +39,7 @@ import torch
 
 import orgel
 import zoo
+from fuzz_verdict import Result, Verdict, compare
 from orgel.graph import capture
 from orgel.graph.sizes import ShapeError
 from orgel.runtime import checkpoint as ckpt
@@ -72,8 +67,6 @@ EXCLUDED: dict[str, str] = {
                       "the running statistics reported are rank 0's)",
 }
 STEPS = 2  # optimizer steps per run
-FACTOR = 2.0  # orgel may be this much farther from float64 than one process
-TOLERANCE = {"32": (1e-5, 1e-6), "bf16-mixed": (1e-3, 1e-5)}  # (rtol, atol)
 
 
 @dataclass(frozen=True)
@@ -297,23 +290,6 @@ def _to(value: Any, dtype: torch.dtype) -> Any:
 # -- the two runs -----------------------------------------------------------------------------
 
 
-@dataclass
-class Result:
-    """What a run leaves: per call losses, per step rates and norms, every copy of the state.
-
-    ``copies[name]`` lists each copy of that tensor (one per rank that holds it; one in
-    one process); ``optim[name]`` likewise for the optimizer state of a parameter."""
-
-    losses: list[float]
-    lrs: list[list[float]]
-    norms: list[float | None]
-    copies: dict[str, list[torch.Tensor]]
-    optim: dict[str, list[dict[str, Any]]]
-    keys: list[str] = field(default_factory=list)
-    params: set[str] = field(default_factory=set)
-    evaluated: float | None = None  # pipe.evaluate's loss on the first batch, after training
-
-
 class Refused(Exception):
     """orgel refused the setup before training, saying why (not a defect by itself)."""
 
@@ -505,129 +481,8 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
     return result
 
 
-# -- the comparison ---------------------------------------------------------------------------
-
-
-@dataclass
-class Difference:
-    """One value orgel got differently: its kind (param, buffer, opt.<key>, loss, lr,
-    grad_norm), name, max abs and rel difference, and whether float64 excused it."""
-
-    kind: str
-    name: str
-    abs: float
-    rel: float
-    excused: bool = False
-    note: str = ""
-
-
-@dataclass
-class Verdict:
-    """The comparison of a draw: every difference, the worst per kind, and the verdict."""
-
-    differences: list[Difference] = field(default_factory=list)
-    worst: dict[str, tuple[float, float]] = field(default_factory=dict)
-    used_float64: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(d.excused for d in self.differences)
-
-    def failures(self) -> list[Difference]:
-        return [d for d in self.differences if not d.excused]
-
-    def summary(self) -> str:
-        worst = ", ".join(f"{k} {a:.1e}/{r:.1e}" for k, (a, r) in sorted(self.worst.items()))
-        bad = self.failures()
-        head = "ok" if not bad else f"DIFFERS ({len(bad)})"
-        if self.used_float64:
-            head += " [float64 judged]"
-        head += "".join(f" [{n}]" for n in self.notes)
-        lines = [f"{head}; max abs/rel by kind: {worst}"]
-        lines += [f"    {d.kind} {d.name}: abs {d.abs:.3e} rel {d.rel:.3e} {d.note}"
-                  for d in bad[:8]]
-        return "\n".join(lines)
-
-
-def _values(result: Result, params: set[str]) -> dict[tuple[str, str], list[torch.Tensor]]:
-    """Every compared value of a run as ``(kind, name) -> copies`` (``params``: the
-    parameters' names; the other tensors are buffers)."""
-    out: dict[tuple[str, str], list[torch.Tensor]] = {}
-    for n, ts in result.copies.items():
-        out[("param" if n in params else "buffer", n)] = ts
-    for n, states in result.optim.items():
-        for s in states:
-            for k, v in s.items():
-                if isinstance(v, (torch.Tensor, int, float)):
-                    out.setdefault((f"opt.{k}", n), []).append(torch.as_tensor(v))
-    out[("loss", "per call")] = [torch.tensor(result.losses, dtype=torch.float64)]
-    out[("lr", "per step")] = [torch.tensor(result.lrs, dtype=torch.float64)]
-    if result.evaluated is not None:
-        out[("eval", "loss")] = [torch.tensor(result.evaluated, dtype=torch.float64)]
-    if any(v is not None for v in result.norms):
-        out[("grad_norm", "per step")] = [torch.tensor(result.norms, dtype=torch.float64)]
-    return out
-
-
-def _gap(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
-    if a.shape != r.shape:
-        return math.inf, math.inf
-    if not a.is_floating_point() and not r.is_floating_point():
-        d = float((a.long() - r.long()).abs().max()) if a.numel() else 0.0
-        return d, d
-    a64, r64 = a.double(), r.double()
-    d = float((a64 - r64).abs().max()) if a.numel() else 0.0
-    scale = float(r64.abs().max()) if r.numel() else 0.0
-    return d, d / scale if scale else (0.0 if d == 0 else math.inf)
-
-
-def compare(setup: Setup, got: Result, ref: Result,
-            float64: Callable[[], Result] | None = None) -> Verdict:
-    """Judge ``got`` (orgel) against ``ref`` (one process); see the module docstring.
-
-    ``float64`` runs the float64 reference, called only when a value misses."""
-    rtol, atol = TOLERANCE[setup.precision]
-    verdict = Verdict()
-    if got.keys != ref.keys:
-        verdict.differences.append(Difference("keys", "state_dict", math.inf, math.inf,
-                                              note=f"{got.keys[:4]} vs {ref.keys[:4]}"))
-    ours, theirs = _values(got, ref.params), _values(ref, ref.params)
-    if got.evaluated is None:  # documented: evaluate raises, saying why (the step trains)
-        verdict.notes.append("pipe.evaluate not available")
-        theirs.pop(("eval", "loss"), None)
-    for key in sorted(set(ours) | set(theirs)):
-        kind, name = key
-        if key not in theirs or key not in ours:
-            where = "only orgel has it" if key not in theirs else "orgel has none"
-            verdict.differences.append(Difference(kind, name, math.inf, math.inf, note=where))
-            continue
-        r = theirs[key][0]
-        worst = (0.0, 0.0)
-        for a in ours[key]:
-            d, rel = _gap(a, r)
-            worst = max(worst, (d, rel))
-        w = verdict.worst.get(kind, (0.0, 0.0))
-        verdict.worst[kind] = (max(w[0], worst[0]), max(w[1], worst[1]))
-        scale = float(r.double().abs().max()) if r.numel() else 0.0
-        if worst[0] > atol + rtol * scale or math.isnan(worst[0]):
-            verdict.differences.append(Difference(kind, name, worst[0], worst[1]))
-    if verdict.differences and float64 is not None and all(
-            d.kind != "keys" and math.isfinite(d.abs) for d in verdict.differences):
-        verdict.used_float64 = True
-        exact = _values(float64(), ref.params)
-        for d in verdict.differences:
-            key = (d.kind, d.name)
-            x = exact[key][0]
-            ref_gap = _gap(theirs[key][0], x)[0]
-            our_gap = max(_gap(a, x)[0] for a in ours[key])
-            d.excused = our_gap <= FACTOR * ref_gap + atol
-            d.note = f"(float64: orgel {our_gap:.2e}, one process {ref_gap:.2e})"
-    return verdict
-
-
 def check(setup: Setup) -> Verdict:
     """Run ``setup`` both ways and compare (raises :class:`Refused` for a refused setup)."""
     got = run_orgel(setup)
     ref = run_reference(setup)
-    return compare(setup, got, ref, lambda: run_reference(setup, torch.float64))
+    return compare(setup.precision, got, ref, lambda: run_reference(setup, torch.float64))
