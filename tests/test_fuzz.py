@@ -34,6 +34,7 @@ def test_drawn_setups_train_like_one_process(data: st.DataObject) -> None:
 
     setup = fuzzing.draw(pick)
     note(setup.line())
+    print(setup.line())  # pytest -s shows every draw
     try:
         verdict = fuzzing.check(setup)
     except fuzzing.Refused as exc:  # a refusal that says why is the documented behaviour
