@@ -83,7 +83,7 @@ class Setup:
     loop_microbatches: int | None = None
     prefetch: tuple[int, ...] | None = None
     recompute: str = "none"  # none, all, first, last, alternate
-    frozen: str = "none"  # none, module, every3
+    frozen: str = "none"  # none, module, every3, head
     precision: str = "32"
     optimizer: str = "sgd"  # sgd, momentum, adamw
     schedule_lr: str = "constant"  # constant, scheduler, lr
@@ -136,7 +136,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         rows=pick("rows", (1, 2)), stages_per_rank=per_rank, loop_microbatches=loop_mb,
         prefetch=prefetch,
         recompute=pick("recompute", ("none", "all", "first", "last", "alternate")),
-        frozen=pick("frozen", ("none", "module", "every3")),
+        frozen=pick("frozen", ("none", "module", "every3", "head")),
         precision=pick("precision", ("32", "bf16-mixed")),
         optimizer=pick("optimizer", ("sgd", "momentum", "adamw")),
         schedule_lr=pick("schedule_lr", ("constant", "scheduler", "lr")),
@@ -213,6 +213,9 @@ def freeze(setup: Setup, model: torch.nn.Module) -> list[str]:
         chosen = [n for n in names if n.rsplit(".", 1)[0] == owner]
     elif setup.frozen == "every3":
         chosen = names[setup.seed % 3::3]
+    elif setup.frozen == "head":  # fine-tuning: only the last module's parameters train
+        last = names[-1].rsplit(".", 1)[0]
+        chosen = [n for n in names if n.rsplit(".", 1)[0] != last]
     else:
         chosen = []
     params = dict(model.named_parameters())
