@@ -83,7 +83,8 @@ class Setup:
     loop_microbatches: int | None = None
     prefetch: tuple[int, ...] | None = None
     recompute: str = "none"  # none, all, first, last, alternate
-    frozen: str = "none"  # none, module, every3, head
+    frozen: str = "none"  # none, module (the frozen_module-th that holds any), every3, head
+    frozen_module: int = 0
     precision: str = "32"
     optimizer: str = "sgd"  # sgd, momentum, adamw
     schedule_lr: str = "constant"  # constant, scheduler, lr
@@ -125,18 +126,19 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
     if schedule == "interleaved":
         m = pipeline * pick("groups", (1, 2))
     else:
-        m = pick("microbatches", (1, 2, 3, 4))
+        m = pick("microbatches", (1, 2, 3, 4, 6))
     per_rank = pick("stages_per_rank", (2, 3)) if schedule in LOOPED else 1
     loop_mb = prefetch = None
+    frozen = pick("frozen", ("none", "module", "every3", "head"))
     if schedule == "looped":
         loop_mb = pick("loop_microbatches", [d for d in range(1, m + 1) if m % d == 0])
         prefetch = tuple(pick(f"prefetch{r}", (0, 1, 2)) for r in range(pipeline))
     return Setup(
         model=model, ranks=ranks, dp=dp, schedule=schedule, microbatches=m,
-        rows=pick("rows", (1, 2)), stages_per_rank=per_rank, loop_microbatches=loop_mb,
+        rows=pick("rows", (1, 2, 3)), stages_per_rank=per_rank, loop_microbatches=loop_mb,
         prefetch=prefetch,
         recompute=pick("recompute", ("none", "all", "first", "last", "alternate")),
-        frozen=pick("frozen", ("none", "module", "every3", "head")),
+        frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
         precision=pick("precision", ("32", "bf16-mixed")),
         optimizer=pick("optimizer", ("sgd", "momentum", "adamw")),
         schedule_lr=pick("schedule_lr", ("constant", "scheduler", "lr")),
@@ -209,7 +211,7 @@ def freeze(setup: Setup, model: torch.nn.Module) -> list[str]:
     names = [n for n, _ in model.named_parameters()]
     if setup.frozen == "module":  # every parameter of one module the forward uses
         owners = sorted({n.rsplit(".", 1)[0] for n in names if "." in n})
-        owner = owners[(setup.seed * 7 + 3) % len(owners)]
+        owner = owners[setup.frozen_module % len(owners)]
         chosen = [n for n in names if n.rsplit(".", 1)[0] == owner]
     elif setup.frozen == "every3":
         chosen = names[setup.seed % 3::3]
