@@ -24,7 +24,7 @@ import fuzzing
 pytestmark = pytest.mark.slow
 
 
-@settings(max_examples=6, derandomize=True, deadline=None, database=None,
+@settings(max_examples=4, derandomize=True, deadline=None, database=None,
           phases=(Phase.explicit, Phase.generate), print_blob=False,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
