@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"excluded (known open defects): {fuzzing.EXCLUDED}")
     outcomes: Counter[str] = Counter()
     failed: list[str] = []
+    worst: dict[str, tuple[float, float]] = {}  # over the tightly judged draws, by kind
     start = time.monotonic()
     draws = 0
     for i in range(args.draws):
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc(limit=-6)
             continue
         outcomes["ok" if verdict.ok else "differs"] += 1
+        if not verdict.used_float64:
+            for kind, (a, r) in verdict.worst.items():
+                w = worst.get(kind, (0.0, 0.0))
+                worst[kind] = (max(w[0], a), max(w[1], r))
         if verdict.used_float64:
             outcomes["judged against float64"] += 1
         print(f"    {verdict.summary()}  ({time.monotonic() - began:.1f} s)", flush=True)
@@ -91,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - start
     print(f"\n{draws} draws (seed {args.seed}) in {elapsed:.0f} s: "
           + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+    print("largest abs/rel difference by kind over the draws judged tightly: "
+          + ", ".join(f"{k} {a:.1e}/{r:.1e}" for k, (a, r) in sorted(worst.items())))
     for line in failed:
         print(line)
     return 1 if failed else 0
