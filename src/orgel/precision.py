@@ -59,10 +59,14 @@ def scales_loss(precision: str) -> bool:
 
 
 def device_type(values: Any) -> str:
-    """The device type autocast should use for these tensors (the first one's; else cpu)."""
+    """The device type autocast should use for these tensors (the first one's; else cpu).
+
+    A meta tensor (a meta model's shapes-only trace) runs nowhere and autocast takes no
+    "meta": cpu's region, which leaves meta tensors as they are.
+    """
     for t in pytree.tree_leaves(values):
         if isinstance(t, torch.Tensor):
-            return t.device.type
+            return "cpu" if t.device.type == "meta" else t.device.type
     return "cpu"
 
 

@@ -229,6 +229,8 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
     targets = w.targets
     if on_meta(w.model):  # shapes only: the batch goes to the meta device with the model
         loss = _meta_loss(w, named)
+        if loss is None:  # the forward reads values no meta or fake tensor holds
+            return
     else:
         with untouched(w.model), torch.no_grad():
             loss = w.loss_fn(w.model(**named), targets)
@@ -250,7 +252,9 @@ def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
     Python in the forward that reads a value (transformers' check for packed
     sequences, ``(ids[:, -1] == 0).all()``) cannot run on meta tensors; such a
     forward is tried again on fake tensors, which transformers treats as
-    tracing (as Dynamo's capture sees the forward: the check is skipped).
+    tracing (as Dynamo's capture sees the forward: the check is skipped). None
+    where both fail for want of values (the capture traces past the read, and the
+    ranks compute the loss on real ones).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -267,6 +271,8 @@ def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
             try:
                 return w.loss_fn(w.model(**fake[0]), fake[1])
             except Exception:  # noqa: BLE001
+                if "meta" in str(exc).lower():  # left to the capture, which traces it
+                    return None
                 raise exc from None
 
 

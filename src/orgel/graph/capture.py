@@ -70,6 +70,9 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
     if on_meta(model):  # shapes only: the inputs are traced on the meta device with the model
         traced = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in named.items()}
         notes.append("the model is on the meta device: captured and measured without memory")
+    # the region the stages enter runs where the caller's batch is (a meta model's too:
+    # its trace is on the meta device, its ranks are not)
+    region = None if dtype is None else (device_type(list(named.values())), dtype)
     with untouched(model):
         glue = None
         if method == "export" and dtype is not None:
@@ -79,7 +82,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             raw = _export_graph(model, traced)
         else:
             try:
-                raw = _dynamic_or_static(model, traced, dtype, dynamic, notes)
+                raw = _dynamic_or_static(model, traced, region, dynamic, notes)
             except GraphBreakError as exc:
                 if dtype is not None:
                     raise GraphBreakError(f"{exc} Under precision={precision!r} orgel "
@@ -111,7 +114,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             if "orgel_shapes" not in raw[0].meta:
                 raise
             # the symbolic graph did not run where the static one may: capture that one
-            raw = _dynamo_graph(model, traced, dtype)
+            raw = _dynamo_graph(model, traced, region)
             notes.append(f"captured with static sizes: the symbolic graph failed to run "
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
             graph = measure(model, named, raw, notes, used)
@@ -154,7 +157,8 @@ def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, 
 
 
 def _dynamic_or_static(model: torch.nn.Module, named: dict[str, Any],
-                       autocast: torch.dtype | None, dynamic: bool, notes: list[str]) -> Raw:
+                       autocast: tuple[str, torch.dtype] | None, dynamic: bool,
+                       notes: list[str]) -> Raw:
     """Dynamo's graph with symbolic sizes, or with static ones where that fails."""
     if not dynamic:
         return _dynamo_graph(model, named, autocast)
@@ -169,7 +173,9 @@ def _dynamic_or_static(model: torch.nn.Module, named: dict[str, Any],
 
 
 def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
-                  autocast: torch.dtype | None = None, dynamic: bool = False) -> Raw:
+                  autocast: tuple[str, torch.dtype] | None = None, dynamic: bool = False) -> Raw:
+    """Dynamo's graph of ``model`` on ``named``; ``autocast``: the ``(device type, dtype)``
+    region the forward runs in (part of the graph)."""
     captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
     returned: list[Any] = []
 
@@ -190,10 +196,10 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
     try:
         target: Any = model
         if autocast is not None:  # the region is part of the graph: every stage re-enters it
-            kind = device_type(list(named.values()))
+            kind, dtype = autocast
 
             def target(**kwargs: Any) -> Any:
-                with torch.autocast(kind, dtype=autocast):
+                with torch.autocast(kind, dtype=dtype):
                     return model(**kwargs)
 
         traced = named

@@ -1,0 +1,493 @@
+"""Differential fuzzing: a drawn training setup through ``orgel.pipeline`` against one process.
+
+One place for the draw, the two runs and the comparison, used by ``tests/test_fuzz.py``
+(a bounded number of draws under hypothesis, fixed seed) and ``benchmarks/fuzz.py``
+(many draws, printing each setup and what differed).
+
+:func:`draw` picks a :class:`Setup` through a ``pick(name, options)`` function: a
+hypothesis draw in the test, a seeded ``random.Random`` in the benchmark. A setup
+is a model of the zoo (``tests/zoo.py``), 2-4 ranks, ``dp``, a schedule family with
+its options (``orgel.runtime.plans.balanced_plan``), the micro-batch count, which
+stages recompute, frozen parameters, precision, optimizer, learning-rate schedule
+(``scheduler=`` or ``lr=``), clipping (``max_grad_norm=``), ``accumulate``, meta
+init (``weights=`` or ``init=``), and step batches of the example's sizes or of more
+rows or shorter sequences; ``draw(auto=True)`` also draws the planner's own plan.
+
+:func:`run_orgel` trains it for two optimizer steps through the production path
+(forked gloo ranks, the real split and launcher), evaluates the first batch
+(``pipe.evaluate``), and reads every copy of every parameter, buffer and optimizer
+state back from each rank's checkpoint shard;
+:func:`run_reference` trains the same with plain torch in one process, micro-batch by
+micro-batch (a loss over a micro-batch, BatchNorm's statistics: the pipeline's
+semantics); :func:`check` runs both and judges them with
+:func:`fuzz_verdict.compare` (tight tolerances, or float64 for an ill-conditioned draw).
+
+Corners with a known open defect are not drawn (see :data:`EXCLUDED`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import orgel
+import zoo
+from fuzz_verdict import Result, Verdict, compare
+from orgel.graph import capture
+from orgel.graph.sizes import ShapeError
+from orgel.runtime import checkpoint as ckpt
+from orgel.runtime.errors import WorkerError
+from orgel.runtime.plans import LOOPED, balanced_plan
+from orgel.schedule.ir import PlanError
+from orgel.split.materialize import MaterializeError, module_seed
+from orgel.workload import Workload, microbatches
+
+Pick = Callable[[str, Sequence[Any]], Any]
+
+#: models drawn (tests/zoo.py names); HF ones only where asked (they are slower to capture)
+MODELS: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "unet", "resnet", "dlrm", "mmt")
+HF_MODELS: tuple[str, ...] = ("hf_gpt2", "hf_bert", "hf_llama")
+FAMILIES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "looped", "zb-h1",
+                             "dag-1f1b")
+#: models whose inputs and targets are (batch, sequence): drawn with shorter sequences too
+SEQUENCE: tuple[str, ...] = ("gpt", "tied", "hf_gpt2", "hf_llama")
+#: models with BatchNorm (running statistics; batch statistics)
+BATCHNORM: tuple[str, ...] = ("resnet",)
+#: corners not drawn, each for a known open defect (issue 25's item)
+EXCLUDED: dict[str, str] = {
+    "graphbreak": "item 11: micro-batches take different branches (GlueError at the step)",
+    "batchnorm dp>1": "item 7: BatchNorm under dp>1 (which rows a replica's statistics see; "
+                      "the running statistics reported are rank 0's)",
+}
+STEPS = 2  # optimizer steps per run
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One drawn configuration (plain data: printable, comparable)."""
+
+    model: str
+    ranks: int
+    dp: int
+    schedule: str
+    microbatches: int
+    rows: int  # rows of one micro-batch share (a replica's part of a micro-batch)
+    stages_per_rank: int = 1
+    loop_microbatches: int | None = None
+    prefetch: tuple[int, ...] | None = None
+    recompute: str = "none"  # none, all, first, last, alternate
+    frozen: str = "none"  # none, module (the frozen_module-th that holds any), every3, head
+    frozen_module: int = 0
+    precision: str = "32"
+    optimizer: str = "sgd"  # sgd, momentum, adamw
+    schedule_lr: str = "constant"  # constant, scheduler, lr
+    max_grad_norm: float | None = None
+    accumulate: int = 1
+    meta: str = "none"  # none, weights, init
+    shape: str = "same"  # the steps' batches: same as the example, more rows, half the seq
+    seed: int = 0
+
+    @property
+    def batch(self) -> int:
+        return self.rows * self.microbatches * self.dp
+
+    def line(self) -> str:
+        """The setup in one line, only what differs from the defaults after the counts."""
+        d = asdict(self)
+        head = (f"{self.model} ranks={self.ranks} dp={self.dp} {self.schedule} "
+                f"M={self.microbatches} batch={self.batch}")
+        defaults = Setup("", 0, 0, "", 0, 0)
+        rest = [f"{k}={v}" for k, v in d.items()
+                if k not in ("model", "ranks", "dp", "schedule", "microbatches", "rows")
+                and v != getattr(defaults, k)]
+        return " ".join([head, *rest])
+
+
+def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setup:
+    """A setup drawn with ``pick(name, options)``; valid by construction where it can be
+    (interleaved gets a micro-batch count that is a multiple of the pipeline's ranks).
+
+    ``auto``: also draw ``schedule="auto"``, the planner's own plan (it profiles: slow)."""
+    model = pick("model", models)
+    ranks = pick("ranks", (2, 3, 4))
+    dps = [d for d in (1, 2, 4) if ranks % d == 0]
+    if model in BATCHNORM:
+        dps = [1]  # EXCLUDED["batchnorm dp>1"]
+    dp = pick("dp", dps)
+    pipeline = ranks // dp
+    schedule = pick("schedule", FAMILIES + (("auto",) if auto else ()))
+    if schedule == "interleaved":
+        m = pipeline * pick("groups", (1, 2))
+    else:
+        m = pick("microbatches", (1, 2, 3, 4, 6))
+    per_rank = pick("stages_per_rank", (2, 3)) if schedule in LOOPED else 1
+    loop_mb = prefetch = None
+    frozen = pick("frozen", ("none", "module", "every3", "head"))
+    if schedule == "looped":
+        loop_mb = pick("loop_microbatches", [d for d in range(1, m + 1) if m % d == 0])
+        prefetch = tuple(pick(f"prefetch{r}", (0, 1, 2)) for r in range(pipeline))
+    return Setup(
+        model=model, ranks=ranks, dp=dp, schedule=schedule, microbatches=m,
+        rows=pick("rows", (1, 2, 3)), stages_per_rank=per_rank, loop_microbatches=loop_mb,
+        prefetch=prefetch,
+        recompute=pick("recompute", ("none", "all", "first", "last", "alternate")),
+        frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
+        precision=pick("precision", ("32", "bf16-mixed")),
+        optimizer=pick("optimizer", ("sgd", "momentum", "adamw")),
+        schedule_lr=pick("schedule_lr", ("constant", "scheduler", "lr")),
+        max_grad_norm=pick("max_grad_norm", (None, 0.01, 1e3)),
+        accumulate=pick("accumulate", (1, 2)),
+        meta=pick("meta", ("none", "weights", "init")),
+        shape=pick("shape", ("same", "rows", "seq") if model in SEQUENCE else ("same", "rows")),
+        seed=pick("seed", (0, 1, 2)),
+    )
+
+
+# -- the training loop, written once for both sides -------------------------------------------
+
+
+def make_optimizer(setup: Setup, named: Iterable[tuple[str, torch.nn.Parameter]]
+                   ) -> torch.optim.Optimizer:
+    """SGD, momentum SGD or AdamW with weight decay; two groups by name (no decay on
+    one-dimensional parameters) so groups reach the ranks by name too."""
+    matrices, vectors = [], []
+    for _, p in named:
+        (matrices if p.dim() >= 2 else vectors).append(p)
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                                  {"params": vectors, "weight_decay": 0.0}], lr=1e-2, eps=1e-6)
+    momentum = 0.9 if setup.optimizer == "momentum" else 0.0
+    return torch.optim.SGD([{"params": matrices}, {"params": vectors}], lr=0.05,
+                           momentum=momentum)
+
+
+def warmup(step: int) -> float:
+    """The LambdaLR factor (``scheduler``) and the rate's shape (``lr``): a warm-up."""
+    return (step + 1) / 3
+
+
+def rate(step: int) -> float:
+    """``lr=``: the rate of every group for optimizer step ``step``."""
+    return 0.02 * warmup(step)
+
+
+def fuzz_init(module: torch.nn.Module) -> None:
+    """``init=`` for a meta model: matrices N(0, 0.02); a module without
+    ``reset_parameters`` gets N(0, 0.02) on its vectors too."""
+    for p in module._parameters.values():
+        if p is not None and (p.dim() >= 2 or not hasattr(module, "reset_parameters")):
+            torch.nn.init.normal_(p, std=0.02)
+
+
+def _apply_order(module: torch.nn.Module, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for name, child in module.named_children():
+        yield from _apply_order(child, f"{prefix}{name}.")
+    yield prefix.rstrip("."), module
+
+
+def init_as_documented(model: torch.nn.Module, seed: int) -> None:
+    """Give ``model`` the values ``orgel.pipeline(init=fuzz_init)`` documents for a meta
+    model: each module holding tensors reset, then ``init``, under ``module_seed``."""
+    with torch.no_grad():
+        for name, module in _apply_order(model):
+            if not (module._parameters or module._buffers):
+                continue
+            torch.manual_seed(module_seed(seed, name))
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            fuzz_init(module)
+
+
+def freeze(setup: Setup, model: torch.nn.Module) -> list[str]:
+    """Set ``requires_grad=False`` on the setup's frozen parameters; their names."""
+    names = [n for n, _ in model.named_parameters()]
+    if setup.frozen == "module":  # every parameter of one module the forward uses
+        owners = sorted({n.rsplit(".", 1)[0] for n in names if "." in n})
+        owner = owners[setup.frozen_module % len(owners)]
+        chosen = [n for n in names if n.rsplit(".", 1)[0] == owner]
+    elif setup.frozen == "every3":
+        chosen = names[setup.seed % 3::3]
+    elif setup.frozen == "head":  # fine-tuning: only the last module's parameters train
+        last = names[-1].rsplit(".", 1)[0]
+        chosen = [n for n in names if n.rsplit(".", 1)[0] != last]
+    else:
+        chosen = []
+    params = dict(model.named_parameters())
+    for n in chosen:
+        params[n].requires_grad_(False)
+    return chosen
+
+
+@dataclass
+class Workloads:
+    """The setup's model (with values), its batches and loss; a meta twin when drawn."""
+
+    model: torch.nn.Module
+    inputs: Any
+    targets: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    batches: list[tuple[Any, Any]] = field(default_factory=list)
+
+
+def workloads(setup: Setup) -> Workloads:
+    """The model with values, its example batch, and one batch per step call (rows
+    shuffled per call; with ``shape="rows"`` one more row per share than the example,
+    with ``"seq"`` the first half of each sequence)."""
+    w = zoo.workload(setup.model, batch_size=setup.batch, seed=setup.seed)
+    freeze(setup, w.model)
+    out = Workloads(w.model, w.inputs, w.targets, w.loss_fn)
+    inputs, targets, rows = w.inputs, w.targets, setup.batch
+    if setup.shape == "rows":
+        rows = (setup.rows + 1) * setup.microbatches * setup.dp
+        other = zoo.workload(setup.model, batch_size=rows, seed=setup.seed + 10)
+        inputs, targets = other.inputs, other.targets
+    elif setup.shape == "seq":
+        inputs, targets = _half_sequence(inputs), _half_sequence(targets)
+    for call in range(STEPS * setup.accumulate):
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(call))
+        out.batches.append((_rows(inputs, order), _rows(targets, order)))
+    return out
+
+
+def _half_sequence(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[:, : value.shape[1] // 2].contiguous()
+    if isinstance(value, dict):
+        return {k: _half_sequence(v) for k, v in value.items()}
+    return tuple(_half_sequence(v) for v in value)
+
+
+def _rows(value: Any, order: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[order]
+    if isinstance(value, dict):
+        return {k: _rows(v, order) for k, v in value.items()}
+    return tuple(_rows(v, order) for v in value)
+
+
+def _pieces(value: Any, n: int) -> list[Any]:
+    """``value`` cut into ``n`` equal contiguous parts along dim 0 (dicts, tuples alike)."""
+    if isinstance(value, torch.Tensor):
+        return list(value.chunk(n))
+    if isinstance(value, dict):
+        parts = {k: _pieces(v, n) for k, v in value.items()}
+        return [{k: parts[k][i] for k in parts} for i in range(n)]
+    parts_t = [_pieces(v, n) for v in value]
+    return [tuple(p[i] for p in parts_t) for i in range(n)]
+
+
+def _to(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _to(v, dtype) for k, v in value.items()}
+    return tuple(_to(v, dtype) for v in value)
+
+
+# -- the two runs -----------------------------------------------------------------------------
+
+
+class Refused(Exception):
+    """orgel refused the setup before training, saying why (not a defect by itself)."""
+
+
+def canonical(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter/buffer name -> the first name of the same tensor (tied aliases)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    named = list(model.named_parameters(remove_duplicate=False))
+    named += list(model.named_buffers(remove_duplicate=False))
+    for n, t in named:
+        out[n] = first.setdefault(id(t), n)
+    return out
+
+
+def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
+              loss_fn: Any) -> Any:
+    """A balanced chain scheduled by the setup's family, with its recompute flags (None:
+    ``schedule="auto"``, orgel.pipeline plans)."""
+    if setup.schedule == "auto":
+        return None
+    w = Workload(copy.deepcopy(model), inputs, targets, loss_fn)
+    first, _ = microbatches(w, setup.microbatches * setup.dp)[0]
+    graph = capture(copy.deepcopy(model), first, precision=setup.precision)
+    options: dict[str, Any] = {}
+    if setup.schedule == "looped":
+        options = {"loop_microbatches": setup.loop_microbatches,
+                   "prefetch": list(setup.prefetch or ())}
+    plan = balanced_plan(graph, ranks=setup.ranks, microbatches=setup.microbatches,
+                         schedule=setup.schedule, dp=setup.dp,
+                         stages_per_rank=setup.stages_per_rank, **options)
+    n = plan.num_stages
+    plan.recompute = {"none": [False] * n, "all": [True] * n,
+                      "first": [s == 0 for s in range(n)],
+                      "last": [s == n - 1 for s in range(n)],
+                      "alternate": [s % 2 == 0 for s in range(n)]}[setup.recompute]
+    return plan
+
+
+def loop_options(setup: Setup) -> dict[str, Any]:
+    """``orgel.pipeline``'s loop options for the setup."""
+    options: dict[str, Any] = {"max_grad_norm": setup.max_grad_norm,
+                               "accumulate": setup.accumulate, "precision": setup.precision}
+    if setup.schedule_lr == "scheduler":
+        options["scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    elif setup.schedule_lr == "lr":
+        options["lr"] = rate
+    return options
+
+
+def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
+    """Train ``setup`` through ``orgel.pipeline`` for :data:`STEPS` optimizer steps."""
+    w = workloads(setup)
+    model = w.model
+    extra: dict[str, Any] = {}
+    seed = 1000 + setup.seed
+    if setup.meta != "none":
+        with torch.device("meta"):
+            model = zoo.workload(setup.model, batch_size=setup.batch, seed=setup.seed).model
+        freeze(setup, model)
+        if setup.meta == "weights":
+            # with the buffers state_dict leaves out (non-persistent ones), as a user would
+            extra["weights"] = {**dict(w.model.named_buffers()), **w.model.state_dict()}
+        else:
+            extra["init"] = fuzz_init
+    try:
+        plan = make_plan(setup, model, w.inputs, w.targets, w.loss_fn)
+    except PlanError as exc:
+        raise Refused(f"plan: {exc}") from None
+    if plan is None:
+        extra["dp"] = setup.dp
+    torch.manual_seed(seed)  # init= seeds each module from torch.initial_seed()
+    try:
+        pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks,
+                              microbatches=setup.microbatches, plan=plan, threads=1,
+                              optimizer=lambda params: make_optimizer(setup, params.named()),
+                              timeout_s=timeout_s, **loop_options(setup), **extra)
+    except (ValueError, MaterializeError) as exc:
+        raise Refused(f"{type(exc).__name__}: {exc}") from None
+    except WorkerError as exc:  # a meta model's buffer init cannot make: named, as promised
+        if f"failed in start: {MaterializeError.__name__}" not in str(exc):
+            raise
+        raise Refused(str(exc).splitlines()[0]) from None
+    with pipe, tempfile.TemporaryDirectory() as tmp:
+        losses, lrs, norms = [], [], []
+        for call, (inputs, targets) in enumerate(w.batches):
+            try:
+                losses.append(float(pipe.step(inputs, targets)))
+            except ShapeError as exc:  # raised in the caller before any rank starts
+                raise Refused(f"ShapeError: {exc}") from None
+            if (call + 1) % setup.accumulate == 0:
+                norms.append(pipe.grad_norm if setup.max_grad_norm is not None else None)
+                lrs.append(list(pipe.lr))
+        try:  # before the state is read: an evaluation changes no buffer
+            evaluated: float | None = float(pipe.evaluate(*w.batches[0]))
+        except RuntimeError as exc:
+            if "evaluation is not available" not in str(exc):
+                raise
+            evaluated = None
+        state = pipe.state_dict()
+        folder = pipe.save(tmp)
+        copies, optim = _shards(folder, setup.ranks)
+    names = canonical(w.model)
+    result = Result(losses, lrs, norms, {}, {}, keys=list(state), evaluated=evaluated)
+    for n, t in state.items():  # the gathered state_dict, then every rank's own copy
+        result.copies.setdefault(names.get(n, n), []).append(t)
+    for n, ts in copies.items():  # non-persistent buffers are in no state_dict: not compared
+        if names.get(n, n) in result.copies:
+            result.copies[names.get(n, n)].extend(ts)
+    for n, ss in optim.items():
+        result.optim.setdefault(names.get(n, n), []).extend(ss)
+    return result
+
+
+def _shards(folder: Path, ranks: int) -> tuple[dict[str, list[torch.Tensor]],
+                                                dict[str, list[dict[str, Any]]]]:
+    copies: dict[str, list[torch.Tensor]] = {}
+    optim: dict[str, list[dict[str, Any]]] = {}
+    for r in range(ranks):
+        shard = ckpt.read_shard(folder, r)
+        for n, t in {**shard["params"], **shard["buffers"]}.items():
+            copies.setdefault(n, []).append(t)
+        for n, s in ((shard.get("optimizer") or {}).get("state") or {}).items():
+            optim.setdefault(n, []).append(s)
+    return copies, optim
+
+
+def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
+    """The same training in one process with plain torch, micro-batch share by share.
+
+    ``dtype=torch.float64``: the model and float data in float64, without autocast.
+    """
+    w = workloads(setup)
+    model = w.model
+    if setup.meta == "init":
+        init_as_documented(model, 1000 + setup.seed)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    opt = make_optimizer(setup, model.named_parameters())
+    sched = (torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+             if setup.schedule_lr == "scheduler" else None)
+    autocast = setup.precision == "bf16-mixed" and dtype == torch.float32
+    shares = setup.microbatches * setup.dp
+    losses, lrs, norms = [], [], []
+    steps = 0
+    for call, (inputs, targets) in enumerate(w.batches):
+        if setup.schedule_lr == "lr":
+            for g in opt.param_groups:
+                g["lr"] = rate(steps)
+        total = 0.0
+        for x, y in zip(_pieces(_to(inputs, dtype), shares), _pieces(_to(targets, dtype), shares),
+                        strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = w.loss_fn(zoo.call(model, x), y)
+            (loss / (shares * setup.accumulate)).backward()
+            total += float(loss.detach()) / shares
+        losses.append(total)
+        if (call + 1) % setup.accumulate:
+            continue
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, setup.max_grad_norm or math.inf)
+        norms.append(float(norm) if setup.max_grad_norm is not None else None)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        steps += 1
+        # the rates in force for the next optimizer step, as pipe.lr reports them
+        lrs.append([rate(steps) if setup.schedule_lr == "lr" else g["lr"]
+                    for g in opt.param_groups])
+    names = canonical(model)
+    state = model.state_dict()
+    model.eval()
+    with torch.no_grad():
+        inputs, targets = w.batches[0]
+        evaluated = 0.0
+        for x, y in zip(_pieces(_to(inputs, dtype), shares), _pieces(_to(targets, dtype), shares),
+                        strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                evaluated += float(w.loss_fn(zoo.call(model, x), y)) / shares
+    result = Result(losses, lrs, norms, {}, {}, keys=list(state),
+                    params={names[n] for n, _ in model.named_parameters()}, evaluated=evaluated)
+    for n, t in state.items():
+        result.copies.setdefault(names[n], [t.detach().clone()])
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for p, s in opt.state.items():
+        result.optim[names[by_id[id(p)]]] = [{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                              for k, v in s.items()}]
+    return result
+
+
+def check(setup: Setup) -> Verdict:
+    """Run ``setup`` both ways and compare (raises :class:`Refused` for a refused setup)."""
+    got = run_orgel(setup)
+    ref = run_reference(setup)
+    return compare(setup.precision, got, ref, lambda: run_reference(setup, torch.float64))
