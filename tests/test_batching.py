@@ -18,15 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from archzoo.check import balanced_check
+from orgel.batching import batch_size, split_batch, split_microbatches
 from orgel.models import ZooWorkload
-from orgel.workload import (
-    Workload,
-    WorkloadError,
-    batch_size,
-    split_batch,
-    split_microbatches,
-    validate_workload,
-)
+from orgel.workload import Workload, WorkloadError, validate_workload
 
 
 class WithTables(nn.Module):

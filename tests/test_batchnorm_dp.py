@@ -2,7 +2,7 @@
 
 A stage on ``n`` ranks is data-parallel inside the stage: replica ``k`` runs rows
 ``[k*b/n, (k+1)*b/n)`` of every micro-batch of ``b`` rows
-(:func:`orgel.workload.replica_rows`), through its own copy of the stage. Its
+(:func:`orgel.batching.replica_rows`), through its own copy of the stage. Its
 BatchNorm normalises with those rows' statistics and updates its own running
 statistics; at the end of every training step the buffers a replicated stage
 updates are averaged over its replicas (:mod:`orgel.runtime.buffers`), so every
@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 import orgel
+from orgel.batching import replica_rows
 from orgel.graph import capture
 from orgel.models import build
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.plans import balanced_plan
-from orgel.workload import Workload, microbatches, replica_rows
+from orgel.workload import Workload, microbatches
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,9 @@ A training workload is a model, its example inputs (a tuple of positional
 tensors or a dict of keyword tensors), the targets (a tensor or a tuple of
 tensors) and ``loss_fn(outputs, targets)`` returning a scalar averaged over the
 batch. Every tensor with a batch dimension (``batch_dim``, 0 unless told
-otherwise; one int, or a dict by input name and ``"targets"``: :func:`dim_of`) is
-split into micro-batches; tensors without one are passed whole to every micro-batch.
+otherwise; one int, or a dict by input name and ``"targets"``:
+:func:`orgel.batching.dim_of`) is split into micro-batches; tensors without one are
+passed whole to every micro-batch (the rules: :mod:`orgel.batching`).
 CLI commands name a workload as ``path/to/file.py:function``.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,18 +23,19 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.batching import (
+    TARGETS,
+    BatchDim,
+    Targets,
+    WorkloadError,
+    batch_rows,
+    check_batch_dim,
+    dim_of,
+    single_dim,
+    split_microbatches,
+    tensors_in,
+)
 from orgel.usercode import user_code
-
-Targets = Any  # a tensor, a tuple/list of tensors, or None
-#: The batch dimension: one int for every input and the targets, or a dict from input
-#: name (and ``"targets"``) to its dimension; a name it leaves out is batched along 0.
-BatchDim = Any  # int | Mapping[str, int]
-
-TARGETS = "targets"
-
-
-class WorkloadError(ValueError):
-    """A workload is malformed; the message says what to change."""
 
 
 @dataclass
@@ -44,8 +46,8 @@ class Workload:
     inputs: tuple[Any, ...] | dict[str, Any]
     targets: Targets
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    #: the batch dimension (:func:`dim_of`): an int for everything, or a dict by input name
-    #: and ``"targets"``
+    #: the batch dimension (:func:`orgel.batching.dim_of`): an int for everything, or a dict
+    #: by input name and ``"targets"``
     batch_dim: BatchDim = 0
     #: names of inputs that are not batched: each micro-batch gets them whole
     replicated: tuple[str, ...] = ()
@@ -166,16 +168,6 @@ def cache_off(model: torch.nn.Module, named: dict[str, Any]) -> dict[str, Any]:
     return {**named, "use_cache": False}
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 def on_meta(model: torch.nn.Module) -> bool:
     """Whether ``model`` was built on the meta device (any parameter or buffer there).
 
@@ -289,7 +281,7 @@ def _check_rows(w: Workload, named: dict[str, Any], m: int) -> None:
     w.model.eval()
     if _rows_agree(w, named, m) is not False:
         return
-    ndim = max((t.dim() for t in _tensors(named)), default=0)
+    ndim = max((t.dim() for t in tensors_in(named)), default=0)
     for d in range(ndim):
         if d == single_dim(w.batch_dim):
             continue
@@ -339,161 +331,6 @@ def _batch_size(w: Workload) -> int:
     return batch_rows(named, w.targets, w.batch_dim, w.replicated)
 
 
-def dim_of(batch_dim: BatchDim, name: str) -> int:
-    """The batch dimension of input ``name`` (or of the targets, ``name="targets"``).
-
-    The one rule every part reads (the micro-batch split, each replica's share,
-    the planner's row count, ``orgel.backend``'s slicing): ``batch_dim`` is an int
-    for every input and the targets alike, or a dict by input name whose
-    ``"targets"`` entry is the targets' dimension; names it leaves out use 0.
-    """
-    if isinstance(batch_dim, Mapping):
-        return int(batch_dim.get(name, 0))
-    return int(batch_dim)
-
-
-def single_dim(batch_dim: BatchDim) -> int | None:
-    """The one dimension every value is batched along, or None when a dict gives several."""
-    if not isinstance(batch_dim, Mapping):
-        return int(batch_dim)
-    dims = {int(d) for d in batch_dim.values()}
-    if len(dims) > 1:
-        return None
-    return dims.pop() if dims else 0
-
-
-def check_batch_dim(batch_dim: BatchDim, inputs: dict[str, Any], targets: Targets) -> None:
-    """Raise :class:`WorkloadError` for a ``batch_dim`` that names no input or lies outside one."""
-    if isinstance(batch_dim, bool) or not isinstance(batch_dim, (int, Mapping)):
-        raise WorkloadError(f"batch_dim must be an int or a dict {{input name: dim}}, got "
-                            f"{batch_dim!r}")
-    if isinstance(batch_dim, Mapping):
-        unknown = sorted(set(batch_dim) - set(inputs) - {TARGETS})
-        if unknown:
-            raise WorkloadError(f"batch_dim names {unknown}, which are not inputs of the model; "
-                                f"its inputs are {list(inputs)} (and 'targets' for the targets)")
-        if TARGETS in inputs and TARGETS in batch_dim:
-            raise WorkloadError("the model has an input named 'targets', so batch_dim's "
-                                "'targets' entry is ambiguous: give one int for everything")
-        bad = [(k, d) for k, d in batch_dim.items() if not isinstance(d, int) or d < 0]
-    else:
-        bad = [("every input", batch_dim)] if batch_dim < 0 else []
-    if bad:
-        raise WorkloadError(f"batch_dim must be non-negative ints (count from the front); got "
-                            f"{bad}")
-    for name, value in [*inputs.items(), (TARGETS, targets)]:
-        d = dim_of(batch_dim, name)
-        tensors = _tensors(value)
-        if isinstance(batch_dim, Mapping) and name in batch_dim and tensors and all(
-                t.dim() <= d for t in tensors):
-            raise WorkloadError(f"batch_dim gives {name!r} batch dimension {d}, but it has "
-                                f"shape {tuple(tensors[0].shape)}")
-
-
-def batch_rows(inputs: dict[str, Any], targets: Targets, batch_dim: BatchDim = 0,
-               replicated: tuple[str, ...] | Any = ()) -> int:
-    """The batch size: every batched input's and the targets' size along its batch dimension.
-
-    Tensors without that dimension (scalars) are not batched, nor inputs named in
-    ``replicated``. Raises :class:`WorkloadError` when the sizes disagree or none has one.
-    """
-    sizes: dict[int, list[str]] = {}
-    for name, value in [*inputs.items(), (TARGETS, targets)]:
-        if name in replicated and name != TARGETS:
-            continue
-        d = dim_of(batch_dim, name)
-        for t in _tensors(value):
-            if t.dim() > d:
-                sizes.setdefault(int(t.shape[d]), []).append(f"{name}[dim {d}]")
-    if not sizes:
-        raise WorkloadError(
-            f"no input or target has a batch dimension (batch_dim={batch_dim!r}); give at "
-            "least one tensor with a batch dimension (or set batch_dim)")
-    if len(sizes) > 1:
-        seen = "; ".join(f"{n}: {', '.join(w[:3])}" for n, w in sorted(sizes.items()))
-        raise WorkloadError(
-            f"tensors disagree on the batch size ({seen}); give every batched input and "
-            "target the same batch size, set batch_dim to the dimension that is the batch "
-            "(an int, or a dict {input name: dim, 'targets': dim} for sequence-first "
-            "[T, B] inputs), and name the inputs that are not batched in "
-            "orgel.pipeline(..., replicated=[...])")
-    return next(iter(sizes))
-
-
-def batch_size(values: Any, dim: int = 0) -> int:
-    """The batch size of ``values`` (nested tuples/lists/dicts of tensors) along one ``dim``."""
-    return batch_rows({"values": values}, None, {"values": dim})
-
-
-def split_batch(value: Any, m: int, dim: int, batch: int) -> list[Any]:
-    """``m`` micro-batches of ``value``: the one rule for what is batched.
-
-    A tensor whose size along ``dim`` is the batch size ``batch`` is chunked into
-    ``m`` equal parts; every other value (a scalar, a table of another size, a
-    non-tensor) goes whole to every micro-batch. Tuples, lists, named tuples and
-    dicts are split element by element.
-    """
-    if isinstance(value, torch.Tensor):
-        if value.dim() > dim and value.shape[dim] == batch:
-            return list(value.chunk(m, dim=dim))
-        return [value] * m
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        parts = [split_batch(v, m, dim, batch) for v in value]
-        return [type(value)(*(p[i] for p in parts)) for i in range(m)]
-    if isinstance(value, (tuple, list)):
-        parts = [split_batch(v, m, dim, batch) for v in value]
-        return [type(value)(p[i] for p in parts) for i in range(m)]
-    if isinstance(value, dict):
-        parts_d = {k: split_batch(v, m, dim, batch) for k, v in value.items()}
-        return [{k: p[i] for k, p in parts_d.items()} for i in range(m)]
-    return [value] * m
-
-
-def replica_rows(rows: int, replica: int, replicas: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of a micro-batch of ``rows`` rows that replica ``replica`` runs.
-
-    The one rule for data-parallel replicas. A stage placed on ``replicas`` ranks
-    runs *every* micro-batch on every replica, each on its own contiguous, equal
-    share of the micro-batch's rows along the batch dimension: replica ``k`` runs
-    rows ``[k*rows/replicas, (k+1)*rows/replicas)``. With a batch of ``B`` rows cut
-    into ``M`` micro-batches (:func:`split_batch`: micro-batch ``m`` is rows
-    ``[m*B/M, (m+1)*B/M)``), replica ``k`` thus runs batch rows
-    ``m*B/M + [k*B/(M*replicas), (k+1)*B/(M*replicas))`` for each ``m``, in
-    micro-batch order, through its own copy of the stage: BatchNorm normalises
-    over those rows, and updates that copy's running statistics, which the end
-    of each training step averages over the replicas (:mod:`orgel.runtime.buffers`).
-    Raises ValueError when ``rows`` does not divide by ``replicas``.
-    """
-    if rows % replicas:
-        raise ValueError(
-            f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
-            "choose a batch size divisible by microbatches x replicas"
-        )
-    size = rows // replicas
-    return replica * size, (replica + 1) * size
-
-
-def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
-    """Replica ``replica``'s rows of every batched tensor in ``value`` (tensors, lists, dicts).
-
-    As in :func:`split_batch`, a tensor is batched when its size along ``dim`` is
-    the micro-batch's ``rows``; anything else goes whole to every replica. Which
-    rows: :func:`replica_rows`.
-    """
-    if replicas == 1:
-        return value
-    if isinstance(value, torch.Tensor):
-        if value.dim() <= dim or value.shape[dim] != rows:
-            return value
-        start, stop = replica_rows(rows, replica, replicas)
-        return value.narrow(dim, start, stop - start)
-    if isinstance(value, (list, tuple)):
-        return type(value)(share(v, replica, replicas, dim, rows) for v in value)
-    if isinstance(value, dict):
-        return {k: share(v, replica, replicas, dim, rows) for k, v in value.items()}
-    return value
-
-
 def microbatches(w: Workload, m: int) -> list[tuple[dict[str, torch.Tensor], Targets]]:
     """Split inputs (by name) and targets into ``m`` equal micro-batches along ``batch_dim``."""
     return split_microbatches(named_inputs(w.model, w.inputs), w.targets, m, w.batch_dim,
@@ -508,77 +345,3 @@ def microbatch_rows(w: Workload, m: int) -> int | None:
     if not any(isinstance(t, torch.Tensor) for t in inputs.values()):
         return None
     return batch_rows(inputs, targets, w.batch_dim)
-
-
-def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int,
-                       dim: BatchDim = 0, replicated: tuple[str, ...] | Any = ()
-                       ) -> list[tuple[dict[str, Any], Targets]]:
-    """``m`` micro-batches of named ``inputs`` and ``targets``: what the runtime and the
-    reference both use. ``dim`` is the batch dimension (:func:`dim_of`: an int, or a dict
-    by input name and ``"targets"``). Inputs named in ``replicated`` go whole to every
-    micro-batch; the rest follow :func:`split_batch` along their own dimension."""
-    batch = batch_rows(inputs, targets, dim, replicated)
-    if m < 1 or batch % m:
-        raise WorkloadError(
-            f"batch size {batch} is not divisible into {m} micro-batches; "
-            f"choose a micro-batch count that divides {batch}"
-        )
-    parts = {k: [v] * m if k in replicated else split_batch(v, m, dim_of(dim, k), batch)
-             for k, v in inputs.items()}
-    target_parts = split_batch(targets, m, dim_of(dim, TARGETS), batch)
-    return [({k: p[i] for k, p in parts.items()}, target_parts[i]) for i in range(m)]
-
-
-def check_batch(example: tuple[dict[str, Any], Targets], batch: tuple[dict[str, Any], Targets],
-                microbatches: int, dim: BatchDim = 0,
-                replicated: tuple[str, ...] = ()) -> None:
-    """Raise :class:`WorkloadError` unless a step's named inputs and targets fit the pipeline.
-
-    ``example`` is the batch the pipeline was built from (named inputs, targets).
-    The step's inputs must have the same names, every tensor the example's dtype
-    (inputs and targets alike), the targets the inputs' batch size along their batch
-    dimensions (``dim``: :func:`dim_of`),
-    and that batch size must divide into ``microbatches``. Checked before any rank
-    sees the batch, so a batch that fails here changes nothing.
-    """
-    (ex_inputs, ex_targets), (inputs, targets) = example, batch
-    unknown = [k for k in inputs if k not in ex_inputs]
-    missing = [k for k in ex_inputs if k not in inputs and ex_inputs[k] is not None]
-    if unknown or missing:
-        raise WorkloadError(
-            f"the batch's inputs {list(inputs)} are not the model inputs the pipeline was "
-            f"built with {list(ex_inputs)}"
-            + (f"; unknown: {unknown}" if unknown else "")
-            + (f"; missing: {missing}" if missing else "")
-            + ": give every step the same inputs by the same names")
-    for name, value in inputs.items():
-        _same_kind(f"input {name!r}", ex_inputs[name], value)
-    ex_leaves, ex_spec = pytree.tree_flatten(ex_targets)
-    leaves, spec = pytree.tree_flatten(targets)
-    if spec != ex_spec:
-        raise WorkloadError(f"the targets are {spec} but the pipeline was built with targets "
-                            f"{ex_spec}: give every step targets of the same structure")
-    for k, (ex, got) in enumerate(zip(ex_leaves, leaves, strict=True)):
-        _same_kind(f"target {k}", ex, got)
-    batched = {k: v for k, v in inputs.items() if k not in replicated}
-    if _tensors(batched) and _tensors(targets):
-        rows, target_rows = batch_rows(batched, None, dim), batch_rows({}, targets, dim)
-        if rows != target_rows:
-            raise WorkloadError(
-                f"the inputs have batch size {rows} but the targets {target_rows} (batch_dim "
-                f"{dim!r}): give as many targets as inputs")
-    rows = batch_rows(inputs, targets, dim, replicated)
-    if rows % microbatches:
-        raise WorkloadError(
-            f"batch size {rows} is not divisible into the pipeline's {microbatches} "
-            f"micro-batches; give a batch whose size is a multiple of {microbatches}")
-
-
-def _same_kind(what: str, example: Any, value: Any) -> None:
-    """Raise unless ``value`` is a tensor of ``example``'s dtype (or both are no tensor)."""
-    if isinstance(example, torch.Tensor) != isinstance(value, torch.Tensor):
-        raise WorkloadError(f"{what} is a {type(value).__name__} but the pipeline was built "
-                            f"with a {type(example).__name__}")
-    if isinstance(value, torch.Tensor) and value.dtype != example.dtype:
-        raise WorkloadError(f"{what} is {value.dtype} but the pipeline was built with "
-                            f"{example.dtype}: convert it (.to({example.dtype}))")

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from orgel.batching import BatchDim
 from orgel.guard import cuda_unused, untouched
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
@@ -50,7 +51,7 @@ from orgel.split.materialize import (
 from orgel.worker.engine import OptimizerFactory, RankEngine
 from orgel.worker.pipe import OwnRank, Pipeline
 from orgel.worker.state import model_aliases, own_stage_copies
-from orgel.workload import BatchDim, Workload, validate_workload, with_precision
+from orgel.workload import Workload, validate_workload, with_precision
 
 
 def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
@@ -115,7 +116,7 @@ def pipeline(
     ``batch_dim``: the batch dimension, one int for every input and the targets
     (``batch_dim=1`` for sequence-first ``[T, B]`` data), or a dict by input name
     with a ``"targets"`` entry for the targets (names left out: 0); see
-    :func:`orgel.workload.dim_of`. A batch of other sizes than the example (another
+    :func:`orgel.batching.dim_of`. A batch of other sizes than the example (another
     sequence length or batch size) trains without planning again where the capture
     left those sizes symbolic (:mod:`orgel.graph.sizes`); ``step`` raises
     :class:`~orgel.graph.sizes.ShapeError` before any rank starts for one it cannot take.

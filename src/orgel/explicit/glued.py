@@ -39,6 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel import guard
+from orgel.batching import batch_rows, single_dim, split_microbatches
 from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation, summed
 from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
 from orgel.explicit.mailbox import Mailbox, Stopped
@@ -46,7 +47,7 @@ from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
 from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
-from orgel.workload import batch_rows, named_inputs, single_dim, split_microbatches
+from orgel.workload import named_inputs
 
 
 class _Slot:

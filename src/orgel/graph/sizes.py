@@ -332,7 +332,7 @@ def batch_check(shapes: Shapes | None, microbatches: int, replicas: int, batch_d
                 replicated: tuple[str, ...] = ()) -> Any:
     """``check(named, targets)``: raise in the caller, before any rank starts a step, for a
     batch whose micro-batches (each replica's share of one) the graph does not take."""
-    from orgel.workload import batch_rows, dim_of, share, split_microbatches
+    from orgel.batching import batch_rows, dim_of, share, split_microbatches
 
     def check(named: dict[str, Any], targets: Any) -> None:
         parts = split_microbatches(named, targets, microbatches, batch_dim, replicated)

@@ -1,7 +1,7 @@
 """Buffers a replicated stage's forwards update (BatchNorm statistics), averaged over its replicas.
 
 Each replica of a stage runs its own rows of every micro-batch
-(:func:`orgel.workload.replica_rows`) through its own copy of the stage, so the
+(:func:`orgel.batching.replica_rows`) through its own copy of the stage, so the
 buffers its forwards update in place (``StageModule.written``: BatchNorm's
 ``running_mean``, ``running_var`` and ``num_batches_tracked``, any such buffer)
 follow those rows only and drift apart between replicas. At the end of every

@@ -43,6 +43,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.batching import (
+    TARGETS,
+    BatchDim,
+    batch_rows,
+    dim_of,
+    replica_rows,
+    share,
+    single_dim,
+    split_microbatches,
+)
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.buffers import ReplicaBuffers
 from orgel.runtime.comm import Transport
@@ -73,16 +83,6 @@ from orgel.schedule.comm import derive_comm, replica_pairs
 from orgel.schedule.ir import Action, Plan
 from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
-from orgel.workload import (
-    TARGETS,
-    BatchDim,
-    batch_rows,
-    dim_of,
-    replica_rows,
-    share,
-    single_dim,
-    split_microbatches,
-)
 
 
 class Executor(BackwardActions, DroppedStep):
@@ -97,7 +97,7 @@ class Executor(BackwardActions, DroppedStep):
     ``max_grad_norm`` (clip by the global norm over all ranks), ``timeout``
     (seconds for every wait), ``device``, ``dynamic_shapes`` (exchange shapes every
     step), ``batch_dim`` (an int, or a dict by input name and ``"targets"``:
-    :func:`orgel.workload.dim_of`), ``store`` (rendezvous store; default: the process group's),
+    :func:`orgel.batching.dim_of`), ``store`` (rendezvous store; default: the process group's),
     ``post_ahead`` (post every receive at the step's start; default: yes for gloo, no for
     NCCL, whose pair streams match in order, so receives go just in time in channel order),
     ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss),
@@ -345,7 +345,7 @@ class Executor(BackwardActions, DroppedStep):
     def _take_batch(self, inputs: dict[str, Any], targets: Any) -> dict[str, Any]:
         """Cut this step's batch into its micro-batches; the first one's inputs.
 
-        The workload's own rule (:func:`orgel.workload.split_microbatches`): what has
+        The workload's own rule (:func:`orgel.batching.split_microbatches`): what has
         the batch size along its batch dimension is cut, the rest goes whole.
         """
         parts = split_microbatches({k: move(v, self.device) for k, v in inputs.items()},

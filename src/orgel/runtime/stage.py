@@ -2,7 +2,7 @@
 
 A stage on ``n`` ranks is data-parallel inside the stage: replica ``k`` takes
 rows ``[k/n, (k+1)/n)`` of every micro-batch (along the batch dimension; the
-rule: :func:`orgel.workload.replica_rows`).
+rule: :func:`orgel.batching.replica_rows`).
 Between a producer on ``n`` ranks and a consumer on ``n'`` ranks, each pair of
 replicas whose rows overlap exchanges the overlap, a ``part`` ``(lo, hi, P)``
 with ``P = lcm(n, n')`` meaning rows ``[lo/P, hi/P)`` of the micro-batch, the
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from orgel.batching import replica_rows
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel, StageModule
-from orgel.workload import replica_rows
 
 Part = tuple[int, int, int]
 

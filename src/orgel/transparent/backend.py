@@ -557,9 +557,10 @@ class Backend:
     def _start(self) -> None:
         import multiprocessing as mp
 
+        from orgel.batching import batch_rows
         from orgel.explicit import api
         from orgel.runtime.launch import LocalGroup
-        from orgel.workload import Workload, batch_rows
+        from orgel.workload import Workload
 
         if self.model is None:
             raise RuntimeError("the compiled model was never called")
@@ -730,12 +731,13 @@ def _slice(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[int, 
            ) -> tuple[list[list[Any]], int]:
     """``step``'s arguments cut into ``m`` micro-batches, and the batch size.
 
-    The workload's one rule (:func:`orgel.workload.split_microbatches`): along ``dim``,
+    The workload's one rule (:func:`orgel.batching.split_microbatches`): along ``dim``,
     what has the batch size is cut; the arguments at the positions ``replicated`` and
     those without the dimension go whole to every micro-batch. With nothing to cut,
     every closure gets the arguments whole and the batch size is ``m``.
     """
-    from orgel.workload import WorkloadError, batch_rows, split_microbatches
+    from orgel.batching import batch_rows, split_microbatches
+    from orgel.workload import WorkloadError
 
     beyond = [i for i in replicated if i >= len(batch)]
     if beyond:

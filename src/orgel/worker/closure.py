@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.batching import batch_size
 from orgel.graph import glue
 from orgel.worker.engine import RankEngine
-from orgel.workload import batch_size
 
 
 class RankInbox:

@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
+from orgel.batching import check_batch
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.errors import StepError, step_error
 from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import Dropped, RankEngine
 from orgel.worker.state import StateNames, canonical_names, model_aliases
-from orgel.workload import check_batch, named_inputs
+from orgel.workload import named_inputs
 
 __all__ = ["OwnRank", "Pipeline", "canonical_names", "model_aliases"]
 
