@@ -12,8 +12,9 @@
   (:class:`orgel.runtime.comm.Transport`: gloo sends and receives host tensors
   only; NCCL refuses two ranks on one GPU).
 * :func:`profiling_device`: where profiling measures by default (CUDA when present);
-  :func:`profiling_on` changes it for a block (``orgel.pipeline`` keeps a controller
-  whose ranks are forked off CUDA: it profiles on the CPU).
+  :func:`profiling_on` changes it for a block (the caller of ``orgel.pipeline``, whose
+  ranks are forked, never profiles on CUDA itself: a forked process of its own does,
+  :mod:`orgel.explicit.device_plan`).
 * :func:`check_fork` refuses a CUDA run whose ranks would be forked from a process
   that has initialized CUDA (a forked child cannot use it), saying what to do.
 """
