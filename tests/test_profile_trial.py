@@ -55,3 +55,17 @@ def test_a_split_backward_that_crashes_is_timed_whole_with_a_note(
     monkeypatch.undo()  # and with the fix the halves are timed
     m = blocks.measure_block(stage, [x], blocks.Timer(torch.device("cpu"), warmup=0, repeats=1))
     assert m.note == "" and 0 < m.wgrad <= m.bwd
+
+
+def test_trial_works_in_a_process_with_many_descriptors_open() -> None:
+    """Late in a long run a process holds descriptors past select()'s 1024: the trial's
+    pipe may be one of them (the whole suite once failed there)."""
+    held = []
+    try:
+        while not held or held[-1][0] < 1100:
+            held.append(os.pipe())
+        assert trial([lambda: None, lambda: None]) == {}
+    finally:
+        for r, w in held:
+            os.close(r)
+            os.close(w)

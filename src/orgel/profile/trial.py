@@ -83,10 +83,12 @@ def _child(jobs: list[Callable[[], Any]], start: int,
             os._exit(0)
     os.close(write)
     data, deadline = b"", time.monotonic() + timeout_s
+    ready = select.poll()  # not select.select: a busy process's descriptors pass 1024
+    ready.register(read, select.POLLIN | select.POLLHUP)
     try:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read], [], [], left)[0]:
+            if left <= 0 or not ready.poll(left * 1000.0):
                 os.kill(pid, signal.SIGKILL)
                 break
             chunk = os.read(read, 65536)
