@@ -38,7 +38,7 @@ from orgel.runtime.devices import (
     rank_device,
     resolve_device,
 )
-from orgel.runtime.launch import under_torchrun
+from orgel.runtime.launch import init_from_env, under_torchrun
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import (
@@ -325,7 +325,6 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                    plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
                    aliases: dict[str, str], executor_options: dict[str, Any],
                    source: Weights | None = None, kind: str = "cpu") -> Pipeline:
-    from datetime import timedelta
 
     import torch.distributed as dist
 
@@ -334,9 +333,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         raise ValueError(f"ranks={ranks} but torchrun started WORLD_SIZE={world} processes; "
                          f"pass ranks={world} or run torchrun --nproc-per-node {ranks}")
     owns_group = not dist.is_initialized()
-    if owns_group:
-        backend = backend_for(kind, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if owns_group:  # the backend and this rank's GPU by the launchers' one rule
+        init_from_env(timeout=timeout_s, device=kind)
     rank = dist.get_rank()
     with untouched(workload.model):
         graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
