@@ -183,3 +183,29 @@ def test_plan_from_dict_malformed_fields() -> None:
     data["num_ranks"] = "four"
     with pytest.raises(PlanError, match="plan has a malformed field"):
         Plan.from_dict(data)
+
+
+def test_shard_and_tp_round_trip_and_checks() -> None:
+    """A sharded stage and the tensor-parallel degree survive JSON; bad values are refused."""
+    from orgel.schedule.validate import _check_structure as validate
+
+    plan = _diamond_plan()
+    assert plan.shard == ["none"] * 4 and plan.tp == 1 and plan.world_size == plan.num_ranks
+    assert "tp" not in plan.to_dict() and "shard" not in plan.to_dict()["stages"][1]
+    plan.shard[1] = "fsdp"
+    plan.tp = 2
+    again = Plan.from_dict(plan.to_dict())
+    assert again == plan and again.sharded(1) and not again.sharded(0)
+    assert again.world_size == 2 * plan.num_ranks
+    validate(again)
+    data = plan.to_dict()
+    data["stages"][0]["shard"] = "fsdp"  # stage 0 has one replica
+    with pytest.raises(PlanError, match="stage 0 is sharded.*one replica"):
+        validate(Plan.from_dict(data))
+    data["stages"][0]["shard"] = "zero9"
+    with pytest.raises(PlanError, match="'zero9' is not one of none, fsdp"):
+        Plan.from_dict(data)
+    data["stages"][0]["shard"] = "none"
+    data["tp"] = 0
+    with pytest.raises(PlanError, match="tp must be an integer >= 1"):
+        Plan.from_dict(data)

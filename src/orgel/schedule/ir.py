@@ -29,6 +29,11 @@ PLAN_VERSION = 1
 #: Action kinds: forward, full backward, input-grad half, weight-grad half.
 KINDS = ("F", "B", "I", "W")
 
+#: How a stage's data-parallel replicas hold its state: ``"none"`` (each a whole
+#: copy; gradients all-reduced) or ``"fsdp"`` (torch's FSDP2 over the replicas:
+#: parameters, gradients and optimizer state sharded, gathered once per step).
+SHARDS = ("none", "fsdp")
+
 _ACTION_RE = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
 
 
@@ -297,7 +302,13 @@ class Plan:
       the simulator; ``meta``: free-form JSON (schedule family, parameters,
       planner name, …);
     * ``tied``: the parameters stages on different ranks share (:class:`TiedWeight`),
-      whose gradients the ranks all-reduce every step.
+      whose gradients the ranks all-reduce every step;
+    * ``shard[s]``: how stage ``s``'s replicas hold its state, one of :data:`SHARDS`
+      (``"fsdp"`` needs at least two replicas);
+    * ``tp``: the tensor-parallel degree. Each rank of the plan (a *pipeline
+      rank*) is a group of ``tp`` processes that run its action list together,
+      each holding a ``1/tp`` slice of the splittable layers; process ``r * tp + t``
+      is member ``t`` of pipeline rank ``r`` (:meth:`world_size` processes in all).
 
     Sends and receives are not written: they follow from the stage graph
     (see :mod:`orgel.schedule.comm`).
@@ -314,11 +325,22 @@ class Plan:
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
     tied: list[TiedWeight] = field(default_factory=list)
+    shard: list[str] = field(default_factory=list)
+    tp: int = 1
 
     def __post_init__(self) -> None:
         self.placement = [tuple(int(r) for r in ranks) for ranks in self.placement]
         if not self.recompute:
             self.recompute = [False] * self.stage_graph.num_stages
+        if not self.shard:
+            self.shard = ["none"] * self.stage_graph.num_stages
+        self.shard = [str(x) for x in self.shard]
+        bad_shard = [x for x in self.shard if x not in SHARDS]
+        if bad_shard:
+            raise PlanError(f"shard {bad_shard[0]!r} is not one of {', '.join(SHARDS)}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise PlanError(f"tp must be an integer >= 1 (processes per pipeline rank), "
+                            f"got {self.tp!r}")
         self.tied = [t if isinstance(t, TiedWeight) else TiedWeight.from_dict(t, f"tied[{i}]")
                      for i, t in enumerate(self.tied)]
         for i, t in enumerate(self.tied):
@@ -332,6 +354,15 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return self.stage_graph.num_stages
+
+    @property
+    def world_size(self) -> int:
+        """Processes the plan runs on: ``num_ranks`` pipeline ranks of ``tp`` each."""
+        return self.num_ranks * self.tp
+
+    def sharded(self, stage: int) -> bool:
+        """Whether ``stage``'s replicas shard its state with FSDP2."""
+        return self.shard[stage] == "fsdp"
 
     def stages_on(self, rank: int) -> list[int]:
         """The stages ``rank`` hosts, in index order."""
@@ -371,6 +402,7 @@ class Plan:
                     "model_outputs": list(s.model_outputs),
                     "ranks": list(self.placement[i]),
                     "recompute": self.recompute[i],
+                    **({"shard": self.shard[i]} if self.shard[i] != "none" else {}),
                 }
                 for i, s in enumerate(g.stages)
             ],
@@ -383,6 +415,7 @@ class Plan:
             "prediction": self.prediction,
             "meta": self.meta,
             "tied_weights": [t.to_dict() for t in self.tied],
+            **({"tp": self.tp} if self.tp != 1 else {}),
         }
 
     @classmethod
@@ -434,6 +467,8 @@ class Plan:
                 prediction=data.get("prediction"),
                 meta=meta,
                 tied=[TiedWeight.from_dict(t, f"tied_weights[{i}]") for i, t in enumerate(tied)],
+                shard=[str(s.get("shard", "none")) for s in stages_data],
+                tp=data.get("tp", 1),
             )
         except KeyError as exc:
             raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None

@@ -130,6 +130,14 @@ def _check_structure(plan: Plan) -> None:
             f"recompute has {len(plan.recompute)} flags but there are {graph.num_stages} "
             "stages: give one per stage"
         )
+    if len(plan.shard) != graph.num_stages:
+        raise PlanError(f"shard has {len(plan.shard)} entries but there are "
+                        f"{graph.num_stages} stages: give one per stage")
+    for s, ranks in enumerate(plan.placement):
+        if plan.sharded(s) and len(ranks) < 2:
+            raise PlanError(f"stage {s} is sharded ('fsdp') but has one replica (rank "
+                            f"{ranks[0]}): place it on two ranks or more, or set its shard "
+                            "to 'none'")
 
 
 def _check_rank(plan: Plan, r: int, actions: list[Action]) -> dict[Action, int]:
