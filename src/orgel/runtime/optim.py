@@ -34,6 +34,7 @@ import torch.distributed as dist
 from orgel.runtime.comm import transport_reason
 from orgel.runtime.errors import CommFailure
 from orgel.runtime.stage import StageInfo
+from orgel.runtime.tensor_parallel import local, plane_group
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
@@ -109,7 +110,7 @@ class GradSync:
         replica_sets = sorted({r for r in plan.placement if len(r) > 1})
         self.dp: dict[tuple[int, ...], tuple[Any, list[torch.nn.Parameter]]] = {}
         for rset in replica_sets:
-            group = dist.new_group([ranks[r] for r in rset])
+            group = plane_group([ranks[r] for r in rset], plan.tp)
             if rank in rset:
                 params = [p for s, info in sorted(stages.items()) if plan.placement[s] == rset
                           for p in info.params if id(p) not in tied_ids]
@@ -117,7 +118,8 @@ class GradSync:
         self.tied_groups: dict[str, Any] = {}
         for name in sorted(tied_names):
             tranks = sorted({r for s in holders[name] for r in plan.placement[s]})
-            group = dist.new_group([ranks[r] for r in tranks]) if len(tranks) > 1 else None
+            group = (plane_group([ranks[r] for r in tranks], plan.tp) if len(tranks) > 1
+                     else None)
             if name in self.tied:
                 self.tied_groups[name] = group
         self.pending: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []
@@ -202,8 +204,8 @@ class GradSync:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
         # one pass over every gradient, each counted once (replica 0, first tied copy)
-        norms = [torch.linalg.vector_norm(p.grad) for p in self.norm_params
-                 if p.grad is not None]
+        norms = [torch.linalg.vector_norm(local(p.grad)) for p in self.norm_params
+                 if p.grad is not None]  # a tensor-parallel shard's own part
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
                                found, zero + float(failed), zero + float(graded)])

@@ -172,8 +172,10 @@ class RankEngine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers by original name, on the CPU."""
+        from orgel.runtime.tensor_parallel import full  # whole tensors of sharded parameters
+
         return {
-            n: t.detach().to("cpu", copy=True)
+            n: full(t.detach()).to("cpu", copy=True)
             for n, t in self.named_params() + self.named_buffers()
         }
 
@@ -185,12 +187,14 @@ class RankEngine:
         state against the model's keys before it sends it: see
         :class:`orgel.worker.state.StateNames`).
         """
+        from orgel.runtime.tensor_parallel import load_full  # a sharded one keeps its shard
+
         loaded: list[str] = []
         missing = []
         with torch.no_grad():
             for name, t in self.named_params() + self.named_buffers():
                 if name in tensors:
-                    t.copy_(tensors[name])
+                    load_full(t, tensors[name])
                     loaded.append(name)
                 else:
                     missing.append(name)

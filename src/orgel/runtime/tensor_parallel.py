@@ -1,0 +1,323 @@
+"""Tensor parallelism inside a stage: its column/row regions run on DTensors over ``tp`` processes.
+
+A plan with ``plan.tp > 1`` runs each pipeline rank ``r`` as ``tp`` processes,
+``r * tp + t`` being member ``t`` (:func:`position`). Member ``t`` of every
+pipeline rank forms *plane* ``t``: a full copy of the pipeline running the same
+action lists, whose messages go from member ``t`` to member ``t``
+(:func:`plane_ranks` is the transport's map from plan rank to process), whose
+data-parallel and tied-weight sums are over the plane (:func:`plane_group`).
+Every member holds the same, replicated, values between stages.
+
+Inside a stage the members split the regions :func:`orgel.graph.tensor_parallel.tp_regions`
+finds (attention, MLP). :func:`parallelize` rewrites the stage's fx graph, which has
+no ``nn.Linear`` submodules for ``torch.distributed.tensor.parallel``'s
+``ColwiseParallel``/``RowwiseParallel`` module hooks to attach to, so it does at graph
+level what they do:
+
+* the column linears' weights (and biases) become ``Shard(0)`` DTensor parameters,
+  the row linear's weight ``Shard(1)``, its bias ``Replicate()``, over a
+  :class:`~torch.distributed.device_mesh.DeviceMesh` of the pipeline rank's ``tp``
+  processes (:func:`tp_mesh`);
+* the region's input enters as a ``Replicate()`` DTensor (``DTensor.from_local``: its
+  backward all-reduces the input's gradient), and the row output leaves as a plain
+  tensor after ``redistribute`` to ``Replicate()`` (the forward all-reduce);
+* between them every op runs on DTensors, which keeps the single-process result:
+  an op without a sharded rule redistributes its inputs (a fused qkv viewed as
+  ``(3, heads, dim)`` with ``tp=2`` gathers the projection), and an op DTensor has
+  no rule for at all runs on the gathered, full tensors (:class:`_Guarded`; the
+  stage's ``tp_fallbacks`` names them). Plain tensors that meet DTensors in a region
+  (rotary tables, masks) count as replicated (``implicit_replication``, switched on
+  for the process by :func:`enable`).
+
+Parameter names and full values are unchanged for ``state_dict``, checkpoints and
+``copy_to``: :func:`full` gathers a DTensor parameter; :func:`load_full` keeps the
+member's shard of a full tensor.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from orgel.graph.tensor_parallel import Region, tp_regions
+from orgel.schedule.ir import Plan
+
+
+class TensorParallelError(ValueError):
+    """The model or options cannot run with ``tp > 1``; the message says what to change."""
+
+
+def position(plan: Plan, process: int) -> tuple[int, int]:
+    """``(pipeline rank, member)`` of process ``process`` (``r * tp + t``)."""
+    return divmod(process, plan.tp)
+
+
+def plane_ranks(plan: Plan, member: int) -> list[int]:
+    """The processes of plane ``member``, by plan rank: where its messages go."""
+    return [r * plan.tp + member for r in range(plan.num_ranks)]
+
+
+def plane_group(processes: Sequence[int], tp: int) -> Any:
+    """A process group of ``processes`` (processes of this process's plane), made the same
+    way on every process: one group per plane, the others' the same ranks shifted to their
+    member (``dist.new_group`` is collective over the whole job, in one order)."""
+    if tp == 1:
+        return dist.new_group(list(processes))
+    own = dist.get_rank() % tp
+    mine = None
+    for t in range(tp):
+        group = dist.new_group([p - own + t for p in processes])
+        if t == own:
+            mine = group
+    return mine
+
+
+def tp_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The 1-D mesh of this process's pipeline rank (its ``tp`` members); collective over
+    every process, which makes every pipeline rank's group in order."""
+    own = dist.get_rank() // plan.tp
+    mine = None
+    for r in range(plan.num_ranks):
+        group = dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp)))
+        if r == own:
+            mine = group
+    return DeviceMesh.from_group(mine, device_type)
+
+
+def shard_stages(plan: Plan, stages: dict[int, Any], device: torch.device) -> None:
+    """Split the regions of this process's stages (``StageInfo`` by index) over its
+    pipeline rank's members; each stage's ``params`` then lists the DTensor parameters."""
+    enable()
+    mesh = tp_mesh(plan, device.type)
+    for info in stages.values():
+        module = info.stage.module
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        info.tp_regions = parallelize(module, mesh)
+        info.params = list(module.parameters())
+
+
+def enable() -> None:
+    """Treat plain tensors that meet DTensors as replicated, for this process (its forwards
+    and backwards: autograd runs the backward ops outside any context manager)."""
+    torch._C._set_dtensor_allow_implicit_replication(True)
+
+
+# -- the graph rewrite ---------------------------------------------------------------------
+
+
+def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh) -> list[Region]:
+    """Rewrite ``module`` (a stage's GraphModule) to run its regions over ``mesh``.
+
+    Returns the regions it split; ``module.tp_fallbacks`` lists the ops that had
+    to run on full tensors (filled as they run). A region whose weights are not
+    parameters of ``module`` stays whole.
+    """
+    graph = module.graph
+    nodes = {n.name: n for n in graph.nodes}
+    done: list[Region] = []
+    fallbacks: list[str] = []
+    for region in tp_regions(module):
+        leaves = [nodes[p] for p in region.column_params + region.row_params]
+        if not all(n.op == "get_attr" and _is_param(module, str(n.target)) for n in leaves):
+            continue
+        for name in region.column_params:
+            _distribute(module, str(nodes[name].target), mesh, Shard(0))
+        _distribute(module, str(nodes[region.row_weight].target), mesh, Shard(1))
+        if region.row_bias:
+            _distribute(module, str(nodes[region.row_bias].target), mesh, Replicate())
+        source = nodes[region.input]
+        first = nodes[region.columns[0]]
+        with graph.inserting_before(first):
+            entered = graph.call_function(_Enter(mesh), (source,))
+        for c in region.columns:
+            nodes[c].replace_input_with(source, entered)
+        row = nodes[region.row]
+        with graph.inserting_after(row):
+            left = graph.call_function(_Leave(mesh), (row,))
+        row.replace_all_uses_with(left, delete_user_cb=lambda user: user is not left)
+        for name in region.inner:
+            _guard(nodes[name], fallbacks)
+        done.append(region)
+    graph.lint()
+    module.recompile()
+    module.tp_fallbacks = fallbacks  # type: ignore[assignment]
+    return done
+
+
+class _Enter:
+    """The region's input as a replicated DTensor (backward: its gradient all-reduced)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.__name__ = "tp_enter"
+
+    def __call__(self, x: torch.Tensor) -> DTensor:
+        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+
+
+class _Leave:
+    """The row output, summed over the members (one all-reduce), as a plain tensor."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.__name__ = "tp_leave"
+
+    def __call__(self, y: Any) -> Any:
+        if not isinstance(y, DTensor):
+            return y
+        return y.redistribute(self.mesh, [Replicate()]).to_local()
+
+
+class _Guarded:
+    """Runs one op of a region on DTensors, or where DTensor has no rule for it, on the
+    full tensors (gathered), its tensor outputs replicated DTensors again."""
+
+    def __init__(self, fn: Callable[..., Any], what: str, fallbacks: list[str]) -> None:
+        self.fn = fn
+        self.what = what
+        self.fallbacks = fallbacks
+        self.full = False  # once it failed, straight to full tensors
+        self.__name__ = getattr(fn, "__name__", what)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.full:
+            try:
+                return self.fn(*args, **kwargs)
+            except (NotImplementedError, RuntimeError) as exc:
+                if "sharding" not in str(exc).lower() and "DTensor" not in str(exc):
+                    raise
+                self.full = True
+                self.fallbacks.append(self.what)
+        mesh = next(a.device_mesh for a in _flat(args, kwargs) if isinstance(a, DTensor))
+        args, kwargs = torch.utils._pytree.tree_map_only(
+            DTensor, lambda t: t.full_tensor(), (args, kwargs))
+        out = self.fn(*args, **kwargs)
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
+            out)
+
+
+def _flat(args: Any, kwargs: Any) -> list[Any]:
+    return list(torch.utils._pytree.tree_leaves((args, kwargs)))
+
+
+def _method(name: str) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def _guard(node: torch.fx.Node, fallbacks: list[str]) -> None:
+    if node.op == "call_method":
+        node.op = "call_function"
+        node.target = _Guarded(_method(str(node.target)), f"{node.name} (.{node.target})",
+                               fallbacks)
+    elif node.op == "call_function" and node.target is not operator.getitem:
+        name = getattr(node.target, "__name__", str(node.target))
+        node.target = _Guarded(node.target, f"{node.name} ({name})",  # type: ignore[arg-type]
+                               fallbacks)
+
+
+def _is_param(module: torch.nn.Module, target: str) -> bool:
+    prefix, _, leaf = target.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    return leaf in owner._parameters
+
+
+def _distribute(module: torch.nn.Module, target: str, mesh: DeviceMesh, placement: Any) -> None:
+    prefix, _, leaf = target.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    p = owner._parameters[leaf]
+    assert p is not None
+    if isinstance(p, DTensor):
+        return
+    dt = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
+    owner._parameters[leaf] = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+
+
+# -- parameter state -----------------------------------------------------------------------
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This member's part of ``t`` (its shard of a DTensor; ``t`` itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered over the members for a sharded DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def load_full(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the whole tensor ``value`` into ``target`` (a DTensor keeps its shard of it)."""
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            part = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
+                                     target.placements, src_data_rank=None)
+            target.to_local().copy_(part.to_local())
+        else:
+            target.copy_(value)
+
+
+def sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor split over the members (each holds a different part)."""
+    return isinstance(t, DTensor) and any(isinstance(p, (Shard, Partial)) for p in t.placements)
+
+
+def norm_params(params: list[torch.nn.Parameter], member: int) -> list[torch.nn.Parameter]:
+    """The parameters whose gradient member ``member`` counts in the global norm: each
+    once over the job (sharded ones: every member its shard; the rest: member 0)."""
+    return [p for p in params if member == 0 or sharded(p)]
+
+
+# -- the caller's checks ---------------------------------------------------------------------
+
+
+def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
+    """The pipeline ranks ``ranks`` processes make with ``tp`` each; ValueError for a ``tp``
+    that does not divide ``ranks``."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TensorParallelError(f"tp must be a positive int (processes per pipeline rank), "
+                                  f"got {tp!r}")
+    if ranks % tp:
+        raise TensorParallelError(f"tp={tp} does not divide ranks={ranks}: ranks counts every "
+                                  f"process, tp of them per pipeline rank; pass ranks="
+                                  f"{(ranks // tp + 1) * tp} or a tp that divides {ranks}")
+    if tp > 1 and dp > 1:
+        raise TensorParallelError(f"tp={tp} with dp={dp}: tensor parallelism inside "
+                                  "data-parallel stages is not supported yet; pass dp=1")
+    return ranks // tp
+
+
+def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
+    """``plan`` run with ``tp`` processes per pipeline rank (``plan.tp`` set), checked
+    against the captured ``graph`` (an :class:`~orgel.graph.opgraph.OpGraph`)."""
+    if tp == 1:
+        if plan.tp > 1:
+            raise TensorParallelError(f"the plan is for tp={plan.tp} processes per pipeline "
+                                      f"rank: pass tp={plan.tp}")
+        return plan
+    if plan.tp not in (1, tp):
+        raise TensorParallelError(f"the plan is for tp={plan.tp} but tp={tp}: make them agree")
+    if any(len(r) > 1 for r in plan.placement):
+        raise TensorParallelError("tensor parallelism inside data-parallel stages is not "
+                                  "supported yet: give a plan with one rank per stage")
+    if graph is not None and graph.glue is not None:
+        raise TensorParallelError("tp > 1 needs one graph of the forward; this model's has "
+                                  "graph breaks")
+    if graph is not None and not tp_regions(graph.graph_module):
+        raise TensorParallelError(
+            "tp > 1 found no region to split in this model: tensor parallelism splits "
+            "linear layers that read one input and feed one linear layer (attention, MLP; "
+            "orgel.graph.tensor_parallel.tp_regions); pass tp=1")
+    plan.tp = tp
+    return plan
