@@ -187,6 +187,11 @@ class _Guarded:
         self.__name__ = getattr(fn, "__name__", what)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__name__ == "scaled_dot_product_attention":
+            heads = _local_heads(self.fn, args, kwargs)
+            if heads is not None:
+                return heads
+            self.full = True  # DTensor's rule for it is slow to search, where it has one
         if not self.full:
             try:
                 return self.fn(*args, **kwargs)
@@ -202,6 +207,23 @@ class _Guarded:
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
             out)
+
+
+def _local_heads(fn: Callable[..., Any], args: Any, kwargs: Any) -> DTensor | None:
+    """Attention with q, k and v split by heads (``Shard(1)``), each member its own heads:
+    no communication; None where they are not, or a mask differs between heads."""
+    qkv = args[:3]
+    if len(qkv) < 3 or not all(isinstance(t, DTensor) and tuple(t.placements) == (Shard(1),)
+                                and t.dim() == 4 for t in qkv):
+        return None
+    rest = list(args[3:]) + list(kwargs.values())
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if any(isinstance(a, DTensor) for a in rest) or (
+            isinstance(mask, torch.Tensor) and mask.dim() >= 3 and mask.shape[-3] != 1):
+        return None
+    q, k, v = qkv
+    out = fn(q.to_local(), k.to_local(), v.to_local(), *args[3:], **kwargs)
+    return DTensor.from_local(out, q.device_mesh, [Shard(1)], run_check=False)
 
 
 def _flat(args: Any, kwargs: Any) -> list[Any]:
