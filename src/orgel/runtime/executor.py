@@ -176,7 +176,7 @@ class Executor(BackwardActions, DroppedStep):
         for info in self.stages.values():
             place(info.stage.module, self.device)
         if plan.tp > 1:  # each stage's regions split over the pipeline rank's members
-            tp.shard_stages(plan, self.stages, self.device)
+            tp.shard_stages(plan, split, self.stages, self.device)
         self.comm = comm
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)
@@ -315,6 +315,8 @@ class Executor(BackwardActions, DroppedStep):
                 self.buffers.average(self.sync._wait)
                 self.loop.finish()
             else:
+                if self.plan.tp > 1:  # each member's gradients laid out as its parameters
+                    tp.settle_grads(self.sync.all_params)
                 loss, norm = self.sync.finish(self._loss, self.max_grad_norm, self.scaler,
                                               failed, graded=self.loop.graded > 0)
                 if self.sync.failed:

@@ -90,7 +90,7 @@ def tp_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(mine, device_type)
 
 
-def shard_stages(plan: Plan, stages: dict[int, Any], device: torch.device) -> None:
+def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.device) -> None:
     """Split the regions of this process's stages (``StageInfo`` by index) over its
     pipeline rank's members; each stage's ``params`` then lists the DTensor parameters."""
     enable()
@@ -99,7 +99,7 @@ def shard_stages(plan: Plan, stages: dict[int, Any], device: torch.device) -> No
         module = info.stage.module
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        info.tp_regions = parallelize(module, mesh)
+        info.tp_regions = parallelize(module, mesh, split.requires_grad)
         info.params = list(module.parameters())
 
 
@@ -112,18 +112,20 @@ def enable() -> None:
 # -- the graph rewrite ---------------------------------------------------------------------
 
 
-def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh) -> list[Region]:
+def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
+                requires_grad: dict[str, bool] | None = None) -> list[Region]:
     """Rewrite ``module`` (a stage's GraphModule) to run its regions over ``mesh``.
 
     Returns the regions it split; ``module.tp_fallbacks`` lists the ops that had
     to run on full tensors (filled as they run). A region whose weights are not
-    parameters of ``module`` stays whole.
+    parameters of ``module`` stays whole. ``requires_grad``: which of its inputs carry
+    a gradient (``SplitModel.requires_grad``; see :func:`~orgel.graph.tensor_parallel.tp_regions`).
     """
     graph = module.graph
     nodes = {n.name: n for n in graph.nodes}
     done: list[Region] = []
     fallbacks: list[str] = []
-    for region in tp_regions(module):
+    for region in tp_regions(module, requires_grad):
         leaves = [nodes[p] for p in region.column_params + region.row_params]
         if not all(n.op == "get_attr" and _is_param(module, str(n.target)) for n in leaves):
             continue
@@ -194,7 +196,7 @@ class _Guarded:
             self.full = True  # DTensor's rule for it is slow to search, where it has one
         if not self.full:
             try:
-                return self.fn(*args, **kwargs)
+                return self.fn(*_replicated(args), **_replicated(kwargs))
             except (NotImplementedError, RuntimeError) as exc:
                 if "sharding" not in str(exc).lower() and "DTensor" not in str(exc):
                     raise
@@ -207,6 +209,19 @@ class _Guarded:
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
             out)
+
+
+def _replicated(tree: Any) -> Any:
+    """Plain tensors next to a DTensor in one op's arguments, as replicated DTensors made
+    with ``from_local``, so that their gradients come back as plain tensors (implicit
+    replication alone would give a weight read inside a region a DTensor gradient)."""
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    mesh = next((a.device_mesh for a in leaves if isinstance(a, DTensor)), None)
+    if mesh is None:
+        return tree
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: t if isinstance(t, DTensor) or t.dim() == 0 else
+        DTensor.from_local(t, mesh, [Replicate()], run_check=False), tree)
 
 
 def _local_heads(fn: Callable[..., Any], args: Any, kwargs: Any) -> DTensor | None:
@@ -293,6 +308,17 @@ def load_full(target: torch.Tensor, value: torch.Tensor) -> None:
 def sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor split over the members (each holds a different part)."""
     return isinstance(t, DTensor) and any(isinstance(p, (Shard, Partial)) for p in t.placements)
+
+
+def settle_grads(params: list[torch.nn.Parameter]) -> None:
+    """Give each DTensor parameter's gradient the parameter's own placements (autograd may
+    leave a sharded weight's gradient replicated, or a partial sum): then each member's
+    local gradient is its part, for the norm and the optimizer. Every member calls it
+    for the same parameters, in one order (it may reduce)."""
+    for p in params:
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def norm_params(params: list[torch.nn.Parameter], member: int) -> list[torch.nn.Parameter]:

@@ -93,6 +93,12 @@ class RankEngine:
                 out.append((stage.buffer_names.get(local, local), b))
         return out
 
+    def tp_shards(self) -> dict[str, tuple[int, ...]]:
+        """The shape of this process's part of each parameter split by tensor parallelism."""
+        from orgel.runtime.tensor_parallel import local, sharded
+
+        return {n: tuple(local(p).shape) for n, p in self.named_params() if sharded(p)}
+
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         opt: torch.optim.Optimizer | None = getattr(self.executor, "optimizer", None)
