@@ -14,11 +14,12 @@ such that nothing the columns or the inner nodes produce is read anywhere but
 inside the region or by the row linear, the region's weights are read by its
 linears only, and the inner nodes read from outside only values without a gradient
 (rotary tables, masks, sizes) and parameters: not a residual stream, which would
-make a region of one layer's last linear and the next one's first. Sharding the columns' weights by output features (``Shard(0)``;
-bias ``Shard(0)``) and the row's by input features (``Shard(1)``; bias
-replicated) then leaves the row output a partial sum over the ``tp`` members:
-one all-reduce of the row output forward, and one of the region input's gradient
-backward (:mod:`orgel.runtime.tensor_parallel` runs it with DTensor).
+make a region of one layer's last linear and the next one's first. Sharding the
+columns' weights by output features (``Shard(0)``; bias ``Shard(0)``) and the row's
+by input features (``Shard(1)``; bias replicated) then leaves the row output a
+partial sum over the ``tp`` members: one all-reduce of the row output forward, and
+one of the region input's gradient backward (:mod:`orgel.runtime.tensor_parallel`
+runs it with DTensor).
 
 For a planner: each region costs ``2 * region.allreduce_bytes()`` of all-reduce
 per micro-batch (forward and backward, each over the ``tp`` processes), and its

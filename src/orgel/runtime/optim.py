@@ -34,7 +34,8 @@ import torch.distributed as dist
 from orgel.runtime.comm import transport_reason
 from orgel.runtime.errors import CommFailure
 from orgel.runtime.stage import StageInfo
-from orgel.runtime.tensor_parallel import local, plane_group
+from orgel.runtime.tensor_parallel import local as local_part
+from orgel.runtime.tensor_parallel import plane_group
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
@@ -204,7 +205,7 @@ class GradSync:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
         # one pass over every gradient, each counted once (replica 0, first tied copy)
-        norms = [torch.linalg.vector_norm(local(p.grad)) for p in self.norm_params
+        norms = [torch.linalg.vector_norm(local_part(p.grad)) for p in self.norm_params
                  if p.grad is not None]  # a tensor-parallel shard's own part
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,

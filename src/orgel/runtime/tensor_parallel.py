@@ -87,6 +87,7 @@ def tp_mesh(plan: Plan, device_type: str) -> DeviceMesh:
         group = dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp)))
         if r == own:
             mine = group
+    assert mine is not None
     return DeviceMesh.from_group(mine, device_type)
 
 
@@ -143,7 +144,7 @@ def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
         row = nodes[region.row]
         with graph.inserting_after(row):
             left = graph.call_function(_Leave(mesh), (row,))
-        row.replace_all_uses_with(left, delete_user_cb=lambda user: user is not left)
+        row.replace_all_uses_with(left, delete_user_cb=lambda user, left=left: user is not left)
         for name in region.inner:
             _guard(nodes[name], fallbacks)
         done.append(region)
