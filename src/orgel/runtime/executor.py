@@ -70,6 +70,7 @@ from orgel.runtime.optimizer import (
 )
 from orgel.runtime.outputs import Share, keep
 from orgel.runtime.scaler import LossScaler
+from orgel.runtime.sharding import Sharding, check_sharded
 from orgel.runtime.stage import (
     Run,
     StageInfo,
@@ -171,6 +172,11 @@ class Executor(BackwardActions, DroppedStep):
                        for s in plan.stages_on(self.rank)}
         for info in self.stages.values():
             place(info.stage.module, self.device)
+        check_sharded(plan, split, loss_scaling=bool(loss_scaling))
+        ranks = list(range(plan.num_ranks))
+        # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`)
+        self.sharding = Sharding(plan, self.stages, self.rank, ranks=ranks, device=self.device,
+                                 actions=self.actions)
         self.comm = comm
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)
@@ -179,7 +185,6 @@ class Executor(BackwardActions, DroppedStep):
                       for e in plan.stage_graph.edges]
         if store is None:
             store = dist.distributed_c10d._get_default_store()
-        ranks = list(range(plan.num_ranks))
         self.transport = Transport(plan, self.comm, self.rank, store=store, device=self.device,
                                    timeout=timeout, ranks=ranks,
                                    post_ahead=backend != "nccl" if post_ahead is None
@@ -271,6 +276,7 @@ class Executor(BackwardActions, DroppedStep):
         self._wall0 = time.time()
         self.events = []
         self.loop.begin()
+        self.sharding.begin()
         self._final = self.loop.final  # this call reduces, clips and steps
         first = self._take_batch(inputs, targets)
         signature = _signature(inputs)
@@ -386,6 +392,7 @@ class Executor(BackwardActions, DroppedStep):
         self._in_grads = {}
         for rset in self.reduce_after.get(pos, ()) if self._final else ():
             self.sync.launch_replicas(rset)
+        self.sharding.after(pos, self._final)
 
     def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
         """Whether value ``name`` sends a gradient back (the split says; default: floats)."""

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from orgel.runtime.comm import transport_reason
 from orgel.runtime.errors import CommFailure
+from orgel.runtime.sharding import local
 from orgel.runtime.stage import StageInfo
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
@@ -103,7 +104,7 @@ class GradSync:
                     tied_ids.add(id(p))
                     if info.replica == 0 and holders[qual][0] == s:
                         self.norm_params.append(p)
-                elif info.replica == 0:
+                elif info.replica == 0 or plan.sharded(s):  # sharded: each shard once
                     self.norm_params.append(p)
         # data-parallel buckets: every rank calls new_group for every set, in order
         replica_sets = sorted({r for r in plan.placement if len(r) > 1})
@@ -111,7 +112,8 @@ class GradSync:
         for rset in replica_sets:
             group = dist.new_group([ranks[r] for r in rset])
             if rank in rset:
-                params = [p for s, info in sorted(stages.items()) if plan.placement[s] == rset
+                params = [p for s, info in sorted(stages.items())
+                          if plan.placement[s] == rset and not plan.sharded(s)
                           for p in info.params if id(p) not in tied_ids]
                 self.dp[rset] = (group, params)
         self.tied_groups: dict[str, Any] = {}
@@ -202,7 +204,7 @@ class GradSync:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
         # one pass over every gradient, each counted once (replica 0, first tied copy)
-        norms = [torch.linalg.vector_norm(p.grad) for p in self.norm_params
+        norms = [torch.linalg.vector_norm(local(p.grad)) for p in self.norm_params
                  if p.grad is not None]
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,

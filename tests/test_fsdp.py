@@ -1,0 +1,239 @@
+"""FSDP2 inside a stage (``shard="fsdp"``): forked gloo ranks against one plain process.
+
+Each test trains through ``orgel.pipeline`` on 4 ranks (2 stages, each on 2
+ranks that shard it with torch's ``fully_shard``) and compares the losses and the
+trained parameters with one process doing the same steps in plain PyTorch.
+Tolerance: the sharded reductions sum the replicas' partial gradients in another
+order than one process does, so losses agree to ``rel=1e-5`` and parameters to
+``rtol=1e-4, atol=1e-4`` (float32). The absolute part is AdamW's: a gradient that
+is zero in exact arithmetic (attention's key bias, which softmax ignores) is
+rounding noise of about 1e-9 in both runs, and AdamW's ``g / sqrt(v)`` turns
+that noise into steps of up to about 2e-5 here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import orgel
+from orgel.explicit.api import Pipeline, load
+from orgel.graph.capture import capture
+from orgel.models import build
+from orgel.runtime.plans import balanced_plan
+from orgel.runtime.sharding import mark_sharded
+from orgel.schedule.ir import Plan
+from orgel.workload import Workload, microbatches
+
+pytestmark = pytest.mark.slow
+VOCAB = 64
+GPT = "examples/gpt.py:workload"
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, VOCAB, (8, 16), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _gpt() -> tuple[nn.Module, Any, Any, Any]:
+    model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                            vocab_size=VOCAB, seq_len=16)
+    return model, inputs, targets, loss_fn
+
+
+def _reference(model: nn.Module, loss_fn: Any, steps: int, *, accumulate: int = 1,
+               max_grad_norm: float | None = None) -> tuple[list[float], list[float]]:
+    """One process: the same steps (and accumulation, clipping) with plain PyTorch;
+    the losses of every call and the gradient norm of every optimizer step."""
+    opt = _adamw(list(model.parameters()))
+    losses, norms = [], []
+    for s in range(steps):
+        x, y = _batch(s)
+        loss = loss_fn(model(x), y)
+        (loss / accumulate).backward()
+        losses.append(loss.item())
+        if (s + 1) % accumulate == 0:
+            if max_grad_norm is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                  max_grad_norm)))
+            opt.step()
+            opt.zero_grad()
+    return losses, norms
+
+
+def _assert_state(state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    expected = model.state_dict()
+    assert list(state) == list(expected)
+    for name, t in expected.items():
+        assert not isinstance(state[name], torch.distributed.tensor.DTensor), name
+        torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def _plan(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, *,
+          schedule: str = "1f1b", shard: str = "fsdp") -> Plan:
+    """2 stages x 2 replicas on 4 ranks (stage 0 on ranks 0 and 2, stage 1 on 1 and 3)."""
+    first = microbatches(Workload(model, inputs, targets, loss_fn), 2 * 2)[0][0]
+    plan = balanced_plan(capture(model, first), ranks=4, microbatches=2, dp=2,
+                         schedule=schedule)
+    assert plan.placement == [(0, 2), (1, 3)]
+    return mark_sharded(plan, shard)
+
+
+def test_a_gpt_on_two_stages_of_two_fsdp_replicas_matches_one_process() -> None:
+    """1F1B, stage 0 recomputed: losses, trained state, evaluation, and each rank holds
+    half of its stage's parameters (without sharding every replica holds all of them)."""
+    model, inputs, targets, loss_fn = _gpt()
+    reference = copy.deepcopy(model)
+    plan = dataclasses.replace(_plan(model, inputs, targets, loss_fn), recompute=[True, False])
+    pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
+                          microbatches=2, optimizer=_adamw, threads=1, timeout_s=120)
+    with pipe:
+        assert pipe.plan.shard == ["fsdp", "fsdp"]
+        held = pipe.call_ranks("held_elements")
+        assert sum(held) == sum(p.numel() for p in reference.parameters())
+        losses = [pipe.step(*_batch(s)) for s in range(3)]
+        state = pipe.state_dict()
+        ref_losses, _ = _reference(reference, loss_fn, 3)
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        _assert_state(state, reference)
+        # evaluation reads the sharded stages' weights whole; training goes on after it
+        x, y = _batch(7)
+        assert pipe.evaluate(x, y) == pytest.approx(_loss(reference, loss_fn, 7), rel=1e-5)
+        assert pipe.step(*_batch(3)) == pytest.approx(_loss(reference, loss_fn, 3), rel=1e-5)
+
+
+def _loss(model: nn.Module, loss_fn: Any, step: int) -> float:
+    """One process's loss of batch ``step`` (a pipeline step reports its loss before its
+    optimizer step)."""
+    x, y = _batch(step)
+    with torch.no_grad():
+        return float(loss_fn(model(x), y))
+
+
+def test_zero_bubble_with_accumulation_and_clipping_matches_one_process() -> None:
+    """ZB-H1 (split backward: I then W), accumulate=2, max_grad_norm: the reduce-scatter
+    runs after each rank's last W of the optimizer-stepping call only; the global norm
+    counts every shard once."""
+    model, inputs, targets, loss_fn = _gpt()
+    reference = copy.deepcopy(model)
+    plan = _plan(model, inputs, targets, loss_fn, schedule="zb-h1")
+    assert any(a.kind == "W" for a in plan.schedule[0])
+    pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
+                          microbatches=2, optimizer=_adamw, threads=1, timeout_s=120,
+                          accumulate=2, max_grad_norm=0.5)
+    with pipe:
+        losses, norms = [], []
+        for s in range(4):
+            losses.append(pipe.step(*_batch(s)))
+            if s % 2:
+                norms.append(pipe.grad_norm)
+        state = pipe.state_dict()
+    ref_losses, ref_norms = _reference(reference, loss_fn, 4, accumulate=2, max_grad_norm=0.5)
+    assert ref_norms[0] > 0.5  # the clipping bites
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    _assert_state(state, reference)
+
+
+@pytest.mark.hf
+def test_a_hugging_face_llama_sharded_matches_one_process() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+
+    def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out["logits"].reshape(-1, VOCAB), y.reshape(-1))
+
+    x, y = _batch(0)
+    plan = _plan(model, {"input_ids": x}, y, lm_loss)
+    pipe = orgel.pipeline(model, {"input_ids": x}, y, lm_loss, ranks=4, dp=2, plan=plan,
+                          microbatches=2, optimizer=_adamw, threads=1, timeout_s=120)
+    with pipe:
+        losses = [pipe.step({"input_ids": _batch(s)[0]}, _batch(s)[1]) for s in range(3)]
+        state = pipe.state_dict()
+    opt = _adamw(list(reference.parameters()))
+    ref_losses = []
+    for s in range(3):
+        bx, by = _batch(s)
+        loss = lm_loss(reference(input_ids=bx), by)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    _assert_state(state, reference)
+
+
+def test_a_sharded_checkpoint_resumes_on_a_plain_pipeline_and_back(tmp_path: Path) -> None:
+    """Saved from 4 ranks (2 stages x 2-way FSDP), resumed on 2 ranks without replicas;
+    saved from there, resumed sharded again: every step matches one process."""
+    model, inputs, targets, loss_fn = _gpt()
+    reference = copy.deepcopy(model)
+    ref_losses, _ = _reference(reference, loss_fn, 6)
+    plan = _plan(model, inputs, targets, loss_fn)
+    options: dict[str, Any] = {"optimizer": _adamw, "threads": 1, "timeout_s": 120}
+    with orgel.pipeline(copy.deepcopy(model), inputs, targets, loss_fn, ranks=4, dp=2,
+                        plan=plan, microbatches=2, **options) as pipe:
+        losses = [pipe.step(*_batch(s)) for s in range(2)]
+        pipe.save(tmp_path / "sharded")
+    with load(tmp_path / "sharded", copy.deepcopy(model), inputs, targets, loss_fn, ranks=2,
+              **options) as plain:
+        assert plain.plan.placement == [(0,), (1,)]
+        losses += [plain.step(*_batch(s)) for s in range(2, 4)]
+        plain.save(tmp_path / "plain")
+    with load(tmp_path / "plain", copy.deepcopy(model), inputs, targets, loss_fn, ranks=4,
+              plan=plan, **options) as again:
+        assert again.plan.shard == ["fsdp", "fsdp"]
+        losses += [again.step(*_batch(s)) for s in range(4, 6)]
+        state = again.state_dict()
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    _assert_state(state, reference)
+
+
+def test_orgel_run_shard_fsdp_passes_its_check(capsys: pytest.CaptureFixture[str]) -> None:
+    from orgel.cli import main
+
+    code = main(["run", GPT, "--ranks", "4", "--dp", "2", "--shard", "fsdp",
+                 "--microbatches", "2", "--steps", "2", "--optimizer", "adamw",
+                 "--max-grad-norm", "0.5", "--check", "--tolerance", "1e-4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "-> OK" in out
+
+
+def test_bad_shard_options_are_refused_before_any_rank_starts() -> None:
+    from orgel.cli import main
+
+    model, inputs, targets, loss_fn = _gpt()
+    with pytest.raises(ValueError, match="shard must be one of 'none', 'fsdp'"):
+        orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, shard="zero3")
+    with pytest.raises(ValueError, match="pass dp=2 or more"):
+        orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, shard="fsdp")
+    assert main(["run", GPT, "--ranks", "2", "--shard", "fsdp"]) == 2
+    tied, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                           vocab_size=VOCAB, seq_len=16, tie_embeddings=True)
+    plan = _plan(tied, inputs, targets, loss_fn)
+    with pytest.raises(ValueError, match="tied parameter .* Use shard='none'"):
+        orgel.pipeline(tied, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
+                       microbatches=2, threads=1)
+    plan = _plan(model, inputs, targets, loss_fn)
+    with pytest.raises(ValueError, match="16-mixed.*not supported with FSDP"):
+        orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
+                       microbatches=2, threads=1, precision="16-mixed")
