@@ -78,7 +78,8 @@ def _assert_state(state: dict[str, torch.Tensor], model: nn.Module) -> None:
     assert list(state) == list(expected)
     for name, t in expected.items():
         assert not isinstance(state[name], torch.distributed.tensor.DTensor), name
-        torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _plan(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, *,
@@ -100,9 +101,7 @@ def test_a_gpt_on_two_stages_of_two_fsdp_replicas_matches_one_process() -> None:
     pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
                           microbatches=2, optimizer=_adamw, threads=1, timeout_s=120)
     with pipe:
-        assert pipe.plan.shard == ["fsdp", "fsdp"]
-        held = pipe.call_ranks("held_elements")
-        assert sum(held) == sum(p.numel() for p in reference.parameters())
+        _assert_sharded(pipe, reference)
         losses = [pipe.step(*_batch(s)) for s in range(3)]
         state = pipe.state_dict()
         ref_losses, _ = _reference(reference, loss_fn, 3)
@@ -112,6 +111,14 @@ def test_a_gpt_on_two_stages_of_two_fsdp_replicas_matches_one_process() -> None:
         x, y = _batch(7)
         assert pipe.evaluate(x, y) == pytest.approx(_loss(reference, loss_fn, 7), rel=1e-5)
         assert pipe.step(*_batch(3)) == pytest.approx(_loss(reference, loss_fn, 3), rel=1e-5)
+
+
+def _assert_sharded(pipe: Pipeline, model: nn.Module) -> None:
+    """Every stage is sharded: the ranks together hold each parameter element once (a
+    replicated stage's replicas would hold it twice)."""
+    assert pipe.plan.shard == ["fsdp", "fsdp"]
+    held = pipe.call_ranks("held_elements")
+    assert sum(held) == sum(p.numel() for p in model.parameters()), held
 
 
 def _loss(model: nn.Module, loss_fn: Any, step: int) -> float:
@@ -134,6 +141,7 @@ def test_zero_bubble_with_accumulation_and_clipping_matches_one_process() -> Non
                           microbatches=2, optimizer=_adamw, threads=1, timeout_s=120,
                           accumulate=2, max_grad_norm=0.5)
     with pipe:
+        _assert_sharded(pipe, reference)
         losses, norms = [], []
         for s in range(4):
             losses.append(pipe.step(*_batch(s)))
@@ -166,6 +174,7 @@ def test_a_hugging_face_llama_sharded_matches_one_process() -> None:
     pipe = orgel.pipeline(model, {"input_ids": x}, y, lm_loss, ranks=4, dp=2, plan=plan,
                           microbatches=2, optimizer=_adamw, threads=1, timeout_s=120)
     with pipe:
+        _assert_sharded(pipe, reference)
         losses = [pipe.step({"input_ids": _batch(s)[0]}, _batch(s)[1]) for s in range(3)]
         state = pipe.state_dict()
     opt = _adamw(list(reference.parameters()))
@@ -191,6 +200,7 @@ def test_a_sharded_checkpoint_resumes_on_a_plain_pipeline_and_back(tmp_path: Pat
     options: dict[str, Any] = {"optimizer": _adamw, "threads": 1, "timeout_s": 120}
     with orgel.pipeline(copy.deepcopy(model), inputs, targets, loss_fn, ranks=4, dp=2,
                         plan=plan, microbatches=2, **options) as pipe:
+        _assert_sharded(pipe, reference)
         losses = [pipe.step(*_batch(s)) for s in range(2)]
         pipe.save(tmp_path / "sharded")
     with load(tmp_path / "sharded", copy.deepcopy(model), inputs, targets, loss_fn, ranks=2,
@@ -200,7 +210,7 @@ def test_a_sharded_checkpoint_resumes_on_a_plain_pipeline_and_back(tmp_path: Pat
         plain.save(tmp_path / "plain")
     with load(tmp_path / "plain", copy.deepcopy(model), inputs, targets, loss_fn, ranks=4,
               plan=plan, **options) as again:
-        assert again.plan.shard == ["fsdp", "fsdp"]
+        _assert_sharded(again, reference)
         losses += [again.step(*_batch(s)) for s in range(4, 6)]
         state = again.state_dict()
     assert losses == pytest.approx(ref_losses, rel=1e-5)

@@ -22,7 +22,7 @@ built over it. The rest is what ``torch.distributed.pipelining`` does with FSDP2
   loss carries ``1 / (microbatches x replicas)``; see :mod:`orgel.runtime.optim`),
   then the weights are resharded;
 * the global gradient norm counts every replica's local shard once
-  (:func:`local`), and a parameter or optimizer state leaves a rank whole
+  (:func:`own_part`), and a parameter or optimizer state leaves a rank whole
   (:func:`full_tensor`, a gather over the stage's ranks that every replica makes)
   and comes back as the shard of this rank (:func:`shard_like`), so state dicts
   and checkpoints hold full tensors under the model's own names and resume on
@@ -98,7 +98,7 @@ def is_sharded(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
+def own_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's own part of ``t`` (a DTensor's local shard; any other tensor itself)."""
     return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined, no-any-return]
 
@@ -118,8 +118,9 @@ def shard_like(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return value
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(value.detach().to(like.device, like.dtype), like.device_mesh,
-                             like.placements, src_data_rank=None)  # type: ignore[attr-defined]
+    mesh, placements = like.device_mesh, like.placements  # type: ignore[attr-defined]
+    return distribute_tensor(value.detach().to(like.device, like.dtype), mesh, placements,
+                             src_data_rank=None)
 
 
 class Sharding:

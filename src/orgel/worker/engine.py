@@ -22,7 +22,7 @@ from orgel import guard
 from orgel.graph import glue
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import OptimizerFactory
-from orgel.runtime.sharding import full_tensor, local, shard_like
+from orgel.runtime.sharding import full_tensor, own_part, shard_like
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
@@ -150,7 +150,7 @@ class RankEngine:
     def held_elements(self) -> int:
         """Parameter elements this rank holds: a sharded stage's shards only (each parameter
         object once; :mod:`orgel.runtime.sharding`)."""
-        return sum(local(p).numel() for p in self.executor.parameters())
+        return sum(own_part(p).numel() for p in self.executor.parameters())
 
     def timeline(self) -> list[Any]:
         """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""
