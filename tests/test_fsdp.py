@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -129,10 +130,27 @@ def _loss(model: nn.Module, loss_fn: Any, step: int) -> float:
         return float(loss_fn(model(x), y))
 
 
-def test_zero_bubble_with_accumulation_and_clipping_matches_one_process() -> None:
+def _count_collectives(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Make FSDP2's all-gather and reduce-scatter write a line per call into ``folder``,
+    one file per process (the ranks are forked from this one: they inherit it)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+
+    for name in ("foreach_all_gather", "foreach_reduce"):
+        def counted(*args: Any, _name: str = name, _orig: Any = getattr(group, name),
+                    **kwargs: Any) -> Any:
+            with open(folder / str(os.getpid()), "a") as f:
+                f.write(_name + "\n")
+            return _orig(*args, **kwargs)
+        monkeypatch.setattr(group, name, counted)
+
+
+def test_zero_bubble_with_accumulation_and_clipping_matches_one_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ZB-H1 (split backward: I then W), accumulate=2, max_grad_norm: the reduce-scatter
     runs after each rank's last W of the optimizer-stepping call only; the global norm
-    counts every shard once."""
+    counts every shard once. The weights are gathered once per optimizer step, not per
+    micro-batch (4 calls of 2 micro-batches, accumulate=2: 2 gathers and 2 reduces)."""
+    _count_collectives(monkeypatch, tmp_path)
     model, inputs, targets, loss_fn = _gpt()
     reference = copy.deepcopy(model)
     plan = _plan(model, inputs, targets, loss_fn, schedule="zb-h1")
@@ -148,6 +166,10 @@ def test_zero_bubble_with_accumulation_and_clipping_matches_one_process() -> Non
             if s % 2:
                 norms.append(pipe.grad_norm)
         state = pipe.state_dict()
+    calls = [f.read_text().split() for f in sorted(tmp_path.iterdir())]
+    assert len(calls) == 4  # every rank holds a sharded stage
+    for made in calls:
+        assert sorted(made) == ["foreach_all_gather"] * 2 + ["foreach_reduce"] * 2, made
     ref_losses, ref_norms = _reference(reference, loss_fn, 4, accumulate=2, max_grad_norm=0.5)
     assert ref_norms[0] > 0.5  # the clipping bites
     assert losses == pytest.approx(ref_losses, rel=1e-5)
