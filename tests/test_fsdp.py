@@ -135,13 +135,17 @@ def _count_collectives(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
     one file per process (the ranks are forked from this one: they inherit it)."""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
 
-    for name in ("foreach_all_gather", "foreach_reduce"):
-        def counted(*args: Any, _name: str = name, _orig: Any = getattr(group, name),
-                    **kwargs: Any) -> Any:
+    def counting(name: str) -> Any:
+        original = getattr(group, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
             with open(folder / str(os.getpid()), "a") as f:
-                f.write(_name + "\n")
-            return _orig(*args, **kwargs)
-        monkeypatch.setattr(group, name, counted)
+                f.write(name + "\n")
+            return original(*args, **kwargs)
+        return counted
+
+    for name in ("foreach_all_gather", "foreach_reduce"):
+        monkeypatch.setattr(group, name, counting(name))
 
 
 def test_zero_bubble_with_accumulation_and_clipping_matches_one_process(
