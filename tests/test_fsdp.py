@@ -28,6 +28,7 @@ import orgel
 from orgel.explicit.api import Pipeline, load
 from orgel.graph.capture import capture
 from orgel.models import build
+from orgel.runtime.errors import StepError
 from orgel.runtime.plans import balanced_plan
 from orgel.runtime.sharding import mark_sharded
 from orgel.schedule.ir import Plan
@@ -55,17 +56,23 @@ def _gpt() -> tuple[nn.Module, Any, Any, Any]:
 
 
 def _reference(model: nn.Module, loss_fn: Any, steps: int, *, accumulate: int = 1,
-               max_grad_norm: float | None = None) -> tuple[list[float], list[float]]:
+               max_grad_norm: float | None = None,
+               skip: set[int] = frozenset()) -> tuple[list[float], list[float]]:  # type: ignore[assignment]
     """One process: the same steps (and accumulation, clipping) with plain PyTorch;
-    the losses of every call and the gradient norm of every optimizer step."""
+    the losses of every call and the gradient norm of every optimizer step. The calls
+    in ``skip`` (dropped ones) are left out."""
     opt = _adamw(list(model.parameters()))
     losses, norms = [], []
+    done = 0
     for s in range(steps):
+        if s in skip:
+            continue
         x, y = _batch(s)
         loss = loss_fn(model(x), y)
         (loss / accumulate).backward()
         losses.append(loss.item())
-        if (s + 1) % accumulate == 0:
+        done += 1
+        if done % accumulate == 0:
             if max_grad_norm is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                   max_grad_norm)))
@@ -239,6 +246,39 @@ def test_a_sharded_checkpoint_resumes_on_a_plain_pipeline_and_back(tmp_path: Pat
         _assert_sharded(again, reference)
         losses += [again.step(*_batch(s)) for s in range(4, 6)]
         state = again.state_dict()
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    _assert_state(state, reference)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_dropped_step_on_one_replica_of_a_sharded_stage_changes_nothing(
+        accumulate: int) -> None:
+    """A target out of range in micro-batch 0's rows of one replica of the sharded loss
+    stage (rank 3): that rank computes nothing more, every rank drops the call, and
+    training goes on as one process that never saw the bad batch. accumulate=1: the
+    dropped call is the reducing one, and rank 3 (no gradient at all) still meets its
+    peer's reduce-scatter; accumulate=2: the dropped call only accumulated, and the
+    whole weights' gradients it summed are forgotten."""
+    model, inputs, targets, loss_fn = _gpt()
+    reference = copy.deepcopy(model)
+    plan = _plan(model, inputs, targets, loss_fn)
+    pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
+                          microbatches=2, optimizer=_adamw, threads=1, timeout_s=30,
+                          accumulate=accumulate)
+    bad_call = 1 if accumulate == 1 else 0
+    losses = []
+    with pipe:
+        for s in range(5):
+            x, y = _batch(s)
+            if s != bad_call:
+                losses.append(pipe.step(x, y))
+                continue
+            bad = y.clone()
+            bad[3, -1] = VOCAB + 5  # micro-batch 0 (rows 0-3), replica 1 (rows 2-3): rank 3
+            with pytest.raises(StepError, match="rank 3 failed in step"):
+                pipe.step(x, bad)
+        state = pipe.state_dict()
+    ref_losses, _ = _reference(reference, loss_fn, 5, accumulate=accumulate, skip={bad_call})
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _assert_state(state, reference)
 

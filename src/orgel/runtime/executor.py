@@ -392,7 +392,7 @@ class Executor(BackwardActions, DroppedStep):
         self._in_grads = {}
         for rset in self.reduce_after.get(pos, ()) if self._final else ():
             self.sync.launch_replicas(rset)
-        self.sharding.after(pos, self._final)
+        self.sharding.after(pos, self._final, self._failed is not None)
 
     def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
         """Whether value ``name`` sends a gradient back (the split says; default: floats)."""

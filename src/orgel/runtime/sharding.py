@@ -180,19 +180,33 @@ class Sharding:
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(False)
 
-    def after(self, pos: int, final: bool) -> None:
+    def after(self, pos: int, final: bool, failed: bool = False) -> None:
         """After the action at ``pos``: reduce the stages whose last backward it was
-        (``final``: the call that steps the optimizer; the others only accumulate)."""
+        (``final``: the call that steps the optimizer; the others only accumulate).
+        ``failed``: this rank's work raised this step (it is being dropped)."""
         if final:
             for s in self.reduce_after.get(pos, ()):
-                self.reduce(s)
+                self.reduce(s, failed)
 
-    def reduce(self, s: int) -> None:
+    def reduce(self, s: int, failed: bool = False) -> None:
         """Reduce-scatter stage ``s``'s whole gradients into its shards' ``.grad``, and
-        reshard its weights (every replica of the stage calls this, once per step)."""
+        reshard its weights (every replica of the stage calls this, once per step).
+
+        ``failed``: this rank's work raised and skipped the stage's backward; it
+        reduce-scatters zeros for what it has no gradient of, so that its peers'
+        reduce-scatter meets it (the step is dropped afterwards on every rank).
+        """
         from torch.distributed.fsdp import fully_shard
 
         module = self.modules[s]
+        if failed:
+            for fsdp_param in _fsdp_params(module):
+                if not hasattr(fsdp_param, "_unsharded_param"):
+                    continue  # never gathered here: nothing to meet the peers with
+                whole = fsdp_param.unsharded_param
+                if (whole.requires_grad and whole.grad is None
+                        and fsdp_param.unsharded_accumulated_grad is None):
+                    whole.grad = torch.zeros_like(whole)
         module.set_is_last_backward(True)
         module.set_reshard_after_backward(True)
         module.set_requires_gradient_sync(True)
@@ -203,6 +217,14 @@ class Sharding:
         # waits for the reduction and resets the per-step state, as pipelining does
         state._root_post_backward_final_callback()
         module.reshard()
+
+    def drop(self) -> None:
+        """Forget the whole weights' gradients summed since the last reduce (a dropped step)."""
+        for module in self.modules.values():
+            for fsdp_param in _fsdp_params(module):
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param.unsharded_param.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
 
     def reshard(self) -> None:
         """Put every sharded stage's weights back to their shards (the state's own objects)."""
@@ -224,3 +246,11 @@ class Sharding:
         finally:
             for module in was:
                 module.reshard()
+
+
+def _fsdp_params(module: Any) -> list[Any]:
+    """The FSDP2 parameters of a ``fully_shard`` module (torch's ``FSDPParam`` objects)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
