@@ -188,6 +188,26 @@ def test_zero_bubble_with_accumulation_and_clipping_matches_one_process(
     _assert_state(state, reference)
 
 
+def test_bf16_mixed_sharded_trains_as_the_replicated_pipeline() -> None:
+    """precision="bf16-mixed": replicas on half the rows differ from one process in bfloat16
+    (as without sharding), so the reference is the same plan with whole replicas; FSDP
+    must train exactly as it does (both sum the replicas' float32 gradients)."""
+    model, inputs, targets, loss_fn = _gpt()
+    runs = []
+    for shard in ("none", "fsdp"):
+        plan = _plan(model, inputs, targets, loss_fn, shard=shard)
+        with orgel.pipeline(copy.deepcopy(model), inputs, targets, loss_fn, ranks=4, dp=2,
+                            plan=plan, microbatches=2, optimizer=_adamw, threads=1,
+                            timeout_s=120, precision="bf16-mixed") as pipe:
+            if shard == "fsdp":
+                _assert_sharded(pipe, model)
+            runs.append(([pipe.step(*_batch(s)) for s in range(2)], pipe.state_dict()))
+    (losses, state), (sharded_losses, sharded_state) = runs
+    assert sharded_losses == pytest.approx(losses, rel=1e-5)
+    for name, t in state.items():
+        torch.testing.assert_close(sharded_state[name], t, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.hf
 def test_a_hugging_face_llama_sharded_matches_one_process() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
