@@ -314,6 +314,25 @@ def test_orgel_run_shard_fsdp_passes_its_check(capsys: pytest.CaptureFixture[str
     assert "-> OK" in out
 
 
+def test_shard_fsdp_marks_the_planners_replicated_stages() -> None:
+    """No plan given: ``shard="fsdp"`` marks every stage the planner gives two or more
+    replicas, and the pipeline trains as one process."""
+    model, inputs, targets, loss_fn = _gpt()
+    reference = copy.deepcopy(model)
+    with orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, dp=2, shard="fsdp",
+                        microbatches=2, optimizer=_adamw, threads=1, timeout_s=120) as pipe:
+        plan = pipe.plan
+        assert plan.shard == ["fsdp" if len(r) > 1 else "none" for r in plan.placement]
+        assert "fsdp" in plan.shard
+        held = pipe.call_ranks("held_elements")
+        assert sum(held) == sum(p.numel() for p in reference.parameters()), held
+        losses = [pipe.step(*_batch(s)) for s in range(2)]
+        state = pipe.state_dict()
+    ref_losses, _ = _reference(reference, loss_fn, 2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    _assert_state(state, reference)
+
+
 def test_bad_shard_options_are_refused_before_any_rank_starts() -> None:
     from orgel.cli import main
 
