@@ -6,7 +6,8 @@ list; for each action it waits for the messages that must arrive before it
 (posted ahead by :class:`~orgel.runtime.comm.Transport`), runs it through one
 dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``; the
 backward ones: :mod:`orgel.runtime.backward_actions`), then sends what the
-action produced. After the list: wait for the sends, reduce gradients across
+action produced (and after a sharded stage's last backward, reduce-scatters its
+gradients: :mod:`orgel.runtime.sharding`). After the list: wait for the sends, reduce gradients across
 replicas and tied copies, clip by the global norm, average the buffers that
 replicated stages updated (BatchNorm statistics: :mod:`orgel.runtime.buffers`),
 step the optimizer and its schedule (with ``accumulate=k``, only every ``k``-th
