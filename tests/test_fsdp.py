@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -331,6 +332,51 @@ def test_shard_fsdp_marks_the_planners_replicated_stages() -> None:
     ref_losses, _ = _reference(reference, loss_fn, 2)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _assert_state(state, reference)
+
+
+TORCHRUN_SCRIPT = '''
+import copy, json, sys
+import torch
+import orgel
+from orgel.models import build
+
+model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
+reference = copy.deepcopy(model)
+sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, dp=2, shard="fsdp",
+                      microbatches=2, optimizer=sgd)
+losses = [pipe.step(inputs, targets) for _ in range(2)]
+state = pipe.state_dict()
+opt = sgd(list(reference.parameters()))
+ref = []
+for _ in range(2):
+    opt.zero_grad()
+    loss = loss_fn(reference(*inputs), targets)
+    loss.backward()
+    opt.step()
+    ref.append(loss.item())
+diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+with open(f"{sys.argv[1]}/result{torch.distributed.get_rank()}.json", "w") as f:
+    json.dump({"losses": losses, "ref": ref, "diff": diff, "shard": pipe.plan.shard,
+               "held": pipe.call_ranks("held_elements"),
+               "total": sum(p.numel() for p in reference.parameters())}, f)
+pipe.close()
+'''
+
+
+def test_shard_fsdp_under_torchrun(tmp_path: Path) -> None:
+    """The same script on 2 torchrun ranks: rank 0 plans and marks the plan, every rank
+    shards, and each rank's result matches one process."""
+    from test_api_torchrun import _torchrun
+
+    code, log = _torchrun(tmp_path, TORCHRUN_SCRIPT, str(tmp_path))
+    assert code == 0, log[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert "fsdp" in result["shard"]
+        assert sum(result["held"]) == result["total"]  # every element held once
+        assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
+        assert result["diff"] < 1e-4
 
 
 def test_bad_shard_options_are_refused_before_any_rank_starts() -> None:
