@@ -7,9 +7,10 @@ list; for each action it waits for the messages that must arrive before it
 dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``; the
 backward ones: :mod:`orgel.runtime.backward_actions`), then sends what the
 action produced (and after a sharded stage's last backward, reduce-scatters its
-gradients: :mod:`orgel.runtime.sharding`). After the list: wait for the sends, reduce gradients across
-replicas and tied copies, clip by the global norm, average the buffers that
-replicated stages updated (BatchNorm statistics: :mod:`orgel.runtime.buffers`),
+gradients: :mod:`orgel.runtime.sharding`). After the list: wait for the sends,
+reduce gradients across replicas and tied copies, clip by the global norm,
+average the buffers that replicated stages updated (BatchNorm statistics:
+:mod:`orgel.runtime.buffers`),
 step the optimizer and its schedule (with ``accumulate=k``, only every ``k``-th
 call does this, but the buffers are averaged on every call; see
 :mod:`orgel.runtime.optimizer`).
