@@ -56,13 +56,18 @@ def _gpt() -> tuple[nn.Module, Any, Any, Any]:
     return model, inputs, targets, loss_fn
 
 
+def _halving(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+
+
 def _reference(model: nn.Module, loss_fn: Any, steps: int, *, accumulate: int = 1,
-               max_grad_norm: float | None = None,
+               max_grad_norm: float | None = None, scheduler: Any = None,
                skip: set[int] = frozenset()) -> tuple[list[float], list[float]]:  # type: ignore[assignment]
-    """One process: the same steps (and accumulation, clipping) with plain PyTorch;
-    the losses of every call and the gradient norm of every optimizer step. The calls
-    in ``skip`` (dropped ones) are left out."""
+    """One process: the same steps (and accumulation, clipping, schedule) with plain
+    PyTorch; the losses of every call and the gradient norm of every optimizer step.
+    The calls in ``skip`` (dropped ones) are left out."""
     opt = _adamw(list(model.parameters()))
+    schedule = None if scheduler is None else scheduler(opt)
     losses, norms = [], []
     done = 0
     for s in range(steps):
@@ -79,6 +84,8 @@ def _reference(model: nn.Module, loss_fn: Any, steps: int, *, accumulate: int = 
                                                                   max_grad_norm)))
             opt.step()
             opt.zero_grad()
+            if schedule is not None:
+                schedule.step()
     return losses, norms
 
 
@@ -116,6 +123,12 @@ def test_a_gpt_on_two_stages_of_two_fsdp_replicas_matches_one_process() -> None:
         ref_losses, _ = _reference(reference, loss_fn, 3)
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         _assert_state(state, reference)
+        _assert_state(pipe.copy_to(copy.deepcopy(model)).state_dict(), reference)
+        # load_state_dict reaches the shards: the state read back is the state loaded
+        fresh, _, _, _ = _gpt()
+        pipe.load_state_dict(fresh.state_dict())
+        _assert_state(pipe.state_dict(), fresh)
+        pipe.load_state_dict(state)
         # evaluation reads the sharded stages' weights whole; training goes on after it
         x, y = _batch(7)
         assert pipe.evaluate(x, y) == pytest.approx(_loss(reference, loss_fn, 7), rel=1e-5)
@@ -158,7 +171,8 @@ def _count_collectives(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
 
 def test_zero_bubble_with_accumulation_and_clipping_matches_one_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ZB-H1 (split backward: I then W), accumulate=2, max_grad_norm: the reduce-scatter
+    """ZB-H1 (split backward: I then W), accumulate=2, max_grad_norm, a learning-rate
+    schedule over the sharded parameters' optimizer: the reduce-scatter
     runs after each rank's last W of the optimizer-stepping call only; the global norm
     counts every shard once. The weights are gathered once per optimizer step, not per
     micro-batch (4 calls of 2 micro-batches, accumulate=2: 2 gathers and 2 reduces)."""
@@ -169,7 +183,7 @@ def test_zero_bubble_with_accumulation_and_clipping_matches_one_process(
     assert any(a.kind == "W" for a in plan.schedule[0])
     pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
                           microbatches=2, optimizer=_adamw, threads=1, timeout_s=120,
-                          accumulate=2, max_grad_norm=0.5)
+                          accumulate=2, max_grad_norm=0.5, scheduler=_halving)
     with pipe:
         _assert_sharded(pipe, reference)
         losses, norms = [], []
@@ -182,7 +196,8 @@ def test_zero_bubble_with_accumulation_and_clipping_matches_one_process(
     assert len(calls) == 4  # every rank holds a sharded stage
     for made in calls:
         assert sorted(made) == ["foreach_all_gather"] * 2 + ["foreach_reduce"] * 2, made
-    ref_losses, ref_norms = _reference(reference, loss_fn, 4, accumulate=2, max_grad_norm=0.5)
+    ref_losses, ref_norms = _reference(reference, loss_fn, 4, accumulate=2, max_grad_norm=0.5,
+                                       scheduler=_halving)
     assert ref_norms[0] > 0.5  # the clipping bites
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
