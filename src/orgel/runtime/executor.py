@@ -6,14 +6,14 @@ list; for each action it waits for the messages that must arrive before it
 (posted ahead by :class:`~orgel.runtime.comm.Transport`), runs it through one
 dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``; the
 backward ones: :mod:`orgel.runtime.backward_actions`), then sends what the
-action produced (and after a sharded stage's last backward, reduce-scatters its
-gradients: :mod:`orgel.runtime.sharding`). After the list: wait for the sends,
-reduce gradients across replicas and tied copies, clip by the global norm,
-average the buffers that replicated stages updated (BatchNorm statistics:
-:mod:`orgel.runtime.buffers`),
+action produced. After the list: wait for the sends, reduce gradients across
+replicas and tied copies, clip by the global norm, average the buffers that
+replicated stages updated (BatchNorm statistics: :mod:`orgel.runtime.buffers`),
 step the optimizer and its schedule (with ``accumulate=k``, only every ``k``-th
 call does this, but the buffers are averaged on every call; see
 :mod:`orgel.runtime.optimizer`).
+A stage the plan shards (FSDP2 over its replicas) reduce-scatters its gradients
+right after the rank's last backward of it instead (:mod:`orgel.runtime.sharding`).
 
 Boundary protocol: received (or locally handed over) activations become
 detached leaves with ``requires_grad``; an output's gradient is the sum over
