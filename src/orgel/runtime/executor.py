@@ -175,10 +175,9 @@ class Executor(BackwardActions, DroppedStep):
         for info in self.stages.values():
             place(info.stage.module, self.device)
         check_sharded(plan, split, loss_scaling=bool(loss_scaling))
-        ranks = list(range(plan.num_ranks))
         # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`)
-        self.sharding = Sharding(plan, self.stages, self.rank, ranks=ranks, device=self.device,
-                                 actions=self.actions)
+        self.sharding = Sharding(plan, self.stages, self.rank, ranks=list(range(plan.num_ranks)),
+                                 device=self.device, actions=self.actions)
         self.comm = comm
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)
@@ -187,6 +186,7 @@ class Executor(BackwardActions, DroppedStep):
                       for e in plan.stage_graph.edges]
         if store is None:
             store = dist.distributed_c10d._get_default_store()
+        ranks = list(range(plan.num_ranks))
         self.transport = Transport(plan, self.comm, self.rank, store=store, device=self.device,
                                    timeout=timeout, ranks=ranks,
                                    post_ahead=backend != "nccl" if post_ahead is None
