@@ -33,6 +33,7 @@ EXAMPLES = (
     "orgel run examples/gpt.py:workload --ranks 4 --microbatches 8 --plan plan.json --check",
     "orgel run examples/gpt.py:workload --ranks 2 --device cuda --check",
     "orgel run examples/gpt.py:workload --ranks 4 --tp 2 --check",
+    "orgel run examples/gpt.py:workload --ranks 4 --dp 2 --shard fsdp --check",
 )
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -44,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="processes to run (default 2)")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel replicas of the whole pipeline (divides --ranks)")
+    parser.add_argument("--shard", choices=("none", "fsdp"), default="none",
+                        help="how a stage's --dp replicas hold its state: none (default: a "
+                             "whole copy each, gradients all-reduced) or fsdp (torch FSDP2 "
+                             "over the replicas: parameters, gradients and optimizer state "
+                             "sharded; needs --dp 2 or more; a --plan keeps its own)")
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--schedule", default="1f1b",
                      help="schedule family over a balanced chain (default 1f1b): gpipe, 1f1b, "
@@ -105,6 +111,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 f"process, --tp of them per pipeline rank)")
     if args.tp > 1 and args.dp > 1:
         return "--tp with --dp: tensor parallelism inside data-parallel stages is not supported"
+    if args.shard == "fsdp" and args.dp < 2 and not args.plan:
+        return "--shard fsdp shards a stage over its data-parallel replicas: pass --dp 2 or more"
+    if args.shard == "fsdp" and getattr(args, "precision", "32") == "16-mixed":
+        return ("--shard fsdp does not support --precision 16-mixed (float16 loss scaling): "
+                "use bf16-mixed or 32")
     if args.timeout <= 0:
         return "--timeout must be a positive number of seconds"
     return None
@@ -168,6 +179,7 @@ def _prepare(args: argparse.Namespace) -> Any:
     """Load and check the workload, make (or load) the plan and validate it; the plan."""
     from orgel.graph.capture import capture
     from orgel.runtime.plans import balanced_plan
+    from orgel.runtime.sharding import mark_sharded
     from orgel.runtime.tensor_parallel import with_tp
     from orgel.schedule.ir import Plan
     from orgel.schedule.validate import validate
@@ -191,6 +203,7 @@ def _prepare(args: argparse.Namespace) -> Any:
         plan = balanced_plan(graph, ranks=ranks, microbatches=args.microbatches,
                              schedule=args.schedule, dp=args.dp,
                              stages_per_rank=args.stages_per_rank)
+        plan = mark_sharded(plan, args.shard)
     if args.recompute:
         plan.recompute = [True] * plan.num_stages
     validate(plan)  # an invalid plan never starts a process
@@ -309,6 +322,7 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     from orgel.graph.capture import capture
     from orgel.precision import scales_loss
     from orgel.runtime.executor import Executor
+    from orgel.runtime.sharding import full_tensor
     from orgel.schedule.ir import Plan
     from orgel.split import split_plan
     from orgel.workload import load_workload, microbatches, named_inputs, with_precision
@@ -330,9 +344,8 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     inputs = named_inputs(workload.model, workload.inputs)
     torch.manual_seed(0)
     losses = [executor.step(inputs, workload.targets) for _ in range(options["steps"])]
-    from orgel.runtime.tensor_parallel import full
-
-    params = [(n, full(p.detach()).clone()) for n, p in executor.named_parameters()]
+    # whole tensors (a sharded stage's are gathered: every replica or member takes part)
+    params = [(n, full_tensor(p).detach().clone()) for n, p in executor.named_parameters()]
     # the members of a tensor-parallel rank run the same actions: member 0's events stand
     return host({"losses": losses, "events": executor.events if executor.member == 0 else [],
                  "params": params if options["check"] else []})

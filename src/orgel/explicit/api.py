@@ -40,6 +40,7 @@ from orgel.runtime.devices import (
 )
 from orgel.runtime.launch import init_from_env, under_torchrun
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
+from orgel.runtime.sharding import check_shard_option, check_sharded, mark_sharded
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import (
     Init,
@@ -100,6 +101,7 @@ def pipeline(
     batch_dim: BatchDim = 0,
     device: str | None = None,
     tp: int = 1,
+    shard: str = "none",
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -108,6 +110,13 @@ def pipeline(
     targets)`` returns the batch-mean loss. ``optimizer(params)`` builds each
     rank's optimizer (default: AdamW, lr 1e-3). ``memory`` caps bytes per rank
     for the planner; ``dp`` asks for that many data-parallel replicas.
+    ``shard``: how a stage's data-parallel replicas hold its state: ``"none"``
+    (default: each replica a whole copy, gradients all-reduced) or ``"fsdp"``
+    (torch FSDP2 over the stage's replicas: parameters, gradients and optimizer
+    state sharded, the weights gathered once per step and the gradients
+    reduce-scattered once per step; :mod:`orgel.runtime.sharding`). ``"fsdp"``
+    marks every stage of two or more replicas in the plan the planner makes (it
+    needs ``dp`` >= 2); a given ``plan`` keeps its own per-stage ``shard`` fields.
     ``microbatches="auto"`` lets the planner choose the count for the example
     batch (each size it tries is profiled; ``pipe.plan.meta["microbatch_search"]``
     lists them); with a given ``plan``, "auto" takes the plan's count.
@@ -173,6 +182,9 @@ def pipeline(
     ``load``), ``evaluate``, or a forward with graph breaks.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
+    check_shard_option(shard, dp)
+    planned_here = plan is None  # a given plan's own shard fields rule
+
     from orgel.runtime.tensor_parallel import pipeline_ranks, with_tp
 
     world, ranks = ranks, pipeline_ranks(ranks, tp, dp)
@@ -201,7 +213,8 @@ def pipeline(
         return _spmd_pipeline(workload, ranks=world, microbatches=microbatches,
                               executor_options=executor_options, optimizer=optimizer,
                               memory=memory, dp=dp, plan=plan, timeout_s=timeout_s, keys=keys,
-                              aliases=aliases, source=source, kind=kind, tp=tp)
+                              aliases=aliases, source=source, kind=kind, shard=shard,
+                              tp=tp)
     from orgel.runtime.launch import LocalGroup
 
     if kind == "cuda" and plan is None:  # timed on the GPU, by a process of its own
@@ -219,6 +232,9 @@ def pipeline(
         the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp,
                                           source, optimizer)
         the_plan = with_tp(the_plan, tp, graph)
+    if planned_here:
+        the_plan = mark_sharded(the_plan, shard)
+    check_sharded(the_plan, split, loss_scaling=bool(scaling))
     if graph.glue is not None:  # several graphs: the controller runs the Python between them
         from orgel.explicit import glued
 
@@ -345,7 +361,8 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                    optimizer: OptimizerFactory, memory: int | None, dp: int,
                    plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
                    aliases: dict[str, str], executor_options: dict[str, Any],
-                   source: Weights | None = None, kind: str = "cpu", tp: int = 1) -> Pipeline:
+                   source: Weights | None = None, kind: str = "cpu",
+                   shard: str = "none", tp: int = 1) -> Pipeline:
 
     import torch.distributed as dist
 
@@ -367,15 +384,19 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         text: list[Any] = [None, None]
         if process == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
             with profiling_on(kind):
-                planned = resolve_plan(plan, workload, graph, ranks // tp, microbatches, memory,
-                                       dp, source=source, optimizer=optimizer)
-                text = [with_tp(planned, tp, graph).to_json(), torch.initial_seed()]
+                resolved = resolve_plan(plan, workload, graph, ranks // tp, microbatches,
+                                        memory, dp, source=source, optimizer=optimizer)
+                if plan is None:
+                    resolved = mark_sharded(resolved, shard)
+                text = [with_tp(resolved, tp, graph).to_json(), torch.initial_seed()]
         dist.broadcast_object_list(text, src=0)
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
             graph = capture_microbatch(workload, the_plan.microbatches)
         one_graph_only(graph)
         split = split_for(workload, graph, the_plan)
+        check_sharded(the_plan, split,
+                      loss_scaling=bool(executor_options.get("loss_scaling")))
         evaluation = eval_split_for(workload, the_plan, split)
     if source is not None:
         source.seed = int(text[1])

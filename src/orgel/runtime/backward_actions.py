@@ -118,7 +118,8 @@ class BackwardActions:
             computed: list[torch.Tensor | None] = [None] * len(leaves)
             if roots:
                 computed, run.work = input_backward(roots, grads, list(leaves.values()),
-                                                    [p for p in info.params if p.requires_grad])
+                                                    [p for p in info.stage.module.parameters()
+                                                     if p.requires_grad])
             got = dict(zip(leaves, computed, strict=True))
             run.outputs = tuple(t.detach() for t in run.outputs)
         self._in_grads = {n: g if g is not None else torch.zeros_like(leaves[n])

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from orgel.runtime.sharding import full_tensor, shard_like
+
 FORMAT = "orgel-checkpoint"
 VERSION = 1
 LATEST = "LATEST"
@@ -68,8 +70,8 @@ def named_optimizer_state(
             name = name_of[id(p)]
             names.append(name)
             if p in optimizer.state:
-                state[name] = {
-                    k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                state[name] = {  # a sharded state whole (full_tensor gathers it)
+                    k: full_tensor(v).detach().clone() if isinstance(v, torch.Tensor) else v
                     for k, v in optimizer.state[p].items()
                 }
         hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
@@ -105,8 +107,11 @@ def load_named_optimizer_state(
     # state_dict()'s integer ids enumerate params in group order
     flat = [p for g in optimizer.param_groups for p in g["params"]]
     names = [params[id_of[id(p)]][0] for p in flat]
+    # a sharded parameter's state comes back as this rank's shard of it
     new_state = {
-        i: dict(named["state"][name]) for i, name in enumerate(names) if name in named["state"]
+        i: {k: shard_like(p, v) if isinstance(v, torch.Tensor) else v
+            for k, v in named["state"][name].items()}
+        for i, (p, name) in enumerate(zip(flat, names, strict=True)) if name in named["state"]
     }
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
 

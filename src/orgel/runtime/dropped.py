@@ -25,6 +25,7 @@ from orgel.runtime.comm import Transport
 from orgel.runtime.errors import PeerStepFailed, StepAbandoned, StepFailure, describe
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import OptimizerLoop
+from orgel.runtime.sharding import Sharding
 from orgel.runtime.stage import Run, StageInfo
 
 
@@ -36,6 +37,7 @@ class DroppedStep:
     stages: dict[int, StageInfo]
     transport: Transport
     sync: GradSync
+    sharding: Sharding
     loop: OptimizerLoop
     abandon_on_error: bool
     _failed: tuple[BaseException, str] | None
@@ -84,6 +86,7 @@ class DroppedStep:
         """
         for p in self.sync.all_params:
             p.grad = None
+        self.sharding.drop()
         self.loop.pending = 0
         with torch.no_grad():
             for (s, name), saved in self._written.items():

@@ -12,6 +12,8 @@ replicated stages updated (BatchNorm statistics: :mod:`orgel.runtime.buffers`),
 step the optimizer and its schedule (with ``accumulate=k``, only every ``k``-th
 call does this, but the buffers are averaged on every call; see
 :mod:`orgel.runtime.optimizer`).
+A stage the plan shards (FSDP2 over its replicas) reduce-scatters its gradients
+right after the rank's last backward of it instead (:mod:`orgel.runtime.sharding`).
 
 Boundary protocol: received (or locally handed over) activations become
 detached leaves with ``requires_grad``; an output's gradient is the sum over
@@ -71,6 +73,7 @@ from orgel.runtime.optimizer import (
 )
 from orgel.runtime.outputs import Share, keep
 from orgel.runtime.scaler import LossScaler
+from orgel.runtime.sharding import Sharding, check_sharded
 from orgel.runtime.stage import (
     Run,
     StageInfo,
@@ -177,6 +180,10 @@ class Executor(BackwardActions, DroppedStep):
             place(info.stage.module, self.device)
         if plan.tp > 1:  # each stage's regions split over the pipeline rank's members
             tp.shard_stages(plan, split, self.stages, self.device)
+        check_sharded(plan, split, loss_scaling=bool(loss_scaling))
+        # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`)
+        self.sharding = Sharding(plan, self.stages, self.rank, ranks=list(range(plan.num_ranks)),
+                                 device=self.device, actions=self.actions)
         self.comm = comm
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)
@@ -279,6 +286,7 @@ class Executor(BackwardActions, DroppedStep):
         self._wall0 = time.time()
         self.events = []
         self.loop.begin()
+        self.sharding.begin()
         self._final = self.loop.final  # this call reduces, clips and steps
         first = self._take_batch(inputs, targets)
         signature = _signature(inputs)
@@ -396,6 +404,7 @@ class Executor(BackwardActions, DroppedStep):
         self._in_grads = {}
         for rset in self.reduce_after.get(pos, ()) if self._final else ():
             self.sync.launch_replicas(rset)
+        self.sharding.after(pos, self._final, self._failed is not None)
 
     def _carries_grad(self, name: str, t: torch.Tensor) -> bool:
         """Whether value ``name`` sends a gradient back (the split says; default: floats)."""

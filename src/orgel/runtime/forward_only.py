@@ -26,6 +26,7 @@ import torch.distributed as dist
 from orgel.runtime.comm import Transport
 from orgel.runtime.executor import Executor, _signature
 from orgel.runtime.outputs import Share
+from orgel.runtime.sharding import Sharding
 from orgel.runtime.stage import Run, StageInfo, place
 from orgel.schedule.comm import CommPlan, derive_comm, replica_pairs
 from orgel.schedule.ir import Plan, PlanError
@@ -106,6 +107,7 @@ class ForwardOnly(Executor):
         self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])
         self.dispatch = {"F": self._forward}
         self.reduce_after: dict[int, list[tuple[int, ...]]] = {}
+        self.sharding = Sharding.empty()
         self.fetch_inputs = None
         self.on_microbatch = None
         self.kept = None
@@ -122,7 +124,13 @@ class ForwardOnly(Executor):
     def run(self, inputs: dict[str, Any], targets: Any, *, loss: bool,
             outputs: bool) -> tuple[float | None, list[Share]]:
         """Evaluate the whole batch: the mean loss (every rank; None without ``loss``) and this
-        rank's shares of the outputs (empty unless ``outputs`` and it hosts the loss stage)."""
+        rank's shares of the outputs (empty unless ``outputs`` and it hosts the loss stage).
+        FSDP-sharded stages read their weights whole (gathered for the pass)."""
+        with self.owner.sharding.gathered():
+            return self._run(inputs, targets, loss=loss, outputs=outputs)
+
+    def _run(self, inputs: dict[str, Any], targets: Any, *, loss: bool,
+             outputs: bool) -> tuple[float | None, list[Share]]:
         self._t0, self._wall0 = time.perf_counter(), time.time()
         self.events = []
         # the training stages' tensors as they are now (a load or a move may have replaced them)

@@ -7,12 +7,15 @@ the whole batch computes (the mean-reduced loss convention). Hence:
 
 * data-parallel replicas of a stage all-reduce (sum) their gradients over the
   group of the stage's ranks, one flat bucket per distinct replica set,
-  launched as soon as the rank's last backward of those stages is done;
+  launched as soon as the rank's last backward of those stages is done; a
+  stage the plan shards (FSDP2, :mod:`orgel.runtime.sharding`) is not in a
+  bucket: its reduce-scatter sums them;
 * tied parameters (one tensor used by several stages) sum the partial
   gradients of every copy on every rank (replicas included) and give each copy
   the total, so the copies stay equal after the optimizer step;
-* the global gradient norm counts each parameter once (replica 0, first copy)
-  and is all-reduced with the step's loss in one small collective;
+* the global gradient norm counts each parameter once (replica 0, first copy;
+  a sharded stage's every replica, for its own shard) and is all-reduced with
+  the step's loss in one small collective;
 * a parameter without a gradient stays without one, as in one process: a frozen
   one (``requires_grad=False``) takes part in no sum, and every sum carries one
   flag per parameter (whether the rank has a gradient for it), so one that no
@@ -33,8 +36,8 @@ import torch.distributed as dist
 
 from orgel.runtime.comm import transport_reason
 from orgel.runtime.errors import CommFailure
+from orgel.runtime.sharding import own_part
 from orgel.runtime.stage import StageInfo
-from orgel.runtime.tensor_parallel import local as local_part
 from orgel.runtime.tensor_parallel import plane_group
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
@@ -105,7 +108,7 @@ class GradSync:
                     tied_ids.add(id(p))
                     if info.replica == 0 and holders[qual][0] == s:
                         self.norm_params.append(p)
-                elif info.replica == 0:
+                elif info.replica == 0 or plan.sharded(s):  # sharded: each shard once
                     self.norm_params.append(p)
         # data-parallel buckets: every rank calls new_group for every set, in order
         replica_sets = sorted({r for r in plan.placement if len(r) > 1})
@@ -113,7 +116,8 @@ class GradSync:
         for rset in replica_sets:
             group = plane_group([ranks[r] for r in rset], plan.tp)
             if rank in rset:
-                params = [p for s, info in sorted(stages.items()) if plan.placement[s] == rset
+                params = [p for s, info in sorted(stages.items())
+                          if plan.placement[s] == rset and not plan.sharded(s)
                           for p in info.params if id(p) not in tied_ids]
                 self.dp[rset] = (group, params)
         self.tied_groups: dict[str, Any] = {}
@@ -205,8 +209,8 @@ class GradSync:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
         # one pass over every gradient, each counted once (replica 0, first tied copy)
-        norms = [torch.linalg.vector_norm(local_part(p.grad)) for p in self.norm_params
-                 if p.grad is not None]  # a tensor-parallel shard's own part
+        norms = [torch.linalg.vector_norm(own_part(p.grad)) for p in self.norm_params
+                 if p.grad is not None]
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
                                found, zero + float(failed), zero + float(graded)])

@@ -29,9 +29,10 @@ level what they do:
   (rotary tables, masks) count as replicated (``implicit_replication``, switched on
   for the process by :func:`enable`).
 
-Parameter names and full values are unchanged for ``state_dict``, checkpoints and
-``copy_to``: :func:`full` gathers a DTensor parameter; :func:`load_full` keeps the
-member's shard of a full tensor.
+Parameter names and whole values are unchanged for ``state_dict`` and ``copy_to``:
+:func:`orgel.runtime.sharding.full_tensor` gathers a DTensor parameter and
+:func:`orgel.runtime.sharding.shard_like` keeps the member's shard of a whole tensor
+(the same rules as FSDP2's).
 """
 
 from __future__ import annotations
@@ -283,27 +284,6 @@ def _distribute(module: torch.nn.Module, target: str, mesh: DeviceMesh, placemen
 
 
 # -- parameter state -----------------------------------------------------------------------
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This member's part of ``t`` (its shard of a DTensor; ``t`` itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (gathered over the members for a sharded DTensor)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def load_full(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy the whole tensor ``value`` into ``target`` (a DTensor keeps its shard of it)."""
-    with torch.no_grad():
-        if isinstance(target, DTensor):
-            part = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
-                                     target.placements, src_data_rank=None)
-            target.to_local().copy_(part.to_local())
-        else:
-            target.copy_(value)
 
 
 def sharded(t: torch.Tensor) -> bool:

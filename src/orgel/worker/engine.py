@@ -22,6 +22,7 @@ from orgel import guard
 from orgel.graph import glue
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import OptimizerFactory
+from orgel.runtime.sharding import full_tensor, own_part, shard_like
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
@@ -95,9 +96,9 @@ class RankEngine:
 
     def tp_shards(self) -> dict[str, tuple[int, ...]]:
         """The shape of this process's part of each parameter split by tensor parallelism."""
-        from orgel.runtime.tensor_parallel import local, sharded
+        from orgel.runtime.tensor_parallel import sharded
 
-        return {n: tuple(local(p).shape) for n, p in self.named_params() if sharded(p)}
+        return {n: tuple(own_part(p).shape) for n, p in self.named_params() if sharded(p)}
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -152,6 +153,11 @@ class RankEngine:
         """How many parameter groups this rank's optimizer has (None: no optimizer here)."""
         return self.executor.loop.groups()
 
+    def held_elements(self) -> int:
+        """Parameter elements this rank holds: a sharded stage's shards only (each parameter
+        object once; :mod:`orgel.runtime.sharding`)."""
+        return sum(own_part(p).numel() for p in self.executor.parameters())
+
     def timeline(self) -> list[Any]:
         """The measured events of the last step on this rank (orgel.runtime.trace.Event)."""
         return list(self.executor.events)
@@ -178,10 +184,8 @@ class RankEngine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers by original name, on the CPU."""
-        from orgel.runtime.tensor_parallel import full  # whole tensors of sharded parameters
-
         return {
-            n: full(t.detach()).to("cpu", copy=True)
+            n: full_tensor(t).detach().to("cpu", copy=True)
             for n, t in self.named_params() + self.named_buffers()
         }
 
@@ -193,14 +197,13 @@ class RankEngine:
         state against the model's keys before it sends it: see
         :class:`orgel.worker.state.StateNames`).
         """
-        from orgel.runtime.tensor_parallel import load_full  # a sharded one keeps its shard
-
         loaded: list[str] = []
         missing = []
+        self.executor.sharding.reshard()  # into the shards, the weights' own objects
         with torch.no_grad():
             for name, t in self.named_params() + self.named_buffers():
                 if name in tensors:
-                    load_full(t, tensors[name])
+                    t.copy_(shard_like(t, tensors[name]))
                     loaded.append(name)
                 else:
                     missing.append(name)
@@ -220,7 +223,7 @@ class RankEngine:
         shard = ckpt.make_shard(
             rank=self.rank,
             step=step,
-            params=params,
+            params=[(n, full_tensor(p)) for n, p in params],
             buffers=self.named_buffers(),
             optimizer=None if opt is None else ckpt.named_optimizer_state(opt, _unique(params)),
             rng=guard.rng_state(),
@@ -248,6 +251,7 @@ class RankEngine:
         rank's RNG states, which a bit-identical resume needs.
         """
         self._read = None
+        self.executor.sharding.reshard()
         names = [n for n, _ in self.named_params()] + [n for n, _ in self.named_buffers()]
         try:
             part = ckpt.read_names(path, names)

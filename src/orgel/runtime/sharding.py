@@ -1,0 +1,256 @@
+"""FSDP2 inside a stage: its data-parallel replicas shard its parameters, gradients and state.
+
+A stage the plan marks ``shard[s] == "fsdp"`` (:meth:`orgel.schedule.ir.Plan.sharded`)
+runs on several ranks, each replica taking an equal share of every micro-batch's
+rows, as any replicated stage does. Instead of a whole copy of the weights per
+replica and orgel's all-reduce of the gradients (:mod:`orgel.runtime.optim`), its
+module goes through torch's own ``torch.distributed.fsdp.fully_shard`` over the
+group of the stage's ranks: each replica keeps ``1/n`` of every parameter (a
+``DTensor`` sharded on dimension 0), of its gradient and of the optimizer state
+built over it. The rest is what ``torch.distributed.pipelining`` does with FSDP2:
+
+* the weights are gathered once per step, at the stage's first forward, and kept
+  whole for the step's micro-batches (``reshard_after_forward=False``; during the
+  step ``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``,
+  ``set_is_last_backward(False)``): each micro-batch's backward (``B``, or ``I``
+  then ``W``) adds into the whole weights' gradients, and a recompute finds the
+  weights there;
+* after the rank's last backward of the stage in the step (on the optimizer
+  stepping call only, with ``accumulate=k``) :meth:`Sharding.reduce` turns the
+  flags on and runs each FSDP parameter group's ``post_backward``: one
+  reduce-scatter (a plain SUM: orgel's gradients are partial sums already, the
+  loss carries ``1 / (microbatches x replicas)``; see :mod:`orgel.runtime.optim`),
+  then the weights are resharded;
+* the global gradient norm counts every replica's local shard once
+  (:func:`own_part`), and a parameter or optimizer state leaves a rank whole
+  (:func:`full_tensor`, a gather over the stage's ranks that every replica makes)
+  and comes back as the shard of this rank (:func:`shard_like`), so state dicts
+  and checkpoints hold full tensors under the model's own names and resume on
+  any mesh.
+
+What it refuses (:func:`check_sharded`, before any rank starts): a tied
+parameter on a sharded stage (the tied sum works on whole gradients) and float16
+loss scaling (the scaler's unscale kernel on sharded gradients is not wired).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from orgel.schedule.ir import SHARDS, Plan
+
+#: the values of ``orgel.pipeline(shard=...)`` and ``orgel run --shard``
+SHARD_OPTIONS = SHARDS
+
+
+def check_shard_option(shard: Any, dp: int) -> None:
+    """Raise ValueError unless ``shard`` is one of :data:`SHARD_OPTIONS` and fits ``dp``."""
+    if shard not in SHARD_OPTIONS:
+        raise ValueError(f"shard must be one of {', '.join(repr(s) for s in SHARD_OPTIONS)}, "
+                         f"got {shard!r}")
+    if shard == "fsdp" and dp < 2:
+        raise ValueError("shard='fsdp' shards a stage's state over its data-parallel "
+                         "replicas, but dp=1 gives every stage one replica: pass dp=2 or "
+                         "more (ranks divisible by dp), or shard='none'")
+
+
+def mark_sharded(plan: Plan, shard: str) -> Plan:
+    """``plan`` with every stage of two or more replicas marked ``shard`` ("none": as it is)."""
+    if shard == "none":
+        return plan
+    marked = [shard if len(plan.placement[s]) > 1 else "none"
+              for s in range(plan.num_stages)]
+    if not any(m != "none" for m in marked):
+        raise ValueError(f"shard={shard!r} but the plan gives no stage two or more replicas "
+                         "(nothing to shard): pass dp=2 or more, or shard='none'")
+    return dataclasses.replace(plan, shard=marked)
+
+
+def check_sharded(plan: Plan, split: Any, *, loss_scaling: bool = False) -> None:
+    """Raise ValueError for what a sharded stage cannot do (see the module docstring)."""
+    sharded = [s for s in range(plan.num_stages) if plan.sharded(s)]
+    if not sharded:
+        return
+    if loss_scaling:
+        raise ValueError("precision='16-mixed' (float16 loss scaling) is not supported with "
+                         "FSDP-sharded stages: use precision='bf16-mixed' or '32', or "
+                         "shard='none'")
+    tied = set(getattr(split, "tied", ()) or ())
+    for s in sharded:
+        names = set(split.stages[s].param_names.values())
+        shared = sorted(names & tied)
+        if shared:
+            raise ValueError(f"stage {s} is FSDP-sharded but holds the tied parameter "
+                             f"{shared[0]!r} (one tensor several stages use): orgel sums tied "
+                             "gradients whole. Use shard='none', or untie the weights")
+
+
+def is_sharded(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (a sharded parameter, gradient or optimizer state)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def own_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of ``t`` (a DTensor's local shard; any other tensor itself)."""
+    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined, no-any-return]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a DTensor gathered over its mesh (every rank of it must call this,
+    in the same order); any other tensor itself."""
+    if is_sharded(t):
+        return t.detach().full_tensor()  # type: ignore[attr-defined, no-any-return]
+    return t
+
+
+def shard_like(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor) as ``like`` holds it: this rank's shard where ``like`` is
+    a DTensor of the same shape (cut locally, no communication); else ``value`` itself."""
+    if not is_sharded(like) or is_sharded(value) or tuple(value.shape) != tuple(like.shape):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh, placements = like.device_mesh, like.placements  # type: ignore[attr-defined]
+    return distribute_tensor(value.detach().to(like.device, like.dtype), mesh, placements,
+                             src_data_rank=None)
+
+
+class Sharding:
+    """This rank's FSDP2-sharded stages: wraps them, and keeps their gather and reduce per step.
+
+    Every rank builds one (collectively: every rank creates the process group of
+    each sharded replica set, in one order); ranks without a sharded stage hold
+    none. Build it after the stage modules are on their device and before
+    anything collects their parameters (the optimizer, :class:`~orgel.runtime.optim.GradSync`).
+    """
+
+    def __init__(self, plan: Plan, stages: dict[int, Any], rank: int, *, ranks: list[int],
+                 device: torch.device, actions: list[Any]) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.modules: dict[int, Any] = {}
+        sets = sorted({plan.placement[s] for s in range(plan.num_stages) if plan.sharded(s)})
+        for rset in sets:
+            group = dist.new_group([ranks[r] for r in rset])
+            if rank not in rset:
+                continue
+            mesh = DeviceMesh.from_group(group, device.type)
+            for s in sorted(stages):
+                if plan.placement[s] != rset or not plan.sharded(s):
+                    continue
+                module = stages[s].stage.module
+                fully_shard(module, mesh=mesh, reshard_after_forward=False)
+                # a plain SUM: every replica's gradient is a partial sum already
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+                stages[s].params = list(module.parameters())  # the sharded DTensors
+                self.modules[s] = module
+        #: action position -> the sharded stages whose last backward (B or W) it is
+        self.reduce_after: dict[int, list[int]] = {}
+        for s in self.modules:
+            last = max(p for p, a in enumerate(actions)
+                       if a.stage == s and a.kind in ("B", "W"))
+            self.reduce_after.setdefault(last, []).append(s)
+
+    @classmethod
+    def empty(cls) -> Sharding:
+        """One that shards nothing and reduces nothing (a forward-only pass's)."""
+        made = cls.__new__(cls)
+        made.modules, made.reduce_after = {}, {}
+        return made
+
+    def stages(self) -> list[int]:
+        """The sharded stages on this rank."""
+        return sorted(self.modules)
+
+    def begin(self) -> None:
+        """Start a step call: keep the weights gathered, and sum gradients locally, until
+        :meth:`reduce`."""
+        for module in self.modules.values():
+            module.set_requires_gradient_sync(False)
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+
+    def after(self, pos: int, final: bool, failed: bool = False) -> None:
+        """After the action at ``pos``: reduce the stages whose last backward it was
+        (``final``: the call that steps the optimizer; the others only accumulate).
+        ``failed``: this rank's work raised this step (it is being dropped)."""
+        if final:
+            for s in self.reduce_after.get(pos, ()):
+                self.reduce(s, failed)
+
+    def reduce(self, s: int, failed: bool = False) -> None:
+        """Reduce-scatter stage ``s``'s whole gradients into its shards' ``.grad``, and
+        reshard its weights (every replica of the stage calls this, once per step).
+
+        ``failed``: this rank's work raised and skipped the stage's backward; it
+        reduce-scatters zeros for what it has no gradient of, so that its peers'
+        reduce-scatter meets it (the step is dropped afterwards on every rank).
+        """
+        from torch.distributed.fsdp import fully_shard
+
+        module = self.modules[s]
+        if failed:
+            for fsdp_param in _fsdp_params(module):
+                if not hasattr(fsdp_param, "_unsharded_param"):
+                    continue  # never gathered here: nothing to meet the peers with
+                whole = fsdp_param.unsharded_param
+                if (whole.requires_grad and whole.grad is None
+                        and fsdp_param.unsharded_accumulated_grad is None):
+                    whole.grad = torch.zeros_like(whole)
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)
+        state = fully_shard.state(module)  # type: ignore[attr-defined]
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        # waits for the reduction and resets the per-step state, as pipelining does
+        state._root_post_backward_final_callback()
+        module.reshard()
+
+    def drop(self) -> None:
+        """Forget the whole weights' gradients summed since the last reduce (a dropped step)."""
+        for module in self.modules.values():
+            for fsdp_param in _fsdp_params(module):
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param.unsharded_param.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
+
+    def reshard(self) -> None:
+        """Put every sharded stage's weights back to their shards (the state's own objects)."""
+        for module in self.modules.values():
+            module.reshard()
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The sharded stages' weights whole inside (evaluation); back as they were after."""
+        from torch.distributed.fsdp import fully_shard
+
+        was = [m for m in self.modules.values()
+               if all(g.is_sharded for g in
+                      fully_shard.state(m)._fsdp_param_groups)]  # type: ignore[attr-defined]
+        for module in self.modules.values():
+            module.unshard()
+        try:
+            yield
+        finally:
+            for module in was:
+                module.reshard()
+
+
+def _fsdp_params(module: Any) -> list[Any]:
+    """The FSDP2 parameters of a ``fully_shard`` module (torch's ``FSDPParam`` objects)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
