@@ -126,6 +126,8 @@ class Executor(BackwardActions, DroppedStep):
 
     #: whether forwards record autograd graphs (:mod:`orgel.runtime.forward_only`: no)
     training = True
+    #: this process's member of its pipeline rank (tensor parallel; 0 without)
+    member = 0
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
                  rank: int | None = None, optimizer_factory: OptimizerFactory | None = None,

@@ -21,13 +21,16 @@ level what they do:
 * the region's input enters as a ``Replicate()`` DTensor (``DTensor.from_local``: its
   backward all-reduces the input's gradient), and the row output leaves as a plain
   tensor after ``redistribute`` to ``Replicate()`` (the forward all-reduce);
-* between them every op runs on DTensors, which keeps the single-process result:
-  an op without a sharded rule redistributes its inputs (a fused qkv viewed as
-  ``(3, heads, dim)`` with ``tp=2`` gathers the projection), and an op DTensor has
-  no rule for at all runs on the gathered, full tensors (:class:`_Guarded`; the
-  stage's ``tp_fallbacks`` names them). Plain tensors that meet DTensors in a region
-  (rotary tables, masks) count as replicated (``implicit_replication``, switched on
-  for the process by :func:`enable`).
+* between them every op runs on DTensors, which keeps the single-process result: an
+  op without a sharded rule for its inputs' layout redistributes them, and one DTensor
+  cannot run at all runs on the gathered, whole tensors (:class:`_Guarded`; the stage
+  module's ``tp_fallbacks`` names them: GPT's fused qkv viewed as ``(3, heads, dim)``
+  with ``tp=2``, and the attention after it). Attention whose q, k and v are split by
+  heads (``Shard(1)``, separate projections as in Llama) runs on each member's own
+  heads, with no communication (:func:`_local_heads`). Plain tensors an op of a region
+  reads (rotary tables, masks, a norm's weight) enter it as replicated DTensors made
+  with ``from_local``, so their gradients come back plain; ``implicit_replication``
+  (switched on for the process by :func:`enable`) covers what autograd mixes in backward.
 
 Parameter names and whole values are unchanged for ``state_dict`` and ``copy_to``:
 :func:`orgel.runtime.sharding.full_tensor` gathers a DTensor parameter and
