@@ -164,3 +164,51 @@ def test_tp_errors_say_what_to_change(tmp_path: Path,
                  "--microbatches", "2"]) == 2
     err = capsys.readouterr().err
     assert "found no region to split" in err and "pass tp=1" in err
+
+
+TORCHRUN_SCRIPT = '''
+import copy, json, sys
+import torch
+import orgel
+from orgel.models import build
+
+model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                        seq_len=8, vocab_size=64)
+reference = copy.deepcopy(model)
+sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, tp=2, microbatches=2,
+                      optimizer=sgd)
+losses = [pipe.step(inputs, targets) for _ in range(2)]
+state = pipe.state_dict()
+opt = sgd(list(reference.parameters()))
+ref = []
+for _ in range(2):
+    opt.zero_grad()
+    loss = loss_fn(reference(*inputs), targets)
+    loss.backward()
+    opt.step()
+    ref.append(loss.item())
+diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+with open(f"{sys.argv[1]}/result{torch.distributed.get_rank()}.json", "w") as f:
+    json.dump({"losses": losses, "ref": ref, "diff": diff, "tp": pipe.plan.tp,
+               "shards": pipe.call_ranks("tp_shards")}, f)
+pipe.close()
+'''
+
+
+@pytest.mark.slow
+def test_tp_under_torchrun(tmp_path: Path) -> None:
+    """2 torchrun processes as one pipeline rank of tp=2: rank 0 plans, both split the
+    stage, and each one's result matches one process."""
+    import json
+
+    from test_api_torchrun import _torchrun
+
+    code, log = _torchrun(tmp_path, TORCHRUN_SCRIPT, str(tmp_path))
+    assert code == 0, log[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert result["tp"] == 2
+        assert all(result["shards"]), result["shards"]  # both processes split the stage
+        assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
+        assert result["diff"] < 1e-5
