@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from orgel.cli import main
-from orgel.explicit.api import pipeline
+from orgel.explicit.api import load, pipeline
+from orgel.schedule.ir import Plan
 from orgel.models import build
 
 LR = 1e-3
@@ -136,6 +137,42 @@ def test_orgel_run_tp_checks_against_one_process(capsys: pytest.CaptureFixture[s
     assert code == 0, out
     assert "on 2 ranks of 2 processes each (tensor parallel)" in out
     assert "-> OK" in out
+
+
+@pytest.mark.slow
+def test_a_tp_checkpoint_resumes_with_tp_and_without(tmp_path: Path) -> None:
+    """Saved with tp=2 (whole tensors, optimizer state too), resumed with tp=2 and on a
+    plain pipeline of the same plan: the next step is the one the saver took."""
+    def gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor], torch.Tensor, object]:
+        model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2,
+                                                d_model=32, seq_len=8, vocab_size=64)
+        return model, inputs, targets, loss_fn
+
+    model, inputs, targets, loss_fn = gpt()
+    batches = [((t,), torch.roll(t, -1, dims=1)) for t in _batches(3, 64, 8, 8)]
+    with pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, microbatches=2,
+                  optimizer=_adamw, threads=1) as pipe:
+        for batch in batches[:2]:
+            pipe.step(*batch)
+        pipe.save(tmp_path)
+        last = pipe.step(*batches[2])
+        state = pipe.state_dict()
+        plan = pipe.plan
+    model, inputs, targets, loss_fn = gpt()
+    with load(tmp_path, model, inputs, targets, loss_fn, optimizer=_adamw,
+              threads=1) as again:
+        assert again.plan.tp == 2
+        assert again.step(*batches[2]) == pytest.approx(last, rel=1e-6)
+        for name, value in again.state_dict().items():
+            torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7, msg=name)
+    plain_plan = Plan.from_json(plan.to_json())
+    plain_plan.tp = 1
+    model, inputs, targets, loss_fn = gpt()
+    with load(tmp_path, model, inputs, targets, loss_fn, ranks=2, plan=plain_plan,
+              optimizer=_adamw, threads=1) as plain:
+        assert plain.step(*batches[2]) == pytest.approx(last, rel=1e-5)
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(value, state[name], rtol=1e-4, atol=2e-5, msg=name)
 
 
 NO_REGION = '''

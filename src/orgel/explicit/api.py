@@ -178,8 +178,8 @@ def pipeline(
     processes each). Each stage's attention and MLP regions (read off the graph,
     :func:`orgel.graph.tensor_parallel.tp_regions`) are split over its rank's ``tp``
     processes with DTensor (:mod:`orgel.runtime.tensor_parallel`); ``state_dict`` and
-    ``copy_to`` give whole tensors. Not yet with ``dp > 1``, checkpoints (``save``,
-    ``load``), ``evaluate``, or a forward with graph breaks.
+    ``copy_to`` give whole tensors, and checkpoints hold them (a pipeline of any ``tp``
+    resumes one). Not yet with ``dp > 1``, ``evaluate``, or a forward with graph breaks.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
@@ -549,10 +549,11 @@ def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: An
     """
     meta = ckpt.read_meta(directory)
     saved_plan = Plan.from_json(ckpt.read_plan_json(directory))
-    if ranks is None:
-        ranks = int(meta["num_ranks"])
+    if ranks is None:  # every process: the saved pipeline ranks of tp processes each
+        ranks = int(meta["num_ranks"]) * saved_plan.tp
         if plan is None:
             plan = saved_plan
+            options.setdefault("tp", saved_plan.tp)
     options.setdefault("microbatches", saved_plan.microbatches)
     pipe = pipeline(model, inputs, targets, loss_fn, ranks=ranks, plan=plan, **options)
     pipe.load(directory)

@@ -229,6 +229,9 @@ class RankEngine:
             rng=guard.rng_state(),
             extra=self._extra_state(),
         )
+        if self.executor.member > 0:  # tensor parallel: member 0 writes the rank's shard,
+            # whole tensors the members gathered together above
+            return str(ckpt.staging_dir(root, step) / f"rank{self.rank}.pt")
         try:
             return str(ckpt.write_shard(root, step, self.rank, shard))
         except OSError as exc:

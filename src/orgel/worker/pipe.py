@@ -314,9 +314,6 @@ class Pipeline:
         default) removes no older checkpoint; ``keep=k`` removes, once this one is
         complete, all but the newest ``k`` (this one among them) of those in ``directory``.
         """
-        if self.plan.tp > 1:
-            raise NotImplementedError("checkpoints of a tensor-parallel pipeline (tp > 1) are "
-                                      "not supported yet: save pipe.state_dict() instead")
         ckpt.check_keep(keep)  # before any rank writes
         if self.pending:
             raise ckpt.CheckpointError(
@@ -352,9 +349,6 @@ class Pipeline:
 
     def load(self, directory: str | Path) -> int:
         """Resume from the checkpoint in ``directory`` (any plan, any rank count); its step."""
-        if self.plan.tp > 1:
-            raise NotImplementedError("checkpoints of a tensor-parallel pipeline (tp > 1) are "
-                                      "not supported yet: save pipe.state_dict() instead")
         meta = ckpt.read_meta(directory)
         saved_plan = Plan.from_json(ckpt.read_plan_json(directory))
         same = (int(meta["num_ranks"]) == self.num_ranks
