@@ -17,8 +17,8 @@ import torch
 
 from orgel.cli import main
 from orgel.explicit.api import load, pipeline
-from orgel.schedule.ir import Plan
 from orgel.models import build
+from orgel.schedule.ir import Plan
 
 LR = 1e-3
 GPT = "examples/gpt.py:workload"
