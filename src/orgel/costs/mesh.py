@@ -64,7 +64,8 @@ class TPSplit:
     ``params``/``activations``: bytes of its split parameters and of the
     activations saved inside the regions; ``allreduce``: bytes the regions'
     outputs make per micro-batch (all-reduced once forward, once backward);
-    ``regions``: how many regions (all-reduces each way).
+    ``regions``: how many regions (all-reduces each way; a half counts a
+    region a block boundary cuts, whose other end is in the next block).
     """
 
     fwd: float = 0.0
@@ -73,7 +74,7 @@ class TPSplit:
     params: int = 0
     activations: int = 0
     allreduce: int = 0
-    regions: int = 0
+    regions: float = 0.0
 
     def scaled(self, factor: float) -> TPSplit:
         """For micro-batches ``factor`` times as large (parameters and regions stay)."""
@@ -95,8 +96,7 @@ class TPSplit:
             v = data.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise ValueError(f"{where}.{key} must be a number >= 0, got {v!r}")
-            values[key] = int(v) if key in ("params", "activations", "allreduce", "regions") \
-                else float(v)
+            values[key] = int(v) if key in ("params", "activations", "allreduce") else float(v)
         return cls(**values)
 
 
