@@ -33,7 +33,7 @@ from orgel.costs.blocks import (
     stage_costs,
     stage_graph,
 )
-from orgel.costs.mesh import check_tp, mesh_costs
+from orgel.costs.mesh import TP_DEGREES, check_tp, mesh_costs
 from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
 from orgel.plan.replicated import replica_step
@@ -124,7 +124,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
          time_limit: float | str | None = "auto", per_member: int | None = None,
          dp: int | None = 1, groups: int = 3, top: int = 3, max_replicas: int | None = None,
          rows: int | None = None, families: list[str] | None = None,
-         tp: int | tuple[int, ...] | list[int] = 1,
+         tp: int | str | tuple[int, ...] | list[int] = 1,
          shard: str | tuple[str, ...] | list[str] = "none") -> PlanResult:
     """The fastest feasible plan of ``costs`` on ``ranks`` ranks (see the module docstring).
 
@@ -150,12 +150,13 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     to these schedule families (e.g. ``["gpipe"]``; None: all).
 
     The mesh: ``tp`` is the tensor-parallel degree, or a tuple of degrees to
-    try (e.g. :data:`~orgel.costs.mesh.TP_DEGREES`); ``ranks`` counts
+    try (e.g. :data:`~orgel.costs.mesh.TP_DEGREES`; ``"auto"``: those that
+    fit, see :func:`_mesh_choices`); ``ranks`` counts
     processes, so each plan rank (a pipeline rank) is ``tp`` of them and the
     pipeline and its replicas share ``ranks / tp`` pipeline ranks.
     ``shard``: ``"none"`` (replicas hold everything, all-reduce gradients),
     ``"fsdp"`` (replicas shard their state, :mod:`orgel.costs.mesh`), or a
-    tuple of both to try; ``"fsdp"`` applies only where ``dp > 1``. Every
+    tuple of both to try (``"auto"``); ``"fsdp"`` applies only where ``dp > 1``. Every
     combination of TP degree, ``dp`` and sharding is searched like a plain
     pipeline and the fastest plan that fits wins, with ``plan.tp`` and
     ``plan.shard`` set (and ``plan.meta["mesh"]``). Raises
@@ -250,7 +251,18 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
 
 def _mesh_choices(costs: BlockCosts, ranks: int, tp: Any, shard: Any
                   ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The TP degrees and sharding choices of :func:`plan`, checked (ValueError says why)."""
+    """The TP degrees and sharding choices of :func:`plan`, checked (ValueError says why).
+
+    ``tp="auto"``: the degrees of :data:`~orgel.costs.mesh.TP_DEGREES` that
+    divide ``ranks`` and the GPUs per node (only 1 when the costs carry no
+    TP facts); ``shard="auto"``: both choices.
+    """
+    if tp == "auto":
+        tp = tuple(t for t in TP_DEGREES if t == 1 or (
+            costs.tp_split and ranks % t == 0 and not costs.links
+            and (costs.node_ranks is None or costs.node_ranks % t == 0)))
+    if shard == "auto":
+        shard = SHARDS
     tps = (tp,) if isinstance(tp, int) and not isinstance(tp, bool) else tuple(tp)
     shards = (shard,) if isinstance(shard, str) else tuple(shard)
     if not tps or not shards:
