@@ -91,7 +91,7 @@ class TPSplit:
         if not isinstance(data, dict) or set(data) - set(_SPLIT_KEYS):
             raise ValueError(f"{where} must be an object with keys among {list(_SPLIT_KEYS)}, "
                              f"got {data!r}")
-        values = {}
+        values: dict[str, Any] = {}
         for key in _SPLIT_KEYS:
             v = data.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
