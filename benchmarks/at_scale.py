@@ -69,7 +69,7 @@ import big  # noqa: E402
 
 from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
-from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
+from orgel.costs.mesh import TP_DEGREES, mesh_costs, tp_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
 from orgel.profile.roofline import estimate_costs  # noqa: E402
@@ -141,12 +141,21 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
     """The fastest plan over TP degree, pipeline depth, dp and sharding: (result, seconds).
 
     ``costs`` is the one-row table; each replica runs one-sequence micro-batches.
+    Pruned by an optimistic estimate: every mesh whose state fits gets
+    ``(M + (P - 1) / 3) x work / P`` (``M = batch / dp`` micro-batches of its
+    TP'd blocks' forward and backward ``work`` over ``P`` ranks, with a third
+    of 1F1B's fill and drain, about ZB-H1's; no recompute, no collectives);
+    meshes are planned in the order of their estimates, and one whose
+    estimate is no better than the best plan so far is skipped. (Not a
+    proven bound: a schedule with less bubble than that could be missed.)
     """
     started = time.perf_counter()
-    best: PlanResult | None = None
+    meshes = []
     for tp in TP_DEGREES:
         if tp > per_node or gpus % tp:
             continue
+        work = sum(a + b for a, b in zip(tp_costs(costs, tp).fwd, tp_costs(costs, tp).bwd,
+                                         strict=True))
         for depth in (1, 2, 4, 8, 16, 32, 64, 128):
             if (gpus // tp) % depth or depth > costs.num_blocks:
                 continue
@@ -158,15 +167,20 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
                 static = sum(table.static_bytes(b) for b in range(table.num_blocks))
                 if static / depth > memory:
                     continue
-                try:
-                    result = plan(costs.scaled(dp), gpus, batch // dp, dp=dp, rows=dp,
-                                  tp=tp, shard=shard, max_replicas=1,
-                                  time_limit=time_limit, planner="beam", max_loops=2,
-                                  families=["1f1b", "zb-h1", "interleaved"])
-                except InfeasibleError:
-                    continue
-                if best is None or result.step_time < best.step_time:
-                    best = result
+                estimate = (batch // dp + (depth - 1) / 3) * work / depth
+                meshes.append((estimate, tp, depth, dp, shard))
+    best: PlanResult | None = None
+    for bound, tp, depth, dp, shard in sorted(meshes):
+        if best is not None and bound >= best.step_time:
+            continue
+        try:
+            result = plan(costs.scaled(dp), gpus, batch // dp, dp=dp, rows=dp, tp=tp,
+                          shard=shard, max_replicas=1, time_limit=time_limit, planner="beam",
+                          max_loops=2, families=["1f1b", "zb-h1", "interleaved"])
+        except InfeasibleError:
+            continue
+        if best is None or result.step_time < best.step_time:
+            best = result
     return best, time.perf_counter() - started
 
 

@@ -154,7 +154,7 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
     launch = device.launch_us / 1000
     node_block = bg.node_block
     cols: dict[str, list[Any]] = {k: [] for k in ("fwd", "bwd", "wgrad", "params", "acts",
-                                                  "temp", "kept", "opt", "tp")}
+                                                  "temp", "kept", "opt")}
     outputs = set(opgraph.outputs)
     readers: dict[str, set[int]] = {}
     for node in opgraph.nodes.values():
@@ -167,11 +167,9 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
         params: dict[str, int] = {}
         acts = temp = kept = 0
         out = 0
-        per_op = []
         for name in block.nodes:
             node = opgraph.nodes[name]
             f, b, w, k = roof.times(node)
-            per_op.append((node, f, b, w))
             fwd, bwd, wgrad, kernels = fwd + f, bwd + b, wgrad + w, kernels + k
             for p in node.params:
                 if p in opgraph.params:
@@ -182,20 +180,13 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
                 kept += node.nbytes  # W needs the output's gradient
             if readers.get(name, set()) - {block.index} or name in outputs:
                 out += node.nbytes
-        split = tp_split(opgraph, per_op)
         if loss and block.produces_output:
             logits = sum(opgraph.nodes[n].nbytes for n in outputs if n in opgraph.nodes)
             rate = device.memory_gbs * 1e9 * device.efficiency["normalization"]
-            loss_f = LOSS_FORWARD_PASSES * logits / rate * 1000
-            loss_b = LOSS_BACKWARD_PASSES * logits / rate * 1000
-            fwd += loss_f
-            bwd += loss_b
+            fwd += LOSS_FORWARD_PASSES * logits / rate * 1000
+            bwd += LOSS_BACKWARD_PASSES * logits / rate * 1000
             acts += logits
             kernels += 3
-            if split.regions:  # the head is vocabulary-parallel: so is its loss
-                split = TPSplit(split.fwd + loss_f, split.bwd + loss_b, split.wgrad,
-                                split.params, split.activations + logits, split.allreduce,
-                                split.regions)
         # The host issues the kernels ahead of the GPU; a block of tiny ops waits on it.
         fwd = max(fwd, kernels * launch)
         bwd = max(bwd, 2 * kernels * launch) if bwd > 0 else 0.0
@@ -207,7 +198,6 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
         cols["acts"].append(acts)
         cols["temp"].append(temp)
         cols["kept"].append(kept)
-        cols["tp"].append(split)
         cols["opt"].append(ADAM_PASSES * nparams / (device.memory_gbs * 1e9
                                                    * device.efficiency["elementwise"]) * 1000)
         out_bytes.append(out)
@@ -228,66 +218,55 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         rows=rows, tied=tied_groups(opgraph, bg), optimizer_ms=cols["opt"],
         node_ranks=device.gpus_per_node, node_link=device.inter_node.link(), edge_grads=grads,
-        tp_split=_fit_splits(cols["tp"], cols["fwd"], cols["bwd"], cols["wgrad"],
+        tp_split=_fit_splits(tp_splits(opgraph, roof, node_block, len(bg.blocks)), cols["fwd"], cols["bwd"], cols["wgrad"],
                              cols["params"], cols["acts"]),
         meta={"device": device.name, "estimated": "roofline", "tf32": tf32,
               "target_blocks": blocks, "num_blocks": len(bg.blocks),
               "graph_hash": graph_hash(opgraph)})
 
 
-def _linear(node: Any) -> bool:
-    """A layer tensor parallelism splits: a matmul with parameters, or an embedding."""
-    return bool(node.params) and (op_class(node.op) == "matmul" or "embedding" in node.op)
+def tp_splits(opgraph: Any, roof: Roofline, node_block: dict[str, int], blocks: int
+              ) -> list[TPSplit]:
+    """Each block's :class:`TPSplit` from the graph's column/row regions.
 
-
-def tp_split(opgraph: Any, ops: list[tuple[Any, float, float, float]]) -> TPSplit:
-    """What tensor parallelism splits of a block whose ops (in order) take ``ops``
-    ``(node, fwd, bwd, wgrad)`` (see the module docstring).
-
-    A region all-reduces its input's gradient where it opens (its first linear
-    layer's input needs a gradient and something of the block comes before
-    it) and its output where it closes (a kernel or a normalization of the
-    block follows its last linear layer; an embedding always). A region cut
-    by a block boundary opens in one block and closes in the next, so each
-    block counts half a region per end: ``regions = (opens + closes) / 2``
-    and ``allreduce`` the mean of their bytes; over a pipeline the
-    all-reduces add up to one per region each way.
+    :func:`orgel.graph.tensor_parallel.tp_regions` finds the regions (the
+    runtime shards the same ones); a region's nodes split their times and
+    saved bytes in the blocks they fall in, its column and row weights their
+    bytes. Its row output is all-reduced forward in the row's block and its
+    input's gradient (the same bytes) backward in its first column's block: a
+    block counts half a region per end it holds (``regions = ends / 2``,
+    ``allreduce`` half their bytes), so a region a block boundary cuts is
+    priced once each way over the pipeline.
     """
-    segments: list[list[tuple[Any, float, float, float]]] = [[]]
-    for item in ops:
-        cls = op_class(item[0].op)
-        if cls == "normalization" and item[0].op not in ("softmax", "_softmax"):
-            segments.append([])
-        else:
-            segments[-1].append(item)
-    fwd = bwd = wgrad = 0.0
-    params = acts = 0
-    ends = 0
-    end_bytes = 0
-    for k, seg in enumerate(segments):
-        linear = [i for i, (node, *_) in enumerate(seg) if _linear(node)]
-        if not linear:
-            continue
-        inside = seg[linear[0]:linear[-1] + 1]
-        first, last = seg[linear[0]][0], seg[linear[-1]][0]
-        grads_in = [opgraph.nodes[i] for i in first.inputs
-                    if i in opgraph.nodes and opgraph.nodes[i].requires_grad]
-        if grads_in and (linear[0] > 0 or k > 0):
-            ends += 1
-            end_bytes += sum(n.nbytes for n in grads_in)
-        after = [n for n, *_ in seg[linear[-1] + 1:] if op_class(n.op) != "free"]
-        if after or k < len(segments) - 1 or "embedding" in last.op:
-            ends += 1
-            end_bytes += last.nbytes
-        seen: set[str] = set()
-        for node, f, b, w in inside:
-            fwd, bwd, wgrad, acts = fwd + f, bwd + b, wgrad + w, acts + node.saved_bytes
-            if _linear(node):
-                for p in node.params:
-                    if p in opgraph.params and p not in seen:
-                        seen.add(p)
-                        params += opgraph.tensor_bytes(p)
-    return TPSplit(fwd, bwd, wgrad, params, acts, end_bytes // 2 if ends else 0, ends / 2)
+    from orgel.graph.tensor_parallel import tp_regions
+
+    fwd = [0.0] * blocks
+    bwd = [0.0] * blocks
+    wgrad = [0.0] * blocks
+    params = [0] * blocks
+    acts = [0] * blocks
+    ends = [0] * blocks
+    end_bytes = [0] * blocks
+    for region in tp_regions(opgraph.graph_module):
+        for name in region.nodes:
+            node = opgraph.nodes.get(name)
+            if node is None:
+                continue
+            b = node_block[name]
+            f, bw, w, _ = roof.times(node)
+            fwd[b], bwd[b], wgrad[b] = fwd[b] + f, bwd[b] + bw, wgrad[b] + w
+            acts[b] += node.saved_bytes
+        row_bias = opgraph.attr_of.get(region.row_bias or "", None)
+        for name in (*region.columns, region.row):  # its linears' weights, in their blocks
+            params[node_block[name]] += sum(opgraph.tensor_bytes(p)
+                                            for p in opgraph.nodes[name].params
+                                            if p != row_bias)  # the row bias stays whole
+        nbytes = opgraph.nodes[region.row].nbytes
+        for at in (region.columns[0], region.row):
+            ends[node_block[at]] += 1
+            end_bytes[node_block[at]] += nbytes
+    return [TPSplit(fwd[b], bwd[b], wgrad[b], params[b], acts[b], end_bytes[b] // 2,
+                    ends[b] / 2) for b in range(blocks)]
 
 
 def _fit_splits(splits: list[TPSplit], fwd: list[float], bwd: list[float], wgrad: list[float],
