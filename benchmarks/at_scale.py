@@ -170,7 +170,7 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
                 estimate = (batch // dp + (depth - 1) / 3) * work / depth
                 meshes.append((estimate, tp, depth, dp, shard))
     best: PlanResult | None = None
-    for bound, tp, depth, dp, shard in sorted(meshes):
+    for bound, tp, _depth, dp, shard in sorted(meshes):
         if best is not None and bound >= best.step_time:
             continue
         try:

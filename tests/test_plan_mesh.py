@@ -12,6 +12,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from orgel.cli import main as cli_main
 from orgel.costs.blocks import BlockCosts
@@ -156,3 +157,41 @@ def test_orgel_plan_prints_the_mesh(tmp_path, capsys) -> None:
     saved = json.loads((tmp_path / "plan.json").read_text())
     tp = saved.get("tp", 1)
     assert f"x TP {tp} x" in line and "(8 GPUs)" in line
+
+
+class _Ffn(torch.nn.Module):
+    """Residual MLP blocks: norm, up (column), gelu, down (row), add: one region each."""
+
+    def __init__(self, width: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(width) for _ in range(layers))
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(width, 4 * width) for _ in range(layers))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(4 * width, width)
+                                         for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, up, down in zip(self.norms, self.ups, self.downs, strict=True):
+            x = x + down(torch.nn.functional.gelu(up(norm(x))))
+        return x
+
+
+def test_roofline_tp_split_follows_the_graphs_regions() -> None:
+    from orgel.costs.devices import load_device
+    from orgel.graph import capture
+    from orgel.profile.roofline import estimate_costs
+
+    with torch.device("meta"):
+        model, x = _Ffn(), torch.randn(32, 64)
+    graph = capture(model, {"x": x})
+    costs = estimate_costs(graph, load_device("h100-80gb"), blocks=3, rows=32)
+    splits = costs.tp_split
+    # two regions, each all-reduced once each way: 4 ends, half a region per end
+    assert sum(s.regions for s in splits) == pytest.approx(2)
+    # each region's output: 32 x 64 fp32 values
+    assert sum(s.allreduce for s in splits) == 2 * 32 * 64 * 4
+    # split weights: up's weight and bias, down's weight (its bias stays whole)
+    assert sum(s.params for s in splits) == 2 * (64 * 256 + 256 + 256 * 64) * 4
+    assert all(s.fwd <= f and s.params <= p for s, f, p
+               in zip(splits, costs.fwd, costs.params, strict=True))
+    two = tp_costs(costs, 2)
+    assert sum(two.params) == sum(costs.params) - sum(s.params for s in splits) // 2

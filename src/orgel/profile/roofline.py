@@ -218,8 +218,9 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         rows=rows, tied=tied_groups(opgraph, bg), optimizer_ms=cols["opt"],
         node_ranks=device.gpus_per_node, node_link=device.inter_node.link(), edge_grads=grads,
-        tp_split=_fit_splits(tp_splits(opgraph, roof, node_block, len(bg.blocks)), cols["fwd"], cols["bwd"], cols["wgrad"],
-                             cols["params"], cols["acts"]),
+        tp_split=_fit_splits(tp_splits(opgraph, roof, node_block, len(bg.blocks)),
+                             cols["fwd"], cols["bwd"], cols["wgrad"], cols["params"],
+                             cols["acts"]),
         meta={"device": device.name, "estimated": "roofline", "tf32": tf32,
               "target_blocks": blocks, "num_blocks": len(bg.blocks),
               "graph_hash": graph_hash(opgraph)})
