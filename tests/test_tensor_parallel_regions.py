@@ -1,0 +1,81 @@
+"""tp_regions on captured graphs: the column/row regions of a GPT's and a Llama's layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from orgel.graph.capture import capture
+from orgel.graph.tensor_parallel import tp_regions
+from orgel.models.gpt import build_gpt
+
+
+def _names(graph, leaves):  # placeholder names -> the model's parameter names
+    return tuple(graph.attr_of[leaf] for leaf in leaves)
+
+
+def test_gpt_layers_give_an_attention_and_an_mlp_region_each() -> None:
+    w = build_gpt(batch_size=2, d_model=32, n_heads=4, n_layers=2, seq_len=8, vocab_size=64)
+    graph = capture(w.model, w.inputs)
+    regions = tp_regions(graph.graph_module)
+    assert len(regions) == 4  # the LM head reads no column output: it stays whole
+    for layer, (attn, mlp) in enumerate(zip(regions[::2], regions[1::2], strict=True)):
+        p = f"encoder.blocks.{layer}"
+        assert _names(graph, attn.column_params) == (f"{p}.attn.qkv.weight", f"{p}.attn.qkv.bias")
+        assert _names(graph, attn.row_params) == (f"{p}.attn.proj.weight", f"{p}.attn.proj.bias")
+        inner = [n for n in graph.graph_module.graph.nodes if n.name in attn.inner]
+        assert "scaled_dot_product_attention" in {getattr(n.target, "__name__", "") for n in inner}
+        assert _names(graph, mlp.column_params) == (f"{p}.mlp.fc.weight", f"{p}.mlp.fc.bias")
+        assert _names(graph, mlp.row_params) == (f"{p}.mlp.out.weight", f"{p}.mlp.out.bias")
+        assert len(mlp.inner) == 1  # gelu
+        for r in (attn, mlp):
+            assert r.row_shape == (2, 8, 32)
+            assert r.allreduce_elements() == 2 * 8 * 32
+            assert r.allreduce_bytes() == 4 * 2 * 8 * 32
+
+
+@pytest.mark.hf
+def test_llama_layers_give_qkv_and_gate_up_regions() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    graph = capture(model, {"input_ids": torch.randint(0, 64, (2, 8))})
+    regions = tp_regions(graph.graph_module)
+    assert len(regions) == 4
+    for layer in range(2):
+        attn, mlp = regions[2 * layer], regions[2 * layer + 1]
+        p = f"model.layers.{layer}"
+        assert _names(graph, attn.column_params) == tuple(
+            f"{p}.self_attn.{x}_proj.weight" for x in "qkv")
+        assert _names(graph, attn.row_params) == (f"{p}.self_attn.o_proj.weight",)
+        assert len(attn.columns) == 3 and attn.row_bias is None
+        assert _names(graph, mlp.column_params) == (f"{p}.mlp.gate_proj.weight",
+                                                    f"{p}.mlp.up_proj.weight")
+        assert _names(graph, mlp.row_params) == (f"{p}.mlp.down_proj.weight",)
+        assert mlp.allreduce_elements() == 2 * 8 * 32
+
+
+class _Escaping(nn.Module):
+    """An MLP whose hidden activation is also returned: no region (it would escape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 8)
+        self.tied = nn.Linear(8, 16)
+        self.back = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = torch.relu(self.fc(x))
+        y = self.out(h)
+        z = self.back(self.tied(y) * 2)
+        return y, h, z + self.tied.weight.sum()
+
+
+def test_an_escaping_value_or_a_weight_read_elsewhere_makes_no_region() -> None:
+    graph = capture(_Escaping(), (torch.randn(3, 8),))
+    assert tp_regions(graph.graph_module) == []
