@@ -1,7 +1,7 @@
-"""Llama-3-70B and GPT-3-175B planned for 64, 256 and 1024 GPUs (data x pipeline parallel).
+"""Llama-3-70B, GPT-3-175B and Llama-3.1-405B planned for 64-1024 GPUs: PP x TP x DP x FSDP.
 
     python benchmarks/at_scale.py [--device h100-80gb] [--gpus 64 256 1024] \
-        [--model llama3-70b] [--cache DIR] [--compare llama3-70b 1024]
+        [--model llama3-70b] [--cache DIR] [--compare llama3-70b 1024] [--no-torchtitan]
 
 Each model is built at its real depth on the meta device (transformers
 configs, no weights), captured once with one sequence per micro-batch, costed
@@ -27,11 +27,29 @@ matmuls take the bf16 peak and values are 2 bytes), fp32 master weights and
 Adam state: 16 bytes per parameter, ``optimizer_factor = 8`` times the bf16
 parameter bytes, and the optimizer's passes over twice the bytes.
 
-orgel has no tensor parallelism: a stage is at least one whole block on one
-GPU, so a GPU must hold its stage's weights, gradients and Adam state
-(16 bytes per parameter) plus its in-flight activations. That forces deep
-pipelines (70B: 1.1 TB of state, at least 15 H100s per pipeline; 175B:
-2.8 TB, at least 36) and one-sequence micro-batches.
+Two rows per model and GPU count. ``pipeline``: data x pipeline parallelism
+only (every GPU holds its stage's weights, gradients and Adam state, 16 bytes
+per parameter: deep pipelines). ``mesh``: the joint search of
+:func:`orgel.plan.planner.plan` over tensor-parallel degree ``tp`` in 1, 2,
+4, 8 (inside a node), pipeline depth ``P``, ``dp = GPUs / (tp P)`` and
+sharding (``none`` or ``fsdp``: optimizer state split over the replicas,
+parameters gathered once per step, gradients reduce-scattered), priced by
+:mod:`orgel.costs.mesh`; each (tp, P, shard) whose state cannot fit is
+skipped, the others get 1 s of beam. ``x`` is the mesh row's MFU over the
+pipeline row's.
+
+torchtitan's published Llama 3.1 405B run (docs/performance.md, Table 5,
+torchtitan 9dec370 of 2024-12-26): 512 H100s (96 GB HBM2e, 500 W), FSDP 8 x
+TP 8 x PP 8, local batch size 32 (global 256) of 8192-token sequences
+(llama3_405b.toml), full activation checkpointing, torch.compile + Float8 +
+AsyncTP; the pipeline runs ``pipeline_parallel_degree`` = 8 micro-batches
+(its default then) of 4 sequences; interleaved 1F1B puts 2 stages on each
+rank (its default split), 1F1B one. Published: 1F1B 100, interleaved 1F1B 128
+tokens/s/GPU (1.28x). ``--torchtitan`` (default on) predicts both with the
+same split rule (uniform layers), full recompute, bf16 on h100-80gb (orgel
+prices neither Float8 nor AsyncTP's overlap, so the absolute numbers are not
+the point: the ratio is), then orgel's own choice for the same model, GPU
+count and batch.
 """
 
 from __future__ import annotations
@@ -51,6 +69,7 @@ import big  # noqa: E402
 
 from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
+from orgel.costs.mesh import TP_DEGREES, mesh_costs, tp_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
 from orgel.profile.roofline import estimate_costs  # noqa: E402
@@ -59,7 +78,9 @@ GIB = 1 << 30
 MODELS = {
     "llama3-70b": (lambda: big.llama3_70b(1, 4096), 256, 4096),
     "gpt3-175b": (lambda: big.gpt3_175b(1, 2048), 512, 2048),
+    "llama3.1-405b": (lambda: big.llama3_1_405b(1, 8192), 128, 8192),
 }
+LAYERS = {"llama3-70b": 80, "gpt3-175b": 96, "llama3.1-405b": 126}
 
 
 def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None
@@ -72,7 +93,8 @@ def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None
     saved = None if cache is None else cache / f"{name}-{device.name}.json"
     if saved is not None and saved.exists():
         costs = BlockCosts.load(saved)
-        return costs, time.perf_counter() - started, float(costs.meta["parameters"])
+        if costs.tp_split:  # a table saved before TP facts existed is captured again
+            return costs, time.perf_counter() - started, float(costs.meta["parameters"])
     w = MODELS[name][0]()
     w.model.to(torch.bfloat16)
     _, graph = capture_meta(w, 1)
@@ -114,6 +136,127 @@ def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int,
     return (None, 0, seconds) if best is None else (best[0], best[1], seconds)
 
 
+def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: int,
+              time_limit: float = 1.0) -> tuple[PlanResult | None, float]:
+    """The fastest plan over TP degree, pipeline depth, dp and sharding: (result, seconds).
+
+    ``costs`` is the one-row table; each replica runs one-sequence micro-batches.
+    Pruned by an optimistic estimate: every mesh whose state fits gets
+    ``(M + (P - 1) / 3) x work / P`` (``M = batch / dp`` micro-batches of its
+    TP'd blocks' forward and backward ``work`` over ``P`` ranks, with a third
+    of 1F1B's fill and drain, about ZB-H1's; no recompute, no collectives);
+    meshes are planned in the order of their estimates, and one whose
+    estimate is no better than the best plan so far is skipped. (Not a
+    proven bound: a schedule with less bubble than that could be missed.)
+    """
+    started = time.perf_counter()
+    meshes = []
+    for tp in TP_DEGREES:
+        if tp > per_node or gpus % tp:
+            continue
+        work = sum(a + b for a, b in zip(tp_costs(costs, tp).fwd, tp_costs(costs, tp).bwd,
+                                         strict=True))
+        for depth in (1, 2, 4, 8, 16, 32, 64, 128):
+            if (gpus // tp) % depth or depth > costs.num_blocks:
+                continue
+            dp = gpus // tp // depth
+            if batch % dp:
+                continue
+            for shard in ("none", "fsdp") if dp > 1 else ("none",):
+                table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
+                static = sum(table.static_bytes(b) for b in range(table.num_blocks))
+                if static / depth > memory:
+                    continue
+                estimate = (batch // dp + (depth - 1) / 3) * work / depth
+                meshes.append((estimate, tp, depth, dp, shard))
+    best: PlanResult | None = None
+    for bound, tp, _depth, dp, shard in sorted(meshes):
+        if best is not None and bound >= best.step_time:
+            continue
+        try:
+            result = plan(costs.scaled(dp), gpus, batch // dp, dp=dp, rows=dp, tp=tp,
+                          shard=shard, max_replicas=1, time_limit=time_limit, planner="beam",
+                          max_loops=2, families=["1f1b", "zb-h1", "interleaved"])
+        except InfeasibleError:
+            continue
+        if best is None or result.step_time < best.step_time:
+            best = result
+    return best, time.perf_counter() - started
+
+
+def mesh_label(result: PlanResult) -> str:
+    """``PPxTPxDP`` and ``f`` when the replicas shard."""
+    m = result.plan.meta["mesh"]
+    return f"{m['pp']}x{m['tp']}x{m['dp']}" + ("f" if m["shard"] == "fsdp" else "")
+
+
+def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *, tp: int,
+               dp: int, shard: str, stages_per_rank: int = 1) -> PlanResult:
+    """One given configuration: ``family`` on ``depth`` pipeline ranks, uniform layers,
+    every stage recomputing (full activation checkpointing), priced like any plan.
+
+    ``costs`` is the whole micro-batch's table (each replica takes ``1/dp``).
+    """
+    from orgel.costs.blocks import chain_split
+    from orgel.plan.planner import _label, _replicate, predict
+    from orgel.plan.replicated import replica_step
+    from orgel.plan.scorer import Scorer, Template
+    from orgel.plan.splits import uniform_points
+    from orgel.schedule.families import build_schedule
+
+    started = time.perf_counter()
+    table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
+    options: dict[str, Any] = {} if stages_per_rank == 1 else {"stages_per_rank":
+                                                               stages_per_rank}
+    label = family if stages_per_rank == 1 else f"{family} v={stages_per_rank}"
+    base = build_schedule(family, depth, microbatches, **options)
+    template = Template(label, family, options, base)
+    scorer = Scorer(table.scaled(1.0 / dp), memory=None)
+    points = uniform_points(costs.num_blocks, template.num_stages)
+    single = scorer.to_plan(template, chain_split(points, costs.num_blocks),
+                            (True,) * template.num_stages)
+    _label(single, template)
+    full = _replicate(single, dp, table, None, shard)
+    full.tp = tp
+    full.meta["mesh"] = {"pp": depth, "tp": tp, "dp": dp, "shard": shard}
+    assert replica_step(single, full) is not None
+    sim = predict(full, table)
+    return PlanResult(full, label, sim, time.perf_counter() - started)
+
+
+def torchtitan(device: Any, cache: Path | None) -> None:
+    """Predict torchtitan's 405B Table 5 (module docstring) and orgel's own choice."""
+    costs, captured, params = costs_of("llama3.1-405b", device, 2 * 126 + 2, cache)
+    gpus, seq, batch, dp, tp, depth, microbatches = 512, 8192, 256, 8, 8, 8, 8
+    rows = batch // microbatches  # a micro-batch: 4 sequences on each of the 8 FSDP ranks
+    print(f"torchtitan Llama 3.1 405B, 512 H100s, FSDP {dp} x TP {tp} x PP {depth}, "
+          f"{batch} x {seq} tokens, {microbatches} micro-batches of {rows // dp} sequences "
+          f"per replica, full recompute (table captured in {captured:.1f} s)")
+    got = {}
+    for family, v, published in (("1f1b", 1, 100), ("interleaved", 2, 128)):
+        result = fixed_plan(costs.scaled(rows), family, depth, microbatches, tp=tp, dp=dp,
+                            shard="fsdp", stages_per_rank=v)
+        tokens = batch * seq / (result.step_time / 1000) / gpus
+        got[family] = tokens
+        print(f"  {family:<12} v={v}: step {result.step_time / 1000:.2f} s, predicted "
+              f"{tokens:.0f} tok/s/GPU (published {published}), MFU "
+              f"{6 * params * tokens / device.peak('bf16'):.1%}, bubble "
+              f"{result.sim.bubble_fraction:.1%}, {max(result.sim.peak_memory) / GIB:.1f} "
+              f"GiB/GPU", flush=True)
+    ratio = got["interleaved"] / got["1f1b"]
+    print(f"  interleaved / 1F1B: predicted {ratio:.3f}, published 1.28 "
+          f"({ratio / 1.28 - 1:+.1%})")
+    # orgel's choice: the same batch as one-sequence micro-batches per replica
+    best, seconds = best_mesh(costs, gpus, batch, device.memory_bytes, device.gpus_per_node)
+    if best is not None:
+        tokens = batch * seq / (best.step_time / 1000) / gpus
+        print(f"  orgel's choice: {mesh_label(best)} {best.plan.meta.get('schedule_label')}, "
+              f"M {best.plan.microbatches}, recompute {sum(best.plan.recompute)}/"
+              f"{best.plan.num_stages}: {tokens:.0f} tok/s/GPU, "
+              f"{tokens / got['interleaved']:.2f}x torchtitan's interleaved configuration "
+              f"as orgel predicts it ({seconds:.1f} s to plan)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="h100-80gb")
@@ -125,46 +268,68 @@ def main() -> None:
                         default=["llama3-70b", "1024"],
                         help="also plan this row with 10x the beam time per depth and print "
                              "both step times (a model not planned skips it)")
+    parser.add_argument("--no-torchtitan", action="store_true",
+                        help="skip the prediction of torchtitan's 405B run")
     args = parser.parse_args()
+    started = time.perf_counter()
     device = load_device(args.device)
     print(f"device {device.name}: {device.gpus_per_node} GPUs per node, "
           f"{device.intra_node.name} inside, {device.inter_node.name} between nodes")
-    print(f"{'model':<11} {'GPUs':>5} {'P x dp':>9} {'M':>4} {'schedule':<28} {'recomp':>7} "
-          f"{'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} {'bubble':>6} {'GiB/GPU':>7} "
-          f"{'plan s':>6} {'RSS GiB':>7}")
+    print(f"{'model':<13} {'GPUs':>5} {'search':<8} {'PPxTPxDP':>10} {'M':>4} "
+          f"{'schedule':<24} {'recomp':>7} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} "
+          f"{'x':>5} {'bubble':>6} {'GiB/GPU':>7} {'plan s':>6} {'RSS GiB':>7}")
     for name in args.model:
-        blocks = 2 * (96 if name.startswith("gpt3") else 80) + 2
+        blocks = 2 * LAYERS[name] + 2
         costs, captured, params = costs_of(name, device, blocks, args.cache)
         _, batch, seq = MODELS[name]
         print(f"{name}: {params / 1e9:.1f}B parameters, {costs.num_blocks} blocks, captured "
               f"and costed in {captured:.1f} s")
         for gpus in args.gpus:
             result, depth, seconds = best_plan(costs, gpus, batch, device.memory_bytes)
+            pipeline_mfu = None
             if result is None:
-                print(f"{name:<11} {gpus:>5} nothing fits ({seconds:.1f} s)")
-                continue
-            step = result.step_time / 1000
-            tokens = batch * seq / step / gpus
-            mfu = 6 * params * tokens / device.peak("bf16")
-            label = str(result.plan.meta.get("schedule_label"))[:28]
-            recompute = f"{sum(result.plan.recompute)}/{result.plan.num_stages}"
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
-            print(f"{name:<11} {gpus:>5} {f'{depth}x{gpus // depth}':>9} "
-                  f"{result.plan.microbatches:>4} {label:<28} {recompute:>7} {step:>7.2f} "
-                  f"{tokens:>9.0f} {mfu:>5.1%} {result.sim.bubble_fraction:>6.1%} "
-                  f"{max(result.sim.peak_memory) / GIB:>7.1f} {seconds:>6.1f} {rss:>7.2f}",
-                  flush=True)
-            if [name, str(gpus)] == args.compare:
+                print(f"{name:<13} {gpus:>5} pipeline nothing fits ({seconds:.1f} s)")
+            else:
+                pipeline_mfu = _row(name, gpus, "pipeline", f"{depth}x1x{gpus // depth}",
+                                    result, batch, seq, params, device, seconds, None)
+            if [name, str(gpus)] == args.compare and result is not None:
                 slow, slow_depth, slow_s = best_plan(costs, gpus, batch, device.memory_bytes,
                                                      time_limit=20.0)
                 if slow is not None:
                     print(f"  same row, 20 s of beam per depth: {slow_depth}x{gpus // slow_depth} "
                           f"{slow.plan.meta.get('schedule_label')}, step "
-                          f"{slow.step_time / 1000:.3f} s against {step:.3f} s "
+                          f"{slow.step_time / 1000:.3f} s against {result.step_time / 1000:.3f} s "
                           f"(ratio {result.step_time / slow.step_time:.4f}), {slow_s:.1f} s "
                           f"to plan", flush=True)
+            mesh, seconds = best_mesh(costs, gpus, batch, device.memory_bytes,
+                                      device.gpus_per_node)
+            if mesh is None:
+                print(f"{name:<13} {gpus:>5} mesh     nothing fits ({seconds:.1f} s)")
+            else:
+                _row(name, gpus, "mesh", mesh_label(mesh), mesh, batch, seq, params, device,
+                     seconds, pipeline_mfu)
+    if not args.no_torchtitan:
+        torchtitan(device, args.cache)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
-    print(f"peak memory (RSS) of this process: {peak:.2f} GiB")
+    print(f"peak memory (RSS) of this process: {peak:.2f} GiB; "
+          f"{time.perf_counter() - started:.0f} s in all")
+
+
+def _row(name: str, gpus: int, search: str, mesh: str, result: PlanResult, batch: int,
+         seq: int, params: float, device: Any, seconds: float, base: float | None) -> float:
+    """Print one row; returns its MFU."""
+    step = result.step_time / 1000
+    tokens = batch * seq / step / gpus
+    mfu = 6 * params * tokens / device.peak("bf16")
+    label = str(result.plan.meta.get("schedule_label"))[:24]
+    recompute = f"{sum(result.plan.recompute)}/{result.plan.num_stages}"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    ratio = "" if base is None else f"{mfu / base:.2f}"
+    print(f"{name:<13} {gpus:>5} {search:<8} {mesh:>10} {result.plan.microbatches:>4} "
+          f"{label:<24} {recompute:>7} {step:>7.2f} {tokens:>9.0f} {mfu:>5.1%} {ratio:>5} "
+          f"{result.sim.bubble_fraction:>6.1%} {max(result.sim.peak_memory) / GIB:>7.1f} "
+          f"{seconds:>6.1f} {rss:>7.2f}", flush=True)
+    return mfu
 
 
 if __name__ == "__main__":

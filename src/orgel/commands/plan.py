@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "uniform-layers, uniform-params or uniform-time")
     parser.add_argument("--dp", default="1", metavar="D", help="data-parallel replicas of the "
                         "whole pipeline (divides --ranks), or 'auto' to choose (default 1)")
+    parser.add_argument("--tp", default="1", metavar="T", help="tensor-parallel degree: a "
+                        "number, several (2,4), or 'auto' (1, 2, 4, 8 where they divide "
+                        "--ranks and the GPUs per node); --ranks counts GPUs (default 1)")
+    parser.add_argument("--shard", default="none", choices=("none", "fsdp", "auto"),
+                        help="how data-parallel replicas hold their state: none (default), "
+                        "fsdp (sharded, gathered once per step) or auto (the faster that fits)")
     parser.add_argument("--max-replicas", type=int, metavar="R",
                         help="most ranks one stage may run on as replicas (1: a pure "
                         "pipeline; default: any)")
@@ -148,6 +154,13 @@ def run(args: argparse.Namespace) -> int:
             dp = int(args.dp)
         except ValueError:
             return _fail(f"--dp must be a number or 'auto', got {args.dp!r}")
+    tp: Any = "auto"
+    if args.tp != "auto":
+        try:
+            degrees = tuple(int(t) for t in args.tp.split(","))
+        except ValueError:
+            return _fail(f"--tp must be a number, numbers like 2,4, or 'auto', got {args.tp!r}")
+        tp = degrees[0] if len(degrees) == 1 else degrees
     for flag, value in (("--max-replicas", args.max_replicas), ("--rows", args.rows)):
         if value is not None and value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
@@ -155,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                                    width=args.beam_width, max_loops=args.max_loops,
                                    time_limit=_time_limit(args),
                                    max_replicas=args.max_replicas,
-                                   families=args.families)
+                                   families=args.families, tp=tp, shard=args.shard)
     if args.rows is not None:
         options["rows"] = args.rows
     try:
@@ -230,6 +243,12 @@ def format_summary(s: dict[str, Any]) -> str:
     """The human table: stages, schedule, prediction, baselines, search time."""
     lines = [f"planner {s['planner']}: schedule {s['schedule']} on {s['num_ranks']} ranks, "
              f"{s['microbatches']} micro-batches"]
+    m = s.get("mesh")
+    if m:
+        lines.append(f"mesh: PP {m['pp']} x TP {m['tp']} x DP {m['dp']} "
+                     f"({m['pp'] * m['tp'] * m['dp']} GPUs), "
+                     + ("replicas sharded (fsdp)" if m["shard"] == "fsdp" else
+                        "replicas not sharded" if m["dp"] > 1 else "no replicas"))
     lines.append(f"{'stage':>5}  {'blocks':<16} {'ranks':<10} {'fwd+bwd ms':>10} "
                  f"{'params MiB':>10} {'act MiB':>8}  recompute")
     for i, st in enumerate(s["stages"]):

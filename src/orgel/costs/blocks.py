@@ -45,6 +45,11 @@ optimizer step; without it a rank's step takes ``optimizer_ms_per_mib`` per MiB 
 parameters. ``step_overhead`` (optional) is what every step costs outside its actions on
 two ranks (setup, the loss all-reduce round).
 
+``tp`` (optional, all blocks or none): what tensor parallelism splits of the
+block, ``{"fwd", "bwd", "wgrad", "params", "activations", "allreduce",
+"regions"}`` (:class:`~orgel.costs.mesh.TPSplit`; the roofline estimate
+writes it), which :func:`orgel.costs.mesh.tp_costs` prices.
+
 ``cores`` (optional): the ranks share one host's processors, and this many of
 them can compute at full speed at once (CPU ranks: the host's cores divided by
 each rank's threads; the profiler writes it for CPU ranks). Block times are a
@@ -78,13 +83,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orgel.costs.mesh import TPSplit
 from orgel.costs.tied import TiedGroup, check_group, tied_shared, tied_within
 from orgel.schedule.costs import Costs, Link, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
 _BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
                "nodes", "weight_kept", "input_saved", "output_unsaved", "split_input",
-               "split_weight", "optimizer_ms")
+               "split_weight", "optimizer_ms", "tp")
 #: Optional per-block times: given for every block or for none.
 _OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 _TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
@@ -141,6 +147,8 @@ class BlockCosts:
     # a mask or a position table read by every layer carries none
     edge_grads: dict[tuple[int, int], int] = field(default_factory=dict)
     cores: float | None = None  # ranks that compute at once on a shared host (None: own devices)
+    # what tensor parallelism splits, per block (or none): see orgel.costs.mesh
+    tp_split: list[TPSplit] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -168,6 +176,9 @@ class BlockCosts:
                                      f"({n}) or leave it out of every block")
             if any(t < 0 for t in got):
                 raise CostsFileError(f"'{name}' has a negative time; times are ms >= 0")
+        if self.tp_split and len(self.tp_split) != n:
+            raise CostsFileError(f"'tp' is given for {len(self.tp_split)} blocks: give it for "
+                                 f"every block ({n}) or for none")
         if self.cores is not None and not self.cores > 0:
             raise CostsFileError(f"'cores' must be a positive number of ranks that compute at "
                                  f"once, got {self.cores!r}; leave it out when every rank has "
@@ -253,7 +264,7 @@ class BlockCosts:
             step_overhead=self.step_overhead, node_ranks=self.node_ranks,
             node_link=self.node_link,
             edge_grads={e: int(b * factor) for e, b in self.edge_grads.items()},
-            cores=self.cores)
+            cores=self.cores, tp_split=[t.scaled(factor) for t in self.tp_split])
 
     # -- JSON --------------------------------------------------------------------
 
@@ -271,6 +282,8 @@ class BlockCosts:
         for key in _OPTIONAL_TIMES:
             for i, t in enumerate(getattr(self, key)):
                 blocks[i][key] = t
+        for i, split in enumerate(self.tp_split):
+            blocks[i]["tp"] = split.to_dict()
         return {
             "blocks": blocks,
             "edges": [list(e) for e in self.edges],
@@ -333,6 +346,11 @@ class BlockCosts:
             for key in _OPTIONAL_TIMES:
                 if key in b:
                     cols[key].append(_number(b[key], f"blocks[{i}].{key}"))
+            if "tp" in b:
+                try:
+                    cols["tp"].append(TPSplit.from_dict(b["tp"], f"blocks[{i}].tp"))
+                except ValueError as exc:
+                    raise CostsFileError(str(exc)) from None
             cols["name"].append(str(b.get("name", f"block{i}")))
             nodes = b.get("nodes", [])
             if not isinstance(nodes, list) or not all(isinstance(x, str) for x in nodes):
@@ -385,6 +403,7 @@ class BlockCosts:
             **_node(data.get("node")),
             edge_grads=_edge_grads(data.get("edge_grads", [])),
             cores=None if data.get("cores") is None else _number(data["cores"], "cores"),
+            tp_split=cols["tp"],
         )
 
     def save(self, path: str | Path) -> None:

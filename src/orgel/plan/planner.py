@@ -33,6 +33,7 @@ from orgel.costs.blocks import (
     stage_costs,
     stage_graph,
 )
+from orgel.costs.mesh import TP_DEGREES, check_tp, mesh_costs
 from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
 from orgel.plan.replicated import replica_step
@@ -40,7 +41,7 @@ from orgel.plan.scorer import Scorer, Template
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
-from orgel.schedule.ir import Plan
+from orgel.schedule.ir import SHARDS, Plan
 from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
 from orgel.sim.compiled import CompiledPlan, shared_step
@@ -96,6 +97,8 @@ class PlanResult:
             "memory_per_rank": self.sim.memory_per_rank,
             "baselines": self.baselines,
             "evaluations": self.evaluations,
+            "mesh": plan.meta.get("mesh", {"pp": plan.num_ranks, "tp": plan.tp, "dp": 1,
+                                           "shard": "none"}),
         }
 
 
@@ -120,7 +123,9 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
          planner: str = "auto", width: int = 4, max_move: int = 10, max_loops: int = 8,
          time_limit: float | str | None = "auto", per_member: int | None = None,
          dp: int | None = 1, groups: int = 3, top: int = 3, max_replicas: int | None = None,
-         rows: int | None = None, families: list[str] | None = None) -> PlanResult:
+         rows: int | None = None, families: list[str] | None = None,
+         tp: int | str | tuple[int, ...] | list[int] = 1,
+         shard: str | tuple[str, ...] | list[str] = "none") -> PlanResult:
     """The fastest feasible plan of ``costs`` on ``ranks`` ranks (see the module docstring).
 
     ``memory`` overrides the table's ``memory_per_rank`` (bytes; None keeps it).
@@ -133,7 +138,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     ``dp``
     replicates the whole pipeline ``dp`` times (each replica takes its share of
     every micro-batch; gradients are all-reduced); ``dp=None`` tries every
-    divisor of ``ranks`` and keeps the fastest. With ``dp=1`` the whole
+    divisor of the pipeline ranks and keeps the fastest. With ``dp=1`` the whole
     pipeline is never replicated: the graph planner may still give some stages
     several ranks (intra-stage replicas) but keeps at least one stage on a
     single rank, so a plan is never data parallelism in disguise.
@@ -142,7 +147,19 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     ``rows`` is a micro-batch's row count along the batch dimension: every
     stage's replicas (times ``dp``) must divide it, since each takes an equal
     share of every micro-batch. ``families`` restricts the sequential search
-    to these schedule families (e.g. ``["gpipe"]``; None: all). Raises
+    to these schedule families (e.g. ``["gpipe"]``; None: all).
+
+    The mesh: ``tp`` is the tensor-parallel degree, or a tuple of degrees to
+    try (e.g. :data:`~orgel.costs.mesh.TP_DEGREES`; ``"auto"``: those that
+    fit, see :func:`_mesh_choices`); ``ranks`` counts
+    processes, so each plan rank (a pipeline rank) is ``tp`` of them and the
+    pipeline and its replicas share ``ranks / tp`` pipeline ranks.
+    ``shard``: ``"none"`` (replicas hold everything, all-reduce gradients),
+    ``"fsdp"`` (replicas shard their state, :mod:`orgel.costs.mesh`), or a
+    tuple of both to try (``"auto"``); ``"fsdp"`` applies only where ``dp > 1``. Every
+    combination of TP degree, ``dp`` and sharding is searched like a plain
+    pipeline and the fastest plan that fits wins, with ``plan.tp`` and
+    ``plan.shard`` set (and ``plan.meta["mesh"]``). Raises
     :class:`InfeasibleError` when nothing fits, ValueError on bad options.
     """
     if planner not in PLANNERS:
@@ -152,9 +169,11 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
                         ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    tps, shards = _mesh_choices(costs, ranks, tp, shard)
     if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1
-                           or ranks % dp):
-        raise ValueError(f"dp must be a positive integer that divides ranks={ranks}, got {dp!r}")
+                           or any((ranks // t) % dp for t in tps)):
+        raise ValueError(f"dp must be a positive integer that divides ranks={ranks} (over tp: "
+                         f"the pipeline ranks), got {dp!r}")
     for name, opt in (("max_replicas", max_replicas), ("rows", rows)):
         if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int) or opt < 1):
             raise ValueError(f"{name} must be a positive integer or None, got {opt!r}")
@@ -169,9 +188,13 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
         if not families or unknown:
             raise ValueError(f"families must name some of {', '.join(known)}; "
                              f"got {list(families)!r}")
-    degrees = [d for d in range(1, ranks + 1) if ranks % d == 0] if dp is None else [dp]
-    degrees = [d for d in degrees if rows is None or rows % d == 0]
-    if min(ranks // d for d in degrees) > costs.num_blocks:
+    meshes: list[tuple[int, int]] = []  # (tp, dp)
+    for t in tps:
+        width_ranks = ranks // t
+        ds = ([d for d in range(1, width_ranks + 1) if width_ranks % d == 0] if dp is None
+              else [dp])
+        meshes += [(t, d) for d in ds if rows is None or rows % d == 0]
+    if min(ranks // (t * d) for t, d in meshes) > costs.num_blocks:
         raise ValueError(f"{ranks} ranks but only {costs.num_blocks} blocks: use at most "
                          f"{costs.num_blocks} ranks or coarsen into more blocks")
     if time_limit == "auto":
@@ -184,38 +207,75 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     options = dict(width=width, max_move=max_move, max_loops=max_loops, time_limit=time_limit,
                    per_member=per_member, groups=groups, top=top, families=families)
     graph_options: dict[str, Any] = {"max_replicas": max_replicas, "pure_dp": False}
-    candidates: list[tuple[float, str, Plan]] = []
+    candidates: list[tuple[float, str, Plan, BlockCosts]] = []
     base_times: dict[str, float | None] = {}
     evaluations = 0
-    for d in degrees:
-        pipeline = ranks // d
+    for t, d in meshes:
+        pipeline = ranks // (t * d)
         if pipeline > costs.num_blocks:
             continue
-        sub = scorer if d == 1 else Scorer(costs.scaled(1.0 / d), memory=scorer.memory)
-        found, baselines = _search(sub, pipeline, microbatches, planner, options,
-                                   dict(graph_options, rows=None if rows is None else rows // d))
-        evaluations += sub.evaluations
-        if d == 1 or not base_times:
-            base_times = baselines
-        for step, name, p in found:
-            if d > 1:
-                single, p = p, _replicate(p, d, costs, scorer.memory)
-                step_peak = replica_step(single, p)  # one replica simulated, all-reduces priced
-                if step_peak is None:
-                    check = simulate(p)
-                    step_peak = check.step_time, np.asarray(check.peak_memory)
-                if scorer.memory is not None and step_peak[1].max() > scorer.memory:
-                    continue
-                step, name = step_peak[0], f"{name} x dp{d}"
-            candidates.append((step + end_of_step(costs, p), name, p))
+        for how in shards if d > 1 else ("none",):
+            table = mesh_costs(costs, tp=t, shard=how, replicas=d)
+            sub = (scorer if table is costs and d == 1 else
+                   Scorer(table if d == 1 else table.scaled(1.0 / d), memory=scorer.memory))
+            found, baselines = _search(sub, pipeline, microbatches, planner, options,
+                                       dict(graph_options,
+                                            rows=None if rows is None else rows // d))
+            evaluations += sub.evaluations
+            if not base_times or (t, d, how) == (1, 1, "none"):
+                base_times = baselines
+            for step, name, p in found:
+                if d > 1:
+                    single, p = p, _replicate(p, d, table, scorer.memory, how)
+                    step_peak = replica_step(single, p)  # one replica simulated, reduces priced
+                    if step_peak is None:
+                        check = simulate(p)
+                        step_peak = check.step_time, np.asarray(check.peak_memory)
+                    if scorer.memory is not None and step_peak[1].max() > scorer.memory:
+                        continue
+                    step, name = step_peak[0], f"{name} x dp{d}" + (" fsdp" if how == "fsdp"
+                                                                    else "")
+                if t > 1:
+                    p.tp, name = t, f"{name} x tp{t}"
+                p.meta["mesh"] = {"pp": pipeline, "tp": t, "dp": d, "shard": how}
+                candidates.append((step + end_of_step(table, p), name, p, table))
     if not candidates:
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
-    step, name, best = min(candidates, key=lambda c: c[0])
+    step, name, best, table = min(candidates, key=lambda c: c[0])
     seconds = time.perf_counter() - started
-    sim = predict(best, costs)
+    sim = predict(best, table)
     best.meta.update({"planner": name, "search_seconds": seconds, "baselines": base_times,
                       "block_graph": dict(costs.meta)})
     return PlanResult(best, name, sim, seconds, base_times, evaluations)
+
+
+def _mesh_choices(costs: BlockCosts, ranks: int, tp: Any, shard: Any
+                  ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The TP degrees and sharding choices of :func:`plan`, checked (ValueError says why).
+
+    ``tp="auto"``: the degrees of :data:`~orgel.costs.mesh.TP_DEGREES` that
+    divide ``ranks`` and the GPUs per node (only 1 when the costs carry no
+    TP facts); ``shard="auto"``: both choices.
+    """
+    if tp == "auto":
+        tp = tuple(t for t in TP_DEGREES if t == 1 or (
+            costs.tp_split and ranks % t == 0 and not costs.links
+            and (costs.node_ranks is None or costs.node_ranks % t == 0)))
+    if shard == "auto":
+        shard = SHARDS
+    tps = (tp,) if isinstance(tp, int) and not isinstance(tp, bool) else tuple(tp)
+    shards = (shard,) if isinstance(shard, str) else tuple(shard)
+    if not tps or not shards:
+        raise ValueError("give at least one tp degree and one shard choice")
+    bad = [x for x in shards if x not in SHARDS]
+    if bad:
+        raise ValueError(f"shard {bad[0]!r} is not one of {', '.join(SHARDS)}")
+    for t in tps:
+        check_tp(costs, t)
+        if ranks % t:
+            raise ValueError(f"tp={t} does not divide ranks={ranks}: ranks counts processes, "
+                             "tp of them per pipeline rank")
+    return tps, shards
 
 
 def search_budget(blocks: int, ranks: int) -> float:
@@ -331,8 +391,10 @@ def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,
     return found, times
 
 
-def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None) -> Plan:
-    """``p`` on ``dp`` replica groups, with whole-micro-batch stage costs again."""
+def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None,
+               shard: str = "none") -> Plan:
+    """``p`` on ``dp`` replica groups, with whole-micro-batch stage costs again; every
+    stage's replicas shard (FSDP) when ``shard == "fsdp"``."""
     from orgel.runtime.plans import replicate
 
     out = replicate(p, dp)
@@ -344,6 +406,7 @@ def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None) -> Plan:
     out.costs = stage_costs(costs, blocks, split=split, placement=out.placement)
     out.costs.memory_per_rank = memory
     out.tied = plan_tied_weights(costs, blocks, out.placement)
+    out.shard = [shard] * out.num_stages
     return out
 
 

@@ -14,6 +14,11 @@ what simulating all ``P x dp`` ranks gives (:func:`orgel.sim.simulate`), at
 the cost of ``P`` ranks. When the replicas' links differ (a pipeline that
 does not fill whole nodes), :func:`replica_step` says so and the caller
 simulates in full.
+
+A stage whose replicas shard (FSDP) reduce-scatters instead of all-reducing,
+and gathers its parameters over its replicas before its first forward on
+each rank: every replica gathers at once over the same ring, so adding the
+gather to that forward in the one simulated pipeline is again exact.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np
 
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
-from orgel.sim.allreduce import allreduce_time, plan_allreduces
+from orgel.sim.allreduce import allreduce_time, gather_time, plan_allreduces, plan_gathers
 from orgel.sim.compiled import CompiledPlan, StageArrays
 
 
@@ -56,6 +61,10 @@ def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False
     cp = CompiledPlan(single)
     costs, arrays = cp.stage_arrays(None)
     alone = cp.durations(costs, arrays)
+    # a sharded stage gathers its parameters over its replicas before its first F
+    for s, ranks, firsts in plan_gathers(replicated):
+        ops = [int(cp.rank_start[r]) + pos for r, pos in firsts if r < p]
+        alone[ops] += gather_time(ranks, link_costs.stages[s].params, link_costs)
     # every replica computes what replica 0 does at the same time, on cores they may share
     dur, end, least = cp.shared_timeline(link_costs, alone, copies=dp)
     nc, nm = cp.num_compute, cp.num_messages

@@ -35,6 +35,7 @@ from typing import Any
 
 from orgel.costs.blocks import BlockCosts
 from orgel.costs.devices import FP32_MATMUL_EFFICIENCY, Device
+from orgel.costs.mesh import TPSplit
 
 _FREE = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as",
          "unsqueeze", "squeeze", "getitem", "size", "flatten", "unflatten", "split", "chunk",
@@ -217,9 +218,64 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         rows=rows, tied=tied_groups(opgraph, bg), optimizer_ms=cols["opt"],
         node_ranks=device.gpus_per_node, node_link=device.inter_node.link(), edge_grads=grads,
+        tp_split=_fit_splits(tp_splits(opgraph, roof, node_block, len(bg.blocks)),
+                             cols["fwd"], cols["bwd"], cols["wgrad"], cols["params"],
+                             cols["acts"]),
         meta={"device": device.name, "estimated": "roofline", "tf32": tf32,
               "target_blocks": blocks, "num_blocks": len(bg.blocks),
               "graph_hash": graph_hash(opgraph)})
+
+
+def tp_splits(opgraph: Any, roof: Roofline, node_block: dict[str, int], blocks: int
+              ) -> list[TPSplit]:
+    """Each block's :class:`TPSplit` from the graph's column/row regions.
+
+    :func:`orgel.graph.tensor_parallel.tp_regions` finds the regions (the
+    runtime shards the same ones); a region's nodes split their times and
+    saved bytes in the blocks they fall in, its column and row weights their
+    bytes. Its row output is all-reduced forward in the row's block and its
+    input's gradient (the same bytes) backward in its first column's block: a
+    block counts half a region per end it holds (``regions = ends / 2``,
+    ``allreduce`` half their bytes), so a region a block boundary cuts is
+    priced once each way over the pipeline.
+    """
+    from orgel.graph.tensor_parallel import tp_regions
+
+    fwd = [0.0] * blocks
+    bwd = [0.0] * blocks
+    wgrad = [0.0] * blocks
+    params = [0] * blocks
+    acts = [0] * blocks
+    ends = [0] * blocks
+    end_bytes = [0] * blocks
+    for region in tp_regions(opgraph.graph_module):
+        for name in region.nodes:
+            node = opgraph.nodes.get(name)
+            if node is None:
+                continue
+            b = node_block[name]
+            f, bw, w, _ = roof.times(node)
+            fwd[b], bwd[b], wgrad[b] = fwd[b] + f, bwd[b] + bw, wgrad[b] + w
+            acts[b] += node.saved_bytes
+        row_bias = opgraph.attr_of.get(region.row_bias or "", None)
+        for name in (*region.columns, region.row):  # its linears' weights, in their blocks
+            params[node_block[name]] += sum(opgraph.tensor_bytes(p)
+                                            for p in opgraph.nodes[name].params
+                                            if p != row_bias)  # the row bias stays whole
+        nbytes = opgraph.nodes[region.row].nbytes
+        for at in (region.columns[0], region.row):
+            ends[node_block[at]] += 1
+            end_bytes[node_block[at]] += nbytes
+    return [TPSplit(fwd[b], bwd[b], wgrad[b], params[b], acts[b], end_bytes[b] // 2,
+                    ends[b] / 2) for b in range(blocks)]
+
+
+def _fit_splits(splits: list[TPSplit], fwd: list[float], bwd: list[float], wgrad: list[float],
+                params: list[int], acts: list[int]) -> list[TPSplit]:
+    """Each split within its block's totals (a block's times have a launch-bound floor)."""
+    return [TPSplit(min(s.fwd, f), min(s.bwd, b), min(s.wgrad, w, s.bwd), min(s.params, p),
+                    min(s.activations, a), s.allreduce, s.regions)
+            for s, f, b, w, p, a in zip(splits, fwd, bwd, wgrad, params, acts, strict=True)]
 
 
 def _model_input_bytes(opgraph: Any) -> dict[str, int]:

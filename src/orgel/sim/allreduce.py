@@ -3,6 +3,10 @@
 A stage on several ranks (its replicas) all-reduces its gradients among them
 once each has run its last backward of the stage; a tied weight group that
 spans ranks does the same for the tied parameter. The ring model prices one.
+A stage whose replicas shard its state (``plan.shard[s] == "fsdp"``)
+reduce-scatters its gradients instead (half the ring steps), and gathers its
+parameters once per step before its first forward on each rank
+(:func:`plan_gathers`, :func:`gather_time`): the forward waits for it.
 Shared by the compiled simulator (:mod:`orgel.sim.compiled`) and the pricing
 of data-parallel replicas (:mod:`orgel.plan.replicated`).
 """
@@ -32,6 +36,7 @@ class AllReduce:
     nbytes: int | None
     label: str
     tied_bytes: int = 0
+    scatter: bool = False  # a sharded (FSDP) stage's reduce-scatter: half the ring steps
 
 
 def plan_allreduces(plan: Plan) -> tuple[list[AllReduce], list[list[tuple[int, int]]]]:
@@ -51,7 +56,10 @@ def plan_allreduces(plan: Plan) -> tuple[list[AllReduce], list[list[tuple[int, i
     for s, ranks in enumerate(plan.placement):
         if len(ranks) > 1:
             tied = sum(int(g.nbytes or 0) for g in tied_groups if s in g.stages)
-            groups.append(AllReduce(tuple(ranks), (s,), None, f"allreduce s{s}", tied))
+            sharded = plan.sharded(s)
+            groups.append(AllReduce(tuple(ranks), (s,), None,
+                                    f"{'reduce-scatter' if sharded else 'allreduce'} s{s}",
+                                    tied, scatter=sharded))
     groups += tied_groups
     last_of: dict[tuple[int, int], int] = {}  # (rank, stage) -> position of its last B/W
     needed = {(r, s) for g in groups for r in g.ranks for s in g.stages}
@@ -71,7 +79,8 @@ def plan_allreduces(plan: Plan) -> tuple[list[AllReduce], list[list[tuple[int, i
 
 
 def allreduce_time(g: AllReduce, costs: Costs, grads: np.ndarray) -> float:
-    """Ring all-reduce: 2(n-1) steps of nbytes/n over the slowest ring link.
+    """Ring all-reduce: 2(n-1) steps of nbytes/n over the slowest ring link
+    (a reduce-scatter, ``g.scatter``: n-1 steps).
 
     ``grads``: gradient bytes per stage (a stage's own all-reduce reads it).
     """
@@ -82,4 +91,34 @@ def allreduce_time(g: AllReduce, costs: Costs, grads: np.ndarray) -> float:
     n = len(g.ranks)
     chunk = nbytes // n
     ring = [costs.link_between(g.ranks[i], g.ranks[(i + 1) % n]) for i in range(n)]
-    return 2 * (n - 1) * max(lk.time(chunk) for lk in ring)
+    return (1 if g.scatter else 2) * (n - 1) * max(lk.time(chunk) for lk in ring)
+
+
+def plan_gathers(plan: Plan) -> list[tuple[int, tuple[int, ...], list[tuple[int, int]]]]:
+    """The parameter all-gathers of ``plan``'s sharded stages: ``(stage, ranks, firsts)``.
+
+    ``firsts`` lists ``(rank, position)`` of the stage's first ``F`` on each
+    of its ranks: the gather runs right before it (FSDP2 gathers in the
+    forward's pre-hook), on the critical path.
+    """
+    out = []
+    for s, ranks in enumerate(plan.placement):
+        if len(ranks) < 2 or not plan.sharded(s):
+            continue
+        firsts = []
+        for r in ranks:
+            pos = next((i for i, a in enumerate(plan.schedule[r])
+                        if a.kind == "F" and a.stage == s), None)
+            if pos is not None:
+                firsts.append((r, pos))
+        out.append((s, tuple(ranks), firsts))
+    return out
+
+
+def gather_time(ranks: tuple[int, ...], nbytes: int, costs: Costs) -> float:
+    """Ring all-gather of ``nbytes`` over ``ranks``: n-1 steps of nbytes/n, slowest link."""
+    n = len(ranks)
+    if n < 2:
+        return 0.0
+    ring = [costs.link_between(ranks[i], ranks[(i + 1) % n]) for i in range(n)]
+    return (n - 1) * max(lk.time(nbytes // n) for lk in ring)

@@ -29,7 +29,13 @@ import numpy as np
 from orgel.schedule.comm import CommPlan, derive_comm
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan, PlanError
-from orgel.sim.allreduce import AllReduce, allreduce_time, plan_allreduces
+from orgel.sim.allreduce import (
+    AllReduce,
+    allreduce_time,
+    gather_time,
+    plan_allreduces,
+    plan_gathers,
+)
 from orgel.sim.longest import longest_path, straight_line_for
 from orgel.sim.memory import MemoryLayout, peak_memory
 
@@ -246,6 +252,9 @@ class CompiledPlan:
         self.msg_recv = np.array([start[m.dst_rank] + m.recv_pos for m in msgs], dtype=np.int64)
 
     def _build_allreduces(self, plan: Plan) -> None:
+        # a sharded stage's parameter all-gather: added to its first F on each rank
+        self.gathers = [(s, ranks, [int(self.rank_start[r]) + pos for r, pos in firsts])
+                        for s, ranks, firsts in plan_gathers(plan)]
         self.allreduces, last = plan_allreduces(plan)
         # Each all-reduce waits for the last backward (B or W) of its stages on every rank.
         self._allreduce_preds = [[int(self.rank_start[r]) + pos for r, pos in ps]
@@ -341,6 +350,8 @@ class CompiledPlan:
                           arrays.wgrad], axis=1)
         table *= self.stage_share[:, None]
         compute = table.ravel()[self.op_table_index] + costs.action_overhead
+        for s, ranks, ops in self.gathers:
+            compute[ops] += gather_time(ranks, costs.stages[s].params, costs)
         parts = [compute, self._comm_durations(costs, edge_bytes)]
         if self.allreduces:
             reduce = [self._allreduce_time(g, costs, arrays) for g in self.allreduces]

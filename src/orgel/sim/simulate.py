@@ -18,7 +18,13 @@ The model (Pfeife §3.3, an operation dependency graph and its longest path):
   the ring, i.e. about ``2(n-1)/n x grad_bytes`` per rank. Tied weights shared by
   stages on different ranks (``plan.tied``, e.g. ``[TiedWeight("emb.weight", (0, 3),
   N)]``) get the same all-reduce among the ranks holding them. The
-  step ends when the last compute or all-reduce ends.
+  step ends when the last compute or all-reduce ends;
+* FSDP (``plan.shard[s] == "fsdp"``): the stage's replicas reduce-scatter
+  instead (``n-1`` steps), and its first ``F`` on each rank first gathers the
+  stage's ``params`` over the replicas (``n-1`` steps of ``params/n``). Its
+  memory is the costs' (:func:`orgel.costs.mesh.shard_costs` divides the
+  optimizer state among the replicas). Tensor parallelism is in the costs
+  too (:func:`orgel.costs.mesh.tp_costs`).
 
 Memory is described in :mod:`orgel.sim.memory`.
 """

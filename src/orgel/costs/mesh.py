@@ -1,0 +1,202 @@
+"""Tensor parallelism and FSDP sharding priced on a block table: the mesh's cost model.
+
+A pipeline rank of a plan with ``tp > 1`` is ``tp`` processes (one node's
+GPUs, consecutive ranks) that run its actions together; a stage whose
+replicas shard (``plan.shard[s] == "fsdp"``) holds a ``1/replicas`` slice of
+its optimizer state. Both change a block's numbers, and these functions
+rewrite the table so that every planner and the simulator price them
+unchanged; the collectives that are not inside a block's actions (FSDP's
+all-gather and reduce-scatter) are priced by :mod:`orgel.sim.allreduce`.
+
+**Tensor parallelism** (:func:`tp_costs`): a block's :class:`TPSplit`
+says which part of it the TP degree splits (Megatron-style regions: a
+column-parallel linear, the ops between, a row-parallel linear; attention
+split by heads): its forward, backward and weight-gradient milliseconds,
+parameter bytes and saved-activation bytes, and its ``regions`` with the
+``allreduce`` bytes their outputs make per micro-batch. With degree ``tp``::
+
+    fwd'   = fwd - split.fwd + split.fwd / tp + comm
+    bwd'   = bwd - split.bwd + split.bwd / tp + comm
+    wgrad' = wgrad - split.wgrad + split.wgrad / tp
+    params'      = params - split.params + split.params / tp   (and so grads, optimizer state)
+    activations' = activations - split.activations + split.activations / tp
+    comm = regions x ring_allreduce(allreduce / regions bytes, tp ranks, intra-node link)
+
+one all-reduce per region forward (its row-parallel output) and one backward
+(its input's gradient, the same bytes), on the intra-node link (``tp`` must
+divide the GPUs per node); they block the compute, so they are part of the
+actions. Ranks per node become ``node_ranks / tp`` pipeline ranks.
+
+**FSDP** (:func:`shard_costs`): a sharded stage gathers its parameters once
+per step and accumulates full gradients over the micro-batches, so during
+the step each rank holds full parameters and gradients, and a ``1/replicas``
+slice of the optimizer state (and fp32 master): ``optimizer_factor' = 2 +
+(optimizer_factor - 2) / replicas``; the optimizer step and its temporaries
+work on the slice (``optimizer_ms / replicas``, ``optimizer_temporary /
+replicas``).
+
+The collectives, ring model over ``n`` ranks and the slowest link ``lk``:
+all-reduce ``2 (n-1) lk.time(bytes / n)``, all-gather and reduce-scatter
+``(n-1) lk.time(bytes / n)`` each (:func:`ring_time`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from orgel.schedule.costs import Link
+
+if TYPE_CHECKING:
+    from orgel.costs.blocks import BlockCosts
+
+#: Tensor-parallel degrees the planner tries by default.
+TP_DEGREES = (1, 2, 4, 8)
+_SPLIT_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "allreduce", "regions")
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """The part of one block tensor parallelism splits, for one micro-batch.
+
+    ``fwd``/``bwd``/``wgrad``: ms of the block's times inside its TP regions;
+    ``params``/``activations``: bytes of its split parameters and of the
+    activations saved inside the regions; ``allreduce``: bytes the regions'
+    outputs make per micro-batch (all-reduced once forward, once backward);
+    ``regions``: how many regions (all-reduces each way; a half counts a
+    region a block boundary cuts, whose other end is in the next block).
+    """
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    wgrad: float = 0.0
+    params: int = 0
+    activations: int = 0
+    allreduce: int = 0
+    regions: float = 0.0
+
+    def scaled(self, factor: float) -> TPSplit:
+        """For micro-batches ``factor`` times as large (parameters and regions stay)."""
+        return TPSplit(self.fwd * factor, self.bwd * factor, self.wgrad * factor, self.params,
+                       int(self.activations * factor), int(self.allreduce * factor),
+                       self.regions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _SPLIT_KEYS}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> TPSplit:
+        """Parse ``{"fwd": ms, ..., "regions": n}``; ValueError naming ``where``."""
+        if not isinstance(data, dict) or set(data) - set(_SPLIT_KEYS):
+            raise ValueError(f"{where} must be an object with keys among {list(_SPLIT_KEYS)}, "
+                             f"got {data!r}")
+        values: dict[str, Any] = {}
+        for key in _SPLIT_KEYS:
+            v = data.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ValueError(f"{where}.{key} must be a number >= 0, got {v!r}")
+            values[key] = int(v) if key in ("params", "activations", "allreduce") else float(v)
+        return cls(**values)
+
+
+def ring_time(link: Link, nbytes: float, n: int, *, steps: int = 1) -> float:
+    """ms of ``steps x (n - 1)`` ring steps of ``nbytes / n`` each over ``link``.
+
+    ``steps=1``: an all-gather or a reduce-scatter; ``steps=2``: an all-reduce.
+    One rank (``n == 1``) takes no time.
+    """
+    if n <= 1:
+        return 0.0
+    return steps * (n - 1) * link.time(int(nbytes // n))
+
+
+def tp_link(costs: BlockCosts) -> Link:
+    """The link a TP group's all-reduces take: the intra-node link (``costs.link``)."""
+    return costs.link
+
+
+def check_tp(costs: BlockCosts, tp: int) -> None:
+    """Raise ValueError when ``costs`` cannot be priced at TP degree ``tp`` (says why)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    if tp == 1:
+        return
+    if not costs.tp_split:
+        raise ValueError("the costs carry no tensor-parallel facts (the blocks' 'tp' entries): "
+                         "estimate them from a captured graph (orgel plan --device) or use tp=1")
+    if costs.node_ranks is not None and costs.node_ranks % tp:
+        raise ValueError(f"tp={tp} does not divide the {costs.node_ranks} GPUs per node: a TP "
+                         "group stays inside a node; pick a divisor")
+    if costs.links:
+        raise ValueError("per-pair 'links' name processes, not pipeline ranks: leave them out "
+                         "to plan with tp > 1")
+
+
+def tp_costs(costs: BlockCosts, tp: int) -> BlockCosts:
+    """``costs`` for one member of a TP group of ``tp`` processes (module docstring)."""
+    check_tp(costs, tp)
+    if tp == 1:
+        return costs
+    link = tp_link(costs)
+    fwd, bwd, wgrad, params, acts, opt = [], [], [], [], [], []
+    for b, s in enumerate(costs.tp_split):
+        comm = (s.regions * ring_time(link, s.allreduce / s.regions, tp, steps=2)
+                if s.regions else 0.0)
+        fwd.append(costs.fwd[b] - s.fwd + s.fwd / tp + comm)
+        bwd.append(costs.bwd[b] - s.bwd + s.bwd / tp + comm)
+        wgrad.append(min(bwd[-1], costs.wgrad[b] - s.wgrad + s.wgrad / tp))
+        kept = costs.params[b] - s.params + s.params // tp
+        params.append(kept)
+        acts.append(max(0, costs.activations[b] - s.activations + s.activations // tp))
+        if costs.optimizer_ms:
+            opt.append(costs.optimizer_ms[b] * (kept / costs.params[b] if costs.params[b]
+                                                else 1.0))
+    split_in, split_w = list(costs.split_input), list(costs.split_weight)
+    if split_in:
+        for b, s in enumerate(costs.tp_split):
+            cut_i = (s.bwd - s.wgrad) * (1 - 1 / tp)
+            comm = bwd[b] - (costs.bwd[b] - s.bwd + s.bwd / tp)
+            split_in[b] = max(0.0, split_in[b] - cut_i) + comm
+            split_w[b] = max(0.0, split_w[b] - s.wgrad * (1 - 1 / tp))
+    tied = [dataclasses.replace(g, nbytes=g.nbytes // tp)
+            if all(costs.tp_split[b].params >= g.nbytes for b in g.blocks) else g
+            for g in costs.tied]
+    return dataclasses.replace(
+        costs, fwd=fwd, bwd=bwd, wgrad=wgrad, params=params, activations=acts,
+        output_unsaved=[min(u, a) for u, a in zip(costs.output_unsaved, acts, strict=True)],
+        optimizer_ms=opt, split_input=split_in, split_weight=split_w, tied=tied,
+        node_ranks=None if costs.node_ranks is None else costs.node_ranks // tp,
+        tp_split=[dataclasses.replace(s, fwd=s.fwd / tp, bwd=s.bwd / tp, wgrad=s.wgrad / tp,
+                                      params=s.params // tp,
+                                      activations=s.activations // tp)
+                  for s in costs.tp_split],
+        meta=dict(costs.meta, tp=tp))
+
+
+def sharded_factor(factor: float, replicas: int) -> float:
+    """``optimizer_factor`` of a stage whose ``replicas`` shard its optimizer state (FSDP)."""
+    if factor <= 2:
+        return factor
+    return 2 + (factor - 2) / replicas
+
+
+def shard_costs(costs: BlockCosts, replicas: int) -> BlockCosts:
+    """``costs`` for one of ``replicas`` FSDP ranks of every stage (module docstring)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    if replicas == 1:
+        return costs
+    return dataclasses.replace(
+        costs, optimizer_factor=sharded_factor(costs.optimizer_factor, replicas),
+        optimizer_temporary=costs.optimizer_temporary / replicas,
+        optimizer_ms=[t / replicas for t in costs.optimizer_ms],
+        optimizer_ms_per_mib=costs.optimizer_ms_per_mib / replicas,
+        meta=dict(costs.meta, shard=replicas))
+
+
+def mesh_costs(costs: BlockCosts, *, tp: int = 1, shard: str = "none", replicas: int = 1
+               ) -> BlockCosts:
+    """``costs`` at TP degree ``tp`` with every stage's ``replicas`` sharding or not."""
+    out = tp_costs(costs, tp)
+    return shard_costs(out, replicas) if shard == "fsdp" else out

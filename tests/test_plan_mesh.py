@@ -1,0 +1,197 @@
+"""The mesh's cost model (tensor parallelism, FSDP sharding) and the planner's joint search.
+
+Formulas are checked by hand on small synthetic tables (orgel.costs.mesh's
+docstring); the simulator's FSDP pricing against its formula and the one-replica
+pricing against the full simulation; the planner's choices where the answer is
+known; ``orgel plan`` printing the mesh it chose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from orgel.cli import main as cli_main
+from orgel.costs.blocks import BlockCosts
+from orgel.costs.mesh import TPSplit, ring_time, shard_costs, tp_costs
+from orgel.plan.planner import InfeasibleError, _replicate, plan
+from orgel.plan.replicated import replica_step
+from orgel.schedule.costs import Link
+from orgel.sim import simulate
+
+MIB = 1 << 20
+INTRA = Link(latency=0.01, per_mib=0.1)
+INTER = Link(latency=0.02, per_mib=1.0)
+
+
+def table(blocks: int = 2, *, split: bool = True, params: int = 64 * MIB,
+          link: Link = INTRA, factor: float = 8.0, opt_ms: float = 0.0) -> BlockCosts:
+    """``blocks`` equal blocks: fwd 4 ms, bwd 8 ms (wgrad 4), half of each TP-splittable."""
+    return BlockCosts(
+        fwd=[4.0] * blocks, bwd=[8.0] * blocks, wgrad=[4.0] * blocks,
+        params=[params] * blocks, activations=[32 * MIB] * blocks,
+        output=[8 * MIB] * blocks, temporary=[0] * blocks,
+        edges=[(i, i + 1) for i in range(blocks - 1)], link=link, optimizer_factor=factor,
+        node_ranks=8, node_link=INTER, step_overhead=0.0,
+        optimizer_ms=[opt_ms] * blocks if opt_ms else [],
+        tp_split=[TPSplit(fwd=2.0, bwd=4.0, wgrad=2.0, params=params // 2,
+                          activations=16 * MIB, allreduce=8 * MIB, regions=2)] * blocks
+        if split else [])
+
+
+def test_tp_costs_divide_the_split_part_and_add_the_all_reduces() -> None:
+    c = tp_costs(table(), 4)
+    # two regions of 4 MiB each, ring over 4 ranks: 2 x 3 steps of 1 MiB
+    comm = 2 * 2 * 3 * INTRA.time(MIB)
+    assert ring_time(INTRA, 4 * MIB, 4, steps=2) == pytest.approx(6 * (0.01 + 0.1))
+    assert c.fwd[0] == pytest.approx(4 - 2 + 2 / 4 + comm)
+    assert c.bwd[0] == pytest.approx(8 - 4 + 4 / 4 + comm)
+    assert c.wgrad[0] == pytest.approx(4 - 2 + 2 / 4)
+    assert c.params[0] == 64 * MIB - 32 * MIB + 8 * MIB
+    assert c.activations[0] == 32 * MIB - 16 * MIB + 4 * MIB
+    assert c.node_ranks == 2  # pipeline ranks of 4 GPUs per 8-GPU node
+    assert c.meta["tp"] == 4
+    assert tp_costs(table(), 1) is not None and tp_costs(table(), 1).fwd == [4.0, 4.0]
+    # scaling a TP'd table keeps the split consistent (rows double: times and bytes double)
+    assert table().scaled(2).tp_split[0] == TPSplit(4.0, 8.0, 4.0, 32 * MIB, 32 * MIB,
+                                                    16 * MIB, 2)
+
+
+def test_tp_costs_refuse_what_cannot_be_priced() -> None:
+    with pytest.raises(ValueError, match="no tensor-parallel facts"):
+        tp_costs(table(split=False), 2)
+    with pytest.raises(ValueError, match="does not divide the 8 GPUs per node"):
+        tp_costs(table(), 3)
+
+
+def test_tp_split_round_trips_through_the_costs_file() -> None:
+    c = table()
+    back = BlockCosts.from_dict(json.loads(json.dumps(c.to_dict())))
+    assert back.tp_split == c.tp_split
+
+
+def test_shard_costs_divide_the_optimizer_state_among_the_replicas() -> None:
+    c = shard_costs(table(opt_ms=2.0), 4)
+    # bf16 weights + grads stay whole (2 x params); 6 x params of fp32 state / 4
+    assert c.optimizer_factor == pytest.approx(2 + 6 / 4)
+    assert c.static_bytes(0) == int(64 * MIB * 3.5)
+    assert c.optimizer_ms == [0.5, 0.5]
+
+
+def _one_stage(shard: str, opt_ms: float = 0.0):
+    """One block on one rank, two replicas, one micro-batch: the plan and its table."""
+    c = table(1, opt_ms=opt_ms)
+    return plan(c, 2, 1, dp=2, shard=shard, planner="uniform-layers"), c
+
+
+def test_fsdp_step_is_gather_forward_backward_reduce_scatter() -> None:
+    plain, c = _one_stage("none")
+    sharded, _ = _one_stage("fsdp")
+    assert plain.plan.shard == ["none"] and sharded.plan.shard == ["fsdp"]
+    assert plain.plan.meta["mesh"] == {"pp": 1, "tp": 1, "dp": 2, "shard": "none"}
+    # each replica computes half of the micro-batch; replicas 0 and 1 share a node
+    compute = (4.0 + 8.0) / 2
+    allreduce = 2 * 1 * INTRA.time(64 * MIB // 2)
+    gather = scatter = 1 * INTRA.time(64 * MIB // 2)
+    assert plain.step_time == pytest.approx(compute + allreduce)
+    assert sharded.step_time == pytest.approx(gather + compute + scatter)
+    # memory: bf16 params + grads whole, the rest halved
+    assert max(sharded.sim.peak_memory) < max(plain.sim.peak_memory)
+    assert sharded.plan.costs.stages[0].static_bytes == int(64 * MIB * (2 + 6 / 2))
+
+
+def test_fsdp_priced_from_one_replica_matches_the_full_simulation() -> None:
+    c = shard_costs(table(4), 2)  # the pipeline is searched on the sharded table
+    found = plan(c.scaled(0.5), 2, 4, dp=1, planner="uniform-layers")
+    full = _replicate(found.plan, 2, c, None, "fsdp")
+    assert full.shard == ["fsdp", "fsdp"]
+    fast = replica_step(found.plan, full)
+    assert fast is not None
+    slow = simulate(full)
+    assert fast[0] == pytest.approx(slow.step_time)
+    assert list(fast[1]) == pytest.approx(slow.peak_memory)
+    labels = {e.label for e in slow.timeline.events}
+    assert any(lb.startswith("reduce-scatter") for lb in labels)
+
+
+def test_planner_shards_only_when_the_unsharded_state_cannot_fit() -> None:
+    c = table(4)
+    both = ("none", "fsdp")
+    roomy = plan(c, 4, 4, dp=2, shard=both, planner="uniform-layers", memory=8 << 30)
+    assert roomy.plan.shard == ["none", "none"]  # fits, and no gathers on its critical path
+    # 2 blocks per stage x 64 MiB x 8 = 1 GiB of state unsharded, 640 MiB sharded over 2
+    tight = plan(c, 4, 4, dp=2, shard=both, planner="uniform-layers", memory=900 * MIB)
+    assert tight.plan.shard == ["fsdp", "fsdp"]
+    assert tight.plan.meta["mesh"]["shard"] == "fsdp"
+    assert max(tight.sim.peak_memory) <= 900 * MIB
+    with pytest.raises(InfeasibleError):
+        plan(c, 4, 4, dp=2, shard="none", planner="uniform-layers", memory=900 * MIB)
+
+
+def test_planner_picks_tensor_parallelism_when_it_is_faster() -> None:
+    whole = [TPSplit(fwd=4.0, bwd=8.0, wgrad=4.0, params=64 * MIB, activations=32 * MIB,
+                     allreduce=8 * MIB, regions=2)] * 2  # every block split in full
+    c = dataclasses.replace(table(2, link=Link(latency=0.001, per_mib=0.001)), tp_split=whole)
+    got = plan(c, 2, 2, tp=(1, 2), planner="uniform-layers")
+    # tp 1: a 2-stage pipeline, (2 + 1) x 12 ms; tp 2: one pipeline rank, 2 x 2 x 6 ms + comm
+    assert got.plan.tp == 2 and got.plan.num_ranks == 1 and got.plan.world_size == 2
+    assert got.plan.meta["mesh"] == {"pp": 1, "tp": 2, "dp": 1, "shard": "none"}
+    assert got.step_time == pytest.approx(24 + 2 * 2 * 2 * 2 * 2 * 1 * c.link.time(2 * MIB))
+    slow = dataclasses.replace(c, link=Link(latency=5.0, per_mib=10.0))  # all-reduces dominate
+    assert plan(slow, 2, 2, tp=(1, 2), planner="uniform-layers").plan.tp == 1
+    assert plan(c, 2, 2, tp="auto", planner="uniform-layers").plan.tp == 2
+
+
+def test_orgel_plan_prints_the_mesh(tmp_path, capsys) -> None:
+    path = tmp_path / "costs.json"
+    table(4).save(path)
+    code = cli_main(["plan", "--costs", str(path), "--ranks", "8", "--microbatches", "4",
+                     "--tp", "auto", "--shard", "auto", "--dp", "auto", "--memory", "1GiB",
+                     "--planner", "uniform-layers", "--out", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("mesh: "))
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    tp = saved.get("tp", 1)
+    assert f"x TP {tp} x" in line and "(8 GPUs)" in line
+
+
+class _Ffn(torch.nn.Module):
+    """Residual MLP blocks: norm, up (column), gelu, down (row), add: one region each."""
+
+    def __init__(self, width: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(width) for _ in range(layers))
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(width, 4 * width) for _ in range(layers))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(4 * width, width)
+                                         for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, up, down in zip(self.norms, self.ups, self.downs, strict=True):
+            x = x + down(torch.nn.functional.gelu(up(norm(x))))
+        return x
+
+
+def test_roofline_tp_split_follows_the_graphs_regions() -> None:
+    from orgel.costs.devices import load_device
+    from orgel.graph import capture
+    from orgel.profile.roofline import estimate_costs
+
+    with torch.device("meta"):
+        model, x = _Ffn(), torch.randn(32, 64)
+    graph = capture(model, {"x": x})
+    costs = estimate_costs(graph, load_device("h100-80gb"), blocks=3, rows=32)
+    splits = costs.tp_split
+    # two regions, each all-reduced once each way: 4 ends, half a region per end
+    assert sum(s.regions for s in splits) == pytest.approx(2)
+    # each region's output: 32 x 64 fp32 values
+    assert sum(s.allreduce for s in splits) == 2 * 32 * 64 * 4
+    # split weights: up's weight and bias, down's weight (its bias stays whole)
+    assert sum(s.params for s in splits) == 2 * (64 * 256 + 256 + 256 * 64) * 4
+    assert all(s.fwd <= f and s.params <= p for s, f, p
+               in zip(splits, costs.fwd, costs.params, strict=True))
+    two = tp_costs(costs, 2)
+    assert sum(two.params) == sum(costs.params) - sum(s.params for s in splits) // 2
