@@ -140,6 +140,26 @@ def test_orgel_run_tp_checks_against_one_process(capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.slow
+def test_orgel_run_takes_tp_from_a_plan(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan that says tp=2 (as ``orgel plan --tp 2`` writes) runs without --tp."""
+    from orgel.graph.capture import capture
+    from orgel.runtime.plans import balanced_plan
+    from orgel.workload import load_workload, microbatches
+
+    workload = load_workload(GPT)
+    graph = capture(workload.model, microbatches(workload, 2)[0][0], several=False)
+    plan = balanced_plan(graph, ranks=2, microbatches=2, schedule="1f1b")
+    plan.tp = 2
+    plan.save(tmp_path / "plan.json")
+    code = main(["run", GPT, "--ranks", "4", "--plan", str(tmp_path / "plan.json"),
+                 "--microbatches", "2", "--steps", "1", "--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "of 2 processes each (tensor parallel)" in out and "-> OK" in out
+
+
+@pytest.mark.slow
 def test_a_tp_checkpoint_resumes_with_tp_and_without(tmp_path: Path) -> None:
     """Saved with tp=2 (whole tensors, optimizer state too), resumed with tp=2 and on a
     plain pipeline of the same plan: the next step is the one the saver took."""

@@ -188,10 +188,13 @@ def _prepare(args: argparse.Namespace) -> Any:
 
     workload = with_precision(load_workload(args.workload), args.precision)
     validate_workload(workload, args.microbatches * args.dp)
-    ranks = args.ranks // args.tp  # pipeline ranks
     graph = None
     if args.plan:
         plan = Plan.load(args.plan)
+        if args.tp == 1:  # a plan of the mesh planner (orgel plan --tp) says its own tp
+            args.tp = plan.tp
+    ranks = args.ranks // args.tp  # pipeline ranks
+    if args.plan:
         if plan.num_ranks != ranks:
             raise ValueError(f"the plan is for {plan.num_ranks} ranks: pass --ranks "
                              f"{plan.num_ranks * args.tp}")
