@@ -79,3 +79,27 @@ class _Escaping(nn.Module):
 def test_an_escaping_value_or_a_weight_read_elsewhere_makes_no_region() -> None:
     graph = capture(_Escaping(), (torch.randn(3, 8),))
     assert tp_regions(graph.graph_module) == []
+
+
+class _StageTail(nn.Module):
+    """A stage that starts between an MLP's two linears: ``out`` reads a received hidden
+    activation, the residual stream comes in too, and an LM head ends the stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out_w = nn.Parameter(torch.randn(8, 16))
+        self.norm = nn.LayerNorm(8)
+        self.head_w = nn.Parameter(torch.randn(32, 8))
+
+    def forward(self, residual: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        x = residual + torch.nn.functional.linear(hidden, self.out_w)
+        return torch.nn.functional.linear(self.norm(x), self.head_w)
+
+
+def test_a_region_never_takes_in_the_residual_stream() -> None:
+    """``out`` and the LM head look like a column and a row, but the add between them
+    reads the residual stream (a stage input with a gradient): that is no region."""
+    gm = torch.fx.symbolic_trace(_StageTail())
+    assert tp_regions(gm, {"residual": True, "hidden": True}) == []
+    # were the residual a value without a gradient (a mask, say), it would be one
+    assert len(tp_regions(gm, {"residual": False, "hidden": True})) == 1

@@ -5,6 +5,9 @@ scheduled with ``--schedule`` (or by ``--plan PLAN.json``); ``--ranks``
 processes run ``--steps`` steps on the workload's batch and the loss of each
 step is printed. ``--device`` says where they compute (:mod:`orgel.runtime.devices`:
 CUDA ranks that outnumber the GPUs share them over gloo, else NCCL; CPU ranks gloo).
+``--tp T`` runs each pipeline rank as ``T`` processes that split its attention and MLP
+layers (tensor parallelism, :mod:`orgel.runtime.tensor_parallel`): ``--ranks`` counts
+every process, so ``T`` divides it.
 ``--check`` also trains the unmodified model in this process with gradient
 accumulation over the same micro-batches and prints the largest loss and parameter
 differences (exit 1 beyond ``--tolerance``).
@@ -29,6 +32,7 @@ EXAMPLES = (
     "--check",
     "orgel run examples/gpt.py:workload --ranks 4 --microbatches 8 --plan plan.json --check",
     "orgel run examples/gpt.py:workload --ranks 2 --device cuda --check",
+    "orgel run examples/gpt.py:workload --ranks 4 --tp 2 --check",
     "orgel run examples/gpt.py:workload --ranks 4 --dp 2 --shard fsdp --check",
 )
 
@@ -51,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="schedule family over a balanced chain (default 1f1b): gpipe, 1f1b, "
                           "interleaved, looped-bfs, looped, zb-h1, dag-1f1b, dualpipev")
     how.add_argument("--plan", help="a Plan JSON file to run instead (see orgel plan)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="processes per pipeline rank, splitting its attention and MLP "
+                             "layers (tensor parallel; must divide --ranks; default 1)")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--stages-per-rank", type=int, default=2,
                         help="stages per rank for interleaved/looped schedules (default 2)")
@@ -94,11 +101,16 @@ def _fail(message: str) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    for name in ("ranks", "dp", "microbatches", "steps", "threads", "stages_per_rank"):
+    for name in ("ranks", "dp", "tp", "microbatches", "steps", "threads", "stages_per_rank"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.ranks % args.dp:
         return f"--dp {args.dp} must divide --ranks {args.ranks}"
+    if args.ranks % args.tp:
+        return (f"--tp {args.tp} must divide --ranks {args.ranks} (--ranks counts every "
+                f"process, --tp of them per pipeline rank)")
+    if args.tp > 1 and args.dp > 1:
+        return "--tp with --dp: tensor parallelism inside data-parallel stages is not supported"
     if args.shard == "fsdp" and args.dp < 2 and not args.plan:
         return "--shard fsdp shards a stage over its data-parallel replicas: pass --dp 2 or more"
     if args.shard == "fsdp" and getattr(args, "precision", "32") == "16-mixed":
@@ -137,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     except (WorkloadError, PlanError, SplitError, OSError, ValueError) as exc:
         return _fail(str(exc))
     if os.environ.get("RANK", "0") == "0":
-        print(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks, "
+        tp = f" of {plan.tp} processes each (tensor parallel)" if plan.tp > 1 else ""
+        print(f"plan: {plan.num_stages} stages on {plan.num_ranks} ranks{tp}, "
               f"{plan.microbatches} micro-batches, {plan.meta.get('schedule', 'custom')} "
               f"schedule; stage ranks {[list(r) for r in plan.placement]}; device "
               f"{args.device} ({backend_for(args.device, args.ranks)})")
@@ -167,6 +180,7 @@ def _prepare(args: argparse.Namespace) -> Any:
     from orgel.graph.capture import capture
     from orgel.runtime.plans import balanced_plan
     from orgel.runtime.sharding import mark_sharded
+    from orgel.runtime.tensor_parallel import with_tp
     from orgel.schedule.ir import Plan
     from orgel.schedule.validate import validate
     from orgel.split import split_plan
@@ -174,17 +188,22 @@ def _prepare(args: argparse.Namespace) -> Any:
 
     workload = with_precision(load_workload(args.workload), args.precision)
     validate_workload(workload, args.microbatches * args.dp)
+    graph = None
     if args.plan:
         plan = Plan.load(args.plan)
-        if plan.num_ranks != args.ranks:
+        if args.tp == 1:  # a plan of the mesh planner (orgel plan --tp) says its own tp
+            args.tp = plan.tp
+    ranks = args.ranks // args.tp  # pipeline ranks
+    if args.plan:
+        if plan.num_ranks != ranks:
             raise ValueError(f"the plan is for {plan.num_ranks} ranks: pass --ranks "
-                             f"{plan.num_ranks}")
+                             f"{plan.num_ranks * args.tp}")
         replicas(plan)
     else:
         # the graph is captured for one replica's rows of a micro-batch
         share = microbatches(workload, args.microbatches * args.dp)[0][0]
         graph = capture(workload.model, share, several=False, precision=args.precision)
-        plan = balanced_plan(graph, ranks=args.ranks, microbatches=args.microbatches,
+        plan = balanced_plan(graph, ranks=ranks, microbatches=args.microbatches,
                              schedule=args.schedule, dp=args.dp,
                              stages_per_rank=args.stages_per_rank)
         plan = mark_sharded(plan, args.shard)
@@ -193,9 +212,9 @@ def _prepare(args: argparse.Namespace) -> Any:
     validate(plan)  # an invalid plan never starts a process
     if args.plan:  # nor does a plan made for another model
         share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
-        split_plan(capture(workload.model, share, several=False, precision=args.precision),
-                   plan)
-    return plan
+        graph = capture(workload.model, share, several=False, precision=args.precision)
+        split_plan(graph, plan)
+    return with_tp(plan, args.tp, graph)
 
 
 def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, Any]] | None:
@@ -328,7 +347,8 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     inputs = named_inputs(workload.model, workload.inputs)
     torch.manual_seed(0)
     losses = [executor.step(inputs, workload.targets) for _ in range(options["steps"])]
-    # whole tensors (a sharded stage's are gathered: every replica takes part)
+    # whole tensors (a sharded stage's are gathered: every replica or member takes part)
     params = [(n, full_tensor(p).detach().clone()) for n, p in executor.named_parameters()]
-    return host({"losses": losses, "events": executor.events,
+    # the members of a tensor-parallel rank run the same actions: member 0's events stand
+    return host({"losses": losses, "events": executor.events if executor.member == 0 else [],
                  "params": params if options["check"] else []})

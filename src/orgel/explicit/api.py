@@ -100,6 +100,7 @@ def pipeline(
     accumulate: int = 1,
     batch_dim: BatchDim = 0,
     device: str | None = None,
+    tp: int = 1,
     shard: str = "none",
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
@@ -171,10 +172,22 @@ def pipeline(
     A meta model records no values, so ``init`` (or ``weights``) must also give the
     buffers a constructor computes (a causal mask, position ids); a tensor left
     unset is reported by name (:class:`orgel.split.materialize.MaterializeError`).
+
+    ``tp``: tensor parallelism, ``tp`` processes per pipeline rank (``ranks`` counts
+    every process, so ``tp`` divides it: ``ranks=4, tp=2`` is a pipeline of 2 ranks of 2
+    processes each). Each stage's attention and MLP regions (read off the graph,
+    :func:`orgel.graph.tensor_parallel.tp_regions`) are split over its rank's ``tp``
+    processes with DTensor (:mod:`orgel.runtime.tensor_parallel`); ``state_dict`` and
+    ``copy_to`` give whole tensors, and checkpoints hold them (a pipeline of any ``tp``
+    resumes one). Not yet with ``dp > 1``, ``evaluate``, or a forward with graph breaks.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
     planned_here = plan is None  # a given plan's own shard fields rule
+
+    from orgel.runtime.tensor_parallel import pipeline_ranks, with_tp
+
+    world, ranks = ranks, pipeline_ranks(ranks, tp, dp)
     if optimizer is None:
         optimizer = default_optimizer
     check_loop_options(optimizer=optimizer, scheduler=scheduler, lr=lr,
@@ -197,10 +210,11 @@ def pipeline(
     if not spmd:
         check_fork(kind)
     if spmd:
-        return _spmd_pipeline(workload, ranks=ranks, microbatches=microbatches,
+        return _spmd_pipeline(workload, ranks=world, microbatches=microbatches,
                               executor_options=executor_options, optimizer=optimizer,
                               memory=memory, dp=dp, plan=plan, timeout_s=timeout_s, keys=keys,
-                              aliases=aliases, source=source, kind=kind, shard=shard)
+                              aliases=aliases, source=source, kind=kind, shard=shard,
+                              tp=tp)
     from orgel.runtime.launch import LocalGroup
 
     if kind == "cuda" and plan is None:  # timed on the GPU, by a process of its own
@@ -217,6 +231,7 @@ def pipeline(
     with untouched(model), profiling_on("cpu"), cuda_unused():
         the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp,
                                           source, optimizer)
+        the_plan = with_tp(the_plan, tp, graph)
     if planned_here:
         the_plan = mark_sharded(the_plan, shard)
     check_sharded(the_plan, split, loss_scaling=bool(scaling))
@@ -235,8 +250,9 @@ def pipeline(
     with cuda_unused():  # before the fork: ranks inherit it
         evaluation = eval_split_for(workload, the_plan, split)
 
-    def make_engine(rank: int) -> RankEngine:
-        here = rank_device(kind, rank)  # in the worker, after the fork
+    def make_engine(process: int) -> RankEngine:
+        here = rank_device(kind, process)  # in the worker, after the fork
+        rank = process // the_plan.tp  # its pipeline rank
         made = _make_own_stages(split, the_plan, rank, source, here)
         engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
                             loss_fn=workload.loss_fn, timeout_s=timeout_s, evaluation=evaluation,
@@ -244,16 +260,21 @@ def pipeline(
         engine.made = made
         return engine
 
-    group = LocalGroup(ranks, make_engine, timeout_s=timeout_s, threads=threads,
-                       backend=backend_for(kind, ranks))
+    group = LocalGroup(world, make_engine, timeout_s=timeout_s, threads=threads,
+                       backend=backend_for(kind, world))
     pipe = Pipeline(the_plan, group, model=workload.model,
-                    loss_ranks=the_plan.placement[split.loss_stage], state_keys=keys,
+                    loss_ranks=loss_processes(the_plan, split.loss_stage), state_keys=keys,
                     aliases=aliases, spmd=False, source=source, accumulate=accumulate,
                     workload=workload, outputs=split.unflatten_outputs,
                     evaluation=_unflatten(evaluation))
     pipe.check_sizes = shape_check(workload, split, the_plan)
     check_param_groups(pipe)
     return pipe
+
+
+def loss_processes(plan: Plan, loss_stage: int) -> list[int]:
+    """The processes whose step answers carry the loss: member 0 of the loss stage's ranks."""
+    return [r * plan.tp for r in plan.placement[loss_stage]]
 
 
 def check_param_groups(pipe: Pipeline) -> None:
@@ -279,6 +300,8 @@ def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
     from orgel.split.evaluation import eval_only, split_like
     from orgel.workload import on_meta
 
+    if plan.tp > 1:
+        return "evaluation of a tensor-parallel pipeline (tp > 1) is not available yet"
     try:
         with untouched(workload.model):
             workload.model.eval()
@@ -339,7 +362,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                    plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
                    aliases: dict[str, str], executor_options: dict[str, Any],
                    source: Weights | None = None, kind: str = "cpu",
-                   shard: str = "none") -> Pipeline:
+                   shard: str = "none", tp: int = 1) -> Pipeline:
 
     import torch.distributed as dist
 
@@ -350,19 +373,22 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
     owns_group = not dist.is_initialized()
     if owns_group:  # the backend and this rank's GPU by the launchers' one rule
         init_from_env(timeout=timeout_s, device=kind)
-    rank = dist.get_rank()
+    from orgel.runtime.tensor_parallel import with_tp
+
+    process = dist.get_rank()
+    rank = process // tp  # this process's pipeline rank
     with untouched(workload.model):
         graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
         if graph is not None:
             one_graph_only(graph)
         text: list[Any] = [None, None]
-        if rank == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
+        if process == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
             with profiling_on(kind):
-                resolved = resolve_plan(plan, workload, graph, ranks, microbatches, memory,
-                                        dp, source=source, optimizer=optimizer)
+                resolved = resolve_plan(plan, workload, graph, ranks // tp, microbatches,
+                                        memory, dp, source=source, optimizer=optimizer)
                 if plan is None:
                     resolved = mark_sharded(resolved, shard)
-                text = [resolved.to_json(), torch.initial_seed()]
+                text = [with_tp(resolved, tp, graph).to_json(), torch.initial_seed()]
         dist.broadcast_object_list(text, src=0)
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
@@ -376,14 +402,14 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         source.seed = int(text[1])
     else:  # the stages train copies: the caller's model changes only through pipe.copy_to
         own_stage_copies(split.stages[s].module for s in the_plan.stages_on(rank))
-    here = rank_device(kind, rank)
+    here = rank_device(kind, process)
     made = _make_own_stages(split, the_plan, rank, source, here)
     engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
                         executor_options={**executor_options, "device": here},
                         timeout_s=timeout_s, evaluation=evaluation)
     engine.made = made
     pipe = Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group),
-                    model=workload.model, loss_ranks=the_plan.placement[split.loss_stage],
+                    model=workload.model, loss_ranks=loss_processes(the_plan, split.loss_stage),
                     state_keys=keys, aliases=aliases, spmd=True, source=source,
                     accumulate=int(executor_options.get("accumulate", 1)), workload=workload,
                     outputs=split.unflatten_outputs, evaluation=_unflatten(evaluation))
@@ -523,10 +549,11 @@ def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: An
     """
     meta = ckpt.read_meta(directory)
     saved_plan = Plan.from_json(ckpt.read_plan_json(directory))
-    if ranks is None:
-        ranks = int(meta["num_ranks"])
+    if ranks is None:  # every process: the saved pipeline ranks of tp processes each
+        ranks = int(meta["num_ranks"]) * saved_plan.tp
         if plan is None:
             plan = saved_plan
+            options.setdefault("tp", saved_plan.tp)
     options.setdefault("microbatches", saved_plan.microbatches)
     pipe = pipeline(model, inputs, targets, loss_fn, ranks=ranks, plan=plan, **options)
     pipe.load(directory)

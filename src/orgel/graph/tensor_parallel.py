@@ -11,12 +11,15 @@ what consumes them, never module names):
 * one *row* linear (o_proj, down) that consumes all of it,
 
 such that nothing the columns or the inner nodes produce is read anywhere but
-inside the region or by the row linear, and the region's weights are read by its
-linears only. Sharding the columns' weights by output features (``Shard(0)``;
-bias ``Shard(0)``) and the row's by input features (``Shard(1)``; bias
-replicated) then leaves the row output a partial sum over the ``tp`` members:
-one all-reduce of the row output forward, and one of the region input's gradient
-backward (:mod:`orgel.runtime.tensor_parallel` runs it with DTensor).
+inside the region or by the row linear, the region's weights are read by its
+linears only, and the inner nodes read from outside only values without a gradient
+(rotary tables, masks, sizes) and parameters: not a residual stream, which would
+make a region of one layer's last linear and the next one's first. Sharding the
+columns' weights by output features (``Shard(0)``; bias ``Shard(0)``) and the row's
+by input features (``Shard(1)``; bias replicated) then leaves the row output a
+partial sum over the ``tp`` members: one all-reduce of the row output forward, and
+one of the region input's gradient backward (:mod:`orgel.runtime.tensor_parallel`
+runs it with DTensor).
 
 For a planner: each region costs ``2 * region.allreduce_bytes()`` of all-reduce
 per micro-batch (forward and backward, each over the ``tp`` processes), and its
@@ -28,6 +31,7 @@ row bias excepted.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +95,13 @@ def is_linear(node: torch.fx.Node) -> bool:
         "input", "weight", "bias"}
 
 
-def tp_regions(gm: torch.fx.GraphModule) -> list[Region]:
+def tp_regions(gm: torch.fx.GraphModule,
+               requires_grad: Mapping[str, bool] | None = None) -> list[Region]:
     """The column/row regions of ``gm`` (captured or a stage module), in graph order.
+
+    ``requires_grad``: for a stage module, whose placeholders have no node meta, which
+    of its inputs carry a gradient (``SplitModel.requires_grad``; inputs it leaves out
+    carry none: model inputs, sizes).
 
     Regions never overlap: a linear is the column of at most one region and the
     row of at most one. Linears that fit no region (an LM head, an embedding
@@ -109,7 +118,7 @@ def tp_regions(gm: torch.fx.GraphModule) -> list[Region]:
     for source, columns in sorted(groups.items(), key=lambda kv: order[kv[0]]):
         if any(c in used for c in columns):
             continue
-        region = _region(source, columns, order)
+        region = _region(source, columns, order, requires_grad or {})
         if region is None or any(n in used for n in region):
             continue
         used.update(region)
@@ -118,7 +127,8 @@ def tp_regions(gm: torch.fx.GraphModule) -> list[Region]:
 
 
 def _region(source: torch.fx.Node, columns: list[torch.fx.Node],
-            order: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
+            order: dict[torch.fx.Node, int],
+            requires_grad: Mapping[str, bool]) -> list[torch.fx.Node] | None:
     """The columns' region (columns, inner nodes, row last), or None where there is none."""
     reached: set[torch.fx.Node] = set()
     stack = [u for c in columns for u in c.users]
@@ -141,7 +151,7 @@ def _region(source: torch.fx.Node, columns: list[torch.fx.Node],
             continue
         if _weights_escape(columns + [row], inside | {row}):
             continue
-        if any(is_linear(n) for n in inner):
+        if any(is_linear(n) for n in inner) or _reads_gradients(inner, inside, requires_grad):
             continue
         return sorted(columns, key=order.__getitem__) + sorted(inner, key=order.__getitem__) + [row]
     return None
@@ -165,6 +175,28 @@ def _between(columns: list[torch.fx.Node], row: torch.fx.Node,
 def _reaches(column: torch.fx.Node, inside: set[torch.fx.Node]) -> bool:
     """Whether every user of ``column`` is in ``inside`` (each column feeds the row)."""
     return bool(column.users) and all(u in inside for u in column.users)
+
+
+def _reads_gradients(inner: set[torch.fx.Node], inside: set[torch.fx.Node],
+                     requires_grad: Mapping[str, bool]) -> bool:
+    """Whether an inner node reads, from outside the region, a computed value that carries
+    a gradient (a residual stream: the region would then span two layers); rotary tables,
+    masks, sizes and parameters are fine."""
+    for n in inner:
+        for a in n.all_input_nodes:
+            if a in inside or a.op == "get_attr":
+                continue
+            value = a.meta.get("example_value", a.meta.get("val"))
+            grad = (value.requires_grad if isinstance(value, torch.Tensor)
+                    else requires_grad.get(a.name, False))
+            if grad and not _leaf_param(a):
+                return True
+    return False
+
+
+def _leaf_param(node: torch.fx.Node) -> bool:
+    """A placeholder that is a parameter of a captured graph (Dynamo names them so)."""
+    return node.op == "placeholder" and "_parameters_" in node.name
 
 
 def _weights_escape(linears: list[torch.fx.Node], inside: set[torch.fx.Node]) -> bool:

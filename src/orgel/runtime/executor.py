@@ -55,6 +55,7 @@ from orgel.batching import (
     single_dim,
     split_microbatches,
 )
+from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.buffers import ReplicaBuffers
 from orgel.runtime.comm import Transport
@@ -125,6 +126,8 @@ class Executor(BackwardActions, DroppedStep):
 
     #: whether forwards record autograd graphs (:mod:`orgel.runtime.forward_only`: no)
     training = True
+    #: this process's member of its pipeline rank (tensor parallel; 0 without)
+    member = 0
 
     def __init__(self, plan: Plan, split: SplitModel, *, loss_fn: Callable[[Any, Any], Any],
                  rank: int | None = None, optimizer_factory: OptimizerFactory | None = None,
@@ -143,16 +146,19 @@ class Executor(BackwardActions, DroppedStep):
         if len(split.stages) != plan.num_stages:
             raise ValueError(f"the plan has {plan.num_stages} stages but the split has "
                              f"{len(split.stages)}: split the model for this plan")
-        if dist.get_world_size() != plan.num_ranks:
-            raise ValueError(f"the plan needs {plan.num_ranks} ranks but the process group has "
-                             f"{dist.get_world_size()}: start {plan.num_ranks} ranks")
+        if dist.get_world_size() != plan.world_size:
+            raise ValueError(f"the plan needs {plan.world_size} processes but the process group "
+                             f"has {dist.get_world_size()}: start {plan.world_size} ranks")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         check_gradient_values(plan, split)
         # validate derives the communication for its dry run; keep that one
         comm = validate(plan) if check_plan else derive_comm(plan)
         self.plan, self.split, self.loss_fn = plan, split, loss_fn
-        self.rank = dist.get_rank() if rank is None else rank
+        # tensor parallel: this process is member ``member`` of pipeline rank ``rank``
+        self.rank, self.member = tp.position(plan, dist.get_rank())
+        if rank is not None:
+            self.rank = rank
         backend = dist.get_backend()
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
@@ -174,6 +180,8 @@ class Executor(BackwardActions, DroppedStep):
                        for s in plan.stages_on(self.rank)}
         for info in self.stages.values():
             place(info.stage.module, self.device)
+        if plan.tp > 1:  # each stage's regions split over the pipeline rank's members
+            tp.shard_stages(plan, split, self.stages, self.device)
         check_sharded(plan, split, loss_scaling=bool(loss_scaling))
         # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`)
         self.sharding = Sharding(plan, self.stages, self.rank, ranks=list(range(plan.num_ranks)),
@@ -186,7 +194,7 @@ class Executor(BackwardActions, DroppedStep):
                       for e in plan.stage_graph.edges]
         if store is None:
             store = dist.distributed_c10d._get_default_store()
-        ranks = list(range(plan.num_ranks))
+        ranks = tp.plane_ranks(plan, self.member)  # plan rank -> process, in this plane
         self.transport = Transport(plan, self.comm, self.rank, store=store, device=self.device,
                                    timeout=timeout, ranks=ranks,
                                    post_ahead=backend != "nccl" if post_ahead is None
@@ -195,6 +203,8 @@ class Executor(BackwardActions, DroppedStep):
             self.transport.warm_up()
         self.sync = GradSync(plan, split, self.rank, self.stages, ranks=ranks, world_group=None,
                              timeout=timeout, device=self.device)
+        if plan.tp > 1:  # the norm over every process counts each parameter once
+            self.sync.norm_params = tp.norm_params(self.sync.norm_params, self.member)
         # BatchNorm statistics of replicated stages: averaged over the replicas every step
         self.buffers = ReplicaBuffers(plan, self.stages,
                                       {rset: group for rset, (group, _) in self.sync.dp.items()})
@@ -315,6 +325,8 @@ class Executor(BackwardActions, DroppedStep):
                 self.buffers.average(self.sync._wait)
                 self.loop.finish()
             else:
+                if self.plan.tp > 1:  # each member's gradients laid out as its parameters
+                    tp.settle_grads(self.sync.all_params)
                 loss, norm = self.sync.finish(self._loss, self.max_grad_norm, self.scaler,
                                               failed, graded=self.loop.graded > 0)
                 if self.sync.failed:
@@ -457,7 +469,7 @@ class Executor(BackwardActions, DroppedStep):
         with self._draws(a.stage, m), torch.set_grad_enabled(self.training
                                                              and not info.recompute):
             run.outputs, run.loss = self._compute(info, args, m)
-        if run.loss is not None:
+        if run.loss is not None and self.member == 0:  # summed over every process: once
             self._loss = self._loss + run.loss.detach()
         self._runs[(a.stage, m)] = run
 

@@ -38,6 +38,7 @@ from orgel.runtime.comm import transport_reason
 from orgel.runtime.errors import CommFailure
 from orgel.runtime.sharding import own_part
 from orgel.runtime.stage import StageInfo
+from orgel.runtime.tensor_parallel import plane_group
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
@@ -113,7 +114,7 @@ class GradSync:
         replica_sets = sorted({r for r in plan.placement if len(r) > 1})
         self.dp: dict[tuple[int, ...], tuple[Any, list[torch.nn.Parameter]]] = {}
         for rset in replica_sets:
-            group = dist.new_group([ranks[r] for r in rset])
+            group = plane_group([ranks[r] for r in rset], plan.tp)
             if rank in rset:
                 params = [p for s, info in sorted(stages.items())
                           if plan.placement[s] == rset and not plan.sharded(s)
@@ -122,7 +123,8 @@ class GradSync:
         self.tied_groups: dict[str, Any] = {}
         for name in sorted(tied_names):
             tranks = sorted({r for s in holders[name] for r in plan.placement[s]})
-            group = dist.new_group([ranks[r] for r in tranks]) if len(tranks) > 1 else None
+            group = (plane_group([ranks[r] for r in tranks], plan.tp) if len(tranks) > 1
+                     else None)
             if name in self.tied:
                 self.tied_groups[name] = group
         self.pending: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []

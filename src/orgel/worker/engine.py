@@ -94,6 +94,12 @@ class RankEngine:
                 out.append((stage.buffer_names.get(local, local), b))
         return out
 
+    def tp_shards(self) -> dict[str, tuple[int, ...]]:
+        """The shape of this process's part of each parameter split by tensor parallelism."""
+        from orgel.runtime.tensor_parallel import sharded
+
+        return {n: tuple(own_part(p).shape) for n, p in self.named_params() if sharded(p)}
+
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         opt: torch.optim.Optimizer | None = getattr(self.executor, "optimizer", None)
@@ -223,6 +229,9 @@ class RankEngine:
             rng=guard.rng_state(),
             extra=self._extra_state(),
         )
+        if self.executor.member > 0:  # tensor parallel: member 0 writes the rank's shard,
+            # whole tensors the members gathered together above
+            return str(ckpt.staging_dir(root, step) / f"rank{self.rank}.pt")
         try:
             return str(ckpt.write_shard(root, step, self.rank, shard))
         except OSError as exc:

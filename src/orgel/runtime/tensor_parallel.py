@@ -1,0 +1,355 @@
+"""Tensor parallelism inside a stage: its column/row regions run on DTensors over ``tp`` processes.
+
+A plan with ``plan.tp > 1`` runs each pipeline rank ``r`` as ``tp`` processes,
+``r * tp + t`` being member ``t`` (:func:`position`). Member ``t`` of every
+pipeline rank forms *plane* ``t``: a full copy of the pipeline running the same
+action lists, whose messages go from member ``t`` to member ``t``
+(:func:`plane_ranks` is the transport's map from plan rank to process), whose
+data-parallel and tied-weight sums are over the plane (:func:`plane_group`).
+Every member holds the same, replicated, values between stages.
+
+Inside a stage the members split the regions :func:`orgel.graph.tensor_parallel.tp_regions`
+finds (attention, MLP). :func:`parallelize` rewrites the stage's fx graph, which has
+no ``nn.Linear`` submodules for ``torch.distributed.tensor.parallel``'s
+``ColwiseParallel``/``RowwiseParallel`` module hooks to attach to, so it does at graph
+level what they do:
+
+* the column linears' weights (and biases) become ``Shard(0)`` DTensor parameters,
+  the row linear's weight ``Shard(1)``, its bias ``Replicate()``, over a
+  :class:`~torch.distributed.device_mesh.DeviceMesh` of the pipeline rank's ``tp``
+  processes (:func:`tp_mesh`);
+* the region's input enters as a ``Replicate()`` DTensor (``DTensor.from_local``: its
+  backward all-reduces the input's gradient), and the row output leaves as a plain
+  tensor after ``redistribute`` to ``Replicate()`` (the forward all-reduce);
+* between them every op runs on DTensors, which keeps the single-process result: an
+  op without a sharded rule for its inputs' layout redistributes them, and one DTensor
+  cannot run at all runs on the gathered, whole tensors (:class:`_Guarded`; the stage
+  module's ``tp_fallbacks`` names them: GPT's fused qkv viewed as ``(3, heads, dim)``
+  with ``tp=2``, and the attention after it). Attention whose q, k and v are split by
+  heads (``Shard(1)``, separate projections as in Llama) runs on each member's own
+  heads, with no communication (:func:`_local_heads`). Plain tensors an op of a region
+  reads (rotary tables, masks, a norm's weight) enter it as replicated DTensors made
+  with ``from_local``, so their gradients come back plain; ``implicit_replication``
+  (switched on for the process by :func:`enable`) covers what autograd mixes in backward.
+
+Parameter names and whole values are unchanged for ``state_dict`` and ``copy_to``:
+:func:`orgel.runtime.sharding.full_tensor` gathers a DTensor parameter and
+:func:`orgel.runtime.sharding.shard_like` keeps the member's shard of a whole tensor
+(the same rules as FSDP2's).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from orgel.graph.tensor_parallel import Region, tp_regions
+from orgel.schedule.ir import Plan
+
+
+class TensorParallelError(ValueError):
+    """The model or options cannot run with ``tp > 1``; the message says what to change."""
+
+
+def position(plan: Plan, process: int) -> tuple[int, int]:
+    """``(pipeline rank, member)`` of process ``process`` (``r * tp + t``)."""
+    return divmod(process, plan.tp)
+
+
+def plane_ranks(plan: Plan, member: int) -> list[int]:
+    """The processes of plane ``member``, by plan rank: where its messages go."""
+    return [r * plan.tp + member for r in range(plan.num_ranks)]
+
+
+def plane_group(processes: Sequence[int], tp: int) -> Any:
+    """A process group of ``processes`` (processes of this process's plane), made the same
+    way on every process: one group per plane, the others' the same ranks shifted to their
+    member (``dist.new_group`` is collective over the whole job, in one order)."""
+    if tp == 1:
+        return dist.new_group(list(processes))
+    own = dist.get_rank() % tp
+    mine = None
+    for t in range(tp):
+        group = dist.new_group([p - own + t for p in processes])
+        if t == own:
+            mine = group
+    return mine
+
+
+def tp_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The 1-D mesh of this process's pipeline rank (its ``tp`` members); collective over
+    every process, which makes every pipeline rank's group in order."""
+    own = dist.get_rank() // plan.tp
+    mine = None
+    for r in range(plan.num_ranks):
+        group = dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp)))
+        if r == own:
+            mine = group
+    assert mine is not None
+    return DeviceMesh.from_group(mine, device_type)
+
+
+def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.device) -> None:
+    """Split the regions of this process's stages (``StageInfo`` by index) over its
+    pipeline rank's members; each stage's ``params`` then lists the DTensor parameters."""
+    enable()
+    mesh = tp_mesh(plan, device.type)
+    for info in stages.values():
+        module = info.stage.module
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        info.tp_regions = parallelize(module, mesh, split.requires_grad)
+        info.params = list(module.parameters())
+
+
+def enable() -> None:
+    """Treat plain tensors that meet DTensors as replicated, for this process (its forwards
+    and backwards: autograd runs the backward ops outside any context manager)."""
+    torch._C._set_dtensor_allow_implicit_replication(True)
+
+
+# -- the graph rewrite ---------------------------------------------------------------------
+
+
+def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
+                requires_grad: dict[str, bool] | None = None) -> list[Region]:
+    """Rewrite ``module`` (a stage's GraphModule) to run its regions over ``mesh``.
+
+    Returns the regions it split; ``module.tp_fallbacks`` lists the ops that had
+    to run on full tensors (filled as they run). A region whose weights are not
+    parameters of ``module`` stays whole. ``requires_grad``: which of its inputs carry
+    a gradient (``SplitModel.requires_grad``; see :func:`~orgel.graph.tensor_parallel.tp_regions`).
+    """
+    graph = module.graph
+    nodes = {n.name: n for n in graph.nodes}
+    done: list[Region] = []
+    fallbacks: list[str] = []
+    for region in tp_regions(module, requires_grad):
+        leaves = [nodes[p] for p in region.column_params + region.row_params]
+        if not all(n.op == "get_attr" and _is_param(module, str(n.target)) for n in leaves):
+            continue
+        for name in region.column_params:
+            _distribute(module, str(nodes[name].target), mesh, Shard(0))
+        _distribute(module, str(nodes[region.row_weight].target), mesh, Shard(1))
+        if region.row_bias:
+            _distribute(module, str(nodes[region.row_bias].target), mesh, Replicate())
+        source = nodes[region.input]
+        first = nodes[region.columns[0]]
+        with graph.inserting_before(first):
+            entered = graph.call_function(_Enter(mesh), (source,))
+        for c in region.columns:
+            nodes[c].replace_input_with(source, entered)
+        row = nodes[region.row]
+        with graph.inserting_after(row):
+            left = graph.call_function(_Leave(mesh), (row,))
+        row.replace_all_uses_with(left, delete_user_cb=lambda user, left=left: user is not left)
+        for name in region.inner:
+            _guard(nodes[name], fallbacks)
+        done.append(region)
+    graph.lint()
+    module.recompile()
+    module.tp_fallbacks = fallbacks  # type: ignore[assignment]
+    return done
+
+
+class _Enter:
+    """The region's input as a replicated DTensor (backward: its gradient all-reduced)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.__name__ = "tp_enter"
+
+    def __call__(self, x: torch.Tensor) -> DTensor:
+        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+
+
+class _Leave:
+    """The row output, summed over the members (one all-reduce), as a plain tensor."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.__name__ = "tp_leave"
+
+    def __call__(self, y: Any) -> Any:
+        if not isinstance(y, DTensor):
+            return y
+        return y.redistribute(self.mesh, [Replicate()]).to_local()
+
+
+class _Guarded:
+    """Runs one op of a region on DTensors, or where DTensor has no rule for it, on the
+    full tensors (gathered), its tensor outputs replicated DTensors again."""
+
+    def __init__(self, fn: Callable[..., Any], what: str, fallbacks: list[str]) -> None:
+        self.fn = fn
+        self.what = what
+        self.fallbacks = fallbacks
+        self.full = False  # once it failed, straight to full tensors
+        self.__name__ = getattr(fn, "__name__", what)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__name__ == "scaled_dot_product_attention":
+            heads = _local_heads(self.fn, args, kwargs)
+            if heads is not None:
+                return heads
+            self.full = True  # DTensor's rule for it is slow to search, where it has one
+        if not self.full:
+            try:
+                return self.fn(*_replicated(args), **_replicated(kwargs))
+            except (NotImplementedError, RuntimeError) as exc:
+                if "sharding" not in str(exc).lower() and "DTensor" not in str(exc):
+                    raise
+                self.full = True
+                self.fallbacks.append(self.what)
+        mesh = next(a.device_mesh for a in _flat(args, kwargs) if isinstance(a, DTensor))
+        args, kwargs = torch.utils._pytree.tree_map_only(
+            DTensor, lambda t: t.full_tensor(), (args, kwargs))
+        out = self.fn(*args, **kwargs)
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
+            out)
+
+
+def _replicated(tree: Any) -> Any:
+    """Plain tensors next to a DTensor in one op's arguments, as replicated DTensors made
+    with ``from_local``, so that their gradients come back as plain tensors (implicit
+    replication alone would give a weight read inside a region a DTensor gradient)."""
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    mesh = next((a.device_mesh for a in leaves if isinstance(a, DTensor)), None)
+    if mesh is None:
+        return tree
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: t if isinstance(t, DTensor) or t.dim() == 0 else
+        DTensor.from_local(t, mesh, [Replicate()], run_check=False), tree)
+
+
+def _local_heads(fn: Callable[..., Any], args: Any, kwargs: Any) -> DTensor | None:
+    """Attention with q, k and v split by heads (``Shard(1)``), each member its own heads:
+    no communication; None where they are not, or a mask differs between heads."""
+    qkv = args[:3]
+    if len(qkv) < 3 or not all(isinstance(t, DTensor) and tuple(t.placements) == (Shard(1),)
+                                and t.dim() == 4 for t in qkv):
+        return None
+    rest = list(args[3:]) + list(kwargs.values())
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if any(isinstance(a, DTensor) for a in rest) or (
+            isinstance(mask, torch.Tensor) and mask.dim() >= 3 and mask.shape[-3] != 1):
+        return None
+    q, k, v = qkv
+    out = fn(q.to_local(), k.to_local(), v.to_local(), *args[3:], **kwargs)
+    return DTensor.from_local(out, q.device_mesh, [Shard(1)], run_check=False)
+
+
+def _flat(args: Any, kwargs: Any) -> list[Any]:
+    return list(torch.utils._pytree.tree_leaves((args, kwargs)))
+
+
+def _method(name: str) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def _guard(node: torch.fx.Node, fallbacks: list[str]) -> None:
+    if node.op == "call_method":
+        node.op = "call_function"
+        node.target = _Guarded(_method(str(node.target)), f"{node.name} (.{node.target})",
+                               fallbacks)
+    elif node.op == "call_function" and node.target is not operator.getitem:
+        name = getattr(node.target, "__name__", str(node.target))
+        node.target = _Guarded(node.target, f"{node.name} ({name})",  # type: ignore[arg-type]
+                               fallbacks)
+
+
+def _is_param(module: torch.nn.Module, target: str) -> bool:
+    prefix, _, leaf = target.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    return leaf in owner._parameters
+
+
+def _distribute(module: torch.nn.Module, target: str, mesh: DeviceMesh, placement: Any) -> None:
+    prefix, _, leaf = target.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    p = owner._parameters[leaf]
+    assert p is not None
+    if isinstance(p, DTensor):
+        return
+    dt = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
+    owner._parameters[leaf] = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+
+
+# -- parameter state -----------------------------------------------------------------------
+
+
+def sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor split over the members (each holds a different part)."""
+    return isinstance(t, DTensor) and any(isinstance(p, (Shard, Partial)) for p in t.placements)
+
+
+def settle_grads(params: list[torch.nn.Parameter]) -> None:
+    """Give each DTensor parameter's gradient the parameter's own placements (autograd may
+    leave a sharded weight's gradient replicated, or a partial sum): then each member's
+    local gradient is its part, for the norm and the optimizer. Every member calls it
+    for the same parameters, in one order (it may reduce)."""
+    for p in params:
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def norm_params(params: list[torch.nn.Parameter], member: int) -> list[torch.nn.Parameter]:
+    """The parameters whose gradient member ``member`` counts in the global norm: each
+    once over the job (sharded ones: every member its shard; the rest: member 0)."""
+    return [p for p in params if member == 0 or sharded(p)]
+
+
+# -- the caller's checks ---------------------------------------------------------------------
+
+
+def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
+    """The pipeline ranks ``ranks`` processes make with ``tp`` each; ValueError for a ``tp``
+    that does not divide ``ranks``."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TensorParallelError(f"tp must be a positive int (processes per pipeline rank), "
+                                  f"got {tp!r}")
+    if ranks % tp:
+        raise TensorParallelError(f"tp={tp} does not divide ranks={ranks}: ranks counts every "
+                                  f"process, tp of them per pipeline rank; pass ranks="
+                                  f"{(ranks // tp + 1) * tp} or a tp that divides {ranks}")
+    if tp > 1 and dp > 1:
+        raise TensorParallelError(f"tp={tp} with dp={dp}: tensor parallelism inside "
+                                  "data-parallel stages is not supported yet; pass dp=1")
+    return ranks // tp
+
+
+def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
+    """``plan`` run with ``tp`` processes per pipeline rank (``plan.tp`` set), checked
+    against the captured ``graph`` (an :class:`~orgel.graph.opgraph.OpGraph`)."""
+    if tp == 1:
+        if plan.tp > 1:
+            raise TensorParallelError(f"the plan is for tp={plan.tp} processes per pipeline "
+                                      f"rank: pass tp={plan.tp}")
+        return plan
+    if plan.tp not in (1, tp):
+        raise TensorParallelError(f"the plan is for tp={plan.tp} but tp={tp}: make them agree")
+    if any(len(r) > 1 for r in plan.placement):
+        raise TensorParallelError("tensor parallelism inside data-parallel stages is not "
+                                  "supported yet: give a plan with one rank per stage")
+    if graph is not None and graph.glue is not None:
+        raise TensorParallelError("tp > 1 needs one graph of the forward; this model's has "
+                                  "graph breaks")
+    if graph is not None and not tp_regions(graph.graph_module):
+        raise TensorParallelError(
+            "tp > 1 found no region to split in this model: tensor parallelism splits "
+            "linear layers that read one input and feed one linear layer (attention, MLP; "
+            "orgel.graph.tensor_parallel.tp_regions); pass tp=1")
+    plan.tp = tp
+    return plan

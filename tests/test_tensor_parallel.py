@@ -1,0 +1,271 @@
+"""Tensor parallelism (``tp=2``): 2 pipeline ranks of 2 processes each, against one process.
+
+The members split every attention and MLP region of their stage (DTensor). Their sums
+run in another order than one process's matmuls (a row linear's output is the sum of
+two half products), so losses agree to float32 rounding (``rel=1e-5``) and parameters
+after a few AdamW steps to ``atol=2e-5`` (Adam divides by the root of a gradient's
+square: a gradient near zero carries the rounding into the step).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from orgel.cli import main
+from orgel.explicit.api import load, pipeline
+from orgel.models import build
+from orgel.schedule.ir import Plan
+
+LR = 1e-3
+GPT = "examples/gpt.py:workload"
+
+
+def _adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def _batches(steps: int, vocab: int, rows: int, seq: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(steps)]
+
+
+def _train_both(model: torch.nn.Module, example: dict[str, torch.Tensor], loss_fn: object,
+                batches: list[torch.Tensor], key: str, max_grad_norm: float | None = None,
+                ) -> tuple[list[float], list[float], dict[str, torch.Tensor],
+                           torch.nn.Module, dict[int, dict[str, tuple[int, ...]]],
+                           list[float], list[float]]:
+    """Train ``model`` with tp=2 on 4 processes and a copy in one process; both results."""
+    reference = copy.deepcopy(model)
+    targets = torch.roll(example[key], -1, dims=1)
+    pipe = pipeline(model, example, targets, loss_fn, ranks=4, tp=2, microbatches=2,
+                    optimizer=_adamw, threads=1, max_grad_norm=max_grad_norm)
+    try:
+        assert (pipe.plan.num_ranks, pipe.plan.tp, pipe.plan.world_size) == (2, 2, 4)
+        shards = dict(enumerate(pipe.call_ranks("tp_shards")))
+        losses, norms = [], []
+        for tokens in batches:
+            losses.append(pipe.step({key: tokens}, torch.roll(tokens, -1, dims=1)))
+            norms.append(pipe.grad_norm)
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    opt = _adamw(list(reference.parameters()))
+    ref_losses, ref_norms = [], []
+    for tokens in batches:
+        opt.zero_grad()
+        loss = torch.zeros(())
+        for half in tokens.chunk(2):  # the pipeline's micro-batches, summed as it does
+            part = loss_fn(reference(**{key: half}), torch.roll(half, -1, dims=1)) / 2
+            part.backward()
+            loss = loss + part.detach()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(),
+                                              max_grad_norm or float("inf"))
+        opt.step()
+        ref_losses.append(float(loss))
+        ref_norms.append(float(norm))
+    return losses, ref_losses, state, reference, shards, norms, ref_norms
+
+
+def _assert_same_state(state: dict[str, torch.Tensor], reference: torch.nn.Module) -> None:
+    expected = reference.state_dict()
+    assert set(expected) <= set(state)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=2e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_gpt_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
+    model, inputs, _, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                      seq_len=8, vocab_size=64)
+    losses, ref_losses, state, reference, shards, norms, ref_norms = _train_both(
+        model, {"tokens": inputs[0]}, loss_fn, _batches(3, 64, 8, 8), "tokens",
+        max_grad_norm=0.5)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)  # each parameter counted once
+    assert max(ref_norms) > 0.5  # so the clipping acted
+    _assert_same_state(state, reference)
+    # both members of a rank hold half of each attention and MLP weight of its stage (a
+    # region the stage boundary cuts stays whole: the plan's cut is the planner's)
+    assert shards[0], "the first stage splits nothing"
+    assert shards[0] == shards[1] and shards[2] == shards[3]
+    for held in shards.values():
+        assert all(shape in {(48, 32), (48,), (32, 16), (64, 32), (64,), (32, 64)}
+                   for shape in held.values()), held
+    allowed = {f"encoder.blocks.{layer}.{name}" for layer in range(2) for name in (
+        "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc.weight",
+        "mlp.fc.bias", "mlp.out.weight")}
+    assert set(shards[0]) | set(shards[2]) <= allowed
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_llama_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+
+    def loss_fn(out: object, targets: torch.Tensor) -> torch.Tensor:
+        logits = out.logits  # type: ignore[attr-defined]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    batches = _batches(3, 64, 4, 8)
+    losses, ref_losses, state, reference, shards, _, _ = _train_both(
+        model, {"input_ids": batches[0]}, loss_fn, batches, "input_ids")
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    _assert_same_state(state, reference)
+    assert shards[0] and shards[0] == shards[1] and shards[2] == shards[3]
+    allowed = {f"model.layers.{layer}.{name}_proj.weight" for layer in range(2) for name in (
+        "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "mlp.gate", "mlp.up",
+        "mlp.down")}
+    assert set(shards[0]) | set(shards[2]) <= allowed
+    if "model.layers.0.self_attn.k_proj.weight" in shards[0]:
+        assert shards[0]["model.layers.0.self_attn.k_proj.weight"] == (8, 32)  # 1 of 2 heads
+
+
+@pytest.mark.slow
+def test_orgel_run_tp_checks_against_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", GPT, "--ranks", "4", "--tp", "2", "--microbatches", "2", "--steps",
+                 "2", "--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "on 2 ranks of 2 processes each (tensor parallel)" in out
+    assert "-> OK" in out
+
+
+@pytest.mark.slow
+def test_orgel_run_takes_tp_from_a_plan(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan that says tp=2 (as ``orgel plan --tp 2`` writes) runs without --tp."""
+    from orgel.graph.capture import capture
+    from orgel.runtime.plans import balanced_plan
+    from orgel.workload import load_workload, microbatches
+
+    workload = load_workload(GPT)
+    graph = capture(workload.model, microbatches(workload, 2)[0][0], several=False)
+    plan = balanced_plan(graph, ranks=2, microbatches=2, schedule="1f1b")
+    plan.tp = 2
+    plan.save(tmp_path / "plan.json")
+    code = main(["run", GPT, "--ranks", "4", "--plan", str(tmp_path / "plan.json"),
+                 "--microbatches", "2", "--steps", "1", "--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "of 2 processes each (tensor parallel)" in out and "-> OK" in out
+
+
+@pytest.mark.slow
+def test_a_tp_checkpoint_resumes_with_tp_and_without(tmp_path: Path) -> None:
+    """Saved with tp=2 (whole tensors, optimizer state too), resumed with tp=2 and on a
+    plain pipeline of the same plan: the next step is the one the saver took."""
+    def gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor], torch.Tensor, object]:
+        model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2,
+                                                d_model=32, seq_len=8, vocab_size=64)
+        return model, inputs, targets, loss_fn
+
+    model, inputs, targets, loss_fn = gpt()
+    batches = [((t,), torch.roll(t, -1, dims=1)) for t in _batches(3, 64, 8, 8)]
+    with pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, microbatches=2,
+                  optimizer=_adamw, threads=1) as pipe:
+        for batch in batches[:2]:
+            pipe.step(*batch)
+        pipe.save(tmp_path)
+        last = pipe.step(*batches[2])
+        state = pipe.state_dict()
+        plan = pipe.plan
+    model, inputs, targets, loss_fn = gpt()
+    with load(tmp_path, model, inputs, targets, loss_fn, optimizer=_adamw,
+              threads=1) as again:
+        assert again.plan.tp == 2
+        assert again.step(*batches[2]) == pytest.approx(last, rel=1e-6)
+        for name, value in again.state_dict().items():
+            torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7, msg=name)
+    plain_plan = Plan.from_json(plan.to_json())
+    plain_plan.tp = 1
+    model, inputs, targets, loss_fn = gpt()
+    with load(tmp_path, model, inputs, targets, loss_fn, ranks=2, plan=plain_plan,
+              optimizer=_adamw, threads=1) as plain:
+        assert plain.step(*batches[2]) == pytest.approx(last, rel=1e-5)
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(value, state[name], rtol=1e-4, atol=2e-5, msg=name)
+
+
+NO_REGION = '''
+import torch
+
+def workload():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    x = torch.randn(4, 8)
+    return model, (x,), torch.randn(4, 8), torch.nn.functional.mse_loss
+'''
+
+
+def test_tp_errors_say_what_to_change(tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    model, inputs, targets, loss_fn = build("gpt", batch_size=4, seed=0, n_layers=1,
+                                            d_model=16, seq_len=8, vocab_size=32)
+    with pytest.raises(ValueError, match="tp=3 does not divide ranks=4"):
+        pipeline(model, inputs, targets, loss_fn, ranks=4, tp=3)
+    with pytest.raises(ValueError, match="tp=2 with dp=2"):
+        pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, dp=2)
+    assert main(["run", GPT, "--ranks", "3", "--tp", "2"]) == 2
+    assert "--tp 2 must divide --ranks 3" in capsys.readouterr().err
+    path = tmp_path / "flat.py"
+    path.write_text(NO_REGION)
+    assert main(["run", f"{path}:workload", "--ranks", "2", "--tp", "2",
+                 "--microbatches", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "found no region to split" in err and "pass tp=1" in err
+
+
+TORCHRUN_SCRIPT = '''
+import copy, json, sys
+import torch
+import orgel
+from orgel.models import build
+
+model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                        seq_len=8, vocab_size=64)
+reference = copy.deepcopy(model)
+sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, tp=2, microbatches=2,
+                      optimizer=sgd)
+losses = [pipe.step(inputs, targets) for _ in range(2)]
+state = pipe.state_dict()
+opt = sgd(list(reference.parameters()))
+ref = []
+for _ in range(2):
+    opt.zero_grad()
+    loss = loss_fn(reference(*inputs), targets)
+    loss.backward()
+    opt.step()
+    ref.append(loss.item())
+diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+with open(f"{sys.argv[1]}/result{torch.distributed.get_rank()}.json", "w") as f:
+    json.dump({"losses": losses, "ref": ref, "diff": diff, "tp": pipe.plan.tp,
+               "shards": pipe.call_ranks("tp_shards")}, f)
+pipe.close()
+'''
+
+
+@pytest.mark.slow
+def test_tp_under_torchrun(tmp_path: Path) -> None:
+    """2 torchrun processes as one pipeline rank of tp=2: rank 0 plans, both split the
+    stage, and each one's result matches one process."""
+    import json
+
+    from test_api_torchrun import _torchrun
+
+    code, log = _torchrun(tmp_path, TORCHRUN_SCRIPT, str(tmp_path))
+    assert code == 0, log[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert result["tp"] == 2
+        assert all(result["shards"]), result["shards"]  # both processes split the stage
+        assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
+        assert result["diff"] < 1e-5
