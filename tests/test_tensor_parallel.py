@@ -35,16 +35,21 @@ def _batches(steps: int, vocab: int, rows: int, seq: int) -> list[torch.Tensor]:
 
 def _train_both(model: torch.nn.Module, example: dict[str, torch.Tensor], loss_fn: object,
                 batches: list[torch.Tensor], key: str, max_grad_norm: float | None = None,
-                ) -> tuple[list[float], list[float], dict[str, torch.Tensor],
+                **options: object) -> tuple[list[float], list[float], dict[str, torch.Tensor],
                            torch.nn.Module, dict[int, dict[str, tuple[int, ...]]],
                            list[float], list[float]]:
-    """Train ``model`` with tp=2 on 4 processes and a copy in one process; both results."""
+    """Train ``model`` with tp=2 on 4 processes and a copy in one process; both results.
+
+    ``options`` go to ``pipeline`` (``dp=2``: the 2 pipeline ranks are replicas)."""
     reference = copy.deepcopy(model)
     targets = torch.roll(example[key], -1, dims=1)
     pipe = pipeline(model, example, targets, loss_fn, ranks=4, tp=2, microbatches=2,
-                    optimizer=_adamw, threads=1, max_grad_norm=max_grad_norm)
+                    optimizer=_adamw, threads=1, max_grad_norm=max_grad_norm,
+                    **options)  # type: ignore[arg-type]
     try:
         assert (pipe.plan.num_ranks, pipe.plan.tp, pipe.plan.world_size) == (2, 2, 4)
+        if options.get("dp") == 2:  # one stage, each replica a pipeline rank of 2
+            assert pipe.plan.placement == [(0, 1)], pipe.plan.placement
         shards = dict(enumerate(pipe.call_ranks("tp_shards")))
         losses, norms = [], []
         for tokens in batches:
@@ -99,6 +104,23 @@ def test_gpt_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
         "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc.weight",
         "mlp.fc.bias", "mlp.out.weight")}
     assert set(shards[0]) | set(shards[2]) <= allowed
+
+
+@pytest.mark.slow
+def test_gpt_on_two_replicas_of_two_way_tp_trains_as_one_process() -> None:
+    """tp x dp: one stage on 2 replicas, each a pipeline rank of 2 processes. Each replica
+    takes half of every micro-batch's rows; the gradient sum runs per plane (member t of
+    each replica), and the norm counts each value once."""
+    model, inputs, _, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                      seq_len=8, vocab_size=64)
+    losses, ref_losses, state, reference, shards, norms, ref_norms = _train_both(
+        model, {"tokens": inputs[0]}, loss_fn, _batches(3, 64, 8, 8), "tokens",
+        max_grad_norm=0.5, dp=2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert max(ref_norms) > 0.5
+    _assert_same_state(state, reference)
+    assert shards[0] and all(shards[p] == shards[0] for p in range(4))  # every block split
 
 
 @pytest.mark.slow
@@ -211,8 +233,8 @@ def test_tp_errors_say_what_to_change(tmp_path: Path,
                                             d_model=16, seq_len=8, vocab_size=32)
     with pytest.raises(ValueError, match="tp=3 does not divide ranks=4"):
         pipeline(model, inputs, targets, loss_fn, ranks=4, tp=3)
-    with pytest.raises(ValueError, match="tp=2 with dp=2"):
-        pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, dp=2)
+    with pytest.raises(ValueError, match="dp=4 does not divide the 2 pipeline ranks"):
+        pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, dp=4)
     assert main(["run", GPT, "--ranks", "3", "--tp", "2"]) == 2
     assert "--tp 2 must divide --ranks 3" in capsys.readouterr().err
     path = tmp_path / "flat.py"

@@ -316,7 +316,7 @@ def norm_params(params: list[torch.nn.Parameter], member: int) -> list[torch.nn.
 
 def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
     """The pipeline ranks ``ranks`` processes make with ``tp`` each; ValueError for a ``tp``
-    that does not divide ``ranks``."""
+    that does not divide ``ranks``, or a ``dp`` that does not divide the pipeline ranks."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TensorParallelError(f"tp must be a positive int (processes per pipeline rank), "
                                   f"got {tp!r}")
@@ -324,9 +324,11 @@ def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
         raise TensorParallelError(f"tp={tp} does not divide ranks={ranks}: ranks counts every "
                                   f"process, tp of them per pipeline rank; pass ranks="
                                   f"{(ranks // tp + 1) * tp} or a tp that divides {ranks}")
-    if tp > 1 and dp > 1:
-        raise TensorParallelError(f"tp={tp} with dp={dp}: tensor parallelism inside "
-                                  "data-parallel stages is not supported yet; pass dp=1")
+    if (ranks // tp) % dp:
+        raise TensorParallelError(f"dp={dp} does not divide the {ranks // tp} pipeline ranks "
+                                  f"of ranks={ranks} with tp={tp}: each data-parallel replica "
+                                  f"is a pipeline rank of tp processes; pass ranks="
+                                  f"{dp * tp} (or a multiple) or dp that divides {ranks // tp}")
     return ranks // tp
 
 
@@ -340,9 +342,6 @@ def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
         return plan
     if plan.tp not in (1, tp):
         raise TensorParallelError(f"the plan is for tp={plan.tp} but tp={tp}: make them agree")
-    if any(len(r) > 1 for r in plan.placement):
-        raise TensorParallelError("tensor parallelism inside data-parallel stages is not "
-                                  "supported yet: give a plan with one rank per stage")
     if graph is not None and graph.glue is not None:
         raise TensorParallelError("tp > 1 needs one graph of the forward; this model's has "
                                   "graph breaks")
