@@ -124,6 +124,35 @@ def test_gpt_on_two_replicas_of_two_way_tp_trains_as_one_process() -> None:
 
 
 @pytest.mark.slow
+def test_tp_evaluates_and_keeps_outputs_as_one_process() -> None:
+    """``step(..., outputs=True)`` and ``evaluate`` with tp=2: the eval-mode stages split
+    their regions over the training stages' DTensor weights; losses and logits match one
+    process (train mode for the step, ``model.eval()`` under no_grad after it)."""
+    model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2,
+                                            d_model=32, seq_len=8, vocab_size=64)
+    reference = copy.deepcopy(model)
+    with pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, microbatches=2,
+                  optimizer=_adamw, threads=1) as pipe:
+        loss, out = pipe.step(inputs, targets, outputs=True)
+        ev_loss, ev_out = pipe.evaluate(inputs, targets, outputs=True)
+    ref_out = reference(*inputs)
+    opt = _adamw(list(reference.parameters()))
+    ref_loss = sum(loss_fn(reference(x), y) / 2
+                   for x, y in zip(inputs[0].chunk(2), targets.chunk(2), strict=True))
+    ref_loss.backward()
+    opt.step()
+    assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    torch.testing.assert_close(out, ref_out.detach(), rtol=1e-4, atol=1e-5)
+    reference.eval()
+    with torch.no_grad():
+        ref_ev = reference(*inputs)
+        ref_ev_loss = sum(loss_fn(reference(x), y) / 2
+                          for x, y in zip(inputs[0].chunk(2), targets.chunk(2), strict=True))
+    assert ev_loss == pytest.approx(float(ref_ev_loss), rel=1e-5)
+    torch.testing.assert_close(ev_out, ref_ev, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.hf
 def test_llama_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
     transformers = pytest.importorskip("transformers")

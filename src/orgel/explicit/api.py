@@ -300,8 +300,6 @@ def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
     from orgel.split.evaluation import eval_only, split_like
     from orgel.workload import on_meta
 
-    if plan.tp > 1:
-        return "evaluation of a tensor-parallel pipeline (tp > 1) is not available yet"
     try:
         with untouched(workload.model):
             workload.model.eval()

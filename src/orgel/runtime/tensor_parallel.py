@@ -95,17 +95,32 @@ def tp_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(mine, device_type)
 
 
-def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.device) -> None:
+def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.device,
+                 mesh: DeviceMesh | None = None) -> DeviceMesh:
     """Split the regions of this process's stages (``StageInfo`` by index) over its
-    pipeline rank's members; each stage's ``params`` then lists the DTensor parameters."""
+    pipeline rank's members; each stage's ``params`` then lists the DTensor parameters.
+    Returns the mesh (``mesh``, or :func:`tp_mesh`'s)."""
     enable()
-    mesh = tp_mesh(plan, device.type)
+    if mesh is None:
+        mesh = tp_mesh(plan, device.type)
     for info in stages.values():
         module = info.stage.module
         if not isinstance(module, torch.fx.GraphModule):
             continue
         info.tp_regions = parallelize(module, mesh, split.requires_grad)
         info.params = list(module.parameters())
+    return mesh
+
+
+def shard_eval_stages(split: Any, stages: dict[int, Any], mesh: DeviceMesh) -> None:
+    """Rewrite the eval-mode stages (``StageInfo`` by index, :mod:`orgel.split.evaluation`),
+    which hold the training stages' DTensor parameters already (``share_weights``), to
+    run their regions over ``mesh`` as the training stages do; a region whose weights
+    the training stages did not split stays whole (``parallelize(shared=True)``)."""
+    for info in stages.values():
+        module = info.stage.module
+        if isinstance(module, torch.fx.GraphModule):
+            info.tp_regions = parallelize(module, mesh, split.requires_grad, shared=True)
 
 
 def enable() -> None:
@@ -118,13 +133,16 @@ def enable() -> None:
 
 
 def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
-                requires_grad: dict[str, bool] | None = None) -> list[Region]:
+                requires_grad: dict[str, bool] | None = None, *,
+                shared: bool = False) -> list[Region]:
     """Rewrite ``module`` (a stage's GraphModule) to run its regions over ``mesh``.
 
     Returns the regions it split; ``module.tp_fallbacks`` lists the ops that had
     to run on full tensors (filled as they run). A region whose weights are not
     parameters of ``module`` stays whole. ``requires_grad``: which of its inputs carry
     a gradient (``SplitModel.requires_grad``; see :func:`~orgel.graph.tensor_parallel.tp_regions`).
+    ``shared``: split only the regions whose weights are DTensors already (an eval-mode
+    stage holding the training stage's parameters).
     """
     graph = module.graph
     nodes = {n.name: n for n in graph.nodes}
@@ -133,6 +151,9 @@ def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
     for region in tp_regions(module, requires_grad):
         leaves = [nodes[p] for p in region.column_params + region.row_params]
         if not all(n.op == "get_attr" and _is_param(module, str(n.target)) for n in leaves):
+            continue
+        if shared and not all(isinstance(module.get_parameter(str(n.target)), DTensor)
+                              for n in leaves):
             continue
         for name in region.column_params:
             _distribute(module, str(nodes[name].target), mesh, Shard(0))
