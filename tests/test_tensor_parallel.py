@@ -50,6 +50,7 @@ def _train_both(model: torch.nn.Module, example: dict[str, torch.Tensor], loss_f
         assert (pipe.plan.num_ranks, pipe.plan.tp, pipe.plan.world_size) == (2, 2, 4)
         if options.get("dp") == 2:  # one stage, each replica a pipeline rank of 2
             assert pipe.plan.placement == [(0, 1)], pipe.plan.placement
+            assert pipe.plan.shard == [options.get("shard", "none")]
         shards = dict(enumerate(pipe.call_ranks("tp_shards")))
         losses, norms = [], []
         for tokens in batches:
@@ -121,6 +122,29 @@ def test_gpt_on_two_replicas_of_two_way_tp_trains_as_one_process() -> None:
     assert max(ref_norms) > 0.5
     _assert_same_state(state, reference)
     assert shards[0] and all(shards[p] == shards[0] for p in range(4))  # every block split
+
+
+@pytest.mark.slow
+def test_gpt_fsdp_over_replicas_of_two_way_tp_trains_as_one_process() -> None:
+    """tp x FSDP (2-D): one stage on 2 replicas of 2 processes; FSDP2 shards the stage's
+    TP DTensors (and its whole parameters) over each plane's 2 replicas, gathers them once
+    per step and reduce-scatters once; the norm counts each part once."""
+    model, inputs, _, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                      seq_len=8, vocab_size=64)
+    losses, ref_losses, state, reference, shards, norms, ref_norms = _train_both(
+        model, {"tokens": inputs[0]}, loss_fn, _batches(3, 64, 8, 8), "tokens",
+        max_grad_norm=0.5, dp=2, shard="fsdp")
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert max(ref_norms) > 0.5
+    _assert_same_state(state, reference)
+    # every process holds a part of every parameter: a quarter of a TP-split weight (TP
+    # halves it, FSDP halves that on dim 0), a half of the rest (FSDP only)
+    for held in shards.values():
+        assert set(held) == set(reference.state_dict())
+        assert held["encoder.blocks.0.attn.qkv.weight"] == (24, 32)  # of (96, 32)
+        assert held["encoder.blocks.0.attn.proj.weight"] == (16, 16)  # of (32, 32)
+        assert held["tok_emb.weight"] == (32, 32)  # of (64, 32)
 
 
 @pytest.mark.slow

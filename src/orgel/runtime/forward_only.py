@@ -94,9 +94,8 @@ class ForwardOnly(Executor):
         for info in self.stages.values():
             place(info.stage.module, self.device)  # its constants; the weights are there
             info.stage.module.eval()
-        mesh = getattr(executor, "tp_mesh", None)
-        if mesh is not None:  # the regions split as the training stages' are
-            shard_eval_stages(split, self.stages, mesh)
+        if getattr(executor, "tp_meshes", None):  # the regions split as the training stages'
+            shard_eval_stages(split, self.stages, executor.tp_meshes)
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(comm.messages)
                           if self.rank in (m.src_rank, m.dst_rank)}

@@ -133,17 +133,22 @@ class Sharding:
     """
 
     def __init__(self, plan: Plan, stages: dict[int, Any], rank: int, *, ranks: list[int],
-                 device: torch.device, actions: list[Any]) -> None:
+                 device: torch.device, actions: list[Any],
+                 meshes: dict[tuple[int, ...], Any] | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         self.modules: dict[int, Any] = {}
         sets = sorted({plan.placement[s] for s in range(plan.num_stages) if plan.sharded(s)})
         for rset in sets:
-            group = dist.new_group([ranks[r] for r in rset])
+            # tensor parallel: ``meshes`` gives the "dp" mesh of each sharded set (its
+            # plane's replicas; :func:`orgel.runtime.tensor_parallel.shard_stages`)
+            if meshes is None:
+                group = dist.new_group([ranks[r] for r in rset])
             if rank not in rset:
                 continue
-            mesh = DeviceMesh.from_group(group, device.type)
+            mesh = meshes[rset] if meshes is not None else DeviceMesh.from_group(group,
+                                                                                 device.type)
             for s in sorted(stages):
                 if plan.placement[s] != rset or not plan.sharded(s):
                     continue

@@ -82,45 +82,63 @@ def plane_group(processes: Sequence[int], tp: int) -> Any:
     return mine
 
 
-def tp_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The 1-D mesh of this process's pipeline rank (its ``tp`` members); collective over
-    every process, which makes every pipeline rank's group in order."""
-    own = dist.get_rank() // plan.tp
-    mine = None
-    for r in range(plan.num_ranks):
-        group = dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp)))
-        if r == own:
-            mine = group
-    assert mine is not None
-    return DeviceMesh.from_group(mine, device_type)
+#: the mesh dimension names: the members of a pipeline rank, and the replicas of a
+#: sharded stage (FSDP2 over the plane: member t of each replica)
+TP, DP = "tp", "dp"
+
+
+def meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh, dict[tuple[int, ...], DeviceMesh]]:
+    """This process's meshes: the 1-D mesh (``"tp"``) of its pipeline rank's members, and
+    for each FSDP-sharded replica set it is in, the 2-D mesh (``"dp"``, ``"tp"``) of the
+    set's processes, rows the replicas, columns the members. Collective over every
+    process (each makes every group, in one order)."""
+    tp = plan.tp
+    own, member = position(plan, dist.get_rank())
+    groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(plan.num_ranks)]
+    mesh = DeviceMesh.from_group(groups[own], device_type, mesh_dim_names=(TP,))
+    sets = sorted({plan.placement[s] for s in range(plan.num_stages) if plan.sharded(s)})
+    planes: dict[tuple[int, ...], DeviceMesh] = {}
+    for rset in sets:
+        dp = plane_group([r * tp + member for r in rset], tp)
+        if own in rset:
+            planes[rset] = DeviceMesh.from_group(
+                [dp, groups[own]], device_type,
+                mesh=[[r * tp + t for t in range(tp)] for r in rset], mesh_dim_names=(DP, TP))
+    return mesh, planes
 
 
 def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.device,
-                 mesh: DeviceMesh | None = None) -> DeviceMesh:
+                 ) -> tuple[dict[int, DeviceMesh], dict[tuple[int, ...], DeviceMesh]]:
     """Split the regions of this process's stages (``StageInfo`` by index) over its
     pipeline rank's members; each stage's ``params`` then lists the DTensor parameters.
-    Returns the mesh (``mesh``, or :func:`tp_mesh`'s)."""
+
+    Returns each stage's TP mesh (a sharded stage's: the ``"tp"`` dimension of its
+    replica set's 2-D mesh, so that FSDP2 shards its DTensors over the ``"dp"`` one),
+    and the ``"dp"`` mesh of each sharded replica set this process is in (for
+    :class:`~orgel.runtime.sharding.Sharding`). Collective over every process."""
     enable()
-    if mesh is None:
-        mesh = tp_mesh(plan, device.type)
-    for info in stages.values():
+    mesh, planes = meshes(plan, device.type)
+    used: dict[int, DeviceMesh] = {}
+    for s, info in stages.items():
+        used[s] = planes[plan.placement[s]][TP] if plan.sharded(s) else mesh
         module = info.stage.module
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        info.tp_regions = parallelize(module, mesh, split.requires_grad)
+        info.tp_regions = parallelize(module, used[s], split.requires_grad)
         info.params = list(module.parameters())
-    return mesh
+    return used, {rset: planes[rset][DP] for rset in planes}
 
 
-def shard_eval_stages(split: Any, stages: dict[int, Any], mesh: DeviceMesh) -> None:
+def shard_eval_stages(split: Any, stages: dict[int, Any], used: dict[int, DeviceMesh]) -> None:
     """Rewrite the eval-mode stages (``StageInfo`` by index, :mod:`orgel.split.evaluation`),
     which hold the training stages' DTensor parameters already (``share_weights``), to
-    run their regions over ``mesh`` as the training stages do; a region whose weights
-    the training stages did not split stays whole (``parallelize(shared=True)``)."""
-    for info in stages.values():
+    run their regions over the training stages' meshes (``used``, by stage) as they do;
+    a region whose weights the training stages did not split stays whole
+    (``parallelize(shared=True)``)."""
+    for s, info in stages.items():
         module = info.stage.module
         if isinstance(module, torch.fx.GraphModule):
-            info.tp_regions = parallelize(module, mesh, split.requires_grad, shared=True)
+            info.tp_regions = parallelize(module, used[s], split.requires_grad, shared=True)
 
 
 def enable() -> None:
@@ -328,8 +346,18 @@ def settle_grads(params: list[torch.nn.Parameter]) -> None:
 
 def norm_params(params: list[torch.nn.Parameter], member: int) -> list[torch.nn.Parameter]:
     """The parameters whose gradient member ``member`` counts in the global norm: each
-    once over the job (sharded ones: every member its shard; the rest: member 0)."""
-    return [p for p in params if member == 0 or sharded(p)]
+    once over the job (split over the members: every member its part; the rest,
+    FSDP-sharded over the replicas or not: member 0)."""
+    return [p for p in params if member == 0 or split_over_members(p)]
+
+
+def split_over_members(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor whose ``"tp"`` mesh dimension splits it (each member of
+    the pipeline rank holds a different part)."""
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    return TP in names and isinstance(t.placements[names.index(TP)], (Shard, Partial))
 
 
 # -- the caller's checks ---------------------------------------------------------------------
