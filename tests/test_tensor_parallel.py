@@ -270,6 +270,43 @@ def test_a_tp_checkpoint_resumes_with_tp_and_without(tmp_path: Path) -> None:
             torch.testing.assert_close(value, state[name], rtol=1e-4, atol=2e-5, msg=name)
 
 
+@pytest.mark.slow
+def test_a_tp_fsdp_checkpoint_resumes_as_saved_and_on_one_replica_set(tmp_path: Path) -> None:
+    """Saved with tp=2 x FSDP over 2 replicas (whole tensors, optimizer state too), resumed
+    on the same mesh and on a plain 2-rank data-parallel pipeline: the next step is the
+    saver's."""
+    def gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor], torch.Tensor, object]:
+        model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=1,
+                                                d_model=32, seq_len=8, vocab_size=64)
+        return model, inputs, targets, loss_fn
+
+    model, inputs, targets, loss_fn = gpt()
+    batches = [((t,), torch.roll(t, -1, dims=1)) for t in _batches(3, 64, 8, 8)]
+    with pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, dp=2, shard="fsdp",
+                  microbatches=2, optimizer=_adamw, threads=1) as pipe:
+        for batch in batches[:2]:
+            pipe.step(*batch)
+        pipe.save(tmp_path)
+        last = pipe.step(*batches[2])
+        state = pipe.state_dict()
+        plan = pipe.plan
+    model, inputs, targets, loss_fn = gpt()
+    with load(tmp_path, model, inputs, targets, loss_fn, optimizer=_adamw,
+              threads=1) as again:
+        assert (again.plan.tp, again.plan.shard) == (2, ["fsdp"])
+        assert again.step(*batches[2]) == pytest.approx(last, rel=1e-6)
+        for name, value in again.state_dict().items():
+            torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7, msg=name)
+    plain_plan = Plan.from_json(plan.to_json())
+    plain_plan.tp, plain_plan.shard = 1, ["none"]
+    model, inputs, targets, loss_fn = gpt()
+    with load(tmp_path, model, inputs, targets, loss_fn, ranks=2, plan=plain_plan,
+              optimizer=_adamw, threads=1) as plain:
+        assert plain.step(*batches[2]) == pytest.approx(last, rel=1e-5)
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(value, state[name], rtol=1e-4, atol=2e-5, msg=name)
+
+
 NO_REGION = '''
 import torch
 

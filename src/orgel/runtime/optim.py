@@ -21,6 +21,9 @@ the whole batch computes (the mean-reduced loss convention). Hence:
   flag per parameter (whether the rank has a gradient for it), so one that no
   replica's or copy's backward reached keeps ``.grad`` None and the optimizer
   skips it (no weight decay, no moment update);
+* with tensor parallelism every sum runs per plane (member ``t`` of each rank, the
+  same parts): a DTensor parameter's gradient is first laid out as the parameter
+  (:func:`~orgel.runtime.tensor_parallel.settle_grads`), then its own part is summed;
 * a step call that only accumulates (``accumulate=k``) reduces nothing but its
   loss: the sums above are linear, so the ``k``-th call reduces the k calls'
   gradients at once.

@@ -28,6 +28,11 @@ built over it. The rest is what ``torch.distributed.pipelining`` does with FSDP2
   and checkpoints hold full tensors under the model's own names and resume on
   any mesh.
 
+With tensor parallelism (``plan.tp > 1``) each replica is a pipeline rank of ``tp``
+processes: FSDP2 runs over each plane's replicas (member ``t`` of each), on the
+``"dp"`` dimension of a 2-D mesh whose ``"tp"`` dimension the stage's TP DTensors live
+on (:func:`orgel.runtime.tensor_parallel.shard_stages` makes both).
+
 What it refuses (:func:`check_sharded`, before any rank starts): a tied
 parameter on a sharded stage (the tied sum works on whole gradients) and float16
 loss scaling (the scaler's unscale kernel on sharded gradients is not wired).

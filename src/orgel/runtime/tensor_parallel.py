@@ -6,7 +6,13 @@ pipeline rank forms *plane* ``t``: a full copy of the pipeline running the same
 action lists, whose messages go from member ``t`` to member ``t``
 (:func:`plane_ranks` is the transport's map from plan rank to process), whose
 data-parallel and tied-weight sums are over the plane (:func:`plane_group`).
-Every member holds the same, replicated, values between stages.
+Every member holds the same, replicated, values between stages. A stage's
+data-parallel replicas are pipeline ranks; their gradient sums run per plane, each
+member sending its own part of a split weight's gradient (:mod:`orgel.runtime.optim`),
+and an FSDP-sharded stage (``plan.shard``) shards each plane's copy over the replicas
+with torch's FSDP2 on a 2-D ``("dp", "tp")`` mesh (:func:`meshes`): its TP DTensors are
+split again on dimension 0. The eval-mode stages (``evaluate``) hold the training
+stages' DTensor parameters and split the same regions (:func:`shard_eval_stages`).
 
 Inside a stage the members split the regions :func:`orgel.graph.tensor_parallel.tp_regions`
 finds (attention, MLP). :func:`parallelize` rewrites the stage's fx graph, which has
@@ -17,7 +23,7 @@ level what they do:
 * the column linears' weights (and biases) become ``Shard(0)`` DTensor parameters,
   the row linear's weight ``Shard(1)``, its bias ``Replicate()``, over a
   :class:`~torch.distributed.device_mesh.DeviceMesh` of the pipeline rank's ``tp``
-  processes (:func:`tp_mesh`);
+  processes (:func:`meshes`);
 * the region's input enters as a ``Replicate()`` DTensor (``DTensor.from_local``: its
   backward all-reduces the input's gradient), and the row output leaves as a plain
   tensor after ``redistribute`` to ``Replicate()`` (the forward all-reduce);
