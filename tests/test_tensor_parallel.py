@@ -215,6 +215,16 @@ def test_orgel_run_tp_checks_against_one_process(capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.slow
+def test_orgel_run_tp_with_fsdp_replicas_checks_against_one_process(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", GPT, "--ranks", "4", "--tp", "2", "--dp", "2", "--shard", "fsdp",
+                 "--microbatches", "2", "--steps", "2", "--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "of 2 processes each (tensor parallel)" in out and "-> OK" in out
+
+
+@pytest.mark.slow
 def test_orgel_run_takes_tp_from_a_plan(tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """A plan that says tp=2 (as ``orgel plan --tp 2`` writes) runs without --tp."""
@@ -327,6 +337,8 @@ def test_tp_errors_say_what_to_change(tmp_path: Path,
         pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, dp=4)
     assert main(["run", GPT, "--ranks", "3", "--tp", "2"]) == 2
     assert "--tp 2 must divide --ranks 3" in capsys.readouterr().err
+    assert main(["run", GPT, "--ranks", "4", "--tp", "2", "--dp", "4"]) == 2
+    assert "--dp 4 must divide the 2 pipeline ranks" in capsys.readouterr().err
     path = tmp_path / "flat.py"
     path.write_text(NO_REGION)
     assert main(["run", f"{path}:workload", "--ranks", "2", "--tp", "2",
