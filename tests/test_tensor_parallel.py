@@ -108,15 +108,26 @@ def test_gpt_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
 
 
 @pytest.mark.slow
-def test_gpt_on_two_replicas_of_two_way_tp_trains_as_one_process() -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpt_on_two_replicas_of_two_way_tp_trains_as_one_process(tied: bool) -> None:
     """tp x dp: one stage on 2 replicas, each a pipeline rank of 2 processes. Each replica
     takes half of every micro-batch's rows; the gradient sum runs per plane (member t of
-    each replica), and the norm counts each value once."""
+    each replica), a tied embedding's sum too, and the norm counts each value once."""
     model, inputs, _, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
-                                      seq_len=8, vocab_size=64)
+                                      seq_len=8, vocab_size=64, tie_embeddings=tied)
+    options: dict[str, object] = {"dp": 2}
+    if tied:  # two stages on both replicas: the tied embedding's sum spans 2 stages
+        from orgel.graph.capture import capture
+        from orgel.runtime.plans import balanced_plan
+
+        graph = capture(model, (inputs[0][:2],), several=False)
+        plan = balanced_plan(graph, ranks=2, microbatches=2, schedule="interleaved", dp=2,
+                             stages_per_rank=2)
+        assert plan.placement == [(0, 1), (0, 1)], plan.placement
+        options = {"plan": plan}
     losses, ref_losses, state, reference, shards, norms, ref_norms = _train_both(
         model, {"tokens": inputs[0]}, loss_fn, _batches(3, 64, 8, 8), "tokens",
-        max_grad_norm=0.5, dp=2)
+        max_grad_norm=0.5, **options)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
     assert max(ref_norms) > 0.5
