@@ -295,7 +295,7 @@ def test_a_tp_checkpoint_resumes_with_tp_and_without(tmp_path: Path) -> None:
 def test_a_tp_fsdp_checkpoint_resumes_as_saved_and_on_one_replica_set(tmp_path: Path) -> None:
     """Saved with tp=2 x FSDP over 2 replicas (whole tensors, optimizer state too), resumed
     on the same mesh and on a plain 2-rank data-parallel pipeline: the next step is the
-    saver's."""
+    saver's, and ``evaluate`` after it gives the plain pipeline's loss."""
     def gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor], torch.Tensor, object]:
         model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=1,
                                                 d_model=32, seq_len=8, vocab_size=64)
@@ -318,6 +318,7 @@ def test_a_tp_fsdp_checkpoint_resumes_as_saved_and_on_one_replica_set(tmp_path: 
         assert again.step(*batches[2]) == pytest.approx(last, rel=1e-6)
         for name, value in again.state_dict().items():
             torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7, msg=name)
+        evaluated = again.evaluate(*batches[0])  # the weights gathered over dp, split by tp
     plain_plan = Plan.from_json(plan.to_json())
     plain_plan.tp, plain_plan.shard = 1, ["none"]
     model, inputs, targets, loss_fn = gpt()
@@ -326,6 +327,7 @@ def test_a_tp_fsdp_checkpoint_resumes_as_saved_and_on_one_replica_set(tmp_path: 
         assert plain.step(*batches[2]) == pytest.approx(last, rel=1e-5)
         for name, value in plain.state_dict().items():
             torch.testing.assert_close(value, state[name], rtol=1e-4, atol=2e-5, msg=name)
+        assert plain.evaluate(*batches[0]) == pytest.approx(evaluated, rel=1e-5)
 
 
 NO_REGION = '''
