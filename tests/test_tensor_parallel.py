@@ -35,16 +35,22 @@ def _batches(steps: int, vocab: int, rows: int, seq: int) -> list[torch.Tensor]:
 
 def _train_both(model: torch.nn.Module, example: dict[str, torch.Tensor], loss_fn: object,
                 batches: list[torch.Tensor], key: str, max_grad_norm: float | None = None,
-                ) -> tuple[list[float], list[float], dict[str, torch.Tensor],
+                **options: object) -> tuple[list[float], list[float], dict[str, torch.Tensor],
                            torch.nn.Module, dict[int, dict[str, tuple[int, ...]]],
                            list[float], list[float]]:
-    """Train ``model`` with tp=2 on 4 processes and a copy in one process; both results."""
+    """Train ``model`` with tp=2 on 4 processes and a copy in one process; both results.
+
+    ``options`` go to ``pipeline`` (``dp=2``: the 2 pipeline ranks are replicas)."""
     reference = copy.deepcopy(model)
     targets = torch.roll(example[key], -1, dims=1)
     pipe = pipeline(model, example, targets, loss_fn, ranks=4, tp=2, microbatches=2,
-                    optimizer=_adamw, threads=1, max_grad_norm=max_grad_norm)
+                    optimizer=_adamw, threads=1, max_grad_norm=max_grad_norm,
+                    **options)  # type: ignore[arg-type]
     try:
         assert (pipe.plan.num_ranks, pipe.plan.tp, pipe.plan.world_size) == (2, 2, 4)
+        if options.get("dp") == 2:  # one stage, each replica a pipeline rank of 2
+            assert pipe.plan.placement == [(0, 1)], pipe.plan.placement
+            assert pipe.plan.shard == [options.get("shard", "none")]
         shards = dict(enumerate(pipe.call_ranks("tp_shards")))
         losses, norms = [], []
         for tokens in batches:
@@ -102,6 +108,86 @@ def test_gpt_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpt_on_two_replicas_of_two_way_tp_trains_as_one_process(tied: bool) -> None:
+    """tp x dp: one stage on 2 replicas, each a pipeline rank of 2 processes. Each replica
+    takes half of every micro-batch's rows; the gradient sum runs per plane (member t of
+    each replica), a tied embedding's sum too, and the norm counts each value once."""
+    model, inputs, _, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                      seq_len=8, vocab_size=64, tie_embeddings=tied)
+    options: dict[str, object] = {"dp": 2}
+    if tied:  # two stages on both replicas: the tied embedding's sum spans 2 stages
+        from orgel.graph.capture import capture
+        from orgel.runtime.plans import balanced_plan
+
+        graph = capture(model, (inputs[0][:2],), several=False)
+        plan = balanced_plan(graph, ranks=2, microbatches=2, schedule="interleaved", dp=2,
+                             stages_per_rank=2)
+        assert plan.placement == [(0, 1), (0, 1)], plan.placement
+        options = {"plan": plan}
+    losses, ref_losses, state, reference, shards, norms, ref_norms = _train_both(
+        model, {"tokens": inputs[0]}, loss_fn, _batches(3, 64, 8, 8), "tokens",
+        max_grad_norm=0.5, **options)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert max(ref_norms) > 0.5
+    _assert_same_state(state, reference)
+    assert shards[0] and all(shards[p] == shards[0] for p in range(4))  # every block split
+
+
+@pytest.mark.slow
+def test_gpt_fsdp_over_replicas_of_two_way_tp_trains_as_one_process() -> None:
+    """tp x FSDP (2-D): one stage on 2 replicas of 2 processes; FSDP2 shards the stage's
+    TP DTensors (and its whole parameters) over each plane's 2 replicas, gathers them once
+    per step and reduce-scatters once; the norm counts each part once."""
+    model, inputs, _, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                      seq_len=8, vocab_size=64)
+    losses, ref_losses, state, reference, shards, norms, ref_norms = _train_both(
+        model, {"tokens": inputs[0]}, loss_fn, _batches(3, 64, 8, 8), "tokens",
+        max_grad_norm=0.5, dp=2, shard="fsdp")
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert max(ref_norms) > 0.5
+    _assert_same_state(state, reference)
+    # every process holds a part of every parameter: a quarter of a TP-split weight (TP
+    # halves it, FSDP halves that on dim 0), a half of the rest (FSDP only)
+    for held in shards.values():
+        assert set(held) == set(reference.state_dict())
+        assert held["encoder.blocks.0.attn.qkv.weight"] == (24, 32)  # of (96, 32)
+        assert held["encoder.blocks.0.attn.proj.weight"] == (16, 16)  # of (32, 32)
+        assert held["tok_emb.weight"] == (32, 32)  # of (64, 32)
+
+
+@pytest.mark.slow
+def test_tp_evaluates_and_keeps_outputs_as_one_process() -> None:
+    """``step(..., outputs=True)`` and ``evaluate`` with tp=2: the eval-mode stages split
+    their regions over the training stages' DTensor weights; losses and logits match one
+    process (train mode for the step, ``model.eval()`` under no_grad after it)."""
+    model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2,
+                                            d_model=32, seq_len=8, vocab_size=64)
+    reference = copy.deepcopy(model)
+    with pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, microbatches=2,
+                  optimizer=_adamw, threads=1) as pipe:
+        loss, out = pipe.step(inputs, targets, outputs=True)
+        ev_loss, ev_out = pipe.evaluate(inputs, targets, outputs=True)
+    ref_out = reference(*inputs)
+    opt = _adamw(list(reference.parameters()))
+    ref_loss = sum(loss_fn(reference(x), y) / 2
+                   for x, y in zip(inputs[0].chunk(2), targets.chunk(2), strict=True))
+    ref_loss.backward()
+    opt.step()
+    assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    torch.testing.assert_close(out, ref_out.detach(), rtol=1e-4, atol=1e-5)
+    reference.eval()
+    with torch.no_grad():
+        ref_ev = reference(*inputs)
+        ref_ev_loss = sum(loss_fn(reference(x), y) / 2
+                          for x, y in zip(inputs[0].chunk(2), targets.chunk(2), strict=True))
+    assert ev_loss == pytest.approx(float(ref_ev_loss), rel=1e-5)
+    torch.testing.assert_close(ev_out, ref_ev, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.hf
 def test_llama_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
     transformers = pytest.importorskip("transformers")
@@ -137,6 +223,16 @@ def test_orgel_run_tp_checks_against_one_process(capsys: pytest.CaptureFixture[s
     assert code == 0, out
     assert "on 2 ranks of 2 processes each (tensor parallel)" in out
     assert "-> OK" in out
+
+
+@pytest.mark.slow
+def test_orgel_run_tp_with_fsdp_replicas_checks_against_one_process(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", GPT, "--ranks", "4", "--tp", "2", "--dp", "2", "--shard", "fsdp",
+                 "--microbatches", "2", "--steps", "2", "--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "of 2 processes each (tensor parallel)" in out and "-> OK" in out
 
 
 @pytest.mark.slow
@@ -195,6 +291,45 @@ def test_a_tp_checkpoint_resumes_with_tp_and_without(tmp_path: Path) -> None:
             torch.testing.assert_close(value, state[name], rtol=1e-4, atol=2e-5, msg=name)
 
 
+@pytest.mark.slow
+def test_a_tp_fsdp_checkpoint_resumes_as_saved_and_on_one_replica_set(tmp_path: Path) -> None:
+    """Saved with tp=2 x FSDP over 2 replicas (whole tensors, optimizer state too), resumed
+    on the same mesh and on a plain 2-rank data-parallel pipeline: the next step is the
+    saver's, and ``evaluate`` after it gives the plain pipeline's loss."""
+    def gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor], torch.Tensor, object]:
+        model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=1,
+                                                d_model=32, seq_len=8, vocab_size=64)
+        return model, inputs, targets, loss_fn
+
+    model, inputs, targets, loss_fn = gpt()
+    batches = [((t,), torch.roll(t, -1, dims=1)) for t in _batches(3, 64, 8, 8)]
+    with pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, dp=2, shard="fsdp",
+                  microbatches=2, optimizer=_adamw, threads=1) as pipe:
+        for batch in batches[:2]:
+            pipe.step(*batch)
+        pipe.save(tmp_path)
+        last = pipe.step(*batches[2])
+        state = pipe.state_dict()
+        plan = pipe.plan
+    model, inputs, targets, loss_fn = gpt()
+    with load(tmp_path, model, inputs, targets, loss_fn, optimizer=_adamw,
+              threads=1) as again:
+        assert (again.plan.tp, again.plan.shard) == (2, ["fsdp"])
+        assert again.step(*batches[2]) == pytest.approx(last, rel=1e-6)
+        for name, value in again.state_dict().items():
+            torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7, msg=name)
+        evaluated = again.evaluate(*batches[0])  # the weights gathered over dp, split by tp
+    plain_plan = Plan.from_json(plan.to_json())
+    plain_plan.tp, plain_plan.shard = 1, ["none"]
+    model, inputs, targets, loss_fn = gpt()
+    with load(tmp_path, model, inputs, targets, loss_fn, ranks=2, plan=plain_plan,
+              optimizer=_adamw, threads=1) as plain:
+        assert plain.step(*batches[2]) == pytest.approx(last, rel=1e-5)
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(value, state[name], rtol=1e-4, atol=2e-5, msg=name)
+        assert plain.evaluate(*batches[0]) == pytest.approx(evaluated, rel=1e-5)
+
+
 NO_REGION = '''
 import torch
 
@@ -211,10 +346,12 @@ def test_tp_errors_say_what_to_change(tmp_path: Path,
                                             d_model=16, seq_len=8, vocab_size=32)
     with pytest.raises(ValueError, match="tp=3 does not divide ranks=4"):
         pipeline(model, inputs, targets, loss_fn, ranks=4, tp=3)
-    with pytest.raises(ValueError, match="tp=2 with dp=2"):
-        pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, dp=2)
+    with pytest.raises(ValueError, match="dp=4 does not divide the 2 pipeline ranks"):
+        pipeline(model, inputs, targets, loss_fn, ranks=4, tp=2, dp=4)
     assert main(["run", GPT, "--ranks", "3", "--tp", "2"]) == 2
     assert "--tp 2 must divide --ranks 3" in capsys.readouterr().err
+    assert main(["run", GPT, "--ranks", "4", "--tp", "2", "--dp", "4"]) == 2
+    assert "--dp 4 must divide the 2 pipeline ranks" in capsys.readouterr().err
     path = tmp_path / "flat.py"
     path.write_text(NO_REGION)
     assert main(["run", f"{path}:workload", "--ranks", "2", "--tp", "2",

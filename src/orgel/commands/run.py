@@ -109,8 +109,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if args.ranks % args.tp:
         return (f"--tp {args.tp} must divide --ranks {args.ranks} (--ranks counts every "
                 f"process, --tp of them per pipeline rank)")
-    if args.tp > 1 and args.dp > 1:
-        return "--tp with --dp: tensor parallelism inside data-parallel stages is not supported"
+    if (args.ranks // args.tp) % args.dp:
+        return (f"--dp {args.dp} must divide the {args.ranks // args.tp} pipeline ranks "
+                f"(--ranks {args.ranks} / --tp {args.tp}): each replica is a pipeline rank "
+                f"of --tp processes")
     if args.shard == "fsdp" and args.dp < 2 and not args.plan:
         return "--shard fsdp shards a stage over its data-parallel replicas: pass --dp 2 or more"
     if args.shard == "fsdp" and getattr(args, "precision", "32") == "16-mixed":

@@ -179,7 +179,9 @@ def pipeline(
     :func:`orgel.graph.tensor_parallel.tp_regions`) are split over its rank's ``tp``
     processes with DTensor (:mod:`orgel.runtime.tensor_parallel`); ``state_dict`` and
     ``copy_to`` give whole tensors, and checkpoints hold them (a pipeline of any ``tp``
-    resumes one). Not yet with ``dp > 1``, ``evaluate``, or a forward with graph breaks.
+    resumes one). With ``dp > 1`` each replica is a pipeline rank of ``tp`` processes (``dp``
+    divides ``ranks // tp``), and ``shard="fsdp"`` shards over the replicas on a 2-D mesh;
+    ``evaluate`` splits the eval-mode stages alike. Not yet: a forward with graph breaks.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
@@ -300,8 +302,6 @@ def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
     from orgel.split.evaluation import eval_only, split_like
     from orgel.workload import on_meta
 
-    if plan.tp > 1:
-        return "evaluation of a tensor-parallel pipeline (tp > 1) is not available yet"
     try:
         with untouched(workload.model):
             workload.model.eval()

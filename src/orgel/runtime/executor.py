@@ -180,12 +180,16 @@ class Executor(BackwardActions, DroppedStep):
                        for s in plan.stages_on(self.rank)}
         for info in self.stages.values():
             place(info.stage.module, self.device)
-        if plan.tp > 1:  # each stage's regions split over the pipeline rank's members
-            tp.shard_stages(plan, split, self.stages, self.device)
+        #: each stage's mesh of the pipeline rank's members (tensor parallel; {} without)
+        self.tp_meshes: dict[int, Any] = {}
+        dp_meshes = None
+        if plan.tp > 1:
+            self.tp_meshes, dp_meshes = tp.shard_stages(plan, split, self.stages, self.device)
         check_sharded(plan, split, loss_scaling=bool(loss_scaling))
-        # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`)
+        # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`);
+        # with tp, over each plane's replicas, on the DTensors of the TP split (2-D)
         self.sharding = Sharding(plan, self.stages, self.rank, ranks=list(range(plan.num_ranks)),
-                                 device=self.device, actions=self.actions)
+                                 device=self.device, actions=self.actions, meshes=dp_meshes)
         self.comm = comm
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)
@@ -499,7 +503,8 @@ class Executor(BackwardActions, DroppedStep):
         if not info.is_loss:
             return outputs, None
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
-        if self.kept is not None:  # asked for: a copy on the CPU (a recompute replaces it)
+        if self.kept is not None and self.member == 0:  # asked for: a copy on the CPU (a
+            # recompute replaces it); tensor parallel: every member holds them, member 0 keeps
             start, stop = replica_rows(self._mb_rows, info.replica, info.replicas)
             self.kept[m] = keep(m, info.replica, stop - start, self.act_dim, model_outs)
         if not self.with_loss:

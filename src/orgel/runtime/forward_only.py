@@ -28,6 +28,7 @@ from orgel.runtime.executor import Executor, _signature
 from orgel.runtime.outputs import Share
 from orgel.runtime.sharding import Sharding
 from orgel.runtime.stage import Run, StageInfo, place
+from orgel.runtime.tensor_parallel import shard_eval_stages
 from orgel.schedule.comm import CommPlan, derive_comm, replica_pairs
 from orgel.schedule.ir import Plan, PlanError
 from orgel.schedule.validate import dry_run
@@ -80,6 +81,7 @@ class ForwardOnly(Executor):
         self.owner = executor
         self.plan, self.split, self.comm = plan, split, comm
         self.rank, self.device = executor.rank, executor.device
+        self.member = executor.member  # tensor parallel: member 0 counts the loss
         self.loss_fn, self.batch_dim = executor.loss_fn, executor.batch_dim
         self.act_dim = executor.act_dim
         self.replicated, self.seed = executor.replicated, executor.seed
@@ -92,6 +94,8 @@ class ForwardOnly(Executor):
         for info in self.stages.values():
             place(info.stage.module, self.device)  # its constants; the weights are there
             info.stage.module.eval()
+        if getattr(executor, "tp_meshes", None):  # the regions split as the training stages'
+            shard_eval_stages(split, self.stages, executor.tp_meshes)
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(comm.messages)
                           if self.rank in (m.src_rank, m.dst_rank)}

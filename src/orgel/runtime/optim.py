@@ -21,6 +21,9 @@ the whole batch computes (the mean-reduced loss convention). Hence:
   flag per parameter (whether the rank has a gradient for it), so one that no
   replica's or copy's backward reached keeps ``.grad`` None and the optimizer
   skips it (no weight decay, no moment update);
+* with tensor parallelism every sum runs per plane (member ``t`` of each rank, the
+  same parts): a DTensor parameter's gradient is first laid out as the parameter
+  (:func:`~orgel.runtime.tensor_parallel.settle_grads`), then its own part is summed;
 * a step call that only accumulates (``accumulate=k``) reduces nothing but its
   loss: the sums above are linear, so the ``k``-th call reduces the k calls'
   gradients at once.
@@ -36,38 +39,52 @@ import torch.distributed as dist
 
 from orgel.runtime.comm import transport_reason
 from orgel.runtime.errors import CommFailure
-from orgel.runtime.sharding import own_part
+from orgel.runtime.sharding import is_sharded, own_part
 from orgel.runtime.stage import StageInfo
-from orgel.runtime.tensor_parallel import plane_group
+from orgel.runtime.tensor_parallel import plane_group, settle_grads
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
 
 
 def _pack(grads: list[torch.Tensor | None], params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """One flat tensor to sum across ranks: each gradient (zeros where there is none),
-    then one flag per gradient, 1 where there is one."""
-    parts = [(torch.zeros_like(p) if g is None else g).reshape(-1)
+    """One flat tensor to sum across ranks: each gradient (zeros where there is none; of a
+    DTensor, this process's own part), then one flag per gradient, 1 where there is one."""
+    parts = [own_part(torch.zeros_like(own_part(p)) if g is None else g).reshape(-1)
              for g, p in zip(grads, params, strict=True)]
     flags = torch.tensor([float(g is not None) for g in grads], dtype=parts[0].dtype,
                          device=parts[0].device)
     return torch.cat([*parts, flags])
 
 
-def _unpack(flat: torch.Tensor, params: list[torch.nn.Parameter], sizes: list[int]) -> None:
-    """Set each ``params[i]``'s gradient to its part of a summed :func:`_pack` (the part
-    of ``sizes[i]`` elements), or to None where no rank had a gradient for it."""
+@torch.no_grad()
+def _unpack(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    """Set each ``params[i]``'s gradient to its part of a summed :func:`_pack` (a DTensor
+    parameter's: its own part, laid out as the parameter), or to None where no rank had a
+    gradient for it."""
     flags = flat[-len(params):].tolist()
     offset = 0
-    for p, n, flag in zip(params, sizes, flags, strict=True):
+    for p, flag in zip(params, flags, strict=True):
+        n = own_part(p).numel()
         if flag > 0:
-            g = flat[offset:offset + n].view_as(p)
+            g = flat[offset:offset + n].view_as(own_part(p))
             if p.grad is None:
-                p.grad = g.to(p.dtype).clone()
+                p.grad = like_param(p, g.to(p.dtype).clone())
             else:
-                p.grad.copy_(g)
+                own_part(p.grad).copy_(g)
         else:
             p.grad = None
         offset += n
+
+
+def like_param(p: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this process's part) as ``p`` holds it: a DTensor of ``p``'s mesh and
+    placements where ``p`` is one (tensor parallel), else ``local`` itself."""
+    if not is_sharded(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=p.shape, stride=p.stride())
 
 
 def trainable(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
@@ -137,6 +154,7 @@ class GradSync:
         params = trainable(held)
         if not params:
             return
+        settle_grads(params)  # tensor parallel: each member's part laid out as its parameter
         flat = _pack([p.grad for p in params], params)
         work = dist.all_reduce(flat, group=group, async_op=True)
         self.pending.append((f"data-parallel gradients of ranks {list(rset)}", work, flat, params))
@@ -186,7 +204,7 @@ class GradSync:
         """
         for what, work, flat, params in self.pending:
             self._wait(work, what)
-            _unpack(flat, params, [p.numel() for p in params])
+            _unpack(flat, params)
         self.pending = []
         # Every rank launches the tied sums in one order (by name), all before waiting
         # on any: a rank that waited on its first would block a peer whose first differs.
@@ -197,7 +215,8 @@ class GradSync:
             if not copies:
                 continue  # frozen: every copy on every rank is (they are one parameter)
             grads = [p.grad for p in copies if p.grad is not None]
-            total = _pack([torch.stack(grads).sum(0) if grads else None], copies[:1])
+            total = _pack([torch.stack([own_part(g) for g in grads]).sum(0) if grads else None],
+                          copies[:1])
             group = self.tied_groups.get(name)
             work = None if group is None else dist.all_reduce(total, group=group, async_op=True)
             sums.append((name, work, total, copies))
@@ -205,7 +224,7 @@ class GradSync:
             if work is not None:
                 self._wait(work, f"the tied parameter {name!r}")
             for p in copies:
-                _unpack(total, [p], [p.numel()])
+                _unpack(total, [p])
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
         # one pass over every gradient, each counted once (replica 0, first tied copy)

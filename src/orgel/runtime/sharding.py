@@ -28,6 +28,11 @@ built over it. The rest is what ``torch.distributed.pipelining`` does with FSDP2
   and checkpoints hold full tensors under the model's own names and resume on
   any mesh.
 
+With tensor parallelism (``plan.tp > 1``) each replica is a pipeline rank of ``tp``
+processes: FSDP2 runs over each plane's replicas (member ``t`` of each), on the
+``"dp"`` dimension of a 2-D mesh whose ``"tp"`` dimension the stage's TP DTensors live
+on (:func:`orgel.runtime.tensor_parallel.shard_stages` makes both).
+
 What it refuses (:func:`check_sharded`, before any rank starts): a tied
 parameter on a sharded stage (the tied sum works on whole gradients) and float16
 loss scaling (the scaler's unscale kernel on sharded gradients is not wired).
@@ -133,17 +138,22 @@ class Sharding:
     """
 
     def __init__(self, plan: Plan, stages: dict[int, Any], rank: int, *, ranks: list[int],
-                 device: torch.device, actions: list[Any]) -> None:
+                 device: torch.device, actions: list[Any],
+                 meshes: dict[tuple[int, ...], Any] | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         self.modules: dict[int, Any] = {}
         sets = sorted({plan.placement[s] for s in range(plan.num_stages) if plan.sharded(s)})
         for rset in sets:
-            group = dist.new_group([ranks[r] for r in rset])
+            # tensor parallel: ``meshes`` gives the "dp" mesh of each sharded set (its
+            # plane's replicas; :func:`orgel.runtime.tensor_parallel.shard_stages`)
+            if meshes is None:
+                group = dist.new_group([ranks[r] for r in rset])
             if rank not in rset:
                 continue
-            mesh = DeviceMesh.from_group(group, device.type)
+            mesh = meshes[rset] if meshes is not None else DeviceMesh.from_group(group,
+                                                                                 device.type)
             for s in sorted(stages):
                 if plan.placement[s] != rset or not plan.sharded(s):
                     continue

@@ -6,7 +6,13 @@ pipeline rank forms *plane* ``t``: a full copy of the pipeline running the same
 action lists, whose messages go from member ``t`` to member ``t``
 (:func:`plane_ranks` is the transport's map from plan rank to process), whose
 data-parallel and tied-weight sums are over the plane (:func:`plane_group`).
-Every member holds the same, replicated, values between stages.
+Every member holds the same, replicated, values between stages. A stage's
+data-parallel replicas are pipeline ranks; their gradient sums run per plane, each
+member sending its own part of a split weight's gradient (:mod:`orgel.runtime.optim`),
+and an FSDP-sharded stage (``plan.shard``) shards each plane's copy over the replicas
+with torch's FSDP2 on a 2-D ``("dp", "tp")`` mesh (:func:`meshes`): its TP DTensors are
+split again on dimension 0. The eval-mode stages (``evaluate``) hold the training
+stages' DTensor parameters and split the same regions (:func:`shard_eval_stages`).
 
 Inside a stage the members split the regions :func:`orgel.graph.tensor_parallel.tp_regions`
 finds (attention, MLP). :func:`parallelize` rewrites the stage's fx graph, which has
@@ -17,7 +23,7 @@ level what they do:
 * the column linears' weights (and biases) become ``Shard(0)`` DTensor parameters,
   the row linear's weight ``Shard(1)``, its bias ``Replicate()``, over a
   :class:`~torch.distributed.device_mesh.DeviceMesh` of the pipeline rank's ``tp``
-  processes (:func:`tp_mesh`);
+  processes (:func:`meshes`);
 * the region's input enters as a ``Replicate()`` DTensor (``DTensor.from_local``: its
   backward all-reduces the input's gradient), and the row output leaves as a plain
   tensor after ``redistribute`` to ``Replicate()`` (the forward all-reduce);
@@ -82,30 +88,63 @@ def plane_group(processes: Sequence[int], tp: int) -> Any:
     return mine
 
 
-def tp_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The 1-D mesh of this process's pipeline rank (its ``tp`` members); collective over
-    every process, which makes every pipeline rank's group in order."""
-    own = dist.get_rank() // plan.tp
-    mine = None
-    for r in range(plan.num_ranks):
-        group = dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp)))
-        if r == own:
-            mine = group
-    assert mine is not None
-    return DeviceMesh.from_group(mine, device_type)
+#: the mesh dimension names: the members of a pipeline rank, and the replicas of a
+#: sharded stage (FSDP2 over the plane: member t of each replica)
+TP, DP = "tp", "dp"
 
 
-def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.device) -> None:
+def meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh, dict[tuple[int, ...], DeviceMesh]]:
+    """This process's meshes: the 1-D mesh (``"tp"``) of its pipeline rank's members, and
+    for each FSDP-sharded replica set it is in, the 2-D mesh (``"dp"``, ``"tp"``) of the
+    set's processes, rows the replicas, columns the members. Collective over every
+    process (each makes every group, in one order)."""
+    tp = plan.tp
+    own, member = position(plan, dist.get_rank())
+    groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(plan.num_ranks)]
+    mesh = DeviceMesh.from_group(groups[own], device_type, mesh_dim_names=(TP,))
+    sets = sorted({plan.placement[s] for s in range(plan.num_stages) if plan.sharded(s)})
+    planes: dict[tuple[int, ...], DeviceMesh] = {}
+    for rset in sets:
+        dp = plane_group([r * tp + member for r in rset], tp)
+        if own in rset:
+            planes[rset] = DeviceMesh.from_group(
+                [dp, groups[own]], device_type,
+                mesh=[[r * tp + t for t in range(tp)] for r in rset], mesh_dim_names=(DP, TP))
+    return mesh, planes
+
+
+def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.device,
+                 ) -> tuple[dict[int, DeviceMesh], dict[tuple[int, ...], DeviceMesh]]:
     """Split the regions of this process's stages (``StageInfo`` by index) over its
-    pipeline rank's members; each stage's ``params`` then lists the DTensor parameters."""
+    pipeline rank's members; each stage's ``params`` then lists the DTensor parameters.
+
+    Returns each stage's TP mesh (a sharded stage's: the ``"tp"`` dimension of its
+    replica set's 2-D mesh, so that FSDP2 shards its DTensors over the ``"dp"`` one),
+    and the ``"dp"`` mesh of each sharded replica set this process is in (for
+    :class:`~orgel.runtime.sharding.Sharding`). Collective over every process."""
     enable()
-    mesh = tp_mesh(plan, device.type)
-    for info in stages.values():
+    mesh, planes = meshes(plan, device.type)
+    used: dict[int, DeviceMesh] = {}
+    for s, info in stages.items():
+        used[s] = planes[plan.placement[s]][TP] if plan.sharded(s) else mesh
         module = info.stage.module
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        info.tp_regions = parallelize(module, mesh, split.requires_grad)
+        info.tp_regions = parallelize(module, used[s], split.requires_grad)
         info.params = list(module.parameters())
+    return used, {rset: planes[rset][DP] for rset in planes}
+
+
+def shard_eval_stages(split: Any, stages: dict[int, Any], used: dict[int, DeviceMesh]) -> None:
+    """Rewrite the eval-mode stages (``StageInfo`` by index, :mod:`orgel.split.evaluation`),
+    which hold the training stages' DTensor parameters already (``share_weights``), to
+    run their regions over the training stages' meshes (``used``, by stage) as they do;
+    a region whose weights the training stages did not split stays whole
+    (``parallelize(shared=True)``)."""
+    for s, info in stages.items():
+        module = info.stage.module
+        if isinstance(module, torch.fx.GraphModule):
+            info.tp_regions = parallelize(module, used[s], split.requires_grad, shared=True)
 
 
 def enable() -> None:
@@ -118,13 +157,16 @@ def enable() -> None:
 
 
 def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
-                requires_grad: dict[str, bool] | None = None) -> list[Region]:
+                requires_grad: dict[str, bool] | None = None, *,
+                shared: bool = False) -> list[Region]:
     """Rewrite ``module`` (a stage's GraphModule) to run its regions over ``mesh``.
 
     Returns the regions it split; ``module.tp_fallbacks`` lists the ops that had
     to run on full tensors (filled as they run). A region whose weights are not
     parameters of ``module`` stays whole. ``requires_grad``: which of its inputs carry
     a gradient (``SplitModel.requires_grad``; see :func:`~orgel.graph.tensor_parallel.tp_regions`).
+    ``shared``: split only the regions whose weights are DTensors already (an eval-mode
+    stage holding the training stage's parameters).
     """
     graph = module.graph
     nodes = {n.name: n for n in graph.nodes}
@@ -133,6 +175,9 @@ def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
     for region in tp_regions(module, requires_grad):
         leaves = [nodes[p] for p in region.column_params + region.row_params]
         if not all(n.op == "get_attr" and _is_param(module, str(n.target)) for n in leaves):
+            continue
+        if shared and not all(isinstance(module.get_parameter(str(n.target)), DTensor)
+                              for n in leaves):
             continue
         for name in region.column_params:
             _distribute(module, str(nodes[name].target), mesh, Shard(0))
@@ -307,8 +352,18 @@ def settle_grads(params: list[torch.nn.Parameter]) -> None:
 
 def norm_params(params: list[torch.nn.Parameter], member: int) -> list[torch.nn.Parameter]:
     """The parameters whose gradient member ``member`` counts in the global norm: each
-    once over the job (sharded ones: every member its shard; the rest: member 0)."""
-    return [p for p in params if member == 0 or sharded(p)]
+    once over the job (split over the members: every member its part; the rest,
+    FSDP-sharded over the replicas or not: member 0)."""
+    return [p for p in params if member == 0 or split_over_members(p)]
+
+
+def split_over_members(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor whose ``"tp"`` mesh dimension splits it (each member of
+    the pipeline rank holds a different part)."""
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    return TP in names and isinstance(t.placements[names.index(TP)], (Shard, Partial))
 
 
 # -- the caller's checks ---------------------------------------------------------------------
@@ -316,7 +371,7 @@ def norm_params(params: list[torch.nn.Parameter], member: int) -> list[torch.nn.
 
 def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
     """The pipeline ranks ``ranks`` processes make with ``tp`` each; ValueError for a ``tp``
-    that does not divide ``ranks``."""
+    that does not divide ``ranks``, or a ``dp`` that does not divide the pipeline ranks."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TensorParallelError(f"tp must be a positive int (processes per pipeline rank), "
                                   f"got {tp!r}")
@@ -324,9 +379,11 @@ def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
         raise TensorParallelError(f"tp={tp} does not divide ranks={ranks}: ranks counts every "
                                   f"process, tp of them per pipeline rank; pass ranks="
                                   f"{(ranks // tp + 1) * tp} or a tp that divides {ranks}")
-    if tp > 1 and dp > 1:
-        raise TensorParallelError(f"tp={tp} with dp={dp}: tensor parallelism inside "
-                                  "data-parallel stages is not supported yet; pass dp=1")
+    if (ranks // tp) % dp:
+        raise TensorParallelError(f"dp={dp} does not divide the {ranks // tp} pipeline ranks "
+                                  f"of ranks={ranks} with tp={tp}: each data-parallel replica "
+                                  f"is a pipeline rank of tp processes; pass ranks="
+                                  f"{dp * tp} (or a multiple) or dp that divides {ranks // tp}")
     return ranks // tp
 
 
@@ -340,9 +397,6 @@ def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
         return plan
     if plan.tp not in (1, tp):
         raise TensorParallelError(f"the plan is for tp={plan.tp} but tp={tp}: make them agree")
-    if any(len(r) > 1 for r in plan.placement):
-        raise TensorParallelError("tensor parallelism inside data-parallel stages is not "
-                                  "supported yet: give a plan with one rank per stage")
     if graph is not None and graph.glue is not None:
         raise TensorParallelError("tp > 1 needs one graph of the forward; this model's has "
                                   "graph breaks")
