@@ -35,7 +35,8 @@ per parameter: deep pipelines). ``mesh``: the joint search of
 sharding (``none`` or ``fsdp``: optimizer state split over the replicas,
 parameters gathered once per step, gradients reduce-scattered), priced by
 :mod:`orgel.costs.mesh`; each (tp, P, shard) whose state cannot fit is
-skipped, the others get 1 s of beam. ``x`` is the mesh row's MFU over the
+skipped, the others are priced by a quick plan (:mod:`orgel.plan.screen`)
+and the best few get the full search with 1 s of beam. ``x`` is the mesh row's MFU over the
 pipeline row's.
 
 torchtitan's published Llama 3.1 405B run (docs/performance.md, Table 5,
@@ -69,9 +70,10 @@ import big  # noqa: E402
 
 from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
-from orgel.costs.mesh import TP_DEGREES, mesh_costs, tp_costs  # noqa: E402
+from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
+from orgel.plan.screen import MESH_TOP, quick_step, shortlist  # noqa: E402
 from orgel.profile.roofline import estimate_costs  # noqa: E402
 
 GIB = 1 << 30
@@ -137,25 +139,22 @@ def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int,
 
 
 def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: int,
-              time_limit: float = 1.0) -> tuple[PlanResult | None, float]:
+              time_limit: float = 1.0, top: int | None = MESH_TOP
+              ) -> tuple[PlanResult | None, float]:
     """The fastest plan over TP degree, pipeline depth, dp and sharding: (result, seconds).
 
     ``costs`` is the one-row table; each replica runs one-sequence micro-batches.
-    Pruned by an optimistic estimate: every mesh whose state fits gets
-    ``(M + (P - 1) / 3) x work / P`` (``M = batch / dp`` micro-batches of its
-    TP'd blocks' forward and backward ``work`` over ``P`` ranks, with a third
-    of 1F1B's fill and drain, about ZB-H1's; no recompute, no collectives);
-    meshes are planned in the order of their estimates, and one whose
-    estimate is no better than the best plan so far is skipped. (Not a
-    proven bound: a schedule with less bubble than that could be missed.)
+    Every mesh whose weights and optimizer state fit is priced by its quick
+    plan (:func:`orgel.plan.screen.quick_step`: 1F1B, time-balanced split, no
+    beam); the best ``top`` (and those within 5% of the best,
+    :func:`orgel.plan.screen.shortlist`) are planned in full. ``top=None``
+    plans every mesh that fits (the exhaustive search).
     """
     started = time.perf_counter()
     meshes = []
     for tp in TP_DEGREES:
         if tp > per_node or gpus % tp:
             continue
-        work = sum(a + b for a, b in zip(tp_costs(costs, tp).fwd, tp_costs(costs, tp).bwd,
-                                         strict=True))
         for depth in (1, 2, 4, 8, 16, 32, 64, 128):
             if (gpus // tp) % depth or depth > costs.num_blocks:
                 continue
@@ -165,14 +164,14 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
             for shard in ("none", "fsdp") if dp > 1 else ("none",):
                 table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
                 static = sum(table.static_bytes(b) for b in range(table.num_blocks))
-                if static / depth > memory:
-                    continue
-                estimate = (batch // dp + (depth - 1) / 3) * work / depth
-                meshes.append((estimate, tp, depth, dp, shard))
+                if static / depth <= memory:
+                    meshes.append((tp, depth, dp, shard))
+    if top is not None:
+        steps = [quick_step(costs.scaled(dp), depth, batch // dp, tp=tp, dp=dp, shard=shard,
+                            memory=memory) for tp, depth, dp, shard in meshes]
+        meshes = shortlist(meshes, steps, top=top)
     best: PlanResult | None = None
-    for bound, tp, _depth, dp, shard in sorted(meshes):
-        if best is not None and bound >= best.step_time:
-            continue
+    for tp, _depth, dp, shard in meshes:
         try:
             result = plan(costs.scaled(dp), gpus, batch // dp, dp=dp, rows=dp, tp=tp,
                           shard=shard, max_replicas=1, time_limit=time_limit, planner="beam",

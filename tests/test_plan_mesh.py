@@ -195,3 +195,33 @@ def test_roofline_tp_split_follows_the_graphs_regions() -> None:
                in zip(splits, costs.fwd, costs.params, strict=True))
     two = tp_costs(costs, 2)
     assert sum(two.params) == sum(costs.params) - sum(s.params for s in splits) // 2
+
+
+@pytest.mark.parametrize(("memory", "link"), [(None, INTRA),
+                                               (1 << 30, Link(latency=0.5, per_mib=2.0))])
+def test_mesh_shortlist_keeps_the_mesh_the_exhaustive_search_picks(memory, link) -> None:
+    # 12 blocks on 16 GPUs: 13 meshes (TP 1-8, every dp, FSDP or not); the roomy case's
+    # best quick plan (PP 8 x TP 2) is not its best searched plan (PP 4 x DP 4): the
+    # shortlist has to keep more than the first; the tight one needs FSDP
+    c = table(12, link=link)
+    kwargs: dict = dict(tp="auto", shard="auto", dp=None, memory=memory)
+    exhaustive = plan(c, 16, 8, mesh_top=None, **kwargs)
+    screened = plan(c, 16, 8, **kwargs)
+    assert screened.plan.meta["mesh"] == exhaustive.plan.meta["mesh"]
+    assert screened.step_time == pytest.approx(exhaustive.step_time)
+    assert screened.evaluations < exhaustive.evaluations
+
+
+def test_quick_step_prices_a_feasible_plan_and_shortlist_orders_by_it() -> None:
+    from orgel.plan.screen import quick_step, shortlist
+
+    c = table(4)
+    quick = quick_step(c, 2, 4, dp=2)
+    searched = plan(c, 4, 4, dp=2, planner="uniform-time")  # the same plan: 1F1B, time split
+    assert quick == pytest.approx(searched.step_time)
+    assert quick_step(c, 2, 4, dp=2, memory=MIB) == float("inf")
+    assert quick_step(c, 8, 4) == float("inf")  # deeper than the blocks
+    inf = float("inf")
+    assert shortlist("abcde", [5.0, 1.0, inf, 1.04, 3.0], top=1) == ["b", "d"]  # within 5%
+    assert shortlist("abc", [3.0, 1.0, 2.0], top=2, slack=0.0) == ["b", "c"]
+    assert shortlist("ab", [inf, inf]) == ["a", "b"]  # none fits quickly: search them all
