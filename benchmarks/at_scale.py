@@ -73,7 +73,7 @@ from orgel.costs.devices import load_device  # noqa: E402
 from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
-from orgel.plan.screen import MESH_TOP, quick_step, shortlist  # noqa: E402
+from orgel.plan.screen import MESH_TOP, quick_step, screen  # noqa: E402
 from orgel.profile.roofline import estimate_costs  # noqa: E402
 
 GIB = 1 << 30
@@ -145,9 +145,9 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
 
     ``costs`` is the one-row table; each replica runs one-sequence micro-batches.
     Every mesh whose weights and optimizer state fit is priced by its quick
-    plan (:func:`orgel.plan.screen.quick_step`: 1F1B, time-balanced split, no
-    beam); the best ``top`` (and those within 5% of the best,
-    :func:`orgel.plan.screen.shortlist`) are planned in full. ``top=None``
+    plans (:func:`orgel.plan.screen.screen`: 1F1B and interleaved over
+    balanced splits, no beam); the best ``top`` (and those within 5% of the
+    best) are planned in full. ``top=None``
     plans every mesh that fits (the exhaustive search).
     """
     started = time.perf_counter()
@@ -167,9 +167,9 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
                 if static / depth <= memory:
                     meshes.append((tp, depth, dp, shard))
     if top is not None:
-        steps = [quick_step(costs.scaled(dp), depth, batch // dp, tp=tp, dp=dp, shard=shard,
-                            memory=memory) for tp, depth, dp, shard in meshes]
-        meshes = shortlist(meshes, steps, top=top)
+        meshes = screen(meshes, lambda m, specs: quick_step(
+            costs.scaled(m[2]), m[1], batch // m[2], tp=m[0], dp=m[2], shard=m[3],
+            memory=memory, templates=specs), top=top)
     best: PlanResult | None = None
     for tp, _depth, dp, shard in meshes:
         try:

@@ -38,7 +38,7 @@ from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
 from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer, Template
-from orgel.plan.screen import MESH_TOP, quick_step, shortlist
+from orgel.plan.screen import MESH_TOP, quick_step, screen
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
@@ -163,7 +163,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     pipeline and the fastest plan that fits wins, with ``plan.tp`` and
     ``plan.shard`` set (and ``plan.meta["mesh"]``). With several meshes a
     first pass prices each by one quick plan and only the best ``mesh_top``
-    (and those close to the best, :func:`~orgel.plan.screen.shortlist`) are
+    (and those close to the best, :func:`~orgel.plan.screen.screen`) are
     searched in full; ``mesh_top=None`` searches every mesh. Raises
     :class:`InfeasibleError` when nothing fits, ValueError on bad options.
     """
@@ -218,9 +218,9 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     jobs = [(t, d, how) for t, d in meshes if ranks // (t * d) <= costs.num_blocks
             for how in (shards if d > 1 else ("none",))]
     if mesh_top is not None and len(jobs) > 1:
-        jobs = shortlist(jobs, [quick_step(costs, ranks // (t * d), microbatches, tp=t, dp=d,
-                                           shard=how, memory=scorer.memory)
-                                for t, d, how in jobs], top=mesh_top)
+        jobs = screen(jobs, lambda job, specs: quick_step(
+            costs, ranks // (job[0] * job[1]), microbatches, tp=job[0], dp=job[1],
+            shard=job[2], memory=scorer.memory, templates=specs), top=mesh_top)
     for t, d, how in jobs:
         pipeline = ranks // (t * d)
         table = mesh_costs(costs, tp=t, shard=how, replicas=d)

@@ -5,21 +5,24 @@ replicas of the pipeline and whether they shard their state (``shard``).
 Planning one in full (templates screened, beam search, recompute relaxed
 stage by stage) takes seconds to tens of seconds on a deep pipeline with many
 micro-batches, and a joint search has tens of meshes. :func:`quick_step`
-prices a mesh with one plan instead: plain 1F1B over the time-balanced split
-of its TP'd (and sharded) table, every stage keeping its activations or, when
-that does not fit, every stage recomputing (then the memory-balanced split if
-the time-balanced one still does not fit), replicated and priced like the
+prices a mesh with a few fixed plans instead, the best that fits: 1F1B and
+interleaved 1F1B (two stages per rank, :data:`QUICK_TEMPLATES`), each over
+the time-balanced and the memory-balanced split of its TP'd (and sharded)
+table, with the fewest first stages recomputing that let it fit (bisected: a
+few scores); the best replicated and priced like the
 planner's candidates (:func:`orgel.plan.replicated.replica_step`, the end of
-step added). No beam, one template compiled.
+step added). No beam, two templates compiled.
 
-:func:`shortlist` keeps the ``top`` meshes of the best quick plans (the
-searched plan of a mesh is never slower than its quick plan: the beam starts
-from the time-balanced split and the baselines are among the candidates) and
+:func:`screen` prices every mesh's 1F1B quick plan and the interleaved one
+of the best few; :func:`shortlist` keeps the ``top`` meshes of the best quick
+plans and
 every mesh whose quick plan is within ``slack`` of the best. It is a
 heuristic, not a proven bound: a mesh whose quick plan ranks below the
 shortlist but whose searched plan would beat all of the shortlist's is missed
-(a schedule family other than 1F1B, or partial recompute, can move a mesh by
-more than the quick plans' spread). A compute-only lower bound (the busiest
+(another schedule family, another split or partial recompute can move a
+mesh by more than the quick plans' spread; ``tests/test_plan_mesh.py``
+checks it keeps the exhaustive search's choice on small tables, and
+``docs/hardware.md`` compares the two at scale). A compute-only lower bound (the busiest
 rank's share of the step's forward and backward) is a proven bound but
 prunes nothing here: every mesh does the same work per GPU, and what
 separates them is the bubble and the collectives.
@@ -28,17 +31,20 @@ separates them is the bubble and the collectives.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
 
 from orgel.costs.blocks import BlockCosts, chain_split
 from orgel.costs.mesh import mesh_costs
-from orgel.plan.scorer import Scorer
-from orgel.plan.splits import balanced_points, memory_weights, time_weights
-from orgel.plan.templates import one_f_one_b
+from orgel.plan.scorer import Score, Scorer, Template
+from orgel.plan.splits import Points, balanced_points, memory_weights, time_weights
+from orgel.plan.templates import Spec, cached_template
 
+#: The schedules a quick plan tries: 1F1B and interleaved 1F1B with two stages per rank.
+QUICK_TEMPLATES = (Spec("1f1b", "1f1b", {}, 1),
+                   Spec("interleaved v=2", "interleaved", {"stages_per_rank": 2}, 2))
 #: Meshes the joint search plans in full by default (the best quick plans).
 MESH_TOP = 4
 #: ... and every mesh whose quick plan is within this fraction of the best one.
@@ -48,12 +54,14 @@ T = TypeVar("T")
 
 
 def quick_step(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int = 1,
-               dp: int = 1, shard: str = "none", memory: int | None = None) -> float:
+               dp: int = 1, shard: str = "none", memory: int | None = None,
+               templates: Sequence[Spec] = QUICK_TEMPLATES) -> float:
     """ms of one step of the mesh's quick plan (module docstring); inf when it does not fit.
 
     ``costs`` is the whole micro-batch's table (each of the ``dp`` replicas
     takes ``1/dp`` of every micro-batch), as :func:`orgel.plan.planner.plan`
-    takes it; ``memory`` overrides the table's memory per rank.
+    takes it; ``memory`` overrides the table's memory per rank; ``templates``:
+    the schedules to try.
     """
     from orgel.plan.planner import _replicate, end_of_step
     from orgel.plan.replicated import replica_step
@@ -63,18 +71,20 @@ def quick_step(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
         return math.inf
     table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
     scorer = Scorer(table if dp == 1 else table.scaled(1.0 / dp), memory=memory)
-    template = one_f_one_b(pipeline, microbatches, scorer.templates)
     n = table.num_blocks
-    everything = (True,) * template.num_stages
-    tries = [(balanced_points(time_weights(scorer.bc), pipeline), None),
-             (balanced_points(time_weights(scorer.bc), pipeline), everything),
-             (balanced_points(memory_weights(scorer.bc), pipeline), everything)]
-    for points, recompute in tries:
-        score = scorer.score_chain(template, points, recompute)
-        if score.feasible:
-            break
-    else:
+    found: tuple[Score, Template, Points, tuple[bool, ...] | None] | None = None
+    for spec in templates:
+        template = cached_template(scorer.templates, spec, pipeline, microbatches)
+        if template is None or template.num_stages > n:
+            continue
+        for weights in (time_weights(scorer.bc), memory_weights(scorer.bc)):
+            points = balanced_points(weights, template.num_stages)
+            got = _fewest_recomputing(scorer, template, points)
+            if got is not None and (found is None or got[0].step_time < found[0].step_time):
+                found = got[0], template, points, got[1]
+    if found is None:
         return math.inf
+    score, template, points, recompute = found
     p = scorer.to_plan(template, chain_split(points, n), recompute)
     step = score.step_time
     if dp > 1:
@@ -87,6 +97,52 @@ def quick_step(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
             return math.inf
         step = got[0]
     return float(step + end_of_step(table, p))
+
+
+def _fewest_recomputing(scorer: Scorer, template: Template, points: Points
+                        ) -> tuple[Score, tuple[bool, ...] | None] | None:
+    """The fitting score with the fewest first stages recomputing (bisected); None: none fits.
+
+    1F1B's stage ``s`` holds ``P - s`` micro-batches' activations, so the
+    first stages are the ones to recompute.
+    """
+    stages = template.num_stages
+    score = scorer.score_chain(template, points, None)
+    if score.feasible:
+        return score, None
+
+    def first(k: int) -> tuple[bool, ...]:
+        return tuple(s < k for s in range(stages))
+
+    best = scorer.score_chain(template, points, first(stages))
+    if not best.feasible:
+        return None
+    low, high = 0, stages  # low does not fit, high does
+    while high - low > 1:
+        mid = (low + high) // 2
+        trial = scorer.score_chain(template, points, first(mid))
+        if trial.feasible:
+            high, best = mid, trial
+        else:
+            low = mid
+    return best, first(high)
+
+
+def screen(meshes: Sequence[T], quick: Callable[[T, Sequence[Spec]], float], *,
+           top: int = MESH_TOP, slack: float = MESH_SLACK) -> list[T]:
+    """The meshes worth a full search: every mesh's 1F1B quick plan, then the
+    interleaved one for the best ``2 top`` of them (its deep templates are
+    the slow ones to build), then :func:`shortlist`.
+
+    ``quick(mesh, templates)`` is :func:`quick_step` of the mesh.
+    """
+    first, second = QUICK_TEMPLATES[:1], QUICK_TEMPLATES[1:]
+    steps = [quick(m, first) for m in meshes]
+    order = sorted(range(len(meshes)), key=lambda i: steps[i])
+    for i in order[:2 * top]:
+        if steps[i] < math.inf:
+            steps[i] = min(steps[i], quick(meshes[i], second))
+    return shortlist(meshes, steps, top=top, slack=slack)
 
 
 def shortlist(meshes: Sequence[T], steps: Sequence[float], *, top: int = MESH_TOP,
