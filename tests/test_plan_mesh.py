@@ -212,13 +212,14 @@ def test_mesh_shortlist_keeps_the_mesh_the_exhaustive_search_picks(memory, link)
     assert screened.evaluations < exhaustive.evaluations
 
 
-def test_quick_step_prices_a_feasible_plan_and_shortlist_orders_by_it() -> None:
-    from orgel.plan.screen import quick_step, shortlist
+def test_quick_step_prices_a_plain_plan_and_shortlist_orders_by_it() -> None:
+    from orgel.plan.screen import QUICK_TEMPLATES, quick_step, shortlist
 
     c = table(4)
-    quick = quick_step(c, 2, 4, dp=2)
+    quick = quick_step(c, 2, 4, dp=2, templates=QUICK_TEMPLATES[:1])
     searched = plan(c, 4, 4, dp=2, planner="uniform-time")  # the same plan: 1F1B, time split
     assert quick == pytest.approx(searched.step_time)
+    assert quick_step(c, 2, 4, dp=2) <= quick  # interleaved tried too
     assert quick_step(c, 2, 4, dp=2, memory=MIB) == float("inf")
     assert quick_step(c, 8, 4) == float("inf")  # deeper than the blocks
     inf = float("inf")
