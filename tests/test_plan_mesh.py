@@ -226,3 +226,48 @@ def test_quick_step_prices_a_plain_plan_and_shortlist_orders_by_it() -> None:
     assert shortlist("abcde", [5.0, 1.0, inf, 1.04, 3.0], top=1) == ["b", "d"]  # within 5%
     assert shortlist("abc", [3.0, 1.0, 2.0], top=2, slack=0.0) == ["b", "c"]
     assert shortlist("ab", [inf, inf]) == ["a", "b"]  # none fits quickly: search them all
+
+
+GPT_WORKLOAD = '''
+from orgel.models.gpt import GPT, GPTConfig, lm_loss
+from orgel.workload import Workload
+import torch
+
+def tiny():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16))
+    tokens = torch.randint(0, 64, (8, 16))
+    return Workload(model, (tokens,), torch.roll(tokens, -1, 1), lm_loss)
+'''
+
+
+@pytest.mark.slow  # orgel plan profiles under contention: companion processes
+def test_profiled_table_carries_tp_facts_and_plans_with_tp(tmp_path, cache, capsys) -> None:
+    from orgel.graph.tensor_parallel import tp_regions
+    from orgel.profile.workload import capture_workload, profile_graph
+    from orgel.workload import load_workload
+
+    path = tmp_path / "tiny.py"
+    path.write_text(GPT_WORKLOAD)
+    w, graph = capture_workload(load_workload(f"{path}:tiny"), 2)
+    costs = profile_graph(w, graph, microbatches=2, blocks=6, link=False, repeats=2,
+                          progress=False)
+    regions = tp_regions(graph.graph_module)
+    assert len(regions) == 4  # attention and MLP in each of the 2 layers
+    region_bytes = 0
+    for r in regions:  # the columns' weights and biases, the row's weight (its bias stays)
+        bias = graph.attr_of.get(r.row_bias or "")
+        region_bytes += sum(graph.tensor_bytes(p) for n in (*r.columns, r.row)
+                            for p in graph.nodes[n].params if p != bias)
+    assert sum(s.params for s in costs.tp_split) == region_bytes
+    assert sum(s.regions for s in costs.tp_split) == pytest.approx(len(regions))
+    # the measured times apportioned: a share of each block's, some in every layer
+    assert all(s.fwd <= f and s.bwd <= b for s, f, b
+               in zip(costs.tp_split, costs.fwd, costs.bwd, strict=True))
+    assert sum(s.fwd > 0 for s in costs.tp_split) >= 2
+    assert tp_costs(costs, 2).fwd != costs.fwd
+    code = cli_main(["plan", f"{path}:tiny", "--ranks", "4", "--microbatches", "2",
+                     "--blocks", "6", "--no-link", "--tp", "auto", "--max-loops", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert any(x.startswith("mesh: ") and "(4 GPUs)" in x for x in out.splitlines())

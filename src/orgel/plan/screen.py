@@ -89,13 +89,13 @@ def quick_step(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
     step = score.step_time
     if dp > 1:
         single, p = p, _replicate(p, dp, table, scorer.memory, shard)
-        got = replica_step(single, p)
-        if got is None:
+        priced = replica_step(single, p)
+        if priced is None:
             full = simulate(p)
-            got = full.step_time, np.asarray(full.peak_memory)
-        if scorer.memory is not None and got[1].max() > scorer.memory:
+            priced = full.step_time, np.asarray(full.peak_memory)
+        if scorer.memory is not None and priced[1].max() > scorer.memory:
             return math.inf
-        step = got[0]
+        step = priced[0]
     return float(step + end_of_step(table, p))
 
 
