@@ -72,8 +72,8 @@ from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
 from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
-from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
-from orgel.plan.screen import MESH_TOP, quick_step, screen  # noqa: E402
+from orgel.plan.planner import InfeasibleError, PlanResult, plan, predict  # noqa: E402
+from orgel.plan.screen import MESH_TOP, quick_plan, screen  # noqa: E402
 from orgel.profile.roofline import estimate_costs  # noqa: E402
 
 GIB = 1 << 30
@@ -147,7 +147,7 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
     Every mesh whose weights and optimizer state fit is priced by its quick
     plans (:func:`orgel.plan.screen.screen`: 1F1B and interleaved over
     balanced splits, no beam); the best ``top`` (and those within 5% of the
-    best) are planned in full. ``top=None``
+    best) are planned in full, their quick plans candidates beside. ``top=None``
     plans every mesh that fits (the exhaustive search).
     """
     started = time.perf_counter()
@@ -166,19 +166,31 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
                 static = sum(table.static_bytes(b) for b in range(table.num_blocks))
                 if static / depth <= memory:
                     meshes.append((tp, depth, dp, shard))
+    quick: dict[tuple[int, int, int, str], tuple[float, Any, BlockCosts]] = {}
+
+    def price(m: tuple[int, int, int, str], specs: Any) -> float:
+        got = quick_plan(costs.scaled(m[2]), m[1], batch // m[2], tp=m[0], dp=m[2],
+                         shard=m[3], memory=memory, templates=specs)
+        if got[1] is not None and got[0] < quick.get(m, (float("inf"),))[0]:
+            quick[m] = got
+        return got[0]
+
     if top is not None:
-        meshes = screen(meshes, lambda m, specs: quick_step(
-            costs.scaled(m[2]), m[1], batch // m[2], tp=m[0], dp=m[2], shard=m[3],
-            memory=memory, templates=specs), top=top)
+        meshes = screen(meshes, price, top=top)
     best: PlanResult | None = None
-    for tp, _depth, dp, shard in meshes:
+    for mesh in meshes:
+        tp, _depth, dp, shard = mesh
         try:
             result = plan(costs.scaled(dp), gpus, batch // dp, dp=dp, rows=dp, tp=tp,
                           shard=shard, max_replicas=1, time_limit=time_limit, planner="beam",
                           max_loops=2, families=["1f1b", "zb-h1", "interleaved"])
         except InfeasibleError:
-            continue
-        if best is None or result.step_time < best.step_time:
+            result = None
+        if mesh in quick and (result is None or quick[mesh][0] < result.step_time):
+            # the quick plan is a candidate too (orgel.plan.screen)
+            step, p, table = quick[mesh]
+            result = PlanResult(p, "quick", predict(p, table), 0.0)
+        if result is not None and (best is None or result.step_time < best.step_time):
             best = result
     return best, time.perf_counter() - started
 

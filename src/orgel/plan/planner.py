@@ -38,7 +38,7 @@ from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
 from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer, Template
-from orgel.plan.screen import MESH_TOP, quick_step, screen
+from orgel.plan.screen import MESH_TOP, QUICK_TEMPLATES, quick_plan, screen
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
@@ -217,10 +217,21 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     evaluations = 0
     jobs = [(t, d, how) for t, d in meshes if ranks // (t * d) <= costs.num_blocks
             for how in (shards if d > 1 else ("none",))]
+    quick: dict[tuple[int, int, str], tuple[float, Plan, BlockCosts]] = {}
     if mesh_top is not None and len(jobs) > 1:
-        jobs = screen(jobs, lambda job, specs: quick_step(
-            costs, ranks // (job[0] * job[1]), microbatches, tp=job[0], dp=job[1],
-            shard=job[2], memory=scorer.memory, templates=specs), top=mesh_top)
+        def price(job: tuple[int, int, str], specs: Any) -> float:
+            got = quick_plan(costs, ranks // (job[0] * job[1]), microbatches, tp=job[0],
+                             dp=job[1], shard=job[2], memory=scorer.memory, templates=specs)
+            if got[1] is not None and got[0] < quick.get(job, (math.inf,))[0]:
+                quick[job] = (got[0], got[1], got[2])
+            return got[0]
+
+        allowed = [s for s in QUICK_TEMPLATES if s.group <= max_loops
+                   and (families is None or s.family in families)]
+        jobs = screen(jobs, price, top=mesh_top, templates=allowed or QUICK_TEMPLATES[:1])
+        if planner in ("auto", "beam") and allowed:  # the shortlist's quick plans: candidates
+            candidates += [(quick[j][0], f"quick {quick[j][1].meta['schedule_label']}",
+                            quick[j][1], quick[j][2]) for j in jobs if j in quick]
     for t, d, how in jobs:
         pipeline = ranks // (t * d)
         table = mesh_costs(costs, tp=t, shard=how, replicas=d)

@@ -16,7 +16,10 @@ step added). No beam, two templates compiled.
 :func:`screen` prices every mesh's 1F1B quick plan and the interleaved one
 of the best few; :func:`shortlist` keeps the ``top`` meshes of the best quick
 plans and
-every mesh whose quick plan is within ``slack`` of the best. It is a
+every mesh whose quick plan is within ``slack`` of the best. The quick plans
+of the shortlist stay candidates beside the full search's (one can be the
+faster: its first stages recompute, where the sequential planner recomputes
+every stage and relaxes stage by stage). It is a
 heuristic, not a proven bound: a mesh whose quick plan ranks below the
 shortlist but whose searched plan would beat all of the shortlist's is missed
 (another schedule family, another split or partial recompute can move a
@@ -41,6 +44,7 @@ from orgel.costs.mesh import mesh_costs
 from orgel.plan.scorer import Score, Scorer, Template
 from orgel.plan.splits import Points, balanced_points, memory_weights, time_weights
 from orgel.plan.templates import Spec, cached_template
+from orgel.schedule.ir import Plan
 
 #: The schedules a quick plan tries: 1F1B and interleaved 1F1B with two stages per rank.
 QUICK_TEMPLATES = (Spec("1f1b", "1f1b", {}, 1),
@@ -56,20 +60,32 @@ T = TypeVar("T")
 def quick_step(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int = 1,
                dp: int = 1, shard: str = "none", memory: int | None = None,
                templates: Sequence[Spec] = QUICK_TEMPLATES) -> float:
-    """ms of one step of the mesh's quick plan (module docstring); inf when it does not fit.
+    """ms of one step of the mesh's quick plan (:func:`quick_plan`); inf when none fits."""
+    return quick_plan(costs, pipeline, microbatches, tp=tp, dp=dp, shard=shard, memory=memory,
+                      templates=templates)[0]
+
+
+def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int = 1,
+               dp: int = 1, shard: str = "none", memory: int | None = None,
+               templates: Sequence[Spec] = QUICK_TEMPLATES
+               ) -> tuple[float, Plan | None, BlockCosts]:
+    """The mesh's quick plan (module docstring): ``(ms of a step, plan, its table)``.
+
+    The plan is whole (``dp`` replicas, ``plan.tp``, ``meta["mesh"]`` set),
+    a candidate like the planner's; ``(inf, None, table)`` when none fits.
 
     ``costs`` is the whole micro-batch's table (each of the ``dp`` replicas
     takes ``1/dp`` of every micro-batch), as :func:`orgel.plan.planner.plan`
     takes it; ``memory`` overrides the table's memory per rank; ``templates``:
     the schedules to try.
     """
-    from orgel.plan.planner import _replicate, end_of_step
+    from orgel.plan.planner import _label, _replicate, end_of_step
     from orgel.plan.replicated import replica_step
     from orgel.sim import simulate
 
-    if pipeline > costs.num_blocks:
-        return math.inf
     table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
+    if pipeline > costs.num_blocks:
+        return math.inf, None, table
     scorer = Scorer(table if dp == 1 else table.scaled(1.0 / dp), memory=memory)
     n = table.num_blocks
     found: tuple[Score, Template, Points, tuple[bool, ...] | None] | None = None
@@ -83,9 +99,10 @@ def quick_step(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
             if got is not None and (found is None or got[0].step_time < found[0].step_time):
                 found = got[0], template, points, got[1]
     if found is None:
-        return math.inf
+        return math.inf, None, table
     score, template, points, recompute = found
     p = scorer.to_plan(template, chain_split(points, n), recompute)
+    _label(p, template)
     step = score.step_time
     if dp > 1:
         single, p = p, _replicate(p, dp, table, scorer.memory, shard)
@@ -94,9 +111,11 @@ def quick_step(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
             full = simulate(p)
             priced = full.step_time, np.asarray(full.peak_memory)
         if scorer.memory is not None and priced[1].max() > scorer.memory:
-            return math.inf
+            return math.inf, None, table
         step = priced[0]
-    return float(step + end_of_step(table, p))
+    p.tp = tp
+    p.meta["mesh"] = {"pp": pipeline, "tp": tp, "dp": dp, "shard": shard}
+    return float(step + end_of_step(table, p)), p, table
 
 
 def _fewest_recomputing(scorer: Scorer, template: Template, points: Points
@@ -129,18 +148,20 @@ def _fewest_recomputing(scorer: Scorer, template: Template, points: Points
 
 
 def screen(meshes: Sequence[T], quick: Callable[[T, Sequence[Spec]], float], *,
-           top: int = MESH_TOP, slack: float = MESH_SLACK) -> list[T]:
+           top: int = MESH_TOP, slack: float = MESH_SLACK,
+           templates: Sequence[Spec] = QUICK_TEMPLATES) -> list[T]:
     """The meshes worth a full search: every mesh's 1F1B quick plan, then the
     interleaved one for the best ``2 top`` of them (its deep templates are
     the slow ones to build), then :func:`shortlist`.
 
-    ``quick(mesh, templates)`` is :func:`quick_step` of the mesh.
+    ``quick(mesh, templates)`` is :func:`quick_step` of the mesh;
+    ``templates``: the quick plans' schedules (the first for every mesh).
     """
-    first, second = QUICK_TEMPLATES[:1], QUICK_TEMPLATES[1:]
+    first, second = templates[:1], templates[1:]
     steps = [quick(m, first) for m in meshes]
     order = sorted(range(len(meshes)), key=lambda i: steps[i])
     for i in order[:2 * top]:
-        if steps[i] < math.inf:
+        if steps[i] < math.inf and second:
             steps[i] = min(steps[i], quick(meshes[i], second))
     return shortlist(meshes, steps, top=top, slack=slack)
 
