@@ -73,7 +73,7 @@ from orgel.costs.devices import load_device  # noqa: E402
 from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, PlanResult, plan, predict  # noqa: E402
-from orgel.plan.screen import MESH_TOP, quick_plan, screen  # noqa: E402
+from orgel.plan.screen import MESH_TOP, compute_bound, quick_plan, screen  # noqa: E402
 from orgel.profile.roofline import estimate_costs  # noqa: E402
 
 GIB = 1 << 30
@@ -175,11 +175,17 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
             quick[m] = got
         return got[0]
 
+    def low(m: tuple[int, int, int, str]) -> float:
+        return compute_bound(costs.scaled(m[2]), m[1], batch // m[2], tp=m[0], dp=m[2],
+                             shard=m[3])
+
     if top is not None:
-        meshes = screen(meshes, price, top=top)
+        meshes = screen(meshes, price, top=top, bound=low)
     best: PlanResult | None = None
     for mesh in meshes:
         tp, _depth, dp, shard = mesh
+        if best is not None and low(mesh) >= best.step_time:
+            continue  # a proven bound (orgel.plan.screen.compute_bound)
         try:
             result = plan(costs.scaled(dp), gpus, batch // dp, dp=dp, rows=dp, tp=tp,
                           shard=shard, max_replicas=1, time_limit=time_limit, planner="beam",

@@ -213,13 +213,17 @@ def test_mesh_shortlist_keeps_the_mesh_the_exhaustive_search_picks(memory, link)
 
 
 def test_quick_step_prices_a_plain_plan_and_shortlist_orders_by_it() -> None:
-    from orgel.plan.screen import QUICK_TEMPLATES, quick_step, shortlist
+    from orgel.plan.screen import QUICK_TEMPLATES, compute_bound, quick_step, shortlist
 
     c = table(4)
     quick = quick_step(c, 2, 4, dp=2, templates=QUICK_TEMPLATES[:1])
     searched = plan(c, 4, 4, dp=2, planner="uniform-time")  # the same plan: 1F1B, time split
     assert quick == pytest.approx(searched.step_time)
     assert quick_step(c, 2, 4, dp=2) <= quick  # interleaved tried too
+    # the proven bound: the average rank's compute, 4 micro-batches x 4 blocks x 12 ms / 2
+    # replicas / 2 ranks
+    assert compute_bound(c, 2, 4, dp=2) == pytest.approx(4 * 4 * 12 / 2 / 2)
+    assert compute_bound(c, 2, 4, dp=2) <= quick
     assert quick_step(c, 2, 4, dp=2, memory=MIB) == float("inf")
     assert quick_step(c, 8, 4) == float("inf")  # deeper than the blocks
     inf = float("inf")

@@ -38,7 +38,7 @@ from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
 from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer, Template
-from orgel.plan.screen import MESH_TOP, QUICK_TEMPLATES, quick_plan, screen
+from orgel.plan.screen import MESH_TOP, QUICK_TEMPLATES, compute_bound, quick_plan, screen
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
@@ -228,12 +228,20 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
 
         allowed = [s for s in QUICK_TEMPLATES if s.group <= max_loops
                    and (families is None or s.family in families)]
-        jobs = screen(jobs, price, top=mesh_top, templates=allowed or QUICK_TEMPLATES[:1])
+        def low(job: tuple[int, int, str]) -> float:
+            return compute_bound(costs, ranks // (job[0] * job[1]), microbatches, tp=job[0],
+                                 dp=job[1], shard=job[2])
+
+        jobs = screen(jobs, price, top=mesh_top, templates=allowed or QUICK_TEMPLATES[:1],
+                      bound=low)
         if planner in ("auto", "beam") and allowed:  # the shortlist's quick plans: candidates
             candidates += [(quick[j][0], f"quick {quick[j][1].meta['schedule_label']}",
                             quick[j][1], quick[j][2]) for j in jobs if j in quick]
     for t, d, how in jobs:
         pipeline = ranks // (t * d)
+        if candidates and compute_bound(costs, pipeline, microbatches, tp=t, dp=d, shard=how
+                                        ) >= min(c[0] for c in candidates):
+            continue  # a proven bound: it cannot beat what is found
         table = mesh_costs(costs, tp=t, shard=how, replicas=d)
         sub = (scorer if table is costs and d == 1 else
                Scorer(table if d == 1 else table.scaled(1.0 / d), memory=scorer.memory))

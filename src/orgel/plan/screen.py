@@ -147,18 +147,42 @@ def _fewest_recomputing(scorer: Scorer, template: Template, points: Points
     return best, first(high)
 
 
+def compute_bound(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int = 1,
+                  dp: int = 1, shard: str = "none") -> float:
+    """A proven lower bound on the mesh's step (ms): the busiest rank's compute at best.
+
+    Every rank runs its actions one at a time, so a step takes at least the
+    average rank's forward and backward: ``microbatches x sum(fwd + bwd) /
+    pipeline`` of the TP'd table's share of a micro-batch (recompute,
+    bubbles, collectives and the optimizer only add to it).
+    """
+    table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
+    work = sum(table.fwd) + sum(table.bwd)
+    return microbatches * work / dp / pipeline
+
+
 def screen(meshes: Sequence[T], quick: Callable[[T, Sequence[Spec]], float], *,
            top: int = MESH_TOP, slack: float = MESH_SLACK,
-           templates: Sequence[Spec] = QUICK_TEMPLATES) -> list[T]:
+           templates: Sequence[Spec] = QUICK_TEMPLATES,
+           bound: Callable[[T], float] | None = None) -> list[T]:
     """The meshes worth a full search: every mesh's 1F1B quick plan, then the
     interleaved one for the best ``2 top`` of them (its deep templates are
     the slow ones to build), then :func:`shortlist`.
 
     ``quick(mesh, templates)`` is :func:`quick_step` of the mesh;
-    ``templates``: the quick plans' schedules (the first for every mesh).
+    ``templates``: the quick plans' schedules (the first for every mesh);
+    ``bound(mesh)``: a proven lower bound on its quick step
+    (:func:`compute_bound`): meshes are priced in its order, and one whose
+    bound already keeps it off the shortlist is not priced (inf).
     """
     first, second = templates[:1], templates[1:]
-    steps = [quick(m, first) for m in meshes]
+    steps = [math.inf] * len(meshes)
+    lows = [0.0 if bound is None else bound(m) for m in meshes]
+    for i in sorted(range(len(meshes)), key=lambda i: lows[i]):
+        found = sorted(x for x in steps if x < math.inf)
+        if len(found) >= top and lows[i] > max(found[top - 1], found[0] * (1 + slack)):
+            continue
+        steps[i] = quick(meshes[i], first)
     order = sorted(range(len(meshes)), key=lambda i: steps[i])
     for i in order[:2 * top]:
         if steps[i] < math.inf and second:
