@@ -166,8 +166,9 @@ def screen(meshes: Sequence[T], quick: Callable[[T, Sequence[Spec]], float], *,
            templates: Sequence[Spec] = QUICK_TEMPLATES,
            bound: Callable[[T], float] | None = None) -> list[T]:
     """The meshes worth a full search: every mesh's 1F1B quick plan, then the
-    interleaved one for the best ``2 top`` of them (its deep templates are
-    the slow ones to build), then :func:`shortlist`.
+    interleaved one for the best ``2 top`` of them and those where 1F1B does
+    not fit (interleaved holds fewer micro-batches' activations; its deep
+    templates are the slow ones to build), then :func:`shortlist`.
 
     ``quick(mesh, templates)`` is :func:`quick_step` of the mesh;
     ``templates``: the quick plans' schedules (the first for every mesh);
@@ -178,14 +179,17 @@ def screen(meshes: Sequence[T], quick: Callable[[T, Sequence[Spec]], float], *,
     first, second = templates[:1], templates[1:]
     steps = [math.inf] * len(meshes)
     lows = [0.0 if bound is None else bound(m) for m in meshes]
+    unfit = []  # priced, and the first schedule does not fit
     for i in sorted(range(len(meshes)), key=lambda i: lows[i]):
         found = sorted(x for x in steps if x < math.inf)
         if len(found) >= top and lows[i] > max(found[top - 1], found[0] * (1 + slack)):
             continue
         steps[i] = quick(meshes[i], first)
+        if steps[i] == math.inf:
+            unfit.append(i)
     order = sorted(range(len(meshes)), key=lambda i: steps[i])
-    for i in order[:2 * top]:
-        if steps[i] < math.inf and second:
+    for i in [j for j in order[:2 * top] if steps[j] < math.inf] + unfit:
+        if second:
             steps[i] = min(steps[i], quick(meshes[i], second))
     return shortlist(meshes, steps, top=top, slack=slack)
 
