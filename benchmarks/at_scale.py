@@ -285,6 +285,8 @@ def main() -> None:
                         default=["llama3-70b", "1024"],
                         help="also plan this row with 10x the beam time per depth and print "
                              "both step times (a model not planned skips it)")
+    parser.add_argument("--mesh-only", action="store_true",
+                        help="only the mesh rows (skip the pipeline-only search)")
     parser.add_argument("--no-torchtitan", action="store_true",
                         help="skip the prediction of torchtitan's 405B run")
     args = parser.parse_args()
@@ -302,11 +304,13 @@ def main() -> None:
         print(f"{name}: {params / 1e9:.1f}B parameters, {costs.num_blocks} blocks, captured "
               f"and costed in {captured:.1f} s")
         for gpus in args.gpus:
-            result, depth, seconds = best_plan(costs, gpus, batch, device.memory_bytes)
             pipeline_mfu = None
-            if result is None:
+            result: PlanResult | None = None
+            if not args.mesh_only:
+                result, depth, seconds = best_plan(costs, gpus, batch, device.memory_bytes)
+            if result is None and not args.mesh_only:
                 print(f"{name:<13} {gpus:>5} pipeline nothing fits ({seconds:.1f} s)")
-            else:
+            elif result is not None:
                 pipeline_mfu = _row(name, gpus, "pipeline", f"{depth}x1x{gpus // depth}",
                                     result, batch, seq, params, device, seconds, None)
             if [name, str(gpus)] == args.compare and result is not None:
