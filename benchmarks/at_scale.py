@@ -35,7 +35,8 @@ per parameter: deep pipelines). ``mesh``: the joint search of
 sharding (``none`` or ``fsdp``: optimizer state split over the replicas,
 parameters gathered once per step, gradients reduce-scattered), priced by
 :mod:`orgel.costs.mesh`; each (tp, P, shard) whose state cannot fit is
-skipped, the others get 1 s of beam. ``x`` is the mesh row's MFU over the
+skipped, the others are priced by a quick plan (:mod:`orgel.plan.screen`)
+and the best few get the full search with 1 s of beam. ``x`` is the mesh row's MFU over the
 pipeline row's.
 
 torchtitan's published Llama 3.1 405B run (docs/performance.md, Table 5,
@@ -69,9 +70,10 @@ import big  # noqa: E402
 
 from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
-from orgel.costs.mesh import TP_DEGREES, mesh_costs, tp_costs  # noqa: E402
+from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
-from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
+from orgel.plan.planner import InfeasibleError, PlanResult, plan, predict  # noqa: E402
+from orgel.plan.screen import MESH_TOP, compute_bound, quick_plan, screen  # noqa: E402
 from orgel.profile.roofline import estimate_costs  # noqa: E402
 
 GIB = 1 << 30
@@ -137,25 +139,22 @@ def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int,
 
 
 def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: int,
-              time_limit: float = 1.0) -> tuple[PlanResult | None, float]:
+              time_limit: float = 1.0, top: int | None = MESH_TOP
+              ) -> tuple[PlanResult | None, float]:
     """The fastest plan over TP degree, pipeline depth, dp and sharding: (result, seconds).
 
     ``costs`` is the one-row table; each replica runs one-sequence micro-batches.
-    Pruned by an optimistic estimate: every mesh whose state fits gets
-    ``(M + (P - 1) / 3) x work / P`` (``M = batch / dp`` micro-batches of its
-    TP'd blocks' forward and backward ``work`` over ``P`` ranks, with a third
-    of 1F1B's fill and drain, about ZB-H1's; no recompute, no collectives);
-    meshes are planned in the order of their estimates, and one whose
-    estimate is no better than the best plan so far is skipped. (Not a
-    proven bound: a schedule with less bubble than that could be missed.)
+    Every mesh whose weights and optimizer state fit is priced by its quick
+    plans (:func:`orgel.plan.screen.screen`: 1F1B and interleaved over
+    balanced splits, no beam); the best ``top`` (and those within 5% of the
+    best) are planned in full, their quick plans candidates beside. ``top=None``
+    plans every mesh that fits (the exhaustive search).
     """
     started = time.perf_counter()
     meshes = []
     for tp in TP_DEGREES:
         if tp > per_node or gpus % tp:
             continue
-        work = sum(a + b for a, b in zip(tp_costs(costs, tp).fwd, tp_costs(costs, tp).bwd,
-                                         strict=True))
         for depth in (1, 2, 4, 8, 16, 32, 64, 128):
             if (gpus // tp) % depth or depth > costs.num_blocks:
                 continue
@@ -165,21 +164,39 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
             for shard in ("none", "fsdp") if dp > 1 else ("none",):
                 table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
                 static = sum(table.static_bytes(b) for b in range(table.num_blocks))
-                if static / depth > memory:
-                    continue
-                estimate = (batch // dp + (depth - 1) / 3) * work / depth
-                meshes.append((estimate, tp, depth, dp, shard))
+                if static / depth <= memory:
+                    meshes.append((tp, depth, dp, shard))
+    quick: dict[tuple[int, int, int, str], tuple[float, Any, BlockCosts]] = {}
+
+    def price(m: tuple[int, int, int, str], specs: Any) -> float:
+        got = quick_plan(costs.scaled(m[2]), m[1], batch // m[2], tp=m[0], dp=m[2],
+                         shard=m[3], memory=memory, templates=specs)
+        if got[1] is not None and got[0] < quick.get(m, (float("inf"),))[0]:
+            quick[m] = got
+        return got[0]
+
+    def low(m: tuple[int, int, int, str]) -> float:
+        return compute_bound(costs.scaled(m[2]), m[1], batch // m[2], tp=m[0], dp=m[2],
+                             shard=m[3])
+
+    if top is not None:
+        meshes = screen(meshes, price, top=top, bound=low)
     best: PlanResult | None = None
-    for bound, tp, _depth, dp, shard in sorted(meshes):
-        if best is not None and bound >= best.step_time:
-            continue
+    for mesh in meshes:
+        tp, _depth, dp, shard = mesh
+        if best is not None and low(mesh) >= best.step_time:
+            continue  # a proven bound (orgel.plan.screen.compute_bound)
         try:
             result = plan(costs.scaled(dp), gpus, batch // dp, dp=dp, rows=dp, tp=tp,
                           shard=shard, max_replicas=1, time_limit=time_limit, planner="beam",
                           max_loops=2, families=["1f1b", "zb-h1", "interleaved"])
         except InfeasibleError:
-            continue
-        if best is None or result.step_time < best.step_time:
+            result = None
+        if mesh in quick and (result is None or quick[mesh][0] < result.step_time):
+            # the quick plan is a candidate too (orgel.plan.screen)
+            step, p, table = quick[mesh]
+            result = PlanResult(p, "quick", predict(p, table), 0.0)
+        if result is not None and (best is None or result.step_time < best.step_time):
             best = result
     return best, time.perf_counter() - started
 
@@ -268,6 +285,8 @@ def main() -> None:
                         default=["llama3-70b", "1024"],
                         help="also plan this row with 10x the beam time per depth and print "
                              "both step times (a model not planned skips it)")
+    parser.add_argument("--mesh-only", action="store_true",
+                        help="only the mesh rows (skip the pipeline-only search)")
     parser.add_argument("--no-torchtitan", action="store_true",
                         help="skip the prediction of torchtitan's 405B run")
     args = parser.parse_args()
@@ -285,11 +304,13 @@ def main() -> None:
         print(f"{name}: {params / 1e9:.1f}B parameters, {costs.num_blocks} blocks, captured "
               f"and costed in {captured:.1f} s")
         for gpus in args.gpus:
-            result, depth, seconds = best_plan(costs, gpus, batch, device.memory_bytes)
             pipeline_mfu = None
-            if result is None:
+            result: PlanResult | None = None
+            if not args.mesh_only:
+                result, depth, seconds = best_plan(costs, gpus, batch, device.memory_bytes)
+            if result is None and not args.mesh_only:
                 print(f"{name:<13} {gpus:>5} pipeline nothing fits ({seconds:.1f} s)")
-            else:
+            elif result is not None:
                 pipeline_mfu = _row(name, gpus, "pipeline", f"{depth}x1x{gpus // depth}",
                                     result, batch, seq, params, device, seconds, None)
             if [name, str(gpus)] == args.compare and result is not None:

@@ -195,3 +195,84 @@ def test_roofline_tp_split_follows_the_graphs_regions() -> None:
                in zip(splits, costs.fwd, costs.params, strict=True))
     two = tp_costs(costs, 2)
     assert sum(two.params) == sum(costs.params) - sum(s.params for s in splits) // 2
+
+
+@pytest.mark.parametrize(("memory", "link"), [(None, INTRA),
+                                               (1 << 30, Link(latency=0.5, per_mib=2.0))])
+def test_mesh_shortlist_keeps_the_mesh_the_exhaustive_search_picks(memory, link) -> None:
+    # 12 blocks on 16 GPUs: 13 meshes (TP 1-8, every dp, FSDP or not). In the roomy case
+    # the quick plans are far from the searched ones (PP 4 x DP 4: 391 ms quick, 174 ms
+    # searched), and a shortlist of one (mesh_top=1) ends at PP 8 x TP 2, 230 ms; the
+    # tight case needs FSDP
+    c = table(12, link=link)
+    kwargs: dict = dict(tp="auto", shard="auto", dp=None, memory=memory)
+    exhaustive = plan(c, 16, 8, mesh_top=None, **kwargs)
+    screened = plan(c, 16, 8, **kwargs)
+    assert screened.plan.meta["mesh"] == exhaustive.plan.meta["mesh"]
+    assert screened.step_time == pytest.approx(exhaustive.step_time)
+    assert screened.evaluations < exhaustive.evaluations
+
+
+def test_quick_step_prices_a_plain_plan_and_shortlist_orders_by_it() -> None:
+    from orgel.plan.screen import QUICK_TEMPLATES, compute_bound, quick_step, shortlist
+
+    c = table(4)
+    quick = quick_step(c, 2, 4, dp=2, templates=QUICK_TEMPLATES[:1])
+    searched = plan(c, 4, 4, dp=2, planner="uniform-time")  # the same plan: 1F1B, time split
+    assert quick == pytest.approx(searched.step_time)
+    assert quick_step(c, 2, 4, dp=2) <= quick  # interleaved tried too
+    # the proven bound: the average rank's compute, 4 micro-batches x 4 blocks x 12 ms / 2
+    # replicas / 2 ranks
+    assert compute_bound(c, 2, 4, dp=2) == pytest.approx(4 * 4 * 12 / 2 / 2)
+    assert compute_bound(c, 2, 4, dp=2) <= quick
+    assert quick_step(c, 2, 4, dp=2, memory=MIB) == float("inf")
+    assert quick_step(c, 8, 4) == float("inf")  # deeper than the blocks
+    inf = float("inf")
+    assert shortlist("abcde", [5.0, 1.0, inf, 1.04, 3.0], top=1) == ["b", "d"]  # within 5%
+    assert shortlist("abc", [3.0, 1.0, 2.0], top=2, slack=0.0) == ["b", "c"]
+    assert shortlist("ab", [inf, inf]) == ["a", "b"]  # none fits quickly: search them all
+
+
+GPT_WORKLOAD = '''
+from orgel.models.gpt import GPT, GPTConfig, lm_loss
+from orgel.workload import Workload
+import torch
+
+def tiny():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16))
+    tokens = torch.randint(0, 64, (8, 16))
+    return Workload(model, (tokens,), torch.roll(tokens, -1, 1), lm_loss)
+'''
+
+
+@pytest.mark.slow  # orgel plan profiles under contention: companion processes
+def test_profiled_table_carries_tp_facts_and_plans_with_tp(tmp_path, cache, capsys) -> None:
+    from orgel.graph.tensor_parallel import tp_regions
+    from orgel.profile.workload import capture_workload, profile_graph
+    from orgel.workload import load_workload
+
+    path = tmp_path / "tiny.py"
+    path.write_text(GPT_WORKLOAD)
+    w, graph = capture_workload(load_workload(f"{path}:tiny"), 2)
+    costs = profile_graph(w, graph, microbatches=2, blocks=6, link=False, repeats=2,
+                          progress=False)
+    regions = tp_regions(graph.graph_module)
+    assert len(regions) == 4  # attention and MLP in each of the 2 layers
+    region_bytes = 0
+    for r in regions:  # the columns' weights and biases, the row's weight (its bias stays)
+        bias = graph.attr_of.get(r.row_bias or "")
+        region_bytes += sum(graph.tensor_bytes(p) for n in (*r.columns, r.row)
+                            for p in graph.nodes[n].params if p != bias)
+    assert sum(s.params for s in costs.tp_split) == region_bytes
+    assert sum(s.regions for s in costs.tp_split) == pytest.approx(len(regions))
+    # the measured times apportioned: a share of each block's, some in every layer
+    assert all(s.fwd <= f and s.bwd <= b for s, f, b
+               in zip(costs.tp_split, costs.fwd, costs.bwd, strict=True))
+    assert sum(s.fwd > 0 for s in costs.tp_split) >= 2
+    assert tp_costs(costs, 2).fwd != costs.fwd
+    code = cli_main(["plan", f"{path}:tiny", "--ranks", "4", "--microbatches", "2",
+                     "--blocks", "6", "--no-link", "--tp", "auto", "--max-loops", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert any(x.startswith("mesh: ") and "(4 GPUs)" in x for x in out.splitlines())

@@ -124,7 +124,8 @@ def check_tp(costs: BlockCosts, tp: int) -> None:
         return
     if not costs.tp_split:
         raise ValueError("the costs carry no tensor-parallel facts (the blocks' 'tp' entries): "
-                         "estimate them from a captured graph (orgel plan --device) or use tp=1")
+                         "profile or estimate the workload again (orgel profile, orgel plan "
+                         "WORKLOAD and orgel plan --device fill them) or use tp=1")
     if costs.node_ranks is not None and costs.node_ranks % tp:
         raise ValueError(f"tp={tp} does not divide the {costs.node_ranks} GPUs per node: a TP "
                          "group stays inside a node; pick a divisor")

@@ -38,6 +38,7 @@ from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
 from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer, Template
+from orgel.plan.screen import MESH_TOP, QUICK_TEMPLATES, compute_bound, quick_plan, screen
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
@@ -125,7 +126,8 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
          dp: int | None = 1, groups: int = 3, top: int = 3, max_replicas: int | None = None,
          rows: int | None = None, families: list[str] | None = None,
          tp: int | str | tuple[int, ...] | list[int] = 1,
-         shard: str | tuple[str, ...] | list[str] = "none") -> PlanResult:
+         shard: str | tuple[str, ...] | list[str] = "none",
+         mesh_top: int | None = MESH_TOP) -> PlanResult:
     """The fastest feasible plan of ``costs`` on ``ranks`` ranks (see the module docstring).
 
     ``memory`` overrides the table's ``memory_per_rank`` (bytes; None keeps it).
@@ -159,7 +161,10 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     tuple of both to try (``"auto"``); ``"fsdp"`` applies only where ``dp > 1``. Every
     combination of TP degree, ``dp`` and sharding is searched like a plain
     pipeline and the fastest plan that fits wins, with ``plan.tp`` and
-    ``plan.shard`` set (and ``plan.meta["mesh"]``). Raises
+    ``plan.shard`` set (and ``plan.meta["mesh"]``). With several meshes a
+    first pass prices each by one quick plan and only the best ``mesh_top``
+    (and those close to the best, :func:`~orgel.plan.screen.screen`) are
+    searched in full; ``mesh_top=None`` searches every mesh. Raises
     :class:`InfeasibleError` when nothing fits, ValueError on bad options.
     """
     if planner not in PLANNERS:
@@ -174,7 +179,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
                            or any((ranks // t) % dp for t in tps)):
         raise ValueError(f"dp must be a positive integer that divides ranks={ranks} (over tp: "
                          f"the pipeline ranks), got {dp!r}")
-    for name, opt in (("max_replicas", max_replicas), ("rows", rows)):
+    for name, opt in (("max_replicas", max_replicas), ("rows", rows), ("mesh_top", mesh_top)):
         if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int) or opt < 1):
             raise ValueError(f"{name} must be a positive integer or None, got {opt!r}")
     if dp is not None and rows is not None and rows % dp:
@@ -210,35 +215,57 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
     candidates: list[tuple[float, str, Plan, BlockCosts]] = []
     base_times: dict[str, float | None] = {}
     evaluations = 0
-    for t, d in meshes:
+    jobs = [(t, d, how) for t, d in meshes if ranks // (t * d) <= costs.num_blocks
+            for how in (shards if d > 1 else ("none",))]
+    quick: dict[tuple[int, int, str], tuple[float, Plan, BlockCosts]] = {}
+    if mesh_top is not None and len(jobs) > 1:
+        def price(job: tuple[int, int, str], specs: Any) -> float:
+            got = quick_plan(costs, ranks // (job[0] * job[1]), microbatches, tp=job[0],
+                             dp=job[1], shard=job[2], memory=scorer.memory, templates=specs)
+            if got[1] is not None and got[0] < quick.get(job, (math.inf,))[0]:
+                quick[job] = (got[0], got[1], got[2])
+            return got[0]
+
+        allowed = [s for s in QUICK_TEMPLATES if s.group <= max_loops
+                   and (families is None or s.family in families)]
+        def low(job: tuple[int, int, str]) -> float:
+            return compute_bound(costs, ranks // (job[0] * job[1]), microbatches, tp=job[0],
+                                 dp=job[1], shard=job[2])
+
+        jobs = screen(jobs, price, top=mesh_top, templates=allowed or QUICK_TEMPLATES[:1],
+                      bound=low)
+        if planner in ("auto", "beam") and allowed:  # the shortlist's quick plans: candidates
+            candidates += [(quick[j][0], f"quick {quick[j][1].meta['schedule_label']}",
+                            quick[j][1], quick[j][2]) for j in jobs if j in quick]
+    for t, d, how in jobs:
         pipeline = ranks // (t * d)
-        if pipeline > costs.num_blocks:
-            continue
-        for how in shards if d > 1 else ("none",):
-            table = mesh_costs(costs, tp=t, shard=how, replicas=d)
-            sub = (scorer if table is costs and d == 1 else
-                   Scorer(table if d == 1 else table.scaled(1.0 / d), memory=scorer.memory))
-            found, baselines = _search(sub, pipeline, microbatches, planner, options,
-                                       dict(graph_options,
-                                            rows=None if rows is None else rows // d))
-            evaluations += sub.evaluations
-            if not base_times or (t, d, how) == (1, 1, "none"):
-                base_times = baselines
-            for step, name, p in found:
-                if d > 1:
-                    single, p = p, _replicate(p, d, table, scorer.memory, how)
-                    step_peak = replica_step(single, p)  # one replica simulated, reduces priced
-                    if step_peak is None:
-                        check = simulate(p)
-                        step_peak = check.step_time, np.asarray(check.peak_memory)
-                    if scorer.memory is not None and step_peak[1].max() > scorer.memory:
-                        continue
-                    step, name = step_peak[0], f"{name} x dp{d}" + (" fsdp" if how == "fsdp"
-                                                                    else "")
-                if t > 1:
-                    p.tp, name = t, f"{name} x tp{t}"
-                p.meta["mesh"] = {"pp": pipeline, "tp": t, "dp": d, "shard": how}
-                candidates.append((step + end_of_step(table, p), name, p, table))
+        if candidates and compute_bound(costs, pipeline, microbatches, tp=t, dp=d, shard=how
+                                        ) >= min(c[0] for c in candidates):
+            continue  # a proven bound: it cannot beat what is found
+        table = mesh_costs(costs, tp=t, shard=how, replicas=d)
+        sub = (scorer if table is costs and d == 1 else
+               Scorer(table if d == 1 else table.scaled(1.0 / d), memory=scorer.memory))
+        found, baselines = _search(sub, pipeline, microbatches, planner, options,
+                                   dict(graph_options,
+                                        rows=None if rows is None else rows // d))
+        evaluations += sub.evaluations
+        if not base_times or (t, d, how) == (1, 1, "none"):
+            base_times = baselines
+        for step, name, p in found:
+            if d > 1:
+                single, p = p, _replicate(p, d, table, scorer.memory, how)
+                step_peak = replica_step(single, p)  # one replica simulated, reduces priced
+                if step_peak is None:
+                    check = simulate(p)
+                    step_peak = check.step_time, np.asarray(check.peak_memory)
+                if scorer.memory is not None and step_peak[1].max() > scorer.memory:
+                    continue
+                step, name = step_peak[0], f"{name} x dp{d}" + (" fsdp" if how == "fsdp"
+                                                                else "")
+            if t > 1:
+                p.tp, name = t, f"{name} x tp{t}"
+            p.meta["mesh"] = {"pp": pipeline, "tp": t, "dp": d, "shard": how}
+            candidates.append((step + end_of_step(table, p), name, p, table))
     if not candidates:
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
     step, name, best, table = min(candidates, key=lambda c: c[0])

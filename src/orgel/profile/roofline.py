@@ -270,6 +270,60 @@ def tp_splits(opgraph: Any, roof: Roofline, node_block: dict[str, int], blocks: 
                     ends[b] / 2) for b in range(blocks)]
 
 
+def measured_tp_splits(opgraph: Any, bg: Any, device: Device, fwd: list[float],
+                       bwd: list[float], wgrad: list[float], params: list[int],
+                       acts: list[int]) -> list[TPSplit]:
+    """Each block's :class:`TPSplit` for a table measured on real ranks (the profiler's).
+
+    The regions are :func:`tp_splits`'s (one rule: the runtime's
+    :func:`~orgel.graph.tensor_parallel.tp_regions` on the captured graph),
+    so a block's split parameters, its all-reduce bytes and its region count
+    are exact. The measurements have no per-op times, so the approximation:
+    a block's measured forward, backward and weight-gradient milliseconds and
+    its measured saved activations are apportioned by the share the regions'
+    ops take of the block's ops in the roofline estimate on ``device`` (see
+    :func:`reference_device`: only the shares are used, not the device's
+    absolute times). The TP all-reduces are priced on the table's own link,
+    the one measured between the profiled ranks (:func:`orgel.costs.mesh.tp_link`).
+    """
+    roof = Roofline(opgraph, device)
+    est = tp_splits(opgraph, roof, bg.node_block, len(bg.blocks))
+    out = []
+    for b, block in enumerate(bg.blocks):
+        ops = [roof.times(opgraph.nodes[n]) for n in block.nodes]
+        tf, tb, tw = (sum(t[i] for t in ops) for i in range(3))
+        ta = sum(opgraph.nodes[n].saved_bytes for n in block.nodes)
+        s = est[b]
+        out.append(TPSplit(
+            fwd[b] * (s.fwd / tf if tf else 0.0), bwd[b] * (s.bwd / tb if tb else 0.0),
+            wgrad[b] * (s.wgrad / tw if tw else 0.0), s.params,
+            int(acts[b] * (s.activations / ta if ta else 0.0)), s.allreduce, s.regions))
+    return _fit_splits(out, fwd, bwd, wgrad, params, acts)
+
+
+def reference_device(dev: Any) -> Device:
+    """The device model whose roofline shares apportion a measured block (``dev``: torch).
+
+    A CUDA device whose name matches a built-in model (``H100`` with 80 GB:
+    ``h100-80gb``) gets it; any other device, the CPU included, gets
+    ``h100-80gb``, whose fp32 balance (67 TFLOP/s over 3.35 TB/s: 20 flops
+    per byte) is near a server CPU's (a few TFLOP/s over 100-300 GB/s): which
+    ops are compute- and which memory-bound comes out alike, and only the
+    shares are used.
+    """
+    from orgel.costs.devices import DEVICES
+
+    if getattr(dev, "type", None) == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(dev).lower().replace(" ", "")
+        chips = [m for key, m in DEVICES.items() if key.split("-")[0] in name]
+        sized = [m for m in chips if m.name.split("-")[1] in name]
+        if chips:
+            return (sized or chips)[0]
+    return DEVICES["h100-80gb"]
+
+
 def _fit_splits(splits: list[TPSplit], fwd: list[float], bwd: list[float], wgrad: list[float],
                 params: list[int], acts: list[int]) -> list[TPSplit]:
     """Each split within its block's totals (a block's times have a launch-bound floor)."""

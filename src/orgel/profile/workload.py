@@ -254,6 +254,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     """
     from orgel.costs.tied import tied_groups
     from orgel.graph import coarsen
+    from orgel.profile.roofline import measured_tp_splits, reference_device
     from orgel.split import split_model
     from orgel.workload import microbatches as split_batches
     from orgel.workload import named_inputs
@@ -368,6 +369,9 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         split_weight=[float(t) for t in cached.get("split_weight", [])],
         optimizer_ms=[float(t) for t in cached.get("optimizer_ms", [])],
         step_overhead=step_overhead, cores=shared_cores(dev, threads),
+        tp_split=measured_tp_splits(opgraph, bg, reference_device(dev), cached["fwd"],
+                                    cached["bwd"], cached["wgrad"], cached["params"],
+                                    cached["activations"]),
     )
 
 
