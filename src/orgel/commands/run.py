@@ -42,7 +42,8 @@ OPTIMIZERS = ("sgd", "adamw")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command line of ``orgel run``."""
     parser.add_argument("workload", help="the workload, as path/to/file.py:function")
-    parser.add_argument("--ranks", type=int, default=2, help="processes to run (default 2)")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="processes to run (default 2; with --plan, the plan's)")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel replicas of the whole pipeline (divides --ranks)")
     parser.add_argument("--shard", choices=("none", "fsdp"), default="none",
@@ -100,6 +101,21 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _default_ranks(args: argparse.Namespace) -> int:
+    """``--ranks`` as given; else the processes ``--plan``'s plan runs on; else 2."""
+    if args.ranks is not None:
+        return int(args.ranks)
+    if args.plan:
+        from orgel.schedule.ir import Plan
+
+        try:
+            plan = Plan.load(args.plan)
+        except (OSError, ValueError):
+            return 2  # loading it again reports what is wrong
+        return plan.num_ranks * (args.tp if args.tp != 1 else plan.tp)
+    return 2
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
     for name in ("ranks", "dp", "tp", "microbatches", "steps", "threads", "stages_per_rank"):
         if getattr(args, name) < 1:
@@ -133,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     from orgel.usercode import user_code
     from orgel.workload import WorkloadError
 
+    args.ranks = _default_ranks(args)
     problem = _check_args(args)
     if problem:
         return _fail(problem)
@@ -198,8 +215,8 @@ def _prepare(args: argparse.Namespace) -> Any:
     ranks = args.ranks // args.tp  # pipeline ranks
     if args.plan:
         if plan.num_ranks != ranks:
-            raise ValueError(f"the plan is for {plan.num_ranks} ranks: pass --ranks "
-                             f"{plan.num_ranks * args.tp}")
+            raise ValueError(f"the plan is for {plan.num_ranks} pipeline ranks of {args.tp} "
+                             f"process(es): pass --ranks {plan.num_ranks * args.tp}")
         replicas(plan)
     else:
         # the graph is captured for one replica's rows of a micro-batch

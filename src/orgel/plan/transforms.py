@@ -69,6 +69,7 @@ def split_backward(plan: Plan, lags: list[int] | None = None) -> Plan:
     meta = dict(plan.meta)
     meta["schedule"] = f"{plan.meta.get('schedule', 'custom')}+zb"
     out_plan = Plan(plan.stage_graph, plan.placement, plan.num_ranks, plan.microbatches,
-                    schedule, list(plan.recompute), plan.costs, None, meta, tied=list(plan.tied))
+                    schedule, list(plan.recompute), plan.costs, None, meta, tied=list(plan.tied),
+                    shard=list(plan.shard), tp=plan.tp)
     validate(out_plan)
     return out_plan

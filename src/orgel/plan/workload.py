@@ -63,7 +63,7 @@ def _with_split(p: Plan, opgraph: Any) -> Plan:
     # the tied groups of an earlier split give way to this one's
     out = Plan(StageGraph(stages, split.stage_graph.edges), p.placement, p.num_ranks,
                p.microbatches, p.schedule, list(p.recompute), p.costs, None, dict(p.meta),
-               tied=tied_weights(split, p.placement))
+               tied=tied_weights(split, p.placement), shard=list(p.shard), tp=p.tp)
     validate(out)
     return out
 

@@ -52,4 +52,5 @@ def replicate(plan: Plan, dp: int) -> Plan:
     schedule = [list(plan.schedule[r % p]) for r in range(p * dp)]
     meta = dict(plan.meta, dp=dp)
     return Plan(plan.stage_graph, placement, p * dp, plan.microbatches, schedule,
-                list(plan.recompute), plan.costs, None, meta, tied=list(plan.tied))
+                list(plan.recompute), plan.costs, None, meta, tied=list(plan.tied),
+                shard=list(plan.shard), tp=plan.tp)
