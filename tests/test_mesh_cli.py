@@ -1,4 +1,4 @@
-"""The mesh end to end: `orgel plan` chooses TP x DP x FSDP, `orgel run --plan` trains it exactly."""
+"""The mesh end to end: `orgel plan` picks TP x DP x FSDP, `orgel run --plan` trains it exactly."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ the simulator decides whether that pays.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 from orgel.schedule.ir import Action, Plan
@@ -68,8 +69,8 @@ def split_backward(plan: Plan, lags: list[int] | None = None) -> Plan:
         schedule.append(out)
     meta = dict(plan.meta)
     meta["schedule"] = f"{plan.meta.get('schedule', 'custom')}+zb"
-    out_plan = Plan(plan.stage_graph, plan.placement, plan.num_ranks, plan.microbatches,
-                    schedule, list(plan.recompute), plan.costs, None, meta, tied=list(plan.tied),
-                    shard=list(plan.shard), tp=plan.tp)
+    out_plan = dataclasses.replace(plan, schedule=schedule, recompute=list(plan.recompute),
+                                   prediction=None, meta=meta, tied=list(plan.tied),
+                                   shard=list(plan.shard))
     validate(out_plan)
     return out_plan

@@ -61,9 +61,9 @@ def _with_split(p: Plan, opgraph: Any) -> Plan:
                            blocks=p.stage_graph.stages[i].blocks)
                    for i, st in enumerate(split.stage_graph.stages))
     # the tied groups of an earlier split give way to this one's
-    out = Plan(StageGraph(stages, split.stage_graph.edges), p.placement, p.num_ranks,
-               p.microbatches, p.schedule, list(p.recompute), p.costs, None, dict(p.meta),
-               tied=tied_weights(split, p.placement), shard=list(p.shard), tp=p.tp)
+    out = replace(p, stage_graph=StageGraph(stages, split.stage_graph.edges),
+                  recompute=list(p.recompute), prediction=None, meta=dict(p.meta),
+                  tied=tied_weights(split, p.placement), shard=list(p.shard))
     validate(out)
     return out
 

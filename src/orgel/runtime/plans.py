@@ -10,6 +10,7 @@ of the rows).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from orgel.schedule.families import build_schedule
@@ -51,6 +52,6 @@ def replicate(plan: Plan, dp: int) -> Plan:
                  for ranks in plan.placement]
     schedule = [list(plan.schedule[r % p]) for r in range(p * dp)]
     meta = dict(plan.meta, dp=dp)
-    return Plan(plan.stage_graph, placement, p * dp, plan.microbatches, schedule,
-                list(plan.recompute), plan.costs, None, meta, tied=list(plan.tied),
-                shard=list(plan.shard), tp=plan.tp)
+    return dataclasses.replace(plan, placement=placement, num_ranks=p * dp, schedule=schedule,
+                               recompute=list(plan.recompute), prediction=None, meta=meta,
+                               tied=list(plan.tied), shard=list(plan.shard))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orgel.costs.mesh import ring_time
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
 
@@ -88,10 +89,17 @@ def allreduce_time(g: AllReduce, costs: Costs, grads: np.ndarray) -> float:
         nbytes = max(0, int(grads[g.stages[0]]) - g.tied_bytes)
     else:
         nbytes = g.nbytes
-    n = len(g.ranks)
-    chunk = nbytes // n
-    ring = [costs.link_between(g.ranks[i], g.ranks[(i + 1) % n]) for i in range(n)]
-    return (1 if g.scatter else 2) * (n - 1) * max(lk.time(chunk) for lk in ring)
+    return _ring(g.ranks, nbytes, costs, steps=1 if g.scatter else 2)
+
+
+def _ring(ranks: tuple[int, ...], nbytes: int, costs: Costs, *, steps: int) -> float:
+    """:func:`~orgel.costs.mesh.ring_time` over ``ranks`` in a ring, on its slowest link."""
+    n = len(ranks)
+    if n < 2:
+        return 0.0
+    ring = [costs.link_between(ranks[i], ranks[(i + 1) % n]) for i in range(n)]
+    slowest = max(ring, key=lambda lk: lk.time(nbytes // n))
+    return ring_time(slowest, nbytes, n, steps=steps)
 
 
 def plan_gathers(plan: Plan) -> list[tuple[int, tuple[int, ...], list[tuple[int, int]]]]:
@@ -117,8 +125,4 @@ def plan_gathers(plan: Plan) -> list[tuple[int, tuple[int, ...], list[tuple[int,
 
 def gather_time(ranks: tuple[int, ...], nbytes: int, costs: Costs) -> float:
     """Ring all-gather of ``nbytes`` over ``ranks``: n-1 steps of nbytes/n, slowest link."""
-    n = len(ranks)
-    if n < 2:
-        return 0.0
-    ring = [costs.link_between(ranks[i], ranks[(i + 1) % n]) for i in range(n)]
-    return (n - 1) * max(lk.time(nbytes // n) for lk in ring)
+    return _ring(ranks, nbytes, costs, steps=1)
