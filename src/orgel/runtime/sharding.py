@@ -50,14 +50,11 @@ import torch.distributed as dist
 
 from orgel.schedule.ir import SHARDS, Plan
 
-#: the values of ``orgel.pipeline(shard=...)`` and ``orgel run --shard``
-SHARD_OPTIONS = SHARDS
-
 
 def check_shard_option(shard: Any, dp: int) -> None:
-    """Raise ValueError unless ``shard`` is one of :data:`SHARD_OPTIONS` and fits ``dp``."""
-    if shard not in SHARD_OPTIONS:
-        raise ValueError(f"shard must be one of {', '.join(repr(s) for s in SHARD_OPTIONS)}, "
+    """Raise ValueError unless ``shard`` is one of :data:`SHARDS` and fits ``dp``."""
+    if shard not in SHARDS:
+        raise ValueError(f"shard must be one of {', '.join(repr(s) for s in SHARDS)}, "
                          f"got {shard!r}")
     if shard == "fsdp" and dp < 2:
         raise ValueError("shard='fsdp' shards a stage's state over its data-parallel "
