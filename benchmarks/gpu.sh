@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU leg, one command: the CUDA tests, `orgel demo` and the cost-model and precision
-# benchmarks on CUDA, each log under $OUT (default ./gpu-out). Run from the repository root
-# on a machine with a GPU and PyTorch installed (orgel from this tree, no install needed):
+# The GPU leg, one command: the CUDA tests, `orgel demo --device cuda` (its start-up timed),
+# and one rank's throughput, orgel eager and compiled against plain PyTorch eager and
+# torch.compile on the same GPU. Every log and number lands under $OUT (default ./gpu-out) as
+# it is made, so a run cut short still reports. Run from the repository root on a machine
+# with a GPU and PyTorch (orgel from this tree, no install needed):
 #   bash benchmarks/gpu.sh
+# ORGEL_STACKS=30 prints every orgel process's stacks each 30 s: where a slow start waits.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/orgel-inductor}
 PY=${PYTHON:-python3}
 step() {  # step NAME SECONDS COMMAND...: run, keep its log, go on whatever it returns
   local name=$1 limit=$2; shift 2
@@ -17,13 +21,16 @@ step() {  # step NAME SECONDS COMMAND...: run, keep its log, go on whatever it r
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)";
   nproc; } >"$OUT/summary.log" 2>&1
-# the correctness checks side by side, then the timings alone on the GPU
-step tests "${TESTS_S:-140}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py -rs &
-step demo "${DEMO_S:-140}" $PY -m orgel demo --device cuda --ranks 2 --steps 20 --no-progress \
-  --out "$OUT/demo" &
+# correctness first, side by side: the demo's start-up and the CUDA tests
+ORGEL_STACKS=30 step demo "${DEMO_S:-120}" $PY -m orgel demo --device cuda --ranks 2 \
+  --steps 20 --no-progress --out "$OUT/demo" &
+step tests "${TESTS_S:-170}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
+  -rs --durations=0 &
 wait
-step cost "${COST_S:-90}" $PY benchmarks/cost_model_accuracy.py --device cuda --steps 10 \
-  --workloads ${WORKLOADS:-GPT-large}
-step precision "${PREC_S:-70}" $PY benchmarks/precision.py --device cuda --steps 10 \
-  --workload examples/gpt.py:workload_large
+grep -h "captured, planned\|step time\|first step" "$OUT/demo.log" >>"$OUT/summary.log"
+tail -n 3 "$OUT/tests.log" >>"$OUT/summary.log"
+# then the timings alone on the GPU, each variant in a fresh process
+step throughput "${THROUGHPUT_S:-330}" $PY benchmarks/compiled_throughput.py --device cuda \
+  --timeout "${VARIANT_S:-150}" --out "$OUT/throughput.jsonl"
+grep -h "x$" "$OUT/throughput.log" >>"$OUT/summary.log"
 cat "$OUT/summary.log"

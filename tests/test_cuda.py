@@ -48,6 +48,17 @@ def test_two_ranks_share_one_gpu_exactly(capsys: pytest.CaptureFixture[str]) -> 
 @gpu
 @pytest.mark.cuda
 @pytest.mark.slow
+def test_compiled_stages_on_one_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """Inductor-compiled stages on CUDA: 1F1B, and ZB-H1's input and weight halves."""
+    _run(["--ranks", "2", "--schedule", "1f1b", "--microbatches", "4", "--compile"], capsys)
+    out = _run(["--ranks", "2", "--schedule", "zb-h1", "--microbatches", "4", "--compile"],
+               capsys)
+    assert "compiling the stages took" in out
+
+
+@gpu
+@pytest.mark.cuda
+@pytest.mark.slow
 def test_data_parallel_and_zero_bubble_on_one_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     """gloo all-reduces CUDA gradients (dp=2), and the split backward runs on CUDA."""
     _run(["--ranks", "2", "--dp", "2", "--microbatches", "2"], capsys)

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
+    from orgel.runtime.launch import watch_stacks
     from orgel.usercode import UserCodeError, user_code
+
+    watch_stacks()
 
     # a command on a workload runs the user's code (the file, its model and loss): what that
     # raises is shown as the user's error, under the workload's name

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="clip gradients to this global norm (all ranks together)")
     parser.add_argument("--recompute", action="store_true",
                         help="recompute every stage's activations in backward")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every stage's forward and backward with Inductor (the "
+                             "backward in input and weight halves for zero-bubble schedules)")
     parser.add_argument("--check-finite", action="store_true",
                         help="stop at the first NaN/inf loss (one sync per micro-batch)")
     parser.add_argument("--check", action="store_true",
@@ -270,6 +273,9 @@ def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
     events = [e for r in results for e in r["events"]]
     print(format_summary(events))
     print(f"{args.steps} steps on {args.ranks} ranks in {elapsed:.1f} s (including start-up)")
+    if args.compile:
+        seconds = ", ".join(f"{r.get('compile_s', 0.0):.1f}" for r in results)
+        print(f"compiling the stages took {seconds} s (by rank)")
     if args.trace or args.png:
         save_views(plan, events, trace=args.trace, png=args.png)
         for path in (args.trace, args.png):
@@ -362,6 +368,7 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
                         max_grad_norm=options["max_grad_norm"], timeout=options["timeout"],
                         batch_dim=workload.batch_dim, check_plan=False,
                         check_finite=options.get("check_finite", False),
+                        compile=options.get("compile", False),
                         loss_scaling=scales_loss(workload.precision))
     inputs = named_inputs(workload.model, workload.inputs)
     torch.manual_seed(0)
@@ -369,5 +376,7 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     # whole tensors (a sharded stage's are gathered: every replica or member takes part)
     params = [(n, full_tensor(p).detach().clone()) for n, p in executor.named_parameters()]
     # the members of a tensor-parallel rank run the same actions: member 0's events stand
+    compile_s = sum(c.compile_s for c in (executor.compiled or {}).values())
     return host({"losses": losses, "events": executor.events if executor.member == 0 else [],
+                 "compile_s": compile_s,
                  "params": params if options["check"] else []})

@@ -102,6 +102,7 @@ def pipeline(
     device: str | None = None,
     tp: int = 1,
     shard: str = "none",
+    compile: bool = False,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -182,6 +183,13 @@ def pipeline(
     resumes one). With ``dp > 1`` each replica is a pipeline rank of ``tp`` processes (``dp``
     divides ``ranks // tp``), and ``shard="fsdp"`` shards over the replicas on a 2-D mesh;
     ``evaluate`` splits the eval-mode stages alike. Not yet: a forward with graph breaks.
+
+    ``compile=True`` runs every stage through Inductor: its forward, its backward and,
+    for the schedules that split the backward (ZB-H1, ZBV, DualPipeV), the backward's
+    input and weight halves as separate compiled graphs (:mod:`orgel.runtime.compiled`).
+    Each rank compiles a stage at its first step (and once more for a new input shape);
+    ``pipe.compile_s`` reports the seconds by rank. Not yet with ``tp > 1`` or
+    ``shard="fsdp"``.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
@@ -203,7 +211,8 @@ def pipeline(
                          f"precision={precision!r} does not scale the loss")
     scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
     executor_options = {"replicated": workload.replicated, "loss_scaling": scaling,
-                        "check_finite": check_finite, "batch_dim": batch_dim, **loop}
+                        "check_finite": check_finite, "batch_dim": batch_dim,
+                        "compile": compile, **loop}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)
@@ -240,6 +249,9 @@ def pipeline(
     if graph.glue is not None:  # several graphs: the controller runs the Python between them
         from orgel.explicit import glued
 
+        if compile:
+            raise ValueError("compile=True is not available for a forward of several graphs "
+                             "(graph breaks) yet: pass compile=False")
         if check_finite:
             raise ValueError("check_finite is not available for a forward of several graphs "
                              "(the loss runs in this process): check the loss pipe.step returns")

@@ -67,8 +67,9 @@ OPTIMIZER_COPY_LIMIT = 256 << 20
 
 
 def rank_threads(ranks: int) -> int:
-    """Intra-op threads each of ``ranks`` local ranks trains with (``orgel.runtime.launch``)."""
-    return max(1, (os.cpu_count() or 1) // max(1, ranks))
+    """Intra-op threads each of ``ranks`` local ranks trains with: one, since they are
+    forked (:func:`orgel.runtime.launch.fork_threads`); ``ranks`` is kept for callers."""
+    return 1
 
 
 def _cores() -> int:

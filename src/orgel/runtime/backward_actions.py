@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from orgel.runtime.backward import input_backward, weight_backward
+from orgel.runtime.backward import WeightWork, input_backward, weight_backward
+from orgel.runtime.compiled import compiled_input_backward
 from orgel.runtime.optimizer import OptimizerLoop
 from orgel.runtime.scaler import LossScaler
 from orgel.runtime.stage import Run, StageInfo, part_rows, replayed
@@ -39,6 +40,7 @@ class BackwardActions:
     act_dim: int
     loop: OptimizerLoop
     scaler: LossScaler | None
+    compiled: dict[int, Any] | None
     _runs: dict[tuple[int, int], Run]
     _inbox: dict[int, list[torch.Tensor]]
     _local_grads: dict[tuple[int, int], dict[str, torch.Tensor]]
@@ -114,14 +116,18 @@ class BackwardActions:
                 torch.autograd.backward(roots, grads)
             got = {n: t.grad for n, t in leaves.items()}
             del self._runs[(a.stage, m)]
+        elif self.compiled is not None:  # the compiled graphs' own input and weight halves
+            computed, run.work = compiled_input_backward(roots, grads, list(leaves.values()))
+            run.outputs = tuple(t.detach() for t in run.outputs)
         else:
-            computed: list[torch.Tensor | None] = [None] * len(leaves)
+            computed = [None] * len(leaves)
             if roots:
                 computed, run.work = input_backward(roots, grads, list(leaves.values()),
                                                     [p for p in info.stage.module.parameters()
                                                      if p.requires_grad])
-            got = dict(zip(leaves, computed, strict=True))
             run.outputs = tuple(t.detach() for t in run.outputs)
+        if a.kind == "I":
+            got = dict(zip(leaves, computed, strict=True))
         self._in_grads = {n: g if g is not None else torch.zeros_like(leaves[n])
                           for n, g in got.items()}
         for e in info.in_edges:
@@ -134,5 +140,7 @@ class BackwardActions:
     def _weight(self, a: Action) -> None:
         """``W``: weight gradients from what ``I`` kept (see :mod:`orgel.runtime.backward`)."""
         run = self._runs.pop((a.stage, a.microbatch))
-        if run.work is not None:
+        if isinstance(run.work, WeightWork):
             weight_backward(run.work)
+        elif run.work is not None:  # a compiled stage's weight halves
+            run.work()

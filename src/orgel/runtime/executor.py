@@ -59,6 +59,7 @@ from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.buffers import ReplicaBuffers
 from orgel.runtime.comm import Transport
+from orgel.runtime.compiled import CompiledStage, check_compile
 from orgel.runtime.devices import move
 from orgel.runtime.dropped import DroppedStep
 from orgel.runtime.errors import NonFiniteLoss, StepAbandoned, StepFailure, is_comm_error
@@ -111,7 +112,10 @@ class Executor(BackwardActions, DroppedStep):
     keeps and steps, by original name: code outside every graph trains them, and
     ``before_reduce`` adds their gradients), ``loss_scaling`` (float16: one loss scale
     for the whole pipeline, :mod:`orgel.runtime.scaler`; a dict gives GradScaler's options;
-    :attr:`skipped` says whether the last step was skipped for an inf/NaN gradient).
+    :attr:`skipped` says whether the last step was skipped for an inf/NaN gradient),
+    ``compile`` (run every stage through Inductor-compiled forward and backward graphs,
+    the backward in an input and a weight half for ``I``/``W``:
+    :mod:`orgel.runtime.compiled`).
 
     Hooks a driver may set (the closure runner does): ``fetch_inputs(m)`` returns
     micro-batch ``m``'s model inputs when its first forward that reads them runs
@@ -139,7 +143,7 @@ class Executor(BackwardActions, DroppedStep):
                  extra_params: dict[str, torch.nn.Parameter] | None = None,
                  loss_scaling: bool | dict[str, Any] = False,
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
-                 accumulate: int = 1) -> None:
+                 accumulate: int = 1, compile: bool = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -175,6 +179,9 @@ class Executor(BackwardActions, DroppedStep):
                              "without replicated stages")
         self.act_dim = 0 if act_dim is None else act_dim
         self.check_finite = check_finite
+        check_compile(compile, plan, split)
+        #: by stage: its compiled graphs (``compile``; made at the stage's first forward)
+        self.compiled: dict[int, CompiledStage] | None = {} if compile else None
         self.actions = plan.schedule[self.rank]
         self.stages = {s: StageInfo.build(plan, split, s, self.rank)
                        for s in plan.stages_on(self.rank)}
@@ -495,7 +502,13 @@ class Executor(BackwardActions, DroppedStep):
                  m: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         if self.on_microbatch is not None:
             self.on_microbatch(m)
-        out = info.stage.module(*args)
+        if self.compiled is None:
+            out = info.stage.module(*args)
+        else:
+            runner = self.compiled.get(info.index)
+            if runner is None:
+                runner = self.compiled[info.index] = CompiledStage(info.stage.module)
+            out = runner(*args)
         outputs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
         if len(outputs) != len(info.stage.outputs):
             raise ValueError(f"stage {info.index} returned {len(outputs)} tensors but declares "

@@ -87,6 +87,7 @@ class ForwardOnly(Executor):
         self.replicated, self.seed = executor.replicated, executor.seed
         self.check_finite, self.timeout = executor.check_finite, executor.timeout
         self.dynamic_shapes = executor.dynamic_shapes
+        self.compiled = None if executor.compiled is None else {}  # the eval graphs' own
         self.actions = plan.schedule[self.rank]
         share_weights(split, executor.split, plan.stages_on(self.rank))
         self.stages = {s: StageInfo.build(plan, split, s, self.rank)

@@ -90,6 +90,37 @@ def init_from_env(*, backend: str | None = None, timeout: float = 60.0,
     return dist.get_rank(), dist.get_world_size()
 
 
+def fork_threads(requested: int | None) -> int:
+    """Intra-op threads of a worker forked from this process: one.
+
+    PyTorch's CPU wheels run intra-op work on GNU OpenMP, whose thread team does not
+    survive a fork: a forked child that starts a parallel region after its parent used
+    one waits forever (``torch.nn.functional.layer_norm`` of a 256x48x64 tensor with two
+    threads is enough). The caller has always used it by the time ranks fork (the
+    capture runs the model), so forked ranks run single-threaded, as PyTorch's own
+    DataLoader workers do. ``requested`` above one is refused with a warning; for
+    several threads per rank start fresh processes (``orgel run``, ``torchrun``)."""
+    if requested is not None and requested > 1:
+        import warnings
+
+        warnings.warn(f"threads={requested}: ranks forked from this process run with one "
+                      "intra-op thread each (GNU OpenMP hangs in a child forked from a "
+                      "process that used it); for more threads per rank, start them with "
+                      "torchrun or `orgel run --threads`", stacklevel=3)
+    return 1
+
+
+def watch_stacks() -> None:
+    """With ``ORGEL_STACKS=N`` in the environment, print every thread's stack to stderr each
+    ``N`` seconds (``faulthandler``): where a slow start-up or a hang spends its time, in the
+    caller and in every process orgel starts."""
+    import faulthandler
+
+    seconds = os.environ.get("ORGEL_STACKS")
+    if seconds:
+        faulthandler.dump_traceback_later(float(seconds), repeat=True, file=sys.stderr)
+
+
 def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads: int,
                  backend: str, log_dir: str | None, make_engine: Callable[[int], Any],
                  conn: Connection, line: Lifeline) -> None:
@@ -103,6 +134,7 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
         os.dup2(os.open(Path(log_dir) / f"rank{rank}.log",
                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     torch.set_num_threads(threads)
+    watch_stacks()  # a forked child has no watchdog thread of its own
     # a group started by a torchrun rank (to measure links while planning) is a world of
     # its own: torchrun's variables would make torch join torchrun's store instead
     for key in [k for k in os.environ if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC")]:
@@ -142,7 +174,8 @@ class LocalGroup:
 
     ``context``: ``"fork"`` (the workers inherit this process's memory) or
     ``"spawn"`` (fresh interpreters: ``make_engine`` must be picklable).
-    ``threads``: intra-op threads per rank (default: the cores shared out).
+    ``threads``: intra-op threads per rank (default: the cores shared out; forked workers
+    always one, :func:`fork_threads`).
     ``log_dir``: where each rank's stderr goes, if not to this process's.
     """
 
@@ -155,7 +188,8 @@ class LocalGroup:
             raise ValueError(f"timeout must be positive seconds, got {timeout_s}")
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
-        threads = threads or max(1, (os.cpu_count() or 1) // num_ranks)
+        threads = (fork_threads(threads) if context == "fork"
+                   else threads or max(1, (os.cpu_count() or 1) // num_ranks))
         # The port was free when chosen; another process can take it before rank 0 binds
         # it. That is no fault of the run: choose another and start again.
         for attempt in range(PORT_ATTEMPTS):

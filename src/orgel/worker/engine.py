@@ -149,6 +149,14 @@ class RankEngine:
         """The last optimizer step's global gradient norm before clipping (None: no step yet)."""
         return self.executor.grad_norm
 
+    def compile_seconds(self) -> float:
+        """Seconds this rank spent compiling its stages, training and evaluation graphs."""
+        total = 0.0
+        for executor in (self.executor, self.forward_only):
+            for runner in (getattr(executor, "compiled", None) or {}).values():
+                total += runner.compile_s
+        return total
+
     def param_groups(self) -> int | None:
         """How many parameter groups this rank's optimizer has (None: no optimizer here)."""
         return self.executor.loop.groups()

@@ -196,6 +196,14 @@ class Pipeline:
         norm = self._ask("grad_norm")
         return None if norm is None else float(norm)
 
+    @property
+    def compile_s(self) -> list[float]:
+        """Seconds each rank has spent compiling its stages (``compile=True``; by process;
+        under torchrun this rank's alone). Zero without compiling."""
+        if self.spmd:
+            return [float(self._ranks.engine.compile_seconds())]
+        return [float(s) for s in self._ranks.call("compile_seconds")]
+
     def _ask(self, method: str) -> Any:
         """The first rank's answer that is not None (every rank that has one agrees)."""
         if self.spmd:  # this rank's own answer: no collective

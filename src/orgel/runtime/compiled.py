@@ -1,0 +1,268 @@
+"""Compiled stages: each stage's forward and backward compiled by Inductor, the backward in
+two halves for the schedules that split it.
+
+A stage runs through :class:`CompiledStage` when the pipeline is built with
+``compile=True``. Its module (an fx graph) is called as one function of its
+parameters, buffers and inputs; AOTAutograd traces the joint forward and backward of
+that function and partitions it into a forward and a backward graph with the min-cut
+partitioner (what ``torch.compile`` does for a whole model). orgel then partitions the
+backward graph once more, by what each output needs:
+
+- ``I``, the input half: every node that the stage inputs' gradients need. It also
+  returns the values that the weight half reads from it (the *frontier*).
+- ``W``, the weight half: the nodes only the parameters' gradients need, run later
+  from the frontier.
+
+Each of the three graphs (forward, ``I``, ``W``; and the whole backward, for ``B``)
+is compiled by Inductor (``torch.compile`` of the fx graph). The executor keeps its
+autograd protocol: the stage is one autograd node. A full backward (``B``) runs the
+whole backward graph. Inside :func:`split_backward` (the executor's ``I`` action), the
+node runs ``I`` instead and returns no parameter gradients; the ``W`` closures it
+leaves behind run at the ``W`` action and add to the parameters' ``.grad``, as autograd
+would.
+
+Graphs are compiled once per stage and input signature (shapes, dtypes, grad mode;
+a new sequence length compiles again, once) and cached; :attr:`CompiledStage.compile_s`
+adds up the compile time. Random draws (dropout) use PyTorch's generator, not
+Inductor's (``fallback_random``), so a compiled stage draws what the eager one draws
+on the same stream, and a recompute replays it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx
+
+#: Inductor options for every stage graph: draws from torch's generator (exact dropout)
+INDUCTOR_OPTIONS = {"fallback_random": True}
+
+_split = threading.local()
+
+
+@contextmanager
+def split_backward() -> Iterator[list[Callable[[], None]]]:
+    """Inside: compiled stages' backwards compute input gradients only; the list filled
+    holds one closure per stage backward that adds its parameters' gradients later."""
+    pending: list[Callable[[], None]] = []
+    previous = getattr(_split, "pending", None)
+    _split.pending = pending
+    try:
+        yield pending
+    finally:
+        _split.pending = previous
+
+
+def compiled_input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor | None],
+                            leaves: list[torch.Tensor]
+                            ) -> tuple[list[torch.Tensor | None], Callable[[], None] | None]:
+    """``I`` of a compiled stage: the leaves' gradients now, and the ``W`` to run later.
+
+    Where no leaf takes a gradient (the first stage), ``I`` computes nothing and ``W`` is
+    the whole backward."""
+    if not roots:
+        return [None] * len(leaves), None
+    if not leaves:
+        def whole() -> None:
+            torch.autograd.backward(roots, grads)
+        return [], whole
+    with split_backward() as pending:
+        got = torch.autograd.grad(roots, leaves, grads, allow_unused=True)
+
+    def weights() -> None:
+        for work in pending:
+            work()
+    return list(got), weights
+
+
+def check_compile(compile: bool, plan: Any, split: Any) -> None:
+    """Raise ValueError for what compiled stages do not run yet: tensor parallelism and
+    FSDP-sharded stages (their DTensor parameters and module hooks)."""
+    if not compile:
+        return
+    if plan.tp > 1:
+        raise ValueError("compile=True with tensor parallelism (tp > 1) is not available yet: "
+                         "pass compile=False, or tp=1")
+    if any(s == "fsdp" for s in plan.shard):
+        raise ValueError("compile=True with shard='fsdp' is not available yet: pass "
+                         "compile=False, or shard='none'")
+
+
+def _inductor(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """``gm`` compiled by Inductor (lazily, at its first call)."""
+    return torch.compile(gm, backend="inductor", options=INDUCTOR_OPTIONS, dynamic=False)
+
+
+def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def partition_backward(bw: torch.fx.GraphModule, weights: int
+                       ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+    """Split a backward graph whose first ``weights`` outputs are the parameters' gradients
+    (the rest the inputs') into ``I`` and ``W``; also the number of ``I``'s gradient outputs.
+
+    ``I`` takes the backward's inputs and returns ``(*input grads, *frontier)``; ``W``
+    takes the frontier and returns the parameters' gradients (``None`` where the backward
+    gives none). Nothing is computed twice: ``W`` holds only nodes ``I`` does not."""
+    outputs = list(bw.graph.output_node().args[0])
+    w_outs, i_outs = outputs[:weights], outputs[weights:]
+    need_i = _ancestors([n for n in i_outs if isinstance(n, torch.fx.Node)])
+    need_w = _ancestors([n for n in w_outs if isinstance(n, torch.fx.Node)])
+    w_only = {n for n in need_w - need_i if n.op != "placeholder"}
+    order = list(bw.graph.nodes)
+    frontier = [n for n in order if n in need_w and n not in w_only
+                and (n in w_outs or any(u in w_only for u in n.users))]
+
+    i_graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in order:
+        if n.op == "placeholder" or (n in need_i and n.op != "output"):
+            env[n] = i_graph.node_copy(n, lambda x: env[x])
+    i_graph.output([env[n] if isinstance(n, torch.fx.Node) else n for n in i_outs]
+                   + [env[n] for n in frontier])
+    w_graph = torch.fx.Graph()
+    wenv: dict[torch.fx.Node, torch.fx.Node] = {}
+    for k, n in enumerate(frontier):
+        wenv[n] = w_graph.placeholder(f"frontier_{k}")
+        wenv[n].meta = dict(n.meta)
+    for n in order:
+        if n in w_only and n.op not in ("output", "placeholder"):
+            wenv[n] = w_graph.node_copy(n, lambda x: wenv[x])
+    w_graph.output([wenv[n] if isinstance(n, torch.fx.Node) else n for n in w_outs])
+    i_module = torch.fx.GraphModule(bw, i_graph)
+    w_module = torch.fx.GraphModule(bw, w_graph)
+    i_module.graph.eliminate_dead_code()
+    i_module.recompile()
+    return i_module, w_module, len(i_outs)
+
+
+class _Compiled:
+    """The forward and backward of one input signature, compiled; the backward splits
+    when :func:`split_backward` is on."""
+
+    def __init__(self, owner: CompiledStage, fn: Callable[..., Any]) -> None:
+        from torch._functorch.aot_autograd import aot_function, make_boxed_func
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        self.owner = owner
+        self.weights = 0  # set per call: how many leading arguments are parameters
+
+        def fw_compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable[..., Any]:
+            return make_boxed_func(self.owner._timed(_inductor(gm)))
+
+        def bw_compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable[..., Any]:
+            full = self.owner._timed(_inductor(gm))
+            i_gm, w_gm, count = partition_backward(gm, self.weights)
+            i_fn, w_fn = self.owner._timed(_inductor(i_gm)), self.owner._timed(_inductor(w_gm))
+            weights = self.weights
+
+            def backward(grads: list[Any]) -> Any:  # boxed: the list is ours to clear
+                pending = getattr(_split, "pending", None)
+                if pending is None:
+                    args = list(grads)
+                    grads.clear()
+                    return full(*args)
+                args = list(grads)
+                grads.clear()
+                result = i_fn(*args)
+                del args
+                inputs, frontier = list(result[:count]), list(result[count:])
+                params = self.owner._params_now
+                pending.append(lambda: _accumulate(params, w_fn(*frontier)))
+                return [None] * weights + inputs
+
+            backward._boxed_call = True  # type: ignore[attr-defined]
+            return backward
+
+        self.fn = aot_function(fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                               partition_fn=min_cut_rematerialization_partition)
+
+
+def _accumulate(params: list[torch.Tensor], grads: Any) -> None:
+    """Add ``grads`` to the parameters' ``.grad``, as autograd's AccumulateGrad does."""
+    for p, g in zip(params, grads, strict=True):
+        if g is None or not p.requires_grad:
+            continue
+        g = g.detach()
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+
+
+def _key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("t", tuple(value.shape), tuple(value.stride()), value.dtype, value.device,
+                value.requires_grad)
+    return ("v", value)
+
+
+class CompiledStage:
+    """Calls ``module`` (a stage's fx graph) through compiled graphs; see the module doc.
+
+    The parameters and buffers are read off ``module`` at every call, so loading a state
+    dict, an optimizer step or a recompute's swapped buffers are seen."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.compile_s = 0.0  # seconds spent compiling, all signatures together
+        self._cache: dict[Any, _Compiled] = {}
+        self._params_now: list[torch.Tensor] = []
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, its first call (where Inductor compiles) added to :attr:`compile_s`."""
+        state = {"first": True}
+
+        def call(*args: Any) -> Any:
+            if not state["first"]:
+                return fn(*args)
+            start = time.perf_counter()
+            out = fn(*args)
+            state["first"] = False
+            self.compile_s += time.perf_counter() - start
+            return out
+
+        return call
+
+    def __call__(self, *args: Any) -> Any:
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        names = [*params, *buffers]
+        tensors = [*params.values(), *buffers.values()]
+        positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        constants = {k: a for k, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+        key = (self.module.training, torch.is_grad_enabled(), tuple(names),
+               tuple(_key(t) for t in tensors), tuple(_key(a) for a in args))
+        compiled = self._cache.get(key)
+        if compiled is None:
+            module = self.module
+
+            def fn(*flat: torch.Tensor) -> Any:
+                state = dict(zip(names, flat[:len(names)], strict=True))
+                call_args = list(args)
+                for k, t in zip(positions, flat[len(names):], strict=True):
+                    call_args[k] = t
+                for k, v in constants.items():
+                    call_args[k] = v
+                return torch.func.functional_call(module, state, tuple(call_args))
+
+            start = time.perf_counter()
+            compiled = _Compiled(self, fn)
+            self.compile_s += time.perf_counter() - start
+            self._cache[key] = compiled
+        compiled.weights = len(params)
+        self._params_now = list(params.values())
+        return compiled.fn(*tensors, *(args[k] for k in positions))
