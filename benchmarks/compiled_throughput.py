@@ -69,9 +69,11 @@ def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
     else:
         import orgel
         from orgel.graph.capture import capture
+        from orgel.guard import cuda_unused
         from orgel.runtime.plans import balanced_plan
 
-        plan = balanced_plan(capture(model, {"tokens": x}), ranks=1, microbatches=1)
+        with cuda_unused():  # the ranks fork from this process: it must not use CUDA
+            plan = balanced_plan(capture(model, {"tokens": x}), ranks=1, microbatches=1)
         pipe = orgel.pipeline(model, (x,), y, loss_fn, ranks=1, microbatches=1, plan=plan,
                               device=device, compile=variant == "orgel-compile",
                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))

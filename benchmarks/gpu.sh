@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU leg, one command: the CUDA tests, `orgel demo --device cuda` (its start-up timed),
-# and one rank's throughput, orgel eager and compiled against plain PyTorch eager and
-# torch.compile on the same GPU. Every log and number lands under $OUT (default ./gpu-out) as
-# it is made, so a run cut short still reports. Run from the repository root on a machine
-# with a GPU and PyTorch (orgel from this tree, no install needed):
+# compiled stages checked against one CUDA process, and one rank's throughput, orgel eager and
+# compiled against plain PyTorch eager and torch.compile on the same GPU. Every log and number
+# lands under $OUT (default ./gpu-out) as it is made, so a run cut short still reports. Run
+# from the repository root on a machine with a GPU and PyTorch (orgel from this tree):
 #   bash benchmarks/gpu.sh
 # ORGEL_STACKS=30 prints every orgel process's stacks each 30 s: where a slow start waits.
 set -u
@@ -21,16 +21,19 @@ step() {  # step NAME SECONDS COMMAND...: run, keep its log, go on whatever it r
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)";
   nproc; } >"$OUT/summary.log" 2>&1
-# correctness first, side by side: the demo's start-up and the CUDA tests
+# correctness first, side by side: the demo's start-up, compiled stages, the CUDA tests
 ORGEL_STACKS=30 step demo "${DEMO_S:-120}" $PY -m orgel demo --device cuda --ranks 2 \
   --steps 20 --no-progress --out "$OUT/demo" &
-step tests "${TESTS_S:-170}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
-  -rs --durations=0 &
+step compiled "${COMPILED_S:-120}" $PY -m orgel run examples/gpt.py:workload --device cuda \
+  --ranks 2 --schedule zb-h1 --microbatches 4 --steps 3 --compile --check &
+step tests "${TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
+  -rA --tb=short --durations=0 -o faulthandler_timeout=60 &
 wait
 grep -h "captured, planned\|step time\|first step" "$OUT/demo.log" >>"$OUT/summary.log"
-tail -n 3 "$OUT/tests.log" >>"$OUT/summary.log"
+grep -h "check vs\|compiling the stages\|Error" "$OUT/compiled.log" >>"$OUT/summary.log"
+grep -h "passed\|failed\|^FAILED\|^PASSED" "$OUT/tests.log" >>"$OUT/summary.log"
 # then the timings alone on the GPU, each variant in a fresh process
-step throughput "${THROUGHPUT_S:-330}" $PY benchmarks/compiled_throughput.py --device cuda \
-  --timeout "${VARIANT_S:-150}" --out "$OUT/throughput.jsonl"
+step throughput "${THROUGHPUT_S:-270}" $PY benchmarks/compiled_throughput.py --device cuda \
+  --timeout "${VARIANT_S:-120}" --out "$OUT/throughput.jsonl"
 grep -h "x$" "$OUT/throughput.log" >>"$OUT/summary.log"
 cat "$OUT/summary.log"

@@ -229,8 +229,11 @@ class CompiledStage:
         def call(*args: Any) -> Any:
             if not state["first"]:
                 return fn(*args)
+            from orgel.graph.capture import dynamo_settings
+
             start = time.perf_counter()
-            out = fn(*args)
+            with dynamo_settings():  # torch 2.11 fails to log the compile's config otherwise
+                out = fn(*args)
             state["first"] = False
             self.compile_s += time.perf_counter() - start
             return out

@@ -112,13 +112,23 @@ def fork_threads(requested: int | None) -> int:
 
 def watch_stacks() -> None:
     """With ``ORGEL_STACKS=N`` in the environment, print every thread's stack to stderr each
-    ``N`` seconds (``faulthandler``): where a slow start-up or a hang spends its time, in the
-    caller and in every process orgel starts."""
+    ``N`` seconds: where a slow start-up or a hang spends its time, in the caller and in
+    every process orgel forks (each starts its own watcher: a thread does not survive a
+    fork, and ``faulthandler.dump_traceback_later`` would wait forever for the parent's)."""
     import faulthandler
+    import threading
 
-    seconds = os.environ.get("ORGEL_STACKS")
-    if seconds:
-        faulthandler.dump_traceback_later(float(seconds), repeat=True, file=sys.stderr)
+    seconds = float(os.environ.get("ORGEL_STACKS") or 0)
+    if seconds <= 0:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(seconds)
+            print(f"-- orgel: stacks of process {os.getpid()} --", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    threading.Thread(target=watch, name="orgel-stacks", daemon=True).start()
 
 
 def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads: int,
