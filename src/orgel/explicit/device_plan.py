@@ -34,7 +34,8 @@ def plan_in_child(prepare: Any, *, device: str, timeout_s: float) -> Plan:
     that profiles on ``device``; this process runs none of it."""
     from orgel.runtime.launch import LocalGroup
 
-    group = LocalGroup(1, lambda rank: _Planner(prepare, device), timeout_s=timeout_s)
+    group = LocalGroup(1, lambda rank: _Planner(prepare, device), timeout_s=timeout_s,
+                       daemon=False)  # it measures links: processes of its own
     try:
         (text,) = group.call("plan")
     finally:

@@ -181,7 +181,11 @@ class _Compiled:
                 del args
                 inputs, frontier = list(result[:count]), list(result[count:])
                 params = self.owner._params_now
-                pending.append(lambda: _accumulate(params, w_fn(*frontier)))
+                def weight_half() -> None:
+                    with torch.no_grad():  # the frontier may hold parameters themselves
+                        _accumulate(params, w_fn(*frontier))
+
+                pending.append(weight_half)
                 return [None] * weights + inputs
 
             backward._boxed_call = True  # type: ignore[attr-defined]

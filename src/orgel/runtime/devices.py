@@ -33,9 +33,40 @@ import torch.utils._pytree as pytree
 DEVICES = ("auto", "cpu", "cuda")
 
 
+_GPUS: list[int] = []  # gpu_count's answer, once known
+
+
 def gpu_count() -> int:
-    """The GPUs this process sees, read without initializing CUDA (NVML)."""
-    return int(torch.cuda.device_count())
+    """The GPUs this process sees, read without initializing CUDA here.
+
+    ``torch.cuda.device_count()`` asks NVML, and where NVML does not answer it asks the
+    CUDA runtime, which makes this process one that forked ranks cannot use CUDA from.
+    So unless this process already uses CUDA, a forked child of its own counts them."""
+    if not _GPUS:
+        _GPUS.append(_count_gpus())
+    return _GPUS[0]
+
+
+def _count_gpus() -> int:
+    if not torch.backends.cuda.is_built():
+        return 0
+    if torch.cuda.is_initialized():
+        return int(torch.cuda.device_count())
+    nvml = torch.cuda._device_count_nvml() if hasattr(torch.cuda, "_device_count_nvml") else -1
+    if nvml >= 0:
+        return int(nvml)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child asks the runtime and leaves at once
+        try:
+            os.write(write, str(torch._C._cuda_getDeviceCount()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    return int(text) if text.strip().isdigit() else 0
 
 
 def resolve_device(device: str | torch.device | None, *,

@@ -187,11 +187,15 @@ class LocalGroup:
     ``threads``: intra-op threads per rank (default: the cores shared out; forked workers
     always one, :func:`fork_threads`).
     ``log_dir``: where each rank's stderr goes, if not to this process's.
+    ``daemon=False`` lets a worker start processes of its own (the planning process
+    measures the links between ranks); its lifeline still ends it with this process, and
+    the caller must close the group (at exit Python waits for such a worker).
     """
 
     def __init__(self, num_ranks: int, make_engine: Callable[[int], Any], *,
                  timeout_s: float = 300.0, threads: int | None = None, context: str = "fork",
-                 backend: str = "gloo", log_dir: str | None = None) -> None:
+                 backend: str = "gloo", log_dir: str | None = None,
+                 daemon: bool = True) -> None:
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
         if timeout_s <= 0:
@@ -204,21 +208,22 @@ class LocalGroup:
         # it. That is no fault of the run: choose another and start again.
         for attempt in range(PORT_ATTEMPTS):
             try:
-                self._start(free_port(), threads, make_engine, context, backend, log_dir)
+                self._start(free_port(), threads, make_engine, context, backend, log_dir,
+                            daemon)
                 return
             except WorkerError as exc:
                 if "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
                     raise
 
     def _start(self, port: int, threads: int, make_engine: Callable[[int], Any], context: str,
-               backend: str, log_dir: str | None) -> None:
+               backend: str, log_dir: str | None, daemon: bool = True) -> None:
         ctx: Any = mp.get_context(context)
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         self._closed = False
         for rank in range(self.num_ranks):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, name=f"orgel-rank{rank}", daemon=True,
+            proc = ctx.Process(target=_worker_main, name=f"orgel-rank{rank}", daemon=daemon,
                                args=(rank, self.num_ranks, port, self.timeout_s, threads,
                                      backend, log_dir, make_engine, child, lifeline()))
             with _main_left_alone(make_engine if context == "spawn" else None):

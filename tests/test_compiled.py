@@ -1,0 +1,160 @@
+"""Compiled stages (:mod:`orgel.runtime.compiled`): Inductor's forward, backward and the
+backward's input and weight halves give the eager stage's gradients, in one process and
+through ``orgel run --compile --check`` on local ranks against one process.
+
+Inductor compiles slowly on a small CPU, so the models are tiny and each test compiles a
+handful of graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from orgel.cli import main
+from orgel.graph.capture import capture
+from orgel.runtime.compiled import CompiledStage, partition_backward, split_backward
+from orgel.runtime.plans import balanced_plan
+from orgel.runtime.stage import place
+from orgel.split import split_plan
+
+#: Inductor starts the C++ compiler: every test here starts processes
+pytestmark = pytest.mark.slow
+
+GPT = "examples/gpt.py:workload"
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")])]
+
+
+def _stage(device: str) -> tuple[torch.nn.Module, list[object], torch.Tensor]:
+    """The tiny GPT captured and split as one stage (the runtime's own module), and a batch."""
+    from orgel.models.gpt import GPT as Model
+    from orgel.models.gpt import GPTConfig
+
+    torch.manual_seed(0)
+    model = Model(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=16))
+    tokens = torch.randint(0, 64, (4, 16))
+    graph = capture(model, {"tokens": tokens})
+    split = split_plan(graph, balanced_plan(graph, ranks=1, microbatches=1))
+    stage = split.stages[0]
+    place(stage.module, torch.device(device))
+    named = split.with_sizes({"tokens": tokens.to(device)})
+    return (stage.module, [named[n] for n in stage.inputs],
+            torch.randint(0, 64, (4, 16), device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_stage_trains_as_the_eager_one(device: str) -> None:
+    """Three SGD steps, each stage's gradients after a full backward (``B``) and after the
+    split one (``I`` now, ``W`` later), against the same steps in eager mode."""
+    eager, args, targets = _stage(device)
+    compiled_module = copy.deepcopy(eager)
+    compiled = CompiledStage(compiled_module)
+
+    def loss_of(out: object) -> torch.Tensor:
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    for step, split in enumerate([False, True, False]):
+        loss_e = loss_of(eager(*args))
+        loss_e.backward()
+        loss_c = loss_of(compiled(*args))
+        if split:  # I now (no input takes a gradient here), W after
+            with split_backward() as pending:
+                loss_c.backward()
+            assert all(q.grad is None for q in compiled_module.parameters())
+            for work in pending:
+                work()
+        else:
+            loss_c.backward()
+        assert abs(loss_e.item() - loss_c.item()) < 1e-4, step
+        for (name, p), q in zip(eager.named_parameters(), compiled_module.parameters(),
+                                strict=True):
+            assert q.grad is not None, name
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+        with torch.no_grad():
+            for p, q in zip(eager.parameters(), compiled_module.parameters(), strict=True):
+                p -= 0.5 * p.grad
+                q -= 0.5 * q.grad
+                p.grad = q.grad = None
+    assert compiled.compile_s > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_input_and_weight_halves_add_up_to_the_backward(device: str) -> None:
+    """A stage whose input takes a gradient: ``I`` returns it with no parameter gradient,
+    the ``W`` closures it leaves add the parameters' gradients, equal to a full backward's."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                              torch.nn.Linear(16, 8)).to(device)
+    gm = torch.fx.symbolic_trace(net)
+    compiled = CompiledStage(copy.deepcopy(gm))
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    grad = torch.randn(4, 8, device=device)
+    gm(x).backward(grad)
+    xc = x.detach().clone().requires_grad_()
+    out = compiled(xc)
+    with split_backward() as pending:
+        (dx,) = torch.autograd.grad(out, [xc], grad)
+    torch.testing.assert_close(dx, x.grad)
+    assert all(p.grad is None for p in compiled.module.parameters())
+    assert len(pending) == 1
+    pending[0]()
+    for p, q in zip(gm.parameters(), compiled.module.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_the_weight_half_holds_only_what_the_input_half_does_not() -> None:
+    """The backward graph's nodes go to ``I`` or ``W``, none to both (nothing computed twice),
+    and ``W`` reads the frontier ``I`` hands it, no placeholder of the backward."""
+    from torch._functorch.aot_autograd import aot_function
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _example: object) -> object:
+        graphs.append(gm)
+        return gm
+
+    w = torch.randn(6, 6, requires_grad=True)
+    fn = aot_function(lambda w, x: (torch.tanh(x @ w) @ w).sum(), fw_compiler=lambda g, _: g,
+                      bw_compiler=keep)
+    fn(w, torch.randn(3, 6, requires_grad=True)).backward()
+    i_gm, w_gm, count = partition_backward(graphs[0], 1)
+    assert count == 1
+    compute = {n.target for g in (i_gm, w_gm) for n in g.graph.nodes
+               if n.op == "call_function"}
+    assert compute
+    i_nodes = [n.name for n in i_gm.graph.nodes if n.op == "call_function"]
+    w_nodes = [n.name for n in w_gm.graph.nodes if n.op == "call_function"]
+    assert not set(i_nodes) & set(w_nodes)
+    assert all(n.name.startswith("frontier_") for n in w_gm.graph.nodes
+               if n.op == "placeholder")
+
+
+@pytest.mark.parametrize("schedule,extra", [("zb-h1", []), ("dualpipev", []),
+                                            ("1f1b", ["--dp", "2", "--recompute"])])
+def test_compiled_stages_train_as_one_process(schedule: str, extra: list[str],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`orgel run --compile --check` on 2 local ranks: the split backward's halves (ZB-H1,
+    DualPipeV), data parallelism and recompute, against one eager process."""
+    code = main(["run", GPT, "--ranks", "2", "--schedule", schedule, "--microbatches", "4",
+                 "--steps", "2", "--compile", "--check", "--optimizer", "adamw",
+                 "--lr", "1e-3", "--max-grad-norm", "0.5", "--device", "cpu",
+                 "--timeout", "300", *extra])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "-> OK" in out and "compiling the stages took" in out
+
+
+def test_compile_refuses_what_it_does_not_run_yet() -> None:
+    from orgel.runtime.compiled import check_compile
+    from orgel.schedule.families import build_schedule
+
+    plan = build_schedule("1f1b", 2, 2)
+    check_compile(True, plan, None)
+    with pytest.raises(ValueError, match="tp"):
+        check_compile(True, dataclasses.replace(plan, tp=2), None)
