@@ -30,7 +30,6 @@ on the same stream, and a recompute replays it.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +41,17 @@ import torch.fx
 #: Inductor options for every stage graph: draws from torch's generator (exact dropout)
 INDUCTOR_OPTIONS = {"fallback_random": True}
 
-_split = threading.local()
+class _Split:
+    """The closures of the weight halves that the backward in progress leaves, or None.
+
+    Process-wide, not per thread: on CUDA the autograd engine runs a backward on a device
+    thread of its own, which would not see the caller's thread-local state (a rank runs one
+    backward at a time)."""
+
+    pending: list[Callable[[], None]] | None = None
+
+
+_split = _Split()
 
 
 @contextmanager
@@ -50,7 +59,7 @@ def split_backward() -> Iterator[list[Callable[[], None]]]:
     """Inside: compiled stages' backwards compute input gradients only; the list filled
     holds one closure per stage backward that adds its parameters' gradients later."""
     pending: list[Callable[[], None]] = []
-    previous = getattr(_split, "pending", None)
+    previous = _split.pending
     _split.pending = pending
     try:
         yield pending
@@ -170,7 +179,7 @@ class _Compiled:
             weights = self.weights
 
             def backward(grads: list[Any]) -> Any:  # boxed: the list is ours to clear
-                pending = getattr(_split, "pending", None)
+                pending = _split.pending
                 if pending is None:
                     args = list(grads)
                     grads.clear()
