@@ -29,6 +29,7 @@ import torch
 
 from orgel.batching import BatchDim
 from orgel.guard import cuda_unused, untouched
+from orgel.lossweights import check_rule, rule_for
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.devices import (
@@ -102,6 +103,7 @@ def pipeline(
     device: str | None = None,
     tp: int = 1,
     shard: str = "none",
+    loss_rule: str = "auto",
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -182,6 +184,15 @@ def pipeline(
     resumes one). With ``dp > 1`` each replica is a pipeline rank of ``tp`` processes (``dp``
     divides ``ranks // tp``), and ``shard="fsdp"`` shards over the replicas on a 2-D mesh;
     ``evaluate`` splits the eval-mode stages alike. Not yet: a forward with graph breaks.
+
+    ``loss_rule``: how the micro-batches' and replicas' losses weigh in the batch's
+    (:mod:`orgel.lossweights`): ``"auto"`` (default) finds it on a trial forward of the
+    example batch (a mean over rows, a token mean over labels that are not -100, a causal
+    LM's own shifted token mean, or a sum) and raises
+    :class:`~orgel.lossweights.LossRuleError` for a loss none of them reproduces; or one
+    of ``"rows"``, ``"items"``, ``"shifted"``, ``"sum"`` (a ``loss_fn`` may carry it as
+    its attribute ``loss_rule``). A loss that depends on how the batch is cut (in-batch
+    negatives) takes ``"rows"``: each micro-batch's loss then counts equally.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
@@ -205,12 +216,17 @@ def pipeline(
     executor_options = {"replicated": workload.replicated, "loss_scaling": scaling,
                         "check_finite": check_finite, "batch_dim": batch_dim, **loop}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
+    check_rule(loss_rule)
+    executor_options["loss_rule"] = (loss_rule if loss_rule != "auto"
+                                     else getattr(loss_fn, "loss_rule", "auto"))
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)
     kind = resolve_device(device, model=model)
     spmd = under_torchrun()
     if not spmd:
         check_fork(kind)
+        # how the pieces' losses make the batch's (orgel.lossweights): a trial forward
+        executor_options["loss_rule"] = rule_for(workload, executor_options["loss_rule"])
     if spmd:
         return _spmd_pipeline(workload, ranks=world, microbatches=microbatches,
                               executor_options=executor_options, optimizer=optimizer,
@@ -270,6 +286,7 @@ def pipeline(
                     workload=workload, outputs=split.unflatten_outputs,
                     evaluation=_unflatten(evaluation))
     pipe.check_sizes = shape_check(workload, split, the_plan)
+    pipe.loss_rule = executor_options["loss_rule"]
     check_param_groups(pipe)
     return pipe
 
@@ -381,15 +398,17 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
         if graph is not None:
             one_graph_only(graph)
-        text: list[Any] = [None, None]
+        text: list[Any] = [None, None, None]
         if process == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
             with profiling_on(kind):
                 resolved = resolve_plan(plan, workload, graph, ranks // tp, microbatches,
                                         memory, dp, source=source, optimizer=optimizer)
                 if plan is None:
                     resolved = mark_sharded(resolved, shard)
-                text = [with_tp(resolved, tp, graph).to_json(), torch.initial_seed()]
+                text = [with_tp(resolved, tp, graph).to_json(), torch.initial_seed(),
+                        rule_for(workload, executor_options["loss_rule"])]
         dist.broadcast_object_list(text, src=0)
+        executor_options = {**executor_options, "loss_rule": str(text[2])}
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
             graph = capture_microbatch(workload, the_plan.microbatches)
@@ -414,6 +433,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                     accumulate=int(executor_options.get("accumulate", 1)), workload=workload,
                     outputs=split.unflatten_outputs, evaluation=_unflatten(evaluation))
     pipe.check_sizes = shape_check(workload, split, the_plan)
+    pipe.loss_rule = executor_options["loss_rule"]
     check_param_groups(pipe)
     return pipe
 
