@@ -27,7 +27,10 @@ a trial forward in eval mode of the example batch, with some labels set to
 ``ignore_index`` so that the pieces hold uneven counts, compares the whole batch's
 loss with each rule's combination of the pieces' losses; the rule that reproduces it
 wins. A loss that none reproduces raises :class:`LossRuleError`, which says what
-the trial saw: orgel does not train to other weights than one process would. (Labels
+the trial saw: orgel does not train to other weights than one process would. A model
+whose own outputs depend on how the batch is cut (a branch on a statistic of the batch,
+in-batch similarities) cannot equal one process on the whole batch by any weighting;
+its rule is the labels' default (:func:`default_rule`), as before. (Labels
 of one class per row are not masked: the trial then runs on the example as it is.)
 
 With ``accumulate=k`` each step call is one whole batch, weighted by this rule, and
@@ -168,7 +171,7 @@ def calibrate(model: torch.nn.Module, inputs: dict[str, Any], targets: Any, loss
     # so that the pieces' means differ and a wrong rule misses the whole by far
     attempts = [(b, s) for b in ([probe] if probe else []) + [(inputs, targets)]
                 for s in (4.0, 1.0)]
-    found: tuple[float, list[float], list[Any]] | None = None
+    found: tuple[float, list[float], list[Any], bool] | None = None
     with untouched(model), torch.no_grad():
         model.eval()
         for i, ((named, tg), scale) in enumerate(attempts):
@@ -179,11 +182,15 @@ def calibrate(model: torch.nn.Module, inputs: dict[str, Any], targets: Any, loss
                 if i == len(attempts) - 1:
                     raise
     assert found is not None
-    whole, parts, labels = found
+    whole, parts, labels, separable = found
     errors = {rule: abs(_combined(rule, parts, labels, rows // k) - whole)
               for rule in RULES if labels[0] is not None or rule in ("rows", "sum")}
     tol = 1e-4 * abs(whole) + 1e-6
     matched = [r for r in RULES if r in errors and errors[r] <= tol]
+    if not matched and not separable:  # the model's own outputs depend on the cut (a
+        # branch or a statistic over the batch): not the loss's doing, and no weighting
+        # makes such a model's micro-batches the whole batch; the labels decide the rule
+        return default_rule(model, inputs, targets)
     if not matched:
         seen = ", ".join(f"{r} gives {_combined(r, parts, labels, rows // k):.6g}"
                          for r in errors)
@@ -209,16 +216,20 @@ def _combined(rule: str, parts: list[float], labels: list[Any], rows: int) -> fl
 
 def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn: Any, k: int,
            batch_dim: BatchDim, replicated: tuple[str, ...],
-           scale: float) -> tuple[float, list[float], list[Any]]:
+           scale: float) -> tuple[float, list[float], list[Any], bool]:
     """The whole batch's loss, its ``k`` parts' losses and labels, with the floating
-    parameters times ``scale``."""
+    parameters times ``scale``; and whether the parts' outputs are the rows of the whole
+    batch's (the model itself does not depend on how the batch is cut)."""
     from orgel.batching import split_microbatches
 
     params = {n: p * scale if p.is_floating_point() else p
               for n, p in model.named_parameters()}
 
+    outs: list[Any] = []
+
     def run(x: dict[str, Any], y: Any) -> float:
-        return float(loss_fn(torch.func.functional_call(model, params, (), x), y))
+        outs.append(torch.func.functional_call(model, params, (), x))
+        return float(loss_fn(outs[-1], y))
 
     whole = run(named, targets)
     parts, labels = [], []
@@ -228,7 +239,26 @@ def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn:
     if not all(math.isfinite(v) for v in [whole, *parts]):
         raise LossRuleError(f"the trial loss is not finite (whole batch {whole}, parts "
                             f"{parts}): check the model's initial weights and the batch")
-    return whole, parts, labels
+    return whole, parts, labels, _separable(outs, k, dim_of(batch_dim, TARGETS))
+
+
+def _separable(outs: list[Any], k: int, dim: int) -> bool:
+    """Whether the ``k`` parts' floating outputs (``outs[1:]``) are the whole's (``outs[0]``)
+    rows along ``dim``."""
+    leaves = [pytree.tree_leaves(o) for o in outs]
+    for j, full in enumerate(leaves[0]):
+        if not (isinstance(full, torch.Tensor) and full.is_floating_point()
+                and full.dim() > dim and full.shape[dim] % k == 0):
+            continue
+        pieces = [p[j] for p in leaves[1:] if j < len(p)]
+        if len(pieces) != k or any(p.shape[dim] * k != full.shape[dim] for p in pieces):
+            continue
+        joined = torch.cat(pieces, dim)
+        scale = float(full.abs().max()) if full.numel() else 0.0
+        if joined.shape != full.shape or not torch.allclose(joined, full, rtol=1e-3,
+                                                             atol=1e-4 * (1 + scale)):
+            return False
+    return True
 
 
 def _probe(inputs: dict[str, Any], targets: Any, k: int,
