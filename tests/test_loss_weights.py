@@ -11,7 +11,6 @@ one plain PyTorch process on the whole batch, parameter by parameter.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -50,16 +49,12 @@ def padded_batch(step: int, rows: int = ROWS) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def own_loss(outputs: Any, _targets: Any) -> torch.Tensor:
-    return outputs.loss
-
-
 def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5)
 
 
 def _reference(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
-               accumulate: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+               accumulate: int) -> tuple[list[float], torch.nn.Module]:
     """One process, plain PyTorch: each call ``(model(**batch).loss / k).backward()``, and
     the optimizer steps every k-th call (the usual accumulation loop)."""
     one = copy.deepcopy(model)
@@ -72,7 +67,7 @@ def _reference(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
         if (i + 1) % accumulate == 0:
             opt.step()
             opt.zero_grad()
-    return losses, one.state_dict()
+    return losses, one
 
 
 def _compare(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -89,11 +84,17 @@ def test_a_padded_batch_through_the_models_own_loss_trains_as_one_process(
     batches = [padded_batch(step) for step in range(3 * accumulate)]
     counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches[:1]]
     assert counts[0] > 0
-    expected_losses, expected = _reference(model, batches, accumulate)
-    with orgel.pipeline(copy.deepcopy(model), batches[0], None, own_loss, ranks=2,
-                        microbatches=2, dp=dp, accumulate=accumulate, optimizer=_sgd,
-                        threads=1) as pipe:
-        losses = [pipe.step(batch, None) for batch in batches]
+    expected_losses, one = _reference(model, batches, accumulate)
+    held_out = padded_batch(7)
+    # the batch as a DataLoader gives it: no targets, no loss_fn (the model's own loss)
+    with orgel.pipeline(copy.deepcopy(model), batches[0], ranks=2, microbatches=2, dp=dp,
+                        accumulate=accumulate, optimizer=_sgd, threads=1) as pipe:
+        assert pipe.loss_rule == "shifted"
+        losses = [pipe.step(batch) for batch in batches]
+        evaluated = pipe.evaluate(held_out)
         state = pipe.state_dict()
     assert losses == pytest.approx(expected_losses, rel=1e-5)
-    _compare(state, expected)
+    _compare(state, one.state_dict())
+    one.eval()
+    with torch.no_grad():
+        assert evaluated == pytest.approx(float(one(**held_out).loss), rel=1e-5)

@@ -117,3 +117,11 @@ def test_the_models_own_loss_counts_its_labels_input() -> None:
     rule = calibrate(OwnLoss(), {"ids": ids, "labels": labels}, None,
                      lambda out, _: out["loss"])
     assert rule == "shifted"
+
+
+def test_without_a_loss_fn_the_models_own_loss_is_the_loss_or_it_says_what_to_pass() -> None:
+    from orgel.workload import WorkloadError, model_loss
+
+    assert model_loss({"loss": torch.tensor(2.0)}, None) == 2.0
+    with pytest.raises(WorkloadError, match="put the labels in the batch.*or pass loss_fn"):
+        model_loss(torch.zeros(2), None)

@@ -53,7 +53,7 @@ from orgel.split.materialize import (
 from orgel.worker.engine import OptimizerFactory, RankEngine
 from orgel.worker.pipe import OwnRank, Pipeline
 from orgel.worker.state import model_aliases, own_stage_copies
-from orgel.workload import Workload, validate_workload, with_precision
+from orgel.workload import Workload, model_loss, validate_workload, with_precision
 
 
 def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
@@ -78,8 +78,8 @@ def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: A
 def pipeline(
     model: torch.nn.Module,
     inputs: Any,
-    targets: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    targets: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
     ranks: int = 2,
     microbatches: int | str = 4,
@@ -108,10 +108,15 @@ def pipeline(
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
     ``inputs``/``targets`` are one example batch (``inputs`` a tuple of
-    positional tensors or a dict of keyword tensors); ``loss_fn(outputs,
-    targets)`` returns the batch-mean loss. ``optimizer(params)`` builds each
-    rank's optimizer (default: AdamW, lr 1e-3). ``memory`` caps bytes per rank
-    for the planner; ``dp`` asks for that many data-parallel replicas.
+    positional tensors or a dict of keyword tensors, such as a Hugging Face batch
+    ``{input_ids, attention_mask, labels}`` as a ``DataLoader`` gives it); ``loss_fn(outputs,
+    targets)`` returns the batch's loss (a mean over rows or over the labels that are not
+    -100, or a sum: ``loss_rule``). ``targets`` may be None (the labels are in the batch)
+    and ``loss_fn`` too: the model's own ``outputs.loss`` is the loss
+    (:func:`orgel.workload.model_loss`), as ``model(**batch).loss`` in one process.
+    ``optimizer(params)`` builds each rank's optimizer (default: AdamW, lr 1e-3).
+    ``memory`` caps bytes per rank for the planner; ``dp`` asks for that many
+    data-parallel replicas.
     ``shard``: how a stage's data-parallel replicas hold its state: ``"none"``
     (default: each replica a whole copy, gradients all-reduced) or ``"fsdp"``
     (torch FSDP2 over the stage's replicas: parameters, gradients and optimizer
@@ -207,6 +212,8 @@ def pipeline(
                        max_grad_norm=max_grad_norm, accumulate=accumulate)
     loop = {"scheduler": scheduler, "lr": lr, "max_grad_norm": max_grad_norm,
             "accumulate": accumulate}
+    if loss_fn is None:  # the model computes its own loss (labels in the batch)
+        loss_fn = model_loss
     workload = with_precision(Workload(model, inputs, targets, loss_fn, batch_dim=batch_dim,
                                        replicated=tuple(replicated)), precision)
     if loss_scale is not None and not scales_loss(precision):
@@ -262,9 +269,11 @@ def pipeline(
         if kind != "cpu":
             raise ValueError("a forward of several graphs (graph breaks) runs on CPU ranks "
                              "only: pass device='cpu', or remove the graph breaks")
-        return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
-                           timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases,
-                           options=loop)
+        glued_pipe = glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
+                                 timeout_s=timeout_s, threads=threads, keys=keys,
+                                 aliases=aliases, options=loop)
+        glued_pipe.loss_rule = executor_options["loss_rule"]
+        return glued_pipe
     with cuda_unused():  # before the fork: ranks inherit it
         evaluation = eval_split_for(workload, the_plan, split)
 
@@ -558,8 +567,9 @@ def stage_replicas(plan: Plan) -> int:
     return counts.pop()
 
 
-def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any,
-         loss_fn: Callable[[Any, Any], torch.Tensor], *, ranks: int | None = None,
+def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any = None,
+         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
+         ranks: int | None = None,
          plan: Plan | str | Path | None = None, **options: Any) -> Pipeline:
     """Start a pipeline and resume it from the checkpoint in ``directory``.
 

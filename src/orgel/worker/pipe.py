@@ -108,8 +108,12 @@ class Pipeline:
     def num_ranks(self) -> int:
         return self.plan.num_ranks
 
-    def step(self, inputs: Any, targets: Any, *, outputs: bool = False) -> Any:
-        """Train on a whole batch; its mean loss.
+    def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        """Train on a whole batch; its loss (as ``loss_fn`` on the whole batch in one process).
+
+        ``inputs`` is the batch as the model takes it (a dict such as a ``DataLoader``'s
+        ``{input_ids, attention_mask, labels}``, or a tuple); ``targets`` None when the
+        labels are in it (the model's own loss, or a ``loss_fn`` that ignores them).
 
         Forward and backward run on every call; the optimizer (and its schedule)
         steps on every ``accumulate``-th call, after clipping, with the gradients
