@@ -56,6 +56,20 @@ class Workload:
     precision: str = "32"
 
 
+def model_loss(outputs: Any, targets: Any = None) -> torch.Tensor:
+    """The model's own loss: ``outputs.loss`` (or ``outputs["loss"]``), the ``loss_fn``
+    of a pipeline given none. A Hugging Face model computes it from the ``labels`` of the
+    batch (``targets`` is not read)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+    if loss is None:
+        raise WorkloadError(
+            f"no loss_fn was given, so the model's own loss is the loss, but its outputs "
+            f"({type(outputs).__name__}) hold no 'loss': put the labels in the batch "
+            "(a Hugging Face model computes its loss from batch['labels']) or pass "
+            "loss_fn(outputs, targets)")
+    return loss
+
+
 def with_precision(w: Workload, precision: str) -> Workload:
     """``w`` trained under ``precision`` (:mod:`orgel.precision`): its loss under the autocast."""
     from orgel.precision import autocast_loss

@@ -29,6 +29,7 @@ import torch
 
 from orgel.batching import BatchDim
 from orgel.guard import cuda_unused, untouched
+from orgel.lossweights import check_rule, rule_for
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.devices import (
@@ -52,7 +53,7 @@ from orgel.split.materialize import (
 from orgel.worker.engine import OptimizerFactory, RankEngine
 from orgel.worker.pipe import OwnRank, Pipeline
 from orgel.worker.state import model_aliases, own_stage_copies
-from orgel.workload import Workload, validate_workload, with_precision
+from orgel.workload import Workload, model_loss, validate_workload, with_precision
 
 
 def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
@@ -77,8 +78,8 @@ def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: A
 def pipeline(
     model: torch.nn.Module,
     inputs: Any,
-    targets: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    targets: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
     ranks: int = 2,
     microbatches: int | str = 4,
@@ -103,14 +104,20 @@ def pipeline(
     tp: int = 1,
     shard: str = "none",
     compile: bool = False,
+    loss_rule: str = "auto",
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
     ``inputs``/``targets`` are one example batch (``inputs`` a tuple of
-    positional tensors or a dict of keyword tensors); ``loss_fn(outputs,
-    targets)`` returns the batch-mean loss. ``optimizer(params)`` builds each
-    rank's optimizer (default: AdamW, lr 1e-3). ``memory`` caps bytes per rank
-    for the planner; ``dp`` asks for that many data-parallel replicas.
+    positional tensors or a dict of keyword tensors, such as a Hugging Face batch
+    ``{input_ids, attention_mask, labels}`` as a ``DataLoader`` gives it); ``loss_fn(outputs,
+    targets)`` returns the batch's loss (a mean over rows or over the labels that are not
+    -100, or a sum: ``loss_rule``). ``targets`` may be None (the labels are in the batch)
+    and ``loss_fn`` too: the model's own ``outputs.loss`` is the loss
+    (:func:`orgel.workload.model_loss`), as ``model(**batch).loss`` in one process.
+    ``optimizer(params)`` builds each rank's optimizer (default: AdamW, lr 1e-3).
+    ``memory`` caps bytes per rank for the planner; ``dp`` asks for that many
+    data-parallel replicas.
     ``shard``: how a stage's data-parallel replicas hold its state: ``"none"``
     (default: each replica a whole copy, gradients all-reduced) or ``"fsdp"``
     (torch FSDP2 over the stage's replicas: parameters, gradients and optimizer
@@ -190,6 +197,15 @@ def pipeline(
     Each rank compiles a stage at its first step (and once more for a new input shape);
     ``pipe.compile_s`` reports the seconds by rank. Not yet with ``tp > 1`` or
     ``shard="fsdp"``.
+
+    ``loss_rule``: how the micro-batches' and replicas' losses weigh in the batch's
+    (:mod:`orgel.lossweights`): ``"auto"`` (default) finds it on a trial forward of the
+    example batch (a mean over rows, a token mean over labels that are not -100, a causal
+    LM's own shifted token mean, or a sum) and raises
+    :class:`~orgel.lossweights.LossRuleError` for a loss none of them reproduces; or one
+    of ``"rows"``, ``"items"``, ``"shifted"``, ``"sum"`` (a ``loss_fn`` may carry it as
+    its attribute ``loss_rule``). A loss that depends on how the batch is cut (in-batch
+    negatives) takes ``"rows"``: each micro-batch's loss then counts equally.
     """
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
@@ -204,6 +220,8 @@ def pipeline(
                        max_grad_norm=max_grad_norm, accumulate=accumulate)
     loop = {"scheduler": scheduler, "lr": lr, "max_grad_norm": max_grad_norm,
             "accumulate": accumulate}
+    if loss_fn is None:  # the model computes its own loss (labels in the batch)
+        loss_fn = model_loss
     workload = with_precision(Workload(model, inputs, targets, loss_fn, batch_dim=batch_dim,
                                        replicated=tuple(replicated)), precision)
     if loss_scale is not None and not scales_loss(precision):
@@ -214,12 +232,17 @@ def pipeline(
                         "check_finite": check_finite, "batch_dim": batch_dim,
                         "compile": compile, **loop}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
+    check_rule(loss_rule)
+    executor_options["loss_rule"] = (loss_rule if loss_rule != "auto"
+                                     else getattr(loss_fn, "loss_rule", "auto"))
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)
     kind = resolve_device(device, model=model)
     spmd = under_torchrun()
     if not spmd:
         check_fork(kind)
+        # how the pieces' losses make the batch's (orgel.lossweights): a trial forward
+        executor_options["loss_rule"] = rule_for(workload, executor_options["loss_rule"])
     if spmd:
         return _spmd_pipeline(workload, ranks=world, microbatches=microbatches,
                               executor_options=executor_options, optimizer=optimizer,
@@ -258,9 +281,11 @@ def pipeline(
         if kind != "cpu":
             raise ValueError("a forward of several graphs (graph breaks) runs on CPU ranks "
                              "only: pass device='cpu', or remove the graph breaks")
-        return glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
-                           timeout_s=timeout_s, threads=threads, keys=keys, aliases=aliases,
-                           options=loop)
+        glued_pipe = glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
+                                 timeout_s=timeout_s, threads=threads, keys=keys,
+                                 aliases=aliases, options=loop)
+        glued_pipe.loss_rule = executor_options["loss_rule"]
+        return glued_pipe
     with cuda_unused():  # before the fork: ranks inherit it
         evaluation = eval_split_for(workload, the_plan, split)
 
@@ -282,6 +307,7 @@ def pipeline(
                     workload=workload, outputs=split.unflatten_outputs,
                     evaluation=_unflatten(evaluation))
     pipe.check_sizes = shape_check(workload, split, the_plan)
+    pipe.loss_rule = executor_options["loss_rule"]
     check_param_groups(pipe)
     return pipe
 
@@ -393,15 +419,17 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
         if graph is not None:
             one_graph_only(graph)
-        text: list[Any] = [None, None]
+        text: list[Any] = [None, None, None]
         if process == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
             with profiling_on(kind):
                 resolved = resolve_plan(plan, workload, graph, ranks // tp, microbatches,
                                         memory, dp, source=source, optimizer=optimizer)
                 if plan is None:
                     resolved = mark_sharded(resolved, shard)
-                text = [with_tp(resolved, tp, graph).to_json(), torch.initial_seed()]
+                text = [with_tp(resolved, tp, graph).to_json(), torch.initial_seed(),
+                        rule_for(workload, executor_options["loss_rule"])]
         dist.broadcast_object_list(text, src=0)
+        executor_options = {**executor_options, "loss_rule": str(text[2])}
         the_plan = Plan.from_json(str(text[0]))
         if graph is None:
             graph = capture_microbatch(workload, the_plan.microbatches)
@@ -426,6 +454,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
                     accumulate=int(executor_options.get("accumulate", 1)), workload=workload,
                     outputs=split.unflatten_outputs, evaluation=_unflatten(evaluation))
     pipe.check_sizes = shape_check(workload, split, the_plan)
+    pipe.loss_rule = executor_options["loss_rule"]
     check_param_groups(pipe)
     return pipe
 
@@ -550,8 +579,9 @@ def stage_replicas(plan: Plan) -> int:
     return counts.pop()
 
 
-def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any,
-         loss_fn: Callable[[Any, Any], torch.Tensor], *, ranks: int | None = None,
+def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any = None,
+         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
+         ranks: int | None = None,
          plan: Plan | str | Path | None = None, **options: Any) -> Pipeline:
     """Start a pipeline and resume it from the checkpoint in ``directory``.
 

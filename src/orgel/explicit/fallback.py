@@ -57,6 +57,7 @@ import torch.utils._pytree as pytree
 
 from orgel.graph import glue as glue_mod
 from orgel.graph.opgraph import CaptureError
+from orgel.lossweights import weigh
 
 
 class GlueError(CaptureError):
@@ -191,7 +192,7 @@ class Fallback:
                 raise GlueError(f"micro-batch {slot.index} left the captured graphs and ran in "
                                 f"the calling process, where its forward wrote buffers "
                                 f"{written[:3]} in place: orgel cannot hand that to the ranks")
-            loss = pipe.loss_fn(out, targets) / pipe.plan.microbatches
+            loss = weigh(pipe.loss_fn(out, targets), pipe._weights[(slot.index, 0)])
             grads = (torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
                      if loss.requires_grad and params else [None] * len(params))
         slot.grads = {n: g for (n, _), g in zip(params, grads, strict=True) if g is not None}

@@ -45,6 +45,7 @@ from orgel.explicit.fallback import GlueError as GlueError  # its home before th
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
 from orgel.graph.capture import dynamo_settings
+from orgel.lossweights import batch_weights, weigh
 from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
 from orgel.workload import named_inputs
@@ -268,8 +269,9 @@ class GluedPipeline(Pipeline):
 
     # -- a step ---------------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any, *, outputs: bool = False) -> Any:
-        """One training step on a whole batch; returns the mean loss over micro-batches.
+    def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        """One training step on a whole batch; returns its loss (each micro-batch's loss
+        weighted by :mod:`orgel.lossweights`, as the ranks' executors weigh theirs).
 
         ``outputs=True``: ``(loss, outputs)``, the model's outputs as
         :meth:`orgel.worker.pipe.Pipeline.step` returns them (computed here, in this process).
@@ -279,6 +281,9 @@ class GluedPipeline(Pipeline):
         self._check_batch(named, targets)  # the graphs are static: their sizes, named
         parts = split_microbatches(named, targets, self.plan.microbatches, self.batch_dim,
                                    self.replicated)
+        mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
+        self._weights = batch_weights(self.loss_rule, [p for p, _ in parts],
+                                      [t for _, t in parts], 1, self.batch_dim, mb_rows)
         if not self._warm:
             self._warm_up(parts[0][0])
         placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
@@ -435,7 +440,7 @@ class GluedPipeline(Pipeline):
         with dynamo_settings(), torch.enable_grad():
             if self._keep_outputs:
                 slot.outputs = out
-            loss = self.loss_fn(out, targets) / self.plan.microbatches
+            loss = weigh(self.loss_fn(out, targets), self._weights[(slot.index, 0)])
             # the anchors chain every graph call: backward reaches each, last one first;
             # the gradients of the parameters trained here are kept per micro-batch
             names = list(self._eager)

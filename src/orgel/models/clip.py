@@ -133,6 +133,11 @@ def contrastive_loss(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     return (weights * per_pair).mean() / 2
 
 
+# the other pairs of the batch are the negatives, so no weighting of the micro-batches'
+# losses gives the whole batch's: each counts equally (orgel.lossweights)
+contrastive_loss.loss_rule = "rows"  # type: ignore[attr-defined]
+
+
 def build_clip(*, batch_size: int = 4, seed: int = 0, **config: object) -> ZooWorkload:
     """CLIP workload: inputs ``{"tokens", "pixels"}``, targets per-pair weights (ones)."""
     check_positive(batch_size=batch_size)

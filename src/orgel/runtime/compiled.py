@@ -39,7 +39,7 @@ import torch
 import torch.fx
 
 #: Inductor options for every stage graph: draws from torch's generator (exact dropout)
-INDUCTOR_OPTIONS = {"fallback_random": True}
+INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
 
 class _Split:
     """The closures of the weight halves that the backward in progress leaves, or None.
@@ -126,7 +126,7 @@ def partition_backward(bw: torch.fx.GraphModule, weights: int
     ``I`` takes the backward's inputs and returns ``(*input grads, *frontier)``; ``W``
     takes the frontier and returns the parameters' gradients (``None`` where the backward
     gives none). Nothing is computed twice: ``W`` holds only nodes ``I`` does not."""
-    outputs = list(bw.graph.output_node().args[0])
+    outputs = list(bw.graph.output_node().args[0])  # type: ignore[arg-type]
     w_outs, i_outs = outputs[:weights], outputs[weights:]
     need_i = _ancestors([n for n in i_outs if isinstance(n, torch.fx.Node)])
     need_w = _ancestors([n for n in w_outs if isinstance(n, torch.fx.Node)])
@@ -200,7 +200,8 @@ class _Compiled:
             backward._boxed_call = True  # type: ignore[attr-defined]
             return backward
 
-        self.fn = aot_function(fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+        self.fn = aot_function(fn, fw_compiler=fw_compiler,  # type: ignore[arg-type]
+                               bw_compiler=bw_compiler,  # type: ignore[arg-type]
                                partition_fn=min_cut_rematerialization_partition)
 
 

@@ -17,12 +17,14 @@ right after the rank's last backward of it instead (:mod:`orgel.runtime.sharding
 
 Boundary protocol: received (or locally handed over) activations become
 detached leaves with ``requires_grad``; an output's gradient is the sum over
-its consumers; the loss of each micro-batch is scaled by
-``1 / (microbatches x loss replicas)``. A value that carries no gradient (the
-split's ``requires_grad``, the plan's ``Value.grad``: masks, integer ids,
-position tables) sends none back, and an edge of only such values has no
-gradient message (:func:`~orgel.runtime.messages.check_gradient_values` holds the plan to
-the split).
+its consumers; the loss of each micro-batch (and each loss replica's share of it) is
+multiplied by its weight, its share of the whole batch's loss-bearing items
+(:mod:`orgel.lossweights`: ``loss_rule``; ``"rows"``, the default, is
+``1 / (microbatches x loss replicas)``), so the weighted losses sum to the whole
+batch's. A value that carries no gradient (the split's ``requires_grad``, the plan's
+``Value.grad``: masks, integer ids, position tables) sends none back, and an edge of only
+such values has no gradient message (:func:`~orgel.runtime.messages.check_gradient_values`
+holds the plan to the split).
 
 A dropped step (``abandon_on_error``, set by :class:`orgel.worker.engine.RankEngine`):
 when an action's own work raises (a loss on a target out of range, a stage on a
@@ -55,6 +57,7 @@ from orgel.batching import (
     single_dim,
     split_microbatches,
 )
+from orgel.lossweights import Weight, batch_weights, weigh
 from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.buffers import ReplicaBuffers
@@ -106,6 +109,7 @@ class Executor(BackwardActions, DroppedStep):
     ``post_ahead`` (post every receive at the step's start; default: yes for gloo, no for
     NCCL, whose pair streams match in order, so receives go just in time in channel order),
     ``check_finite`` (fail the step at the first non-finite loss; costs a sync per loss),
+    ``loss_rule`` (how the micro-batches' losses weigh: :mod:`orgel.lossweights`),
     ``seed`` (the base of every forward's random stream; default ``torch.initial_seed()``),
     ``replicated`` (names of model inputs that are not batched: every micro-batch and
     replica gets them whole), ``extra_params`` (parameters of no stage that this rank
@@ -143,7 +147,8 @@ class Executor(BackwardActions, DroppedStep):
                  extra_params: dict[str, torch.nn.Parameter] | None = None,
                  loss_scaling: bool | dict[str, Any] = False,
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
-                 accumulate: int = 1, compile: bool = False) -> None:
+                 accumulate: int = 1, compile: bool = False,
+                 loss_rule: str = "rows") -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")
@@ -241,8 +246,10 @@ class Executor(BackwardActions, DroppedStep):
         options = loss_scaling if isinstance(loss_scaling, dict) else {}
         self.scaler = LossScaler(self.device, **options) if loss_scaling else None
         self.skipped = False  # the last step's gradients held an inf/NaN: no optimizer step
-        # a division, like the single-process reference's loss / microbatches
+        # each piece's share of the batch (orgel.lossweights); "rows": 1 / loss_divisor
+        self.loss_rule = loss_rule
         self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])
+        self._weights: dict[tuple[int, int], Weight] = {}
         self.dispatch: dict[str, Callable[[Action], None]] = {
             "F": self._forward, "B": self._backward, "I": self._backward, "W": self._weight,
         }
@@ -386,6 +393,9 @@ class Executor(BackwardActions, DroppedStep):
         self._fetched = set()
         self._targets = [t for _, t in parts]
         self._mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
+        self._weights = batch_weights(self.loss_rule, self._inputs, self._targets,
+                                      len(self.plan.placement[self.split.loss_stage]),
+                                      self.batch_dim, self._mb_rows)
         return parts[0][0]
 
     # -- the action loop ----------------------------------------------------------
@@ -528,7 +538,7 @@ class Executor(BackwardActions, DroppedStep):
         if self.check_finite and not bool(torch.isfinite(loss).all()):
             raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} "
                                 f"(stage {info.index}): check the inputs and the lr")
-        return outputs, loss / self.loss_divisor
+        return outputs, weigh(loss, self._weights[(m, info.replica)])
 
 
 def _signature(value: Any) -> Any:

@@ -1,7 +1,8 @@
 """Gradients across ranks after the backward work: replicas, tied copies, global norm.
 
-The loss of each micro-batch is scaled by ``1 / (microbatches x loss replicas)``
-so that every replica's gradient is a *partial sum* of the whole-batch
+The loss of each micro-batch (and loss replica) is multiplied by its share of the
+batch (:mod:`orgel.lossweights`; ``1 / (microbatches x loss replicas)`` for a mean over
+rows) so that every replica's gradient is a *partial sum* of the whole-batch
 gradient: summing over a stage's replicas gives exactly what one device with
 the whole batch computes (the mean-reduced loss convention). Hence:
 

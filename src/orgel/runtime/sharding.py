@@ -19,7 +19,8 @@ built over it. The rest is what ``torch.distributed.pipelining`` does with FSDP2
   stepping call only, with ``accumulate=k``) :meth:`Sharding.reduce` turns the
   flags on and runs each FSDP parameter group's ``post_backward``: one
   reduce-scatter (a plain SUM: orgel's gradients are partial sums already, the
-  loss carries ``1 / (microbatches x replicas)``; see :mod:`orgel.runtime.optim`),
+  loss carries its share of the batch, :mod:`orgel.lossweights`; see
+  :mod:`orgel.runtime.optim`),
   then the weights are resharded;
 * the global gradient norm counts every replica's local shard once
   (:func:`own_part`), and a parameter or optimizer state leaves a rank whole

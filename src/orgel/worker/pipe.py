@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from orgel.batching import check_batch
+from orgel.batching import batch_rows, check_batch, split_microbatches
+from orgel.lossweights import batch_weights
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.errors import StepError, step_error
 from orgel.runtime.outputs import merge
@@ -99,13 +100,20 @@ class Pipeline:
         #: ``check(named, targets)`` raising for a batch the stages cannot take, before any
         #: rank starts the step (:func:`orgel.graph.sizes.batch_check`); None: no check
         self.check_sizes: Any = None
+        #: how the micro-batches' and replicas' losses weigh (:mod:`orgel.lossweights`)
+        self.loss_rule = "rows"
+        self._loss_replicas = len(loss_ranks)
 
     @property
     def num_ranks(self) -> int:
         return self.plan.num_ranks
 
-    def step(self, inputs: Any, targets: Any, *, outputs: bool = False) -> Any:
-        """Train on a whole batch; its mean loss.
+    def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        """Train on a whole batch; its loss (as ``loss_fn`` on the whole batch in one process).
+
+        ``inputs`` is the batch as the model takes it (a dict such as a ``DataLoader``'s
+        ``{input_ids, attention_mask, labels}``, or a tuple); ``targets`` None when the
+        labels are in it (the model's own loss, or a ``loss_fn`` that ignores them).
 
         Forward and backward run on every call; the optimizer (and its schedule)
         steps on every ``accumulate``-th call, after clipping, with the gradients
@@ -221,6 +229,12 @@ class Pipeline:
                         self.plan.microbatches, w.batch_dim, w.replicated)
         if self.check_sizes is not None:  # sizes the stages cannot take (orgel.graph.sizes)
             self.check_sizes(named, targets)
+        if w is not None and self.loss_rule in ("items", "shifted"):  # a piece of no label
+            parts = split_microbatches(named, targets, self.plan.microbatches, w.batch_dim,
+                                       w.replicated)
+            rows = batch_rows(parts[0][0], parts[0][1], w.batch_dim, w.replicated)
+            batch_weights(self.loss_rule, [p for p, _ in parts], [t for _, t in parts],
+                          self._loss_replicas, w.batch_dim, rows)
 
     def predicted(self) -> Any:
         """The prediction for this plan (a SimResult: step_time, peak_memory, timeline, ...).

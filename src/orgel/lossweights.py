@@ -1,0 +1,308 @@
+"""The loss weight rule: how the losses of the pieces of a batch make the whole batch's loss.
+
+orgel runs a batch as pieces: micro-batch ``m``, and within it each data-parallel
+replica's rows (:func:`orgel.batching.split_microbatches`, :func:`orgel.batching.share`).
+Each piece's loss is multiplied by its **weight** and the weighted losses are summed;
+that sum is the loss whose gradients train the model, the loss ``step`` and
+``evaluate`` report, and it equals ``loss_fn`` on the whole batch in one process.
+
+One rule, every caller (the training step, ``evaluate``, every replica; the executor
+and the controller's batch check): a piece's weight is its share of the whole batch's
+loss-bearing items, ``items(piece) / items(batch)``, counted by one of:
+
+* ``"items"``: the entries of the label tensor that are not ``ignore_index`` (-100):
+  a token mean such as ``F.cross_entropy(..., ignore_index=-100)`` on padded batches;
+* ``"shifted"``: the same, leaving out each row's first position along the last
+  dimension: a causal LM's own loss (Hugging Face's ``outputs.loss`` shifts the labels
+  by one, so ``labels[..., 1:]`` are the tokens it averages over);
+* ``"rows"``: every row counts one (a mean over rows, or over a fixed number of
+  elements per row): every piece weighs ``1 / pieces``;
+* ``"sum"``: weight 1 for every piece: the loss is a sum over items.
+
+The label tensor (:func:`labels_of`) is the first integer tensor of the targets, or,
+with no integer targets, a model input named ``labels`` (the model computes its own loss).
+
+Which count a workload's loss uses is decided once, at start-up (:func:`calibrate`):
+a trial forward in eval mode of the example batch, with some labels set to
+``ignore_index`` so that the pieces hold uneven counts, compares the whole batch's
+loss with each rule's combination of the pieces' losses; the rule that reproduces it
+wins. A loss that none reproduces raises :class:`LossRuleError`, which says what
+the trial saw: orgel does not train to other weights than one process would. A model
+whose own outputs depend on how the batch is cut (a branch on a statistic of the batch,
+in-batch similarities) cannot equal one process on the whole batch by any weighting;
+its rule is the labels' default (:func:`default_rule`), as before. (Labels
+of one class per row are not masked: the trial then runs on the example as it is.)
+
+With ``accumulate=k`` each step call is one whole batch, weighted by this rule, and
+counts ``1/k`` (:mod:`orgel.runtime.optimizer`): as one process that runs
+``(loss_fn(model(batch), targets) / k).backward()`` per call. A micro-batch (or a
+replica's share) that holds no loss-bearing item under a mean rule has a loss of 0/0;
+it is refused before any rank runs it (:func:`loss_weights`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from orgel.batching import TARGETS, BatchDim, WorkloadError, dim_of, share
+
+IGNORE_INDEX = -100
+#: every rule, in the order :func:`calibrate` prefers them when the trial cannot tell
+RULES = ("items", "shifted", "rows", "sum")
+#: a weight as ``(count, total)``: the piece's loss is multiplied by ``count / total``
+Weight = tuple[int, int]
+
+
+class LossRuleError(WorkloadError):
+    """The loss is not one orgel can combine over micro-batches exactly; the message says why."""
+
+
+def labels_of(inputs: dict[str, Any], targets: Any) -> torch.Tensor | None:
+    """The tensor whose items the loss counts: the first integer tensor of ``targets``,
+    else the model input ``labels`` when it is an integer tensor; None when neither."""
+    for t in pytree.tree_leaves(targets):
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and not t.is_floating_point():
+            return t
+    labels = inputs.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() > 0 and not labels.is_floating_point():
+        return labels
+    return None
+
+
+def label_dim(inputs: dict[str, Any], targets: Any, batch_dim: BatchDim) -> int:
+    """The batch dimension of :func:`labels_of`'s tensor."""
+    in_targets = any(t is labels_of({}, targets) for t in pytree.tree_leaves(targets))
+    return dim_of(batch_dim, TARGETS if in_targets else "labels")
+
+
+def count(labels: torch.Tensor | None, rule: str, rows: int) -> int:
+    """The loss-bearing items of one piece under ``rule`` (``rows``: the piece's rows)."""
+    if rule == "rows" or labels is None:
+        return rows
+    if rule == "shifted":
+        labels = labels[..., 1:]
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def loss_weights(rule: str, pieces: list[tuple[torch.Tensor | None, int]],
+                 names: list[str] | None = None) -> list[Weight]:
+    """Each piece's weight, ``(its items, the batch's items)`` in lowest terms: the one rule.
+
+    ``pieces`` are ``(labels, rows)`` of every micro-batch and replica share, in order.
+    ``"sum"`` weighs every piece 1; the others by its share of the items, which sum to 1.
+    Raises :class:`LossRuleError` for a piece with no item under a mean rule, naming it
+    (``names[i]``, e.g. ``"micro-batch 1, replica 0"``), when other pieces have some.
+    """
+    if rule not in RULES:
+        raise ValueError(f"loss rule {rule!r} is not one of {RULES}")
+    if rule == "sum":
+        return [(1, 1)] * len(pieces)
+    counts = [count(labels, rule, rows) for labels, rows in pieces]
+    total = sum(counts)
+    if total == 0:  # nothing bears a loss: one process's mean is 0/0 too
+        return [(1, len(pieces))] * len(pieces)
+    empty = [i for i, c in enumerate(counts) if c == 0]
+    if empty and rule != "rows":
+        where = names[empty[0]] if names else f"piece {empty[0]}"
+        after = ", after the first position of each row" if rule == "shifted" else ""
+        raise LossRuleError(
+            f"{where} of this batch holds no loss-bearing label (every label is "
+            f"{IGNORE_INDEX}{after}), so its mean loss is 0/0 (NaN) though the whole batch's "
+            "is not: mix short and long rows across the batch, or use fewer micro-batches")
+    return [(c // math.gcd(c, total), total // math.gcd(c, total)) for c in counts]
+
+
+def weigh(loss: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """``loss`` times its weight ``count / total`` (in lowest terms: an equal share of
+    ``n`` pieces is exactly ``loss / n``)."""
+    c, total = weight
+    return loss if c == total else loss * c / total
+
+
+def batch_weights(rule: str, inputs: list[dict[str, Any]], targets: list[Any],
+                  replicas: int, batch_dim: BatchDim, rows: int) -> dict[tuple[int, int], Weight]:
+    """The weight of every (micro-batch, replica) of a step's batch, cut into ``inputs`` and
+    ``targets`` per micro-batch of ``rows`` rows, each shared by ``replicas`` replicas."""
+    pieces, names, keys = [], [], []
+    for m, (mb, tg) in enumerate(zip(inputs, targets, strict=True)):
+        labels = labels_of(mb, tg) if rule in ("items", "shifted") else None
+        dim = label_dim(mb, tg, batch_dim)
+        for r in range(replicas):
+            piece = None if labels is None else share(labels, r, replicas, dim, rows)
+            pieces.append((piece, rows // replicas))
+            names.append(f"micro-batch {m}" + (f", replica {r}" if replicas > 1 else ""))
+            keys.append((m, r))
+    return dict(zip(keys, loss_weights(rule, pieces, names), strict=True))
+
+
+def default_rule(model: torch.nn.Module, inputs: dict[str, Any], targets: Any) -> str:
+    """The rule without a trial (a meta model): a causal LM's own loss ``"shifted"``,
+    integer labels ``"items"``, anything else ``"rows"``."""
+    labels = labels_of(inputs, targets)
+    if labels is None:
+        return "rows"
+    if labels is inputs.get("labels") and type(model).__name__.endswith("ForCausalLM"):
+        return "shifted"
+    return "items"
+
+
+def calibrate(model: torch.nn.Module, inputs: dict[str, Any], targets: Any, loss_fn: Any,
+              batch_dim: BatchDim = 0, replicated: tuple[str, ...] = ()) -> str:
+    """The rule ``loss_fn`` follows, found on a trial forward of the example batch.
+
+    In eval mode and without gradients (the model is left as it was): the batch with
+    labels set to ``ignore_index`` unevenly over two (or more) pieces, its whole loss and
+    each piece's; the rule whose combination of the pieces' losses equals the whole
+    loss. Raises :class:`LossRuleError` when none does.
+    """
+    from orgel.batching import batch_rows
+    from orgel.guard import untouched
+
+    rows = batch_rows(inputs, targets, batch_dim, replicated)
+    k = next((d for d in range(2, rows + 1) if rows % d == 0), 1)
+    if k == 1:  # one row: never cut, every rule weighs it 1
+        return default_rule(model, inputs, targets)
+    probe = _probe(inputs, targets, k, batch_dim)
+    # the parameters scaled up (not written: a functional call) spread the items' losses,
+    # so that the pieces' means differ and a wrong rule misses the whole by far
+    attempts = [(b, s) for b in ([probe] if probe else []) + [(inputs, targets)]
+                for s in (4.0, 1.0)]
+    found: tuple[float, list[float], list[Any], bool] | None = None
+    with untouched(model), torch.no_grad():
+        model.eval()
+        for i, ((named, tg), scale) in enumerate(attempts):
+            try:
+                found = _trial(model, named, tg, loss_fn, k, batch_dim, replicated, scale)
+                break
+            except Exception:  # noqa: BLE001 - a loss that refuses ignore_index: unmasked
+                if i == len(attempts) - 1:
+                    raise
+    assert found is not None
+    whole, parts, labels, separable = found
+    errors = {rule: abs(_combined(rule, parts, labels, rows // k) - whole)
+              for rule in RULES if labels[0] is not None or rule in ("rows", "sum")}
+    tol = 1e-4 * abs(whole) + 1e-6
+    matched = [r for r in RULES if r in errors and errors[r] <= tol]
+    if not matched and not separable:  # the model's own outputs depend on the cut (a
+        # branch or a statistic over the batch): not the loss's doing, and no weighting
+        # makes such a model's micro-batches the whole batch; the labels decide the rule
+        return default_rule(model, inputs, targets)
+    if not matched:
+        seen = ", ".join(f"{r} gives {_combined(r, parts, labels, rows // k):.6g}"
+                         for r in errors)
+        raise LossRuleError(
+            f"orgel cannot tell how loss_fn combines over parts of a batch: on a trial "
+            f"forward (eval mode) the whole batch's loss is {whole:.6g} and its {k} parts' "
+            f"losses are {[round(p, 6) for p in parts]}; no rule reproduces the whole ({seen}). "
+            "Return a mean over the rows, a mean over the labels that are not -100, or a "
+            "sum of per-item losses. A loss that depends on how the batch is cut (in-batch "
+            "negatives) can be trained with each micro-batch's loss counting equally: pass "
+            "orgel.pipeline(..., loss_rule='rows')")
+    default = default_rule(model, inputs, targets)
+    return default if default in matched else matched[0]
+
+
+def _combined(rule: str, parts: list[float], labels: list[Any], rows: int) -> float:
+    try:
+        weights = loss_weights(rule, [(lb, rows) for lb in labels])
+    except LossRuleError:  # a piece with no item: this rule cannot be the loss's
+        return math.inf
+    return sum(p * c / t for p, (c, t) in zip(parts, weights, strict=True))
+
+
+def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn: Any, k: int,
+           batch_dim: BatchDim, replicated: tuple[str, ...],
+           scale: float) -> tuple[float, list[float], list[Any], bool]:
+    """The whole batch's loss, its ``k`` parts' losses and labels, with the floating
+    parameters times ``scale``; and whether the parts' outputs are the rows of the whole
+    batch's (the model itself does not depend on how the batch is cut)."""
+    from orgel.batching import split_microbatches
+
+    params = {n: p * scale if p.is_floating_point() else p
+              for n, p in model.named_parameters()}
+
+    outs: list[Any] = []
+
+    def run(x: dict[str, Any], y: Any) -> float:
+        outs.append(torch.func.functional_call(model, params, (), x))
+        return float(loss_fn(outs[-1], y))
+
+    whole = run(named, targets)
+    parts, labels = [], []
+    for mb, tg in split_microbatches(named, targets, k, batch_dim, replicated):
+        parts.append(run(mb, tg))
+        labels.append(labels_of(mb, tg))
+    if not all(math.isfinite(v) for v in [whole, *parts]):
+        raise LossRuleError(f"the trial loss is not finite (whole batch {whole}, parts "
+                            f"{parts}): check the model's initial weights and the batch")
+    return whole, parts, labels, _separable(outs, k, dim_of(batch_dim, TARGETS))
+
+
+def _separable(outs: list[Any], k: int, dim: int) -> bool:
+    """Whether the ``k`` parts' floating outputs (``outs[1:]``) are the whole's (``outs[0]``)
+    rows along ``dim``."""
+    leaves = [pytree.tree_leaves(o) for o in outs]
+    for j, full in enumerate(leaves[0]):
+        if not (isinstance(full, torch.Tensor) and full.is_floating_point()
+                and full.dim() > dim and full.shape[dim] % k == 0):
+            continue
+        pieces = [p[j] for p in leaves[1:] if j < len(p)]
+        if len(pieces) != k or any(p.shape[dim] * k != full.shape[dim] for p in pieces):
+            continue
+        joined = torch.cat(pieces, dim)
+        scale = float(full.abs().max()) if full.numel() else 0.0
+        if joined.shape != full.shape or not torch.allclose(joined, full, rtol=1e-3,
+                                                             atol=1e-4 * (1 + scale)):
+            return False
+    return True
+
+
+def _probe(inputs: dict[str, Any], targets: Any, k: int,
+           batch_dim: BatchDim) -> tuple[dict[str, Any], Any] | None:
+    """The example batch with labels masked unevenly over its ``k`` parts (None: no labels).
+
+    Part 0 keeps its labels; part ``j`` keeps the first ``j + 1`` positions along the last
+    dimension. Labels of one per row (class indices) are not padded: None, and the trial
+    runs on the batch as it is (their rules agree on batches without -100).
+    """
+    labels = labels_of(inputs, targets)
+    if labels is None:
+        return None
+    dim = label_dim(inputs, targets, batch_dim)
+    if labels.dim() < 2 or dim == labels.dim() - 1:  # a label per row: no padding to probe
+        return None
+    masked = labels.clone()
+    size = labels.shape[dim] // k
+    for j in range(1, k):
+        masked.narrow(dim, j * size, size)[..., 1 + j:] = IGNORE_INDEX
+    if any(t is labels for t in pytree.tree_leaves(targets)):
+        leaves, spec = pytree.tree_flatten(targets)
+        return inputs, pytree.tree_unflatten([masked if t is labels else t for t in leaves],
+                                             spec)
+    return {**inputs, "labels": masked}, targets
+
+
+def check_rule(rule: Any) -> None:
+    """Raise ValueError unless ``rule`` is ``"auto"`` or one of :data:`RULES`."""
+    if rule != "auto" and rule not in RULES:
+        raise ValueError(f"loss_rule must be 'auto' or one of {list(RULES)}, got {rule!r}")
+
+
+def rule_for(workload: Any, given: str = "auto") -> str:
+    """The rule of an :class:`orgel.workload.Workload`'s loss: ``given`` unless "auto";
+    else :func:`calibrate` on its example batch, or :func:`default_rule` for a meta model
+    (no values to try)."""
+    from orgel.workload import named_inputs, on_meta
+
+    check_rule(given)
+    if given != "auto":
+        return given
+    named = named_inputs(workload.model, workload.inputs)
+    if on_meta(workload.model):
+        return default_rule(workload.model, named, workload.targets)
+    return calibrate(workload.model, named, workload.targets, workload.loss_fn,
+                     workload.batch_dim, workload.replicated)

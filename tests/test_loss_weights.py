@@ -1,0 +1,100 @@
+"""Padded batches train as one process on the whole batch: the loss weight rule.
+
+A Hugging Face causal LM trained as people train it: right-padded batches of uneven
+lengths, ``labels`` -100 on the padding, the model's own ``outputs.loss`` (a mean over
+the loss-bearing tokens of the batch it sees). orgel runs each micro-batch (and each
+replica's share) on its own, so it weights each one's loss by its share of the whole
+batch's loss-bearing items (:mod:`orgel.lossweights`); the trained weights must equal
+one plain PyTorch process on the whole batch, parameter by parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import orgel
+
+pytestmark = [pytest.mark.slow, pytest.mark.hf]
+
+VOCAB, SEQ, ROWS = 96, 16, 4
+
+
+def _qwen2() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=SEQ, use_cache=False,
+                         attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
+
+
+def padded_batch(step: int, rows: int = ROWS) -> dict[str, torch.Tensor]:
+    """What a padding collator gives: ids right-padded to SEQ, mask, labels -100 on padding.
+
+    The lengths are uneven and the long rows sit in the first half of the batch, so the
+    micro-batches (and replicas) hold different numbers of loss-bearing tokens."""
+    g = torch.Generator().manual_seed(100 + step)
+    lengths = [SEQ, SEQ - 2, 5 + step, 4][:rows] + [SEQ // 2] * max(0, rows - 4)
+    ids = torch.randint(2, VOCAB, (rows, SEQ), generator=g)
+    mask = torch.zeros(rows, SEQ, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        mask[r, :n] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _reference(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
+               accumulate: int) -> tuple[list[float], torch.nn.Module]:
+    """One process, plain PyTorch: each call ``(model(**batch).loss / k).backward()``, and
+    the optimizer steps every k-th call (the usual accumulation loop)."""
+    one = copy.deepcopy(model)
+    opt = _sgd(list(one.parameters()))
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = one(**batch).loss
+        (loss / accumulate).backward()
+        losses.append(float(loss.detach()))
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses, one
+
+
+def _compare(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for name, value in expected.items():
+        if name in state:
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("dp", "accumulate"), [(1, 1), (2, 1), (1, 2)],
+                         ids=["pipeline", "dp2", "accumulate2"])
+def test_a_padded_batch_through_the_models_own_loss_trains_as_one_process(
+        dp: int, accumulate: int) -> None:
+    model = _qwen2()
+    batches = [padded_batch(step) for step in range(3 * accumulate)]
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches[:1]]
+    assert counts[0] > 0
+    expected_losses, one = _reference(model, batches, accumulate)
+    held_out = padded_batch(7)
+    # the batch as a DataLoader gives it: no targets, no loss_fn (the model's own loss)
+    with orgel.pipeline(copy.deepcopy(model), batches[0], ranks=2, microbatches=2, dp=dp,
+                        accumulate=accumulate, optimizer=_sgd, threads=1) as pipe:
+        assert pipe.loss_rule == "shifted"
+        losses = [pipe.step(batch) for batch in batches]
+        evaluated = pipe.evaluate(held_out)
+        state = pipe.state_dict()
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    _compare(state, one.state_dict())
+    one.eval()
+    with torch.no_grad():
+        assert evaluated == pytest.approx(float(one(**held_out).loss), rel=1e-5)

@@ -1,0 +1,127 @@
+"""The loss weight rule (orgel.lossweights) on its own: weights, and the start-up trial.
+
+No process starts here; the pipelines that train by the rule are in test_loss_weights.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orgel.lossweights import (
+    LossRuleError,
+    batch_weights,
+    calibrate,
+    loss_weights,
+    rule_for,
+    weigh,
+)
+from orgel.workload import Workload
+
+V, T = 11, 6
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, 8)
+        self.head = nn.Linear(8, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def _padded() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (4, T), generator=g)
+    labels = torch.randint(0, V, (4, T), generator=g)
+    labels[2:, 3:] = -100  # the second half is padded more
+    return ids, labels
+
+
+def token_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def token_sum(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+
+
+def row_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    per = F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="none")
+    return per.view(y.shape).sum(1).mean()
+
+
+def shifted_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A causal LM's own loss: position t predicts label t + 1."""
+    return token_mean(out[:, :-1], y[:, 1:])
+
+
+def in_batch_negatives(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    z = out.mean(1)
+    return F.cross_entropy(z @ z.t(), torch.arange(z.shape[0]))
+
+
+@pytest.mark.parametrize(("loss_fn", "rule"), [(token_mean, "items"), (token_sum, "sum"),
+                                               (row_mean, "rows"), (shifted_mean, "shifted")])
+def test_the_trial_finds_how_the_loss_is_normalized(loss_fn, rule) -> None:
+    ids, labels = _padded()
+    assert calibrate(TinyLM(), {"ids": ids}, labels, loss_fn) == rule
+
+
+@pytest.mark.parametrize("loss_fn", [token_mean, token_sum, row_mean, shifted_mean])
+def test_the_weighted_pieces_make_the_whole_batchs_loss(loss_fn) -> None:
+    model, (ids, labels) = TinyLM(), _padded()
+    rule = calibrate(model, {"ids": ids}, labels, loss_fn)
+    inputs = [{"ids": ids[:2]}, {"ids": ids[2:]}]
+    targets = [labels[:2], labels[2:]]
+    weights = batch_weights(rule, inputs, targets, 2, 0, 2)  # 2 micro-batches x 2 replicas
+    with torch.no_grad():
+        whole = loss_fn(model(ids), labels)
+        combined = sum(weigh(loss_fn(model(ids[[2 * m + r]]), labels[[2 * m + r]]),
+                             weights[(m, r)]) for m in range(2) for r in range(2))
+    torch.testing.assert_close(combined, whole)
+
+
+def test_a_loss_no_rule_reproduces_is_refused_at_start_up_with_what_the_trial_saw() -> None:
+    ids, labels = _padded()
+    with pytest.raises(LossRuleError, match="no rule reproduces the whole.*loss_rule='rows'"):
+        calibrate(TinyLM(), {"ids": ids}, labels, in_batch_negatives)
+    w = Workload(TinyLM(), {"ids": ids}, labels, in_batch_negatives)
+    assert rule_for(w, "rows") == "rows"  # asked for: no trial
+
+
+def test_a_piece_without_a_label_is_named() -> None:
+    labels = torch.tensor([[1, 2], [3, 4], [-100, -100], [-100, -100]])
+    with pytest.raises(LossRuleError, match="micro-batch 1 of this batch holds no loss-bearing"):
+        batch_weights("items", [{}, {}], [labels[:2], labels[2:]], 1, 0, 2)
+    assert loss_weights("rows", [(None, 2), (None, 2)]) == [(1, 2), (1, 2)]
+    assert loss_weights("sum", [(None, 2), (None, 2)]) == [(1, 1), (1, 1)]
+    assert loss_weights("shifted", [(labels[:2], 2), (labels[:1], 1)]) == [(2, 3), (1, 3)]
+
+
+def test_the_models_own_loss_counts_its_labels_input() -> None:
+    class OwnLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = TinyLM()
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.lm(ids)
+            return {"logits": logits, "loss": shifted_mean(logits, labels)}
+
+    ids, labels = _padded()
+    rule = calibrate(OwnLoss(), {"ids": ids, "labels": labels}, None,
+                     lambda out, _: out["loss"])
+    assert rule == "shifted"
+
+
+def test_without_a_loss_fn_the_models_own_loss_is_the_loss_or_it_says_what_to_pass() -> None:
+    from orgel.workload import WorkloadError, model_loss
+
+    assert model_loss({"loss": torch.tensor(2.0)}, None) == 2.0
+    with pytest.raises(WorkloadError, match="put the labels in the batch.*or pass loss_fn"):
+        model_loss(torch.zeros(2), None)
