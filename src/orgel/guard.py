@@ -158,13 +158,27 @@ def cuda_unused() -> Iterator[None]:
     when CUDA is available, which initializes CUDA; ranks forked afterwards could
     then not use it. The controller of forked ranks captures the model inside this
     (on the CPU) and never uses CUDA itself (:mod:`orgel.runtime.devices`).
+
+    Code that bound ``torch.cuda.is_available`` before (Dynamo's device interface does)
+    still calls the original, which asks the CUDA runtime and so initializes the driver
+    (``torch.cuda.is_initialized()`` stays False, yet forked ranks then fail with "CUDA
+    error: initialization error"); inside, ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` makes it ask
+    NVML instead, which leaves the driver alone.
     """
     if torch.cuda.is_initialized():
         yield
         return
+    import os
+
     available = torch.cuda.is_available
+    nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
         yield
     finally:
         torch.cuda.is_available = available  # type: ignore[assignment]
+        if nvml is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml
