@@ -85,12 +85,18 @@ def _eval_reference(model: nn.Module, state: dict[str, torch.Tensor],
 
 
 def test_evaluate_is_eval_mode_and_leaves_training_as_it_was() -> None:
+    """Eval mode against one process; a pass a rank's own error drops leaves the pipeline
+    as it was."""
     model = _model(0.3)
     (x,), y = _batch(5)
     with _start(copy.deepcopy(model)) as pipe:
         assert pipe.plan.num_stages == 2
         first = pipe.step(*_batch(0))
         state = pipe.state_dict()
+        # the loss needs targets: the rank's error drops the pass on every rank, as in
+        # step; the pipeline goes on, and evaluates and trains exactly afterwards
+        with pytest.raises(orgel.StepError, match="NoneType"):
+            pipe.evaluate((x,))
         loss = pipe.evaluate((x,), y)
         again, out = pipe.evaluate((x,), y, outputs=True)
         only = pipe.evaluate((x,), outputs=True)

@@ -92,7 +92,11 @@ class DroppedStep:
             for (s, name), saved in self._written.items():
                 self.stages[s].stage.module.get_buffer(name).copy_(saved)
         self._runs, self._inbox, self._local_grads, self._in_grads = {}, {}, {}, {}
-        self._signature = None
+        return self._abandoned()
+
+    def _abandoned(self) -> StepAbandoned:
+        """The error every rank raises for the pass being dropped: the first rank's own."""
+        self._signature = None  # the next pass exchanges shapes (placeholders may have none)
         root, line, tb = json.loads(self.transport.step_failure())
         if self._failed is not None and root == self.rank:
             cause: BaseException = self._failed[0]

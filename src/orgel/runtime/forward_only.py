@@ -120,8 +120,9 @@ class ForwardOnly(Executor):
         self.with_loss = True
         self.events = []
         self._signature = None
-        # the training step's drop-on-error and accumulation state do not apply here
-        self.abandon_on_error, self._failed, self._final = False, None, True
+        # a rank's own error (a loss_fn that needs the targets it was not given) drops the
+        # pass on every rank, as it drops a training step; nothing accumulates here
+        self.abandon_on_error, self._failed, self._final = executor.abandon_on_error, None, True
 
     def _draws(self, stage: int, m: int) -> Any:
         """A forward that draws in eval mode: the training step's stream, which is not advanced."""
@@ -149,6 +150,7 @@ class ForwardOnly(Executor):
         self._inbox: dict[int, list[torch.Tensor]] = {}
         self._in_grads: dict[str, torch.Tensor] = {}
         self._loss = torch.zeros((), device=self.device)
+        self._failed = None
         self.transport.begin(exchange_shapes=self.dynamic_shapes or signature != self._signature)
         pos, action = -1, None
         try:
@@ -156,20 +158,25 @@ class ForwardOnly(Executor):
                 for pos, action in enumerate(self.actions):
                     self._execute(pos, action)
                     if not self._read_here(action.stage):  # sent already: free it now
-                        del self._runs[(action.stage, action.microbatch)]
+                        self._runs.pop((action.stage, action.microbatch), None)
                 pos, action = len(self.actions), None
                 self.transport.finish()
-                total = self._loss.clone()
-                if loss:
+                # the summed loss and how many ranks failed, in one all-reduce
+                total = torch.stack([self._loss.reshape(()).float(), torch.tensor(
+                    float(self._failed is not None), device=self.device)])
+                if loss or self.abandon_on_error:
                     dist.all_reduce(total)
         except Exception as exc:
             raise self._stopped(exc, pos, action, "evaluating,", "end of evaluation",
                                 "the end of the evaluation (sends, loss reduction)") from exc
-        self._signature = signature
         self._runs, self._inbox = {}, {}
+        if float(total[1]) > 0:  # some rank's own work raised: every rank drops the pass
+            self.kept = None
+            raise self._abandoned()
+        self._signature = signature
         kept = [] if self.kept is None else [self.kept[k] for k in sorted(self.kept)]
         self.kept = None
-        return (float(total) if loss else None), kept
+        return (float(total[0]) if loss else None), kept
 
     def _read_here(self, stage: int) -> bool:
         """Whether a stage on this rank reads ``stage``'s outputs (handed over, no message)."""

@@ -137,8 +137,13 @@ class RankEngine:
         (every rank; None without ``loss``) and this rank's shares of the outputs."""
         if self.forward_only is None:
             raise RuntimeError(f"evaluation is not available: {self.no_evaluation}")
-        result: tuple[float | None, list[Any]] = self.forward_only.run(
-            inputs, targets, loss=loss, outputs=outputs)
+        from orgel.runtime.errors import StepAbandoned
+
+        try:
+            result: tuple[float | None, list[Any]] = self.forward_only.run(
+                inputs, targets, loss=loss, outputs=outputs)
+        except StepAbandoned as exc:  # every rank dropped it; the pipeline goes on
+            return Dropped(exc.rank, exc.report)  # type: ignore[return-value]
         return result
 
     def lr(self) -> list[float] | None:

@@ -168,6 +168,9 @@ class Pipeline:
         also with ``targets=None``); with ``outputs=True`` the model's outputs as
         ``step`` returns them: ``outputs`` alone when ``targets`` is None (no loss is
         computed), else ``(loss, outputs)``. Under torchrun every rank gets the result.
+        An error a rank's own work raises (a ``loss_fn`` that needs the targets it was not
+        given) raises :class:`~orgel.runtime.errors.StepError` as in :meth:`step`: every
+        rank dropped the pass, and the pipeline goes on.
         """
         if not callable(self._evaluation):
             raise RuntimeError(f"evaluation is not available: {self._evaluation}")
@@ -175,8 +178,10 @@ class Pipeline:
         self._check_batch(named, targets)
         loss = targets is not None or not outputs
         if self.spmd and not outputs:  # the loss is reduced to every rank: nothing to gather
-            return self._ranks.engine.evaluate(named, targets, loss=True, outputs=False)[0]
-        results = self._ranks.call("evaluate", named, targets, loss=loss, outputs=outputs)
+            return _kept([self._ranks.engine.evaluate(named, targets, loss=True,
+                                                      outputs=False)])[0][0]
+        results = _kept(self._ranks.call("evaluate", named, targets, loss=loss,
+                                         outputs=outputs))
         value = results[self._loss_rank][0]
         if not outputs:
             return value
