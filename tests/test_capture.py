@@ -171,3 +171,25 @@ def test_auto_falls_back_to_export_when_dynamo_fails(monkeypatch: pytest.MonkeyP
     assert g.method == "export" and "dynamo internal error" in g.notes[0]
     with pytest.raises(CaptureError, match="torch.compile could not capture"):
         capture(Skips(), (torch.randn(2, 4),), method="dynamo")
+
+
+def test_capturing_leaves_the_callers_compiled_models_alone() -> None:
+    """No ``torch._dynamo.reset()``: a model the user compiled keeps its compiled code over
+    more captures than Dynamo keeps entries for one code object (8)."""
+    from orgel.models.gpt import GPT, GPTConfig
+
+    compiles = []
+
+    def backend(gm: torch.fx.GraphModule, _example: object) -> object:
+        compiles.append(gm)
+        return gm
+
+    mine = torch.compile(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()),
+                         backend=backend)
+    mine(torch.randn(2, 3))
+    for _ in range(9):
+        model = GPT(GPTConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, seq_len=8))
+        graph = capture(model, {"tokens": torch.randint(0, 32, (2, 8))})
+        assert graph.nodes
+    mine(torch.randn(2, 3))
+    assert len(compiles) == 1

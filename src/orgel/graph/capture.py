@@ -18,8 +18,10 @@ restored afterwards (:func:`orgel.guard.untouched`), so capturing changes nothin
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
+import types
 from typing import Any
 
 import torch
@@ -144,6 +146,16 @@ def dynamo_settings() -> Any:
 # roles: placeholder name -> ("input", name) | ("param", qualname) | ("buffer", qualname)
 #        | ("const", tensor); leaves: ("out", index) | ("input", name) | ("const", obj)
 
+_CAPTURES = itertools.count()
+
+
+def _own_code(fn: Any) -> Any:
+    """``fn`` with a code object of its own (a new name), so no cache entry matches it."""
+    own = types.FunctionType(fn.__code__.replace(co_name=f"orgel_capture_{next(_CAPTURES)}"),
+                             fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return own
+
+
 def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, tuple[str, Any]]:
     roles: dict[int, tuple[str, Any]] = {}
     for name, t in named.items():
@@ -190,17 +202,21 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
 
         return run
 
-    # A fresh cache: dynamo keys compiled code on the forward's code object, so a
-    # previous capture of another instance (or >8 of them) would skip our backend.
-    torch._dynamo.reset()
-    try:
-        target: Any = model
-        if autocast is not None:  # the region is part of the graph: every stage re-enters it
-            kind, dtype = autocast
+    # A fresh cache without wiping the caller's (no torch._dynamo.reset()): Dynamo keys
+    # compiled code on the code object of the frame it converts, so the frame is a function
+    # whose code object is this capture's own; the model's forward is inlined into it
+    # (fullgraph), and its cache entry is dropped afterwards
+    if autocast is not None:  # the region is part of the graph: every stage re-enters it
+        kind, dtype = autocast
 
-            def target(**kwargs: Any) -> Any:
-                with torch.autocast(kind, dtype=dtype):
-                    return model(**kwargs)
+        def call(**kwargs: Any) -> Any:
+            with torch.autocast(kind, dtype=dtype):
+                return model(**kwargs)
+    else:
+        def call(**kwargs: Any) -> Any:
+            return model(**kwargs)
+    target = _own_code(call)
+    try:
 
         traced = named
         if dynamic:  # views of the inputs carry the marks; the caller's tensors none
@@ -215,7 +231,7 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
         # (``if t.item() > 0``), which is a graph break under fullgraph too.
         raise GraphBreakError(_describe_break(exc)) from None
     finally:
-        torch._dynamo.reset()
+        torch._dynamo.eval_frame.reset_code(target.__code__)
     if len(captured) != 1 or not returned:
         raise CaptureError(
             f"torch.compile produced {len(captured)} graphs; orgel needs exactly one graph "
