@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU leg, one command: the CUDA tests, `orgel demo --device cuda` (its start-up timed),
-# compiled stages checked against one CUDA process, and one rank's throughput, orgel eager and
-# compiled against plain PyTorch eager and torch.compile on the same GPU. Every log and number
+# compiled stages checked against one CUDA process, one rank's throughput (orgel eager and
+# compiled against plain PyTorch eager and torch.compile on the same GPU), then the cost model
+# on a 2-stage pipeline sharing the GPU and bf16-mixed on a larger GPT. Every log and number
 # lands under $OUT (default ./gpu-out) as it is made, so a run cut short still reports. Run
 # from the repository root on a machine with a GPU and PyTorch (orgel from this tree):
 #   bash benchmarks/gpu.sh
@@ -36,4 +37,14 @@ grep -h "passed\|failed\|^FAILED\|^PASSED" "$OUT/tests.log" >>"$OUT/summary.log"
 step throughput "${THROUGHPUT_S:-270}" $PY benchmarks/compiled_throughput.py --device cuda \
   --timeout "${VARIANT_S:-120}" --out "$OUT/throughput.jsonl"
 grep -h "x$" "$OUT/throughput.log" >>"$OUT/summary.log"
+# a 2-stage pipeline on two ranks sharing the GPU against the cost model, and bf16-mixed on a
+# model large enough to profit (set COST_S=0 / PREC_S=0 to skip them)
+if [ "${COST_S:-90}" -gt 0 ]; then
+  step cost "${COST_S:-90}" $PY benchmarks/cost_model_accuracy.py --device cuda --steps 10 \
+    --workloads ${WORKLOADS:-GPT-large}
+fi
+if [ "${PREC_S:-90}" -gt 0 ]; then
+  step precision "${PREC_S:-90}" $PY benchmarks/precision.py --device cuda --steps 10 \
+    --workload examples/gpt.py:workload_large
+fi
 cat "$OUT/summary.log"
