@@ -190,3 +190,33 @@ def test_torchrun_leaves_the_callers_model_alone_until_copy_to_and_survives_a_ba
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["diff"] < 1e-5 and result["keys"] is True
         assert result["dropped"].startswith("rank 1 failed in step: IndexError"), result
+
+
+AGAIN = '''
+import json, os, sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+import orgel
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+x, y = torch.randn(8, 8), torch.randn(8, 4)
+losses = []
+for attempt in range(4):  # built, used, closed, and built again in the same processes
+    with orgel.pipeline(model, (x,), y, F.mse_loss, ranks=2, microbatches=2, timeout_s=60,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:
+        losses.append([pipe.step((x,), y), pipe.step((x,), y)])
+with open(os.path.join(sys.argv[1], f"again{os.environ['RANK']}.json"), "w") as f:
+    json.dump(losses, f)
+'''
+
+
+def test_pipelines_built_again_in_the_same_torchrun_processes(tmp_path: Path) -> None:
+    """Four pipelines, one after another, in the same two torchrun processes: each makes its
+    process group on keys of its own (the last one's stale keys hung gloo's connect)."""
+    code, log = _torchrun(tmp_path, AGAIN, str(tmp_path))
+    assert code == 0, log[-3000:]
+    for rank in (0, 1):
+        losses = json.loads((tmp_path / f"again{rank}.json").read_text())
+        assert len(losses) == 4 and all(run == losses[0] for run in losses)

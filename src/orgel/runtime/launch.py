@@ -26,6 +26,7 @@ it reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; there
 from __future__ import annotations
 
 import functools
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -86,8 +87,20 @@ def init_from_env(*, backend: str | None = None, timeout: float = 60.0,
             "LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     if backend == "nccl":
         rank_device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    # A group made again in the same processes (a pipeline closed, then orgel.load) meets
+    # on torchrun's same store, where the last group's keys are still there: gloo then
+    # connected to stale addresses (a hang in 4 of 9 tries). Each group this process makes
+    # gets keys of its own; every rank makes its groups in the same order.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+    store.set_timeout(timedelta(seconds=timeout))
+    generation = next(_GROUPS)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"orgel/group{generation}", store),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+#: how many process groups :func:`init_from_env` made in this process
+_GROUPS = itertools.count()
 
 
 def fork_threads(requested: int | None) -> int:
