@@ -147,6 +147,34 @@ def test_branches_that_differ_per_microbatch_train_exactly() -> None:
     assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
 
 
+class IfAtTheEnd(nn.Module):
+    """One graph reads the parameters; a Python ``if`` on its output ends the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(torch.tanh(self.a(x)))
+        if out.sum() > 0:
+            out = out * 2
+        return out
+
+
+def _if_at_the_end() -> ZooWorkload:
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    x[4:] = -x[4:]  # the micro-batches may take different branches
+    return ZooWorkload(IfAtTheEnd(), (x,), torch.randint(0, 4, (8,)), F.cross_entropy)
+
+
+@pytest.mark.slow
+def test_a_python_if_at_the_end_of_forward_trains_exactly() -> None:
+    """The forward is one graph and the Python after it (it raised "nothing to join")."""
+    outcome = orgel_check("if at the end", _if_at_the_end)
+    assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+
+
 @pytest.mark.slow
 def test_recomputed_stages_with_exchanges_train_exactly() -> None:
     def plan_for(w: ZooWorkload) -> object:

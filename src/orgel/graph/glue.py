@@ -435,8 +435,8 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
             elif node.op == "call_module":
                 copy.target = f"graph{c}.{node.target}"
             env[node] = copy
-    if anchor is None:
-        raise CaptureError("the forward ran as one graph; nothing to join")
+    if anchor is None:  # one graph, the Python after it (an `if` at the end): no exchange
+        anchor = graph.call_function(torch.zeros, ((),))
     graph.output((*previous, anchor))
     joined = torch.fx.GraphModule(root, graph)
     leaves = [("out", i) for i in range(len(previous) + 1)]
