@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 import time
@@ -229,8 +230,8 @@ def _prepare(args: argparse.Namespace) -> Any:
                              schedule=args.schedule, dp=args.dp,
                              stages_per_rank=args.stages_per_rank)
         plan = mark_sharded(plan, args.shard)
-    if args.recompute:
-        plan.recompute = [True] * plan.num_stages
+    if args.recompute:  # a new plan, as every rewrite makes
+        plan = dataclasses.replace(plan, recompute=[True] * plan.num_stages)
     validate(plan)  # an invalid plan never starts a process
     if args.plan:  # nor does a plan made for another model
         share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]

@@ -46,6 +46,7 @@ Parameter names and whole values are unchanged for ``state_dict`` and ``copy_to`
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -405,5 +406,4 @@ def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
             "tp > 1 found no region to split in this model: tensor parallelism splits "
             "linear layers that read one input and feed one linear layer (attention, MLP; "
             "orgel.graph.tensor_parallel.tp_regions); pass tp=1")
-    plan.tp = tp
-    return plan
+    return dataclasses.replace(plan, tp=tp)  # a new plan: the caller's is left as it was
