@@ -192,7 +192,7 @@ def pipeline(
     ``evaluate`` splits the eval-mode stages alike. Not yet: a forward with graph breaks.
 
     ``compile=True`` runs every stage through Inductor: its forward, its backward and,
-    for the schedules that split the backward (ZB-H1, ZBV, DualPipeV), the backward's
+    for the schedules that split the backward (ZB-H1, DualPipeV), the backward's
     input and weight halves as separate compiled graphs (:mod:`orgel.runtime.compiled`).
     Each rank compiles a stage at its first step (and once more for a new input shape);
     ``pipe.compile_s`` reports the seconds by rank. Not yet with ``tp > 1`` or

@@ -41,6 +41,7 @@ import torch.fx
 #: Inductor options for every stage graph: draws from torch's generator (exact dropout)
 INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
 
+
 class _Split:
     """The closures of the weight halves that the backward in progress leaves, or None.
 
@@ -190,6 +191,7 @@ class _Compiled:
                 del args
                 inputs, frontier = list(result[:count]), list(result[count:])
                 params = self.owner._params_now
+
                 def weight_half() -> None:
                     with torch.no_grad():  # the frontier may hold parameters themselves
                         _accumulate(params, w_fn(*frontier))
