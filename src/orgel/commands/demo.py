@@ -12,6 +12,7 @@ EXAMPLES = (
     "orgel demo",
     "orgel demo --ranks 3 --steps 50 --model vit --out demo-vit",
     "orgel demo --device cuda",
+    "orgel demo --compile",
 )
 
 
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="orgel-demo", metavar="DIR",
                         help="where to write timeline.png, trace.json and plan.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every stage with Inductor (each rank compiles at its "
+                             "first step)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the ranks compute (default auto: CUDA when present; "
                              "ranks that outnumber the GPUs share them over gloo)")
@@ -53,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_demo(model=args.model, ranks=args.ranks, steps=args.steps,
                           microbatches=args.microbatches, batch_size=args.batch_size,
                           out=args.out, progress=not args.no_progress,
-                          precision=args.precision, device=args.device)
+                          precision=args.precision, device=args.device,
+                          compile=args.compile)
     except ValueError as exc:  # options the planner or the model reject
         print(f"orgel demo: {exc}", file=sys.stderr)
         return 2

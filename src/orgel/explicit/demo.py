@@ -113,8 +113,10 @@ def describe_plan(plan: Any) -> str:
 def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatches: int = 4,
              batch_size: int = 16, out: str | Path = "orgel-demo", seed: int = 0,
              stream: TextIO | None = None, progress: bool = True,
-             precision: str = "32", device: str = "cpu") -> DemoResult:
+             precision: str = "32", device: str = "cpu", compile: bool = False) -> DemoResult:
     """Run the demo and print to ``stream`` (stdout); files go to ``out``.
+
+    ``compile``: the stages run compiled by Inductor (:mod:`orgel.runtime.compiled`).
 
     ``precision``: ``"32"`` or ``"bf16-mixed"`` (see :mod:`orgel.precision`).
     ``device``: ``"cpu"``, ``"cuda"`` or ``"auto"`` (:mod:`orgel.runtime.devices`).
@@ -158,7 +160,8 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     started = time.perf_counter()
     pipe = pipeline(workload.model, first_inputs, first_targets, workload.loss_fn, ranks=ranks,
                     microbatches=microbatches, precision=precision, device=device,
-                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                    compile=compile)
     with pipe:
         say(f"captured, planned and started the ranks in {time.perf_counter() - started:.1f} s")
         say(describe_plan(pipe.plan))
@@ -179,6 +182,9 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
             if step + 1 < steps:
                 inputs, targets = next(data)
         bar.close()
+        if compile:
+            seconds = ", ".join(f"{s:.1f}" for s in pipe.compile_s)
+            say(f"compiling the stages took {seconds} s (by rank, in the first step)")
         events = pipe.timeline()
         plan = pipe.plan
     matches = abs(losses[0] - reference) <= 1e-4 * max(1.0, abs(reference))
