@@ -23,7 +23,7 @@ from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import Dropped, RankEngine
 from orgel.worker.state import StateNames, canonical_names, model_aliases
-from orgel.workload import named_inputs
+from orgel.workload import cache_off, named_inputs
 
 __all__ = ["OwnRank", "Pipeline", "canonical_names", "model_aliases"]
 
@@ -225,8 +225,16 @@ class Pipeline:
         w = self._workload
         if w is not None:
             example_targets = None if targets is None else w.targets  # evaluate(x) alone
-            check_batch((named_inputs(w.model, w.inputs), example_targets), (named, targets),
-                        self.plan.microbatches, w.batch_dim, w.replicated)
+            # what orgel adds itself (use_cache=False) is no input the user passed: a message
+            # names the user's inputs only
+            added = cache_off(w.model, {})
+
+            def given(inputs: dict[str, Any]) -> dict[str, Any]:
+                return {k: v for k, v in inputs.items() if k not in added or v is not added[k]}
+
+            check_batch((given(named_inputs(w.model, w.inputs)), example_targets),
+                        (given(named), targets), self.plan.microbatches, w.batch_dim,
+                        w.replicated)
         if self.check_sizes is not None:  # sizes the stages cannot take (orgel.graph.sizes)
             self.check_sizes(named, targets)
         if w is not None and self.loss_rule in ("items", "shifted"):  # a piece of no label
