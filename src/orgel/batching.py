@@ -266,3 +266,12 @@ def _same_kind(what: str, example: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor) and value.dtype != example.dtype:
         raise WorkloadError(f"{what} is {value.dtype} but the pipeline was built with "
                             f"{example.dtype}: convert it (.to({example.dtype}))")
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` equals ``b`` up to float noise (relative to ``b``'s largest finite value);
+    NaN and infinities must sit at the same places."""
+    finite = b[torch.isfinite(b)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-4 * (1 + scale),
+                          equal_nan=True)
