@@ -8,6 +8,7 @@ spawn, :class:`OwnRank` under torchrun).
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -48,6 +49,14 @@ class OwnRank:
         import torch.distributed as dist
 
         dist.barrier()
+
+    def gather(self, value: Any) -> list[Any]:
+        """``value`` of every process, by global rank."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        return gathered
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -352,6 +361,8 @@ class Pipeline:
                 "gradients are not in a checkpoint. Save after the optimizer steps, when "
                 "pipe.steps has grown")
         root = str(directory)
+        if self.spmd:  # one folder for every rank's shard
+            ckpt.check_same_folder(self._ranks.gather(os.path.abspath(root)))
         Path(root).mkdir(parents=True, exist_ok=True)
         step = self.steps
         written = self._ranks.call("save_shard", root, step)
