@@ -118,5 +118,7 @@ def test_the_example_runs_under_torchrun(tmp_path: Path) -> None:
     expected, state = _reference(STEPS)
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
-          "--steps", str(STEPS), "--out", "run", "--eval-every", str(EVERY)], tmp_path)
+          "--steps", str(STEPS), "--out", "run", "--eval-every", str(EVERY), "--save-every",
+          str(EVERY)], tmp_path)
     _check(tmp_path / "run", expected, state)
+    assert (tmp_path / "run" / "checkpoints" / f"step-{STEPS:08d}" / "rank1.pt").exists()
