@@ -180,7 +180,7 @@ def test_a_bad_batch_is_refused_in_the_caller_and_training_goes_on() -> None:
     with _start() as pipe:
         pipe.step(*_batch(0))
         bad: list[tuple[Any, Any, str]] = [
-            ({"tokens": x, "mask": x}, y, r"unknown: \['mask'\]"),
+            ({"tokens": x, "mask": x}, y, r"not in the example: \['mask'\]"),
             ({}, y, r"missing: \['tokens'\]"),
             ((x.int(),), y, r"input 'tokens' is torch.int32 but the pipeline was built with "
                             r"torch.int64"),

@@ -114,3 +114,17 @@ def test_a_non_finite_loss_is_one_line(tmp_path: Path) -> None:
     assert re.search(r"^rank 1 failed in run: NonFiniteLoss: the loss of micro-batch 0 is nan",
                      err, flags=re.M), err
     assert "Traceback" not in err and 'File "' not in err, err
+
+
+def test_a_check_on_a_loss_that_is_nan_says_so_in_one_line(tmp_path: Path) -> None:
+    """``--check`` compares the losses and weights with one process's; a NaN loss leaves
+    nothing to compare, and it said `RuntimeError: atol must be greater than or equal to
+    zero, but got -nan` from orgel's own comparison."""
+    _, out = orgel_run(tmp_path, "nan", "--check")
+    err = out.stderr
+    assert out.returncode == 1, err
+    assert "step 1: loss nan" in out.stdout, out.stdout
+    assert err.rstrip().splitlines()[-1].startswith(
+        "check: the loss is nan from step 1 on (one process's too, from step 1), so there is "
+        "nothing to compare; the data or the initial weights hold a NaN"), err
+    assert "Traceback" not in err and "atol" not in err, err

@@ -229,11 +229,12 @@ def check_batch(example: tuple[dict[str, Any], Targets], batch: tuple[dict[str, 
     missing = [k for k in ex_inputs if k not in inputs and ex_inputs[k] is not None]
     if unknown or missing:
         raise WorkloadError(
-            f"the batch's inputs {list(inputs)} are not the model inputs the pipeline was "
-            f"built with {list(ex_inputs)}"
-            + (f"; unknown: {unknown}" if unknown else "")
+            f"the batch's inputs {list(inputs)} are not those of the example batch the "
+            f"pipeline was built with {list(ex_inputs)}"
+            + (f"; not in the example: {unknown}" if unknown else "")
             + (f"; missing: {missing}" if missing else "")
-            + ": give every step the same inputs by the same names")
+            + ": give every batch the example's inputs, by the same names (or build the "
+            "pipeline with an example batch that has these)")
     for name, value in inputs.items():
         _same_kind(f"input {name!r}", ex_inputs[name], value)
     ex_leaves, ex_spec = pytree.tree_flatten(ex_targets)
@@ -265,3 +266,12 @@ def _same_kind(what: str, example: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor) and value.dtype != example.dtype:
         raise WorkloadError(f"{what} is {value.dtype} but the pipeline was built with "
                             f"{example.dtype}: convert it (.to({example.dtype}))")
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` equals ``b`` up to float noise (relative to ``b``'s largest finite value);
+    NaN and infinities must sit at the same places."""
+    finite = b[torch.isfinite(b)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-4 * (1 + scale),
+                          equal_nan=True)

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from orgel.batching import TARGETS, BatchDim, WorkloadError, dim_of, share
+from orgel.batching import TARGETS, BatchDim, WorkloadError, close, dim_of, share
 
 IGNORE_INDEX = -100
 #: every rule, in the order :func:`calibrate` prefers them when the trial cannot tell
@@ -254,9 +254,7 @@ def _separable(outs: list[Any], k: int, dim: int) -> bool:
         if len(pieces) != k or any(p.shape[dim] * k != full.shape[dim] for p in pieces):
             continue
         joined = torch.cat(pieces, dim)
-        scale = float(full.abs().max()) if full.numel() else 0.0
-        if joined.shape != full.shape or not torch.allclose(joined, full, rtol=1e-3,
-                                                             atol=1e-4 * (1 + scale)):
+        if joined.shape != full.shape or not close(joined, full):
             return False
     return True
 

@@ -30,6 +30,7 @@ from orgel.batching import (
     WorkloadError,
     batch_rows,
     check_batch_dim,
+    close,
     dim_of,
     single_dim,
     split_microbatches,
@@ -333,9 +334,8 @@ def _rows_agree(w: Workload, named: dict[str, Any], m: int) -> bool | None:
         rows = full.narrow(d, batch - piece.shape[d], piece.shape[d])
         if rows.shape != piece.shape:
             continue
-        scale = float(rows.abs().max()) if rows.numel() else 0.0
         compared = True
-        if not torch.allclose(rows.float(), piece.float(), rtol=1e-3, atol=1e-4 * (1 + scale)):
+        if not close(piece, rows):
             return False
     return compared
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -291,6 +292,10 @@ def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
     with user_code(args.workload):  # the unmodified model, in this process
         ref_losses, ref_params = reference(with_precision(load_workload(args.workload),
                                                           args.precision), args)
+    diverged = _diverged(losses, ref_losses)
+    if diverged:
+        print(diverged, file=sys.stderr)
+        return 1
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
     missing = sorted(set(ref_params) - set(params))
     if missing:
@@ -302,6 +307,26 @@ def _report(results: list[dict[str, Any]], plan: Any, args: argparse.Namespace,
           f"{loss_diff:.3g}, largest parameter difference {param_diff:.3g} "
           f"-> {'OK' if ok else 'FAILED'} (tolerance {args.tolerance:g})")
     return 0 if ok else 1
+
+
+def _diverged(losses: list[float], ref_losses: list[float]) -> str | None:
+    """One line for a check that has nothing to compare: a loss that is NaN or infinite."""
+    def first(values: list[float]) -> int | None:
+        return next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+
+    mine, ref = first(losses), first(ref_losses)
+    if mine is None and ref is None:
+        return None
+    if mine is not None and ref is not None:
+        why = ("the data or the initial weights hold a NaN or an infinity" if mine == 0 else
+               "the run diverged: lower --lr, or clip with --max-grad-norm")
+        return (f"check: the loss is {losses[mine]} from step {mine + 1} on (one process's "
+                f"too, from step {ref + 1}), so there is nothing to compare; {why} "
+                "(--check-finite stops at the first such micro-batch) -> FAILED")
+    which, step = ("the pipelined", mine) if mine is not None else ("one process's", ref)
+    assert step is not None
+    return (f"check: {which} loss is not finite from step {step + 1} on (pipelined "
+            f"{losses[step]}, one process {ref_losses[step]}) -> FAILED")
 
 
 def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:

@@ -41,7 +41,12 @@ from orgel.runtime.devices import (
 )
 from orgel.runtime.launch import init_from_env, under_torchrun
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
-from orgel.runtime.sharding import check_shard_option, check_sharded, mark_sharded
+from orgel.runtime.sharding import (
+    check_shard_option,
+    check_sharded,
+    check_tied_sharding,
+    mark_sharded,
+)
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import (
     Init,
@@ -214,6 +219,9 @@ def pipeline(
     from orgel.runtime.tensor_parallel import pipeline_ranks, with_tp
 
     world, ranks = ranks, pipeline_ranks(ranks, tp, dp)
+    # a tie the model's structure shows is refused before any capture or profiling
+    check_tied_sharding(model, None if plan is None else
+                        plan if isinstance(plan, Plan) else Plan.load(plan), shard, ranks // dp)
     if optimizer is None:
         optimizer = default_optimizer
     check_loop_options(optimizer=optimizer, scheduler=scheduler, lr=lr,

@@ -54,6 +54,8 @@ class Shapes:
     guards: list[Any] = field(default_factory=list)
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     symbols: dict[str, Any] = field(default_factory=dict)  # name -> sympy symbol
+    #: each symbol's size in the captured (example) batch, where Dynamo recorded it
+    captured: dict[str, int] = field(default_factory=dict)
 
     @property
     def dynamic(self) -> bool:
@@ -108,12 +110,59 @@ class Shapes:
             if held.free_symbols:
                 continue
             if not bool(held):
-                sizes = ", ".join(f"{w} = {v}" for v, w in values.values())
-                raise ShapeError(
-                    f"the captured graph relies on {guard} about the input sizes (the model's "
-                    f"code branched on them when captured), which does not hold for {sizes}: "
-                    "give sizes for which it holds, or build a pipeline for these sizes; "
-                    "this step did not run")
+                raise ShapeError(self._broken(guard, values, what))
+
+    def _broken(self, guard: Any, values: dict[str, tuple[int, str]], what: str) -> str:
+        """Why a guard fails, in the inputs' names: two sizes that were equal in the
+        example batch and now differ (labels shorter than the inputs), else the relation."""
+        names = {s: where for s, (_, where) in values.items()}
+        subs = {self.symbols[s]: v for s, (v, _) in values.items() if s in self.symbols}
+        free = sorted((str(s) for s in guard.free_symbols if str(s) in names),
+                      key=lambda s: list(names).index(s))
+        for i, a in enumerate(free):
+            for b in free[i + 1:]:
+                was = self.captured.get(a)
+                if was is None or was != self.captured.get(b) or subs[self.symbols[a]] == \
+                        subs[self.symbols[b]]:
+                    continue
+                fixed = {**subs, self.symbols[b]: subs[self.symbols[a]]}
+                with contextlib.suppress(Exception):
+                    if bool(guard.xreplace(fixed)):
+                        (got_a, at_a), (got_b, at_b) = values[a], values[b]
+                        hint = (" (labels as long as the inputs, -100 where no loss counts)"
+                                if "label" in at_b else "")
+                        return (
+                            f"input {_input(at_b)} has size {got_b} along {_dim(at_b)} but "
+                            f"{_input(at_a)} has {got_a} along {_dim(at_a)} (a {what}); the "
+                            f"model's code needs them equal (both were {was} in the example "
+                            f"batch): give {_input(at_b)} size {got_a} along {_dim(at_b)}, as "
+                            f"{_input(at_a)}{hint}; this step did not run")
+        readable = guard.xreplace({self.symbols[s]: _named_size(w) for s, w in names.items()
+                                   if s in self.symbols})
+        relation = (f"{readable.lhs} == {readable.rhs}" if getattr(readable, "func", None)
+                    and readable.func.__name__ == "Equality" else str(readable))
+        sizes = ", ".join(f"{_named_size(w)} = {v}" for v, w in values.values())
+        return (f"the model's code needs {relation} about the input sizes (it held in the "
+                f"example batch), which does not hold for this {what}: {sizes}. Give sizes "
+                "for which it holds, or build a pipeline for these sizes; this step did not run")
+
+
+def _input(where: str) -> str:
+    """``'labels'`` of ``"'labels' dim 1"``."""
+    return where.rsplit(" dim ", 1)[0]
+
+
+def _dim(where: str) -> str:
+    """``dim 1`` of ``"'labels' dim 1"``."""
+    return "dim " + where.rsplit(" dim ", 1)[1]
+
+
+def _named_size(where: str) -> Any:
+    """A sympy symbol printed as the size it stands for: ``labels.shape[1]``."""
+    import sympy
+
+    return sympy.Symbol(f"{_input(where).strip(chr(39))}.shape[{where.rsplit(' dim ', 1)[1]}]",
+                        integer=True, positive=True)
 
 
 def _captured(dims: tuple[int | str, ...]) -> str:
@@ -216,14 +265,19 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
     symbols = {str(s): s for s in bound}
     guards: list[Any] = []
     ranges: dict[str, tuple[int, int | None]] = {}
+    captured: dict[str, int] = {}
     if shape_env is not None:
+        for s in bound:
+            hints = getattr(shape_env, "backed_var_to_val", None)  # torch >= 2.13's name
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                captured[str(s)] = int((shape_env.var_to_val if hints is None else hints)[s])
         guards = [g.expr for g in shape_env.guards
                   if g.expr.free_symbols and g.expr.free_symbols <= set(bound)]
         for s in bound:
             vr = shape_env.var_to_range.get(s)
             if vr is not None:
                 ranges[str(s)] = (_bound(vr.lower) or 0, _bound(vr.upper))
-    gm.meta["orgel_shapes"] = Shapes(inputs, guards, ranges, symbols)
+    gm.meta["orgel_shapes"] = Shapes(inputs, guards, ranges, symbols, captured)
 
 
 def symbolic_shapes(graph: torch.fx.Graph, names: Any) -> dict[str, tuple[Any, ...]]:

@@ -158,6 +158,23 @@ def check_groups(optimizer: torch.optim.Optimizer, params: NamedTensors,
 # -- shards -------------------------------------------------------------------------------
 
 
+def check_same_folder(folders: list[str]) -> None:
+    """Raise :class:`CheckpointError` naming the folders when the ranks of one pipeline (under
+    torchrun, ``folders[r]`` is rank r's, made absolute) do not save into one folder."""
+    if len(set(folders)) < 2:
+        return
+    ranks: dict[str, list[int]] = {}
+    for r, folder in enumerate(folders):
+        ranks.setdefault(folder, []).append(r)
+    seen = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {folder}"
+                     for folder, rs in ranks.items())
+    raise CheckpointError(
+        f"the ranks passed different folders to pipe.save ({seen}); a checkpoint is one "
+        "folder that every rank writes its shard into, so nothing was written. Pass the same "
+        "folder on every rank (a fixed path, or rank 0's tempfile.mkdtemp() sent to the "
+        "others with torch.distributed.broadcast_object_list); the pipeline can go on training")
+
+
 def step_dir(root: str | Path, step: int) -> Path:
     """The folder of the checkpoint at ``step`` under ``root``."""
     return Path(root) / f"step-{step:08d}"

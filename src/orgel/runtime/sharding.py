@@ -36,12 +36,16 @@ on (:func:`orgel.runtime.tensor_parallel.shard_stages` makes both).
 
 What it refuses (:func:`check_sharded`, before any rank starts): a tied
 parameter on a sharded stage (the tied sum works on whole gradients) and float16
-loss scaling (the scaler's unscale kernel on sharded gradients is not wired).
+loss scaling (the scaler's unscale kernel on sharded gradients is not wired). A tied
+input embedding is refused before any capture (:func:`check_tied_sharding`): the
+model's parameters show it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -89,9 +93,52 @@ def check_sharded(plan: Plan, split: Any, *, loss_scaling: bool = False) -> None
         names = set(split.stages[s].param_names.values())
         shared = sorted(names & tied)
         if shared:
-            raise ValueError(f"stage {s} is FSDP-sharded but holds the tied parameter "
-                             f"{shared[0]!r} (one tensor several stages use): orgel sums tied "
-                             "gradients whole. Use shard='none', or untie the weights")
+            raise ValueError(_tied_refusal(s, shared[0]))
+
+
+def _tied_refusal(stage: int, name: str, also: str = "") -> str:
+    return (f"stage {stage} is FSDP-sharded but holds the tied parameter {name!r} (one tensor "
+            f"several stages use{also}): orgel sums tied gradients whole. Use shard='none', "
+            "or untie the weights")
+
+
+def tied_embedding(model: torch.nn.Module) -> tuple[str, str] | None:
+    """The input embedding's weight and the output layer's name for it where one Parameter is
+    both (an ``nn.Embedding``'s and another module's, as a tied LM head); else None."""
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for local, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(
+                (f"{prefix}.{local}" if prefix else local, module))
+    for found in owners.values():
+        embedding = [n for n, m in found if isinstance(m, torch.nn.Embedding)]
+        head = [n for n, m in found if not isinstance(m, torch.nn.Embedding)]
+        if embedding and head:
+            return embedding[0], head[0]
+    return None
+
+
+def check_tied_sharding(model: torch.nn.Module, plan: Plan | None, shard: str,
+                        depth: int) -> None:
+    """Refuse, before any capture, a tied input embedding and output layer that will sit on
+    FSDP-sharded stages: the embedding runs in the first stage and the layer tied to it in
+    the last, so a pipeline of two or more stages holds the tie on two stages, which
+    :func:`check_sharded` refuses once the graph is split. ``plan``: a given plan (its own
+    shard fields rule), else the planner's, every stage sharded, ``depth`` stages deep."""
+    if plan is None:
+        if shard != "fsdp" or depth < 2:
+            return
+        first = 0
+    else:
+        ends = [s for s in (0, plan.num_stages - 1) if plan.sharded(s)]
+        if plan.num_stages < 2 or not ends:
+            return
+        first = ends[0]
+    tie = tied_embedding(model)
+    if tie is not None:
+        name, other = tie
+        raise ValueError(_tied_refusal(first, name, f": the input embedding, also {other!r} "
+                                                    "at the end of the model"))
 
 
 def is_sharded(t: Any) -> bool:
@@ -157,6 +204,7 @@ class Sharding:
                     continue
                 module = stages[s].stage.module
                 fully_shard(module, mesh=mesh, reshard_after_forward=False)
+                _quiet_view_outputs(type(module).__name__)
                 # a plain SUM: every replica's gradient is a partial sum already
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
@@ -254,6 +302,26 @@ class Sharding:
         finally:
             for module in was:
                 module.reshard()
+
+
+def _quiet_view_outputs(cls: str) -> None:
+    """Silence FSDP2's "returned a view tensor" warning for orgel's own stages (class ``cls``).
+
+    A stage's outputs are the values its cut crosses, and a cut inside a layer often
+    crosses a view (attention's output reshaped from its heads, before ``o_proj``), so
+    torch warned on every FSDP run. The warning is about an in-place op on such an output
+    dropping FSDP2's pre-backward hook, whose all-gather the backward then misses. Neither
+    can happen here: orgel never writes a stage's outputs in place (a send reads them;
+    a stage on the same rank takes ``.detach()`` of them as a fresh leaf; the backward
+    passes gradients into them), and a sharded stage's weights stay gathered from its
+    first forward of a step until :meth:`Sharding.reduce` (``reshard_after_forward=False``,
+    ``set_reshard_after_backward(False)``), so that all-gather has nothing to do. The
+    filter names the class FSDP2 gives the stage module (``FSDPGraphModule``): a module
+    the user shards elsewhere in the process keeps its warning.
+    """
+    warnings.filterwarnings(
+        "ignore", category=UserWarning,
+        message=rf"FSDP2-wrapped module \({re.escape(cls)}\) returned a view tensor")
 
 
 def _fsdp_params(module: Any) -> list[Any]:

@@ -8,6 +8,7 @@ spawn, :class:`OwnRank` under torchrun).
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import Dropped, RankEngine
 from orgel.worker.state import StateNames, canonical_names, model_aliases
-from orgel.workload import named_inputs
+from orgel.workload import cache_off, named_inputs
 
 __all__ = ["OwnRank", "Pipeline", "canonical_names", "model_aliases"]
 
@@ -48,6 +49,14 @@ class OwnRank:
         import torch.distributed as dist
 
         dist.barrier()
+
+    def gather(self, value: Any) -> list[Any]:
+        """``value`` of every process, by global rank."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        return gathered
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -230,8 +239,16 @@ class Pipeline:
         w = self._workload
         if w is not None:
             example_targets = None if targets is None else w.targets  # evaluate(x) alone
-            check_batch((named_inputs(w.model, w.inputs), example_targets), (named, targets),
-                        self.plan.microbatches, w.batch_dim, w.replicated)
+            # what orgel adds itself (use_cache=False) is no input the user passed: a message
+            # names the user's inputs only
+            added = cache_off(w.model, {})
+
+            def given(inputs: dict[str, Any]) -> dict[str, Any]:
+                return {k: v for k, v in inputs.items() if k not in added or v is not added[k]}
+
+            check_batch((given(named_inputs(w.model, w.inputs)), example_targets),
+                        (given(named), targets), self.plan.microbatches, w.batch_dim,
+                        w.replicated)
         if self.check_sizes is not None:  # sizes the stages cannot take (orgel.graph.sizes)
             self.check_sizes(named, targets)
         if w is not None and self.loss_rule in ("items", "shifted"):  # a piece of no label
@@ -349,6 +366,8 @@ class Pipeline:
                 "gradients are not in a checkpoint. Save after the optimizer steps, when "
                 "pipe.steps has grown")
         root = str(directory)
+        if self.spmd:  # one folder for every rank's shard
+            ckpt.check_same_folder(self._ranks.gather(os.path.abspath(root)))
         Path(root).mkdir(parents=True, exist_ok=True)
         step = self.steps
         written = self._ranks.call("save_shard", root, step)
