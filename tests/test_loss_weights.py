@@ -98,3 +98,34 @@ def test_a_padded_batch_through_the_models_own_loss_trains_as_one_process(
     one.eval()
     with torch.no_grad():
         assert evaluated == pytest.approx(float(one(**held_out).loss), rel=1e-5)
+
+
+def _gemma2() -> torch.nn.Module:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, max_position_embeddings=SEQ, use_cache=False,
+                          attn_implementation="eager")  # ties its embeddings
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(config)
+
+
+@pytest.mark.parametrize(("build", "options"), [
+    (_qwen2, {"ranks": 4, "tp": 2}),
+    (_qwen2, {"ranks": 4, "dp": 2, "shard": "fsdp"}),
+    (_gemma2, {"ranks": 2}),
+], ids=["qwen2-tp2", "qwen2-fsdp", "gemma2-tied"])
+def test_padded_batches_train_as_one_process_with_tp_fsdp_and_a_tied_model(
+        build: object, options: dict[str, object]) -> None:
+    """The same rule with tensor parallelism, FSDP-sharded replicas, and a model that ties
+    its input and output embeddings (Gemma2)."""
+    model = build()  # type: ignore[operator]
+    batches = [padded_batch(step) for step in range(3)]
+    expected_losses, one = _reference(model, batches, 1)
+    with orgel.pipeline(copy.deepcopy(model), batches[0], microbatches=2, optimizer=_sgd,
+                        threads=1, **options) as pipe:  # type: ignore[arg-type]
+        losses = [pipe.step(batch) for batch in batches]
+        state = pipe.state_dict()
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    _compare(state, one.state_dict())
