@@ -135,6 +135,26 @@ def test_a_gpt_on_two_stages_of_two_fsdp_replicas_matches_one_process() -> None:
         assert pipe.step(*_batch(3)) == pytest.approx(_loss(reference, loss_fn, 3), rel=1e-5)
 
 
+def test_a_tied_embedding_on_two_sharded_stages_matches_one_process() -> None:
+    """The input embedding on stage 0 and the LM head tied to it on stage 1, both sharded
+    over 2 replicas: the gradient shards sum replica by replica, the copies stay one."""
+    model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2,
+                                            d_model=32, vocab_size=VOCAB, seq_len=16,
+                                            tie_embeddings=True)
+    reference = copy.deepcopy(model)
+    plan = _plan(model, inputs, targets, loss_fn)
+    with orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
+                        microbatches=2, optimizer=_adamw, threads=1, timeout_s=120,
+                        max_grad_norm=0.5) as pipe:
+        losses = [pipe.step(*_batch(s)) for s in range(3)]
+        norm = pipe.grad_norm
+        state = pipe.state_dict()
+    ref_losses, ref_norms = _reference(reference, loss_fn, 3, max_grad_norm=0.5)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norm == pytest.approx(ref_norms[-1], rel=1e-4)
+    _assert_state(state, reference)
+
+
 def _assert_sharded(pipe: Pipeline, model: nn.Module) -> None:
     """Every stage is sharded: the ranks together hold each parameter element once (a
     replicated stage's replicas would hold it twice)."""
@@ -405,7 +425,7 @@ def test_bad_shard_options_are_refused_before_any_rank_starts() -> None:
     assert main(["run", GPT, "--ranks", "2", "--shard", "fsdp"]) == 2
     tied, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
                                            vocab_size=VOCAB, seq_len=16, tie_embeddings=True)
-    plan = _plan(tied, inputs, targets, loss_fn)
+    plan = dataclasses.replace(_plan(tied, inputs, targets, loss_fn), shard=["fsdp", "none"])
     with pytest.raises(ValueError, match="tied parameter .* Use shard='none'"):
         orgel.pipeline(tied, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
                        microbatches=2, threads=1)

@@ -115,11 +115,12 @@ def _gemma2() -> torch.nn.Module:
     (_qwen2, {"ranks": 4, "tp": 2}),
     (_qwen2, {"ranks": 4, "dp": 2, "shard": "fsdp"}),
     (_gemma2, {"ranks": 2}),
-], ids=["qwen2-tp2", "qwen2-fsdp", "gemma2-tied"])
+    (_gemma2, {"ranks": 4, "dp": 2, "shard": "fsdp"}),
+], ids=["qwen2-tp2", "qwen2-fsdp", "gemma2-tied", "gemma2-tied-fsdp"])
 def test_padded_batches_train_as_one_process_with_tp_fsdp_and_a_tied_model(
         build: object, options: dict[str, object]) -> None:
     """The same rule with tensor parallelism, FSDP-sharded replicas, and a model that ties
-    its input and output embeddings (Gemma2)."""
+    its input and output embeddings (Gemma2), also on sharded stages."""
     model = build()  # type: ignore[operator]
     batches = [padded_batch(step) for step in range(3)]
     expected_losses, one = _reference(model, batches, 1)

@@ -78,8 +78,11 @@ def test_a_tied_embedding_on_sharded_stages_is_refused_before_capture(
     with pytest.raises(ValueError, match=r"stage 0 is FSDP-sharded but holds the tied parameter "
                                          r"'tok_emb.weight' .*'lm_head.weight'.* Use "
                                          r"shard='none', or untie the weights"):
-        orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, shard="fsdp")
+        orgel.pipeline(model, inputs, targets, loss_fn, ranks=8, tp=2, dp=2, shard="fsdp")
     assert time.perf_counter() - started < 1.0
+    # both ends sharded alike (the planner's plan): sharded ties train (tests/test_fsdp.py)
+    with pytest.raises(AssertionError, match="captured"):
+        orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, shard="fsdp")
     # one stage (2 ranks, dp=2) holds both ends of the tie: not refused
     with pytest.raises(AssertionError, match="captured"):
         orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, dp=2, shard="fsdp")

@@ -116,6 +116,11 @@ class GradSync:
             for qual in st.param_names.values():
                 if qual in tied_names:
                     holders[qual].append(s)
+        # a tie whose every stage is FSDP-sharded (over as many replicas: check_sharded) sums
+        # its gradient shards replica by replica: replica k of each such stage holds the
+        # same rows of every copy (FSDP2 shards dimension 0 in replica order)
+        sharded_ties = {name for name in tied_names
+                        if holders[name] and all(plan.sharded(s) for s in holders[name])}
         self.norm_params: list[torch.nn.Parameter] = []
         for s, info in sorted(stages.items()):
             named = dict(info.stage.module.named_parameters())
@@ -124,7 +129,7 @@ class GradSync:
                 if qual in tied_names:
                     self.tied.setdefault(qual, []).append(p)
                     tied_ids.add(id(p))
-                    if info.replica == 0 and holders[qual][0] == s:
+                    if holders[qual][0] == s and (info.replica == 0 or qual in sharded_ties):
                         self.norm_params.append(p)
                 elif info.replica == 0 or plan.sharded(s):  # sharded: each shard once
                     self.norm_params.append(p)
@@ -140,11 +145,16 @@ class GradSync:
                 self.dp[rset] = (group, params)
         self.tied_groups: dict[str, Any] = {}
         for name in sorted(tied_names):
-            tranks = sorted({r for s in holders[name] for r in plan.placement[s]})
-            group = (plane_group([ranks[r] for r in tranks], plan.tp) if len(tranks) > 1
-                     else None)
-            if name in self.tied:
-                self.tied_groups[name] = group
+            # one group of every copy's holders; a sharded tie: one per replica index
+            sets = ([sorted({plan.placement[s][k] for s in holders[name]})
+                     for k in range(len(plan.placement[holders[name][0]]))]
+                    if name in sharded_ties else
+                    [sorted({r for s in holders[name] for r in plan.placement[s]})])
+            for tranks in sets:
+                group = (plane_group([ranks[r] for r in tranks], plan.tp) if len(tranks) > 1
+                         else None)
+                if name in self.tied and rank in tranks:
+                    self.tied_groups[name] = group
         self.pending: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         self.found_inf = False  # the last step's gradients held an inf/NaN (loss scaling)
         self.failed = False  # a rank's work raised in the last step: every rank drops it

@@ -34,11 +34,16 @@ processes: FSDP2 runs over each plane's replicas (member ``t`` of each), on the
 ``"dp"`` dimension of a 2-D mesh whose ``"tp"`` dimension the stage's TP DTensors live
 on (:func:`orgel.runtime.tensor_parallel.shard_stages` makes both).
 
-What it refuses (:func:`check_sharded`, before any rank starts): a tied
-parameter on a sharded stage (the tied sum works on whole gradients) and float16
-loss scaling (the scaler's unscale kernel on sharded gradients is not wired). A tied
-input embedding is refused before any capture (:func:`check_tied_sharding`): the
-model's parameters show it.
+A tied parameter (an input embedding and the LM head that reuses it) on sharded stages
+trains when every stage holding it is sharded over as many replicas: replica ``k`` of
+each holds the same rows of its copy, and the copies' gradient shards are summed
+replica by replica after the reduce-scatter (:class:`orgel.runtime.optim.GradSync`).
+
+What it refuses (:func:`check_sharded`, before any rank starts): a tied parameter whose
+copies are not sharded alike (a sharded and a whole copy, other replica counts, tensor
+parallelism) and float16 loss scaling (the scaler's unscale kernel on sharded
+gradients is not wired). A tied input embedding refused so is refused before any
+capture (:func:`check_tied_sharding`): the model's parameters show it.
 """
 
 from __future__ import annotations
@@ -91,15 +96,27 @@ def check_sharded(plan: Plan, split: Any, *, loss_scaling: bool = False) -> None
     tied = set(getattr(split, "tied", ()) or ())
     for s in sharded:
         names = set(split.stages[s].param_names.values())
-        shared = sorted(names & tied)
-        if shared:
-            raise ValueError(_tied_refusal(s, shared[0]))
+        for name in sorted(names & tied):
+            holders = [t for t, stage in enumerate(split.stages)
+                       if name in stage.param_names.values()]
+            if not _shards_align(plan, holders):
+                raise ValueError(_tied_refusal(s, name))
+
+
+def _shards_align(plan: Plan, holders: list[int]) -> bool:
+    """Whether the copies of a tied parameter on ``holders`` are sharded alike: every stage
+    FSDP-sharded over as many replicas, no tensor parallelism (then replica k of each holds
+    the same rows, and the gradient shards sum replica by replica:
+    :class:`orgel.runtime.optim.GradSync`)."""
+    return (plan.tp == 1 and all(plan.sharded(t) for t in holders)
+            and len({len(plan.placement[t]) for t in holders}) == 1)
 
 
 def _tied_refusal(stage: int, name: str, also: str = "") -> str:
     return (f"stage {stage} is FSDP-sharded but holds the tied parameter {name!r} (one tensor "
-            f"several stages use{also}): orgel sums tied gradients whole. Use shard='none', "
-            "or untie the weights")
+            f"several stages use{also}): orgel sums a tied parameter's gradient shards only "
+            "where every stage holding it is sharded over as many replicas, without tensor "
+            "parallelism. Use shard='none', or untie the weights")
 
 
 def tied_embedding(model: torch.nn.Module) -> tuple[str, str] | None:
@@ -119,19 +136,21 @@ def tied_embedding(model: torch.nn.Module) -> tuple[str, str] | None:
 
 
 def check_tied_sharding(model: torch.nn.Module, plan: Plan | None, shard: str,
-                        depth: int) -> None:
+                        depth: int, tp: int = 1) -> None:
     """Refuse, before any capture, a tied input embedding and output layer that will sit on
-    FSDP-sharded stages: the embedding runs in the first stage and the layer tied to it in
-    the last, so a pipeline of two or more stages holds the tie on two stages, which
-    :func:`check_sharded` refuses once the graph is split. ``plan``: a given plan (its own
-    shard fields rule), else the planner's, every stage sharded, ``depth`` stages deep."""
-    if plan is None:
-        if shard != "fsdp" or depth < 2:
+    stages sharded unlike each other: the embedding runs in the first stage and the layer
+    tied to it in the last, so a pipeline of two or more stages holds the tie on two
+    stages, which :func:`check_sharded` refuses once the graph is split unless both are
+    sharded alike (the planner shards every stage alike; ``tp`` > 1 never is). ``plan``: a
+    given plan (its own shard fields rule), else the planner's, every stage sharded,
+    ``depth`` stages deep."""
+    if plan is None:  # the planner shards every stage alike: refused with tp alone
+        if shard != "fsdp" or depth < 2 or tp == 1:
             return
         first = 0
     else:
         ends = [s for s in (0, plan.num_stages - 1) if plan.sharded(s)]
-        if plan.num_stages < 2 or not ends:
+        if plan.num_stages < 2 or not ends or _shards_align(plan, [0, plan.num_stages - 1]):
             return
         first = ends[0]
     tie = tied_embedding(model)
