@@ -22,6 +22,9 @@ step() {  # step NAME SECONDS COMMAND...: run, keep its log, go on whatever it r
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)";
   nproc; } >"$OUT/summary.log" 2>&1
+# which call in the caller initializes the CUDA driver before the ranks fork (if one does)
+step fork_check "${FORK_S:-60}" $PY benchmarks/cuda_fork_check.py
+grep -h "call(s)\|failed\|losses" "$OUT/fork_check.log" >>"$OUT/summary.log"
 # correctness first, side by side: the demo's start-up, compiled stages, the CUDA tests
 ORGEL_STACKS=30 step demo "${DEMO_S:-120}" $PY -m orgel demo --device cuda --ranks 2 \
   --steps 20 --no-progress --out "$OUT/demo" &
