@@ -135,12 +135,13 @@ def test_the_weight_half_holds_only_what_the_input_half_does_not() -> None:
                if n.op == "placeholder")
 
 
-@pytest.mark.parametrize("schedule,extra", [("zb-h1", []), ("dualpipev", []),
+@pytest.mark.parametrize("schedule,extra", [("dualpipev", []),
                                             ("1f1b", ["--dp", "2", "--recompute"])])
 def test_compiled_stages_train_as_one_process(schedule: str, extra: list[str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """`orgel run --compile --check` on 2 local ranks: the split backward's halves (ZB-H1,
-    DualPipeV), data parallelism and recompute, against one eager process."""
+    """`orgel run --compile --check` on 2 local ranks: the split backward's halves
+    (DualPipeV's I and W; ZB-H1 runs the same halves, tests/test_cuda.py), data parallelism
+    and recompute, against one eager process."""
     code = main(["run", GPT, "--ranks", "2", "--schedule", schedule, "--microbatches", "4",
                  "--steps", "2", "--compile", "--check", "--optimizer", "adamw",
                  "--lr", "1e-3", "--max-grad-norm", "0.5", "--device", "cpu",
