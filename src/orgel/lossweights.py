@@ -185,7 +185,10 @@ def calibrate(model: torch.nn.Module, inputs: dict[str, Any], targets: Any, loss
     whole, parts, labels, separable = found
     errors = {rule: abs(_combined(rule, parts, labels, rows // k) - whole)
               for rule in RULES if labels[0] is not None or rule in ("rows", "sum")}
-    tol = 1e-4 * abs(whole) + 1e-6
+    # the losses carry the model's precision: a bfloat16 model's are rounded to 3 digits
+    eps = max((torch.finfo(p.dtype).eps for p in model.parameters() if p.is_floating_point()),
+              default=0.0)
+    tol = max(1e-4, 4 * eps) * abs(whole) + 1e-6
     matched = [r for r in RULES if r in errors and errors[r] <= tol]
     if not matched and not separable:  # the model's own outputs depend on the cut (a
         # branch or a statistic over the batch): not the loss's doing, and no weighting
