@@ -230,8 +230,16 @@ def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn:
 
     outs: list[Any] = []
 
+    # functional_call leaves a module reached by two paths (one layer reused) holding a
+    # plain tensor for its parameter: every module's own parameters are put back after
+    held = [(m, dict(m._parameters)) for m in model.modules(remove_duplicate=False)]
+
     def run(x: dict[str, Any], y: Any) -> float:
-        outs.append(torch.func.functional_call(model, params, (), x))
+        try:
+            outs.append(torch.func.functional_call(model, params, (), x))
+        finally:
+            for m, own in held:
+                m._parameters.update(own)
         return float(loss_fn(outs[-1], y))
 
     whole = run(named, targets)
