@@ -10,7 +10,6 @@ running the same loop on the whole batches.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from example_scripts import load_example
 from orgel.runtime.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf]
@@ -34,11 +34,7 @@ STEPS, EVERY = 4, 2
 
 
 def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_hf_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE, "train_hf_example")
 
 
 def _run(cmd: list[str], cwd: Path) -> None:

@@ -11,7 +11,6 @@ resumes from it; together they must equal the uninterrupted reference.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from example_scripts import load_example
 from orgel.runtime.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf]
@@ -36,11 +36,7 @@ STEPS = 4
 
 
 def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_llama_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE, "train_llama_example")
 
 
 def _args(tmp_path: Path, *more: str) -> list[str]:
