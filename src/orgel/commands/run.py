@@ -402,7 +402,6 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     # whole tensors (a sharded stage's are gathered: every replica or member takes part)
     params = [(n, full_tensor(p).detach().clone()) for n, p in executor.named_parameters()]
     # the members of a tensor-parallel rank run the same actions: member 0's events stand
-    compile_s = sum(c.compile_s for c in (executor.compiled or {}).values())
     return host({"losses": losses, "events": executor.events if executor.member == 0 else [],
-                 "compile_s": compile_s,
+                 "compile_s": executor.compile_seconds(),
                  "params": params if options["check"] else []})

@@ -279,6 +279,10 @@ class Executor(BackwardActions, DroppedStep):
         """
         return self.sync.all_params
 
+    def compile_seconds(self) -> float:
+        """Seconds this pass's compiled stages spent compiling (0 without ``compile``)."""
+        return sum(runner.compile_s for runner in (self.compiled or {}).values())
+
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(qualified name in the original model, parameter)`` for this rank's stages."""
         for _, info in sorted(self.stages.items()):

@@ -156,11 +156,8 @@ class RankEngine:
 
     def compile_seconds(self) -> float:
         """Seconds this rank spent compiling its stages, training and evaluation graphs."""
-        total = 0.0
-        for executor in (self.executor, self.forward_only):
-            for runner in (getattr(executor, "compiled", None) or {}).values():
-                total += runner.compile_s
-        return total
+        passes = [self.executor] + ([self.forward_only] if self.forward_only else [])
+        return sum(p.compile_seconds() for p in passes)
 
     def param_groups(self) -> int | None:
         """How many parameter groups this rank's optimizer has (None: no optimizer here)."""
