@@ -329,11 +329,11 @@ def test_microbatches_on_different_parameter_paths_train_exactly() -> None:
 
 
 def test_a_forward_of_several_graphs_is_refused_under_torchrun() -> None:
-    from orgel.explicit import api
+    from orgel.flow.capture import one_graph_only
 
     graph = capture(BranchEveryMicrobatch(), (torch.randn(2, 8),))
     with pytest.raises(GraphBreakError, match="local-spawn mode"):
-        api.one_graph_only(graph)
+        one_graph_only(graph)
 
 
 def test_a_plain_rank_engine_refuses_a_split_with_exchanges() -> None:

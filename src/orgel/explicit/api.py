@@ -15,7 +15,11 @@ Two launch modes, chosen from the environment, with the same object and methods:
 Methods that gather (``state_dict``, ``timeline``) or write (``save``) involve
 every rank in both modes; under torchrun call them on every rank. So do ``step``
 and ``evaluate``; evaluation runs a second capture of the model, made in eval
-mode when the pipeline starts (:func:`eval_split_for`).
+mode when the pipeline starts (:func:`orgel.flow.capture.eval_split_for`).
+
+Both modes run the one flow of :mod:`orgel.flow`: :func:`orgel.flow.prepare.prepare`
+(capture, plan, split) and :mod:`orgel.flow.start` (the ranks); this module only reads
+the options.
 """
 
 from __future__ import annotations
@@ -28,56 +32,25 @@ from typing import Any
 import torch
 
 from orgel.batching import BatchDim
-from orgel.guard import cuda_unused, untouched
-from orgel.lossweights import check_rule, rule_for
+from orgel.flow.capture import default_optimizer, one_graph_only
+from orgel.flow.prepare import meta_weights, on_process_zero, plan_only, prepare
+from orgel.flow.start import start_local, start_torchrun
+from orgel.guard import cuda_unused
+from orgel.lossweights import check_rule
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.devices import (
-    backend_for,
-    check_fork,
-    profiling_on,
-    rank_device,
-    resolve_device,
-)
+from orgel.runtime.devices import check_fork, profiling_on, resolve_device
 from orgel.runtime.launch import init_from_env, under_torchrun
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
-from orgel.runtime.sharding import (
-    check_shard_option,
-    check_sharded,
-    check_tied_sharding,
-    mark_sharded,
-)
+from orgel.runtime.sharding import check_shard_option, check_tied_sharding
 from orgel.schedule.ir import Plan
-from orgel.split.materialize import (
-    Init,
-    Weights,
-    WeightsArg,
-    materialize_stages,
-    process_memory,
-)
-from orgel.worker.engine import OptimizerFactory, RankEngine
-from orgel.worker.pipe import OwnRank, Pipeline
-from orgel.worker.state import model_aliases, own_stage_copies
+from orgel.split.materialize import Init, WeightsArg
+from orgel.worker.engine import OptimizerFactory
+from orgel.worker.pipe import Pipeline
+from orgel.worker.state import model_aliases
 from orgel.workload import Workload, model_loss, validate_workload, with_precision
 
-
-def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
-                   plan: Any) -> None:
-    """Raise ValueError for options ``orgel.pipeline`` and ``orgel.backend`` cannot take."""
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
-    if microbatches != "auto" and (not isinstance(microbatches, int)
-                                   or isinstance(microbatches, bool) or microbatches < 1):
-        raise ValueError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
-    if optimizer is not None and not callable(optimizer):
-        raise ValueError("optimizer must be a function params -> torch.optim.Optimizer, e.g. "
-                         "lambda params: torch.optim.AdamW(params, lr=1e-3)")
-    if memory is not None and (not isinstance(memory, int) or memory <= 0):
-        raise ValueError(f"memory must be bytes per rank (a positive int) or None, got {memory!r}")
-    if not isinstance(dp, int) or dp < 1 or ranks % dp:
-        raise ValueError(f"dp must be a positive int that divides ranks={ranks}, got {dp!r}")
-    if plan is not None and not isinstance(plan, (Plan, str, Path)):
-        raise ValueError("plan must be a Plan, a path to a plan JSON file, or None to plan")
+__all__ = ["Pipeline", "load", "pipeline"]
 
 
 def pipeline(
@@ -212,11 +185,11 @@ def pipeline(
     its attribute ``loss_rule``). A loss that depends on how the batch is cut (in-batch
     negatives) takes ``"rows"``: each micro-batch's loss then counts equally.
     """
+    from orgel.flow.options import check_options, refuse
+
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
-    planned_here = plan is None  # a given plan's own shard fields rule
-
-    from orgel.runtime.tensor_parallel import pipeline_ranks, with_tp
+    from orgel.runtime.tensor_parallel import pipeline_ranks
 
     world, ranks = ranks, pipeline_ranks(ranks, tp, dp)
     # a tie the model's structure shows is refused before any capture or profiling
@@ -242,350 +215,60 @@ def pipeline(
                         "compile": compile, **loop}
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     check_rule(loss_rule)
-    executor_options["loss_rule"] = (loss_rule if loss_rule != "auto"
-                                     else getattr(loss_fn, "loss_rule", "auto"))
+    rule = loss_rule if loss_rule != "auto" else getattr(loss_fn, "loss_rule", "auto")
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)
     kind = resolve_device(device, model=model)
     spmd = under_torchrun()
-    if not spmd:
-        check_fork(kind)
-        # how the pieces' losses make the batch's (orgel.lossweights): a trial forward
-        executor_options["loss_rule"] = rule_for(workload, executor_options["loss_rule"])
+    owns_group = False
     if spmd:
-        return _spmd_pipeline(workload, ranks=world, microbatches=microbatches,
-                              executor_options=executor_options, optimizer=optimizer,
-                              memory=memory, dp=dp, plan=plan, timeout_s=timeout_s, keys=keys,
-                              aliases=aliases, source=source, kind=kind, shard=shard,
-                              tp=tp)
-    from orgel.runtime.launch import LocalGroup
+        import torch.distributed as dist
 
-    if kind == "cuda" and plan is None:  # timed on the GPU, by a process of its own
-        from orgel.explicit.device_plan import plan_in_child
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ValueError(f"ranks={world} but torchrun started WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']} processes; pass ranks="
+                             f"{os.environ['WORLD_SIZE']} or run torchrun --nproc-per-node "
+                             f"{world}")
+        owns_group = not dist.is_initialized()
+        if owns_group:  # the backend and this rank's GPU by the launchers' one rule
+            init_from_env(timeout=timeout_s, device=kind)
+    else:
+        check_fork(kind)
+    common: dict[str, Any] = dict(ranks=ranks, tp=tp, microbatches=microbatches,
+                                  memory=memory, dp=dp, shard=shard, loss_rule=rule,
+                                  optimizer=optimizer, source=source,
+                                  loss_scaling=bool(scaling))
+    if spmd:
+        prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),
+                           check_graph=one_graph_only, **common)
+    else:
+        if kind == "cuda" and plan is None:  # timed on the GPU, by a process of its own
+            from orgel.explicit.device_plan import plan_in_child
 
-        def planned() -> Plan:
-            with untouched(model):
-                return _prepare(workload, None, ranks, microbatches, memory, dp, source,
-                                optimizer)[0]
-
-        plan = plan_in_child(planned, device=kind, timeout_s=timeout_s)
-    # the workers fork afterwards, from the caller's own state; this process never uses
-    # CUDA (a forked rank could not), so it profiles on the CPU
-    with untouched(model), profiling_on("cpu"), cuda_unused():
-        the_plan, split, graph = _prepare(workload, plan, ranks, microbatches, memory, dp,
-                                          source, optimizer)
-        the_plan = with_tp(the_plan, tp, graph)
-    if planned_here:
-        the_plan = mark_sharded(the_plan, shard)
-    check_sharded(the_plan, split, loss_scaling=bool(scaling))
-    if graph.glue is not None:  # several graphs: the controller runs the Python between them
+            plan = plan_in_child(lambda: plan_only(workload, **common), device=kind,
+                                 timeout_s=timeout_s)
+            common["mark"] = True  # as planned here: its stages get the shard option
+        # the workers fork afterwards, from the caller's own state; this process never uses
+        # CUDA (a forked rank could not), so it profiles on the CPU
+        with profiling_on("cpu"), cuda_unused():
+            prepared = prepare(workload, plan=plan, **common)
+    prepared.keys, prepared.aliases = keys, aliases
+    glue = prepared.graph.glue
+    if glue is not None:  # several graphs: the controller runs the Python between them
+        refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
+                                "device": kind})
         from orgel.explicit import glued
 
-        if compile:
-            raise ValueError("compile=True is not available for a forward of several graphs "
-                             "(graph breaks) yet: pass compile=False")
-        if check_finite:
-            raise ValueError("check_finite is not available for a forward of several graphs "
-                             "(the loss runs in this process): check the loss pipe.step returns")
-        if kind != "cpu":
-            raise ValueError("a forward of several graphs (graph breaks) runs on CPU ranks "
-                             "only: pass device='cpu', or remove the graph breaks")
-        glued_pipe = glued.start(workload, the_plan, split, graph.glue, optimizer=optimizer,
-                                 timeout_s=timeout_s, threads=threads, keys=keys,
-                                 aliases=aliases, options=loop)
-        glued_pipe.loss_rule = executor_options["loss_rule"]
+        glued_pipe = glued.start(workload, prepared.plan, prepared.split, glue,
+                                 optimizer=optimizer, timeout_s=timeout_s, threads=threads,
+                                 keys=keys, aliases=aliases, options=loop)
+        glued_pipe.loss_rule = prepared.loss_rule
         return glued_pipe
-    with cuda_unused():  # before the fork: ranks inherit it
-        evaluation = eval_split_for(workload, the_plan, split)
-
-    def make_engine(process: int) -> RankEngine:
-        here = rank_device(kind, process)  # in the worker, after the fork
-        rank = process // the_plan.tp  # its pipeline rank
-        made = _make_own_stages(split, the_plan, rank, source, here)
-        engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
-                            loss_fn=workload.loss_fn, timeout_s=timeout_s, evaluation=evaluation,
-                            executor_options={**executor_options, "device": here})
-        engine.made = made
-        return engine
-
-    group = LocalGroup(world, make_engine, timeout_s=timeout_s, threads=threads,
-                       backend=backend_for(kind, world))
-    pipe = Pipeline(the_plan, group, model=workload.model,
-                    loss_ranks=loss_processes(the_plan, split.loss_stage), state_keys=keys,
-                    aliases=aliases, spmd=False, source=source, accumulate=accumulate,
-                    workload=workload, outputs=split.unflatten_outputs,
-                    evaluation=_unflatten(evaluation))
-    pipe.check_sizes = shape_check(workload, split, the_plan)
-    pipe.loss_rule = executor_options["loss_rule"]
-    check_param_groups(pipe)
-    return pipe
-
-
-def loss_processes(plan: Plan, loss_stage: int) -> list[int]:
-    """The processes whose step answers carry the loss: member 0 of the loss stage's ranks."""
-    return [r * plan.tp for r in plan.placement[loss_stage]]
-
-
-def check_param_groups(pipe: Pipeline) -> None:
-    """Raise ValueError (and stop the ranks) unless every rank's optimizer has as many
-    parameter groups: the schedule, the checkpoint and a re-shard match groups by index."""
-    counts = {r: n for r, n in enumerate(pipe.call_ranks("param_groups")) if n is not None}
-    if len(set(counts.values())) > 1:
-        pipe.close()
-        raise ValueError(f"the optimizer factory built a different number of parameter groups "
-                         f"on different ranks ({counts}, by rank): build the same groups on "
-                         "every rank, leaving a group's list empty where a rank holds none of "
-                         "its parameters")
-
-
-def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
-    """The model captured in eval mode, cut into ``split``'s stages (:mod:`orgel.split.evaluation`).
-
-    Or, where that fails, a sentence saying why: the pipeline still trains, and
-    ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
-    replica's rows as in :func:`split_for`.
-    """
-    from orgel.runtime.forward_only import check_forward
-    from orgel.split.evaluation import eval_only, split_like
-    from orgel.workload import on_meta
-
-    try:
-        with untouched(workload.model):
-            workload.model.eval()
-            graph = capture_microbatch(workload, plan.microbatches * stage_replicas(plan))
-    except Exception as exc:  # noqa: BLE001 - the reason goes to evaluate's caller
-        return f"capturing the model in eval mode failed ({type(exc).__name__}: {exc})"
-    if graph.glue is not None:
-        return "the model's eval-mode forward has graph breaks (Dynamo captures several graphs)"
-    try:
-        evaluation = split_like(graph, split)
-        check_forward(plan, evaluation)
-    except ValueError as exc:  # SplitError, PlanError
-        return str(exc)
-    unmade = eval_only(evaluation, split)
-    if unmade and on_meta(workload.model):
-        return (f"the eval-mode forward of this meta model reads {unmade[:3]}, which no "
-                "training stage makes")
-    return evaluation
-
-
-def _unflatten(evaluation: Any) -> Any:
-    return evaluation if isinstance(evaluation, str) else evaluation.unflatten_outputs
-
-
-def _make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
-                     device: torch.device | str = "cpu") -> dict[str, int]:
-    """Give this rank's stages of a meta model their tensors (nothing for a model with
-    values); the resident bytes before, and the bytes made (``RankEngine.made``)."""
-    if source is None:
-        return {}
-    start = process_memory(reset_peak=True)["rss"]
-    return {"start": start,
-            "made": materialize_stages(split, plan.stages_on(rank), source, device)}
-
-
-def meta_weights(model: torch.nn.Module, init: Init | None,
-                 weights: WeightsArg | None) -> Weights | None:
-    """Where a meta model's values come from (None for a model with values); checks them."""
-    from orgel.workload import on_meta
-
-    if not on_meta(model):
-        if init is not None or weights is not None:
-            raise ValueError("init= and weights= are for a model built on the meta device "
-                             "(with torch.device('meta'): model = ...); this model has values "
-                             "already: leave them out, or load weights with "
-                             "model.load_state_dict before orgel.pipeline")
-        return None
-    return Weights(model, init=init, weights=weights, seed=torch.initial_seed())
-
-
-def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """Each rank's optimizer when none is given: AdamW, learning rate 1e-3."""
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
-def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
-                   optimizer: OptimizerFactory, memory: int | None, dp: int,
-                   plan: Plan | str | Path | None, timeout_s: float, keys: list[str],
-                   aliases: dict[str, str], executor_options: dict[str, Any],
-                   source: Weights | None = None, kind: str = "cpu",
-                   shard: str = "none", tp: int = 1) -> Pipeline:
-
-    import torch.distributed as dist
-
-    world = int(os.environ["WORLD_SIZE"])
-    if world != ranks:
-        raise ValueError(f"ranks={ranks} but torchrun started WORLD_SIZE={world} processes; "
-                         f"pass ranks={world} or run torchrun --nproc-per-node {ranks}")
-    owns_group = not dist.is_initialized()
-    if owns_group:  # the backend and this rank's GPU by the launchers' one rule
-        init_from_env(timeout=timeout_s, device=kind)
-    from orgel.runtime.tensor_parallel import with_tp
-
-    process = dist.get_rank()
-    rank = process // tp  # this process's pipeline rank
-    with untouched(workload.model):
-        graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
-        if graph is not None:
-            one_graph_only(graph)
-        text: list[Any] = [None, None, None]
-        if process == 0:  # and rank 0's seed: every rank initializes a tied tensor alike
-            with profiling_on(kind):
-                resolved = resolve_plan(plan, workload, graph, ranks // tp, microbatches,
-                                        memory, dp, source=source, optimizer=optimizer)
-                if plan is None:
-                    resolved = mark_sharded(resolved, shard)
-                text = [with_tp(resolved, tp, graph).to_json(), torch.initial_seed(),
-                        rule_for(workload, executor_options["loss_rule"])]
-        dist.broadcast_object_list(text, src=0)
-        executor_options = {**executor_options, "loss_rule": str(text[2])}
-        the_plan = Plan.from_json(str(text[0]))
-        if graph is None:
-            graph = capture_microbatch(workload, the_plan.microbatches)
-        one_graph_only(graph)
-        split = split_for(workload, graph, the_plan)
-        check_sharded(the_plan, split,
-                      loss_scaling=bool(executor_options.get("loss_scaling")))
-        evaluation = eval_split_for(workload, the_plan, split)
-    if source is not None:
-        source.seed = int(text[1])
-    else:  # the stages train copies: the caller's model changes only through pipe.copy_to
-        own_stage_copies(split.stages[s].module for s in the_plan.stages_on(rank))
-    here = rank_device(kind, process)
-    made = _make_own_stages(split, the_plan, rank, source, here)
-    engine = RankEngine(rank, the_plan, split, optimizer=optimizer, loss_fn=workload.loss_fn,
-                        executor_options={**executor_options, "device": here},
-                        timeout_s=timeout_s, evaluation=evaluation)
-    engine.made = made
-    pipe = Pipeline(the_plan, OwnRank(engine, world, owns_group=owns_group),
-                    model=workload.model, loss_ranks=loss_processes(the_plan, split.loss_stage),
-                    state_keys=keys, aliases=aliases, spmd=True, source=source,
-                    accumulate=int(executor_options.get("accumulate", 1)), workload=workload,
-                    outputs=split.unflatten_outputs, evaluation=_unflatten(evaluation))
-    pipe.check_sizes = shape_check(workload, split, the_plan)
-    pipe.loss_rule = executor_options["loss_rule"]
-    check_param_groups(pipe)
-    return pipe
-
-
-def shape_check(workload: Workload, split: Any, plan: Plan) -> Any:
-    """The check ``Pipeline.step`` runs on a batch before any rank starts: the sizes the
-    split's stages take (:class:`orgel.graph.sizes.Shapes`) against its micro-batches."""
-    from orgel.graph.sizes import batch_check
-
-    return batch_check(split.shapes, plan.microbatches, len(plan.placement[0]),
-                       workload.batch_dim, workload.replicated)
-
-
-def one_graph_only(graph: Any) -> None:
-    """Refuse a graph of several Dynamo graphs (torchrun runs one graph)."""
-    if graph.glue is not None:
-        from orgel.graph.opgraph import GraphBreakError
-
-        raise GraphBreakError(f"{graph.glue.reason} Under torchrun orgel needs one graph; a "
-                              "forward of several graphs trains in local-spawn mode (python "
-                              "train.py, without torchrun)")
-
-
-# -- the seams to capture, planning and split -------------------------------------------------
-
-
-def _prepare(workload: Workload, plan: Plan | str | Path | None, ranks: int,
-             microbatches: int | str, memory: int | None,
-             dp: int, source: Weights | None = None,
-             optimizer: OptimizerFactory | None = None) -> tuple[Plan, Any, Any]:
-    """Capture, plan (or check ``plan``) and split: the plan, the SplitModel and the graph."""
-    # "auto": the planner captures every micro-batch size it tries; capture the chosen one.
-    graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
-    planned = workload
-    if graph is not None and graph.glue is not None:
-        # the graphs' outputs are not the model's output: profile the loss stage with a sum
-        from orgel.worker.closure import profiling_loss
-
-        planned = Workload(workload.model, workload.inputs, workload.targets, profiling_loss,
-                           workload.batch_dim, workload.replicated, workload.precision)
-    the_plan = resolve_plan(plan, planned, graph, ranks, microbatches, memory, dp,
-                            source=source, optimizer=optimizer)
-    if graph is None:
-        graph = capture_microbatch(workload, the_plan.microbatches)
-        if graph.glue is not None:
-            raise ValueError("the forward has graph breaks (Dynamo captures it as several "
-                             "graphs); give microbatches as an int, not 'auto'")
-    return the_plan, split_for(workload, graph, the_plan), graph
-
-
-def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = True) -> Any:
-    """The op graph of ``workload``'s model, measured on one micro-batch.
-
-    ``dynamic``: with symbolic sizes where the model allows (:mod:`orgel.graph.sizes`),
-    so the stages split from it take batches of other sizes; ``graph.shapes`` says which.
-    """
-    from orgel.graph.capture import capture
-    from orgel.workload import microbatches as slice_batches
-
-    first_inputs, _ = slice_batches(workload, microbatches)[0]
-    return capture(workload.model, first_inputs, precision=workload.precision,
-                   dynamic=dynamic)
-
-
-def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
-                  microbatches: int | str, memory: int | None, dp: int,
-                  planner: str | None = None, source: Weights | None = None,
-                  optimizer: OptimizerFactory | None = None) -> Plan:
-    """The given plan (object or file), checked against the options, or the planner's.
-
-    ``optimizer`` (the ranks' factory; default AdamW) sets how much state the
-    planner counts per parameter byte (:func:`orgel.profile.memory.optimizer_factor`).
-    """
-    if isinstance(plan, Plan):
-        given = plan
-    elif plan is not None:
-        given = Plan.load(plan)
-    else:
-        from orgel.plan import auto_plan
-
-        # auto_plan reads the micro-batch rows and plans one rank per stage by
-        # default (max_replicas=1): captured stages have fixed shapes.
-        if source is not None and microbatches == "auto":
-            raise ValueError("a model on the meta device is planned for one micro-batch "
-                             "count: give microbatches as an int, not 'auto'")
-        from orgel.profile.memory import optimizer_factor
-
-        given = auto_plan(workload, graph, ranks=ranks,
-                          microbatches=None if microbatches == "auto" else int(microbatches),
-                          memory=memory, dp=dp, planner=planner or "auto", source=source,
-                          optimizer_factor=optimizer_factor(optimizer or default_optimizer))
-    if given.num_ranks != ranks:
-        raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
-                         "pass ranks to match or plan=None to plan again")
-    if microbatches != "auto" and given.microbatches != microbatches:
-        raise ValueError(f"the plan uses {given.microbatches} micro-batches but "
-                         f"microbatches={microbatches}; make them agree")
-    return given
-
-
-def split_for(workload: Workload, graph: Any, plan: Plan) -> Any:
-    """Split ``graph`` by ``plan``; with replicated stages, from a capture of one replica's rows.
-
-    Captured graphs have fixed shapes, so a stage on ``r`` ranks needs the graph
-    of ``1/r`` of a micro-batch, and every stage must have the same ``r``.
-    """
-    from orgel.split import split_plan
-
-    replicas = stage_replicas(plan)
-    if replicas > 1:
-        graph = capture_microbatch(workload, plan.microbatches * replicas)
-    return split_plan(graph, plan)
-
-
-def stage_replicas(plan: Plan) -> int:
-    """How many ranks every stage of ``plan`` has (the captures are of one replica's rows)."""
-    counts = {len(ranks) for ranks in plan.placement}
-    if len(counts) != 1:
-        raise ValueError(f"the plan gives stages different replica counts {sorted(counts)}; "
-                         "orgel's captured stages have fixed shapes: give every stage the "
-                         "same number of ranks")
-    return counts.pop()
+    if spmd:
+        return start_torchrun(prepared, kind, optimizer=optimizer, timeout_s=timeout_s,
+                              executor_options=executor_options, owns_group=owns_group)
+    return start_local(prepared, kind, optimizer=optimizer, timeout_s=timeout_s,
+                       threads=threads, executor_options=executor_options)
 
 
 def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any = None,

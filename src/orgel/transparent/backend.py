@@ -180,7 +180,8 @@ class Backend:
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
                  max_grad_norm: float | None = None, accumulate: int = 1,
                  batch_dim: int = 0, replicated: tuple[int, ...] = ()) -> None:
-        from orgel.explicit.api import check_options, default_optimizer
+        from orgel.flow.capture import default_optimizer
+        from orgel.flow.options import check_options
 
         check_options(ranks, microbatches, optimizer, memory, dp, plan)
         self.ranks, self.microbatches = ranks, microbatches
@@ -329,9 +330,11 @@ class Backend:
 
     def _start_glued(self, rows: int) -> None:
         """Plan and start the joined graphs of a compiled model with graph breaks."""
-        from orgel.explicit import api, glued
+        from orgel.explicit import glued
+        from orgel.flow.capture import resolve_plan, split_for
         from orgel.graph.glue import join_calls
         from orgel.graph.measure import measure
+        from orgel.worker.state import model_aliases
         from orgel.workload import Workload
 
         if under_torchrun():
@@ -370,11 +373,11 @@ class Backend:
         with untouched(holder):
             graph = measure(holder, {}, raw, [reason], "dynamo")
             graph.glue = glue
-            plan = api.resolve_plan(self.given_plan, workload, graph, self.ranks,
+            plan = resolve_plan(self.given_plan, workload, graph, self.ranks,
                                      self.microbatches, self.memory, self.dp, planner="beam",
                                      optimizer=self.optimizer)
-            split = api.split_for(workload, graph, plan)
-        keys, aliases = api.model_aliases(holder)
+            split = split_for(workload, graph, plan)
+        keys, aliases = model_aliases(holder)
         self.pipe = glued.start(workload, plan, split, glue, optimizer=self.optimizer,
                                 timeout_s=self.timeout_s, threads=self.threads, keys=keys,
                                 aliases=aliases, closures=True, options=self.loop)
@@ -558,8 +561,11 @@ class Backend:
         import multiprocessing as mp
 
         from orgel.batching import batch_rows
-        from orgel.explicit import api
+        from orgel.flow.capture import capture_microbatch, resolve_plan, split_for
+        from orgel.flow.start import check_param_groups
         from orgel.runtime.launch import LocalGroup
+        from orgel.worker.pipe import Pipeline
+        from orgel.worker.state import model_aliases
         from orgel.workload import Workload
 
         if self.model is None:
@@ -581,16 +587,16 @@ class Backend:
         workload = Workload(self.model, batch, _rows_at(rows, dim), profiling_loss,
                             batch_dim=dim, replicated=whole)
         with untouched(self.model):
-            graph = api.capture_microbatch(workload, self.microbatches)
+            graph = capture_microbatch(workload, self.microbatches)
             # dynamo's graph has the micro-batch's shapes baked in and the user's model is
             # not ours to re-trace per replica: plan chains of one rank per stage (beam)
-            plan = api.resolve_plan(self.given_plan, workload, graph, self.ranks,
+            plan = resolve_plan(self.given_plan, workload, graph, self.ranks,
                                      self.microbatches, self.memory, self.dp, planner="beam",
                                      optimizer=self.optimizer)
             if any(len(r) > 1 for r in plan.placement):
                 raise ValueError("orgel.backend runs stages on one rank each; give a plan "
                                  "without data-parallel stages")
-            split = api.split_for(workload, graph, plan)
+            split = split_for(workload, graph, plan)
         self._loss_rank = plan.placement[split.loss_stage][0]
         self._input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
                                     if st.model_inputs})
@@ -612,12 +618,12 @@ class Backend:
         # names and tensors no graph reads (tied aliases, an unused pooler) come from the
         # compiled module, when there is one
         owner = self._module or self.model
-        keys, aliases = api.model_aliases(owner)
-        self.pipe = api.Pipeline(plan, group, model=owner,
+        keys, aliases = model_aliases(owner)
+        self.pipe = Pipeline(plan, group, model=owner,
                                  loss_ranks=[self._loss_rank], state_keys=keys, aliases=aliases,
                                  spmd=False, accumulate=self.loop["accumulate"],
                                  evaluation=NO_EVALUATION)
-        api.check_param_groups(self.pipe)
+        check_param_groups(self.pipe)
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
 

@@ -1,0 +1,152 @@
+"""The seams to capture, planning and split that every front end shares.
+
+:func:`capture_microbatch` captures a workload's model on one micro-batch;
+:func:`resolve_plan` checks a given plan against the options or plans;
+:func:`split_for` cuts the graph into the plan's stages; :func:`eval_split_for`
+cuts the eval-mode capture alike; :func:`shape_check` is the check ``step`` runs on a
+batch before any rank starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel.guard import untouched
+from orgel.schedule.ir import Plan
+from orgel.split.materialize import Weights
+from orgel.workload import Workload
+
+
+def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Each rank's optimizer when none is given: AdamW, learning rate 1e-3."""
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = True) -> Any:
+    """The op graph of ``workload``'s model, measured on one micro-batch.
+
+    ``dynamic``: with symbolic sizes where the model allows (:mod:`orgel.graph.sizes`),
+    so the stages split from it take batches of other sizes; ``graph.shapes`` says which.
+    """
+    from orgel.graph.capture import capture
+    from orgel.workload import microbatches as slice_batches
+
+    first_inputs, _ = slice_batches(workload, microbatches)[0]
+    return capture(workload.model, first_inputs, precision=workload.precision,
+                   dynamic=dynamic)
+
+
+def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
+                  microbatches: int | str, memory: int | None, dp: int,
+                  planner: str | None = None, source: Weights | None = None,
+                  optimizer: Any = None) -> Plan:
+    """The given plan (object or file), checked against the options, or the planner's.
+
+    ``optimizer`` (the ranks' factory; default AdamW) sets how much state the
+    planner counts per parameter byte (:func:`orgel.profile.memory.optimizer_factor`).
+    """
+    if isinstance(plan, Plan):
+        given = plan
+    elif plan is not None:
+        given = Plan.load(plan)
+    else:
+        from orgel.plan import auto_plan
+
+        # auto_plan reads the micro-batch rows and plans one rank per stage by
+        # default (max_replicas=1): captured stages have fixed shapes.
+        if source is not None and microbatches == "auto":
+            raise ValueError("a model on the meta device is planned for one micro-batch "
+                             "count: give microbatches as an int, not 'auto'")
+        from orgel.profile.memory import optimizer_factor
+
+        given = auto_plan(workload, graph, ranks=ranks,
+                          microbatches=None if microbatches == "auto" else int(microbatches),
+                          memory=memory, dp=dp, planner=planner or "auto", source=source,
+                          optimizer_factor=optimizer_factor(optimizer or default_optimizer))
+    if given.num_ranks != ranks:
+        raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
+                         "pass ranks to match or plan=None to plan again")
+    if microbatches != "auto" and given.microbatches != microbatches:
+        raise ValueError(f"the plan uses {given.microbatches} micro-batches but "
+                         f"microbatches={microbatches}; make them agree")
+    return given
+
+
+def split_for(workload: Workload, graph: Any, plan: Plan) -> Any:
+    """Split ``graph`` by ``plan``; with replicated stages, from a capture of one replica's rows.
+
+    Captured graphs have fixed shapes, so a stage on ``r`` ranks needs the graph
+    of ``1/r`` of a micro-batch, and every stage must have the same ``r``.
+    """
+    from orgel.split import split_plan
+
+    replicas = stage_replicas(plan)
+    if replicas > 1:
+        graph = capture_microbatch(workload, plan.microbatches * replicas)
+    return split_plan(graph, plan)
+
+
+def stage_replicas(plan: Plan) -> int:
+    """How many ranks every stage of ``plan`` has (the captures are of one replica's rows)."""
+    counts = {len(ranks) for ranks in plan.placement}
+    if len(counts) != 1:
+        raise ValueError(f"the plan gives stages different replica counts {sorted(counts)}; "
+                         "orgel's captured stages have fixed shapes: give every stage the "
+                         "same number of ranks")
+    return counts.pop()
+
+
+def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
+    """The model captured in eval mode, cut into ``split``'s stages (:mod:`orgel.split.evaluation`).
+
+    Or, where that fails, a sentence saying why: the pipeline still trains, and
+    ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
+    replica's rows as in :func:`split_for`.
+    """
+    from orgel.runtime.forward_only import check_forward
+    from orgel.split.evaluation import eval_only, split_like
+    from orgel.workload import on_meta
+
+    try:
+        with untouched(workload.model):
+            workload.model.eval()
+            graph = capture_microbatch(workload, plan.microbatches * stage_replicas(plan))
+    except Exception as exc:  # noqa: BLE001 - the reason goes to evaluate's caller
+        return f"capturing the model in eval mode failed ({type(exc).__name__}: {exc})"
+    if graph.glue is not None:
+        return "the model's eval-mode forward has graph breaks (Dynamo captures several graphs)"
+    try:
+        evaluation = split_like(graph, split)
+        check_forward(plan, evaluation)
+    except ValueError as exc:  # SplitError, PlanError
+        return str(exc)
+    unmade = eval_only(evaluation, split)
+    if unmade and on_meta(workload.model):
+        return (f"the eval-mode forward of this meta model reads {unmade[:3]}, which no "
+                "training stage makes")
+    return evaluation
+
+
+def shape_check(workload: Workload, split: Any, plan: Plan) -> Any:
+    """The check ``Pipeline.step`` runs on a batch before any rank starts: the sizes the
+    split's stages take (:class:`orgel.graph.sizes.Shapes`) against its micro-batches."""
+    from orgel.graph.sizes import batch_check
+
+    return batch_check(split.shapes, plan.microbatches, len(plan.placement[0]),
+                       workload.batch_dim, workload.replicated)
+
+
+def one_graph_only(graph: Any) -> None:
+    """Refuse a graph of several Dynamo graphs (torchrun runs one graph)."""
+    if graph.glue is not None:
+        from orgel.graph.opgraph import GraphBreakError
+
+        raise GraphBreakError(f"{graph.glue.reason} Under torchrun orgel needs one graph; a "
+                              "forward of several graphs trains in local-spawn mode (python "
+                              "train.py, without torchrun)")
+
+
+# -- the seams to capture, planning and split -------------------------------------------------

@@ -1,0 +1,160 @@
+"""The flow's first half, written once: capture, plan (or take the plan), split.
+
+:func:`prepare` is what every front end does before any rank starts: capture the model
+on one micro-batch (sizes symbolic where the model allows), decide the plan and the loss
+rule (:func:`decide`: in this process, in a planning child for CUDA ranks, or on
+process 0 of a torchrun job, which broadcasts it), split the graph into the plan's
+stages, and cut the eval-mode capture alike. The result, :class:`Prepared`, is what
+:mod:`orgel.flow.start` launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel.guard import untouched
+from orgel.lossweights import rule_for
+from orgel.runtime.sharding import check_sharded, mark_sharded
+from orgel.schedule.ir import Plan
+from orgel.split.materialize import Init, Weights, WeightsArg
+from orgel.workload import Workload
+
+
+@dataclass
+class Prepared:
+    """A workload made ready to start: its plan, its stages and how it trains."""
+
+    workload: Workload
+    plan: Plan
+    split: Any
+    graph: Any
+    loss_rule: str
+    seed: int
+    evaluation: Any = None  # the eval-mode SplitModel, or why evaluate is not available
+    source: Weights | None = None
+    keys: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+#: How the plan, the loss rule and the seed are agreed: ``agree(decide)`` returns what
+#: ``decide()`` returns, run where the front end says (here, or on process 0 and broadcast).
+Agree = Callable[[Callable[[], tuple[Plan, str, int]]], tuple[Plan, str, int]]
+
+
+def here(decide: Callable[[], tuple[Plan, str, int]]) -> tuple[Plan, str, int]:
+    """Decide in this process."""
+    return decide()
+
+
+def on_process_zero(kind: str) -> Agree:
+    """Decide on process 0 of a torchrun job (profiling on ``kind``) and broadcast the plan,
+    the loss rule and process 0's seed (every rank initializes a tied tensor alike)."""
+
+    def agree(decide: Callable[[], tuple[Plan, str, int]]) -> tuple[Plan, str, int]:
+        import torch.distributed as dist
+
+        from orgel.runtime.devices import profiling_on
+
+        text: list[Any] = [None, None, None]
+        if dist.get_rank() == 0:
+            with profiling_on(kind):
+                the_plan, rule, seed = decide()
+            text = [the_plan.to_json(), rule, seed]
+        dist.broadcast_object_list(text, src=0)
+        return Plan.from_json(str(text[0])), str(text[1]), int(text[2])
+
+    return agree
+
+
+def plan_only(workload: Workload, *, ranks: int, microbatches: int | str, memory: int | None,
+              dp: int, source: Weights | None = None, optimizer: Any = None,
+              **_: Any) -> Plan:
+    """Capture and plan, nothing more (the planning child's work for CUDA ranks)."""
+    from orgel.flow.capture import capture_microbatch, resolve_plan
+
+    with untouched(workload.model):
+        graph = None if microbatches == "auto" else capture_microbatch(workload,
+                                                                       int(microbatches))
+        if graph is not None and graph.glue is not None:
+            from orgel.worker.closure import profiling_loss
+
+            workload = Workload(workload.model, workload.inputs, workload.targets,
+                                profiling_loss, workload.batch_dim, workload.replicated,
+                                workload.precision)
+        return resolve_plan(None, workload, graph, ranks, microbatches, memory, dp,
+                            source=source, optimizer=optimizer)
+
+
+def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, tp: int,
+            microbatches: int | str, memory: int | None, dp: int, shard: str,
+            loss_rule: str, optimizer: Any, source: Weights | None = None,
+            loss_scaling: bool = False, agree: Agree = here, mark: bool = False,
+            check_graph: Callable[[Any], None] | None = None) -> Prepared:
+    """Capture, decide the plan and the loss rule, split, and cut the eval-mode stages.
+
+    ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
+    made (:func:`here`, or :func:`on_process_zero` of a torchrun job). ``mark``: a given
+    ``plan`` was planned for these options (by :func:`plan_only` in a planning child), so
+    its stages take ``shard`` as a plan made here does. ``check_graph``: called on the
+    capture before anything is planned (it raises for a graph the front end refuses).
+    """
+    from orgel.flow.capture import capture_microbatch, eval_split_for, resolve_plan, split_for
+    from orgel.runtime.tensor_parallel import with_tp
+
+    given = plan
+    with untouched(workload.model):
+        graph = None if microbatches == "auto" else capture_microbatch(workload,
+                                                                       int(microbatches))
+        if graph is not None and check_graph is not None:
+            check_graph(graph)
+        planned = workload
+        if graph is not None and graph.glue is not None:
+            # the graphs' outputs are not the model's output: profile the loss stage with a sum
+            from orgel.worker.closure import profiling_loss
+
+            planned = Workload(workload.model, workload.inputs, workload.targets,
+                               profiling_loss, workload.batch_dim, workload.replicated,
+                               workload.precision)
+
+        def decide() -> tuple[Plan, str, int]:
+            the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
+                                    source=source, optimizer=optimizer)
+            if given is None or mark:  # a given plan's own shard fields rule
+                the_plan = mark_sharded(the_plan, shard)
+            return (with_tp(the_plan, tp, graph), rule_for(workload, loss_rule),
+                    torch.initial_seed())
+
+        the_plan, rule, seed = agree(decide)
+        if graph is None:
+            graph = capture_microbatch(workload, the_plan.microbatches)
+            if check_graph is not None:
+                check_graph(graph)
+            if graph.glue is not None:
+                raise ValueError("the forward has graph breaks (Dynamo captures it as several "
+                                 "graphs); give microbatches as an int, not 'auto'")
+        split = split_for(workload, graph, the_plan)
+        check_sharded(the_plan, split, loss_scaling=loss_scaling)
+        evaluation = (eval_split_for(workload, the_plan, split) if graph.glue is None else
+                      "evaluate is not available for a forward of several graphs (graph "
+                      "breaks) yet")
+    return Prepared(workload, the_plan, split, graph, rule, seed, evaluation, source)
+
+
+def meta_weights(model: torch.nn.Module, init: Init | None,
+                 weights: WeightsArg | None) -> Weights | None:
+    """Where a meta model's values come from (None for a model with values); checks them."""
+    from orgel.workload import on_meta
+
+    if not on_meta(model):
+        if init is not None or weights is not None:
+            raise ValueError("init= and weights= are for a model built on the meta device "
+                             "(with torch.device('meta'): model = ...); this model has values "
+                             "already: leave them out, or load weights with "
+                             "model.load_state_dict before orgel.pipeline")
+        return None
+    return Weights(model, init=init, weights=weights, seed=torch.initial_seed())

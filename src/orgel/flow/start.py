@@ -1,0 +1,117 @@
+"""The flow's second half, written once: start the ranks of a prepared workload.
+
+:func:`start_local` forks the ranks from this process (the caller drives them);
+:func:`start_torchrun` makes this process one rank of a torchrun job. Both build each
+rank's :class:`~orgel.worker.engine.RankEngine` with :func:`engine_for` and return the
+same :class:`~orgel.worker.pipe.Pipeline`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from orgel.flow.prepare import Prepared
+from orgel.runtime.devices import backend_for, rank_device
+from orgel.schedule.ir import Plan
+from orgel.split.materialize import Weights, materialize_stages, process_memory
+from orgel.worker.engine import RankEngine
+from orgel.worker.pipe import OwnRank, Pipeline
+
+
+def loss_processes(plan: Plan, loss_stage: int) -> list[int]:
+    """The processes whose step answers carry the loss: member 0 of the loss stage's ranks."""
+    return [r * plan.tp for r in plan.placement[loss_stage]]
+
+
+def check_param_groups(pipe: Any) -> None:
+    """Raise ValueError (and stop the ranks) unless every rank's optimizer has as many
+    parameter groups: the schedule, the checkpoint and a re-shard match groups by index."""
+    counts = {r: n for r, n in enumerate(pipe.call_ranks("param_groups")) if n is not None}
+    if len(set(counts.values())) > 1:
+        pipe.close()
+        raise ValueError(f"the optimizer factory built a different number of parameter groups "
+                         f"on different ranks ({counts}, by rank): build the same groups on "
+                         "every rank, leaving a group's list empty where a rank holds none of "
+                         "its parameters")
+
+
+def make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
+                    device: torch.device | str = "cpu") -> dict[str, int]:
+    """Give this rank's stages of a meta model their tensors (nothing for a model with
+    values); the resident bytes before, and the bytes made (``RankEngine.made``)."""
+    if source is None:
+        return {}
+    start = process_memory(reset_peak=True)["rss"]
+    return {"start": start,
+            "made": materialize_stages(split, plan.stages_on(rank), source, device)}
+
+
+def engine_for(prepared: Prepared, process: int, kind: str, *, optimizer: Any,
+               timeout_s: float, executor_options: dict[str, Any]) -> RankEngine:
+    """Process ``process``'s engine: its pipeline rank's stages, made on its device."""
+    plan, split = prepared.plan, prepared.split
+    here = rank_device(kind, process)
+    rank = process // plan.tp  # its pipeline rank
+    made = make_own_stages(split, plan, rank, prepared.source, here)
+    engine = RankEngine(rank, plan, split, optimizer=optimizer,
+                        loss_fn=prepared.workload.loss_fn, timeout_s=timeout_s,
+                        evaluation=prepared.evaluation,
+                        executor_options={**executor_options, "loss_rule": prepared.loss_rule,
+                                          "device": here})
+    engine.made = made
+    return engine
+
+
+def _pipeline(prepared: Prepared, ranks: Any, *, spmd: bool, accumulate: int) -> Pipeline:
+    from orgel.flow.capture import shape_check
+
+    split, plan = prepared.split, prepared.plan
+    evaluation = prepared.evaluation
+    pipe = Pipeline(plan, ranks, model=prepared.workload.model,
+                    loss_ranks=loss_processes(plan, split.loss_stage),
+                    state_keys=prepared.keys, aliases=prepared.aliases, spmd=spmd,
+                    source=prepared.source, accumulate=accumulate,
+                    workload=prepared.workload, outputs=split.unflatten_outputs,
+                    evaluation=evaluation if isinstance(evaluation, str)
+                    else evaluation.unflatten_outputs)
+    pipe.check_sizes = shape_check(prepared.workload, split, plan)
+    pipe.loss_rule = prepared.loss_rule
+    check_param_groups(pipe)
+    return pipe
+
+
+def start_local(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: float,
+                threads: int | None, executor_options: dict[str, Any]) -> Pipeline:
+    """Fork the plan's processes from this one; the caller drives them."""
+    from orgel.runtime.launch import LocalGroup
+
+    def make_engine(process: int) -> RankEngine:  # in the worker, after the fork
+        return engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
+                          executor_options=executor_options)
+
+    world = prepared.plan.world_size
+    group = LocalGroup(world, make_engine, timeout_s=timeout_s, threads=threads,
+                       backend=backend_for(kind, world))
+    return _pipeline(prepared, group, spmd=False,
+                     accumulate=int(executor_options.get("accumulate", 1)))
+
+
+def start_torchrun(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: float,
+                   executor_options: dict[str, Any], owns_group: bool) -> Pipeline:
+    """This process as its rank of a torchrun job (every rank runs the script)."""
+    import torch.distributed as dist
+
+    from orgel.worker.state import own_stage_copies
+
+    process = dist.get_rank()
+    plan, split = prepared.plan, prepared.split
+    if prepared.source is not None:  # every rank initializes a tied tensor alike
+        prepared.source.seed = prepared.seed
+    else:  # the stages train copies: the caller's model changes only through pipe.copy_to
+        own_stage_copies(split.stages[s].module for s in plan.stages_on(process // plan.tp))
+    engine = engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
+                        executor_options=executor_options)
+    return _pipeline(prepared, OwnRank(engine, dist.get_world_size(), owns_group=owns_group),
+                     spmd=True, accumulate=int(executor_options.get("accumulate", 1)))
