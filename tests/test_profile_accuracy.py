@@ -257,7 +257,7 @@ def test_split_stages_take_their_measured_halves() -> None:
 
 
 def test_measured_halves_and_optimizer_times_in_the_costs_file() -> None:
-    from orgel.costs.blocks import CostsFileError
+    from orgel.costs.fields import CostsFileError
 
     costs = chain(split_input=[1.0] * 4, split_weight=[2.0] * 4, optimizer_ms=[0.1] * 4,
                   step_overhead=0.5)
