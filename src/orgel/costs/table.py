@@ -67,9 +67,9 @@ interconnects).
 embedding tied to the LM head): ``blocks`` (two or more block indices),
 ``nbytes`` (the parameter's bytes) and ``name``. Each such block's ``params``
 includes the parameter; a stage holds it once, and so does a rank (stages on
-one rank share it), so :func:`stage_costs` counts it once there. Stages on
-different ranks each hold a copy whose gradients the runtime all-reduces
-every step (see :func:`orgel.costs.tied.plan_tied_weights`).
+one rank share it), so :func:`~orgel.costs.blocks.stage_costs` counts it once
+there. Stages on different ranks each hold a copy whose gradients the runtime
+all-reduces every step (see :func:`orgel.costs.tied.plan_tied_weights`).
 
 :func:`orgel.costs.blocks.stage_costs` sums blocks into stages and
 :func:`orgel.costs.blocks.stage_graph` builds the stage DAG for a split.

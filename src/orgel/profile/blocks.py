@@ -131,7 +131,7 @@ def measure_block(stage: StageModule, args: list[Any], timer: Timer, *,
     ``constant[i]`` marks an input that gets no gradient (a model input: the
     runtime never differentiates the batch), so the backward skips its path.
     Several blocks are best timed together: :func:`block_probe` each, then
-    :func:`interleaved` over all their jobs.
+    :func:`~orgel.profile.timing.interleaved` over all their jobs.
     """
     probe = block_probe(stage, args, timer.device, constant=constant)
     return probe.result(interleaved([probe.jobs], timer)[0])
