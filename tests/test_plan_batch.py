@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orgel.costs.blocks import BlockCosts, CostsFileError
+from orgel.costs.blocks import BlockCosts
+from orgel.costs.fields import CostsFileError
 from orgel.explicit.api import pipeline
 from orgel.models import build
 from orgel.plan import (

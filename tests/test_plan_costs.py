@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orgel.costs.blocks import BlockCosts, CostsFileError, stage_costs, stage_graph
+from orgel.costs.blocks import BlockCosts, stage_costs, stage_graph
+from orgel.costs.fields import CostsFileError
 
 MiB = 1 << 20
 

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from orgel.costs.blocks import BlockCosts, CostsFileError, chain_split, stage_costs
+from orgel.costs.blocks import BlockCosts, chain_split, stage_costs
 from orgel.costs.devices import load_device
+from orgel.costs.fields import CostsFileError
 from orgel.graph import capture
 from orgel.plan.scorer import Scorer
 from orgel.plan.templates import one_f_one_b

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from orgel.costs.blocks import BlockCosts, CostsFileError, TiedGroup, stage_costs
-from orgel.costs.tied import plan_tied_weights, tied_groups
+from orgel.costs.blocks import BlockCosts, stage_costs
+from orgel.costs.fields import CostsFileError
+from orgel.costs.tied import TiedGroup, plan_tied_weights, tied_groups
 from orgel.graph.blocks import coarsen
 from orgel.models import build
 from orgel.plan.graph import graph_plan

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from orgel.cli import main
-from orgel.profile.blocks import Timer, measure_block
+from orgel.profile.blocks import measure_block
 from orgel.profile.links import fit_link
+from orgel.profile.timing import Timer
 from orgel.profile.workload import profile_workload
 from orgel.split.types import StageModule
 from orgel.workload import Workload

@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+import orgel.profile.measure as measure_mod
 import orgel.profile.workload as profile_mod
 from orgel.costs.blocks import BlockCosts, stage_cost
 from orgel.plan.planner import end_of_step, plan
-from orgel.profile.blocks import Timer, interleaved
 from orgel.profile.memory import optimizer_jobs
 from orgel.profile.overhead import _simulated, fit_overheads
+from orgel.profile.timing import Timer, interleaved
 from orgel.profile.workload import profile_workload
 from orgel.schedule.costs import Link
 from test_profile import tiny
@@ -62,7 +63,7 @@ def fixed_times(monkeypatch: pytest.MonkeyPatch) -> None:
         blocks = sum(1 for g in jobs if "inp" in g)
         return [{k: (2.0 * blocks if k == "whole" else 1.0) for k in g} for g in jobs]
 
-    monkeypatch.setattr(profile_mod, "interleaved", fake)
+    monkeypatch.setattr(measure_mod, "interleaved", fake)
 
 
 def test_the_loss_lands_in_the_last_blocks_forward_and_input_half(
@@ -97,13 +98,13 @@ def test_cached_table_is_measured_again_when_the_blocks_drift(
     data = json.loads(path.read_text())
     assert data["whole_ms"] > 0
     measured: list[int] = []
-    real = profile_mod._measure
+    real = profile_mod.measure_table
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         measured.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(profile_mod, "_measure", spy)
+    monkeypatch.setattr(profile_mod, "measure_table", spy)
     # Within any tolerance: the cached table as it is.
     again = profile_workload(w, microbatches=2, blocks=3, link=False, repeats=1,
                              progress=False, recheck=1000.0)
@@ -257,7 +258,7 @@ def test_split_stages_take_their_measured_halves() -> None:
 
 
 def test_measured_halves_and_optimizer_times_in_the_costs_file() -> None:
-    from orgel.costs.blocks import CostsFileError
+    from orgel.costs.fields import CostsFileError
 
     costs = chain(split_input=[1.0] * 4, split_weight=[2.0] * 4, optimizer_ms=[0.1] * 4,
                   step_overhead=0.5)

@@ -253,7 +253,8 @@ def test_saved_inputs_count_where_another_stage_feeds_the_block() -> None:
 
 
 def test_outputs_no_block_saves_are_freed_inside_a_stage() -> None:
-    from orgel.costs.blocks import BlockCosts, CostsFileError, stage_cost
+    from orgel.costs.blocks import BlockCosts, stage_cost
+    from orgel.costs.fields import CostsFileError
 
     # Block 0 leaves 40 bytes of outputs it does not save; block 1 saves 10 of its
     # inputs, block 2 (the skip) 5: at most 15 of the 40 outlive the stage's forward.

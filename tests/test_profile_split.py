@@ -16,8 +16,9 @@ from orgel.plan import plan
 from orgel.plan.planner import end_of_step, held_sends
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.templates import one_f_one_b
-from orgel.profile.blocks import Timer, measure_block
+from orgel.profile.blocks import measure_block
 from orgel.profile.contention import companions
+from orgel.profile.timing import Timer
 from orgel.runtime.backward import weight_backward
 from orgel.schedule.costs import Costs
 from orgel.schedule.families import build_schedule

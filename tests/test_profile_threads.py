@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import orgel.profile.workload as profile_mod
+import orgel.profile.measure as measure_mod
 from orgel.profile.workload import profile_workload, rank_threads
 from orgel.workload import Workload
 
@@ -40,13 +40,13 @@ def test_profiling_records_and_restores_the_thread_count(cache: Path) -> None:
 def test_blocks_are_timed_with_the_ranks_thread_count(
         cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    real = profile_mod.interleaved
+    real = measure_mod.interleaved
 
     def spy(*args: object, **kwargs: object) -> object:
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(profile_mod, "interleaved", spy)
+    monkeypatch.setattr(measure_mod, "interleaved", spy)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from orgel.profile import blocks
+from orgel.profile import blocks, timing
 from orgel.profile.trial import trial
 from orgel.runtime import backward
 from orgel.split.types import StageModule
@@ -49,11 +49,11 @@ def test_a_split_backward_that_crashes_is_timed_whole_with_a_note(
     monkeypatch.setattr(backward, "_input_too", lambda node: [])
     stage = StageModule(index=0, module=NormConv(), inputs=["x"], outputs=["y"])
     x = torch.randn(2, 32, 8, 8).to(memory_format=torch.channels_last)
-    m = blocks.measure_block(stage, [x], blocks.Timer(torch.device("cpu"), warmup=0, repeats=1))
+    m = blocks.measure_block(stage, [x], timing.Timer(torch.device("cpu"), warmup=0, repeats=1))
     assert "SIGSEGV" in m.note and "split backward" in m.note
     assert m.bwd > 0 and m.wgrad == 0
     monkeypatch.undo()  # and with the fix the halves are timed
-    m = blocks.measure_block(stage, [x], blocks.Timer(torch.device("cpu"), warmup=0, repeats=1))
+    m = blocks.measure_block(stage, [x], timing.Timer(torch.device("cpu"), warmup=0, repeats=1))
     assert m.note == "" and 0 < m.wgrad <= m.bwd
 
 

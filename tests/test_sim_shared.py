@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from orgel.costs.blocks import BlockCosts, CostsFileError, chain_split, stage_costs
+from orgel.costs.blocks import BlockCosts, chain_split, stage_costs
+from orgel.costs.fields import CostsFileError
 from orgel.plan.planner import end_of_step, plan
 from orgel.profile import workload as profile_mod
 from orgel.schedule.costs import Costs, Link

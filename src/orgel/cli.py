@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _orgel_errors() -> tuple[type[BaseException], ...]:
     """The exceptions orgel raises to say what to change; anything else keeps its traceback."""
-    from orgel.costs.blocks import CostsFileError
+    from orgel.costs.fields import CostsFileError
     from orgel.graph.opgraph import CaptureError
     from orgel.plan.planner import InfeasibleError
     from orgel.runtime.checkpoint import CheckpointError

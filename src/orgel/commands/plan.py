@@ -103,8 +103,9 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orgel.costs.blocks import BlockCosts, CostsFileError
+    from orgel.costs.blocks import BlockCosts
     from orgel.costs.devices import DeviceError
+    from orgel.costs.fields import CostsFileError
     from orgel.plan import PLANNERS, InfeasibleError, plan
 
     if (args.workload is None) == (args.costs is None):

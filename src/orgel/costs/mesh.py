@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from orgel.schedule.costs import Link
 
 if TYPE_CHECKING:
-    from orgel.costs.blocks import BlockCosts
+    from orgel.costs.table import BlockCosts
 
 #: Tensor-parallel degrees the planner tries by default.
 TP_DEGREES = (1, 2, 4, 8)

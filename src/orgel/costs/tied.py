@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from orgel.schedule.ir import TiedWeight
 
 if TYPE_CHECKING:
-    from orgel.costs.blocks import BlockCosts
+    from orgel.costs.table import BlockCosts
     from orgel.graph.blocks import BlockGraph
     from orgel.graph.opgraph import OpGraph
 

@@ -4,8 +4,8 @@ A meta model has no values to run, and may not fit in one process. The
 controller profiles it block by block: each block's tensors are made from the
 pipeline's ``init``/``weights`` (:func:`orgel.split.materialize.materialized`),
 the block runs on the previous blocks' real outputs, is measured as
-:mod:`orgel.profile.workload` measures a block (:func:`~orgel.profile.blocks.block_probe`,
-its jobs timed in :func:`~orgel.profile.blocks.interleaved` rounds) and its
+:mod:`orgel.profile.measure` measures a block (:func:`~orgel.profile.blocks.block_probe`,
+its jobs timed in :func:`~orgel.profile.timing.interleaved` rounds) and its
 tensors are freed before the next block's are made. So the controller's peak is
 one block's parameters plus the activations still to be read.
 
@@ -21,14 +21,9 @@ from typing import Any
 
 import torch
 
-from orgel.profile.blocks import (
-    Timer,
-    action_overhead,
-    block_probe,
-    interleaved,
-    loss_jobs,
-    spin_up,
-)
+from orgel.profile.blocks import action_overhead, block_probe, loss_jobs
+from orgel.profile.measure import loss_probe, table_columns, to_device
+from orgel.profile.timing import Timer, interleaved, spin_up
 from orgel.split.materialize import Weights, materialized
 
 #: bytes of parameters the optimizer's step is timed on (largest tensors first, at least one)
@@ -39,10 +34,8 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
                    warmup: int, repeats: int,
                    loss: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """The cached table's columns for every block of ``split`` (one stage per block)."""
-    from orgel.profile.workload import _loss_probe, _to, table_columns
-
     timer = Timer(dev, warmup=warmup, repeats=repeats)
-    values: dict[str, Any] = {k: _to(v, dev) for k, v in split.with_sizes(named).items()}
+    values: dict[str, Any] = {k: to_device(v, dev) for k, v in split.with_sizes(named).items()}
     last_read = {name: b for b, stage in enumerate(split.stages) for name in stage.inputs}
     last_read.update(dict.fromkeys(split.output_names, len(split.stages)))
     measures, times_of = [], []
@@ -57,12 +50,12 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
             values.update(zip(stage.outputs, outs, strict=True))
             probe_loss = None
             if loss is not None and b == split.loss_stage:
-                probe_loss = _loss_probe(split, loss[0], _to(loss[1], dev))
+                probe_loss = loss_probe(split, loss[0], to_device(loss[1], dev))
             probe = block_probe(stage, args, dev, constant=[n in named for n in stage.inputs],
                                 loss=probe_loss)
             jobs = [dict(probe.jobs)]
             if probe_loss is not None and loss is not None:
-                group, saved = loss_jobs(split, values, loss[0], _to(loss[1], dev))
+                group, saved = loss_jobs(split, values, loss[0], to_device(loss[1], dev))
                 jobs.append(group)
             timed = interleaved(jobs, timer)
             measures.append(probe.result(timed[0]))

@@ -3,7 +3,7 @@
 :func:`estimate_costs` turns a captured :class:`~orgel.graph.opgraph.OpGraph`
 (captured on real tensors or on the meta device: only shapes, FLOPs and saved
 bytes are read) and a :class:`~orgel.costs.devices.Device` into the same
-:class:`~orgel.costs.blocks.BlockCosts` table that profiling measures, so every
+:class:`~orgel.costs.table.BlockCosts` table that profiling measures, so every
 planner and the simulator run unchanged. Per op:
 
 * its class (:func:`op_class`): ``matmul`` (linear, matmul, bmm, conv),

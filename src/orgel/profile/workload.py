@@ -11,7 +11,7 @@ hash, the device, the dtype, the micro-batch shapes and the intra-op thread
 count, so a second run is quick: it runs the blocks once in sequence and
 measures again only if they now take more than ``recheck`` (25%) off what the
 table recorded (a table timed under another load is stale). Blocks are
-timed in interleaved rounds (:func:`orgel.profile.blocks.interleaved`), with
+timed in interleaved rounds (:mod:`orgel.profile.measure`), with
 ``threads`` intra-op threads (default 1, what :func:`orgel.runtime.launch.spawn` gives each rank;
 :func:`rank_threads` is what a local group of ``ranks`` gives each), since a
 block's time depends on it and ranks train with few threads each. The table
@@ -24,7 +24,6 @@ same blocks (``target_blocks``, ``num_blocks``, ``graph_hash``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -36,23 +35,10 @@ from typing import Any
 import torch
 
 from orgel.costs.blocks import BlockCosts
-from orgel.profile.blocks import (
-    BlockMeasure,
-    BlockProbe,
-    Job,
-    LossProbe,
-    Timer,
-    action_overhead,
-    block_probe,
-    interleaved,
-    intra_op_threads,
-    loss_jobs,
-    spin_up,
-)
-from orgel.profile.contention import companions
-from orgel.profile.memory import optimizer_jobs, optimizer_temporary
+from orgel.profile.measure import OPTIMIZER_COPY_LIMIT, BlockRun, drifted, measure_table
+from orgel.profile.memory import optimizer_temporary
+from orgel.profile.timing import intra_op_threads
 from orgel.runtime.devices import profiling_device
-from orgel.runtime.stage import place
 from orgel.schedule.costs import Link
 from orgel.workload import microbatch_rows
 
@@ -61,9 +47,6 @@ PROFILE_VERSION = 19
 
 #: A cached table is re-measured when its blocks now run this much faster or slower.
 RECHECK = 0.25
-
-#: Parameters up to this many bytes are copied to time the optimizer on every block.
-OPTIMIZER_COPY_LIMIT = 256 << 20
 
 
 def rank_threads(ranks: int) -> int:
@@ -100,7 +83,7 @@ def shared_cores(device: torch.device, threads: int) -> float | None:
     """How many ranks of ``threads`` threads compute at full speed at once (None: all).
 
     CPU ranks share this host's cores; blocks are timed by their CPU time
-    (:func:`orgel.profile.blocks.interleaved`), a rank's with a core to itself,
+    (:func:`orgel.profile.timing.interleaved`), a rank's with a core to itself,
     and the simulator spreads a step's compute over the cores when more
     ranks than this compute (:func:`orgel.sim.compiled.shared_step`). CUDA ranks
     that outnumber the GPUs share them (:mod:`orgel.runtime.devices`): as many
@@ -283,11 +266,11 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                     shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__,
                     threads=threads, contention=contention)
     cached = _cached("blocks", key) if use_cache else None
-    blocks_run: _Blocks | None = None
+    blocks_run: BlockRun | None = None
     if cached is not None and recheck is not None and source is None:
-        blocks_run = _Blocks(bg, split_model, named, dev)
+        blocks_run = BlockRun(bg, split_model, named, dev)
         with intra_op_threads(threads):
-            if _drifted(blocks_run, cached, dev, contention, threads, recheck):
+            if drifted(blocks_run, cached, dev, contention, threads, recheck):
                 cached = None
     if cached is None and source is not None:
         from orgel.profile.meta import measure_blocks
@@ -298,7 +281,7 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                                     loss=(w.loss_fn, targets))
     if cached is None:
         with intra_op_threads(threads):
-            cached = _measure(blocks_run or _Blocks(bg, split_model, named, dev), dev, warmup,
+            cached = measure_table(blocks_run or BlockRun(bg, split_model, named, dev), dev, warmup,
                               repeats, progress, contention, threads,
                               loss=(w.loss_fn, targets), optimizer=optimizer)
         # The optimizer's time has a per-tensor part: time it on every parameter
@@ -374,198 +357,3 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                                     cached["bwd"], cached["wgrad"], cached["params"],
                                     cached["activations"]),
     )
-
-
-class _Blocks:
-    """Every block of a coarsened graph as its own module, with its real inputs.
-
-    The blocks run once in order (no autograd) to produce each block's inputs.
-    """
-
-    def __init__(self, bg: Any, split_model: Any, named: dict[str, Any],
-                 dev: torch.device) -> None:
-        self.split = split_model(bg, list(range(len(bg.blocks))))
-        self.named = named
-        self.values: dict[str, Any] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
-                                       for k, v in self.split.with_sizes(named).items()}
-        self.args_of: list[list[Any]] = []
-        with torch.no_grad():
-            for stage in self.split.stages:
-                place(stage.module, dev)  # its tensors, and device constants captured elsewhere
-                args = [self.values[name] for name in stage.inputs]
-                self.args_of.append(args)
-                result = stage.module(*args)
-                outs = list(result) if isinstance(result, (tuple, list)) else [result]
-                self.values.update(zip(stage.outputs, outs, strict=True))
-
-    def train(self) -> None:
-        """Forward and backward of every block, as a rank busy with the same model."""
-        for stage, args in zip(self.split.stages, self.args_of, strict=True):
-            ins = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
-                   and a.is_floating_point() and name not in self.named else a
-                   for a, name in zip(args, stage.inputs, strict=True)]
-            out = stage.module(*ins)
-            outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
-                    if isinstance(o, torch.Tensor) and o.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-
-    def busy(self, dev: torch.device, contention: int, threads: int) -> Any:
-        """A context: ``contention`` companions train these blocks meanwhile (CPU only)."""
-        stack = contextlib.ExitStack()
-        if contention and dev.type == "cpu":  # GPUs are not shared between ranks
-            stack.enter_context(companions(contention, self.train, threads=threads))
-        return stack
-
-
-def _drifted(blocks: _Blocks, cached: dict[str, Any], dev: torch.device, contention: int,
-             threads: int, tolerance: float) -> bool:
-    """Whether the blocks in sequence now take more than ``tolerance`` off the cached table.
-
-    A table measured under other conditions (another load on a shared host,
-    another clock speed) is stale as a whole: one cheap run of every block in
-    sequence, timed as the table's ``whole_ms`` was, tells.
-    """
-    before = cached.get("whole_ms")
-    if not isinstance(before, (int, float)) or before <= 0:
-        return True
-    with blocks.busy(dev, contention, threads):
-        spin_up(dev, 0.2)
-        now = interleaved([{"whole": (lambda: None, lambda _: blocks.train())}],
-                          Timer(dev, warmup=1, repeats=5))[0]["whole"]
-    for stage in blocks.split.stages:
-        stage.module.zero_grad(set_to_none=True)
-    return abs(now / before - 1.0) > tolerance
-
-
-def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, progress: bool,
-             contention: int = 0, threads: int = 1, loss: tuple[Any, Any] | None = None,
-             optimizer: str | None = None) -> dict[str, Any]:
-    """Measure every block on its own, and all of them in sequence, in interleaved rounds.
-
-    ``contention`` companion processes run the same blocks meanwhile
-    (:mod:`orgel.profile.contention`), as the other ranks will. ``loss``
-    (``(loss_fn, targets)``): the loss runs in the stage that produces the
-    model's outputs, so its time, saved bytes and temporaries go to that block.
-    ``optimizer``: also time its step over each block's parameters.
-    """
-    split, values, named = blocks.split, blocks.values, blocks.named
-    timer = Timer(dev, warmup=warmup, repeats=repeats)
-    with blocks.busy(dev, contention, threads):
-        spin_up(dev)
-        probes, jobs = _probes(split, blocks.args_of, dev, progress, set(named),
-                               None if loss is None else _loss_probe(split, loss[0],
-                                                                     _to(loss[1], dev)))
-        # Blocks timed one at a time run from warm caches; a rank runs them one
-        # after another. Time that too (in the same rounds) and scale by the ratio.
-        jobs.append({"whole": (lambda: None, lambda _: blocks.train())})
-        b = split.loss_stage
-        saved, at_loss = 0, len(jobs)
-        if loss is not None:
-            loss_group, saved = loss_jobs(split, values, loss[0], _to(loss[1], dev))
-            jobs.append(loss_group)
-        at_optimizer = len(jobs)
-        # The optimizer's step per block, on copies (when they are small enough to
-        # copy), in the same rounds: the ranks step theirs at the same time too.
-        groups = [[p for p in stage.module.parameters() if p.requires_grad]
-                  for stage in split.stages]
-        if optimizer and sum(p.numel() * p.element_size() for g in groups for p in g) \
-                <= OPTIMIZER_COPY_LIMIT:
-            jobs += optimizer_jobs(groups, optimizer)
-        stats: dict[str, float] = {}
-        times = interleaved(jobs, timer, progress="timing blocks" if progress else None,
-                            stats=stats)
-        empty = action_overhead(timer)
-        for stage in split.stages:
-            stage.module.zero_grad(set_to_none=True)
-    n = len(probes)
-    measures = [p.result(t) for p, t in zip(probes, times, strict=False)]
-    out = table_columns(measures, times[:n], loss_stage=b, saved=saved,
-                        loss_times=times[at_loss] if loss is not None else None,
-                        overhead=empty, wall_per_cpu=stats.get("wall_per_cpu", 1.0))
-    if len(times) > at_optimizer:
-        out["optimizer_ms"] = [t.get("optimizer", 0.0) for t in times[at_optimizer:]]
-    whole = times[n]["whole"]
-    isolated = sum(m.fwd + m.bwd for m in measures)  # the blocks alone, the loss left out
-    scale = whole / isolated if isolated > 0 and whole > 0 else 1.0
-    for key in ("fwd", "bwd", "wgrad", "split_input", "split_weight"):
-        out[key] = [t * scale for t in out[key]]
-    out["in_sequence_scale"] = scale
-    out["whole_ms"] = whole
-    return out
-
-
-def _loss_probe(split: Any, loss_fn: Any, targets: Any) -> LossProbe:
-    """The loss as its block's probe takes it: from that block's outputs (:func:`block_probe`)."""
-    stage = split.stages[split.loss_stage]
-    at = [stage.outputs.index(n) for n in split.output_names]
-
-    def fn(outs: list[Any]) -> torch.Tensor:
-        value: torch.Tensor = loss_fn(split.unflatten_outputs([outs[i] for i in at]), targets)
-        return value
-
-    return fn, frozenset(at)
-
-
-def _to(value: Any, dev: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dev)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, dev) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, dev) for k, v in value.items()}
-    return value
-
-
-def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: bool,
-            model_inputs: set[str], loss: LossProbe | None = None
-            ) -> tuple[list[BlockProbe], list[dict[str, Job]]]:
-    """Every block's probe (its bytes measured) and timing jobs, in block order.
-
-    Model inputs get no gradient, as in the runtime (the batch is not a leaf).
-    ``loss`` goes to the block that computes the model's outputs.
-    """
-    from tqdm import tqdm
-
-    probes = [block_probe(stage, args, dev,
-                          constant=[name in model_inputs for name in stage.inputs],
-                          loss=loss if b == split.loss_stage else None)
-              for b, (stage, args) in enumerate(tqdm(list(zip(split.stages, args_of,
-                                                              strict=True)),
-                                                     desc="profiling blocks", unit="block",
-                                                     disable=not progress))]
-    return probes, [dict(p.jobs) for p in probes]
-
-
-def table_columns(measures: list[BlockMeasure], times: list[dict[str, float]], *,
-                  loss_stage: int, loss_times: dict[str, float] | None, saved: int,
-                  overhead: float, wall_per_cpu: float) -> dict[str, Any]:
-    """The cached table's columns from each block's measure and its timed jobs.
-
-    ``I`` then ``W`` as measured (``split_input``/``split_weight``): together they
-    take 30-45% more than one backward on a fed block (the input half's graph walk,
-    one autograd call per parameter group), which ``bwd``/``wgrad`` leave out. The
-    loss (``loss_times``, ``saved`` bytes) runs in the stage that produces the
-    model's outputs: its forward there, its backward (the outputs' gradient) in
-    that stage's input half.
-    """
-    out = _columns(measures)
-    # a block whose halves were not timed (BlockMeasure.note): its whole backward is its I
-    out["split_input"] = [t.get("inp", t.get("bwd", 0.0)) for t in times]
-    out["split_weight"] = [t.get("wgrad", 0.0) for t in times]
-    out["notes"] = [f"block {b}: {m.note}" for b, m in enumerate(measures) if m.note]
-    out["action_overhead"] = overhead
-    out["wall_per_cpu"] = wall_per_cpu
-    if loss_times is not None:
-        out["fwd"][loss_stage] += loss_times.get("fwd", 0.0)
-        out["bwd"][loss_stage] += loss_times.get("bwd", 0.0)
-        out["split_input"][loss_stage] += loss_times.get("bwd", 0.0)
-        out["activations"][loss_stage] += saved
-    return out
-
-
-def _columns(measures: list[BlockMeasure]) -> dict[str, Any]:
-    """Per-block measures as the cached table's columns."""
-    keys = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "weight_kept",
-            "input_saved", "output_unsaved")
-    return {k: [getattr(m, k) for m in measures] for k in keys}

@@ -5,9 +5,10 @@ and calls :meth:`Executor.step` with the same batch. The rank walks its action
 list; for each action it waits for the messages that must arrive before it
 (posted ahead by :class:`~orgel.runtime.comm.Transport`), runs it through one
 dispatch table from action kind to method (``F``, ``B``, ``I``, ``W``; the
-backward ones: :mod:`orgel.runtime.backward_actions`), then sends what the
-action produced. After the list: wait for the sends, reduce gradients across
-replicas and tied copies, clip by the global norm, average the buffers that
+forward: :mod:`orgel.runtime.forward_actions`, the backward ones:
+:mod:`orgel.runtime.backward_actions`), then sends what the action produced.
+After the list: wait for the sends, reduce gradients across replicas and tied
+copies, clip by the global norm, average the buffers that
 replicated stages updated (BatchNorm statistics: :mod:`orgel.runtime.buffers`),
 step the optimizer and its schedule (with ``accumulate=k``, only every ``k``-th
 call does this, but the buffers are averaged on every call; see
@@ -47,25 +48,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orgel.batching import (
-    TARGETS,
-    BatchDim,
-    batch_rows,
-    dim_of,
-    replica_rows,
-    share,
-    single_dim,
-    split_microbatches,
-)
-from orgel.lossweights import Weight, batch_weights, weigh
+from orgel.batching import BatchDim, single_dim
+from orgel.lossweights import Weight
 from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.buffers import ReplicaBuffers
 from orgel.runtime.comm import Transport
 from orgel.runtime.compiled import CompiledStage, check_compile
-from orgel.runtime.devices import move
 from orgel.runtime.dropped import DroppedStep
-from orgel.runtime.errors import NonFiniteLoss, StepAbandoned, StepFailure, is_comm_error
+from orgel.runtime.errors import StepAbandoned, StepFailure, is_comm_error
+from orgel.runtime.forward_actions import ForwardActions
 from orgel.runtime.messages import check_gradient_values, message_shapes
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import (
@@ -75,17 +67,10 @@ from orgel.runtime.optimizer import (
     OptimizerLoop,
     SchedulerFactory,
 )
-from orgel.runtime.outputs import Share, keep
+from orgel.runtime.outputs import Share
 from orgel.runtime.scaler import LossScaler
 from orgel.runtime.sharding import Sharding, check_sharded
-from orgel.runtime.stage import (
-    Run,
-    StageInfo,
-    part_rows,
-    place,
-    random_stream,
-    stream_seed,
-)
+from orgel.runtime.stage import Run, StageInfo, part_rows, place
 from orgel.runtime.trace import Event
 from orgel.schedule.comm import derive_comm, replica_pairs
 from orgel.schedule.ir import Action, Plan
@@ -93,7 +78,7 @@ from orgel.schedule.validate import validate
 from orgel.split.types import SplitModel
 
 
-class Executor(BackwardActions, DroppedStep):
+class Executor(ForwardActions, BackwardActions, DroppedStep):
     """Runs one rank's part of ``plan`` over the stages of ``split``.
 
     Keyword options: ``loss_fn(outputs, targets)`` (required), ``rank`` (default:
@@ -384,24 +369,6 @@ class Executor(BackwardActions, DroppedStep):
         return StepFailure(f"rank {self.rank}: {exc} [while {doing} {where}]",
                            rank=self.rank, action=str(action or end), cause=exc)
 
-    def _take_batch(self, inputs: dict[str, Any], targets: Any) -> dict[str, Any]:
-        """Cut this step's batch into its micro-batches; the first one's inputs.
-
-        The workload's own rule (:func:`orgel.batching.split_microbatches`): what has
-        the batch size along its batch dimension is cut, the rest goes whole.
-        """
-        parts = split_microbatches({k: move(v, self.device) for k, v in inputs.items()},
-                                   move(targets, self.device), self.plan.microbatches,
-                                   self.batch_dim, self.replicated)
-        self._inputs = [p for p, _ in parts]
-        self._fetched = set()
-        self._targets = [t for _, t in parts]
-        self._mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
-        self._weights = batch_weights(self.loss_rule, self._inputs, self._targets,
-                                      len(self.plan.placement[self.split.loss_stage]),
-                                      self.batch_dim, self._mb_rows)
-        return parts[0][0]
-
     # -- the action loop ----------------------------------------------------------
 
     def _now(self) -> float:
@@ -457,93 +424,6 @@ class Executor(BackwardActions, DroppedStep):
             return t
         start, stop = part_rows(part, info.replica, info.replicas, t.shape[self.act_dim])
         return t.narrow(self.act_dim, start, stop - start)
-
-    # -- forward ------------------------------------------------------------------
-
-    def _forward(self, a: Action) -> None:
-        info, m = self.stages[a.stage], a.microbatch
-        if self.fetch_inputs is not None and info.stage.model_inputs and m not in self._fetched:
-            self._inputs[m] = {k: v.to(self.device) for k, v in self.fetch_inputs(m).items()}
-            self._fetched.add(m)
-        leaves: dict[str, torch.Tensor] = {}
-        for e in info.in_edges:
-            edge = self.plan.stage_graph.edges[e]
-            pieces: list[list[torch.Tensor]] = []
-            for j, part, _ in self.pairs[e][1][info.replica]:
-                src = self.plan.placement[edge.src][j]
-                if src == self.rank:
-                    producer = self.stages[edge.src]
-                    outs = self._runs[(edge.src, m)].outputs
-                    pieces.append([self._rows(outs[producer.out_index[v.name]].detach(), part,
-                                              producer) for v in edge.values])
-                else:
-                    pieces.append(self._inbox.pop(self.msg_index[(src, self.rank, e, m, False,
-                                                                  part)]))
-            for k, v in enumerate(edge.values):
-                t = (pieces[0][k] if len(pieces) == 1
-                     else torch.cat([p[k] for p in pieces], dim=self.act_dim))
-                leaves[v.name] = t.detach().requires_grad_(self.training
-                                                           and self._carries_grad(v.name, t))
-        stage = info.stage
-        mb = self._inputs[m]
-        args = [leaves[n] if n in leaves else self._model_input(info, mb, n)
-                for n in stage.inputs]
-        run = Run(args, leaves, ())
-        if info.recompute and stage.written:
-            run.buffers = {n: stage.module.get_buffer(n).clone() for n in stage.written}
-        with self._draws(a.stage, m), torch.set_grad_enabled(self.training
-                                                             and not info.recompute):
-            run.outputs, run.loss = self._compute(info, args, m)
-        if run.loss is not None and self.member == 0:  # summed over every process: once
-            self._loss = self._loss + run.loss.detach()
-        self._runs[(a.stage, m)] = run
-
-    def _model_input(self, info: StageInfo, mb: dict[str, Any], name: str) -> Any:
-        """This replica's share of model input ``name``, or a size of one (symbolic capture)."""
-        size = info.stage.sizes.get(name)
-        if size is not None:  # each rank reads the size off the micro-batch, no message
-            return int(self._model_input(info, mb, size[0]).shape[size[1]])
-        if name in self.replicated:
-            return mb[name]
-        return share(mb[name], info.replica, info.replicas, dim_of(self.batch_dim, name),
-                     self._mb_rows)
-
-    def _draws(self, stage: int, m: int) -> Any:
-        """The random stream of stage ``stage``'s forward on micro-batch ``m`` this step."""
-        return random_stream(stream_seed(self.seed, self.steps_done, stage, m), self.device)
-
-    def _compute(self, info: StageInfo, args: list[Any],
-                 m: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        if self.on_microbatch is not None:
-            self.on_microbatch(m)
-        if self.compiled is None:
-            out = info.stage.module(*args)
-        else:
-            runner = self.compiled.get(info.index)
-            if runner is None:
-                runner = self.compiled[info.index] = CompiledStage(info.stage.module)
-            out = runner(*args)
-        outputs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-        if len(outputs) != len(info.stage.outputs):
-            raise ValueError(f"stage {info.index} returned {len(outputs)} tensors but declares "
-                             f"{len(info.stage.outputs)} outputs {info.stage.outputs}")
-        if not info.is_loss:
-            return outputs, None
-        model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
-        if self.kept is not None and self.member == 0:  # asked for: a copy on the CPU (a
-            # recompute replaces it); tensor parallel: every member holds them, member 0 keeps
-            start, stop = replica_rows(self._mb_rows, info.replica, info.replicas)
-            self.kept[m] = keep(m, info.replica, stop - start, self.act_dim, model_outs)
-        if not self.with_loss:
-            return outputs, None
-        targets = share(self._targets[m], info.replica, info.replicas,
-                        dim_of(self.batch_dim, TARGETS), self._mb_rows)
-        loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
-        if self.check_finite and not bool(torch.isfinite(loss).all()):
-            raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} "
-                                f"(stage {info.index}): check the inputs and the lr")
-        return outputs, weigh(loss, self._weights[(m, info.replica)])
-
 
 def _signature(value: Any) -> Any:
     if isinstance(value, torch.Tensor):

@@ -1,20 +1,14 @@
 """A Plan compiled into a fixed operation dependency graph, evaluated fast under many costs.
 
-The graph follows Pfeife §3.2–3.3: one op per compute action (ranks run their
-list in order), one op per message of :func:`orgel.schedule.comm.derive_comm`
-(a channel per (sender, receiver) pair carries one message at a time, in the
-channel's order), and one gradient all-reduce per data-parallel stage and per
-tied weight group. The earliest start of an op is the latest end of its
-predecessors; the step time is the latest end of all.
+The graph (:mod:`orgel.sim.topology`) has one op per compute action, per
+message and per gradient all-reduce. The earliest start of an op is the latest
+end of its predecessors; the step time is the latest end of all.
 
 Planners score thousands of candidates that share a schedule and differ only in
 costs, so everything that depends on the topology alone (ops, predecessors,
 topological order, index arrays, in-flight counts) is computed once here and
 :meth:`CompiledPlan.evaluate` only turns costs into durations, runs the longest
 path and sweeps memory.
-
-Op numbering: compute ops first (rank by rank, in list order), then messages
-(their index in the CommPlan), then all-reduces.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from orgel.schedule.comm import CommPlan, derive_comm
+from orgel.schedule.comm import CommPlan
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan, PlanError
 from orgel.sim.allreduce import (
@@ -34,15 +28,14 @@ from orgel.sim.allreduce import (
     allreduce_time,
     gather_time,
     plan_allreduces,
-    plan_gathers,
 )
 from orgel.sim.longest import longest_path, straight_line_for
 from orgel.sim.memory import MemoryLayout, peak_memory
+from orgel.sim.topology import PlanTopology
 
 __all__ = ["AllReduce", "CompiledPlan", "StageArrays", "allreduce_time", "plan_allreduces"]
 
 _MIB = float(1 << 20)
-_KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
 
 #: ``evaluate`` compiles the longest path into straight-line Python after this
 #: many calls: compiling costs ~25 µs per op once and saves ~0.1 µs per op per
@@ -135,39 +128,19 @@ class StageArrays:
             )
 
 
-class CompiledPlan:
+class CompiledPlan(PlanTopology):
     """The operation dependency graph of ``plan`` with its topology precomputed.
 
     ``evaluate(costs)`` returns ``(step_time, peak_memory_per_rank)``; use it in
     search loops. :func:`orgel.sim.simulate` gives the full result (timeline,
-    critical path, busy fractions) through the same graph.
-
-    Index arrays (read-only): per compute op ``op_rank``, ``op_stage``,
-    ``op_kind`` (0..3 for F/B/I/W), ``op_microbatch``; ``rank_start[r]`` is the
-    first compute op of rank ``r``; per message ``msg_src``, ``msg_dst``,
-    ``msg_edge``, ``msg_send``/``msg_recv`` (compute op indices); ``preds[v]``
-    and ``order`` describe the whole graph (``num_ops`` ops).
+    critical path, busy fractions) through the same graph. The index arrays
+    (``op_rank``, ``msg_send``, ``preds``, ``order``, ...) are
+    :class:`~orgel.sim.topology.PlanTopology`'s.
     """
 
     def __init__(self, plan: Plan, *, comm: CommPlan | None = None) -> None:
-        self.plan = plan
-        self.comm = derive_comm(plan) if comm is None else comm
+        super().__init__(plan, comm=comm)
         graph = plan.stage_graph
-        self.num_ranks = len(plan.schedule)
-        self.num_stages = graph.num_stages
-        if plan.num_ranks != self.num_ranks:
-            raise PlanError(
-                f"plan says num_ranks={plan.num_ranks} but its schedule has "
-                f"{self.num_ranks} rank lists: make them agree"
-            )
-        for name, per_stage in (("placement", plan.placement), ("recompute", plan.recompute)):
-            if len(per_stage) != self.num_stages:
-                raise PlanError(f"plan.{name} has {len(per_stage)} entries but there are "
-                                f"{self.num_stages} stages: give one per stage")
-        self._build_compute(plan)
-        self._build_messages(plan)
-        self._build_allreduces(plan)
-        self._build_graph()
         self.memory = MemoryLayout.build(
             self.op_rank, self.op_stage, self.op_kind, self.rank_start, plan.placement,
             plan.recompute,
@@ -207,115 +180,6 @@ class CompiledPlan:
         out._arrays_cache = None
         out._link_cache = None
         return out
-
-    # -- construction ------------------------------------------------------------
-
-    def _build_compute(self, plan: Plan) -> None:
-        rank, stage, kind, mb = [], [], [], []
-        self.rank_start = np.zeros(self.num_ranks + 1, dtype=np.int64)
-        for r, actions in enumerate(plan.schedule):
-            self.rank_start[r + 1] = self.rank_start[r] + len(actions)
-            for a in actions:
-                rank.append(r)
-                stage.append(a.stage)
-                kind.append(_KIND_CODE[a.kind])
-                mb.append(a.microbatch)
-        self.num_compute = len(rank)
-        self.op_rank = np.array(rank, dtype=np.int64)
-        self.op_stage = np.array(stage, dtype=np.int64)
-        self.op_kind = np.array(kind, dtype=np.int64)
-        self.op_microbatch = np.array(mb, dtype=np.int64)
-        # An op's duration is entry (stage, kind) of a small per-stage table.
-        self.op_table_index = self.op_stage * 4 + self.op_kind
-        replicas = np.array([len(p) for p in plan.placement], dtype=np.float64)
-        self.stage_share = 1.0 / replicas
-        self.stage_recompute = np.array(plan.recompute, dtype=np.float64)
-        self.split_stage = np.zeros(self.num_stages, dtype=bool)
-        self.split_stage[self.op_stage[self.op_kind >= 2]] = True
-
-    def _build_messages(self, plan: Plan) -> None:
-        msgs = self.comm.messages
-        start = self.rank_start
-        self.num_messages = len(msgs)
-        self.channels = sorted(self.comm.channels)
-        channel_index = {c: i for i, c in enumerate(self.channels)}
-        self.msg_src = np.array([m.src_rank for m in msgs], dtype=np.int64)
-        self.msg_dst = np.array([m.dst_rank for m in msgs], dtype=np.int64)
-        self.msg_edge = np.array([m.edge for m in msgs], dtype=np.int64)
-        self.msg_part_num = np.array([m.part[1] - m.part[0] for m in msgs], dtype=np.int64)
-        self.msg_part_den = np.array([m.part[2] for m in msgs], dtype=np.int64)
-        self.msg_grad = np.array([m.grad for m in msgs], dtype=bool)
-        self.msg_channel = np.array(
-            [channel_index[(m.src_rank, m.dst_rank)] for m in msgs], dtype=np.int64
-        )
-        self.msg_send = np.array([start[m.src_rank] + m.send_pos for m in msgs], dtype=np.int64)
-        self.msg_recv = np.array([start[m.dst_rank] + m.recv_pos for m in msgs], dtype=np.int64)
-
-    def _build_allreduces(self, plan: Plan) -> None:
-        # a sharded stage's parameter all-gather: added to its first F on each rank
-        self.gathers = [(s, ranks, [int(self.rank_start[r]) + pos for r, pos in firsts])
-                        for s, ranks, firsts in plan_gathers(plan)]
-        self.allreduces, last = plan_allreduces(plan)
-        # Each all-reduce waits for the last backward (B or W) of its stages on every rank.
-        self._allreduce_preds = [[int(self.rank_start[r]) + pos for r, pos in ps]
-                                 for ps in last]
-
-    def _build_graph(self) -> None:
-        nc, nm = self.num_compute, self.num_messages
-        self.num_ops = nc + nm + len(self.allreduces)
-        preds: list[list[int]] = [[] for _ in range(self.num_ops)]
-        for r in range(self.num_ranks):
-            for v in range(int(self.rank_start[r]) + 1, int(self.rank_start[r + 1])):
-                preds[v].append(v - 1)
-        for k in range(nm):
-            preds[nc + k].append(int(self.msg_send[k]))
-            preds[int(self.msg_recv[k])].append(nc + k)
-        for indices in self.comm.channels.values():
-            # one message at a time per channel, in the channel's (send == receive) order
-            for before, after in zip(indices, indices[1:], strict=False):
-                preds[nc + after].append(nc + before)
-        for g, ps in enumerate(self._allreduce_preds):
-            preds[nc + nm + g].extend(ps)
-        self.preds = preds
-        self.order = self._topological_order(preds)
-
-    def _topological_order(self, preds: list[list[int]]) -> list[int]:
-        succs: list[list[int]] = [[] for _ in preds]
-        indegree = [len(p) for p in preds]
-        for v, ps in enumerate(preds):
-            for u in ps:
-                succs[u].append(v)
-        ready = [v for v in range(len(preds)) if indegree[v] == 0]
-        order: list[int] = []
-        while ready:
-            v = ready.pop()
-            order.append(v)
-            for w in succs[v]:
-                indegree[w] -= 1
-                if indegree[w] == 0:
-                    ready.append(w)
-        if len(order) != len(preds):
-            raise PlanError(self._deadlock_message(set(order)))
-        return order
-
-    def _deadlock_message(self, done: set[int]) -> str:
-        """Name the first action each stuck rank waits at (and for what)."""
-        stuck = []
-        for r in range(self.num_ranks):
-            for v in range(int(self.rank_start[r]), int(self.rank_start[r + 1])):
-                if v not in done:
-                    pos = v - int(self.rank_start[r])
-                    waits = [
-                        f"rank {self.msg_src[u - self.num_compute]}"
-                        for u in self.preds[v]
-                        if u >= self.num_compute and u not in done
-                    ]
-                    why = f" waiting for a message from {', '.join(waits)}" if waits else ""
-                    stuck.append(f"rank {r} at position {pos} ({self.plan.schedule[r][pos]}){why}")
-                    break
-        return "schedule deadlocks: " + "; ".join(stuck) + (
-            ": reorder the actions so every message is sent before it is needed"
-        )
 
     # -- evaluation ----------------------------------------------------------------
 
