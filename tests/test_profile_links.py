@@ -13,11 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from orgel.runtime.errors import WorkerError
+from orgel.runtime.launch import spawn
 
 from orgel.commands.profile import format_table
 from orgel.costs.blocks import BlockCosts
 from orgel.plan import plan
-from orgel.plan.planner import end_of_step
+from orgel.plan.predict import end_of_step
 from orgel.plan.scorer import Scorer, best_ranks, channel_traffic, rename
 from orgel.plan.templates import one_f_one_b
 from orgel.profile import links as links_mod
@@ -31,8 +33,6 @@ from orgel.profile.links import (
     ordered_pairs,
     summarize_links,
 )
-from orgel.runtime.errors import WorkerError
-from orgel.runtime.launch import spawn
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Link
 from orgel.schedule.validate import validate

@@ -8,17 +8,17 @@ from typing import Any
 
 import pytest
 import torch
+from orgel.runtime.backward import weight_backward
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orgel.costs.blocks import BlockCosts, stage_cost
 from orgel.plan import plan
-from orgel.plan.planner import end_of_step, held_sends
+from orgel.plan.predict import end_of_step, held_sends
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.templates import one_f_one_b
 from orgel.profile.blocks import Timer, measure_block
 from orgel.profile.contention import companions
-from orgel.runtime.backward import weight_backward
 from orgel.schedule.costs import Costs
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value

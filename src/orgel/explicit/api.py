@@ -29,23 +29,23 @@ import torch
 
 from orgel.batching import BatchDim
 from orgel.guard import cuda_unused, untouched
-from orgel.lossweights import check_rule, rule_for
-from orgel.precision import scales_loss
-from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.devices import (
+from orgel.launch.devices import (
     backend_for,
     check_fork,
     profiling_on,
     rank_device,
     resolve_device,
 )
-from orgel.runtime.launch import init_from_env, under_torchrun
+from orgel.launch.processes import init_from_env, under_torchrun
+from orgel.lossweights import check_rule, rule_for
+from orgel.plan.transforms import mark_sharded
+from orgel.precision import scales_loss
+from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.runtime.sharding import (
     check_shard_option,
     check_sharded,
     check_tied_sharding,
-    mark_sharded,
 )
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import (
@@ -155,7 +155,7 @@ def pipeline(
     ``device``: where the ranks compute, ``"cpu"``, ``"cuda"`` (local rank r on GPU
     r mod the GPU count; ranks that outnumber the GPUs share them, their messages
     staged through host memory) or ``"auto"`` (CUDA when present); by default the
-    model's device (:mod:`orgel.runtime.devices`). Local ranks are forked, so for
+    model's device (:mod:`orgel.launch.devices`). Local ranks are forked, so for
     CUDA build the model on the CPU (or meta) and pass ``device="cuda"``: each rank
     moves its own stages to its GPU, and this process never uses CUDA (a forked
     process of its own profiles on the GPU and plans: :mod:`orgel.explicit.device_plan`).
@@ -216,7 +216,7 @@ def pipeline(
     check_shard_option(shard, dp)
     planned_here = plan is None  # a given plan's own shard fields rule
 
-    from orgel.runtime.tensor_parallel import pipeline_ranks, with_tp
+    from orgel.plan.transforms import pipeline_ranks, with_tp
 
     world, ranks = ranks, pipeline_ranks(ranks, tp, dp)
     # a tie the model's structure shows is refused before any capture or profiling
@@ -258,7 +258,7 @@ def pipeline(
                               memory=memory, dp=dp, plan=plan, timeout_s=timeout_s, keys=keys,
                               aliases=aliases, source=source, kind=kind, shard=shard,
                               tp=tp)
-    from orgel.runtime.launch import LocalGroup
+    from orgel.launch.processes import LocalGroup
 
     if kind == "cuda" and plan is None:  # timed on the GPU, by a process of its own
         from orgel.explicit.device_plan import plan_in_child
@@ -300,7 +300,7 @@ def pipeline(
 
     def make_engine(process: int) -> RankEngine:
         here = rank_device(kind, process)  # in the worker, after the fork
-        rank = process // the_plan.tp  # its pipeline rank
+        rank = the_plan.pipeline_rank_of(process)
         made = _make_own_stages(split, the_plan, rank, source, here)
         engine = RankEngine(rank, the_plan, split, optimizer=optimizer,
                             loss_fn=workload.loss_fn, timeout_s=timeout_s, evaluation=evaluation,
@@ -323,7 +323,7 @@ def pipeline(
 
 def loss_processes(plan: Plan, loss_stage: int) -> list[int]:
     """The processes whose step answers carry the loss: member 0 of the loss stage's ranks."""
-    return [r * plan.tp for r in plan.placement[loss_stage]]
+    return [plan.process_of(r, 0) for r in plan.placement[loss_stage]]
 
 
 def check_param_groups(pipe: Pipeline) -> None:
@@ -345,7 +345,7 @@ def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
     ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
     replica's rows as in :func:`split_for`.
     """
-    from orgel.runtime.forward_only import check_forward
+    from orgel.plan.transforms import check_forward
     from orgel.split.evaluation import eval_only, split_like
     from orgel.workload import on_meta
 
@@ -420,10 +420,9 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
     owns_group = not dist.is_initialized()
     if owns_group:  # the backend and this rank's GPU by the launchers' one rule
         init_from_env(timeout=timeout_s, device=kind)
-    from orgel.runtime.tensor_parallel import with_tp
+    from orgel.plan.transforms import with_tp
 
     process = dist.get_rank()
-    rank = process // tp  # this process's pipeline rank
     with untouched(workload.model):
         graph = None if microbatches == "auto" else capture_microbatch(workload, int(microbatches))
         if graph is not None:
@@ -447,6 +446,7 @@ def _spmd_pipeline(workload: Workload, *, ranks: int, microbatches: int | str,
         check_sharded(the_plan, split,
                       loss_scaling=bool(executor_options.get("loss_scaling")))
         evaluation = eval_split_for(workload, the_plan, split)
+    rank = the_plan.pipeline_rank_of(process)
     if source is not None:
         source.seed = int(text[1])
     else:  # the stages train copies: the caller's model changes only through pipe.copy_to

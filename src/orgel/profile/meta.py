@@ -39,10 +39,10 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
                    warmup: int, repeats: int,
                    loss: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """The cached table's columns for every block of ``split`` (one stage per block)."""
-    from orgel.profile.workload import _loss_probe, _to, table_columns
+    from orgel.profile.columns import loss_probe, moved, table_columns
 
     timer = Timer(dev, warmup=warmup, repeats=repeats)
-    values: dict[str, Any] = {k: _to(v, dev) for k, v in split.with_sizes(named).items()}
+    values: dict[str, Any] = {k: moved(v, dev) for k, v in split.with_sizes(named).items()}
     last_read = {name: b for b, stage in enumerate(split.stages) for name in stage.inputs}
     last_read.update(dict.fromkeys(split.output_names, len(split.stages)))
     measures, times_of = [], []
@@ -57,12 +57,12 @@ def measure_blocks(split: Any, named: dict[str, Any], source: Weights, dev: torc
             values.update(zip(stage.outputs, outs, strict=True))
             probe_loss = None
             if loss is not None and b == split.loss_stage:
-                probe_loss = _loss_probe(split, loss[0], _to(loss[1], dev))
+                probe_loss = loss_probe(split, loss[0], moved(loss[1], dev))
             probe = block_probe(stage, args, dev, constant=[n in named for n in stage.inputs],
                                 loss=probe_loss)
             jobs = [dict(probe.jobs)]
             if probe_loss is not None and loss is not None:
-                group, saved = loss_jobs(split, values, loss[0], _to(loss[1], dev))
+                group, saved = loss_jobs(split, values, loss[0], moved(loss[1], dev))
                 jobs.append(group)
             timed = interleaved(jobs, timer)
             measures.append(probe.result(timed[0]))

@@ -12,7 +12,7 @@ count, so a second run is quick: it runs the blocks once in sequence and
 measures again only if they now take more than ``recheck`` (25%) off what the
 table recorded (a table timed under another load is stale). Blocks are
 timed in interleaved rounds (:func:`orgel.profile.blocks.interleaved`), with
-``threads`` intra-op threads (default 1, what :func:`orgel.runtime.launch.spawn` gives each rank;
+``threads`` intra-op threads (default 1, what :func:`orgel.launch.processes.spawn` gives each rank;
 :func:`rank_threads` is what a local group of ``ranks`` gives each), since a
 block's time depends on it and ranks train with few threads each. The table
 also carries what the planner's prediction needs beyond the blocks' own
@@ -25,19 +25,16 @@ same blocks (``target_blocks``, ``num_blocks``, ``graph_hash``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import socket
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from orgel.costs.blocks import BlockCosts
+from orgel.launch.devices import place, profiling_device
 from orgel.profile.blocks import (
-    BlockMeasure,
     BlockProbe,
     Job,
     LossProbe,
@@ -49,10 +46,10 @@ from orgel.profile.blocks import (
     loss_jobs,
     spin_up,
 )
+from orgel.profile.cache import _cached, _store, cache_key, graph_hash
+from orgel.profile.columns import loss_probe, moved, table_columns
 from orgel.profile.contention import companions
 from orgel.profile.memory import optimizer_jobs, optimizer_temporary
-from orgel.runtime.devices import profiling_device
-from orgel.runtime.stage import place
 from orgel.schedule.costs import Link
 from orgel.workload import microbatch_rows
 
@@ -68,7 +65,7 @@ OPTIMIZER_COPY_LIMIT = 256 << 20
 
 def rank_threads(ranks: int) -> int:
     """Intra-op threads each of ``ranks`` local ranks trains with: one, since they are
-    forked (:func:`orgel.runtime.launch.fork_threads`); ``ranks`` is kept for callers."""
+    forked (:func:`orgel.launch.processes.fork_threads`); ``ranks`` is kept for callers."""
     return 1
 
 
@@ -103,7 +100,7 @@ def shared_cores(device: torch.device, threads: int) -> float | None:
     (:func:`orgel.profile.blocks.interleaved`), a rank's with a core to itself,
     and the simulator spreads a step's compute over the cores when more
     ranks than this compute (:func:`orgel.sim.compiled.shared_step`). CUDA ranks
-    that outnumber the GPUs share them (:mod:`orgel.runtime.devices`): as many
+    that outnumber the GPUs share them (:mod:`orgel.launch.devices`): as many
     compute at once as there are GPUs, the others' kernels wait their turn.
     """
     if device.type == "cuda":
@@ -111,44 +108,6 @@ def shared_cores(device: torch.device, threads: int) -> float | None:
     if device.type != "cpu":
         return None
     return max(1, _cores()) / max(1, threads)
-
-
-def cache_dir() -> Path:
-    """Where profiles are cached: ``$ORGEL_CACHE`` or ``~/.cache/orgel``."""
-    return Path(os.environ.get("ORGEL_CACHE") or Path.home() / ".cache" / "orgel")
-
-
-def cache_key(**parts: Any) -> str:
-    """A stable short hash of JSON-able ``parts``."""
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def _cached(kind: str, key: str) -> dict[str, Any] | None:
-    path = cache_dir() / f"{kind}-{key}.json"
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return None
-
-
-def _store(kind: str, key: str, data: dict[str, Any]) -> None:
-    path = cache_dir() / f"{kind}-{key}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs time
-
-
-def graph_hash(opgraph: Any) -> str:
-    """Hash of an op graph's structure: nodes (op, inputs, shape, dtype) and parameter shapes."""
-    nodes = [(n.name, n.op, list(n.inputs), list(n.params), n.shape, n.dtype)
-             for n in opgraph.nodes.values()]
-    params = sorted((k, list(p.shape), str(p.dtype)) for k, p in opgraph.params.items())
-    return cache_key(nodes=nodes, params=params)
 
 
 def link_costs(*, ranks: int = 2, backend: str = "gloo", use_cache: bool = True,
@@ -192,7 +151,7 @@ def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
                      recheck: float | None = RECHECK) -> BlockCosts:
     """Measure ``workload`` (``"file.py:fn"`` or a Workload) into a :class:`BlockCosts`.
 
-    ``device`` defaults to :func:`orgel.runtime.devices.profiling_device` (``cuda`` when
+    ``device`` defaults to :func:`orgel.launch.devices.profiling_device` (``cuda`` when
     present, else ``cpu``). ``link=False``
     skips the link benchmark (zero-cost links). ``ranks``: the links of every
     pair among that many local ranks are measured, as far as this host has
@@ -454,15 +413,15 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
     with blocks.busy(dev, contention, threads):
         spin_up(dev)
         probes, jobs = _probes(split, blocks.args_of, dev, progress, set(named),
-                               None if loss is None else _loss_probe(split, loss[0],
-                                                                     _to(loss[1], dev)))
+                               None if loss is None else loss_probe(split, loss[0],
+                                                                     moved(loss[1], dev)))
         # Blocks timed one at a time run from warm caches; a rank runs them one
         # after another. Time that too (in the same rounds) and scale by the ratio.
         jobs.append({"whole": (lambda: None, lambda _: blocks.train())})
         b = split.loss_stage
         saved, at_loss = 0, len(jobs)
         if loss is not None:
-            loss_group, saved = loss_jobs(split, values, loss[0], _to(loss[1], dev))
+            loss_group, saved = loss_jobs(split, values, loss[0], moved(loss[1], dev))
             jobs.append(loss_group)
         at_optimizer = len(jobs)
         # The optimizer's step per block, on copies (when they are small enough to
@@ -495,28 +454,6 @@ def _measure(blocks: _Blocks, dev: torch.device, warmup: int, repeats: int, prog
     return out
 
 
-def _loss_probe(split: Any, loss_fn: Any, targets: Any) -> LossProbe:
-    """The loss as its block's probe takes it: from that block's outputs (:func:`block_probe`)."""
-    stage = split.stages[split.loss_stage]
-    at = [stage.outputs.index(n) for n in split.output_names]
-
-    def fn(outs: list[Any]) -> torch.Tensor:
-        value: torch.Tensor = loss_fn(split.unflatten_outputs([outs[i] for i in at]), targets)
-        return value
-
-    return fn, frozenset(at)
-
-
-def _to(value: Any, dev: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dev)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, dev) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, dev) for k, v in value.items()}
-    return value
-
-
 def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: bool,
             model_inputs: set[str], loss: LossProbe | None = None
             ) -> tuple[list[BlockProbe], list[dict[str, Job]]]:
@@ -537,35 +474,3 @@ def _probes(split: Any, args_of: list[list[Any]], dev: torch.device, progress: b
     return probes, [dict(p.jobs) for p in probes]
 
 
-def table_columns(measures: list[BlockMeasure], times: list[dict[str, float]], *,
-                  loss_stage: int, loss_times: dict[str, float] | None, saved: int,
-                  overhead: float, wall_per_cpu: float) -> dict[str, Any]:
-    """The cached table's columns from each block's measure and its timed jobs.
-
-    ``I`` then ``W`` as measured (``split_input``/``split_weight``): together they
-    take 30-45% more than one backward on a fed block (the input half's graph walk,
-    one autograd call per parameter group), which ``bwd``/``wgrad`` leave out. The
-    loss (``loss_times``, ``saved`` bytes) runs in the stage that produces the
-    model's outputs: its forward there, its backward (the outputs' gradient) in
-    that stage's input half.
-    """
-    out = _columns(measures)
-    # a block whose halves were not timed (BlockMeasure.note): its whole backward is its I
-    out["split_input"] = [t.get("inp", t.get("bwd", 0.0)) for t in times]
-    out["split_weight"] = [t.get("wgrad", 0.0) for t in times]
-    out["notes"] = [f"block {b}: {m.note}" for b, m in enumerate(measures) if m.note]
-    out["action_overhead"] = overhead
-    out["wall_per_cpu"] = wall_per_cpu
-    if loss_times is not None:
-        out["fwd"][loss_stage] += loss_times.get("fwd", 0.0)
-        out["bwd"][loss_stage] += loss_times.get("bwd", 0.0)
-        out["split_input"][loss_stage] += loss_times.get("bwd", 0.0)
-        out["activations"][loss_stage] += saved
-    return out
-
-
-def _columns(measures: list[BlockMeasure]) -> dict[str, Any]:
-    """Per-block measures as the cached table's columns."""
-    keys = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "weight_kept",
-            "input_saved", "output_unsaved")
-    return {k: [getattr(m, k) for m in measures] for k in keys}

@@ -52,10 +52,10 @@ from typing import Any
 import torch
 
 from orgel import guard
-from orgel.graph.capture import dynamo_settings
+from orgel.graph.dynamo import dynamo_settings
 from orgel.guard import untouched
+from orgel.launch.processes import under_torchrun
 from orgel.precision import device_type
-from orgel.runtime.launch import under_torchrun
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
 from orgel.worker.closure import ClosureEngine, OutputsFunction, Slot, profiling_loss
@@ -559,7 +559,7 @@ class Backend:
 
         from orgel.batching import batch_rows
         from orgel.explicit import api
-        from orgel.runtime.launch import LocalGroup
+        from orgel.launch.processes import LocalGroup
         from orgel.workload import Workload
 
         if self.model is None:
