@@ -20,7 +20,8 @@ from orgel.commands.profile import format_table
 from orgel.costs.blocks import BlockCosts
 from orgel.plan import plan
 from orgel.plan.predict import end_of_step
-from orgel.plan.scorer import Scorer, best_ranks, channel_traffic, rename
+from orgel.plan.ranks import best_ranks, channel_traffic
+from orgel.plan.scorer import Scorer, rename
 from orgel.plan.templates import one_f_one_b
 from orgel.profile import links as links_mod
 from orgel.profile import workload
