@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from orgel.runtime.errors import WorkerError
-from orgel.runtime.launch import spawn
 
 from orgel.commands.profile import format_table
 from orgel.costs.blocks import BlockCosts
+from orgel.launch.errors import WorkerError
+from orgel.launch.processes import spawn
 from orgel.plan import plan
 from orgel.plan.predict import end_of_step
 from orgel.plan.ranks import best_ranks, channel_traffic

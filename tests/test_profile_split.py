@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from orgel.runtime.backward import weight_backward
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from orgel.backward import weight_backward
 from orgel.costs.blocks import BlockCosts, stage_cost
 from orgel.plan import plan
 from orgel.plan.predict import end_of_step, held_sends
