@@ -56,6 +56,7 @@ count and batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import resource
 import sys
 import time
@@ -72,7 +73,8 @@ from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
 from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
-from orgel.plan.planner import InfeasibleError, PlanResult, plan, predict  # noqa: E402
+from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
+from orgel.plan.predict import predicted  # noqa: E402
 from orgel.plan.screen import MESH_TOP, compute_bound, quick_plan, screen  # noqa: E402
 from orgel.profile.roofline import estimate_costs  # noqa: E402
 
@@ -195,7 +197,8 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
         if mesh in quick and (result is None or quick[mesh][0] < result.step_time):
             # the quick plan is a candidate too (orgel.plan.screen)
             step, p, table = quick[mesh]
-            result = PlanResult(p, "quick", predict(p, table), 0.0)
+            p, sim = predicted(p, table)
+            result = PlanResult(p, "quick", sim, 0.0)
         if result is not None and (best is None or result.step_time < best.step_time):
             best = result
     return best, time.perf_counter() - started
@@ -215,7 +218,7 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
     ``costs`` is the whole micro-batch's table (each replica takes ``1/dp``).
     """
     from orgel.costs.blocks import chain_split
-    from orgel.plan.planner import _label, _replicate, predict
+    from orgel.plan.predict import labelled, predicted, replicated
     from orgel.plan.replicated import replica_step
     from orgel.plan.scorer import Scorer, Template
     from orgel.plan.splits import uniform_points
@@ -232,12 +235,12 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
     points = uniform_points(costs.num_blocks, template.num_stages)
     single = scorer.to_plan(template, chain_split(points, costs.num_blocks),
                             (True,) * template.num_stages)
-    _label(single, template)
-    full = _replicate(single, dp, table, None, shard)
-    full.tp = tp
-    full.meta["mesh"] = {"pp": depth, "tp": tp, "dp": dp, "shard": shard}
+    single = labelled(single, template)
+    full = replicated(single, dp, table, None, shard)
+    full = dataclasses.replace(full, tp=tp, meta={**full.meta, "mesh": {
+        "pp": depth, "tp": tp, "dp": dp, "shard": shard}})
     assert replica_step(single, full) is not None
-    sim = predict(full, table)
+    full, sim = predicted(full, table)
     return PlanResult(full, label, sim, time.perf_counter() - started)
 
 

@@ -67,7 +67,7 @@ from hand_split import WORKLOADS, Workload, cut  # noqa: E402
 from vs_torch_pipelining import _cpu_busy, _own_cpu, trace_torch  # noqa: E402
 
 import orgel  # noqa: E402
-from orgel.runtime.launch import free_port  # noqa: E402
+from orgel.launch.processes import free_port  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 #: batch per workload (the micro-batch count is 2 per rank)

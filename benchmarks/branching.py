@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 import orgel
 from orgel.graph import capture
-from orgel.runtime.plans import balanced_plan
+from orgel.plan.balanced import balanced_plan
 
 
 class BranchMLP(nn.Module):

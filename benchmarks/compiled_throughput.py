@@ -70,7 +70,7 @@ def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
         import orgel
         from orgel.graph.capture import capture
         from orgel.guard import cuda_unused
-        from orgel.runtime.plans import balanced_plan
+        from orgel.plan.balanced import balanced_plan
 
         with cuda_unused():  # the ranks fork from this process: it must not use CUDA
             plan = balanced_plan(capture(model, {"tokens": x}), ranks=1, microbatches=1)

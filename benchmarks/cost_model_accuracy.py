@@ -45,7 +45,7 @@ WORKLOADS = {
 def _rank(rank: int, world: int, spec: str, plan_json: str, steps: int,
           precision: str = "32", kind: str = "cpu") -> dict[str, Any]:
     from orgel.graph.capture import capture
-    from orgel.runtime.devices import host, rank_device
+    from orgel.launch.devices import host, rank_device
     from orgel.runtime.executor import Executor
     from orgel.schedule.ir import Plan
     from orgel.split import split_plan
@@ -165,9 +165,9 @@ def main() -> None:
                              "where they outnumber them; peak memory is then "
                              "torch.cuda.max_memory_allocated per rank)")
     args = parser.parse_args()
+    from orgel.launch.devices import backend_for, profiling_on, resolve_device
+    from orgel.launch.processes import spawn
     from orgel.plan import plan_workload
-    from orgel.runtime.devices import backend_for, profiling_on, resolve_device
-    from orgel.runtime.launch import spawn
 
     kind = resolve_device(args.device)
     torch.set_num_threads(1)  # the ranks run with one thread each; profile the same way

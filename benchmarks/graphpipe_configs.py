@@ -98,7 +98,7 @@ from orgel.plan.graph import graph_plan
 from orgel.plan.planner import InfeasibleError
 from orgel.plan.scorer import Scorer
 from orgel.plan.sequential import sequential_plan
-from orgel.runtime.plans import replicate
+from orgel.plan.transforms import replicate
 from orgel.schedule.costs import Link
 from orgel.sim import simulate
 

@@ -37,9 +37,9 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
                         help="where to profile and run (see cost_model_accuracy.py)")
     args = parser.parse_args()
+    from orgel.launch.devices import backend_for, profiling_on, resolve_device
+    from orgel.launch.processes import spawn
     from orgel.plan import plan_workload
-    from orgel.runtime.devices import backend_for, profiling_on, resolve_device
-    from orgel.runtime.launch import spawn
     from orgel.workload import load_workload, with_precision
 
     torch.set_num_threads(1)  # the ranks run with one thread each; profile the same way

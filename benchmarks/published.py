@@ -50,7 +50,8 @@ from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
 from orgel.plan.beam import beam_search  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
-from orgel.plan.planner import InfeasibleError, plan, predict  # noqa: E402
+from orgel.plan.planner import InfeasibleError, plan  # noqa: E402
+from orgel.plan.predict import predicted  # noqa: E402
 from orgel.plan.scorer import Scorer  # noqa: E402
 from orgel.plan.sequential import _start  # noqa: E402
 from orgel.plan.templates import Spec, build_template  # noqa: E402
@@ -159,7 +160,7 @@ def that_plan(costs: BlockCosts, row: Table5Row) -> Any:
     from orgel.costs.blocks import chain_split
 
     plan_ = scorer.to_plan(template, chain_split(points, costs.num_blocks))
-    return plan_, predict(plan_, costs)
+    return predicted(plan_, costs)
 
 
 def _ratio(a: float, b: float) -> str:

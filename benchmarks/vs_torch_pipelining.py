@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from orgel.launch.processes import spawn
 from orgel.models.gpt import GPT, GPTConfig, lm_loss
 from orgel.runtime.executor import Executor
-from orgel.runtime.launch import spawn
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import Action, Edge, Plan, Stage, StageGraph, Value
 from orgel.split.types import SplitModel, StageModule

@@ -7,7 +7,7 @@ One place for the draw, the two runs and the comparison, used by ``tests/test_fu
 :func:`draw` picks a :class:`Setup` through a ``pick(name, options)`` function: a
 hypothesis draw in the test, a seeded ``random.Random`` in the benchmark. A setup
 is a model of the zoo (``tests/zoo.py``), 2-4 ranks, ``dp``, a schedule family with
-its options (``orgel.runtime.plans.balanced_plan``), the micro-batch count, which
+its options (``orgel.plan.balanced.balanced_plan``), the micro-batch count, which
 stages recompute, frozen parameters, precision, optimizer, learning-rate schedule
 (``scheduler=`` or ``lr=``), clipping (``max_grad_norm=``), ``accumulate``, meta
 init (``weights=`` or ``init=``), and step batches of the example's sizes or of more
@@ -42,9 +42,10 @@ import zoo
 from fuzz_verdict import Result, Verdict, compare
 from orgel.graph import capture
 from orgel.graph.sizes import ShapeError
+from orgel.launch.errors import WorkerError
+from orgel.plan.balanced import LOOPED, balanced_plan
+from orgel.plan.transforms import with_recompute
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.errors import WorkerError
-from orgel.runtime.plans import LOOPED, balanced_plan
 from orgel.schedule.ir import PlanError
 from orgel.split.materialize import MaterializeError, module_seed
 from orgel.workload import Workload, microbatches
@@ -327,11 +328,10 @@ def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
                          schedule=setup.schedule, dp=setup.dp,
                          stages_per_rank=setup.stages_per_rank, **options)
     n = plan.num_stages
-    plan.recompute = {"none": [False] * n, "all": [True] * n,
-                      "first": [s == 0 for s in range(n)],
-                      "last": [s == n - 1 for s in range(n)],
-                      "alternate": [s % 2 == 0 for s in range(n)]}[setup.recompute]
-    return plan
+    return with_recompute(plan, {"none": [False] * n, "all": [True] * n,
+                                 "first": [s == 0 for s in range(n)],
+                                 "last": [s == n - 1 for s in range(n)],
+                                 "alternate": [s % 2 == 0 for s in range(n)]}[setup.recompute])
 
 
 def loop_options(setup: Setup) -> dict[str, Any]:

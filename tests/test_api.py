@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from orgel.explicit.api import Pipeline, load, pipeline
+from orgel.launch.errors import WorkerError
 from orgel.models import build
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.errors import WorkerError
 
 pytestmark = pytest.mark.slow
 LR = 0.05

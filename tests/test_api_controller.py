@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orgel.runtime.errors import WorkerError
-from orgel.runtime.launch import LocalGroup
+from orgel.launch.errors import WorkerError
+from orgel.launch.processes import LocalGroup
 
 pytestmark = pytest.mark.slow  # starts rank processes
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import orgel
+from orgel.launch.errors import StepError, WorkerError
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.errors import StepError, WorkerError
 from orgel.workload import WorkloadError
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orgel.runtime.launch import free_port
+from orgel.launch.processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +140,7 @@ import copy, json, sys
 import torch
 import orgel
 from orgel.models import build
-from orgel.runtime.errors import StepError
+from orgel.launch.errors import StepError
 
 model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
 initial = copy.deepcopy(model.state_dict())

@@ -26,8 +26,8 @@ import orgel
 from orgel.batching import replica_rows
 from orgel.graph import capture
 from orgel.models import build
+from orgel.plan.balanced import balanced_plan
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.plans import balanced_plan
 from orgel.workload import Workload, microbatches
 
 pytestmark = pytest.mark.slow

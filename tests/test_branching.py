@@ -151,7 +151,7 @@ def test_mixtral_trains_exactly() -> None:
 
     from archzoo.hf import _tokens, hf_mixtral
     from orgel.graph import capture
-    from orgel.runtime.plans import balanced_plan
+    from orgel.plan.balanced import balanced_plan
 
     w = hf_mixtral()
     ids, targets = w.inputs["input_ids"], w.targets

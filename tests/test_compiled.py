@@ -16,9 +16,9 @@ import torch
 
 from orgel.cli import main
 from orgel.graph.capture import capture
+from orgel.launch.devices import place
+from orgel.plan.balanced import balanced_plan
 from orgel.runtime.compiled import CompiledStage, partition_backward, split_backward
-from orgel.runtime.plans import balanced_plan
-from orgel.runtime.stage import place
 from orgel.split import split_plan
 
 #: Inductor starts the C++ compiler: every test here starts processes

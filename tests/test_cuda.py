@@ -6,7 +6,7 @@ the end run everywhere: how the device is chosen, and a captured graph's device
 constants retargeted to another device.
 
 On one GPU, NCCL refuses two ranks, so two ranks share it over gloo and their
-messages are staged through pinned host memory (:mod:`orgel.runtime.devices`);
+messages are staged through pinned host memory (:mod:`orgel.launch.devices`);
 one rank uses NCCL.
 """
 
@@ -141,8 +141,8 @@ def test_pipeline_on_cuda_equals_one_cuda_process() -> None:
 @pytest.mark.cuda
 def test_profile_on_cuda_measures_blocks() -> None:
     """The profiler times blocks with CUDA events and counts their memory on the GPU."""
+    from orgel.launch.devices import profiling_on
     from orgel.plan import plan_workload
-    from orgel.runtime.devices import profiling_on
 
     with profiling_on("cuda"):
         result = plan_workload(GPT, ranks=2, microbatches=4, blocks=4, link=False,
@@ -170,7 +170,7 @@ def test_a_controller_that_used_cuda_is_refused_with_advice() -> None:
 
 
 def test_device_choice_errors_say_what_to_change() -> None:
-    from orgel.runtime.devices import backend_for, resolve_device
+    from orgel.launch.devices import backend_for, resolve_device
 
     with pytest.raises(ValueError, match="'cpu', 'cuda' or 'auto'"):
         resolve_device("tpu")
@@ -188,7 +188,7 @@ def test_captured_device_constants_follow_the_stage() -> None:
     """A graph captured on the CPU names the CPU (positions, the autocast region): placed on
     another device, its ops name that device."""
     from orgel.graph.capture import capture
-    from orgel.runtime.stage import place
+    from orgel.launch.devices import place
     from orgel.workload import load_workload, microbatches, with_precision
 
     w = with_precision(load_workload(GPT), "bf16-mixed")

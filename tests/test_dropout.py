@@ -19,7 +19,7 @@ from torch import nn
 
 import orgel
 from orgel.graph import capture
-from orgel.runtime.plans import balanced_plan
+from orgel.plan.balanced import balanced_plan
 from orgel.runtime.stage import random_stream, stream_seed
 from orgel.workload import Workload, microbatches
 

@@ -16,7 +16,7 @@ from orgel.explicit.api import pipeline
 from orgel.graph.capture import capture
 from orgel.models import build
 from orgel.plan import plan
-from orgel.runtime.plans import balanced_plan
+from orgel.plan.balanced import balanced_plan
 from orgel.schedule.costs import Costs, Link
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import PlanError

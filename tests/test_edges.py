@@ -17,9 +17,9 @@ import torch
 import orgel
 from orgel.graph import capture
 from orgel.models import build
+from orgel.plan.balanced import balanced_plan
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import NamedParameters
-from orgel.runtime.plans import balanced_plan
 from orgel.workload import Workload, microbatches
 
 ROWS, M = 8, 2

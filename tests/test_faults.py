@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import orgel
-from orgel.runtime.errors import WorkerError
+from orgel.launch.errors import WorkerError
 
 pytestmark = pytest.mark.slow  # starts rank processes
 
@@ -98,7 +98,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _plan() -> orgel.Plan:
     """Stages 0 and 1 on ranks 0 and 1 (1F1B, 2 micro-batches): both read ``a`` (tied)."""
-    from orgel.runtime import balanced_plan
+    from orgel.plan.balanced import balanced_plan
 
     x, _ = _batch()
     plan = balanced_plan(orgel.capture(_model(), (x[:4],)), ranks=2, microbatches=2)
@@ -389,7 +389,7 @@ def test_orgel_run_refuses_a_plan_that_deadlocks_or_was_made_for_another_model(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Both are refused before any process starts, saying why and what to do."""
     from orgel.cli import main
-    from orgel.runtime import balanced_plan
+    from orgel.plan.balanced import balanced_plan
     from orgel.workload import load_workload
 
     spec, _ = workload_file(tmp_path, "none")
@@ -423,7 +423,7 @@ def test_a_port_taken_before_rank_0_binds_it_is_replaced(
     """The local ranks meet on a port that was free when chosen; if another process takes it
     first, orgel chooses another; if every try is taken, the error says so: through the API
     and through orgel run."""
-    import orgel.runtime.launch as launch
+    import orgel.launch.processes as launch
     from orgel.cli import main
 
     spec, _ = workload_file(tmp_path, "none")

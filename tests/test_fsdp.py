@@ -28,10 +28,10 @@ from torch import nn
 import orgel
 from orgel.explicit.api import Pipeline, load
 from orgel.graph.capture import capture
+from orgel.launch.errors import StepError
 from orgel.models import build
-from orgel.runtime.errors import StepError
-from orgel.runtime.plans import balanced_plan
-from orgel.runtime.sharding import mark_sharded
+from orgel.plan.balanced import balanced_plan
+from orgel.plan.transforms import mark_sharded
 from orgel.schedule.ir import Plan
 from orgel.workload import Workload, microbatches
 

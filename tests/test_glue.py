@@ -19,7 +19,8 @@ import orgel
 from archzoo.check import orgel_check
 from orgel.graph import CaptureError, GraphBreakError, capture, glue
 from orgel.models import ZooWorkload
-from orgel.runtime.plans import balanced_plan
+from orgel.plan.balanced import balanced_plan
+from orgel.plan.transforms import with_recompute
 
 
 class BranchEveryMicrobatch(nn.Module):
@@ -180,8 +181,7 @@ def test_recomputed_stages_with_exchanges_train_exactly() -> None:
     def plan_for(w: ZooWorkload) -> object:
         graph = capture(copy.deepcopy(w.model), (w.inputs[0][:2],))
         plan = balanced_plan(graph, ranks=3, microbatches=4)
-        plan.recompute = [True] * len(plan.recompute)
-        return plan
+        return with_recompute(plan, [True] * plan.num_stages)
 
     outcome = orgel_check("branching", _branching, ranks=3, m=4, plan_for=plan_for)
     assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace

@@ -21,7 +21,7 @@ import torch
 
 from orgel.cli import main
 from orgel.graph import capture
-from orgel.runtime.plans import balanced_plan
+from orgel.plan.balanced import balanced_plan
 from orgel.workload import Workload, microbatches
 
 pytestmark = pytest.mark.hf

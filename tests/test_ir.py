@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -114,9 +115,7 @@ def test_plan_json_round_trip(tmp_path: Path) -> None:
 
 
 def test_plan_without_costs_round_trips() -> None:
-    plan = _diamond_plan()
-    plan.costs = None
-    plan.prediction = None
+    plan = dataclasses.replace(_diamond_plan(), costs=None, prediction=None)
     assert Plan.from_dict(plan.to_dict()) == plan
 
 
@@ -192,8 +191,7 @@ def test_shard_and_tp_round_trip_and_checks() -> None:
     plan = _diamond_plan()
     assert plan.shard == ["none"] * 4 and plan.tp == 1 and plan.world_size == plan.num_ranks
     assert "tp" not in plan.to_dict() and "shard" not in plan.to_dict()["stages"][1]
-    plan.shard[1] = "fsdp"
-    plan.tp = 2
+    plan = dataclasses.replace(plan, shard=[plan.shard[0], "fsdp", *plan.shard[2:]], tp=2)
     again = Plan.from_dict(plan.to_dict())
     assert again == plan and again.sharded(1) and not again.sharded(0)
     assert again.world_size == 2 * plan.num_ranks

@@ -47,7 +47,7 @@ elif sys.argv[1] == "links":  # the link benchmark: ranks in fresh interpreters 
     print("ready", flush=True)
     measure_link_samples(2, sizes=(4, 1 << 20), repeats=1_000_000)
 else:
-    from orgel.runtime import balanced_plan
+    from orgel.plan.balanced import balanced_plan
 
     plan = balanced_plan(orgel.capture(model, (x[:4],)), ranks=2, microbatches=2)
     pipe = orgel.pipeline(model, (x,), y, loss_fn, ranks=2, microbatches=2, plan=plan,
@@ -118,7 +118,7 @@ def test_nothing_outlives_a_killed_script(phase: str, sig: signal.Signals,
 def test_ranks_started_in_a_thread_outlive_the_thread() -> None:
     """The kernel's parent-death signal follows the thread that started a child: a pipeline
     built in a worker thread keeps its ranks after that thread returns."""
-    from orgel.runtime.launch import LocalGroup
+    from orgel.launch.processes import LocalGroup
 
     groups: list[LocalGroup] = []
     thread = threading.Thread(target=lambda: groups.append(LocalGroup(2, _Echo, threads=1)))

@@ -21,9 +21,9 @@ import torch
 import orgel
 from orgel.graph import capture
 from orgel.models import ZooWorkload, build
+from orgel.plan.balanced import balanced_plan
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import NamedParameters
-from orgel.runtime.plans import balanced_plan
 from orgel.workload import Workload, microbatches
 
 ROWS, M, K = 8, 2, 2  # batch rows, micro-batches, step calls per optimizer step

@@ -18,8 +18,8 @@ import torch
 from orgel.explicit.api import pipeline
 from orgel.graph import capture
 from orgel.models import build
+from orgel.plan.balanced import balanced_plan
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.plans import balanced_plan
 from orgel.split import split_model
 from orgel.split.materialize import (
     MaterializeError,
@@ -514,7 +514,7 @@ def test_under_torchrun_each_rank_makes_its_own_stages_with_rank_zeros_seed(
     import subprocess
     import sys
 
-    from orgel.runtime.launch import free_port
+    from orgel.launch.processes import free_port
 
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)

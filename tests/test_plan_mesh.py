@@ -17,7 +17,8 @@ import torch
 from orgel.cli import main as cli_main
 from orgel.costs.blocks import BlockCosts
 from orgel.costs.mesh import TPSplit, ring_time, shard_costs, tp_costs
-from orgel.plan.planner import InfeasibleError, _replicate, plan
+from orgel.plan.planner import InfeasibleError, plan
+from orgel.plan.predict import replicated
 from orgel.plan.replicated import replica_step
 from orgel.schedule.costs import Link
 from orgel.sim import simulate
@@ -106,7 +107,7 @@ def test_fsdp_step_is_gather_forward_backward_reduce_scatter() -> None:
 def test_fsdp_priced_from_one_replica_matches_the_full_simulation() -> None:
     c = shard_costs(table(4), 2)  # the pipeline is searched on the sharded table
     found = plan(c.scaled(0.5), 2, 4, dp=1, planner="uniform-layers")
-    full = _replicate(found.plan, 2, c, None, "fsdp")
+    full = replicated(found.plan, 2, c, None, "fsdp")
     assert full.shard == ["fsdp", "fsdp"]
     fast = replica_step(found.plan, full)
     assert fast is not None

@@ -132,7 +132,7 @@ def test_families_restrict_the_sequential_search() -> None:
 def test_gloo_plans_hold_every_receive_buffer() -> None:
     from dataclasses import replace
 
-    from orgel.plan.planner import held_sends, predict
+    from orgel.plan.predict import held_sends, predict
     from orgel.plan.scorer import Scorer, Template
     from orgel.schedule.comm import derive_comm
     from orgel.schedule.families import build_schedule

@@ -6,7 +6,7 @@ import pytest
 
 from orgel.costs.blocks import BlockCosts, chain_split
 from orgel.costs.tied import TiedGroup
-from orgel.plan.planner import _replicate
+from orgel.plan.predict import replicated
 from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer
 from orgel.plan.templates import build_template, template_specs
@@ -43,7 +43,7 @@ def test_replica_step_equals_the_full_simulation(family: str, ranks: int, dp: in
     n = template.num_stages
     points = tuple(round(costs.num_blocks * (i + 1) / n) for i in range(n - 1))
     single = scorer.to_plan(template, chain_split(points, costs.num_blocks))
-    whole = _replicate(single, dp, costs, None)
+    whole = replicated(single, dp, costs, None)
     got = replica_step(single, whole)
     assert got is not None
     full = simulate(whole)
@@ -59,4 +59,4 @@ def test_replicas_on_different_links_are_simulated_in_full() -> None:
     template = build_template(template_specs(3, 6, 12, max_loops=1, families=["1f1b"])[0], 3, 6)
     assert template is not None
     single = scorer.to_plan(template, chain_split((4, 8), 12))
-    assert replica_step(single, _replicate(single, 2, costs, None)) is None
+    assert replica_step(single, replicated(single, 2, costs, None)) is None

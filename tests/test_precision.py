@@ -21,8 +21,8 @@ from archzoo import archs
 from archzoo.check import balanced_check
 from orgel.graph import capture
 from orgel.models import ZooWorkload, build
+from orgel.plan.balanced import balanced_plan
 from orgel.precision import autocast_dtype
-from orgel.runtime.plans import balanced_plan
 from orgel.split import split_model
 from orgel.split.assign import balanced_assignment
 from orgel.workload import Workload, microbatches

@@ -16,9 +16,12 @@ import torch
 
 from orgel.commands.profile import format_table
 from orgel.costs.blocks import BlockCosts
+from orgel.launch.errors import WorkerError
+from orgel.launch.processes import spawn
 from orgel.plan import plan
-from orgel.plan.planner import end_of_step
-from orgel.plan.scorer import Scorer, best_ranks, channel_traffic, rename
+from orgel.plan.predict import end_of_step
+from orgel.plan.ranks import best_ranks, channel_traffic
+from orgel.plan.scorer import Scorer, rename
 from orgel.plan.templates import one_f_one_b
 from orgel.profile import links as links_mod
 from orgel.profile import workload
@@ -31,8 +34,6 @@ from orgel.profile.links import (
     ordered_pairs,
     summarize_links,
 )
-from orgel.runtime.errors import WorkerError
-from orgel.runtime.launch import spawn
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.costs import Link
 from orgel.schedule.validate import validate

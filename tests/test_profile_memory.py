@@ -169,7 +169,7 @@ def test_first_backward_frees_activations_as_it_makes_gradients(
     """
     from dataclasses import replace
 
-    from orgel.plan.planner import predict
+    from orgel.plan.predict import predict
     from orgel.plan.scorer import Scorer, Template
     from orgel.plan.workload import attach_split
     from orgel.profile.workload import capture_workload, profile_graph
@@ -310,8 +310,8 @@ def test_a_replicated_stage_holds_a_flat_copy_of_its_gradients(
     after another and still holds the previous one's temporaries when it starts
     the next: the profile steps the parameters in the model's order for this).
     """
+    from orgel.launch.processes import spawn
     from orgel.plan import plan_workload
-    from orgel.runtime.launch import spawn
 
     monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
     result = plan_workload(replicated_mlp(), ranks=2, microbatches=2, blocks=3, link=False,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from orgel.backward import weight_backward
 from orgel.costs.blocks import BlockCosts, stage_cost
 from orgel.plan import plan
 from orgel.plan.planner import end_of_step, held_sends
@@ -19,7 +20,6 @@ from orgel.plan.templates import one_f_one_b
 from orgel.profile.blocks import measure_block
 from orgel.profile.contention import companions
 from orgel.profile.timing import Timer
-from orgel.runtime.backward import weight_backward
 from orgel.schedule.costs import Costs
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value

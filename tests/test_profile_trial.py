@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from orgel import backward
 from orgel.profile import blocks, timing
 from orgel.profile.trial import trial
-from orgel.runtime import backward
 from orgel.split.types import StageModule
 
 pytestmark = pytest.mark.slow  # forks children
@@ -44,7 +44,7 @@ def test_trial_reports_which_job_killed_the_child_and_goes_on() -> None:
 
 def test_a_split_backward_that_crashes_is_timed_whole_with_a_note(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Without the fix in orgel.runtime.backward, W on a channels-last GroupNorm dies of
+    # Without the fix in orgel.backward, W on a channels-last GroupNorm dies of
     # SIGSEGV inside PyTorch's kernel: the profile must skip it, not die with it.
     monkeypatch.setattr(backward, "_input_too", lambda node: [])
     stage = StageModule(index=0, module=NormConv(), inputs=["x"], outputs=["y"])

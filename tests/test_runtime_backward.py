@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from orgel.runtime.backward import input_backward, weight_backward
+from orgel.backward import input_backward, weight_backward
 from test_runtime_nets import C2, batch, ce_loss, clip, gpt, split, unet
 
 CASES = {
@@ -61,7 +61,7 @@ def test_input_then_weight_equals_full_backward(name: str) -> None:
 
 _CHANNELS_LAST_GROUP_NORM = """
 import torch
-from orgel.runtime.backward import input_backward, weight_backward
+from orgel.backward import input_backward, weight_backward
 torch.manual_seed(0)
 norm, conv = torch.nn.GroupNorm(8, 32), torch.nn.Conv2d(32, 32, 3, padding=1)
 params = [*norm.parameters(), *conv.parameters()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def test_run_1f1b_check_trace_and_png(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_invalid_plan_is_rejected_before_any_process(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     plan = build_schedule("1f1b", 2, 4)
-    plan.schedule[1] = plan.schedule[1][:-1]  # drop rank 1's last backward
+    plan = dataclasses.replace(plan, schedule=[plan.schedule[0], plan.schedule[1][:-1]])
+    # (rank 1's last backward dropped)
     path = tmp_path / "plan.json"
     plan.save(path)
     code = main(["run", GPT, "--ranks", "2", "--plan", str(path)])

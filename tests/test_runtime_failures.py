@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from orgel.runtime.errors import WorkerError
+from orgel.launch.errors import WorkerError
+from orgel.launch.processes import spawn
 from orgel.runtime.executor import Executor
-from orgel.runtime.launch import spawn
 from test_runtime_nets import batch, build, ce_loss, sgd
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks

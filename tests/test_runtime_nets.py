@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from orgel.plan.transforms import with_recompute
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value
 from orgel.split.types import SplitModel, StageModule
@@ -284,7 +285,7 @@ def build(name: str) -> tuple[GraphNet, SplitModel, Plan, dict[str, Any]]:
     split_model = split(net, assignment)
     plan = plan_of(split_model.stage_graph)
     if options.get("recompute"):
-        plan.recompute = [True] * plan.num_stages
+        plan = with_recompute(plan, [True] * plan.num_stages)
     return net, split_model, plan, options
 
 

@@ -172,7 +172,7 @@ def run_rank(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_two_ranks_train_exactly_and_send_no_gradient_for_the_mask() -> None:
-    from orgel.runtime.launch import spawn
+    from orgel.launch.processes import spawn
 
     per_rank = spawn(run_rank, 2, timeout=60)
     model, inputs, targets = workload()
@@ -208,7 +208,7 @@ def test_hugging_face_llama_drops_the_rotary_tables_gradient_and_trains_exactly(
 
     from archzoo import archs
     from archzoo.check import balanced_check
-    from orgel.runtime.plans import balanced_plan
+    from orgel.plan.balanced import balanced_plan
     from orgel.workload import Workload, microbatches
 
     build = archs()["hf_llama"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orgel.graph.capture import capture
-from orgel.runtime.plans import balanced_plan, replicate
+from orgel.plan.balanced import balanced_plan
+from orgel.plan.transforms import replicate
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import PlanError
 from orgel.schedule.validate import validate

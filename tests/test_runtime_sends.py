@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from orgel.plan.planner import held_sends
+from orgel.launch.processes import spawn
+from orgel.plan.predict import held_sends
 from orgel.runtime.comm import Transport
 from orgel.runtime.executor import Executor
-from orgel.runtime.launch import spawn
 from orgel.schedule.comm import derive_comm
 from orgel.schedule.ir import Plan, StageGraph, Value
 from test_runtime_nets import D, T, _dag, batch, build, ce_loss, clip, sgd, split

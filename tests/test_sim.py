@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from orgel.schedule import Costs, Link, Plan, PlanError, StageCost, StageGraph
@@ -181,8 +183,7 @@ def test_data_parallel_stage_halves_work_and_all_reduces() -> None:
 def test_tied_weights_all_reduce() -> None:
     costs = Costs.uniform(2, 1.0, 2.0)
     costs.link = Link(latency=0.5)
-    plan = build_schedule("1f1b", 2, 2)
-    plan.tied = [TiedWeight("w", (0, 1), 64)]
+    plan = dataclasses.replace(build_schedule("1f1b", 2, 2), tied=[TiedWeight("w", (0, 1), 64)])
     result = simulate(plan, costs)
     # last backward on rank0 ends at 9; ring of 2: 2 steps of 32 bytes at 0.5 each
     assert result.step_time == 9 + 1
@@ -202,7 +203,7 @@ def test_tied_bytes_leave_a_replicated_stage_all_reduce() -> None:
     costs = Costs([StageCost(1, 2), StageCost(2, 4, params=1 << 20)], link=Link(per_mib=4.0))
     plan = make_plan(StageGraph.chain(2), [(0,), (1, 2)],
                      "rank0: F0.0 B0.0\nrank1: F1.0 B1.0\nrank2: F1.0 B1.0", costs)
-    plan.tied = [TiedWeight("w", (0, 1), 1 << 18)]
+    plan = dataclasses.replace(plan, tied=[TiedWeight("w", (0, 1), 1 << 18)])
     events = {(e.rank, e.label): e for e in simulate(plan).timeline.events}
     stage = events[(1, "allreduce s1")]
     assert stage.end - stage.start == pytest.approx(2 * 1 * 4.0 * 0.375)  # 0.75 MiB / 2

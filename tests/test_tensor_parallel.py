@@ -10,6 +10,7 @@ square: a gradient near zero carries the rounding into the step).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,6 @@ import torch
 from orgel.cli import main
 from orgel.explicit.api import load, pipeline
 from orgel.models import build
-from orgel.schedule.ir import Plan
 
 LR = 1e-3
 GPT = "examples/gpt.py:workload"
@@ -118,7 +118,7 @@ def test_gpt_on_two_replicas_of_two_way_tp_trains_as_one_process(tied: bool) -> 
     options: dict[str, object] = {"dp": 2}
     if tied:  # two stages on both replicas: the tied embedding's sum spans 2 stages
         from orgel.graph.capture import capture
-        from orgel.runtime.plans import balanced_plan
+        from orgel.plan.balanced import balanced_plan
 
         graph = capture(model, (inputs[0][:2],), several=False)
         plan = balanced_plan(graph, ranks=2, microbatches=2, schedule="interleaved", dp=2,
@@ -240,13 +240,13 @@ def test_orgel_run_takes_tp_from_a_plan(tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """A plan that says tp=2 (as ``orgel plan --tp 2`` writes) runs without --tp."""
     from orgel.graph.capture import capture
-    from orgel.runtime.plans import balanced_plan
+    from orgel.plan.balanced import balanced_plan
     from orgel.workload import load_workload, microbatches
 
     workload = load_workload(GPT)
     graph = capture(workload.model, microbatches(workload, 2)[0][0], several=False)
     plan = balanced_plan(graph, ranks=2, microbatches=2, schedule="1f1b")
-    plan.tp = 2
+    plan = dataclasses.replace(plan, tp=2)
     plan.save(tmp_path / "plan.json")
     code = main(["run", GPT, "--ranks", "4", "--plan", str(tmp_path / "plan.json"),
                  "--microbatches", "2", "--steps", "1", "--check"])
@@ -281,8 +281,7 @@ def test_a_tp_checkpoint_resumes_with_tp_and_without(tmp_path: Path) -> None:
         assert again.step(*batches[2]) == pytest.approx(last, rel=1e-6)
         for name, value in again.state_dict().items():
             torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7, msg=name)
-    plain_plan = Plan.from_json(plan.to_json())
-    plain_plan.tp = 1
+    plain_plan = dataclasses.replace(plan, tp=1)
     model, inputs, targets, loss_fn = gpt()
     with load(tmp_path, model, inputs, targets, loss_fn, ranks=2, plan=plain_plan,
               optimizer=_adamw, threads=1) as plain:
@@ -319,8 +318,7 @@ def test_a_tp_fsdp_checkpoint_resumes_as_saved_and_on_one_replica_set(tmp_path: 
         for name, value in again.state_dict().items():
             torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7, msg=name)
         evaluated = again.evaluate(*batches[0])  # the weights gathered over dp, split by tp
-    plain_plan = Plan.from_json(plan.to_json())
-    plain_plan.tp, plain_plan.shard = 1, ["none"]
+    plain_plan = dataclasses.replace(plan, tp=1, shard=["none"])
     model, inputs, targets, loss_fn = gpt()
     with load(tmp_path, model, inputs, targets, loss_fn, ranks=2, plan=plain_plan,
               optimizer=_adamw, threads=1) as plain:

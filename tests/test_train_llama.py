@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from example_scripts import load_example
-from orgel.runtime.launch import free_port
+from orgel.launch.processes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf]
 

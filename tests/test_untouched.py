@@ -102,7 +102,7 @@ def test_recomputed_batchnorm_updates_its_statistics_once_per_microbatch() -> No
     import dataclasses
 
     from orgel.graph import capture
-    from orgel.runtime.plans import balanced_plan
+    from orgel.plan.balanced import balanced_plan
     from orgel.workload import Workload, microbatches
 
     def plan_for(w: ZooWorkload) -> object:

@@ -153,8 +153,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 import orgel
 from orgel.graph.capture import capture
-from orgel.runtime.plans import balanced_plan
-from orgel.runtime.sharding import mark_sharded
+from orgel.plan.balanced import balanced_plan
+from orgel.plan.transforms import mark_sharded
 from orgel.workload import Workload, microbatches, model_loss
 
 config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -13,7 +13,7 @@ runtime.
 
 from orgel.explicit.api import Pipeline, load, pipeline
 from orgel.graph import capture
-from orgel.runtime.errors import StepError, WorkerError
+from orgel.launch.errors import StepError, WorkerError
 from orgel.schedule import Action, Costs, Plan, PlanError, StageGraph
 from orgel.schedule.families import build_schedule
 from orgel.schedule.validate import validate

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    from orgel.runtime.launch import watch_stacks
+    from orgel.launch.processes import watch_stacks
     from orgel.usercode import UserCodeError, user_code
 
     watch_stacks()

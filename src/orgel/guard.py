@@ -157,7 +157,7 @@ def cuda_unused() -> Iterator[None]:
     Dynamo saves and restores the CUDA RNG state around every frame it converts
     when CUDA is available, which initializes CUDA; ranks forked afterwards could
     then not use it. The controller of forked ranks captures the model inside this
-    (on the CPU) and never uses CUDA itself (:mod:`orgel.runtime.devices`).
+    (on the CPU) and never uses CUDA itself (:mod:`orgel.launch.devices`).
 
     Code that bound ``torch.cuda.is_available`` before (Dynamo's device interface does)
     still calls the original, which asks the CUDA runtime and so initializes the driver

@@ -209,13 +209,13 @@ def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
                    tolerance: float = TOLERANCE, **schedule: Any) -> Outcome:
     """:func:`orgel_check` with a FLOP-balanced chain as the plan (no profiling, quick).
 
-    ``schedule`` goes to :func:`orgel.runtime.plans.balanced_plan` (default 1F1B).
+    ``schedule`` goes to :func:`orgel.plan.balanced.balanced_plan` (default 1F1B).
 
     The plan comes from a capture of a copy of the model, so the model handed
     to ``orgel.pipeline`` is still the caller's untouched one.
     """
     from orgel.graph import capture
-    from orgel.runtime.plans import balanced_plan
+    from orgel.plan.balanced import balanced_plan
 
     def plan_for(w: ZooWorkload) -> Any:
         model = copy.deepcopy(w.model)

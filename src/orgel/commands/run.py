@@ -3,7 +3,7 @@
 The workload (``file.py:function``) is captured and split by a balanced chain
 scheduled with ``--schedule`` (or by ``--plan PLAN.json``); ``--ranks``
 processes run ``--steps`` steps on the workload's batch and the loss of each
-step is printed. ``--device`` says where they compute (:mod:`orgel.runtime.devices`:
+step is printed. ``--device`` says where they compute (:mod:`orgel.launch.devices`:
 CUDA ranks that outnumber the GPUs share them over gloo, else NCCL; CPU ranks gloo).
 ``--tp T`` runs each pipeline rank as ``T`` processes that split its attention and MLP
 layers (tensor parallelism, :mod:`orgel.runtime.tensor_parallel`): ``--ranks`` counts
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import math
 import os
 import sys
@@ -147,8 +146,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Plan (or load), validate, spawn, train, print; optionally check against one process."""
     from orgel.graph.opgraph import CaptureError
-    from orgel.runtime.errors import WorkerError
-    from orgel.runtime.launch import spawn
+    from orgel.launch.errors import WorkerError
+    from orgel.launch.processes import spawn
     from orgel.schedule.ir import PlanError
     from orgel.split.split import SplitError
     from orgel.usercode import user_code
@@ -158,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     problem = _check_args(args)
     if problem:
         return _fail(problem)
-    from orgel.runtime.devices import backend_for, resolve_device
+    from orgel.launch.devices import backend_for, resolve_device
 
     try:
         args.device = resolve_device(args.device)
@@ -179,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
               f"schedule; stage ranks {[list(r) for r in plan.placement]}; device "
               f"{args.device} ({backend_for(args.device, args.ranks)})")
     start = time.perf_counter()
-    from orgel.runtime.launch import under_torchrun
+    from orgel.launch.processes import under_torchrun
 
     if under_torchrun():
         results = _torchrun_rank(args, plan.to_json())
@@ -202,9 +201,8 @@ def run(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> Any:
     """Load and check the workload, make (or load) the plan and validate it; the plan."""
     from orgel.graph.capture import capture
-    from orgel.runtime.plans import balanced_plan
-    from orgel.runtime.sharding import mark_sharded
-    from orgel.runtime.tensor_parallel import with_tp
+    from orgel.plan.balanced import balanced_plan
+    from orgel.plan.transforms import mark_sharded, with_recompute, with_tp
     from orgel.schedule.ir import Plan
     from orgel.schedule.validate import validate
     from orgel.split import split_plan
@@ -231,8 +229,8 @@ def _prepare(args: argparse.Namespace) -> Any:
                              schedule=args.schedule, dp=args.dp,
                              stages_per_rank=args.stages_per_rank)
         plan = mark_sharded(plan, args.shard)
-    if args.recompute:  # a new plan, as every rewrite makes
-        plan = dataclasses.replace(plan, recompute=[True] * plan.num_stages)
+    if args.recompute:
+        plan = with_recompute(plan, [True] * plan.num_stages)
     validate(plan)  # an invalid plan never starts a process
     if args.plan:  # nor does a plan made for another model
         share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
@@ -245,8 +243,8 @@ def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, A
     """Run this rank under torchrun; rank 0 gets every rank's results, others ``[]``."""
     import torch.distributed as dist
 
-    from orgel.runtime.errors import report_failure
-    from orgel.runtime.launch import init_from_env
+    from orgel.launch.errors import report_failure
+    from orgel.launch.processes import init_from_env
 
     rank, world = init_from_env(timeout=args.timeout, device=args.device)
     torch.set_num_threads(args.threads)
@@ -331,8 +329,8 @@ def _diverged(losses: list[float], ref_losses: list[float]) -> str | None:
 
 def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
     """Losses and final parameters of the unmodified model, one process, same steps."""
+    from orgel.launch.devices import move
     from orgel.precision import autocast, scales_loss
-    from orgel.runtime.devices import move
     from orgel.workload import microbatches
 
     torch.manual_seed(0)
@@ -386,7 +384,7 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
     share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
     graph = capture(workload.model, share, several=False, precision=workload.precision)
     split = split_plan(graph, plan)
-    from orgel.runtime.devices import host, rank_device
+    from orgel.launch.devices import host, rank_device
 
     executor = Executor(plan, split, loss_fn=workload.loss_fn,
                         device=rank_device(options.get("device", "cpu"), rank),

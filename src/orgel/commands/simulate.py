@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -199,9 +200,7 @@ def _save_plan(plan: Plan, costs: Costs, result: SimResult, path: str) -> None:
     """The plan with the costs it was simulated under and the prediction (no path)."""
     summary = result.to_dict()
     summary.pop("critical_path")
-    plan.costs = costs
-    plan.prediction = summary
-    plan.save(path)
+    dataclasses.replace(plan, costs=costs, prediction=summary).save(path)
 
 
 def report(plan: Plan, result: SimResult, *, width: int | None = None) -> str:

@@ -36,11 +36,11 @@ from orgel.flow.capture import default_optimizer, one_graph_only
 from orgel.flow.prepare import meta_weights, on_process_zero, plan_only, prepare
 from orgel.flow.start import start_local, start_torchrun
 from orgel.guard import cuda_unused
+from orgel.launch.devices import check_fork, profiling_on, resolve_device
+from orgel.launch.processes import init_from_env, under_torchrun
 from orgel.lossweights import check_rule
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.devices import check_fork, profiling_on, resolve_device
-from orgel.runtime.launch import init_from_env, under_torchrun
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.runtime.sharding import check_shard_option, check_tied_sharding
 from orgel.schedule.ir import Plan
@@ -128,7 +128,7 @@ def pipeline(
     ``device``: where the ranks compute, ``"cpu"``, ``"cuda"`` (local rank r on GPU
     r mod the GPU count; ranks that outnumber the GPUs share them, their messages
     staged through host memory) or ``"auto"`` (CUDA when present); by default the
-    model's device (:mod:`orgel.runtime.devices`). Local ranks are forked, so for
+    model's device (:mod:`orgel.launch.devices`). Local ranks are forked, so for
     CUDA build the model on the CPU (or meta) and pass ``device="cuda"``: each rank
     moves its own stages to its GPU, and this process never uses CUDA (a forked
     process of its own profiles on the GPU and plans: :mod:`orgel.explicit.device_plan`).
@@ -189,7 +189,7 @@ def pipeline(
 
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
-    from orgel.runtime.tensor_parallel import pipeline_ranks
+    from orgel.plan.transforms import pipeline_ranks
 
     world, ranks = ranks, pipeline_ranks(ranks, tp, dp)
     # a tie the model's structure shows is refused before any capture or profiling

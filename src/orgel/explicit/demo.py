@@ -64,8 +64,8 @@ def _reference_loss(workload: Any, model: torch.nn.Module, pieces: int,
     stage, over each replica's share: losses such as CLIP's that depend on the
     batch composition must be cut the same way to compare.
     """
+    from orgel.launch.devices import move
     from orgel.precision import autocast
-    from orgel.runtime.devices import move
     from orgel.workload import Workload
     from orgel.workload import microbatches as slice_batches
 
@@ -119,9 +119,9 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
     ``compile``: the stages run compiled by Inductor (:mod:`orgel.runtime.compiled`).
 
     ``precision``: ``"32"`` or ``"bf16-mixed"`` (see :mod:`orgel.precision`).
-    ``device``: ``"cpu"``, ``"cuda"`` or ``"auto"`` (:mod:`orgel.runtime.devices`).
+    ``device``: ``"cpu"``, ``"cuda"`` or ``"auto"`` (:mod:`orgel.launch.devices`).
     """
-    from orgel.runtime.devices import backend_for, resolve_device
+    from orgel.launch.devices import backend_for, resolve_device
 
     device = resolve_device(device)
     import threading

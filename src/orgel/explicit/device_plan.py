@@ -2,7 +2,7 @@
 
 Local ranks are forked from the caller, and a process forked from one that has
 used CUDA cannot use it. So the caller never initializes CUDA
-(:func:`orgel.runtime.devices.check_fork`), yet the plan for CUDA ranks must come
+(:func:`orgel.launch.devices.check_fork`), yet the plan for CUDA ranks must come
 from blocks timed on the GPU. :func:`plan_in_child` forks one short-lived process
 that captures the model, profiles it on the GPU and plans, and returns the plan;
 the caller then captures and splits by it on the CPU, as every rank of a torchrun
@@ -23,7 +23,7 @@ class _Planner:
         self.prepare, self.device = prepare, device
 
     def plan(self) -> str:
-        from orgel.runtime.devices import profiling_on
+        from orgel.launch.devices import profiling_on
 
         with profiling_on(self.device):
             return str(self.prepare().to_json())
@@ -32,7 +32,7 @@ class _Planner:
 def plan_in_child(prepare: Any, *, device: str, timeout_s: float) -> Plan:
     """``prepare()``'s plan (a function returning a :class:`Plan`), made in a forked process
     that profiles on ``device``; this process runs none of it."""
-    from orgel.runtime.launch import LocalGroup
+    from orgel.launch.processes import LocalGroup
 
     group = LocalGroup(1, lambda rank: _Planner(prepare, device), timeout_s=timeout_s,
                        daemon=False)  # it measures links: processes of its own

@@ -44,7 +44,7 @@ from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation
 from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
-from orgel.graph.capture import dynamo_settings
+from orgel.graph.dynamo import dynamo_settings
 from orgel.lossweights import batch_weights, weigh
 from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
@@ -514,7 +514,7 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     """
     import multiprocessing as mp
 
-    from orgel.runtime.launch import LocalGroup
+    from orgel.launch.processes import LocalGroup
     from orgel.worker.closure import ClosureEngine
 
     if any(len(r) > 1 for r in plan.placement):

@@ -106,7 +106,7 @@ def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
     ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
     replica's rows as in :func:`split_for`.
     """
-    from orgel.runtime.forward_only import check_forward
+    from orgel.plan.transforms import check_forward
     from orgel.split.evaluation import eval_only, split_like
     from orgel.workload import on_meta
 

@@ -19,7 +19,8 @@ import torch
 
 from orgel.guard import untouched
 from orgel.lossweights import rule_for
-from orgel.runtime.sharding import check_sharded, mark_sharded
+from orgel.plan.transforms import mark_sharded
+from orgel.runtime.sharding import check_sharded
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import Init, Weights, WeightsArg
 from orgel.workload import Workload
@@ -58,7 +59,7 @@ def on_process_zero(kind: str) -> Agree:
     def agree(decide: Callable[[], tuple[Plan, str, int]]) -> tuple[Plan, str, int]:
         import torch.distributed as dist
 
-        from orgel.runtime.devices import profiling_on
+        from orgel.launch.devices import profiling_on
 
         text: list[Any] = [None, None, None]
         if dist.get_rank() == 0:
@@ -104,7 +105,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     capture before anything is planned (it raises for a graph the front end refuses).
     """
     from orgel.flow.capture import capture_microbatch, eval_split_for, resolve_plan, split_for
-    from orgel.runtime.tensor_parallel import with_tp
+    from orgel.plan.transforms import with_tp
 
     given = plan
     with untouched(workload.model):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from orgel.flow.prepare import Prepared
-from orgel.runtime.devices import backend_for, rank_device
+from orgel.launch.devices import backend_for, rank_device
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import Weights, materialize_stages, process_memory
 from orgel.worker.engine import RankEngine
@@ -22,7 +22,7 @@ from orgel.worker.pipe import OwnRank, Pipeline
 
 def loss_processes(plan: Plan, loss_stage: int) -> list[int]:
     """The processes whose step answers carry the loss: member 0 of the loss stage's ranks."""
-    return [r * plan.tp for r in plan.placement[loss_stage]]
+    return [plan.process_of(r, 0) for r in plan.placement[loss_stage]]
 
 
 def check_param_groups(pipe: Any) -> None:
@@ -53,7 +53,7 @@ def engine_for(prepared: Prepared, process: int, kind: str, *, optimizer: Any,
     """Process ``process``'s engine: its pipeline rank's stages, made on its device."""
     plan, split = prepared.plan, prepared.split
     here = rank_device(kind, process)
-    rank = process // plan.tp  # its pipeline rank
+    rank = plan.pipeline_rank_of(process)
     made = make_own_stages(split, plan, rank, prepared.source, here)
     engine = RankEngine(rank, plan, split, optimizer=optimizer,
                         loss_fn=prepared.workload.loss_fn, timeout_s=timeout_s,
@@ -85,7 +85,7 @@ def _pipeline(prepared: Prepared, ranks: Any, *, spmd: bool, accumulate: int) ->
 def start_local(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: float,
                 threads: int | None, executor_options: dict[str, Any]) -> Pipeline:
     """Fork the plan's processes from this one; the caller drives them."""
-    from orgel.runtime.launch import LocalGroup
+    from orgel.launch.processes import LocalGroup
 
     def make_engine(process: int) -> RankEngine:  # in the worker, after the fork
         return engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
@@ -110,7 +110,8 @@ def start_torchrun(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: 
     if prepared.source is not None:  # every rank initializes a tied tensor alike
         prepared.source.seed = prepared.seed
     else:  # the stages train copies: the caller's model changes only through pipe.copy_to
-        own_stage_copies(split.stages[s].module for s in plan.stages_on(process // plan.tp))
+        rank = plan.pipeline_rank_of(process)
+        own_stage_copies(split.stages[s].module for s in plan.stages_on(rank))
     engine = engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
                         executor_options=executor_options)
     return _pipeline(prepared, OwnRank(engine, dist.get_world_size(), owns_group=owns_group),

@@ -19,7 +19,6 @@ restored afterwards (:func:`orgel.guard.untouched`), so capturing changes nothin
 from __future__ import annotations
 
 import itertools
-import logging
 import re
 import types
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.graph.dynamo import dynamo_settings
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
 from orgel.graph.sizes import bind_sizes, mark_sizes, size_settings, static_shapes
@@ -35,10 +35,6 @@ from orgel.precision import autocast_dtype, device_type
 from orgel.workload import named_inputs, on_meta
 
 METHODS = ("auto", "dynamo", "export")
-#: Log calls in a forward that capture skips rather than break the graph at (the
-#: ``*_once`` ones are what transformers adds to ``logging.Logger``).
-_LOG_METHODS = ("debug", "info", "warning", "warning_once", "info_once")
-
 __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_settings"]
 
 
@@ -124,22 +120,6 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
         if glue is not None:  # several graphs: every graph call checks its own shapes
             graph.shapes = static_shapes(named)
         return graph
-
-
-def dynamo_settings() -> Any:
-    """Dynamo's options while orgel traces a forward (capture, and ``orgel.backend``'s steps).
-
-    They avoid graph breaks that need not happen: ``allow_rnn`` traces
-    ``nn.LSTM``/``GRU``/``RNN`` as ops, and log calls in the forward (Longformer's
-    "Initializing global attention on CLS token") are skipped instead of breaking.
-    """
-    calls = {getattr(logging.Logger, name) for name in _LOG_METHODS
-             if hasattr(logging.Logger, name)}
-    options: dict[str, Any] = {"allow_rnn": True, "ignore_logging_functions": calls}
-    if hasattr(torch._dynamo.config, "log_compilation_metrics"):
-        # torch 2.11 logs each compile's config and fails to sort that set of functions
-        options["log_compilation_metrics"] = False
-    return torch._dynamo.config.patch(**options)
 
 
 # -- the two routes: both return (gm, roles, leaves, treespec) -------------------------

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.graph.dynamo import dynamo_settings
 from orgel.graph.opgraph import CaptureError
 
 #: Values recorded when the forward ran once, by capture key: what exchanges return
@@ -233,7 +234,6 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
     controller computes their gradients, a rank keeps and steps them
     (:func:`eager_homes`).
     """
-    from orgel.graph.capture import dynamo_settings
 
     params = {id(p): n for n, p in model.named_parameters()}
     buffers = {id(b): n for n, b in model.named_buffers()}

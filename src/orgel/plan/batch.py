@@ -24,6 +24,7 @@ middle of each side (the best so far, 16, has tried neighbours 8 and 32)::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -177,9 +178,9 @@ def search_microbatches(costs_at: Callable[[int], BlockCosts], batch: int, ranks
     assert result is not None
     result.search_seconds = sum(t.seconds for t in tried.values())
     result.evaluations = sum(t.result.evaluations for t in feasible if t.result is not None)
-    result.plan.meta["search_seconds"] = result.search_seconds
-    result.plan.meta["batch"] = batch
-    result.plan.meta["microbatch_search"] = [tried[m].entry(batch) for m in sorted(tried)]
+    result.plan = dataclasses.replace(result.plan, meta={
+        **result.plan.meta, "search_seconds": result.search_seconds, "batch": batch,
+        "microbatch_search": [tried[m].entry(batch) for m in sorted(tried)]})
     return result
 
 

@@ -19,6 +19,7 @@ nothing fits, the error says how much memory per rank (or how many ranks) would.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,13 +30,10 @@ import numpy as np
 from orgel.costs.blocks import (
     BlockCosts,
     chain_split,
-    optimizer_peak,
-    stage_costs,
-    stage_graph,
 )
 from orgel.costs.mesh import TP_DEGREES, check_tp, mesh_costs
-from orgel.costs.tied import plan_tied_weights
 from orgel.plan.graph import graph_plan
+from orgel.plan.predict import end_of_step, labelled, predicted, replicated
 from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.screen import MESH_TOP, QUICK_TEMPLATES, compute_bound, quick_plan, screen
@@ -43,9 +41,7 @@ from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
 from orgel.schedule.ir import SHARDS, Plan
-from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
-from orgel.sim.compiled import CompiledPlan, shared_step
 
 PLANNERS = ("auto", "beam", "graph", *BASELINES)
 
@@ -253,7 +249,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
             base_times = baselines
         for step, name, p in found:
             if d > 1:
-                single, p = p, _replicate(p, d, table, scorer.memory, how)
+                single, p = p, replicated(p, d, table, scorer.memory, how)
                 step_peak = replica_step(single, p)  # one replica simulated, reduces priced
                 if step_peak is None:
                     check = simulate(p)
@@ -263,16 +259,18 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
                 step, name = step_peak[0], f"{name} x dp{d}" + (" fsdp" if how == "fsdp"
                                                                 else "")
             if t > 1:
-                p.tp, name = t, f"{name} x tp{t}"
-            p.meta["mesh"] = {"pp": pipeline, "tp": t, "dp": d, "shard": how}
+                name = f"{name} x tp{t}"
+            p = dataclasses.replace(p, tp=t, meta={**p.meta, "mesh": {"pp": pipeline, "tp": t,
+                                                                      "dp": d, "shard": how}})
             candidates.append((step + end_of_step(table, p), name, p, table))
     if not candidates:
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))
     step, name, best, table = min(candidates, key=lambda c: c[0])
     seconds = time.perf_counter() - started
-    sim = predict(best, table)
-    best.meta.update({"planner": name, "search_seconds": seconds, "baselines": base_times,
-                      "block_graph": dict(costs.meta)})
+    best, sim = predicted(best, table)
+    best = dataclasses.replace(best, meta={**best.meta, "planner": name,
+                                           "search_seconds": seconds, "baselines": base_times,
+                                           "block_graph": dict(costs.meta)})
     return PlanResult(best, name, sim, seconds, base_times, evaluations)
 
 
@@ -317,79 +315,6 @@ def search_budget(blocks: int, ranks: int) -> float:
     return 0.3 + 1e-4 * blocks * ranks
 
 
-def end_of_step(costs: BlockCosts, p: Plan) -> float:
-    """ms every step pays outside its actions: setup, loss all-reduce, optimizer.
-
-    The runtime sets up the step (gradients cleared, batch split, receives
-    posted), and after its last action all-reduces the step's loss (and
-    gradient norm) over every rank, then each rank steps its optimizer over
-    its own parameters; the slowest rank's step ends the step. None of it is
-    an action, so the simulator leaves it out. The profiler measures the
-    per-step part through the runtime on two ranks (``costs.step_overhead``:
-    one all-reduce round; more ranks add ``log2`` rounds of the link's
-    latency) and each block's optimizer step (``costs.optimizer_ms``; else
-    ``optimizer_ms_per_mib`` of the rank's parameters). Ranks that share
-    ``costs.cores`` take turns at their optimizer steps too.
-    """
-    ranks = p.num_ranks
-    rounds = math.ceil(math.log2(ranks)) if ranks > 1 else 0
-    fixed = costs.step_overhead
-    if fixed is None:
-        fixed = 2 * rounds * costs.link.latency
-    else:
-        fixed = float(fixed) + 2 * max(0, rounds - 1) * costs.link.latency
-    per_block = costs.optimizer_ms
-    per_rank_ms = [0.0] * ranks
-    if per_block and all(st.blocks for st in p.stage_graph.stages):
-        for s, placed in enumerate(p.placement):
-            ms = sum(float(per_block[b]) for b in p.stage_graph.stages[s].blocks)
-            for r in placed:
-                per_rank_ms[r] += ms
-    elif p.costs is not None and costs.optimizer_ms_per_mib > 0:
-        for s, placed in enumerate(p.placement):
-            for r in placed:
-                per_rank_ms[r] += costs.optimizer_ms_per_mib * p.costs.stages[s].params / (1 << 20)
-    # every rank steps at once: on shared cores, the slowest rank or all of them spread out
-    return fixed + max(max(per_rank_ms), shared_step(sum(per_rank_ms), ranks, costs.cores))
-
-
-def held_sends(p: Plan) -> list[int]:
-    """Bytes each rank may hold in sends at once: the most it sends after one action.
-
-    ``orgel.runtime.comm`` waits for a send once the sender's next action has
-    run (gloo, with every receive posted at the step's start; NCCL drops
-    sends as they complete), so at most one action's sent tensors are alive
-    beyond what the simulator counts. The first step of a new input shape
-    (the shape exchange) still holds every send until it ends; it is not
-    the steady state this predicts.
-    """
-    grads = None if p.costs is None else p.costs.edge_grad_bytes
-    return [int(b) for b in CompiledPlan(p).held_send_bytes(grad_bytes=grads)]
-
-
-def predict(p: Plan, costs: BlockCosts) -> SimResult:
-    """Simulate ``p`` and store the prediction in it.
-
-    The step time adds :func:`end_of_step`; peak memory
-    counts the sends the runtime may hold at once (:func:`held_sends`),
-    on gloo (``costs.receives_posted_ahead``) the receive buffers it keeps,
-    and the optimizer step.
-    """
-    compiled = CompiledPlan(p, comm=validate(p))  # one compile: simulation and sends
-    sim = simulate(p, compiled=compiled, check=False, receives_kept=costs.receives_posted_ahead)
-    end = end_of_step(costs, p)
-    sim.step_time += end
-    held = compiled.held_send_bytes(
-        grad_bytes=None if p.costs is None else p.costs.edge_grad_bytes)
-    sim.peak_memory = [a + int(b) for a, b in zip(sim.peak_memory, held, strict=True)]
-    if p.costs is not None:
-        floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)
-        sim.peak_memory = [max(a, b) for a, b in zip(sim.peak_memory, floor, strict=True)]
-    p.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
-    p.prediction["end_of_step"] = end
-    return sim
-
-
 def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,
             options: dict[str, Any], graph_options: dict[str, Any]
             ) -> tuple[list[tuple[float, str, Plan]], dict[str, float | None]]:
@@ -405,41 +330,16 @@ def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,
         if seq is not None:
             p = scorer.to_plan(seq.template, chain_split(seq.points, costs.num_blocks),
                                seq.recompute)
-            _label(p, seq.template)
+            p = labelled(p, seq.template)
             found.append((seq.score.step_time, "beam", p))
     if planner == "graph" or (planner == "auto" and not costs.is_chain()):
         g = graph_plan(scorer, ranks, microbatches, **graph_options)
         if g is not None:
-            _label(g.plan, g.template)
-            found.append((g.score.step_time, "graph", g.plan))
+            found.append((g.score.step_time, "graph", labelled(g.plan, g.template)))
     # reported beside the chosen plan's prediction, so on the same footing (end of step)
     times = {k: (step + end_of_step(costs, p) if p is not None else None)
              for k, (step, p) in baselines.items()}
     return found, times
-
-
-def _replicate(p: Plan, dp: int, costs: BlockCosts, memory: int | None,
-               shard: str = "none") -> Plan:
-    """``p`` on ``dp`` replica groups, with whole-micro-batch stage costs again; every
-    stage's replicas shard (FSDP) when ``shard == "fsdp"``."""
-    from orgel.runtime.plans import replicate
-
-    out = replicate(p, dp)
-    split = any(a.kind == "I" for actions in out.schedule for a in actions)
-    blocks = [list(s.blocks) for s in out.stage_graph.stages]
-    # p's edges carry a replica's share of a micro-batch; each replica's messages take
-    # their share of the whole micro-batch's edges (not a share of the share)
-    out.stage_graph = stage_graph(costs, blocks)
-    out.costs = stage_costs(costs, blocks, split=split, placement=out.placement)
-    out.costs.memory_per_rank = memory
-    out.tied = plan_tied_weights(costs, blocks, out.placement)
-    out.shard = [shard] * out.num_stages
-    return out
-
-
-def _label(p: Plan, template: Template) -> None:
-    p.meta["schedule_label"] = template.label
-    p.meta["schedule_options"] = {k: v for k, v in template.options.items()}
 
 
 def _baselines(scorer: Scorer, ranks: int, microbatches: int
@@ -452,8 +352,8 @@ def _baselines(scorer: Scorer, ranks: int, microbatches: int
         score = scorer.score_chain(template, points)
         p = None
         if score.feasible:
-            p = scorer.to_plan(template, chain_split(points, scorer.bc.num_blocks))
-            _label(p, template)
+            p = labelled(scorer.to_plan(template, chain_split(points, scorer.bc.num_blocks)),
+                         template)
         out[name] = (score.step_time, p)
     return out
 

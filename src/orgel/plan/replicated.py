@@ -1,6 +1,6 @@
 """A data-parallel plan priced from one replica: its pipeline simulated once, plus the all-reduces.
 
-``dp`` replicas of a pipeline (:func:`orgel.runtime.plans.replicate`: replica
+``dp`` replicas of a pipeline (:func:`orgel.plan.transforms.replicate`: replica
 ``k`` of rank ``r`` is rank ``r + P k``) run the same actions on the same
 share of every micro-batch and never message one another, so where every
 replica's messages take the same links their timelines are one timeline. The

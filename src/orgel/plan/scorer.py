@@ -30,7 +30,6 @@ static bytes (:func:`orgel.costs.tied.tied_shared`).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ from orgel.costs.blocks import (
 )
 from orgel.costs.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
 from orgel.plan.floor import memory_floor, stage_peak_alive
-from orgel.schedule.comm import derive_comm
+from orgel.plan.ranks import best_ranks, channel_traffic, renamed
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.sim.compiled import CompiledPlan
@@ -476,52 +475,10 @@ class Scorer:
                           for b in range(ranks)] for a in range(ranks)])
 
 
-def channel_traffic(plan: Plan) -> np.ndarray:
-    """[src, dst] micro-batch shares of the messages ``plan`` sends on each channel."""
-    out = np.zeros((plan.num_ranks, plan.num_ranks))
-    for m in derive_comm(plan).messages:
-        start, stop, parts = m.part
-        out[m.src_rank, m.dst_rank] += (stop - start) / parts
-    return out
-
-
-def best_ranks(traffic: np.ndarray, times: np.ndarray) -> tuple[int, ...]:
-    """The renaming ``perm`` (rank ``r`` becomes ``perm[r]``) with the least traffic x time.
-
-    Every permutation up to 6 ranks (720); beyond, pair swaps from the identity
-    while one helps. Ties keep the identity (the first permutation tried).
-    """
-    n = len(traffic)
-    src, dst = np.nonzero(traffic)
-    weight = traffic[src, dst]
-    if n <= 6:
-        perms = np.array(list(itertools.permutations(range(n))))
-        cost = (times[perms[:, src], perms[:, dst]] * weight).sum(axis=1)
-        return tuple(int(r) for r in perms[int(np.argmin(cost))])
-    perm = np.arange(n)
-    best = float((times[perm[src], perm[dst]] * weight).sum())
-    improved = True
-    while improved:
-        improved = False
-        for a, b in itertools.combinations(range(n), 2):
-            trial = perm.copy()
-            trial[a], trial[b] = perm[b], perm[a]
-            cost = float((times[trial[src], trial[dst]] * weight).sum())
-            if cost < best - 1e-12:
-                perm, best, improved = trial, cost, True
-    return tuple(int(r) for r in perm)
-
-
 def rename(template: Template, perm: tuple[int, ...]) -> Template:
     """``template`` with rank ``r`` renamed ``perm[r]`` (placement and action lists move)."""
-    base = template.base
-    schedule: list[list[Any]] = [[] for _ in perm]
-    for r, actions in enumerate(base.schedule):
-        schedule[perm[r]] = list(actions)
-    placement = [tuple(perm[r] for r in ranks) for ranks in base.placement]
-    meta = dict(base.meta, ranks_renamed=list(perm))
     return Template(template.label, template.family, dict(template.options),
-                    dataclasses.replace(base, placement=placement, schedule=schedule, meta=meta))
+                    renamed(template.base, perm))
 
 
 class _RangeMax:

@@ -33,6 +33,7 @@ separates them is the bubble and the collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -41,6 +42,7 @@ import numpy as np
 
 from orgel.costs.blocks import BlockCosts, chain_split
 from orgel.costs.mesh import mesh_costs
+from orgel.plan.predict import end_of_step, labelled, replicated
 from orgel.plan.scorer import Score, Scorer, Template
 from orgel.plan.splits import Points, balanced_points, memory_weights, time_weights
 from orgel.plan.templates import Spec, cached_template
@@ -79,7 +81,6 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
     takes it; ``memory`` overrides the table's memory per rank; ``templates``:
     the schedules to try.
     """
-    from orgel.plan.planner import _label, _replicate, end_of_step
     from orgel.plan.replicated import replica_step
     from orgel.sim import simulate
 
@@ -101,11 +102,10 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
     if found is None:
         return math.inf, None, table
     score, template, points, recompute = found
-    p = scorer.to_plan(template, chain_split(points, n), recompute)
-    _label(p, template)
+    p = labelled(scorer.to_plan(template, chain_split(points, n), recompute), template)
     step = score.step_time
     if dp > 1:
-        single, p = p, _replicate(p, dp, table, scorer.memory, shard)
+        single, p = p, replicated(p, dp, table, scorer.memory, shard)
         priced = replica_step(single, p)
         if priced is None:
             full = simulate(p)
@@ -113,8 +113,8 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
         if scorer.memory is not None and priced[1].max() > scorer.memory:
             return math.inf, None, table
         step = priced[0]
-    p.tp = tp
-    p.meta["mesh"] = {"pp": pipeline, "tp": tp, "dp": dp, "shard": shard}
+    p = dataclasses.replace(p, tp=tp, meta={**p.meta, "mesh": {"pp": pipeline, "tp": tp,
+                                                               "dp": dp, "shard": shard}})
     return float(step + end_of_step(table, p)), p, table
 
 

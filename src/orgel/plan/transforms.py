@@ -1,4 +1,12 @@
-"""Schedule rewrites the planners try on top of a family's schedule.
+"""Rewrites of a Plan: each a pure function that returns a new Plan (a Plan is a value).
+
+* :func:`replicate`: the same pipeline on ``dp`` replica groups (data parallel);
+* :func:`with_tp`: every pipeline rank run by ``tp`` processes (tensor parallel),
+  :func:`pipeline_ranks` the check of the numbers asked for;
+* :func:`mark_sharded`: the replicas of every replicated stage shard its state (FSDP);
+* :func:`with_recompute`: which stages recompute their activations;
+* :func:`forward_plan`/:func:`check_forward`: the forwards only, for evaluation;
+* :func:`split_backward`: zero-bubble, described next.
 
 :func:`split_backward` turns a 1F1B-style schedule over any stage DAG into a
 zero-bubble one in the manner of ZB-H1: every full backward ``B`` becomes its
@@ -15,9 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
-from orgel.schedule.ir import Action, Plan
-from orgel.schedule.validate import validate
+from orgel.graph.tensor_parallel import tp_regions
+from orgel.schedule.comm import CommPlan, derive_comm
+from orgel.schedule.ir import Action, Plan, PlanError
+from orgel.schedule.validate import dry_run, validate
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel degree that cannot run this plan or model; the message says why."""
 
 
 def stage_depths(plan: Plan) -> list[int]:
@@ -74,3 +90,108 @@ def split_backward(plan: Plan, lags: list[int] | None = None) -> Plan:
                                    shard=list(plan.shard))
     validate(out_plan)
     return out_plan
+
+
+def replicate(plan: Plan, dp: int) -> Plan:
+    """The same pipeline on ``dp`` replica groups: stage ``s`` on ``r + P*d`` for each d."""
+    p = plan.num_ranks
+    placement = [tuple(sorted(r + p * d for r in ranks for d in range(dp)))
+                 for ranks in plan.placement]
+    schedule = [list(plan.schedule[r % p]) for r in range(p * dp)]
+    meta = dict(plan.meta, dp=dp)
+    return dataclasses.replace(plan, placement=placement, num_ranks=p * dp, schedule=schedule,
+                               recompute=list(plan.recompute), prediction=None, meta=meta,
+                               tied=list(plan.tied), shard=list(plan.shard))
+
+
+def with_recompute(plan: Plan, recompute: Sequence[bool]) -> Plan:
+    """``plan`` with stage ``s`` recomputing its activations where ``recompute[s]``."""
+    flags = [bool(x) for x in recompute]
+    if len(flags) != plan.num_stages:
+        raise PlanError(f"recompute names {len(flags)} stages, the plan has {plan.num_stages}")
+    return dataclasses.replace(plan, recompute=flags)
+
+
+def mark_sharded(plan: Plan, shard: str) -> Plan:
+    """``plan`` with every stage of two or more replicas marked ``shard`` ("none": as it is)."""
+    if shard == "none":
+        return plan
+    marked = [shard if len(plan.placement[s]) > 1 else "none"
+              for s in range(plan.num_stages)]
+    if not any(m != "none" for m in marked):
+        raise ValueError(f"shard={shard!r} but the plan gives no stage two or more replicas "
+                         "(nothing to shard): pass dp=2 or more, or shard='none'")
+    return dataclasses.replace(plan, shard=marked)
+
+
+def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
+    """The pipeline ranks ``ranks`` processes make with ``tp`` each; ValueError for a ``tp``
+    that does not divide ``ranks``, or a ``dp`` that does not divide the pipeline ranks."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TensorParallelError(f"tp must be a positive int (processes per pipeline rank), "
+                                  f"got {tp!r}")
+    if ranks % tp:
+        raise TensorParallelError(f"tp={tp} does not divide ranks={ranks}: ranks counts every "
+                                  f"process, tp of them per pipeline rank; pass ranks="
+                                  f"{(ranks // tp + 1) * tp} or a tp that divides {ranks}")
+    if (ranks // tp) % dp:
+        raise TensorParallelError(f"dp={dp} does not divide the {ranks // tp} pipeline ranks "
+                                  f"of ranks={ranks} with tp={tp}: each data-parallel replica "
+                                  f"is a pipeline rank of tp processes; pass ranks="
+                                  f"{dp * tp} (or a multiple) or dp that divides {ranks // tp}")
+    return ranks // tp
+
+
+def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
+    """``plan`` run with ``tp`` processes per pipeline rank (``plan.tp`` set), checked
+    against the captured ``graph`` (an :class:`~orgel.graph.opgraph.OpGraph`)."""
+    if tp == 1:
+        if plan.tp > 1:
+            raise TensorParallelError(f"the plan is for tp={plan.tp} processes per pipeline "
+                                      f"rank: pass tp={plan.tp}")
+        return plan
+    if plan.tp not in (1, tp):
+        raise TensorParallelError(f"the plan is for tp={plan.tp} but tp={tp}: make them agree")
+    if graph is not None and graph.glue is not None:
+        raise TensorParallelError("tp > 1 needs one graph of the forward; this model's has "
+                                  "graph breaks")
+    if graph is not None and not tp_regions(graph.graph_module):
+        raise TensorParallelError(
+            "tp > 1 found no region to split in this model: tensor parallelism splits "
+            "linear layers that read one input and feed one linear layer (attention, MLP; "
+            "orgel.graph.tensor_parallel.tp_regions); pass tp=1")
+    return dataclasses.replace(plan, tp=tp)
+
+
+def forward_plan(plan: Plan, split: Any) -> Plan:
+    """``plan`` with only its ``F`` actions (same order, ranks, placement) over the stages of
+    ``split`` (a :class:`~orgel.split.types.SplitModel`, usually the eval-mode one).
+
+    Raises :class:`PlanError` when the eval split's stage graph needs a value
+    before this order produces it (the eval-mode forward moved work against the
+    training order).
+    """
+    schedule = [[a for a in actions if a.kind == "F"] for actions in plan.schedule]
+    forward = Plan(stage_graph=split.stage_graph, placement=list(plan.placement),
+                   num_ranks=plan.num_ranks, microbatches=plan.microbatches, schedule=schedule,
+                   meta={"forward_only": True})
+    for r, actions in enumerate(schedule):
+        at = {(a.stage, a.microbatch): p for p, a in enumerate(actions)}
+        for e in split.stage_graph.edges:
+            for m in range(plan.microbatches):
+                src, dst = at.get((e.src, m)), at.get((e.dst, m))
+                if src is not None and dst is not None and src > dst:
+                    raise PlanError(f"evaluation: rank {r} runs F{e.dst}.{m} before "
+                                    f"F{e.src}.{m}, whose values it reads in eval mode")
+    return forward
+
+
+def check_forward(plan: Plan, split: Any) -> tuple[Plan, CommPlan]:
+    """The forward-only plan of ``split`` and its messages; :class:`PlanError` if it cannot run."""
+    forward = forward_plan(plan, split)
+    comm = derive_comm(forward)
+    stuck = dry_run(forward, comm=comm).stuck
+    if stuck:
+        raise PlanError(f"evaluation: the forwards of the plan cannot all run in eval "
+                        f"mode (ranks {sorted({r for r, _ in stuck})} wait forever)")
+    return forward, comm

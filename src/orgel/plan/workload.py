@@ -26,7 +26,8 @@ from typing import Any
 
 from orgel.costs.blocks import BlockCosts
 from orgel.plan.batch import microbatch_choices, search_microbatches
-from orgel.plan.planner import PlanResult, plan, predict
+from orgel.plan.planner import PlanResult, plan
+from orgel.plan.predict import predicted, with_prediction
 from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
@@ -44,9 +45,7 @@ def attach_split(p: Plan, opgraph: Any, costs: BlockCosts | None = None) -> Plan
     if costs is not None:
         return _split_and_predict(p, opgraph, costs)[0]
     out = _with_split(p, opgraph)
-    sim = simulate(out)
-    out.prediction = {k: v for k, v in sim.to_dict().items() if k != "critical_path"}
-    return out
+    return with_prediction(out, simulate(out))
 
 
 def _with_split(p: Plan, opgraph: Any) -> Plan:
@@ -69,9 +68,8 @@ def _with_split(p: Plan, opgraph: Any) -> Plan:
 
 
 def _split_and_predict(p: Plan, opgraph: Any, costs: BlockCosts) -> tuple[Plan, SimResult]:
-    """:func:`attach_split` with ``costs``, and the prediction it stored (simulated once)."""
-    out = _with_split(p, opgraph)
-    return out, predict(out, costs)
+    """:func:`attach_split` with ``costs``, and the simulation of its prediction (run once)."""
+    return predicted(_with_split(p, opgraph), costs)
 
 
 def tied_weights(split: Any, placement: list[tuple[int, ...]]) -> list[TiedWeight]:

@@ -8,7 +8,7 @@ its own:
 * ``fwd``: the forward, with autograd recording (as in training);
 * ``bwd``: the full backward (``torch.autograd.grad`` w.r.t. inputs and
   parameters), ``wgrad`` its weight half ``W`` as the runtime runs it
-  (:func:`orgel.runtime.backward.weight_backward` after ``input_backward``);
+  (:func:`orgel.backward.weight_backward` after ``input_backward``);
   the halves are tried once in a forked child first (:mod:`orgel.profile.trial`):
   a block whose trial dies or raises is timed whole, with a ``note`` saying why;
   every block's jobs are timed in the same rounds
@@ -54,10 +54,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from orgel.backward import WeightWork, input_backward, weight_backward
 from orgel.profile.memory import LiveBytes
 from orgel.profile.timing import Job, Timer, interleaved
 from orgel.profile.trial import skip_split, trial
-from orgel.runtime.backward import WeightWork, input_backward, weight_backward
 from orgel.split.types import StageModule
 
 
@@ -208,7 +208,7 @@ def block_probe(stage: StageModule, args: list[Any], device: torch.device, *,
                                     allow_unused=True)
 
         jobs["bwd"] = (setup, backward)
-        # The halves as the runtime runs them (orgel.runtime.backward): ``I`` towards
+        # The halves as the runtime runs them (orgel.backward): ``I`` towards
         # the inputs keeping the gradients ``W`` starts from, then ``W`` alone. A
         # second autograd.grad over the parameters would walk the input path again.
         # Tried once in a forked child first: a kernel that crashes on the halves'

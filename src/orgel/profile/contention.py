@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from orgel.runtime.lifeline import Lifeline, lifeline, tie
+from orgel.launch.lifeline import Lifeline, lifeline, tie
 
 
 def _loop(work: Callable[[], Any], stop: Any, ready: Any, threads: int, line: Lifeline) -> None:

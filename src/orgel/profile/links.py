@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orgel.runtime.comm import transport_reason
+from orgel.launch.errors import transport_reason
 from orgel.schedule.costs import Link
 
 DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -70,7 +70,7 @@ def measure_links(world: int = 2, *, backend: str = "gloo",
     ``sizes`` (bytes, at least two distinct) are sent ``repeats`` timed times
     each (the fastest is kept: other processes only ever add time).
     ``timeout`` (seconds) bounds every wait; a rank that stalls raises
-    :class:`orgel.runtime.errors.WorkerError` naming the pair.
+    :class:`orgel.launch.errors.WorkerError` naming the pair.
     """
     samples = measure_link_samples(world, backend=backend, sizes=sizes, repeats=repeats,
                                    timeout=timeout)
@@ -99,7 +99,7 @@ def measure_link_samples(world: int = 2, *, backend: str = "gloo",
 
     A round trip carries the bytes from ``a`` to ``b`` and 4 bytes back.
     """
-    from orgel.runtime.launch import spawn
+    from orgel.launch.processes import spawn
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world must be an integer >= 2 (ranks to measure between), got {world!r}")
@@ -144,7 +144,7 @@ def summarize_links(links: dict[Pair, Link], *, tolerance: float = 0.2,
     return median, dict(sorted(odd.items()))
 
 
-# -- one rank of the benchmark (runs under orgel.runtime.launch.spawn) -----------------
+# -- one rank of the benchmark (runs under orgel.launch.processes.spawn) -----------------
 
 
 def _ping_pong(rank: int, world: int, backend: str, sizes: tuple[int, ...], repeats: int,

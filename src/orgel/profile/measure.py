@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from orgel.launch.devices import place
 from orgel.profile.blocks import (
     BlockMeasure,
     BlockProbe,
@@ -29,7 +30,6 @@ from orgel.profile.blocks import (
 from orgel.profile.contention import companions
 from orgel.profile.memory import optimizer_jobs
 from orgel.profile.timing import Job, Timer, interleaved, spin_up
-from orgel.runtime.stage import place
 
 #: Parameters up to this many bytes are copied to time the optimizer on every block.
 OPTIMIZER_COPY_LIMIT = 256 << 20

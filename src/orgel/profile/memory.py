@@ -116,13 +116,13 @@ def optimizer_factor(make: Callable[[list[torch.nn.Parameter]], torch.optim.Opti
 
     ``make(params)`` is a user's optimizer factory (``orgel.pipeline``'s
     ``optimizer``). It runs one step on two small float32 parameters (a matrix
-    ``weight`` and a vector ``bias``, as :class:`orgel.runtime.optimizer.NamedParameters`)
+    ``weight`` and a vector ``bias``, as :class:`orgel.parameters.NamedParameters`)
     with random gradients; its state tensors are counted (a
     per-parameter step count, a 0-dim tensor, is left out). Plain SGD gives
     2, SGD with momentum 3, Adam and AdamW 4: the factor the planner multiplies
     parameters by for a rank's static memory (:attr:`BlockCosts.optimizer_factor`).
     """
-    from orgel.runtime.optimizer import probe_parameters
+    from orgel.parameters import probe_parameters
 
     params = probe_parameters()  # named "weight" and "bias", for a factory that groups by name
     for p in params:

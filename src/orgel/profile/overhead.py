@@ -134,7 +134,7 @@ def measure_overhead(link: Link, *, counts: tuple[int, int] = (4, 16),
     the median step of the models in ``benchmarks/cost_model_accuracy.py``
     came out 4-18% above its prediction.)
     """
-    from orgel.runtime.launch import spawn
+    from orgel.launch.processes import spawn
 
     results = spawn(_rank, 2, tuple(counts), steps, timeout=120.0, threads=1)
     measured = {m: statistics.median(max(r[k][i] for r in results) for i in range(steps))

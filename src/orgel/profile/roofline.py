@@ -147,7 +147,7 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
     """
     from orgel.costs.tied import tied_groups
     from orgel.graph import coarsen
-    from orgel.profile.workload import graph_hash
+    from orgel.profile.cache import graph_hash
 
     bg = blockgraph if blockgraph is not None else coarsen(opgraph, blocks)
     roof = Roofline(opgraph, device, tf32=tf32)

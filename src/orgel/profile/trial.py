@@ -1,6 +1,6 @@
 """Try the measurements that can crash a process in a forked child before timing them.
 
-The split backward's halves (:mod:`orgel.runtime.backward`) ask PyTorch's kernels for
+The split backward's halves (:mod:`orgel.backward`) ask PyTorch's kernels for
 what a full backward never asks (a node's parameter gradients without its input's),
 and a kernel that gets such a mask wrong can take the whole process down: PyTorch's
 CPU GroupNorm backward on a channels-last input wrote the input gradient through a
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from orgel.runtime.lifeline import lifeline, tie
+from orgel.launch.lifeline import lifeline, tie
 
 
 def trial(jobs: list[Callable[[], Any]], *, timeout_s: float = 120.0) -> dict[int, str]:

@@ -12,7 +12,7 @@ count, so a second run is quick: it runs the blocks once in sequence and
 measures again only if they now take more than ``recheck`` (25%) off what the
 table recorded (a table timed under another load is stale). Blocks are
 timed in interleaved rounds (:mod:`orgel.profile.measure`), with
-``threads`` intra-op threads (default 1, what :func:`orgel.runtime.launch.spawn` gives each rank;
+``threads`` intra-op threads (default 1, what :func:`orgel.launch.processes.spawn` gives each rank;
 :func:`rank_threads` is what a local group of ``ranks`` gives each), since a
 block's time depends on it and ranks train with few threads each. The table
 also carries what the planner's prediction needs beyond the blocks' own
@@ -24,21 +24,19 @@ same blocks (``target_blocks``, ``num_blocks``, ``graph_hash``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import socket
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from orgel.costs.blocks import BlockCosts
+from orgel.launch.devices import profiling_device
+from orgel.profile.cache import _cached, _store, cache_key, graph_hash
 from orgel.profile.measure import OPTIMIZER_COPY_LIMIT, BlockRun, drifted, measure_table
 from orgel.profile.memory import optimizer_temporary
 from orgel.profile.timing import intra_op_threads
-from orgel.runtime.devices import profiling_device
 from orgel.schedule.costs import Link
 from orgel.workload import microbatch_rows
 
@@ -51,7 +49,7 @@ RECHECK = 0.25
 
 def rank_threads(ranks: int) -> int:
     """Intra-op threads each of ``ranks`` local ranks trains with: one, since they are
-    forked (:func:`orgel.runtime.launch.fork_threads`); ``ranks`` is kept for callers."""
+    forked (:func:`orgel.launch.processes.fork_threads`); ``ranks`` is kept for callers."""
     return 1
 
 
@@ -86,7 +84,7 @@ def shared_cores(device: torch.device, threads: int) -> float | None:
     (:func:`orgel.profile.timing.interleaved`), a rank's with a core to itself,
     and the simulator spreads a step's compute over the cores when more
     ranks than this compute (:func:`orgel.sim.compiled.shared_step`). CUDA ranks
-    that outnumber the GPUs share them (:mod:`orgel.runtime.devices`): as many
+    that outnumber the GPUs share them (:mod:`orgel.launch.devices`): as many
     compute at once as there are GPUs, the others' kernels wait their turn.
     """
     if device.type == "cuda":
@@ -94,44 +92,6 @@ def shared_cores(device: torch.device, threads: int) -> float | None:
     if device.type != "cpu":
         return None
     return max(1, _cores()) / max(1, threads)
-
-
-def cache_dir() -> Path:
-    """Where profiles are cached: ``$ORGEL_CACHE`` or ``~/.cache/orgel``."""
-    return Path(os.environ.get("ORGEL_CACHE") or Path.home() / ".cache" / "orgel")
-
-
-def cache_key(**parts: Any) -> str:
-    """A stable short hash of JSON-able ``parts``."""
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def _cached(kind: str, key: str) -> dict[str, Any] | None:
-    path = cache_dir() / f"{kind}-{key}.json"
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return None
-
-
-def _store(kind: str, key: str, data: dict[str, Any]) -> None:
-    path = cache_dir() / f"{kind}-{key}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs time
-
-
-def graph_hash(opgraph: Any) -> str:
-    """Hash of an op graph's structure: nodes (op, inputs, shape, dtype) and parameter shapes."""
-    nodes = [(n.name, n.op, list(n.inputs), list(n.params), n.shape, n.dtype)
-             for n in opgraph.nodes.values()]
-    params = sorted((k, list(p.shape), str(p.dtype)) for k, p in opgraph.params.items())
-    return cache_key(nodes=nodes, params=params)
 
 
 def link_costs(*, ranks: int = 2, backend: str = "gloo", use_cache: bool = True,
@@ -175,7 +135,7 @@ def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
                      recheck: float | None = RECHECK) -> BlockCosts:
     """Measure ``workload`` (``"file.py:fn"`` or a Workload) into a :class:`BlockCosts`.
 
-    ``device`` defaults to :func:`orgel.runtime.devices.profiling_device` (``cuda`` when
+    ``device`` defaults to :func:`orgel.launch.devices.profiling_device` (``cuda`` when
     present, else ``cpu``). ``link=False``
     skips the link benchmark (zero-cost links). ``ranks``: the links of every
     pair among that many local ranks are measured, as far as this host has

@@ -3,15 +3,14 @@
 * :class:`Executor` runs one rank's actions of a Plan over a SplitModel
   (``step(inputs, targets) -> loss``; ``events``: the step's measured timeline);
 * :class:`LocalGroup` starts local ranks and drives them, :func:`spawn` runs one
-  function on fresh ones (the same launcher); :func:`init_from_env` joins torchrun;
-* :func:`balanced_plan`/:func:`replicate`: simple plans until the planner's;
+  function on fresh ones (the same launcher); :func:`init_from_env` joins torchrun
+  (all three from :mod:`orgel.launch.processes`);
 * :func:`gather_events`, :func:`summary`, :func:`save_views`: measured timelines.
 """
 
-from orgel.runtime.errors import CommFailure, StepFailure, WorkerError
+from orgel.launch.errors import CommFailure, StepFailure, WorkerError
+from orgel.launch.processes import LocalGroup, init_from_env, spawn
 from orgel.runtime.executor import Executor
-from orgel.runtime.launch import LocalGroup, init_from_env, spawn
-from orgel.runtime.plans import balanced_plan, replicate
 from orgel.runtime.trace import Event, gather_events, save_views, summary
 
 __all__ = [
@@ -21,10 +20,8 @@ __all__ = [
     "LocalGroup",
     "StepFailure",
     "WorkerError",
-    "balanced_plan",
     "gather_events",
     "init_from_env",
-    "replicate",
     "save_views",
     "spawn",
     "summary",

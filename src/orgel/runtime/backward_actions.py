@@ -3,7 +3,7 @@
 Each output's gradient is the sum over its consumers, local (handed over on
 this rank) and remote (received); ``B`` runs autograd from the loss and those
 gradients to the stage's input leaves and parameters, ``I`` only to the input
-leaves, keeping what ``W`` needs for the weights (:mod:`orgel.runtime.backward`).
+leaves, keeping what ``W`` needs for the weights (:mod:`orgel.backward`).
 A recomputed stage runs its forward again first, on the forward's own random
 stream. The input gradients go out as the action's sends, or stay on this rank
 for a producer stage it hosts.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from orgel.runtime.backward import WeightWork, input_backward, weight_backward
+from orgel.backward import WeightWork, input_backward, weight_backward
 from orgel.runtime.compiled import compiled_input_backward
 from orgel.runtime.optimizer import OptimizerLoop
 from orgel.runtime.scaler import LossScaler
@@ -138,7 +138,7 @@ class BackwardActions:
                                              for v in edge.values if v.name in self._in_grads}
 
     def _weight(self, a: Action) -> None:
-        """``W``: weight gradients from what ``I`` kept (see :mod:`orgel.runtime.backward`)."""
+        """``W``: weight gradients from what ``I`` kept (see :mod:`orgel.backward`)."""
         run = self._runs.pop((a.stage, a.microbatch))
         if isinstance(run.work, WeightWork):
             weight_backward(run.work)

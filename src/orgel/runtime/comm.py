@@ -38,7 +38,6 @@ pending at once during the current step, ``sent_bytes`` all it sent.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orgel.runtime.errors import CommFailure
+from orgel.launch.errors import CommFailure, transport_reason
 from orgel.schedule.comm import CommPlan, describe
 from orgel.schedule.ir import Plan
 
@@ -90,13 +89,6 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def transport_reason(exc: BaseException) -> str:
-    """The short reason in a gloo/NCCL error (no source path, no advice)."""
-    text = str(exc).strip().strip("'\"")
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else repr(exc))
-    return text.split(". This is typically")[0]
-
-
 class Transport:
     """The messages one rank sends and receives for one Plan.
 
@@ -106,7 +98,7 @@ class Transport:
     ``max_pending_bytes`` caps the bytes of pending sends where waiting early is
     safe (see the module docstring); ``None``: no cap beyond one action's sends.
     ``nccl``: the group is NCCL's (its waits only order streams). On gloo with a CUDA
-    ``device`` (ranks sharing a GPU, :mod:`orgel.runtime.devices`) every message is
+    ``device`` (ranks sharing a GPU, :mod:`orgel.launch.devices`) every message is
     staged through host memory: gloo sends and receives host tensors only.
     """
 

@@ -245,7 +245,7 @@ class CompiledStage:
         def call(*args: Any) -> Any:
             if not state["first"]:
                 return fn(*args)
-            from orgel.graph.capture import dynamo_settings
+            from orgel.graph.dynamo import dynamo_settings
 
             start = time.perf_counter()
             with dynamo_settings():  # torch 2.11 fails to log the compile's config otherwise

@@ -7,7 +7,7 @@ messages only: its sends become placeholders (:meth:`DroppedStep._send`), so
 every posted receive meets its send. The step's closing all-reduce carries a
 "failed" flag; every rank then drops the step (:meth:`DroppedStep._drop_step`:
 no optimizer step, gradients and the buffers the forwards updated put back) and
-raises :class:`~orgel.runtime.errors.StepAbandoned` with the first error.
+raises :class:`~orgel.launch.errors.StepAbandoned` with the first error.
 
 :class:`DroppedStep` is a base of :class:`orgel.runtime.executor.Executor`; the
 attributes it reads are the executor's.
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from orgel.launch.errors import PeerStepFailed, StepAbandoned, StepFailure, describe
 from orgel.runtime.comm import Transport
-from orgel.runtime.errors import PeerStepFailed, StepAbandoned, StepFailure, describe
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import OptimizerLoop
 from orgel.runtime.sharding import Sharding

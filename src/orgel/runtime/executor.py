@@ -33,7 +33,7 @@ bad input), the rank records its error in the rendezvous store and runs the rest
 of its list with the messages only (placeholders for its sends, no compute), so
 every posted receive meets its send. The step's closing all-reduce carries a
 "failed" flag: every rank then drops the step (no optimizer step, gradients and
-updated buffers put back) and raises :class:`~orgel.runtime.errors.StepAbandoned`
+updated buffers put back) and raises :class:`~orgel.launch.errors.StepAbandoned`
 with the first error. A communication failure, a dead or hung rank, or an error
 at the end of the step still ends the pipeline (:class:`StepFailure`). The dropping
 itself: :mod:`orgel.runtime.dropped`.
@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 
 from orgel.batching import BatchDim, single_dim
+from orgel.launch.devices import place
+from orgel.launch.errors import StepAbandoned, StepFailure, is_comm_error
 from orgel.lossweights import Weight
 from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
@@ -56,7 +58,6 @@ from orgel.runtime.buffers import ReplicaBuffers
 from orgel.runtime.comm import Transport
 from orgel.runtime.compiled import CompiledStage, check_compile
 from orgel.runtime.dropped import DroppedStep
-from orgel.runtime.errors import StepAbandoned, StepFailure, is_comm_error
 from orgel.runtime.forward_actions import ForwardActions
 from orgel.runtime.messages import check_gradient_values, message_shapes
 from orgel.runtime.optim import GradSync
@@ -70,7 +71,7 @@ from orgel.runtime.optimizer import (
 from orgel.runtime.outputs import Share
 from orgel.runtime.scaler import LossScaler
 from orgel.runtime.sharding import Sharding, check_sharded
-from orgel.runtime.stage import Run, StageInfo, part_rows, place
+from orgel.runtime.stage import Run, StageInfo, part_rows
 from orgel.runtime.trace import Event
 from orgel.schedule.comm import derive_comm, replica_pairs
 from orgel.schedule.ir import Action, Plan
@@ -150,7 +151,8 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         comm = validate(plan) if check_plan else derive_comm(plan)
         self.plan, self.split, self.loss_fn = plan, split, loss_fn
         # tensor parallel: this process is member ``member`` of pipeline rank ``rank``
-        self.rank, self.member = tp.position(plan, dist.get_rank())
+        process = dist.get_rank()
+        self.rank, self.member = plan.pipeline_rank_of(process), plan.tp_member_of(process)
         if rank is not None:
             self.rank = rank
         backend = dist.get_backend()
@@ -195,7 +197,8 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
                       for e in plan.stage_graph.edges]
         if store is None:
             store = dist.distributed_c10d._get_default_store()
-        ranks = tp.plane_ranks(plan, self.member)  # plan rank -> process, in this plane
+        # plan rank -> process, in this process's plane
+        ranks = [plan.process_of(r, self.member) for r in range(plan.num_ranks)]
         self.transport = Transport(plan, self.comm, self.rank, store=store, device=self.device,
                                    timeout=timeout, ranks=ranks,
                                    post_ahead=backend != "nccl" if post_ahead is None

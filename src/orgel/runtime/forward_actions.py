@@ -30,10 +30,10 @@ from orgel.batching import (
     share,
     split_microbatches,
 )
+from orgel.launch.devices import move
+from orgel.launch.errors import NonFiniteLoss
 from orgel.lossweights import Weight, batch_weights, weigh
 from orgel.runtime.compiled import CompiledStage
-from orgel.runtime.devices import move
-from orgel.runtime.errors import NonFiniteLoss
 from orgel.runtime.outputs import Share, keep
 from orgel.runtime.stage import Run, StageInfo, random_stream, stream_seed
 from orgel.schedule.comm import _Pairs

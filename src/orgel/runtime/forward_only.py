@@ -5,7 +5,7 @@ this rank over a whole batch the way one process runs ``model.eval(); with
 torch.no_grad(): loss_fn(model(x), y)``: BatchNorm reads its running statistics,
 dropout is off, nothing records gradients, no optimizer steps and no buffer is
 updated. The schedule is the training plan's ``F`` actions in the plan's order
-(:func:`forward_plan`), with their activation messages only, derived once; the
+(:func:`orgel.plan.transforms.forward_plan`), with their activation messages only, derived once; the
 stage modules hold the training stages' own parameters and buffers, so each
 evaluation reads the current trained values. The training state is left as it
 was: the executor's step count, random streams and gradients are not touched.
@@ -23,50 +23,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.launch.devices import place
 from orgel.runtime.comm import Transport
 from orgel.runtime.executor import Executor, _signature
 from orgel.runtime.outputs import Share
 from orgel.runtime.sharding import Sharding
-from orgel.runtime.stage import Run, StageInfo, place
+from orgel.runtime.stage import Run, StageInfo
 from orgel.runtime.tensor_parallel import shard_eval_stages
-from orgel.schedule.comm import CommPlan, derive_comm, replica_pairs
-from orgel.schedule.ir import Plan, PlanError
-from orgel.schedule.validate import dry_run
+from orgel.schedule.comm import CommPlan, replica_pairs
+from orgel.schedule.ir import Plan
 from orgel.split.evaluation import share_weights
 from orgel.split.types import SplitModel
-
-
-def forward_plan(plan: Plan, split: SplitModel) -> Plan:
-    """``plan`` with only its ``F`` actions (same order, ranks, placement) over ``split``'s stages.
-
-    Raises :class:`PlanError` when the eval split's stage graph needs a value
-    before this order produces it (the eval-mode forward moved work against the
-    training order).
-    """
-    schedule = [[a for a in actions if a.kind == "F"] for actions in plan.schedule]
-    forward = Plan(stage_graph=split.stage_graph, placement=list(plan.placement),
-                   num_ranks=plan.num_ranks, microbatches=plan.microbatches, schedule=schedule,
-                   meta={"forward_only": True})
-    for r, actions in enumerate(schedule):
-        at = {(a.stage, a.microbatch): p for p, a in enumerate(actions)}
-        for e in split.stage_graph.edges:
-            for m in range(plan.microbatches):
-                src, dst = at.get((e.src, m)), at.get((e.dst, m))
-                if src is not None and dst is not None and src > dst:
-                    raise PlanError(f"evaluation: rank {r} runs F{e.dst}.{m} before "
-                                    f"F{e.src}.{m}, whose values it reads in eval mode")
-    return forward
-
-
-def check_forward(plan: Plan, split: SplitModel) -> tuple[Plan, CommPlan]:
-    """The forward-only plan of ``split`` and its messages; :class:`PlanError` if it cannot run."""
-    forward = forward_plan(plan, split)
-    comm = derive_comm(forward)
-    stuck = dry_run(forward, comm=comm).stuck
-    if stuck:
-        raise PlanError(f"evaluation: the forwards of the plan cannot all run in eval "
-                        f"mode (ranks {sorted({r for r, _ in stuck})} wait forever)")
-    return forward, comm
 
 
 class ForwardOnly(Executor):
@@ -74,10 +41,12 @@ class ForwardOnly(Executor):
 
     training = False
 
-    def __init__(self, executor: Executor, split: SplitModel) -> None:
+    def __init__(self, executor: Executor, split: SplitModel, plan: Plan,
+                 comm: CommPlan) -> None:
         # deliberately not Executor.__init__: no optimizer, no gradient sync, and the
-        # training executor's options, device and random base seed as they are
-        plan, comm = check_forward(executor.plan, split)
+        # training executor's options, device and random base seed as they are;
+        # ``plan`` and ``comm``: the forwards of the executor's plan over ``split``
+        # (orgel.plan.transforms.check_forward)
         self.owner = executor
         self.plan, self.split, self.comm = plan, split, comm
         self.rank, self.device = executor.rank, executor.device

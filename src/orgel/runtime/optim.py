@@ -38,8 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orgel.runtime.comm import transport_reason
-from orgel.runtime.errors import CommFailure
+from orgel.launch.errors import CommFailure, transport_reason
 from orgel.runtime.sharding import is_sharded, own_part
 from orgel.runtime.stage import StageInfo
 from orgel.runtime.tensor_parallel import plane_group, settle_grads
@@ -137,7 +136,7 @@ class GradSync:
         replica_sets = sorted({r for r in plan.placement if len(r) > 1})
         self.dp: dict[tuple[int, ...], tuple[Any, list[torch.nn.Parameter]]] = {}
         for rset in replica_sets:
-            group = plane_group([ranks[r] for r in rset], plan.tp)
+            group = plane_group(plan, [ranks[r] for r in rset])
             if rank in rset:
                 params = [p for s, info in sorted(stages.items())
                           if plan.placement[s] == rset and not plan.sharded(s)
@@ -151,7 +150,7 @@ class GradSync:
                     if name in sharded_ties else
                     [sorted({r for s in holders[name] for r in plan.placement[s]})])
             for tranks in sets:
-                group = (plane_group([ranks[r] for r in tranks], plan.tp) if len(tranks) > 1
+                group = (plane_group(plan, [ranks[r] for r in tranks]) if len(tranks) > 1
                          else None)
                 if name in self.tied and rank in tranks:
                     self.tied_groups[name] = group

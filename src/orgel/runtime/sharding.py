@@ -48,7 +48,6 @@ capture (:func:`check_tied_sharding`): the model's parameters show it.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import warnings
 from collections.abc import Iterator
@@ -70,18 +69,6 @@ def check_shard_option(shard: Any, dp: int) -> None:
         raise ValueError("shard='fsdp' shards a stage's state over its data-parallel "
                          "replicas, but dp=1 gives every stage one replica: pass dp=2 or "
                          "more (ranks divisible by dp), or shard='none'")
-
-
-def mark_sharded(plan: Plan, shard: str) -> Plan:
-    """``plan`` with every stage of two or more replicas marked ``shard`` ("none": as it is)."""
-    if shard == "none":
-        return plan
-    marked = [shard if len(plan.placement[s]) > 1 else "none"
-              for s in range(plan.num_stages)]
-    if not any(m != "none" for m in marked):
-        raise ValueError(f"shard={shard!r} but the plan gives no stage two or more replicas "
-                         "(nothing to shard): pass dp=2 or more, or shard='none'")
-    return dataclasses.replace(plan, shard=marked)
 
 
 def check_sharded(plan: Plan, split: Any, *, loss_scaling: bool = False) -> None:

@@ -96,26 +96,9 @@ class Run:
     leaves: dict[str, torch.Tensor]  # edge-value name -> leaf tensor
     outputs: tuple[torch.Tensor, ...]
     loss: torch.Tensor | None = None
-    work: Any = None  # what I kept for W (orgel.runtime.backward.WeightWork)
+    work: Any = None  # what I kept for W (orgel.backward.WeightWork)
     #: a recomputed stage's written buffers as its forward found them
     buffers: dict[str, torch.Tensor] | None = None
-
-
-def place(module: torch.nn.Module, device: torch.device) -> None:
-    """Move a stage module to ``device``: its parameters and buffers, and the device
-    constants of its graphs (``torch.arange(n, device=x.device)`` captured on the CPU or
-    the meta device names that device; on ``device`` it must name ``device``)."""
-    from orgel.graph.measure import to_device
-
-    module.to(device)
-    for gm in module.modules():
-        if isinstance(gm, torch.fx.GraphModule):
-            changed = False
-            for source in ("cpu", "meta"):
-                if source != device.type:
-                    changed |= to_device(gm, device, source)
-            if changed:
-                gm.recompile()
 
 
 def stream_seed(base: int, step: int, stage: int, microbatch: int) -> int:

@@ -1,11 +1,12 @@
 """Tensor parallelism inside a stage: its column/row regions run on DTensors over ``tp`` processes.
 
 A plan with ``plan.tp > 1`` runs each pipeline rank ``r`` as ``tp`` processes,
-``r * tp + t`` being member ``t`` (:func:`position`). Member ``t`` of every
-pipeline rank forms *plane* ``t``: a full copy of the pipeline running the same
-action lists, whose messages go from member ``t`` to member ``t``
-(:func:`plane_ranks` is the transport's map from plan rank to process), whose
-data-parallel and tied-weight sums are over the plane (:func:`plane_group`).
+``r * tp + t`` being member ``t`` (:meth:`~orgel.schedule.ir.Plan.processes_of`,
+:meth:`~orgel.schedule.ir.Plan.pipeline_rank_of`, :meth:`~orgel.schedule.ir.Plan.tp_member_of`).
+Member ``t`` of every pipeline rank forms *plane* ``t``: a full copy of the pipeline
+running the same action lists, whose messages go from member ``t`` to member ``t``
+(:meth:`~orgel.schedule.ir.Plan.process_of`), whose data-parallel and tied-weight sums
+are over the plane (:func:`plane_group`).
 Every member holds the same, replicated, values between stages. A stage's
 data-parallel replicas are pipeline ranks; their gradient sums run per plane, each
 member sending its own part of a split weight's gradient (:mod:`orgel.runtime.optim`),
@@ -46,7 +47,6 @@ Parameter names and whole values are unchanged for ``state_dict`` and ``copy_to`
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,29 +60,15 @@ from orgel.graph.tensor_parallel import Region, tp_regions
 from orgel.schedule.ir import Plan
 
 
-class TensorParallelError(ValueError):
-    """The model or options cannot run with ``tp > 1``; the message says what to change."""
-
-
-def position(plan: Plan, process: int) -> tuple[int, int]:
-    """``(pipeline rank, member)`` of process ``process`` (``r * tp + t``)."""
-    return divmod(process, plan.tp)
-
-
-def plane_ranks(plan: Plan, member: int) -> list[int]:
-    """The processes of plane ``member``, by plan rank: where its messages go."""
-    return [r * plan.tp + member for r in range(plan.num_ranks)]
-
-
-def plane_group(processes: Sequence[int], tp: int) -> Any:
+def plane_group(plan: Plan, processes: Sequence[int]) -> Any:
     """A process group of ``processes`` (processes of this process's plane), made the same
     way on every process: one group per plane, the others' the same ranks shifted to their
     member (``dist.new_group`` is collective over the whole job, in one order)."""
-    if tp == 1:
+    if plan.tp == 1:
         return dist.new_group(list(processes))
-    own = dist.get_rank() % tp
+    own = plan.tp_member_of(dist.get_rank())
     mine = None
-    for t in range(tp):
+    for t in range(plan.tp):
         group = dist.new_group([p - own + t for p in processes])
         if t == own:
             mine = group
@@ -99,18 +85,18 @@ def meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh, dict[tuple[int, ..
     for each FSDP-sharded replica set it is in, the 2-D mesh (``"dp"``, ``"tp"``) of the
     set's processes, rows the replicas, columns the members. Collective over every
     process (each makes every group, in one order)."""
-    tp = plan.tp
-    own, member = position(plan, dist.get_rank())
-    groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(plan.num_ranks)]
+    process = dist.get_rank()
+    own, member = plan.pipeline_rank_of(process), plan.tp_member_of(process)
+    groups = [dist.new_group(plan.processes_of(r)) for r in range(plan.num_ranks)]
     mesh = DeviceMesh.from_group(groups[own], device_type, mesh_dim_names=(TP,))
     sets = sorted({plan.placement[s] for s in range(plan.num_stages) if plan.sharded(s)})
     planes: dict[tuple[int, ...], DeviceMesh] = {}
     for rset in sets:
-        dp = plane_group([r * tp + member for r in rset], tp)
+        dp = plane_group(plan, [plan.process_of(r, member) for r in rset])
         if own in rset:
             planes[rset] = DeviceMesh.from_group(
                 [dp, groups[own]], device_type,
-                mesh=[[r * tp + t for t in range(tp)] for r in rset], mesh_dim_names=(DP, TP))
+                mesh=[plan.processes_of(r) for r in rset], mesh_dim_names=(DP, TP))
     return mesh, planes
 
 
@@ -365,45 +351,3 @@ def split_over_members(t: torch.Tensor) -> bool:
         return False
     names = t.device_mesh.mesh_dim_names or ()
     return TP in names and isinstance(t.placements[names.index(TP)], (Shard, Partial))
-
-
-# -- the caller's checks ---------------------------------------------------------------------
-
-
-def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
-    """The pipeline ranks ``ranks`` processes make with ``tp`` each; ValueError for a ``tp``
-    that does not divide ``ranks``, or a ``dp`` that does not divide the pipeline ranks."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise TensorParallelError(f"tp must be a positive int (processes per pipeline rank), "
-                                  f"got {tp!r}")
-    if ranks % tp:
-        raise TensorParallelError(f"tp={tp} does not divide ranks={ranks}: ranks counts every "
-                                  f"process, tp of them per pipeline rank; pass ranks="
-                                  f"{(ranks // tp + 1) * tp} or a tp that divides {ranks}")
-    if (ranks // tp) % dp:
-        raise TensorParallelError(f"dp={dp} does not divide the {ranks // tp} pipeline ranks "
-                                  f"of ranks={ranks} with tp={tp}: each data-parallel replica "
-                                  f"is a pipeline rank of tp processes; pass ranks="
-                                  f"{dp * tp} (or a multiple) or dp that divides {ranks // tp}")
-    return ranks // tp
-
-
-def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
-    """``plan`` run with ``tp`` processes per pipeline rank (``plan.tp`` set), checked
-    against the captured ``graph`` (an :class:`~orgel.graph.opgraph.OpGraph`)."""
-    if tp == 1:
-        if plan.tp > 1:
-            raise TensorParallelError(f"the plan is for tp={plan.tp} processes per pipeline "
-                                      f"rank: pass tp={plan.tp}")
-        return plan
-    if plan.tp not in (1, tp):
-        raise TensorParallelError(f"the plan is for tp={plan.tp} but tp={tp}: make them agree")
-    if graph is not None and graph.glue is not None:
-        raise TensorParallelError("tp > 1 needs one graph of the forward; this model's has "
-                                  "graph breaks")
-    if graph is not None and not tp_regions(graph.graph_module):
-        raise TensorParallelError(
-            "tp > 1 found no region to split in this model: tensor parallelism splits "
-            "linear layers that read one input and feed one linear layer (attention, MLP; "
-            "orgel.graph.tensor_parallel.tp_regions); pass tp=1")
-    return dataclasses.replace(plan, tp=tp)  # a new plan: the caller's is left as it was

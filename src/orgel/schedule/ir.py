@@ -284,7 +284,7 @@ class TiedWeight:
                             f"'nbytes': 1024}}, got {data!r}") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """Everything needed to run (or simulate) one pipelined training step.
 
@@ -308,9 +308,12 @@ class Plan:
     * ``tp``: the tensor-parallel degree. Each rank of the plan (a *pipeline
       rank*) is a group of ``tp`` processes that run its action list together,
       each holding a ``1/tp`` slice of the splittable layers; process ``r * tp + t``
-      is member ``t`` of pipeline rank ``r`` (:meth:`world_size` processes in all).
+      is member ``t`` of pipeline rank ``r`` (:meth:`world_size` processes in all;
+      :meth:`processes_of`, :meth:`pipeline_rank_of`, :meth:`tp_member_of`).
 
-    Sends and receives are not written: they follow from the stage graph
+    A Plan is a value: frozen, its lists never edited in place. A rewrite
+    (``dataclasses.replace``, the functions of :mod:`orgel.plan.rewrites`) returns a
+    new Plan. Sends and receives are not written: they follow from the stage graph
     (see :mod:`orgel.schedule.comm`).
     """
 
@@ -329,20 +332,23 @@ class Plan:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        self.placement = [tuple(int(r) for r in ranks) for ranks in self.placement]
-        if not self.recompute:
-            self.recompute = [False] * self.stage_graph.num_stages
-        if not self.shard:
-            self.shard = ["none"] * self.stage_graph.num_stages
-        self.shard = [str(x) for x in self.shard]
+        # Normalise the fields as given (JSON lists, short lists) once, while building.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("placement", [tuple(int(r) for r in ranks) for ranks in self.placement])
+        put("schedule", [list(actions) for actions in self.schedule])
+        put("meta", dict(self.meta))
+        put("recompute", list(self.recompute) or [False] * self.stage_graph.num_stages)
+        put("shard", [str(x) for x in self.shard] or ["none"] * self.stage_graph.num_stages)
         bad_shard = [x for x in self.shard if x not in SHARDS]
         if bad_shard:
             raise PlanError(f"shard {bad_shard[0]!r} is not one of {', '.join(SHARDS)}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be an integer >= 1 (processes per pipeline rank), "
                             f"got {self.tp!r}")
-        self.tied = [t if isinstance(t, TiedWeight) else TiedWeight.from_dict(t, f"tied[{i}]")
-                     for i, t in enumerate(self.tied)]
+        put("tied", [t if isinstance(t, TiedWeight) else TiedWeight.from_dict(t, f"tied[{i}]")
+                     for i, t in enumerate(self.tied)])
         for i, t in enumerate(self.tied):
             bad = [st for st in t.stages if not 0 <= st < self.stage_graph.num_stages]
             if bad or len(t.stages) < 2 or t.nbytes < 0:
@@ -359,6 +365,22 @@ class Plan:
     def world_size(self) -> int:
         """Processes the plan runs on: ``num_ranks`` pipeline ranks of ``tp`` each."""
         return self.num_ranks * self.tp
+
+    def processes_of(self, rank: int) -> list[int]:
+        """The processes of pipeline rank ``rank``: ``rank * tp + t`` for each member ``t``."""
+        return [rank * self.tp + t for t in range(self.tp)]
+
+    def process_of(self, rank: int, member: int) -> int:
+        """The process that is member ``member`` of pipeline rank ``rank``."""
+        return rank * self.tp + member
+
+    def pipeline_rank_of(self, process: int) -> int:
+        """The pipeline rank process ``process`` belongs to."""
+        return process // self.tp
+
+    def tp_member_of(self, process: int) -> int:
+        """Which of its pipeline rank's ``tp`` processes ``process`` is."""
+        return process % self.tp
 
     def sharded(self, stage: int) -> bool:
         """Whether ``stage``'s replicas shard its state with FSDP2."""

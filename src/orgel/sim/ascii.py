@@ -15,7 +15,10 @@ gets room for its label, within ``max_width`` columns.
 
 from __future__ import annotations
 
-from orgel.sim.timeline import Event, Timeline
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orgel.sim.timeline import Event, Timeline
 
 
 def render(

@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orgel.sim.timeline import Timeline
-
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+
+    from orgel.sim.timeline import Timeline
 
 COLOURS = {
     "F": "#6baed6",  # forward: light blue

@@ -3,7 +3,7 @@
 A linear split of ``n`` blocks into ``k`` stages is given by its *points*: the
 first block of stages 1..k-1, strictly increasing in ``1..n-1``. The planner's
 linear splits (:mod:`orgel.plan.splits`), the balanced assignments of
-:mod:`orgel.split.assign` and the balanced chains of :mod:`orgel.runtime.plans`
+:mod:`orgel.split.assign` and the balanced chains of :mod:`orgel.plan.balanced`
 all cut here.
 """
 

@@ -52,10 +52,10 @@ from typing import Any
 import torch
 
 from orgel import guard
-from orgel.graph.capture import dynamo_settings
+from orgel.graph.dynamo import dynamo_settings
 from orgel.guard import untouched
+from orgel.launch.processes import under_torchrun
 from orgel.precision import device_type
-from orgel.runtime.launch import under_torchrun
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
 from orgel.worker.closure import ClosureEngine, OutputsFunction, Slot, profiling_loss
@@ -563,7 +563,7 @@ class Backend:
         from orgel.batching import batch_rows
         from orgel.flow.capture import capture_microbatch, resolve_plan, split_for
         from orgel.flow.start import check_param_groups
-        from orgel.runtime.launch import LocalGroup
+        from orgel.launch.processes import LocalGroup
         from orgel.worker.pipe import Pipeline
         from orgel.worker.state import model_aliases
         from orgel.workload import Workload

@@ -2,6 +2,6 @@
 
 :mod:`~orgel.worker.engine` is one rank's side (its executor, parameters by
 original name, checkpoint shard); :mod:`~orgel.worker.closure` a rank fed by
-closures; :mod:`~orgel.runtime.launch` forks local workers and talks to them
+closures; :mod:`~orgel.launch.processes` forks local workers and talks to them
 over pipes; :mod:`~orgel.worker.pipe` is the :class:`Pipeline` a user steps.
 """

@@ -2,7 +2,7 @@
 
 The :class:`RankEngine` is what both launch modes drive. In local-spawn mode a
 forked worker holds one and the controller calls its methods through
-:class:`orgel.runtime.launch.LocalGroup`; under ``torchrun`` the script holds its
+:class:`orgel.launch.processes.LocalGroup`; under ``torchrun`` the script holds its
 own rank's engine and calls it directly. It owns nothing clever: training is
 the runtime's :class:`~orgel.runtime.Executor`, the format is
 :mod:`orgel.runtime.checkpoint`; the engine maps between the stage modules' local
@@ -71,9 +71,11 @@ class RankEngine:
         self.forward_only: Any = None
         self.no_evaluation = "this pipeline was made without an eval-mode split"
         if isinstance(evaluation, SplitModel):
+            from orgel.plan.transforms import check_forward
             from orgel.runtime.forward_only import ForwardOnly
 
-            self.forward_only = ForwardOnly(self.executor, evaluation)
+            forward, comm = check_forward(self.executor.plan, evaluation)
+            self.forward_only = ForwardOnly(self.executor, evaluation, forward, comm)
         elif evaluation is not None:
             self.no_evaluation = evaluation
 
@@ -117,7 +119,7 @@ class RankEngine:
         :class:`Dropped`, not raised: the local launcher stops every rank when a
         method raises, and the ranks train on after a dropped step.
         """
-        from orgel.runtime.errors import StepAbandoned
+        from orgel.launch.errors import StepAbandoned
 
         try:
             loss = float(self.executor.step(inputs, targets, outputs=outputs))
@@ -137,7 +139,7 @@ class RankEngine:
         (every rank; None without ``loss``) and this rank's shares of the outputs."""
         if self.forward_only is None:
             raise RuntimeError(f"evaluation is not available: {self.no_evaluation}")
-        from orgel.runtime.errors import StepAbandoned
+        from orgel.launch.errors import StepAbandoned
 
         try:
             result: tuple[float | None, list[Any]] = self.forward_only.run(

@@ -2,7 +2,7 @@
 
 ``orgel.pipeline`` (:mod:`orgel.explicit.api`), ``orgel.backend`` (:mod:`orgel.transparent.backend`)
 and the several-graph controller (:mod:`orgel.explicit.glued`) all return one; it talks
-to the ranks through a group (:class:`orgel.runtime.launch.LocalGroup` in local
+to the ranks through a group (:class:`orgel.launch.processes.LocalGroup` in local
 spawn, :class:`OwnRank` under torchrun).
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from orgel.batching import batch_rows, check_batch, split_microbatches
+from orgel.launch.errors import StepError, step_error
 from orgel.lossweights import batch_weights
 from orgel.runtime import checkpoint as ckpt
-from orgel.runtime.errors import StepError, step_error
 from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import Dropped, RankEngine
@@ -138,10 +138,10 @@ class Pipeline:
         the micro-batches do not divide, targets of another batch size) raises
         :class:`~orgel.workload.WorkloadError` here before any rank sees it. An error
         a rank's work raises for the data's own reason (a target out of range in
-        the loss) raises :class:`~orgel.runtime.errors.StepError`: every rank dropped
+        the loss) raises :class:`~orgel.launch.errors.StepError`: every rank dropped
         the step (with ``accumulate`` > 1, the gradients accumulated since the last
         optimizer step too) and the pipeline trains on. A dead or hung rank, or a lost
-        connection, raises :class:`~orgel.runtime.errors.WorkerError` and ends it.
+        connection, raises :class:`~orgel.launch.errors.WorkerError` and ends it.
         """
         named = named_inputs(self._model, inputs)
         if outputs and self._outputs is None:
@@ -178,7 +178,7 @@ class Pipeline:
         ``step`` returns them: ``outputs`` alone when ``targets`` is None (no loss is
         computed), else ``(loss, outputs)``. Under torchrun every rank gets the result.
         An error a rank's own work raises (a ``loss_fn`` that needs the targets it was not
-        given) raises :class:`~orgel.runtime.errors.StepError` as in :meth:`step`: every
+        given) raises :class:`~orgel.launch.errors.StepError` as in :meth:`step`: every
         rank dropped the pass, and the pipeline goes on.
         """
         if not callable(self._evaluation):
@@ -452,7 +452,7 @@ class Pipeline:
 
 def _kept(results: list[Any]) -> list[Any]:
     """The ranks' results of a step (one under torchrun, by rank in local spawn); raise
-    :class:`~orgel.runtime.errors.StepError` in the caller when every rank dropped it."""
+    :class:`~orgel.launch.errors.StepError` in the caller when every rank dropped it."""
     dropped = [r for r in results if isinstance(r, Dropped)]
     if dropped:
         raise step_error(dropped[0].rank, dropped[0].report)

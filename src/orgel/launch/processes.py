@@ -13,7 +13,7 @@ plan and the stage modules (nothing the user built has to be pickled);
 A failure means the same thing everywhere: the first rank that raises or dies
 is the root cause, every worker is killed at once (a rank blocked on a
 message from a failed peer would otherwise wait for its timeout) and
-:class:`~orgel.runtime.errors.WorkerError` reports the cause once. Only when
+:class:`~orgel.launch.errors.WorkerError` reports the cause once. Only when
 the first report is a consequence (a peer lost or timed out) does the
 controller wait, up to a second, for the cause: a death or another rank's own
 error.
@@ -44,9 +44,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orgel.runtime.devices import backend_for, host, rank_device, resolve_device
-from orgel.runtime.errors import WorkerError, describe, is_comm_error
-from orgel.runtime.lifeline import Lifeline, lifeline, tie
+from orgel.launch.devices import backend_for, host, rank_device, resolve_device
+from orgel.launch.errors import WorkerError, describe, is_comm_error
+from orgel.launch.lifeline import Lifeline, lifeline, tie
 
 #: what torchrun tells its ranks (a local group's workers are not torchrun's ranks)
 _TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -75,7 +75,7 @@ def init_from_env(*, backend: str | None = None, timeout: float = 60.0,
                   device: str = "auto") -> tuple[int, int]:
     """Join the job described by torchrun's environment; return ``(rank, world)``.
 
-    ``backend`` by default: :func:`orgel.runtime.devices.backend_for` the ``device``
+    ``backend`` by default: :func:`orgel.launch.devices.backend_for` the ``device``
     kind and the ranks on this node."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if k not in os.environ]
@@ -163,7 +163,7 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
     for key in [k for k in os.environ if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC")]:
         del os.environ[key]
     try:
-        if backend == "nccl":  # one GPU per rank (orgel.runtime.devices.backend_for)
+        if backend == "nccl":  # one GPU per rank (orgel.launch.devices.backend_for)
             rank_device("cuda", rank)
         store = dist.TCPStore("127.0.0.1", port, num_ranks, rank == 0,
                               timeout=timedelta(seconds=timeout_s))
@@ -403,7 +403,7 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0
 
     ``fn`` must be importable (module level) and its arguments and results
     picklable. ``timeout`` (seconds) is the process group's timeout. A failing
-    rank stops them all: :class:`~orgel.runtime.errors.WorkerError` names the
+    rank stops them all: :class:`~orgel.launch.errors.WorkerError` names the
     root cause. Each rank's stderr is printed, prefixed, once all succeeded.
     """
     with tempfile.TemporaryDirectory(prefix="orgel-") as logs:

@@ -1,11 +1,9 @@
-"""Simple Plans to run until the planner hands one over: a balanced chain, replicated for dp.
+"""A simple Plan to run until the planner hands one over: a balanced chain, replicated for dp.
 
 :func:`balanced_plan` cuts a captured graph's nodes (in their order, so every
 stage is convex) into ``pipeline x stages_per_rank`` stages of about equal
-FLOPs and schedules them with a family; :func:`replicate` turns a Plan for
-``P`` ranks into one for ``P x dp`` ranks where every stage has ``dp``
-data-parallel replicas (rank ``r + P*d`` runs rank ``r``'s actions on its share
-of the rows).
+FLOPs, schedules them with a family and, for ``dp > 1``, replicates the
+pipeline (:func:`orgel.plan.transforms.replicate`).
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from orgel.plan.transforms import replicate
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import Plan, PlanError
 
@@ -41,17 +40,6 @@ def balanced_plan(graph: Any, *, ranks: int, microbatches: int, schedule: str = 
     split = split_model(graph, assignment)
     plan = build_schedule(schedule, pipeline, microbatches, stage_graph=split.stage_graph,
                           **options)
-    plan.meta["planner"] = "balanced chain (FLOPs in node order)"
+    plan = dataclasses.replace(plan, meta={**plan.meta,
+                                           "planner": "balanced chain (FLOPs in node order)"})
     return replicate(plan, dp) if dp > 1 else plan
-
-
-def replicate(plan: Plan, dp: int) -> Plan:
-    """The same pipeline on ``dp`` replica groups: stage ``s`` on ``r + P*d`` for each d."""
-    p = plan.num_ranks
-    placement = [tuple(sorted(r + p * d for r in ranks for d in range(dp)))
-                 for ranks in plan.placement]
-    schedule = [list(plan.schedule[r % p]) for r in range(p * dp)]
-    meta = dict(plan.meta, dp=dp)
-    return dataclasses.replace(plan, placement=placement, num_ranks=p * dp, schedule=schedule,
-                               recompute=list(plan.recompute), prediction=None, meta=meta,
-                               tied=list(plan.tied), shard=list(plan.shard))

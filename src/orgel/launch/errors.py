@@ -9,12 +9,13 @@ Two kinds of failure:
   names the rank, the action it was executing and the peer it waited on.
 
 :func:`describe` turns either into the one line and the traceback that the
-local launcher (:class:`orgel.runtime.launch.LocalGroup`) puts in its report,
+local launcher (:class:`orgel.launch.processes.LocalGroup`) puts in its report,
 and that a rank under ``torchrun`` prints itself (:func:`report_failure`).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 
@@ -147,3 +148,10 @@ def report_failure(rank: int, exc: BaseException) -> None:
     line, tb = describe(exc)
     text = f"rank {rank}: {line}" + (f"\n{tb.rstrip()}" if tb else "")
     print(f"orgel: {text}", file=sys.stderr, flush=True)
+
+
+def transport_reason(exc: BaseException) -> str:
+    """The short reason in a gloo/NCCL error (no source path, no advice)."""
+    text = str(exc).strip().strip("'\"")
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else repr(exc))
+    return text.split(". This is typically")[0]

@@ -1,0 +1,41 @@
+"""What an optimizer factory receives: a rank's parameters with their names in the model.
+
+``orgel.pipeline``'s ``optimizer`` factory is called on every rank with that rank's
+parameters as :class:`NamedParameters` (:mod:`orgel.runtime.optimizer`); the profiler
+tries the factory on :func:`probe_parameters` to count its state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class NamedParameters(list[torch.nn.Parameter]):
+    """A list of Parameters that also knows each one's name in the original model.
+
+    What an optimizer factory receives: use it as a list, or group by
+    :attr:`names` / :meth:`named` as one would group ``model.named_parameters()``.
+    """
+
+    def __init__(self, named: Iterable[tuple[str, torch.nn.Parameter]] = ()) -> None:
+        pairs = list(named)
+        super().__init__(p for _, p in pairs)
+        #: each parameter's original name, in the list's order
+        self.names: list[str] = [n for n, _ in pairs]
+
+    def named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(original name, parameter)`` pairs, like ``model.named_parameters()``."""
+        return list(zip(self.names, self, strict=True))
+
+
+def probe_parameters() -> NamedParameters:
+    """Two small parameters (a matrix ``weight``, a vector ``bias``) to try a factory on.
+
+    Their values draw nothing from torch's random generator: trying the caller's
+    factories leaves the caller's random stream as it was.
+    """
+    return NamedParameters([
+        ("weight", torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64))),
+        ("bias", torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64)))])
