@@ -14,7 +14,8 @@ from torch import nn
 import orgel.profile.measure as measure_mod
 import orgel.profile.workload as profile_mod
 from orgel.costs.blocks import BlockCosts, stage_cost
-from orgel.plan.planner import end_of_step, plan
+from orgel.plan.planner import plan
+from orgel.plan.predict import end_of_step
 from orgel.profile.memory import optimizer_jobs
 from orgel.profile.overhead import _simulated, fit_overheads
 from orgel.profile.timing import Timer, interleaved
@@ -231,7 +232,7 @@ def test_what_i_keeps_for_w_is_alive_from_i_not_from_f() -> None:
 
 
 def test_split_stages_take_their_measured_halves() -> None:
-    from orgel.plan.planner import predict
+    from orgel.plan.predict import predicted
     from orgel.plan.scorer import Scorer, Template
     from orgel.schedule.families import build_schedule
 
@@ -248,7 +249,7 @@ def test_split_stages_take_their_measured_halves() -> None:
     # The search scores what the prediction says (the halves as measured).
     chain_stages = scorer.chain_stage_costs([2], split=True)
     assert chain_stages[1] == last
-    sim = predict(p, costs)
+    p, sim = predicted(p, costs)
     end = p.prediction["end_of_step"]  # type: ignore[index]
     assert sim.step_time == pytest.approx(scorer.score_chain(zb, [2]).step_time + end)
     # 1F1B runs whole backwards: its stages keep the table's B.

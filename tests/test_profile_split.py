@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from orgel.backward import weight_backward
 from orgel.costs.blocks import BlockCosts, stage_cost
 from orgel.plan import plan
-from orgel.plan.planner import end_of_step, held_sends
+from orgel.plan.predict import end_of_step, held_sends
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.templates import one_f_one_b
 from orgel.profile.blocks import measure_block

@@ -10,7 +10,8 @@ import torch
 
 from orgel.costs.blocks import BlockCosts, chain_split, stage_costs
 from orgel.costs.fields import CostsFileError
-from orgel.plan.planner import end_of_step, plan
+from orgel.plan.planner import plan
+from orgel.plan.predict import end_of_step
 from orgel.profile import workload as profile_mod
 from orgel.schedule.costs import Costs, Link
 from orgel.schedule.families import build_schedule
