@@ -209,6 +209,27 @@ def test_runtime_overhead_is_kept_with_the_blocks_table(
     assert fits[-1] == links[0] and len(fits) == 2
 
 
+def test_runtime_overhead_is_measured_once_per_host(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import orgel.profile.overhead as overhead_mod
+
+    measured: list[Link] = []
+
+    def fake_measure(link: Link) -> tuple[float, float]:
+        measured.append(link)
+        return 0.3, 4.0
+
+    monkeypatch.setattr(overhead_mod, "measure_overhead", fake_measure)
+    link = Link(latency=0.1, per_mib=0.2)
+    # a property of the host: every model planned after the first reads it from the cache
+    assert profile_mod.runtime_overhead(link) == (0.3, 4.0)
+    assert profile_mod.runtime_overhead(link) == (0.3, 4.0)
+    assert measured == [link]
+    other = Link(latency=0.5, per_mib=0.2)  # the fit depends on the link: measured again
+    assert profile_mod.runtime_overhead(other) == (0.3, 4.0) and measured == [link, other]
+    assert any(cache.glob("overhead-*.json"))
+
+
 def test_what_i_keeps_for_w_is_alive_from_i_not_from_f() -> None:
     import numpy as np
 

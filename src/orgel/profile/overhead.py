@@ -8,8 +8,9 @@ that reproduces that step on the same plan (binary search: the step grows with
 the overhead). Run at two micro-batch counts, the difference fixes the
 per-action part and the rest is what every step pays once (its setup, the
 loss all-reduce at its end). Planners use it so that stages too small to keep a rank busy
-lose on their own (no fixed threshold). Kept in the blocks table by
-:func:`orgel.profile.workload.profile_graph`, so it is as fresh as the blocks.
+lose on their own (no fixed threshold). A property of the host and the runtime, not of
+a model: :func:`orgel.profile.workload.runtime_overhead` caches it per host, torch and
+orgel version, as the links are.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def measure_overhead(link: Link, *, counts: tuple[int, int] = (4, 16),
     """
     from orgel.launch.processes import spawn
 
-    results = spawn(_rank, 2, tuple(counts), steps, timeout=120.0, threads=1)
+    # forked, not spawned: the ranks run gloo on the CPU, and a fork skips their imports
+    results = spawn(_rank, 2, tuple(counts), steps, timeout=120.0, threads=1, context="fork")
     measured = {m: statistics.median(max(r[k][i] for r in results) for i in range(steps))
                 for k, m in enumerate(counts)}
     return fit_overheads(measured, link)

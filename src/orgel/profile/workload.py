@@ -117,15 +117,24 @@ def link_costs(*, ranks: int = 2, backend: str = "gloo", use_cache: bool = True,
     return summarize_links(pairs, tolerance=tolerance)
 
 
-def runtime_overhead(link: Link) -> tuple[float, float]:
+def runtime_overhead(link: Link, *, use_cache: bool = True) -> tuple[float, float]:
     """The runtime's ``(per action, per step)`` overhead on this host (ms, see :mod:`.overhead`).
 
-    Not cached on its own: :func:`profile_graph` keeps it in the blocks table it
-    belongs with, so it is measured again whenever the blocks are.
+    A property of the host and orgel's runtime, not of the model: cached (under
+    :func:`orgel.profile.cache.cache_dir`) per host, torch and orgel version and the link
+    it was fitted with, so it is measured once, not again for every model planned.
     """
+    import orgel
     from orgel.profile.overhead import measure_overhead
 
-    return measure_overhead(link)
+    key = cache_key(host=socket.gethostname(), torch=torch.__version__,
+                    orgel=orgel.__version__, link=[link.latency, link.per_mib])
+    data = _cached("overhead", key) if use_cache else None
+    if data is None or not isinstance(data.get("fitted"), list):
+        data = {"fitted": list(measure_overhead(link))}
+        _store("overhead", key, data)
+    action, step = data["fitted"]
+    return float(action), float(step)
 
 
 def profile_workload(workload: Any, *, microbatches: int, blocks: int = 32,
