@@ -1,0 +1,271 @@
+"""One cell of the composition matrix: a training script as people write it, and one process.
+
+``python matrix_cell.py SPECS OUT`` (or the same under torchrun) trains a small Hugging Face
+Qwen2 on padded batches through one entry point of orgel with the features ``SPEC`` names,
+then trains a copy the same way in this one process, and writes what it saw to
+``OUT/NAME/result{rank}.json``: the losses of both, the largest weight difference, or the error
+orgel raised (its type and message). ``tests/test_matrix.py`` runs the cells.
+
+Entry points: ``local`` (``orgel.pipeline`` forking its ranks), ``torchrun`` (the same call
+on every rank), ``backend`` (``torch.compile(model, backend=orgel.backend(...))`` and a
+closure per micro-batch). Features: ``evaluate`` (``pipe.evaluate`` and ``outputs=True``),
+``accumulate`` (2, with clipping and a scheduler), ``dp`` (2), ``fsdp``, ``tp`` (2),
+``bf16`` (bf16-mixed), ``meta`` (the model built on the meta device, ``weights=``),
+``break`` (a graph break in the middle of the forward), ``if_end`` (a Python ``if`` on a
+tensor at the end of ``forward``), ``length`` (the second batch longer), ``resume`` (save
+after the first step, ``orgel.load`` into a fresh pipeline), ``tied`` (tied embeddings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import orgel
+
+VOCAB, ROWS, STEPS = 64, 8, 2
+
+
+def build(features: set[str]) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings="tied" in features,
+                         use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model: torch.nn.Module = Qwen2ForCausalLM(config)
+    if "break" in features:  # a graph break between the two layers
+        model.model.layers[0].register_forward_hook(lambda m, a, out: _graph_break(out))
+    if "if_end" in features:
+        model = CheckedLoss(model)
+    return model
+
+
+def _graph_break(out: Any) -> Any:
+    torch._dynamo.graph_break()
+    return out
+
+
+class CheckedLoss(torch.nn.Module):
+    """The model, and a Python ``if`` on its loss at the very end of ``forward``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor) -> Any:
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        if out.loss > 1e6:
+            raise RuntimeError("the loss diverged")
+        return out
+
+
+def batch(step: int, length: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows of 3 to ``length`` tokens; labels -100 on the padding."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(1, VOCAB, (ROWS, length), generator=g)
+    lengths = torch.randint(3, length + 1, (ROWS,), generator=g)
+    lengths[0] = length
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def batches(features: set[str]) -> list[dict[str, torch.Tensor]]:
+    steps = STEPS * (2 if "accumulate" in features else 1)
+    return [batch(i, 16 if "length" in features and i % 2 else 10) for i in range(steps)]
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def scheduler(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def options(features: set[str]) -> dict[str, Any]:
+    opts: dict[str, Any] = {"ranks": 2, "microbatches": 2, "optimizer": optimizer}
+    if "accumulate" in features:
+        opts.update(accumulate=2, max_grad_norm=0.5, scheduler=scheduler)
+    if features & {"dp", "fsdp"}:
+        opts.update(ranks=4, dp=2)
+    if "fsdp" in features:
+        opts["shard"] = "fsdp"
+    if "tp" in features:
+        opts.update(ranks=4, tp=2)
+    if "bf16" in features:
+        opts["precision"] = "bf16-mixed"
+    return opts
+
+
+def counted(labels: torch.Tensor) -> int:
+    """The tokens a causal LM's loss averages over: labels not -100 after the first."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def reference(features: set[str], data: list[dict[str, torch.Tensor]],
+              float64: bool = False) -> dict[str, Any]:
+    """One process: the same model, optimizer and loop, over the same pieces of each batch
+    (the micro-batches, cut again for each data-parallel replica), each piece's loss
+    weighed by its share of the batch's tokens. ``float64``: all of it in float64, no
+    autocast (the judge of a cell that rounds differently by its nature)."""
+    model = build(features)
+    if float64:
+        model = model.double()
+        features = features - {"bf16"}
+    opt = optimizer(model.parameters())
+    sched = scheduler(opt) if "accumulate" in features else None
+    k = 2 if "accumulate" in features else 1
+    opts = options(features)
+    pieces = opts["microbatches"] * opts.get("dp", 1)
+    losses = []
+    for i, b in enumerate(data):
+        total, loss = counted(b["labels"]), 0.0
+        for piece in zip(*(t.chunk(pieces) for t in b.values()), strict=True):
+            part = dict(zip(b, piece, strict=True))
+            with torch.autocast("cpu", torch.bfloat16, enabled="bf16" in features):
+                out = model(**part)
+            share = out.loss * counted(part["labels"]) / total
+            (share / k).backward()
+            loss += share.item()
+        losses.append(loss)
+        if (i + 1) % k == 0:
+            if "accumulate" in features:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+    result: dict[str, Any] = {"losses": losses, "state": model.state_dict()}
+    if "evaluate" in features:
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled="bf16" in features):
+            out = model(**data[0])
+        result["eval"] = out.loss.item()
+        result["logits"] = out.logits.float()
+    return result
+
+
+def run_pipeline(features: set[str], data: list[dict[str, torch.Tensor]], out: Path,
+                 ) -> dict[str, Any]:
+    """``orgel.pipeline`` (locally or under torchrun): the losses, the weights, evaluation."""
+    model = build(features)
+    opts = options(features)
+    if "meta" in features:  # the values, and the buffers the constructor computes
+        weights = {**dict(model.named_buffers()), **model.state_dict()}
+        with torch.device("meta"):
+            model = build(features)
+        opts["weights"] = weights
+    pipe = orgel.pipeline(model, data[0], **opts)
+    losses = []
+    for i, b in enumerate(data):
+        if "resume" in features and i == 1:
+            pipe.save(out / "checkpoints")
+            pipe.close()
+            pipe = orgel.load(out / "checkpoints", build(features), data[0], **opts)
+        losses.append(pipe.step(b))
+    result: dict[str, Any] = {"losses": losses, "state": pipe.state_dict()}
+    if "evaluate" in features:
+        result["eval"] = pipe.evaluate(data[0])
+        result["logits"] = logits_of(pipe.evaluate(data[0], outputs=True))  # no targets: outputs
+    pipe.close()
+    return result
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits of what ``outputs=True`` gave back (a model output object or its dict)."""
+    if isinstance(outputs, torch.Tensor):
+        raise TypeError(f"outputs=True gave a tensor of shape {tuple(outputs.shape)}, not "
+                        "the model's output (with .logits)")
+    return (outputs["logits"] if isinstance(outputs, dict) else outputs.logits).float()
+
+
+def run_backend(features: set[str], data: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """``orgel.backend``: the model compiled with it, a closure per micro-batch."""
+    model = build(features)
+    opts = options(features)
+    pipe = orgel.backend(**opts)
+    compiled = torch.compile(model, backend=pipe)
+
+    def closure(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                total: int) -> torch.Tensor:
+        out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
+        loss = out.loss * counted(labels) / total
+        loss.backward()
+        return loss.detach()
+
+    losses = []
+    for b in data:
+        total = counted(b["labels"])
+        parts = pipe.step(closure, b["input_ids"], b["attention_mask"], b["labels"], total)
+        losses.append(sum(float(x) for x in parts))
+    result = {"losses": losses, "state": pipe.state_dict()}
+    pipe.close()
+    return result
+
+
+def _distance(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest difference of any weight ``state`` and ``want`` both have."""
+    return max((float((state[n].double() - want[n].double()).abs().max())
+                for n in want if n in state), default=0.0)
+
+
+def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    state = got["state"]
+    missing = [n for n in sorted(want["state"]) if n not in state]
+    diff = _distance(state, want["state"])
+    report: dict[str, Any] = {"losses": got["losses"], "ref": want["losses"], "diff": diff,
+                              "missing": missing[:5]}
+    if "eval" in want:
+        report["eval"] = [got.get("eval"), want["eval"]]
+        if "logits" in got:
+            report["logits_diff"] = float((got["logits"] - want["logits"]).abs().max())
+    return report
+
+
+def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Train one cell through orgel and in one process; what was seen, or orgel's error."""
+    features = set(spec["features"])
+    data = batches(features)
+    try:
+        got = run_backend(features, data) if spec["entry"] == "backend" \
+            else run_pipeline(features, data, out)
+        report = compare(got, reference(features, data))
+        if {"tp", "bf16"} <= features:
+            # each half of a split matmul is rounded to bfloat16 before the sum: judge both
+            # against float64, as the fuzzer does
+            exact = reference(features, data, float64=True)["state"]
+            report["diff64"] = _distance(got["state"], exact)
+            report["ref_diff64"] = _distance(reference(features, data)["state"], exact)
+        return report
+    except Exception as exc:  # noqa: BLE001 - the cell records what orgel raised
+        return {"error": type(exc).__name__, "message": str(exc)[:2000],
+                "trace": traceback.format_exc()[-3000:]}
+
+
+def cell_name(spec: dict[str, Any]) -> str:
+    return "+".join(spec["features"]) or "base"
+
+
+def main(specs: list[dict[str, Any]], out: Path) -> None:
+    """Run ``specs`` one after another in these processes (under torchrun: pipelines built,
+    closed and built again in the same ranks); ``OUT/NAME/result{rank}.json`` each."""
+    rank = int(os.environ.get("RANK", "0"))
+    for spec in specs:
+        folder = out / cell_name(spec)
+        folder.mkdir(parents=True, exist_ok=True)
+        report = run_cell(spec, folder)
+        (folder / f"result{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]), Path(sys.argv[2]))

@@ -1,0 +1,133 @@
+"""The composition matrix: every feature on every entry point, against one process.
+
+Each cell is a training script as people write it (``tests/matrix_cell.py``: a Hugging
+Face Qwen2 on right-padded batches whose labels are -100 on the padding, the model's own
+``outputs.loss``, AdamW) run through one entry point of orgel with one feature or a pair,
+and the same training in one process over the same micro-batches. A cell is exact (the
+losses and every weight as one process has them), or refused before anything starts with
+an error that says why and what to do; :data:`REFUSED` lists the refusals, each with the
+words its error must contain, and docs/limitations.md says why each is not done yet.
+
+``local`` and ``backend`` cells run in this process (orgel forks its ranks from it); the
+``torchrun`` cells of one process count run one after another in one torchrun job, so
+every pipeline after the first is built in processes where one was built and closed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import matrix_cell
+from orgel.launch.processes import free_port
+
+pytestmark = pytest.mark.slow
+
+FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
+            "if_end", "length", "resume", "tied"]
+PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp", "evaluate+break"]
+
+#: (entry, cell) -> words the refusal must contain. Every other cell must be exact.
+REFUSED: dict[tuple[str, str], str] = {
+    # the controller's runtime for graph breaks runs each stage on one rank, training only
+    ("local", "dp+break"): "a forward of several graphs runs each stage on one rank",
+    ("local", "evaluate+break"): "evaluation is not available: a forward of several graphs",
+}
+
+#: how far a cell may be from one process: bf16 rounds each product, float32 the sums
+TOLERANCE = {"32": 2e-4, "bf16": 2e-3}
+
+
+def _features(cell: str) -> list[str]:
+    return [] if cell == "base" else cell.split("+")
+
+
+def _processes(features: list[str]) -> int:
+    return 4 if {"dp", "fsdp", "tp"} & set(features) else 2
+
+
+def check(entry: str, cell: str, report: dict[str, Any]) -> None:
+    """Assert ``report`` is what :data:`REFUSED` and the tolerances say it must be."""
+    refused = REFUSED.get((entry, cell))
+    if refused is not None:
+        assert "error" in report, f"{entry} {cell} now runs: take it out of REFUSED"
+        assert refused in report["message"], report["message"]
+        return
+    assert "error" not in report, f"{entry} {cell}: {report.get('trace', report)}"
+    tol = TOLERANCE["bf16" if "bf16" in cell else "32"]
+    assert not report["missing"], report["missing"]
+    assert len(report["losses"]) == len(report["ref"])
+    for got, want in zip(report["losses"], report["ref"], strict=True):
+        assert abs(got - want) <= (10 if "diff64" in report else 1) * tol, report
+    if "diff64" in report:  # rounds unlike one process by its nature: against float64
+        assert report["diff64"] <= 2 * report["ref_diff64"] + tol, report
+    else:
+        assert report["diff"] <= tol, report["diff"]
+    if "eval" in report:
+        got, want = report["eval"]
+        assert abs(got - want) <= tol, report["eval"]
+        assert report["logits_diff"] <= 10 * tol, report["logits_diff"]
+
+
+def _in_process(entry: str, cell: str, out: Path) -> dict[str, Any]:
+    matrix_cell.main([{"entry": entry, "features": _features(cell)}], out)
+    return dict(json.loads((out / cell / "result0.json").read_text()))
+
+
+@pytest.mark.parametrize("cell", FEATURES + PAIRS)
+def test_local(cell: str, tmp_path: Path) -> None:
+    check("local", cell, _in_process("local", cell, tmp_path))
+
+
+@pytest.mark.parametrize("cell", FEATURES)
+def test_backend(cell: str, tmp_path: Path) -> None:
+    check("backend", cell, _in_process("backend", cell, tmp_path))
+
+
+def _torchrun_job(cells: list[str], nproc: int, out: Path) -> None:
+    """Run ``cells`` one after another in one torchrun job of ``nproc`` processes."""
+    specs = json.dumps([{"entry": "torchrun", "features": _features(c)} for c in cells])
+    script = Path(matrix_cell.__file__)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
+    with open(out / f"torchrun{nproc}.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+             specs, str(out)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=240 * len(cells))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every torchrun cell, run once: two jobs (of 2 and of 4 processes)."""
+    out = tmp_path_factory.mktemp("torchrun")
+    for nproc in (2, 4):
+        cells = [c for c in FEATURES if _processes(_features(c)) == nproc]
+        _torchrun_job(cells, nproc, out)
+    return out
+
+
+@pytest.mark.parametrize("cell", FEATURES)
+def test_torchrun(cell: str, torchrun_results: Path) -> None:
+    nproc = _processes(_features(cell))
+    results = [torchrun_results / cell / f"result{r}.json" for r in range(nproc)]
+    log = (torchrun_results / f"torchrun{nproc}.log")
+    missing = [str(p) for p in results if not p.exists()]
+    assert not missing, f"no result from {missing}: {log.read_text()[-3000:]}"
+    reports = [json.loads(p.read_text()) for p in results]
+    for report in reports:
+        check("torchrun", cell, report)
