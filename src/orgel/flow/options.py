@@ -192,7 +192,8 @@ def refuse(where: str, given: Options | dict[str, Any]) -> None:
     that are off (False, None, 0, 1, "none", "32") count as not given)."""
     values = given.given() if isinstance(given, Options) else given
     for name, value in values.items():
-        if value in (False, None, 0, 1, "none", "32", ()):
+        if value is None or value is False or (not isinstance(value, bool)
+                                               and value in (0, 1, "none", "32", ())):
             continue
         for key in (f"{name}={value}", name):
             if (where, key) in REFUSED:

@@ -217,9 +217,9 @@ class Backend:
 
         self._precision = autocast_dtype(precision)  # ValueError for unknown names
         if scales_loss(precision):
-            raise ValueError("orgel.backend takes precision '32' or 'bf16-mixed': float16 "
-                             "needs the closure's own backward scaled as well; use "
-                             "orgel.pipeline(..., precision='16-mixed')")
+            from orgel.flow.options import REFUSED
+
+            raise ValueError(REFUSED[("backend", "precision=16-mixed")])
 
     # -- torch.compile side -------------------------------------------------------------
 
@@ -796,7 +796,7 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
             precision: str = "32", scheduler: SchedulerFactory | None = None,
             lr: LearningRate | None = None, max_grad_norm: float | None = None,
             accumulate: int = 1, batch_dim: int = 0,
-            replicated: Sequence[int] = ()) -> Backend:
+            replicated: Sequence[int] = (), **others: Any) -> Backend:
     """A torch.compile backend that pipelines the compiled model; also its closure runner.
 
     Use the returned object as ``torch.compile(model, backend=pipe)`` and train
@@ -811,12 +811,19 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     around it would (the closure's own loss is the closure's). ``batch_dim``: the
     dimension ``step``'s tensor arguments are cut into micro-batches along (one int:
     ``step`` takes positional arguments; 1 for sequence-first ``[T, B]`` data).
+    ``orgel.pipeline``'s other options (``tp``, ``shard``, ``device``, ``init``,
+    ``weights``, ``compile``, ...) are refused with the reason
+    (:data:`orgel.flow.options.REFUSED`), as is ``dp`` above 1.
     ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
     closure) that every closure gets whole, such as class weights ``[C]`` whose size
     happens to be the batch size; arguments without the batch dimension (a 0-dim
     tensor, a Python number) go whole anyway. Every other tensor argument is cut along
     ``batch_dim``, and all of them must have the same size there (the batch size).
     """
+    from orgel.flow.options import options, refuse
+
+    options(**others)  # a misspelt name: TypeError with the names that exist
+    refuse("backend", {**others, "dp": dp, "precision": precision})
     if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
         raise ValueError(f"batch_dim must be a non-negative int for orgel.backend (step takes "
                          f"positional arguments), got {batch_dim!r}")

@@ -1,0 +1,51 @@
+"""Options live in one typed place; what a front end cannot take is refused from one table."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import orgel
+from orgel.flow.options import REFUSED, Options, names, options, refuse
+
+
+def test_options_are_grouped_as_a_user_thinks_of_them() -> None:
+    opts = options(ranks=4, dp=2, accumulate=2, precision="bf16-mixed", timeout_s=60.0)
+    assert isinstance(opts, Options)
+    assert (opts.parallel.ranks, opts.parallel.dp) == (4, 2)
+    assert opts.loop.accumulate == 2 and opts.precision.precision == "bf16-mixed"
+    assert opts.launch.timeout_s == 60.0
+    assert opts.given() == {"ranks": 4, "dp": 2, "accumulate": 2, "precision": "bf16-mixed",
+                            "timeout_s": 60.0}
+    with pytest.raises(TypeError, match="did you mean 'accumulate'"):
+        options(acumulate=2)
+
+
+def test_every_option_of_orgel_pipeline_has_a_group() -> None:
+    # the typed options and orgel.pipeline's keywords are the same set, so that every front
+    # end takes each option or refuses it from the table
+    keywords = {name for name, p in inspect.signature(orgel.pipeline).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords == set(names())
+
+
+@pytest.mark.parametrize("key", sorted(k for k in REFUSED if k[0] == "backend"))
+def test_orgel_backend_refuses_from_the_table_before_anything_starts(
+        key: tuple[str, str]) -> None:
+    name, _, value = key[1].partition("=")
+    given = {name: value or {"tp": 2, "dp": 2, "shard": "fsdp", "compile": True,
+                             "check_finite": True, "loss_rule": "rows",
+                             "loss_scale": {"init": 2.0}, "init": print,
+                             "weights": {}}.get(name, True)}
+    if name == "shard":
+        given["dp"] = 1
+    with pytest.raises(ValueError) as info:
+        orgel.backend(ranks=4, **given)
+    assert str(info.value) in REFUSED.values()
+
+
+def test_refuse_ignores_options_left_off() -> None:
+    refuse("backend", {"tp": 1, "dp": 1, "shard": "none", "compile": False, "device": None})
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        refuse("backend", options(tp=2))
