@@ -6,10 +6,12 @@ For each model (``examples/gpt.py``'s GPT-like workload, a small Hugging Face Ll
 config) and each tree (``--before``: a git revision, checked out in a temporary worktree;
 ``after``: this checkout), a fresh Python process times ``orgel.pipeline(...)`` from the
 call to the pipeline ready to step (capture, profiling, planning, splitting, the ranks
-started), then one step. The trees take turns, so both see the same load. Two cases:
+started), then one step. The trees take turns, so both see the same load. Each tree and
+repeat has a profile cache (``$ORGEL_CACHE``) of its own, which the runs fill in turn:
 
-* ``first``: an empty profile cache (``$ORGEL_CACHE``), as on a machine orgel never ran on;
-* ``again``: the cache the first run left, as every later run of a script.
+* ``first``: the first model on an empty cache, as on a machine orgel never ran on;
+* ``other``: the second model, on the cache the first left (links and host measured);
+* ``again``: each model once more, as every later run of the same script.
 
 Prints one line per measurement as it is made and a table of medians with the ratio
 before / after; the machine's load average is printed with them.
@@ -81,27 +83,28 @@ def main() -> None:
                     args.before], check=True, capture_output=True)
     trees = {"before": before, "after": ROOT}
     times: dict[tuple[str, str, str], list[float]] = {}
+    models = args.models.split(",")
+    runs = [(m, "first" if i == 0 else "other") for i, m in enumerate(models)]
+    runs += [(m, "again") for m in models]
     try:
-        for model in args.models.split(","):
-            for r in range(args.repeats):
-                for name, tree in trees.items():
-                    cache = work / f"cache-{name}-{model}-{r}"
-                    for case in ("first", "again"):
-                        s = _measure(tree, model, cache)
-                        times.setdefault((model, case, name), []).append(s)
-                        print(f"{model:6s} {case:6s} {name:6s} {s:7.2f} s  "
-                              f"(load {os.getloadavg()[0]:.2f})", flush=True)
+        for r in range(args.repeats):
+            for name, tree in trees.items():
+                cache = work / f"cache-{name}-{r}"
+                for model, case in runs:
+                    s = _measure(tree, model, cache)
+                    times.setdefault((model, case, name), []).append(s)
+                    print(f"{model:6s} {case:6s} {name:6s} {s:7.2f} s  "
+                          f"(load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)],
                        check=False, capture_output=True)
     print(f"\nmedians of {args.repeats}, load average now {os.getloadavg()[0]:.2f} "
           f"on {os.cpu_count()} cores")
     print(f"{'model':6s} {'case':6s} {'before':>8s} {'after':>8s} {'before/after':>13s}")
-    for model in args.models.split(","):
-        for case in ("first", "again"):
-            b = statistics.median(times[(model, case, "before")])
-            a = statistics.median(times[(model, case, "after")])
-            print(f"{model:6s} {case:6s} {b:8.2f} {a:8.2f} {b / a:13.2f}")
+    for model, case in runs:
+        b = statistics.median(times[(model, case, "before")])
+        a = statistics.median(times[(model, case, "after")])
+        print(f"{model:6s} {case:6s} {b:8.2f} {a:8.2f} {b / a:13.2f}")
 
 
 if __name__ == "__main__":

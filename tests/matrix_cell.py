@@ -189,12 +189,18 @@ def logits_of(outputs: Any) -> torch.Tensor:
     return (outputs["logits"] if isinstance(outputs, dict) else outputs.logits).float()
 
 
-def run_backend(features: set[str], data: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+def run_backend(features: set[str], data: list[dict[str, torch.Tensor]], out: Path,
+                ) -> dict[str, Any]:
     """``orgel.backend``: the model compiled with it, a closure per micro-batch."""
-    model = build(features)
     opts = options(features)
-    pipe = orgel.backend(**opts)
-    compiled = torch.compile(model, backend=pipe)
+    if "meta" in features:
+        opts["weights"] = build(features).state_dict()
+
+    def start() -> tuple[Any, Any]:
+        pipe = orgel.backend(**opts)
+        return pipe, torch.compile(build(features), backend=pipe)
+
+    pipe, compiled = start()
 
     def closure(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
                 total: int) -> torch.Tensor:
@@ -204,11 +210,18 @@ def run_backend(features: set[str], data: list[dict[str, torch.Tensor]]) -> dict
         return loss.detach()
 
     losses = []
-    for b in data:
+    for i, b in enumerate(data):
+        if "resume" in features and i == 1:
+            pipe.save(out / "checkpoints")
+            pipe.close()
+            pipe, compiled = start()
+            pipe.load(out / "checkpoints")
         total = counted(b["labels"])
         parts = pipe.step(closure, b["input_ids"], b["attention_mask"], b["labels"], total)
         losses.append(sum(float(x) for x in parts))
     result = {"losses": losses, "state": pipe.state_dict()}
+    if "evaluate" in features:
+        result["eval"] = pipe.evaluate(closure, *data[0].values())
     pipe.close()
     return result
 
@@ -236,8 +249,10 @@ def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     """Train one cell through orgel and in one process; what was seen, or orgel's error."""
     features = set(spec["features"])
     data = batches(features)
+    if spec["entry"] == "backend":  # as a fresh script starts: no compiled code of the last cell
+        torch._dynamo.reset()
     try:
-        got = run_backend(features, data) if spec["entry"] == "backend" \
+        got = run_backend(features, data, out) if spec["entry"] == "backend" \
             else run_pipeline(features, data, out)
         report = compare(got, reference(features, data))
         if {"tp", "bf16"} <= features:

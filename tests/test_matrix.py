@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 import matrix_cell
+from orgel.flow.options import REFUSED as REFUSED_OPTIONS
 from orgel.launch.processes import free_port
 
 pytestmark = pytest.mark.slow
@@ -39,6 +40,19 @@ REFUSED: dict[tuple[str, str], str] = {
     # the controller's runtime for graph breaks runs each stage on one rank, training only
     ("local", "dp+break"): "a forward of several graphs runs each stage on one rank",
     ("local", "evaluate+break"): "evaluation is not available: a forward of several graphs",
+    # torchrun has no controller process to run the Python between graphs
+    ("torchrun", "break"): "Under torchrun orgel needs one graph",
+    ("torchrun", "if_end"): "Under torchrun orgel needs one graph",
+    # orgel.backend runs one rank per stage, on the CPU, from Dynamo's fixed-shape graphs
+    ("backend", "evaluate"): "evaluation is not available",
+    ("backend", "dp"): REFUSED_OPTIONS[("backend", "dp")],
+    ("backend", "fsdp"): REFUSED_OPTIONS[("backend", "shard")],
+    ("backend", "tp"): REFUSED_OPTIONS[("backend", "tp")],
+    ("backend", "meta"): REFUSED_OPTIONS[("backend", "weights")],
+    ("backend", "length"): "torch.compile traced the model with dynamic shapes",
+    # not in principle: the graph after a break inside a Hugging Face layer differs between
+    # the first step's discovery run and the step (docs/limitations.md)
+    ("backend", "break"): "ran another graph than the captured forward",
 }
 
 #: how far a cell may be from one process: bf16 rounds each product, float32 the sums
