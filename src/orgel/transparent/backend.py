@@ -44,6 +44,7 @@ import keyword
 import re
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -169,6 +170,11 @@ def _role(node: torch.fx.Node, value: Any) -> tuple[str, str]:
         plain = name.isidentifier() and not keyword.iskeyword(name)
         return "input", name if plain else f"arg{name}"
     return "const", f"_orgel_const_{node.name}"
+
+
+class UntrainedWarning(UserWarning):
+    """Parameters of a compiled model with graph breaks that no rank trains (see
+    :func:`backend`): the Python between its graphs uses them."""
 
 
 class Backend:
@@ -365,6 +371,18 @@ class Backend:
                 else:  # model inputs and what the Python between graphs made: exchanged
                     given.append(None)
             prepared.append((gm, list(args), outs, given))
+        if self._module is not None:
+            read = set(named.values())
+            outside = [n for n, p in self._module.named_parameters()
+                       if p.requires_grad and id(p) not in read]
+            if outside:
+                warnings.warn(UntrainedWarning(
+                    f"orgel.backend does not train {outside[:4]}"
+                    f"{' and more' if len(outside) > 4 else ''}: no graph of the compiled "
+                    "model reads them (Dynamo ran the code that uses them between its graphs), "
+                    "so their .grad accumulates in this process and no rank steps them. Step "
+                    "them with an optimizer of your own, or use orgel.pipeline, which trains "
+                    "them on a rank"), stacklevel=2)
         reason = (f"torch.compile captured the compiled model as {len(prepared)} graphs that "
                   "read parameters.")
         raw, glue = join_calls(prepared, reason, eager=[])
