@@ -156,6 +156,38 @@ def _own_code(fn: Any) -> Any:
     return own
 
 
+def forget_compiled(backend: Any) -> None:
+    """Drop the code Dynamo compiled with ``backend``, and nothing else.
+
+    ``torch._dynamo.reset()`` would drop the caller's own compiled code as well (their
+    models compile again on the next call). A capture that converts the model's own
+    frames (graph breaks: the model's ``forward`` and Dynamo's resume functions) adds
+    entries to those frames' caches, which would keep the capture's graphs alive and
+    count against the caller's recompile limit; each entry names its backend. A frame
+    whose entries are all ours is emptied; where the caller compiled it too, ours are
+    invalidated as Dynamo does when a model they guard on is freed (a dead entry
+    stays in that frame's list).
+    """
+    from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    for ref in list(input_codes.seen):  # every code object Dynamo converted
+        code = ref()
+        if code is None:
+            continue
+        found = entries(code)
+        ours = [e for e in found if getattr(e.backend, "compiler_fn", None) is backend]
+        if ours and all(e in ours or e.backend is None for e in found):
+            torch._dynamo.eval_frame.reset_code(code)
+            continue
+        for entry in ours:
+            manager = entry.guard_manager
+            extra, own = manager.extra_state, manager.cache_entry
+            if extra is not None and own is not None:
+                extra.invalidate(own, DeletedGuardManagerWrapper("orgel's capture ended"))
+
+
 def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, tuple[str, Any]]:
     roles: dict[int, tuple[str, Any]] = {}
     for name, t in named.items():

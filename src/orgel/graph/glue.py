@@ -233,7 +233,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
     controller computes their gradients, a rank keeps and steps them
     (:func:`eager_homes`).
     """
-    from orgel.graph.capture import dynamo_settings
+    from orgel.graph.capture import dynamo_settings, forget_compiled
 
     params = {id(p): n for n, p in model.named_parameters()}
     buffers = {id(b): n for n, b in model.named_buffers()}
@@ -254,7 +254,6 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
 
         return run
 
-    torch._dynamo.reset()
     try:
         compiled = torch.compile(model, backend=backend, dynamic=False)
         with dynamo_settings(), torch.enable_grad():
@@ -266,7 +265,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
                            f"graphs, and Dynamo failed: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
     finally:
-        torch._dynamo.reset()
+        forget_compiled(backend)  # the caller's compiled code stays (no torch._dynamo.reset())
     if not seen:
         raise CaptureError("torch.compile produced no graph; does the model compute anything "
                            "with tensors?")
