@@ -305,6 +305,10 @@ class Executor(BackwardActions, DroppedStep):
         to the gradients. ``outputs``: keep this rank's shares of the model's
         outputs in :attr:`kept`.
         """
+        with tp.implicit_replication():  # DTensor stages (tp > 1); the caller's setting after
+            return self._step(inputs, targets, outputs=outputs)
+
+    def _step(self, inputs: dict[str, Any], targets: Any, *, outputs: bool) -> float:
         self.kept = {} if outputs else None
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
