@@ -166,7 +166,8 @@ def forget_compiled(backend: Any) -> None:
     count against the caller's recompile limit; each entry names its backend. A frame
     whose entries are all ours is emptied; where the caller compiled it too, ours are
     invalidated as Dynamo does when a model they guard on is freed (a dead entry
-    stays in that frame's list).
+    stays in that frame's list). ``backend`` compares by ``==`` (a bound method is made
+    anew at each lookup).
     """
     from torch._dynamo.convert_frame import input_codes
     from torch._dynamo.guards import DeletedGuardManagerWrapper
@@ -177,7 +178,7 @@ def forget_compiled(backend: Any) -> None:
         if code is None:
             continue
         found = entries(code)
-        ours = [e for e in found if getattr(e.backend, "compiler_fn", None) is backend]
+        ours = [e for e in found if getattr(e.backend, "compiler_fn", None) == backend]
         if ours and all(e in ours or e.backend is None for e in found):
             torch._dynamo.eval_frame.reset_code(code)
             continue
