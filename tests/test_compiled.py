@@ -16,7 +16,7 @@ import torch
 
 from orgel.cli import main
 from orgel.graph.capture import capture
-from orgel.launch.devices import place
+from orgel.graph.measure import place
 from orgel.plan.balanced import balanced_plan
 from orgel.runtime.compiled import CompiledStage, partition_backward, split_backward
 from orgel.split import split_plan

@@ -188,7 +188,7 @@ def test_captured_device_constants_follow_the_stage() -> None:
     """A graph captured on the CPU names the CPU (positions, the autocast region): placed on
     another device, its ops name that device."""
     from orgel.graph.capture import capture
-    from orgel.launch.devices import place
+    from orgel.graph.measure import place
     from orgel.workload import load_workload, microbatches, with_precision
 
     w = with_precision(load_workload(GPT), "bf16-mixed")

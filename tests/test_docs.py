@@ -94,6 +94,11 @@ def _page_params() -> list[object]:
 @pytest.mark.parametrize("path", _page_params())
 def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every runnable Python block of the file runs, in order, in one namespace."""
+    import torch
+
+    # as in a fresh process: Dynamo remembers the shapes earlier tests compiled the same
+    # code with (nn.Sequential's forward) and would trace the examples with dynamic shapes
+    torch._dynamo.reset()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))
     namespace: dict[str, object] = {"__name__": "__main__"}

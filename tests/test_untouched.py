@@ -9,6 +9,7 @@ at 7, and the pipelined training started from them.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,167 @@ def test_recomputed_batchnorm_updates_its_statistics_once_per_microbatch() -> No
     outcome = orgel_check("conv_bn_recompute", _conv_bn, plan_for=plan_for)
     assert outcome.status == "exact", outcome.line()
     assert outcome.worst["1.num_batches_tracked"] == 0.0
+
+
+# -- torch's own state: nothing of it replaced, nothing of the caller's dropped ------------
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.slow
+def test_backend_first_step_leaves_autograd_alone_and_trains_as_one_process() -> None:
+    """The first step runs micro-batch 0's closure once more to find the graph, stopping it
+    at its backward: the closure sees torch's own ``backward`` and ``autograd.grad`` (none
+    replaced), and its own layer after the model gets each micro-batch's gradient once."""
+    import orgel
+
+    real = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    head = nn.Linear(4, 1)  # the closure's own, after the pipelined model
+    ref_model, ref_head = copy.deepcopy(model), copy.deepcopy(head)
+    pipe = orgel.backend(ranks=2, microbatches=2, optimizer=_sgd, threads=1, timeout_s=60)
+    compiled = torch.compile(model, backend=pipe, dynamic=False)
+    seen = []
+
+    def make(net: nn.Module) -> object:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            seen.append((torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad))
+            loss = F.mse_loss(head_of[net](net(x)), y) / 2
+            torch.autograd.grad(loss, list(head_of[net].parameters()), retain_graph=True)
+            loss.backward()
+            return loss.detach()
+
+        return closure
+
+    head_of = {compiled: head, ref_model: ref_head}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+    try:
+        losses = pipe.step(make(compiled), x, y)
+        seen_here = len(seen)
+        ref_opt = _sgd(list(ref_model.parameters()))
+        want = [make(ref_model)(xm, ym) for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True)]
+        ref_opt.step()
+        assert seen_here == 3  # micro-batch 0 to its backward, then both micro-batches
+        assert all(s == real for s in seen)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(want))
+        torch.testing.assert_close(head.weight.grad, ref_head.weight.grad)
+        state = pipe.state_dict()
+        for name, t in ref_model.state_dict().items():
+            torch.testing.assert_close(state[name], t, msg=name)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.slow
+def test_pipelining_a_model_with_graph_breaks_keeps_the_callers_compiled_code() -> None:
+    """The capture of a forward with graph breaks converts the model's own frames; it drops
+    what it compiled there and nothing of the caller's (no ``torch._dynamo.reset()``)."""
+    import orgel
+    from orgel.models import build
+
+    compiles: list[torch.fx.GraphModule] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        compiles.append(gm)
+        return gm
+
+    model, inputs, targets, loss_fn = build("graphbreak", batch_size=4, seed=0)
+    own = torch.compile(model, backend=counting, dynamic=False)  # the same frames as orgel's
+    scale = torch.compile(lambda t: torch.sin(t) * 2, backend=counting, dynamic=False)
+    own(*inputs)
+    scale(inputs[0])
+    before = len(compiles)
+    pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2,
+                          optimizer=_sgd)
+    try:
+        assert pipe.glue.calls  # the graph-break path
+        pipe.step(inputs, targets)
+    finally:
+        pipe.close()
+    own(*inputs)
+    scale(inputs[0])
+    assert len(compiles) == before
+
+
+def test_cuda_unused_replaces_nothing_and_puts_the_environment_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from orgel.guard import cuda_unused
+
+    available = torch.cuda.is_available
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    with cuda_unused():
+        assert torch.cuda.is_available is available
+        assert not torch.cuda.is_available()
+    assert torch.cuda.is_available is available
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+
+
+class _Witness(nn.Module):
+    """Records what ``torch.cuda.is_available`` is while its forward runs (the capture)."""
+
+    seen: list[object] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Witness.seen.append(torch.cuda.is_available)
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.slow
+def test_capture_sees_torch_cuda_is_available_itself() -> None:
+    import orgel
+
+    torch.manual_seed(0)
+    available = torch.cuda.is_available
+    _Witness.seen.clear()
+    pipe = orgel.pipeline(_Witness(), (torch.randn(4, 4),), torch.randn(4, 2), F.mse_loss,
+                          ranks=2, microbatches=2, optimizer=_sgd)
+    pipe.close()
+    assert _Witness.seen and all(f is available for f in _Witness.seen)
+    assert torch.cuda.is_available is available
+
+
+TP_SCRIPT = '''
+import json, sys
+import torch
+import orgel
+from orgel.models import build
+
+model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
+                                        seq_len=8, vocab_size=64)
+pipe = orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, tp=2, microbatches=2)
+flags = [torch._C._get_dtensor_allow_implicit_replication()]
+pipe.step(inputs, targets)
+flags.append(torch._C._get_dtensor_allow_implicit_replication())
+pipe.evaluate(inputs, targets)
+flags.append(torch._C._get_dtensor_allow_implicit_replication())
+with open(f"{sys.argv[1]}/flags{torch.distributed.get_rank()}.json", "w") as f:
+    json.dump({"flags": flags, "tp": pipe.plan.tp}, f)
+pipe.close()
+'''
+
+
+@pytest.mark.slow
+def test_tp_under_torchrun_leaves_implicit_replication_off(tmp_path: Path) -> None:
+    """Under torchrun the ranks are the caller's processes: DTensor's implicit replication
+    is on only while orgel's passes run."""
+    import json
+
+    from test_api_torchrun import _torchrun
+
+    code, log = _torchrun(tmp_path, TP_SCRIPT, str(tmp_path))
+    assert code == 0, log[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"flags{rank}.json").read_text())
+        assert result == {"flags": [False, False, False], "tp": 2}

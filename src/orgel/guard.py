@@ -149,6 +149,11 @@ def no_autocast_cache() -> Iterator[None]:
         torch.set_autocast_cache_enabled(before)
 
 
+#: the environment :func:`cuda_unused` sets: ``torch.cuda.is_available()`` reads the
+#: GPU count from NVML (never the CUDA runtime) and counts the visible GPUs: none
+_NO_CUDA = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 @contextmanager
 def cuda_unused() -> Iterator[None]:
     """Inside, ``torch.cuda.is_available()`` answers False unless this process uses CUDA
@@ -159,26 +164,28 @@ def cuda_unused() -> Iterator[None]:
     then not use it. The controller of forked ranks captures the model inside this
     (on the CPU) and never uses CUDA itself (:mod:`orgel.launch.devices`).
 
-    Code that bound ``torch.cuda.is_available`` before (Dynamo's device interface does)
-    still calls the original, which asks the CUDA runtime and so initializes the driver
-    (``torch.cuda.is_initialized()`` stays False, yet forked ranks then fail with "CUDA
-    error: initialization error"); inside, ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` makes it ask
-    NVML instead, which leaves the driver alone.
+    Nothing of torch is replaced: the environment says so (:data:`_NO_CUDA`), and
+    ``torch.cuda.is_available`` reads it on every call, also where code bound the
+    function before (Dynamo's device interface does). The variables are put back on
+    the way out; while inside, code of the caller's that initializes CUDA from
+    another thread would find no GPU. orgel's GPU count
+    (:func:`orgel.launch.devices.gpu_count`) is read before they are hidden.
     """
     if torch.cuda.is_initialized():
         yield
         return
     import os
 
-    available = torch.cuda.is_available
-    nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    from orgel.launch.devices import gpu_count
+
+    gpu_count()  # kept once read: read it with every GPU in sight
+    saved = {name: os.environ.get(name) for name in _NO_CUDA}
+    os.environ.update(_NO_CUDA)
     try:
         yield
     finally:
-        torch.cuda.is_available = available  # type: ignore[assignment]
-        if nvml is None:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -44,7 +44,7 @@ from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation
 from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
-from orgel.graph.dynamo import dynamo_settings
+from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.lossweights import batch_weights, weigh
 from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
@@ -405,6 +405,13 @@ class GluedPipeline(Pipeline):
         with torch.no_grad():
             for name, p in self._eager.items():
                 p.copy_(state[name])
+
+    def close(self) -> None:
+        """Stop the ranks, and drop the code Dynamo compiled here for the controller's copy."""
+        try:
+            super().close()
+        finally:
+            forget_compiled(self._backend)
 
     def load_state_dict(self, state: Any, strict: bool = True) -> Any:
         result = super().load_state_dict(state, strict)

@@ -1,4 +1,4 @@
-"""Dynamo's options while orgel traces a forward (capture, glued graphs, the backend)."""
+"""Dynamo's options while orgel traces a forward, and forgetting what orgel compiled."""
 
 from __future__ import annotations
 
@@ -26,3 +26,36 @@ def dynamo_settings() -> Any:
         # torch 2.11 logs each compile's config and fails to sort that set of functions
         options["log_compilation_metrics"] = False
     return torch._dynamo.config.patch(**options)
+
+
+def forget_compiled(backend: Any) -> None:
+    """Drop the code Dynamo compiled with ``backend``, and nothing else.
+
+    ``torch._dynamo.reset()`` would drop the caller's own compiled code as well (their
+    models compile again on the next call). A capture that converts the model's own
+    frames (graph breaks: the model's ``forward`` and Dynamo's resume functions) adds
+    entries to those frames' caches, which would keep the capture's graphs alive and
+    count against the caller's recompile limit; each entry names its backend. A frame
+    whose entries are all ours is emptied; where the caller compiled it too, ours are
+    invalidated as Dynamo does when a model they guard on is freed (a dead entry
+    stays in that frame's list). ``backend`` compares by ``==`` (a bound method is made
+    anew at each lookup).
+    """
+    from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    for ref in list(input_codes.seen):  # every code object Dynamo converted
+        code = ref()
+        if code is None:
+            continue
+        found = entries(code)
+        ours = [e for e in found if getattr(e.backend, "compiler_fn", None) == backend]
+        if ours and all(e in ours or e.backend is None for e in found):
+            torch._dynamo.eval_frame.reset_code(code)
+            continue
+        for entry in ours:
+            manager = entry.guard_manager
+            extra, own = manager.extra_state, manager.cache_entry
+            if extra is not None and own is not None:
+                extra.invalidate(own, DeletedGuardManagerWrapper("orgel's capture ended"))

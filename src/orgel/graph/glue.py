@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from orgel.graph.dynamo import dynamo_settings
+from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.opgraph import CaptureError
 
 #: Values recorded when the forward ran once, by capture key: what exchanges return
@@ -254,7 +254,6 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
 
         return run
 
-    torch._dynamo.reset()
     try:
         compiled = torch.compile(model, backend=backend, dynamic=False)
         with dynamo_settings(), torch.enable_grad():
@@ -266,7 +265,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
                            f"graphs, and Dynamo failed: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
     finally:
-        torch._dynamo.reset()
+        forget_compiled(backend)  # the caller's compiled code stays (no torch._dynamo.reset())
     if not seen:
         raise CaptureError("torch.compile produced no graph; does the model compute anything "
                            "with tensors?")

@@ -422,3 +422,18 @@ def _run_measured(
     finally:
         torch._C._set_grad_enabled(grad_before)
     return facts
+
+
+def place(module: torch.nn.Module, device: torch.device) -> None:
+    """Move a stage module to ``device``: its parameters and buffers, and the device
+    constants of its graphs (``torch.arange(n, device=x.device)`` captured on the CPU or
+    the meta device names that device; on ``device`` it must name ``device``)."""
+    module.to(device)
+    for gm in module.modules():
+        if isinstance(gm, torch.fx.GraphModule):
+            changed = False
+            for source in ("cpu", "meta"):
+                if source != device.type:
+                    changed |= to_device(gm, device, source)
+            if changed:
+                gm.recompile()

@@ -169,20 +169,3 @@ def profiling_on(device: str) -> Iterator[None]:
         yield
     finally:
         _PROFILING.reset(token)
-
-
-def place(module: torch.nn.Module, device: torch.device) -> None:
-    """Move a stage module to ``device``: its parameters and buffers, and the device
-    constants of its graphs (``torch.arange(n, device=x.device)`` captured on the CPU or
-    the meta device names that device; on ``device`` it must name ``device``)."""
-    from orgel.graph.measure import to_device
-
-    module.to(device)
-    for gm in module.modules():
-        if isinstance(gm, torch.fx.GraphModule):
-            changed = False
-            for source in ("cpu", "meta"):
-                if source != device.type:
-                    changed |= to_device(gm, device, source)
-            if changed:
-                gm.recompile()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from orgel.launch.devices import place
+from orgel.graph.measure import place
 from orgel.profile.blocks import (
     BlockMeasure,
     BlockProbe,

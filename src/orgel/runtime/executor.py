@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from orgel.batching import BatchDim, single_dim
-from orgel.launch.devices import place
+from orgel.graph.measure import place
 from orgel.launch.errors import StepAbandoned, StepFailure, is_comm_error
 from orgel.lossweights import Weight
 from orgel.runtime import tensor_parallel as tp
@@ -293,6 +293,10 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         to the gradients. ``outputs``: keep this rank's shares of the model's
         outputs in :attr:`kept`.
         """
+        with tp.implicit_replication():  # DTensor stages (tp > 1); the caller's setting after
+            return self._step(inputs, targets, outputs=outputs)
+
+    def _step(self, inputs: dict[str, Any], targets: Any, *, outputs: bool) -> float:
         self.kept = {} if outputs else None
         self._t0 = time.perf_counter()
         self._wall0 = time.time()

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orgel.launch.devices import place
+from orgel.graph.measure import place
 from orgel.runtime.comm import Transport
 from orgel.runtime.executor import Executor, _signature
 from orgel.runtime.outputs import Share
 from orgel.runtime.sharding import Sharding
 from orgel.runtime.stage import Run, StageInfo
-from orgel.runtime.tensor_parallel import shard_eval_stages
+from orgel.runtime.tensor_parallel import implicit_replication, shard_eval_stages
 from orgel.schedule.comm import CommPlan, replica_pairs
 from orgel.schedule.ir import Plan
 from orgel.split.evaluation import share_weights
@@ -102,7 +102,7 @@ class ForwardOnly(Executor):
         """Evaluate the whole batch: the mean loss (every rank; None without ``loss``) and this
         rank's shares of the outputs (empty unless ``outputs`` and it hosts the loss stage).
         FSDP-sharded stages read their weights whole (gathered for the pass)."""
-        with self.owner.sharding.gathered():
+        with self.owner.sharding.gathered(), implicit_replication():
             return self._run(inputs, targets, loss=loss, outputs=outputs)
 
     def _run(self, inputs: dict[str, Any], targets: Any, *, loss: bool,

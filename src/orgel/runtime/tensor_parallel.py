@@ -37,7 +37,8 @@ level what they do:
   heads, with no communication (:func:`_local_heads`). Plain tensors an op of a region
   reads (rotary tables, masks, a norm's weight) enter it as replicated DTensors made
   with ``from_local``, so their gradients come back plain; ``implicit_replication``
-  (switched on for the process by :func:`enable`) covers what autograd mixes in backward.
+  (switched on around orgel's passes by :func:`implicit_replication`) covers what autograd
+  mixes in backward.
 
 Parameter names and whole values are unchanged for ``state_dict`` and ``copy_to``:
 :func:`orgel.runtime.sharding.full_tensor` gathers a DTensor parameter and
@@ -48,7 +49,8 @@ Parameter names and whole values are unchanged for ``state_dict`` and ``copy_to`
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -109,7 +111,6 @@ def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.d
     replica set's 2-D mesh, so that FSDP2 shards its DTensors over the ``"dp"`` one),
     and the ``"dp"`` mesh of each sharded replica set this process is in (for
     :class:`~orgel.runtime.sharding.Sharding`). Collective over every process."""
-    enable()
     mesh, planes = meshes(plan, device.type)
     used: dict[int, DeviceMesh] = {}
     for s, info in stages.items():
@@ -134,10 +135,22 @@ def shard_eval_stages(split: Any, stages: dict[int, Any], used: dict[int, Device
             info.tp_regions = parallelize(module, used[s], split.requires_grad, shared=True)
 
 
-def enable() -> None:
-    """Treat plain tensors that meet DTensors as replicated, for this process (its forwards
-    and backwards: autograd runs the backward ops outside any context manager)."""
+@contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Inside, plain tensors that meet DTensors count as replicated; as it was after.
+
+    The switch is thread-local and autograd carries it to the threads that run a
+    backward started inside, so orgel's passes over the stages run within this and
+    the caller's process (torchrun's ranks are the caller's) keeps its own setting.
+    ``torch.distributed.tensor.experimental.implicit_replication`` would switch it off
+    after, even where the caller had it on.
+    """
+    before = torch._C._get_dtensor_allow_implicit_replication()
     torch._C._set_dtensor_allow_implicit_replication(True)
+    try:
+        yield
+    finally:
+        torch._C._set_dtensor_allow_implicit_replication(before)
 
 
 # -- the graph rewrite ---------------------------------------------------------------------

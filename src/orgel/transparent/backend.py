@@ -45,8 +45,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -287,8 +286,9 @@ class Backend:
         """Run micro-batch 0's closure up to its backward; record the graphs it calls.
 
         The graphs run here on detached copies of the parameters and buffers
-        (nothing of the caller's changes), and the closure stops where it calls
-        ``backward`` (or ``torch.autograd.grad``), before any gradient exists.
+        (nothing of the caller's changes), and the closure stops where its
+        ``backward`` (or ``torch.autograd.grad``) begins, before a gradient reaches a
+        parameter (:func:`_stopped_at_backward`).
         One graph that reads parameters is pipelined as is; several are joined
         (:mod:`orgel.graph.glue`) and the closures run the Python between them.
         """
@@ -328,6 +328,7 @@ class Backend:
             check_grad_mode(gm, [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
                             "The compiled model has graph breaks.")
         out = gm(*shadow)
+        _stop_outputs(out)
         assert self._found is not None
         if "param" in kinds or "buffer" in kinds:
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -719,19 +720,36 @@ class _ForwardDone(BaseException):
     """Raised where the closure run by :meth:`Backend._discover` calls backward."""
 
 
-@contextmanager
-def _stopped_at_backward() -> Iterator[None]:
-    """``backward`` and ``torch.autograd.grad`` raise :class:`_ForwardDone` in the body."""
-    saved = torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
+def _stopped_at_backward() -> torch.autograd.graph.saved_tensors_hooks:
+    """A backward of what the body computes raises :class:`_ForwardDone` when it begins.
 
-    def stop(*args: Any, **kwargs: Any) -> Any:
-        raise _ForwardDone
+    Autograd's saved-tensor hooks, on this thread only while the body runs (nothing of
+    torch is replaced: the closure calls the real ``backward`` and
+    ``torch.autograd.grad``): every tensor an operation saves for its backward comes
+    back only through :func:`_stop`, so the backward stops at the first node that
+    reads one, the loss's own in practice, before a gradient reaches a leaf. The
+    graphs' outputs stop it as well (:func:`_stop_outputs`), so a backward whose
+    first nodes save nothing stops at the model at the latest; a leaf of the
+    closure's own that such a chain reaches first (``(out.sum() + w.sum()).backward()``)
+    would get its ``.grad``.
+    """
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _stop)
 
-    torch.Tensor.backward = torch.autograd.backward = torch.autograd.grad = stop  # type: ignore[assignment,method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = saved  # type: ignore[method-assign]
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    # detached: a packed output holding its own grad_fn would never be freed
+    return t.detach()
+
+
+def _stop(_packed: Any) -> torch.Tensor:
+    raise _ForwardDone
+
+
+def _stop_outputs(out: Any) -> None:
+    """Make a backward that reaches the graph's outputs ``out`` raise :class:`_ForwardDone`."""
+    for t in out if isinstance(out, (tuple, list)) else [out]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(_stop)
 
 
 def _compiled_module() -> torch.nn.Module | None:
