@@ -15,7 +15,7 @@ Two launch modes, chosen from the environment, with the same object and methods:
 Methods that gather (``state_dict``, ``timeline``) or write (``save``) involve
 every rank in both modes; under torchrun call them on every rank. So do ``step``
 and ``evaluate``; evaluation runs a second capture of the model, made in eval
-mode when the pipeline starts (:func:`orgel.flow.capture.eval_split_for`).
+mode by the first ``evaluate`` (:func:`orgel.flow.capture.eval_split_for`).
 
 Both modes run the one flow of :mod:`orgel.flow`: :func:`orgel.flow.prepare.prepare`
 (capture, plan, split) and :mod:`orgel.flow.start` (the ranks); this module only reads

@@ -4,12 +4,14 @@
 on one micro-batch (sizes symbolic where the model allows), decide the plan and the loss
 rule (:func:`decide`: in this process, in a planning child for CUDA ranks, or on
 process 0 of a torchrun job, which broadcasts it), split the graph into the plan's
-stages, and cut the eval-mode capture alike. The result, :class:`Prepared`, is what
+stages. The eval-mode capture waits for the first ``evaluate``
+(:meth:`Prepared.lazy_evaluation`). The result, :class:`Prepared`, is what
 :mod:`orgel.flow.start` launches.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ from orgel.plan.transforms import mark_sharded
 from orgel.runtime.sharding import check_sharded
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import Init, Weights, WeightsArg
+from orgel.worker.evaluation import LazyEvaluation
 from orgel.workload import Workload
 
 
@@ -36,10 +39,24 @@ class Prepared:
     graph: Any
     loss_rule: str
     seed: int
-    evaluation: Any = None  # the eval-mode SplitModel, or why evaluate is not available
+    evaluation: str | None = None  # why evaluate is not available (None: it is)
     source: Weights | None = None
     keys: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+
+    def lazy_evaluation(self, guard: Callable[[], Any] | None = None) -> LazyEvaluation | str:
+        """The eval-mode split, made by the first ``evaluate`` in the process that asks
+        (:mod:`orgel.worker.evaluation`), under ``guard()`` if given; or why there is none."""
+        if self.evaluation is not None:
+            return self.evaluation
+
+        def make() -> Any:
+            from orgel.flow.capture import eval_split_for
+
+            with guard() if guard is not None else contextlib.nullcontext():
+                return eval_split_for(self.workload, self.plan, self.split)
+
+        return LazyEvaluation(make)
 
 
 #: How the plan, the loss rule and the seed are agreed: ``agree(decide)`` returns what
@@ -96,7 +113,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             loss_rule: str, optimizer: Any, source: Weights | None = None,
             loss_scaling: bool = False, agree: Agree = here, mark: bool = False,
             check_graph: Callable[[Any], None] | None = None) -> Prepared:
-    """Capture, decide the plan and the loss rule, split, and cut the eval-mode stages.
+    """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
     made (:func:`here`, or :func:`on_process_zero` of a torchrun job). ``mark``: a given
@@ -104,7 +121,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     its stages take ``shard`` as a plan made here does. ``check_graph``: called on the
     capture before anything is planned (it raises for a graph the front end refuses).
     """
-    from orgel.flow.capture import capture_microbatch, eval_split_for, resolve_plan, split_for
+    from orgel.flow.capture import capture_microbatch, resolve_plan, split_for
     from orgel.plan.transforms import with_tp
 
     given = plan
@@ -140,9 +157,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                                  "graphs); give microbatches as an int, not 'auto'")
         split = split_for(workload, graph, the_plan)
         check_sharded(the_plan, split, loss_scaling=loss_scaling)
-        evaluation = (eval_split_for(workload, the_plan, split) if graph.glue is None else
-                      "evaluate is not available for a forward of several graphs (graph "
-                      "breaks) yet")
+    evaluation = (None if graph.glue is None else "evaluate is not available for a forward "
+                  "of several graphs (graph breaks) yet")
     return Prepared(workload, the_plan, split, graph, rule, seed, evaluation, source)
 
 

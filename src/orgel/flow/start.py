@@ -49,33 +49,34 @@ def make_own_stages(split: Any, plan: Plan, rank: int, source: Weights | None,
 
 
 def engine_for(prepared: Prepared, process: int, kind: str, *, optimizer: Any,
-               timeout_s: float, executor_options: dict[str, Any]) -> RankEngine:
-    """Process ``process``'s engine: its pipeline rank's stages, made on its device."""
+               timeout_s: float, executor_options: dict[str, Any],
+               evaluation: Any) -> RankEngine:
+    """Process ``process``'s engine: its pipeline rank's stages, made on its device;
+    ``evaluation``: its eval-mode split, or the :class:`LazyEvaluation` that makes it."""
     plan, split = prepared.plan, prepared.split
     here = rank_device(kind, process)
     rank = plan.pipeline_rank_of(process)
     made = make_own_stages(split, plan, rank, prepared.source, here)
     engine = RankEngine(rank, plan, split, optimizer=optimizer,
                         loss_fn=prepared.workload.loss_fn, timeout_s=timeout_s,
-                        evaluation=prepared.evaluation,
+                        evaluation=evaluation,
                         executor_options={**executor_options, "loss_rule": prepared.loss_rule,
                                           "device": here})
     engine.made = made
     return engine
 
 
-def _pipeline(prepared: Prepared, ranks: Any, *, spmd: bool, accumulate: int) -> Pipeline:
+def _pipeline(prepared: Prepared, ranks: Any, *, spmd: bool, accumulate: int,
+              evaluation: Any) -> Pipeline:
     from orgel.flow.capture import shape_check
 
     split, plan = prepared.split, prepared.plan
-    evaluation = prepared.evaluation
     pipe = Pipeline(plan, ranks, model=prepared.workload.model,
                     loss_ranks=loss_processes(plan, split.loss_stage),
                     state_keys=prepared.keys, aliases=prepared.aliases, spmd=spmd,
                     source=prepared.source, accumulate=accumulate,
                     workload=prepared.workload, outputs=split.unflatten_outputs,
-                    evaluation=evaluation if isinstance(evaluation, str)
-                    else evaluation.unflatten_outputs)
+                    evaluation=evaluation)
     pipe.check_sizes = shape_check(prepared.workload, split, plan)
     pipe.loss_rule = prepared.loss_rule
     check_param_groups(pipe)
@@ -85,17 +86,22 @@ def _pipeline(prepared: Prepared, ranks: Any, *, spmd: bool, accumulate: int) ->
 def start_local(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: float,
                 threads: int | None, executor_options: dict[str, Any]) -> Pipeline:
     """Fork the plan's processes from this one; the caller drives them."""
+    from orgel.guard import cuda_unused
     from orgel.launch.processes import LocalGroup
+
+    ranks_evaluation = prepared.lazy_evaluation()  # each rank makes its own, if asked
 
     def make_engine(process: int) -> RankEngine:  # in the worker, after the fork
         return engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
-                          executor_options=executor_options)
+                          executor_options=executor_options, evaluation=ranks_evaluation)
 
     world = prepared.plan.world_size
     group = LocalGroup(world, make_engine, timeout_s=timeout_s, threads=threads,
                        backend=backend_for(kind, world))
+    # this process makes it for the outputs' structure, never touching CUDA (later forks)
     return _pipeline(prepared, group, spmd=False,
-                     accumulate=int(executor_options.get("accumulate", 1)))
+                     accumulate=int(executor_options.get("accumulate", 1)),
+                     evaluation=prepared.lazy_evaluation(cuda_unused))
 
 
 def start_torchrun(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: float,
@@ -112,7 +118,9 @@ def start_torchrun(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: 
     else:  # the stages train copies: the caller's model changes only through pipe.copy_to
         rank = plan.pipeline_rank_of(process)
         own_stage_copies(split.stages[s].module for s in plan.stages_on(rank))
+    evaluation = prepared.lazy_evaluation()  # one capture serves the rank and the pipeline
     engine = engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
-                        executor_options=executor_options)
+                        executor_options=executor_options, evaluation=evaluation)
     return _pipeline(prepared, OwnRank(engine, dist.get_world_size(), owns_group=owns_group),
-                     spmd=True, accumulate=int(executor_options.get("accumulate", 1)))
+                     spmd=True, accumulate=int(executor_options.get("accumulate", 1)),
+                     evaluation=evaluation)

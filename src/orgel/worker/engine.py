@@ -25,6 +25,7 @@ from orgel.runtime.optimizer import OptimizerFactory
 from orgel.runtime.sharding import full_tensor, own_part, shard_like
 from orgel.schedule.ir import Plan
 from orgel.split.types import SplitModel
+from orgel.worker.evaluation import LazyEvaluation
 
 __all__ = ["OptimizerFactory", "RankEngine"]
 
@@ -46,7 +47,7 @@ class RankEngine:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         timeout_s: float = 300.0,
         executor_options: dict[str, Any] | None = None,
-        evaluation: SplitModel | str | None = None,
+        evaluation: SplitModel | str | LazyEvaluation | None = None,
     ) -> None:
         from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
@@ -70,6 +71,13 @@ class RankEngine:
         #: the forward-only pass (``evaluation``: the eval-mode split, or why there is none)
         self.forward_only: Any = None
         self.no_evaluation = "this pipeline was made without an eval-mode split"
+        self._lazy: LazyEvaluation | None = None  # made at the first evaluate
+        if isinstance(evaluation, LazyEvaluation):
+            self._lazy = evaluation
+        else:
+            self._set_evaluation(evaluation)
+
+    def _set_evaluation(self, evaluation: SplitModel | str | None) -> None:
         if isinstance(evaluation, SplitModel):
             from orgel.plan.transforms import check_forward
             from orgel.runtime.forward_only import ForwardOnly
@@ -137,6 +145,9 @@ class RankEngine:
                  outputs: bool) -> tuple[float | None, list[Any]]:
         """Forward only, in eval mode (:mod:`orgel.runtime.forward_only`): the mean loss
         (every rank; None without ``loss``) and this rank's shares of the outputs."""
+        if self._lazy is not None:  # the first evaluate: this rank's eval-mode stages
+            lazy, self._lazy = self._lazy, None
+            self._set_evaluation(lazy.get())
         if self.forward_only is None:
             raise RuntimeError(f"evaluation is not available: {self.no_evaluation}")
         from orgel.launch.errors import StepAbandoned

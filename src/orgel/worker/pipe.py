@@ -23,6 +23,7 @@ from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import Dropped, RankEngine
+from orgel.worker.evaluation import LazyEvaluation
 from orgel.worker.state import StateNames, canonical_names, model_aliases
 from orgel.workload import cache_off, named_inputs
 
@@ -82,7 +83,7 @@ class Pipeline:
                  loss_ranks: Sequence[int], state_keys: list[str], aliases: dict[str, str],
                  spmd: bool, source: Any = None, accumulate: int = 1,
                  workload: Any = None, outputs: Unflatten | None = None,
-                 evaluation: Unflatten | str | None = None) -> None:
+                 evaluation: Unflatten | str | LazyEvaluation | None = None) -> None:
         self.plan = plan
         # its forward signature names positional inputs; it holds the tensors no stage reads
         self._model = model
@@ -181,6 +182,9 @@ class Pipeline:
         given) raises :class:`~orgel.launch.errors.StepError` as in :meth:`step`: every
         rank dropped the pass, and the pipeline goes on.
         """
+        if isinstance(self._evaluation, LazyEvaluation):  # the first evaluate makes it
+            made = self._evaluation.get()
+            self._evaluation = made if isinstance(made, str) else made.unflatten_outputs
         if not callable(self._evaluation):
             raise RuntimeError(f"evaluation is not available: {self._evaluation}")
         named = named_inputs(self._model, inputs)
