@@ -49,3 +49,15 @@ def test_refuse_ignores_options_left_off() -> None:
     refuse("backend", {"tp": 1, "dp": 1, "shard": "none", "compile": False, "device": None})
     with pytest.raises(ValueError, match="tensor parallelism"):
         refuse("backend", options(tp=2))
+
+
+@pytest.mark.slow
+def test_a_forward_with_graph_breaks_is_refused_from_the_table_before_planning() -> None:
+    from test_glue import _branching
+
+    w = _branching()
+    for given, key in ((dict(tp=2, ranks=4), "tp"), (dict(compile=True), "compile"),
+                       (dict(check_finite=True), "check_finite")):
+        with pytest.raises(ValueError) as info:
+            orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, microbatches=2, **given)
+        assert str(info.value) == REFUSED[("graph breaks", key)]

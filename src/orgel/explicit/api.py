@@ -250,13 +250,16 @@ def pipeline(
             common["mark"] = True  # as planned here: its stages get the shard option
         # the workers fork afterwards, from the caller's own state; this process never uses
         # CUDA (a forked rank could not), so it profiles on the CPU
+        def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
+            if graph.glue is not None:
+                refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
+                                        "device": kind, "tp": tp})
+
         with profiling_on("cpu"), cuda_unused():
-            prepared = prepare(workload, plan=plan, **common)
+            prepared = prepare(workload, plan=plan, check_graph=breaks_allowed, **common)
     prepared.keys, prepared.aliases = keys, aliases
     glue = prepared.graph.glue
     if glue is not None:  # several graphs: the controller runs the Python between them
-        refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
-                                "device": kind})
         from orgel.explicit import glued
 
         glued_pipe = glued.start(workload, prepared.plan, prepared.split, glue,
