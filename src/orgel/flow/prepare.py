@@ -98,14 +98,19 @@ def plan_only(workload: Workload, *, ranks: int, microbatches: int | str, memory
     with untouched(workload.model):
         graph = None if microbatches == "auto" else capture_microbatch(workload,
                                                                        int(microbatches))
-        if graph is not None and graph.glue is not None:
-            from orgel.worker.closure import profiling_loss
+        return resolve_plan(None, planned_workload(workload, graph), graph, ranks,
+                            microbatches, memory, dp, source=source, optimizer=optimizer)
 
-            workload = Workload(workload.model, workload.inputs, workload.targets,
-                                profiling_loss, workload.batch_dim, workload.replicated,
-                                workload.precision)
-        return resolve_plan(None, workload, graph, ranks, microbatches, memory, dp,
-                            source=source, optimizer=optimizer)
+
+def planned_workload(workload: Workload, graph: Any) -> Workload:
+    """The workload the planner profiles: with graph breaks the graphs' outputs are not the
+    model's output, so the loss stage is timed with a sum (``profiling_loss``)."""
+    if graph is None or graph.glue is None:
+        return workload
+    from orgel.worker.closure import profiling_loss
+
+    return Workload(workload.model, workload.inputs, workload.targets, profiling_loss,
+                    workload.batch_dim, workload.replicated, workload.precision)
 
 
 def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, tp: int,
@@ -130,14 +135,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                                                                        int(microbatches))
         if graph is not None and check_graph is not None:
             check_graph(graph)
-        planned = workload
-        if graph is not None and graph.glue is not None:
-            # the graphs' outputs are not the model's output: profile the loss stage with a sum
-            from orgel.worker.closure import profiling_loss
-
-            planned = Workload(workload.model, workload.inputs, workload.targets,
-                               profiling_loss, workload.batch_dim, workload.replicated,
-                               workload.precision)
+        planned = planned_workload(workload, graph)
 
         def decide() -> tuple[Plan, str, int]:
             the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
