@@ -114,8 +114,11 @@ def measure_link_samples(world: int = 2, *, backend: str = "gloo",
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    # gloo ranks are forked (no imports to repeat); NCCL ones spawned: a child forked from a
+    # process that used CUDA cannot use it
     per_rank = spawn(_ping_pong, world, backend, tuple(sizes), repeats, timeout,
-                     timeout=timeout, backend=backend)
+                     timeout=timeout, backend=backend,
+                     context="fork" if backend == "gloo" else "spawn")
     merged: dict[Pair, Samples] = {}
     for got in per_rank:
         merged.update(got)
