@@ -344,3 +344,33 @@ def test_a_plain_rank_engine_refuses_a_split_with_exchanges() -> None:
     plan = balanced_plan(graph, ranks=2, microbatches=1)
     with pytest.raises(CaptureError, match="only through orgel.pipeline"):
         RankEngine(0, plan, split_plan(graph, plan), optimizer=None, loss_fn=F.mse_loss)
+
+
+@pytest.mark.slow
+def test_accumulating_steps_of_a_forward_of_several_graphs_train_exactly() -> None:
+    # the micro-batches take either arm of a branch between graphs; with accumulate=2 the
+    # optimizer steps on every second call, each call counting 1/2
+    w = _branching()
+    reference = copy.deepcopy(w.model)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    pipe = orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=2,
+                          accumulate=2, optimizer=sgd, timeout_s=120.0)
+    try:
+        losses = [pipe.step(w.inputs, w.targets) for _ in range(4)]
+        assert pipe.steps == 2 and pipe.calls == 4
+        got = pipe.state_dict()
+    finally:
+        pipe.close()
+    opt = sgd(reference.parameters())
+    want = []
+    (x,), y = w.inputs, w.targets
+    for call in range(4):  # the same two micro-batches of 4 rows, each loss counting 1/2
+        loss = sum(w.loss_fn(reference(x[i:i + 4]), y[i:i + 4]) / 2 for i in (0, 4))
+        (loss / 2).backward()
+        want.append(float(loss))
+        if call % 2:
+            opt.step()
+            opt.zero_grad()
+    assert losses == pytest.approx(want, abs=1e-5)
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(got[name], value, atol=1e-5), name

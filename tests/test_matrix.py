@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
             "if_end", "length", "resume", "tied"]
-PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp", "evaluate+break"]
+PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp", "evaluate+break",
+         "accumulate+break"]
 
 #: (entry, cell) -> words the refusal must contain. Every other cell must be exact.
 REFUSED: dict[tuple[str, str], str] = {

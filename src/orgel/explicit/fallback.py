@@ -125,17 +125,17 @@ class Fallback:
         for the step's gradients).
         """
         with self._lock:
-            if self._fetched == pipe.steps:
+            if self._fetched == pipe.calls:
                 assert self._copy is not None
                 return self._copy
             if self._copy is None:
                 self._copy = copy.deepcopy(self.model)
             ranks = range(pipe.plan.num_ranks)
             for r in ranks:
-                pipe._send(r, ("v_fetch", (pipe.steps, r), None))
+                pipe._send(r, ("v_fetch", (pipe.calls, r), None))
             values: dict[str, torch.Tensor] = {}
             for r in ranks:
-                got = pipe._mail.get("v_values", (pipe.steps, r), r,
+                got = pipe._mail.get("v_values", (pipe.calls, r), r,
                                      "its parameters' values (a micro-batch off the captured path)")
                 for name, t in got.items():
                     values.setdefault(name, t)
@@ -145,7 +145,7 @@ class Fallback:
                 for name, t in values.items():
                     if name in state:
                         state[name].copy_(t)
-            self._fetched = pipe.steps
+            self._fetched = pipe.calls
             return self._copy
 
     def leave(self, pipe: Any, slot: Any, inputs: dict[str, Any], why: str) -> None:
@@ -159,7 +159,7 @@ class Fallback:
         """
         self.check(slot.index, why)
         assert self.dummies is not None
-        glue, m, step = pipe.glue, slot.index, pipe.steps
+        glue, m, step = pipe.glue, slot.index, pipe.calls
         calls = glue.calls
         first = {name: inputs[name].detach() for kind, name in calls[0].roles if kind == "input"}
         start = slot.sent
@@ -193,7 +193,8 @@ class Fallback:
                                 f"the calling process, where its forward wrote buffers "
                                 f"{written[:3]} in place: orgel cannot hand that to the ranks")
             loss = weigh(pipe.loss_fn(out, targets), pipe._weights[(slot.index, 0)])
-            grads = (torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+            grads = (torch.autograd.grad(loss / pipe.accumulate, [p for _, p in params],
+                                         allow_unused=True)
                      if loss.requires_grad and params else [None] * len(params))
         slot.grads = {n: g for (n, _), g in zip(params, grads, strict=True) if g is not None}
         slot.result = float(loss.detach())

@@ -113,10 +113,14 @@ class GluedPipeline(Pipeline):
                  split: Any, model: torch.nn.Module,
                  loss_fn: Callable[[Any, Any], torch.Tensor], replicated: tuple[str, ...],
                  timeout_s: float, state_keys: list[str], aliases: dict[str, str],
-                 batch_dim: int = 0) -> None:
+                 batch_dim: int = 0, accumulate: int = 1) -> None:
         loss_rank = plan.placement[split.loss_stage][0]
         super().__init__(plan, group, model=model, loss_ranks=[loss_rank], state_keys=state_keys,
-                         aliases=aliases, spmd=False, evaluation=NO_EVALUATION)
+                         aliases=aliases, spmd=False, evaluation=NO_EVALUATION,
+                         accumulate=accumulate)
+        #: step calls made: the exchanges with the ranks are keyed by it (each rank counts
+        #: its calls too), not by optimizer steps, which ``accumulate`` > 1 makes fewer
+        self.calls = 0
         self.glue = glue
         self.loss_fn = loss_fn
         self._keep_outputs = False  # whether this step keeps the model's outputs
@@ -228,7 +232,7 @@ class GluedPipeline(Pipeline):
 
     def _run(self, slot: _Slot, c: int, inputs: dict[str, Any],
              values: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        m, key = slot.index, (self.steps, c, slot.index)
+        m, key = slot.index, (self.calls, c, slot.index)
         if self.glue.has_exchange(c):
             self._send(self._rank_of[c], ("x_in", key, [v.detach() for v in values]))
         if c == 0:
@@ -236,16 +240,16 @@ class GluedPipeline(Pipeline):
                 self._send(r, ("in", m, inputs))
         slot.sent = c + 1
         if c + 1 < len(self.glue.calls):
-            after = (self.steps, c + 1, m)
+            after = (self.calls, c + 1, m)
             return list(self._mail.get("x_out", after, self._rank_of[c + 1],
                                        f"graph {c}'s outputs of micro-batch {m}"))
         outs = self._mail.get("out", m, self._loss_rank, f"the outputs of micro-batch {m}")
         return list(outs[:-1])  # the last one is the exchanges' anchor
 
     def _back(self, slot: _Slot, c: int, grads: list[Any], count: int) -> list[Any]:
-        m, key = slot.index, (self.steps, c, slot.index)
+        m, key = slot.index, (self.calls, c, slot.index)
         if c + 1 < len(self.glue.calls):
-            self._send(self._rank_of[c + 1], ("x_outgrad", (self.steps, c + 1, m), grads))
+            self._send(self._rank_of[c + 1], ("x_outgrad", (self.calls, c + 1, m), grads))
         else:
             self._send(self._loss_rank, ("grad", m, [*grads, None]))
         if not self.glue.has_exchange(c):
@@ -324,9 +328,11 @@ class GluedPipeline(Pipeline):
         for t in threads:
             t.join()
         self._raise_first(slots)
-        self._receive_values()
+        if self.pending + 1 >= self.accumulate:  # the optimizer stepped: its new values
+            self._receive_values()
         self.off_path = [s.index for s in slots if s.off_path]
-        self.steps += 1
+        self.calls += 1
+        self.called()
         return slots
 
     def _guarded(self, work: Callable[[_Slot], None], slot: _Slot) -> None:
@@ -380,7 +386,7 @@ class GluedPipeline(Pipeline):
         reset = all(s.off_path for s in slots)
         for r, grads in by_rank.items():
             try:
-                self._send(r, ("p_grad", self.steps, (grads, reset)))
+                self._send(r, ("p_grad", self.calls, (grads, reset)))
             except Stopped:  # a rank failed: the step reports that rank's error
                 return
 
@@ -390,7 +396,7 @@ class GluedPipeline(Pipeline):
             return
         with torch.no_grad():
             for r in self._home_ranks:
-                values = self._mail.get("p_value", (self.steps, r), r,
+                values = self._mail.get("p_value", (self.calls, r), r,
                                         "the parameters the controller trains, after the step")
                 for name, value in values.items():
                     self._eager[name].copy_(value)
@@ -449,9 +455,10 @@ class GluedPipeline(Pipeline):
                 slot.outputs = out
             loss = weigh(self.loss_fn(out, targets), self._weights[(slot.index, 0)])
             # the anchors chain every graph call: backward reaches each, last one first;
-            # the gradients of the parameters trained here are kept per micro-batch
+            # the gradients of the parameters trained here are kept per micro-batch. Each
+            # call counts 1/accumulate (the ranks' loss stage does not scale it again)
             names = list(self._eager)
-            grads = torch.autograd.grad(loss + slot.anchor * 0,
+            grads = torch.autograd.grad(loss / self.accumulate + slot.anchor * 0,
                                         [first, *self._eager.values()], allow_unused=True)
             slot.grads = {n: g for n, g in zip(names, grads[1:], strict=True) if g is not None}
         slot.result = float(loss.detach())
@@ -516,8 +523,9 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     """Fork the ranks for ``split`` (closure engines with exchanges); the pipeline object.
 
     ``closures``: a :class:`ClosurePipeline`, for ``orgel.backend``. ``options``: the
-    training loop's executor options (``scheduler``, ``lr``, ``max_grad_norm``;
-    ``accumulate`` must be 1: the exchanges are keyed by optimizer step).
+    training loop's executor options (``scheduler``, ``lr``, ``max_grad_norm``,
+    ``accumulate``: the controller's backward counts each call ``1/accumulate``, so the
+    ranks' loss stages take its gradients as they are; not yet with ``closures``).
     """
     import multiprocessing as mp
 
@@ -527,10 +535,10 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     if any(len(r) > 1 for r in plan.placement):
         raise ValueError("a forward of several graphs runs each stage on one rank; give a plan "
                          "without data-parallel stages (dp=1)")
-    if int((options or {}).get("accumulate", 1)) != 1:
-        raise ValueError("accumulate is not available for a forward of several graphs (graph "
-                         "breaks): leave accumulate=1 and give each step the whole batch, or "
-                         "remove the graph breaks")
+    accumulate = int((options or {}).get("accumulate", 1))
+    if closures and accumulate != 1:
+        raise ValueError("orgel.backend takes accumulate=1 for a compiled model with graph "
+                         "breaks: give each step the whole batch, or use orgel.pipeline")
     dim = single_dim(workload.batch_dim)
     if dim is None:  # the graphs' arguments are not the model's inputs: one dimension
         raise ValueError(f"batch_dim={workload.batch_dim!r} gives inputs different batch "
@@ -543,15 +551,19 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     engine_options = {**(options or {}), "replicated": tuple(workload.replicated)}
 
     def make_engine(rank: int) -> Any:
-        return ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
-                             timeout_s=timeout_s, glue_info=glue, model=workload.model,
-                             options=engine_options, batch_dim=dim, fallback=not closures)
+        engine = ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
+                               timeout_s=timeout_s, glue_info=glue, model=workload.model,
+                               options=engine_options, batch_dim=dim, fallback=not closures)
+        # the controller scaled the gradients by 1/accumulate: undo the loss stage's own
+        engine.surrogate.divisor *= accumulate
+        return engine
 
     group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
     cls = ClosurePipeline if closures else GluedPipeline
     pipe = cls(plan, group, [here for here, _ in pipes], glue=glue, split=split,
                model=workload.model, loss_fn=workload.loss_fn, replicated=workload.replicated,
-               timeout_s=timeout_s, state_keys=keys, aliases=aliases, batch_dim=dim)
+               timeout_s=timeout_s, state_keys=keys, aliases=aliases, batch_dim=dim,
+               accumulate=accumulate)
     if not closures:  # a batch the static graphs cannot take is refused before any rank runs
         from orgel.graph.sizes import batch_check, static_shapes
 
