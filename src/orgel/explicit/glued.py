@@ -426,6 +426,7 @@ class GluedPipeline(Pipeline):
 
     def load(self, directory: Any) -> int:
         step = super().load(directory)
+        self.calls = step  # each rank's call count restarts from the checkpoint's step too
         self._pull_values()
         return step
 
