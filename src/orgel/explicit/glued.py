@@ -328,7 +328,7 @@ class GluedPipeline(Pipeline):
         for t in threads:
             t.join()
         self._raise_first(slots)
-        if self.pending + 1 >= self.accumulate:  # the optimizer stepped: its new values
+        if self.stepping:  # the optimizer stepped: its new values
             self._receive_values()
         self.off_path = [s.index for s in slots if s.off_path]
         self.calls += 1

@@ -201,12 +201,19 @@ class Pipeline:
         out = merge([share for _, part in results for share in part], self._evaluation)
         return (value, out) if loss else out
 
+    @property
+    def stepping(self) -> bool:
+        """Whether the step call being made is one the optimizer steps on (every
+        ``accumulate``-th; the ranks' own rule is ``OptimizerLoop.final``)."""
+        return self.pending + 1 >= self.accumulate
+
     def called(self) -> None:
         """Count a step call made on the ranks: every ``accumulate``-th is an optimizer step."""
-        self.pending += 1
-        if self.pending >= self.accumulate:
+        if self.stepping:
             self.pending = 0
             self.steps += 1
+        else:
+            self.pending += 1
 
     @property
     def lr(self) -> list[float]:
