@@ -248,13 +248,13 @@ def pipeline(
             plan = plan_in_child(lambda: plan_only(workload, **common), device=kind,
                                  timeout_s=timeout_s)
             common["mark"] = True  # as planned here: its stages get the shard option
-        # the workers fork afterwards, from the caller's own state; this process never uses
-        # CUDA (a forked rank could not), so it profiles on the CPU
         def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
             if graph.glue is not None:
                 refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
                                         "device": kind, "tp": tp})
 
+        # the workers fork afterwards, from the caller's own state; this process never uses
+        # CUDA (a forked rank could not), so it profiles on the CPU
         with profiling_on("cpu"), cuda_unused():
             prepared = prepare(workload, plan=plan, check_graph=breaks_allowed, **common)
     prepared.keys, prepared.aliases = keys, aliases
