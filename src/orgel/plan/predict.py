@@ -119,7 +119,10 @@ def replicated(p: Plan, dp: int, costs: BlockCosts, memory: int | None,
     priced = stage_costs(costs, blocks, split=split, placement=out.placement)
     priced.memory_per_rank = memory
     return dataclasses.replace(out, stage_graph=stage_graph(costs, blocks), costs=priced,
-                               tied=plan_tied_weights(costs, blocks, out.placement),
+                               # a tie inside one stage is summed there (its replicas
+                               # all-reduce it with the stage): only ties across stages
+                               tied=[t for t in plan_tied_weights(costs, blocks, out.placement)
+                                     if len(set(t.stages)) > 1],
                                shard=[shard] * out.num_stages)
 
 
