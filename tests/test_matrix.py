@@ -96,19 +96,7 @@ def _in_process(entry: str, cell: str, out: Path) -> dict[str, Any]:
     return dict(json.loads((out / cell / "result0.json").read_text()))
 
 
-#: cells with a defect found and not yet fixed: (entry, cell) -> what is wrong
-DEFECTS: dict[tuple[str, str], str] = {
-    ("local", "accumulate+break"): "exact alone, but not after other graph-break pipelines "
-                                   "ran in the same process: state left between them",
-}
-
-
-def _cells(entry: str, cells: list[str]) -> list[Any]:
-    return [pytest.param(c, marks=pytest.mark.xfail(reason=DEFECTS[(entry, c)], strict=False))
-            if (entry, c) in DEFECTS else c for c in cells]
-
-
-@pytest.mark.parametrize("cell", _cells("local", FEATURES + PAIRS))
+@pytest.mark.parametrize("cell", FEATURES + PAIRS)
 def test_local(cell: str, tmp_path: Path) -> None:
     check("local", cell, _in_process("local", cell, tmp_path))
 

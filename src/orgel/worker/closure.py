@@ -246,7 +246,8 @@ class ClosureEngine(RankEngine):
         """
         grads, reset = self.inbox.get("p_grad", self.step_count)
         params = self._first_copies()
-        if reset:
+        # only on an accumulation's first call: later ones hold the earlier calls' gradients
+        if reset and self.executor.loop.pending == 0:
             for param in self.executor.parameters():
                 param.grad = None
         for name, g in grads.items():
