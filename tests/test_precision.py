@@ -191,15 +191,18 @@ def test_a_model_already_in_bfloat16_trains_as_it_is() -> None:
 def test_orgel_plan_profiles_and_plans_in_the_chosen_precision(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The same workload planned in float32 and bf16-mixed: autocast's bfloat16 activations
-    make every rank's predicted peak memory smaller (the plans differ where they should)."""
+    make the activations the plan keeps per micro-batch smaller. The two plans may split
+    differently (bfloat16 matmuls time differently on a CPU), so the test sums the stages'
+    activations, which is the whole model's whatever the split."""
     import json
 
     from orgel.cli import main
 
-    peaks = {}
+    kept = {}
     for precision in ("32", "bf16-mixed"):
         code = main(["plan", "examples/gpt.py:workload", "--ranks", "2", "--microbatches", "4",
                      "--no-link", "--json", "--precision", precision])
         assert code == 0
-        peaks[precision] = json.loads(capsys.readouterr().out)["peak_memory"]
-    assert all(b < f for b, f in zip(peaks["bf16-mixed"], peaks["32"], strict=True)), peaks
+        stages = json.loads(capsys.readouterr().out)["stages"]
+        kept[precision] = sum(stage["activations"] for stage in stages)
+    assert kept["bf16-mixed"] < 0.95 * kept["32"], kept
