@@ -260,9 +260,9 @@ def pipeline(
     prepared.keys, prepared.aliases = keys, aliases
     glue = prepared.graph.glue
     if glue is not None:  # several graphs: the controller runs the Python between them
-        from orgel.explicit import glued
+        from orgel.explicit import glued_start
 
-        glued_pipe = glued.start(workload, prepared.plan, prepared.split, glue,
+        glued_pipe = glued_start.start(workload, prepared.plan, prepared.split, glue,
                                  optimizer=optimizer, timeout_s=timeout_s, threads=threads,
                                  keys=keys, aliases=aliases, options=loop)
         glued_pipe.loss_rule = prepared.loss_rule

@@ -1,0 +1,74 @@
+"""Starting the ranks of a forward of several graphs (graph breaks), and its controller.
+
+:func:`start` forks one closure engine per rank (each with the exchanges of its
+stages) and returns the controller's pipeline: a :class:`~orgel.explicit.glued.GluedPipeline`
+for ``orgel.pipeline``, a :class:`~orgel.explicit.glued.ClosurePipeline` for
+``orgel.backend``'s closures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orgel.batching import single_dim, split_microbatches
+from orgel.explicit.glued import ClosurePipeline, GluedPipeline
+from orgel.workload import named_inputs
+
+
+def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, timeout_s: float,
+          threads: int | None, keys: list[str], aliases: dict[str, str],
+          closures: bool = False, options: dict[str, Any] | None = None) -> GluedPipeline:
+    """Fork the ranks for ``split`` (closure engines with exchanges); the pipeline object.
+
+    ``closures``: a :class:`ClosurePipeline`, for ``orgel.backend``. ``options``: the
+    training loop's executor options (``scheduler``, ``lr``, ``max_grad_norm``,
+    ``accumulate``: the controller's backward counts each call ``1/accumulate``, so the
+    ranks' loss stages take its gradients as they are; not yet with ``closures``).
+    """
+    import multiprocessing as mp
+
+    from orgel.launch.processes import LocalGroup
+    from orgel.worker.closure import ClosureEngine
+
+    if any(len(r) > 1 for r in plan.placement):
+        raise ValueError("a forward of several graphs runs each stage on one rank; give a plan "
+                         "without data-parallel stages (dp=1)")
+    accumulate = int((options or {}).get("accumulate", 1))
+    if closures and accumulate != 1:
+        raise ValueError("orgel.backend takes accumulate=1 for a compiled model with graph "
+                         "breaks: give each step the whole batch, or use orgel.pipeline")
+    dim = single_dim(workload.batch_dim)
+    if dim is None:  # the graphs' arguments are not the model's inputs: one dimension
+        raise ValueError(f"batch_dim={workload.batch_dim!r} gives inputs different batch "
+                         "dimensions; a forward of several graphs (graph breaks) is cut along "
+                         "one: give one int batch_dim")
+    ctx = mp.get_context("fork")
+    pipes = [ctx.Pipe() for _ in range(plan.num_ranks)]
+
+    # the ranks cut the batch by the workload's rule too: what it names replicated goes whole
+    engine_options = {**(options or {}), "replicated": tuple(workload.replicated)}
+
+    def make_engine(rank: int) -> Any:
+        engine = ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
+                               timeout_s=timeout_s, glue_info=glue, model=workload.model,
+                               options=engine_options, batch_dim=dim, fallback=not closures)
+        # the controller scaled the gradients by 1/accumulate: undo the loss stage's own
+        engine.surrogate.divisor *= accumulate
+        return engine
+
+    group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
+    cls = ClosurePipeline if closures else GluedPipeline
+    pipe = cls(plan, group, [here for here, _ in pipes], glue=glue, split=split,
+               model=workload.model, loss_fn=workload.loss_fn, replicated=workload.replicated,
+               timeout_s=timeout_s, state_keys=keys, aliases=aliases, batch_dim=dim,
+               accumulate=accumulate)
+    if not closures:  # a batch the static graphs cannot take is refused before any rank runs
+        from orgel.graph.sizes import batch_check, static_shapes
+
+        first = split_microbatches(named_inputs(workload.model, workload.inputs),
+                                   workload.targets, plan.microbatches, dim,
+                                   workload.replicated)[0][0]
+        pipe._workload = workload
+        pipe.check_sizes = batch_check(static_shapes(first), plan.microbatches, 1, dim,
+                                       workload.replicated)
+    return pipe

@@ -1,0 +1,115 @@
+"""The graph TorchDynamo hands ``orgel.backend``, as a module with the caller's state names.
+
+:class:`GraphModel` registers the parameters and buffers a Dynamo graph reads under their
+names in the user's model, so capture, split and checkpoints see the original names.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from typing import Any
+
+import torch
+
+_TOKEN = re.compile(r"\.([A-Za-z_]\w*)|\[\'([^\']+)\'\]|\[(\d+)\]")
+
+
+class GraphModel(torch.nn.Module):
+    """The graph TorchDynamo captured, as a module holding the original parameters.
+
+    Parameters and buffers are registered under their names in the user's
+    model (taken from dynamo's sources), so orgel's capture, split and
+    checkpoints see the original names; ``forward(**inputs)`` calls the graph.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                 roles: list[tuple[str, str]] | None = None,
+                 autocast: tuple[str, torch.dtype] | None = None) -> None:
+        super().__init__()
+        # the autocast the caller ran the graph under: forward re-opens it, so a capture of
+        # this module holds the region and every stage re-enters it
+        self.autocast = autocast
+        # dynamo hands over a lazily compiled GraphModule whose first forward generates
+        # its code; dynamo refuses to trace that step, and orgel's capture traces this
+        # module again, so generate the code now
+        real_recompile = getattr(gm, "real_recompile", None)
+        if callable(real_recompile):
+            real_recompile()
+        self.graph_module = gm
+        self.roles: list[tuple[str, str]] = []  # (kind, name) per placeholder, in order
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # dynamo drops the placeholders' sources once the backend returns: pass the roles
+        # read while it was compiling (``roles``) to build one later
+        if roles is None:
+            roles = [role_of(node, value) for node, value in zip(placeholders, example_inputs,
+                                                               strict=True)]
+        for (kind, name), value in zip(roles, example_inputs, strict=True):
+            if kind in ("param", "buffer"):
+                register_state(self, kind, name, value)
+            elif kind == "const":
+                self.register_buffer(name, value, persistent=False)
+            self.roles.append((kind, name))
+        self.input_names = [n for k, n in self.roles if k == "input"]
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        args = []
+        for kind, name in self.roles:
+            if kind == "input":
+                args.append(inputs[name])
+            elif kind == "const":
+                args.append(getattr(self, name))
+            elif kind == "param":
+                args.append(self.get_parameter(name))
+            else:
+                args.append(self.get_buffer(name))
+        if self.autocast is None:
+            return self.graph_module(*args)
+        with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
+            return self.graph_module(*args)
+
+
+def ambient_autocast() -> tuple[str, torch.dtype] | None:
+    """``(device type, dtype)`` of the autocast enabled around this call (None: none)."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
+
+
+def describe_autocast(state: tuple[str, torch.dtype] | None) -> str:
+    return "no autocast" if state is None else f"torch.autocast({state[0]!r}, dtype={state[1]})"
+
+
+def register_state(module: torch.nn.Module, kind: str, name: str, value: torch.Tensor) -> None:
+    """Register ``value`` as parameter or buffer ``name`` (dotted) of ``module``."""
+    *path, leaf = name.split(".")
+    owner: torch.nn.Module = module
+    for part in path:
+        if part not in owner._modules:
+            owner.add_module(part, torch.nn.Module())
+        owner = owner._modules[part]  # type: ignore[assignment]
+    if kind == "param":
+        assert isinstance(value, torch.nn.Parameter)
+        owner.register_parameter(leaf, value)
+    else:
+        owner.register_buffer(leaf, value)
+
+
+def role_of(node: torch.fx.Node, value: Any) -> tuple[str, str]:
+    """(kind, name) of a dynamo placeholder: param/buffer by original name, input, const."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    text = ""
+    if source is not None:
+        text = source.name() if callable(source.name) else str(source.name)
+    tokens = [a or b or c for a, b, c in _TOKEN.findall(text)]
+    if "_parameters" in tokens or isinstance(value, torch.nn.Parameter):
+        return "param", ".".join(t for t in tokens[1:] if t not in ("_modules", "_parameters"))
+    if "_buffers" in tokens:
+        return "buffer", ".".join(t for t in tokens[1:] if t not in ("_modules", "_buffers"))
+    if text.startswith("L[") and tokens and isinstance(value, torch.Tensor):
+        name = tokens[-1]  # an argument taken as L["args"][0] is named by its position
+        plain = name.isidentifier() and not keyword.iskeyword(name)
+        return "input", name if plain else f"arg{name}"
+    return "const", f"_orgel_const_{node.name}"

@@ -1,0 +1,96 @@
+"""The Pipeline API of ``orgel.backend`` once its ranks run (they start on the first step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel.schedule.ir import Plan
+
+#: why orgel.backend's pipeline does not evaluate (``Pipeline.evaluate`` raises with it)
+NO_EVALUATION = ("orgel.backend runs your closure as a training step; it has no forward-only "
+                 "evaluation: evaluate a copy of the model in one process with the values of "
+                 "its state_dict(), or use orgel.pipeline, whose pipe.evaluate runs on the ranks")
+
+
+class RunningPipeline:
+    """``plan``, ``steps``, ``state_dict``, ``save``, ``load``, ... of the ranks' pipeline.
+
+    The subclass sets :attr:`pipe` when its ranks start; before that, each of these
+    raises saying the pipeline starts on the first step (``load`` waits for it).
+    """
+
+    pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
+    given_plan: Plan | str | Path | None = None
+    ranks: int
+    microbatches: int
+    _pending_load: str | Path | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self._running().plan
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (one per ``accumulate`` step calls)."""
+        return int(self._running().steps)
+
+    @property
+    def lr(self) -> list[float]:
+        """The learning rates in force for the next optimizer step, one per param group."""
+        return list(self._running().lr)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last optimizer step's global gradient norm before clipping (see Pipeline)."""
+        norm = self._running().grad_norm
+        return None if norm is None else float(norm)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The compiled model's parameters and buffers by their original names."""
+        return dict(self._running().state_dict())
+
+    def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
+        """Checkpoint every rank atomically (see :meth:`orgel.worker.pipe.Pipeline.save`).
+
+        ``keep``: None (the default) removes no older checkpoint; ``keep=k`` all but the
+        newest ``k``.
+        """
+        return Path(self._running().save(directory, keep=keep))
+
+    def load(self, directory: str | Path) -> int | None:
+        """Resume from a checkpoint (its plan too, if none was given and the ranks match).
+
+        Before the first step the load happens when the ranks start; returns None then.
+        """
+        if self.pipe is None:
+            from orgel.runtime import checkpoint as ckpt
+
+            meta = ckpt.read_meta(directory)  # fail now on a missing or foreign checkpoint
+            saved = Plan.from_json(ckpt.read_plan_json(directory))
+            if (self.given_plan is None and int(meta["num_ranks"]) == self.ranks
+                    and saved.microbatches == self.microbatches):
+                self.given_plan = saved  # same layout: resume exactly where it stopped
+            self._pending_load = directory
+            return None
+        return int(self.pipe.load(directory))
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """Not available: raises RuntimeError saying what to do instead (:data:`NO_EVALUATION`)."""
+        raise RuntimeError(f"evaluation is not available: {NO_EVALUATION}")
+
+    def timeline(self) -> list[Any]:
+        """Measured events of the last step, all ranks (orgel.runtime.trace.Event)."""
+        return list(self._running().timeline())
+
+    def close(self) -> None:
+        """Stop the ranks."""
+        if self.pipe is not None:
+            self.pipe.close()
+
+    def _running(self) -> Any:
+        if self.pipe is None:
+            raise RuntimeError("the pipeline starts on the first pipe.step(closure, ...)")
+        return self.pipe

@@ -1,0 +1,64 @@
+"""How ``orgel.backend``'s ``step`` cuts its positional arguments into micro-batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def slice_batch(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[int, ...] = ()
+           ) -> tuple[list[list[Any]], int]:
+    """``step``'s arguments cut into ``m`` micro-batches, and the batch size.
+
+    The workload's one rule (:func:`orgel.batching.split_microbatches`): along ``dim``,
+    what has the batch size is cut; the arguments at the positions ``replicated`` and
+    those without the dimension go whole to every micro-batch. With nothing to cut,
+    every closure gets the arguments whole and the batch size is ``m``.
+    """
+    from orgel.batching import batch_rows, split_microbatches
+    from orgel.workload import WorkloadError
+
+    beyond = [i for i in replicated if i >= len(batch)]
+    if beyond:
+        raise ValueError(f"orgel.backend(replicated={list(replicated)}) names argument "
+                         f"positions {beyond} but step got {len(batch)} batch arguments "
+                         "(positions count from 0 after the closure)")
+    named = {argument_name(i): arg for i, arg in enumerate(batch)}
+    whole = tuple(argument_name(i) for i in replicated)
+    if not any(isinstance(a, torch.Tensor) and a.dim() > dim
+               for i, a in enumerate(batch) if i not in replicated):
+        return [list(batch) for _ in range(m)], m
+    try:
+        rows = batch_rows(named, None, dim, whole)
+        parts = split_microbatches(named, None, m, dim, whole)
+    except WorkloadError as exc:
+        raise WorkloadError(
+            f"{exc}. For orgel.backend the inputs are step's arguments by position "
+            "('argument i' counts from 0 after the closure): name the ones that go whole "
+            "to every closure in orgel.backend(..., replicated=[i, ...])") from None
+    return [list(part.values()) for part, _ in parts], rows
+
+
+def shared_inputs(given: list[dict[str, torch.Tensor] | None]) -> tuple[str, ...]:
+    """The model inputs every micro-batch's closure passed as the same tensor (same memory,
+    shape and strides): not batched, such as a ``replicated`` argument passed on whole."""
+    first = given[0]
+    if first is None or len(given) < 2:
+        return ()
+
+    def where(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+    return tuple(n for n, t in first.items()
+                 if all(g is not None and where(g[n]) == where(t) for g in given[1:]))
+
+
+def argument_name(i: int) -> str:
+    """How :func:`slice_batch` names ``step``'s argument at position ``i`` (0 after the closure)."""
+    return f"argument {i}"
+
+
+def rows_at(rows: int, dim: int) -> torch.Tensor:
+    """Placeholder targets with ``rows`` along the batch dimension ``dim``."""
+    return torch.zeros((1,) * dim + (rows,))

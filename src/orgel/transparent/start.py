@@ -1,0 +1,174 @@
+"""Starting ``orgel.backend``'s ranks on its first step, from the graphs Dynamo handed it.
+
+:func:`start_ranks` pipelines one graph (closure engines, one rank per stage);
+:func:`start_glued` joins a compiled model's several graphs (graph breaks) and starts
+them as :mod:`orgel.explicit.glued_start` does for ``orgel.pipeline``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from orgel.batching import batch_rows
+from orgel.explicit.glued_start import start
+from orgel.flow.capture import capture_microbatch, resolve_plan, split_for
+from orgel.flow.start import check_param_groups
+from orgel.graph.glue import join_calls
+from orgel.graph.measure import measure
+from orgel.guard import untouched
+from orgel.launch.processes import LocalGroup, under_torchrun
+from orgel.transparent.graph_model import register_state
+from orgel.transparent.running import NO_EVALUATION
+from orgel.transparent.slicing import rows_at, shared_inputs
+from orgel.worker.closure import ClosureEngine, profiling_loss
+from orgel.worker.engine import RankEngine
+from orgel.worker.pipe import Pipeline
+from orgel.worker.state import model_aliases
+from orgel.workload import Workload
+
+if TYPE_CHECKING:
+    from orgel.transparent.backend import Backend
+
+
+class UntrainedWarning(UserWarning):
+    """Parameters of a compiled model with graph breaks that no rank trains (see
+    :func:`orgel.backend`): the Python between its graphs uses them."""
+
+
+@dataclass
+class Started:
+    """What :func:`start_ranks` gives the closure runner."""
+
+    pipe: Pipeline
+    conns: list[Any]  # the runner's end of each rank's pipe
+    loss_rank: int
+    input_ranks: list[int]
+    placeholders: dict[str, torch.Tensor]  # the batch's shapes, sent every step
+    rows: int  # the batch size
+
+
+def start_ranks(backend: Backend) -> Started:
+    """Capture, plan and split the one graph of ``backend``'s first step; fork its ranks."""
+    if backend.model is None:
+        raise RuntimeError("the compiled model was never called")
+    if under_torchrun():
+        raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
+                           "the ranks); under torchrun use orgel.pipeline")
+    first = backend._slots[0].inputs
+    assert first is not None
+    dim = backend.batch_dim
+    given = [s.inputs for s in backend._slots]
+    shared = shared_inputs(given)  # e.g. a replicated argument the closure passes on
+    whole = tuple(n for n, t in first.items() if n in shared or t.dim() <= dim)
+    batch = {n: first[n] if n in whole
+             else torch.cat([g[n] for g in given], dim)  # type: ignore[index]
+             for n in first}
+    rows = batch_rows(batch, None, dim, whole)
+    workload = Workload(backend.model, batch, rows_at(rows, dim), profiling_loss,
+                        batch_dim=dim, replicated=whole)
+    with untouched(backend.model):
+        graph = capture_microbatch(workload, backend.microbatches)
+        # dynamo's graph has the micro-batch's shapes baked in and the user's model is
+        # not ours to re-trace per replica: plan chains of one rank per stage (beam)
+        plan = resolve_plan(backend.given_plan, workload, graph, backend.ranks,
+                            backend.microbatches, backend.memory, backend.dp, planner="beam",
+                                 optimizer=backend.optimizer)
+        if any(len(r) > 1 for r in plan.placement):
+            raise ValueError("orgel.backend runs stages on one rank each; give a plan "
+                             "without data-parallel stages")
+        split = split_for(workload, graph, plan)
+    loss_rank = plan.placement[split.loss_stage][0]
+    input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
+                         if st.model_inputs})
+    # shapes only: a 1-element storage expanded, cheap to send every step
+    placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
+                   for n, t in batch.items()}
+    ctx = mp.get_context("fork")
+    pipes = [ctx.Pipe() for _ in range(backend.ranks)]
+
+    def make_engine(rank: int) -> RankEngine:
+        return ClosureEngine(rank, plan, split, optimizer=backend.optimizer,
+                             conn=pipes[rank][1], timeout_s=backend.timeout_s,
+                             options={**backend.loop, "replicated": whole},
+                             batch_dim=backend.batch_dim)
+
+    group = LocalGroup(backend.ranks, make_engine, timeout_s=backend.timeout_s,
+                       threads=backend.threads)
+    # names and tensors no graph reads (tied aliases, an unused pooler) come from the
+    # compiled module, when there is one
+    owner = backend._module or backend.model
+    keys, aliases = model_aliases(owner)
+    pipe = Pipeline(plan, group, model=owner, loss_ranks=[loss_rank], state_keys=keys,
+                    aliases=aliases, spmd=False, accumulate=backend.loop["accumulate"],
+                    evaluation=NO_EVALUATION)
+    check_param_groups(pipe)
+    return Started(pipe, [here for here, _ in pipes], loss_rank, input_ranks, placeholders, rows)
+
+
+def start_glued(backend: Backend, rows: int) -> Any:
+    """Join, plan and split the several graphs of ``backend``'s first step; fork its ranks.
+
+    Warns (:class:`UntrainedWarning`) where parameters of the compiled module are read by
+    no graph: no rank trains them.
+    """
+    if under_torchrun():
+        raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
+                           "the ranks); under torchrun use orgel.pipeline")
+    assert backend._found is not None
+    # the caller's parameters and buffers by original name: the compiled module, or
+    # (a compiled function) a module holding what its graphs read
+    holder = backend._module or torch.nn.Module()
+    prepared = []
+    named: dict[str, int] = {}  # name -> id of the tensor it stands for
+    for gm, _, roles, args, outs in backend._found:
+        given: list[tuple[str, Any] | None] = []
+        for (kind, name), a in zip(roles, args, strict=True):
+            if kind in ("param", "buffer"):
+                if name not in named:
+                    named[name] = id(a)
+                    if backend._module is None:
+                        register_state(holder, kind, name, a)
+                elif named[name] != id(a):
+                    # a compiled function: Dynamo names a resumed frame's tensors
+                    # after its locals, which can give two tensors one name
+                    raise RuntimeError(
+                        f"two tensors of the compiled function's graphs are both named "
+                        f"{name!r}: compile the module (torch.compile(model, backend=pipe)) "
+                        "so that orgel names them as the model does")
+                given.append((kind, name))
+            else:  # model inputs and what the Python between graphs made: exchanged
+                given.append(None)
+        prepared.append((gm, list(args), outs, given))
+    if backend._module is not None:
+        read = set(named.values())
+        outside = [n for n, p in backend._module.named_parameters()
+                   if p.requires_grad and id(p) not in read]
+        if outside:
+            warnings.warn(UntrainedWarning(
+                f"orgel.backend does not train {outside[:4]}"
+                f"{' and more' if len(outside) > 4 else ''}: no graph of the compiled "
+                "model reads them (Dynamo ran the code that uses them between its graphs), "
+                "so their .grad accumulates in this process and no rank steps them. Step "
+                "them with an optimizer of your own, or use orgel.pipeline, which trains "
+                "them on a rank"), stacklevel=4)
+    reason = (f"torch.compile captured the compiled model as {len(prepared)} graphs that "
+              "read parameters.")
+    raw, glue = join_calls(prepared, reason, eager=[])
+    workload = Workload(holder, {}, rows_at(rows, backend.batch_dim), profiling_loss,
+                        batch_dim=backend.batch_dim)
+    with untouched(holder):
+        graph = measure(holder, {}, raw, [reason], "dynamo")
+        graph.glue = glue
+        plan = resolve_plan(backend.given_plan, workload, graph, backend.ranks,
+                            backend.microbatches, backend.memory, backend.dp, planner="beam",
+                                 optimizer=backend.optimizer)
+        split = split_for(workload, graph, plan)
+    keys, aliases = model_aliases(holder)
+    return start(workload, plan, split, glue, optimizer=backend.optimizer,
+                 timeout_s=backend.timeout_s, threads=backend.threads, keys=keys,
+                 aliases=aliases, closures=True, options=backend.loop)
