@@ -313,7 +313,10 @@ def test_the_eval_split_shares_the_training_weights_or_says_why_it_cannot() -> N
         split_like(eval_graph, train)
 
 
-def test_a_forward_of_several_graphs_returns_its_outputs_and_refuses_evaluation() -> None:
+def test_a_forward_of_several_graphs_returns_its_outputs_and_evaluates() -> None:
+    """A forward of several graphs: ``step(outputs=True)`` gives the model's outputs, and
+    ``evaluate`` (run in the controller on the ranks' values) is one process's eval pass
+    with the trained weights."""
     from test_glue import SideOutput, _side_loss
 
     torch.manual_seed(1)
@@ -323,8 +326,9 @@ def test_a_forward_of_several_graphs_returns_its_outputs_and_refuses_evaluation(
     with orgel.pipeline(model, (x,), y, _side_loss, ranks=2, microbatches=2, threads=1,
                         optimizer=_sgd) as pipe:
         loss, (logits, h) = pipe.step((x,), y, outputs=True)
-        with pytest.raises(RuntimeError, match="several graphs"):
-            pipe.evaluate((x,), y)
+        evaluated, (eval_logits, eval_h) = pipe.evaluate((x,), y, outputs=True)
+        assert pipe.evaluate((x,), y) == pytest.approx(evaluated, rel=1e-6)
+        trained = pipe.state_dict()
     with torch.no_grad():
         parts = [reference(p) for p in x.chunk(2)]
     torch.testing.assert_close(logits, torch.cat([p[0] for p in parts]), rtol=1e-5, atol=1e-6)
@@ -332,3 +336,13 @@ def test_a_forward_of_several_graphs_returns_its_outputs_and_refuses_evaluation(
     assert loss == pytest.approx(sum(_side_loss(p, t).item()
                                      for p, t in zip(parts, y.chunk(2), strict=True)) / 2,
                                  rel=1e-5)
+    reference.load_state_dict(trained)
+    reference.eval()
+    with torch.no_grad():
+        parts = [reference(p) for p in x.chunk(2)]
+    torch.testing.assert_close(eval_logits, torch.cat([p[0] for p in parts]), rtol=1e-5,
+                               atol=1e-6)
+    torch.testing.assert_close(eval_h, torch.cat([p[1] for p in parts]), rtol=1e-5, atol=1e-6)
+    assert evaluated == pytest.approx(sum(_side_loss(p, t).item() for p, t in
+                                          zip(parts, y.chunk(2), strict=True)) / 2, rel=1e-5)
+    assert not torch.equal(trained[next(iter(trained))], model.state_dict()[next(iter(trained))])

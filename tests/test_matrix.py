@@ -40,7 +40,6 @@ PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp", "ev
 REFUSED: dict[tuple[str, str], str] = {
     # the controller's runtime for graph breaks runs each stage on one rank, training only
     ("local", "dp+break"): "a forward of several graphs runs each stage on one rank",
-    ("local", "evaluate+break"): "evaluation is not available: a forward of several graphs",
     # torchrun has no controller process to run the Python between graphs
     ("torchrun", "break"): "Under torchrun orgel needs one graph",
     ("torchrun", "if_end"): "Under torchrun orgel needs one graph",

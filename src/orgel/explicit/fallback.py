@@ -148,6 +148,26 @@ class Fallback:
             self._fetched = pipe.calls
             return self._copy
 
+    def current(self, pipe: Any) -> torch.nn.Module:
+        """The controller's copy of the model with the ranks' values now, between steps
+        (:meth:`orgel.worker.pipe.Pipeline.state_dict`; asked once per step call)."""
+        with self._lock:
+            if self._fetched != pipe.calls:
+                if self._copy is None:
+                    self._copy = copy.deepcopy(self.model)
+                state = self._copy.state_dict(keep_vars=True)
+                with torch.no_grad():
+                    for name, t in pipe.state_dict().items():
+                        if name in state:
+                            state[name].copy_(t)
+                self._fetched = pipe.calls
+            assert self._copy is not None
+            return self._copy
+
+    def forget(self) -> None:
+        """The ranks' values changed outside a step (a load): fetch them again."""
+        self._fetched = -1
+
     def leave(self, pipe: Any, slot: Any, inputs: dict[str, Any], why: str) -> None:
         """Micro-batch ``slot`` of ``pipe`` left the captured graphs: the ranks finish it
         on stand-ins.

@@ -91,19 +91,13 @@ class _GraphCall(torch.autograd.Function):
         return (None, None, None, None, None, None, *got)
 
 
-#: why a forward of several graphs cannot evaluate (``Pipeline.evaluate`` raises with it)
-NO_EVALUATION = ("a forward of several graphs (graph breaks) is not evaluated by orgel yet; "
-                 "rewrite the model's graph breaks for one graph, or evaluate a copy of the "
-                 "model in one process with the values of pipe.state_dict()")
-
-
 class GluedPipeline(Pipeline):
     """:class:`orgel.worker.pipe.Pipeline` for a forward of several graphs (local spawn only).
 
     ``step(inputs, targets)`` runs the forward, ``loss_fn`` and backward of
-    each micro-batch here in its own thread, the graphs on the ranks; the rest
-    of the API is :class:`~orgel.worker.pipe.Pipeline`'s, except ``evaluate``,
-    which raises with :data:`NO_EVALUATION`.
+    each micro-batch here in its own thread, the graphs on the ranks; ``evaluate``
+    runs here, on the ranks' values (see :meth:`evaluate`); the rest of the API is
+    :class:`~orgel.worker.pipe.Pipeline`'s.
     """
 
     #: whether a micro-batch off the captured graphs runs in the controller (else: GlueError)
@@ -116,7 +110,7 @@ class GluedPipeline(Pipeline):
                  batch_dim: int = 0, accumulate: int = 1) -> None:
         loss_rank = plan.placement[split.loss_stage][0]
         super().__init__(plan, group, model=model, loss_ranks=[loss_rank], state_keys=state_keys,
-                         aliases=aliases, spmd=False, evaluation=NO_EVALUATION,
+                         aliases=aliases, spmd=False,
                          accumulate=accumulate)
         #: step calls made: the exchanges with the ranks are keyed by it (each rank counts
         #: its calls too), not by optimizer steps, which ``accumulate`` > 1 makes fewer
@@ -299,10 +293,39 @@ class GluedPipeline(Pipeline):
         loss = sum(s.result for s in slots)
         if not outputs:
             return loss
-        _, spec = pytree.tree_flatten(slots[0].outputs)
-        shares = [keep(s.index, 0, rows // len(slots), 0, pytree.tree_flatten(s.outputs)[0])
-                  for s in slots]
-        return loss, merge(shares, lambda leaves: pytree.tree_unflatten(leaves, spec))
+        return loss, _merged([s.outputs for s in slots], rows)
+
+    def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        """Forward only over a whole batch in eval mode, as
+        :meth:`orgel.worker.pipe.Pipeline.evaluate` (same arguments and results), run here.
+
+        The forward's Python between graphs lives in this process, so the controller
+        evaluates: its own copy of the model takes the ranks' values (fetched once per
+        optimizer step) and runs each micro-batch eagerly under ``torch.no_grad()`` in
+        eval mode, its loss weighed as ``step`` weighs it. The ranks do nothing, the
+        caller's model is not changed, and the next ``step`` trains as if this had not run.
+        """
+        named = named_inputs(self._model, inputs)
+        self._check_batch(named, targets)
+        parts = split_microbatches(named, targets, self.plan.microbatches, self.batch_dim,
+                                   self.replicated)
+        rows = batch_rows(named, targets, self.batch_dim, self.replicated)
+        with_loss = targets is not None or not outputs
+        weights = batch_weights(self.loss_rule, [p for p, _ in parts], [t for _, t in parts], 1,
+                                self.batch_dim, rows // len(parts)) if with_loss else {}
+        model = self._fallback.current(self)
+        loss, outs = 0.0, []
+        with guard.untouched(model), torch.no_grad(), guard.no_autocast_cache():
+            model.eval()
+            for m, (x, y) in enumerate(parts):
+                out = model(**x)
+                if with_loss:
+                    loss += float(weigh(self.loss_fn(out, y), weights[(m, 0)]))
+                outs.append(out)
+        if not outputs:
+            return loss
+        merged = _merged(outs, rows)
+        return (loss, merged) if with_loss else merged
 
     def _run_threads(self, work: Callable[[_Slot], None], placeholders: dict[str, torch.Tensor],
                      rows: int) -> list[_Slot]:
@@ -421,12 +444,14 @@ class GluedPipeline(Pipeline):
 
     def load_state_dict(self, state: Any, strict: bool = True) -> Any:
         result = super().load_state_dict(state, strict)
+        self._fallback.forget()
         self._pull_values()
         return result
 
     def load(self, directory: Any) -> int:
         step = super().load(directory)
         self.calls = step  # each rank's call count restarts from the checkpoint's step too
+        self._fallback.forget()
         self._pull_values()
         return step
 
@@ -496,6 +521,14 @@ class ClosurePipeline(GluedPipeline):
             self._back_unreached(slot, after=-1)  # no backward, or one that missed some
 
         return [s.result for s in self._run_threads(work, {}, rows)]
+
+
+def _merged(outputs: list[Any], rows: int) -> Any:
+    """The whole batch's model outputs from each micro-batch's (as the ranks merge theirs)."""
+    _, spec = pytree.tree_flatten(outputs[0])
+    shares = [keep(m, 0, rows // len(outputs), 0, pytree.tree_flatten(out)[0])
+              for m, out in enumerate(outputs)]
+    return merge(shares, lambda leaves: pytree.tree_unflatten(leaves, spec))
 
 
 def _controller_copy(model: torch.nn.Module, eager: list[str]) -> torch.nn.Module:
