@@ -222,8 +222,12 @@ def run_backend(features: set[str], data: list[dict[str, torch.Tensor]], out: Pa
         parts = pipe.step(closure, b["input_ids"], b["attention_mask"], b["labels"], total)
         losses.append(sum(float(x) for x in parts))
     result = {"losses": losses, "state": pipe.state_dict()}
-    if "evaluate" in features:
-        result["eval"] = pipe.evaluate(closure, *data[0].values())
+    if "evaluate" in features:  # as people evaluate a compiled model: eval mode, no_grad
+        compiled.eval()
+        with torch.no_grad():
+            out = compiled(**data[0])
+        compiled.train()
+        result["eval"], result["logits"] = out.loss.item(), out.logits.float()
     pipe.close()
     return result
 

@@ -95,6 +95,16 @@ def test_frozen_text_tower_in_the_closure_matches_single_process() -> None:
         state = pipe.state_dict()
         for name, t in ref_head.state_dict().items():
             torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-6, msg=name)
+        # outside step the compiled model evaluates, here, on the values the ranks trained
+        tokens, pixels, _ = _batch(5)
+        compiled.eval()
+        ref_head.eval()
+        with torch.no_grad():
+            text = text_tower(tokens)
+            torch.testing.assert_close(compiled(text, pixels), ref_head(text, pixels),
+                                       rtol=1e-4, atol=1e-5)
+        with pytest.raises(RuntimeError, match="only evaluates: call it under torch.no_grad"):
+            compiled(text, pixels)
     finally:
         pipe.close()
 

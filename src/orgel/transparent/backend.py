@@ -112,6 +112,9 @@ class Backend(RunningPipeline):
         # the graph calls micro-batch 0's forward made on the first step (see _discover)
         self._found: list[tuple[Any, ...]] | None = None
         self._discovering = False
+        self._stepping = False  # inside step: graph calls are training (else evaluation)
+        #: the ranks' values for an evaluation outside step (see _values), and when asked
+        self._fetched: tuple[tuple[int, int, int], dict[int, torch.Tensor]] | None = None
         self._names: dict[int, str] | None = None  # id -> name in the compiled model
         self._module: torch.nn.Module | None = None  # the compiled module, when one is
         self._autocast: tuple[str, torch.dtype] | None = None  # around the model (1st step)
@@ -126,15 +129,18 @@ class Backend(RunningPipeline):
     # -- torch.compile side -------------------------------------------------------------
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        if any(isinstance(v, torch.SymInt) for v in example_inputs):
-            raise ValueError("torch.compile traced the model with dynamic shapes; orgel "
-                             "pipelines fixed shapes: use torch.compile(model, backend=pipe, "
-                             "dynamic=False) and micro-batches of one size")
+        dynamic = any(isinstance(v, torch.SymInt) for v in example_inputs)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         roles = [role_of(n, v) for n, v in zip(placeholders, example_inputs, strict=True)]
         stateful = any(kind in ("param", "buffer") for kind, _ in roles)
 
         def run(*args: Any) -> Any:
+            if stateful and not self._stepping:
+                return self._evaluate_here(gm, args)
+            if dynamic:
+                raise ValueError("torch.compile traced the model with dynamic shapes; orgel "
+                                 "pipelines fixed shapes: use torch.compile(model, backend=pipe, "
+                                 "dynamic=False) and micro-batches of one size")
             if stateful:
                 self._check_autocast()
             if self._discovering:
@@ -158,6 +164,41 @@ class Backend(RunningPipeline):
                 "path. Keep micro-batch shapes fixed")
 
         return run
+
+    def _evaluate_here(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
+        """A graph called outside ``step`` (an evaluation): run it here, on the ranks' values.
+
+        With gradients off, the caller's parameters and buffers among ``args`` are replaced
+        by the values the ranks hold now (fetched once per step); before the first step
+        they are the caller's own. ``precision="bf16-mixed"`` opens its autocast around
+        the graph where the caller opened none.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "outside pipe.step(...) the compiled model only evaluates: call it under "
+                "torch.no_grad() (it runs in this process, on the values the ranks trained), "
+                "or train it inside a closure run by pipe.step(closure, ...)")
+        if self.pipe is not None:
+            values = self._values()
+            args = tuple(values.get(id(a), a) if isinstance(a, torch.Tensor) else a
+                         for a in args)
+        if self._precision is None or ambient_autocast() is not None:
+            return gm(*args)
+        with torch.autocast(device_type(args), dtype=self._precision):
+            return gm(*args)
+
+    def _values(self) -> dict[int, torch.Tensor]:
+        """The ranks' value of each of the caller's parameters and buffers, by the id of the
+        caller's tensor; asked once per step call (and again after a load)."""
+        now = (self.pipe.steps, self.pipe.pending, self._loads)
+        if self._fetched is None or self._fetched[0] != now:
+            owner = self.pipe._model
+            state = self.pipe.state_dict()
+            by_id = {id(t): state[name] for name, t in
+                     [*owner.named_parameters(remove_duplicate=False),
+                      *owner.named_buffers(remove_duplicate=False)] if name in state}
+            self._fetched = (now, by_id)
+        return self._fetched[1]
 
     def _check_autocast(self) -> None:
         """The closure's autocast around the model must be the one the first step found.
@@ -291,10 +332,19 @@ class Backend(RunningPipeline):
     def step(self, closure: Callable[..., Any], *batch: Any) -> list[Any]:
         """Run ``closure`` once per micro-batch of ``batch``; the optimizer steps once after.
 
-        Returns the closure's return values, one per micro-batch in order.
+        Returns the closure's return values, one per micro-batch in order. Outside
+        ``step``, the compiled model evaluates: called under ``torch.no_grad()`` (after
+        ``model.eval()`` for eval mode) it runs in this process on the ranks' values.
         """
         if not callable(closure):
             raise TypeError("step(closure, *batch): closure must be callable")
+        self._stepping = True
+        try:
+            return self._step(closure, batch)
+        finally:
+            self._stepping = False
+
+    def _step(self, closure: Callable[..., Any], batch: tuple[Any, ...]) -> list[Any]:
         from orgel.explicit.glued import ClosurePipeline
 
         pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated)

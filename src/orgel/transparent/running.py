@@ -10,9 +10,9 @@ import torch
 from orgel.schedule.ir import Plan
 
 #: why orgel.backend's pipeline does not evaluate (``Pipeline.evaluate`` raises with it)
-NO_EVALUATION = ("orgel.backend runs your closure as a training step; it has no forward-only "
-                 "evaluation: evaluate a copy of the model in one process with the values of "
-                 "its state_dict(), or use orgel.pipeline, whose pipe.evaluate runs on the ranks")
+NO_EVALUATION = ("orgel.backend runs your closure as a training step; to evaluate, call the "
+                 "compiled model outside pipe.step under torch.no_grad() (after model.eval() "
+                 "for eval mode): it runs in this process on the values the ranks trained")
 
 
 class RunningPipeline:
@@ -27,6 +27,7 @@ class RunningPipeline:
     ranks: int
     microbatches: int
     _pending_load: str | Path | None = None
+    _loads = 0  # loads made while running (the ranks' values changed outside a step)
 
     @property
     def plan(self) -> Plan:
@@ -75,6 +76,7 @@ class RunningPipeline:
                 self.given_plan = saved  # same layout: resume exactly where it stopped
             self._pending_load = directory
             return None
+        self._loads += 1
         return int(self.pipe.load(directory))
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:

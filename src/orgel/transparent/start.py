@@ -155,7 +155,7 @@ def start_glued(backend: Backend, rows: int) -> Any:
                 "model reads them (Dynamo ran the code that uses them between its graphs), "
                 "so their .grad accumulates in this process and no rank steps them. Step "
                 "them with an optimizer of your own, or use orgel.pipeline, which trains "
-                "them on a rank"), stacklevel=4)
+                "them on a rank"), stacklevel=5)
     reason = (f"torch.compile captured the compiled model as {len(prepared)} graphs that "
               "read parameters.")
     raw, glue = join_calls(prepared, reason, eager=[])
