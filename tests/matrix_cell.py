@@ -22,14 +22,12 @@ import json
 import os
 import sys
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import orgel
-from orgel.transparent.backend import UntrainedWarning
 
 VOCAB, ROWS, STEPS = 64, 8, 2
 
@@ -258,10 +256,8 @@ def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     if spec["entry"] == "backend":  # as a fresh script starts: no compiled code of the last cell
         torch._dynamo.reset()
     try:
-        with warnings.catch_warnings():  # parameters left to this process: not exact
-            warnings.simplefilter("error", UntrainedWarning)
-            got = run_backend(features, data, out) if spec["entry"] == "backend" \
-                else run_pipeline(features, data, out)
+        got = run_backend(features, data, out) if spec["entry"] == "backend" \
+            else run_pipeline(features, data, out)
         report = compare(got, reference(features, data))
         if {"tp", "bf16"} <= features:
             # each half of a split matmul is rounded to bfloat16 before the sum: judge both

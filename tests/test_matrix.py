@@ -49,9 +49,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("backend", "tp"): REFUSED_OPTIONS[("backend", "tp")],
     ("backend", "meta"): REFUSED_OPTIONS[("backend", "weights")],
     ("backend", "length"): "torch.compile traced the model with dynamic shapes",
-    # the embedding runs between the graphs Dynamo makes of the broken forward: no rank
-    # trains it (orgel.pipeline does); orgel.backend says so with an UntrainedWarning
-    ("backend", "break"): "orgel.backend does not train ['model.embed_tokens.weight']",
 }
 
 #: how far a cell may be from one process: bf16 rounds each product, float32 the sums

@@ -31,6 +31,7 @@ error naming the graph call.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -495,6 +496,11 @@ class GluedPipeline(Pipeline):
                            f"the captured forward ran {len(self.glue.calls)}")
 
 
+class UntrainedWarning(UserWarning):
+    """Gradients ``orgel.backend`` cannot apply: the Python between the compiled model's
+    graphs also uses parameters that a graph reads (see :class:`ClosurePipeline`)."""
+
+
 class ClosurePipeline(GluedPipeline):
     """The graphs of ``orgel.backend``'s compiled model, when it has graph breaks.
 
@@ -509,6 +515,24 @@ class ClosurePipeline(GluedPipeline):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._warm = True  # orgel.backend ran micro-batch 0's forward to find the graphs
+        # the closures run the caller's module: the parameters its Python between graphs
+        # uses (Glue.eager) are the caller's own. Each micro-batch's gradient of them is
+        # kept as its backward reaches them (a hook, in the closure's thread), summed in
+        # micro-batch order and stepped by their home rank, whose new values come back here
+        self._eager = {name: self._model.get_parameter(name) for name in self.glue.eager}
+        self._hooks = [p.register_hook(self._keeper(name)) for name, p in self._eager.items()]
+        # the rest get no gradient here: the ranks compute theirs (see _check_stray)
+        self._remote = [(n, p) for n, p in self._model.named_parameters()
+                        if p.requires_grad and n not in self._eager]
+        self._warned = False
+
+    def _keeper(self, name: str) -> Callable[[torch.Tensor], None]:
+        def keep(grad: torch.Tensor) -> None:
+            slot = getattr(self._local, "slot", None)
+            if slot is not None:  # a backward of the user's own, outside a step: not ours
+                got = slot.grads.get(name)
+                slot.grads[name] = grad.detach().clone() if got is None else got + grad
+        return keep
 
     def step_closures(self, closure: Callable[..., Any], pieces: list[list[Any]],
                       rows: int) -> list[Any]:
@@ -520,7 +544,31 @@ class ClosurePipeline(GluedPipeline):
             self._check_calls(slot)
             self._back_unreached(slot, after=-1)  # no backward, or one that missed some
 
-        return [s.result for s in self._run_threads(work, {}, rows)]
+        results = [s.result for s in self._run_threads(work, {}, rows)]
+        for p in self._eager.values():  # summed from the hooks and stepped on a rank
+            p.grad = None
+        self._check_stray()
+        return results
+
+    def _check_stray(self) -> None:
+        """Warn once where a parameter a graph reads got a gradient here: the Python between
+        graphs used it too (a tied embedding looked up outside the graphs), and that part
+        of its gradient reaches no rank."""
+        stray = [n for n, p in self._remote if p.grad is not None]
+        if stray and not self._warned:
+            self._warned = True
+            warnings.warn(UntrainedWarning(
+                f"orgel.backend does not apply the gradients that the Python between the "
+                f"compiled model's graphs gives {stray[:4]}{' and more' if len(stray) > 4 else ''}"
+                ": a graph reads them too, and the ranks step them with the graphs' gradients "
+                "alone (their .grad here holds the rest). Remove the graph break, or use "
+                "orgel.pipeline"), stacklevel=3)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        super().close()
 
 
 def _merged(outputs: list[Any], rows: int) -> Any:

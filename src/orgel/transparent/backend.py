@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from orgel import guard
+from orgel.explicit.glued import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.graph.dynamo import dynamo_settings
 from orgel.guard import untouched
 from orgel.precision import device_type
@@ -67,7 +68,6 @@ from orgel.transparent.graph_model import (
 )
 from orgel.transparent.running import RunningPipeline
 from orgel.transparent.slicing import slice_batch
-from orgel.transparent.start import UntrainedWarning as UntrainedWarning  # its public home
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
 from orgel.worker.pipe import canonical_names

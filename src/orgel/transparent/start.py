@@ -8,7 +8,6 @@ them as :mod:`orgel.explicit.glued_start` does for ``orgel.pipeline``.
 from __future__ import annotations
 
 import multiprocessing as mp
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +32,6 @@ from orgel.workload import Workload
 
 if TYPE_CHECKING:
     from orgel.transparent.backend import Backend
-
-
-class UntrainedWarning(UserWarning):
-    """Parameters of a compiled model with graph breaks that no rank trains (see
-    :func:`orgel.backend`): the Python between its graphs uses them."""
 
 
 @dataclass
@@ -113,8 +107,8 @@ def start_ranks(backend: Backend) -> Started:
 def start_glued(backend: Backend, rows: int) -> Any:
     """Join, plan and split the several graphs of ``backend``'s first step; fork its ranks.
 
-    Warns (:class:`UntrainedWarning`) where parameters of the compiled module are read by
-    no graph: no rank trains them.
+    Parameters of the compiled module that no graph reads are trained from the closures'
+    gradients (:class:`orgel.explicit.glued.ClosurePipeline`).
     """
     if under_torchrun():
         raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
@@ -144,21 +138,14 @@ def start_glued(backend: Backend, rows: int) -> Any:
             else:  # model inputs and what the Python between graphs made: exchanged
                 given.append(None)
         prepared.append((gm, list(args), outs, given))
-    if backend._module is not None:
-        read = set(named.values())
-        outside = [n for n, p in backend._module.named_parameters()
-                   if p.requires_grad and id(p) not in read]
-        if outside:
-            warnings.warn(UntrainedWarning(
-                f"orgel.backend does not train {outside[:4]}"
-                f"{' and more' if len(outside) > 4 else ''}: no graph of the compiled "
-                "model reads them (Dynamo ran the code that uses them between its graphs), "
-                "so their .grad accumulates in this process and no rank steps them. Step "
-                "them with an optimizer of your own, or use orgel.pipeline, which trains "
-                "them on a rank"), stacklevel=5)
+    # parameters no graph reads: Dynamo ran the code that uses them (an embedding) between
+    # its graphs, in the closures; their gradients come from there (ClosurePipeline)
+    read = set(named.values())
+    outside = [] if backend._module is None else [
+        n for n, p in backend._module.named_parameters() if p.requires_grad and id(p) not in read]
     reason = (f"torch.compile captured the compiled model as {len(prepared)} graphs that "
               "read parameters.")
-    raw, glue = join_calls(prepared, reason, eager=[])
+    raw, glue = join_calls(prepared, reason, eager=outside)
     workload = Workload(holder, {}, rows_at(rows, backend.batch_dim), profiling_loss,
                         batch_dim=backend.batch_dim)
     with untouched(holder):
