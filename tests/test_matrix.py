@@ -48,7 +48,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("backend", "fsdp"): REFUSED_OPTIONS[("backend", "shard")],
     ("backend", "tp"): REFUSED_OPTIONS[("backend", "tp")],
     ("backend", "meta"): REFUSED_OPTIONS[("backend", "weights")],
-    ("backend", "length"): "torch.compile traced the model with dynamic shapes",
 }
 
 #: how far a cell may be from one process: bf16 rounds each product, float32 the sums

@@ -49,7 +49,7 @@ import torch
 
 from orgel import guard
 from orgel.explicit.glued import UntrainedWarning as UntrainedWarning  # its public name
-from orgel.graph.dynamo import dynamo_settings
+from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.guard import untouched
 from orgel.precision import device_type
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
@@ -64,7 +64,7 @@ from orgel.transparent.graph_model import (
     GraphModel,
     ambient_autocast,
     describe_autocast,
-    role_of,
+    roles_of,
 )
 from orgel.transparent.running import RunningPipeline
 from orgel.transparent.slicing import slice_batch
@@ -106,6 +106,7 @@ class Backend(RunningPipeline):
         self._loss_rank = -1
         self._placeholders: dict[str, torch.Tensor] = {}
         self._rows: int | None = None  # the batch size of the model's inputs (placeholders)
+        self._whole: tuple[str, ...] = ()  # model inputs every micro-batch gets whole
         self._local = threading.local()
         self._slots: list[Slot] = []
         self._pending_load: str | Path | None = None
@@ -129,18 +130,13 @@ class Backend(RunningPipeline):
     # -- torch.compile side -------------------------------------------------------------
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        dynamic = any(isinstance(v, torch.SymInt) for v in example_inputs)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        roles = [role_of(n, v) for n, v in zip(placeholders, example_inputs, strict=True)]
+        roles = roles_of(placeholders, example_inputs)  # sizes left symbolic included
         stateful = any(kind in ("param", "buffer") for kind, _ in roles)
 
         def run(*args: Any) -> Any:
             if stateful and not self._stepping:
                 return self._evaluate_here(gm, args)
-            if dynamic:
-                raise ValueError("torch.compile traced the model with dynamic shapes; orgel "
-                                 "pipelines fixed shapes: use torch.compile(model, backend=pipe, "
-                                 "dynamic=False) and micro-batches of one size")
             if stateful:
                 self._check_autocast()
             if self._discovering:
@@ -160,8 +156,10 @@ class Backend(RunningPipeline):
 
             raise GraphBreakError(
                 "torch.compile handed orgel.backend another graph after the first step found "
-                "one: the compiled model's input shapes changed, or its forward took another "
-                "path. Keep micro-batch shapes fixed")
+                "one: the compiled model's forward took another path, or an input's shape "
+                "changed in a dimension Dynamo had fixed (the first step's graph keeps "
+                "symbolic only the sizes of tensors the closure passes on as it got them, "
+                "and none under torch.compile(dynamic=False)). Keep those shapes fixed")
 
         return run
 
@@ -220,7 +218,7 @@ class Backend(RunningPipeline):
 
     # -- the first step: find the graphs ----------------------------------------------------
 
-    def _discover(self, closure: Callable[..., Any], args: list[Any]) -> None:
+    def _discover(self, closure: Callable[..., Any], args: list[Any], dynamic: bool) -> None:
         """Run micro-batch 0's closure up to its backward; record the graphs it calls.
 
         The graphs run here on detached copies of the parameters and buffers
@@ -229,7 +227,13 @@ class Backend(RunningPipeline):
         parameter (:func:`stopped_at_backward`).
         One graph that reads parameters is pipelined as is; several are joined
         (:mod:`orgel.graph.glue`) and the closures run the Python between them.
+        ``dynamic``: every dimension of the closure's tensor arguments is marked as
+        possibly dynamic (:func:`torch._dynamo.maybe_mark_dynamic`, on views of them), so
+        Dynamo leaves the sizes it can symbolic and a later batch of another sequence
+        length runs the same graph.
         """
+        if dynamic:
+            args = [_marked(a) for a in args]
         self._found = []
         self._discovering = True
         try:
@@ -349,8 +353,15 @@ class Backend(RunningPipeline):
 
         pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated)
         if self.pipe is None and self.model is None:  # the first step: find the graphs
-            self._discover(closure, pieces[0])
+            self._discover(closure, pieces[0], dynamic=True)
             assert self._found is not None
+            if len(self._found) > 1 and any(kind == "size" for _, _, roles, _, _ in self._found
+                                            for kind, _ in roles):
+                # graph breaks are joined from fixed shapes: find the graphs again, static
+                forget_compiled(self)
+                self._names = None
+                self._discover(closure, pieces[0], dynamic=False)
+                assert self._found is not None
             if not self._found:
                 raise RuntimeError("the closure for micro-batch 0 returned without calling "
                                    "the compiled model (or it reads no parameter); call it "
@@ -387,6 +398,10 @@ class Backend(RunningPipeline):
                 self._start()
                 for slot in self._slots:
                     self._feed(slot)
+            else:  # this step's shapes (a size the graph left symbolic may change)
+                self._await_call(self._slots[0])
+                self._check_closures()
+                self._placeholders, self._rows = self._shapes(self._slots[0].inputs)
             reader = threading.Thread(target=self._read_outputs, daemon=True)
             reader.start()
             try:
@@ -410,6 +425,21 @@ class Backend(RunningPipeline):
         self._check_closures()
         self.pipe.called()
         return [s.result for s in self._slots]
+
+    def _shapes(self, first: dict[str, torch.Tensor] | None
+                ) -> tuple[dict[str, torch.Tensor], int]:
+        """The whole batch's placeholders (shapes only) and rows, from micro-batch 0's
+        inputs: every micro-batch of a step has its shapes."""
+        if first is None:
+            raise RuntimeError("the closure for micro-batch 0 did not call the compiled model")
+        dim, m = self.batch_dim, self.microbatches
+        shapes = {n: t.shape if n in self._whole else
+                  (*t.shape[:dim], t.shape[dim] * m, *t.shape[dim + 1:])
+                  for n, t in first.items()}
+        batched = [s[dim] for n, s in shapes.items() if n not in self._whole]
+        rows = int(batched[0]) if batched else int(self._rows or m)
+        return {n: torch.zeros((), dtype=first[n].dtype).expand(s)
+                for n, s in shapes.items()}, rows
 
     @property
     def _wait_s(self) -> float:
@@ -470,6 +500,7 @@ class Backend(RunningPipeline):
         started = start_ranks(self)
         self._rows, self._loss_rank = started.rows, started.loss_rank
         self._input_ranks, self._placeholders = started.input_ranks, started.placeholders
+        self._whole = started.whole
         self._conns, self.pipe = started.conns, started.pipe
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
@@ -519,3 +550,13 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
                    accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions))
+
+
+def _marked(value: Any) -> Any:
+    """A view of tensor ``value`` with every dimension marked as possibly dynamic."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    view = value.view_as(value)
+    for dim in range(view.dim()):
+        torch._dynamo.maybe_mark_dynamic(view, dim)
+    return view

@@ -42,8 +42,7 @@ class GraphModel(torch.nn.Module):
         # dynamo drops the placeholders' sources once the backend returns: pass the roles
         # read while it was compiling (``roles``) to build one later
         if roles is None:
-            roles = [role_of(node, value) for node, value in zip(placeholders, example_inputs,
-                                                               strict=True)]
+            roles = roles_of(placeholders, example_inputs)
         for (kind, name), value in zip(roles, example_inputs, strict=True):
             if kind in ("param", "buffer"):
                 register_state(self, kind, name, value)
@@ -53,10 +52,13 @@ class GraphModel(torch.nn.Module):
         self.input_names = [n for k, n in self.roles if k == "input"]
 
     def forward(self, **inputs: torch.Tensor) -> Any:
-        args = []
+        args: list[Any] = []
         for kind, name in self.roles:
             if kind == "input":
                 args.append(inputs[name])
+            elif kind == "size":  # a size Dynamo left symbolic: read off the input it sizes
+                of, dim = name.rsplit(":", 1)
+                args.append(inputs[of].shape[int(dim)])
             elif kind == "const":
                 args.append(getattr(self, name))
             elif kind == "param":
@@ -96,8 +98,41 @@ def register_state(module: torch.nn.Module, kind: str, name: str, value: torch.T
         owner.register_buffer(leaf, value)
 
 
+def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any]
+             ) -> list[tuple[str, str]]:
+    """The role of each of a Dynamo graph's placeholders (:func:`role_of`).
+
+    A size Dynamo left symbolic (``torch.compile(dynamic=True)``, or dimensions marked
+    dynamic) is ``("size", "input:dim")``: the model input whose dimension ``dim`` it is,
+    so :class:`GraphModel` reads it off the inputs it is given. Raises ValueError for a
+    symbolic size that no model input has.
+    """
+    roles = [role_of(n, v) for n, v in zip(placeholders, example_inputs, strict=True)]
+    where: dict[str, str] = {}  # symbol -> "input:dim"
+    for node, (kind, name) in zip(placeholders, roles, strict=True):
+        shape = getattr(node.meta.get("example_value"), "shape", ())
+        if kind == "input":
+            for dim, size in enumerate(shape):
+                if isinstance(size, torch.SymInt):
+                    where.setdefault(str(size), f"{name}:{dim}")
+    sized = []
+    for node, (kind, name) in zip(placeholders, roles, strict=True):
+        if kind == "size":
+            symbol = str(node.meta.get("example_value", name))
+            if symbol not in where:
+                raise ValueError(
+                    f"torch.compile traced the model with a symbolic size {symbol} that no "
+                    "model input has; use torch.compile(model, backend=pipe, dynamic=False)")
+            name = where[symbol]
+        sized.append((kind, name))
+    return sized
+
+
 def role_of(node: torch.fx.Node, value: Any) -> tuple[str, str]:
-    """(kind, name) of a dynamo placeholder: param/buffer by original name, input, const."""
+    """(kind, name) of a dynamo placeholder: param/buffer by original name, input, const,
+    or a symbolic size (its symbol; :func:`roles_of` finds the input it sizes)."""
+    if isinstance(value, torch.SymInt):
+        return "size", str(value)
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
     text = ""

@@ -44,6 +44,7 @@ class Started:
     input_ranks: list[int]
     placeholders: dict[str, torch.Tensor]  # the batch's shapes, sent every step
     rows: int  # the batch size
+    whole: tuple[str, ...]  # the model inputs every micro-batch gets whole
 
 
 def start_ranks(backend: Backend) -> Started:
@@ -101,7 +102,8 @@ def start_ranks(backend: Backend) -> Started:
                     aliases=aliases, spmd=False, accumulate=backend.loop["accumulate"],
                     evaluation=NO_EVALUATION)
     check_param_groups(pipe)
-    return Started(pipe, [here for here, _ in pipes], loss_rank, input_ranks, placeholders, rows)
+    return Started(pipe, [here for here, _ in pipes], loss_rank, input_ranks, placeholders, rows,
+                   whole)
 
 
 def start_glued(backend: Backend, rows: int) -> Any:
