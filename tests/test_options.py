@@ -61,3 +61,8 @@ def test_a_forward_with_graph_breaks_is_refused_from_the_table_before_planning()
         with pytest.raises(ValueError) as info:
             orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, microbatches=2, **given)
         assert str(info.value) == REFUSED[("graph breaks", key)]
+
+
+def test_orgel_backend_shares_the_closures_among_dp_replicas_evenly() -> None:
+    with pytest.raises(ValueError, match="give microbatches a multiple of dp"):
+        orgel.backend(ranks=4, dp=2, microbatches=3)

@@ -152,10 +152,6 @@ def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: A
 REFUSED: dict[tuple[str, str], str] = {
     ("backend", "tp"): "orgel.backend runs stages on one process each: tensor parallelism "
                        "needs orgel.pipeline(..., tp=2)",
-    ("backend", "shard"): "orgel.backend runs stages on one rank each (no replicas to shard "
-                          "over): use orgel.pipeline(..., dp=2, shard='fsdp')",
-    ("backend", "dp"): "orgel.backend runs stages on one rank each: data parallelism needs "
-                       "orgel.pipeline(..., dp=2)",
     ("backend", "device=cuda"): "orgel.backend runs on CPU ranks: use orgel.pipeline(..., "
                            "device='cuda') for GPUs",
     ("backend", "init"): "orgel.backend takes a model with values: build it on the CPU, or use "

@@ -81,7 +81,8 @@ class Backend(RunningPipeline):
                  timeout_s: float, threads: int | None, precision: str = "32",
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
                  max_grad_norm: float | None = None, accumulate: int = 1,
-                 batch_dim: int = 0, replicated: tuple[int, ...] = ()) -> None:
+                 batch_dim: int = 0, replicated: tuple[int, ...] = (),
+                 shard: str = "none") -> None:
         from orgel.flow.capture import default_optimizer
         from orgel.flow.options import check_options
 
@@ -94,6 +95,7 @@ class Backend(RunningPipeline):
         self.loop: dict[str, Any] = {"scheduler": scheduler, "lr": lr,
                                      "max_grad_norm": max_grad_norm, "accumulate": accumulate}
         self.memory, self.dp, self.given_plan = memory, dp, plan
+        self.shard = shard  # how the dp replicas hold their state ("none" or "fsdp")
         self.timeout_s, self.threads = timeout_s, threads
         self.batch_dim = batch_dim
         #: positions of ``step``'s arguments that go whole to every closure
@@ -103,7 +105,9 @@ class Backend(RunningPipeline):
         self._conns: list[Any] = []  # controller's end of each rank's pipe
         self._locks = [threading.Lock() for _ in range(ranks)]
         self._input_ranks: list[int] = []
-        self._loss_rank = -1
+        self._loss_ranks: list[int] = []  # the loss stage's rank in each replica
+        self._fed: set[int] = set()  # the ranks' micro-batches whose inputs went out
+        self._feed_lock = threading.Lock()
         self._placeholders: dict[str, torch.Tensor] = {}
         self._rows: int | None = None  # the batch size of the model's inputs (placeholders)
         self._whole: tuple[str, ...] = ()  # model inputs every micro-batch gets whole
@@ -307,7 +311,7 @@ class Backend(RunningPipeline):
         slot.called.set()
         if not slot.delivered.wait(self._wait_s):
             raise TimeoutError(f"micro-batch {slot.index}'s outputs did not arrive from the loss "
-                               f"rank {self._loss_rank} within {self._wait_s:g} s")
+                               f"stage's ranks {self._loss_ranks} within {self._wait_s:g} s")
         if slot.outputs is None:
             raise RuntimeError("the pipelined step was aborted")
         anchor = torch.zeros((), requires_grad=True)
@@ -322,14 +326,29 @@ class Backend(RunningPipeline):
             self._conns[rank].send(message)
 
     def _feed(self, slot: Slot) -> None:
+        """Send the input ranks the ranks' micro-batch of ``slot`` once all its closures
+        called the model: with dp replicas, closures ``j*dp ... j*dp+dp-1`` side by side
+        (replica r takes closure ``j*dp+r``'s rows)."""
+        dp = self.dp
+        j = slot.index // dp
+        with self._feed_lock:
+            group = self._slots[j * dp:(j + 1) * dp]
+            if j in self._fed or any(s.inputs is None for s in group):
+                return
+            self._fed.add(j)
+        given = [s.inputs for s in group]
+        inputs = {n: t if dp == 1 or n in self._whole
+                  else torch.cat([g[n] for g in given], self.batch_dim)  # type: ignore[index]
+                  for n, t in given[0].items()}  # type: ignore[union-attr]
         for r in self._input_ranks:
-            self._send(r, ("in", slot.index, slot.inputs))
+            self._send(r, ("in", j, inputs))
 
     def _send_grad(self, slot: Slot, grads: list[Any] | None) -> None:
         if slot.grad_sent:
             raise RuntimeError("backward ran twice through the pipelined model in one closure")
         slot.grad_sent = True
-        self._send(self._loss_rank, ("grad", slot.index, grads))
+        rank = self._loss_ranks[slot.index % self.dp]
+        self._send(rank, ("grad", slot.index // self.dp, grads))
 
     # -- the runner ----------------------------------------------------------------------
 
@@ -385,6 +404,7 @@ class Backend(RunningPipeline):
         if isinstance(self.pipe, ClosurePipeline):
             return self.pipe.step_closures(closure, pieces, rows)
         self._slots = [Slot(m) for m in range(self.microbatches)]
+        self._fed = set()
         threads = [threading.Thread(target=self._run_closure, args=(closure, m, pieces[m]),
                                     name=f"orgel-closure{m}", daemon=True)
                    for m in range(self.microbatches)]
@@ -484,12 +504,22 @@ class Backend(RunningPipeline):
                 self.pipe.kill()  # the ranks wait on this closure: stop them
 
     def _read_outputs(self) -> None:
-        for _ in range(self.microbatches):
+        """Hand each closure its outputs as the loss stage's ranks send them (replica r's
+        micro-batch j is closure ``j*dp+r``'s)."""
+        readers = [threading.Thread(target=self._read_from, args=(r, rank), daemon=True)
+                   for r, rank in enumerate(self._loss_ranks)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+
+    def _read_from(self, replica: int, rank: int) -> None:
+        for _ in range(self.microbatches // self.dp):
             try:
-                kind, m, outputs = self._conns[self._loss_rank].recv()
+                kind, j, outputs = self._conns[rank].recv()
             except (EOFError, OSError):
                 return
-            slot = self._slots[m]
+            slot = self._slots[j * self.dp + replica]
             slot.outputs = outputs
             slot.delivered.set()
 
@@ -498,7 +528,7 @@ class Backend(RunningPipeline):
         from orgel.transparent.start import start_ranks
 
         started = start_ranks(self)
-        self._rows, self._loss_rank = started.rows, started.loss_rank
+        self._rows, self._loss_ranks = started.rows, started.loss_ranks
         self._input_ranks, self._placeholders = started.input_ranks, started.placeholders
         self._whole = started.whole
         self._conns, self.pipe = started.conns, started.pipe
@@ -525,9 +555,13 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     and the optimizer steps on every k-th ``step``. ``batch_dim``: the
     dimension ``step``'s tensor arguments are cut into micro-batches along (one int:
     ``step`` takes positional arguments; 1 for sequence-first ``[T, B]`` data).
-    ``orgel.pipeline``'s other options (``tp``, ``shard``, ``device``, ``init``,
-    ``weights``, ``compile``, ...) are refused with the reason
-    (:data:`orgel.flow.options.REFUSED`), as is ``dp`` above 1.
+    ``dp=d`` runs ``d`` replicas of the pipeline (``ranks`` counts all of them) that share
+    each step's closures: the ranks' micro-batch ``j`` is closures ``j*d`` to ``j*d+d-1``
+    side by side, each replica taking one closure's rows, so ``microbatches`` must be a
+    multiple of ``d``; ``shard="fsdp"`` shards the replicas' state as in
+    :func:`orgel.pipeline`. ``orgel.pipeline``'s other options (``tp``, ``device``,
+    ``init``, ``weights``, ``compile``, ...) are refused with the reason
+    (:data:`orgel.flow.options.REFUSED`).
     ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
     closure) that every closure gets whole, such as class weights ``[C]`` whose size
     happens to be the batch size; arguments without the batch dimension (a 0-dim
@@ -538,6 +572,10 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
 
     options(**others)  # a misspelt name: TypeError with the names that exist
     refuse("backend", {**others, "dp": dp, "precision": precision})
+    if isinstance(dp, int) and dp > 1 and isinstance(microbatches, int) and microbatches % dp:
+        raise ValueError(f"orgel.backend(dp={dp}) shares the step's {microbatches} closures "
+                         f"among {dp} replicas of the pipeline: give microbatches a multiple "
+                         f"of dp (say {dp * max(1, microbatches // dp)})")
     if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
         raise ValueError(f"batch_dim must be a non-negative int for orgel.backend (step takes "
                          f"positional arguments), got {batch_dim!r}")
@@ -549,7 +587,8 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     return Backend(ranks=ranks, microbatches=microbatches, optimizer=optimizer, memory=memory,
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
-                   accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions))
+                   accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions),
+                   shard=str(others.get("shard", "none")))
 
 
 def _marked(value: Any) -> Any:

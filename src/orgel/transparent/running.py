@@ -25,7 +25,8 @@ class RunningPipeline:
     pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
     given_plan: Plan | str | Path | None = None
     ranks: int
-    microbatches: int
+    microbatches: int  # closures per step (dp replicas share them)
+    dp: int
     _pending_load: str | Path | None = None
     _loads = 0  # loads made while running (the ranks' values changed outside a step)
 
@@ -72,7 +73,7 @@ class RunningPipeline:
             meta = ckpt.read_meta(directory)  # fail now on a missing or foreign checkpoint
             saved = Plan.from_json(ckpt.read_plan_json(directory))
             if (self.given_plan is None and int(meta["num_ranks"]) == self.ranks
-                    and saved.microbatches == self.microbatches):
+                    and saved.microbatches * self.dp == self.microbatches):
                 self.given_plan = saved  # same layout: resume exactly where it stopped
             self._pending_load = directory
             return None

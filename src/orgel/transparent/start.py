@@ -15,7 +15,8 @@ import torch
 
 from orgel.batching import batch_rows
 from orgel.explicit.glued_start import start
-from orgel.flow.capture import capture_microbatch, resolve_plan, split_for
+from orgel.flow.capture import resolve_plan, split_for
+from orgel.flow.prepare import prepare
 from orgel.flow.start import check_param_groups
 from orgel.graph.glue import join_calls
 from orgel.graph.measure import measure
@@ -40,7 +41,7 @@ class Started:
 
     pipe: Pipeline
     conns: list[Any]  # the runner's end of each rank's pipe
-    loss_rank: int
+    loss_ranks: list[int]  # by replica
     input_ranks: list[int]
     placeholders: dict[str, torch.Tensor]  # the batch's shapes, sent every step
     rows: int  # the batch size
@@ -66,20 +67,21 @@ def start_ranks(backend: Backend) -> Started:
     rows = batch_rows(batch, None, dim, whole)
     workload = Workload(backend.model, batch, rows_at(rows, dim), profiling_loss,
                         batch_dim=dim, replicated=whole)
-    with untouched(backend.model):
-        graph = capture_microbatch(workload, backend.microbatches)
-        # dynamo's graph has the micro-batch's shapes baked in and the user's model is
-        # not ours to re-trace per replica: plan chains of one rank per stage (beam)
-        plan = resolve_plan(backend.given_plan, workload, graph, backend.ranks,
-                            backend.microbatches, backend.memory, backend.dp, planner="beam",
-                                 optimizer=backend.optimizer)
-        if any(len(r) > 1 for r in plan.placement):
-            raise ValueError("orgel.backend runs stages on one rank each; give a plan "
-                             "without data-parallel stages")
-        split = split_for(workload, graph, plan)
-    loss_rank = plan.placement[split.loss_stage][0]
-    input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
-                         if st.model_inputs})
+    # with dp replicas, the ranks' micro-batch j is the closures' j*dp ... j*dp+dp-1 side by
+    # side: replica r's share of its rows is closure j*dp+r's micro-batch, whole
+    # the flow every front end runs: capture (sizes symbolic where Dynamo left them so),
+    # plan, split; the closures weigh their own loss ("rows" is never applied)
+    prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks, tp=1,
+                       microbatches=backend.microbatches // backend.dp, memory=backend.memory,
+                       dp=backend.dp, shard=backend.shard, loss_rule="rows",
+                       optimizer=backend.optimizer)
+    plan, split = prepared.plan, prepared.split
+    loss_ranks = list(plan.placement[split.loss_stage])
+    if len(loss_ranks) != backend.dp:
+        raise ValueError(f"orgel.backend runs dp={backend.dp} replicas of the whole pipeline; "
+                         f"the plan's loss stage runs on {len(loss_ranks)} ranks")
+    input_ranks = sorted({r for s, st in enumerate(split.stages) if st.model_inputs
+                          for r in plan.placement[s]})
     # shapes only: a 1-element storage expanded, cheap to send every step
     placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
                    for n, t in batch.items()}
@@ -98,11 +100,11 @@ def start_ranks(backend: Backend) -> Started:
     # compiled module, when there is one
     owner = backend._module or backend.model
     keys, aliases = model_aliases(owner)
-    pipe = Pipeline(plan, group, model=owner, loss_ranks=[loss_rank], state_keys=keys,
+    pipe = Pipeline(plan, group, model=owner, loss_ranks=loss_ranks, state_keys=keys,
                     aliases=aliases, spmd=False, accumulate=backend.loop["accumulate"],
                     evaluation=NO_EVALUATION)
     check_param_groups(pipe)
-    return Started(pipe, [here for here, _ in pipes], loss_rank, input_ranks, placeholders, rows,
+    return Started(pipe, [here for here, _ in pipes], loss_ranks, input_ranks, placeholders, rows,
                    whole)
 
 
