@@ -44,7 +44,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("torchrun", "break"): "Under torchrun orgel needs one graph",
     ("torchrun", "if_end"): "Under torchrun orgel needs one graph",
     # orgel.backend runs one rank per stage, on the CPU, from Dynamo's fixed-shape graphs
-    ("backend", "tp"): REFUSED_OPTIONS[("backend", "tp")],
     ("backend", "meta"): REFUSED_OPTIONS[("backend", "weights")],
 }
 

@@ -150,8 +150,6 @@ def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: A
 #: ``where`` is a front end (``"backend"``) or a property of the model (``"graph breaks"``);
 #: ``option`` an option's keyword name, or ``name=value`` for one value of it.
 REFUSED: dict[tuple[str, str], str] = {
-    ("backend", "tp"): "orgel.backend runs stages on one process each: tensor parallelism "
-                       "needs orgel.pipeline(..., tp=2)",
     ("backend", "device=cuda"): "orgel.backend runs on CPU ranks: use orgel.pipeline(..., "
                            "device='cuda') for GPUs",
     ("backend", "init"): "orgel.backend takes a model with values: build it on the CPU, or use "

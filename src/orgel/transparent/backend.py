@@ -82,7 +82,7 @@ class Backend(RunningPipeline):
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
                  max_grad_norm: float | None = None, accumulate: int = 1,
                  batch_dim: int = 0, replicated: tuple[int, ...] = (),
-                 shard: str = "none") -> None:
+                 shard: str = "none", tp: int = 1) -> None:
         from orgel.flow.capture import default_optimizer
         from orgel.flow.options import check_options
 
@@ -96,6 +96,7 @@ class Backend(RunningPipeline):
                                      "max_grad_norm": max_grad_norm, "accumulate": accumulate}
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.shard = shard  # how the dp replicas hold their state ("none" or "fsdp")
+        self.tp = tp  # processes per pipeline rank (tensor parallelism); ranks counts all
         self.timeout_s, self.threads = timeout_s, threads
         self.batch_dim = batch_dim
         #: positions of ``step``'s arguments that go whole to every closure
@@ -103,9 +104,10 @@ class Backend(RunningPipeline):
         self.model: GraphModel | None = None
         self.pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
         self._conns: list[Any] = []  # controller's end of each rank's pipe
-        self._locks = [threading.Lock() for _ in range(ranks)]
+        self._locks = [threading.Lock() for _ in range(ranks)]  # one per process
         self._input_ranks: list[int] = []
-        self._loss_ranks: list[int] = []  # the loss stage's rank in each replica
+        #: the loss stage's processes in each replica (its tp members; member 0 answers)
+        self._loss_processes: list[list[int]] = []
         self._fed: set[int] = set()  # the ranks' micro-batches whose inputs went out
         self._feed_lock = threading.Lock()
         self._placeholders: dict[str, torch.Tensor] = {}
@@ -311,7 +313,8 @@ class Backend(RunningPipeline):
         slot.called.set()
         if not slot.delivered.wait(self._wait_s):
             raise TimeoutError(f"micro-batch {slot.index}'s outputs did not arrive from the loss "
-                               f"stage's ranks {self._loss_ranks} within {self._wait_s:g} s")
+                               f"stage's processes {self._loss_processes} within "
+                               f"{self._wait_s:g} s")
         if slot.outputs is None:
             raise RuntimeError("the pipelined step was aborted")
         anchor = torch.zeros((), requires_grad=True)
@@ -347,8 +350,8 @@ class Backend(RunningPipeline):
         if slot.grad_sent:
             raise RuntimeError("backward ran twice through the pipelined model in one closure")
         slot.grad_sent = True
-        rank = self._loss_ranks[slot.index % self.dp]
-        self._send(rank, ("grad", slot.index // self.dp, grads))
+        for process in self._loss_processes[slot.index % self.dp]:
+            self._send(process, ("grad", slot.index // self.dp, grads))
 
     # -- the runner ----------------------------------------------------------------------
 
@@ -506,19 +509,25 @@ class Backend(RunningPipeline):
     def _read_outputs(self) -> None:
         """Hand each closure its outputs as the loss stage's ranks send them (replica r's
         micro-batch j is closure ``j*dp+r``'s)."""
-        readers = [threading.Thread(target=self._read_from, args=(r, rank), daemon=True)
-                   for r, rank in enumerate(self._loss_ranks)]
+        readers = [threading.Thread(target=self._read_from, args=(r, process, member == 0),
+                                    daemon=True)
+                   for r, processes in enumerate(self._loss_processes)
+                   for member, process in enumerate(processes)]
         for t in readers:
             t.start()
         for t in readers:
             t.join()
 
-    def _read_from(self, replica: int, rank: int) -> None:
+    def _read_from(self, replica: int, process: int, answers: bool) -> None:
+        """Read one loss-stage process's outputs; only member 0's go to the closures (the
+        other tensor-parallel members hold the same)."""
         for _ in range(self.microbatches // self.dp):
             try:
-                kind, j, outputs = self._conns[rank].recv()
+                kind, j, outputs = self._conns[process].recv()
             except (EOFError, OSError):
                 return
+            if not answers:
+                continue
             slot = self._slots[j * self.dp + replica]
             slot.outputs = outputs
             slot.delivered.set()
@@ -528,7 +537,7 @@ class Backend(RunningPipeline):
         from orgel.transparent.start import start_ranks
 
         started = start_ranks(self)
-        self._rows, self._loss_ranks = started.rows, started.loss_ranks
+        self._rows, self._loss_processes = started.rows, started.loss_processes
         self._input_ranks, self._placeholders = started.input_ranks, started.placeholders
         self._whole = started.whole
         self._conns, self.pipe = started.conns, started.pipe
@@ -558,9 +567,10 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     ``dp=d`` runs ``d`` replicas of the pipeline (``ranks`` counts all of them) that share
     each step's closures: the ranks' micro-batch ``j`` is closures ``j*d`` to ``j*d+d-1``
     side by side, each replica taking one closure's rows, so ``microbatches`` must be a
-    multiple of ``d``; ``shard="fsdp"`` shards the replicas' state as in
-    :func:`orgel.pipeline`. ``orgel.pipeline``'s other options (``tp``, ``device``,
-    ``init``, ``weights``, ``compile``, ...) are refused with the reason
+    multiple of ``d``; ``shard="fsdp"`` shards the replicas' state and ``tp=t`` splits
+    each pipeline rank over ``t`` processes, as in :func:`orgel.pipeline` (``ranks``
+    counts every process). ``orgel.pipeline``'s other options (``device``, ``init``,
+    ``weights``, ``compile``, ...) are refused with the reason
     (:data:`orgel.flow.options.REFUSED`).
     ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
     closure) that every closure gets whole, such as class weights ``[C]`` whose size
@@ -572,6 +582,12 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
 
     options(**others)  # a misspelt name: TypeError with the names that exist
     refuse("backend", {**others, "dp": dp, "precision": precision})
+    from orgel.plan.transforms import pipeline_ranks
+    from orgel.runtime.sharding import check_shard_option
+
+    tp, shard = int(others.get("tp", 1)), str(others.get("shard", "none"))
+    pipeline_ranks(ranks, tp, dp)  # tp divides ranks, dp the pipeline ranks
+    check_shard_option(shard, dp)
     if isinstance(dp, int) and dp > 1 and isinstance(microbatches, int) and microbatches % dp:
         raise ValueError(f"orgel.backend(dp={dp}) shares the step's {microbatches} closures "
                          f"among {dp} replicas of the pipeline: give microbatches a multiple "
@@ -588,7 +604,7 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
                    accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions),
-                   shard=str(others.get("shard", "none")))
+                   shard=shard, tp=tp)
 
 
 def _marked(value: Any) -> Any:

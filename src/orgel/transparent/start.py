@@ -41,7 +41,7 @@ class Started:
 
     pipe: Pipeline
     conns: list[Any]  # the runner's end of each rank's pipe
-    loss_ranks: list[int]  # by replica
+    loss_processes: list[list[int]]  # by replica: the loss stage's tp processes
     input_ranks: list[int]
     placeholders: dict[str, torch.Tensor]  # the batch's shapes, sent every step
     rows: int  # the batch size
@@ -71,40 +71,46 @@ def start_ranks(backend: Backend) -> Started:
     # side: replica r's share of its rows is closure j*dp+r's micro-batch, whole
     # the flow every front end runs: capture (sizes symbolic where Dynamo left them so),
     # plan, split; the closures weigh their own loss ("rows" is never applied)
-    prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks, tp=1,
-                       microbatches=backend.microbatches // backend.dp, memory=backend.memory,
-                       dp=backend.dp, shard=backend.shard, loss_rule="rows",
-                       optimizer=backend.optimizer)
+    prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks // backend.tp,
+                       tp=backend.tp, microbatches=backend.microbatches // backend.dp,
+                       memory=backend.memory, dp=backend.dp, shard=backend.shard,
+                       loss_rule="rows", optimizer=backend.optimizer)
     plan, split = prepared.plan, prepared.split
-    loss_ranks = list(plan.placement[split.loss_stage])
-    if len(loss_ranks) != backend.dp:
+    if len(plan.placement[split.loss_stage]) != backend.dp:
         raise ValueError(f"orgel.backend runs dp={backend.dp} replicas of the whole pipeline; "
-                         f"the plan's loss stage runs on {len(loss_ranks)} ranks")
-    input_ranks = sorted({r for s, st in enumerate(split.stages) if st.model_inputs
-                          for r in plan.placement[s]})
+                         f"the plan's loss stage runs on {len(plan.placement[split.loss_stage])} "
+                         "ranks")
+    # processes: each replica's loss stage has tp of them (member 0's outputs are the
+    # closure's, every member takes the gradients); every member of an input stage reads
+    loss_processes = [plan.processes_of(r) for r in plan.placement[split.loss_stage]]
+    input_ranks = sorted({p for s, st in enumerate(split.stages) if st.model_inputs
+                          for r in plan.placement[s] for p in plan.processes_of(r)})
     # shapes only: a 1-element storage expanded, cheap to send every step
     placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
                    for n, t in batch.items()}
     ctx = mp.get_context("fork")
-    pipes = [ctx.Pipe() for _ in range(backend.ranks)]
+    pipes = [ctx.Pipe() for _ in range(plan.world_size)]
 
-    def make_engine(rank: int) -> RankEngine:
-        return ClosureEngine(rank, plan, split, optimizer=backend.optimizer,
-                             conn=pipes[rank][1], timeout_s=backend.timeout_s,
+    def make_engine(process: int) -> RankEngine:
+        return ClosureEngine(plan.pipeline_rank_of(process), plan, split,
+                             optimizer=backend.optimizer, conn=pipes[process][1],
+                             timeout_s=backend.timeout_s,
                              options={**backend.loop, "replicated": whole},
                              batch_dim=backend.batch_dim)
 
-    group = LocalGroup(backend.ranks, make_engine, timeout_s=backend.timeout_s,
+    group = LocalGroup(plan.world_size, make_engine, timeout_s=backend.timeout_s,
                        threads=backend.threads)
     # names and tensors no graph reads (tied aliases, an unused pooler) come from the
     # compiled module, when there is one
     owner = backend._module or backend.model
     keys, aliases = model_aliases(owner)
-    pipe = Pipeline(plan, group, model=owner, loss_ranks=loss_ranks, state_keys=keys,
+    pipe = Pipeline(plan, group, model=owner, loss_ranks=[p[0] for p in loss_processes],
+                    state_keys=keys,
                     aliases=aliases, spmd=False, accumulate=backend.loop["accumulate"],
                     evaluation=NO_EVALUATION)
     check_param_groups(pipe)
-    return Started(pipe, [here for here, _ in pipes], loss_ranks, input_ranks, placeholders, rows,
+    return Started(pipe, [here for here, _ in pipes], loss_processes, input_ranks, placeholders,
+                   rows,
                    whole)
 
 
