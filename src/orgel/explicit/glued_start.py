@@ -2,7 +2,7 @@
 
 :func:`start` forks one closure engine per rank (each with the exchanges of its
 stages) and returns the controller's pipeline: a :class:`~orgel.explicit.glued.GluedPipeline`
-for ``orgel.pipeline``, a :class:`~orgel.explicit.glued.ClosurePipeline` for
+for ``orgel.pipeline``, a :class:`~orgel.explicit.closures.ClosurePipeline` for
 ``orgel.backend``'s closures.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from orgel.batching import single_dim, split_microbatches
-from orgel.explicit.glued import ClosurePipeline, GluedPipeline
+from orgel.explicit.closures import ClosurePipeline
+from orgel.explicit.glued import GluedPipeline
 from orgel.workload import named_inputs
 
 

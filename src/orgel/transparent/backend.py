@@ -28,7 +28,7 @@ then captures, plans and starts the ranks once every closure has reached its
 model call. A compiled model with graph breaks (several graphs that read
 parameters, or one called more than once) is joined and pipelined as
 :mod:`orgel.explicit.glued` does for ``orgel.pipeline``; the closures run the Python
-between its graphs (:class:`orgel.explicit.glued.ClosurePipeline`). Gradients
+between its graphs (:class:`orgel.explicit.closures.ClosurePipeline`). Gradients
 accumulate over micro-batches as in gradient accumulation: divide the loss by
 ``microbatches`` for a batch-mean loss. A closure that never calls
 ``backward`` contributes no gradient; a step whose closures all skip it (an
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from orgel import guard
-from orgel.explicit.glued import UntrainedWarning as UntrainedWarning  # its public name
+from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.guard import untouched
 from orgel.precision import device_type
@@ -149,7 +149,7 @@ class Backend(RunningPipeline):
                 return self._record(gm, example_inputs, roles, args)
             if not stateful:  # reads no parameter or buffer: runs here, as the closure does
                 return gm(*args)
-            from orgel.explicit.glued import ClosurePipeline
+            from orgel.explicit.closures import ClosurePipeline
 
             if isinstance(self.pipe, ClosurePipeline):
                 return self.pipe._call(gm.code, args)
@@ -371,7 +371,7 @@ class Backend(RunningPipeline):
             self._stepping = False
 
     def _step(self, closure: Callable[..., Any], batch: tuple[Any, ...]) -> list[Any]:
-        from orgel.explicit.glued import ClosurePipeline
+        from orgel.explicit.closures import ClosurePipeline
 
         pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated)
         if self.pipe is None and self.model is None:  # the first step: find the graphs

@@ -118,7 +118,7 @@ def start_glued(backend: Backend, rows: int) -> Any:
     """Join, plan and split the several graphs of ``backend``'s first step; fork its ranks.
 
     Parameters of the compiled module that no graph reads are trained from the closures'
-    gradients (:class:`orgel.explicit.glued.ClosurePipeline`).
+    gradients (:class:`orgel.explicit.closures.ClosurePipeline`).
     """
     if under_torchrun():
         raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
