@@ -39,7 +39,6 @@ PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp", "ev
 #: (entry, cell) -> words the refusal must contain. Every other cell must be exact.
 REFUSED: dict[tuple[str, str], str] = {
     # the controller's runtime for graph breaks runs each stage on one rank, training only
-    ("local", "dp+break"): "a forward of several graphs runs each stage on one rank",
     # torchrun has no controller process to run the Python between graphs
     ("torchrun", "break"): "Under torchrun orgel needs one graph",
     ("torchrun", "if_end"): "Under torchrun orgel needs one graph",

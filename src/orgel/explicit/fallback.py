@@ -179,22 +179,22 @@ class Fallback:
         """
         self.check(slot.index, why)
         assert self.dummies is not None
-        glue, m, step = pipe.glue, slot.index, pipe.calls
+        glue, m = pipe.glue, slot.index
         calls = glue.calls
         first = {name: inputs[name].detach() for kind, name in calls[0].roles if kind == "input"}
         start = slot.sent
         for c in range(start, len(calls)):
             if glue.has_exchange(c):
-                pipe._send(pipe._rank_of[c], ("x_in", (step, c, m), self.dummies[c]))
+                pipe._send(pipe.exchange_rank(c, m), ("x_in", pipe.key(c, m), self.dummies[c]))
             if c == 0:
-                for r in pipe._input_ranks:
-                    pipe._send(r, ("in", m, first))
+                pipe.feed(m, first)
         for c in range(start, len(calls)):
             if c + 1 < len(calls):
-                pipe._mail.get("x_out", (step, c + 1, m), pipe._rank_of[c + 1],
+                pipe._mail.get("x_out", pipe.key(c + 1, m), pipe.exchange_rank(c + 1, m),
                                f"graph {c}'s outputs of micro-batch {m}")
             else:
-                pipe._mail.get("out", m, pipe._loss_rank, f"the outputs of micro-batch {m}")
+                pipe._mail.get("out", m // pipe.dp, pipe.loss_rank(m),
+                               f"the outputs of micro-batch {m}")
         slot.sent = slot.calls = len(calls)
         slot.backed.clear()
         pipe._back_unreached(slot, after=-1)

@@ -45,6 +45,7 @@ from orgel.explicit.fallback import GlueError as GlueError  # its home before th
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
+from orgel.launch.errors import StepError, WorkerError
 from orgel.lossweights import batch_weights, weigh
 from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
@@ -108,10 +109,15 @@ class GluedPipeline(Pipeline):
                  loss_fn: Callable[[Any, Any], torch.Tensor], replicated: tuple[str, ...],
                  timeout_s: float, state_keys: list[str], aliases: dict[str, str],
                  batch_dim: int = 0, accumulate: int = 1) -> None:
-        loss_rank = plan.placement[split.loss_stage][0]
-        super().__init__(plan, group, model=model, loss_ranks=[loss_rank], state_keys=state_keys,
-                         aliases=aliases, spmd=False,
+        super().__init__(plan, group, model=model,
+                         loss_ranks=list(plan.placement[split.loss_stage]),
+                         state_keys=state_keys, aliases=aliases, spmd=False,
                          accumulate=accumulate)
+        #: data-parallel replicas: the controller runs ``dp`` micro-batches per micro-batch
+        #: of the ranks (:attr:`pieces` in all), replica ``r`` of the ranks' micro-batch
+        #: ``j`` being the controller's ``j * dp + r`` (that replica's rows of it)
+        self.dp = len(plan.placement[split.loss_stage])
+        self.pieces = plan.microbatches * self.dp
         #: step calls made: the exchanges with the ranks are keyed by it (each rank counts
         #: its calls too), not by optimizer steps, which ``accumulate`` > 1 makes fewer
         self.calls = 0
@@ -123,9 +129,12 @@ class GluedPipeline(Pipeline):
         self._conns = conns
         self._locks = [threading.Lock() for _ in conns]
         self._mail = Mailbox(conns, timeout_s)
-        self._rank_of = exchange_ranks(plan, split)
-        self._input_ranks = sorted({plan.placement[s][0] for s, st in enumerate(split.stages)
-                                    if st.model_inputs})
+        self._ranks_of = exchange_ranks(plan, split)  # by replica
+        self._loss_ranks = list(plan.placement[split.loss_stage])
+        self._input_ranks = sorted({r for s, st in enumerate(split.stages) if st.model_inputs
+                                    for r in plan.placement[s]})
+        self._fed: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # group -> piece inputs
+        self._feed_lock = threading.Lock()
         self._input_names = list(split.model_input_names)
         # the parameters code outside every graph trains: their gradients are computed
         # here, on a copy of them (the caller's model stays as it was), and a rank steps them
@@ -224,31 +233,63 @@ class GluedPipeline(Pipeline):
             raise Stopped(f"rank {rank} closed its pipe while the controller sent it "
                           f"{message[0]!r}") from exc
 
+    # -- where micro-batch m's messages go: its replica's ranks, its group's key ---------
+
+    def key(self, c: int, m: int) -> tuple[int, int, int]:
+        """The key of graph call ``c``'s exchange of micro-batch ``m`` (the ranks' micro-batch)."""
+        return (self.calls, c, m // self.dp)
+
+    def exchange_rank(self, c: int, m: int) -> int:
+        """The rank holding exchange ``c`` for micro-batch ``m`` (its replica's)."""
+        return self._ranks_of[c][m % self.dp]
+
+    def loss_rank(self, m: int) -> int:
+        """The rank of the loss stage for micro-batch ``m`` (its replica's)."""
+        return self._loss_ranks[m % self.dp]
+
+    def feed(self, m: int, inputs: dict[str, torch.Tensor]) -> None:
+        """Micro-batch ``m``'s model inputs: once its group's ``dp`` micro-batches all gave
+        theirs, the ranks' micro-batch (theirs side by side) goes to every input rank."""
+        j = m // self.dp
+        with self._feed_lock:
+            group = self._fed.setdefault(j, {})
+            group[m] = inputs
+            if len(group) < self.dp:
+                return
+            del self._fed[j]
+        parts = [group[k] for k in sorted(group)]
+        whole = {n: t if len(parts) == 1 or n in self.replicated
+                 else torch.cat([p[n] for p in parts], self.batch_dim)
+                 for n, t in parts[0].items()}
+        for r in self._input_ranks:
+            self._send(r, ("in", j, whole))
+
     def _run(self, slot: _Slot, c: int, inputs: dict[str, Any],
              values: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        m, key = slot.index, (self.calls, c, slot.index)
+        m = slot.index
         if self.glue.has_exchange(c):
-            self._send(self._rank_of[c], ("x_in", key, [v.detach() for v in values]))
+            self._send(self.exchange_rank(c, m),
+                       ("x_in", self.key(c, m), [v.detach() for v in values]))
         if c == 0:
-            for r in self._input_ranks:
-                self._send(r, ("in", m, inputs))
+            self.feed(m, inputs)
         slot.sent = c + 1
         if c + 1 < len(self.glue.calls):
-            after = (self.calls, c + 1, m)
-            return list(self._mail.get("x_out", after, self._rank_of[c + 1],
+            return list(self._mail.get("x_out", self.key(c + 1, m), self.exchange_rank(c + 1, m),
                                        f"graph {c}'s outputs of micro-batch {m}"))
-        outs = self._mail.get("out", m, self._loss_rank, f"the outputs of micro-batch {m}")
+        outs = self._mail.get("out", m // self.dp, self.loss_rank(m),
+                              f"the outputs of micro-batch {m}")
         return list(outs[:-1])  # the last one is the exchanges' anchor
 
     def _back(self, slot: _Slot, c: int, grads: list[Any], count: int) -> list[Any]:
-        m, key = slot.index, (self.calls, c, slot.index)
+        m = slot.index
         if c + 1 < len(self.glue.calls):
-            self._send(self._rank_of[c + 1], ("x_outgrad", (self.calls, c + 1, m), grads))
+            self._send(self.exchange_rank(c + 1, m),
+                       ("x_outgrad", self.key(c + 1, m), grads))
         else:
-            self._send(self._loss_rank, ("grad", m, [*grads, None]))
+            self._send(self.loss_rank(m), ("grad", m // self.dp, [*grads, None]))
         if not self.glue.has_exchange(c):
             return [None] * count
-        return list(self._mail.get("x_ingrad", key, self._rank_of[c],
+        return list(self._mail.get("x_ingrad", self.key(c, m), self.exchange_rank(c, m),
                                    f"the gradients of graph {c}'s arguments of micro-batch {m}"))
 
     def _back_unreached(self, slot: _Slot, *, after: int) -> None:
@@ -277,7 +318,7 @@ class GluedPipeline(Pipeline):
         self._keep_outputs = outputs
         named = named_inputs(self._model, inputs)
         self._check_batch(named, targets)  # the graphs are static: their sizes, named
-        parts = split_microbatches(named, targets, self.plan.microbatches, self.batch_dim,
+        parts = split_microbatches(named, targets, self.pieces, self.batch_dim,
                                    self.replicated)
         mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
         self._weights = batch_weights(self.loss_rule, [p for p, _ in parts],
@@ -307,7 +348,7 @@ class GluedPipeline(Pipeline):
         """
         named = named_inputs(self._model, inputs)
         self._check_batch(named, targets)
-        parts = split_microbatches(named, targets, self.plan.microbatches, self.batch_dim,
+        parts = split_microbatches(named, targets, self.pieces, self.batch_dim,
                                    self.replicated)
         rows = batch_rows(named, targets, self.batch_dim, self.replicated)
         with_loss = targets is not None or not outputs
@@ -330,7 +371,8 @@ class GluedPipeline(Pipeline):
     def _run_threads(self, work: Callable[[_Slot], None], placeholders: dict[str, torch.Tensor],
                      rows: int) -> list[_Slot]:
         """``work(slot)`` for every micro-batch, each in its own thread, beside the ranks' step."""
-        slots = [_Slot(i) for i in range(self.plan.microbatches)]
+        slots = [_Slot(i) for i in range(self.pieces)]
+        self._fed.clear()
         threads = [threading.Thread(target=self._guarded, args=(work, slot),
                                     name=f"orgel-forward{slot.index}", daemon=True)
                    for slot in slots]
@@ -342,10 +384,14 @@ class GluedPipeline(Pipeline):
             threads[-1].start()
         try:
             self.call_ranks("closure_step", placeholders, rows)
-        except Exception:
+        except Exception as exc:
             self._mail.abort("a rank failed")
             for t in threads:
                 t.join()
+            if isinstance(exc, WorkerError) and not isinstance(exc, StepError):
+                # the ranks are gone: so is the code Dynamo compiled for this pipeline, which
+                # would otherwise serve a later capture of the same model class
+                forget_compiled(self._backend)
             self._raise_first(slots)
             raise
         for t in threads:
@@ -518,6 +564,6 @@ def _controller_copy(model: torch.nn.Module, eager: list[str]) -> torch.nn.Modul
     return copy.deepcopy(model, memo)
 
 
-def exchange_ranks(plan: Any, split: Any) -> dict[int, int]:
-    """For each exchange (by graph call), the rank whose stage holds it."""
-    return {c: plan.placement[s][0] for c, s in glue_mod.exchange_stages(split).items()}
+def exchange_ranks(plan: Any, split: Any) -> dict[int, tuple[int, ...]]:
+    """For each exchange (by graph call), the ranks whose stage holds it, by replica."""
+    return {c: tuple(plan.placement[s]) for c, s in glue_mod.exchange_stages(split).items()}

@@ -31,9 +31,9 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     from orgel.launch.processes import LocalGroup
     from orgel.worker.closure import ClosureEngine
 
-    if any(len(r) > 1 for r in plan.placement):
-        raise ValueError("a forward of several graphs runs each stage on one rank; give a plan "
-                         "without data-parallel stages (dp=1)")
+    if closures and any(len(r) > 1 for r in plan.placement):
+        raise ValueError("orgel.backend runs a compiled model with graph breaks on one rank per "
+                         "stage: give dp=1, or remove the graph break")
     accumulate = int((options or {}).get("accumulate", 1))
     if closures and accumulate != 1:
         raise ValueError("orgel.backend takes accumulate=1 for a compiled model with graph "
@@ -67,9 +67,9 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
         from orgel.graph.sizes import batch_check, static_shapes
 
         first = split_microbatches(named_inputs(workload.model, workload.inputs),
-                                   workload.targets, plan.microbatches, dim,
+                                   workload.targets, pipe.pieces, dim,
                                    workload.replicated)[0][0]
         pipe._workload = workload
-        pipe.check_sizes = batch_check(static_shapes(first), plan.microbatches, 1, dim,
+        pipe.check_sizes = batch_check(static_shapes(first), pipe.pieces, 1, dim,
                                        workload.replicated)
     return pipe

@@ -1,8 +1,8 @@
 """The controller's inbox: what the ranks send the controller of a several-graph forward.
 
 :class:`Mailbox` reads each rank's pipe in its own thread and keeps every
-message by ``(kind, key)`` until :meth:`Mailbox.get` takes it; a closed pipe or
-:meth:`Mailbox.abort` stops every waiter with :class:`Stopped`
+message by ``(kind, key)`` and the rank that sent it until :meth:`Mailbox.get` takes it;
+a closed pipe or :meth:`Mailbox.abort` stops every waiter with :class:`Stopped`
 (:mod:`orgel.explicit.glued` runs the controller).
 """
 
@@ -19,11 +19,12 @@ class Stopped(RuntimeError):
 
 
 class Mailbox:
-    """Messages from the ranks to the controller by ``(kind, key)``; a reader thread per rank."""
+    """Messages from the ranks to the controller by ``(kind, key, rank)``; a reader thread per
+    rank (data-parallel replicas send the same kinds and keys)."""
 
     def __init__(self, conns: list[Connection], timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._items: dict[tuple[str, Any], Any] = {}
+        self._items: dict[tuple[str, Any, int], Any] = {}
         self._cond = threading.Condition()
         self._aborted: str | None = None
         for r, conn in enumerate(conns):
@@ -38,7 +39,7 @@ class Mailbox:
                 self.abort(f"rank {rank} closed its pipe")
                 return
             with self._cond:
-                self._items[(kind, key)] = payload
+                self._items[(kind, key, rank)] = payload
                 self._cond.notify_all()
 
     def abort(self, why: str) -> None:
@@ -49,7 +50,7 @@ class Mailbox:
     def get(self, kind: str, key: Any, rank: int, what: str) -> Any:
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while (kind, key) not in self._items:
+            while (kind, key, rank) not in self._items:
                 if self._aborted is not None:
                     raise Stopped(f"the step stopped ({self._aborted}) while the "
                                        f"controller waited for {what} from rank {rank}")
@@ -58,4 +59,4 @@ class Mailbox:
                     raise TimeoutError(f"the controller waited {self.timeout_s:g} s for {what} "
                                        f"from rank {rank}")
                 self._cond.wait(left)
-            return self._items.pop((kind, key))
+            return self._items.pop((kind, key, rank))

@@ -83,10 +83,15 @@ def split_for(workload: Workload, graph: Any, plan: Plan) -> Any:
     """
     from orgel.split import split_plan
 
+    return split_plan(replica_graph(workload, graph, plan), plan)
+
+
+def replica_graph(workload: Workload, graph: Any, plan: Plan) -> Any:
+    """``graph``, or where ``plan``'s stages have replicas, a capture of one replica's rows."""
     replicas = stage_replicas(plan)
     if replicas > 1:
-        graph = capture_microbatch(workload, plan.microbatches * replicas)
-    return split_plan(graph, plan)
+        return capture_microbatch(workload, plan.microbatches * replicas)
+    return graph
 
 
 def stage_replicas(plan: Plan) -> int:

@@ -126,8 +126,9 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     its stages take ``shard`` as a plan made here does. ``check_graph``: called on the
     capture before anything is planned (it raises for a graph the front end refuses).
     """
-    from orgel.flow.capture import capture_microbatch, resolve_plan, split_for
+    from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan
     from orgel.plan.transforms import with_tp
+    from orgel.split import split_plan
 
     given = plan
     with untouched(workload.model):
@@ -153,7 +154,10 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             if graph.glue is not None:
                 raise ValueError("the forward has graph breaks (Dynamo captures it as several "
                                  "graphs); give microbatches as an int, not 'auto'")
-        split = split_for(workload, graph, the_plan)
+        # the glue of a forward of several graphs has the shapes of what the controller
+        # runs: one replica's rows
+        graph = replica_graph(workload, graph, the_plan)
+        split = split_plan(graph, the_plan)
         check_sharded(the_plan, split, loss_scaling=loss_scaling)
     evaluation = (None if graph.glue is None else "evaluate is not available for a forward "
                   "of several graphs (graph breaks) yet")

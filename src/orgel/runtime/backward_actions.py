@@ -70,11 +70,13 @@ class BackwardActions:
                 else:
                     grads = self._inbox.pop(self.msg_index[(dst, self.rank, e, m, True, part)])
                 for name, g in zip(floats, grads, strict=True):
-                    if part == (0, 1, 1):  # the whole value (a scalar has no rows to cut)
+                    value = run.outputs[info.out_index[name]]
+                    if part == (0, 1, 1) or value.dim() <= self.act_dim:
+                        # the whole value (a scalar has no rows to cut)
                         pieces.setdefault(name, []).append((-1, -1, g))
                         continue
-                    rows = run.outputs[info.out_index[name]].shape[self.act_dim]
-                    start, stop = part_rows(part, info.replica, info.replicas, rows)
+                    start, stop = part_rows(part, info.replica, info.replicas,
+                                            value.shape[self.act_dim])
                     pieces.setdefault(name, []).append((start, stop, g))
             self._local_grads.pop((e, m), None)
         result: dict[str, torch.Tensor] = {}

@@ -427,7 +427,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         return [self._rows(t, msg.part, info) for t in tensors]
 
     def _rows(self, t: torch.Tensor, part: tuple[int, int, int], info: StageInfo) -> torch.Tensor:
-        if part == (0, 1, 1):
+        if part == (0, 1, 1) or t.dim() <= self.act_dim:  # whole: no rows to share (a scalar)
             return t
         start, stop = part_rows(part, info.replica, info.replicas, t.shape[self.act_dim])
         return t.narrow(self.act_dim, start, stop - start)
