@@ -39,17 +39,14 @@ class Prepared:
     graph: Any
     loss_rule: str
     seed: int
-    evaluation: str | None = None  # why evaluate is not available (None: it is)
     source: Weights | None = None
     keys: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
 
-    def lazy_evaluation(self, guard: Callable[[], Any] | None = None) -> LazyEvaluation | str:
+    def lazy_evaluation(self, guard: Callable[[], Any] | None = None) -> LazyEvaluation:
         """The eval-mode split, made by the first ``evaluate`` in the process that asks
-        (:mod:`orgel.worker.evaluation`), under ``guard()`` if given; or why there is none."""
-        if self.evaluation is not None:
-            return self.evaluation
-
+        (:mod:`orgel.worker.evaluation`), under ``guard()`` if given. (A forward of several
+        graphs evaluates in its controller instead: :mod:`orgel.explicit.glued`.)"""
         def make() -> Any:
             from orgel.flow.capture import eval_split_for
 
@@ -159,9 +156,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
         graph = replica_graph(workload, graph, the_plan)
         split = split_plan(graph, the_plan)
         check_sharded(the_plan, split, loss_scaling=loss_scaling)
-    evaluation = (None if graph.glue is None else "evaluate is not available for a forward "
-                  "of several graphs (graph breaks) yet")
-    return Prepared(workload, the_plan, split, graph, rule, seed, evaluation, source)
+    return Prepared(workload, the_plan, split, graph, rule, seed, source)
 
 
 def meta_weights(model: torch.nn.Module, init: Init | None,
