@@ -36,18 +36,18 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from orgel import guard
 from orgel.batching import batch_rows, split_microbatches
-from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation, summed
+from orgel.explicit.eager import EagerParameters
+from orgel.explicit.evaluation import evaluate_here, merged_outputs
+from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation
 from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
 from orgel.explicit.mailbox import Mailbox, Stopped
 from orgel.graph import glue as glue_mod
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.launch.errors import StepError, WorkerError
 from orgel.lossweights import batch_weights, weigh
-from orgel.runtime.outputs import keep, merge
 from orgel.worker.pipe import Pipeline
 from orgel.workload import named_inputs
 
@@ -92,7 +92,7 @@ class _GraphCall(torch.autograd.Function):
         return (None, None, None, None, None, None, *got)
 
 
-class GluedPipeline(Pipeline):
+class GluedPipeline(EagerParameters, Pipeline):
     """:class:`orgel.worker.pipe.Pipeline` for a forward of several graphs (local spawn only).
 
     ``step(inputs, targets)`` runs the forward, ``loss_fn`` and backward of
@@ -334,7 +334,7 @@ class GluedPipeline(Pipeline):
         loss = sum(s.result for s in slots)
         if not outputs:
             return loss
-        return loss, _merged([s.outputs for s in slots], rows)
+        return loss, merged_outputs([s.outputs for s in slots], rows)
 
     def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
         """Forward only over a whole batch in eval mode, as
@@ -346,27 +346,7 @@ class GluedPipeline(Pipeline):
         eval mode, its loss weighed as ``step`` weighs it. The ranks do nothing, the
         caller's model is not changed, and the next ``step`` trains as if this had not run.
         """
-        named = named_inputs(self._model, inputs)
-        self._check_batch(named, targets)
-        parts = split_microbatches(named, targets, self.pieces, self.batch_dim,
-                                   self.replicated)
-        rows = batch_rows(named, targets, self.batch_dim, self.replicated)
-        with_loss = targets is not None or not outputs
-        weights = batch_weights(self.loss_rule, [p for p, _ in parts], [t for _, t in parts], 1,
-                                self.batch_dim, rows // len(parts)) if with_loss else {}
-        model = self._fallback.current(self)
-        loss, outs = 0.0, []
-        with guard.untouched(model), torch.no_grad(), guard.no_autocast_cache():
-            model.eval()
-            for m, (x, y) in enumerate(parts):
-                out = model(**x)
-                if with_loss:
-                    loss += float(weigh(self.loss_fn(out, y), weights[(m, 0)]))
-                outs.append(out)
-        if not outputs:
-            return loss
-        merged = _merged(outs, rows)
-        return (loss, merged) if with_loss else merged
+        return evaluate_here(self, self._fallback.current(self), inputs, targets, outputs)
 
     def _run_threads(self, work: Callable[[_Slot], None], placeholders: dict[str, torch.Tensor],
                      rows: int) -> list[_Slot]:
@@ -432,55 +412,6 @@ class GluedPipeline(Pipeline):
             self._local.warming = False
         self._warm = True
 
-    def _send_grads(self, slots: list[_Slot], threads: list[threading.Thread]) -> None:
-        """Sum the micro-batches' gradients in micro-batch order; send each to its home rank.
-
-        Every rank of :attr:`_grad_ranks` gets one message a step (empty where none is
-        homed there): it waits for it before its gradient sums. Where every micro-batch
-        ran in the controller, the ranks' own backward ran on stand-ins only: the message
-        says so, and the rank drops those zero gradients first (torch leaves a parameter
-        no micro-batch reached without one).
-        """
-        for t in threads:
-            t.join()
-        if any(s.error is not None for s in slots):
-            return
-        by_rank: dict[int, dict[str, torch.Tensor | None]] = {r: {} for r in self._grad_ranks}
-        for name in self._eager:  # a parameter the glue trains: its home, even without a gradient
-            by_rank[self._homes[name]][name] = None
-        for name, total in summed(slots).items():
-            home = self._homes.get(name)
-            by_rank[glue_mod.home_rank(name, self.plan, self._split) if home is None
-                    else home][name] = total
-        reset = all(s.off_path for s in slots)
-        for r, grads in by_rank.items():
-            try:
-                self._send(r, ("p_grad", self.calls, (grads, reset)))
-            except Stopped:  # a rank failed: the step reports that rank's error
-                return
-
-    def _receive_values(self) -> None:
-        """The new values of the parameters the controller trains, from their home ranks."""
-        if not self._eager:
-            return
-        with torch.no_grad():
-            for r in self._home_ranks:
-                values = self._mail.get("p_value", (self.calls, r), r,
-                                        "the parameters the controller trains, after the step")
-                for name, value in values.items():
-                    self._eager[name].copy_(value)
-
-    def _pull_values(self) -> None:
-        """Refresh the controller's copies from the ranks (after a load)."""
-        if not self._eager:
-            return
-        state: dict[str, torch.Tensor] = {}
-        for part in self.call_ranks("state_dict"):
-            state.update(part)
-        with torch.no_grad():
-            for name, p in self._eager.items():
-                p.copy_(state[name])
-
     def close(self) -> None:
         """Stop the ranks, and drop the code Dynamo compiled here for the controller's copy."""
         try:
@@ -539,14 +470,6 @@ class GluedPipeline(Pipeline):
         if slot.calls != len(self.glue.calls):
             raise Deviated(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
                            f"the captured forward ran {len(self.glue.calls)}")
-
-
-def _merged(outputs: list[Any], rows: int) -> Any:
-    """The whole batch's model outputs from each micro-batch's (as the ranks merge theirs)."""
-    _, spec = pytree.tree_flatten(outputs[0])
-    shares = [keep(m, 0, rows // len(outputs), 0, pytree.tree_flatten(out)[0])
-              for m, out in enumerate(outputs)]
-    return merge(shares, lambda leaves: pytree.tree_unflatten(leaves, spec))
 
 
 def _controller_copy(model: torch.nn.Module, eager: list[str]) -> torch.nn.Module:

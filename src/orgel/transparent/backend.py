@@ -60,6 +60,7 @@ from orgel.transparent.discover import (
     stop_outputs,
     stopped_at_backward,
 )
+from orgel.transparent.exchange import RankLink
 from orgel.transparent.graph_model import (
     GraphModel,
     ambient_autocast,
@@ -73,7 +74,7 @@ from orgel.worker.engine import OptimizerFactory
 from orgel.worker.pipe import canonical_names
 
 
-class Backend(RunningPipeline):
+class Backend(RunningPipeline, RankLink):
     """A torch.compile backend and the runner of closures over it; see :func:`backend`."""
 
     def __init__(self, *, ranks: int, microbatches: int, optimizer: OptimizerFactory | None,
@@ -120,8 +121,6 @@ class Backend(RunningPipeline):
         self._found: list[tuple[Any, ...]] | None = None
         self._discovering = False
         self._stepping = False  # inside step: graph calls are training (else evaluation)
-        #: the ranks' values for an evaluation outside step (see _values), and when asked
-        self._fetched: tuple[tuple[int, int, int], dict[int, torch.Tensor]] | None = None
         self._names: dict[int, str] | None = None  # id -> name in the compiled model
         self._module: torch.nn.Module | None = None  # the compiled module, when one is
         self._autocast: tuple[str, torch.dtype] | None = None  # around the model (1st step)
@@ -168,41 +167,6 @@ class Backend(RunningPipeline):
                 "and none under torch.compile(dynamic=False)). Keep those shapes fixed")
 
         return run
-
-    def _evaluate_here(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
-        """A graph called outside ``step`` (an evaluation): run it here, on the ranks' values.
-
-        With gradients off, the caller's parameters and buffers among ``args`` are replaced
-        by the values the ranks hold now (fetched once per step); before the first step
-        they are the caller's own. ``precision="bf16-mixed"`` opens its autocast around
-        the graph where the caller opened none.
-        """
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "outside pipe.step(...) the compiled model only evaluates: call it under "
-                "torch.no_grad() (it runs in this process, on the values the ranks trained), "
-                "or train it inside a closure run by pipe.step(closure, ...)")
-        if self.pipe is not None:
-            values = self._values()
-            args = tuple(values.get(id(a), a) if isinstance(a, torch.Tensor) else a
-                         for a in args)
-        if self._precision is None or ambient_autocast() is not None:
-            return gm(*args)
-        with torch.autocast(device_type(args), dtype=self._precision):
-            return gm(*args)
-
-    def _values(self) -> dict[int, torch.Tensor]:
-        """The ranks' value of each of the caller's parameters and buffers, by the id of the
-        caller's tensor; asked once per step call (and again after a load)."""
-        now = (self.pipe.steps, self.pipe.pending, self._loads)
-        if self._fetched is None or self._fetched[0] != now:
-            owner = self.pipe._model
-            state = self.pipe.state_dict()
-            by_id = {id(t): state[name] for name, t in
-                     [*owner.named_parameters(remove_duplicate=False),
-                      *owner.named_buffers(remove_duplicate=False)] if name in state}
-            self._fetched = (now, by_id)
-        return self._fetched[1]
 
     def _check_autocast(self) -> None:
         """The closure's autocast around the model must be the one the first step found.
@@ -324,35 +288,6 @@ class Backend(RunningPipeline):
 
         return tuple(OutputsFunction.apply(anchor, send, *slot.outputs))
 
-    def _send(self, rank: int, message: tuple[str, int, Any]) -> None:
-        with self._locks[rank]:
-            self._conns[rank].send(message)
-
-    def _feed(self, slot: Slot) -> None:
-        """Send the input ranks the ranks' micro-batch of ``slot`` once all its closures
-        called the model: with dp replicas, closures ``j*dp ... j*dp+dp-1`` side by side
-        (replica r takes closure ``j*dp+r``'s rows)."""
-        dp = self.dp
-        j = slot.index // dp
-        with self._feed_lock:
-            group = self._slots[j * dp:(j + 1) * dp]
-            if j in self._fed or any(s.inputs is None for s in group):
-                return
-            self._fed.add(j)
-        given = [s.inputs for s in group]
-        inputs = {n: t if dp == 1 or n in self._whole
-                  else torch.cat([g[n] for g in given], self.batch_dim)  # type: ignore[index]
-                  for n, t in given[0].items()}  # type: ignore[union-attr]
-        for r in self._input_ranks:
-            self._send(r, ("in", j, inputs))
-
-    def _send_grad(self, slot: Slot, grads: list[Any] | None) -> None:
-        if slot.grad_sent:
-            raise RuntimeError("backward ran twice through the pipelined model in one closure")
-        slot.grad_sent = True
-        for process in self._loss_processes[slot.index % self.dp]:
-            self._send(process, ("grad", slot.index // self.dp, grads))
-
     # -- the runner ----------------------------------------------------------------------
 
     def step(self, closure: Callable[..., Any], *batch: Any) -> list[Any]:
@@ -449,21 +384,6 @@ class Backend(RunningPipeline):
         self.pipe.called()
         return [s.result for s in self._slots]
 
-    def _shapes(self, first: dict[str, torch.Tensor] | None
-                ) -> tuple[dict[str, torch.Tensor], int]:
-        """The whole batch's placeholders (shapes only) and rows, from micro-batch 0's
-        inputs: every micro-batch of a step has its shapes."""
-        if first is None:
-            raise RuntimeError("the closure for micro-batch 0 did not call the compiled model")
-        dim, m = self.batch_dim, self.microbatches
-        shapes = {n: t.shape if n in self._whole else
-                  (*t.shape[:dim], t.shape[dim] * m, *t.shape[dim + 1:])
-                  for n, t in first.items()}
-        batched = [s[dim] for n, s in shapes.items() if n not in self._whole]
-        rows = int(batched[0]) if batched else int(self._rows or m)
-        return {n: torch.zeros((), dtype=first[n].dtype).expand(s)
-                for n, s in shapes.items()}, rows
-
     @property
     def _wait_s(self) -> float:
         """How long the runner waits for a closure, or for outputs from the ranks."""
@@ -505,32 +425,6 @@ class Backend(RunningPipeline):
                 self._send_grad(slot, None)  # no backward: no gradient from this micro-batch
             elif self.pipe is not None and (slot.error is not None or slot.inputs is None):
                 self.pipe.kill()  # the ranks wait on this closure: stop them
-
-    def _read_outputs(self) -> None:
-        """Hand each closure its outputs as the loss stage's ranks send them (replica r's
-        micro-batch j is closure ``j*dp+r``'s)."""
-        readers = [threading.Thread(target=self._read_from, args=(r, process, member == 0),
-                                    daemon=True)
-                   for r, processes in enumerate(self._loss_processes)
-                   for member, process in enumerate(processes)]
-        for t in readers:
-            t.start()
-        for t in readers:
-            t.join()
-
-    def _read_from(self, replica: int, process: int, answers: bool) -> None:
-        """Read one loss-stage process's outputs; only member 0's go to the closures (the
-        other tensor-parallel members hold the same)."""
-        for _ in range(self.microbatches // self.dp):
-            try:
-                kind, j, outputs = self._conns[process].recv()
-            except (EOFError, OSError):
-                return
-            if not answers:
-                continue
-            slot = self._slots[j * self.dp + replica]
-            slot.outputs = outputs
-            slot.delivered.set()
 
     def _start(self) -> None:
         """Capture, plan and split the one graph; fork the ranks (closure engines)."""

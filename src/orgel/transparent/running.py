@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from orgel.precision import device_type
 from orgel.schedule.ir import Plan
+from orgel.transparent.graph_model import ambient_autocast
 
 #: why orgel.backend's pipeline does not evaluate (``Pipeline.evaluate`` raises with it)
 NO_EVALUATION = ("orgel.backend runs your closure as a training step; to evaluate, call the "
@@ -29,6 +31,9 @@ class RunningPipeline:
     dp: int
     _pending_load: str | Path | None = None
     _loads = 0  # loads made while running (the ranks' values changed outside a step)
+    _precision: torch.dtype | None  # bf16-mixed's autocast dtype, or None
+    #: the ranks' values for an evaluation outside step (see _values), and when asked
+    _fetched: tuple[tuple[int, int, int], dict[int, torch.Tensor]] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -97,3 +102,40 @@ class RunningPipeline:
         if self.pipe is None:
             raise RuntimeError("the pipeline starts on the first pipe.step(closure, ...)")
         return self.pipe
+
+    # -- a graph called outside step: an evaluation, here ---------------------------------
+
+    def _evaluate_here(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
+        """A graph called outside ``step`` (an evaluation): run it here, on the ranks' values.
+
+        With gradients off, the caller's parameters and buffers among ``args`` are replaced
+        by the values the ranks hold now (fetched once per step); before the first step
+        they are the caller's own. ``precision="bf16-mixed"`` opens its autocast around
+        the graph where the caller opened none.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "outside pipe.step(...) the compiled model only evaluates: call it under "
+                "torch.no_grad() (it runs in this process, on the values the ranks trained), "
+                "or train it inside a closure run by pipe.step(closure, ...)")
+        if self.pipe is not None:
+            values = self._values()
+            args = tuple(values.get(id(a), a) if isinstance(a, torch.Tensor) else a
+                         for a in args)
+        if self._precision is None or ambient_autocast() is not None:
+            return gm(*args)
+        with torch.autocast(device_type(args), dtype=self._precision):
+            return gm(*args)
+
+    def _values(self) -> dict[int, torch.Tensor]:
+        """The ranks' value of each of the caller's parameters and buffers, by the id of the
+        caller's tensor; asked once per step call (and again after a load)."""
+        now = (self.pipe.steps, self.pipe.pending, self._loads)
+        if self._fetched is None or self._fetched[0] != now:
+            owner = self.pipe._model
+            state = self.pipe.state_dict()
+            by_id = {id(t): state[name] for name, t in
+                     [*owner.named_parameters(remove_duplicate=False),
+                      *owner.named_buffers(remove_duplicate=False)] if name in state}
+            self._fetched = (now, by_id)
+        return self._fetched[1]

@@ -1,0 +1,103 @@
+"""The closure runner's side of the messages with ``orgel.backend``'s ranks.
+
+Each closure's model inputs go to the input stages' processes (``"in"``, by the ranks'
+micro-batch); the loss stage's processes send the outputs (``"out"``) and take their
+gradient (``"grad"``). With ``dp`` replicas the ranks' micro-batch ``j`` is closures
+``j*dp ... j*dp+dp-1`` side by side, each replica taking one closure's rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from orgel.worker.closure import Slot
+
+
+class RankLink:
+    """Mixed into :class:`~orgel.transparent.backend.Backend`, which sets what it reads."""
+
+    dp: int
+    microbatches: int
+    batch_dim: int
+    _slots: list[Slot]
+    _whole: tuple[str, ...]
+    _rows: int | None
+    _conns: list[Any]
+    _locks: list[threading.Lock]
+    _fed: set[int]
+    _feed_lock: threading.Lock
+    _input_ranks: list[int]
+    _loss_processes: list[list[int]]
+
+    def _send(self, rank: int, message: tuple[str, int, Any]) -> None:
+        with self._locks[rank]:
+            self._conns[rank].send(message)
+
+    def _feed(self, slot: Slot) -> None:
+        """Send the input ranks the ranks' micro-batch of ``slot`` once all its closures
+        called the model: with dp replicas, closures ``j*dp ... j*dp+dp-1`` side by side
+        (replica r takes closure ``j*dp+r``'s rows)."""
+        dp = self.dp
+        j = slot.index // dp
+        with self._feed_lock:
+            group = self._slots[j * dp:(j + 1) * dp]
+            if j in self._fed or any(s.inputs is None for s in group):
+                return
+            self._fed.add(j)
+        given = [s.inputs for s in group]
+        inputs = {n: t if dp == 1 or n in self._whole
+                  else torch.cat([g[n] for g in given], self.batch_dim)  # type: ignore[index]
+                  for n, t in given[0].items()}  # type: ignore[union-attr]
+        for r in self._input_ranks:
+            self._send(r, ("in", j, inputs))
+
+    def _send_grad(self, slot: Slot, grads: list[Any] | None) -> None:
+        if slot.grad_sent:
+            raise RuntimeError("backward ran twice through the pipelined model in one closure")
+        slot.grad_sent = True
+        for process in self._loss_processes[slot.index % self.dp]:
+            self._send(process, ("grad", slot.index // self.dp, grads))
+
+    def _shapes(self, first: dict[str, torch.Tensor] | None
+                ) -> tuple[dict[str, torch.Tensor], int]:
+        """The whole batch's placeholders (shapes only) and rows, from micro-batch 0's
+        inputs: every micro-batch of a step has its shapes."""
+        if first is None:
+            raise RuntimeError("the closure for micro-batch 0 did not call the compiled model")
+        dim, m = self.batch_dim, self.microbatches
+        shapes = {n: t.shape if n in self._whole else
+                  (*t.shape[:dim], t.shape[dim] * m, *t.shape[dim + 1:])
+                  for n, t in first.items()}
+        batched = [s[dim] for n, s in shapes.items() if n not in self._whole]
+        rows = int(batched[0]) if batched else int(self._rows or m)
+        return {n: torch.zeros((), dtype=first[n].dtype).expand(s)
+                for n, s in shapes.items()}, rows
+
+    def _read_outputs(self) -> None:
+        """Hand each closure its outputs as the loss stage's ranks send them (replica r's
+        micro-batch j is closure ``j*dp+r``'s)."""
+        readers = [threading.Thread(target=self._read_from, args=(r, process, member == 0),
+                                    daemon=True)
+                   for r, processes in enumerate(self._loss_processes)
+                   for member, process in enumerate(processes)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+
+    def _read_from(self, replica: int, process: int, answers: bool) -> None:
+        """Read one loss-stage process's outputs; only member 0's go to the closures (the
+        other tensor-parallel members hold the same)."""
+        for _ in range(self.microbatches // self.dp):
+            try:
+                kind, j, outputs = self._conns[process].recv()
+            except (EOFError, OSError):
+                return
+            if not answers:
+                continue
+            slot = self._slots[j * self.dp + replica]
+            slot.outputs = outputs
+            slot.delivered.set()
