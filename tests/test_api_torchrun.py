@@ -213,8 +213,9 @@ with open(os.path.join(sys.argv[1], f"again{os.environ['RANK']}.json"), "w") as 
 
 
 def test_pipelines_built_again_in_the_same_torchrun_processes(tmp_path: Path) -> None:
-    """Four pipelines, one after another, in the same two torchrun processes: each makes its
-    process group on keys of its own (the last one's stale keys hung gloo's connect)."""
+    """Four pipelines, one after another, in the same two torchrun processes: the process
+    group the first one made serves them all (made again, gloo's connect hung or crashed
+    now and then under load) and goes at exit."""
     code, log = _torchrun(tmp_path, AGAIN, str(tmp_path))
     assert code == 0, log[-3000:]
     for rank in (0, 1):

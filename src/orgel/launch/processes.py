@@ -25,6 +25,7 @@ it reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; there
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import multiprocessing as mp
@@ -96,7 +97,22 @@ def init_from_env(*, backend: str | None = None, timeout: float = 60.0,
     generation = next(_GROUPS)
     dist.init_process_group(backend, store=dist.PrefixStore(f"orgel/group{generation}", store),
                             rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+    atexit.register(leave_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def leave_group() -> None:
+    """Destroy the default process group, if one is left (at the interpreter's exit).
+
+    The group :func:`init_from_env` makes under torchrun outlives the pipeline that made it:
+    a pipeline made again in the same processes (``orgel.load`` after ``close``) uses it.
+    Destroying gloo's group and making another at once crashed or hung gloo's connect
+    now and then (``epoll_ctl`` in its loop, a receive that timed out) under load.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 #: how many process groups :func:`init_from_env` made in this process

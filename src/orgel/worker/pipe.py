@@ -62,10 +62,10 @@ class OwnRank:
     def close(self) -> None:
         import torch.distributed as dist
 
-        # a process group left alive can keep a rank from exiting after the script ends
+        # the group orgel made stays for the next pipeline in these processes and is
+        # destroyed at exit (orgel.launch.processes.leave_group); the ranks leave together
         if self.owns_group and dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
 
 
 Unflatten = Callable[[list[Any]], Any]
