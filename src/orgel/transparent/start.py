@@ -1,6 +1,6 @@
 """Starting ``orgel.backend``'s ranks on its first step, from the graphs Dynamo handed it.
 
-:func:`start_ranks` pipelines one graph (closure engines, one rank per stage);
+:func:`start_ranks` pipelines one graph (closure engines; dp, shard and tp as planned);
 :func:`start_glued` joins a compiled model's several graphs (graph breaks) and starts
 them as :mod:`orgel.explicit.glued_start` does for ``orgel.pipeline``.
 """
