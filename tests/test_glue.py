@@ -20,7 +20,7 @@ from archzoo.check import orgel_check
 from orgel.graph import CaptureError, GraphBreakError, capture, glue
 from orgel.models import ZooWorkload
 from orgel.plan.balanced import balanced_plan
-from orgel.plan.transforms import with_recompute
+from orgel.plan.transforms import split_backward, with_recompute
 
 
 class BranchEveryMicrobatch(nn.Module):
@@ -184,6 +184,40 @@ def test_recomputed_stages_with_exchanges_train_exactly() -> None:
         return with_recompute(plan, [True] * plan.num_stages)
 
     outcome = orgel_check("branching", _branching, ranks=3, m=4, plan_for=plan_for)
+    assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+
+
+class TableFirst(nn.Module):
+    """Graph 0 makes a table from the input's sizes alone (as rotary embeddings do): below
+    its exchange lies no parameter and no input of the stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.arange(x.shape[-1], dtype=x.dtype).sin()
+        torch._dynamo.graph_break()
+        return self.b(torch.tanh(self.a(x) + table))
+
+
+def _table_first() -> ZooWorkload:
+    torch.manual_seed(2)
+    return ZooWorkload(TableFirst(), (torch.randn(8, 8),), torch.randint(0, 4, (8,)),
+                       F.cross_entropy)
+
+
+@pytest.mark.slow
+def test_an_exchange_below_no_input_or_parameter_runs_in_a_split_backward() -> None:
+    """Zero bubble's ``I`` walks only towards a stage's inputs and ``W`` towards its
+    parameters: the exchange after graph 0 lay on neither path, so its backward never ran,
+    and the controller and the ranks waited for each other until the timeout."""
+    def plan_for(w: ZooWorkload) -> object:
+        graph = capture(copy.deepcopy(w.model), (w.inputs[0][:4],))
+        return split_backward(balanced_plan(graph, ranks=2, microbatches=2))
+
+    outcome = orgel_check("table first", _table_first, plan_for=plan_for, timeout_s=60.0)
     assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
 
 

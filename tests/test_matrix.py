@@ -81,25 +81,8 @@ def check(entry: str, cell: str, report: dict[str, Any]) -> None:
         assert report["logits_diff"] <= 10 * tol, report["logits_diff"]
 
 
-#: cells run in a process of their own. A known defect: after some 15 other pipelines in
-#: the same process, dp with a graph break timed out (its ranks waited 300 s for the
-#: controller's gradients, "p_grad"); alone, and after the other graph-break cells, it is
-#: exact. Some state those pipelines leave behind (Dynamo's cache entries are the suspect)
-#: is not found yet.
-FRESH = {"dp+break"}
-
-
 def _in_process(entry: str, cell: str, out: Path) -> dict[str, Any]:
-    spec = [{"entry": entry, "features": _features(cell)}]
-    if cell in FRESH:
-        script = Path(matrix_cell.__file__)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(script.parent), os.environ.get("PYTHONPATH", "")])}
-        subprocess.run([sys.executable, str(script), json.dumps(spec), str(out)], env=env,
-                       timeout=600, check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-    else:
-        matrix_cell.main(spec, out)
+    matrix_cell.main([{"entry": entry, "features": _features(cell)}], out)
     return dict(json.loads((out / cell / "result0.json").read_text()))
 
 

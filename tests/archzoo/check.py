@@ -124,7 +124,7 @@ def orgel_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         before = snapshot(w.model)
         pipe = orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=ranks,
                               microbatches=m, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
-                              timeout_s=120.0, **options)
+                              **{"timeout_s": 120.0, **options})
         try:
             touched = changes(before, snapshot(w.model))
             loss = pipe.step(w.inputs, w.targets)

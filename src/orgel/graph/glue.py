@@ -177,10 +177,26 @@ class RankExchange:
         self.step = 0
         self.microbatch = -1  # set by the executor around each stage forward
         self._values: dict[tuple[int, int, int], list[Any]] = {}
+        #: per micro-batch, the first anchor (a leaf the forward made: see :meth:`leaves`)
+        self._anchors: dict[int, torch.Tensor] = {}
 
     def begin(self, step: int) -> None:
         self.step = step
         self._values.clear()
+        self._anchors.clear()
+
+    def leaves(self, m: int) -> dict[str, torch.Tensor]:
+        """The executor's ``side_leaves``: micro-batch ``m``'s first anchor.
+
+        Every exchange lies on the anchors' chain, so a backward that walks towards this
+        leaf runs each exchange's backward, which the controller waits for, even where
+        no input or parameter of the stage lies below the exchange (graph 0 makes the
+        rotary tables from position ids, say). A split backward's ``I`` walks only
+        towards its leaves: without this one it skipped such an exchange, and the
+        controller and the ranks waited for each other until the timeout.
+        """
+        anchor = self._anchors.get(m)
+        return {} if anchor is None else {"<exchange anchor>": anchor}
 
     def __call__(self, c: int, mask: tuple[bool, ...], anchor: torch.Tensor,
                  outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -190,6 +206,8 @@ class RankExchange:
                 self.inbox.send(("x_out", key, [o.detach().cpu() for o in outs]))
             self._values[key] = self.inbox.get("x_in", key)
         values = [v.to(self.device) for v in self._values[key]]
+        if anchor.grad_fn is None and anchor.requires_grad:  # the chain's start (a recompute
+            self._anchors[self.microbatch] = anchor         # makes it anew)
         return _Exchanged.apply(self, key, mask, anchor, values, *outs)
 
 
@@ -208,6 +226,10 @@ class _Exchanged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, anchor_grad: Any, *grads: Any) -> tuple[Any, ...]:
+        # a split backward's ``W`` may start from this node again, with the gradients it
+        # had in ``I``: the answer is the same, and the controller is asked only once
+        if getattr(ctx, "answer", None) is not None:
+            return ctx.answer  # type: ignore[no-any-return]
         ex, key = ctx.ex, ctx.key
         ex.inbox.send(("x_ingrad", key, [g.detach().cpu() if c and g is not None else None
                                          for g, c in zip(grads, ctx.carries, strict=True)]))
@@ -218,7 +240,8 @@ class _Exchanged(torch.autograd.Function):
                 if floating:
                     out_grads[i] = (torch.zeros(shape, dtype=dtype, device=ex.device)
                                     if g is None else g.to(ex.device, dtype))
-        return (None, None, None, None, None, *out_grads)
+        ctx.answer = (None, None, None, None, None, *out_grads)
+        return ctx.answer  # type: ignore[no-any-return]
 
 
 # -- capture ---------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class BackwardActions:
     loop: OptimizerLoop
     scaler: LossScaler | None
     compiled: dict[int, Any] | None
+    side_leaves: Callable[[int], dict[str, torch.Tensor]] | None
     _runs: dict[tuple[int, int], Run]
     _inbox: dict[int, list[torch.Tensor]]
     _local_grads: dict[tuple[int, int], dict[str, torch.Tensor]]
@@ -113,6 +114,8 @@ class BackwardActions:
                 roots.append(out)
                 grads.append(g)
         leaves = {n: t for n, t in run.leaves.items() if t.requires_grad}
+        if self.side_leaves is not None:  # made by the forward; not a stage input
+            leaves.update(self.side_leaves(m))
         if a.kind == "B":
             if roots:
                 torch.autograd.backward(roots, grads)

@@ -112,7 +112,9 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
     (the step's ``inputs`` then only give shapes); ``on_microbatch(m)`` runs right
     before a stage computes micro-batch ``m`` (its forward or a recompute);
     ``before_reduce()`` after the backward work, before the gradient sums;
-    ``after_optimizer()`` after the optimizer step.
+    ``after_optimizer()`` after the optimizer step; ``side_leaves(m)``: leaves that the
+    forward of micro-batch ``m`` made itself (the first anchor of a forward's exchanges)
+    and whose backward path an ``I`` must walk although no input or parameter needs it.
 
     ``step(..., outputs=True)`` also keeps the model's outputs on the loss stage's
     ranks (:attr:`kept`, :mod:`orgel.runtime.outputs`).
@@ -221,6 +223,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         self.fetch_inputs: Callable[[int], dict[str, torch.Tensor]] | None = None
         self.on_microbatch: Callable[[int], None] | None = None
         self.before_reduce: Callable[[], None] | None = None
+        self.side_leaves: Callable[[int], dict[str, torch.Tensor]] | None = None
         self.after_optimizer: Callable[[], None] | None = None
         self._fetched: set[int] = set()
         self.reduce_after: dict[int, list[tuple[int, ...]]] = {}

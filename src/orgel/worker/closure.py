@@ -207,6 +207,7 @@ class ClosureEngine(RankEngine):
         if glue.exchange_stages(split):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
+            self.executor.side_leaves = self.exchange.leaves
         if self.homed or fallback:
             self.executor.before_reduce = self._add_controller_grads
         if self.homed:
