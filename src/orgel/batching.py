@@ -9,7 +9,7 @@ dimension (:func:`dim_of`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -191,6 +191,18 @@ def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
     if isinstance(value, dict):
         return {k: share(v, replica, replicas, dim, rows) for k, v in value.items()}
     return value
+
+
+def side_by_side(parts: list[dict[str, Any]], whole: Collection[str], dim: int) -> dict[str, Any]:
+    """The ranks' micro-batch from its data-parallel replicas' pieces, in replica order.
+
+    Where a forward runs in the caller (closures, the Python between graphs), data
+    parallelism cuts each of the ranks' micro-batches ``j`` into ``dp`` pieces, ``j*dp ...
+    j*dp+dp-1``; replica ``r`` of the ranks takes piece ``j*dp+r``'s rows. The ranks get the
+    pieces concatenated along ``dim``; a ``whole`` input (replicated) is the first piece's.
+    """
+    return {n: t if len(parts) == 1 or n in whole else torch.cat([p[n] for p in parts], dim)
+            for n, t in parts[0].items()}
 
 
 def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int,

@@ -38,12 +38,12 @@ from typing import Any
 import torch
 
 from orgel import guard
-from orgel.batching import batch_rows, split_microbatches
+from orgel.batching import batch_rows, side_by_side, split_microbatches
 from orgel.explicit.eager import EagerParameters
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation
 from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
-from orgel.explicit.mailbox import Mailbox, Stopped
+from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped
 from orgel.graph import glue as glue_mod
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.launch.errors import StepError, WorkerError
@@ -126,8 +126,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         self._keep_outputs = False  # whether this step keeps the model's outputs
         self.replicated = replicated
         self.batch_dim = batch_dim
-        self._conns = conns
-        self._locks = [threading.Lock() for _ in conns]
+        self._pipes = RankPipes(conns)
         self._mail = Mailbox(conns, timeout_s)
         self._ranks_of = exchange_ranks(plan, split)  # by replica
         self._loss_ranks = list(plan.placement[split.loss_stage])
@@ -226,12 +225,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         return tuple(out[1:])
 
     def _send(self, rank: int, message: tuple[str, Any, Any]) -> None:
-        try:
-            with self._locks[rank]:
-                self._conns[rank].send(message)
-        except OSError as exc:  # the rank is gone: its own error is the one to report
-            raise Stopped(f"rank {rank} closed its pipe while the controller sent it "
-                          f"{message[0]!r}") from exc
+        self._pipes.send(rank, message)
 
     # -- where micro-batch m's messages go: its replica's ranks, its group's key ---------
 
@@ -257,10 +251,8 @@ class GluedPipeline(EagerParameters, Pipeline):
             if len(group) < self.dp:
                 return
             del self._fed[j]
-        parts = [group[k] for k in sorted(group)]
-        whole = {n: t if len(parts) == 1 or n in self.replicated
-                 else torch.cat([p[n] for p in parts], self.batch_dim)
-                 for n, t in parts[0].items()}
+        whole = side_by_side([group[k] for k in sorted(group)], self.replicated,
+                             self.batch_dim)
         for r in self._input_ranks:
             self._send(r, ("in", j, whole))
 

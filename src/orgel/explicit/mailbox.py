@@ -3,7 +3,8 @@
 :class:`Mailbox` reads each rank's pipe in its own thread and keeps every
 message by ``(kind, key)`` and the rank that sent it until :meth:`Mailbox.get` takes it;
 a closed pipe or :meth:`Mailbox.abort` stops every waiter with :class:`Stopped`
-(:mod:`orgel.explicit.glued` runs the controller).
+(:mod:`orgel.explicit.glued` runs the controller). :class:`RankPipes` is the other way,
+the controller's messages to the ranks (``orgel.backend``'s closures send on it too).
 """
 
 from __future__ import annotations
@@ -60,3 +61,22 @@ class Mailbox:
                                        f"from rank {rank}")
                 self._cond.wait(left)
             return self._items.pop((kind, key, rank))
+
+
+class RankPipes:
+    """The controller's ends of the ranks' pipes, for sending: one lock per pipe, since
+    several threads (one per micro-batch) send to the same rank."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.conns = list(conns)
+        self._locks = [threading.Lock() for _ in self.conns]
+
+    def send(self, rank: int, message: tuple[str, Any, Any]) -> None:
+        """Send ``message`` to ``rank``; :class:`Stopped` if its process is gone (then its
+        own error is the one to report)."""
+        try:
+            with self._locks[rank]:
+                self.conns[rank].send(message)
+        except OSError as exc:
+            raise Stopped(f"rank {rank} closed its pipe while the controller sent it "
+                          f"{message[0]!r}") from exc

@@ -2,9 +2,9 @@
 
 :func:`capture_microbatch` captures a workload's model on one micro-batch;
 :func:`resolve_plan` checks a given plan against the options or plans;
-:func:`split_for` cuts the graph into the plan's stages; :func:`eval_split_for`
-cuts the eval-mode capture alike; :func:`shape_check` is the check ``step`` runs on a
-batch before any rank starts.
+:func:`replica_graph` is the capture a plan's stages are cut from (one replica's rows);
+:func:`eval_split_for` cuts the eval-mode capture into the training split's stages;
+:func:`shape_check` is the check ``step`` runs on a batch before any rank starts.
 """
 
 from __future__ import annotations
@@ -75,17 +75,6 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
     return given
 
 
-def split_for(workload: Workload, graph: Any, plan: Plan) -> Any:
-    """Split ``graph`` by ``plan``; with replicated stages, from a capture of one replica's rows.
-
-    Captured graphs have fixed shapes, so a stage on ``r`` ranks needs the graph
-    of ``1/r`` of a micro-batch, and every stage must have the same ``r``.
-    """
-    from orgel.split import split_plan
-
-    return split_plan(replica_graph(workload, graph, plan), plan)
-
-
 def replica_graph(workload: Workload, graph: Any, plan: Plan) -> Any:
     """``graph``, or where ``plan``'s stages have replicas, a capture of one replica's rows."""
     replicas = stage_replicas(plan)
@@ -109,7 +98,7 @@ def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
 
     Or, where that fails, a sentence saying why: the pipeline still trains, and
     ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
-    replica's rows as in :func:`split_for`.
+    replica's rows as in :func:`replica_graph`.
     """
     from orgel.plan.transforms import check_forward
     from orgel.split.evaluation import eval_only, split_like

@@ -114,7 +114,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             microbatches: int | str, memory: int | None, dp: int, shard: str,
             loss_rule: str, optimizer: Any, source: Weights | None = None,
             loss_scaling: bool = False, agree: Agree = here, mark: bool = False,
-            check_graph: Callable[[Any], None] | None = None) -> Prepared:
+            check_graph: Callable[[Any], None] | None = None, graph: Any = None,
+            planner: str | None = None) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
@@ -122,22 +123,25 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     ``plan`` was planned for these options (by :func:`plan_only` in a planning child), so
     its stages take ``shard`` as a plan made here does. ``check_graph``: called on the
     capture before anything is planned (it raises for a graph the front end refuses).
+    ``graph``: the capture, made already (``orgel.backend`` joins the graphs Dynamo handed
+    it); then the plan must give every stage one rank (a replica's rows need a capture
+    of their own). ``planner``: the planner's name (default: its own choice).
     """
-    from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan
+    from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan, stage_replicas
     from orgel.plan.transforms import with_tp
     from orgel.split import split_plan
 
-    given = plan
+    given, captured = plan, graph is not None
     with untouched(workload.model):
-        graph = None if microbatches == "auto" else capture_microbatch(workload,
-                                                                       int(microbatches))
+        if graph is None and microbatches != "auto":
+            graph = capture_microbatch(workload, int(microbatches))
         if graph is not None and check_graph is not None:
             check_graph(graph)
         planned = planned_workload(workload, graph)
 
         def decide() -> tuple[Plan, str, int]:
             the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
-                                    source=source, optimizer=optimizer)
+                                    planner=planner, source=source, optimizer=optimizer)
             if given is None or mark:  # a given plan's own shard fields rule
                 the_plan = mark_sharded(the_plan, shard)
             return (with_tp(the_plan, tp, graph), rule_for(workload, loss_rule),
@@ -153,6 +157,9 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                                  "graphs); give microbatches as an int, not 'auto'")
         # the glue of a forward of several graphs has the shapes of what the controller
         # runs: one replica's rows
+        if captured and stage_replicas(the_plan) > 1:
+            raise ValueError("this capture was made once, for whole micro-batches: plan one "
+                             "rank per stage (dp=1)")
         graph = replica_graph(workload, graph, the_plan)
         split = split_plan(graph, the_plan)
         check_sharded(the_plan, split, loss_scaling=loss_scaling)

@@ -49,6 +49,7 @@ import torch
 
 from orgel import guard
 from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
+from orgel.explicit.mailbox import RankPipes
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.guard import untouched
 from orgel.precision import device_type
@@ -104,8 +105,7 @@ class Backend(RunningPipeline, RankLink):
         self.replicated = tuple(replicated)
         self.model: GraphModel | None = None
         self.pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
-        self._conns: list[Any] = []  # controller's end of each rank's pipe
-        self._locks = [threading.Lock() for _ in range(ranks)]  # one per process
+        self._pipes = RankPipes([])  # the caller's end of each rank's pipe, once started
         self._input_ranks: list[int] = []
         #: the loss stage's processes in each replica (its tp members; member 0 answers)
         self._loss_processes: list[list[int]] = []
@@ -434,7 +434,7 @@ class Backend(RunningPipeline, RankLink):
         self._rows, self._loss_processes = started.rows, started.loss_processes
         self._input_ranks, self._placeholders = started.input_ranks, started.placeholders
         self._whole = started.whole
-        self._conns, self.pipe = started.conns, started.pipe
+        self._pipes, self.pipe = RankPipes(started.conns), started.pipe
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from orgel.batching import side_by_side
+from orgel.explicit.mailbox import RankPipes
 from orgel.worker.closure import Slot
 
 
@@ -25,16 +27,11 @@ class RankLink:
     _slots: list[Slot]
     _whole: tuple[str, ...]
     _rows: int | None
-    _conns: list[Any]
-    _locks: list[threading.Lock]
+    _pipes: RankPipes
     _fed: set[int]
     _feed_lock: threading.Lock
     _input_ranks: list[int]
     _loss_processes: list[list[int]]
-
-    def _send(self, rank: int, message: tuple[str, int, Any]) -> None:
-        with self._locks[rank]:
-            self._conns[rank].send(message)
 
     def _feed(self, slot: Slot) -> None:
         """Send the input ranks the ranks' micro-batch of ``slot`` once all its closures
@@ -47,19 +44,17 @@ class RankLink:
             if j in self._fed or any(s.inputs is None for s in group):
                 return
             self._fed.add(j)
-        given = [s.inputs for s in group]
-        inputs = {n: t if dp == 1 or n in self._whole
-                  else torch.cat([g[n] for g in given], self.batch_dim)  # type: ignore[index]
-                  for n, t in given[0].items()}  # type: ignore[union-attr]
+        inputs = side_by_side([s.inputs for s in group], self._whole,  # type: ignore[misc]
+                              self.batch_dim)
         for r in self._input_ranks:
-            self._send(r, ("in", j, inputs))
+            self._pipes.send(r, ("in", j, inputs))
 
     def _send_grad(self, slot: Slot, grads: list[Any] | None) -> None:
         if slot.grad_sent:
             raise RuntimeError("backward ran twice through the pipelined model in one closure")
         slot.grad_sent = True
         for process in self._loss_processes[slot.index % self.dp]:
-            self._send(process, ("grad", slot.index // self.dp, grads))
+            self._pipes.send(process, ("grad", slot.index // self.dp, grads))
 
     def _shapes(self, first: dict[str, torch.Tensor] | None
                 ) -> tuple[dict[str, torch.Tensor], int]:
@@ -93,7 +88,7 @@ class RankLink:
         other tensor-parallel members hold the same)."""
         for _ in range(self.microbatches // self.dp):
             try:
-                kind, j, outputs = self._conns[process].recv()
+                kind, j, outputs = self._pipes.conns[process].recv()
             except (EOFError, OSError):
                 return
             if not answers:

@@ -15,7 +15,6 @@ import torch
 
 from orgel.batching import batch_rows
 from orgel.explicit.glued_start import start
-from orgel.flow.capture import resolve_plan, split_for
 from orgel.flow.prepare import prepare
 from orgel.flow.start import check_param_groups
 from orgel.graph.glue import join_calls
@@ -127,7 +126,7 @@ def start_glued(backend: Backend, rows: int) -> Any:
     # the caller's parameters and buffers by original name: the compiled module, or
     # (a compiled function) a module holding what its graphs read
     holder = backend._module or torch.nn.Module()
-    prepared = []
+    calls = []
     named: dict[str, int] = {}  # name -> id of the tensor it stands for
     for gm, _, roles, args, outs in backend._found:
         given: list[tuple[str, Any] | None] = []
@@ -147,24 +146,26 @@ def start_glued(backend: Backend, rows: int) -> Any:
                 given.append((kind, name))
             else:  # model inputs and what the Python between graphs made: exchanged
                 given.append(None)
-        prepared.append((gm, list(args), outs, given))
+        calls.append((gm, list(args), outs, given))
     # parameters no graph reads: Dynamo ran the code that uses them (an embedding) between
     # its graphs, in the closures; their gradients come from there (ClosurePipeline)
     read = set(named.values())
     outside = [] if backend._module is None else [
         n for n, p in backend._module.named_parameters() if p.requires_grad and id(p) not in read]
-    reason = (f"torch.compile captured the compiled model as {len(prepared)} graphs that "
+    reason = (f"torch.compile captured the compiled model as {len(calls)} graphs that "
               "read parameters.")
-    raw, glue = join_calls(prepared, reason, eager=outside)
+    raw, glue = join_calls(calls, reason, eager=outside)
     workload = Workload(holder, {}, rows_at(rows, backend.batch_dim), profiling_loss,
                         batch_dim=backend.batch_dim)
     with untouched(holder):
         graph = measure(holder, {}, raw, [reason], "dynamo")
         graph.glue = glue
-        plan = resolve_plan(backend.given_plan, workload, graph, backend.ranks,
-                            backend.microbatches, backend.memory, backend.dp, planner="beam",
-                                 optimizer=backend.optimizer)
-        split = split_for(workload, graph, plan)
+    # the flow every front end runs, from the joined capture: plan, checks, split
+    prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks, tp=1,
+                       microbatches=backend.microbatches, memory=backend.memory, dp=backend.dp,
+                       shard=backend.shard, loss_rule="rows", optimizer=backend.optimizer,
+                       graph=graph, planner="beam")
+    plan, split = prepared.plan, prepared.split
     keys, aliases = model_aliases(holder)
     return start(workload, plan, split, glue, optimizer=backend.optimizer,
                  timeout_s=backend.timeout_s, threads=backend.threads, keys=keys,
