@@ -146,3 +146,20 @@ def test_plan_cli_with_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["plan", f"{workload}:workload", "--device", "tpu", "--ranks", "2",
                  "--microbatches", "4"]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_more_ranks_than_the_default_blocks_plan_one_stage_each() -> None:
+    """40 layers on 36 ranks: the blocks follow the ranks asked for (it was refused with
+    "36 ranks but only 32 blocks")."""
+    from orgel.plan.device import plan_on_device
+    from orgel.workload import Workload
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64),
+                                                          torch.nn.ReLU()) for _ in range(40)])
+        x = torch.empty(16, 64)
+    result = plan_on_device(Workload(model, (x,), x, torch.nn.functional.mse_loss),
+                            "h100-80gb", ranks=36, microbatches=8, dp=1)
+    assert result.plan.num_ranks == 36
+    assert result.plan.num_stages >= 36
+    assert result.plan.meta["block_graph"]["target_blocks"] == 72

@@ -75,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "pipeline; default: any)")
     parser.add_argument("--rows", type=int, metavar="N", help="rows of one micro-batch: "
                         "replica counts must divide it (default: from the workload, else any)")
-    parser.add_argument("--blocks", type=int, default=32, metavar="N",
-                        help="target number of blocks when profiling a workload (default 32)")
+    parser.add_argument("--blocks", type=int, metavar="N",
+                        help="target number of blocks when profiling a workload (default 32, "
+                        "or twice --ranks where that is more)")
     parser.add_argument("--no-link", action="store_true", help="when profiling, skip the "
                         "link and runtime-overhead benchmarks (free links, bare overhead)")
     parser.add_argument("--max-loops", type=int, default=8, metavar="V",

@@ -21,6 +21,14 @@ from orgel.graph.opgraph import OpGraph
 DEFAULT_BLOCKS = 32
 
 
+def blocks_for(ranks: int, blocks: int | None = None) -> int:
+    """How many blocks to coarsen a model into for a plan on ``ranks`` ranks: ``blocks``
+    where given, else :data:`DEFAULT_BLOCKS` or twice the ranks where that is more (a
+    pipeline stage per rank, and two for a looped schedule, without the caller knowing
+    what a block is)."""
+    return blocks if blocks is not None else max(DEFAULT_BLOCKS, 2 * ranks)
+
+
 @dataclass
 class Block:
     """A convex group of nodes with their summed facts (bytes, FLOPs)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from orgel.costs.blocks import BlockCosts
 from orgel.costs.devices import Device, load_device
+from orgel.graph.blocks import blocks_for
 from orgel.plan.planner import PlanResult, plan
 from orgel.plan.workload import microbatch_rows
 
@@ -35,13 +36,15 @@ def device_costs(workload: Any, device: Device | str, *, microbatches: int, bloc
 
 
 def plan_on_device(workload: Any, device: Device | str, *, ranks: int, microbatches: int,
-                   blocks: int = 32, tf32: bool = False, **options: Any) -> PlanResult:
+                   blocks: int | None = None, tf32: bool = False,
+                   **options: Any) -> PlanResult:
     """The planner's best plan of ``workload`` on ``ranks`` of ``device`` (estimated costs).
 
     ``options`` go to :func:`~orgel.plan.planner.plan` (``dp``, ``memory``,
     ``planner``, ``max_replicas``, ...); ``rows`` defaults to a micro-batch's rows.
     """
-    costs = device_costs(workload, device, microbatches=microbatches, blocks=blocks, tf32=tf32)
+    costs = device_costs(workload, device, microbatches=microbatches,
+                         blocks=blocks_for(ranks, blocks), tf32=tf32)
     options.setdefault("rows", costs.rows)
     return plan(costs, ranks, microbatches, **options)
 

@@ -196,8 +196,10 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
               else [dp])
         meshes += [(t, d) for d in ds if rows is None or rows % d == 0]
     if min(ranks // (t * d) for t, d in meshes) > costs.num_blocks:
-        raise ValueError(f"{ranks} ranks but only {costs.num_blocks} blocks: use at most "
-                         f"{costs.num_blocks} ranks or coarsen into more blocks")
+        raise ValueError(f"{ranks} ranks but the model is cut into only {costs.num_blocks} "
+                         f"blocks (the pieces a stage is made of): use at most "
+                         f"{costs.num_blocks} ranks per pipeline, more with dp= or tp=, or "
+                         "ask for more blocks (blocks=, --blocks) where the model has them")
     if time_limit == "auto":
         time_limit = search_budget(costs.num_blocks, ranks)
     elif time_limit is not None and (not isinstance(time_limit, int | float) or time_limit <= 0):

@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from orgel.costs.blocks import BlockCosts
+from orgel.graph.blocks import blocks_for
 from orgel.plan.batch import microbatch_choices, search_microbatches
 from orgel.plan.planner import PlanResult, plan
 from orgel.plan.predict import predicted, with_prediction
@@ -96,7 +97,7 @@ def tied_weights(split: Any, placement: list[tuple[int, ...]]) -> list[TiedWeigh
 
 
 def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
-                  batch: int | None = None, blocks: int = 32, memory: int | None = None,
+                  batch: int | None = None, blocks: int | None = None, memory: int | None = None,
                   planner: str = "auto", dp: int | None = 1, link: bool = True,
                   progress: bool = True, threads: int | None = None,
                   **options: Any) -> PlanResult:
@@ -115,6 +116,7 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
     from orgel.profile.workload import capture_workload, profile_graph, rank_threads
 
     threads = threads or rank_threads(ranks)
+    blocks = blocks_for(ranks, blocks)
     if microbatches is None:
         result, _ = plan_batch(workload, ranks=ranks, batch=batch, blocks=blocks, link=link,
                                progress=progress, threads=threads, memory=memory,
@@ -135,7 +137,8 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
     return result
 
 
-def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: int = 32,
+def plan_batch(workload: Any, *, ranks: int, batch: int | None = None,
+               blocks: int | None = None,
                link: bool = True, progress: bool = True, threads: int = 1,
                dp: int | None = 1, optimizer_factor: float = 4.0,
                **options: Any) -> tuple[PlanResult, Any]:
@@ -153,6 +156,7 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
 
     w = as_workload(workload)
     validate_workload(w, 1)
+    blocks = blocks_for(ranks, blocks)
     example = microbatch_rows(w, 1)
     if example is None:
         raise ValueError("the workload's inputs have no batch dimension to cut into "
@@ -191,7 +195,7 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None, blocks: i
 
 
 def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int | None,
-              memory: int | None = None, dp: int = 1, blocks: int = 32,
+              memory: int | None = None, dp: int = 1, blocks: int | None = None,
               max_replicas: int | None = 1, rows: int | None = None,
               threads: int | None = None, planner: str = "auto", source: Any = None,
               optimizer_factor: float = 4.0) -> Plan:
@@ -217,6 +221,7 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
     from orgel.profile.workload import profile_graph, rank_threads
 
     threads = threads or rank_threads(ranks)
+    blocks = blocks_for(ranks, blocks)
     if microbatches is None:
         if source is not None:
             raise ValueError("a model on the meta device is planned for a given micro-batch "
