@@ -193,6 +193,12 @@ def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
     return value
 
 
+def placeholders(shapes: dict[str, Any], dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """Stand-ins with only a shape (a 1-element storage expanded), cheap to send every step:
+    what the ranks of a forward fed by the caller get in place of the batch."""
+    return {n: torch.zeros((), dtype=dtypes[n]).expand(s) for n, s in shapes.items()}
+
+
 def side_by_side(parts: list[dict[str, Any]], whole: Collection[str], dim: int) -> dict[str, Any]:
     """The ranks' micro-batch from its data-parallel replicas' pieces, in replica order.
 

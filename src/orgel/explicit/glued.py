@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from orgel import guard
-from orgel.batching import batch_rows, side_by_side, split_microbatches
+from orgel.batching import batch_rows, placeholders, side_by_side, split_microbatches
 from orgel.explicit.eager import EagerParameters
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation
@@ -317,12 +317,13 @@ class GluedPipeline(EagerParameters, Pipeline):
                                       [t for _, t in parts], 1, self.batch_dim, mb_rows)
         if not self._warm:
             self._warm_up(parts[0][0])
-        placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
-                        for n, t in named.items() if n in self._input_names}
+        read = {n: t for n, t in named.items() if n in self._input_names}
+        stand_ins = placeholders({n: t.shape for n, t in read.items()},
+                                 {n: t.dtype for n, t in read.items()})
         # the ranks count rows from the placeholders, or from here when no stage reads an input
         rows = batch_rows(named, targets, self.batch_dim, self.replicated)
         slots = self._run_threads(lambda slot: self._run_microbatch(slot, *parts[slot.index]),
-                                  placeholders, rows)
+                                  stand_ins, rows)
         loss = sum(s.result for s in slots)
         if not outputs:
             return loss
@@ -340,7 +341,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         """
         return evaluate_here(self, self._fallback.current(self), inputs, targets, outputs)
 
-    def _run_threads(self, work: Callable[[_Slot], None], placeholders: dict[str, torch.Tensor],
+    def _run_threads(self, work: Callable[[_Slot], None], stand_ins: dict[str, torch.Tensor],
                      rows: int) -> list[_Slot]:
         """``work(slot)`` for every micro-batch, each in its own thread, beside the ranks' step."""
         slots = [_Slot(i) for i in range(self.pieces)]
@@ -355,7 +356,7 @@ class GluedPipeline(EagerParameters, Pipeline):
                                             name="orgel-eager-grads", daemon=True))
             threads[-1].start()
         try:
-            self.call_ranks("closure_step", placeholders, rows)
+            self.call_ranks("closure_step", stand_ins, rows)
         except Exception as exc:
             self._mail.abort("a rank failed")
             for t in threads:

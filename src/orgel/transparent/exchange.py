@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from orgel.batching import side_by_side
+from orgel.batching import placeholders, side_by_side
 from orgel.explicit.mailbox import RankPipes
 from orgel.worker.closure import Slot
 
@@ -68,8 +68,7 @@ class RankLink:
                   for n, t in first.items()}
         batched = [s[dim] for n, s in shapes.items() if n not in self._whole]
         rows = int(batched[0]) if batched else int(self._rows or m)
-        return {n: torch.zeros((), dtype=first[n].dtype).expand(s)
-                for n, s in shapes.items()}, rows
+        return placeholders(shapes, {n: t.dtype for n, t in first.items()}), rows
 
     def _read_outputs(self) -> None:
         """Hand each closure its outputs as the loss stage's ranks send them (replica r's

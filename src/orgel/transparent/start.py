@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orgel.batching import batch_rows
+from orgel.batching import batch_rows, placeholders
 from orgel.explicit.glued_start import start
 from orgel.flow.prepare import prepare
 from orgel.flow.start import check_param_groups
@@ -84,9 +84,8 @@ def start_ranks(backend: Backend) -> Started:
     loss_processes = [plan.processes_of(r) for r in plan.placement[split.loss_stage]]
     input_ranks = sorted({p for s, st in enumerate(split.stages) if st.model_inputs
                           for r in plan.placement[s] for p in plan.processes_of(r)})
-    # shapes only: a 1-element storage expanded, cheap to send every step
-    placeholders = {n: torch.zeros((), dtype=t.dtype).expand(t.shape)
-                   for n, t in batch.items()}
+    stand_ins = placeholders({n: t.shape for n, t in batch.items()},
+                             {n: t.dtype for n, t in batch.items()})
     ctx = mp.get_context("fork")
     pipes = [ctx.Pipe() for _ in range(plan.world_size)]
 
@@ -108,9 +107,8 @@ def start_ranks(backend: Backend) -> Started:
                     aliases=aliases, spmd=False, accumulate=backend.loop["accumulate"],
                     evaluation=NO_EVALUATION)
     check_param_groups(pipe)
-    return Started(pipe, [here for here, _ in pipes], loss_processes, input_ranks, placeholders,
-                   rows,
-                   whole)
+    return Started(pipe, [here for here, _ in pipes], loss_processes, input_ranks, stand_ins,
+                   rows, whole)
 
 
 def start_glued(backend: Backend, rows: int) -> Any:
