@@ -6,7 +6,8 @@ One place for the draw, the two runs and the comparison, used by ``tests/test_fu
 
 :func:`draw` picks a :class:`Setup` through a ``pick(name, options)`` function: a
 hypothesis draw in the test, a seeded ``random.Random`` in the benchmark. A setup
-is a model of the zoo (``tests/zoo.py``), 2-4 ranks, ``dp``, a schedule family with
+is a model of the zoo (``tests/zoo.py``), 2-4 ranks, ``dp`` (its replicas sharded with FSDP2
+or not: ``shard``), a schedule family with
 its options (``orgel.plan.balanced.balanced_plan``), the micro-batch count, which
 stages recompute, frozen parameters, precision, optimizer, learning-rate schedule
 (``scheduler=`` or ``lr=``), clipping (``max_grad_norm=``), ``accumulate``, meta
@@ -44,7 +45,7 @@ from orgel.graph import capture
 from orgel.graph.sizes import ShapeError
 from orgel.launch.errors import WorkerError
 from orgel.plan.balanced import LOOPED, balanced_plan
-from orgel.plan.transforms import with_recompute
+from orgel.plan.transforms import mark_sharded, with_recompute
 from orgel.runtime import checkpoint as ckpt
 from orgel.schedule.ir import PlanError
 from orgel.split.materialize import MaterializeError, module_seed
@@ -86,6 +87,7 @@ class Setup:
     recompute: str = "none"  # none, all, first, last, alternate
     frozen: str = "none"  # none, module (the frozen_module-th that holds any), every3, head
     frozen_module: int = 0
+    shard: str = "none"  # how dp replicas hold their state: none, fsdp
     precision: str = "32"
     optimizer: str = "sgd"  # sgd, momentum, adamw
     schedule_lr: str = "constant"  # constant, scheduler, lr
@@ -122,6 +124,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
     if model in BATCHNORM:
         dps = [1]  # EXCLUDED["batchnorm dp>1"]
     dp = pick("dp", dps)
+    shard = pick("shard", ("none", "fsdp")) if dp > 1 else "none"
     pipeline = ranks // dp
     schedule = pick("schedule", FAMILIES + (("auto",) if auto else ()))
     if schedule == "interleaved":
@@ -140,6 +143,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         prefetch=prefetch,
         recompute=pick("recompute", ("none", "all", "first", "last", "alternate")),
         frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
+        shard=shard,
         precision=pick("precision", ("32", "bf16-mixed")),
         optimizer=pick("optimizer", ("sgd", "momentum", "adamw")),
         schedule_lr=pick("schedule_lr", ("constant", "scheduler", "lr")),
@@ -327,6 +331,7 @@ def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
     plan = balanced_plan(graph, ranks=setup.ranks, microbatches=setup.microbatches,
                          schedule=setup.schedule, dp=setup.dp,
                          stages_per_rank=setup.stages_per_rank, **options)
+    plan = mark_sharded(plan, setup.shard)
     n = plan.num_stages
     return with_recompute(plan, {"none": [False] * n, "all": [True] * n,
                                  "first": [s == 0 for s in range(n)],
@@ -365,7 +370,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
     except PlanError as exc:
         raise Refused(f"plan: {exc}") from None
     if plan is None:
-        extra["dp"] = setup.dp
+        extra.update(dp=setup.dp, shard=setup.shard)
     torch.manual_seed(seed)  # init= seeds each module from torch.initial_seed()
     try:
         pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks,

@@ -63,3 +63,11 @@ def test_a_meta_hugging_face_gpt2_trains() -> None:
     a meta tensor cannot give outside tracing) before anything was captured."""
     _check(fuzzing.Setup("hf_gpt2", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=1,
                          meta="weights"))
+
+
+def test_a_scalar_parameter_on_a_sharded_stage_trains() -> None:
+    """Found by the fuzzer: CLIP's ``logit_scale`` (a 0-dim parameter) on a stage sharded
+    with FSDP2 failed at start ("fully_shard doesn't support scalar parameters"). It stays
+    whole on each replica now, its gradient summed and clipped with the unsharded ones."""
+    _check(fuzzing.Setup("clip", ranks=2, dp=2, schedule="1f1b", microbatches=2, rows=1,
+                         shard="fsdp", optimizer="adamw", max_grad_norm=0.01))

@@ -130,7 +130,8 @@ class GradSync:
                     tied_ids.add(id(p))
                     if holders[qual][0] == s and (info.replica == 0 or qual in sharded_ties):
                         self.norm_params.append(p)
-                elif info.replica == 0 or plan.sharded(s):  # sharded: each shard once
+                elif info.replica == 0 or (plan.sharded(s) and is_sharded(p)):
+                    # a sharded stage's shards each once; what FSDP2 left whole, once
                     self.norm_params.append(p)
         # data-parallel buckets: every rank calls new_group for every set, in order
         replica_sets = sorted({r for r in plan.placement if len(r) > 1})
@@ -138,9 +139,12 @@ class GradSync:
         for rset in replica_sets:
             group = plane_group(plan, [ranks[r] for r in rset])
             if rank in rset:
+                # what FSDP2 does not reduce: unsharded stages, and a sharded stage's
+                # parameters it left whole (0-dim ones: orgel.runtime.sharding)
                 params = [p for s, info in sorted(stages.items())
-                          if plan.placement[s] == rset and not plan.sharded(s)
-                          for p in info.params if id(p) not in tied_ids]
+                          if plan.placement[s] == rset
+                          for p in info.params if id(p) not in tied_ids
+                          and not (plan.sharded(s) and is_sharded(p))]
                 self.dp[rset] = (group, params)
         self.tied_groups: dict[str, Any] = {}
         for name in sorted(tied_names):

@@ -209,7 +209,11 @@ class Sharding:
                 if plan.placement[s] != rset or not plan.sharded(s):
                     continue
                 module = stages[s].stage.module
-                fully_shard(module, mesh=mesh, reshard_after_forward=False)
+                # FSDP2 shards no 0-dim parameter (CLIP's logit_scale): it stays whole on
+                # every replica, and its gradient is summed with the unsharded ones (GradSync)
+                scalars = {p for p in module.parameters() if p.dim() == 0}
+                fully_shard(module, mesh=mesh, reshard_after_forward=False,
+                            ignored_params=scalars or None)
                 _quiet_view_outputs(type(module).__name__)
                 # a plain SUM: every replica's gradient is a partial sum already
                 module.set_gradient_divide_factor(1.0)
