@@ -7,7 +7,7 @@ One place for the draw, the two runs and the comparison, used by ``tests/test_fu
 :func:`draw` picks a :class:`Setup` through a ``pick(name, options)`` function: a
 hypothesis draw in the test, a seeded ``random.Random`` in the benchmark. A setup
 is a model of the zoo (``tests/zoo.py``), 2-4 ranks, ``dp`` (its replicas sharded with FSDP2
-or not: ``shard``), a schedule family with
+or not: ``shard``), tensor parallelism (``tp``), a schedule family with
 its options (``orgel.plan.balanced.balanced_plan``), the micro-batch count, which
 stages recompute, frozen parameters, precision, optimizer, learning-rate schedule
 (``scheduler=`` or ``lr=``), clipping (``max_grad_norm=``), ``accumulate``, meta
@@ -60,6 +60,9 @@ FAMILIES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "loop
                              "dag-1f1b")
 #: models whose inputs and targets are (batch, sequence): drawn with shorter sequences too
 SEQUENCE: tuple[str, ...] = ("gpt", "tied", "hf_gpt2", "hf_llama")
+#: models with linear layers tensor parallelism splits (``tp`` is drawn for them; not GPT-2,
+#: whose ``Conv1D`` layers are not read as linear layers yet)
+TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_bert", "hf_llama")
 #: models with BatchNorm (running statistics; batch statistics)
 BATCHNORM: tuple[str, ...] = ("resnet",)
 #: corners not drawn, each for a known open defect (issue 25's item)
@@ -88,6 +91,7 @@ class Setup:
     frozen: str = "none"  # none, module (the frozen_module-th that holds any), every3, head
     frozen_module: int = 0
     shard: str = "none"  # how dp replicas hold their state: none, fsdp
+    tp: int = 1  # tensor parallelism: processes per pipeline rank (``ranks`` counts processes)
     precision: str = "32"
     optimizer: str = "sgd"  # sgd, momentum, adamw
     schedule_lr: str = "constant"  # constant, scheduler, lr
@@ -125,7 +129,8 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         dps = [1]  # EXCLUDED["batchnorm dp>1"]
     dp = pick("dp", dps)
     shard = pick("shard", ("none", "fsdp")) if dp > 1 else "none"
-    pipeline = ranks // dp
+    tp = pick("tp", (1, 2)) if model in TENSOR_PARALLEL and (ranks // dp) % 2 == 0 else 1
+    pipeline = ranks // (dp * tp)
     schedule = pick("schedule", FAMILIES + (("auto",) if auto else ()))
     if schedule == "interleaved":
         m = pipeline * pick("groups", (1, 2))
@@ -143,7 +148,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         prefetch=prefetch,
         recompute=pick("recompute", ("none", "all", "first", "last", "alternate")),
         frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
-        shard=shard,
+        shard=shard, tp=tp,
         precision=pick("precision", ("32", "bf16-mixed")),
         optimizer=pick("optimizer", ("sgd", "momentum", "adamw")),
         schedule_lr=pick("schedule_lr", ("constant", "scheduler", "lr")),
@@ -328,7 +333,7 @@ def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
     if setup.schedule == "looped":
         options = {"loop_microbatches": setup.loop_microbatches,
                    "prefetch": list(setup.prefetch or ())}
-    plan = balanced_plan(graph, ranks=setup.ranks, microbatches=setup.microbatches,
+    plan = balanced_plan(graph, ranks=setup.ranks // setup.tp, microbatches=setup.microbatches,
                          schedule=setup.schedule, dp=setup.dp,
                          stages_per_rank=setup.stages_per_rank, **options)
     plan = mark_sharded(plan, setup.shard)
@@ -373,7 +378,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
         extra.update(dp=setup.dp, shard=setup.shard)
     torch.manual_seed(seed)  # init= seeds each module from torch.initial_seed()
     try:
-        pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks,
+        pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks, tp=setup.tp,
                               microbatches=setup.microbatches, plan=plan, threads=1,
                               optimizer=lambda params: make_optimizer(setup, params.named()),
                               timeout_s=timeout_s, **loop_options(setup), **extra)
@@ -401,7 +406,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
             evaluated = None
         state = pipe.state_dict()
         folder = pipe.save(tmp)
-        copies, optim = _shards(folder, setup.ranks)
+        copies, optim = _shards(folder, setup.ranks // setup.tp)  # a shard per pipeline rank
     names = canonical(w.model)
     result = Result(losses, lrs, norms, {}, {}, keys=list(state), evaluated=evaluated)
     for n, t in state.items():  # the gathered state_dict, then every rank's own copy
