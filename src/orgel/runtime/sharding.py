@@ -48,6 +48,7 @@ capture (:func:`check_tied_sharding`): the model's parameters show it.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Iterator
@@ -163,7 +164,16 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: a DTensor gathered over its mesh (every rank of it must call this,
     in the same order); any other tensor itself."""
     if is_sharded(t):
-        return t.detach().full_tensor()  # type: ignore[attr-defined, no-any-return]
+        # a parameter sharded over a 2-D mesh (tp x fsdp) is gathered in two all-gathers,
+        # which DTensor warns about once per process: a checkpoint's or state_dict's one
+        # gather, not the step's; the user has nothing to change
+        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            return t.detach().full_tensor()  # type: ignore[attr-defined, no-any-return]
+        finally:
+            quiet.setLevel(level)
     return t
 
 
