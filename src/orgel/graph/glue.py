@@ -177,8 +177,9 @@ class RankExchange:
         self.step = 0
         self.microbatch = -1  # set by the executor around each stage forward
         self._values: dict[tuple[int, int, int], list[Any]] = {}
-        #: per micro-batch, the first anchor (a leaf the forward made: see :meth:`leaves`)
-        self._anchors: dict[int, torch.Tensor] = {}
+        #: per micro-batch, the anchors that are leaves here (see :meth:`leaves`): a chain's
+        #: start, or an anchor another stage sent (a stage input)
+        self._anchors: dict[int, list[torch.Tensor]] = {}
 
     def begin(self, step: int) -> None:
         self.step = step
@@ -186,7 +187,8 @@ class RankExchange:
         self._anchors.clear()
 
     def leaves(self, m: int) -> dict[str, torch.Tensor]:
-        """The executor's ``side_leaves``: micro-batch ``m``'s first anchor.
+        """The executor's ``side_leaves``: micro-batch ``m``'s anchors that are leaves here
+        (a stage whose graph does not hold one gets no gradient for it: unused).
 
         Every exchange lies on the anchors' chain, so a backward that walks towards this
         leaf runs each exchange's backward, which the controller waits for, even where
@@ -195,8 +197,7 @@ class RankExchange:
         towards its leaves: without this one it skipped such an exchange, and the
         controller and the ranks waited for each other until the timeout.
         """
-        anchor = self._anchors.get(m)
-        return {} if anchor is None else {"<exchange anchor>": anchor}
+        return {f"<exchange anchor {k}>": a for k, a in enumerate(self._anchors.get(m, ()))}
 
     def __call__(self, c: int, mask: tuple[bool, ...], anchor: torch.Tensor,
                  outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -206,8 +207,8 @@ class RankExchange:
                 self.inbox.send(("x_out", key, [o.detach().cpu() for o in outs]))
             self._values[key] = self.inbox.get("x_in", key)
         values = [v.to(self.device) for v in self._values[key]]
-        if anchor.grad_fn is None and anchor.requires_grad:  # the chain's start (a recompute
-            self._anchors[self.microbatch] = anchor         # makes it anew)
+        if anchor.grad_fn is None and anchor.requires_grad:  # a leaf: the chain's start, or
+            self._anchors.setdefault(self.microbatch, []).append(anchor)  # a stage input
         return _Exchanged.apply(self, key, mask, anchor, values, *outs)
 
 
