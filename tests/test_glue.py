@@ -221,6 +221,44 @@ def test_an_exchange_below_no_input_or_parameter_runs_in_a_split_backward() -> N
     assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
 
 
+class TwoBreaks(nn.Module):
+    """A table graph, then two graphs of layers: exchanges on more than one stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.arange(x.shape[-1], dtype=x.dtype).sin()
+        torch._dynamo.graph_break()
+        h = self._part(x, table, 0)
+        torch._dynamo.graph_break()
+        return self.head(self._part(h, table, 3))
+
+    def _part(self, h: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor:
+        for layer in self.layers[start:start + 3]:
+            h = torch.tanh(layer(h) + table)
+        return h
+
+
+@pytest.mark.slow
+def test_a_looped_zero_bubble_schedule_with_exchanges_trains_exactly() -> None:
+    """Two stages per rank, split backward: each rank's ``I`` passes find their exchanges."""
+    def build() -> ZooWorkload:
+        torch.manual_seed(2)
+        return ZooWorkload(TwoBreaks(), (torch.randn(8, 8),), torch.randint(0, 4, (8,)),
+                           F.cross_entropy)
+
+    def plan_for(w: ZooWorkload) -> object:
+        graph = capture(copy.deepcopy(w.model), (w.inputs[0][:4],))
+        return split_backward(balanced_plan(graph, ranks=2, microbatches=2,
+                                            schedule="looped-bfs", stages_per_rank=2))
+
+    outcome = orgel_check("two breaks", build, plan_for=plan_for, timeout_s=60.0)
+    assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+
+
 @pytest.mark.slow
 def test_an_earlier_graphs_output_in_the_loss_and_a_buffer_train_exactly() -> None:
     outcome = orgel_check("side_output", _side)
