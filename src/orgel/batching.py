@@ -193,10 +193,13 @@ def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
     return value
 
 
-def placeholders(shapes: dict[str, Any], dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
-    """Stand-ins with only a shape (a 1-element storage expanded), cheap to send every step:
-    what the ranks of a forward fed by the caller get in place of the batch."""
-    return {n: torch.zeros((), dtype=dtypes[n]).expand(s) for n, s in shapes.items()}
+def placeholders(like: dict[str, torch.Tensor],
+                 shapes: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Stand-ins for ``like``'s tensors with only a shape (a 1-element storage expanded),
+    cheap to send every step: what the ranks of a forward fed by the caller get in place
+    of the batch. ``shapes``: other shapes than ``like``'s own (the whole batch's)."""
+    return {n: torch.zeros((), dtype=t.dtype).expand(t.shape if shapes is None else shapes[n])
+            for n, t in like.items()}
 
 
 def side_by_side(parts: list[dict[str, Any]], whole: Collection[str], dim: int) -> dict[str, Any]:

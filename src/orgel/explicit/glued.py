@@ -317,9 +317,7 @@ class GluedPipeline(EagerParameters, Pipeline):
                                       [t for _, t in parts], 1, self.batch_dim, mb_rows)
         if not self._warm:
             self._warm_up(parts[0][0])
-        read = {n: t for n, t in named.items() if n in self._input_names}
-        stand_ins = placeholders({n: t.shape for n, t in read.items()},
-                                 {n: t.dtype for n, t in read.items()})
+        stand_ins = placeholders({n: t for n, t in named.items() if n in self._input_names})
         # the ranks count rows from the placeholders, or from here when no stage reads an input
         rows = batch_rows(named, targets, self.batch_dim, self.replicated)
         slots = self._run_threads(lambda slot: self._run_microbatch(slot, *parts[slot.index]),

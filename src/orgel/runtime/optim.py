@@ -120,6 +120,11 @@ class GradSync:
         # same rows of every copy (FSDP2 shards dimension 0 in replica order)
         sharded_ties = {name for name in tied_names
                         if holders[name] and all(plan.sharded(s) for s in holders[name])}
+        def fsdp_holds(s: int, p: torch.nn.Parameter) -> bool:
+            """Whether FSDP2 holds ``p`` sharded (and reduces it); it leaves a 0-dim
+            parameter of a sharded stage whole (:mod:`orgel.runtime.sharding`)."""
+            return plan.sharded(s) and is_sharded(p)
+
         self.norm_params: list[torch.nn.Parameter] = []
         for s, info in sorted(stages.items()):
             named = dict(info.stage.module.named_parameters())
@@ -130,8 +135,7 @@ class GradSync:
                     tied_ids.add(id(p))
                     if holders[qual][0] == s and (info.replica == 0 or qual in sharded_ties):
                         self.norm_params.append(p)
-                elif info.replica == 0 or (plan.sharded(s) and is_sharded(p)):
-                    # a sharded stage's shards each once; what FSDP2 left whole, once
+                elif info.replica == 0 or fsdp_holds(s, p):  # each shard once
                     self.norm_params.append(p)
         # data-parallel buckets: every rank calls new_group for every set, in order
         replica_sets = sorted({r for r in plan.placement if len(r) > 1})
@@ -139,12 +143,10 @@ class GradSync:
         for rset in replica_sets:
             group = plane_group(plan, [ranks[r] for r in rset])
             if rank in rset:
-                # what FSDP2 does not reduce: unsharded stages, and a sharded stage's
-                # parameters it left whole (0-dim ones: orgel.runtime.sharding)
                 params = [p for s, info in sorted(stages.items())
                           if plan.placement[s] == rset
                           for p in info.params if id(p) not in tied_ids
-                          and not (plan.sharded(s) and is_sharded(p))]
+                          and not fsdp_holds(s, p)]  # what FSDP2 does not reduce
                 self.dp[rset] = (group, params)
         self.tied_groups: dict[str, Any] = {}
         for name in sorted(tied_names):

@@ -68,7 +68,7 @@ class RankLink:
                   for n, t in first.items()}
         batched = [s[dim] for n, s in shapes.items() if n not in self._whole]
         rows = int(batched[0]) if batched else int(self._rows or m)
-        return placeholders(shapes, {n: t.dtype for n, t in first.items()}), rows
+        return placeholders(first, shapes), rows
 
     def _read_outputs(self) -> None:
         """Hand each closure its outputs as the loss stage's ranks send them (replica r's

@@ -84,8 +84,7 @@ def start_ranks(backend: Backend) -> Started:
     loss_processes = [plan.processes_of(r) for r in plan.placement[split.loss_stage]]
     input_ranks = sorted({p for s, st in enumerate(split.stages) if st.model_inputs
                           for r in plan.placement[s] for p in plan.processes_of(r)})
-    stand_ins = placeholders({n: t.shape for n, t in batch.items()},
-                             {n: t.dtype for n, t in batch.items()})
+    stand_ins = placeholders(batch)
     ctx = mp.get_context("fork")
     pipes = [ctx.Pipe() for _ in range(plan.world_size)]
 
