@@ -221,3 +221,79 @@ def test_pipelines_built_again_in_the_same_torchrun_processes(tmp_path: Path) ->
     for rank in (0, 1):
         losses = json.loads((tmp_path / f"again{rank}.json").read_text())
         assert len(losses) == 4 and all(run == losses[0] for run in losses)
+
+
+GLUED = '''
+import copy, json, os, sys
+import torch
+import torch.nn.functional as F
+import orgel
+from orgel.models.graphbreak import GraphBreakMLP
+
+torch.manual_seed(0)
+model = GraphBreakMLP(8, 16, 4)
+initial = copy.deepcopy(model)
+x, y = torch.randn(8, 8), torch.randn(8, 4)
+sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+out = sys.argv[1]
+pipe = orgel.pipeline(model, (x,), y, F.mse_loss, ranks=2, microbatches=2, timeout_s=60,
+                      optimizer=sgd)
+losses = [pipe.step((x,), y)]
+pipe.save(out)
+pipe.close()
+pipe = orgel.load(out, copy.deepcopy(initial), (x,), y, F.mse_loss, timeout_s=60,
+                  optimizer=sgd)                 # resumed in the same processes
+losses.append(pipe.step((x,), y))
+evaluated = pipe.evaluate((x,), y)
+pipe.copy_to(model)                              # on every process: its own model
+reference, ref_losses = copy.deepcopy(initial), []
+opt = sgd(list(reference.parameters()))
+for _ in range(2):
+    opt.zero_grad()
+    parts = [F.mse_loss(reference(xs), ys) / 2 for xs, ys in zip(x.chunk(2), y.chunk(2))]
+    sum(parts).backward()
+    opt.step()
+    ref_losses.append(sum(p.item() for p in parts))
+with torch.no_grad():
+    reference.eval()
+    ref_eval = sum(F.mse_loss(reference(xs), ys).item() / 2
+                   for xs, ys in zip(x.chunk(2), y.chunk(2)))
+mine = model.state_dict()
+diff = max((mine[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+with open(os.path.join(out, f"glued{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "steps": pipe.steps,
+               "eval": [evaluated, ref_eval], "kind": type(pipe).__name__}, f)
+
+
+def failing(out, target):
+    raise RuntimeError("the loss cannot be computed")
+
+
+pipe.loss_fn = failing                           # process 0 computes the loss: it raises
+try:
+    pipe.step((x,), y)
+except Exception as exc:
+    with open(os.path.join(out, f"error{os.environ['RANK']}.txt"), "w") as f:
+        f.write(f"{type(exc).__name__}: {exc}")
+pipe.close()
+'''
+
+
+def test_a_forward_of_several_graphs_trains_under_torchrun(tmp_path: Path) -> None:
+    """A Python branch between two graphs, under torchrun: process 0 runs the controller
+    beside its rank, process 1 serves it. Trained, saved, closed, resumed in the same
+    processes, evaluated and copied into each process's model, as one process trains;
+    the controller's own error then ends both processes' step, named, without a hang."""
+    code, log = _torchrun(tmp_path, GLUED, str(tmp_path))
+    assert code == 0, log[-3000:]
+    kinds = set()
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"glued{rank}.json").read_text())
+        assert result["losses"] == pytest.approx(result["ref"], rel=1e-5), result
+        assert result["diff"] < 1e-5 and result["steps"] == 2, result
+        assert result["eval"][0] == pytest.approx(result["eval"][1], rel=1e-5), result
+        kinds.add(result["kind"])
+    assert kinds == {"Leading", "Follower"}
+    assert (tmp_path / "error0.txt").read_text() == ("RuntimeError: the loss cannot be "
+                                                     "computed")
+    assert "process 0 stopped the pipeline" in (tmp_path / "error1.txt").read_text()

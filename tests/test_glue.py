@@ -400,14 +400,6 @@ def test_microbatches_on_different_parameter_paths_train_exactly() -> None:
     assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
 
 
-def test_a_forward_of_several_graphs_is_refused_under_torchrun() -> None:
-    from orgel.flow.capture import one_graph_only
-
-    graph = capture(BranchEveryMicrobatch(), (torch.randn(2, 8),))
-    with pytest.raises(GraphBreakError, match="local-spawn mode"):
-        one_graph_only(graph)
-
-
 def test_a_plain_rank_engine_refuses_a_split_with_exchanges() -> None:
     from orgel.split import split_plan
     from orgel.worker.engine import RankEngine

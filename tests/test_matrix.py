@@ -38,10 +38,6 @@ PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp", "ev
 
 #: (entry, cell) -> words the refusal must contain. Every other cell must be exact.
 REFUSED: dict[tuple[str, str], str] = {
-    # the controller's runtime for graph breaks runs each stage on one rank, training only
-    # torchrun has no controller process to run the Python between graphs
-    ("torchrun", "break"): "Under torchrun orgel needs one graph",
-    ("torchrun", "if_end"): "Under torchrun orgel needs one graph",
     # orgel.backend runs one rank per stage, on the CPU, from Dynamo's fixed-shape graphs
     ("backend", "meta"): REFUSED_OPTIONS[("backend", "weights")],
 }

@@ -10,7 +10,8 @@ Two launch modes, chosen from the environment, with the same object and methods:
 * **SPMD** (under ``torchrun``): every rank runs the script. Rank 0 plans and
   broadcasts the plan as JSON so all ranks agree; each rank splits the model
   and keeps only its own stages. ``step`` runs this rank's action list and
-  returns the loss on every rank.
+  returns the loss on every rank. A forward of several graphs (graph breaks) has
+  its controller on rank 0, beside rank 0's stages (:mod:`orgel.explicit.glued_job`).
 
 Methods that gather (``state_dict``, ``timeline``) or write (``save``) involve
 every rank in both modes; under torchrun call them on every rank. So do ``step``
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from orgel.batching import BatchDim
-from orgel.flow.capture import default_optimizer, one_graph_only
+from orgel.flow.capture import default_optimizer
 from orgel.flow.prepare import meta_weights, on_process_zero, plan_only, prepare
 from orgel.flow.start import start_local, start_torchrun
 from orgel.guard import cuda_unused
@@ -238,9 +239,14 @@ def pipeline(
                                   memory=memory, dp=dp, shard=shard, loss_rule=rule,
                                   optimizer=optimizer, source=source,
                                   loss_scaling=bool(scaling))
+    def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
+        if graph.glue is not None:
+            refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
+                                    "device": kind, "tp": tp})
+
     if spmd:
         prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),
-                           check_graph=one_graph_only, **common)
+                           check_graph=breaks_allowed, **common)
     else:
         if kind == "cuda" and plan is None:  # timed on the GPU, by a process of its own
             from orgel.explicit.device_plan import plan_in_child
@@ -248,17 +254,19 @@ def pipeline(
             plan = plan_in_child(lambda: plan_only(workload, **common), device=kind,
                                  timeout_s=timeout_s)
             common["mark"] = True  # as planned here: its stages get the shard option
-        def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
-            if graph.glue is not None:
-                refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
-                                        "device": kind, "tp": tp})
-
         # the workers fork afterwards, from the caller's own state; this process never uses
         # CUDA (a forked rank could not), so it profiles on the CPU
         with profiling_on("cpu"), cuda_unused():
             prepared = prepare(workload, plan=plan, check_graph=breaks_allowed, **common)
     prepared.keys, prepared.aliases = keys, aliases
     glue = prepared.graph.glue
+    if glue is not None and spmd:  # several graphs: process 0 runs the Python between them
+        from orgel.explicit.glued_job import start_job
+
+        job_pipe = start_job(workload, prepared.plan, prepared.split, glue, optimizer=optimizer,
+                             timeout_s=timeout_s, keys=keys, aliases=aliases, options=loop)
+        job_pipe.loss_rule = prepared.loss_rule
+        return job_pipe
     if glue is not None:  # several graphs: the controller runs the Python between them
         from orgel.explicit import glued_start
 

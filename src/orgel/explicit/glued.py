@@ -93,7 +93,7 @@ class _GraphCall(torch.autograd.Function):
 
 
 class GluedPipeline(EagerParameters, Pipeline):
-    """:class:`orgel.worker.pipe.Pipeline` for a forward of several graphs (local spawn only).
+    """:class:`orgel.worker.pipe.Pipeline` for a forward of several graphs (its controller).
 
     ``step(inputs, targets)`` runs the forward, ``loss_fn`` and backward of
     each micro-batch here in its own thread, the graphs on the ranks; ``evaluate``

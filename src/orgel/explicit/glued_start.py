@@ -8,6 +8,8 @@ for ``orgel.pipeline``, a :class:`~orgel.explicit.closures.ClosurePipeline` for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from orgel.batching import single_dim, split_microbatches
@@ -29,6 +31,22 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     import multiprocessing as mp
 
     from orgel.launch.processes import LocalGroup
+
+    make = engine_maker(workload, plan, split, glue, optimizer=optimizer, timeout_s=timeout_s,
+                        options=options, closures=closures)
+    pipes = [mp.get_context("fork").Pipe() for _ in range(plan.num_ranks)]
+    group = LocalGroup(plan.num_ranks, lambda rank: make(rank, pipes[rank][1]),
+                       timeout_s=timeout_s, threads=threads)
+    return controller(ClosurePipeline if closures else GluedPipeline, workload, plan, split,
+                      glue, group, [here for here, _ in pipes], timeout_s=timeout_s, keys=keys,
+                      aliases=aliases, options=options)
+
+
+def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any,
+                 timeout_s: float, options: dict[str, Any] | None,
+                 closures: bool = False) -> Callable[[int, Any], Any]:
+    """``make(rank, conn)``: rank ``rank``'s closure engine, talking to the controller over
+    ``conn``; raises first for what the controller's runtime refuses."""
     from orgel.worker.closure import ClosureEngine
 
     if closures and any(len(r) > 1 for r in plan.placement):
@@ -38,32 +56,42 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     if closures and accumulate != 1:
         raise ValueError("orgel.backend takes accumulate=1 for a compiled model with graph "
                          "breaks: give each step the whole batch, or use orgel.pipeline")
-    dim = single_dim(workload.batch_dim)
-    if dim is None:  # the graphs' arguments are not the model's inputs: one dimension
-        raise ValueError(f"batch_dim={workload.batch_dim!r} gives inputs different batch "
-                         "dimensions; a forward of several graphs (graph breaks) is cut along "
-                         "one: give one int batch_dim")
-    ctx = mp.get_context("fork")
-    pipes = [ctx.Pipe() for _ in range(plan.num_ranks)]
-
+    dim = batch_dim_of(workload)
     # the ranks cut the batch by the workload's rule too: what it names replicated goes whole
     engine_options = {**(options or {}), "replicated": tuple(workload.replicated)}
 
-    def make_engine(rank: int) -> Any:
-        engine = ClosureEngine(rank, plan, split, optimizer=optimizer, conn=pipes[rank][1],
+    def make(rank: int, conn: Any) -> Any:
+        engine = ClosureEngine(rank, plan, split, optimizer=optimizer, conn=conn,
                                timeout_s=timeout_s, glue_info=glue, model=workload.model,
                                options=engine_options, batch_dim=dim, fallback=not closures)
         # the controller scaled the gradients by 1/accumulate: undo the loss stage's own
         engine.surrogate.divisor *= accumulate
         return engine
 
-    group = LocalGroup(plan.num_ranks, make_engine, timeout_s=timeout_s, threads=threads)
-    cls = ClosurePipeline if closures else GluedPipeline
-    pipe = cls(plan, group, [here for here, _ in pipes], glue=glue, split=split,
-               model=workload.model, loss_fn=workload.loss_fn, replicated=workload.replicated,
-               timeout_s=timeout_s, state_keys=keys, aliases=aliases, batch_dim=dim,
-               accumulate=accumulate)
-    if not closures:  # a batch the static graphs cannot take is refused before any rank runs
+    return make
+
+
+def batch_dim_of(workload: Any) -> int:
+    """The one batch dimension a forward of several graphs is cut along (else ValueError)."""
+    dim = single_dim(workload.batch_dim)
+    if dim is None:  # the graphs' arguments are not the model's inputs: one dimension
+        raise ValueError(f"batch_dim={workload.batch_dim!r} gives inputs different batch "
+                         "dimensions; a forward of several graphs (graph breaks) is cut along "
+                         "one: give one int batch_dim")
+    return dim
+
+
+def controller(cls: type[GluedPipeline], workload: Any, plan: Any, split: Any, glue: Any,
+               group: Any, conns: list[Connection], *, timeout_s: float, keys: list[str],
+               aliases: dict[str, str], options: dict[str, Any] | None) -> GluedPipeline:
+    """The controller's pipeline of class ``cls`` over ``group`` (the ranks' commands) and
+    ``conns`` (the controller's ends of their exchange pipes, by rank)."""
+    dim = batch_dim_of(workload)
+    pipe = cls(plan, group, conns, glue=glue, split=split, model=workload.model,
+               loss_fn=workload.loss_fn, replicated=workload.replicated, timeout_s=timeout_s,
+               state_keys=keys, aliases=aliases, batch_dim=dim,
+               accumulate=int((options or {}).get("accumulate", 1)))
+    if not issubclass(cls, ClosurePipeline):  # refuse first a batch the static graphs cannot take
         from orgel.graph.sizes import batch_check, static_shapes
 
         first = split_microbatches(named_inputs(workload.model, workload.inputs),

@@ -5,14 +5,21 @@ message by ``(kind, key)`` and the rank that sent it until :meth:`Mailbox.get` t
 a closed pipe or :meth:`Mailbox.abort` stops every waiter with :class:`Stopped`
 (:mod:`orgel.explicit.glued` runs the controller). :class:`RankPipes` is the other way,
 the controller's messages to the ranks (``orgel.backend``'s closures send on it too).
+Under torchrun the pipes are :func:`connect`'s connections (:mod:`orgel.explicit.glued_job`).
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import secrets
+import socket
 import threading
 import time
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection, Listener, Pipe
 from typing import Any
+
+from orgel.launch.errors import WorkerError
 
 
 class Stopped(RuntimeError):
@@ -80,3 +87,106 @@ class RankPipes:
         except OSError as exc:
             raise Stopped(f"rank {rank} closed its pipe while the controller sent it "
                           f"{message[0]!r}") from exc
+
+
+# -- torchrun: every process's connections to process 0 ---------------------------------
+
+class ByValue:
+    """A connection whose messages are pickled by value.
+
+    :mod:`multiprocessing` pickles tensors with torch's reductions, which hand a
+    tensor's memory over as a file descriptor that only a process of the same family
+    (forked, sharing its key) can take; torchrun's processes are not one family.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def send(self, message: Any) -> None:
+        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        return pickle.loads(self.conn.recv_bytes())  # noqa: S301 - a process of this job
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def pipe_here() -> tuple[ByValue, ByValue]:
+    """A pipe inside this process (between process 0's controller and its own rank)."""
+    here, there = Pipe()
+    return ByValue(here), ByValue(there)
+
+
+def connect(timeout_s: float) -> tuple[list[Any], list[Any]]:
+    """Connect every process to process 0; ``(commands, exchanges)``.
+
+    On process 0, by process (index 0 unused: its own rank is in this process); on any
+    other, the one connection of each kind to process 0.
+    """
+    import torch.distributed as dist
+
+    process, world = dist.get_rank(), dist.get_world_size()
+    listener = None
+    key = secrets.token_bytes(16)
+    address: tuple[str, int] = ("", 0)
+    if process == 0:
+        host = _own_address()
+        listener = Listener((host if host == "127.0.0.1" else "", 0), authkey=key)
+        address = (host, int(listener.address[1]))
+    shared: list[Any] = [address, key]
+    dist.broadcast_object_list(shared, src=0)
+    if listener is None:
+        found = []
+        for kind in ("commands", "exchanges"):
+            conn = ByValue(Client(tuple(shared[0]), authkey=shared[1]))
+            conn.send((process, kind))
+            found.append(conn)
+        return [found[0]], [found[1]]
+    return _accept(listener, world, timeout_s)
+
+
+def _own_address() -> str:
+    """The address other processes reach this one at: 127.0.0.1 where the job runs on one
+    machine, else the one this machine reaches torchrun's store from."""
+    world = os.environ.get("WORLD_SIZE")
+    if os.environ.get("LOCAL_WORLD_SIZE", world) == world:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+        return str(s.getsockname()[0])
+
+
+def _accept(listener: Listener, world: int, timeout_s: float,
+            ) -> tuple[list[Any], list[Any]]:
+    """Process 0: every other process's two connections, by process."""
+    found: dict[tuple[int, str], ByValue] = {}
+    failed: list[BaseException] = []
+
+    def accept() -> None:
+        try:
+            while len(found) < 2 * (world - 1):
+                conn = ByValue(listener.accept())
+                process, kind = conn.recv()
+                found[(int(process), str(kind))] = conn
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
+
+    thread = threading.Thread(target=accept, name="orgel-accept", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    listener.close()
+    if len(found) < 2 * (world - 1):
+        missing = sorted({p for p in range(1, world) for k in ("commands", "exchanges")
+                          if (p, k) not in found})
+        raise WorkerError(f"processes {missing} did not connect to process 0 within "
+                          f"{timeout_s:g} s" + (f" ({failed[0]})" if failed else ""), missing[0])
+    none: Any = None
+    return ([none, *(found[(p, "commands")] for p in range(1, world))],
+            [none, *(found[(p, "exchanges")] for p in range(1, world))])

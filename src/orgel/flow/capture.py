@@ -133,14 +133,4 @@ def shape_check(workload: Workload, split: Any, plan: Plan) -> Any:
                        workload.batch_dim, workload.replicated)
 
 
-def one_graph_only(graph: Any) -> None:
-    """Refuse a graph of several Dynamo graphs (torchrun runs one graph)."""
-    if graph.glue is not None:
-        from orgel.graph.opgraph import GraphBreakError
-
-        raise GraphBreakError(f"{graph.glue.reason} Under torchrun orgel needs one graph; a "
-                              "forward of several graphs trains in local-spawn mode (python "
-                              "train.py, without torchrun)")
-
-
 # -- the seams to capture, planning and split -------------------------------------------------

@@ -160,6 +160,46 @@ def watch_stacks() -> None:
     threading.Thread(target=watch, name="orgel-stacks", daemon=True).start()
 
 
+def serve(engine: Any, conn: Connection, idle_s: float | None = None) -> tuple[Any, ...]:
+    """Answer the commands ``(method, args, kwargs)`` that come over ``conn`` with what
+    ``engine.method(*args, **kwargs)`` returns (or its error) until a message that is no
+    command; return that message.
+
+    ``("__close__",)`` is answered before it is returned; a message of another name that
+    starts with ``__`` is the caller's own (:mod:`orgel.explicit.glued_job`); a closed
+    connection returns ``("__eof__",)``. ``idle_s``: the longest wait for a message
+    (TimeoutError after it; None: no limit).
+    """
+    while True:
+        try:
+            if idle_s is not None and not conn.poll(idle_s):
+                raise TimeoutError(f"no command came within {idle_s:g} s")
+            message = conn.recv()
+        except (EOFError, OSError):
+            return ("__eof__",)
+        if message[0] == "__close__":
+            _answer(conn, ("ok", None, "", False))
+            return tuple(message)
+        if message[0].startswith("__"):
+            return tuple(message)
+        method, args, kwargs = message
+        try:
+            answer = ("ok", host(getattr(engine, method)(*args, **kwargs)), "", False)
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            answer = ("error", *describe(exc), is_comm_error(exc))
+        if not _answer(conn, answer):
+            return ("__eof__",)
+
+
+def _answer(conn: Connection, answer: tuple[Any, ...]) -> bool:
+    """Send ``answer``; False where the controller's end is closed (it stopped the ranks)."""
+    try:
+        conn.send(answer)
+        return True
+    except OSError:
+        return False
+
+
 def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads: int,
                  backend: str, log_dir: str | None, make_engine: Callable[[int], Any],
                  conn: Connection, line: Lifeline) -> None:
@@ -190,20 +230,7 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
         conn.send(("error", *describe(exc), is_comm_error(exc)))
         return
     conn.send(("ok", None, "", False))
-    while True:
-        try:
-            method, args, kwargs = conn.recv()
-        except EOFError:
-            break
-        if method == "__close__":
-            conn.send(("ok", None, "", False))
-            break
-        try:
-            result = host(getattr(engine, method)(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - reported to the controller
-            conn.send(("error", *describe(exc), is_comm_error(exc)))
-            continue
-        conn.send(("ok", result, "", False))
+    serve(engine, conn)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -290,7 +317,7 @@ class LocalGroup:
     def _collect(self, ranks: list[int], what: str, wait_s: float | None) -> list[Any]:
         results: dict[int, Any] = {}
         pending = {self._conns[r]: r for r in ranks}
-        sentinels = {self._procs[r].sentinel: r for r in ranks}
+        sentinels = self._watched(ranks)
         while pending:
             ready = wait(list(pending) + list(sentinels), timeout=wait_s)
             if not ready:
@@ -336,7 +363,7 @@ class LocalGroup:
         deadline = time.monotonic() + (0.0 if own_error else CAUSE_GRACE_S)
         while others:
             by_object = {self._conns[r]: r for r in others}
-            by_object.update({self._procs[r].sentinel: r for r in others})
+            by_object.update(self._watched(others))
             ready = wait(list(by_object), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 break
@@ -359,6 +386,11 @@ class LocalGroup:
             lines.append(f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
                          f"had not finished {what!r}: stopped")
         raise WorkerError("\n".join(lines), root)
+
+    def _watched(self, ranks: Sequence[int]) -> dict[Any, int]:
+        """What ends when a rank's process ends (its sentinel), by rank: waited on beside
+        the pipes."""
+        return {self._procs[r].sentinel: r for r in ranks}
 
     def _death(self, rank: int, what: str) -> str:
         proc = self._procs[rank]

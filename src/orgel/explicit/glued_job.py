@@ -1,0 +1,387 @@
+"""A forward of several graphs (graph breaks) under torchrun: the controller in process 0.
+
+In local-spawn mode the calling process is the controller (:mod:`orgel.explicit.glued`)
+and the ranks are processes it forks. Under torchrun every process runs the script, so
+process 0 takes both parts: its main thread is the controller (the Python between the
+graphs, ``loss_fn``, the backward's glue), and its rank's engine runs in a thread of its
+own beside it. Every other process is a *follower*: its pipeline's methods serve the
+controller's commands on its rank's engine until process 0's call of the same method
+returns, and then return what it returned.
+
+The controller reaches the ranks as it does local ones, over connection objects: a pipe
+inside process 0 to its own rank, and two TCP connections (:mod:`multiprocessing.connection`,
+authenticated with a key process 0 broadcasts over the job's process group) to every other
+process, one for the commands (:class:`JobGroup`) and one for the exchanges' messages.
+The ranks' own messages (activations, gradient sums) go over the job's process group as
+in every other plan.
+
+Call the pipeline's methods on every process, in the same order (as every torchrun
+pipeline asks); a follower that calls another method than process 0 is told so.
+Process 0's batch is the one trained: pass the same batch on every process.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel.explicit.glued import GluedPipeline
+from orgel.explicit.mailbox import connect, pipe_here
+from orgel.launch.errors import StepError, WorkerError
+from orgel.launch.processes import LocalGroup, serve
+from orgel.worker.pipe import Pipeline
+
+#: what a follower's pipeline takes over from process 0's after each call
+SHARED = ("steps", "pending", "calls", "off_path")
+
+
+def start_job(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any,
+              timeout_s: float, keys: list[str], aliases: dict[str, str],
+              options: dict[str, Any] | None) -> Pipeline:
+    """This process's part of a torchrun job training a forward of several graphs: the
+    controller's pipeline on process 0, a :class:`Follower` on every other process."""
+    import torch.distributed as dist
+
+    from orgel.explicit.glued_start import controller, engine_maker
+    from orgel.worker.state import own_stage_copies
+
+    process, world = dist.get_rank(), dist.get_world_size()
+    if world != plan.num_ranks:
+        raise ValueError(f"the plan has {plan.num_ranks} ranks but torchrun started {world} "
+                         "processes: a forward of several graphs runs one process per rank")
+    make = engine_maker(workload, plan, split, glue, optimizer=optimizer, timeout_s=timeout_s,
+                        options=options)
+    # the stages train copies: the caller's model changes only through pipe.copy_to
+    own_stage_copies(split.stages[s].module for s in plan.stages_on(process))
+    commands, exchanges = connect(timeout_s)
+    if process != 0:
+        return Follower(make(process, exchanges[0]), commands[0], plan=plan,
+                        model=workload.model, keys=keys, aliases=aliases, timeout_s=timeout_s)
+    own_commands, own_exchanges = pipe_here(), pipe_here()
+    engine = make(0, own_exchanges[1])  # in the main thread: groups are made in one order
+    thread = threading.Thread(target=_serve_here, args=(engine, own_commands[1]),
+                              name="orgel-rank0", daemon=True)
+    thread.start()
+    group = JobGroup([own_commands[0], *commands[1:]], [own_exchanges[0], *exchanges[1:]],
+                     thread, timeout_s=timeout_s)
+    pipe = controller(Leading, workload, plan, split, glue, group, group.exchanges,
+                      timeout_s=timeout_s, keys=keys, aliases=aliases, options=options)
+    from orgel.flow.start import check_param_groups
+
+    check_param_groups(pipe)
+    return pipe
+
+
+def _serve_here(engine: Any, conn: Any) -> None:
+    """Process 0's rank: its engine answers the controller's commands in this thread."""
+    from orgel.graph import glue
+
+    try:
+        serve(engine, conn)
+    finally:
+        glue.set_runtime(None)  # the exchanges of a later capture here record, as before
+
+
+# -- process 0: the ranks' commands, and the calls the followers wait for --------------------
+
+class JobGroup(LocalGroup):
+    """The torchrun job's ranks as the controller drives them: :class:`LocalGroup`'s
+    commands and failure reports, over the connections of :func:`connect` (rank 0 a
+    thread of this process)."""
+
+    def __init__(self, commands: list[Any], exchanges: list[Any], thread: threading.Thread, *,
+                 timeout_s: float) -> None:
+        self.num_ranks = len(commands)
+        self.timeout_s = timeout_s
+        self._conns = commands
+        self.exchanges = exchanges
+        self._procs: list[Any] = []
+        self._closed = False
+        self._thread = thread
+        closing = (commands, exchanges, timeout_s)  # LocalGroup's finalizer, of other arguments
+        self._finalizer = weakref.finalize(self, _close_all, *closing)  # type: ignore[arg-type,call-arg]
+
+    def _watched(self, ranks: Any) -> dict[Any, int]:
+        return {}  # a connection closes when its process ends: the pipes say it all
+
+    def _death(self, rank: int, what: str) -> str:
+        return (f"closed its connection to process 0 during {what} (its process ended; "
+                "torchrun's log holds its error)")
+
+    def kill(self, why: str = "process 0's own output holds its error") -> None:
+        """Stop every rank: tell the followers why, then close every connection."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        for conn in self._conns[1:]:
+            try:
+                conn.send(("__stop__", why))
+            except OSError:
+                pass
+        for conn in [*self._conns, *self.exchanges]:
+            conn.close()
+
+    def close(self) -> None:
+        """Ask every rank to end (the followers' ``close`` returns), then meet them."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        _close_all(self._conns, self.exchanges, self.timeout_s)
+        self._thread.join(self.timeout_s)
+        import torch.distributed as dist
+
+        dist.barrier()  # the next pipeline in these processes starts together
+
+    def tell(self, message: tuple[Any, ...]) -> None:
+        """Send ``message`` to every follower (one that is gone hears nothing)."""
+        for conn in self._conns[1:]:
+            try:
+                conn.send(message)
+            except OSError:
+                pass
+
+
+def _close_all(commands: list[Any], exchanges: list[Any], timeout_s: float) -> None:
+    for conn in commands:
+        try:
+            conn.send(("__close__", (), {}))
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for conn in commands:
+        try:
+            if conn.poll(max(0.0, deadline - time.monotonic())):
+                conn.recv()
+        except (EOFError, OSError):
+            pass
+    for conn in [*commands, *exchanges]:
+        conn.close()
+
+
+def _portable(exc: BaseException) -> tuple[str, Any]:
+    """``exc`` in a form a follower can raise again."""
+    if isinstance(exc, WorkerError):
+        return ("step" if isinstance(exc, StepError) else "worker", (str(exc), exc.rank))
+    try:
+        return ("pickled", pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its words
+        return ("words", f"{type(exc).__name__}: {exc}")
+
+
+def _again(form: tuple[str, Any]) -> BaseException:
+    kind, value = form
+    if kind == "step":
+        return StepError(*value)
+    if kind == "worker":
+        return WorkerError(*value)
+    if kind == "pickled":
+        return pickle.loads(value)  # noqa: S301 - process 0 of this job made it
+    return RuntimeError(value)
+
+
+class Leading(GluedPipeline):
+    """Process 0's pipeline: :class:`~orgel.explicit.glued.GluedPipeline`, whose every
+    method that the followers call too ends by sending them its result (or its error)."""
+
+    _ranks: JobGroup
+    _depth = 0  # the calls in progress: one made inside another is not told
+
+    def _lead(self, name: str, call: Callable[[], Any],
+              payload: Callable[[Any], Any] | None = None) -> Any:
+        if self._depth:
+            return call()
+        self._depth += 1
+        try:
+            value = call()
+        except BaseException as exc:
+            if not self._ranks._closed:
+                self._ranks.tell(("__raise__", name, _portable(exc), self._shared()))
+            raise
+        finally:
+            self._depth -= 1
+        self._ranks.tell(("__return__", name, value if payload is None else payload(value),
+                          self._shared()))
+        return value
+
+    def _shared(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in SHARED}
+
+    def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        return self._lead("step", lambda: super(Leading, self).step(inputs, targets,
+                                                                     outputs=outputs))
+
+    def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        return self._lead("evaluate", lambda: super(Leading, self).evaluate(
+            inputs, targets, outputs=outputs))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._lead("state_dict", lambda: super(Leading, self).state_dict())
+
+    def load_state_dict(self, state: Any, strict: bool = True) -> Any:
+        return self._lead("load_state_dict",
+                          lambda: super(Leading, self).load_state_dict(state, strict))
+
+    def copy_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        return self._lead("copy_to", lambda: super(Leading, self).copy_to(model),
+                          lambda done: done.state_dict())
+
+    def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
+        return self._lead("save", lambda: super(Leading, self).save(directory, keep=keep))
+
+    def load(self, directory: str | Path) -> int:
+        return self._lead("load", lambda: super(Leading, self).load(directory))
+
+    def timeline(self) -> list[Any]:
+        return self._lead("timeline", lambda: super(Leading, self).timeline())
+
+    @property
+    def lr(self) -> list[float]:
+        return self._lead("lr", lambda: GluedPipeline.lr.fget(self))  # type: ignore[attr-defined]
+
+    @property
+    def grad_norm(self) -> float | None:
+        return self._lead("grad_norm",
+                          lambda: GluedPipeline.grad_norm.fget(self))  # type: ignore[attr-defined]
+
+    @property
+    def loss_scale(self) -> dict[str, Any] | None:
+        return self._lead("loss_scale",
+                          lambda: GluedPipeline.loss_scale.fget(self))  # type: ignore[attr-defined]
+
+    @property
+    def compile_s(self) -> list[float]:
+        return self._lead("compile_s",
+                          lambda: GluedPipeline.compile_s.fget(self))  # type: ignore[attr-defined]
+
+
+# -- every other process ----------------------------------------------------------------------
+
+class Follower(Pipeline):
+    """The pipeline on a process other than 0 of a torchrun job with graph breaks.
+
+    Each method serves process 0's commands on this process's rank until process 0's
+    same call ends, and returns what it returned (the step's loss, the gathered state,
+    the checkpoint's folder) or raises its error; ``copy_to`` writes the values into this
+    process's model. ``steps`` and the other counters follow process 0's.
+    """
+
+    def __init__(self, engine: Any, conn: Any, *, plan: Any, model: torch.nn.Module,
+                 keys: list[str], aliases: dict[str, str], timeout_s: float) -> None:
+        super().__init__(plan, None, model=model, loss_ranks=[0], state_keys=keys,
+                         aliases=aliases, spmd=False)
+        self._engine = engine
+        self._conn = conn
+        self._timeout_s = timeout_s
+        self._closed = False
+        self.calls = 0
+        self.off_path: list[int] = []
+
+    def _follow(self, name: str) -> Any:
+        """Serve until process 0's ``name`` ends; what it returned."""
+        from orgel.graph import glue
+
+        if self._closed:
+            raise WorkerError("the pipeline is closed; create a new pipeline", -1)
+        try:
+            message = serve(self._engine, self._conn, idle_s=self._timeout_s)
+        except TimeoutError as exc:
+            raise WorkerError(f"process 0 gave this process no work within "
+                              f"{self._timeout_s:g} s of pipe.{name}: call the pipeline's "
+                              "methods on every process, in the same order", 0) from exc
+        kind = message[0]
+        if kind in ("__return__", "__raise__"):
+            got, value, shared = message[1:]
+            for k, v in shared.items():
+                setattr(self, k, v)
+            if got != name:
+                raise RuntimeError(f"this process called pipe.{name} where process 0 called "
+                                   f"pipe.{got}: call the pipeline's methods on every process, "
+                                   "in the same order")
+            if kind == "__raise__":
+                raise _again(value)
+            return value
+        self._closed = True
+        glue.set_runtime(None)
+        if kind == "__close__":
+            if name == "close":
+                return None
+            raise WorkerError(f"process 0 closed the pipeline while this process called "
+                              f"pipe.{name}", 0)
+        why = message[1] if kind == "__stop__" else "its connection to this process closed"
+        raise WorkerError(f"process 0 stopped the pipeline during pipe.{name} ({why})", 0)
+
+    def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        """Process 0's step (its batch is the one trained); its loss."""
+        return self._follow("step")
+
+    def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
+        return self._follow("evaluate")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self._follow("state_dict"))
+
+    def load_state_dict(self, state: Any, strict: bool = True) -> Any:
+        return self._follow("load_state_dict")
+
+    def copy_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        target = self._model if model is None else model
+        target.load_state_dict(self._follow("copy_to"), strict=True)
+        return target
+
+    def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
+        from orgel.runtime.checkpoint import CheckpointError
+
+        folder = Path(self._follow("save"))
+        if folder.parent.resolve() != Path(directory).resolve():
+            raise CheckpointError(f"this process saved into {directory} but process 0 into "
+                                  f"{folder.parent}, where the checkpoint was written: name "
+                                  "the same folder on every process")
+        return folder
+
+    def load(self, directory: str | Path) -> int:
+        return int(self._follow("load"))
+
+    def timeline(self) -> list[Any]:
+        return list(self._follow("timeline"))
+
+    @property
+    def lr(self) -> list[float]:
+        return list(self._follow("lr"))
+
+    @property
+    def grad_norm(self) -> float | None:
+        return self._follow("grad_norm")  # type: ignore[no-any-return]
+
+    @property
+    def loss_scale(self) -> dict[str, Any] | None:
+        return self._follow("loss_scale")  # type: ignore[no-any-return]
+
+    @property
+    def compile_s(self) -> list[float]:
+        return list(self._follow("compile_s"))
+
+    def call_ranks(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        raise RuntimeError("only process 0 drives the ranks of a forward of several graphs")
+
+    def kill(self) -> None:
+        self._closed = True
+        self._conn.close()
+
+    def close(self) -> None:
+        """Serve until process 0 closes the pipeline; then meet every process."""
+        import torch.distributed as dist
+
+        if self._closed:
+            return
+        self._follow("close")
+        self._conn.close()
+        dist.barrier()
