@@ -19,6 +19,7 @@ from torch import nn
 
 import orgel
 from orgel.graph import capture
+from orgel.launch.errors import WorkerError
 from orgel.plan.balanced import balanced_plan
 from orgel.runtime.stage import random_stream, stream_seed
 from orgel.workload import Workload, microbatches
@@ -59,7 +60,8 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def _run(schedule: str, *, recompute: bool, lr: float, steps: int) -> tuple[list[float], dict]:
+def _run(schedule: str, *, recompute: bool | str, lr: float,
+         steps: int) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = DropoutMLP()
     x = torch.randn(4, 8).repeat(2, 1)  # both micro-batches hold the same rows
@@ -67,7 +69,7 @@ def _run(schedule: str, *, recompute: bool, lr: float, steps: int) -> tuple[list
     graph = capture(model, microbatches(Workload(model, (x,), y, _mse), 2)[0][0])
     plan = balanced_plan(graph, ranks=2, microbatches=2, schedule=schedule)
     if recompute:
-        plan = dataclasses.replace(plan, recompute=[True] * plan.num_stages)
+        plan = dataclasses.replace(plan, recompute=[recompute] * plan.num_stages)
     with orgel.pipeline(model, (x,), y, _mse, ranks=2, microbatches=2, plan=plan,
                         optimizer=lambda p: torch.optim.SGD(p, lr=lr)) as pipe:
         losses = [pipe.step((x,), y) for _ in range(steps)]
@@ -87,3 +89,19 @@ def test_masks_replayed_by_recompute_and_independent_of_the_schedule() -> None:
 def test_masks_differ_across_steps() -> None:
     losses, _ = _run("1f1b", recompute=False, lr=0.0, steps=2)  # lr 0: the model stays
     assert losses[0] != losses[1]
+
+
+@pytest.mark.slow
+def test_layer_and_selective_recompute_give_the_same_training() -> None:
+    """Each layer checkpointed (``"layer"``), or all but the matmul outputs recomputed
+    (``"selective"``), with dropout: the same losses and weights, bit for bit, as keeping
+    every activation, under 1F1B; ``"layer"`` under ZB-H1 too, whose split backward
+    recomputes a layer for its input half and again for its weight half. Torch's selective
+    checkpoint allows one backward per region: a split backward is refused, saying so."""
+    base, state = _run("1f1b", recompute=False, lr=0.1, steps=2)
+    for schedule, policy in (("1f1b", "layer"), ("1f1b", "selective"), ("zb-h1", "layer")):
+        losses, other = _run(schedule, recompute=policy, lr=0.1, steps=2)
+        assert losses == base, (schedule, policy)
+        assert all(torch.equal(state[k], other[k]) for k in state), (schedule, policy)
+    with pytest.raises(WorkerError, match="one backward per region"):
+        _run("zb-h1", recompute="selective", lr=0.1, steps=1)

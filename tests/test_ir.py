@@ -92,7 +92,7 @@ def _diamond_plan() -> Plan:
         num_ranks=4,
         microbatches=1,
         schedule=schedule,
-        recompute=[False, True, False, False],
+        recompute=[False, True, "layer", "selective"],
         costs=costs,
         prediction={"step_time": 12.5},
         meta={"schedule": "hand"},
@@ -112,6 +112,11 @@ def test_plan_json_round_trip(tmp_path: Path) -> None:
     plan.save(path)
     assert Plan.load(path) == plan
     assert Plan.from_json(plan.to_json()).schedule_text() == plan.schedule_text()
+
+
+def test_a_recompute_policy_outside_the_four_is_refused() -> None:
+    with pytest.raises(PlanError, match="'layer'"):
+        dataclasses.replace(_diamond_plan(), recompute=[False, True, "blocks", False])
 
 
 def test_plan_without_costs_round_trips() -> None:

@@ -68,8 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     parser.add_argument("--max-grad-norm", type=float, default=None,
                         help="clip gradients to this global norm (all ranks together)")
-    parser.add_argument("--recompute", action="store_true",
-                        help="recompute every stage's activations in backward")
+    parser.add_argument("--recompute", nargs="?", const="stage", default=None,
+                        choices=("stage", "layer", "selective"),
+                        help="recompute activations in backward: every stage whole (stage, "
+                             "the default when given alone), each layer checkpointed (layer), "
+                             "or all but matmul and attention outputs (selective)")
     parser.add_argument("--compile", action="store_true",
                         help="compile every stage's forward and backward with Inductor (the "
                              "backward in input and weight halves for zero-bubble schedules)")
@@ -203,6 +206,7 @@ def _prepare(args: argparse.Namespace) -> Any:
     from orgel.graph.capture import capture
     from orgel.plan.balanced import balanced_plan
     from orgel.plan.transforms import mark_sharded, with_recompute, with_tp
+    from orgel.runtime.checkpointing import check_policy
     from orgel.schedule.ir import Plan
     from orgel.schedule.validate import validate
     from orgel.split import split_plan
@@ -230,7 +234,7 @@ def _prepare(args: argparse.Namespace) -> Any:
                              stages_per_rank=args.stages_per_rank)
         plan = mark_sharded(plan, args.shard)
     if args.recompute:
-        plan = with_recompute(plan, [True] * plan.num_stages)
+        plan = with_recompute(plan, [check_policy(args.recompute)] * plan.num_stages)
     validate(plan)  # an invalid plan never starts a process
     if args.plan:  # nor does a plan made for another model
         share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]

@@ -42,6 +42,7 @@ from orgel.launch.processes import init_from_env, under_torchrun
 from orgel.lossweights import check_rule
 from orgel.precision import scales_loss
 from orgel.runtime import checkpoint as ckpt
+from orgel.runtime.checkpointing import check_policy
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.runtime.sharding import check_shard_option, check_tied_sharding
 from orgel.schedule.ir import Plan
@@ -84,6 +85,7 @@ def pipeline(
     shard: str = "none",
     compile: bool = False,
     loss_rule: str = "auto",
+    recompute: bool | str = False,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
@@ -177,6 +179,14 @@ def pipeline(
     ``pipe.compile_s`` reports the seconds by rank. Not yet with ``tp > 1`` or
     ``shard="fsdp"``.
 
+    ``recompute``: how each stage's backward gets its activations (default False: the
+    forward keeps them, or a given plan's own choice): ``"stage"`` (or True) runs the
+    stage's forward again before its backward; ``"layer"`` checkpoints each layer (each
+    element of a module list, such as one transformer block), so the forward keeps only
+    the layers' inputs and the backward recomputes one layer at a time; ``"selective"``
+    keeps the outputs of matrix products and attention and recomputes the rest
+    (:mod:`orgel.runtime.checkpointing`). The results are the same as without it.
+
     ``loss_rule``: how the micro-batches' and replicas' losses weigh in the batch's
     (:mod:`orgel.lossweights`): ``"auto"`` (default) finds it on a trial forward of the
     example batch (a mean over rows, a token mean over labels that are not -100, a causal
@@ -190,6 +200,7 @@ def pipeline(
 
     check_options(ranks, microbatches, optimizer, memory, dp, plan)
     check_shard_option(shard, dp)
+    recompute = check_policy(recompute)
     from orgel.plan.transforms import pipeline_ranks
 
     world, ranks = ranks, pipeline_ranks(ranks, tp, dp)
@@ -238,7 +249,7 @@ def pipeline(
     common: dict[str, Any] = dict(ranks=ranks, tp=tp, microbatches=microbatches,
                                   memory=memory, dp=dp, shard=shard, loss_rule=rule,
                                   optimizer=optimizer, source=source,
-                                  loss_scaling=bool(scaling))
+                                  loss_scaling=bool(scaling), recompute=recompute)
     def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
         if graph.glue is not None:
             refuse("graph breaks", {"compile": compile, "check_finite": check_finite,

@@ -30,6 +30,7 @@ class Parallelism:
     shard: str = "none"
     memory: int | None = None
     plan: Plan | str | Path | None = None
+    recompute: bool | str = False
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 
 from orgel.guard import untouched
 from orgel.lossweights import rule_for
-from orgel.plan.transforms import mark_sharded
+from orgel.plan.transforms import mark_sharded, with_recompute
 from orgel.runtime.sharding import check_sharded
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import Init, Weights, WeightsArg
@@ -115,7 +115,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             loss_rule: str, optimizer: Any, source: Weights | None = None,
             loss_scaling: bool = False, agree: Agree = here, mark: bool = False,
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
-            planner: str | None = None) -> Prepared:
+            planner: str | None = None, recompute: bool | str = False) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
@@ -126,6 +126,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     ``graph``: the capture, made already (``orgel.backend`` joins the graphs Dynamo handed
     it); then the plan must give every stage one rank (a replica's rows need a capture
     of their own). ``planner``: the planner's name (default: its own choice).
+    ``recompute``: every stage's recompute policy (:data:`orgel.schedule.ir.RECOMPUTE`;
+    False: the plan's own).
     """
     from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan, stage_replicas
     from orgel.plan.transforms import with_tp
@@ -144,6 +146,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                                     planner=planner, source=source, optimizer=optimizer)
             if given is None or mark:  # a given plan's own shard fields rule
                 the_plan = mark_sharded(the_plan, shard)
+            if recompute is not False:
+                the_plan = with_recompute(the_plan, [recompute] * the_plan.num_stages)
             return (with_tp(the_plan, tp, graph), rule_for(workload, loss_rule),
                     torch.initial_seed())
 

@@ -12,6 +12,8 @@ boundaries, never gluing independent branches together when it can avoid it.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +21,7 @@ import numpy as np
 from orgel.graph.opgraph import OpGraph
 
 DEFAULT_BLOCKS = 32
+_LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
 def blocks_for(ranks: int, blocks: int | None = None) -> int:
@@ -27,6 +30,27 @@ def blocks_for(ranks: int, blocks: int | None = None) -> int:
     pipeline stage per rank, and two for a looped schedule, without the caller knowing
     what a block is)."""
     return blocks if blocks is not None else max(DEFAULT_BLOCKS, 2 * ranks)
+
+
+def layer_of(module_path: str) -> str | None:
+    """The layer a node computed under ``module_path`` belongs to: the path up to the first
+    index into a module list (``model.layers.3.mlp.up`` -> ``model.layers.3``); None for a
+    node outside every module list (the embeddings, the final norm, the head)."""
+    found = _LAYER.match(module_path)
+    return found.group(1) if found else None
+
+
+def layer_runs(names: Sequence[str], paths: Sequence[str]) -> list[tuple[str | None, list[str]]]:
+    """The nodes ``names`` (in order; ``paths``: their module paths) cut into maximal runs of
+    one layer each (:func:`layer_of`); a run outside every layer has the layer None."""
+    runs: list[tuple[str | None, list[str]]] = []
+    for name, path in zip(names, paths, strict=True):
+        layer = layer_of(path)
+        if runs and runs[-1][0] == layer:
+            runs[-1][1].append(name)
+        else:
+            runs.append((layer, [name]))
+    return runs
 
 
 @dataclass

@@ -104,9 +104,10 @@ def replicate(plan: Plan, dp: int) -> Plan:
                                tied=list(plan.tied), shard=list(plan.shard))
 
 
-def with_recompute(plan: Plan, recompute: Sequence[bool]) -> Plan:
-    """``plan`` with stage ``s`` recomputing its activations where ``recompute[s]``."""
-    flags = [bool(x) for x in recompute]
+def with_recompute(plan: Plan, recompute: Sequence[bool | str]) -> Plan:
+    """``plan`` with stage ``s`` recomputing its activations as ``recompute[s]`` says
+    (:data:`orgel.schedule.ir.RECOMPUTE`)."""
+    flags = [x if isinstance(x, str) else bool(x) for x in recompute]
     if len(flags) != plan.num_stages:
         raise PlanError(f"recompute names {len(flags)} stages, the plan has {plan.num_stages}")
     return dataclasses.replace(plan, recompute=flags)

@@ -101,6 +101,9 @@ def check_compile(compile: bool, plan: Any, split: Any) -> None:
     if any(s == "fsdp" for s in plan.shard):
         raise ValueError("compile=True with shard='fsdp' is not available yet: pass "
                          "compile=False, or shard='none'")
+    if any(isinstance(r, str) for r in plan.recompute):
+        raise ValueError("compile=True with recompute='layer' or 'selective' is not available "
+                         "yet: pass compile=False, or recompute whole stages")
 
 
 def _inductor(gm: torch.fx.GraphModule) -> Callable[..., Any]:

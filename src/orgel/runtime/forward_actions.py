@@ -150,7 +150,7 @@ class ForwardActions:
         if self.on_microbatch is not None:
             self.on_microbatch(m)
         if self.compiled is None:
-            out = info.stage.module(*args)
+            out = info.run(*args)
         else:
             runner = self.compiled.get(info.index)
             if runner is None:

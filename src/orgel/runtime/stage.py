@@ -53,8 +53,11 @@ class StageInfo:
     value_edge: dict[str, int]  # input name -> edge that brings it
     out_index: dict[str, int]  # output name -> position in the module's outputs
     params: list[torch.nn.Parameter]
-    recompute: bool
+    recompute: bool  # the whole stage again before its backward
     is_loss: bool
+    #: what runs the forward: the stage's module, or one that checkpoints inside it
+    #: (``recompute`` ``"layer"``/``"selective"``, :mod:`orgel.runtime.checkpointing`)
+    run: torch.nn.Module
 
     @classmethod
     def build(cls, plan: Plan, split: SplitModel, s: int, rank: int) -> StageInfo:
@@ -83,9 +86,27 @@ class StageInfo:
             # consumer-stage order: gradients summed in the reference's order
             out_edges=sorted(graph.consumers(s), key=lambda e: graph.edges[e].dst),
             value_edge=value_edge, out_index=out_index,
-            params=list(stage.module.parameters()), recompute=bool(plan.recompute[s]),
-            is_loss=s == split.loss_stage,
+            params=list(stage.module.parameters()), recompute=plan.recompute[s] is True,
+            is_loss=s == split.loss_stage, run=_runner(stage, plan.recompute[s], plan),
         )
+
+
+def _runner(stage: StageModule, policy: bool | str, plan: Plan) -> torch.nn.Module:
+    """What runs ``stage``'s forward under recompute ``policy``."""
+    from orgel.runtime.checkpointing import checkpointed
+
+    if policy == "selective" and any(a.kind == "I" and a.stage == stage.index
+                                     for actions in plan.schedule for a in actions):
+        raise ValueError(f"stage {stage.index} has recompute='selective' in a schedule that "
+                         "splits its backward (I and W): torch's selective checkpoint runs "
+                         "one backward per region; give it recompute='layer', or a schedule "
+                         "with whole backwards (1f1b, interleaved)")
+    if isinstance(policy, str) and stage.written:
+        raise ValueError(f"stage {stage.index} updates buffers in its forward "
+                         f"({', '.join(stage.written)}): recompute={policy!r} would update "
+                         "them again when it recomputes; give it True (the stage whole, its "
+                         "buffers put back) or False")
+    return checkpointed(stage.module, policy, stage.layers)
 
 
 @dataclass

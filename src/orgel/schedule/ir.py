@@ -33,6 +33,10 @@ KINDS = ("F", "B", "I", "W")
 #: copy; gradients all-reduced) or ``"fsdp"`` (torch's FSDP2 over the replicas:
 #: parameters, gradients and optimizer state sharded, gathered once per step).
 SHARDS = ("none", "fsdp")
+#: what ``Plan.recompute[s]`` may say: keep the activations (False), recompute the stage
+#: whole (True), checkpoint each layer, or keep only the costly operators' outputs
+#: (:mod:`orgel.runtime.checkpointing`)
+RECOMPUTE: tuple[bool | str, ...] = (False, True, "layer", "selective")
 
 _ACTION_RE = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
 
@@ -296,8 +300,9 @@ class Plan:
       is the case where every stage has the same number of replicas;
     * ``schedule[r]``: rank ``r``'s ordered action list. A replica of a
       data-parallel stage runs the stage's actions for its share;
-    * ``recompute[s]``: drop stage ``s``'s activations after forward and
-      recompute them before its backward;
+    * ``recompute[s]``: ``True`` drops stage ``s``'s activations after forward and
+      recomputes them before its backward; ``"layer"`` checkpoints each layer of it,
+      ``"selective"`` recomputes all but its matmul and attention outputs (:data:`RECOMPUTE`);
     * ``costs`` and ``prediction``: optional, filled by the profiler/planner and
       the simulator; ``meta``: free-form JSON (schedule family, parameters,
       planner name, …);
@@ -322,7 +327,7 @@ class Plan:
     num_ranks: int
     microbatches: int
     schedule: list[list[Action]]
-    recompute: list[bool] = field(default_factory=list)
+    recompute: list[bool | str] = field(default_factory=list)
     costs: Costs | None = None
     prediction: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
@@ -339,7 +344,12 @@ class Plan:
         put("placement", [tuple(int(r) for r in ranks) for ranks in self.placement])
         put("schedule", [list(actions) for actions in self.schedule])
         put("meta", dict(self.meta))
-        put("recompute", list(self.recompute) or [False] * self.stage_graph.num_stages)
+        put("recompute", [x if isinstance(x, str) else bool(x) for x in self.recompute]
+            or [False] * self.stage_graph.num_stages)
+        bad_recompute = [x for x in self.recompute if x not in RECOMPUTE]
+        if bad_recompute:
+            raise PlanError(f"recompute {bad_recompute[0]!r} is not one of "
+                            f"{', '.join(map(repr, RECOMPUTE))}")
         put("shard", [str(x) for x in self.shard] or ["none"] * self.stage_graph.num_stages)
         bad_shard = [x for x in self.shard if x not in SHARDS]
         if bad_shard:
@@ -484,7 +494,7 @@ class Plan:
                 num_ranks=int(data["num_ranks"]),
                 microbatches=int(data["microbatches"]),
                 schedule=schedule,
-                recompute=[bool(s.get("recompute", False)) for s in stages_data],
+                recompute=[s.get("recompute", False) for s in stages_data],
                 costs=None if costs is None else Costs.from_dict(costs),
                 prediction=data.get("prediction"),
                 meta=meta,

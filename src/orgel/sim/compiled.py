@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +144,7 @@ class CompiledPlan(PlanTopology):
         graph = plan.stage_graph
         self.memory = MemoryLayout.build(
             self.op_rank, self.op_stage, self.op_kind, self.rank_start, plan.placement,
-            plan.recompute,
+            [bool(f) for f in plan.recompute],
         )
         self.edge_dst = np.array([e.dst for e in graph.edges], dtype=np.int64)
         self.default_edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
@@ -159,19 +160,20 @@ class CompiledPlan(PlanTopology):
         self._arrays_cache: tuple[tuple[Any, ...], StageArrays] | None = None
         self._link_cache: tuple[Any, ...] | None = None
 
-    def with_recompute(self, recompute: list[bool] | tuple[bool, ...]) -> CompiledPlan:
+    def with_recompute(self, recompute: Sequence[bool | str]) -> CompiledPlan:
         """This compiled plan with other recompute flags, sharing its topology.
 
         Recompute changes durations and what a forward keeps, never which op
         waits for which: the copy shares the dependency graph (and its
         straight-line code) and rebuilds only the memory layout.
         """
-        flags = [bool(f) for f in recompute]
+        policies = [f if isinstance(f, str) else bool(f) for f in recompute]
+        flags = [bool(f) for f in policies]  # any recompute: priced as the stage's own
         if len(flags) != self.num_stages:
             raise PlanError(f"recompute has {len(flags)} entries but there are "
                             f"{self.num_stages} stages: give one per stage")
         out = copy.copy(self)
-        out.plan = dataclasses.replace(self.plan, recompute=flags)
+        out.plan = dataclasses.replace(self.plan, recompute=policies)
         out.recompute = np.array(flags, dtype=bool)
         out.stage_recompute = out.recompute.astype(np.float64)
         out.memory = MemoryLayout.build(self.op_rank, self.op_stage, self.op_kind,

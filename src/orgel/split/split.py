@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from orgel.graph.blocks import BlockGraph
+from orgel.graph.blocks import BlockGraph, layer_runs
 from orgel.graph.measure import AUTOCAST_ENTER, AUTOCAST_EXIT, GRAD_SWITCH
 from orgel.graph.opgraph import OpGraph
 from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value
@@ -263,6 +263,7 @@ def _build(
             model_inputs=model_in, param_names=pnames, buffer_names=bnames,
             written=[n for n in bnames if n in opg.written],
             sizes={n: opg.sizes[n] for n in sizes},
+            layers=layer_runs(names, [opg.nodes[n].module for n in names]),
         ))
 
     # A buffer the forward updates must live in exactly one stage: a copy read

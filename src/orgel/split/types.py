@@ -42,6 +42,9 @@ class StageModule:
     written: list[str] = field(default_factory=list)
     #: inputs that are sizes (symbolic capture): name -> (model input, dim) whose size it is
     sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: the module's nodes in runs of one layer each (:func:`orgel.graph.blocks.layer_runs`):
+    #: what ``recompute="layer"`` checkpoints one at a time
+    layers: list[tuple[str | None, list[str]]] = field(default_factory=list)
 
 
 @dataclass

@@ -84,7 +84,7 @@ class Backend(RunningPipeline, RankLink):
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
                  max_grad_norm: float | None = None, accumulate: int = 1,
                  batch_dim: int = 0, replicated: tuple[int, ...] = (),
-                 shard: str = "none", tp: int = 1) -> None:
+                 shard: str = "none", tp: int = 1, recompute: bool | str = False) -> None:
         from orgel.flow.capture import default_optimizer
         from orgel.flow.options import check_options
 
@@ -99,6 +99,7 @@ class Backend(RunningPipeline, RankLink):
         self.memory, self.dp, self.given_plan = memory, dp, plan
         self.shard = shard  # how the dp replicas hold their state ("none" or "fsdp")
         self.tp = tp  # processes per pipeline rank (tensor parallelism); ranks counts all
+        self.recompute = recompute  # every stage's (orgel.runtime.checkpointing)
         self.timeout_s, self.threads = timeout_s, threads
         self.batch_dim = batch_dim
         #: positions of ``step``'s arguments that go whole to every closure
@@ -462,9 +463,9 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     each step's closures: the ranks' micro-batch ``j`` is closures ``j*d`` to ``j*d+d-1``
     side by side, each replica taking one closure's rows, so ``microbatches`` must be a
     multiple of ``d``; ``shard="fsdp"`` shards the replicas' state and ``tp=t`` splits
-    each pipeline rank over ``t`` processes, as in :func:`orgel.pipeline` (``ranks``
-    counts every process). ``orgel.pipeline``'s other options (``device``, ``init``,
-    ``weights``, ``compile``, ...) are refused with the reason
+    each pipeline rank over ``t`` processes, and ``recompute`` checkpoints as in
+    :func:`orgel.pipeline` (``ranks`` counts every process). ``orgel.pipeline``'s other
+    options (``device``, ``init``, ``weights``, ``compile``, ...) are refused with the reason
     (:data:`orgel.flow.options.REFUSED`).
     ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
     closure) that every closure gets whole, such as class weights ``[C]`` whose size
@@ -473,6 +474,7 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     ``batch_dim``, and all of them must have the same size there (the batch size).
     """
     from orgel.flow.options import options, refuse
+    from orgel.runtime.checkpointing import check_policy
 
     options(**others)  # a misspelt name: TypeError with the names that exist
     refuse("backend", {**others, "dp": dp, "precision": precision})
@@ -498,7 +500,8 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
                    accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions),
-                   shard=shard, tp=tp)
+                   shard=shard, tp=tp,
+                   recompute=check_policy(others.get("recompute", False)))
 
 
 def _marked(value: Any) -> Any:

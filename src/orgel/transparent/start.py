@@ -73,7 +73,8 @@ def start_ranks(backend: Backend) -> Started:
     prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks // backend.tp,
                        tp=backend.tp, microbatches=backend.microbatches // backend.dp,
                        memory=backend.memory, dp=backend.dp, shard=backend.shard,
-                       loss_rule="rows", optimizer=backend.optimizer)
+                       loss_rule="rows", optimizer=backend.optimizer,
+                       recompute=backend.recompute)
     plan, split = prepared.plan, prepared.split
     if len(plan.placement[split.loss_stage]) != backend.dp:
         raise ValueError(f"orgel.backend runs dp={backend.dp} replicas of the whole pipeline; "
@@ -161,7 +162,7 @@ def start_glued(backend: Backend, rows: int) -> Any:
     prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks, tp=1,
                        microbatches=backend.microbatches, memory=backend.memory, dp=backend.dp,
                        shard=backend.shard, loss_rule="rows", optimizer=backend.optimizer,
-                       graph=graph, planner="beam")
+                       graph=graph, planner="beam", recompute=backend.recompute)
     plan, split = prepared.plan, prepared.split
     keys, aliases = model_aliases(holder)
     return start(workload, plan, split, glue, optimizer=backend.optimizer,

@@ -1,0 +1,91 @@
+"""Recompute inside a stage: each layer checkpointed, or all but the costly operators.
+
+What the forward of a stage keeps for its backward (the bytes still alive after it, counted
+by :class:`orgel.profile.memory.LiveBytes`) under each policy of
+:mod:`orgel.runtime.checkpointing`, and the gradients, which must not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from orgel.graph import capture
+from orgel.graph.blocks import layer_of, layer_runs
+from orgel.plan.balanced import balanced_plan
+from orgel.profile.memory import LiveBytes
+from orgel.runtime.checkpointing import check_policy, checkpointed
+from orgel.split import split_plan
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 4, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, width)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
+                          nn.LayerNorm(width)) for _ in range(layers))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def test_a_layer_is_the_path_up_to_a_module_list_index() -> None:
+    assert layer_of("model.layers.3.mlp.up_proj") == "model.layers.3"
+    assert layer_of("encoder.blocks.12") == "encoder.blocks.12"
+    assert layer_of("lm_head") is None and layer_of("") is None
+    runs = layer_runs(["a", "b", "c", "d", "e"],
+                      ["embed", "layers.0.fc", "layers.0.act", "layers.1.fc", "head"])
+    assert runs == [(None, ["a"]), ("layers.0", ["b", "c"]), ("layers.1", ["d"]),
+                    (None, ["e"])]
+
+
+def test_policies_are_checked_with_what_to_give() -> None:
+    assert check_policy("stage") is True and check_policy("layer") == "layer"
+    with pytest.raises(ValueError, match="'selective'"):
+        check_policy("blocks")
+
+
+def _kept_and_grads(policy: bool | str) -> tuple[int, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(32, 16)
+    graph = capture(model, (x,))
+    split = split_plan(graph, balanced_plan(graph, ranks=1, microbatches=1))
+    stage = split.stages[0]
+    run = checkpointed(stage.module, policy, stage.layers)
+    with LiveBytes() as live:
+        out = run(x)
+        kept = live.now
+        out[0].sum().backward()
+    return kept, [p.grad for p in stage.module.parameters()]
+
+
+def test_layer_and_selective_keep_less_and_compute_the_same_gradients() -> None:
+    kept, grads = _kept_and_grads(False)
+    for policy in ("layer", "selective"):
+        less, same = _kept_and_grads(policy)
+        assert less < 0.75 * kept, (policy, less, kept)
+        assert all(torch.equal(a, b) for a, b in zip(grads, same, strict=True)), policy
+    layer, _ = _kept_and_grads("layer")
+    assert layer < 0.4 * kept  # four layers: their inputs, not their insides
+
+
+@pytest.mark.slow
+def test_orgel_run_with_layer_recompute_trains_as_one_process(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`orgel run --recompute layer --check` on 2 local ranks under ZB-H1 (a split backward
+    recomputes each layer for its input half and again for its weight half)."""
+    from orgel.cli import main
+
+    code = main(["run", "examples/gpt.py:workload", "--ranks", "2", "--schedule", "zb-h1",
+                 "--microbatches", "4", "--steps", "2", "--recompute", "layer", "--check",
+                 "--optimizer", "adamw", "--lr", "1e-3", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "-> OK" in out
