@@ -50,6 +50,7 @@ import torch
 from orgel import guard
 from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.explicit.mailbox import RankPipes
+from orgel.flow.options import REFUSED
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.guard import untouched
 from orgel.precision import device_type
@@ -69,7 +70,7 @@ from orgel.transparent.graph_model import (
     roles_of,
 )
 from orgel.transparent.running import RunningPipeline
-from orgel.transparent.slicing import slice_batch
+from orgel.transparent.slicing import marked, slice_batch
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
 from orgel.worker.pipe import canonical_names
@@ -129,8 +130,6 @@ class Backend(RunningPipeline, RankLink):
 
         self._precision = autocast_dtype(precision)  # ValueError for unknown names
         if scales_loss(precision):
-            from orgel.flow.options import REFUSED
-
             raise ValueError(REFUSED[("backend", "precision=16-mixed")])
 
     # -- torch.compile side -------------------------------------------------------------
@@ -204,7 +203,7 @@ class Backend(RunningPipeline, RankLink):
         length runs the same graph.
         """
         if dynamic:
-            args = [_marked(a) for a in args]
+            args = [marked(a) for a in args]
         self._found = []
         self._discovering = True
         try:
@@ -276,10 +275,10 @@ class Backend(RunningPipeline, RankLink):
         if self.pipe is not None:  # running: the input stages take it now (see closure.py)
             self._feed(slot)
         slot.called.set()
-        if not slot.delivered.wait(self._wait_s):
+        if not slot.delivered.wait(self.timeout_s):
             raise TimeoutError(f"micro-batch {slot.index}'s outputs did not arrive from the loss "
                                f"stage's processes {self._loss_processes} within "
-                               f"{self._wait_s:g} s")
+                               f"{self.timeout_s:g} s")
         if slot.outputs is None:
             raise RuntimeError("the pipelined step was aborted")
         anchor = torch.zeros((), requires_grad=True)
@@ -367,34 +366,29 @@ class Backend(RunningPipeline, RankLink):
                 self.pipe.call_ranks("closure_step", self._placeholders, self._rows)
             except Exception:
                 for slot in self._slots:
-                    slot.called.wait(self._wait_s)
+                    slot.called.wait(self.timeout_s)
                 self._check_closures()  # a closure that failed first is the cause to report
                 raise
-            reader.join(self._wait_s)
+            reader.join(self.timeout_s)
         finally:
             for slot in self._slots:  # release closures still waiting (after an error)
                 slot.delivered.set()
             for t in threads:
-                t.join(self._wait_s)
+                t.join(self.timeout_s)
         running = [m for m, t in enumerate(threads) if t.is_alive()]
         if running:
             raise TimeoutError(f"the closures of micro-batches {running} have not returned "
-                               f"{self._wait_s:g} s after the pipelined step ended; a closure "
+                               f"{self.timeout_s:g} s after the pipelined step ended; a closure "
                                "must not wait on anything after its backward")
         self._check_closures()
         self.pipe.called()
         return [s.result for s in self._slots]
 
-    @property
-    def _wait_s(self) -> float:
-        """How long the runner waits for a closure, or for outputs from the ranks."""
-        return self.timeout_s
-
     def _await_call(self, slot: Slot) -> None:
         """Wait until the closure of ``slot`` called the compiled model (or ended)."""
-        if not slot.called.wait(self._wait_s):
+        if not slot.called.wait(self.timeout_s):
             raise TimeoutError(f"the closure for micro-batch {slot.index} neither called the "
-                               f"compiled model nor returned within {self._wait_s:g} s; call "
+                               f"compiled model nor returned within {self.timeout_s:g} s; call "
                                "the model once per closure")
 
     def _check_closures(self) -> None:
@@ -438,6 +432,7 @@ class Backend(RunningPipeline, RankLink):
         self._pipes, self.pipe = RankPipes(started.conns), started.pipe
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
+
 
 def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactory | None = None,
             memory: int | None = None, dp: int = 1, plan: Plan | str | Path | None = None,
@@ -503,12 +498,3 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    shard=shard, tp=tp,
                    recompute=check_policy(others.get("recompute", False)))
 
-
-def _marked(value: Any) -> Any:
-    """A view of tensor ``value`` with every dimension marked as possibly dynamic."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    view = value.view_as(value)
-    for dim in range(view.dim()):
-        torch._dynamo.maybe_mark_dynamic(view, dim)
-    return view
