@@ -87,7 +87,7 @@ class Setup:
     stages_per_rank: int = 1
     loop_microbatches: int | None = None
     prefetch: tuple[int, ...] | None = None
-    recompute: str = "none"  # none, all, first, last, alternate
+    recompute: str = "none"  # none, all, first, last, alternate; layer, selective (every stage)
     frozen: str = "none"  # none, module (the frozen_module-th that holds any), every3, head
     frozen_module: int = 0
     shard: str = "none"  # how dp replicas hold their state: none, fsdp
@@ -146,7 +146,9 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         model=model, ranks=ranks, dp=dp, schedule=schedule, microbatches=m,
         rows=pick("rows", (1, 2, 3)), stages_per_rank=per_rank, loop_microbatches=loop_mb,
         prefetch=prefetch,
-        recompute=pick("recompute", ("none", "all", "first", "last", "alternate")),
+        recompute=pick("recompute", ("none", "all", "first", "last", "alternate")
+                       + (("layer", "selective") if model not in BATCHNORM and tp == 1
+                          and shard == "none" else ())),
         frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
         shard=shard, tp=tp,
         precision=pick("precision", ("32", "bf16-mixed")),
@@ -338,6 +340,9 @@ def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
                          stages_per_rank=setup.stages_per_rank, **options)
     plan = mark_sharded(plan, setup.shard)
     n = plan.num_stages
+    if setup.recompute in ("layer", "selective"):  # torch's selective checkpoint allows one
+        split = any(a.kind == "I" for actions in plan.schedule for a in actions)  # backward
+        return with_recompute(plan, ["layer" if split else setup.recompute] * n)
     return with_recompute(plan, {"none": [False] * n, "all": [True] * n,
                                  "first": [s == 0 for s in range(n)],
                                  "last": [s == n - 1 for s in range(n)],

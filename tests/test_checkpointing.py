@@ -100,3 +100,23 @@ def test_orgel_run_with_layer_recompute_trains_as_one_process(
     out = capsys.readouterr().out
     assert code == 0, out
     assert "-> OK" in out
+
+
+def _bf16_losses(policy: bool | str) -> list[float]:
+    import orgel
+
+    torch.manual_seed(0)
+    model = Stack(layers=2, width=32)
+    x, y = torch.randn(8, 16), torch.randn(8, 2)
+    with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=2, microbatches=2,
+                        precision="bf16-mixed", recompute=policy,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:
+        return [pipe.step((x,), y) for _ in range(3)]
+
+
+@pytest.mark.slow
+def test_layer_recompute_under_bf16_mixed_trains_as_without_it() -> None:
+    """A checkpoint stopped early in its recompute left the graph's autocast region entered:
+    autocast then kept the step's bfloat16 copies of the weights past the optimizer step,
+    and the next steps trained on stale weights."""
+    assert _bf16_losses("layer") == _bf16_losses(False)

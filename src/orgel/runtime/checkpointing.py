@@ -33,6 +33,7 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
 )
 
 from orgel.schedule.ir import RECOMPUTE
@@ -70,9 +71,14 @@ class _Checkpointed(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing to keep: no recompute either
             return self.inner(*args)
-        if self._context_fn is None:
-            return checkpoint(self.inner, *args, use_reentrant=False)
-        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self._context_fn)
+        # the recompute runs to the end: stopped early, it would leave an autocast region
+        # of the graph entered (its exit is the graph's last node), and autocast's cache of
+        # cast weights would then outlive the optimizer step
+        with set_checkpoint_early_stop(False):
+            if self._context_fn is None:
+                return checkpoint(self.inner, *args, use_reentrant=False)
+            return checkpoint(self.inner, *args, use_reentrant=False,
+                              context_fn=self._context_fn)
 
 
 def _keep_costly(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -96,14 +102,15 @@ def checkpointed(module: torch.nn.Module, policy: Any,
                                                        _keep_costly))
     from torch.fx.passes.split_module import split_module
 
-    part_of = {name: i for i, (_, names) in enumerate(layers) for name in names}
-    last = [0]
+    named = {name: i for i, (_, names) in enumerate(layers) for name in names}
+    part_of: dict[str, int] = {}
+    last = 0
+    for node in module.graph.nodes:  # a node the layers do not name (size arithmetic, an
+        last = named.get(node.name, last)  # autocast region's ends) joins the run before it
+        part_of[node.name] = last
 
     def part(node: torch.fx.Node) -> int:
-        # a node the layers do not name (size arithmetic the split added) joins the run
-        # before it
-        last[0] = part_of.get(node.name, last[0])
-        return last[0]
+        return part_of[node.name]
 
     if not isinstance(module, torch.fx.GraphModule):
         raise TypeError(f"recompute='layer' cuts a stage's fx graph; got a "

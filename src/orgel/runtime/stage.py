@@ -101,6 +101,11 @@ def _runner(stage: StageModule, policy: bool | str, plan: Plan) -> torch.nn.Modu
                          "splits its backward (I and W): torch's selective checkpoint runs "
                          "one backward per region; give it recompute='layer', or a schedule "
                          "with whole backwards (1f1b, interleaved)")
+    if isinstance(policy, str) and (plan.tp > 1 or plan.shard[stage.index] == "fsdp"):
+        raise ValueError(f"recompute={policy!r} is not available yet with tensor parallelism "
+                         "or shard='fsdp' (they give the stage DTensor parameters after the "
+                         "checkpointed layers are cut): give recompute='stage', or tp=1 and "
+                         "shard='none'")
     if isinstance(policy, str) and stage.written:
         raise ValueError(f"stage {stage.index} updates buffers in its forward "
                          f"({', '.join(stage.written)}): recompute={policy!r} would update "
