@@ -102,6 +102,9 @@ def checkpointed(module: torch.nn.Module, policy: Any,
                                                        _keep_costly))
     from torch.fx.passes.split_module import split_module
 
+    if not isinstance(module, torch.fx.GraphModule):
+        raise TypeError(f"recompute='layer' cuts a stage's fx graph; got a "
+                        f"{type(module).__name__}")
     named = {name: i for i, (_, names) in enumerate(layers) for name in names}
     part_of: dict[str, int] = {}
     last = 0
@@ -112,9 +115,6 @@ def checkpointed(module: torch.nn.Module, policy: Any,
     def part(node: torch.fx.Node) -> int:
         return part_of[node.name]
 
-    if not isinstance(module, torch.fx.GraphModule):
-        raise TypeError(f"recompute='layer' cuts a stage's fx graph; got a "
-                        f"{type(module).__name__}")
     # the capture's symbolic sizes in the nodes' meta would make split_module pass each
     # size symbol between the parts; the parts read sizes off their tensors instead
     metas = {node: node.meta for node in module.graph.nodes}
