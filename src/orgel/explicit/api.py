@@ -271,19 +271,21 @@ def pipeline(
             prepared = prepare(workload, plan=plan, check_graph=breaks_allowed, **common)
     prepared.keys, prepared.aliases = keys, aliases
     glue = prepared.graph.glue
-    if glue is not None and spmd:  # several graphs: process 0 runs the Python between them
-        from orgel.explicit.glued_job import start_job
-
-        job_pipe = start_job(workload, prepared.plan, prepared.split, glue, optimizer=optimizer,
-                             timeout_s=timeout_s, keys=keys, aliases=aliases, options=loop)
-        job_pipe.loss_rule = prepared.loss_rule
-        return job_pipe
     if glue is not None:  # several graphs: the controller runs the Python between them
-        from orgel.explicit import glued_start
+        glued_pipe: Pipeline
+        if spmd:  # process 0 is the controller
+            from orgel.explicit.glued_job import start_job
 
-        glued_pipe = glued_start.start(workload, prepared.plan, prepared.split, glue,
-                                 optimizer=optimizer, timeout_s=timeout_s, threads=threads,
-                                 keys=keys, aliases=aliases, options=loop)
+            glued_pipe = start_job(workload, prepared.plan, prepared.split, glue,
+                                   optimizer=optimizer, timeout_s=timeout_s, keys=keys,
+                                   aliases=aliases, options=loop)
+        else:
+            from orgel.explicit import glued_start
+
+            glued_pipe = glued_start.start(workload, prepared.plan, prepared.split, glue,
+                                           optimizer=optimizer, timeout_s=timeout_s,
+                                           threads=threads, keys=keys, aliases=aliases,
+                                           options=loop)
         glued_pipe.loss_rule = prepared.loss_rule
         return glued_pipe
     if spmd:

@@ -245,22 +245,19 @@ class Leading(GluedPipeline):
 
     @property
     def lr(self) -> list[float]:
-        return self._lead("lr", lambda: GluedPipeline.lr.fget(self))  # type: ignore[attr-defined]
+        return self._lead("lr", lambda: super(Leading, self).lr)
 
     @property
     def grad_norm(self) -> float | None:
-        return self._lead("grad_norm",
-                          lambda: GluedPipeline.grad_norm.fget(self))  # type: ignore[attr-defined]
+        return self._lead("grad_norm", lambda: super(Leading, self).grad_norm)
 
     @property
     def loss_scale(self) -> dict[str, Any] | None:
-        return self._lead("loss_scale",
-                          lambda: GluedPipeline.loss_scale.fget(self))  # type: ignore[attr-defined]
+        return self._lead("loss_scale", lambda: super(Leading, self).loss_scale)
 
     @property
     def compile_s(self) -> list[float]:
-        return self._lead("compile_s",
-                          lambda: GluedPipeline.compile_s.fget(self))  # type: ignore[attr-defined]
+        return self._lead("compile_s", lambda: super(Leading, self).compile_s)
 
 
 # -- every other process ----------------------------------------------------------------------

@@ -134,10 +134,9 @@ def connect(timeout_s: float) -> tuple[list[Any], list[Any]]:
 
     process, world = dist.get_rank(), dist.get_world_size()
     listener = None
-    key = secrets.token_bytes(16)
-    address: tuple[str, int] = ("", 0)
+    key, address = b"", ("", 0)
     if process == 0:
-        host = _own_address()
+        key, host = secrets.token_bytes(16), _own_address()
         listener = Listener((host if host == "127.0.0.1" else "", 0), authkey=key)
         address = (host, int(listener.address[1]))
     shared: list[Any] = [address, key]

@@ -142,9 +142,9 @@ class CompiledPlan(PlanTopology):
     def __init__(self, plan: Plan, *, comm: CommPlan | None = None) -> None:
         super().__init__(plan, comm=comm)
         graph = plan.stage_graph
+        flags = [bool(f) for f in plan.recompute]  # any recompute: priced as the stage's own
         self.memory = MemoryLayout.build(
-            self.op_rank, self.op_stage, self.op_kind, self.rank_start, plan.placement,
-            [bool(f) for f in plan.recompute],
+            self.op_rank, self.op_stage, self.op_kind, self.rank_start, plan.placement, flags,
         )
         self.edge_dst = np.array([e.dst for e in graph.edges], dtype=np.int64)
         self.default_edge_bytes = np.array([e.nbytes for e in graph.edges], dtype=np.int64)
@@ -153,7 +153,7 @@ class CompiledPlan(PlanTopology):
         self.default_msg_bytes = np.where(
             self.msg_grad, self.default_grad_bytes[self.msg_edge],
             self.default_edge_bytes[self.msg_edge]) * self.msg_part_num // self.msg_part_den
-        self.recompute = np.array(plan.recompute, dtype=bool)
+        self.recompute = np.array(flags, dtype=bool)
         self._straight: Any = None
         self._calls = 0
         self._topology: CompiledPlan | None = None  # the plan whose longest path this one runs
