@@ -35,10 +35,12 @@ def _gpt() -> tuple[torch.nn.Module, object, torch.Tensor, object]:
     return model, inputs, targets, loss_fn
 
 
-def _start(ranks: int) -> tuple[Pipeline, torch.nn.Module, object]:
+def _start(ranks: int, schedule: str | None = "1f1b") -> tuple[Pipeline, torch.nn.Module, object]:
+    """The GPT on ``ranks`` ranks: a FLOP-balanced chain run by ``schedule`` (no profiling),
+    or with ``schedule=None`` the planner's plan."""
     model, inputs, targets, loss_fn = _gpt()
     pipe = pipeline(model, inputs, targets, loss_fn, ranks=ranks, microbatches=4,
-                    optimizer=_sgd, threads=1)
+                    optimizer=_sgd, threads=1, schedule=schedule)
     return pipe, model, loss_fn
 
 
@@ -64,7 +66,7 @@ def _assert_close(state: dict[str, torch.Tensor], model: torch.nn.Module) -> Non
 
 
 def test_two_ranks_match_the_single_process_reference() -> None:
-    pipe, _, _ = _start(2)
+    pipe, _, _ = _start(2, schedule=None)
     with pipe:
         losses = [pipe.step(*_batch(s)) for s in range(3)]
         reference, ref_losses = _reference(3)
@@ -128,9 +130,11 @@ def test_resume_two_rank_checkpoint_on_three_ranks_matches_reference(tmp_path: P
     assert folder == ckpt.step_dir(tmp_path, 2)
     model, inputs, targets, loss_fn = _gpt()
     resumed = load(tmp_path, model, inputs, targets, loss_fn, ranks=3, optimizer=_sgd,
-                   threads=1)
+                   threads=1, schedule="gpipe")
     with resumed:
-        assert resumed.plan.num_ranks == 3
+        # no planner: three stages of about equal FLOPs, run by the family asked for
+        assert resumed.plan.num_ranks == 3 and resumed.plan.meta["schedule"] == "gpipe"
+        assert resumed.plan.meta["planner"].startswith("balanced chain")
         resumed.step(*_batch(2))
         resumed.step(*_batch(3))
         reference, _ = _reference(4)

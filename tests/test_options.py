@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 import orgel
 from orgel.flow.options import REFUSED, Options, names, options, refuse
@@ -66,3 +67,19 @@ def test_a_forward_with_graph_breaks_is_refused_from_the_table_before_planning()
 def test_orgel_backend_shares_the_closures_among_dp_replicas_evenly() -> None:
     with pytest.raises(ValueError, match="give microbatches a multiple of dp"):
         orgel.backend(ranks=4, dp=2, microbatches=3)
+
+
+def test_a_schedule_instead_of_a_plan_is_checked_before_anything_starts() -> None:
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    loss = torch.nn.functional.mse_loss
+    with pytest.raises(ValueError, match="schedule must be a schedule family, one of 1f1b"):
+        orgel.pipeline(model, (x,), y, loss, schedule="1F1B")
+    with pytest.raises(ValueError, match="give plan= or schedule=, not both"):
+        orgel.pipeline(model, (x,), y, loss, schedule="1f1b", plan="plan.json")
+    with pytest.raises(ValueError, match="memory= is a limit for the planner"):
+        orgel.pipeline(model, (x,), y, loss, schedule="1f1b", memory=2**30)
+    with pytest.raises(ValueError, match="give microbatches as an int"):
+        orgel.pipeline(model, (x,), y, loss, schedule="1f1b", microbatches="auto")
+    with pytest.raises(ValueError, match="schedule must be a schedule family"):
+        orgel.backend(schedule="zbv")

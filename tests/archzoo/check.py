@@ -206,26 +206,33 @@ def backend_check(name: str, build: Any, *, ranks: int = 2, m: int = 2) -> Outco
 
 def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
                    replicated: tuple[str, ...] = (), precision: str = "32",
-                   tolerance: float = TOLERANCE, **schedule: Any) -> Outcome:
+                   tolerance: float = TOLERANCE, schedule: str = "1f1b", dp: int = 1,
+                   **family: Any) -> Outcome:
     """:func:`orgel_check` with a FLOP-balanced chain as the plan (no profiling, quick).
 
-    ``schedule`` goes to :func:`orgel.plan.balanced.balanced_plan` (default 1F1B).
-
-    The plan comes from a capture of a copy of the model, so the model handed
-    to ``orgel.pipeline`` is still the caller's untouched one.
+    ``orgel.pipeline(..., schedule=)`` makes it from its own capture. A family option
+    ``orgel.pipeline`` does not take (``stages_per_rank`` other than 2) goes to
+    :func:`orgel.plan.balanced.balanced_plan` on a capture of a copy of the model, and the
+    plan is handed over.
     """
     from orgel.graph import capture
     from orgel.plan.balanced import balanced_plan
+
+    options: dict[str, Any] = {"replicated": replicated} if replicated else {}
+    if precision != "32":
+        options["precision"] = precision
+    if dp != 1:
+        options["dp"] = dp
+    if family.get("stages_per_rank", 2) == 2:
+        return orgel_check(name, build, ranks=ranks, m=m, tolerance=tolerance,
+                           schedule=schedule, **options)
 
     def plan_for(w: ZooWorkload) -> Any:
         model = copy.deepcopy(w.model)
         first, _ = microbatches(Workload(model, w.inputs, w.targets, w.loss_fn,
                                          replicated=replicated), m)[0]
         return balanced_plan(capture(model, first, precision=precision), ranks=ranks,
-                             microbatches=m, **schedule)
+                             microbatches=m, schedule=schedule, dp=dp, **family)
 
-    options: dict[str, Any] = {"replicated": replicated} if replicated else {}
-    if precision != "32":
-        options["precision"] = precision
     return orgel_check(name, build, ranks=ranks, m=m, plan_for=plan_for, tolerance=tolerance,
                        **options)

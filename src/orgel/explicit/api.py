@@ -67,6 +67,7 @@ def pipeline(
     memory: int | None = None,
     dp: int = 1,
     plan: Plan | str | Path | None = None,
+    schedule: str | None = None,
     timeout_s: float = 300.0,
     threads: int | None = None,
     replicated: Sequence[str] = (),
@@ -109,6 +110,10 @@ def pipeline(
     ``microbatches="auto"`` lets the planner choose the count for the example
     batch (each size it tries is profiled; ``pipe.plan.meta["microbatch_search"]``
     lists them); with a given ``plan``, "auto" takes the plan's count.
+    ``schedule``: skip profiling and the planner; cut the graph into stages of equal
+    FLOPs, one per rank (two for ``"dualpipev"`` and the looped families), run by that
+    schedule family (``"1f1b"``, ``"gpipe"``, ``"zb-h1"``, ...; as ``orgel run
+    --schedule``): a quick start where the layers are alike.
     Every input tensor whose size along its batch dimension is the batch size is
     split into micro-batches; name the inputs that are not batched (a lookup table,
     a temperature) in ``replicated`` and every micro-batch gets them whole.
@@ -198,7 +203,7 @@ def pipeline(
     """
     from orgel.flow.options import check_options, refuse
 
-    check_options(ranks, microbatches, optimizer, memory, dp, plan)
+    check_options(ranks, microbatches, optimizer, memory, dp, plan, schedule)
     check_shard_option(shard, dp)
     recompute = check_policy(recompute)
     from orgel.plan.transforms import pipeline_ranks
@@ -249,7 +254,8 @@ def pipeline(
     common: dict[str, Any] = dict(ranks=ranks, tp=tp, microbatches=microbatches,
                                   memory=memory, dp=dp, shard=shard, loss_rule=rule,
                                   optimizer=optimizer, source=source,
-                                  loss_scaling=bool(scaling), recompute=recompute)
+                                  loss_scaling=bool(scaling), recompute=recompute,
+                                  schedule=schedule)
     def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
         if graph.glue is not None:
             refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
@@ -259,7 +265,8 @@ def pipeline(
         prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),
                            check_graph=breaks_allowed, **common)
     else:
-        if kind == "cuda" and plan is None:  # timed on the GPU, by a process of its own
+        # a plan to make is timed on the GPU, by a process of its own
+        if kind == "cuda" and plan is None and schedule is None:
             from orgel.explicit.device_plan import plan_in_child
 
             plan = plan_in_child(lambda: plan_only(workload, **common), device=kind,
@@ -309,7 +316,7 @@ def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: An
     saved_plan = Plan.from_json(ckpt.read_plan_json(directory))
     if ranks is None:  # every process: the saved pipeline ranks of tp processes each
         ranks = int(meta["num_ranks"]) * saved_plan.tp
-        if plan is None:
+        if plan is None and options.get("schedule") is None:
             plan = saved_plan
             options.setdefault("tp", saved_plan.tp)
     options.setdefault("microbatches", saved_plan.microbatches)

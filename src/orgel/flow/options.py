@@ -30,6 +30,7 @@ class Parallelism:
     shard: str = "none"
     memory: int | None = None
     plan: Plan | str | Path | None = None
+    schedule: str | None = None
     recompute: bool | str = False
 
 
@@ -129,7 +130,7 @@ def options(**keywords: Any) -> Options:
 
 
 def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: Any, dp: int,
-                   plan: Any) -> None:
+                   plan: Any, schedule: Any = None) -> None:
     """Raise ValueError for options ``orgel.pipeline`` and ``orgel.backend`` cannot take."""
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks must be a positive int, got {ranks!r}")
@@ -145,6 +146,27 @@ def check_options(ranks: int, microbatches: int | str, optimizer: Any, memory: A
         raise ValueError(f"dp must be a positive int that divides ranks={ranks}, got {dp!r}")
     if plan is not None and not isinstance(plan, (Plan, str, Path)):
         raise ValueError("plan must be a Plan, a path to a plan JSON file, or None to plan")
+    if schedule is not None:
+        check_schedule(schedule, plan, memory, microbatches)
+
+
+def check_schedule(schedule: Any, plan: Any, memory: Any, microbatches: int | str) -> None:
+    """Raise ValueError unless ``schedule`` (a family over a FLOP-balanced chain, no
+    profiling) names a family and can go with the other options."""
+    from orgel.schedule.families import FAMILIES
+
+    if not isinstance(schedule, str) or schedule not in FAMILIES:
+        raise ValueError(f"schedule must be a schedule family, one of "
+                         f"{', '.join(sorted(FAMILIES))}, got {schedule!r}")
+    if plan is not None:
+        raise ValueError("give plan= or schedule=, not both: schedule= makes the plan (a "
+                         "FLOP-balanced chain) that plan= would hand over")
+    if memory is not None:
+        raise ValueError("memory= is a limit for the planner, and schedule= does not plan "
+                         "(it splits by FLOPs): leave out one of them")
+    if microbatches == "auto":
+        raise ValueError("schedule= splits the model as captured for one micro-batch count: "
+                         "give microbatches as an int, not 'auto'")
 
 
 #: What a front end, or a kind of model, cannot take yet: ``(where, option) -> reason``.

@@ -115,7 +115,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             loss_rule: str, optimizer: Any, source: Weights | None = None,
             loss_scaling: bool = False, agree: Agree = here, mark: bool = False,
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
-            planner: str | None = None, recompute: bool | str = False) -> Prepared:
+            planner: str | None = None, recompute: bool | str = False,
+            schedule: str | None = None) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
@@ -127,7 +128,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     it); then the plan must give every stage one rank (a replica's rows need a capture
     of their own). ``planner``: the planner's name (default: its own choice).
     ``recompute``: every stage's recompute policy (:data:`orgel.schedule.ir.RECOMPUTE`;
-    False: the plan's own).
+    False: the plan's own). ``schedule``: a FLOP-balanced chain run by that family
+    instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`).
     """
     from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan, stage_replicas
     from orgel.plan.transforms import with_tp
@@ -143,7 +145,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
 
         def decide() -> tuple[Plan, str, int]:
             the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
-                                    planner=planner, source=source, optimizer=optimizer)
+                                    planner=planner, source=source, optimizer=optimizer,
+                                    schedule=schedule)
             if given is None or mark:  # a given plan's own shard fields rule
                 the_plan = mark_sharded(the_plan, shard)
             if recompute is not False:

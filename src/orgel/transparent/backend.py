@@ -85,11 +85,12 @@ class Backend(RunningPipeline, RankLink):
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
                  max_grad_norm: float | None = None, accumulate: int = 1,
                  batch_dim: int = 0, replicated: tuple[int, ...] = (),
-                 shard: str = "none", tp: int = 1, recompute: bool | str = False) -> None:
+                 shard: str = "none", tp: int = 1, recompute: bool | str = False,
+                 schedule: str | None = None) -> None:
         from orgel.flow.capture import default_optimizer
         from orgel.flow.options import check_options
 
-        check_options(ranks, microbatches, optimizer, memory, dp, plan)
+        check_options(ranks, microbatches, optimizer, memory, dp, plan, schedule)
         self.ranks, self.microbatches = ranks, microbatches
         self.optimizer = optimizer or default_optimizer
         check_loop_options(optimizer=self.optimizer, scheduler=scheduler, lr=lr,
@@ -97,7 +98,7 @@ class Backend(RunningPipeline, RankLink):
         #: the ranks' training-loop options (see orgel.runtime.optimizer)
         self.loop: dict[str, Any] = {"scheduler": scheduler, "lr": lr,
                                      "max_grad_norm": max_grad_norm, "accumulate": accumulate}
-        self.memory, self.dp, self.given_plan = memory, dp, plan
+        self.memory, self.dp, self.given_plan, self.schedule = memory, dp, plan, schedule
         self.shard = shard  # how the dp replicas hold their state ("none" or "fsdp")
         self.tp = tp  # processes per pipeline rank (tensor parallelism); ranks counts all
         self.recompute = recompute  # every stage's (orgel.runtime.checkpointing)
@@ -458,10 +459,9 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     each step's closures: the ranks' micro-batch ``j`` is closures ``j*d`` to ``j*d+d-1``
     side by side, each replica taking one closure's rows, so ``microbatches`` must be a
     multiple of ``d``; ``shard="fsdp"`` shards the replicas' state and ``tp=t`` splits
-    each pipeline rank over ``t`` processes, and ``recompute`` checkpoints as in
-    :func:`orgel.pipeline` (``ranks`` counts every process). ``orgel.pipeline``'s other
-    options (``device``, ``init``, ``weights``, ``compile``, ...) are refused with the reason
-    (:data:`orgel.flow.options.REFUSED`).
+    each pipeline rank over ``t`` processes; ``recompute`` and ``schedule`` as in
+    :func:`orgel.pipeline` (``ranks`` counts every process). Its other options (``device``,
+    ``init``, ``compile``, ...) are refused with the reason (:data:`orgel.flow.options.REFUSED`).
     ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
     closure) that every closure gets whole, such as class weights ``[C]`` whose size
     happens to be the batch size; arguments without the batch dimension (a 0-dim
@@ -469,12 +469,12 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     ``batch_dim``, and all of them must have the same size there (the batch size).
     """
     from orgel.flow.options import options, refuse
+    from orgel.plan.transforms import pipeline_ranks
     from orgel.runtime.checkpointing import check_policy
+    from orgel.runtime.sharding import check_shard_option
 
     options(**others)  # a misspelt name: TypeError with the names that exist
     refuse("backend", {**others, "dp": dp, "precision": precision})
-    from orgel.plan.transforms import pipeline_ranks
-    from orgel.runtime.sharding import check_shard_option
 
     tp, shard = int(others.get("tp", 1)), str(others.get("shard", "none"))
     pipeline_ranks(ranks, tp, dp)  # tp divides ranks, dp the pipeline ranks
@@ -495,6 +495,6 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
                    accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions),
-                   shard=shard, tp=tp,
+                   shard=shard, tp=tp, schedule=others.get("schedule"),
                    recompute=check_policy(others.get("recompute", False)))
 

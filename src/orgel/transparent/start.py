@@ -74,7 +74,7 @@ def start_ranks(backend: Backend) -> Started:
                        tp=backend.tp, microbatches=backend.microbatches // backend.dp,
                        memory=backend.memory, dp=backend.dp, shard=backend.shard,
                        loss_rule="rows", optimizer=backend.optimizer,
-                       recompute=backend.recompute)
+                       recompute=backend.recompute, schedule=backend.schedule)
     plan, split = prepared.plan, prepared.split
     if len(plan.placement[split.loss_stage]) != backend.dp:
         raise ValueError(f"orgel.backend runs dp={backend.dp} replicas of the whole pipeline; "
@@ -162,7 +162,8 @@ def start_glued(backend: Backend, rows: int) -> Any:
     prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks, tp=1,
                        microbatches=backend.microbatches, memory=backend.memory, dp=backend.dp,
                        shard=backend.shard, loss_rule="rows", optimizer=backend.optimizer,
-                       graph=graph, planner="beam", recompute=backend.recompute)
+                       graph=graph, planner="beam", recompute=backend.recompute,
+                       schedule=backend.schedule)
     plan, split = prepared.plan, prepared.split
     keys, aliases = model_aliases(holder)
     return start(workload, plan, split, glue, optimizer=backend.optimizer,
