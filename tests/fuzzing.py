@@ -1,4 +1,4 @@
-"""Differential fuzzing: a drawn training setup through ``orgel.pipeline`` against one process.
+"""Differential fuzzing: a drawn training setup through orgel against one process.
 
 One place for the draw, the two runs and the comparison, used by ``tests/test_fuzz.py``
 (a bounded number of draws under hypothesis, fixed seed) and ``benchmarks/fuzz.py``
@@ -11,12 +11,15 @@ or not: ``shard``), tensor parallelism (``tp``), a schedule family with
 its options (``orgel.plan.balanced.balanced_plan``), the micro-batch count, which
 stages recompute, frozen parameters, precision, optimizer, learning-rate schedule
 (``scheduler=`` or ``lr=``), clipping (``max_grad_norm=``), ``accumulate``, meta
-init (``weights=`` or ``init=``), and step batches of the example's sizes or of more
-rows or shorter sequences; ``draw(auto=True)`` also draws the planner's own plan.
+init (``weights=`` or ``init=``), step batches of the example's sizes or of more
+rows or shorter sequences, and the entry point: ``orgel.pipeline`` or
+``torch.compile(model, backend=orgel.backend(...))`` with a closure
+(``tests/fuzz_backend.py``); ``draw(auto=True)`` also draws the planner's own plan.
 
 :func:`run_orgel` trains it for two optimizer steps through the production path
 (forked gloo ranks, the real split and launcher), evaluates the first batch
-(``pipe.evaluate``), and reads every copy of every parameter, buffer and optimizer
+(``pipe.evaluate``; not through ``orgel.backend``, which evaluates in the caller), and
+reads every copy of every parameter, buffer and optimizer
 state back from each rank's checkpoint shard;
 :func:`run_reference` trains the same with plain torch in one process, micro-batch by
 micro-batch (a loss over a micro-batch, BatchNorm's statistics: the pipeline's
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+import fuzz_backend
 import orgel
 import zoo
 from fuzz_verdict import Result, Verdict, compare
@@ -65,6 +69,8 @@ SEQUENCE: tuple[str, ...] = ("gpt", "tied", "hf_gpt2", "hf_llama")
 TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_bert", "hf_llama")
 #: models with BatchNorm (running statistics; batch statistics)
 BATCHNORM: tuple[str, ...] = ("resnet",)
+#: the front ends a setup trains through (``tests/fuzz_backend.py`` for orgel.backend)
+ENTRIES: tuple[str, ...] = ("pipeline", "backend")
 #: corners not drawn, each for a known open defect (issue 25's item)
 EXCLUDED: dict[str, str] = {
     "graphbreak": "item 11: micro-batches take different branches (GlueError at the step)",
@@ -100,6 +106,7 @@ class Setup:
     meta: str = "none"  # none, weights, init
     shape: str = "same"  # the steps' batches: same as the example, more rows, half the seq
     seed: int = 0
+    entry: str = "pipeline"  # orgel.pipeline, or torch.compile(backend=orgel.backend)
 
     @property
     def batch(self) -> int:
@@ -121,7 +128,11 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
     """A setup drawn with ``pick(name, options)``; valid by construction where it can be
     (interleaved gets a micro-batch count that is a multiple of the pipeline's ranks).
 
-    ``auto``: also draw ``schedule="auto"``, the planner's own plan (it profiles: slow)."""
+    ``auto``: also draw ``schedule="auto"``, the planner's own plan (it profiles: slow).
+    Through ``orgel.backend`` the plan is its ``schedule=``: no meta model, no ``looped``
+    family's options, recompute for every stage or none."""
+    entry = pick("entry", ENTRIES)
+    backend = entry == "backend"
     model = pick("model", models)
     ranks = pick("ranks", (2, 3, 4))
     dps = [d for d in (1, 2, 4) if ranks % d == 0]
@@ -131,14 +142,16 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
     shard = pick("shard", ("none", "fsdp")) if dp > 1 else "none"
     tp = pick("tp", (1, 2)) if model in TENSOR_PARALLEL and (ranks // dp) % 2 == 0 else 1
     pipeline = ranks // (dp * tp)
-    schedule = pick("schedule", FAMILIES + (("auto",) if auto else ()))
+    schedule = pick("schedule", tuple(f for f in FAMILIES if not (backend and f == "looped"))
+                    + (("auto",) if auto else ()))
     if schedule == "interleaved":
         m = pipeline * pick("groups", (1, 2))
     else:
         m = pick("microbatches", (1, 2, 3, 4, 6))
-    per_rank = pick("stages_per_rank", (2, 3)) if schedule in LOOPED else 1
+    per_rank = (2 if backend else pick("stages_per_rank", (2, 3))) if schedule in LOOPED else 1
     loop_mb = prefetch = None
     frozen = pick("frozen", ("none", "module", "every3", "head"))
+    meta = "none" if backend else pick("meta", ("none", "weights", "init"))
     if schedule == "looped":
         loop_mb = pick("loop_microbatches", [d for d in range(1, m + 1) if m % d == 0])
         prefetch = tuple(pick(f"prefetch{r}", (0, 1, 2)) for r in range(pipeline))
@@ -146,7 +159,8 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         model=model, ranks=ranks, dp=dp, schedule=schedule, microbatches=m,
         rows=pick("rows", (1, 2, 3)), stages_per_rank=per_rank, loop_microbatches=loop_mb,
         prefetch=prefetch,
-        recompute=pick("recompute", ("none", "all", "first", "last", "alternate")
+        recompute=pick("recompute", ("none", "all")
+                       + (() if backend else ("first", "last", "alternate"))
                        + (("layer", "selective") if model not in BATCHNORM and tp == 1
                           and shard == "none" else ())),
         frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
@@ -156,9 +170,9 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         schedule_lr=pick("schedule_lr", ("constant", "scheduler", "lr")),
         max_grad_norm=pick("max_grad_norm", (None, 0.01, 1e3)),
         accumulate=pick("accumulate", (1, 2)),
-        meta=pick("meta", ("none", "weights", "init")),
+        meta=meta,
         shape=pick("shape", ("same", "rows", "seq") if model in SEQUENCE else ("same", "rows")),
-        seed=pick("seed", (0, 1, 2)),
+        seed=pick("seed", (0, 1, 2)), entry=entry,
     )
 
 
@@ -325,8 +339,9 @@ def canonical(model: torch.nn.Module) -> dict[str, str]:
 def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
               loss_fn: Any) -> Any:
     """A balanced chain scheduled by the setup's family, with its recompute flags (None:
-    ``schedule="auto"``, orgel.pipeline plans)."""
-    if setup.schedule == "auto":
+    ``schedule="auto"``, orgel.pipeline plans; or orgel.backend, which makes the chain
+    from its own capture: :func:`recompute_policy`)."""
+    if setup.schedule == "auto" or setup.entry == "backend":
         return None
     w = Workload(copy.deepcopy(model), inputs, targets, loss_fn)
     first, _ = microbatches(w, setup.microbatches * setup.dp)[0]
@@ -340,13 +355,21 @@ def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
                          stages_per_rank=setup.stages_per_rank, **options)
     plan = mark_sharded(plan, setup.shard)
     n = plan.num_stages
-    if setup.recompute in ("layer", "selective"):  # torch's selective checkpoint allows one
-        split = any(a.kind == "I" for actions in plan.schedule for a in actions)  # backward
-        return with_recompute(plan, ["layer" if split else setup.recompute] * n)
+    if setup.recompute in ("layer", "selective", "all"):
+        return with_recompute(plan, [recompute_policy(setup)] * n)
     return with_recompute(plan, {"none": [False] * n, "all": [True] * n,
                                  "first": [s == 0 for s in range(n)],
                                  "last": [s == n - 1 for s in range(n)],
                                  "alternate": [s % 2 == 0 for s in range(n)]}[setup.recompute])
+
+
+def recompute_policy(setup: Setup) -> bool | str:
+    """Every stage's policy where the setup recomputes all stages alike ("none" and "all"
+    too); torch's selective checkpoint allows one backward, so with a split one (ZB-H1,
+    DualPipeV) "selective" becomes "layer"."""
+    if setup.recompute == "selective" and setup.schedule in ("zb-h1", "dualpipev"):
+        return "layer"
+    return {"none": False, "all": True}.get(setup.recompute, setup.recompute)
 
 
 def loop_options(setup: Setup) -> dict[str, Any]:
@@ -382,11 +405,17 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
     if plan is None:
         extra.update(dp=setup.dp, shard=setup.shard)
     torch.manual_seed(seed)  # init= seeds each module from torch.initial_seed()
+    optimizer = lambda params: make_optimizer(setup, params.named())  # noqa: E731
     try:
-        pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks, tp=setup.tp,
-                              microbatches=setup.microbatches, plan=plan, threads=1,
-                              optimizer=lambda params: make_optimizer(setup, params.named()),
-                              timeout_s=timeout_s, **loop_options(setup), **extra)
+        if setup.entry == "backend":
+            pipe, step = fuzz_backend.start(setup, w, optimizer, loop_options(setup),
+                                            recompute_policy(setup), timeout_s)
+        else:
+            pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks,
+                                  tp=setup.tp, microbatches=setup.microbatches, plan=plan,
+                                  threads=1, optimizer=optimizer, timeout_s=timeout_s,
+                                  **loop_options(setup), **extra)
+            step = pipe.step
     except (ValueError, MaterializeError) as exc:
         raise Refused(f"{type(exc).__name__}: {exc}") from None
     except WorkerError as exc:  # a meta model's buffer init cannot make: named, as promised
@@ -397,9 +426,13 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
         losses, lrs, norms = [], [], []
         for call, (inputs, targets) in enumerate(w.batches):
             try:
-                losses.append(float(pipe.step(inputs, targets)))
+                losses.append(float(step(inputs, targets)))
             except ShapeError as exc:  # raised in the caller before any rank starts
                 raise Refused(f"ShapeError: {exc}") from None
+            except ValueError as exc:  # orgel.backend checks its options at the first step
+                if call or setup.entry != "backend":
+                    raise
+                raise Refused(f"ValueError: {exc}") from None
             if (call + 1) % setup.accumulate == 0:
                 norms.append(pipe.grad_norm if setup.max_grad_norm is not None else None)
                 lrs.append(list(pipe.lr))
@@ -408,7 +441,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
         except RuntimeError as exc:
             if "evaluation is not available" not in str(exc):
                 raise
-            evaluated = None
+            evaluated = None  # orgel.backend's too: it evaluates in the caller, not pipelined
         state = pipe.state_dict()
         folder = pipe.save(tmp)
         copies, optim = _shards(folder, setup.ranks // setup.tp)  # a shard per pipeline rank

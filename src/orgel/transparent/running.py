@@ -98,6 +98,13 @@ class RunningPipeline:
         if self.pipe is not None:
             self.pipe.close()
 
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """``with pipe:`` closes the ranks at the end, as ``orgel.pipeline``'s does."""
+        self.close()
+
     def _running(self) -> Any:
         if self.pipe is None:
             raise RuntimeError("the pipeline starts on the first pipe.step(closure, ...)")

@@ -64,6 +64,12 @@ def start_ranks(backend: Backend) -> Started:
              else torch.cat([g[n] for g in given], dim)  # type: ignore[index]
              for n in first}
     rows = batch_rows(batch, None, dim, whole)
+    if backend.dp > 1 and rows == len(given):  # one row per closure
+        raise ValueError(
+            f"orgel.backend(dp={backend.dp}) runs {backend.dp} closures' micro-batches side "
+            "by side, and each has one row: Dynamo compiled the model for one row (it fixes "
+            "a size of 1), so the rows side by side cannot run through its graph; give each "
+            "closure two rows or more, or dp=1")
     workload = Workload(backend.model, batch, rows_at(rows, dim), profiling_loss,
                         batch_dim=dim, replicated=whole)
     # with dp replicas, the ranks' micro-batch j is the closures' j*dp ... j*dp+dp-1 side by

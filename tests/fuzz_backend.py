@@ -1,0 +1,47 @@
+"""The fuzzer's second entry point: a drawn setup through ``torch.compile(backend=orgel.backend)``.
+
+:func:`start` builds the backend with the setup's options and plan (the same balanced
+chain :func:`fuzzing.make_plan` hands ``orgel.pipeline``) and returns it with a ``step``
+that trains one batch as a user's loop would: the compiled model called in a closure on
+each micro-batch share, ``(loss / shares).backward()``, ``pipe.step(closure, *batch)``.
+Its loss is the batch's, as ``orgel.pipeline``'s ``step`` returns it, so both entry
+points are judged against the same one-process run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import orgel
+from orgel.workload import named_inputs
+
+
+def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any],
+          recompute: bool | str, timeout_s: float) -> tuple[Any, Callable[[Any, Any], float]]:
+    """The backend for ``setup`` (a :class:`fuzzing.Setup`) and its ``step(inputs, targets)``."""
+    shares = setup.microbatches * setup.dp  # closures per step: dp replicas share them
+    family = {} if setup.schedule == "auto" else {"schedule": setup.schedule}
+    pipe = orgel.backend(ranks=setup.ranks, tp=setup.tp, dp=setup.dp, shard=setup.shard,
+                         microbatches=shares, threads=1, optimizer=optimizer,
+                         timeout_s=timeout_s, recompute=recompute, **family,
+                         **loop)
+    compiled = torch.compile(w.model, backend=pipe)
+    keys = list(named_inputs(w.model, w.inputs))
+    bf16 = setup.precision == "bf16-mixed"
+
+    def closure(*args: Any) -> float:
+        *values, targets = args
+        # bf16-mixed as one process runs it: the forward and the loss under autocast (which
+        # computes cross-entropy in float32); precision= alone leaves the loss to the closure
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = w.loss_fn(compiled(**dict(zip(keys, values, strict=True))), targets)
+        (loss / shares).backward()  # accumulate=k: the backend counts each call 1/k
+        return float(loss.detach()) / shares
+
+    def step(inputs: Any, targets: Any) -> float:
+        return float(sum(pipe.step(closure, *named_inputs(w.model, inputs).values(), targets)))
+
+    return pipe, step
