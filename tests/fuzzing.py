@@ -64,9 +64,10 @@ FAMILIES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "loop
                              "dag-1f1b")
 #: models whose inputs and targets are (batch, sequence): drawn with shorter sequences too
 SEQUENCE: tuple[str, ...] = ("gpt", "tied", "hf_gpt2", "hf_llama")
-#: models with linear layers tensor parallelism splits (``tp`` is drawn for them; not GPT-2,
-#: whose ``Conv1D`` layers are not read as linear layers yet)
-TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_bert", "hf_llama")
+#: models with linear layers tensor parallelism splits (``tp`` is drawn for them; GPT-2's
+#: are ``Conv1D``, ``addmm`` with a ``[in, out]`` weight)
+TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_gpt2", "hf_bert",
+                                    "hf_llama")
 #: models with BatchNorm (running statistics; batch statistics)
 BATCHNORM: tuple[str, ...] = ("resnet",)
 #: the front ends a setup trains through (``tests/fuzz_backend.py`` for orgel.backend)

@@ -216,6 +216,36 @@ def test_llama_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.hf
+def test_gpt2_conv1d_layers_split_and_train_as_one_process() -> None:
+    """Hugging Face GPT-2's ``Conv1D`` is ``addmm(bias, x, weight)`` with the weight stored
+    ``[in, out]``: its columns split along dimension 1, its rows along 0."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                  n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+
+    def loss_fn(out: object, targets: torch.Tensor) -> torch.Tensor:
+        logits = out.logits  # type: ignore[attr-defined]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    batches = _batches(3, 64, 4, 8)
+    losses, ref_losses, state, reference, shards, norms, ref_norms = _train_both(
+        model, {"input_ids": batches[0]}, loss_fn, batches, "input_ids", max_grad_norm=0.5)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-4)
+    _assert_same_state(state, reference)
+    want = {"attn.c_attn.weight": (32, 48), "attn.c_attn.bias": (48,),
+            "attn.c_proj.weight": (16, 32), "mlp.c_fc.weight": (32, 64),
+            "mlp.c_fc.bias": (64,), "mlp.c_proj.weight": (64, 32)}
+    split = {**shards[0], **shards[2]}
+    assert split == {f"transformer.h.{layer}.{name}": shape for layer in range(2)
+                     for name, shape in want.items()}
+
+
+@pytest.mark.slow
 def test_orgel_run_tp_checks_against_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["run", GPT, "--ranks", "4", "--tp", "2", "--microbatches", "2", "--steps",
                  "2", "--check"])

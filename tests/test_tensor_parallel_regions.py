@@ -59,6 +59,30 @@ def test_llama_layers_give_qkv_and_gate_up_regions() -> None:
         assert mlp.allreduce_elements() == 2 * 8 * 32
 
 
+@pytest.mark.hf
+def test_gpt2_conv1d_layers_give_regions_with_their_weights_transposed() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                  n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    graph = capture(model, {"input_ids": torch.randint(0, 64, (2, 8))})
+    regions = tp_regions(graph.graph_module)
+    assert len(regions) == 4
+    for layer in range(2):
+        attn, mlp = regions[2 * layer], regions[2 * layer + 1]
+        p = f"transformer.h.{layer}"
+        assert _names(graph, attn.column_params) == (f"{p}.attn.c_attn.weight",
+                                                     f"{p}.attn.c_attn.bias")
+        assert _names(graph, mlp.row_params) == (f"{p}.mlp.c_proj.weight",
+                                                 f"{p}.mlp.c_proj.bias")
+        for r in (attn, mlp):  # addmm weights are [in, out]: the split dimensions swap
+            assert r.weight_dim(r.column_params[0], column=True) == 1
+            assert r.weight_dim(r.column_params[1], column=True) == 0  # the bias
+            assert r.weight_dim(r.row_weight, column=False) == 0
+        assert mlp.allreduce_elements() == 2 * 8 * 32  # addmm's [rows, out]: the same sum
+
+
 class _Escaping(nn.Module):
     """An MLP whose hidden activation is also returned: no region (it would escape)."""
 

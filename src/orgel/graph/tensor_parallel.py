@@ -4,8 +4,10 @@ A *region* is the Megatron pattern read off the fx graph itself (linear ops and
 what consumes them, never module names):
 
 * one or more *column* linears (``F.linear`` / ``torch._C._nn.linear`` whose
-  weight is a parameter: a placeholder or ``get_attr`` leaf) that all read one
-  common input, e.g. the q, k, v projections, a fused qkv, or an MLP's gate and up;
+  weight is a parameter: a placeholder or ``get_attr`` leaf; or ``torch.addmm(bias, x,
+  weight)`` with a ``[in, out]`` weight, as Hugging Face GPT-2's ``Conv1D`` computes) that
+  all read one common input, e.g. the q, k, v projections, a fused qkv, or an MLP's gate
+  and up;
 * the *inner* nodes computed from their outputs (views, rotary embedding,
   attention, the activation, ``gate * up``);
 * one *row* linear (o_proj, down) that consumes all of it,
@@ -15,8 +17,9 @@ inside the region or by the row linear, the region's weights are read by its
 linears only, and the inner nodes read from outside only values without a gradient
 (rotary tables, masks, sizes) and parameters: not a residual stream, which would
 make a region of one layer's last linear and the next one's first. Sharding the
-columns' weights by output features (``Shard(0)``; bias ``Shard(0)``) and the row's
-by input features (``Shard(1)``; bias replicated) then leaves the row output a
+columns' weights by output features (``Shard(0)``, ``Shard(1)`` for an ``addmm``
+weight; bias ``Shard(0)``) and the row's by input features (``Shard(1)``, ``Shard(0)``
+for ``addmm``; bias replicated) then leaves the row output a
 partial sum over the ``tp`` members: one all-reduce of the row output forward, and
 one of the region input's gradient backward (:mod:`orgel.runtime.tensor_parallel`
 runs it with DTensor).
@@ -39,6 +42,8 @@ import torch.nn.functional as F
 
 #: the call targets that count as a linear layer
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
+#: ``addmm(bias, x, weight)``: a linear layer whose weight is stored ``[in, out]``
+ADDMM_TARGETS = (torch.addmm, torch.ops.aten.addmm.default)
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,15 @@ class Region:
     row_bias: str | None
     row_shape: tuple[int, ...] | None = None
     row_dtype: str | None = None
+    #: the weights (leaf names) stored ``[in, out]`` (``addmm``): their dims swap
+    transposed: tuple[str, ...] = ()
+
+    def weight_dim(self, leaf: str, column: bool) -> int:
+        """The dimension ``leaf`` is split along: output features for a column's weight and
+        bias, input features for the row's weight."""
+        if leaf not in self.transposed:
+            return 0 if column else 1
+        return 1 if column else 0
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -87,12 +101,24 @@ class Region:
 
 def is_linear(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a linear op whose weight (and bias) are graph leaves (parameters)."""
-    if node.op != "call_function" or node.target not in LINEAR_TARGETS:
+    if node.op != "call_function":
+        return False
+    if node.target in ADDMM_TARGETS:  # addmm(bias, x, weight), beta = alpha = 1
+        return (len(node.args) == 3 and not node.kwargs and _leaf(node.args[0])
+                and _leaf(node.args[2]))
+    if node.target not in LINEAR_TARGETS:
         return False
     weight = _arg(node, 1, "weight")
     bias = _arg(node, 2, "bias")
     return _leaf(weight) and (bias is None or _leaf(bias)) and not node.kwargs.keys() - {
         "input", "weight", "bias"}
+
+
+def linear_parts(node: torch.fx.Node) -> tuple[object, object, object]:
+    """A linear node's ``(input, weight, bias)`` arguments (bias None where it has none)."""
+    if node.target in ADDMM_TARGETS:
+        return node.args[1], node.args[2], node.args[0]
+    return _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
 
 
 def tp_regions(gm: torch.fx.GraphModule,
@@ -111,8 +137,9 @@ def tp_regions(gm: torch.fx.GraphModule,
     order = {n: i for i, n in enumerate(nodes)}
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for n in nodes:
-        if is_linear(n) and isinstance(n.args[0], torch.fx.Node):
-            groups.setdefault(n.args[0], []).append(n)
+        source = linear_parts(n)[0] if is_linear(n) else None
+        if isinstance(source, torch.fx.Node):
+            groups.setdefault(source, []).append(n)
     regions: list[Region] = []
     used: set[torch.fx.Node] = set()
     for source, columns in sorted(groups.items(), key=lambda kv: order[kv[0]]):
@@ -143,7 +170,8 @@ def _region(source: torch.fx.Node, columns: list[torch.fx.Node],
     for row in rows:
         inner = _between(columns, row, reached)
         inside = set(columns) | inner
-        if not isinstance(row.args[0], torch.fx.Node) or row.args[0] not in inside:
+        row_input = linear_parts(row)[0]
+        if not isinstance(row_input, torch.fx.Node) or row_input not in inside:
             continue
         if not all(_reaches(c, inside | {row}) for c in columns):
             continue
@@ -202,7 +230,7 @@ def _leaf_param(node: torch.fx.Node) -> bool:
 def _weights_escape(linears: list[torch.fx.Node], inside: set[torch.fx.Node]) -> bool:
     """Whether a region weight or bias is read outside the region (a tied parameter)."""
     for lin in linears:
-        for leaf in (_arg(lin, 1, "weight"), _arg(lin, 2, "bias")):
+        for leaf in linear_parts(lin)[1:]:
             if isinstance(leaf, torch.fx.Node) and any(u not in inside for u in leaf.users):
                 return True
     return False
@@ -213,18 +241,21 @@ def _describe(source: torch.fx.Node, columns: list[torch.fx.Node], region: list[
     row = region[-1]
     cols = region[:len(columns)]
     params: list[str] = []
+    transposed: list[str] = []
+    for lin in cols + [row]:
+        if lin.target in ADDMM_TARGETS:
+            transposed.append(linear_parts(lin)[1].name)  # type: ignore[union-attr]
     for c in cols:
-        params.extend(leaf.name for leaf in (_arg(c, 1, "weight"), _arg(c, 2, "bias"))
+        params.extend(leaf.name for leaf in linear_parts(c)[1:]
                       if isinstance(leaf, torch.fx.Node))
-    bias = _arg(row, 2, "bias")
-    weight = _arg(row, 1, "weight")
+    _, weight, bias = linear_parts(row)
     assert isinstance(weight, torch.fx.Node)
     shape, dtype = _meta(row)
     return Region(input=source.name, columns=tuple(c.name for c in cols),
                   inner=tuple(n.name for n in region[len(columns):-1]), row=row.name,
                   column_params=tuple(params), row_weight=weight.name,
                   row_bias=bias.name if isinstance(bias, torch.fx.Node) else None,
-                  row_shape=shape, row_dtype=dtype)
+                  row_shape=shape, row_dtype=dtype, transposed=tuple(transposed))
 
 
 def _meta(node: torch.fx.Node) -> tuple[tuple[int, ...] | None, str | None]:

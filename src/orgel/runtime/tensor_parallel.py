@@ -22,7 +22,9 @@ no ``nn.Linear`` submodules for ``torch.distributed.tensor.parallel``'s
 level what they do:
 
 * the column linears' weights (and biases) become ``Shard(0)`` DTensor parameters,
-  the row linear's weight ``Shard(1)``, its bias ``Replicate()``, over a
+  the row linear's weight ``Shard(1)``, its bias ``Replicate()`` (an ``addmm`` weight,
+  stored ``[in, out]``, along the other dimension:
+  :meth:`~orgel.graph.tensor_parallel.Region.weight_dim`), over a
   :class:`~torch.distributed.device_mesh.DeviceMesh` of the pipeline rank's ``tp``
   processes (:func:`meshes`);
 * the region's input enters as a ``Replicate()`` DTensor (``DTensor.from_local``: its
@@ -180,8 +182,10 @@ def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
                               for n in leaves):
             continue
         for name in region.column_params:
-            _distribute(module, str(nodes[name].target), mesh, Shard(0))
-        _distribute(module, str(nodes[region.row_weight].target), mesh, Shard(1))
+            _distribute(module, str(nodes[name].target), mesh,
+                        Shard(region.weight_dim(name, column=True)))
+        _distribute(module, str(nodes[region.row_weight].target), mesh,
+                    Shard(region.weight_dim(region.row_weight, column=False)))
         if region.row_bias:
             _distribute(module, str(nodes[region.row_bias].target), mesh, Replicate())
         source = nodes[region.input]
