@@ -243,17 +243,18 @@ def _describe(source: torch.fx.Node, columns: list[torch.fx.Node], region: list[
     params: list[str] = []
     transposed: list[str] = []
     for lin in cols + [row]:
-        if lin.target in ADDMM_TARGETS:
-            transposed.append(linear_parts(lin)[1].name)  # type: ignore[union-attr]
+        weight = linear_parts(lin)[1]
+        if lin.target in ADDMM_TARGETS and isinstance(weight, torch.fx.Node):
+            transposed.append(weight.name)
     for c in cols:
         params.extend(leaf.name for leaf in linear_parts(c)[1:]
                       if isinstance(leaf, torch.fx.Node))
-    _, weight, bias = linear_parts(row)
-    assert isinstance(weight, torch.fx.Node)
+    _, row_weight, bias = linear_parts(row)
+    assert isinstance(row_weight, torch.fx.Node)
     shape, dtype = _meta(row)
     return Region(input=source.name, columns=tuple(c.name for c in cols),
                   inner=tuple(n.name for n in region[len(columns):-1]), row=row.name,
-                  column_params=tuple(params), row_weight=weight.name,
+                  column_params=tuple(params), row_weight=row_weight.name,
                   row_bias=bias.name if isinstance(bias, torch.fx.Node) else None,
                   row_shape=shape, row_dtype=dtype, transposed=tuple(transposed))
 
