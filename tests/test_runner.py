@@ -52,6 +52,13 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
+def _backend(**options: Any) -> ob.Backend:
+    """orgel.backend on 2 ranks, M closures per step, SGD; a FLOP-balanced 1F1B chain (no
+    profiling: these tests are about the closures, not the plan)."""
+    return ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, schedule="1f1b",
+                      **options)
+
+
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return (torch.randint(0, 128, (8, 16), generator=g), torch.randn(8, 3, 16, 16, generator=g),
@@ -75,7 +82,7 @@ def test_frozen_text_tower_in_the_closure_matches_single_process() -> None:
     text_tower, head, _ = _clip()
     ref_head = copy.deepcopy(head)
     ref_opt = _sgd(list(ref_head.parameters()))
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+    pipe = _backend()
     compiled = torch.compile(head, backend=pipe)
     printed: list[str] = []
     closure = _make_closure(text_tower, compiled, printed)
@@ -111,7 +118,7 @@ def test_frozen_text_tower_in_the_closure_matches_single_process() -> None:
 
 def test_closure_errors_and_misuse_are_reported() -> None:
     text_tower, head, _ = _clip()
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+    pipe = _backend()
     compiled = torch.compile(head, backend=pipe)
     try:
         with pytest.raises(RuntimeError, match="without calling the compiled model"):
@@ -136,7 +143,7 @@ def test_a_closure_that_hangs_is_reported_within_the_timeout() -> None:
     compiled model (here micro-batch 1, on the first step) ends the step after the
     timeout with an error naming it."""
     text_tower, head, _ = _clip()
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=3)
+    pipe = _backend(timeout_s=3)
     compiled = torch.compile(head, backend=pipe)
     release, left = threading.Event(), threading.Event()
 
@@ -183,7 +190,7 @@ def test_graph_model_keeps_original_parameter_names() -> None:
 
 def test_preprocessing_of_later_microbatches_overlaps_the_pipeline() -> None:
     text_tower, head, _ = _clip()
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+    pipe = _backend()
     compiled = torch.compile(head, backend=pipe)
     first_out = threading.Event()
     waited: list[bool] = []
@@ -217,7 +224,7 @@ def test_checkpoint_resumes_a_new_runner_bit_identically(tmp_path: Path) -> None
             load: Path | None = None) -> dict[str, torch.Tensor]:
         torch._dynamo.reset()
         text_tower, head, _ = _clip()
-        pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+        pipe = _backend()
         if load is not None:
             assert pipe.load(load) is None  # applied when the ranks start
         compiled = torch.compile(head, backend=pipe)
@@ -267,7 +274,7 @@ def _train_both(closure_for: Any, model: nn.Module, batches: list[tuple[torch.Te
     ref_opt = _sgd([*ref.parameters(), *(ref_extra.parameters() if ref_extra else [])])
     extra_opt = _sgd(list(extra.parameters())) if extra is not None else None
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    pipe = _backend(timeout_s=60)
     compiled = torch.compile(model, backend=pipe)
     got, want = [], []
     try:
@@ -389,7 +396,7 @@ def test_parameters_only_the_python_between_graphs_uses_are_trained_too() -> Non
     torch.manual_seed(4)
     model = EagerNorm()
     ref = copy.deepcopy(model)
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    pipe = _backend(timeout_s=60)
     compiled = torch.compile(model, backend=pipe)
 
     def closure_for(net: Any) -> Any:
@@ -429,7 +436,7 @@ class NormTwice(EagerNorm):
 def test_a_parameter_both_a_graph_and_the_python_between_use_is_named() -> None:
     """Its gradient from the Python between graphs reaches no rank: a warning names it."""
     torch.manual_seed(4)
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    pipe = _backend(timeout_s=60)
     compiled = torch.compile(NormTwice(), backend=pipe)
 
     def closure(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -462,7 +469,7 @@ def test_an_autocast_the_closure_opens_around_the_model_is_honoured() -> None:
     _, _, got, want = _train_both(closure_for_both(closure_for), model, _break_batches())
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.stack(g), torch.stack(w), rtol=1e-5, atol=1e-6)
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    pipe = _backend(timeout_s=60)
     compiled = torch.compile(BreakBN(), backend=pipe)
 
     def with_breaks(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -483,7 +490,7 @@ def test_precision_bf16_mixed_runs_the_compiled_model_under_autocast() -> None:
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
     ref = copy.deepcopy(model)
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60,
+    pipe = _backend(timeout_s=60,
                       precision="bf16-mixed")
     compiled = torch.compile(model, backend=pipe)
     x, y = _break_batches()[0]
@@ -529,7 +536,7 @@ def test_a_compiled_function_with_graph_breaks_whose_names_clash_is_refused() ->
     def forward(x: torch.Tensor) -> torch.Tensor:
         return part(second, part(first, x))
 
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    pipe = _backend(timeout_s=60)
     compiled = torch.compile(forward, backend=pipe)
 
     def closure(x: torch.Tensor) -> None:
@@ -549,7 +556,7 @@ def closure_for_both(make: Any) -> Any:
 
 def test_a_closure_that_takes_another_branch_is_a_clear_error() -> None:
     torch.manual_seed(3)
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60)
+    pipe = _backend(timeout_s=60)
     compiled = torch.compile(BreakBN(), backend=pipe)
 
     def closure(x: torch.Tensor) -> None:
@@ -625,7 +632,7 @@ def test_replicated_arguments_reach_every_closure_whole() -> None:
 
     with pytest.raises(ValueError, match=r"replicated must be a list of step's argument"):
         ob.backend(replicated="w")  # type: ignore[arg-type]
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60,
+    pipe = _backend(timeout_s=60,
                       replicated=[2])
     with pytest.raises(ValueError, match=r"positions \[2\] but step got 2"):
         pipe.step(closure_for(model), x, y)  # refused before any closure runs
@@ -645,7 +652,7 @@ def test_replicated_arguments_reach_every_closure_whole() -> None:
     assert all(torch.equal(w, weights) for w in seen)
     for name, t in ref.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
-    other = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1)
+    other = _backend()
     with pytest.raises(ValueError, match=r"argument 2\[dim 0\].*replicated=\[i"):
         other.step(closure_for(model), x, y, weights[:3])  # 3 rows beside 4: named, refused
 
@@ -676,7 +683,7 @@ def test_a_replicated_argument_the_closure_passes_to_the_model_goes_whole() -> N
 
         return closure
 
-    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60,
+    pipe = _backend(timeout_s=60,
                       replicated=[2])
     compiled = torch.compile(model, backend=pipe)
     try:

@@ -26,6 +26,7 @@ class RunningPipeline:
 
     pipe: Any = None  # an orgel.worker.pipe.Pipeline once the ranks run
     given_plan: Plan | str | Path | None = None
+    schedule: str | None = None  # a family over a FLOP-balanced chain instead of a plan
     ranks: int
     microbatches: int  # closures per step (dp replicas share them)
     dp: int
@@ -77,7 +78,8 @@ class RunningPipeline:
 
             meta = ckpt.read_meta(directory)  # fail now on a missing or foreign checkpoint
             saved = Plan.from_json(ckpt.read_plan_json(directory))
-            if (self.given_plan is None and int(meta["num_ranks"]) == self.ranks
+            if (self.given_plan is None and self.schedule is None
+                    and int(meta["num_ranks"]) == self.ranks
                     and saved.microbatches * self.dp == self.microbatches):
                 self.given_plan = saved  # same layout: resume exactly where it stopped
             self._pending_load = directory
