@@ -187,6 +187,12 @@ def test_tp_evaluates_and_keeps_outputs_as_one_process() -> None:
     torch.testing.assert_close(ev_out, ref_ev, rtol=1e-4, atol=1e-5)
 
 
+def _lm_loss(out: object, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on a Hugging Face causal LM's ``logits``."""
+    logits = out.logits  # type: ignore[attr-defined]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 @pytest.mark.slow
 @pytest.mark.hf
 def test_llama_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
@@ -197,13 +203,9 @@ def test_llama_on_two_stages_of_two_way_tp_trains_as_one_process() -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
 
-    def loss_fn(out: object, targets: torch.Tensor) -> torch.Tensor:
-        logits = out.logits  # type: ignore[attr-defined]
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
     batches = _batches(3, 64, 4, 8)
     losses, ref_losses, state, reference, shards, _, _ = _train_both(
-        model, {"input_ids": batches[0]}, loss_fn, batches, "input_ids")
+        model, {"input_ids": batches[0]}, _lm_loss, batches, "input_ids")
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _assert_same_state(state, reference)
     assert shards[0] and shards[0] == shards[1] and shards[2] == shards[3]
@@ -227,13 +229,9 @@ def test_gpt2_conv1d_layers_split_and_train_as_one_process() -> None:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
 
-    def loss_fn(out: object, targets: torch.Tensor) -> torch.Tensor:
-        logits = out.logits  # type: ignore[attr-defined]
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
     batches = _batches(3, 64, 4, 8)
     losses, ref_losses, state, reference, shards, norms, ref_norms = _train_both(
-        model, {"input_ids": batches[0]}, loss_fn, batches, "input_ids", max_grad_norm=0.5)
+        model, {"input_ids": batches[0]}, _lm_loss, batches, "input_ids", max_grad_norm=0.5)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert norms == pytest.approx(ref_norms, rel=1e-4)
     _assert_same_state(state, reference)
