@@ -1,9 +1,10 @@
-"""Differential fuzzing at length: many drawn setups through orgel.pipeline against one process.
+"""Differential fuzzing at length: many drawn setups through orgel against one process.
 
 Each draw (``tests/fuzzing.py``: a zoo model, 2-4 ranks, dp, schedule family,
 micro-batches, recompute, frozen parameters, precision, optimizer, learning-rate
-schedule, clipping, accumulation, meta init) is trained for two optimizer steps on
-forked gloo ranks and in one process; every parameter, buffer and optimizer state
+schedule, clipping, accumulation, meta init, the entry point: ``orgel.pipeline`` or
+``orgel.backend`` with a closure) is trained for two optimizer steps on forked gloo
+ranks and in one process; every parameter, buffer and optimizer state
 copy is compared. Prints each setup, its verdict (the largest abs/rel difference per
 kind of value; what differed), and a summary. CI runs a few fixed draws of the same
 code (``tests/test_fuzz.py``).
