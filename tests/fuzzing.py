@@ -34,8 +34,8 @@ from __future__ import annotations
 import copy
 import math
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,17 @@ import torch
 import fuzz_backend
 import orgel
 import zoo
+from fuzz_loop import (
+    _pieces,
+    _to,
+    freeze,
+    fuzz_init,
+    init_as_documented,
+    make_optimizer,
+    rate,
+    warmup,
+    workloads,
+)
 from fuzz_verdict import Result, Verdict, compare
 from orgel.graph import capture
 from orgel.graph.sizes import ShapeError
@@ -52,7 +63,7 @@ from orgel.plan.balanced import LOOPED, balanced_plan
 from orgel.plan.transforms import mark_sharded, with_recompute
 from orgel.runtime import checkpoint as ckpt
 from orgel.schedule.ir import PlanError
-from orgel.split.materialize import MaterializeError, module_seed
+from orgel.split.materialize import MaterializeError
 from orgel.workload import Workload, microbatches
 
 Pick = Callable[[str, Sequence[Any]], Any]
@@ -78,7 +89,6 @@ EXCLUDED: dict[str, str] = {
     "batchnorm dp>1": "item 7: BatchNorm under dp>1 (which rows a replica's statistics see; "
                       "the running statistics reported are rank 0's)",
 }
-STEPS = 2  # optimizer steps per run
 
 
 @dataclass(frozen=True)
@@ -175,148 +185,6 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setu
         shape=pick("shape", ("same", "rows", "seq") if model in SEQUENCE else ("same", "rows")),
         seed=pick("seed", (0, 1, 2)), entry=entry,
     )
-
-
-# -- the training loop, written once for both sides -------------------------------------------
-
-
-def make_optimizer(setup: Setup, named: Iterable[tuple[str, torch.nn.Parameter]]
-                   ) -> torch.optim.Optimizer:
-    """SGD, momentum SGD or AdamW with weight decay; two groups by name (no decay on
-    one-dimensional parameters) so groups reach the ranks by name too."""
-    matrices, vectors = [], []
-    for _, p in named:
-        (matrices if p.dim() >= 2 else vectors).append(p)
-    if setup.optimizer == "adamw":
-        return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
-                                  {"params": vectors, "weight_decay": 0.0}], lr=1e-2, eps=1e-6)
-    momentum = 0.9 if setup.optimizer == "momentum" else 0.0
-    return torch.optim.SGD([{"params": matrices}, {"params": vectors}], lr=0.05,
-                           momentum=momentum)
-
-
-def warmup(step: int) -> float:
-    """The LambdaLR factor (``scheduler``) and the rate's shape (``lr``): a warm-up."""
-    return (step + 1) / 3
-
-
-def rate(step: int) -> float:
-    """``lr=``: the rate of every group for optimizer step ``step``."""
-    return 0.02 * warmup(step)
-
-
-def fuzz_init(module: torch.nn.Module) -> None:
-    """``init=`` for a meta model: matrices N(0, 0.02); a module without
-    ``reset_parameters`` gets N(0, 0.02) on its vectors too."""
-    for p in module._parameters.values():
-        if p is not None and (p.dim() >= 2 or not hasattr(module, "reset_parameters")):
-            torch.nn.init.normal_(p, std=0.02)
-
-
-def _apply_order(module: torch.nn.Module, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    for name, child in module.named_children():
-        yield from _apply_order(child, f"{prefix}{name}.")
-    yield prefix.rstrip("."), module
-
-
-def init_as_documented(model: torch.nn.Module, seed: int) -> None:
-    """Give ``model`` the values ``orgel.pipeline(init=fuzz_init)`` documents for a meta
-    model: each module holding tensors reset, then ``init``, under ``module_seed``."""
-    with torch.no_grad():
-        for name, module in _apply_order(model):
-            if not (module._parameters or module._buffers):
-                continue
-            torch.manual_seed(module_seed(seed, name))
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
-            fuzz_init(module)
-
-
-def freeze(setup: Setup, model: torch.nn.Module) -> list[str]:
-    """Set ``requires_grad=False`` on the setup's frozen parameters; their names."""
-    names = [n for n, _ in model.named_parameters()]
-    if setup.frozen == "module":  # every parameter of one module the forward uses
-        owners = sorted({n.rsplit(".", 1)[0] for n in names if "." in n})
-        owner = owners[setup.frozen_module % len(owners)]
-        chosen = [n for n in names if n.rsplit(".", 1)[0] == owner]
-    elif setup.frozen == "every3":
-        chosen = names[setup.seed % 3::3]
-    elif setup.frozen == "head":  # fine-tuning: only the last module's parameters train
-        last = names[-1].rsplit(".", 1)[0]
-        chosen = [n for n in names if n.rsplit(".", 1)[0] != last]
-    else:
-        chosen = []
-    params = dict(model.named_parameters())
-    for n in chosen:
-        params[n].requires_grad_(False)
-    return chosen
-
-
-@dataclass
-class Workloads:
-    """The setup's model (with values), its batches and loss; a meta twin when drawn."""
-
-    model: torch.nn.Module
-    inputs: Any
-    targets: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    batches: list[tuple[Any, Any]] = field(default_factory=list)
-
-
-def workloads(setup: Setup) -> Workloads:
-    """The model with values, its example batch, and one batch per step call (rows
-    shuffled per call; with ``shape="rows"`` one more row per share than the example,
-    with ``"seq"`` the first half of each sequence)."""
-    w = zoo.workload(setup.model, batch_size=setup.batch, seed=setup.seed)
-    freeze(setup, w.model)
-    out = Workloads(w.model, w.inputs, w.targets, w.loss_fn)
-    inputs, targets, rows = w.inputs, w.targets, setup.batch
-    if setup.shape == "rows":
-        rows = (setup.rows + 1) * setup.microbatches * setup.dp
-        other = zoo.workload(setup.model, batch_size=rows, seed=setup.seed + 10)
-        inputs, targets = other.inputs, other.targets
-    elif setup.shape == "seq":
-        inputs, targets = _half_sequence(inputs), _half_sequence(targets)
-    for call in range(STEPS * setup.accumulate):
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(call))
-        out.batches.append((_rows(inputs, order), _rows(targets, order)))
-    return out
-
-
-def _half_sequence(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value[:, : value.shape[1] // 2].contiguous()
-    if isinstance(value, dict):
-        return {k: _half_sequence(v) for k, v in value.items()}
-    return tuple(_half_sequence(v) for v in value)
-
-
-def _rows(value: Any, order: torch.Tensor) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value[order]
-    if isinstance(value, dict):
-        return {k: _rows(v, order) for k, v in value.items()}
-    return tuple(_rows(v, order) for v in value)
-
-
-def _pieces(value: Any, n: int) -> list[Any]:
-    """``value`` cut into ``n`` equal contiguous parts along dim 0 (dicts, tuples alike)."""
-    if isinstance(value, torch.Tensor):
-        return list(value.chunk(n))
-    if isinstance(value, dict):
-        parts = {k: _pieces(v, n) for k, v in value.items()}
-        return [{k: parts[k][i] for k in parts} for i in range(n)]
-    parts_t = [_pieces(v, n) for v in value]
-    return [tuple(p[i] for p in parts_t) for i in range(n)]
-
-
-def _to(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _to(v, dtype) for k, v in value.items()}
-    return tuple(_to(v, dtype) for v in value)
 
 
 # -- the two runs -----------------------------------------------------------------------------
