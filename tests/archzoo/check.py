@@ -163,7 +163,8 @@ def compare(name: str, got: dict[str, torch.Tensor], loss: float, reference: tor
 
 
 def backend_check(name: str, build: Any, *, ranks: int = 2, m: int = 2) -> Outcome:
-    """:func:`orgel_check` through ``torch.compile(model, backend=orgel.backend(...))``.
+    """:func:`orgel_check` through ``torch.compile(model, backend=orgel.backend(...))``, on a
+    FLOP-balanced 1F1B chain (``schedule=``: no profiling).
 
     The closure calls the compiled model with the micro-batch's inputs by name,
     divides the loss by ``m`` and runs its backward, as a user's would. Dynamo
@@ -179,7 +180,7 @@ def backend_check(name: str, build: Any, *, ranks: int = 2, m: int = 2) -> Outco
         named = named_inputs(w.model, w.inputs)
         keys = list(named)
         before = snapshot(w.model)
-        pipe = orgel.backend(ranks=ranks, microbatches=m, timeout_s=120.0,
+        pipe = orgel.backend(ranks=ranks, microbatches=m, timeout_s=120.0, schedule="1f1b",
                              optimizer=lambda p: torch.optim.SGD(p, lr=LR))
         compiled = torch.compile(w.model, backend=pipe, dynamic=False)
 
