@@ -266,7 +266,7 @@ def test_backend_schedule_clipping_and_accumulation_match_one_process() -> None:
     ref_opt = _adamw_over(ref_model.named_parameters())
     ref_sched = _schedule(ref_opt)
     pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_adamw, scheduler=_schedule,
-                         max_grad_norm=MAX_NORM, accumulate=K, threads=1)
+                         max_grad_norm=MAX_NORM, accumulate=K, threads=1, schedule="1f1b")
     compiled = torch.compile(w.model, backend=pipe, dynamic=False)
 
     def closure_for(model: Any, divisor: int) -> Any:
