@@ -1,7 +1,8 @@
 """The fuzzer's second entry point: a drawn setup through ``torch.compile(backend=orgel.backend)``.
 
-:func:`start` builds the backend with the setup's options and plan (the same balanced
-chain :func:`fuzzing.make_plan` hands ``orgel.pipeline``) and returns it with a ``step``
+:func:`start` builds the backend with the setup's options, its family as ``schedule=`` (a
+balanced chain of the backend's own capture, as :func:`fuzzing.make_plan` makes for
+``orgel.pipeline``) and one recompute policy for every stage, and returns it with a ``step``
 that trains one batch as a user's loop would: the compiled model called in a closure on
 each micro-batch share, ``(loss / shares).backward()``, ``pipe.step(closure, *batch)``.
 Its loss is the batch's, as ``orgel.pipeline``'s ``step`` returns it, so both entry

@@ -211,8 +211,8 @@ def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
                    **family: Any) -> Outcome:
     """:func:`orgel_check` with a FLOP-balanced chain as the plan (no profiling, quick).
 
-    ``orgel.pipeline(..., schedule=)`` makes it from its own capture. A family option
-    ``orgel.pipeline`` does not take (``stages_per_rank`` other than 2) goes to
+    ``orgel.pipeline(..., schedule=)`` makes it from its own capture. Family options
+    ``orgel.pipeline`` does not take (``stages_per_rank`` other than 2, any other) go to
     :func:`orgel.plan.balanced.balanced_plan` on a capture of a copy of the model, and the
     plan is handed over.
     """
@@ -224,7 +224,7 @@ def balanced_check(name: str, build: Any, *, ranks: int = 2, m: int = 2,
         options["precision"] = precision
     if dp != 1:
         options["dp"] = dp
-    if family.get("stages_per_rank", 2) == 2:
+    if family.keys() <= {"stages_per_rank"} and family.get("stages_per_rank", 2) == 2:
         return orgel_check(name, build, ranks=ranks, m=m, tolerance=tolerance,
                            schedule=schedule, **options)
 
