@@ -191,18 +191,21 @@ def test_a_model_already_in_bfloat16_trains_as_it_is() -> None:
 def test_orgel_plan_profiles_and_plans_in_the_chosen_precision(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The same workload planned in float32 and bf16-mixed: autocast's bfloat16 activations
-    make the activations the plan keeps per micro-batch smaller. The two plans may split
-    differently (bfloat16 matmuls time differently on a CPU), so the test sums the stages'
-    activations, which is the whole model's whatever the split."""
+    make the activations the plan keeps per micro-batch smaller. The split is by layers, so
+    timing noise does not move it, and the test sums the stages' activations. Micro-batches
+    are large (2 per step): under autocast each one also keeps its bfloat16 copies of the
+    weights, which on this small model hide the saving at 4 micro-batches (ratio 0.89-0.98
+    measured, against 0.72 at 2)."""
     import json
 
     from orgel.cli import main
 
     kept = {}
     for precision in ("32", "bf16-mixed"):
-        code = main(["plan", "examples/gpt.py:workload", "--ranks", "2", "--microbatches", "4",
-                     "--no-link", "--json", "--precision", precision])
+        code = main(["plan", "examples/gpt.py:workload", "--ranks", "2", "--microbatches", "2",
+                     "--planner", "uniform-layers", "--no-link", "--json",
+                     "--precision", precision])
         assert code == 0
         stages = json.loads(capsys.readouterr().out)["stages"]
         kept[precision] = sum(stage["activations"] for stage in stages)
-    assert kept["bf16-mixed"] < 0.95 * kept["32"], kept
+    assert kept["bf16-mixed"] < 0.85 * kept["32"], kept
