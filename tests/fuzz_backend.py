@@ -25,12 +25,14 @@ def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any
     """The backend for ``setup`` (a :class:`fuzzing.Setup`) and its ``step(inputs, targets)``."""
     shares = setup.microbatches * setup.dp  # closures per step: dp replicas share them
     family = {} if setup.schedule == "auto" else {"schedule": setup.schedule}
+    keys = list(named_inputs(w.model, w.inputs))
+    whole = [keys.index(name) for name in w.replicated]  # step's arguments taken whole
     pipe = orgel.backend(ranks=setup.ranks, tp=setup.tp, dp=setup.dp, shard=setup.shard,
+                         batch_dim=w.batch_dim, replicated=whole,
                          microbatches=shares, threads=1, optimizer=optimizer,
                          timeout_s=timeout_s, recompute=recompute, **family,
                          **loop)
     compiled = torch.compile(w.model, backend=pipe)
-    keys = list(named_inputs(w.model, w.inputs))
     bf16 = setup.precision == "bf16-mixed"
 
     def closure(*args: Any) -> float:

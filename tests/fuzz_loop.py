@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import fuzz_models
 import zoo
+from orgel.models import ZooWorkload
 from orgel.split.materialize import module_seed
 
 if TYPE_CHECKING:  # fuzzing imports this module
@@ -97,32 +99,43 @@ def freeze(setup: Setup, model: torch.nn.Module) -> list[str]:
 
 @dataclass
 class Workloads:
-    """The setup's model (with values), its batches and loss; a meta twin when drawn."""
+    """The setup's model (with values), its batches and loss, and how its batch is cut:
+    ``batch_dim`` (inputs and targets alike) and the inputs every share takes whole."""
 
     model: torch.nn.Module
     inputs: Any
     targets: Any
     loss_fn: Callable[[Any, Any], torch.Tensor]
+    batch_dim: int = 0
+    replicated: tuple[str, ...] = ()
     batches: list[tuple[Any, Any]] = field(default_factory=list)
+
+
+def build(model: str, *, batch_size: int, seed: int) -> ZooWorkload:
+    """The named model of the zoo (``tests/zoo.py``) or of ``tests/fuzz_models.py``."""
+    maker = fuzz_models.workload if model in fuzz_models.NAMES else zoo.workload
+    return maker(model, batch_size=batch_size, seed=seed)
 
 
 def workloads(setup: Setup) -> Workloads:
     """The model with values, its example batch, and one batch per step call (rows
     shuffled per call; with ``shape="rows"`` one more row per share than the example,
     with ``"seq"`` the first half of each sequence)."""
-    w = zoo.workload(setup.model, batch_size=setup.batch, seed=setup.seed)
+    w = build(setup.model, batch_size=setup.batch, seed=setup.seed)
     freeze(setup, w.model)
-    out = Workloads(w.model, w.inputs, w.targets, w.loss_fn)
+    dim = fuzz_models.BATCH_DIM.get(setup.model, 0)
+    whole = fuzz_models.REPLICATED.get(setup.model, ())
+    out = Workloads(w.model, w.inputs, w.targets, w.loss_fn, dim, whole)
     inputs, targets, rows = w.inputs, w.targets, setup.batch
     if setup.shape == "rows":
         rows = (setup.rows + 1) * setup.microbatches * setup.dp
-        other = zoo.workload(setup.model, batch_size=rows, seed=setup.seed + 10)
+        other = build(setup.model, batch_size=rows, seed=setup.seed + 10)
         inputs, targets = other.inputs, other.targets
     elif setup.shape == "seq":
         inputs, targets = _half_sequence(inputs), _half_sequence(targets)
     for call in range(STEPS * setup.accumulate):
         order = torch.randperm(rows, generator=torch.Generator().manual_seed(call))
-        out.batches.append((_rows(inputs, order), _rows(targets, order)))
+        out.batches.append((_rows(inputs, order, dim, whole), _rows(targets, order, dim)))
     return out
 
 
@@ -134,22 +147,25 @@ def _half_sequence(value: Any) -> Any:
     return tuple(_half_sequence(v) for v in value)
 
 
-def _rows(value: Any, order: torch.Tensor) -> Any:
+def _rows(value: Any, order: torch.Tensor, dim: int = 0, whole: tuple[str, ...] = ()) -> Any:
+    """``value``'s rows (along ``dim``) in ``order``; a dict's inputs named in ``whole`` as
+    they are."""
     if isinstance(value, torch.Tensor):
-        return value[order]
+        return value.index_select(dim, order)
     if isinstance(value, dict):
-        return {k: _rows(v, order) for k, v in value.items()}
-    return tuple(_rows(v, order) for v in value)
+        return {k: v if k in whole else _rows(v, order, dim) for k, v in value.items()}
+    return tuple(_rows(v, order, dim) for v in value)
 
 
-def _pieces(value: Any, n: int) -> list[Any]:
-    """``value`` cut into ``n`` equal contiguous parts along dim 0 (dicts, tuples alike)."""
+def _pieces(value: Any, n: int, dim: int = 0, whole: tuple[str, ...] = ()) -> list[Any]:
+    """``value`` cut into ``n`` equal contiguous parts along ``dim`` (dicts, tuples alike);
+    a dict's inputs named in ``whole`` go to every part as they are."""
     if isinstance(value, torch.Tensor):
-        return list(value.chunk(n))
+        return list(value.chunk(n, dim))
     if isinstance(value, dict):
-        parts = {k: _pieces(v, n) for k, v in value.items()}
+        parts = {k: [v] * n if k in whole else _pieces(v, n, dim) for k, v in value.items()}
         return [{k: parts[k][i] for k in parts} for i in range(n)]
-    parts_t = [_pieces(v, n) for v in value]
+    parts_t = [_pieces(v, n, dim) for v in value]
     return [tuple(p[i] for p in parts_t) for i in range(n)]
 
 

@@ -6,7 +6,8 @@ One place for the draw, the two runs and the comparison, used by ``tests/test_fu
 
 :func:`draw` picks a :class:`Setup` through a ``pick(name, options)`` function: a
 hypothesis draw in the test, a seeded ``random.Random`` in the benchmark. A setup
-is a model of the zoo (``tests/zoo.py``), 2-4 ranks, ``dp`` (its replicas sharded with FSDP2
+is a model of the zoo (``tests/zoo.py``; sequence-first data and a replicated input:
+``tests/fuzz_models.py``), 2-4 ranks, ``dp`` (its replicas sharded with FSDP2
 or not: ``shard``), tensor parallelism (``tp``), a schedule family with
 its options (``orgel.plan.balanced.balanced_plan``), the micro-batch count, which
 stages recompute, frozen parameters, precision (``32``, ``bf16-mixed``, ``16-mixed`` with
@@ -44,11 +45,13 @@ from typing import Any
 import torch
 
 import fuzz_backend
+import fuzz_models
 import orgel
 import zoo
 from fuzz_loop import (
     _pieces,
     _to,
+    build,
     freeze,
     fuzz_init,
     init_as_documented,
@@ -71,8 +74,9 @@ from orgel.workload import Workload, microbatches
 
 Pick = Callable[[str, Sequence[Any]], Any]
 
-#: models drawn (tests/zoo.py names); HF ones only where asked (they are slower to capture)
-MODELS: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "unet", "resnet", "dlrm", "mmt")
+#: models drawn (tests/zoo.py and tests/fuzz_models.py names); HF ones only where asked (they are slower to capture)
+MODELS: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "unet", "resnet", "dlrm", "mmt",
+                           *fuzz_models.NAMES)
 HF_MODELS: tuple[str, ...] = ("hf_gpt2", "hf_bert", "hf_llama")
 FAMILIES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "looped", "zb-h1",
                              "dag-1f1b")
@@ -205,15 +209,15 @@ def canonical(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def make_plan(setup: Setup, model: torch.nn.Module, inputs: Any, targets: Any,
-              loss_fn: Any) -> Any:
+def make_plan(setup: Setup, model: torch.nn.Module, w: Any) -> Any:
     """A balanced chain scheduled by the setup's family, with its recompute flags (None:
     ``schedule="auto"``, orgel.pipeline plans; or orgel.backend, which makes the chain
     from its own capture: :func:`recompute_policy`)."""
     if setup.schedule == "auto" or setup.entry == "backend":
         return None
-    w = Workload(copy.deepcopy(model), inputs, targets, loss_fn)
-    first, _ = microbatches(w, setup.microbatches * setup.dp)[0]
+    cut = Workload(copy.deepcopy(model), w.inputs, w.targets, w.loss_fn, w.batch_dim,
+                   w.replicated)
+    first, _ = microbatches(cut, setup.microbatches * setup.dp)[0]
     graph = capture(copy.deepcopy(model), first, precision=setup.precision)
     options: dict[str, Any] = {}
     if setup.schedule == "looped":
@@ -260,7 +264,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
     seed = 1000 + setup.seed
     if setup.meta != "none":
         with torch.device("meta"):
-            model = zoo.workload(setup.model, batch_size=setup.batch, seed=setup.seed).model
+            model = build(setup.model, batch_size=setup.batch, seed=setup.seed).model
         freeze(setup, model)
         if setup.meta == "weights":
             # with the buffers state_dict leaves out (non-persistent ones), as a user would
@@ -268,7 +272,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
         else:
             extra["init"] = fuzz_init
     try:
-        plan = make_plan(setup, model, w.inputs, w.targets, w.loss_fn)
+        plan = make_plan(setup, model, w)
     except PlanError as exc:
         raise Refused(f"plan: {exc}") from None
     if plan is None:
@@ -283,6 +287,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
             pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks,
                                   tp=setup.tp, microbatches=setup.microbatches, plan=plan,
                                   threads=1, optimizer=optimizer, timeout_s=timeout_s,
+                                  batch_dim=w.batch_dim, replicated=w.replicated,
                                   **loop_options(setup), **extra)
             step = pipe.step
     except (ValueError, MaterializeError) as exc:
@@ -361,6 +366,7 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
     cast = None if dtype != torch.float32 else autocast_dtype(setup.precision)
     scaler = torch.amp.GradScaler("cpu", enabled=cast == torch.float16)
     shares = setup.microbatches * setup.dp
+    cut = (w.batch_dim, w.replicated)  # how the inputs are cut into shares
     replicas = ReplicaBuffers(model, setup.dp)
     losses, lrs, norms = [], [], []
     steps = 0
@@ -369,8 +375,9 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
             for g in opt.param_groups:
                 g["lr"] = rate(steps)
         total = 0.0
-        for i, (x, y) in enumerate(zip(_pieces(_to(inputs, dtype), shares),
-                                       _pieces(_to(targets, dtype), shares), strict=True)):
+        for i, (x, y) in enumerate(zip(_pieces(_to(inputs, dtype), shares, *cut),
+                                       _pieces(_to(targets, dtype), shares, w.batch_dim),
+                                       strict=True)):
             with replicas.of(i % setup.dp), torch.autocast("cpu", dtype=cast or torch.bfloat16,
                                                            enabled=cast is not None):
                 loss = w.loss_fn(zoo.call(model, x), y)
@@ -399,8 +406,8 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
     with torch.no_grad():
         inputs, targets = w.batches[0]
         evaluated = 0.0
-        for x, y in zip(_pieces(_to(inputs, dtype), shares), _pieces(_to(targets, dtype), shares),
-                        strict=True):
+        for x, y in zip(_pieces(_to(inputs, dtype), shares, *cut),
+                        _pieces(_to(targets, dtype), shares, w.batch_dim), strict=True):
             with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
                 evaluated += float(w.loss_fn(zoo.call(model, x), y)) / shares
     result = Result(losses, lrs, norms, {}, {}, keys=list(state),
