@@ -1,14 +1,10 @@
-"""Fault injection through the public API and the CLI: every fault ends with one clear report.
+"""Fault injection through the public API: every fault ends the step with one clear report.
 
 Through ``orgel.pipeline`` (2 local ranks, a 6 s timeout): one good step, then a
 fault on a rank during the second step: an exception in a stage (a custom op
 that raises), in the loss, in the optimizer; a NaN loss (``check_finite``); a
 rank killed (SIGKILL) or stopped (SIGSTOP: hung); a rank that skips a tied
-parameter's all-reduce (a collective deadlock). Through ``orgel run`` (fresh
-rank interpreters): the same faults from inside the workload, a port already
-taken, a plan that deadlocks, a plan made for another model. Checkpoints: a
-truncated shard, a shard replaced by a pickle with code, a disk that fills
-during ``save``.
+parameter's all-reduce (a collective deadlock).
 
 Each case asserts the message (rank, action, cause, and what to do) and its
 bound: 2 s from the fault for an error or a death, the configured timeout
@@ -17,15 +13,18 @@ pipeline in the same process trains. ``benchmarks/faults.py`` prints the times.
 
 The faults switch on when a file exists (the ranks see the same file system),
 so the capture and profiling in the calling process never trip them.
+
+The cases of ``orgel run`` (the faulty workload, :data:`CLI_FAULTS`) are defined here
+too, beside the API's, since ``benchmarks/faults.py`` imports both from this module;
+their tests are in ``test_faults_cli.py``, those of damaged checkpoints in
+``test_faults_checkpoints.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -341,194 +340,3 @@ def workload_file(tmp_path: Path, fault: str) -> tuple[str, Path]:
 def orgel_run(spec: str, *extra: str) -> list[str]:
     return ["run", spec, "--ranks", "2", "--microbatches", "2", "--steps", "3", "--timeout",
             f"{TIMEOUT_S:g}", *extra]
-
-
-def run_cli_fault(tmp_path: Path, fault: str,
-                  capsys: pytest.CaptureFixture[str]) -> tuple[int, str, float]:
-    """``orgel run`` on a workload that fails with ``fault``: (exit code, stderr, seconds
-    from the fault to the command's return)."""
-    from orgel.cli import main
-
-    spec, times = workload_file(tmp_path, fault)
-    extra = ("--check-finite",) if fault == "nan" else ()
-    code = main(orgel_run(spec, *extra))
-    return code, capsys.readouterr().err, time.time() - float(times.read_text())
-
-
-@pytest.mark.parametrize("fault", list(CLI_FAULTS))
-def test_orgel_run_reports_a_failing_workload_once_and_exits_nonzero(
-        fault: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The workload's own error under a header naming it, with the rank and the action."""
-    code, err, seconds = run_cli_fault(tmp_path, fault, capsys)
-    pattern, bound = CLI_FAULTS[fault]
-    assert code == 1
-    assert err.startswith(
-        f"orgel run: the workload {tmp_path / f'faulty_{fault}.py'}:workload failed\n"), err
-    assert re.search(pattern, err), err
-    assert err.count("Traceback (most recent call last)") == (
-        1 if fault in ("stage", "loss") else 0), err
-    assert seconds < bound, f"{fault}: orgel run returned {seconds:.2f} s after the fault"
-
-
-def test_a_failed_orgel_run_leaves_no_semaphore_behind(tmp_path: Path) -> None:
-    """The ranks are killed when one fails; what their libraries registered (tqdm's lock)
-    must not make the resource tracker warn at exit (checked in a process of its own)."""
-    import subprocess
-    import sys
-
-    spec, _ = workload_file(tmp_path, "sigkill")
-    code = f"from orgel.cli import main; raise SystemExit(main({orgel_run(spec)!r}))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 1, out.stderr[-2000:]
-    assert "died during run (killed by signal 9)" in out.stderr
-    assert "leaked semaphore" not in out.stderr, out.stderr[-2000:]
-
-
-def test_orgel_run_refuses_a_plan_that_deadlocks_or_was_made_for_another_model(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Both are refused before any process starts, saying why and what to do."""
-    from orgel.cli import main
-    from orgel.plan.balanced import balanced_plan
-    from orgel.workload import load_workload
-
-    spec, _ = workload_file(tmp_path, "none")
-    work = load_workload(spec)
-    model, inputs = work.model, work.inputs
-    good = balanced_plan(orgel.capture(model, tuple(t[:4] for t in inputs)), ranks=2,
-                         microbatches=2)
-    deadlock = good.to_dict()
-    deadlock["schedule"] = ["F0.0 B0.0 F0.1 B0.1", "F1.0 F1.1 B1.0 B1.1"]
-    (tmp_path / "deadlock.json").write_text(json.dumps(deadlock))
-    other = balanced_plan(orgel.capture(nn.Sequential(nn.Linear(8, 4), nn.ReLU(),
-                                                      nn.Linear(4, 4)), (inputs[0][:4],)),
-                          ranks=2, microbatches=2)
-    (tmp_path / "other.json").write_text(other.to_json())
-
-    start_s = time.monotonic()
-    assert main(orgel_run(spec, "--plan", str(tmp_path / "deadlock.json"))) == 2
-    err = capsys.readouterr().err
-    assert "deadlock: rank 0 at position 1 (B0.0) waits for gradient of edge 0->1 micro-batch 0 "\
-        "from rank 1, which is stuck at position 1 (F1.1); rank 1 at position 1 (F1.1) waits" \
-        in err, err
-    assert main(orgel_run(spec, "--plan", str(tmp_path / "other.json"))) == 2
-    err = capsys.readouterr().err
-    assert "the plan does not match this model" in err and "plan again" in err, err
-    assert time.monotonic() - start_s < 30  # no rank was started, no timeout waited out
-
-
-def test_a_port_taken_before_rank_0_binds_it_is_replaced(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    """The local ranks meet on a port that was free when chosen; if another process takes it
-    first, orgel chooses another; if every try is taken, the error says so: through the API
-    and through orgel run."""
-    import orgel.launch.processes as launch
-    from orgel.cli import main
-
-    spec, _ = workload_file(tmp_path, "none")
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        taken = busy.getsockname()[1]
-        real = launch.free_port
-        ports = iter([taken])
-        monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
-        flag = Path("/nonexistent/orgel-fault")
-        with start(flag, "none") as pipe:  # the first port is taken: started on the second
-            x, y = _batch()
-            assert torch.isfinite(torch.tensor(pipe.step((x,), y)))
-        ports = iter([taken])
-        assert main(orgel_run(spec)) == 0
-        capsys.readouterr()
-        monkeypatch.setattr(launch, "free_port", lambda: taken)
-        with pytest.raises(WorkerError, match="EADDRINUSE"):
-            start(flag, "none")
-        assert main(orgel_run(spec)) == 1
-        assert "EADDRINUSE" in capsys.readouterr().err
-
-
-# -- checkpoints -------------------------------------------------------------------------------
-
-
-def test_a_disk_that_fills_during_save_commits_nothing_and_training_goes_on(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.save on a rank fails with ENOSPC: save raises naming the rank and the cause, the
-    previous checkpoint stays the latest, no partial file stays, and the pipeline trains and
-    saves again once there is room."""
-    import errno
-
-    from orgel.runtime import checkpoint as ckpt
-
-    flag = tmp_path / "disk-full"
-    real_save = torch.save
-
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        if flag.exists() and getattr(f, "name", "").endswith(".partial"):
-            f.write(b"PK\x03\x04 half a shard")
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", save)  # before the ranks fork: they inherit it
-    root = tmp_path / "ckpt"
-    x, y = _batch()
-    with start(flag, "none") as pipe:
-        pipe.step((x,), y)
-        first = pipe.save(root)
-        pipe.step((x,), y)
-        flag.touch()
-        start_s = time.monotonic()
-        with pytest.raises(ckpt.CheckpointError, match=r"saving the checkpoint of step 2 .* "
-                           r"failed on rank \d \(OSError: \[Errno 28\] No space left on device\); "
-                           r"nothing was committed and .*step-00000001 is still the latest"):
-            pipe.save(root)
-        assert time.monotonic() - start_s < PROPAGATION_S
-        assert ckpt.resolve(root) == first
-        assert not list(root.rglob("*.partial")) and not (root / "step-00000002.tmp").exists()
-        pipe.step((x,), y)  # the ranks are alive and train on
-        flag.unlink()
-        assert pipe.save(root).name == "step-00000003"
-
-
-class Payload:
-    """What a pickle with code in it would rebuild."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, ("echo pwned",))
-
-
-@pytest.mark.parametrize("damage", ["truncated", "code"])
-def test_a_damaged_shard_is_refused_by_load_and_by_the_cli_and_changes_nothing(
-        damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A shard cut short, or replaced by a pickle with code in it: ``load`` raises naming the
-    file, what is wrong and the last complete checkpoint; no rank's state changed and the
-    pipeline trains on; ``orgel checkpoint export`` says the same and exits 2."""
-    from orgel.cli import main
-    from orgel.runtime import checkpoint as ckpt
-
-    root = tmp_path / "ckpt"
-    x, y = _batch()
-    with start(tmp_path / "no-fault", "none") as pipe:
-        pipe.step((x,), y)
-        pipe.step((x,), y)
-        shard = pipe.save(root) / "rank1.pt"
-        if damage == "truncated":
-            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-        else:
-            torch.save({"params": Payload()}, shard)
-        before = pipe.state_dict()
-        start_s = time.monotonic()
-        why = ("is incomplete or corrupt" if damage == "truncated"
-               else "holds Python objects that weights_only loading refuses")
-        with pytest.raises(ckpt.CheckpointError, match=rf"rank 1 cannot resume: .*rank1\.pt "
-                           rf"{why}(.|\n)*No rank's state changed; the pipeline is still at "
-                           r"step 2"):
-            pipe.load(root)
-        assert time.monotonic() - start_s < PROPAGATION_S
-        after = pipe.state_dict()
-        assert all(torch.equal(before[k], after[k]) for k in before)
-        assert torch.isfinite(torch.tensor(pipe.step((x,), y)))
-    assert main(["checkpoint", "export", str(root), str(tmp_path / "model.pt")]) == 2
-    err = capsys.readouterr().err
-    assert "rank1.pt" in err and why in err, err
-    assert "Traceback" not in err

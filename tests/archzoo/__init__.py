@@ -19,9 +19,10 @@ Builder = Callable[[], ZooWorkload]
 
 def archs() -> dict[str, Builder]:
     """name -> builder, every architecture of the zoo (the modules are imported on first use)."""
-    from archzoo import cnn, hf, misc
+    from archzoo import cnn, cnn_mobile, cnn_other, hf, misc, misc_regions
 
-    return {**hf.BUILDERS, **cnn.BUILDERS, **misc.BUILDERS}
+    return {**hf.BUILDERS, **cnn.BUILDERS, **cnn_mobile.BUILDERS, **cnn_other.BUILDERS,
+            **misc.BUILDERS, **misc_regions.BUILDERS}
 
 
 __all__ = ["Builder", "archs"]
