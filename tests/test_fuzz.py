@@ -71,3 +71,12 @@ def test_a_scalar_parameter_on_a_sharded_stage_trains() -> None:
     whole on each replica now, its gradient summed and clipped with the unsharded ones."""
     _check(fuzzing.Setup("clip", ranks=2, dp=2, schedule="1f1b", microbatches=2, rows=1,
                          shard="fsdp", optimizer="adamw", max_grad_norm=0.01))
+
+
+def test_orgel_backend_takes_sequence_first_micro_batches() -> None:
+    """Found by the fuzzer: ``orgel.backend(batch_dim=1)`` on sequence-first ``[T, B]``
+    tokens refused its first step ("a symbolic size s20 that no model input has"): each
+    closure's micro-batch is a slice along dimension 1, a view whose stride Dynamo leaves
+    symbolic. The stride is read off the input now, as the sizes are."""
+    _check(fuzzing.Setup("seqfirst", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=2,
+                         entry="backend"))

@@ -58,7 +58,10 @@ class GraphModel(torch.nn.Module):
                 args.append(inputs[name])
             elif kind == "size":  # a size Dynamo left symbolic: read off the input it sizes
                 of, dim = name.rsplit(":", 1)
-                args.append(inputs[of].shape[int(dim)])
+                if dim.startswith("stride"):  # or a stride (a view's, such as a slice)
+                    args.append(inputs[of].stride(int(dim.removeprefix("stride"))))
+                else:
+                    args.append(inputs[of].shape[int(dim)])
             elif kind == "const":
                 args.append(getattr(self, name))
             elif kind == "param":
@@ -104,8 +107,9 @@ def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any]
 
     A size Dynamo left symbolic (``torch.compile(dynamic=True)``, or dimensions marked
     dynamic) is ``("size", "input:dim")``: the model input whose dimension ``dim`` it is,
-    so :class:`GraphModel` reads it off the inputs it is given. Raises ValueError for a
-    symbolic size that no model input has.
+    so :class:`GraphModel` reads it off the inputs it is given; a symbolic stride (an input
+    that is a view, such as a micro-batch cut along ``batch_dim=1``) is
+    ``("size", "input:stride<dim>")``. Raises ValueError for a symbol no model input has.
     """
     roles = [role_of(n, v) for n, v in zip(placeholders, example_inputs, strict=True)]
     where: dict[str, str] = {}  # symbol -> "input:dim"
@@ -115,6 +119,11 @@ def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any]
             for dim, size in enumerate(shape):
                 if isinstance(size, torch.SymInt):
                     where.setdefault(str(size), f"{name}:{dim}")
+            value = node.meta.get("example_value")
+            strides = value.stride() if isinstance(value, torch.Tensor) else ()
+            for dim, stride in enumerate(strides):
+                if isinstance(stride, torch.SymInt):
+                    where.setdefault(str(stride), f"{name}:stride{dim}")
     sized = []
     for node, (kind, name) in zip(placeholders, roles, strict=True):
         if kind == "size":
