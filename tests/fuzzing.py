@@ -16,7 +16,8 @@ loss scaling), optimizer, learning-rate schedule
 init (``weights=`` or ``init=``), step batches of the example's sizes or of more
 rows or shorter sequences, and the entry point: ``orgel.pipeline`` or
 ``torch.compile(model, backend=orgel.backend(...))`` with a closure
-(``tests/fuzz_backend.py``); ``draw(auto=True)`` also draws the planner's own plan.
+(``tests/fuzz_backend.py``), or where asked ``orgel.pipeline`` in a torchrun job
+(``tests/fuzz_torchrun.py``); ``draw(auto=True)`` also draws the planner's own plan.
 
 :func:`run_orgel` trains it for two optimizer steps through the production path
 (forked gloo ranks, the real split and launcher), evaluates the first batch
@@ -46,6 +47,7 @@ import torch
 
 import fuzz_backend
 import fuzz_models
+import fuzz_torchrun
 import orgel
 import zoo
 from fuzz_loop import (
@@ -64,6 +66,7 @@ from fuzz_verdict import Result, Verdict, compare
 from orgel.graph import capture
 from orgel.graph.sizes import ShapeError
 from orgel.launch.errors import WorkerError
+from orgel.launch.processes import under_torchrun
 from orgel.plan.balanced import LOOPED, balanced_plan
 from orgel.plan.transforms import mark_sharded, with_recompute
 from orgel.precision import autocast_dtype
@@ -88,7 +91,9 @@ TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_gpt
                                     "hf_llama")
 #: models with BatchNorm (running statistics; batch statistics)
 BATCHNORM: tuple[str, ...] = ("resnet",)
-#: the front ends a setup trains through (``tests/fuzz_backend.py`` for orgel.backend)
+#: the front ends a setup trains through (``tests/fuzz_backend.py`` for orgel.backend);
+#: ``"torchrun"`` (orgel.pipeline in a torchrun job, ``tests/fuzz_torchrun.py``) is drawn
+#: where asked (``draw(entries=...)``): each draw starts a job of fresh interpreters
 ENTRIES: tuple[str, ...] = ("pipeline", "backend")
 #: corners not drawn, each for a known open defect (issue 25's item)
 EXCLUDED: dict[str, str] = {
@@ -140,14 +145,15 @@ class Setup:
         return " ".join([head, *rest])
 
 
-def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False) -> Setup:
+def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
+         entries: Sequence[str] = ENTRIES) -> Setup:
     """A setup drawn with ``pick(name, options)``; valid by construction where it can be
     (interleaved gets a micro-batch count that is a multiple of the pipeline's ranks).
 
     ``auto``: also draw ``schedule="auto"``, the planner's own plan (it profiles: slow).
     Through ``orgel.backend`` the plan is its ``schedule=``: no meta model, no ``looped``
     family's options, recompute for every stage or none."""
-    entry = pick("entry", ENTRIES)
+    entry = pick("entry", entries)
     backend = entry == "backend"
     model = pick("model", models)
     ranks = pick("ranks", (2, 3, 4))
@@ -256,8 +262,14 @@ def loop_options(setup: Setup) -> dict[str, Any]:
     return options
 
 
-def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
-    """Train ``setup`` through ``orgel.pipeline`` for :data:`STEPS` optimizer steps."""
+def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None) -> Result:
+    """Train ``setup`` through its entry point for :data:`STEPS` optimizer steps.
+
+    ``entry="torchrun"``: launched under torchrun (:func:`fuzz_torchrun.launch`), whose
+    processes run this function themselves, each saving its checkpoint shard in ``folder``
+    (one for the job; otherwise a temporary folder of this process)."""
+    if setup.entry == "torchrun" and not under_torchrun():
+        return fuzz_torchrun.launch(setup, timeout_s)
     w = workloads(setup)
     model = w.model
     extra: dict[str, Any] = {}
@@ -297,6 +309,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0) -> Result:
             raise
         raise Refused(str(exc).splitlines()[0]) from None
     with pipe, tempfile.TemporaryDirectory() as tmp:
+        tmp = str(folder or tmp)
         losses, lrs, norms = [], [], []
         for call, (inputs, targets) in enumerate(w.batches):
             try:
