@@ -2,7 +2,8 @@
 
 A compiled model Dynamo splits into several graphs trains exactly (BatchNorm buffers
 included); graph calls the loss does not reach, trainable pre-processing and two calls per
-closure; parameters only the Python between graphs uses, or both it and a graph; an
+closure; parameters only the Python between graphs uses (with ``accumulate`` too), or both
+it and a graph; an
 autocast the closure opens and ``precision="bf16-mixed"``; names that clash across resumed
 frames; a closure that takes another branch; an LSTM compiled as one graph. The shared
 helpers come from ``test_runner.py``.
@@ -208,6 +209,46 @@ def test_parameters_only_the_python_between_graphs_uses_are_trained_too() -> Non
         torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), rtol=1e-5,
                                    atol=1e-6, msg=name)
         assert p.grad is None, name  # stepped on a rank, not left for the caller
+
+
+def test_graph_breaks_accumulate_over_step_calls_as_one_process() -> None:
+    """``accumulate=3``: three step calls, one optimizer step, each call's gradient counted
+    1/3, for the graphs' parameters (on the ranks) and for those only the Python between
+    graphs uses (kept in the closures), as one process accumulating the same."""
+    torch.manual_seed(4)
+    model = EagerNorm()
+    ref = copy.deepcopy(model)
+    pipe = _backend(timeout_s=60, accumulate=3)
+    compiled = torch.compile(model, backend=pipe)
+
+    def closure_for(net: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> None:
+            (F.mse_loss(net(x)[0], y) / M).backward()
+
+        return closure
+
+    g = torch.Generator().manual_seed(9)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g))
+               for _ in range(3)]
+    ref_opt = _sgd(list(ref.parameters()))
+    try:
+        for x, y in batches:
+            pipe.step(closure_for(compiled), x, y)
+            for m in range(M):
+                closure_for(ref)(x.chunk(M)[m], y.chunk(M)[m])
+        assert pipe.steps == 1
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    for p in ref.parameters():
+        p.grad /= 3
+    ref_opt.step()
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    for name in ("norm.weight", "norm.bias"):
+        torch.testing.assert_close(model.get_parameter(name).detach(),
+                                   ref.get_parameter(name).detach(), rtol=1e-5, atol=1e-6,
+                                   msg=name)
 
 
 class NormTwice(EagerNorm):

@@ -48,9 +48,21 @@ class ClosurePipeline(GluedPipeline):
         def keep(grad: torch.Tensor) -> None:
             slot = getattr(self._local, "slot", None)
             if slot is not None:  # a backward of the user's own, outside a step: not ours
+                grad = grad.detach() / self.accumulate  # each call counts 1/accumulate
                 got = slot.grads.get(name)
-                slot.grads[name] = grad.detach().clone() if got is None else got + grad
+                slot.grads[name] = grad.clone() if got is None else got + grad
         return keep
+
+    def _back(self, slot: Any, c: int, grads: list[Any], count: int) -> list[Any]:
+        """Graph ``c``'s backward on the ranks, with ``accumulate`` > 1: the closure's own
+        backward gives the step call's whole gradient, so each call counts ``1/accumulate``
+        in what reaches the ranks; the gradients that come back into the closure's backward
+        (of the graph's arguments) are its own again."""
+        k = self.accumulate
+        if k == 1:
+            return super()._back(slot, c, grads, count)
+        got = super()._back(slot, c, [None if g is None else g / k for g in grads], count)
+        return [None if g is None else g * k for g in got]
 
     def step_closures(self, closure: Callable[..., Any], pieces: list[list[Any]],
                       rows: int) -> list[Any]:

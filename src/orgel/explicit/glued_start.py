@@ -25,8 +25,9 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
 
     ``closures``: a :class:`ClosurePipeline`, for ``orgel.backend``. ``options``: the
     training loop's executor options (``scheduler``, ``lr``, ``max_grad_norm``,
-    ``accumulate``: the controller's backward counts each call ``1/accumulate``, so the
-    ranks' loss stages take its gradients as they are; not yet with ``closures``).
+    ``accumulate``: the controller counts each call ``1/accumulate``, in its backward or,
+    with ``closures``, in the gradients it sends the ranks, so the ranks' loss stages take
+    its gradients as they are).
     """
     import multiprocessing as mp
 
@@ -53,9 +54,6 @@ def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: 
         raise ValueError("orgel.backend runs a compiled model with graph breaks on one rank per "
                          "stage: give dp=1, or remove the graph break")
     accumulate = int((options or {}).get("accumulate", 1))
-    if closures and accumulate != 1:
-        raise ValueError("orgel.backend takes accumulate=1 for a compiled model with graph "
-                         "breaks: give each step the whole batch, or use orgel.pipeline")
     dim = batch_dim_of(workload)
     # the ranks cut the batch by the workload's rule too: what it names replicated goes whole
     engine_options = {**(options or {}), "replicated": tuple(workload.replicated)}
