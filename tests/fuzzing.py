@@ -77,7 +77,8 @@ from orgel.workload import Workload, microbatches
 
 Pick = Callable[[str, Sequence[Any]], Any]
 
-#: models drawn (tests/zoo.py and tests/fuzz_models.py names); HF ones only where asked (they are slower to capture)
+#: models drawn (tests/zoo.py and tests/fuzz_models.py names); HF ones only where asked
+#: (they are slower to capture)
 MODELS: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "unet", "resnet", "dlrm", "mmt",
                            *fuzz_models.NAMES)
 HF_MODELS: tuple[str, ...] = ("hf_gpt2", "hf_bert", "hf_llama")

@@ -55,8 +55,9 @@ def _kill_running(marker: str) -> None:
             continue
 
 
-def _torchrun(tmp_path: Path, script_text: str, *args: str) -> tuple[int, str]:
-    """Run ``script_text`` on 2 ranks under torchrun; its exit code and its output."""
+def _torchrun(tmp_path: Path, script_text: str, *args: str,
+             processes: int = 2) -> tuple[int, str]:
+    """Run ``script_text`` on ``processes`` ranks under torchrun; its exit code and output."""
     script = tmp_path / "train.py"
     script.write_text(script_text)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -65,7 +66,7 @@ def _torchrun(tmp_path: Path, script_text: str, *args: str) -> tuple[int, str]:
     log = tmp_path / "torchrun.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
              "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
              *args],
             stdout=out, stderr=subprocess.STDOUT, text=True, env=env,

@@ -87,7 +87,7 @@ def test_local(cell: str, tmp_path: Path) -> None:
     check("local", cell, _in_process("local", cell, tmp_path))
 
 
-@pytest.mark.parametrize("cell", FEATURES)
+@pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break"])
 def test_backend(cell: str, tmp_path: Path) -> None:
     check("backend", cell, _in_process("backend", cell, tmp_path))
 

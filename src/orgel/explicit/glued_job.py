@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from orgel.explicit.closures import ClosurePipeline
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.mailbox import connect, pipe_here
 from orgel.launch.errors import StepError, WorkerError
@@ -44,9 +45,12 @@ SHARED = ("steps", "pending", "calls", "off_path")
 
 def start_job(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any,
               timeout_s: float, keys: list[str], aliases: dict[str, str],
-              options: dict[str, Any] | None) -> Pipeline:
+              options: dict[str, Any] | None, closures: bool = False) -> Pipeline:
     """This process's part of a torchrun job training a forward of several graphs: the
-    controller's pipeline on process 0, a :class:`Follower` on every other process."""
+    controller's pipeline on process 0, a :class:`Follower` on every other process.
+
+    ``closures``: ``orgel.backend``'s closures are the controller (:class:`LeadingClosures`).
+    """
     import torch.distributed as dist
 
     from orgel.explicit.glued_start import controller, engine_maker
@@ -57,13 +61,36 @@ def start_job(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any
         raise ValueError(f"the plan has {plan.num_ranks} ranks but torchrun started {world} "
                          "processes: a forward of several graphs runs one process per rank")
     make = engine_maker(workload, plan, split, glue, optimizer=optimizer, timeout_s=timeout_s,
-                        options=options)
+                        options=options, closures=closures)
     # the stages train copies: the caller's model changes only through pipe.copy_to
     own_stage_copies(split.stages[s].module for s in plan.stages_on(process))
+    group, mine = job_group(make, timeout_s)
+    if group is None:
+        return Follower(*mine, plan=plan, model=workload.model, keys=keys, aliases=aliases,
+                        timeout_s=timeout_s)
+    pipe = controller(LeadingClosures if closures else Leading, workload, plan, split, glue,
+                      group, group.exchanges,
+                      timeout_s=timeout_s, keys=keys, aliases=aliases, options=options)
+    from orgel.flow.start import check_param_groups
+
+    check_param_groups(pipe)
+    return pipe
+
+
+def job_group(make: Callable[[int, Any], Any], timeout_s: float
+              ) -> tuple[JobGroup | None, tuple[Any, Any]]:
+    """This process's rank of the torchrun job, its engine ``make(process, exchanges)``.
+
+    On process 0: the :class:`JobGroup` that drives every rank (its own engine answering
+    in a thread of this process) and ``(None, None)``; on any other: ``None`` and
+    ``(engine, commands)``, the engine and its connection for process 0's commands (for a
+    :class:`Follower`).
+    """
+    import torch.distributed as dist
+
     commands, exchanges = connect(timeout_s)
-    if process != 0:
-        return Follower(make(process, exchanges[0]), commands[0], plan=plan,
-                        model=workload.model, keys=keys, aliases=aliases, timeout_s=timeout_s)
+    if dist.get_rank() != 0:
+        return None, (make(dist.get_rank(), exchanges[0]), commands[0])
     own_commands, own_exchanges = pipe_here(), pipe_here()
     engine = make(0, own_exchanges[1])  # in the main thread: groups are made in one order
     thread = threading.Thread(target=_serve_here, args=(engine, own_commands[1]),
@@ -71,12 +98,7 @@ def start_job(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any
     thread.start()
     group = JobGroup([own_commands[0], *commands[1:]], [own_exchanges[0], *exchanges[1:]],
                      thread, timeout_s=timeout_s)
-    pipe = controller(Leading, workload, plan, split, glue, group, group.exchanges,
-                      timeout_s=timeout_s, keys=keys, aliases=aliases, options=options)
-    from orgel.flow.start import check_param_groups
-
-    check_param_groups(pipe)
-    return pipe
+    return group, (None, None)
 
 
 def _serve_here(engine: Any, conn: Any) -> None:
@@ -188,12 +210,13 @@ def _again(form: tuple[str, Any]) -> BaseException:
     return RuntimeError(value)
 
 
-class Leading(GluedPipeline):
-    """Process 0's pipeline: :class:`~orgel.explicit.glued.GluedPipeline`, whose every
-    method that the followers call too ends by sending them its result (or its error)."""
+class Leads(Pipeline):
+    """Process 0's pipeline (a base before another Pipeline class): every method that the followers call too ends by
+    sending them its result (or its error), and the counters in :attr:`shared`."""
 
     _ranks: JobGroup
     _depth = 0  # the calls in progress: one made inside another is not told
+    shared: tuple[str, ...] = ("steps", "pending")
 
     def _lead(self, name: str, call: Callable[[], Any],
               payload: Callable[[Any], Any] | None = None) -> Any:
@@ -203,61 +226,86 @@ class Leading(GluedPipeline):
         try:
             value = call()
         except BaseException as exc:
-            if not self._ranks._closed:
-                self._ranks.tell(("__raise__", name, _portable(exc), self._shared()))
+            self.told(name, exc)
             raise
         finally:
             self._depth -= 1
-        self._ranks.tell(("__return__", name, value if payload is None else payload(value),
-                          self._shared()))
+        self.told(name, value if payload is None else payload(value))
         return value
 
+    def told(self, name: str, outcome: Any) -> None:
+        """Tell the followers that process 0's ``name`` returned ``outcome`` (or raised it,
+        an exception)."""
+        if isinstance(outcome, BaseException):
+            if not self._ranks._closed:
+                self._ranks.tell(("__raise__", name, _portable(outcome), self._shared()))
+            return
+        self._ranks.tell(("__return__", name, outcome, self._shared()))
+
     def _shared(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in SHARED}
+        return {k: getattr(self, k) for k in self.shared}
 
     def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
-        return self._lead("step", lambda: super(Leading, self).step(inputs, targets,
+        return self._lead("step", lambda: super(Leads, self).step(inputs, targets,
                                                                      outputs=outputs))
 
     def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
-        return self._lead("evaluate", lambda: super(Leading, self).evaluate(
+        return self._lead("evaluate", lambda: super(Leads, self).evaluate(
             inputs, targets, outputs=outputs))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._lead("state_dict", lambda: super(Leading, self).state_dict())
+        return self._lead("state_dict", lambda: super(Leads, self).state_dict())
 
     def load_state_dict(self, state: Any, strict: bool = True) -> Any:
         return self._lead("load_state_dict",
-                          lambda: super(Leading, self).load_state_dict(state, strict))
+                          lambda: super(Leads, self).load_state_dict(state, strict))
 
     def copy_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
-        return self._lead("copy_to", lambda: super(Leading, self).copy_to(model),
+        return self._lead("copy_to", lambda: super(Leads, self).copy_to(model),
                           lambda done: done.state_dict())
 
     def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
-        return self._lead("save", lambda: super(Leading, self).save(directory, keep=keep))
+        return self._lead("save", lambda: super(Leads, self).save(directory, keep=keep))
 
     def load(self, directory: str | Path) -> int:
-        return self._lead("load", lambda: super(Leading, self).load(directory))
+        return self._lead("load", lambda: super(Leads, self).load(directory))
 
     def timeline(self) -> list[Any]:
-        return self._lead("timeline", lambda: super(Leading, self).timeline())
+        return self._lead("timeline", lambda: super(Leads, self).timeline())
 
     @property
     def lr(self) -> list[float]:
-        return self._lead("lr", lambda: super(Leading, self).lr)
+        return self._lead("lr", lambda: super(Leads, self).lr)
 
     @property
     def grad_norm(self) -> float | None:
-        return self._lead("grad_norm", lambda: super(Leading, self).grad_norm)
+        return self._lead("grad_norm", lambda: super(Leads, self).grad_norm)
 
     @property
     def loss_scale(self) -> dict[str, Any] | None:
-        return self._lead("loss_scale", lambda: super(Leading, self).loss_scale)
+        return self._lead("loss_scale", lambda: super(Leads, self).loss_scale)
 
     @property
     def compile_s(self) -> list[float]:
-        return self._lead("compile_s", lambda: super(Leading, self).compile_s)
+        return self._lead("compile_s", lambda: super(Leads, self).compile_s)
+
+
+class Leading(Leads, GluedPipeline):
+    """Process 0's controller of a forward of several graphs (graph breaks) under torchrun."""
+
+    shared = SHARED
+
+
+class LeadingClosures(Leads, ClosurePipeline):
+    """Process 0's ``orgel.backend`` closures for a compiled model with graph breaks."""
+
+    shared = SHARED
+
+
+class LeadingRanks(Leads):
+    """Process 0's pipeline of ``orgel.backend``'s ranks under torchrun (its closures run
+    here; :class:`orgel.transparent.backend.Backend` tells the followers each step's
+    outcome with :meth:`Leads.told`)."""
 
 
 # -- every other process ----------------------------------------------------------------------

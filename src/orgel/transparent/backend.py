@@ -23,7 +23,7 @@ closures are still pre-processing; a closure's loss and backward
 (post-processing) run while the ranks work on other micro-batches. Outputs and
 gradients cross through :mod:`orgel.worker.closure`; the optimizer steps once every
 closure is done. The first step is the exception: it first runs micro-batch
-0's closure up to its backward to find the graphs (:meth:`Backend._discover`),
+0's closure up to its backward to find the graphs (:mod:`orgel.transparent.finding`),
 then captures, plans and starts the ranks once every closure has reached its
 model call. A compiled model with graph breaks (several graphs that read
 parameters, or one called more than once) is joined and pipelined as
@@ -34,7 +34,9 @@ accumulate over micro-batches as in gradient accumulation: divide the loss by
 ``backward`` contributes no gradient; a step whose closures all skip it (an
 evaluation batch) leaves every parameter and the optimizer's state as they were.
 
-Mode: local spawn (the calling process drives forked ranks), see :mod:`orgel.explicit.api`.
+Modes: local spawn (the calling process drives forked ranks), or under torchrun, where
+process 0 runs the closures beside its own rank and the other processes follow its steps
+(:mod:`orgel.transparent.job`).
 The model's inputs must not require grad (run pre-processing under ``no_grad``).
 """
 
@@ -51,32 +53,23 @@ from orgel import guard
 from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.explicit.mailbox import RankPipes
 from orgel.flow.options import REFUSED
-from orgel.graph.dynamo import dynamo_settings, forget_compiled
-from orgel.guard import untouched
-from orgel.precision import device_type
+from orgel.graph.dynamo import dynamo_settings
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
-from orgel.transparent.discover import (
-    ForwardDone,
-    compiled_module,
-    stop_outputs,
-    stopped_at_backward,
-)
 from orgel.transparent.exchange import RankLink
+from orgel.transparent.finding import FindsGraphs
 from orgel.transparent.graph_model import (
     GraphModel,
-    ambient_autocast,
-    describe_autocast,
     roles_of,
 )
+from orgel.transparent.job import check_world, first_inputs, follows
 from orgel.transparent.running import RunningPipeline
-from orgel.transparent.slicing import marked, slice_batch
+from orgel.transparent.slicing import slice_batch
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
-from orgel.worker.pipe import canonical_names
 
 
-class Backend(RunningPipeline, RankLink):
+class Backend(RunningPipeline, RankLink, FindsGraphs):
     """A torch.compile backend and the runner of closures over it; see :func:`backend`."""
 
     def __init__(self, *, ranks: int, microbatches: int, optimizer: OptimizerFactory | None,
@@ -169,84 +162,7 @@ class Backend(RunningPipeline, RankLink):
 
         return run
 
-    def _check_autocast(self) -> None:
-        """The closure's autocast around the model must be the one the first step found.
-
-        Autocast applies around a Dynamo graph (the graph holds no casts): the
-        ranks re-create the one the first step ran under (:attr:`GraphModel.autocast`).
-        """
-        now = ambient_autocast()
-        if self._discovering:
-            if self._autocast is not None and now != self._autocast:
-                raise RuntimeError("the compiled model ran under two different autocasts in "
-                                   "one forward; orgel.backend takes one")
-            self._autocast = now
-        elif now != self._autocast:
-            raise RuntimeError(
-                f"the compiled model now runs under {describe_autocast(now)} but the first step "
-                f"ran it under {describe_autocast(self._autocast)}: the ranks run it as the first "
-                "step did. Keep the autocast around the compiled model the same in every closure")
-
     # -- the first step: find the graphs ----------------------------------------------------
-
-    def _discover(self, closure: Callable[..., Any], args: list[Any], dynamic: bool) -> None:
-        """Run micro-batch 0's closure up to its backward; record the graphs it calls.
-
-        The graphs run here on detached copies of the parameters and buffers
-        (nothing of the caller's changes), and the closure stops where its
-        ``backward`` (or ``torch.autograd.grad``) begins, before a gradient reaches a
-        parameter (:func:`stopped_at_backward`).
-        One graph that reads parameters is pipelined as is; several are joined
-        (:mod:`orgel.graph.glue`) and the closures run the Python between them.
-        ``dynamic``: every dimension of the closure's tensor arguments is marked as
-        possibly dynamic (:func:`torch._dynamo.maybe_mark_dynamic`, on views of them), so
-        Dynamo leaves the sizes it can symbolic and a later batch of another sequence
-        length runs the same graph.
-        """
-        if dynamic:
-            args = [marked(a) for a in args]
-        self._found = []
-        self._discovering = True
-        try:
-            with untouched(), dynamo_settings(), stopped_at_backward(), \
-                    guard.no_autocast_cache():
-                closure(*args)
-        except ForwardDone:
-            pass
-        except BaseException as exc:
-            self._found = None
-            inner = getattr(exc, "inner_exception", None)
-            if isinstance(inner, ValueError | RuntimeError):
-                raise inner from None
-            raise
-        finally:
-            self._discovering = False
-
-    def _record(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
-                roles: list[tuple[str, str]], args: tuple[Any, ...]) -> Any:
-        from orgel.graph.glue import check_grad_mode
-
-        if self._names is None:
-            self._module = compiled_module()
-            self._names = {} if self._module is None else canonical_names(self._module)
-        # a graph of a resumed frame names the parameters from one of its locals (a
-        # submodule on the stack): name them as the compiled model does
-        roles = [(kind, self._names.get(id(a), name)) if kind in ("param", "buffer")
-                 else (kind, name) for (kind, name), a in zip(roles, args, strict=True)]
-        kinds = [kind for kind, _ in roles]
-        shadow = [a.detach().requires_grad_(a.requires_grad) if k == "param"
-                  else a.detach().clone() if k == "buffer" else a
-                  for a, k in zip(args, kinds, strict=True)]
-        if "param" in kinds or "buffer" in kinds:
-            check_grad_mode(gm, [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
-                            "The compiled model has graph breaks.")
-        out = gm(*shadow)
-        stop_outputs(out)
-        assert self._found is not None
-        if "param" in kinds or "buffer" in kinds:
-            outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            self._found.append((gm, example_inputs, roles, list(args), outs))
-        return out
 
     def _start_glued(self, rows: int) -> None:
         """Plan and start the joined graphs of a compiled model with graph breaks."""
@@ -302,46 +218,45 @@ class Backend(RunningPipeline, RankLink):
             raise TypeError("step(closure, *batch): closure must be callable")
         self._stepping = True
         try:
-            return self._step(closure, batch)
+            if follows():  # under torchrun, process 0's step (orgel.transparent.job)
+                return self._follow(closure, batch)
+            results = self._step(closure, batch)
+        except BaseException as exc:
+            if hasattr(self.pipe, "told"):  # process 0 of a torchrun job: the followers raise
+                self.pipe.told("step", exc)
+            raise
         finally:
             self._stepping = False
+        if hasattr(self.pipe, "told"):
+            self.pipe.told("step", results)
+        return results
+
+    def _follow(self, closure: Callable[..., Any], batch: tuple[Any, ...]) -> Any:
+        if self.pipe is None:  # the graph found here too; the batch it is measured on is 0's
+            pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim,
+                                       self.replicated)
+            if self.model is None:
+                self._find_graphs(closure, pieces, rows)
+        if self.pipe is None:  # one graph: process 0's closures' inputs give its batch
+            self._slots = [Slot(m) for m in range(self.microbatches)]
+            for slot, inputs in zip(self._slots, first_inputs(None, self.timeout_s),
+                                    strict=True):
+                slot.inputs = inputs
+            self._start()
+        return self.pipe._follow("step")
 
     def _step(self, closure: Callable[..., Any], batch: tuple[Any, ...]) -> list[Any]:
         from orgel.explicit.closures import ClosurePipeline
 
         pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated)
         if self.pipe is None and self.model is None:  # the first step: find the graphs
-            self._discover(closure, pieces[0], dynamic=True)
-            assert self._found is not None
-            if len(self._found) > 1 and any(kind == "size" for _, _, roles, _, _ in self._found
-                                            for kind, _ in roles):
-                # graph breaks are joined from fixed shapes: find the graphs again, static
-                forget_compiled(self)
-                self._names = None
-                self._discover(closure, pieces[0], dynamic=False)
-                assert self._found is not None
-            if not self._found:
-                raise RuntimeError("the closure for micro-batch 0 returned without calling "
-                                   "the compiled model (or it reads no parameter); call it "
-                                   "once per closure")
-            if len(self._found) == 1:
-                gm, example_inputs, roles, args, _ = self._found[0]
-                around = self._autocast
-                if around is None and self._precision is not None:
-                    around = (device_type(args), self._precision)
-                self.model = GraphModel(gm, example_inputs, roles, around)
-            elif self._autocast is not None or self._precision is not None:
-                under = (describe_autocast(self._autocast) if self._autocast is not None
-                         else "precision='bf16-mixed'")
-                raise RuntimeError(
-                    f"the compiled model has graph breaks and runs under {under}: "
-                    "orgel.backend re-creates such an autocast for one "
-                    "graph only. Remove the graph break, or use orgel.pipeline(..., "
-                    "precision='bf16-mixed')")
-            else:
-                self._start_glued(rows)
+            self._find_graphs(closure, pieces, rows)
         if isinstance(self.pipe, ClosurePipeline):
             return self.pipe.step_closures(closure, pieces, rows)
+        return self._run_closures(closure, pieces)
+
+    def _run_closures(self, closure: Callable[..., Any], pieces: list[list[Any]]) -> list[Any]:
+        """A step of the one pipelined graph: each closure in a thread of its own."""
         self._slots = [Slot(m) for m in range(self.microbatches)]
         self._fed = set()
         threads = [threading.Thread(target=self._run_closure, args=(closure, m, pieces[m]),
@@ -351,9 +266,14 @@ class Backend(RunningPipeline, RankLink):
             t.start()
         try:
             if self.pipe is None:  # first step: every closure's inputs give the graph's batch
-                for slot in self._slots:
-                    self._await_call(slot)
-                self._check_closures()
+                try:
+                    for slot in self._slots:
+                        self._await_call(slot)
+                    self._check_closures()
+                except BaseException as exc:
+                    first_inputs(exc, self.timeout_s)  # torchrun's other processes stop too
+                    raise
+                first_inputs([s.inputs for s in self._slots], self.timeout_s)
                 self._start()
                 for slot in self._slots:
                     self._feed(slot)
@@ -475,6 +395,7 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
 
     options(**others)  # a misspelt name: TypeError with the names that exist
     refuse("backend", {**others, "dp": dp, "precision": precision})
+    check_world(ranks)  # under torchrun: one process per rank
 
     tp, shard = int(others.get("tp", 1)), str(others.get("shard", "none"))
     pipeline_ranks(ranks, tp, dp)  # tp divides ranks, dp the pipeline ranks

@@ -2,7 +2,9 @@
 
 :func:`start_ranks` pipelines one graph (closure engines; dp, shard and tp as planned);
 :func:`start_glued` joins a compiled model's several graphs (graph breaks) and starts
-them as :mod:`orgel.explicit.glued_start` does for ``orgel.pipeline``.
+them as :mod:`orgel.explicit.glued_start` does for ``orgel.pipeline``. Under torchrun
+both make this process its rank of the job, process 0 running the closures
+(:mod:`orgel.transparent.job`).
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from orgel.batching import batch_rows, placeholders
 from orgel.explicit.glued_start import start
-from orgel.flow.prepare import prepare
+from orgel.flow.prepare import here, on_process_zero, prepare
 from orgel.flow.start import check_param_groups
 from orgel.graph.glue import join_calls
 from orgel.graph.measure import measure
 from orgel.guard import untouched
 from orgel.launch.processes import LocalGroup, under_torchrun
 from orgel.transparent.graph_model import register_state
+from orgel.transparent.job import join
 from orgel.transparent.running import NO_EVALUATION
 from orgel.transparent.slicing import rows_at, shared_inputs
 from orgel.worker.closure import ClosureEngine, profiling_loss
@@ -51,9 +55,8 @@ def start_ranks(backend: Backend) -> Started:
     """Capture, plan and split the one graph of ``backend``'s first step; fork its ranks."""
     if backend.model is None:
         raise RuntimeError("the compiled model was never called")
-    if under_torchrun():
-        raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
-                           "the ranks); under torchrun use orgel.pipeline")
+    torchrun = under_torchrun()
+    join(backend.timeout_s)
     first = backend._slots[0].inputs
     assert first is not None
     dim = backend.batch_dim
@@ -80,7 +83,8 @@ def start_ranks(backend: Backend) -> Started:
                        tp=backend.tp, microbatches=backend.microbatches // backend.dp,
                        memory=backend.memory, dp=backend.dp, shard=backend.shard,
                        loss_rule="rows", optimizer=backend.optimizer,
-                       recompute=backend.recompute, schedule=backend.schedule)
+                       recompute=backend.recompute, schedule=backend.schedule,
+                       agree=on_process_zero("cpu") if torchrun else here)
     plan, split = prepared.plan, prepared.split
     if len(plan.placement[split.loss_stage]) != backend.dp:
         raise ValueError(f"orgel.backend runs dp={backend.dp} replicas of the whole pipeline; "
@@ -92,29 +96,44 @@ def start_ranks(backend: Backend) -> Started:
     input_ranks = sorted({p for s, st in enumerate(split.stages) if st.model_inputs
                           for r in plan.placement[s] for p in plan.processes_of(r)})
     stand_ins = placeholders(batch)
-    ctx = mp.get_context("fork")
-    pipes = [ctx.Pipe() for _ in range(plan.world_size)]
 
-    def make_engine(process: int) -> RankEngine:
+    def engine(process: int, conn: Any) -> RankEngine:
         return ClosureEngine(plan.pipeline_rank_of(process), plan, split,
-                             optimizer=backend.optimizer, conn=pipes[process][1],
+                             optimizer=backend.optimizer, conn=conn,
                              timeout_s=backend.timeout_s,
                              options={**backend.loop, "replicated": whole},
                              batch_dim=backend.batch_dim)
 
-    group = LocalGroup(plan.world_size, make_engine, timeout_s=backend.timeout_s,
-                       threads=backend.threads)
     # names and tensors no graph reads (tied aliases, an unused pooler) come from the
     # compiled module, when there is one
     owner = backend._module or backend.model
     keys, aliases = model_aliases(owner)
-    pipe = Pipeline(plan, group, model=owner, loss_ranks=[p[0] for p in loss_processes],
-                    state_keys=keys,
-                    aliases=aliases, spmd=False, accumulate=backend.loop["accumulate"],
-                    evaluation=NO_EVALUATION)
+    options = dict(model=owner, loss_ranks=[p[0] for p in loss_processes], state_keys=keys,
+                   aliases=aliases, spmd=False, accumulate=backend.loop["accumulate"],
+                   evaluation=NO_EVALUATION)
+    if torchrun:  # process 0 runs the closures; its rank's engine in a thread beside them
+        from orgel.explicit.glued_job import Follower, LeadingRanks, job_group
+        from orgel.worker.state import own_stage_copies
+
+        # the stages train copies: the caller's model changes only through the ranks
+        own_stage_copies(split.stages[s].module
+                         for s in plan.stages_on(plan.pipeline_rank_of(dist.get_rank())))
+        group, mine = job_group(engine, backend.timeout_s)
+        if group is None:
+            follower = Follower(*mine, plan=plan, model=owner, keys=keys, aliases=aliases,
+                                timeout_s=backend.timeout_s)
+            return Started(follower, [], loss_processes, input_ranks, stand_ins, rows, whole)
+        pipe: Pipeline = LeadingRanks(plan, group, **options)
+        conns = group.exchanges
+    else:
+        ctx = mp.get_context("fork")
+        pipes = [ctx.Pipe() for _ in range(plan.world_size)]
+        local = LocalGroup(plan.world_size, lambda process: engine(process, pipes[process][1]),
+                           timeout_s=backend.timeout_s, threads=backend.threads)
+        pipe = Pipeline(plan, local, **options)
+        conns = [end for end, _ in pipes]
     check_param_groups(pipe)
-    return Started(pipe, [here for here, _ in pipes], loss_processes, input_ranks, stand_ins,
-                   rows, whole)
+    return Started(pipe, conns, loss_processes, input_ranks, stand_ins, rows, whole)
 
 
 def start_glued(backend: Backend, rows: int) -> Any:
@@ -123,9 +142,8 @@ def start_glued(backend: Backend, rows: int) -> Any:
     Parameters of the compiled module that no graph reads are trained from the closures'
     gradients (:class:`orgel.explicit.closures.ClosurePipeline`).
     """
-    if under_torchrun():
-        raise RuntimeError("orgel.backend runs in local-spawn mode (one process drives "
-                           "the ranks); under torchrun use orgel.pipeline")
+    torchrun = under_torchrun()
+    join(backend.timeout_s)
     assert backend._found is not None
     # the caller's parameters and buffers by original name: the compiled module, or
     # (a compiled function) a module holding what its graphs read
@@ -169,9 +187,16 @@ def start_glued(backend: Backend, rows: int) -> Any:
                        microbatches=backend.microbatches, memory=backend.memory, dp=backend.dp,
                        shard=backend.shard, loss_rule="rows", optimizer=backend.optimizer,
                        graph=graph, planner="beam", recompute=backend.recompute,
-                       schedule=backend.schedule)
+                       schedule=backend.schedule,
+                       agree=on_process_zero("cpu") if torchrun else here)
     plan, split = prepared.plan, prepared.split
     keys, aliases = model_aliases(holder)
+    if torchrun:  # process 0's closures run the Python between the graphs
+        from orgel.explicit.glued_job import start_job
+
+        return start_job(workload, plan, split, glue, optimizer=backend.optimizer,
+                         timeout_s=backend.timeout_s, keys=keys, aliases=aliases,
+                         options=backend.loop, closures=True)
     return start(workload, plan, split, glue, optimizer=backend.optimizer,
                  timeout_s=backend.timeout_s, threads=backend.threads, keys=keys,
                  aliases=aliases, closures=True, options=backend.loop)

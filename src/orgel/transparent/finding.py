@@ -1,0 +1,160 @@
+"""``orgel.backend``'s first step: the graphs micro-batch 0's closure calls.
+
+:class:`FindsGraphs`, mixed into :class:`orgel.transparent.backend.Backend`, runs micro-batch
+0's closure up to its backward (:mod:`orgel.transparent.discover`), records the graphs
+Dynamo hands the backend on the way, and makes one graph the pipelined
+:class:`~orgel.transparent.graph_model.GraphModel` or starts several joined (graph breaks).
+It also holds the rule that the autocast around the compiled model stays as found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orgel import guard
+from orgel.graph.dynamo import dynamo_settings, forget_compiled
+from orgel.guard import untouched
+from orgel.precision import device_type
+from orgel.transparent.discover import (
+    ForwardDone,
+    compiled_module,
+    stop_outputs,
+    stopped_at_backward,
+)
+from orgel.transparent.graph_model import GraphModel, ambient_autocast, describe_autocast
+from orgel.transparent.slicing import marked
+from orgel.worker.pipe import canonical_names
+
+
+class FindsGraphs:
+    """The first step's discovery; :class:`~orgel.transparent.backend.Backend` sets what
+    it reads and provides :meth:`_start_glued`."""
+
+    model: GraphModel | None
+    pipe: Any
+    _found: list[tuple[Any, ...]] | None
+    _discovering: bool
+    _names: dict[int, str] | None
+    _module: torch.nn.Module | None
+    _autocast: tuple[str, torch.dtype] | None
+    _precision: torch.dtype | None
+    _pending_load: str | Path | None
+
+    def _start_glued(self, rows: int) -> None:
+        raise NotImplementedError
+
+    def _check_autocast(self) -> None:
+        """The closure's autocast around the model must be the one the first step found.
+
+        Autocast applies around a Dynamo graph (the graph holds no casts): the
+        ranks re-create the one the first step ran under (:attr:`GraphModel.autocast`).
+        """
+        now = ambient_autocast()
+        if self._discovering:
+            if self._autocast is not None and now != self._autocast:
+                raise RuntimeError("the compiled model ran under two different autocasts in "
+                                   "one forward; orgel.backend takes one")
+            self._autocast = now
+        elif now != self._autocast:
+            raise RuntimeError(
+                f"the compiled model now runs under {describe_autocast(now)} but the first step "
+                f"ran it under {describe_autocast(self._autocast)}: the ranks run it as the first "
+                "step did. Keep the autocast around the compiled model the same in every closure")
+
+
+    def _discover(self, closure: Callable[..., Any], args: list[Any], dynamic: bool) -> None:
+        """Run micro-batch 0's closure up to its backward; record the graphs it calls.
+
+        The graphs run here on detached copies of the parameters and buffers
+        (nothing of the caller's changes), and the closure stops where its
+        ``backward`` (or ``torch.autograd.grad``) begins, before a gradient reaches a
+        parameter (:func:`stopped_at_backward`).
+        One graph that reads parameters is pipelined as is; several are joined
+        (:mod:`orgel.graph.glue`) and the closures run the Python between them.
+        ``dynamic``: every dimension of the closure's tensor arguments is marked as
+        possibly dynamic (:func:`torch._dynamo.maybe_mark_dynamic`, on views of them), so
+        Dynamo leaves the sizes it can symbolic and a later batch of another sequence
+        length runs the same graph.
+        """
+        if dynamic:
+            args = [marked(a) for a in args]
+        self._found = []
+        self._discovering = True
+        try:
+            with untouched(), dynamo_settings(), stopped_at_backward(), \
+                    guard.no_autocast_cache():
+                closure(*args)
+        except ForwardDone:
+            pass
+        except BaseException as exc:
+            self._found = None
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, ValueError | RuntimeError):
+                raise inner from None
+            raise
+        finally:
+            self._discovering = False
+
+    def _record(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                roles: list[tuple[str, str]], args: tuple[Any, ...]) -> Any:
+        from orgel.graph.glue import check_grad_mode
+
+        if self._names is None:
+            self._module = compiled_module()
+            self._names = {} if self._module is None else canonical_names(self._module)
+        # a graph of a resumed frame names the parameters from one of its locals (a
+        # submodule on the stack): name them as the compiled model does
+        roles = [(kind, self._names.get(id(a), name)) if kind in ("param", "buffer")
+                 else (kind, name) for (kind, name), a in zip(roles, args, strict=True)]
+        kinds = [kind for kind, _ in roles]
+        shadow = [a.detach().requires_grad_(a.requires_grad) if k == "param"
+                  else a.detach().clone() if k == "buffer" else a
+                  for a, k in zip(args, kinds, strict=True)]
+        if "param" in kinds or "buffer" in kinds:
+            check_grad_mode(gm, [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
+                            "The compiled model has graph breaks.")
+        out = gm(*shadow)
+        stop_outputs(out)
+        assert self._found is not None
+        if "param" in kinds or "buffer" in kinds:
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            self._found.append((gm, example_inputs, roles, list(args), outs))
+        return out
+
+    def _find_graphs(self, closure: Callable[..., Any], pieces: list[list[Any]],
+                     rows: int) -> None:
+        """The first step: micro-batch 0's graphs; one is pipelined as :attr:`model`,
+        several are joined and started (:meth:`_start_glued`)."""
+        self._discover(closure, pieces[0], dynamic=True)
+        assert self._found is not None
+        if len(self._found) > 1 and any(kind == "size" for _, _, roles, _, _ in self._found
+                                        for kind, _ in roles):
+            # graph breaks are joined from fixed shapes: find the graphs again, static
+            forget_compiled(self)
+            self._names = None
+            self._discover(closure, pieces[0], dynamic=False)
+            assert self._found is not None
+        if not self._found:
+            raise RuntimeError("the closure for micro-batch 0 returned without calling "
+                               "the compiled model (or it reads no parameter); call it "
+                               "once per closure")
+        if len(self._found) == 1:
+            gm, example_inputs, roles, args, _ = self._found[0]
+            around = self._autocast
+            if around is None and self._precision is not None:
+                around = (device_type(args), self._precision)
+            self.model = GraphModel(gm, example_inputs, roles, around)
+        elif self._autocast is not None or self._precision is not None:
+            under = (describe_autocast(self._autocast) if self._autocast is not None
+                     else "precision='bf16-mixed'")
+            raise RuntimeError(
+                f"the compiled model has graph breaks and runs under {under}: "
+                "orgel.backend re-creates such an autocast for one "
+                "graph only. Remove the graph break, or use orgel.pipeline(..., "
+                "precision='bf16-mixed')")
+        else:
+            self._start_glued(rows)

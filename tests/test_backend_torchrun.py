@@ -1,0 +1,171 @@
+"""``orgel.backend`` under torchrun: the same script on every process, one process's training.
+
+Process 0 runs the closures (its batch is the one trained) with its rank in a thread beside
+them; every other process follows its steps (:mod:`orgel.transparent.job`): one graph (with
+``tp``), and graph breaks with ``accumulate``. Each test runs a script under torchrun and
+checks every process's results against one process doing the same.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_api_torchrun import _torchrun
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = '''
+import copy, json, os, sys
+import torch
+import orgel
+from orgel.models import build
+
+model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
+reference = copy.deepcopy(model)
+sgd = lambda params: torch.optim.SGD(params, lr=0.05)
+pipe = orgel.backend(ranks=int(os.environ["WORLD_SIZE"]), microbatches=2, optimizer=sgd,
+                     schedule="1f1b", timeout_s=120, **json.loads(sys.argv[2]))
+compiled = torch.compile(model, backend=pipe)
+
+
+def closure(x, y):
+    loss = loss_fn(compiled(x), y) / 2
+    loss.backward()
+    return float(loss.detach())
+
+
+(x,) = inputs
+got = [sum(pipe.step(closure, x, targets)) for _ in range(2)]
+state = pipe.state_dict()
+folder = pipe.save(sys.argv[1])
+with torch.no_grad():
+    evaluated = float(loss_fn(compiled(x), targets))  # here, on the values the ranks trained
+
+
+def failing(x, y):
+    raise ValueError("the closure of step 3 fails")
+
+
+try:
+    pipe.step(failing, x, targets)
+    error = None
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+pipe.close()
+opt = sgd(list(reference.parameters()))
+want = []
+for _ in range(2):
+    opt.zero_grad()
+    total = 0.0
+    for xm, ym in zip(x.chunk(2), targets.chunk(2)):
+        loss = loss_fn(reference(xm), ym) / 2
+        loss.backward()
+        total += float(loss.detach())
+    opt.step()
+    want.append(total)
+with torch.no_grad():
+    ref_eval = float(loss_fn(reference(x), targets))
+diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
+    json.dump({"got": got, "want": want, "diff": diff, "steps": pipe.steps, "eval": evaluated,
+               "ref_eval": ref_eval, "folder": str(folder), "error": error}, f)
+'''
+
+
+@pytest.mark.parametrize(("processes", "options"), [(2, {}), (4, {"tp": 2})],
+                         ids=["two-ranks", "tp2"])
+def test_orgel_backend_trains_under_torchrun_as_one_process(
+        tmp_path: Path, processes: int, options: dict[str, int]) -> None:
+    """Two steps match one process on every process (losses, every weight, an evaluation
+    outside step on the trained values); one checkpoint folder; a closure that raises on
+    process 0 stops every process's step, each saying why, and nothing hangs."""
+    out = tmp_path / "ckpt"
+    code, log = _torchrun(tmp_path, SCRIPT, str(out), json.dumps(options),
+                          processes=processes)
+    assert code == 0, log[-3000:]
+    for rank in range(processes):
+        result = json.loads((out / f"result{rank}.json").read_text())
+        assert result["got"] == pytest.approx(result["want"], rel=1e-6), rank
+        assert result["diff"] < 1e-6, rank
+        assert result["steps"] == 2
+        assert result["eval"] == pytest.approx(result["ref_eval"], rel=1e-6)
+        assert result["folder"] == str(out / "step-00000002")
+        # process 0 raises the closure's error; the others hear that it stopped the ranks
+        expected = ("ValueError: the closure of step 3 fails" if rank == 0 else
+                    "WorkerError: process 0 stopped the pipeline during pipe.step")
+        assert expected in result["error"], (rank, result["error"])
+
+
+GRAPH_BREAK = '''
+import copy, json, os, sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+import orgel
+
+
+class Break(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        scale = 2.0 if h.abs().mean().item() > 0 else 0.5  # a graph break
+        return self.c(torch.tanh(self.b(h * scale)))
+
+
+torch.manual_seed(0)
+model = Break()
+reference = copy.deepcopy(model)
+sgd = lambda params: torch.optim.SGD(params, lr=0.05)
+pipe = orgel.backend(ranks=2, microbatches=2, optimizer=sgd, schedule="1f1b", timeout_s=120,
+                     accumulate=2)
+compiled = torch.compile(model, backend=pipe)
+
+
+def closure(x, y):
+    loss = F.mse_loss(compiled(x), y) / 2
+    loss.backward()
+    return float(loss.detach())
+
+
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(4)]
+got = [sum(pipe.step(closure, x, y)) for x, y in batches]
+state, steps = pipe.state_dict(), pipe.steps
+pipe.close()
+opt = sgd(list(reference.parameters()))
+want = []
+for call, (x, y) in enumerate(batches):
+    total = 0.0
+    for xm, ym in zip(x.chunk(2), y.chunk(2)):
+        loss = F.mse_loss(reference(xm), ym) / 4  # two micro-batches, accumulate=2
+        loss.backward()
+        total += 2 * float(loss.detach())
+    want.append(total)
+    if call % 2:
+        opt.step()
+        opt.zero_grad()
+diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
+    json.dump({"got": got, "want": want, "diff": diff, "steps": steps}, f)
+'''
+
+
+def test_graph_breaks_train_under_torchrun_with_accumulation(tmp_path: Path) -> None:
+    """A compiled model with a graph break: process 0's closures run the Python between its
+    graphs; with ``accumulate=2`` four step calls make two optimizer steps, as one process
+    accumulating the same."""
+    out = tmp_path / "out"
+    out.mkdir()
+    code, log = _torchrun(tmp_path, GRAPH_BREAK, str(out))
+    assert code == 0, log[-3000:]
+    for rank in range(2):
+        result = json.loads((out / f"result{rank}.json").read_text())
+        assert result["got"] == pytest.approx(result["want"], rel=1e-6), rank
+        assert result["diff"] < 1e-6, rank
+        assert result["steps"] == 2
