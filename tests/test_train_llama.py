@@ -5,7 +5,7 @@ forks 2 local ranks; and under torchrun). Its JSON log (loss, learning rate and 
 norm of every step, validation loss of every evaluation) and its exported state_dict are
 compared with the same loop in plain PyTorch in this process: the same model, batches of
 varying length, AdamW with two groups by name, warm-up and cosine decay, clipping,
-evaluation in eval mode without gradients. A second run stops at a checkpoint and a third
+evaluation in eval mode without gradients. One run stops at a checkpoint and a second
 resumes from it; together they must equal the uninterrupted reference.
 """
 
@@ -101,29 +101,26 @@ def _compare(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
 
 
 def test_the_example_trains_checkpoints_and_resumes_as_one_process(tmp_path: Path) -> None:
+    """A run stopped at a checkpoint and a second one resuming from it, on 2 local ranks,
+    equal one process's uninterrupted loop: every step's log, the evaluations and the
+    weights exported from the caller's model at the end."""
     trained, evals, state = _reference(STEPS)
     assert len({e["length"] for e in trained}) > 1  # the lengths vary
-    # an uninterrupted run on 2 local ranks, its weights exported from the caller's model
-    _run([sys.executable, str(EXAMPLE), *_args(tmp_path, "--steps", str(STEPS), "--log-file",
-                                                str(tmp_path / "a.jsonl"), "--export",
-                                                str(tmp_path / "model.pt"))], tmp_path)
-    got, got_evals = _log(tmp_path / "a.jsonl")
-    _compare(got, trained)
-    _compare(got_evals, evals)
-    exported = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert list(exported) == list(state)
-    for name, value in state.items():
-        torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    # the same run stopped at a checkpoint, then resumed from it
     half = str(STEPS // 2)
     _run([sys.executable, str(EXAMPLE), *_args(tmp_path, "--steps", str(STEPS), "--stop-at", half,
                                                 "--save-every", half,
                                                 "--log-file", str(tmp_path / "b.jsonl"))], tmp_path)
     _run([sys.executable, str(EXAMPLE), *_args(tmp_path, "--steps", str(STEPS), "--resume",
-                                                "--log-file", str(tmp_path / "b.jsonl"))], tmp_path)
+                                                "--log-file", str(tmp_path / "b.jsonl"),
+                                                "--export", str(tmp_path / "model.pt"))],
+         tmp_path)
     resumed, resumed_evals = _log(tmp_path / "b.jsonl")
     _compare(resumed, trained)
     _compare(resumed_evals, evals)
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert list(exported) == list(state)
+    for name, value in state.items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_the_example_runs_under_torchrun(tmp_path: Path) -> None:
