@@ -203,8 +203,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> Any:
     """Load and check the workload, make (or load) the plan and validate it; the plan."""
+    from orgel.flow.capture import resolve_plan
     from orgel.graph.capture import capture
-    from orgel.plan.balanced import balanced_plan
     from orgel.plan.transforms import mark_sharded, with_recompute, with_tp
     from orgel.runtime.checkpointing import check_policy
     from orgel.schedule.ir import Plan
@@ -229,9 +229,8 @@ def _prepare(args: argparse.Namespace) -> Any:
         # the graph is captured for one replica's rows of a micro-batch
         share = microbatches(workload, args.microbatches * args.dp)[0][0]
         graph = capture(workload.model, share, several=False, precision=args.precision)
-        plan = balanced_plan(graph, ranks=ranks, microbatches=args.microbatches,
-                             schedule=args.schedule, dp=args.dp,
-                             stages_per_rank=args.stages_per_rank)
+        plan = resolve_plan(None, workload, graph, ranks, args.microbatches, None, args.dp,
+                            schedule=args.schedule, stages_per_rank=args.stages_per_rank)
         plan = mark_sharded(plan, args.shard)
     if args.recompute:
         plan = with_recompute(plan, [check_policy(args.recompute)] * plan.num_stages)

@@ -42,20 +42,21 @@ def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = Tr
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
                   microbatches: int | str, memory: int | None, dp: int,
                   planner: str | None = None, source: Weights | None = None,
-                  optimizer: Any = None, schedule: str | None = None) -> Plan:
+                  optimizer: Any = None, schedule: str | None = None,
+                  stages_per_rank: int = 2) -> Plan:
     """The given plan (object or file), checked against the options, or the planner's.
 
     ``optimizer`` (the ranks' factory; default AdamW) sets how much state the
     planner counts per parameter byte (:func:`orgel.profile.memory.optimizer_factor`).
     ``schedule``: no profiling and no planner; ``graph`` cut into stages of equal FLOPs,
-    run by that schedule family (:func:`orgel.plan.balanced.balanced_plan`, as
-    ``orgel run --schedule``).
+    run by that schedule family (:func:`orgel.plan.balanced.balanced_plan`; ``orgel run``
+    plans so), with ``stages_per_rank`` stages per rank where the family loops.
     """
     if schedule is not None:
         from orgel.plan.balanced import balanced_plan
 
         given = balanced_plan(graph, ranks=ranks, microbatches=int(microbatches),
-                              schedule=schedule, dp=dp)
+                              schedule=schedule, dp=dp, stages_per_rank=stages_per_rank)
     elif isinstance(plan, Plan):
         given = plan
     elif plan is not None:
