@@ -29,14 +29,9 @@ from archzoo.misc import (
 from orgel.models import ZooWorkload
 
 
-def _mse_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean squared error."""
-    return F.mse_loss(outputs, targets)
-
-
 def _dict_loss(outputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy on ``logits`` plus MSE of ``score`` against the label as a float."""
-    return _ce_loss(outputs["logits"], targets) + _mse_loss(outputs["score"], targets.float())
+    return _ce_loss(outputs["logits"], targets) + F.mse_loss(outputs["score"], targets.float())
 
 
 def _moe_loss(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
