@@ -247,18 +247,10 @@ def test_gpt2_conv1d_layers_split_and_train_as_one_process() -> None:
 
 
 @pytest.mark.slow
-def test_orgel_run_tp_checks_against_one_process(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["run", GPT, "--ranks", "4", "--tp", "2", "--microbatches", "2", "--steps",
-                 "2", "--check"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "on 2 ranks of 2 processes each (tensor parallel)" in out
-    assert "-> OK" in out
-
-
-@pytest.mark.slow
 def test_orgel_run_tp_with_fsdp_replicas_checks_against_one_process(
         capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tp 2 --dp 2 --shard fsdp``: the flags make the mesh (tp alone, from a plan file,
+    is the next test)."""
     code = main(["run", GPT, "--ranks", "4", "--tp", "2", "--dp", "2", "--shard", "fsdp",
                  "--microbatches", "2", "--steps", "2", "--check"])
     out = capsys.readouterr().out
