@@ -211,8 +211,9 @@ def _again(form: tuple[str, Any]) -> BaseException:
 
 
 class Leads(Pipeline):
-    """Process 0's pipeline (a base before another Pipeline class): every method that the followers call too ends by
-    sending them its result (or its error), and the counters in :attr:`shared`."""
+    """Process 0's pipeline (a base placed before another Pipeline class): every method
+    that the followers call too ends by sending them its result (or its error), and the
+    counters in :attr:`shared`."""
 
     _ranks: JobGroup
     _depth = 0  # the calls in progress: one made inside another is not told
