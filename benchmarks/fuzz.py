@@ -6,8 +6,8 @@ schedule, clipping, accumulation, meta init, the entry point: ``orgel.pipeline``
 ``orgel.backend`` with a closure, and with ``--torchrun`` ``orgel.pipeline`` in a torchrun
 job) is trained for two optimizer steps on gloo ranks and in one process; every parameter,
 buffer and optimizer state copy is compared. Prints each setup, its verdict (the largest
-abs/rel difference per kind of value; what differed), and a summary. CI runs a few fixed draws of the same
-code (``tests/test_fuzz.py``).
+abs/rel difference per kind of value; what differed), and a summary. CI runs a few fixed
+draws of the same code (``tests/test_fuzz.py``).
 
     python benchmarks/fuzz.py --draws 200 --seed 0 [--hf] [--model gpt] [--torchrun]
 """
