@@ -122,6 +122,9 @@ def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# one worker runs every torchrun cell: pytest-xdist (`--dist loadgroup`) would otherwise
+# start the module's two torchrun jobs once per worker that gets a cell
+@pytest.mark.xdist_group("matrix-torchrun")
 @pytest.mark.parametrize("cell", FEATURES)
 def test_torchrun(cell: str, torchrun_results: Path) -> None:
     nproc = _processes(_features(cell))
