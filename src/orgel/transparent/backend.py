@@ -387,6 +387,10 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     happens to be the batch size; arguments without the batch dimension (a 0-dim
     tensor, a Python number) go whole anyway. Every other tensor argument is cut along
     ``batch_dim``, and all of them must have the same size there (the batch size).
+
+    Under torchrun, ``ranks`` is the job's process count: process 0 runs the closures on
+    its batch and every other process's ``step`` follows it (:mod:`orgel.transparent.job`);
+    call ``step`` and the other methods on every process, in the same order.
     """
     from orgel.flow.options import options, refuse
     from orgel.plan.transforms import pipeline_ranks
