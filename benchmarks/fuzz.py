@@ -1,13 +1,13 @@
 """Differential fuzzing at length: many drawn setups through orgel against one process.
 
 Each draw (``tests/fuzzing.py``: a zoo model, 2-4 ranks, dp, schedule family,
-micro-batches, recompute, frozen parameters, precision, optimizer, learning-rate
-schedule, clipping, accumulation, meta init, the entry point: ``orgel.pipeline`` or
-``orgel.backend`` with a closure, and with ``--torchrun`` ``orgel.pipeline`` in a torchrun
-job) is trained for two optimizer steps on gloo ranks and in one process; every parameter,
-buffer and optimizer state copy is compared. Prints each setup, its verdict (the largest
-abs/rel difference per kind of value; what differed), and a summary. CI runs a few fixed
-draws of the same code (``tests/test_fuzz.py``).
+micro-batches, recompute, frozen parameters, precision, optimizer, learning-rate schedule,
+clipping, accumulation, meta init, the entry point: ``orgel.pipeline`` or
+``orgel.backend`` with a closure, and with ``--torchrun`` either in a torchrun job) is
+trained for two optimizer steps on gloo ranks and in one process; every parameter, buffer
+and optimizer state copy is compared. Prints each setup, its verdict (the largest abs/rel
+difference per kind of value; what differed), and a summary. CI runs a few fixed draws of
+the same code (``tests/test_fuzz.py``).
 
     python benchmarks/fuzz.py --draws 200 --seed 0 [--hf] [--model gpt] [--torchrun]
 """
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--auto", action="store_true",
                         help="also draw the planner's own plans (schedule=auto; it profiles)")
     parser.add_argument("--torchrun", action="store_true",
-                        help="also draw orgel.pipeline under torchrun (a job per draw: slower)")
+                        help="also draw both entry points under torchrun (a job per draw: slower)")
     parser.add_argument("--traceback", action="store_true", help="print a crash's traceback")
     args = parser.parse_args(argv)
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             return rng.choice(list(options))
 
         setup = fuzzing.draw(pick, models, auto=args.auto,
-                             entries=fuzzing.ENTRIES + (("torchrun",) if args.torchrun else ()))
+                             entries=fuzzing.ENTRIES + (fuzzing.TORCHRUN if args.torchrun else ()))
         began = time.monotonic()
         print(f"[{i}] {setup.line()}", flush=True)
         try:

@@ -1,11 +1,13 @@
-"""The fuzzer's third entry point: a drawn setup through ``orgel.pipeline`` under torchrun.
+"""The fuzzer's torchrun entry points: a drawn setup through ``orgel.pipeline`` or
+``orgel.backend`` under torchrun.
 
 :func:`launch` (in the fuzzer's process) writes the setup to a folder and starts
-``python -m torch.distributed.run`` on this file with one process per rank; every process
-runs :func:`fuzzing.run_orgel` as a user's script would (the same ``orgel.pipeline`` call
-and loop, SPMD: each process steps the same batches), saving the checkpoint into that
-folder, and process 0 writes the :class:`fuzz_verdict.Result` there for :func:`launch`
-to return. A refusal is passed back as one too (:class:`fuzzing.Refused`).
+``python -m torch.distributed.run`` on this file with one process per rank; every process runs
+:func:`fuzzing.run_orgel` as a user's script would (the same ``orgel.pipeline`` call, or
+``orgel.backend`` and its closures, and loop: each process steps the same batches), saving
+the checkpoint into that folder, and process 0 writes the :class:`fuzz_verdict.Result`
+there for :func:`launch` to return. A refusal is passed back as one too
+(:class:`fuzzing.Refused`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main(folder: Path) -> None:
         result: Any = fuzzing.run_orgel(setup, folder=folder / "checkpoint")
     except fuzzing.Refused as exc:
         result = str(exc)
+        print(f"process {os.environ['RANK']}: refused: {exc}", file=sys.stderr)
     if int(os.environ["RANK"]) == 0:
         torch.save(result, folder / RESULT)
 

@@ -93,9 +93,10 @@ TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_gpt
 #: models with BatchNorm (running statistics; batch statistics)
 BATCHNORM: tuple[str, ...] = ("resnet",)
 #: the front ends a setup trains through (``tests/fuzz_backend.py`` for orgel.backend);
-#: ``"torchrun"`` (orgel.pipeline in a torchrun job, ``tests/fuzz_torchrun.py``) is drawn
+#: :data:`TORCHRUN` (either in a torchrun job, ``tests/fuzz_torchrun.py``) are drawn
 #: where asked (``draw(entries=...)``): each draw starts a job of fresh interpreters
 ENTRIES: tuple[str, ...] = ("pipeline", "backend")
+TORCHRUN: tuple[str, ...] = ("torchrun", "backend-torchrun")
 #: corners not drawn, each for a known open defect (issue 25's item)
 EXCLUDED: dict[str, str] = {
     "graphbreak": "item 11: micro-batches take different branches (GlueError at the step)",
@@ -128,7 +129,13 @@ class Setup:
     meta: str = "none"  # none, weights, init
     shape: str = "same"  # the steps' batches: same as the example, more rows, half the seq
     seed: int = 0
-    entry: str = "pipeline"  # orgel.pipeline, or torch.compile(backend=orgel.backend)
+    entry: str = "pipeline"  # pipeline, backend (torch.compile(backend=orgel.backend)),
+    # or either in a torchrun job: torchrun (orgel.pipeline), backend-torchrun
+
+    @property
+    def backend(self) -> bool:
+        """Whether the setup trains through ``orgel.backend``'s closures."""
+        return self.entry.startswith("backend")
 
     @property
     def batch(self) -> int:
@@ -155,7 +162,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
     Through ``orgel.backend`` the plan is its ``schedule=``: no meta model, no ``looped``
     family's options, recompute for every stage or none."""
     entry = pick("entry", entries)
-    backend = entry == "backend"
+    backend = entry.startswith("backend")
     model = pick("model", models)
     ranks = pick("ranks", (2, 3, 4))
     dp = pick("dp", [d for d in (1, 2, 4) if ranks % d == 0])
@@ -220,7 +227,7 @@ def make_plan(setup: Setup, model: torch.nn.Module, w: Any) -> Any:
     """A balanced chain scheduled by the setup's family, with its recompute flags (None:
     ``schedule="auto"``, orgel.pipeline plans; or orgel.backend, which makes the chain
     from its own capture: :func:`recompute_policy`)."""
-    if setup.schedule == "auto" or setup.entry == "backend":
+    if setup.schedule == "auto" or setup.backend:
         return None
     cut = Workload(copy.deepcopy(model), w.inputs, w.targets, w.loss_fn, w.batch_dim,
                    w.replicated)
@@ -266,10 +273,11 @@ def loop_options(setup: Setup) -> dict[str, Any]:
 def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None) -> Result:
     """Train ``setup`` through its entry point for :data:`STEPS` optimizer steps.
 
-    ``entry="torchrun"``: launched under torchrun (:func:`fuzz_torchrun.launch`), whose
+    ``entry="torchrun"`` or ``"backend-torchrun"``: launched under torchrun
+    (:func:`fuzz_torchrun.launch`), whose
     processes run this function themselves, each saving its checkpoint shard in ``folder``
     (one for the job; otherwise a temporary folder of this process)."""
-    if setup.entry == "torchrun" and not under_torchrun():
+    if setup.entry.endswith("torchrun") and not under_torchrun():
         return fuzz_torchrun.launch(setup, timeout_s)
     w = workloads(setup)
     model = w.model
@@ -293,7 +301,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None
     torch.manual_seed(seed)  # init= seeds each module from torch.initial_seed()
     optimizer = lambda params: make_optimizer(setup, params.named())  # noqa: E731
     try:
-        if setup.entry == "backend":
+        if setup.backend:
             pipe, step = fuzz_backend.start(setup, w, optimizer, loop_options(setup),
                                             recompute_policy(setup), timeout_s)
         else:
@@ -318,7 +326,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None
             except ShapeError as exc:  # raised in the caller before any rank starts
                 raise Refused(f"ShapeError: {exc}") from None
             except ValueError as exc:  # orgel.backend checks its options at the first step
-                if call or setup.entry != "backend":
+                if call or not setup.backend:
                     raise
                 raise Refused(f"ValueError: {exc}") from None
             if (call + 1) % setup.accumulate == 0:

@@ -80,3 +80,12 @@ def test_orgel_backend_takes_sequence_first_micro_batches() -> None:
     symbolic. The stride is read off the input now, as the sizes are."""
     _check(fuzzing.Setup("seqfirst", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=2,
                          entry="backend"))
+
+
+def test_orgel_backend_under_torchrun_takes_an_input_every_closure_passes_whole() -> None:
+    """Found by the fuzzer: under torchrun the other processes took process 0's closure
+    inputs as copies, so a table every closure passes to the model as one tensor (not
+    batched) looked batched there: "tensors disagree on the batch size (8: x; 24: memory)".
+    Process 0 now sends which inputs are one tensor."""
+    _check(fuzzing.Setup("memory", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=2,
+                         entry="backend-torchrun"))

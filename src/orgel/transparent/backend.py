@@ -64,7 +64,7 @@ from orgel.transparent.graph_model import (
 )
 from orgel.transparent.job import check_world, first_inputs, follows
 from orgel.transparent.running import RunningPipeline
-from orgel.transparent.slicing import slice_batch
+from orgel.transparent.slicing import shared_inputs, slice_batch
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
 
@@ -239,9 +239,10 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                 self._find_graphs(closure, pieces, rows)
         if self.pipe is None:  # one graph: process 0's closures' inputs give its batch
             self._slots = [Slot(m) for m in range(self.microbatches)]
-            for slot, inputs in zip(self._slots, first_inputs(None, self.timeout_s),
-                                    strict=True):
-                slot.inputs = inputs
+            given, shared = first_inputs(None, self.timeout_s)
+            for slot, inputs in zip(self._slots, given, strict=True):
+                # an input every closure passed as one tensor is one here too (not batched)
+                slot.inputs = {**inputs, **{n: given[0][n] for n in shared}}
             self._start()
         return self.pipe._follow("step")
 
@@ -273,7 +274,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                 except BaseException as exc:
                     first_inputs(exc, self.timeout_s)  # torchrun's other processes stop too
                     raise
-                first_inputs([s.inputs for s in self._slots], self.timeout_s)
+                given = [s.inputs for s in self._slots]
+                first_inputs((given, shared_inputs(given)), self.timeout_s)
                 self._start()
                 for slot in self._slots:
                     self._feed(slot)

@@ -7,8 +7,8 @@ closures), as for ``orgel.pipeline`` with graph breaks under torchrun
 closures, and every other process *follows*, serving process 0's commands on its own rank
 until process 0's call of the same method ends. On the first step every process finds
 the graph itself (micro-batch 0's closure up to its backward, as in local-spawn mode);
-the closures' inputs, which the graph's capture is measured on, are process 0's
-(:func:`first_inputs`); the plan is process 0's
+the closures' inputs, which the graph's capture is measured on, are process 0's, with the
+names of those every closure passed as one tensor (:func:`first_inputs`); the plan is process 0's
 (:func:`orgel.flow.prepare.on_process_zero`). A compiled model with graph breaks runs the
 same way: process 0's closures run the Python between its graphs
 (:func:`orgel.explicit.glued_job.start_job` with ``closures=True``).
