@@ -200,6 +200,12 @@ REFUSED: dict[tuple[str, str], str] = {
                                 "only: pass device='cpu', or remove the graph breaks",
     ("graph breaks", "tp"): "tensor parallelism needs the forward as one graph: remove the "
                             "graph breaks (TORCH_LOGS=graph_breaks names them) or pass tp=1",
+    ("backend graph breaks", "tp"): "tensor parallelism needs the compiled model as one graph: "
+                                    "remove the graph breaks (TORCH_LOGS=graph_breaks names "
+                                    "them) or pass tp=1",
+    ("backend graph breaks", "dp"): "orgel.backend runs a compiled model with graph breaks on "
+                                    "one rank per stage: give dp=1, or remove the graph break "
+                                    "(orgel.pipeline takes dp with graph breaks)",
 }
 
 

@@ -142,6 +142,10 @@ def start_glued(backend: Backend, rows: int) -> Any:
     Parameters of the compiled module that no graph reads are trained from the closures'
     gradients (:class:`orgel.explicit.closures.ClosurePipeline`).
     """
+    from orgel.flow.options import refuse
+
+    # before anything is planned: what a forward of several graphs cannot take here
+    refuse("backend graph breaks", {"dp": backend.dp, "tp": backend.tp})
     torchrun = under_torchrun()
     join(backend.timeout_s)
     assert backend._found is not None
