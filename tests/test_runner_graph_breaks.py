@@ -158,6 +158,14 @@ def test_trainable_preprocessing_and_two_calls_per_closure() -> None:
     assert len(pipe.pipe.glue.calls) == 4
 
 
+def _output_mse(net: Any) -> Any:
+    """The closure these tests train with: ``mse(net(x)[0], y) / M``, backward."""
+    def closure(x: torch.Tensor, y: torch.Tensor) -> None:
+        (F.mse_loss(net(x)[0], y) / M).backward()
+
+    return closure
+
+
 @torch._dynamo.disable
 def _eagerly(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return layer(h)
@@ -185,19 +193,13 @@ def test_parameters_only_the_python_between_graphs_uses_are_trained_too() -> Non
     pipe = _backend(timeout_s=60)
     compiled = torch.compile(model, backend=pipe)
 
-    def closure_for(net: Any) -> Any:
-        def closure(x: torch.Tensor, y: torch.Tensor) -> None:
-            (F.mse_loss(net(x)[0], y) / M).backward()
-
-        return closure
-
     ref_opt = _sgd(list(ref.parameters()))
     try:
         for x, y in _break_batches()[:2]:
-            pipe.step(closure_for(compiled), x, y)
+            pipe.step(_output_mse(compiled), x, y)
             ref_opt.zero_grad()
             for m in range(M):
-                closure_for(ref)(x.chunk(M)[m], y.chunk(M)[m])
+                _output_mse(ref)(x.chunk(M)[m], y.chunk(M)[m])
             ref_opt.step()
         state = pipe.state_dict()
     finally:
@@ -221,21 +223,15 @@ def test_graph_breaks_accumulate_over_step_calls_as_one_process() -> None:
     pipe = _backend(timeout_s=60, accumulate=3)
     compiled = torch.compile(model, backend=pipe)
 
-    def closure_for(net: Any) -> Any:
-        def closure(x: torch.Tensor, y: torch.Tensor) -> None:
-            (F.mse_loss(net(x)[0], y) / M).backward()
-
-        return closure
-
     g = torch.Generator().manual_seed(9)
     batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g))
                for _ in range(3)]
     ref_opt = _sgd(list(ref.parameters()))
     try:
         for x, y in batches:
-            pipe.step(closure_for(compiled), x, y)
+            pipe.step(_output_mse(compiled), x, y)
             for m in range(M):
-                closure_for(ref)(x.chunk(M)[m], y.chunk(M)[m])
+                _output_mse(ref)(x.chunk(M)[m], y.chunk(M)[m])
         assert pipe.steps == 1
         state = pipe.state_dict()
     finally:
@@ -263,11 +259,8 @@ def test_graph_breaks_with_tp_or_dp_are_refused_before_any_rank_starts(
                       timeout_s=60, **options)
     compiled = torch.compile(BreakBN(), backend=pipe)
 
-    def closure(x: torch.Tensor, y: torch.Tensor) -> None:
-        (F.mse_loss(compiled(x)[0], y) / M).backward()
-
     with pytest.raises(ValueError, match=words):
-        pipe.step(closure, *_break_batches()[0])
+        pipe.step(_output_mse(compiled), *_break_batches()[0])
     assert pipe.pipe is None
 
 
@@ -285,12 +278,9 @@ def test_a_parameter_both_a_graph_and_the_python_between_use_is_named() -> None:
     pipe = _backend(timeout_s=60)
     compiled = torch.compile(NormTwice(), backend=pipe)
 
-    def closure(x: torch.Tensor, y: torch.Tensor) -> None:
-        (F.mse_loss(compiled(x)[0], y) / M).backward()
-
     try:
         with pytest.warns(ob.UntrainedWarning, match=r"\['norm.weight', 'norm.bias'\]"):
-            pipe.step(closure, *_break_batches()[0])
+            pipe.step(_output_mse(compiled), *_break_batches()[0])
     finally:
         pipe.close()
 
