@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from orgel.launch.processes import free_port
+from torchrun_job import torchrun
 
 RESULT = "result.pt"
 
@@ -36,24 +35,15 @@ def launch(setup: Any, timeout_s: float) -> Any:
     with tempfile.TemporaryDirectory(prefix="orgel-fuzz-") as tmp:
         folder = Path(tmp)
         (folder / "setup.json").write_text(json.dumps(dataclasses.asdict(setup)))
-        here = Path(__file__).parent
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-        with open(folder / "torchrun.log", "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                 str(setup.ranks), "--master-addr", "127.0.0.1", "--master-port",
-                 str(free_port()), __file__, str(folder)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            try:
-                proc.wait(timeout=timeout_s + 120)  # start-up and capture come first
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        try:  # start-up and capture come first
+            code: int | str = torchrun(Path(__file__), str(folder), processes=setup.ranks,
+                                       log=folder / "torchrun.log", timeout_s=timeout_s + 120,
+                                       pythonpath=[Path(__file__).parent])
+        except subprocess.TimeoutExpired:
+            code = "killed at its timeout"
         if not (folder / RESULT).exists():
             tail = (folder / "torchrun.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"torchrun exited {proc.returncode} without a result:\n{tail}")
+            raise RuntimeError(f"torchrun exited {code} without a result:\n{tail}")
         got = torch.load(folder / RESULT, weights_only=False)
     if isinstance(got, str):
         raise fuzzing.Refused(got)

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from orgel.launch.processes import free_port
+from torchrun_job import torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -45,41 +41,14 @@ pipe.close()
 '''
 
 
-def _kill_running(marker: str) -> None:
-    """SIGKILL every process whose command line mentions ``marker``."""
-    for proc_dir in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker in (proc_dir / "cmdline").read_bytes().decode(errors="replace"):
-                os.kill(int(proc_dir.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
-
-
 def _torchrun(tmp_path: Path, script_text: str, *args: str,
              processes: int = 2) -> tuple[int, str]:
     """Run ``script_text`` on ``processes`` ranks under torchrun; its exit code and output."""
     script = tmp_path / "train.py"
     script.write_text(script_text)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # Output goes to a file, not a pipe: a pipe held open by a stray rank would
-    # keep communicate() waiting after torchrun itself has exited or been killed.
     log = tmp_path / "torchrun.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
-             *args],
-            stdout=out, stderr=subprocess.STDOUT, text=True, env=env,
-            start_new_session=True,  # so a hang can be killed with every rank it started
-        )
-        try:
-            proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _kill_running(str(script))  # ranks torchrun started in sessions of their own
-            proc.wait()
-            raise
-    return proc.returncode, log.read_text(errors="replace")
+    code = torchrun(script, *args, processes=processes, log=log, timeout_s=180)
+    return code, log.read_text(errors="replace")
 
 
 def test_pipeline_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:

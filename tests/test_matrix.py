@@ -16,10 +16,6 @@ every pipeline after the first is built in processes where one was built and clo
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +23,7 @@ import pytest
 
 import matrix_cell
 from orgel.flow.options import REFUSED as REFUSED_OPTIONS
-from orgel.launch.processes import free_port
+from torchrun_job import torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -96,20 +92,8 @@ def _torchrun_job(cells: list[str], nproc: int, out: Path) -> None:
     """Run ``cells`` one after another in one torchrun job of ``nproc`` processes."""
     specs = json.dumps([{"entry": "torchrun", "features": _features(c)} for c in cells])
     script = Path(matrix_cell.__file__)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
-    with open(out / f"torchrun{nproc}.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
-             specs, str(out)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            proc.wait(timeout=240 * len(cells))
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    torchrun(script, specs, str(out), processes=nproc, log=out / f"torchrun{nproc}.log",
+             timeout_s=240 * len(cells), pythonpath=[script.parent])
 
 
 @pytest.fixture(scope="module")

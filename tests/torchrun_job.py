@@ -1,0 +1,54 @@
+"""One torchrun job of local processes, for the tests that run a script under torchrun.
+
+:func:`torchrun` starts ``python -m torch.distributed.run`` on a script, its output going to
+a file (a pipe held open by a stray rank would keep a reader waiting after torchrun itself
+has ended), in a session of its own so that a job past its time is killed with every
+process it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from orgel.launch.processes import free_port
+
+
+def torchrun(script: Path, *args: str, processes: int, log: Path, timeout_s: float,
+             pythonpath: Sequence[Path] = ()) -> int:
+    """Run ``script`` with ``args`` on ``processes`` local processes; its exit code.
+
+    ``pythonpath``: folders the script imports from. Past ``timeout_s`` the job and every
+    process it started are killed and :class:`subprocess.TimeoutExpired` is raised.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath),
+                                             os.environ.get("PYTHONPATH", "")])
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+             *args],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_running(str(script))  # ranks torchrun started in sessions of their own
+            proc.wait()
+            raise
+
+
+def _kill_running(marker: str) -> None:
+    """SIGKILL every process whose command line mentions ``marker``."""
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc_dir / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
