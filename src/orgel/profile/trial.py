@@ -34,7 +34,8 @@ def trial(jobs: list[Callable[[], Any]], *, timeout_s: float = 120.0) -> dict[in
     use it) the jobs run here and only exceptions are caught. A child still busy
     after ``timeout_s`` is ended and the jobs it had not finished count as passed.
     """
-    if os.name != "posix" or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if os.name != "posix" or torch.cuda.is_initialized():  # never ask is_available: it
+        # initializes the CUDA driver, and ranks forked after that cannot use CUDA
         return _here(jobs)
     failed: dict[int, str] = {}
     start = 0
