@@ -220,3 +220,20 @@ def test_the_plan_for_cuda_ranks_is_made_in_a_process_of_its_own() -> None:
     plan = plan_in_child(_plan_here, device="cpu", timeout_s=60)
     assert (plan.num_ranks, plan.microbatches, plan.num_stages) == (2, 4, 2)
     assert _SEEN == []
+
+
+def _plan_after_links() -> object:
+    from orgel.profile.workload import link_costs
+
+    link_costs(ranks=2, backend="gloo", use_cache=False)  # ranks forked from the planner
+    return _plan_here()
+
+
+@pytest.mark.slow
+def test_the_planning_process_measures_links_between_processes_it_forks() -> None:
+    """The planning process is a rank of a group of its own; the ranks it forks to measure
+    links make their own group (they inherit its, which they must not join twice)."""
+    from orgel.explicit.device_plan import plan_in_child
+
+    plan = plan_in_child(_plan_after_links, device="cpu", timeout_s=60)
+    assert (plan.num_ranks, plan.microbatches, plan.num_stages) == (2, 4, 2)

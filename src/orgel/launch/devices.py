@@ -16,7 +16,8 @@
   ranks are forked, never profiles on CUDA itself: a forked process of its own does,
   :mod:`orgel.explicit.device_plan`).
 * :func:`check_fork` refuses a CUDA run whose ranks would be forked from a process
-  that has initialized CUDA (a forked child cannot use it), saying what to do.
+  that has initialized CUDA (a forked child cannot use it), saying what to do;
+  :func:`driver_initialized` reads whether the driver is, without initializing it.
 """
 
 from __future__ import annotations
@@ -123,14 +124,42 @@ def backend_for(kind: str, ranks: int) -> str:
     return "gloo"
 
 
+def driver_initialized() -> bool | None:
+    """Whether this process has initialized the CUDA driver, read without initializing it
+    (None where no driver library loads).
+
+    ``torch.cuda.is_initialized()`` tells only of PyTorch's own CUDA state: C++ code that
+    asks whether CUDA is there (``cudaGetDeviceCount``) initializes the driver without it,
+    and a child forked after that cannot use CUDA. Every driver call returns
+    ``CUDA_ERROR_NOT_INITIALIZED`` (3) before ``cuInit``; ``cuCtxGetCurrent`` is one.
+    """
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    context = ctypes.c_void_p()
+    return int(lib.cuCtxGetCurrent(ctypes.byref(context))) != 3
+
+
 def check_fork(kind: str) -> None:
     """Raise ValueError if ranks forked from this process could not use CUDA."""
-    if kind == "cuda" and torch.cuda.is_initialized():
+    if kind != "cuda":
+        return
+    if torch.cuda.is_initialized():
         raise ValueError(
             "this process has already used CUDA (a model or tensor on the GPU), and the "
             "local ranks are forked from it, which CUDA does not allow: build the model on "
             "the CPU (or the meta device) and pass device='cuda' (each rank moves its own "
             "stages to its GPU), or start the ranks with torchrun")
+    if driver_initialized():
+        raise ValueError(
+            "this process has initialized the CUDA driver (code that asked whether CUDA is "
+            "there, or an earlier pipeline's capture), and the local ranks are forked from "
+            "it, which CUDA does not allow: start orgel.pipeline(device='cuda') before "
+            "anything in this process asks CUDA, or start the ranks with torchrun or "
+            "`orgel run --device cuda`")
 
 
 def host(value: Any) -> Any:

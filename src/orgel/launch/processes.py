@@ -200,6 +200,22 @@ def _answer(conn: Connection, answer: tuple[Any, ...]) -> bool:
         return False
 
 
+_INHERITED: list[Any] = []  # the forking process's groups: kept, never shut down here
+
+
+def forget_inherited_group() -> None:
+    """In a forked child: drop the process groups the forking process had made, so that
+    this process can make its own (a rank that plans, say, forks the ranks that measure
+    links). Their connections are the parent's: they are kept alive, never shut down."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    _INHERITED.append(c10d._world)
+    c10d._world = c10d._World()
+    c10d._unregister_all_process_groups()
+
+
 def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads: int,
                  backend: str, log_dir: str | None, make_engine: Callable[[int], Any],
                  conn: Connection, line: Lifeline) -> None:
@@ -218,6 +234,7 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
     # its own: torchrun's variables would make torch join torchrun's store instead
     for key in [k for k in os.environ if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC")]:
         del os.environ[key]
+    forget_inherited_group()
     try:
         if backend == "nccl":  # one GPU per rank (orgel.launch.devices.backend_for)
             rank_device("cuda", rank)
