@@ -8,13 +8,20 @@ such call in this process while ``orgel.pipeline(..., device="cuda")`` builds a 
 GPT's pipeline and trains two steps, then prints them. Run it on a GPU machine:
 
     python benchmarks/cuda_fork_check.py
+
+Calls in C++ that initialize the driver (``cudaGetDeviceCount`` behind ``at::hasCUDA``)
+pass no Python function to record, so a profile hook also reads after every call and
+return whether the driver is initialized (:func:`orgel.launch.devices.driver_initialized`,
+which does not initialize it) and prints the stack where it first is.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
+from typing import Any
 
 import torch
 
@@ -30,6 +37,19 @@ def _recording(name: str, fn: object) -> object:
 
 
 PARENT = os.getpid()
+FIRST: list[str] = []  # where the driver was first found initialized
+PROBE: list[Any] = []  # orgel.launch.devices.driver_initialized, once imported
+
+
+def _watch(frame: object, event: str, arg: object) -> None:
+    if FIRST or os.getpid() != PARENT or event not in ("return", "c_return"):
+        return
+    if PROBE[0]():
+        name = getattr(arg, "__qualname__", "") if event == "c_return" else ""
+        FIRST.append(f"after {event} {name}\n" + "".join(traceback.format_stack(
+            frame, limit=30)))  # type: ignore[arg-type]
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
 
 
 def main() -> int:
@@ -46,12 +66,21 @@ def main() -> int:
     x = torch.randint(0, 64, (8, 16))
     y = torch.roll(x, -1, dims=1)
     error = None
+    from orgel.launch.devices import driver_initialized
+
+    PROBE.append(driver_initialized)
+    sys.setprofile(_watch)
+    threading.setprofile(_watch)
     try:
         with orgel.pipeline(model, (x,), y, lm_loss, ranks=2, microbatches=2,
                             device="cuda") as pipe:
             print("losses", [pipe.step((x,), y) for _ in range(2)])
     except Exception as exc:  # noqa: BLE001 - reported below, with the calls
         error = exc
+    sys.setprofile(None)
+    threading.setprofile(None)  # type: ignore[arg-type]
+    print("the driver first found initialized in the caller:",
+          FIRST[0] if FIRST else "never")
     print(f"{len(CALLS)} call(s) in the caller that initialize the CUDA driver:")
     for name, stack in CALLS:
         print(f"--- {name}\n{stack}")

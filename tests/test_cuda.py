@@ -237,3 +237,50 @@ def test_the_planning_process_measures_links_between_processes_it_forks() -> Non
 
     plan = plan_in_child(_plan_after_links, device="cpu", timeout_s=60)
     assert (plan.num_ranks, plan.microbatches, plan.num_stages) == (2, 4, 2)
+
+
+@pytest.mark.slow
+def test_ranks_forked_before_the_callers_capture_train_as_one_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start of CUDA ranks, run on the CPU: a forked process plans, the ranks fork
+    before the caller captures and each prepares by that plan; losses, evaluation and
+    weights equal one process."""
+    import copy
+
+    import orgel
+    import orgel.explicit.api as api
+    import orgel.flow.start as start
+    from orgel.models import build
+
+    forked: list[int] = []
+    fork_ranks = start.fork_ranks
+    monkeypatch.setattr(api, "FORK_FIRST", frozenset({"cpu"}))
+    monkeypatch.setattr(start, "fork_ranks",
+                        lambda *a, **k: (forked.append(a[2]), fork_ranks(*a, **k))[1])
+    w = build("gpt", seq_len=16)
+    x, y = w.inputs[0], w.targets
+    reference = copy.deepcopy(w.model)
+    with orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=2,
+                        device="cpu", optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:
+        losses = [pipe.step(w.inputs, w.targets) for _ in range(2)]
+        evaluated = pipe.evaluate(w.inputs, w.targets)
+        state = pipe.state_dict()
+    assert forked == [2]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref = []
+    for _ in range(2):
+        opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            loss = w.loss_fn(reference(xs), ys) / 2
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        ref.append(total)
+    reference.eval()
+    with torch.no_grad():
+        ref_eval = w.loss_fn(reference(x), y).item()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    assert abs(evaluated - ref_eval) <= 1e-5 * max(1.0, abs(ref_eval))
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)

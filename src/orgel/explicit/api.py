@@ -55,6 +55,12 @@ from orgel.workload import Workload, model_loss, validate_workload, with_precisi
 __all__ = ["Pipeline", "load", "pipeline"]
 
 
+
+#: the device kinds whose local ranks fork before the caller captures, each preparing by
+#: one plan (made by a forked process of its own): CUDA, whose driver a capture can
+#: initialize in the caller (:func:`orgel.flow.start.fork_ranks`)
+FORK_FIRST = frozenset({"cuda"})
+
 def pipeline(
     model: torch.nn.Module,
     inputs: Any,
@@ -265,17 +271,33 @@ def pipeline(
         prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),
                            check_graph=breaks_allowed, **common)
     else:
-        # a plan to make is timed on the GPU, by a process of its own
-        if kind == "cuda" and plan is None and schedule is None:
+        group = None
+        if kind in FORK_FIRST:
+            # a plan to make is timed on the GPU, by a process of its own; then the ranks
+            # fork, each preparing by that plan, before this process captures anything
+            # (a capture can initialize the CUDA driver here: flow.start.fork_ranks)
             from orgel.explicit.device_plan import plan_in_child
+            from orgel.flow.start import fork_ranks
 
-            plan = plan_in_child(lambda: plan_only(workload, **common), device=kind,
-                                 timeout_s=timeout_s)
-            common["mark"] = True  # as planned here: its stages get the shard option
-        # the workers fork afterwards, from the caller's own state; this process never uses
-        # CUDA (a forked rank could not), so it profiles on the CPU
-        with profiling_on("cpu"), cuda_unused():
-            prepared = prepare(workload, plan=plan, check_graph=breaks_allowed, **common)
+            if plan is None and schedule is None:  # a schedule's plan is FLOP-balanced:
+                # every process makes the same, with no profiling
+                plan = plan_in_child(lambda: plan_only(workload, **common), device=kind,
+                                     timeout_s=timeout_s)
+                common["mark"] = True  # as planned here: its stages get the shard option
+            given = plan if plan is None or isinstance(plan, Plan) else Plan.load(plan)
+            group = fork_ranks(
+                lambda: prepare(workload, plan=given, check_graph=breaks_allowed, **common),
+                kind, world, optimizer=optimizer, timeout_s=timeout_s, threads=threads,
+                executor_options=executor_options)
+        # this process never uses CUDA (ranks forked from it could not), so it profiles on
+        # the CPU
+        try:
+            with profiling_on("cpu"), cuda_unused():
+                prepared = prepare(workload, plan=plan, check_graph=breaks_allowed, **common)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
     prepared.keys, prepared.aliases = keys, aliases
     glue = prepared.graph.glue
     if glue is not None:  # several graphs: the controller runs the Python between them
@@ -299,7 +321,7 @@ def pipeline(
         return start_torchrun(prepared, kind, optimizer=optimizer, timeout_s=timeout_s,
                               executor_options=executor_options, owns_group=owns_group)
     return start_local(prepared, kind, optimizer=optimizer, timeout_s=timeout_s,
-                       threads=threads, executor_options=executor_options)
+                       threads=threads, executor_options=executor_options, group=group)
 
 
 def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: Any = None,

@@ -8,7 +8,8 @@ same :class:`~orgel.worker.pipe.Pipeline`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +19,9 @@ from orgel.schedule.ir import Plan
 from orgel.split.materialize import Weights, materialize_stages, process_memory
 from orgel.worker.engine import RankEngine
 from orgel.worker.pipe import OwnRank, Pipeline
+
+if TYPE_CHECKING:
+    from orgel.launch.processes import LocalGroup
 
 
 def loss_processes(plan: Plan, loss_stage: int) -> list[int]:
@@ -83,9 +87,39 @@ def _pipeline(prepared: Prepared, ranks: Any, *, spmd: bool, accumulate: int,
     return pipe
 
 
+def fork_ranks(prepare_here: Callable[[], Prepared], kind: str, world: int, *,
+               optimizer: Any, timeout_s: float, threads: int | None,
+               executor_options: dict[str, Any]) -> LocalGroup:
+    """Fork ``world`` ranks before this process captures anything; each prepares the
+    workload itself by the one plan ``prepare_here`` holds, as every process of a torchrun
+    job does, then makes its engine.
+
+    For CUDA ranks. A child forked from a process that has initialized the CUDA driver
+    cannot use CUDA, and a capture can initialize it from C++ code that asks whether CUDA
+    is there while ``torch.cuda.is_initialized()`` stays False (seen on an H200 with
+    torch 2.11: the forked ranks found no GPU). Forked first, the ranks do not depend on
+    what this process does after.
+    """
+    from orgel.launch.devices import profiling_on
+    from orgel.launch.processes import LocalGroup
+
+    def make_engine(process: int) -> RankEngine:  # in the worker, after the fork
+        rank_device(kind, process)  # this rank's GPU, before its capture asks CUDA
+        with profiling_on("cpu"):  # as the caller prepares: the same graph and split
+            prepared = prepare_here()
+        return engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
+                          executor_options=executor_options,
+                          evaluation=prepared.lazy_evaluation())
+
+    return LocalGroup(world, make_engine, timeout_s=timeout_s, threads=threads,
+                      backend=backend_for(kind, world))
+
+
 def start_local(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: float,
-                threads: int | None, executor_options: dict[str, Any]) -> Pipeline:
-    """Fork the plan's processes from this one; the caller drives them."""
+                threads: int | None, executor_options: dict[str, Any],
+                group: LocalGroup | None = None) -> Pipeline:
+    """Fork the plan's processes from this one (or take those :func:`fork_ranks` forked);
+    the caller drives them."""
     from orgel.guard import cuda_unused
     from orgel.launch.processes import LocalGroup
 
@@ -96,8 +130,12 @@ def start_local(prepared: Prepared, kind: str, *, optimizer: Any, timeout_s: flo
                           executor_options=executor_options, evaluation=ranks_evaluation)
 
     world = prepared.plan.world_size
-    group = LocalGroup(world, make_engine, timeout_s=timeout_s, threads=threads,
-                       backend=backend_for(kind, world))
+    if group is None:
+        group = LocalGroup(world, make_engine, timeout_s=timeout_s, threads=threads,
+                           backend=backend_for(kind, world))
+    elif group.num_ranks != world:
+        group.close()
+        raise AssertionError(f"{group.num_ranks} ranks forked for a plan of {world}")
     # this process makes it for the outputs' structure, never touching CUDA (later forks)
     return _pipeline(prepared, group, spmd=False,
                      accumulate=int(executor_options.get("accumulate", 1)),
