@@ -68,13 +68,11 @@ def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
         closer = None
     else:
         import orgel
-        from orgel.graph.capture import capture
-        from orgel.guard import cuda_unused
-        from orgel.plan.balanced import balanced_plan
 
-        with cuda_unused():  # the ranks fork from this process: it must not use CUDA
-            plan = balanced_plan(capture(model, {"tokens": x}), ranks=1, microbatches=1)
-        pipe = orgel.pipeline(model, (x,), y, loss_fn, ranks=1, microbatches=1, plan=plan,
+        # one stage: a schedule's plan needs no profiling, and nothing in this process
+        # captures before the rank forks (orgel.launch.devices.check_fork)
+        pipe = orgel.pipeline(model, (x,), y, loss_fn, ranks=1, microbatches=1,
+                              schedule="gpipe",
                               device=device, compile=variant == "orgel-compile",
                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
         start_up = time.perf_counter() - start

@@ -284,3 +284,16 @@ def test_ranks_forked_before_the_callers_capture_train_as_one_process(
     assert abs(evaluated - ref_eval) <= 1e-5 * max(1.0, abs(ref_eval))
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_caller_that_hid_its_gpus_is_refused_cuda_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a capture with the GPUs hidden, PyTorch may keep a GPU count of 0 that forked
+    ranks inherit: a CUDA pipeline forked from such a process is refused, saying what to do."""
+    import orgel.guard
+    from orgel.launch.devices import check_fork
+
+    monkeypatch.setattr(orgel.guard, "HID_GPUS", [True])
+    check_fork("cpu")
+    with pytest.raises(ValueError, match="a process of its own"):
+        check_fork("cuda")

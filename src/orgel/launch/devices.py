@@ -153,6 +153,15 @@ def check_fork(kind: str) -> None:
             "local ranks are forked from it, which CUDA does not allow: build the model on "
             "the CPU (or the meta device) and pass device='cuda' (each rank moves its own "
             "stages to its GPU), or start the ranks with torchrun")
+    from orgel.guard import HID_GPUS
+
+    if HID_GPUS:
+        raise ValueError(
+            "this process has captured a model with its GPUs hidden (an earlier pipeline, "
+            "or orgel.guard.cuda_unused), after which CUDA ranks forked from it may find no "
+            "GPU: start each CUDA pipeline in a process of its own (the first orgel.pipeline "
+            "of a script works), or start the ranks with torchrun or `orgel run --device "
+            "cuda`")
     if driver_initialized():
         raise ValueError(
             "this process has initialized the CUDA driver (code that asked whether CUDA is "

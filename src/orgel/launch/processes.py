@@ -474,6 +474,11 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0
     rank stops them all: :class:`~orgel.launch.errors.WorkerError` names the
     root cause. Each rank's stderr is printed, prefixed, once all succeeded.
     """
+    if context == "fork" and torch.cuda.is_initialized():
+        # this process ran CUDA (the planning process of CUDA ranks, which then times the
+        # runtime and the links on the CPU): autograd's device threads do not survive a
+        # fork, and a forked child's backward fails
+        context = "spawn"
     with tempfile.TemporaryDirectory(prefix="orgel-") as logs:
         group = LocalGroup(nranks, functools.partial(_Job, fn, args, nranks), timeout_s=timeout,
                            threads=threads, context=context, backend=backend, log_dir=logs)
