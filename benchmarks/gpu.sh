@@ -6,6 +6,8 @@
 # lands under $OUT (default ./gpu-out) as it is made, so a run cut short still reports. Run
 # from the repository root on a machine with a GPU and PyTorch (orgel from this tree):
 #   bash benchmarks/gpu.sh
+# The device tool here brings back at most 8 files: run it as
+#   OUT=/tmp/g bash benchmarks/gpu.sh; tar czf "$DEVICE_OUT/all.tgz" -C /tmp/g .
 # ORGEL_STACKS=30 prints every orgel process's stacks each 30 s: where a slow start waits.
 set -u
 OUT=${OUT:-gpu-out}
@@ -23,30 +25,30 @@ step() {  # step NAME SECONDS COMMAND...: run, keep its log, go on whatever it r
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)";
   nproc; } >"$OUT/summary.log" 2>&1
 # which call in the caller initializes the CUDA driver before the ranks fork (if one does)
-step fork_check "${FORK_S:-60}" $PY benchmarks/cuda_fork_check.py
+step fork_check "${FORK_S:-45}" $PY benchmarks/cuda_fork_check.py
 grep -h "call(s)\|failed\|losses" "$OUT/fork_check.log" >>"$OUT/summary.log"
 # correctness first, side by side: the demo's start-up, compiled stages, the CUDA tests
 ORGEL_STACKS=30 step demo "${DEMO_S:-120}" $PY -m orgel demo --device cuda --ranks 2 \
   --steps 20 --no-progress --out "$OUT/demo" &
 step compiled "${COMPILED_S:-120}" $PY -m orgel run examples/gpt.py:workload --device cuda \
   --ranks 2 --schedule zb-h1 --microbatches 4 --steps 3 --compile --check &
-step tests "${TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
+step tests "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
   -rA --tb=short --durations=0 -o faulthandler_timeout=60 &
 wait
 grep -h "captured, planned\|step time\|first step" "$OUT/demo.log" >>"$OUT/summary.log"
 grep -h "check vs\|compiling the stages\|Error" "$OUT/compiled.log" >>"$OUT/summary.log"
 grep -h "passed\|failed\|^FAILED\|^PASSED" "$OUT/tests.log" >>"$OUT/summary.log"
 # then the timings alone on the GPU, each variant in a fresh process
-step throughput "${THROUGHPUT_S:-270}" $PY benchmarks/compiled_throughput.py --device cuda \
-  --timeout "${VARIANT_S:-120}" --out "$OUT/throughput.jsonl"
+step throughput "${THROUGHPUT_S:-300}" $PY benchmarks/compiled_throughput.py --device cuda \
+  --timeout "${VARIANT_S:-130}" --out "$OUT/throughput.jsonl"
 grep -h "x$" "$OUT/throughput.log" >>"$OUT/summary.log"
 # a 2-stage pipeline on two ranks sharing the GPU against the cost model, and bf16-mixed on a
-# model large enough to profit (set COST_S=0 / PREC_S=0 to skip them)
-if [ "${COST_S:-90}" -gt 0 ]; then
+# model large enough to profit (off unless COST_S / PREC_S give them seconds: the rest fits 8 minutes)
+if [ "${COST_S:-0}" -gt 0 ]; then
   step cost "${COST_S:-90}" $PY benchmarks/cost_model_accuracy.py --device cuda --steps 10 \
     --workloads ${WORKLOADS:-GPT-large}
 fi
-if [ "${PREC_S:-90}" -gt 0 ]; then
+if [ "${PREC_S:-0}" -gt 0 ]; then
   step precision "${PREC_S:-90}" $PY benchmarks/precision.py --device cuda --steps 10 \
     --workload examples/gpt.py:workload_large
 fi

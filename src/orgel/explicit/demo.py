@@ -57,23 +57,21 @@ def _batches(name: str, workload: Any, batch_size: int) -> Iterator[tuple[Any, A
 
 
 def _reference_loss(workload: Any, model: torch.nn.Module, pieces: int,
-                    precision: str = "32", device: str = "cpu") -> float:
-    """The first step's loss in one process: the mean of the losses of the same ``pieces``.
+                    precision: str = "32") -> float:
+    """The first step's loss in one process on the CPU: the mean of the losses of the same
+    ``pieces``.
 
     A step's loss is the mean over micro-batches and, inside a data-parallel
     stage, over each replica's share: losses such as CLIP's that depend on the
     batch composition must be cut the same way to compare.
     """
-    from orgel.launch.devices import move
     from orgel.precision import autocast
     from orgel.workload import Workload
     from orgel.workload import microbatches as slice_batches
 
-    model = model.to(device)
     w = Workload(model, workload.inputs, workload.targets, workload.loss_fn)
-    with torch.no_grad(), autocast(precision, device):
-        losses = [float(w.loss_fn(model(**inp), tgt))
-                  for inp, tgt in move(slice_batches(w, pieces), torch.device(device))]
+    with torch.no_grad(), autocast(precision, "cpu"):
+        losses = [float(w.loss_fn(model(**inp), tgt)) for inp, tgt in slice_batches(w, pieces)]
     return sum(losses) / len(losses)
 
 
@@ -166,8 +164,8 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
         say(f"captured, planned and started the ranks in {time.perf_counter() - started:.1f} s")
         say(describe_plan(pipe.plan))
         replicas = len(pipe.plan.placement[0])  # every stage has this many replicas
-        reference = _reference_loss(workload, initial, microbatches * replicas, precision,
-                                    device)
+        # on the CPU: the caller of forked CUDA ranks never uses CUDA (they could not)
+        reference = _reference_loss(workload, initial, microbatches * replicas, precision)
         losses: list[float] = []
         times: list[float] = []
         bar = tqdm(total=steps, unit="step", disable=not progress, file=sys.stderr,
@@ -187,7 +185,9 @@ def run_demo(*, model: str = "gpt", ranks: int = 2, steps: int = 20, microbatche
             say(f"compiling the stages took {seconds} s (by rank, in the first step)")
         events = pipe.timeline()
         plan = pipe.plan
-    matches = abs(losses[0] - reference) <= 1e-4 * max(1.0, abs(reference))
+    # another device's kernels (and its autocast) round otherwise
+    tolerance = 1e-4 if device == "cpu" or precision == "32" else 2e-3
+    matches = abs(losses[0] - reference) <= tolerance * max(1.0, abs(reference))
     say(f"first step loss {losses[0]:.5f} vs single-process {reference:.5f}: "
         + ("match" if matches else "MISMATCH"))
     say(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps")

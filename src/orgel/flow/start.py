@@ -107,9 +107,13 @@ def fork_ranks(prepare_here: Callable[[], Prepared], kind: str, world: int, *,
         rank_device(kind, process)  # this rank's GPU, before its capture asks CUDA
         with profiling_on("cpu"):  # as the caller prepares: the same graph and split
             prepared = prepare_here()
+            evaluation = prepared.lazy_evaluation()
+            if kind != "cpu":  # now, while the model is on the CPU: engine_for moves this
+                # rank's stages (the model's own tensors) to its device, and a capture
+                # after that sees two devices (seen on an H200)
+                evaluation.get()
         return engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
-                          executor_options=executor_options,
-                          evaluation=prepared.lazy_evaluation())
+                          executor_options=executor_options, evaluation=evaluation)
 
     return LocalGroup(world, make_engine, timeout_s=timeout_s, threads=threads,
                       backend=backend_for(kind, world))
