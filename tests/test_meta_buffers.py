@@ -1,7 +1,9 @@
 """Meta models with buffers their constructors compute (a causal mask, position ids).
 
-``init`` must write them: a buffer it leaves unset is reported by name, with its dtype
-and what to write; a meta GPT with such buffers trains like one process. The shared
+Built under ``torch.device("meta")``, ``init`` must write them: a buffer it leaves unset
+is reported by name, with its dtype and what to write. Built inside
+``orgel.build_on_meta()``, each rank makes them as the constructor did and ``init`` sets
+weights only. Either way a meta GPT with such buffers trains like one process. The shared
 helpers (``initialized``, ``_sgd``) come from ``test_meta.py``.
 """
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import orgel
 from orgel.explicit.api import pipeline
 from orgel.split.materialize import MaterializeError, Weights
 from test_meta import _sgd, initialized
@@ -70,6 +73,24 @@ def masked_init(m: torch.nn.Module) -> None:
         m.ids = torch.arange(m.ids.numel())
 
 
+def weights_only(m: torch.nn.Module) -> None:  # sets no buffer
+    if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+        torch.nn.init.normal_(m.weight, std=0.1)
+
+
+class Rotary(torch.nn.Module):
+    """Buffers computed through several ops: rotary frequencies, a write through a view."""
+
+    def __init__(self, dim: int = 8, base: float = 10000.0) -> None:
+        super().__init__()
+        steps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        self.register_buffer("inv_freq", 1.0 / (base ** steps), persistent=False)
+        keep = torch.ones(4, 4)
+        keep[:, :2].fill_(0)
+        self.register_buffer("keep", keep.T)
+        self.lin = torch.nn.Linear(dim, dim)
+
+
 def _lm_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())
 
@@ -77,14 +98,9 @@ def _lm_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def test_a_buffer_init_does_not_write_is_reported_by_name() -> None:
     with torch.device("meta"):
         model = MaskedGPT()
-
-    def weights_only(m: torch.nn.Module) -> None:  # sets no buffer
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(m.weight, std=0.1)
-
     source = Weights(model, init=weights_only)
     with pytest.raises(MaterializeError, match=r"init left blocks\.0\.mask unset \(a torch\.bool"
-                       r" tensor .*causal mask.*m\.mask\.copy_"):
+                       r" tensor .*causal mask.*build_on_meta.*m\.mask\.copy_"):
         source.tensors(["blocks.0.qkv.weight", "blocks.0.mask"])
     with pytest.raises(MaterializeError, match=r"init left pos\.ids unset \(a torch\.int64"):
         source.tensors(["pos.ids"])
@@ -128,3 +144,81 @@ def test_a_meta_gpt_with_a_causal_mask_buffer_trains_like_one_process(cache: Pat
     assert list(state) == list(reference.state_dict())
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_buffers_built_on_meta_are_made_as_the_constructor_made_them() -> None:
+    """Inside build_on_meta, init sets weights only: each buffer comes out as the real
+    constructor makes it, through several ops and a write through a view; init may still
+    overwrite one; a buffer made outside the block is reported as before."""
+    with orgel.build_on_meta():
+        model, rotary = MaskedGPT(), Rotary()
+    assert model.pos.ids.is_meta
+    real, real_rotary = MaskedGPT(), Rotary()
+    made = Weights(model, init=weights_only).tensors(["blocks.1.mask", "pos.ids"])
+    assert torch.equal(made["blocks.1.mask"], real.blocks[1].mask)
+    assert torch.equal(made["pos.ids"], real.pos.ids)
+    made = Weights(rotary, init=lambda m: None).tensors(["inv_freq", "keep", "lin.weight"])
+    assert torch.equal(made["inv_freq"], real_rotary.inv_freq)
+    assert torch.equal(made["keep"], real_rotary.keep)
+    assert not made["lin.weight"].isnan().any()  # reset_parameters, as on any meta model
+    params = {n: torch.zeros(p.shape) for n, p in real.named_parameters()}
+    from_file = Weights(model, weights=params).tensors(["pos.ids", "blocks.0.mask"])
+    assert torch.equal(from_file["pos.ids"], real.pos.ids)  # weights without the buffers
+    assert torch.equal(from_file["blocks.0.mask"], real.blocks[0].mask)
+
+    def shifted(m: torch.nn.Module) -> None:
+        if isinstance(m, Positions):
+            m.ids.add_(1)
+
+    assert Weights(model, init=shifted).tensors(["pos.ids"])["pos.ids"].tolist() == [
+        1, 2, 3, 4, 5, 6]
+    with orgel.build_on_meta():
+        later = MaskedGPT()
+    with torch.device("meta"):
+        later.pos.ids = later.pos.ids * 1  # made outside the block: not recorded
+    with pytest.raises(MaterializeError, match=r"init left pos\.ids unset"):
+        Weights(later, init=weights_only).tensors(["pos.ids"])
+
+
+@pytest.mark.slow
+def test_a_gpt_built_on_meta_trains_like_one_process_with_init_setting_weights_only(
+        cache: Path) -> None:
+    ids = torch.randint(0, 16, (8, 6), generator=torch.Generator().manual_seed(3))
+    targets = torch.roll(ids, -1, dims=1)
+    with orgel.build_on_meta():
+        model = MaskedGPT()
+    reference = MaskedGPT()
+    for name, module in reference.named_modules():
+        if module._parameters or module._buffers:
+            initialized(module, name, 6, weights_only)
+    torch.manual_seed(6)
+    with pipeline(model, (ids,), targets, _lm_loss, ranks=2, microbatches=2, optimizer=_sgd,
+                  threads=1, init=weights_only) as pipe:
+        losses = [pipe.step((ids,), targets) for _ in range(2)]
+        state = pipe.state_dict()
+    opt = _sgd(list(reference.parameters()))
+    for loss in losses:
+        opt.zero_grad()
+        expected = _lm_loss(reference(ids), targets)
+        expected.backward()
+        opt.step()
+        assert loss == pytest.approx(expected.item(), rel=1e-5)
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_hugging_face_llama_built_on_meta_gets_its_rotary_frequencies() -> None:
+    """A Hugging Face Llama's rotary ``inv_freq`` (non-persistent, computed in the
+    constructor) comes out on a rank as the real constructor makes it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    with orgel.build_on_meta():
+        model = LlamaForCausalLM(config)
+    real = dict(LlamaForCausalLM(config).named_buffers())
+    names = [n for n, _ in model.named_buffers()]
+    assert any(n.endswith("inv_freq") for n in names)
+    made = Weights(model, init=weights_only).tensors(names)
+    for name in names:
+        assert torch.equal(made[name], real[name]), name

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from orgel.split.deferred import replay, replayable
 from orgel.split.types import SplitModel
 
 Init = Callable[[torch.nn.Module], Any]
@@ -119,6 +120,10 @@ class Weights:
                     f"{name} has shape {tuple(meta.shape)}: give weights saved from this model "
                     "(same configuration)")
             out[name] = _like(meta, stored.to(device=device, dtype=meta.dtype, copy=True))
+        for name in [n for n in missing if self.init is None
+                     and _replayed_buffer(self.tensor_of[n])]:  # else init may write it too
+            out[name] = _like(self.tensor_of[name], replay(self.tensor_of[name], device))
+            missing.remove(name)
         if missing and self.init is None:
             raise MaterializeError(
                 f"weights have no tensor for {len(missing)} of the model's names, e.g. "
@@ -160,7 +165,9 @@ class Weights:
         tables: dict[bool, dict[str, Any]] = {True: twin._parameters, False: twin._buffers}
         for key, t, is_param in _direct(module):
             made = real.get(id(t))
-            if made is None:
+            if made is None and not is_param and replayable(t):  # as its constructor made it
+                made = _like(t, replay(t, device))
+            elif made is None:
                 made = _like(t, _placeholder(t, device))
                 placed[id(made)] = (made, made._version)
             tables[is_param][key] = made
@@ -178,6 +185,10 @@ class Weights:
             if now is not None:
                 made_now[id(t)] = now
         return made_now
+
+
+def _replayed_buffer(t: torch.Tensor) -> bool:
+    return not isinstance(t, torch.nn.Parameter) and replayable(t)
 
 
 def _placeholder(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -215,9 +226,11 @@ def _unset_message(name: str, t: torch.Tensor) -> str:
         what = (f"a {t.dtype} tensor that reset_parameters() and init on its module did not "
                 "write; on the meta device a value its module's constructor computes (a "
                 "causal mask, position ids: torch.tril, torch.arange) is not made")
-    return (f"init left {name} unset ({what}): make init set every parameter and buffer of "
-            "the modules it is given, a buffer computed in __init__ too (write it in place, "
-            "e.g. m.mask.copy_(torch.tril(torch.ones_like(m.mask))), or assign it, e.g. "
+    return (f"init left {name} unset ({what}): build the model inside "
+            "`with orgel.build_on_meta():` (each rank then makes such buffers as the "
+            "constructor does), or make init set every parameter and buffer of the modules it "
+            "is given, a buffer computed in __init__ too (write it in place, e.g. "
+            "m.mask.copy_(torch.tril(torch.ones_like(m.mask))), or assign it, e.g. "
             "m.pos = torch.arange(n)), or pass weights= with it")
 
 
