@@ -163,3 +163,31 @@ def test_more_ranks_than_the_default_blocks_plan_one_stage_each() -> None:
     assert result.plan.num_ranks == 36
     assert result.plan.num_stages >= 36
     assert result.plan.meta["block_graph"]["target_blocks"] == 72
+
+
+class _Positions(torch.nn.Module):
+    """Adds position numbers made without naming a device, as some forwards do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.arange(x.shape[-1]).to(x.dtype)
+
+
+def test_a_meta_capture_whose_forward_makes_tensors_on_the_default_device() -> None:
+    """The meta capture runs without torch.device("meta") around it (Dynamo traces that
+    mode's hook at every call: slow on deep models); a forward that makes a tensor without
+    naming a device is captured again inside it, with the same ops."""
+    from orgel.plan.device import capture_meta
+    from orgel.workload import Workload
+
+    with torch.device("meta"):
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        positions = _Positions()
+        x = torch.empty(4, 8)
+    _, graph = capture_meta(Workload(plain, (x,), x, torch.nn.functional.mse_loss), 2)
+    assert any("relu" in str(n.op) for n in graph.nodes.values())
+    _, graph = capture_meta(Workload(positions, (x,), x, torch.nn.functional.mse_loss), 2)
+    assert any("arange" in str(n.op) for n in graph.nodes.values())
