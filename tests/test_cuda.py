@@ -290,10 +290,10 @@ def test_a_caller_that_hid_its_gpus_is_refused_cuda_ranks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """After a capture with the GPUs hidden, PyTorch may keep a GPU count of 0 that forked
     ranks inherit: a CUDA pipeline forked from such a process is refused, saying what to do."""
-    import orgel.guard
+    import orgel.launch.devices
     from orgel.launch.devices import check_fork
 
-    monkeypatch.setattr(orgel.guard, "HID_GPUS", [True])
+    monkeypatch.setattr(orgel.launch.devices, "HID_GPUS", [True])
     check_fork("cpu")
     with pytest.raises(ValueError, match="a process of its own"):
         check_fork("cuda")

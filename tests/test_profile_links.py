@@ -152,8 +152,14 @@ def test_profiling_measures_the_links_of_the_planned_ranks(
     monkeypatch.setattr(workload, "_cores", lambda: 3)
     costs = workload.profile_workload(tiny(), microbatches=2, blocks=3, repeats=1,
                                       progress=False, ranks=4, device="cpu")
-    # 4 planned ranks on 3 cores: 3 gloo processes, and the slow pair reaches the costs
+    # 4 planned ranks on 3 cores: 3 gloo processes. Processes of one host talk over
+    # loopback, every pair alike: a pair that measured slower measured noise, and is dropped
     assert asked == [(3, "gloo")]
+    assert costs.link == FAST and costs.links == {}
+    # between GPUs (NCCL) a pair can differ (NVLink or PCIe): the slow pair reaches the costs
+    monkeypatch.setattr(workload, "link_world", lambda device, ranks: ("nccl", 3))
+    costs = workload.profile_workload(tiny(), microbatches=2, blocks=3, repeats=1,
+                                      progress=False, ranks=4, device="cpu")
     assert costs.link == FAST and costs.links == {(0, 2): SLOW}
 
 

@@ -154,13 +154,6 @@ def no_autocast_cache() -> Iterator[None]:
 _NO_CUDA = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
-#: one entry once :func:`cuda_unused` hid the GPUs in this process. PyTorch's C++ side
-#: counts the GPUs once and keeps the count: where code asked it while they were hidden
-#: (a capture did, on an H200 with torch 2.11), a process forked from this one finds no
-#: GPU, and nothing tells whether it was asked (:func:`orgel.launch.devices.check_fork`)
-HID_GPUS: list[bool] = []
-
-
 @contextmanager
 def cuda_unused() -> Iterator[None]:
     """Inside, ``torch.cuda.is_available()`` answers False unless this process uses CUDA
@@ -183,7 +176,7 @@ def cuda_unused() -> Iterator[None]:
         return
     import os
 
-    from orgel.launch.devices import gpu_count
+    from orgel.launch.devices import HID_GPUS, gpu_count
 
     gpu_count()  # kept once read: read it with every GPU in sight
     saved = {name: os.environ.get(name) for name in _NO_CUDA}

@@ -36,6 +36,12 @@ DEVICES = ("auto", "cpu", "cuda")
 
 _GPUS: list[int] = []  # gpu_count's answer, once known
 
+#: one entry once :func:`orgel.guard.cuda_unused` hid the GPUs in this process. PyTorch's
+#: C++ side counts the GPUs once and keeps the count: where code asked it while they were
+#: hidden (a capture did, on an H200 with torch 2.11), a process forked from this one finds
+#: no GPU, and nothing tells whether it was asked (:func:`check_fork`)
+HID_GPUS: list[bool] = []
+
 
 def gpu_count() -> int:
     """The GPUs this process sees, read without initializing CUDA here.
@@ -153,8 +159,6 @@ def check_fork(kind: str) -> None:
             "local ranks are forked from it, which CUDA does not allow: build the model on "
             "the CPU (or the meta device) and pass device='cuda' (each rank moves its own "
             "stages to its GPU), or start the ranks with torchrun")
-    from orgel.guard import HID_GPUS
-
     if HID_GPUS:
         raise ValueError(
             "this process has captured a model with its GPUs hidden (an earlier pipeline, "
