@@ -55,11 +55,11 @@ from orgel.workload import Workload, model_loss, validate_workload, with_precisi
 __all__ = ["Pipeline", "load", "pipeline"]
 
 
-
 #: the device kinds whose local ranks fork before the caller captures, each preparing by
-#: one plan (made by a forked process of its own): CUDA, whose driver a capture can
-#: initialize in the caller (:func:`orgel.flow.start.fork_ranks`)
+#: one plan (made by a forked process of its own): CUDA, for which a capture in the caller
+#: can leave what forked processes inherit unusable (:func:`orgel.flow.start.fork_ranks`)
 FORK_FIRST = frozenset({"cuda"})
+
 
 def pipeline(
     model: torch.nn.Module,
@@ -275,7 +275,7 @@ def pipeline(
         if kind in FORK_FIRST:
             # a plan to make is timed on the GPU, by a process of its own; then the ranks
             # fork, each preparing by that plan, before this process captures anything
-            # (a capture can initialize the CUDA driver here: flow.start.fork_ranks)
+            # (flow.start.fork_ranks says why)
             from orgel.explicit.device_plan import plan_in_child
             from orgel.flow.start import fork_ranks
 

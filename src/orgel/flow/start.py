@@ -94,11 +94,11 @@ def fork_ranks(prepare_here: Callable[[], Prepared], kind: str, world: int, *,
     workload itself by the one plan ``prepare_here`` holds, as every process of a torchrun
     job does, then makes its engine.
 
-    For CUDA ranks. A child forked from a process that has initialized the CUDA driver
-    cannot use CUDA, and a capture can initialize it from C++ code that asks whether CUDA
-    is there while ``torch.cuda.is_initialized()`` stays False (seen on an H200 with
-    torch 2.11: the forked ranks found no GPU). Forked first, the ranks do not depend on
-    what this process does after.
+    For CUDA ranks. The caller captures with the GPUs hidden (:func:`orgel.guard.cuda_unused`),
+    and PyTorch's C++ side may read the GPU count then (0) and keep it: ranks forked after
+    that found no GPU (an H200 with torch 2.11). Had the GPUs not been hidden, the capture
+    would have initialized CUDA, which a forked child cannot use either. Forked first, the
+    ranks do not depend on what this process does after.
     """
     from orgel.launch.devices import profiling_on
     from orgel.launch.processes import LocalGroup
