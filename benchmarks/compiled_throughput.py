@@ -71,8 +71,11 @@ def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
 
         # one stage: a schedule's plan needs no profiling, and nothing in this process
         # captures before the rank forks (orgel.launch.devices.check_fork)
+        # the loss rule given (a token mean): finding it takes trial forwards of the batch on
+        # the CPU in the rank, with one thread; on an H200 (2026-11-28) the large GPT's rank
+        # had not started after 70 s
         pipe = orgel.pipeline(model, (x,), y, loss_fn, ranks=1, microbatches=1,
-                              schedule="gpipe",
+                              schedule="gpipe", loss_rule="items",
                               device=device, compile=variant == "orgel-compile",
                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
         start_up = time.perf_counter() - start
