@@ -284,7 +284,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None
     extra: dict[str, Any] = {}
     seed = 1000 + setup.seed
     if setup.meta != "none":
-        with torch.device("meta"):
+        with orgel.build_on_meta():  # the constructors' buffers remade on each rank
             model = build(setup.model, batch_size=setup.batch, seed=setup.seed).model
         freeze(setup, model)
         if setup.meta == "weights":
