@@ -181,6 +181,7 @@ def test_the_default_search_budget_scales_with_the_problem(
     plan(costs, 4, 8, planner="beam", time_limit=None)
     assert seen == [planner_module.search_budget(12, 4), None]
     assert planner_module.search_budget(400, 4) == pytest.approx(0.46)
+    assert planner_module.search_budget(2048, 1024) == planner_module.MAX_SEARCH_S
     with pytest.raises(ValueError, match="time_limit must be positive seconds"):
         plan(costs, 4, 8, time_limit=0)
 

@@ -306,15 +306,21 @@ def _mesh_choices(costs: BlockCosts, ranks: int, tp: Any, shard: Any
 
 
 def search_budget(blocks: int, ranks: int) -> float:
-    """Seconds the beam phase gets by default: 0.3 s plus 0.1 ms per block and rank.
+    """Seconds the beam phase gets by default: 0.3 s plus 0.1 ms per block and rank, at
+    most :data:`MAX_SEARCH_S`.
 
     The search is anytime: it keeps the best plan found when the time is up.
     Small problems converge well inside the budget and never meet it; on the
     400-block instance Pfeife's planner was timed on (4 ranks) it gives 0.46 s
     where converging takes 3-4 s, for a plan predicted under 1% slower
-    (``benchmarks/planner_vs_pfeife.py`` prints both).
+    (``benchmarks/planner_vs_pfeife.py`` prints both). The cap matters from about 400
+    ranks on: blocks follow the ranks, and 1024 ranks would get 210 s.
     """
-    return 0.3 + 1e-4 * blocks * ranks
+    return min(MAX_SEARCH_S, 0.3 + 1e-4 * blocks * ranks)
+
+
+#: the most seconds :func:`search_budget` gives (``time_limit=`` sets any other)
+MAX_SEARCH_S = 20.0
 
 
 def _search(scorer: Scorer, ranks: int, microbatches: int, planner: str,
