@@ -6,8 +6,8 @@
 # lands under $OUT (default ./gpu-out) as it is made, so a run cut short still reports. Run
 # from the repository root on a machine with a GPU and PyTorch (orgel from this tree):
 #   bash benchmarks/gpu.sh
-# The device tool here brings back at most 8 files: run it as
-#   OUT=/tmp/g bash benchmarks/gpu.sh; tar czf "$DEVICE_OUT/all.tgz" -C /tmp/g .
+# The device tool here brings back at most 8 files from its own $OUT: run it as
+#   OUT=/tmp/g bash benchmarks/gpu.sh; tar czf "$OUT/all.tgz" -C /tmp/g .
 # ORGEL_STACKS=30 prints every orgel process's stacks each 30 s: where a slow start waits.
 set -u
 OUT=${OUT:-gpu-out}
