@@ -181,7 +181,7 @@ def cuda_unused() -> Iterator[None]:
     gpu_count()  # kept once read: read it with every GPU in sight
     saved = {name: os.environ.get(name) for name in _NO_CUDA}
     os.environ.update(_NO_CUDA)
-    if torch.backends.cuda.is_built():
+    if torch.backends.cuda.is_built() and not HID_GPUS:
         HID_GPUS.append(True)
     try:
         yield

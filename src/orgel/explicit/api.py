@@ -284,9 +284,8 @@ def pipeline(
                 plan = plan_in_child(lambda: plan_only(workload, **common), device=kind,
                                      timeout_s=timeout_s)
                 common["mark"] = True  # as planned here: its stages get the shard option
-            given = plan if plan is None or isinstance(plan, Plan) else Plan.load(plan)
             group = fork_ranks(
-                lambda: prepare(workload, plan=given, check_graph=breaks_allowed, **common),
+                lambda: prepare(workload, plan=plan, check_graph=breaks_allowed, **common),
                 kind, world, optimizer=optimizer, timeout_s=timeout_s, threads=threads,
                 executor_options=executor_options)
         # this process never uses CUDA (ranks forked from it could not), so it profiles on

@@ -29,6 +29,9 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+#: each recorded tensor's recording (a tensor dropped drops its entry)
+_RECORDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
 
 @dataclass(frozen=True)
 class _Ref:
@@ -74,6 +77,7 @@ class Recording:
                 base = view_of if view_of is not None and self._known(view_of) else t
                 self.group[id(t)] = self.group[id(base)] if base is not t else id(t)
                 self.kept.append(t)
+                _RECORDED[t] = self
             outs.append(id(t))
         if not outs and not writes:
             return
@@ -138,10 +142,6 @@ def _view_base(func: Any, args: Any) -> torch.Tensor | None:
     return None
 
 
-#: each recorded tensor's recording (a tensor dropped drops its entry)
-_RECORDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 class _Recorder(TorchDispatchMode):
     def __init__(self, recording: Recording) -> None:
         super().__init__()
@@ -151,10 +151,7 @@ class _Recorder(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        before = len(self.recording.kept)
         self.recording.add(func, (args, kwargs), out)
-        for t in self.recording.kept[before:]:
-            _RECORDED[t] = self.recording
         return out
 
 

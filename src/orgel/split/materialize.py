@@ -165,7 +165,7 @@ class Weights:
         tables: dict[bool, dict[str, Any]] = {True: twin._parameters, False: twin._buffers}
         for key, t, is_param in _direct(module):
             made = real.get(id(t))
-            if made is None and not is_param and replayable(t):  # as its constructor made it
+            if made is None and _replayed_buffer(t):  # as its constructor made it
                 made = _like(t, replay(t, device))
             elif made is None:
                 made = _like(t, _placeholder(t, device))
