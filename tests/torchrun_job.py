@@ -39,16 +39,19 @@ def torchrun(script: Path, *args: str, processes: int, log: Path, timeout_s: flo
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            _kill_running(str(script))  # ranks torchrun started in sessions of their own
+            # ranks torchrun started in sessions of their own: those of this job only (the
+            # script with these arguments; another job may run the same script)
+            _kill_running([str(script), *args])
             proc.wait()
             raise
 
 
-def _kill_running(marker: str) -> None:
-    """SIGKILL every process whose command line mentions ``marker``."""
+def _kill_running(markers: Sequence[str]) -> None:
+    """SIGKILL every process whose command line mentions each of ``markers``."""
     for proc_dir in Path("/proc").glob("[0-9]*"):
         try:
-            if marker in (proc_dir / "cmdline").read_bytes().decode(errors="replace"):
+            line = (proc_dir / "cmdline").read_bytes().decode(errors="replace")
+            if all(m in line for m in markers):
                 os.kill(int(proc_dir.name), signal.SIGKILL)
         except (OSError, ValueError):
             continue
