@@ -203,6 +203,11 @@ def run_backend(features: set[str], data: list[dict[str, torch.Tensor]], out: Pa
     opts = options(features)
     if "meta" in features:
         opts["weights"] = build(features).state_dict()
+    # with graph breaks the Python between graphs is the closure's: it opens the autocast
+    # around the model, as people write it (precision= opens one around one graph)
+    around = {"bf16", "break"} <= features
+    if around:
+        del opts["precision"]
 
     def start() -> tuple[Any, Any]:
         pipe = orgel.backend(**opts)
@@ -212,7 +217,8 @@ def run_backend(features: set[str], data: list[dict[str, torch.Tensor]], out: Pa
 
     def closure(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
                 total: int) -> torch.Tensor:
-        out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
+        with torch.autocast("cpu", torch.bfloat16, enabled=around):
+            out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
         loss = out.loss * counted(labels) / total
         loss.backward()
         return loss.detach()

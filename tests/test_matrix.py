@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
             "if_end", "length", "resume", "tied"]
-PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp", "evaluate+break",
-         "accumulate+break"]
+PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp",
+         "evaluate+bf16+break", "accumulate+break"]
 
 #: (entry, cell) -> words the refusal must contain. Every other cell must be exact.
 REFUSED: dict[tuple[str, str], str] = {
@@ -83,7 +83,7 @@ def test_local(cell: str, tmp_path: Path) -> None:
     check("local", cell, _in_process("local", cell, tmp_path))
 
 
-@pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break"])
+@pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break", "bf16+break"])
 def test_backend(cell: str, tmp_path: Path) -> None:
     check("backend", cell, _in_process("backend", cell, tmp_path))
 

@@ -21,6 +21,7 @@ from torch import nn
 
 import orgel.transparent.backend as ob
 from orgel.explicit.glued import GlueError
+from orgel.flow.options import REFUSED
 from test_runner import (
     M,
     _backend,
@@ -287,8 +288,9 @@ def test_a_parameter_both_a_graph_and_the_python_between_use_is_named() -> None:
 
 def test_an_autocast_the_closure_opens_around_the_model_is_honoured() -> None:
     """bf16 autocast around the compiled model's call, as a user writes it: the ranks run the
-    graph under the same autocast, and the step matches one process; with graph breaks it
-    is a clear error."""
+    graphs under the same autocast, and the step matches one process, with graph breaks too
+    (the Python between the graphs runs in the closure, inside its autocast; BatchNorm's
+    statistics included); ``precision=`` with graph breaks is refused from the table."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(),
                           nn.Linear(16, 3))
@@ -305,17 +307,32 @@ def test_an_autocast_the_closure_opens_around_the_model_is_honoured() -> None:
     _, _, got, want = _train_both(closure_for_both(closure_for), model, _break_batches())
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.stack(g), torch.stack(w), rtol=1e-5, atol=1e-6)
-    pipe = _backend(timeout_s=60)
+
+    def with_breaks(net: Any, _: Any) -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, h = net(x)
+            loss = (F.mse_loss(out.float(), y) + 0.1 * h.float().pow(2).mean()) / M
+            loss.backward()
+            return loss.detach()
+
+        return closure
+
+    torch.manual_seed(0)
+    pipe, state, got, want = _train_both(with_breaks, BreakBN(), _break_batches())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.stack(g), torch.stack(w), rtol=1e-5, atol=1e-6)
+    assert len(pipe.pipe.glue.calls) == 2 and pipe.pipe.glue.region == ("cpu", torch.bfloat16)
+    pipe = _backend(timeout_s=60, precision="bf16-mixed")
     compiled = torch.compile(BreakBN(), backend=pipe)
 
-    def with_breaks(x: torch.Tensor, y: torch.Tensor) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, _ = compiled(x)
-        F.mse_loss(out.float(), y).backward()
+    def no_autocast(x: torch.Tensor, y: torch.Tensor) -> None:
+        F.mse_loss(compiled(x)[0].float(), y).backward()
 
     try:
-        with pytest.raises(RuntimeError, match="has graph breaks and runs under torch.autocast"):
-            pipe.step(with_breaks, *_break_batches()[0])
+        with pytest.raises(RuntimeError) as info:
+            pipe.step(no_autocast, *_break_batches()[0])
+        assert str(info.value) == REFUSED[("backend graph breaks", "precision")]
     finally:
         pipe.close()
 

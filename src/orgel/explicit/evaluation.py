@@ -35,7 +35,8 @@ def evaluate_here(pipe: Any, model: torch.nn.Module, inputs: Any, targets: Any,
     with guard.untouched(model), torch.no_grad(), guard.no_autocast_cache():
         model.eval()
         for m, (x, y) in enumerate(parts):
-            out = model(**x)
+            with pipe.glue.autocast():
+                out = model(**x)
             if with_loss:
                 loss += float(weigh(pipe.loss_fn(out, y), weights[(m, 0)]))
             outs.append(out)

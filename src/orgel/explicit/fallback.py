@@ -94,6 +94,7 @@ class Fallback:
 
     def __init__(self, model: torch.nn.Module, glue: Any, split: Any) -> None:
         self.model = model
+        self.glue = glue
         recorded = glue_mod._EXAMPLES.get(glue.key)
         self.dummies: dict[int, list[torch.Tensor]] | None = (
             None if recorded is None else
@@ -206,7 +207,8 @@ class Fallback:
         buffers = {n: b._version for n, b in model.named_buffers()}
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.enable_grad():
-            out = model(**inputs)
+            with self.glue.autocast():
+                out = model(**inputs)
             written = [n for n, b in model.named_buffers() if b._version != buffers[n]]
             if written:
                 raise GlueError(f"micro-batch {slot.index} left the captured graphs and ran in "

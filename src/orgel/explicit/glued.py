@@ -397,7 +397,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         self._local.warming = True
         try:
             with (guard.untouched(self._runner), dynamo_settings(), torch.enable_grad(),
-                  guard.no_autocast_cache()):
+                  guard.no_autocast_cache(), self.glue.autocast()):
                 self._compiled(**inputs)
         finally:
             self._local.warming = False
@@ -433,7 +433,7 @@ class GluedPipeline(EagerParameters, Pipeline):
     def _run_microbatch(self, slot: _Slot, inputs: dict[str, Any], targets: Any) -> None:
         first = slot.anchor = torch.zeros((), requires_grad=True)
         try:
-            with dynamo_settings(), torch.enable_grad():
+            with dynamo_settings(), torch.enable_grad(), self.glue.autocast():
                 out = self._compiled(**inputs)
                 self._check_calls(slot)
                 check_outside(slot.index, out, self._remote_ids)

@@ -198,11 +198,21 @@ REFUSED: dict[tuple[str, str], str] = {
                                       "pipe.step returns",
     ("graph breaks", "device=cuda"): "a forward of several graphs (graph breaks) runs on CPU ranks "
                                 "only: pass device='cpu', or remove the graph breaks",
+    ("graph breaks", "precision=16-mixed"): "precision='16-mixed' is not available for a "
+                                            "forward of several graphs (graph breaks) yet: "
+                                            "float16's loss scaling would have to reach the "
+                                            "loss this process computes; use 'bf16-mixed'",
     ("graph breaks", "tp"): "tensor parallelism needs the forward as one graph: remove the "
                             "graph breaks (TORCH_LOGS=graph_breaks names them) or pass tp=1",
     ("backend graph breaks", "tp"): "tensor parallelism needs the compiled model as one graph: "
                                     "remove the graph breaks (TORCH_LOGS=graph_breaks names "
                                     "them) or pass tp=1",
+    ("backend graph breaks", "precision"): "orgel.backend's precision= opens an autocast "
+                                           "around one compiled graph; with graph breaks the "
+                                           "Python between the graphs runs in your closure: "
+                                           "open torch.autocast('cpu', dtype=torch.bfloat16) "
+                                           "around the compiled model's call in the closure "
+                                           "instead, and give no precision=",
     ("backend graph breaks", "dp"): "orgel.backend runs a compiled model with graph breaks on "
                                     "one rank per stage: give dp=1, or remove the graph break "
                                     "(orgel.pipeline takes dp with graph breaks)",

@@ -82,9 +82,6 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             try:
                 raw = _dynamic_or_static(model, traced, region, dynamic, notes)
             except GraphBreakError as exc:
-                if dtype is not None:
-                    raise GraphBreakError(f"{exc} Under precision={precision!r} orgel "
-                                          "needs one graph of the forward") from None
                 if traced is not named:
                     raise GraphBreakError(f"{exc} A model on the meta device needs one "
                                           "graph of the forward") from None
@@ -93,7 +90,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 # run as several graphs, the Python between them in the controller
                 from orgel.graph.glue import capture_graphs
 
-                raw, glue = capture_graphs(model, named, str(exc))
+                raw, glue = capture_graphs(model, named, str(exc), region)
                 notes.append(f"Dynamo captured the forward as {len(glue.calls)} graphs "
                              f"(first break: {str(exc).split('. For one graph')[0]}); the Python "
                              "between them runs in the controller for each micro-batch")

@@ -31,6 +31,7 @@ exchange waits for a gradient the controller can only send after a later one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 from collections import OrderedDict
@@ -84,6 +85,16 @@ class Glue:
     #: parameters that code outside every graph trains (the Python between graphs, a module
     #: Dynamo ran eagerly, a custom Function's backward), by name; see :func:`eager_homes`
     eager: list[str] = field(default_factory=list)
+    #: ``(device type, dtype)`` of the autocast the forward ran under (mixed precision):
+    #: the joined graph holds that region, and the Python between graphs runs in it
+    region: tuple[str, torch.dtype] | None = None
+
+    def autocast(self) -> Any:
+        """The autocast the forward's Python between graphs runs under (a no-op without
+        mixed precision), for every place that runs the forward in the controller."""
+        if self.region is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.region[0], dtype=self.region[1])
 
     def has_exchange(self, c: int) -> bool:
         """Call ``c`` is preceded by an exchange (every call but a first one without glue)."""
@@ -248,8 +259,14 @@ class _Exchanged(torch.autograd.Function):
 # -- capture ---------------------------------------------------------------------------------
 
 
-def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -> tuple[Any, Glue]:
+def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
+                   region: tuple[str, torch.dtype] | None = None) -> tuple[Any, Glue]:
     """Run the forward once through Dynamo with graph breaks allowed; one joined graph.
+
+    ``region``: ``(device type, dtype)`` of the autocast the forward runs under (mixed
+    precision). Dynamo's graphs hold no casts for an autocast entered around them, so
+    the joined graph opens that region around everything (every stage re-enters it) and
+    the controller runs the Python between graphs in it (:meth:`Glue.autocast`).
 
     Returns the capture route's raw form (graph module, placeholder roles,
     output leaves, output spec; see :mod:`orgel.graph.capture`) and the
@@ -280,7 +297,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
 
     try:
         compiled = torch.compile(model, backend=backend, dynamic=False)
-        with dynamo_settings(), torch.enable_grad():
+        with dynamo_settings(), torch.enable_grad(), Glue("", [], "", region=region).autocast():
             result = compiled(**named)
     except CaptureError:
         raise
@@ -313,7 +330,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str) -
             else:
                 roles.append(None)
         prepared.append((gm, args, outs, roles))
-    return join_calls(prepared, reason, eager)
+    return join_calls(prepared, reason, eager, region)
 
 
 def check_grad_mode(gm: torch.fx.GraphModule, trainable: list[bool], reason: str) -> None:
@@ -333,12 +350,14 @@ def check_grad_mode(gm: torch.fx.GraphModule, trainable: list[bool], reason: str
 
 def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                                 list[tuple[str, Any] | None]]],
-               reason: str, eager: list[str]) -> tuple[Any, Glue]:
+               reason: str, eager: list[str],
+               region: tuple[str, torch.dtype] | None = None) -> tuple[Any, Glue]:
     """The joined graph and its :class:`Glue` from the graph calls a forward ran, in order.
 
     Each call is ``(graph, arguments, outputs, roles)``; ``roles[i]`` is
     ``("param"|"buffer"|"input", name)`` or None for a value the Python between
-    graphs hands over (recorded now, exchanged in training).
+    graphs hands over (recorded now, exchanged in training). ``region``: the autocast
+    the calls ran under (see :func:`capture_graphs`).
     """
     calls: list[Call] = []
     recorded: dict[int, list[torch.Tensor]] = {}
@@ -361,7 +380,7 @@ def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
     _EXAMPLES[key] = recorded
     while len(_EXAMPLES) > _KEEP:
         _EXAMPLES.popitem(last=False)
-    glue_info = Glue(key, calls, reason, eager=eager)
+    glue_info = Glue(key, calls, reason, eager=eager, region=region)
     return _join([gm for gm, _, _, _ in seen], glue_info, recorded), glue_info
 
 
@@ -426,6 +445,8 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
             placeholder(kind, name)
     previous: list[torch.fx.Node] = []
     anchor: torch.fx.Node | None = None
+    entered = None if glue.region is None else graph.call_function(
+        torch.amp.autocast_mode._enter_autocast, (*glue.region, True, None))
     for c, (gm, call) in enumerate(zip(gms, glue.calls, strict=True)):
         root.add_module(f"graph{c}", gm)
         values: list[torch.fx.Node] = []
@@ -460,6 +481,8 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
             env[node] = copy
     if anchor is None:  # one graph, the Python after it (an `if` at the end): no exchange
         anchor = graph.call_function(torch.zeros, ((),))
+    if entered is not None:  # the region around every graph call
+        graph.call_function(torch.amp.autocast_mode._exit_autocast, (entered,))
     graph.output((*previous, anchor))
     joined = torch.fx.GraphModule(root, graph)
     leaves = [("out", i) for i in range(len(previous) + 1)]

@@ -148,13 +148,9 @@ class FindsGraphs:
             if around is None and self._precision is not None:
                 around = (device_type(args), self._precision)
             self.model = GraphModel(gm, example_inputs, roles, around)
-        elif self._autocast is not None or self._precision is not None:
-            under = (describe_autocast(self._autocast) if self._autocast is not None
-                     else "precision='bf16-mixed'")
-            raise RuntimeError(
-                f"the compiled model has graph breaks and runs under {under}: "
-                "orgel.backend re-creates such an autocast for one "
-                "graph only. Remove the graph break, or use orgel.pipeline(..., "
-                "precision='bf16-mixed')")
-        else:
+        else:  # the Python between the graphs runs in the closures, under their autocast
+            if self._precision is not None and self._autocast is None:
+                from orgel.flow.options import REFUSED
+
+                raise RuntimeError(REFUSED[("backend graph breaks", "precision")])
             self._start_glued(rows)

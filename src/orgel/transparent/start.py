@@ -180,7 +180,9 @@ def start_glued(backend: Backend, rows: int) -> Any:
         n for n, p in backend._module.named_parameters() if p.requires_grad and id(p) not in read]
     reason = (f"torch.compile captured the compiled model as {len(calls)} graphs that "
               "read parameters.")
-    raw, glue = join_calls(calls, reason, eager=outside)
+    # an autocast the closures open around the model: the graphs hold no casts, so the
+    # joined graph opens it and every stage re-enters it (the closures' Python is in it)
+    raw, glue = join_calls(calls, reason, eager=outside, region=backend._autocast)
     workload = Workload(holder, {}, rows_at(rows, backend.batch_dim), profiling_loss,
                         batch_dim=backend.batch_dim)
     with untouched(holder):
