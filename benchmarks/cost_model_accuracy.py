@@ -166,7 +166,7 @@ def main() -> None:
                              "torch.cuda.max_memory_allocated per rank)")
     args = parser.parse_args()
     from orgel.launch.devices import backend_for, profiling_on, resolve_device
-    from orgel.launch.processes import spawn
+    from orgel.launch.spawn import spawn
     from orgel.plan import plan_workload
 
     kind = resolve_device(args.device)

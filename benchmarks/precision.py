@@ -38,7 +38,7 @@ def main() -> None:
                         help="where to profile and run (see cost_model_accuracy.py)")
     args = parser.parse_args()
     from orgel.launch.devices import backend_for, profiling_on, resolve_device
-    from orgel.launch.processes import spawn
+    from orgel.launch.spawn import spawn
     from orgel.plan import plan_workload
     from orgel.workload import load_workload, with_precision
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from orgel.launch.processes import spawn
+from orgel.launch.spawn import spawn
 from orgel.models.gpt import GPT, GPTConfig, lm_loss
 from orgel.runtime.executor import Executor
 from orgel.schedule.families import build_schedule

@@ -10,7 +10,7 @@ import pytest
 
 SCRIPT = '''
 import json, operator
-from orgel.launch.processes import spawn
+from orgel.launch.spawn import spawn
 print("script ran", flush=True)  # once: the children never import this file
 print(json.dumps(spawn(operator.add, 2, timeout=30.0)))  # rank + world on each rank
 '''

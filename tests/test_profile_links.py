@@ -17,7 +17,7 @@ import torch
 from orgel.commands.profile import format_table
 from orgel.costs.blocks import BlockCosts
 from orgel.launch.errors import WorkerError
-from orgel.launch.processes import spawn
+from orgel.launch.spawn import spawn
 from orgel.plan import plan
 from orgel.plan.predict import end_of_step
 from orgel.plan.ranks import best_ranks, channel_traffic

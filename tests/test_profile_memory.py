@@ -310,7 +310,7 @@ def test_a_replicated_stage_holds_a_flat_copy_of_its_gradients(
     after another and still holds the previous one's temporaries when it starts
     the next: the profile steps the parameters in the model's order for this).
     """
-    from orgel.launch.processes import spawn
+    from orgel.launch.spawn import spawn
     from orgel.plan import plan_workload
 
     monkeypatch.setenv("ORGEL_CACHE", str(tmp_path / "cache"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orgel.launch.processes import spawn
+from orgel.launch.spawn import spawn
 from test_runtime_nets import SCENARIOS, build, reference, run_scenarios
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from orgel.launch.errors import WorkerError
-from orgel.launch.processes import spawn
+from orgel.launch.spawn import spawn
 from orgel.runtime.executor import Executor
 from test_runtime_nets import batch, build, ce_loss, sgd
 

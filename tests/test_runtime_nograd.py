@@ -172,7 +172,7 @@ def run_rank(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_two_ranks_train_exactly_and_send_no_gradient_for_the_mask() -> None:
-    from orgel.launch.processes import spawn
+    from orgel.launch.spawn import spawn
 
     per_rank = spawn(run_rank, 2, timeout=60)
     model, inputs, targets = workload()

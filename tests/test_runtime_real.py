@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from orgel.launch.processes import spawn
+from orgel.launch.spawn import spawn
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from orgel.launch.processes import spawn
+from orgel.launch.spawn import spawn
 from orgel.plan.predict import held_sends
 from orgel.runtime.comm import Transport
 from orgel.runtime.executor import Executor

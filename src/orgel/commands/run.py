@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan (or load), validate, spawn, train, print; optionally check against one process."""
     from orgel.graph.opgraph import CaptureError
     from orgel.launch.errors import WorkerError
-    from orgel.launch.processes import spawn
+    from orgel.launch.spawn import spawn
     from orgel.schedule.ir import PlanError
     from orgel.split.split import SplitError
     from orgel.usercode import user_code

@@ -8,7 +8,7 @@ answering with the return value or the error. Every command goes to all ranks
 at once because most of them (a training step, a checkpoint) need every rank.
 ``orgel.pipeline`` forks its workers, so they inherit the captured graph, the
 plan and the stage modules (nothing the user built has to be pickled);
-:func:`spawn` starts fresh interpreters and runs one function on each.
+:func:`orgel.launch.spawn.spawn` starts fresh interpreters and runs one function on each.
 
 A failure means the same thing everywhere: the first rank that raises or dies
 is the root cause, every worker is killed at once (a rank blocked on a
@@ -26,13 +26,11 @@ it reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; there
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import multiprocessing as mp
 import os
 import socket
 import sys
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -451,48 +449,6 @@ def _stop_workers(procs: list[Any], conns: list[Connection]) -> None:
     _kill(procs)
 
 
-class _Job:
-    """The engine :func:`spawn` gives each rank: it runs ``fn(rank, world, *args)`` once."""
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], world: int,
-                 rank: int) -> None:
-        self.fn, self.args, self.world, self.rank = fn, args, world, rank
-
-    def run(self) -> Any:
-        return self.fn(self.rank, self.world, *self.args)
-
-
-def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0,
-          threads: int | None = 1, backend: str = "gloo", context: str = "spawn") -> list[Any]:
-    """Run ``fn(rank, nranks, *args)`` on ``nranks`` fresh local processes; their results.
-
-    ``fn`` must be importable (module level) and its arguments and results
-    picklable. ``context="fork"`` starts them as copies of this process instead
-    (no imports to repeat: seconds faster; only for work on the CPU, since a child
-    forked from a process that used CUDA cannot). ``timeout`` (seconds) is the process
-    group's timeout. A failing
-    rank stops them all: :class:`~orgel.launch.errors.WorkerError` names the
-    root cause. Each rank's stderr is printed, prefixed, once all succeeded.
-    """
-    if context == "fork" and torch.cuda.is_initialized():
-        # this process ran CUDA (the planning process of CUDA ranks, which then times the
-        # runtime and the links on the CPU): autograd's device threads do not survive a
-        # fork, and a forked child's backward fails
-        context = "spawn"
-    with tempfile.TemporaryDirectory(prefix="orgel-") as logs:
-        group = LocalGroup(nranks, functools.partial(_Job, fn, args, nranks), timeout_s=timeout,
-                           threads=threads, context=context, backend=backend, log_dir=logs)
-        try:
-            results = group.call("run", wait_s=None)
-        finally:
-            group.close()
-        for r in range(nranks):
-            text = (Path(logs) / f"rank{r}.log").read_text(errors="replace").strip()
-            if text:
-                print(f"[rank {r}] " + text.replace("\n", f"\n[rank {r}] "), file=sys.stderr)
-    return results
-
-
 @contextmanager
 def _main_left_alone(make_engine: Callable[..., Any] | None) -> Iterator[None]:
     """While a ``spawn`` child starts, keep it from re-running ``__main__``.
@@ -504,7 +460,7 @@ def _main_left_alone(make_engine: Callable[..., Any] | None) -> Iterator[None]:
     the ranks run lives in an importable module the children never need
     ``__main__``: hide it.
     """
-    fn = getattr(make_engine, "args", (make_engine,))[0]  # spawn's partial(_Job, fn, ...)
+    fn = getattr(make_engine, "args", (make_engine,))[0]  # spawn's partial(Job, fn, ...)
     main = sys.modules.get("__main__")
     if make_engine is None or main is None or getattr(fn, "__module__", "__main__") == "__main__":
         yield

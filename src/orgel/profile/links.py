@@ -99,7 +99,7 @@ def measure_link_samples(world: int = 2, *, backend: str = "gloo",
 
     A round trip carries the bytes from ``a`` to ``b`` and 4 bytes back.
     """
-    from orgel.launch.processes import spawn
+    from orgel.launch.spawn import spawn
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world must be an integer >= 2 (ranks to measure between), got {world!r}")
@@ -147,7 +147,7 @@ def summarize_links(links: dict[Pair, Link], *, tolerance: float = 0.2,
     return median, dict(sorted(odd.items()))
 
 
-# -- one rank of the benchmark (runs under orgel.launch.processes.spawn) -----------------
+# -- one rank of the benchmark (runs under orgel.launch.spawn.spawn) -----------------
 
 
 def _ping_pong(rank: int, world: int, backend: str, sizes: tuple[int, ...], repeats: int,

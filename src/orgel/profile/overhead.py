@@ -135,7 +135,7 @@ def measure_overhead(link: Link, *, counts: tuple[int, int] = (4, 16),
     the median step of the models in ``benchmarks/cost_model_accuracy.py``
     came out 4-18% above its prediction.)
     """
-    from orgel.launch.processes import spawn
+    from orgel.launch.spawn import spawn
 
     # forked, not spawned: the ranks run gloo on the CPU, and a fork skips their imports
     results = spawn(_rank, 2, tuple(counts), steps, timeout=120.0, threads=1, context="fork")

@@ -12,7 +12,7 @@ count, so a second run is quick: it runs the blocks once in sequence and
 measures again only if they now take more than ``recheck`` (25%) off what the
 table recorded (a table timed under another load is stale). Blocks are
 timed in interleaved rounds (:mod:`orgel.profile.measure`), with
-``threads`` intra-op threads (default 1, what :func:`orgel.launch.processes.spawn` gives each rank;
+``threads`` intra-op threads (default 1, what :func:`orgel.launch.spawn.spawn` gives each rank;
 :func:`rank_threads` is what a local group of ``ranks`` gives each), since a
 block's time depends on it and ranks train with few threads each. The table
 also carries what the planner's prediction needs beyond the blocks' own

@@ -9,7 +9,8 @@
 """
 
 from orgel.launch.errors import CommFailure, StepFailure, WorkerError
-from orgel.launch.processes import LocalGroup, init_from_env, spawn
+from orgel.launch.processes import LocalGroup, init_from_env
+from orgel.launch.spawn import spawn
 from orgel.runtime.executor import Executor
 from orgel.runtime.trace import Event, gather_events, save_views, summary
 
