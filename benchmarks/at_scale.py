@@ -47,7 +47,8 @@ AsyncTP; the pipeline runs ``pipeline_parallel_degree`` = 8 micro-batches
 (its default then) of 4 sequences; interleaved 1F1B puts 2 stages on each
 rank (its default split), 1F1B one. Published: 1F1B 100, interleaved 1F1B 128
 tokens/s/GPU (1.28x). ``--torchtitan`` (default on) predicts both with the
-same split rule (uniform layers), full recompute, bf16 on h100-80gb (orgel
+same split rule (uniform layers), per-layer recompute (its full activation
+checkpointing wraps each transformer block), bf16 on h100-80gb (orgel
 prices neither Float8 nor AsyncTP's overlap, so the absolute numbers are not
 the point: the ratio is), then orgel's own choice for the same model, GPU
 count and batch.
@@ -233,8 +234,9 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
     template = Template(label, family, options, base)
     scorer = Scorer(table.scaled(1.0 / dp), memory=None)
     points = uniform_points(costs.num_blocks, template.num_stages)
+    # torchtitan's full activation checkpointing wraps each transformer block
     single = scorer.to_plan(template, chain_split(points, costs.num_blocks),
-                            (True,) * template.num_stages)
+                            ("layer",) * template.num_stages)
     single = labelled(single, template)
     full = replicated(single, dp, table, None, shard)
     full = dataclasses.replace(full, tp=tp, meta={**full.meta, "mesh": {
@@ -251,7 +253,7 @@ def torchtitan(device: Any, cache: Path | None) -> None:
     rows = batch // microbatches  # a micro-batch: 4 sequences on each of the 8 FSDP ranks
     print(f"torchtitan Llama 3.1 405B, 512 H100s, FSDP {dp} x TP {tp} x PP {depth}, "
           f"{batch} x {seq} tokens, {microbatches} micro-batches of {rows // dp} sequences "
-          f"per replica, full recompute (table captured in {captured:.1f} s)")
+          f"per replica, per-layer recompute (table captured in {captured:.1f} s)")
     got = {}
     for family, v, published in (("1f1b", 1, 100), ("interleaved", 2, 128)):
         result = fixed_plan(costs.scaled(rows), family, depth, microbatches, tp=tp, dp=dp,
@@ -271,8 +273,8 @@ def torchtitan(device: Any, cache: Path | None) -> None:
     if best is not None:
         tokens = batch * seq / (best.step_time / 1000) / gpus
         print(f"  orgel's choice: {mesh_label(best)} {best.plan.meta.get('schedule_label')}, "
-              f"M {best.plan.microbatches}, recompute {sum(best.plan.recompute)}/"
-              f"{best.plan.num_stages}: {tokens:.0f} tok/s/GPU, "
+              f"M {best.plan.microbatches}, recompute {recomputed(best.plan)}: "
+              f"{tokens:.0f} tok/s/GPU, "
               f"{tokens / got['interleaved']:.2f}x torchtitan's interleaved configuration "
               f"as orgel predicts it ({seconds:.1f} s to plan)", flush=True)
 
@@ -298,7 +300,7 @@ def main() -> None:
     print(f"device {device.name}: {device.gpus_per_node} GPUs per node, "
           f"{device.intra_node.name} inside, {device.inter_node.name} between nodes")
     print(f"{'model':<13} {'GPUs':>5} {'search':<8} {'PPxTPxDP':>10} {'M':>4} "
-          f"{'schedule':<24} {'recomp':>7} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} "
+          f"{'schedule':<24} {'recomp':>10} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} "
           f"{'x':>5} {'bubble':>6} {'GiB/GPU':>7} {'plan s':>6} {'RSS GiB':>7}")
     for name in args.model:
         blocks = 2 * LAYERS[name] + 2
@@ -339,6 +341,14 @@ def main() -> None:
           f"{time.perf_counter() - started:.0f} s in all")
 
 
+def recomputed(plan: Any) -> str:
+    """How many stages recompute, and how (``l``: per layer, ``s``: selective, ``w``:
+    the stage whole): ``"6/8 l4 w2"``."""
+    kinds = [{"layer": "l", "selective": "s"}.get(r, "w") for r in plan.recompute if r]
+    counts = " ".join(f"{k}{kinds.count(k)}" for k in "lsw" if k in kinds)
+    return f"{len(kinds)}/{plan.num_stages}" + (f" {counts}" if counts else "")
+
+
 def _row(name: str, gpus: int, search: str, mesh: str, result: PlanResult, batch: int,
          seq: int, params: float, device: Any, seconds: float, base: float | None) -> float:
     """Print one row; returns its MFU."""
@@ -346,11 +356,11 @@ def _row(name: str, gpus: int, search: str, mesh: str, result: PlanResult, batch
     tokens = batch * seq / step / gpus
     mfu = 6 * params * tokens / device.peak("bf16")
     label = str(result.plan.meta.get("schedule_label"))[:24]
-    recompute = f"{sum(result.plan.recompute)}/{result.plan.num_stages}"
+    recompute = recomputed(result.plan)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
     ratio = "" if base is None else f"{mfu / base:.2f}"
     print(f"{name:<13} {gpus:>5} {search:<8} {mesh:>10} {result.plan.microbatches:>4} "
-          f"{label:<24} {recompute:>7} {step:>7.2f} {tokens:>9.0f} {mfu:>5.1%} {ratio:>5} "
+          f"{label:<24} {recompute:>10} {step:>7.2f} {tokens:>9.0f} {mfu:>5.1%} {ratio:>5} "
           f"{result.sim.bubble_fraction:>6.1%} {max(result.sim.peak_memory) / GIB:>7.1f} "
           f"{seconds:>6.1f} {rss:>7.2f}", flush=True)
     return mfu

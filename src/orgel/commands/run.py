@@ -205,7 +205,7 @@ def _prepare(args: argparse.Namespace) -> Any:
     """Load and check the workload, make (or load) the plan and validate it; the plan."""
     from orgel.flow.capture import resolve_plan
     from orgel.graph.capture import capture
-    from orgel.plan.transforms import mark_sharded, with_recompute, with_tp
+    from orgel.plan.transforms import mark_sharded, runnable_recompute, with_recompute, with_tp
     from orgel.runtime.checkpointing import check_policy
     from orgel.schedule.ir import Plan
     from orgel.schedule.validate import validate
@@ -238,8 +238,13 @@ def _prepare(args: argparse.Namespace) -> Any:
     if args.plan:  # nor does a plan made for another model
         share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
         graph = capture(workload.model, share, several=False, precision=args.precision)
-        split_plan(graph, plan)
-    return with_tp(plan, args.tp, graph)
+    assert graph is not None  # captured for the plan made or given
+    split = split_plan(graph, plan)
+    plan = with_tp(plan, args.tp, graph)
+    if not args.plan and not args.recompute:  # the planner's per-layer choices, runnable
+        plan = runnable_recompute(plan, [bool(st.written) for st in split.stages],
+                                  compiled=args.compile)
+    return plan
 
 
 def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, Any]] | None:

@@ -11,6 +11,7 @@ is re-exported here, where most code imports it.
 
 from __future__ import annotations
 
+from orgel.costs.recompute import stage_policies
 from orgel.costs.table import BlockCosts
 from orgel.costs.tied import tied_shared, tied_within
 from orgel.schedule.costs import Costs, StageCost
@@ -59,6 +60,7 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
                      else _outgoing(bc, inside)),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
         grad_overlap=max(0, grad_overlap(bc, blocks, grads) - freed),
+        recompute=stage_policies(bc.recompute, list(blocks)),
     )
 
 

@@ -14,7 +14,7 @@ from orgel.schedule.costs import Link
 
 BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "temporary", "name",
               "nodes", "weight_kept", "input_saved", "output_unsaved", "split_input",
-              "split_weight", "optimizer_ms", "tp")
+              "split_weight", "optimizer_ms", "tp", "recompute")
 #: Optional per-block times: given for every block or for none.
 OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",

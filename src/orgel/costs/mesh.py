@@ -168,6 +168,10 @@ def tp_costs(costs: BlockCosts, tp: int) -> BlockCosts:
         output_unsaved=[min(u, a) for u, a in zip(costs.output_unsaved, acts, strict=True)],
         optimizer_ms=opt, split_input=split_in, split_weight=split_w, tied=tied,
         node_ranks=None if costs.node_ranks is None else costs.node_ranks // tp,
+        # a member rebuilds and keeps its share: its blocks' bytes and times as they shrank
+        recompute=[r.tp_member(a / a0 if a0 else 1.0, f / f0 if f0 else 1.0) for r, a, a0, f, f0
+                   in zip(costs.recompute, acts, costs.activations, fwd, costs.fwd,
+                          strict=True)] if costs.recompute else [],
         tp_split=[dataclasses.replace(s, fwd=s.fwd / tp, bwd=s.bwd / tp, wgrad=s.wgrad / tp,
                                       params=s.params // tp,
                                       activations=s.activations // tp)

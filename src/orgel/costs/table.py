@@ -94,6 +94,7 @@ from orgel.costs.fields import (
     read_tied,
 )
 from orgel.costs.mesh import TPSplit
+from orgel.costs.recompute import BlockRecompute
 from orgel.costs.tied import TiedGroup, check_group
 from orgel.schedule.costs import Link
 
@@ -145,6 +146,9 @@ class BlockCosts:
     cores: float | None = None  # ranks that compute at once on a shared host (None: own devices)
     # what tensor parallelism splits, per block (or none): see orgel.costs.mesh
     tp_split: list[TPSplit] = field(default_factory=list)
+    # what "layer" and "selective" recompute keep and run again, per block (or none: priced
+    # as a stage's whole recompute); see orgel.costs.recompute
+    recompute: list[BlockRecompute] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
@@ -175,6 +179,9 @@ class BlockCosts:
         if self.tp_split and len(self.tp_split) != n:
             raise CostsFileError(f"'tp' is given for {len(self.tp_split)} blocks: give it for "
                                  f"every block ({n}) or for none")
+        if self.recompute and len(self.recompute) != n:
+            raise CostsFileError(f"'recompute' is given for {len(self.recompute)} blocks: give "
+                                 f"it for every block ({n}) or for none")
         if self.cores is not None and not self.cores > 0:
             raise CostsFileError(f"'cores' must be a positive number of ranks that compute at "
                                  f"once, got {self.cores!r}; leave it out when every rank has "
@@ -260,7 +267,8 @@ class BlockCosts:
             step_overhead=self.step_overhead, node_ranks=self.node_ranks,
             node_link=self.node_link,
             edge_grads={e: int(b * factor) for e, b in self.edge_grads.items()},
-            cores=self.cores, tp_split=[t.scaled(factor) for t in self.tp_split])
+            cores=self.cores, tp_split=[t.scaled(factor) for t in self.tp_split],
+            recompute=[r.scaled(factor) for r in self.recompute])
 
     # -- JSON --------------------------------------------------------------------
 
@@ -280,6 +288,8 @@ class BlockCosts:
                 blocks[i][key] = t
         for i, split in enumerate(self.tp_split):
             blocks[i]["tp"] = split.to_dict()
+        for i, facts in enumerate(self.recompute):
+            blocks[i]["recompute"] = facts.to_dict()
         return {
             "blocks": blocks,
             "edges": [list(e) for e in self.edges],
@@ -347,6 +357,12 @@ class BlockCosts:
                     cols["tp"].append(TPSplit.from_dict(b["tp"], f"blocks[{i}].tp"))
                 except ValueError as exc:
                     raise CostsFileError(str(exc)) from None
+            if "recompute" in b:
+                try:
+                    cols["recompute"].append(BlockRecompute.from_dict(
+                        b["recompute"], f"blocks[{i}].recompute"))
+                except ValueError as exc:
+                    raise CostsFileError(str(exc)) from None
             cols["name"].append(str(b.get("name", f"block{i}")))
             nodes = b.get("nodes", [])
             if not isinstance(nodes, list) or not all(isinstance(x, str) for x in nodes):
@@ -399,7 +415,7 @@ class BlockCosts:
             **read_node(data.get("node")),
             edge_grads=read_edge_grads(data.get("edge_grads", [])),
             cores=None if data.get("cores") is None else read_number(data["cores"], "cores"),
-            tp_split=cols["tp"],
+            tp_split=cols["tp"], recompute=cols["recompute"],
         )
 
     def save(self, path: str | Path) -> None:

@@ -269,7 +269,7 @@ def pipeline(
 
     if spmd:
         prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),
-                           check_graph=breaks_allowed, **common)
+                           check_graph=breaks_allowed, compiled=compile, **common)
     else:
         group = None
         if kind in FORK_FIRST:
@@ -285,14 +285,16 @@ def pipeline(
                                      timeout_s=timeout_s)
                 common["mark"] = True  # as planned here: its stages get the shard option
             group = fork_ranks(
-                lambda: prepare(workload, plan=plan, check_graph=breaks_allowed, **common),
+                lambda: prepare(workload, plan=plan, check_graph=breaks_allowed,
+                                compiled=compile, **common),
                 kind, world, optimizer=optimizer, timeout_s=timeout_s, threads=threads,
                 executor_options=executor_options)
         # this process never uses CUDA (ranks forked from it could not), so it profiles on
         # the CPU
         try:
             with profiling_on("cpu"), cuda_unused():
-                prepared = prepare(workload, plan=plan, check_graph=breaks_allowed, **common)
+                prepared = prepare(workload, plan=plan, check_graph=breaks_allowed,
+                                   compiled=compile, **common)
         except BaseException:
             if group is not None:
                 group.close()

@@ -116,7 +116,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             loss_scaling: bool = False, agree: Agree = here, mark: bool = False,
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
             planner: str | None = None, recompute: bool | str = False,
-            schedule: str | None = None) -> Prepared:
+            schedule: str | None = None, compiled: bool = False) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
@@ -129,10 +129,12 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     of their own). ``planner``: the planner's name (default: its own choice).
     ``recompute``: every stage's recompute policy (:data:`orgel.schedule.ir.RECOMPUTE`;
     False: the plan's own). ``schedule``: a FLOP-balanced chain run by that family
-    instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`).
+    instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`). ``compiled``:
+    the stages run compiled (the planner's per-layer recompute choices take the stage whole:
+    :func:`orgel.plan.transforms.runnable_recompute`).
     """
     from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan, stage_replicas
-    from orgel.plan.transforms import with_tp
+    from orgel.plan.transforms import runnable_recompute, with_tp
     from orgel.split import split_plan
 
     given, captured = plan, graph is not None
@@ -169,6 +171,11 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                              "rank per stage (dp=1)")
         graph = replica_graph(workload, graph, the_plan)
         split = split_plan(graph, the_plan)
+        if recompute is False and (given is None or mark) and any(
+                isinstance(p, str) for p in the_plan.recompute):
+            # the planner's per-layer or selective choices, where the runtime can run them
+            the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages],
+                                          compiled=compiled)
         check_sharded(the_plan, split, loss_scaling=loss_scaling)
     return Prepared(workload, the_plan, split, graph, rule, seed, source)
 

@@ -7,8 +7,9 @@ of its output):
 
 * ``False``: every node's saved bytes;
 * ``True`` (the stage whole): its inputs; its backward first rebuilds all of it;
-* ``"layer"``: each layer's inputs (a checkpoint keeps its arguments) and the saved bytes
-  of the nodes outside every layer; the backward rebuilds one layer at a time;
+* ``"layer"``: each layer's inputs (a checkpoint keeps its arguments; a value several
+  layers read counts once) and the saved bytes of the nodes outside every layer; the
+  backward rebuilds one layer at a time;
 * ``"selective"``: the stage's inputs and the outputs of the operators that are costly to
   recompute (:data:`SAVED_OPS`); the backward rebuilds the rest.
 
@@ -31,16 +32,24 @@ SAVED_OPS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "con
                        "conv2d", "conv3d", "scaled_dot_product_attention"})
 
 
-def _outside_bytes(opg: OpGraph, names: Sequence[str]) -> int:
-    """Bytes of the distinct values ``names`` read that none of them computes (model
-    inputs and other nodes' outputs; parameters are not values)."""
+def _outside(opg: OpGraph, names: Sequence[str]) -> set[str]:
+    """The distinct values ``names`` read that none of them computes (model inputs and other
+    nodes' outputs; parameters are not values)."""
     inside = set(names)
-    read = {src for n in names for src in opg.nodes[n].inputs if src not in inside}
-    return sum(opg.nodes[src].nbytes if src in opg.nodes else _input_bytes(opg, src)
-               for src in read)
+    return {src for n in names for src in opg.nodes[n].inputs if src not in inside}
 
 
-def _input_bytes(opg: OpGraph, name: str) -> int:
+def _outside_bytes(opg: OpGraph, names: Sequence[str]) -> int:
+    """Bytes of :func:`_outside`'s values."""
+    return sum(value_bytes(opg, src) for src in _outside(opg, names))
+
+
+def value_bytes(opg: OpGraph, value: str) -> int:
+    """Bytes of a value: a node's output, or a model input."""
+    return opg.nodes[value].nbytes if value in opg.nodes else input_bytes(opg, value)
+
+
+def input_bytes(opg: OpGraph, name: str) -> int:
     """Bytes of model input ``name`` as the capture saw it (0 where it is not a tensor)."""
     for node in opg.graph_module.graph.nodes:
         if node.op == "placeholder" and node.name == name:
@@ -64,8 +73,11 @@ def kept_bytes(opg: OpGraph, names: Sequence[str], policy: bool | str) -> tuple[
         return inputs, everything
     if policy == "layer":
         runs = layer_runs(names, [opg.nodes[n].module for n in names])
-        kept = sum(_outside_bytes(opg, run) if layer is not None
-                   else sum(saved[n] for n in run) for layer, run in runs)
+        # each checkpoint keeps its arguments; a value several layers read is one tensor
+        read = {src for layer, run in runs if layer is not None
+                for src in _outside(opg, run)}
+        kept = sum(value_bytes(opg, v) for v in read) + sum(
+            saved[n] for layer, run in runs if layer is None for n in run)
         rebuilt = max((sum(saved[n] for n in run) for layer, run in runs
                        if layer is not None), default=0)
         return kept, rebuilt

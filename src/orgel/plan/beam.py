@@ -67,7 +67,7 @@ def _moves(points: Points, n: int, max_move: int) -> list[Points]:
 def beam_search(scorer: Scorer, template: Template, starts: list[Points], *,
                 width: int = 4, max_move: int = 10, deadline: float | None = None,
                 ceiling: float = math.inf,
-                recompute: tuple[bool, ...] | None = None,
+                recompute: tuple[bool | str, ...] | None = None,
                 per_member: int | None = None) -> BeamResult | None:
     """Best linear split for ``template`` from ``starts`` (see the module docstring).
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from orgel.costs.recompute import policy_effects
 from orgel.schedule.costs import StageCost
 
 
@@ -37,14 +38,14 @@ def stage_peak_alive(schedule: list[list[Any]], num_stages: int) -> np.ndarray:
 
 def memory_floor(alive: np.ndarray, placement: list[tuple[int, ...]], num_ranks: int,
                  stages: list[StageCost], edges: list[tuple[int, int]],
-                 edge_bytes: np.ndarray, recompute: tuple[bool, ...]) -> np.ndarray:
+                 edge_bytes: np.ndarray, recompute: tuple[bool | str, ...]) -> np.ndarray:
     """A lower bound of every rank's peak bytes, without simulating.
 
     At the moment a stage holds its most micro-batches (``alive``, from
     :func:`stage_peak_alive`) its rank holds at least their kept bytes
-    (activations, or with recompute its inputs: the bytes of its incoming
-    ``edges``) on top of the weights and optimizer state of every stage it
-    hosts (gradients come later). The simulator's peak is never below it.
+    (activations, or with recompute what its policy keeps:
+    :func:`orgel.costs.recompute.policy_effects`) on top of the weights and optimizer
+    state of every stage it hosts (gradients come later). The simulator's peak is never below it.
     """
     n = len(stages)
     early = np.array([st.static_bytes - st.grad_bytes for st in stages], dtype=np.float64)
@@ -52,7 +53,8 @@ def memory_floor(alive: np.ndarray, placement: list[tuple[int, ...]], num_ranks:
     if any(recompute):
         dst = np.array([d for _, d in edges], dtype=np.int64)
         inputs = np.bincount(dst, weights=edge_bytes, minlength=n)
-        acts = np.where(np.asarray(recompute, dtype=bool), inputs, acts)
+        acts = policy_effects(recompute, np.array([st.fwd for st in stages]), acts, inputs,
+                              [st.recompute for st in stages])[1]
     host = np.zeros((num_ranks, n))
     share = np.zeros(n)
     for s, ranks in enumerate(placement):

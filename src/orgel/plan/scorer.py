@@ -48,6 +48,7 @@ from orgel.costs.blocks import (
     static_parts,
     unsaved_outputs,
 )
+from orgel.costs.recompute import ChainPolicies, rerun
 from orgel.costs.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
 from orgel.plan.floor import memory_floor, stage_peak_alive
 from orgel.plan.ranks import best_ranks, channel_traffic, renamed
@@ -156,10 +157,12 @@ class Scorer:
             if costs.split_input else None
         self._csw = np.concatenate([[0.0], np.cumsum(costs.split_weight)]) \
             if costs.split_weight else None
+        # "layer" and "selective" recompute of any range of blocks
+        self._policies = ChainPolicies(costs.recompute)
         # (template, stage edges, tied groups) -> recompute flags -> compiled plan,
         # least recently used first (see _evict)
         self._compiled: OrderedDict[tuple[Any, ...],
-                                    dict[tuple[bool, ...], CompiledPlan]] = OrderedDict()
+                                    dict[tuple[bool | str, ...], CompiledPlan]] = OrderedDict()
         # schedule templates built for this table (orgel.plan.templates.cached_template)
         self.templates: dict[tuple[Any, ...], Template | None] = {}
         self._arrays: dict[tuple[str, int], np.ndarray] = {}
@@ -219,11 +222,12 @@ class Scorer:
                 weight_kept=(0 if not split else int(self._ck[b] - self._ck[a]) if fed
                              else int(self._output[a:b][self._last_reader[a:b] >= b].sum())),
                 temporary=max(temp[a:b]) if b > a else 0,
+                recompute=self._policies(a, b),
             ))
         return out
 
     def lower_bound(self, template: Template, stages: list[StageCost],
-                    recompute: tuple[bool, ...] | None = None) -> float:
+                    recompute: tuple[bool | str, ...] | None = None) -> float:
         """The busiest rank's compute time: no schedule can finish before it."""
         m = template.base.microbatches
         oh = self.bc.action_overhead
@@ -233,7 +237,7 @@ class Scorer:
             for s in hosted:
                 st = stages[s]
                 share = 1.0 / len(template.placement[s])
-                extra = st.fwd if recompute and recompute[s] else 0.0
+                extra = rerun(st.fwd, st.recompute, recompute[s]) if recompute else 0.0
                 t += m * ((st.fwd + st.bwd + extra) * share + 2 * oh)
             best = max(best, t)
         return best
@@ -299,7 +303,7 @@ class Scorer:
         return stage_graph(self.bc, stage_blocks)
 
     def compiled(self, template: Template, graph: StageGraph,
-                 recompute: tuple[bool, ...],
+                 recompute: tuple[bool | str, ...],
                  tied: list[TiedWeight] | None = None) -> CompiledPlan:
         """The compiled plan of ``template`` over ``graph`` (cached by edge set).
 
@@ -343,7 +347,7 @@ class Scorer:
             total -= next(iter(variants.values())).num_ops if variants else 0
 
     def score_chain(self, template: Template, points: tuple[int, ...],
-                    recompute: tuple[bool, ...] | None = None) -> Score:
+                    recompute: tuple[bool | str, ...] | None = None) -> Score:
         """Score a linear split (see :meth:`chain_stage_costs`)."""
         stages = self.chain_stage_costs(points, split=template.splits_backward)
         blocks = [range(a, b) for a, b in zip((0, *points), (*points, self.bc.num_blocks),
@@ -351,14 +355,14 @@ class Scorer:
         return self._score(template, blocks, stages, recompute)
 
     def score_split(self, template: Template, stage_blocks: list[list[int]] | list[range],
-                    recompute: tuple[bool, ...] | None = None) -> Score:
+                    recompute: tuple[bool | str, ...] | None = None) -> Score:
         """Score any assignment of blocks to the template's stages."""
         split = template.splits_backward
         stages = [stage_cost(self.bc, blocks, split=split) for blocks in stage_blocks]
         return self._score(template, stage_blocks, stages, recompute)
 
     def _score(self, template: Template, stage_blocks: list[range] | list[list[int]],
-               stages: list[StageCost], recompute: tuple[bool, ...] | None) -> Score:
+               stages: list[StageCost], recompute: tuple[bool | str, ...] | None) -> Score:
         graph = self._graph_for(stage_blocks, template)
         template = self.placed(template, graph)
         rec = tuple(recompute) if recompute else (False,) * template.num_stages
@@ -420,7 +424,7 @@ class Scorer:
         return out
 
     def to_plan(self, template: Template, stage_blocks: list[range] | list[list[int]],
-                recompute: tuple[bool, ...] | None = None,
+                recompute: tuple[bool | str, ...] | None = None,
                 meta: dict[str, Any] | None = None) -> Plan:
         """The full Plan of a candidate: real stage graph (blocks, edge bytes) and costs."""
         template = self.placed(template, self._graph_for(stage_blocks, template))

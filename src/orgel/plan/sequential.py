@@ -14,8 +14,9 @@
    best step time so far as a ceiling that prunes hopeless candidates.
 
 When nothing fits memory, the same search runs with every stage recomputing
-its activations, then turns recompute off stage by stage (largest time saving
-first) while the plan still fits.
+its activations, then relaxes each stage's recompute (largest forward first) to
+the cheapest policy that still fits: none, ``"selective"`` (keep the matmul
+outputs), ``"layer"`` (keep each layer's inputs) or the stage whole.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class SequentialResult:
 
     template: Template
     points: Points
-    recompute: tuple[bool, ...] | None
+    recompute: tuple[bool | str, ...] | None
     score: Score
     templates_tried: int
     templates_searched: int
@@ -197,18 +198,24 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
 
 
 def _relax_recompute(scorer: Scorer, result: SequentialResult) -> SequentialResult:
-    """Turn recompute off stage by stage (largest forward first) while memory still fits."""
+    """Choose each stage's recompute, largest forward first: the cheapest policy in time
+    (none, then ``"selective"`` and ``"layer"`` where the table has their facts, then the
+    stage whole) that still fits memory and keeps the step no slower."""
     if result.recompute is None:
         return result
     stages = scorer.chain_stage_costs(result.points)
-    flags = list(result.recompute)
-    for s in sorted(range(len(flags)), key=lambda i: -stages[i].fwd):
-        flags[s] = False
-        trial = scorer.score_chain(result.template, result.points, tuple(flags))
-        if trial.feasible and trial.step_time <= result.score.step_time:
-            result.score = trial
+    policies: list[bool | str] = list(result.recompute)
+    choices: list[bool | str] = [False, "selective", "layer"] if scorer.bc.recompute \
+        else [False]
+    for s in sorted(range(len(policies)), key=lambda i: -stages[i].fwd):
+        kept = policies[s]
+        for policy in choices:
+            policies[s] = policy
+            trial = scorer.score_chain(result.template, result.points, tuple(policies))
+            if trial.feasible and trial.step_time <= result.score.step_time:
+                result.score = trial
+                break
         else:
-            flags[s] = True
-    result.recompute = tuple(flags) if any(flags) else None
+            policies[s] = kept
+    result.recompute = tuple(policies) if any(policies) else None
     return result
-

@@ -148,6 +148,7 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
     from orgel.costs.tied import tied_groups
     from orgel.graph import coarsen
     from orgel.profile.cache import graph_hash
+    from orgel.profile.recompute import block_facts
 
     bg = blockgraph if blockgraph is not None else coarsen(opgraph, blocks)
     roof = Roofline(opgraph, device, tf32=tf32)
@@ -221,6 +222,7 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
         tp_split=_fit_splits(tp_splits(opgraph, roof, node_block, len(bg.blocks)),
                              cols["fwd"], cols["bwd"], cols["wgrad"], cols["params"],
                              cols["acts"]),
+        recompute=block_facts(opgraph, [b.nodes for b in bg.blocks], cols["fwd"], roof),
         meta={"device": device.name, "estimated": "roofline", "tf32": tf32,
               "target_blocks": blocks, "num_blocks": len(bg.blocks),
               "graph_hash": graph_hash(opgraph)})

@@ -207,7 +207,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     """
     from orgel.costs.tied import tied_groups
     from orgel.graph import coarsen
-    from orgel.profile.roofline import measured_tp_splits, reference_device
+    from orgel.profile.recompute import block_facts
+    from orgel.profile.roofline import Roofline, measured_tp_splits, reference_device
     from orgel.split import split_model
     from orgel.workload import microbatches as split_batches
     from orgel.workload import named_inputs
@@ -329,4 +330,6 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         tp_split=measured_tp_splits(opgraph, bg, reference_device(dev), cached["fwd"],
                                     cached["bwd"], cached["wgrad"], cached["params"],
                                     cached["activations"]),
+        recompute=block_facts(opgraph, [b.nodes for b in bg.blocks], cached["fwd"],
+                              Roofline(opgraph, reference_device(dev))),
     )

@@ -8,7 +8,18 @@ them; a Plan may carry them so it can be re-simulated without the model.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class PolicyCost(NamedTuple):
+    """What one stage's ``policy`` costs per micro-batch: ``kept`` bytes from its forward to
+    its backward (``"selective"``: besides the stage's inputs), the most bytes its backward
+    ``rebuilt`` at once, and the ms of forward it runs ``again``."""
+
+    policy: str
+    kept: int
+    rebuilt: int
+    again: float
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,9 @@ class StageCost:
     temporary: int = 0
     weight_kept: int = 0
     grad_overlap: int = 0
+    #: what ``"layer"`` and ``"selective"`` recompute cost this stage (none: priced as the
+    #: stage whole; see :mod:`orgel.costs.recompute`)
+    recompute: tuple[PolicyCost, ...] = ()
 
     @property
     def weight_grad(self) -> float:
@@ -135,7 +149,9 @@ class Costs:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Costs:
         return cls(
-            stages=[StageCost(**s) for s in data["stages"]],
+            stages=[StageCost(**{**s, "recompute": tuple(PolicyCost(*c) for c in
+                                                         s.get("recompute", ()))})
+                    for s in data["stages"]],
             link=Link(**data.get("link", {})),
             links={(int(s), int(d)): Link(**lk) for s, d, lk in data.get("links", [])},
             action_overhead=float(data.get("action_overhead", 0.0)),

@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from orgel.costs.recompute import policy_effects
 from orgel.schedule.comm import CommPlan
-from orgel.schedule.costs import Costs
+from orgel.schedule.costs import Costs, PolicyCost
 from orgel.schedule.ir import Plan, PlanError
 from orgel.sim.allreduce import (
     AllReduce,
@@ -94,6 +95,8 @@ class StageArrays:
     grads: np.ndarray
     weight_kept: np.ndarray | None = None  # per stage; None when every stage has 0
     grad_overlap: np.ndarray | None = None  # per stage; None when every stage has 0
+    #: per stage, what "layer" and "selective" recompute cost it (StageCost.recompute)
+    known: tuple[tuple[PolicyCost, ...], ...] = ()
 
     @classmethod
     def from_costs(cls, costs: Costs, num_stages: int) -> StageArrays:
@@ -112,7 +115,8 @@ class StageArrays:
         overlap = np.array([s.grad_overlap for s in costs.stages], dtype=np.float64)
         fwd, bwd, wgrad, activations, temporary, static, grads = table.T
         return cls(fwd, bwd, wgrad, activations, temporary, static, grads,
-                   kept if kept.any() else None, overlap if overlap.any() else None)
+                   kept if kept.any() else None, overlap if overlap.any() else None,
+                   tuple(s.recompute for s in costs.stages))
 
     def check(self, costs: Costs, split: np.ndarray) -> None:
         """Raise :class:`PlanError` on a negative time, or on ``bwd_weight > bwd``
@@ -142,7 +146,7 @@ class CompiledPlan(PlanTopology):
     def __init__(self, plan: Plan, *, comm: CommPlan | None = None) -> None:
         super().__init__(plan, comm=comm)
         graph = plan.stage_graph
-        flags = [bool(f) for f in plan.recompute]  # any recompute: priced as the stage's own
+        flags = [bool(f) for f in self.policies]
         self.memory = MemoryLayout.build(
             self.op_rank, self.op_stage, self.op_kind, self.rank_start, plan.placement, flags,
         )
@@ -168,14 +172,14 @@ class CompiledPlan(PlanTopology):
         straight-line code) and rebuilds only the memory layout.
         """
         policies = [f if isinstance(f, str) else bool(f) for f in recompute]
-        flags = [bool(f) for f in policies]  # any recompute: priced as the stage's own
+        flags = [bool(f) for f in policies]
         if len(flags) != self.num_stages:
             raise PlanError(f"recompute has {len(flags)} entries but there are "
                             f"{self.num_stages} stages: give one per stage")
         out = copy.copy(self)
         out.plan = dataclasses.replace(self.plan, recompute=policies)
         out.recompute = np.array(flags, dtype=bool)
-        out.stage_recompute = out.recompute.astype(np.float64)
+        out.policies = policies
         out.memory = MemoryLayout.build(self.op_rank, self.op_stage, self.op_kind,
                                         self.rank_start, self.plan.placement, flags)
         out._topology = self._topology or self
@@ -210,8 +214,9 @@ class CompiledPlan(PlanTopology):
         self, costs: Costs, arrays: StageArrays, edge_bytes: np.ndarray | None = None
     ) -> np.ndarray:
         """Duration of every op (compute, messages, all-reduces), in op order."""
-        # F: fwd; B: bwd; I: bwd - wgrad; W: wgrad; B/I of a recomputed stage add fwd.
-        again = arrays.fwd * self.stage_recompute
+        # F: fwd; B: bwd; I: bwd - wgrad; W: wgrad; B/I of a recomputed stage add the
+        # forward its policy runs again
+        again = self.recompute_effects(arrays, edge_bytes)[0]
         table = np.stack([arrays.fwd, arrays.bwd + again, arrays.bwd - arrays.wgrad + again,
                           arrays.wgrad], axis=1)
         table *= self.stage_share[:, None]
@@ -359,13 +364,19 @@ class CompiledPlan(PlanTopology):
         out[:nc] *= factor
         return out, self.longest(out), least
 
-    def keep_bytes(self, arrays: StageArrays, edge_bytes: np.ndarray | None = None) -> np.ndarray:
-        """Bytes one forward keeps per stage until its backward: activations, or inputs."""
+    def recompute_effects(self, arrays: StageArrays, edge_bytes: np.ndarray | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per stage: ``(again, kept, rebuilt)`` under the plan's recompute policies: the
+        forward ms its backward runs again, the bytes one forward keeps until its backward,
+        the bytes that backward rebuilds at once (:func:`orgel.costs.recompute.policy_effects`).
+        """
         if not self.recompute.any():
-            return arrays.activations
+            zero = np.zeros(self.num_stages)
+            return zero, arrays.activations, zero
         eb = self.default_edge_bytes if edge_bytes is None else np.asarray(edge_bytes)
         inputs = np.bincount(self.edge_dst, weights=eb, minlength=self.num_stages)
-        return np.where(self.recompute, inputs, arrays.activations)
+        known = arrays.known or ((),) * self.num_stages
+        return policy_effects(self.policies, arrays.fwd, arrays.activations, inputs, known)
 
     def evaluate(
         self,
@@ -393,7 +404,7 @@ class CompiledPlan(PlanTopology):
                 arrays.bwd if bwd is None else np.asarray(bwd, dtype=np.float64),
                 arrays.wgrad if wgrad is None else np.asarray(wgrad, dtype=np.float64),
                 arrays.activations, arrays.temporary, arrays.static, arrays.grads,
-                arrays.weight_kept, arrays.grad_overlap,
+                arrays.weight_kept, arrays.grad_overlap, arrays.known,
             )
         alone = self.durations(costs, arrays, edge_bytes)
         dur, end, least = self.shared_timeline(costs, alone)
@@ -425,10 +436,11 @@ class CompiledPlan(PlanTopology):
         if receives_kept:
             held = self.posted_receive_bytes(edge_bytes, grad_bytes)
             msg_bytes = np.zeros_like(msg_bytes)
+        _, keep, rebuilt = self.recompute_effects(arrays, edge_bytes)
         return held + peak_memory(
             self.memory,
-            keep=self.keep_bytes(arrays, edge_bytes),
-            activations=arrays.activations,
+            keep=keep,
+            rebuilt=rebuilt,
             temporary=arrays.temporary,
             static=arrays.static,
             share=self.stage_share,

@@ -13,7 +13,8 @@ What a rank holds at a time ``t`` (bytes):
 * receive buffers: a message's bytes from the start of its transfer until the
   receiving action starts (the action then owns them);
 * the running action's ``temporary`` (plus, for a recomputed stage's ``B``/``I``,
-  the activations it rebuilds).
+  the activations it rebuilds: all of them, or with ``"layer"`` one layer's; see
+  :mod:`orgel.costs.recompute`). With recompute a forward keeps what its policy keeps.
 
 A replica of a stage on ``n`` ranks keeps ``1/n`` of the activation and
 temporary bytes; a message already carries only its share of rows.
@@ -120,7 +121,7 @@ def peak_memory(
     layout: MemoryLayout,
     *,
     keep: np.ndarray,
-    activations: np.ndarray,
+    rebuilt: np.ndarray,
     temporary: np.ndarray,
     static: np.ndarray,
     share: np.ndarray,
@@ -136,6 +137,8 @@ def peak_memory(
     """Peak bytes per rank (int64); arguments are per stage, per op or per message.
 
     ``msg_recv`` is the receiving action's op index (which also names the rank).
+    ``rebuilt`` (per stage): what a recomputed stage's ``B``/``I`` rebuilds on top of its
+    ``temporary`` (0 for a stage that keeps its activations).
     ``weight_kept`` (per stage, optional): bytes a split backward's ``I`` keeps
     for its ``W``, alive from the start of ``I`` to the end of ``W`` (not in
     ``keep``: counted from ``F`` on they over-state a zero-bubble schedule's
@@ -169,7 +172,7 @@ def peak_memory(
     if weight_kept is not None and layout.late_sign is not None:
         late_run, late_gap = layout.alive(weight_kept * share, late=True)
         run, gap = run + late_run, gap + late_gap
-    temp = np.concatenate([temporary * share, (temporary + activations) * share])
+    temp = np.concatenate([temporary * share, (temporary + rebuilt) * share])
     base = early[layout.op_rank]
     slots = np.empty(2 * n)
     slots[0::2] = gap + base

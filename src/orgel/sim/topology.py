@@ -75,7 +75,8 @@ class PlanTopology:
         self.op_table_index = self.op_stage * 4 + self.op_kind
         replicas = np.array([len(p) for p in plan.placement], dtype=np.float64)
         self.stage_share = 1.0 / replicas
-        self.stage_recompute = np.array(plan.recompute, dtype=np.float64)
+        #: each stage's recompute policy (False: none; see orgel.costs.recompute)
+        self.policies: list[bool | str] = list(plan.recompute) or [False] * self.num_stages
         self.split_stage = np.zeros(self.num_stages, dtype=bool)
         self.split_stage[self.op_stage[self.op_kind >= 2]] = True
 
