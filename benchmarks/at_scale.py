@@ -48,7 +48,8 @@ AsyncTP; the pipeline runs ``pipeline_parallel_degree`` = 8 micro-batches
 rank (its default split), 1F1B one. Published: 1F1B 100, interleaved 1F1B 128
 tokens/s/GPU (1.28x). ``--torchtitan`` (default on) predicts both with the
 same split rule (uniform layers), per-layer recompute (its full activation
-checkpointing wraps each transformer block), bf16 on h100-80gb (orgel
+checkpointing wraps each transformer block), TP with sequence parallelism (the norms
+on a slice of the sequence; priced, not run by orgel's runtime), bf16 on h100-80gb (orgel
 prices neither Float8 nor AsyncTP's overlap, so the absolute numbers are not
 the point: the ratio is), then orgel's own choice for the same model, GPU
 count and batch.
@@ -214,7 +215,8 @@ def mesh_label(result: PlanResult) -> str:
 def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *, tp: int,
                dp: int, shard: str, stages_per_rank: int = 1) -> PlanResult:
     """One given configuration: ``family`` on ``depth`` pipeline ranks, uniform layers,
-    every stage recomputing (full activation checkpointing), priced like any plan.
+    every layer checkpointed (``"layer"``: torchtitan's full activation checkpointing),
+    TP with sequence parallelism, priced like any plan.
 
     ``costs`` is the whole micro-batch's table (each replica takes ``1/dp``).
     """
@@ -226,7 +228,8 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
     from orgel.schedule.families import build_schedule
 
     started = time.perf_counter()
-    table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
+    # torchtitan runs TP with sequence parallelism (its norms on a slice of the sequence)
+    table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp, sequence_parallel=True)
     options: dict[str, Any] = {} if stages_per_rank == 1 else {"stages_per_rank":
                                                                stages_per_rank}
     label = family if stages_per_rank == 1 else f"{family} v={stages_per_rank}"

@@ -17,6 +17,7 @@ import torch
 from orgel.cli import main as cli_main
 from orgel.costs.blocks import BlockCosts
 from orgel.costs.mesh import TPSplit, ring_time, shard_costs, tp_costs
+from orgel.costs.recompute import BlockRecompute
 from orgel.plan.planner import InfeasibleError, plan
 from orgel.plan.predict import replicated
 from orgel.plan.replicated import replica_step
@@ -59,6 +60,21 @@ def test_tp_costs_divide_the_split_part_and_add_the_all_reduces() -> None:
     # scaling a TP'd table keeps the split consistent (rows double: times and bytes double)
     assert table().scaled(2).tp_split[0] == TPSplit(4.0, 8.0, 4.0, 32 * MIB, 32 * MIB,
                                                     16 * MIB, 2)
+
+
+def test_sequence_parallelism_splits_what_the_regions_leave_whole() -> None:
+    # the norms and residual adds on a slice of the sequence: the whole block's time and
+    # activations divide, the collectives move the same bytes; a layer's checkpointed
+    # input (the residual stream) divides only with it
+    facts = [BlockRecompute(layer_kept=8 * MIB, layer_rebuilt=32 * MIB, layer_fwd=4.0)] * 2
+    base = dataclasses.replace(table(), recompute=facts)
+    c, sp = tp_costs(base, 4), tp_costs(base, 4, sequence_parallel=True)
+    comm = 2 * 2 * 3 * INTRA.time(MIB)
+    assert sp.fwd[0] == pytest.approx(4 / 4 + comm)
+    assert sp.bwd[0] == pytest.approx(8 / 4 + comm)
+    assert sp.activations[0] == 32 * MIB // 4
+    assert sp.recompute[0].layer_kept == 2 * MIB and c.recompute[0].layer_kept == 8 * MIB
+    assert c.recompute[0].layer_rebuilt == 32 * MIB * c.activations[0] // (32 * MIB)
 
 
 def test_tp_costs_refuse_what_cannot_be_priced() -> None:

@@ -119,3 +119,21 @@ def test_the_runtime_takes_the_planners_policies_where_it_can_run_them() -> None
     one = dataclasses.replace(build_schedule("1f1b", 2, 4), recompute=["selective", False])
     assert runnable_recompute(one, [False, False]) is one
     assert runnable_recompute(one, [False, False], compiled=True).recompute == [True, False]
+
+
+def test_where_no_stage_fits_recomputed_whole_the_planner_checkpoints_each_layer() -> None:
+    # a stage recomputed whole rebuilds all its activations at once before its backward;
+    # one layer at a time fits where that does not
+    n = 8
+    facts = [BlockRecompute(layer_kept=10_000, layer_rebuilt=1_000_000, layer_fwd=1.0,
+                            selective_kept=900_000, selective_rebuilt=100_000,
+                            selective_fwd=0.1)] * n
+    table = BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[100] * n,
+                       activations=[1_000_000] * n, output=[10_000] * n, temporary=[0] * n,
+                       edges=[(i, i + 1) for i in range(n - 1)], recompute=facts)
+    cap = 2_500_000
+    with pytest.raises(Exception, match="memory"):
+        plan(dataclasses.replace(table, recompute=[]), 2, 4, planner="beam", memory=cap,
+             max_loops=1)
+    chosen = plan(table, 2, 4, planner="beam", memory=cap, max_loops=1)
+    assert "layer" in chosen.plan.recompute and max(chosen.sim.peak_memory) <= cap

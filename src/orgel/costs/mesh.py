@@ -134,8 +134,15 @@ def check_tp(costs: BlockCosts, tp: int) -> None:
                          "to plan with tp > 1")
 
 
-def tp_costs(costs: BlockCosts, tp: int) -> BlockCosts:
-    """``costs`` for one member of a TP group of ``tp`` processes (module docstring)."""
+def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False) -> BlockCosts:
+    """``costs`` for one member of a TP group of ``tp`` processes (module docstring).
+
+    ``sequence_parallel``: the ops outside the regions (norms, residual adds, dropout)
+    run on ``1/tp`` of the sequence each (Megatron's sequence parallelism, as torchtitan
+    runs TP): every activation and every millisecond of a block splits, and the
+    all-reduce becomes a reduce-scatter and an all-gather of the same bytes. The runtime
+    does not run it yet: a prediction of configurations that do.
+    """
     check_tp(costs, tp)
     if tp == 1:
         return costs
@@ -144,12 +151,14 @@ def tp_costs(costs: BlockCosts, tp: int) -> BlockCosts:
     for b, s in enumerate(costs.tp_split):
         comm = (s.regions * ring_time(link, s.allreduce / s.regions, tp, steps=2)
                 if s.regions else 0.0)
-        fwd.append(costs.fwd[b] - s.fwd + s.fwd / tp + comm)
-        bwd.append(costs.bwd[b] - s.bwd + s.bwd / tp + comm)
+        rest = (1 / tp) if sequence_parallel else 1.0  # of what the regions do not split
+        fwd.append((costs.fwd[b] - s.fwd) * rest + s.fwd / tp + comm)
+        bwd.append((costs.bwd[b] - s.bwd) * rest + s.bwd / tp + comm)
         wgrad.append(min(bwd[-1], costs.wgrad[b] - s.wgrad + s.wgrad / tp))
         kept = costs.params[b] - s.params + s.params // tp
         params.append(kept)
-        acts.append(max(0, costs.activations[b] - s.activations + s.activations // tp))
+        acts.append(max(0, int((costs.activations[b] - s.activations) * rest)
+                        + s.activations // tp))
         if costs.optimizer_ms:
             opt.append(costs.optimizer_ms[b] * (kept / costs.params[b] if costs.params[b]
                                                 else 1.0))
@@ -169,9 +178,11 @@ def tp_costs(costs: BlockCosts, tp: int) -> BlockCosts:
         optimizer_ms=opt, split_input=split_in, split_weight=split_w, tied=tied,
         node_ranks=None if costs.node_ranks is None else costs.node_ranks // tp,
         # a member rebuilds and keeps its share: its blocks' bytes and times as they shrank
-        recompute=[r.tp_member(a / a0 if a0 else 1.0, f / f0 if f0 else 1.0) for r, a, a0, f, f0
-                   in zip(costs.recompute, acts, costs.activations, fwd, costs.fwd,
-                          strict=True)] if costs.recompute else [],
+        recompute=[(r.scaled(1 / tp) if sequence_parallel else
+                    r.tp_member(a / a0 if a0 else 1.0, f / f0 if f0 else 1.0))
+                   for r, a, a0, f, f0 in zip(costs.recompute, acts, costs.activations, fwd,
+                                              costs.fwd, strict=True)]
+        if costs.recompute else [],
         tp_split=[dataclasses.replace(s, fwd=s.fwd / tp, bwd=s.bwd / tp, wgrad=s.wgrad / tp,
                                       params=s.params // tp,
                                       activations=s.activations // tp)
@@ -200,8 +211,9 @@ def shard_costs(costs: BlockCosts, replicas: int) -> BlockCosts:
         meta=dict(costs.meta, shard=replicas))
 
 
-def mesh_costs(costs: BlockCosts, *, tp: int = 1, shard: str = "none", replicas: int = 1
-               ) -> BlockCosts:
-    """``costs`` at TP degree ``tp`` with every stage's ``replicas`` sharding or not."""
-    out = tp_costs(costs, tp)
+def mesh_costs(costs: BlockCosts, *, tp: int = 1, shard: str = "none", replicas: int = 1,
+               sequence_parallel: bool = False) -> BlockCosts:
+    """``costs`` at TP degree ``tp`` (with sequence parallelism or not: :func:`tp_costs`)
+    with every stage's ``replicas`` sharding or not."""
+    out = tp_costs(costs, tp, sequence_parallel=sequence_parallel)
     return shard_costs(out, replicas) if shard == "fsdp" else out

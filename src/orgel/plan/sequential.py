@@ -14,7 +14,8 @@
    best step time so far as a ceiling that prunes hopeless candidates.
 
 When nothing fits memory, the same search runs with every stage recomputing
-its activations, then relaxes each stage's recompute (largest forward first) to
+its activations (whole, or where that does not fit either and the table knows
+its layers, one layer at a time), then relaxes each stage's recompute (largest forward first) to
 the cheapest policy that still fits: none, ``"selective"`` (keep the matmul
 outputs), ``"layer"`` (keep each layer's inputs) or the stage whole.
 """
@@ -87,12 +88,15 @@ def sequential_plan(scorer: Scorer, ranks: int, microbatches: int, *, max_loops:
     if result is not None:
         return result
     result = _search(scorer, specs, ranks, microbatches, True, *args)
+    if result is None and scorer.bc.recompute:  # one layer rebuilt at a time may fit where
+        # a whole stage's activations rebuilt at once do not
+        result = _search(scorer, specs, ranks, microbatches, "layer", *args)
     if result is None:
         return None
     return _relax_recompute(scorer, result)
 
 
-def _start(scorer: Scorer, t: Template, recompute: tuple[bool, ...] | None
+def _start(scorer: Scorer, t: Template, recompute: tuple[bool | str, ...] | None
            ) -> tuple[Score, list[Points]] | None:
     """Score the ramps and the memory-balanced split; the best first in the list."""
     tw = time_weights(scorer.bc)
@@ -116,7 +120,7 @@ def _start(scorer: Scorer, t: Template, recompute: tuple[bool, ...] | None
 
 
 def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
-            recompute_all: bool | None, width: int, max_move: int, slack: float,
+            recompute_all: bool | str | None, width: int, max_move: int, slack: float,
             groups: int, top: int, time_limit: float | None,
             per_member: int | None) -> SequentialResult | None:
     n = scorer.bc.num_blocks
@@ -135,7 +139,7 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
             return math.inf
         seen.add(key)
         tried += 1
-        rec = (True,) * t.num_stages if recompute_all else None
+        rec = (recompute_all,) * t.num_stages if recompute_all else None
         got = _start(scorer, t, rec)
         if got is None:
             return math.inf
@@ -173,14 +177,14 @@ def _search(scorer: Scorer, specs: list[Spec], ranks: int, microbatches: int,
     scored.sort(key=lambda x: (x[0], x[1]))
     chosen = [s for s in scored if s[0] <= scored[0][0] * (1 + slack)][:top]
     step0, _, t0, pts0, score0 = scored[0]
-    rec0 = (True,) * t0.num_stages if recompute_all else None
+    rec0 = (recompute_all,) * t0.num_stages if recompute_all else None
     best = SequentialResult(t0, pts0[0], rec0, score0, tried, 0)
     ceiling = step0
     # the beam's own time: screening the templates can take longer than the whole
     # budget on a big problem, and would leave the beam none
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     for searched, (_, _, t, pts, _) in enumerate(chosen, start=1):
-        rec = (True,) * t.num_stages if recompute_all else None
+        rec = (recompute_all,) * t.num_stages if recompute_all else None
         share = None
         if deadline is not None:
             left = deadline - time.perf_counter()
