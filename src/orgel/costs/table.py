@@ -50,6 +50,13 @@ block, ``{"fwd", "bwd", "wgrad", "params", "activations", "allreduce",
 "regions"}`` (:class:`~orgel.costs.mesh.TPSplit`; the roofline estimate
 writes it), which :func:`orgel.costs.mesh.tp_costs` prices.
 
+``recompute`` (optional, all blocks or none): what ``"layer"`` and ``"selective"``
+recompute keep, rebuild and run again of the block, ``{"layer_kept", "layer_rebuilt",
+"layer_fwd", "selective_kept", "selective_rebuilt", "selective_fwd"}``
+(:class:`~orgel.costs.recompute.BlockRecompute`; the profiler and the roofline estimate
+write it from the capture); without it those policies are priced as a stage's whole
+recompute.
+
 ``cores`` (optional): the ranks share one host's processors, and this many of
 them can compute at full speed at once (CPU ranks: the host's cores divided by
 each rank's threads; the profiler writes it for CPU ranks). Block times are a

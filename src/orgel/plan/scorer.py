@@ -22,9 +22,8 @@ Tied weights. With ``BlockCosts.tied`` (a parameter several blocks read), each
 candidate's stages holding a group's blocks are looked up; where they span more
 than one rank the compiled plan carries the group in its ``tied`` field
 and prices its gradient all-reduce exactly as :func:`orgel.sim.simulate` does
-(compiled plans are cached per template, edges, recompute flags and these
-stage sets). A tied parameter counts once per stage and once per rank in the
-static bytes (:func:`orgel.costs.tied.tied_shared`).
+(compiled plans are cached per template, edges, recompute flags and these stage sets).
+A tied parameter counts once per stage and once per rank in the static bytes.
 """
 
 from __future__ import annotations
@@ -157,8 +156,7 @@ class Scorer:
             if costs.split_input else None
         self._csw = np.concatenate([[0.0], np.cumsum(costs.split_weight)]) \
             if costs.split_weight else None
-        # "layer" and "selective" recompute of any range of blocks
-        self._policies = ChainPolicies(costs.recompute)
+        self._policies = ChainPolicies(costs.recompute)  # "layer", "selective" by range
         # (template, stage edges, tied groups) -> recompute flags -> compiled plan,
         # least recently used first (see _evict)
         self._compiled: OrderedDict[tuple[Any, ...],
