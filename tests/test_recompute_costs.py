@@ -91,16 +91,19 @@ def test_block_facts_add_up_to_what_the_capture_says_each_policy_keeps() -> None
     assert BlockCosts.from_dict(table.to_dict()).recompute == table.recompute
 
 
+def chain(n: int, activations: int, facts: BlockRecompute) -> BlockCosts:
+    """``n`` equal blocks in a chain whose activations dominate, each with ``facts``."""
+    return BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[100] * n,
+                      activations=[activations] * n, output=[10_000] * n, temporary=[0] * n,
+                      edges=[(i, i + 1) for i in range(n - 1)], recompute=[facts] * n)
+
+
 def test_the_planner_chooses_each_stages_policy_under_memory() -> None:
     # a chain whose activations dominate: with a tight cap the plan recomputes, and with
     # per-layer facts it keeps what fits at the least cost in time instead of the stage whole
-    n = 16
-    facts = [BlockRecompute(layer_kept=40_000, layer_rebuilt=30_000, layer_fwd=0.9,
-                            selective_kept=120_000, selective_rebuilt=80_000,
-                            selective_fwd=0.2)] * n
-    table = BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[1000] * n,
-                       activations=[200_000] * n, output=[10_000] * n, temporary=[1000] * n,
-                       edges=[(i, i + 1) for i in range(n - 1)], recompute=facts)
+    table = chain(16, 200_000, BlockRecompute(
+        layer_kept=40_000, layer_rebuilt=30_000, layer_fwd=0.9, selective_kept=120_000,
+        selective_rebuilt=80_000, selective_fwd=0.2))
     loose = plan(table, 4, 8, planner="beam", max_loops=1)
     cap = int(max(loose.sim.peak_memory) * 0.5)
     whole = plan(dataclasses.replace(table, recompute=[]), 4, 8, planner="beam",
@@ -124,13 +127,9 @@ def test_the_runtime_takes_the_planners_policies_where_it_can_run_them() -> None
 def test_where_no_stage_fits_recomputed_whole_the_planner_checkpoints_each_layer() -> None:
     # a stage recomputed whole rebuilds all its activations at once before its backward;
     # one layer at a time fits where that does not
-    n = 8
-    facts = [BlockRecompute(layer_kept=10_000, layer_rebuilt=1_000_000, layer_fwd=1.0,
-                            selective_kept=900_000, selective_rebuilt=100_000,
-                            selective_fwd=0.1)] * n
-    table = BlockCosts(fwd=[1.0] * n, bwd=[2.0] * n, wgrad=[1.0] * n, params=[100] * n,
-                       activations=[1_000_000] * n, output=[10_000] * n, temporary=[0] * n,
-                       edges=[(i, i + 1) for i in range(n - 1)], recompute=facts)
+    table = chain(8, 1_000_000, BlockRecompute(
+        layer_kept=10_000, layer_rebuilt=1_000_000, layer_fwd=1.0, selective_kept=900_000,
+        selective_rebuilt=100_000, selective_fwd=0.1))
     cap = 2_500_000
     with pytest.raises(Exception, match="memory"):
         plan(dataclasses.replace(table, recompute=[]), 2, 4, planner="beam", memory=cap,

@@ -34,6 +34,22 @@ def read_number(value: Any, where: str) -> float:
     return float(value)
 
 
+def read_numbers(data: Any, where: str, keys: tuple[str, ...],
+                 ints: tuple[str, ...]) -> dict[str, Any]:
+    """A JSON object of numbers >= 0 with keys among ``keys`` (absent: 0; ``ints``: bytes,
+    as int), as a dict of all ``keys``; ValueError naming ``where``."""
+    if not isinstance(data, dict) or set(data) - set(keys):
+        raise ValueError(f"{where} must be an object with keys among {list(keys)}, "
+                         f"got {data!r}")
+    values: dict[str, Any] = {}
+    for key in keys:
+        v = data.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            raise ValueError(f"{where}.{key} must be a number >= 0, got {v!r}")
+        values[key] = int(v) if key in ints else float(v)
+    return values
+
+
 def read_tied(data: Any) -> list[Any]:
     if not isinstance(data, list):
         raise CostsFileError("'tied' must be a list of {\"blocks\": [0, 11], \"nbytes\": N, "

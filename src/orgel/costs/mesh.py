@@ -46,6 +46,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orgel.costs.fields import read_numbers
 from orgel.schedule.costs import Link
 
 if TYPE_CHECKING:
@@ -88,15 +89,7 @@ class TPSplit:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> TPSplit:
         """Parse ``{"fwd": ms, ..., "regions": n}``; ValueError naming ``where``."""
-        if not isinstance(data, dict) or set(data) - set(_SPLIT_KEYS):
-            raise ValueError(f"{where} must be an object with keys among {list(_SPLIT_KEYS)}, "
-                             f"got {data!r}")
-        values: dict[str, Any] = {}
-        for key in _SPLIT_KEYS:
-            v = data.get(key, 0)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise ValueError(f"{where}.{key} must be a number >= 0, got {v!r}")
-            values[key] = int(v) if key in ("params", "activations", "allreduce") else float(v)
+        values = read_numbers(data, where, _SPLIT_KEYS, ("params", "activations", "allreduce"))
         return cls(**values)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from orgel.costs.fields import read_numbers
 from orgel.schedule.costs import PolicyCost
 
 #: the integer fields of :class:`BlockRecompute` (bytes); the others are ms
@@ -78,15 +79,7 @@ class BlockRecompute:
     def from_dict(cls, data: Any, where: str) -> BlockRecompute:
         """Parse ``{"layer_kept": bytes, ..., "selective_fwd": ms}``; ValueError naming
         ``where``."""
-        if not isinstance(data, dict) or set(data) - set(_KEYS):
-            raise ValueError(f"{where} must be an object with keys among {list(_KEYS)}, "
-                             f"got {data!r}")
-        values: dict[str, Any] = {}
-        for key in _KEYS:
-            v = data.get(key, 0)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise ValueError(f"{where}.{key} must be a number >= 0, got {v!r}")
-            values[key] = int(v) if key in _BYTES else float(v)
+        values = read_numbers(data, where, _KEYS, _BYTES)
         return cls(**values)
 
 
