@@ -8,8 +8,12 @@ stage; for each policy of :data:`orgel.schedule.ir.RECOMPUTE` the stage runs its
 under :func:`orgel.runtime.checkpointing.checkpointed` (``True``: under ``no_grad``, as the
 runtime's forward of a recomputed stage) and its backward (``True``: the forward again
 first). Printed per policy: the bytes alive after the forward (``LiveBytes``, less the
-output), what :func:`orgel.graph.kept.kept_bytes` predicted, and the median time of a
-forward and backward against keeping every activation. The machine's load is printed too.
+output), what :func:`orgel.graph.kept.kept_bytes` predicted, the most bytes alive during the
+backward on top of them (``rebuilt``: what the recompute rebuilds, the gradients and the
+backward's temporaries) against what the planner's model rebuilds
+(:func:`orgel.costs.recompute.policy_effects` over the stage's block facts), and the median
+time of a forward and backward against keeping every activation, with the forward the model
+runs again over the forward's time. The machine's load is printed too.
 """
 
 from __future__ import annotations
@@ -46,17 +50,41 @@ def _stage(layers: int, rows: int, length: int) -> tuple[object, object, list[ob
     return graph, stage, args, model
 
 
-def _once(stage: object, policy: bool | str, args: list[object]) -> tuple[int, float]:
+def _once(stage: object, policy: bool | str, args: list[object]) -> tuple[int, int, float]:
+    """Bytes kept after the forward, the most alive during the backward beyond them, time."""
     run = checkpointed(stage.module, policy, stage.layers)  # type: ignore[attr-defined]
     start = time.perf_counter()
     with LiveBytes() as live:
         with torch.set_grad_enabled(policy is not True):
             out = run(*args)
         kept = live.now - sum(t.numel() * t.element_size() for t in out)
-    if policy is True:  # the runtime's recomputed stage: its forward again, then backward
-        out = run(*args)
-    out[0].sum().backward()
-    return kept, time.perf_counter() - start
+        live.peak = live.now
+        if policy is True:  # the runtime's recomputed stage: its forward again, then backward
+            out = run(*args)
+        out[0].sum().backward()
+        extra = live.peak - kept - sum(t.numel() * t.element_size() for t in out)
+    return kept, extra, time.perf_counter() - start
+
+
+def _model(graph: object, stage: object, fwd_ms: float) -> dict[object, tuple[int, float]]:
+    """Per policy, what the planner's model says the backward rebuilds and the forward it
+    runs again over ``fwd_ms`` (the stage as one block, its facts from the capture)."""
+    import numpy as np
+
+    from orgel.costs.devices import DEVICES
+    from orgel.costs.recompute import policy_effects, stage_policies
+    from orgel.profile.recompute import block_facts
+    from orgel.profile.roofline import Roofline
+
+    names = [n for _, run in stage.layers for n in run]  # type: ignore[attr-defined]
+    facts = block_facts(graph, [names], [fwd_ms], Roofline(graph, DEVICES["h100-80gb"]))
+    known = [stage_policies(facts, [0])]
+    acts = np.array([sum(graph.nodes[n].saved_bytes for n in names)])  # type: ignore[attr-defined]
+    out: dict[object, tuple[int, float]] = {}
+    for policy in (False, True, "layer", "selective"):
+        again, _, rebuilt = policy_effects([policy], np.array([fwd_ms]), acts, np.zeros(1), known)
+        out[policy] = (int(rebuilt[0]), float(again[0]) / fwd_ms)
+    return out
 
 
 def main() -> None:
@@ -74,21 +102,27 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     times: dict[object, list[float]] = {p: [] for p in policies}
     kept: dict[object, int] = {}
+    extra: dict[object, int] = {}
     for _ in range(args.repeats):  # the policies take turns: each sees the same load
         for policy in policies:
-            kept[policy], seconds = _once(stage, policy, inputs)
+            kept[policy], extra[policy], seconds = _once(stage, policy, inputs)
             times[policy].append(seconds)
     base = statistics.median(times[False])
+    fwd = base / 3 * 1e3  # a forward is about a third of a forward and backward
+    model = _model(graph, stage, fwd)
     print(f"{'policy':>10} {'kept MB':>9} {'predicted':>9} {'pred/meas':>9} "
-          f"{'kept/none':>9} {'time ms':>8} {'time/none':>9}")
+          f"{'kept/none':>9} {'bwd+ MB':>8} {'rebuilt':>8} {'time ms':>8} {'time/none':>9} "
+          f"{'again':>6}")
     for policy in policies:
         predicted, _ = kept_bytes(graph, names, policy)
         median = statistics.median(times[policy])
         # True keeps only the inputs, made before the forward: LiveBytes sees none of them
         ratio = "inputs" if policy is True else f"{predicted / max(kept[policy], 1):.2f}"
+        rebuilt, again = model[policy]
         print(f"{policy!s:>10} {kept[policy] / 1e6:9.2f} {predicted / 1e6:9.2f} "
-              f"{ratio:>9} {kept[policy] / kept[False]:9.2f} "
-              f"{median * 1e3:8.1f} {median / base:9.2f}")
+              f"{ratio:>9} {kept[policy] / kept[False]:9.2f} {extra[policy] / 1e6:8.2f} "
+              f"{rebuilt / 1e6:8.2f} {median * 1e3:8.1f} {median / base:9.2f} "
+              f"{1 + again / 3:6.2f}")
     print(f"load {os.getloadavg()[0]:.2f} at the end")
 
 
