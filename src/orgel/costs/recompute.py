@@ -1,8 +1,8 @@
 """What each recompute policy keeps, rebuilds and runs again: per block, per stage, per plan.
 
 The policies are :data:`orgel.schedule.ir.RECOMPUTE`'s, run by
-:mod:`orgel.runtime.checkpointing`, with their bytes from the capture
-(:func:`orgel.graph.kept.kept_bytes`, the one rule of what each keeps):
+:mod:`orgel.runtime.checkpointing`, with their bytes from the capture, by the rules of
+:mod:`orgel.graph.kept`:
 
 * ``True`` (the stage whole): it keeps its inputs; its backward rebuilds all its
   activations at once and runs its whole forward again;

@@ -15,9 +15,9 @@
 
 When nothing fits memory, the same search runs with every stage recomputing
 its activations (whole, or where that does not fit either and the table knows
-its layers, one layer at a time), then relaxes each stage's recompute (largest forward first) to
-the cheapest policy that still fits: none, ``"selective"`` (keep the matmul
-outputs), ``"layer"`` (keep each layer's inputs) or the stage whole.
+its layers, one layer at a time), then relaxes each stage's recompute (largest
+forward first) to the cheapest policy that still fits: none, ``"selective"``
+(keep the matmul outputs), ``"layer"`` (keep each layer's inputs) or as it was.
 """
 
 from __future__ import annotations
