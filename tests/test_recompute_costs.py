@@ -16,6 +16,7 @@ from orgel.plan import plan
 from orgel.plan.transforms import runnable_recompute
 from orgel.schedule import Costs, StageCost
 from orgel.schedule.costs import PolicyCost
+from orgel.schedule.ir import Plan
 from orgel.schedule.families import build_schedule
 from orgel.sim import simulate
 
@@ -113,6 +114,8 @@ def test_the_planner_chooses_each_stages_policy_under_memory() -> None:
     assert {"layer", "selective"} & set(chosen.plan.recompute)
     assert max(chosen.sim.peak_memory) <= cap
     assert chosen.step_time < whole.step_time  # less forward run again
+    # a plan file keeps what each policy costs its stages
+    assert Plan.from_json(chosen.plan.to_json()).costs == chosen.plan.costs
 
 
 def test_the_runtime_takes_the_planners_policies_where_it_can_run_them() -> None:
