@@ -16,8 +16,8 @@ from orgel.plan import plan
 from orgel.plan.transforms import runnable_recompute
 from orgel.schedule import Costs, StageCost
 from orgel.schedule.costs import PolicyCost
-from orgel.schedule.ir import Plan
 from orgel.schedule.families import build_schedule
+from orgel.schedule.ir import Plan
 from orgel.sim import simulate
 
 LAYER = PolicyCost("layer", kept=300, rebuilt=200, again=4.0)
