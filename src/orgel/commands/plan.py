@@ -237,6 +237,11 @@ def _plan_batch(costs: Any, args: argparse.Namespace, microbatches: int | None,
                                **options)
 
 
+def _policy(policy: bool | str) -> str:
+    """A stage's recompute as the plan listing shows it: its policy, ``whole``, or nothing."""
+    return policy if isinstance(policy, str) else "whole" if policy else ""
+
+
 def _mib(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / (1 << 20):,.0f}"
 
@@ -258,7 +263,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ranks = ",".join(str(r) for r in st["ranks"])
         lines.append(f"{i:>5}  {st['blocks']:<16} {ranks:<10} {t:>10} "
                      f"{_mib(st['params']):>10} {_mib(st['activations']):>8}  "
-                     f"{'yes' if st['recompute'] else ''}")
+                     f"{_policy(st['recompute'])}")
     peaks = "  ".join(f"r{r}:{_mib(m)}" for r, m in enumerate(s["peak_memory"]))
     cap = s.get("memory_per_rank")
     lines.append(f"peak memory MiB per rank: {peaks}"
