@@ -135,3 +135,59 @@ def test_block_facts_and_errors() -> None:
     assert [len(b.nodes) for b in groups.blocks] == [5, len(names) - 5]
     with pytest.raises(ValueError, match="in the graph's node order"):
         from_groups(g, [names[5:], names[:5]])
+
+
+def _reference_cuts(c, k, depth, glue_sum, slack):  # type: ignore[no-untyped-def]
+    """The two dynamic programs over every (blocks, segments, start), as first written."""
+    import numpy as np
+
+    n = len(c) - 1
+    inf = float("inf")
+    best = np.full((k + 1, n + 1), inf)
+    best[0, 0] = 0.0
+    for g in range(1, k + 1):
+        for j in range(g, n - (k - g) + 1):
+            i = np.arange(g - 1, j)
+            best[g, j] = np.min(np.maximum(best[g - 1, i], c[j] - c[i]))
+    bound = best[k, n] * (1 + slack) + 1e-9
+    average = c[n] / k
+    score = np.full((k + 1, n + 1), inf)
+    score[0, 0] = 0.0
+    back = np.zeros((k + 1, n + 1), dtype=int)
+    for g in range(1, k + 1):
+        for j in range(g, n - (k - g) + 1):
+            i = np.arange(g - 1, j)
+            inner = glue_sum[j - 1] - glue_sum[i]
+            size = ((c[j] - c[i]) / average) ** 2
+            total = score[g - 1, i] + np.where(i > 0, depth[i], 0.0) + inner + size
+            total = np.where(c[j] - c[i] <= bound, total, inf)
+            m = int(np.argmin(total))
+            score[g, j] = total[m]
+            back[g, j] = i[m]
+    return back
+
+
+def _path(back, k, n):  # type: ignore[no-untyped-def]
+    out, end = [], n
+    for g in range(k, 0, -1):
+        out.append(int(back[g, end]))
+        end = int(back[g, end])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_fast_grouping_cuts_where_the_full_dynamic_program_does(seed: int) -> None:
+    import numpy as np
+
+    from orgel.graph.blocks import _cuts
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 120))
+    k = int(rng.integers(1, min(n, 40) + 1))
+    costs = rng.integers(0, 50, n) if seed % 3 else np.full(n, 7)  # ties too
+    c = np.concatenate([[0.0], np.cumsum(costs, dtype=float)])
+    depth = rng.integers(0, 4, n + 1).astype(float)
+    glue_sum = np.cumsum(np.where(rng.random(n + 1) < 0.1, 1000.0, 0.0))
+    slack = float(rng.choice([0.0, 0.05, 0.2]))
+    assert _path(_cuts(c, k, depth, glue_sum, slack), k, n) == \
+        _path(_reference_cuts(c, k, depth, glue_sum, slack), k, n)

@@ -239,31 +239,7 @@ def _partition(
         linked = any(left[0] <= p < left[1] for j in range(right[0], right[1]) for p in preds[j])
         glue[b] = 0.0 if linked else 1000.0
     glue_sum = np.cumsum(glue)  # glue_sum[j-1] - glue_sum[i]: boundaries strictly inside [i, j)
-    inf = float("inf")
-    # Pass 1: the smallest achievable costliest block.
-    best = np.full((k + 1, n + 1), inf)
-    best[0, 0] = 0.0
-    for g in range(1, k + 1):
-        for j in range(g, n - (k - g) + 1):
-            i = np.arange(g - 1, j)
-            best[g, j] = np.min(np.maximum(best[g - 1, i], c[j] - c[i]))
-    bound = best[k, n] * (1 + slack) + 1e-9
-    average = c[n] / k
-    # Pass 2: within that bound, the cheapest cuts.
-    score = np.full((k + 1, n + 1), inf)
-    score[0, 0] = 0.0
-    back = np.zeros((k + 1, n + 1), dtype=int)
-    for g in range(1, k + 1):
-        for j in range(g, n - (k - g) + 1):
-            i = np.arange(g - 1, j)
-            inner = glue_sum[j - 1] - glue_sum[i]
-            # Squared size (in average blocks) keeps tiny blocks from being free.
-            size = ((c[j] - c[i]) / average) ** 2
-            total = score[g - 1, i] + np.where(i > 0, depth[i], 0.0) + inner + size
-            total = np.where(c[j] - c[i] <= bound, total, inf)
-            m = int(np.argmin(total))
-            score[g, j] = total[m]
-            back[g, j] = i[m]
+    back = _cuts(c, k, depth, glue_sum, slack)
     groups: list[tuple[int, int]] = []
     end = n
     for g in range(k, 0, -1):
@@ -271,6 +247,61 @@ def _partition(
         groups.append((start, end))
         end = start
     return groups[::-1]
+
+
+def _cuts(c: np.ndarray, k: int, depth: np.ndarray, glue_sum: np.ndarray,
+          slack: float) -> np.ndarray:
+    """``back[g, j]``: where the last of ``g`` blocks covering segments ``[0, j)`` starts, in
+    the cheapest grouping whose costliest block is within ``slack`` of the least possible.
+
+    Two dynamic programs over (blocks, segments). The first finds the least possible
+    costliest block: the best of ``g`` blocks over ``[0, i)`` grows with ``i`` while the
+    last block ``[i, j)`` shrinks, so the best ``i`` for each ``j`` is where the two cross
+    (a binary search, for every ``j`` at once). The second minimises the cuts' cost over the
+    ``i`` whose last block stays within the bound, a window found by binary search, for the
+    ``j`` from which the other blocks can still cover the rest.
+    """
+    n = len(c) - 1
+    inf = float("inf")
+    best = np.full(n + 1, inf)
+    best[0] = 0.0
+    for g in range(1, k + 1):
+        lo, js = g - 1, np.arange(g, n - (k - g) + 1)
+        pos = np.searchsorted(best[lo:] + c[lo:], c[js], side="left") + lo
+        cur = np.full(n + 1, inf)
+        got = np.full(len(js), inf)
+        for shift in (-2, -1, 0, 1):  # the crossing, and its neighbours against rounding
+            i = np.clip(pos + shift, lo, js - 1)
+            got = np.minimum(got, np.maximum(best[i], c[js] - c[i]))
+        cur[js] = got
+        best = cur
+    bound = best[n] * (1 + slack) + 1e-9
+    average = c[n] / k
+    score = np.full(n + 1, inf)
+    score[0] = 0.0
+    back = np.zeros((k + 1, n + 1), dtype=int)
+    for g in range(1, k + 1):
+        cur = np.full(n + 1, inf)
+        # the j from which the other k - g blocks can still cover the rest (a margin
+        # against rounding: a cell outside it is never on the chosen grouping's path)
+        first = max(g, int(np.searchsorted(c, c[n] - (k - g) * bound, side="left")) - 2)
+        last = min(n - (k - g), int(np.searchsorted(c, g * bound, side="right")) + 2)
+        for j in range(first, last + 1):
+            start = max(g - 1, int(np.searchsorted(c, c[j] - bound, side="left")) - 2)
+            i = np.arange(start, j)
+            if len(i) == 0:
+                back[g, j] = g - 1
+                continue
+            inner = glue_sum[j - 1] - glue_sum[i]
+            # Squared size (in average blocks) keeps tiny blocks from being free.
+            size = ((c[j] - c[i]) / average) ** 2
+            total = score[i] + np.where(i > 0, depth[i], 0.0) + inner + size
+            total = np.where(c[j] - c[i] <= bound, total, inf)
+            m = int(np.argmin(total))
+            cur[j] = total[m]
+            back[g, j] = i[m] if np.isfinite(total[m]) else g - 1
+        score = cur
+    return back
 
 
 def from_groups(opgraph: OpGraph, groups: list[list[str]]) -> BlockGraph:

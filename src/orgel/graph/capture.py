@@ -39,7 +39,8 @@ __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_sett
 
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
-            several: bool = True, precision: str = "32", dynamic: bool = True) -> OpGraph:
+            several: bool = True, precision: str = "32", dynamic: bool = True,
+            shallow: bool = False) -> OpGraph:
     """Capture ``model``'s forward on ``inputs`` (tuple or dict) as an :class:`OpGraph`.
 
     ``method``: ``"dynamo"`` (torch.compile backend), ``"export"`` (torch.export,
@@ -58,6 +59,9 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
     so the graph runs on batches of other sizes; where the model's code fixes a size
     it stays static, and where the symbolic capture fails the capture is static
     (``graph.notes`` says why). Facts are measured at the example's sizes.
+
+    ``shallow`` (with ``dynamic=False``): a long stack of alike layers is traced two layers
+    deep and the rest copied from the second (:mod:`orgel.graph.repeat`), where that holds.
     """
     dtype = autocast_dtype(precision)
     if method not in METHODS:
@@ -80,7 +84,8 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             raw = _export_graph(model, traced)
         else:
             try:
-                raw = _dynamic_or_static(model, traced, region, dynamic, notes)
+                raw = (_shallow(model, traced, region, notes) if shallow and not dynamic
+                       else None) or _dynamic_or_static(model, traced, region, dynamic, notes)
             except GraphBreakError as exc:
                 if traced is not named:
                     raise GraphBreakError(f"{exc} A model on the meta device needs one "
@@ -143,6 +148,26 @@ def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, 
     for name, b in model.named_buffers():
         roles[id(b)] = ("buffer", name)
     return roles
+
+
+def _shallow(model: torch.nn.Module, named: dict[str, Any],
+             autocast: tuple[str, torch.dtype] | None, notes: list[str]) -> Raw | None:
+    """Dynamo's static graph traced two layers deep and copied to the model's depth (None:
+    the model has no stack to copy, or its layers are not one pattern)."""
+    from orgel.graph.measure import _module_path
+    from orgel.graph.repeat import repeated_layers, replicate, two_layers
+
+    found = repeated_layers(model)
+    if found is None:
+        return None
+    prefix, layers = found
+    with two_layers(layers):
+        raw = _dynamo_graph(model, named, autocast)
+    out = replicate(raw, prefix, len(layers), _module_path)
+    if out is not None:
+        notes.append(f"traced two of the {len(layers)} layers of {prefix}; the others copied "
+                     "from the second")
+    return out
 
 
 def _dynamic_or_static(model: torch.nn.Module, named: dict[str, Any],

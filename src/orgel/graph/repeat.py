@@ -1,0 +1,169 @@
+"""A deep stack of identical layers captured from a shallow one: trace two, copy the second.
+
+Dynamo traces a forward op by op, about 10 ms an op on this CPU, so a 126-layer model on
+the meta device took over three minutes to capture for ``orgel plan``, nearly all of it
+the same layer traced again. :func:`repeated_layers` finds the longest module list whose
+elements are alike (one class, parameters and buffers of the same names, shapes and
+dtypes, the same settings but for ``layer_idx``, and no list in the model's config that
+sets them apart); :func:`two_layers` hides all but its
+first two while Dynamo traces; :func:`replicate` makes the graph of every layer from the
+second one's nodes: layer ``i`` reads its own parameters, takes from layer ``i - 1`` what
+layer 1 took from layer 0, and shares what layer 1 read from before the layers (the
+mask, the position table). The graph is then measured like any capture, on the whole
+model.
+
+It declines (returns None; the caller traces the whole model) where the layers are not
+one pattern: the two traced layers differ op by op, code between the layers runs per
+layer, or something after the layers reads the first layer's values (every layer's
+hidden states returned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+#: fewer layers than this are traced whole (nothing to gain)
+MIN_LAYERS = 4
+
+
+def repeated_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
+    """``(qualified name, list)`` of the longest module list of alike layers, or None."""
+    best: tuple[str, torch.nn.ModuleList] | None = None
+    per_layer = _per_layer_settings(model)
+    for name, module in model.named_modules():
+        if (isinstance(module, torch.nn.ModuleList) and len(module) >= MIN_LAYERS
+                and (best is None or len(module) > len(best[1]))
+                and len(module) not in per_layer and _alike(module)):
+            best = (name, module)
+    return best
+
+
+def _per_layer_settings(model: torch.nn.Module) -> set[int]:
+    """Lengths of the settings lists in the model's ``config`` whose entries differ (a
+    Hugging Face ``layer_types`` of sliding and full attention): the forward may treat the
+    layers of a list that long differently by their index."""
+    config = getattr(model, "config", None)
+    found = set()
+    for value in (vars(config).values() if config is not None and hasattr(config, "__dict__")
+                  else ()):
+        if isinstance(value, list | tuple) and len({repr(v) for v in value}) > 1:
+            found.add(len(value))
+    return found
+
+
+def _alike(layers: torch.nn.ModuleList) -> bool:
+    first = _signature(layers[0])
+    return first is not None and all(_signature(m) == first for m in layers[1:])
+
+
+def _signature(layer: torch.nn.Module) -> Any:
+    """What must agree between two layers for one to stand for the other (None: never)."""
+    out: list[Any] = []
+    for name, m in layer.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return None
+        settings = sorted((k, repr(v)) for k, v in vars(m).items()
+                          if not k.startswith("_") and k not in ("layer_idx", "training"))
+        out.append((name, type(m), settings))
+    out.extend((n, tuple(t.shape), t.dtype) for n, t in
+               [*layer.named_parameters(), *layer.named_buffers()])
+    return out
+
+
+@contextlib.contextmanager
+def two_layers(layers: torch.nn.ModuleList) -> Iterator[None]:
+    """While inside: ``layers`` holds only its first two elements."""
+    kept = layers._modules
+    layers._modules = type(kept)((k, kept[k]) for k in list(kept)[:2])
+    try:
+        yield
+    finally:
+        layers._modules = kept
+
+
+def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
+    """The captured ``raw`` graph of two layers of ``prefix`` made ``count`` layers, or None.
+
+    ``path_of(node)``: a node's module path (``model.layers.1.mlp.up``).
+    """
+    gm, roles, leaves, spec = raw
+    graph = gm.graph
+    nodes = list(graph.nodes)
+
+    def layer(node: torch.fx.Node) -> int | None:
+        path = path_of(node)
+        for i in (0, 1):
+            head = f"{prefix}.{i}"
+            if path == head or path.startswith(head + "."):
+                return i
+        return None
+
+    body = [n for n in nodes if n.op in ("call_function", "call_method")]
+    first, second = ([n for n in body if layer(n) == i] for i in (0, 1))
+    if not first or len(first) != len(second) or any(
+            a.op != b.op or a.target != b.target for a, b in zip(first, second, strict=True)):
+        return None
+    own = set(first) | set(second)
+    start, end = nodes.index(first[0]), nodes.index(second[-1])
+    if any(n not in own and n.op != "placeholder" for n in nodes[start:end + 1]):
+        return None  # code between the layers, run once per layer
+    if any(u not in own for n in first for u in n.users):
+        return None  # something after the layers reads the first layer's values
+    index0 = {n: k for k, n in enumerate(first)}
+    index1 = {n: k for k, n in enumerate(second)}
+    last = [[n for n in nodes if n.op == "placeholder"][-1]]  # new placeholders go after it
+    by_role = {roles[p.name]: p for p in nodes if p.op == "placeholder"}
+    head = f"{prefix}.1."
+    previous: list[torch.fx.Node] = second
+    made: set[torch.fx.Node] = set()
+    after = second[-1]
+    for i in range(2, count):
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+
+        def arg(n: torch.fx.Node, i: int = i, env: dict[torch.fx.Node, torch.fx.Node] = env,
+                previous: list[torch.fx.Node] = previous) -> torch.fx.Node:
+            if n in env:
+                return env[n]
+            if n in index0:  # what layer 1 took from layer 0: from the layer before
+                return previous[index0[n]]
+            role = roles.get(n.name) if n.op == "placeholder" else None
+            if role is not None and role[0] in ("param", "buffer") and role[1].startswith(head):
+                own_role = (role[0], f"{prefix}.{i}." + role[1][len(head):])
+                if own_role not in by_role:
+                    with graph.inserting_after(last[0]):
+                        last[0] = graph.placeholder(own_role[1].replace(".", "_"))
+                    roles[last[0].name] = own_role
+                    by_role[own_role] = last[0]
+                return by_role[own_role]
+            return n
+
+        copies = []
+        for n in second:
+            with graph.inserting_after(after):
+                c = graph.node_copy(n, arg)
+            c.meta = dict(n.meta)
+            c.meta["nn_module_stack"] = _renamed_stack(n, path_of, prefix, i)
+            env[n] = after = c
+            copies.append(c)
+        made.update(copies)
+        previous = copies
+    for n in second:  # what read the last traced layer reads the last copy
+        for user in list(n.users):
+            if user not in own and user not in made:
+                user.replace_input_with(n, previous[index1[n]])
+    graph.lint()
+    gm.recompile()
+    return gm, roles, leaves, spec
+
+
+def _renamed_stack(node: torch.fx.Node, path_of: Any, prefix: str, i: int) -> dict[str, Any]:
+    """A module stack whose innermost module is layer ``i``'s, where ``node``'s is layer 1's."""
+    path = path_of(node)
+    renamed = f"{prefix}.{i}" + path[len(f"{prefix}.1"):]
+    stack = node.meta.get("nn_module_stack") or {}
+    cls = list(stack.values())[-1][1] if stack else None
+    return {f"orgel_layer_{i}": (renamed, cls)}

@@ -1,0 +1,85 @@
+"""A deep stack of alike layers captured two layers deep and copied: the same graph facts
+as tracing every layer, or the whole model traced where the layers are not one pattern."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from orgel.costs.devices import DEVICES
+from orgel.graph import capture
+from orgel.graph.repeat import repeated_layers
+from orgel.profile.roofline import estimate_costs
+from orgel.workload import named_inputs
+
+
+def _facts(graph: Any) -> list[Any]:
+    return sorted((n.op, n.module, n.flops, n.saved_bytes, n.nbytes, tuple(sorted(n.params)))
+                  for n in graph.nodes.values())
+
+
+def _both(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
+    named = named_inputs(model, inputs)
+    return (capture(model, named, dynamic=False),
+            capture(model, named, dynamic=False, shallow=True))
+
+
+def _hf(kind: str, layers: int) -> torch.nn.Module:
+    import transformers as hf
+
+    with torch.device("meta"):
+        if kind == "llama":
+            return hf.LlamaForCausalLM(hf.LlamaConfig(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                attn_implementation="sdpa"))
+        if kind == "gpt2":
+            return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=128, n_embd=64, n_layer=layers,
+                                                    n_head=4, use_cache=False,
+                                                    bos_token_id=0, eos_token_id=0))
+        return hf.Gemma2ForCausalLM(hf.Gemma2Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_meta_hugging_face_stack_copied_from_two_layers_is_the_whole_trace(kind: str) -> None:
+    model = _hf(kind, 5)
+    full, shallow = _both(model, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+    assert any("traced two of the 5 layers" in note for note in shallow.notes)
+    assert _facts(shallow) == _facts(full)
+    # the planner's table of both is the same, block by block
+    a, b = (estimate_costs(g, DEVICES["h100-80gb"], blocks=6) for g in (full, shallow))
+    assert (a.fwd, a.activations, a.params, a.edges) == (b.fwd, b.activations, b.params, b.edges)
+
+
+def test_layers_the_config_sets_apart_are_traced_whole() -> None:
+    # Gemma2 alternates sliding-window and full attention by the layer's index
+    assert repeated_layers(_hf("gemma2", 4)) is None
+
+
+class Scaled(torch.nn.Module):
+    """Code between the layers, once per layer (a scale), and every layer's output returned."""
+
+    def __init__(self, every: bool) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(5))
+        self.every = every
+
+    def forward(self, x: torch.Tensor) -> Any:
+        outs = []
+        for layer in self.layers:
+            x = layer(x)
+            if not self.every:
+                x = x * 0.5
+            outs.append(x)
+        return tuple(outs) if self.every else x
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_a_stack_that_is_not_one_pattern_is_traced_whole(every: bool) -> None:
+    full, shallow = _both(Scaled(every), {"x": torch.randn(2, 8)})
+    assert not any("traced two" in note for note in shallow.notes)
+    assert _facts(shallow) == _facts(full)
