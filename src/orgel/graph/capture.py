@@ -154,7 +154,7 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
              autocast: tuple[str, torch.dtype] | None, notes: list[str]) -> Raw | None:
     """Dynamo's static graph traced two layers deep and copied to the model's depth (None:
     the model has no stack to copy, or its layers are not one pattern)."""
-    from orgel.graph.measure import _module_path
+    from orgel.graph.measure import module_path
     from orgel.graph.repeat import repeated_layers, replicate, two_layers
 
     found = repeated_layers(model)
@@ -163,7 +163,7 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
     prefix, layers = found
     with two_layers(layers):
         raw = _dynamo_graph(model, named, autocast)
-    out = replicate(raw, prefix, len(layers), _module_path)
+    out = replicate(raw, prefix, len(layers), module_path)
     if out is not None:
         notes.append(f"traced two of the {len(layers)} layers of {prefix}; the others copied "
                      "from the second")

@@ -35,7 +35,8 @@ _DROP = {"_log_api_usage_once"}
 #: (graph, placeholder roles, output leaves, output treespec) from a capture route.
 Raw = tuple[torch.fx.GraphModule, dict[str, tuple[str, Any]], list[tuple[str, Any]], Any]
 
-def _module_path(node: torch.fx.Node) -> str:
+def module_path(node: torch.fx.Node) -> str:
+    """The module a captured node ran in, as a dotted path (``model.layers.3.mlp``)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
@@ -155,7 +156,7 @@ def measure(
         shape, dtype, nbytes, is_tensor, requires_grad = _describe(value)
         pnames = tuple(dict.fromkeys(attr_of[n.name] for n in reads if n.name in attr_of))
         nodes[node.name] = OpNode(
-            name=node.name, op=_op_name(node), module=_module_path(node),
+            name=node.name, op=_op_name(node), module=module_path(node),
             inputs=tuple(dict.fromkeys(n.name for n in reads if n.name not in attr_of)),
             params=pnames, shape=shape, dtype=dtype, nbytes=nbytes,
             param_bytes=sum(_nbytes(params, buffers, constants, p) for p in pnames),
