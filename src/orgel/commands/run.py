@@ -238,12 +238,13 @@ def _prepare(args: argparse.Namespace) -> Any:
     if args.plan:  # nor does a plan made for another model
         share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
         graph = capture(workload.model, share, several=False, precision=args.precision)
+        split_plan(graph, plan)
     assert graph is not None  # captured for the plan made or given
-    split = split_plan(graph, plan)
     plan = with_tp(plan, args.tp, graph)
-    if not args.plan and not args.recompute:  # the planner's per-layer choices, runnable
-        plan = runnable_recompute(plan, [bool(st.written) for st in split.stages],
-                                  compiled=args.compile)
+    if not args.plan and not args.recompute and any(isinstance(p, str) for p in plan.recompute):
+        # the planner's per-layer choices, where the runtime can run them
+        written = [bool(st.written) for st in split_plan(graph, plan).stages]
+        plan = runnable_recompute(plan, written, compiled=args.compile)
     return plan
 
 
