@@ -273,9 +273,12 @@ def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:
         got = run_backend(features, data, out) if spec["entry"] == "backend" \
             else run_pipeline(features, data, out)
         report = compare(got, reference(features, data))
-        if {"tp", "bf16"} <= features:
-            # each half of a split matmul is rounded to bfloat16 before the sum: judge both
-            # against float64, as the fuzzer does
+        if "bf16" in features:
+            # bfloat16 rounds each product, and a split rounds some sums in another order
+            # (each half of a tp matmul before the sum; a value read on both sides of a
+            # stage boundary), which AdamW's normalised step turns into a full step for a
+            # weight whose gradient is near zero: judge both against float64, as the
+            # fuzzer does
             exact = reference(features, data, float64=True)["state"]
             report["diff64"] = _distance(got["state"], exact)
             report["ref_diff64"] = _distance(reference(features, data)["state"], exact)

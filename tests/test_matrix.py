@@ -4,7 +4,9 @@ Each cell is a training script as people write it (``tests/matrix_cell.py``: a H
 Face Qwen2 on right-padded batches whose labels are -100 on the padding, the model's own
 ``outputs.loss``, AdamW) run through one entry point of orgel with one feature or a pair,
 and the same training in one process over the same micro-batches. A cell is exact (the
-losses and every weight as one process has them), or refused before anything starts with
+losses and every weight as one process has them; a bf16-mixed cell at most twice as far
+from a float64 run as one process in bf16 is, see ``matrix_cell.run_cell``), or refused
+before anything starts with
 an error that says why and what to do; :data:`REFUSED` lists the refusals, each with the
 words its error must contain, and docs/limitations.md says why each is not done yet.
 

@@ -241,7 +241,7 @@ def test_what_i_keeps_for_w_is_alive_from_i_not_from_f() -> None:
     layout = MemoryLayout.build(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), kinds,
                                 np.array([0, n]), [(0,)], [False])
     starts = np.arange(n, dtype=np.float64)
-    common = dict(activations=np.array([100.0]), temporary=np.array([0.0]),
+    common = dict(rebuilt=np.array([0.0]), temporary=np.array([0.0]),
                   static=np.array([0.0]), share=np.array([1.0]), compute_start=starts,
                   compute_end=starts + 1, msg_start=np.zeros(0), msg_recv=np.zeros(0, dtype=int),
                   msg_bytes=np.zeros(0))
