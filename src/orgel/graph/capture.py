@@ -161,8 +161,11 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
     if found is None:
         return None
     prefix, layers = found
-    with two_layers(layers):
-        raw = _dynamo_graph(model, named, autocast)
+    try:
+        with two_layers(layers):
+            raw = _dynamo_graph(model, named, autocast)
+    except Exception:  # noqa: BLE001 - whatever two layers cannot do, the whole trace says
+        return None
     out = replicate(raw, prefix, len(layers), module_path)
     if out is not None:
         notes.append(f"traced two of the {len(layers)} layers of {prefix}; the others copied "
