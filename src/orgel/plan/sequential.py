@@ -209,8 +209,9 @@ def _relax_recompute(scorer: Scorer, result: SequentialResult) -> SequentialResu
         return result
     stages = scorer.chain_stage_costs(result.points)
     policies: list[bool | str] = list(result.recompute)
-    choices: list[bool | str] = [False, "selective", "layer"] if scorer.bc.recompute \
-        else [False]
+    choices: list[bool | str] = [False]
+    if scorer.bc.recompute:  # torch's selective checkpoint allows one backward per region
+        choices += ["layer"] if result.template.splits_backward else ["selective", "layer"]
     for s in sorted(range(len(policies)), key=lambda i: -stages[i].fwd):
         kept = policies[s]
         for policy in choices:
