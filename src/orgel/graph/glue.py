@@ -92,13 +92,18 @@ class Glue:
     def autocast(self) -> Any:
         """The autocast the forward's Python between graphs runs under (a no-op without
         mixed precision), for every place that runs the forward in the controller."""
-        if self.region is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.region[0], dtype=self.region[1])
+        return region_autocast(self.region)
 
     def has_exchange(self, c: int) -> bool:
         """Call ``c`` is preceded by an exchange (every call but a first one without glue)."""
         return c in self.exchanges
+
+
+def region_autocast(region: tuple[str, torch.dtype] | None) -> Any:
+    """``torch.autocast`` of a ``(device type, dtype)`` region; a no-op for None."""
+    if region is None:
+        return contextlib.nullcontext()
+    return torch.autocast(region[0], dtype=region[1])
 
 
 def exchange(key: str, c: int, mask: tuple[bool, ...], anchor: torch.Tensor | None,
@@ -297,7 +302,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
 
     try:
         compiled = torch.compile(model, backend=backend, dynamic=False)
-        with dynamo_settings(), torch.enable_grad(), Glue("", [], "", region=region).autocast():
+        with dynamo_settings(), torch.enable_grad(), region_autocast(region):
             result = compiled(**named)
     except CaptureError:
         raise
