@@ -140,11 +140,11 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False) -> 
     if tp == 1:
         return costs
     link = tp_link(costs)
+    rest = (1 / tp) if sequence_parallel else 1.0  # of what the regions do not split
     fwd, bwd, wgrad, params, acts, opt = [], [], [], [], [], []
     for b, s in enumerate(costs.tp_split):
         comm = (s.regions * ring_time(link, s.allreduce / s.regions, tp, steps=2)
                 if s.regions else 0.0)
-        rest = (1 / tp) if sequence_parallel else 1.0  # of what the regions do not split
         fwd.append((costs.fwd[b] - s.fwd) * rest + s.fwd / tp + comm)
         bwd.append((costs.bwd[b] - s.bwd) * rest + s.bwd / tp + comm)
         wgrad.append(min(bwd[-1], costs.wgrad[b] - s.wgrad + s.wgrad / tp))
