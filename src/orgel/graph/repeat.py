@@ -115,6 +115,10 @@ def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
         return None  # something after the layers reads the first layer's values
     index0 = {n: k for k, n in enumerate(first)}
     index1 = {n: k for k, n in enumerate(second)}
+    # each layer-1 node's module below the layer (".mlp.up"), and its class, for its copies
+    below = {n: (path_of(n)[len(f"{prefix}.1"):],
+                 list(n.meta["nn_module_stack"].values())[-1][1]
+                 if n.meta.get("nn_module_stack") else None) for n in second}
     last = [[n for n in nodes if n.op == "placeholder"][-1]]  # new placeholders go after it
     by_role = {roles[p.name]: p for p in nodes if p.op == "placeholder"}
     head = f"{prefix}.1."
@@ -145,8 +149,9 @@ def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
         for n in second:
             with graph.inserting_after(after):
                 c = graph.node_copy(n, arg)
-            c.meta = dict(n.meta)
-            c.meta["nn_module_stack"] = _renamed_stack(n, path_of, prefix, i)
+            c.meta = dict(n.meta)  # its module: layer i's, where n's is layer 1's
+            c.meta["nn_module_stack"] = {f"orgel_layer_{i}": (f"{prefix}.{i}{below[n][0]}",
+                                                              below[n][1])}
             env[n] = after = c
             copies.append(c)
         made.update(copies)
@@ -158,12 +163,3 @@ def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
     graph.lint()
     gm.recompile()
     return gm, roles, leaves, spec
-
-
-def _renamed_stack(node: torch.fx.Node, path_of: Any, prefix: str, i: int) -> dict[str, Any]:
-    """A module stack whose innermost module is layer ``i``'s, where ``node``'s is layer 1's."""
-    path = path_of(node)
-    renamed = f"{prefix}.{i}" + path[len(f"{prefix}.1"):]
-    stack = node.meta.get("nn_module_stack") or {}
-    cls = list(stack.values())[-1][1] if stack else None
-    return {f"orgel_layer_{i}": (renamed, cls)}
