@@ -270,7 +270,9 @@ def test_weights_from_safetensors_train_exactly_on_two_ranks(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_a_meta_gpt_is_profiled_block_by_block_and_trains_like_one_process(cache: Path) -> None:
+@pytest.mark.parametrize("microbatches", [2, "auto"])
+def test_a_meta_gpt_is_profiled_block_by_block_and_trains_like_one_process(
+        cache: Path, microbatches: int | str) -> None:
     def init(m: torch.nn.Module) -> None:
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             torch.nn.init.normal_(m.weight, std=0.02)
@@ -285,11 +287,13 @@ def test_a_meta_gpt_is_profiled_block_by_block_and_trains_like_one_process(cache
             seen.add(id(module))
             initialized(module, name, 4, init)
     torch.manual_seed(4)
-    with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, optimizer=_sgd,
-                  threads=1, init=init) as pipe:  # no plan: profiled one block at a time
+    with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=microbatches,
+                  optimizer=_sgd, threads=1, init=init) as pipe:  # profiled block by block
         losses = [pipe.step(inputs, targets) for _ in range(2)]
         state = pipe.state_dict()
         assert pipe.plan.costs is not None or pipe.plan.prediction  # planned from a profile
+        if microbatches == "auto":  # each count tried (2, 4, 8) profiled at its size
+            assert len(list(cache.rglob("blocks-*.json"))) == 3
     assert list(cache.rglob("*.json"))  # profiled here (an empty cache), not read back
     opt = _sgd(list(reference.parameters()))
     for loss in losses:

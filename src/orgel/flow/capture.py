@@ -66,9 +66,6 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
 
         # auto_plan reads the micro-batch rows and plans one rank per stage by
         # default (max_replicas=1): captured stages have fixed shapes.
-        if source is not None and microbatches == "auto":
-            raise ValueError("a model on the meta device is planned for one micro-batch "
-                             "count: give microbatches as an int, not 'auto'")
         from orgel.profile.memory import optimizer_factor
 
         given = auto_plan(workload, graph, ranks=ranks,

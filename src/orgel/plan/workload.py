@@ -140,14 +140,15 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
 def plan_batch(workload: Any, *, ranks: int, batch: int | None = None,
                blocks: int | None = None,
                link: bool = True, progress: bool = True, threads: int = 1,
-               dp: int | None = 1, optimizer_factor: float = 4.0,
+               dp: int | None = 1, optimizer_factor: float = 4.0, source: Any = None,
                **options: Any) -> tuple[PlanResult, Any]:
     """Choose the micro-batch count for ``batch`` rows of ``workload`` and plan it.
 
     Returns the runnable plan's result and the op graph captured at the chosen
     micro-batch size (what the runtime splits). ``options`` go to
     :func:`~orgel.plan.batch.search_microbatches` and on to the planner;
-    ``optimizer_factor`` to the profile (see :func:`auto_plan`).
+    ``optimizer_factor`` and ``source`` (a meta model's values) to the profile (see
+    :func:`auto_plan`).
     """
     from orgel.graph import capture
     from orgel.profile.workload import as_workload, profile_graph
@@ -177,7 +178,7 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None,
         graphs[rows] = capture(w.model, named_inputs(w.model, inputs), precision=w.precision)
         costs = profile_graph(w, graphs[rows], microbatches=parts, blocks=blocks, link=link,
                               progress=progress, threads=threads, contention=ranks - 1,
-                              ranks=ranks, optimizer_factor=optimizer_factor)
+                              ranks=ranks, optimizer_factor=optimizer_factor, source=source)
         if isinstance(workload, str):
             costs.meta["workload"] = workload
         all_costs[rows] = costs
@@ -223,15 +224,13 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
     threads = threads or rank_threads(ranks)
     blocks = blocks_for(ranks, blocks)
     if microbatches is None:
-        if source is not None:
-            raise ValueError("a model on the meta device is planned for a given micro-batch "
-                             "count: give microbatches")
         if graph is not None or rows is not None:
             raise ValueError("with microbatches=None the search captures every micro-batch "
                              "size it tries: leave graph and rows out")
         result, _ = plan_batch(workload, ranks=ranks, progress=False, threads=threads,
                                blocks=blocks, memory=memory, dp=dp, planner=planner,
-                               max_replicas=max_replicas, optimizer_factor=optimizer_factor)
+                               max_replicas=max_replicas, optimizer_factor=optimizer_factor,
+                               source=source)
         return result.plan
     if graph is None:
         raise ValueError("give the graph captured at microbatches micro-batches "
