@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec
 from orgel.graph.regions import collapse_transforms
+from orgel.graph.repeat import COPIES
 from orgel.graph.sizes import is_symbolic, static_shapes, symbolic_shapes
 
 # Nodes that switch state rather than compute: recorded as each node's grad mode.
@@ -138,7 +139,8 @@ def measure(
                             and not a.is_meta), torch.device("cpu")))
     gm.recompile()
 
-    facts = _run_measured(gm, args, attr_of, params, buffers, fake=fake)
+    facts = _run_measured(gm, args, attr_of, params, buffers, fake=fake,
+                          copies=gm.meta.pop(COPIES, None) or {})
     nodes: dict[str, OpNode] = {}
     # size arithmetic on the size placeholders: recomputed by every stage that reads it
     size_nodes = set(sizes)
@@ -363,12 +365,15 @@ def _fake_args(args: list[Any], mode: Any) -> list[Any]:
 def _run_measured(
     gm: torch.fx.GraphModule, args: list[Any], attr_of: dict[str, str],
     params: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor], *,
-    fake: bool = False,
+    fake: bool = False, copies: dict[torch.fx.Node, torch.fx.Node] | None = None,
 ) -> dict[str, tuple[Any, int, int, bool, tuple[tuple[Any, ...], ...]]]:
     """Run the graph on real tensors: per node (output, saved bytes, FLOPs, grad mode, autocast).
 
     ``fake``: on fake tensors instead (a meta model): the same facts, no memory.
+    ``copies``: nodes that are copies of an earlier node on the same shapes
+    (:func:`orgel.graph.repeat.replicate`): they take its output, saved bytes and FLOPs.
     """
+    copies = copies or {}
     weights: list[torch.Tensor] = [*params.values(), *buffers.values()]
     mode: Any = contextlib.nullcontext()
     if fake:
@@ -389,6 +394,11 @@ def _run_measured(
         def run_node(self, n: torch.fx.Node) -> Any:
             if n.op not in ("call_function", "call_method"):
                 return super().run_node(n)
+            source = copies.get(n)
+            if source is not None and n.target not in (AUTOCAST_ENTER, AUTOCAST_EXIT):
+                out, nbytes, flops, _, _ = facts[source.name]
+                facts[n.name] = (out, nbytes, flops, torch.is_grad_enabled(), tuple(autocast))
+                return out
             saved: list[torch.Tensor] = []
 
             def pack(t: torch.Tensor) -> torch.Tensor:

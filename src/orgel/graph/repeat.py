@@ -10,7 +10,9 @@ first two while Dynamo traces; :func:`replicate` makes the graph of every layer 
 second one's nodes: layer ``i`` reads its own parameters, takes from layer ``i - 1`` what
 layer 1 took from layer 0, and shares what layer 1 read from before the layers (the
 mask, the position table). The graph is then measured like any capture, on the whole
-model.
+model, except that a copied node takes its layer-1 node's facts (its output, saved bytes
+and FLOPs: the same op on the same shapes) rather than running again
+(``gm.meta[COPIES]``, read by :func:`orgel.graph.measure.measure`).
 
 It declines (returns None; the caller traces the whole model) where the layers are not
 one pattern: the two traced layers differ op by op, code between the layers runs per
@@ -28,6 +30,8 @@ import torch
 
 #: fewer layers than this are traced whole (nothing to gain)
 MIN_LAYERS = 4
+#: the graph-module meta key of :func:`replicate`'s ``{copied node: its layer-1 node}``
+COPIES = "orgel_copies"
 
 
 def repeated_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
@@ -125,6 +129,7 @@ def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
     previous: list[torch.fx.Node] = second
     made: set[torch.fx.Node] = set()
     after = second[-1]
+    copy_of: dict[torch.fx.Node, torch.fx.Node] = {}
     for i in range(2, count):
         env: dict[torch.fx.Node, torch.fx.Node] = {}
 
@@ -154,6 +159,7 @@ def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
                                                               below[n][1])}
             env[n] = after = c
             copies.append(c)
+            copy_of[c] = n
         made.update(copies)
         previous = copies
     for n in second:  # what read the last traced layer reads the last copy
@@ -162,4 +168,6 @@ def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
                 user.replace_input_with(n, previous[index1[n]])
     graph.lint()
     gm.recompile()
+    # measure takes a copy's facts from its layer-1 node (COPIES) rather than run it
+    gm.meta[COPIES] = copy_of
     return gm, roles, leaves, spec
