@@ -373,7 +373,7 @@ def _run_measured(
     ``copies``: nodes that are copies of an earlier node on the same shapes
     (:func:`orgel.graph.repeat.replicate`): they take its output, saved bytes and FLOPs.
     """
-    copies = copies or {}
+    copied = copies or {}
     weights: list[torch.Tensor] = [*params.values(), *buffers.values()]
     mode: Any = contextlib.nullcontext()
     if fake:
@@ -394,7 +394,7 @@ def _run_measured(
         def run_node(self, n: torch.fx.Node) -> Any:
             if n.op not in ("call_function", "call_method"):
                 return super().run_node(n)
-            source = copies.get(n)
+            source = copied.get(n)
             if source is not None and n.target not in (AUTOCAST_ENTER, AUTOCAST_EXIT):
                 out, nbytes, flops, _, _ = facts[source.name]
                 facts[n.name] = (out, nbytes, flops, torch.is_grad_enabled(), tuple(autocast))
