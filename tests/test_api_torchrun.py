@@ -194,7 +194,7 @@ def test_pipelines_built_again_in_the_same_torchrun_processes(tmp_path: Path) ->
 
 
 GLUED = '''
-import copy, json, os, sys
+import copy, json, os, sys, time
 import torch
 import torch.nn.functional as F
 import orgel
@@ -240,11 +240,14 @@ def failing(out, target):
 
 
 pipe.loss_fn = failing                           # process 0 computes the loss: it raises
+began = time.monotonic()
 try:
     pipe.step((x,), y)
 except Exception as exc:
     with open(os.path.join(out, f"error{os.environ['RANK']}.txt"), "w") as f:
         f.write(f"{type(exc).__name__}: {exc}")
+with open(os.path.join(out, f"stopped{os.environ['RANK']}.txt"), "w") as f:
+    f.write(str(time.monotonic() - began))
 pipe.close()
 '''
 
@@ -267,3 +270,5 @@ def test_a_forward_of_several_graphs_trains_under_torchrun(tmp_path: Path) -> No
     assert (tmp_path / "error0.txt").read_text() == ("RuntimeError: the loss cannot be "
                                                      "computed")
     assert "process 0 stopped the pipeline" in (tmp_path / "error1.txt").read_text()
+    for rank in (0, 1):  # at once, not after the 60 s timeout's wait for the controller
+        assert float((tmp_path / f"stopped{rank}.txt").read_text()) < 20, rank

@@ -115,6 +115,15 @@ class ByValue:
         return self.conn.fileno()
 
     def close(self) -> None:
+        """Shut the socket down, then close it: a thread of this process blocked reading
+        it wakes (EOF), and the other end sees EOF now. A plain close would do neither while
+        such a read is in progress (it holds the socket open), and the process at the
+        other end would wait out its timeout."""
+        try:
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already, or not a socket
+            pass
         self.conn.close()
 
 
