@@ -259,8 +259,13 @@ def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
     if "eval" in want:
         report["eval"] = [got.get("eval"), want["eval"]]
         if "logits" in got:
-            report["logits_diff"] = float((got["logits"] - want["logits"]).abs().max())
+            report["logits_diff"] = _largest(got["logits"], want["logits"])
     return report
+
+
+def _largest(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference between two tensors, in float64."""
+    return float((a.double() - b.double()).abs().max())
 
 
 def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -272,16 +277,20 @@ def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     try:
         got = run_backend(features, data, out) if spec["entry"] == "backend" \
             else run_pipeline(features, data, out)
-        report = compare(got, reference(features, data))
+        want = reference(features, data)
+        report = compare(got, want)
         if "bf16" in features:
             # bfloat16 rounds each product, and a split rounds some sums in another order
             # (each half of a tp matmul before the sum; a value read on both sides of a
             # stage boundary), which AdamW's normalised step turns into a full step for a
             # weight whose gradient is near zero: judge both against float64, as the
-            # fuzzer does
-            exact = reference(features, data, float64=True)["state"]
-            report["diff64"] = _distance(got["state"], exact)
-            report["ref_diff64"] = _distance(reference(features, data)["state"], exact)
+            # fuzzer does (the weights, and the logits evaluated with them)
+            exact = reference(features, data, float64=True)
+            report["diff64"] = _distance(got["state"], exact["state"])
+            report["ref_diff64"] = _distance(want["state"], exact["state"])
+            if "logits" in got and "logits" in exact:
+                report["logits64"] = _largest(got["logits"], exact["logits"])
+                report["ref_logits64"] = _largest(want["logits"], exact["logits"])
         return report
     except Exception as exc:  # noqa: BLE001 - the cell records what orgel raised
         return {"error": type(exc).__name__, "message": str(exc)[:2000],

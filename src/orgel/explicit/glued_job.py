@@ -150,6 +150,12 @@ class JobGroup(LocalGroup):
                 pass
         for conn in [*self._conns, *self.exchanges]:
             conn.close()
+        # this process's rank (a thread) now finds its connections closed and ends its step
+        # with the others; meet it, so that no exit of this process finds it inside a
+        # collective (gloo's threads then abort the process: "terminate called without an
+        # active exception")
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self.timeout_s)
 
     def close(self) -> None:
         """Ask every rank to end (the followers' ``close`` returns), then meet them."""
