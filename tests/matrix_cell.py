@@ -246,8 +246,7 @@ def run_backend(features: set[str], data: list[dict[str, torch.Tensor]], out: Pa
 
 def _distance(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """The largest difference of any weight ``state`` and ``want`` both have."""
-    return max((float((state[n].double() - want[n].double()).abs().max())
-                for n in want if n in state), default=0.0)
+    return max((_largest(state[n], want[n]) for n in want if n in state), default=0.0)
 
 
 def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:

@@ -71,7 +71,7 @@ def check(entry: str, cell: str, report: dict[str, Any]) -> None:
         assert report["diff"] <= tol, report["diff"]
     if "eval" in report:
         got, want = report["eval"]
-        assert abs(got - want) <= (10 if "diff64" in report else 1) * tol, report["eval"]
+        assert abs(got - want) <= tol, report["eval"]
         if "logits64" in report:  # the weights round unlike one process's: against float64
             assert report["logits64"] <= 2 * report["ref_logits64"] + 10 * tol, report
         else:

@@ -141,7 +141,7 @@ def measure(
     gm.recompile()
 
     facts = _run_measured(gm, args, attr_of, params, buffers, fake=fake,
-                          copies=gm.meta.pop(COPIES, None) or {})
+                          copies=gm.meta.pop(COPIES, None))
     nodes: dict[str, OpNode] = {}
     # size arithmetic on the size placeholders: recomputed by every stage that reads it
     size_nodes = set(sizes)
