@@ -18,9 +18,7 @@ restored afterwards (:func:`orgel.guard.untouched`), so capturing changes nothin
 
 from __future__ import annotations
 
-import itertools
 import re
-import types
 from typing import Any
 
 import torch
@@ -29,6 +27,7 @@ import torch.utils._pytree as pytree
 from orgel.graph.dynamo import dynamo_settings
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
+from orgel.graph.reuse import capturer_for
 from orgel.graph.sizes import bind_sizes, mark_sizes, size_settings, static_shapes
 from orgel.guard import untouched
 from orgel.precision import autocast_dtype, device_type
@@ -128,16 +127,6 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
 # roles: placeholder name -> ("input", name) | ("param", qualname) | ("buffer", qualname)
 #        | ("const", tensor); leaves: ("out", index) | ("input", name) | ("const", obj)
 
-_CAPTURES = itertools.count()
-
-
-def _own_code(fn: Any) -> Any:
-    """``fn`` with a code object of its own (a new name), so no cache entry matches it."""
-    own = types.FunctionType(fn.__code__.replace(co_name=f"orgel_capture_{next(_CAPTURES)}"),
-                             fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return own
-
-
 def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, tuple[str, Any]]:
     roles: dict[int, tuple[str, Any]] = {}
     for name, t in named.items():
@@ -193,56 +182,23 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
                   autocast: tuple[str, torch.dtype] | None = None, dynamic: bool = False) -> Raw:
     """Dynamo's graph of ``model`` on ``named``; ``autocast``: the ``(device type, dtype)``
     region the forward runs in (part of the graph)."""
-    captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
-    returned: list[Any] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        captured.append((gm, list(example_inputs)))
-
-        def run(*args: Any) -> Any:
-            with torch.no_grad():
-                out = gm(*args)
-            returned.append(out)
-            return out
-
-        return run
-
-    # A fresh cache without wiping the caller's (no torch._dynamo.reset()): Dynamo keys
-    # compiled code on the code object of the frame it converts, so the frame is a function
-    # whose code object is this capture's own; the model's forward is inlined into it
-    # (fullgraph), and its cache entry is dropped afterwards
-    if autocast is not None:  # the region is part of the graph: every stage re-enters it
-        kind, dtype = autocast
-
-        def call(**kwargs: Any) -> Any:
-            with torch.autocast(kind, dtype=dtype):
-                return model(**kwargs)
-    else:
-        def call(**kwargs: Any) -> Any:
-            return model(**kwargs)
-    target = _own_code(call)
+    traced = mark_sizes(named) if dynamic else named  # views carry the marks, not the caller's
+    capturer, kept = capturer_for(model, autocast, dynamic)
     try:
-
-        traced = named
-        if dynamic:  # views of the inputs carry the marks; the caller's tensors none
-            traced = mark_sizes(named)
-        compiled = torch.compile(target, backend=backend, fullgraph=True,
-                                 dynamic=None if dynamic else False)
         # Traced with grad enabled, as in training: dynamo specialises on grad mode.
         with dynamo_settings(), size_settings(dynamic):
-            result = compiled(**traced)
+            gm, examples, out, result = capturer.run(model, traced)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
         # Unsupported: a graph break; UserError: a guard on a data-dependent value
         # (``if t.item() > 0``), which is a graph break under fullgraph too.
         raise GraphBreakError(_describe_break(exc)) from None
-    finally:
-        torch._dynamo.eval_frame.reset_code(target.__code__)
-    if len(captured) != 1 or not returned:
+    except LookupError as exc:
         raise CaptureError(
-            f"torch.compile produced {len(captured)} graphs; orgel needs exactly one graph "
-            "of the forward (does the model compute anything with tensors?)"
-        )
-    gm, examples = captured[0]
+            f"{exc}; orgel needs exactly one graph of the forward (does the model compute "
+            "anything with tensors?)") from None
+    finally:
+        if not kept:
+            capturer.forget()
     by_id = _identity_roles(model, traced)
     roles: dict[str, tuple[str, Any]] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -256,7 +212,7 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
             )
     if dynamic:
         bind_sizes(gm, roles)
-    out_index = {id(t): i for i, t in enumerate(returned[0]) if isinstance(t, torch.Tensor)}
+    out_index = {id(t): i for i, t in enumerate(out) if isinstance(t, torch.Tensor)}
     leaves, spec = pytree.tree_flatten(result)
     return gm, roles, [_leaf(x, out_index, by_id) for x in leaves], spec
 

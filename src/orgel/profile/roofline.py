@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
 from orgel.costs.blocks import BlockCosts
 from orgel.costs.devices import FP32_MATMUL_EFFICIENCY, Device
 from orgel.costs.mesh import TPSplit
@@ -340,6 +342,6 @@ def _model_input_bytes(opgraph: Any) -> dict[str, int]:
     for node in opgraph.graph_module.graph.nodes:
         if node.op == "placeholder" and node.name in opgraph.model_inputs:
             value = node.meta.get("example_value", node.meta.get("val"))
-            if value is not None and hasattr(value, "numel"):
-                out[node.name] = int(value.numel() * value.element_size())
+            if value is not None and hasattr(value, "numel"):  # the example's size, unguarded
+                out[node.name] = guarding_hint_or_throw(value.numel()) * value.element_size()
     return out
