@@ -11,6 +11,11 @@ every process, so ``T`` divides it.
 ``--check`` also trains the unmodified model in this process with gradient
 accumulation over the same micro-batches and prints the largest loss and parameter
 differences (exit 1 beyond ``--tolerance``).
+
+The processes are fresh interpreters (so ``--threads`` holds), or torchrun's. Each runs
+the flow every front end runs, by the plan this process decided: :func:`orgel.flow.prepare.
+prepare`, then :func:`orgel.flow.start.start_torchrun`, the rank ``orgel.pipeline`` makes
+under torchrun.
 """
 
 from __future__ import annotations
@@ -202,50 +207,54 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> Any:
-    """Load and check the workload, make (or load) the plan and validate it; the plan."""
-    from orgel.flow.capture import resolve_plan
-    from orgel.graph.capture import capture
-    from orgel.plan.transforms import mark_sharded, runnable_recompute, with_recompute, with_tp
-    from orgel.runtime.checkpointing import check_policy
+    """Load and check the workload, make (or load) the plan and validate it; the plan.
+
+    The flow every front end runs (:func:`orgel.flow.prepare.prepare`): capture, plan (a
+    FLOP-balanced chain of ``--schedule``, or ``--plan``), split; the ranks prepare again
+    by this plan (:func:`rank_main`), as the processes of a torchrun job do."""
     from orgel.schedule.ir import Plan
     from orgel.schedule.validate import validate
-    from orgel.split import split_plan
-    from orgel.workload import load_workload, microbatches, validate_workload, with_precision
+    from orgel.workload import load_workload, validate_workload, with_precision
 
     workload = with_precision(load_workload(args.workload), args.precision)
     validate_workload(workload, args.microbatches * args.dp)
-    graph = None
+    given = None
     if args.plan:
-        plan = Plan.load(args.plan)
+        given = Plan.load(args.plan)
         if args.tp == 1:  # a plan of the mesh planner (orgel plan --tp) says its own tp
-            args.tp = plan.tp
-    ranks = args.ranks // args.tp  # pipeline ranks
-    if args.plan:
-        if plan.num_ranks != ranks:
-            raise ValueError(f"the plan is for {plan.num_ranks} pipeline ranks of {args.tp} "
-                             f"process(es): pass --ranks {plan.num_ranks * args.tp}")
-        replicas(plan)
-    else:
-        # the graph is captured for one replica's rows of a micro-batch
-        share = microbatches(workload, args.microbatches * args.dp)[0][0]
-        graph = capture(workload.model, share, several=False, precision=args.precision)
-        plan = resolve_plan(None, workload, graph, ranks, args.microbatches, None, args.dp,
-                            schedule=args.schedule, stages_per_rank=args.stages_per_rank)
-        plan = mark_sharded(plan, args.shard)
-    if args.recompute:
-        plan = with_recompute(plan, [check_policy(args.recompute)] * plan.num_stages)
-    validate(plan)  # an invalid plan never starts a process
-    if args.plan:  # nor does a plan made for another model
-        share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
-        graph = capture(workload.model, share, several=False, precision=args.precision)
-        split_plan(graph, plan)
-    assert graph is not None  # captured for the plan made or given
-    plan = with_tp(plan, args.tp, graph)
-    if not args.plan and not args.recompute and any(isinstance(p, str) for p in plan.recompute):
-        # the planner's per-layer choices, where the runtime can run them
-        written = [bool(st.written) for st in split_plan(graph, plan).stages]
-        plan = runnable_recompute(plan, written, compiled=args.compile)
-    return plan
+            args.tp = given.tp
+        if given.num_ranks != args.ranks // args.tp:
+            raise ValueError(f"the plan is for {given.num_ranks} pipeline ranks of {args.tp} "
+                             f"process(es): pass --ranks {given.num_ranks * args.tp}")
+        replicas(given)
+        validate(given)  # an invalid plan never starts a process
+    prepared = _prepare_flow(workload, given, args.ranks // args.tp, vars(args),
+                             schedule=None if given else args.schedule)
+    validate(prepared.plan)
+    return prepared.plan
+
+
+def _prepare_flow(workload: Any, plan: Any, ranks: int, options: dict[str, Any],
+                  schedule: str | None = None) -> Any:
+    """:func:`orgel.flow.prepare.prepare` with ``orgel run``'s options (one graph only)."""
+    from orgel.flow.prepare import prepare
+    from orgel.graph.opgraph import GraphBreakError
+    from orgel.precision import scales_loss
+    from orgel.runtime.checkpointing import check_policy
+
+    def one_graph(graph: Any) -> None:
+        if graph.glue is not None:  # the controller that runs Python between graphs is
+            raise GraphBreakError(graph.glue.reason)  # orgel.pipeline's
+
+    return prepare(workload, plan=plan, ranks=ranks, tp=options["tp"],
+                   microbatches=plan.microbatches if plan else options["microbatches"],
+                   memory=None, dp=replicas(plan) if plan else options["dp"],
+                   shard=options["shard"], loss_rule="rows",
+                   optimizer=optimizer_factory(options["optimizer"], options["lr"]),
+                   loss_scaling=scales_loss(workload.precision),
+                   recompute=check_policy(options["recompute"] or False),
+                   schedule=schedule, stages_per_rank=options["stages_per_rank"],
+                   compiled=options["compile"], check_graph=one_graph)
 
 
 def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, Any]] | None:
@@ -379,36 +388,41 @@ def replicas(plan: Any) -> int:
 
 def rank_main(rank: int, world: int, spec: str, plan_json: str,
               options: dict[str, Any]) -> dict[str, Any]:
-    """One rank of ``orgel run``: capture, split by the plan, train, report."""
-    from orgel.graph.capture import capture
+    """One process of ``orgel run``: prepare by the plan, start as a rank of the job (the
+    process group is made), train, report (the events from process 0)."""
+    from orgel.flow.start import executor_options, start_torchrun
+    from orgel.launch.devices import host
+    from orgel.launch.errors import PeerStepFailed, Reported, StepError
     from orgel.precision import scales_loss
-    from orgel.runtime.executor import Executor
-    from orgel.runtime.sharding import full_tensor
     from orgel.schedule.ir import Plan
-    from orgel.split import split_plan
-    from orgel.workload import load_workload, microbatches, named_inputs, with_precision
+    from orgel.worker.state import model_aliases
+    from orgel.workload import load_workload, with_precision
 
     workload = with_precision(load_workload(spec), options.get("precision", "32"))
     plan = Plan.from_json(plan_json)
-    share = microbatches(workload, plan.microbatches * replicas(plan))[0][0]
-    graph = capture(workload.model, share, several=False, precision=workload.precision)
-    split = split_plan(graph, plan)
-    from orgel.launch.devices import host, rank_device
-
-    executor = Executor(plan, split, loss_fn=workload.loss_fn,
-                        device=rank_device(options.get("device", "cpu"), rank),
-                        optimizer_factory=optimizer_factory(options["optimizer"], options["lr"]),
-                        max_grad_norm=options["max_grad_norm"], timeout=options["timeout"],
-                        batch_dim=workload.batch_dim, check_plan=False,
-                        check_finite=options.get("check_finite", False),
-                        compile=options.get("compile", False),
-                        loss_scaling=scales_loss(workload.precision))
-    inputs = named_inputs(workload.model, workload.inputs)
-    torch.manual_seed(0)
-    losses = [executor.step(inputs, workload.targets) for _ in range(options["steps"])]
-    # whole tensors (a sharded stage's are gathered: every replica or member takes part)
-    params = [(n, full_tensor(p).detach().clone()) for n, p in executor.named_parameters()]
-    # the members of a tensor-parallel rank run the same actions: member 0's events stand
-    return host({"losses": losses, "events": executor.events if executor.member == 0 else [],
-                 "compile_s": executor.compile_seconds(),
-                 "params": params if options["check"] else []})
+    # the plan's own tp, shard and recompute fields rule
+    prepared = _prepare_flow(workload, plan, plan.num_ranks,
+                             {**options, "tp": plan.tp, "recompute": None})
+    prepared.keys, prepared.aliases = model_aliases(workload.model)
+    factory = optimizer_factory(options["optimizer"], options["lr"])
+    ranks_options = executor_options(workload, loss_scaling=scales_loss(workload.precision),
+                                     check_finite=options.get("check_finite", False),
+                                     compile=options.get("compile", False),
+                                     max_grad_norm=options["max_grad_norm"])
+    pipe = start_torchrun(prepared, options.get("device", "cpu"), optimizer=factory,
+                          timeout_s=options["timeout"], executor_options=ranks_options,
+                          owns_group=False)
+    try:
+        torch.manual_seed(0)
+        losses = [pipe.step(workload.inputs, workload.targets) for _ in range(options["steps"])]
+        events = pipe.timeline()  # every process's, gathered
+        params = list(pipe.state_dict().items()) if options["check"] else []
+        compile_s = pipe.compile_s[0]
+    except StepError as exc:  # the run ends: the rank that failed reports it, once
+        if exc.rank == rank:
+            raise Reported(exc.report) from None
+        raise PeerStepFailed(f"stopped: rank {exc.rank} failed") from None
+    finally:
+        pipe.close()
+    return host({"losses": losses, "events": events if rank == 0 else [],
+                 "compile_s": compile_s, "params": params if rank == 0 else []})

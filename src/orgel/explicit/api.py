@@ -35,6 +35,7 @@ import torch
 from orgel.batching import BatchDim
 from orgel.flow.capture import default_optimizer
 from orgel.flow.prepare import meta_weights, on_process_zero, plan_only, prepare
+from orgel.flow.start import executor_options as ranks_options
 from orgel.flow.start import start_local, start_torchrun
 from orgel.guard import cuda_unused
 from orgel.launch.devices import check_fork, profiling_on, resolve_device
@@ -233,9 +234,8 @@ def pipeline(
         raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
                          f"precision={precision!r} does not scale the loss")
     scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
-    executor_options = {"replicated": workload.replicated, "loss_scaling": scaling,
-                        "check_finite": check_finite, "batch_dim": batch_dim,
-                        "compile": compile, **loop}
+    executor_options = ranks_options(workload, loss_scaling=scaling, check_finite=check_finite,
+                                     compile=compile, **loop)
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     check_rule(loss_rule)
     rule = loss_rule if loss_rule != "auto" else getattr(loss_fn, "loss_rule", "auto")

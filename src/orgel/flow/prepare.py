@@ -116,7 +116,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             loss_scaling: bool = False, agree: Agree = here, mark: bool = False,
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
             planner: str | None = None, recompute: bool | str = False,
-            schedule: str | None = None, compiled: bool = False) -> Prepared:
+            schedule: str | None = None, stages_per_rank: int = 2,
+            compiled: bool = False) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
@@ -129,7 +130,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     of their own). ``planner``: the planner's name (default: its own choice).
     ``recompute``: every stage's recompute policy (:data:`orgel.schedule.ir.RECOMPUTE`;
     False: the plan's own). ``schedule``: a FLOP-balanced chain run by that family
-    instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`). ``compiled``:
+    instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`), with
+    ``stages_per_rank`` stages per rank where the family loops. ``compiled``:
     the stages run compiled (the planner's per-layer recompute choices take the stage whole:
     :func:`orgel.plan.transforms.runnable_recompute`).
     """
@@ -148,7 +150,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
         def decide() -> tuple[Plan, str, int]:
             the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
                                     planner=planner, source=source, optimizer=optimizer,
-                                    schedule=schedule)
+                                    schedule=schedule, stages_per_rank=stages_per_rank)
             if given is None or mark:  # a given plan's own shard fields rule
                 the_plan = mark_sharded(the_plan, shard)
             if recompute is not False:

@@ -24,6 +24,17 @@ if TYPE_CHECKING:
     from orgel.launch.processes import LocalGroup
 
 
+def executor_options(workload: Any, *, loss_scaling: bool | dict[str, Any], check_finite: bool,
+                     compile: bool, scheduler: Any = None, lr: Any = None,
+                     max_grad_norm: float | None = None, accumulate: int = 1) -> dict[str, Any]:
+    """What every rank's executor is built with besides its plan, stages and optimizer
+    (:class:`~orgel.runtime.executor.Executor`'s keywords, and the training loop's)."""
+    return {"replicated": workload.replicated, "loss_scaling": loss_scaling,
+            "check_finite": check_finite, "batch_dim": workload.batch_dim, "compile": compile,
+            "scheduler": scheduler, "lr": lr, "max_grad_norm": max_grad_norm,
+            "accumulate": accumulate}
+
+
 def loss_processes(plan: Plan, loss_stage: int) -> list[int]:
     """The processes whose step answers carry the loss: member 0 of the loss stage's ranks."""
     return [plan.process_of(r, 0) for r in plan.placement[loss_stage]]

@@ -91,8 +91,22 @@ class StepError(WorkerError):
 
     The pipeline is still usable: no rank changed its parameters or optimizer
     state, and the next ``step`` trains as if this one had not been called.
-    ``rank`` is the rank whose error came first; the message holds it once.
+    ``rank`` is the rank whose error came first; the message holds it once, and
+    ``report`` its line and traceback (:func:`describe`).
     """
+
+    def __init__(self, message: str, rank: int, report: tuple[str, str] = ("", "")) -> None:
+        super().__init__(message, rank)
+        self.report = report
+
+
+class Reported(RuntimeError):
+    """A rank's failure as :func:`describe` put it, raised again where it is reported from
+    (``orgel run``'s ranks end on the :class:`StepError` their pipeline raised)."""
+
+    def __init__(self, report: tuple[str, str]) -> None:
+        super().__init__(report[0])
+        self.report = report
 
 
 def step_error(rank: int, report: tuple[str, str]) -> StepError:
@@ -104,7 +118,7 @@ def step_error(rank: int, report: tuple[str, str]) -> StepError:
         text += "\n" + tb.rstrip()
     return StepError(text + "\nEvery rank dropped this step (no parameter or optimizer state "
                      "changed): the pipeline is still usable; fix or skip this batch and "
-                     "train on", rank)
+                     "train on", rank, report)
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -129,6 +143,8 @@ def describe(exc: BaseException) -> tuple[str, str]:
     (:func:`is_comm_error`) needs no traceback: its line names the peer, nor does one of
     orgel's own findings (:data:`DIAGNOSES`): its line says what to check.
     """
+    if isinstance(exc, Reported):
+        return exc.report
     cause = exc.cause if isinstance(exc, StepFailure) else exc
     action = ""
     if isinstance(exc, StepFailure):
