@@ -31,8 +31,8 @@ def _ids(rows: int = 2, length: int = 5) -> dict[str, torch.Tensor]:
     return {"ids": torch.randint(0, 16, (rows, length), generator=torch.Generator().manual_seed(0))}
 
 
-def _traces(model: nn.Module) -> int:
-    return reuse.capturer_for(model, None, True)[0].traces
+def _traces(model: nn.Module, rows: int = 2) -> int:
+    return reuse.capturer_for(model, _ids(rows), None, True)[0].traces
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +45,25 @@ def test_a_second_model_of_the_class_reuses_the_trace_with_its_own_tensors() -> 
     first, second = Net(), Net()
     capture(first, _ids())
     assert _traces(first) == 1
-    graph = capture(second, _ids(rows=4, length=7))  # other sizes: the symbolic graph holds
-    assert _traces(second) == 1
+    graph = capture(second, _ids())
+    assert _traces(second) == 1  # reused
     assert graph.params["mid.weight"] is second.mid.weight
     assert set(graph.params) == {n for n, _ in second.named_parameters()}
-    assert graph.shapes.inputs["ids"] == capture(first, _ids()).shapes.inputs["ids"]
-    assert all(isinstance(d, str) for d in graph.shapes.inputs["ids"])  # symbolic
+    assert all(isinstance(d, str) for d in graph.shapes.inputs["ids"])  # still symbolic
+
+
+def test_other_sizes_are_traced_apart_so_the_graph_describes_them() -> None:
+    """A symbolic graph's example values hold the sizes it was traced at (hints)."""
+    from orgel.graph.tensor_parallel import tp_regions
+    from orgel.models.gpt import build_gpt
+
+    for rows in (4, 2):
+        w = build_gpt(batch_size=rows, d_model=32, n_heads=4, n_layers=1, seq_len=8,
+                      vocab_size=64)
+        graph = capture(w.model, w.inputs)
+        assert tp_regions(graph.graph_module)[0].row_shape == (rows, 8, 32)
+    capture(Net(), _ids(rows=4))
+    assert _traces(Net(), rows=4) == 1 and _traces(Net(), rows=2) == 0
 
 
 def test_the_first_model_is_freed() -> None:
@@ -94,11 +107,11 @@ def test_eval_mode_and_new_guards_trace_again() -> None:
     assert _traces(model) == 2  # dropout reads the training flag: a trace of its own
     dropout = next(n for n in graph.graph_module.graph.nodes if "dropout" in str(n.target))
     assert dropout.args[2] is False  # F.dropout(x, p, training=False)
-    capturer = reuse.capturer_for(model, None, True)[0]
+    capturer = reuse.capturer_for(model, _ids(), None, True)[0]
     gm = capturer.run(model, mark_sizes(_ids()))[0]
     rows = next(n.meta["example_value"] for n in gm.graph.nodes
                 if isinstance(n.meta.get("example_value"), torch.SymInt))
     assert int(rows) > 0  # code that read a size as a number: a guard the model did not make
-    graph = capture(model, _ids(rows=3))  # so the next capture traces afresh
+    graph = capture(model, _ids())  # so the next capture traces afresh
     assert _traces(model) == 1
     assert not graph.shapes.guards, graph.shapes.guards

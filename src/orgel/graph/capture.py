@@ -183,7 +183,7 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
     """Dynamo's graph of ``model`` on ``named``; ``autocast``: the ``(device type, dtype)``
     region the forward runs in (part of the graph)."""
     traced = mark_sizes(named) if dynamic else named  # views carry the marks, not the caller's
-    capturer, kept = capturer_for(model, autocast, dynamic)
+    capturer, kept = capturer_for(model, traced, autocast, dynamic)
     try:
         # Traced with grad enabled, as in training: dynamo specialises on grad mode.
         with dynamo_settings(), size_settings(dynamic):

@@ -153,15 +153,22 @@ def _hooked(model: torch.nn.Module) -> bool:
     return any(getattr(m, h, None) for m in model.modules() for h in hooks)
 
 
-def capturer_for(model: torch.nn.Module, autocast: tuple[str, torch.dtype] | None,
+def capturer_for(model: torch.nn.Module, inputs: dict[str, Any],
+                 autocast: tuple[str, torch.dtype] | None,
                  dynamic: bool) -> tuple[Capturer, bool]:
-    """The capturer for ``model`` and whether it is kept for later captures.
+    """The capturer for ``model`` called on ``inputs``, and whether it is kept for later
+    captures.
 
-    A model with hooks gets a capturer of its own, not kept (the caller forgets it).
+    A model with hooks gets a capturer of its own, not kept (the caller forgets it). The
+    inputs' sizes are part of the key: a symbolic graph's example values carry the sizes
+    it was traced at (read as hints: the measured bytes of an input, a region's shape),
+    so a graph is reused only at the sizes it describes.
     """
     if _hooked(model):
         return Capturer(autocast, dynamic), False
-    key = (type(model), autocast, dynamic,
+    sizes = tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, None, None)
+                  for k, v in inputs.items())
+    key = (type(model), sizes, autocast, dynamic,
            _tied(model.named_parameters(remove_duplicate=False)),
            _tied(model.named_buffers(remove_duplicate=False)))
     with _LOCK:
