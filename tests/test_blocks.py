@@ -191,3 +191,23 @@ def test_the_fast_grouping_cuts_where_the_full_dynamic_program_does(seed: int) -
     slack = float(rng.choice([0.0, 0.05, 0.2]))
     assert _path(_cuts(c, k, depth, glue_sum, slack), k, n) == \
         _path(_reference_cuts(c, k, depth, glue_sum, slack), k, n)
+
+
+def test_the_grouping_scores_its_band_in_chunks_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_cuts`` scores every (block end, block start) cell of a band at once; cut into
+    chunks of a few rows (a bound on memory for long graphs), it chooses the same."""
+    import numpy as np
+
+    from orgel.graph import blocks
+
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n = int(rng.integers(2, 120))
+        k = int(rng.integers(1, min(n, 12) + 1))
+        c = np.concatenate([[0.0], np.cumsum(rng.integers(1, 100, n).astype(float))])
+        depth = rng.integers(0, 4, n + 1).astype(float)
+        glue = np.cumsum((rng.random(n + 1) < 0.1) * 1000.0)
+        whole = blocks._cuts(c, k, depth, glue, 0.2)
+        monkeypatch.setattr(blocks, "_BAND", 5)
+        assert (blocks._cuts(c, k, depth, glue, 0.2) == whole).all()
+        monkeypatch.undo()

@@ -249,6 +249,10 @@ def _partition(
     return groups[::-1]
 
 
+#: cells of (block end, block start) that :func:`_cuts` scores at once
+_BAND = 1 << 20
+
+
 def _cuts(c: np.ndarray, k: int, depth: np.ndarray, glue_sum: np.ndarray,
           slack: float) -> np.ndarray:
     """``back[g, j]``: where the last of ``g`` blocks covering segments ``[0, j)`` starts, in
@@ -286,20 +290,25 @@ def _cuts(c: np.ndarray, k: int, depth: np.ndarray, glue_sum: np.ndarray,
         # against rounding: a cell outside it is never on the chosen grouping's path)
         first = max(g, int(np.searchsorted(c, c[n] - (k - g) * bound, side="left")) - 2)
         last = min(n - (k - g), int(np.searchsorted(c, g * bound, side="right")) + 2)
-        for j in range(first, last + 1):
-            start = max(g - 1, int(np.searchsorted(c, c[j] - bound, side="left")) - 2)
-            i = np.arange(start, j)
-            if len(i) == 0:
-                back[g, j] = g - 1
-                continue
-            inner = glue_sum[j - 1] - glue_sum[i]
+        # every j of the window at once, a band of i below each (in chunks of bounded size)
+        window = np.arange(first, last + 1)
+        starts = np.maximum(g - 1, np.searchsorted(c, c[window] - bound, side="left") - 2)
+        width = int(max(1, (window - starts).max(initial=1)))
+        step = max(1, _BAND // width)
+        for at in range(0, len(window), step):
+            js, lo = window[at:at + step], starts[at:at + step]
+            i = lo[:, None] + np.arange(width)[None, :]
+            inside = i < js[:, None]
+            i = np.where(inside, i, 0)
+            inner = glue_sum[js - 1][:, None] - glue_sum[i]
             # Squared size (in average blocks) keeps tiny blocks from being free.
-            size = ((c[j] - c[i]) / average) ** 2
-            total = score[i] + np.where(i > 0, depth[i], 0.0) + inner + size
-            total = np.where(c[j] - c[i] <= bound, total, inf)
-            m = int(np.argmin(total))
-            cur[j] = total[m]
-            back[g, j] = i[m] if np.isfinite(total[m]) else g - 1
+            span = c[js][:, None] - c[i]
+            total = score[i] + np.where(i > 0, depth[i], 0.0) + inner + (span / average) ** 2
+            total = np.where(inside & (span <= bound), total, inf)
+            m = np.argmin(total, axis=1)
+            rows = np.arange(len(js))
+            cur[js] = total[rows, m]
+            back[g, js] = np.where(np.isfinite(total[rows, m]), i[rows, m], g - 1)
         score = cur
     return back
 
@@ -329,14 +338,15 @@ def _split_largest(
     cut by cost only when it costs more than ``limit`` (a leaf module's ops,
     e.g. a BatchNorm and its counter update, otherwise stay together).
     """
-    options = [(s, r) for s in segs if s[1] - s[0] > 1
-               and (r := _refine(s, paths, cost, cut_ok, _cost(s, cost) > limit))]
-    if not options:
-        return False
-    seg, pieces = max(options, key=lambda o: _cost(o[0], cost))
-    i = segs.index(seg)
-    segs[i:i + 1] = pieces
-    return True
+    costs = [_cost(s, cost) for s in segs]
+    # the costliest first (the first of equal ones): the first that splits is the one
+    for i in sorted(range(len(segs)), key=lambda x: -costs[x]):
+        seg = segs[i]
+        pieces = _refine(seg, paths, cost, cut_ok, costs[i] > limit) if seg[1] - seg[0] > 1 else []
+        if pieces:
+            segs[i:i + 1] = pieces
+            return True
+    return False
 
 
 def _can_cut(opgraph: OpGraph, before: str) -> bool:
