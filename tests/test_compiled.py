@@ -9,7 +9,6 @@ handful of graphs.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -149,13 +148,3 @@ def test_compiled_stages_train_as_one_process(schedule: str, extra: list[str],
     out = capsys.readouterr().out
     assert code == 0, out
     assert "-> OK" in out and "compiling the stages took" in out
-
-
-def test_compile_refuses_what_it_does_not_run_yet() -> None:
-    from orgel.runtime.compiled import check_compile
-    from orgel.schedule.families import build_schedule
-
-    plan = build_schedule("1f1b", 2, 2)
-    check_compile(True, plan, None)
-    with pytest.raises(ValueError, match="tp"):
-        check_compile(True, dataclasses.replace(plan, tp=2), None)

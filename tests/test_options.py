@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -100,3 +101,21 @@ def test_orgel_backend_refuses_dp_with_one_row_closures_before_any_rank_starts()
 
     with pipe, pytest.raises(ValueError, match="each has one row.*two rows or more, or dp=1"):
         pipe.step(closure, torch.randn(4, 4), torch.randn(4, 2))
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"ranks": 4, "tp": 2}, "compile=True with tensor parallelism"),
+    ({"ranks": 4, "dp": 2, "shard": "fsdp"}, "compile=True with shard='fsdp'"),
+    ({"recompute": "layer"}, "compile=True with recompute='layer'"),
+], ids=["tp", "fsdp", "layer"])
+def test_compile_refuses_what_it_does_not_run_yet_before_any_rank_starts(
+        options: dict[str, object], words: str) -> None:
+    """The one table's reason (orgel.flow.options.REFUSED), raised in the caller: this test
+    is not marked slow, so starting any process would fail it (conftest)."""
+    from orgel.models.gpt import build_gpt
+
+    assert any(words in reason for (where, _), reason in REFUSED.items() if where == "compile")
+    w = build_gpt(batch_size=4, d_model=32, n_heads=4, n_layers=2, seq_len=8, vocab_size=64)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, microbatches=2,
+                       schedule="1f1b", compile=True, **options)

@@ -188,8 +188,9 @@ def pipeline(
     for the schedules that split the backward (ZB-H1, DualPipeV), the backward's
     input and weight halves as separate compiled graphs (:mod:`orgel.runtime.compiled`).
     Each rank compiles a stage at its first step (and once more for a new input shape);
-    ``pipe.compile_s`` reports the seconds by rank. Not yet with ``tp > 1`` or
-    ``shard="fsdp"``.
+    ``pipe.compile_s`` reports the seconds by rank. Not yet with ``tp > 1``,
+    ``shard="fsdp"`` or ``recompute="layer"``/``"selective"`` (refused before any rank
+    starts).
 
     ``recompute``: how each stage's backward gets its activations (default False: the
     forward keeps them, or a given plan's own choice): ``"stage"`` (or True) runs the

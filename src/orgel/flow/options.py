@@ -170,7 +170,8 @@ def check_schedule(schedule: Any, plan: Any, memory: Any, microbatches: int | st
 
 
 #: What a front end, or a kind of model, cannot take yet: ``(where, option) -> reason``.
-#: ``where`` is a front end (``"backend"``) or a property of the model (``"graph breaks"``);
+#: ``where`` is a front end (``"backend"``), a property of the model (``"graph breaks"``) or
+#: an option whose runtime cannot take another yet (``"compile"``);
 #: ``option`` an option's keyword name, or ``name=value`` for one value of it.
 REFUSED: dict[tuple[str, str], str] = {
     ("backend", "device=cuda"): "orgel.backend runs on CPU ranks: use orgel.pipeline(..., "
@@ -191,6 +192,16 @@ REFUSED: dict[tuple[str, str], str] = {
                                  "losses pipe.step returns",
     ("backend", "loss_rule"): "in orgel.backend the closure weighs its own loss (divide by "
                               "the micro-batch count, or by the batch's token count)",
+    ("compile", "tp"): "compile=True with tensor parallelism (tp > 1) is not available yet "
+                       "(the stages hold DTensor parameters): pass compile=False, or tp=1",
+    ("compile", "shard=fsdp"): "compile=True with shard='fsdp' is not available yet (FSDP2's "
+                               "module hooks gather the parameters): pass compile=False, or "
+                               "shard='none'",
+    ("compile", "recompute=layer"): "compile=True with recompute='layer' is not available yet: "
+                                    "pass compile=False, or recompute='stage'",
+    ("compile", "recompute=selective"): "compile=True with recompute='selective' is not "
+                                        "available yet: pass compile=False, or "
+                                        "recompute='stage'",
     ("graph breaks", "compile"): "compile=True is not available for a forward of several "
                                  "graphs (graph breaks) yet: pass compile=False",
     ("graph breaks", "check_finite"): "check_finite is not available for a forward of several "
@@ -231,3 +242,14 @@ def refuse(where: str, given: Options | dict[str, Any]) -> None:
         for key in (f"{name}={value}", name):
             if (where, key) in REFUSED:
                 raise ValueError(REFUSED[(where, key)])
+
+
+def check_compile(compile: bool, plan: Plan) -> None:
+    """Raise ValueError for what compiled stages do not run yet (the ``"compile"`` rows of
+    :data:`REFUSED`): tensor parallelism and FSDP-sharded stages (their DTensor parameters
+    and module hooks), per-layer and selective recompute."""
+    if compile:
+        refuse("compile", {
+            "tp": plan.tp,
+            "shard": "fsdp" if any(s == "fsdp" for s in plan.shard) else "none",
+            "recompute": next((r for r in plan.recompute if isinstance(r, str)), False)})

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from orgel.flow.options import check_compile
 from orgel.guard import untouched
 from orgel.lossweights import rule_for
 from orgel.plan.transforms import mark_sharded, with_recompute
@@ -179,6 +180,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages],
                                           compiled=compiled)
         check_sharded(the_plan, split, loss_scaling=loss_scaling)
+        check_compile(compiled, the_plan)  # here, before any rank starts
     return Prepared(workload, the_plan, split, graph, rule, seed, source)
 
 

@@ -90,22 +90,6 @@ def compiled_input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor 
     return list(got), weights
 
 
-def check_compile(compile: bool, plan: Any, split: Any) -> None:
-    """Raise ValueError for what compiled stages do not run yet: tensor parallelism and
-    FSDP-sharded stages (their DTensor parameters and module hooks)."""
-    if not compile:
-        return
-    if plan.tp > 1:
-        raise ValueError("compile=True with tensor parallelism (tp > 1) is not available yet: "
-                         "pass compile=False, or tp=1")
-    if any(s == "fsdp" for s in plan.shard):
-        raise ValueError("compile=True with shard='fsdp' is not available yet: pass "
-                         "compile=False, or shard='none'")
-    if any(isinstance(r, str) for r in plan.recompute):
-        raise ValueError("compile=True with recompute='layer' or 'selective' is not available "
-                         "yet: pass compile=False, or recompute whole stages")
-
-
 def _inductor(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     """``gm`` compiled by Inductor (lazily, at its first call)."""
     return torch.compile(gm, backend="inductor", options=INDUCTOR_OPTIONS, dynamic=False)

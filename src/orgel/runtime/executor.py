@@ -56,7 +56,7 @@ from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.buffers import ReplicaBuffers
 from orgel.runtime.comm import Transport
-from orgel.runtime.compiled import CompiledStage, check_compile
+from orgel.runtime.compiled import CompiledStage
 from orgel.runtime.dropped import DroppedStep
 from orgel.runtime.forward_actions import ForwardActions
 from orgel.runtime.messages import check_gradient_values, message_shapes
@@ -173,7 +173,6 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
                              "without replicated stages")
         self.act_dim = 0 if act_dim is None else act_dim
         self.check_finite = check_finite
-        check_compile(compile, plan, split)
         #: by stage: its compiled graphs (``compile``; made at the stage's first forward)
         self.compiled: dict[int, CompiledStage] | None = {} if compile else None
         self.actions = plan.schedule[self.rank]
