@@ -59,3 +59,22 @@ def test_pruned_candidates_are_the_ones_that_do_not_fit() -> None:
     got = roomy.score_chain(t, (4, 8))
     assert got.feasible and roomy.pruned == 0
     assert got.step_time == free.score_chain(t, (4, 8)).step_time
+
+
+def test_a_templates_arrays_are_its_own_when_another_had_its_id() -> None:
+    """The scorer caches per-template arrays (each stage's most micro-batches alive, the rank
+    shares) by the template's id; a template freed and a new one given its id must not get
+    the old arrays (orgel plan of a 70B model on 64 ranks failed: "operands could not be
+    broadcast together with shapes (42,) (41,)")."""
+    costs = table()
+    scorer = Scorer(costs, memory=1 << 40)
+    specs = template_specs(3, 6, 12, max_loops=2, families=["1f1b", "interleaved"])
+    small, large = (build_template(s, 3, 6) for s in specs[:2])
+    assert small is not None and large is not None and small.num_stages != large.num_stages
+    # as if ``small`` had been freed and ``large`` made at its address
+    scorer._arrays[("alive", id(large))] = (small, stage_peak_alive(small.base.schedule,
+                                                                    small.num_stages))
+    scorer._arrays[("share", id(large))] = (small, scorer._share_matrix(small))
+    points = tuple(range(2, 12, 12 // large.num_stages))[:large.num_stages - 1]
+    assert scorer.score_chain(large, points).peak_memory.max() > 0
+    assert scorer._share_matrix(large).shape == (large.num_stages, large.base.num_ranks)

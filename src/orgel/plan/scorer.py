@@ -9,14 +9,11 @@ with new durations and bytes for every candidate: the dependency graph is never
 rebuilt per candidate. :meth:`Scorer.lower_bound` is a cheap bound (the busiest
 rank's compute) that lets searches skip candidates that cannot win.
 
-Links. Every message is priced on the link between the ranks it goes between
-(``Costs.link_between``, inside the compiled plan). With per-pair links
-(``BlockCosts.links``) a template's rank numbers matter, so each template is
-renamed (:meth:`Scorer.placed`, per template and stage-edge set, since skip
-edges add channels): the rank permutation that puts its busiest channels on
-the fastest links (all permutations up to 6 ranks, pair swaps beyond). Every
-score and plan of that template uses the renamed one; with a single link for
-all pairs the template is used as it is.
+Links. Every message is priced on the link between its two ranks (``Costs.link_between``).
+With per-pair links (``BlockCosts.links``) each template is renamed (:meth:`Scorer.placed`,
+per template and stage-edge set): the rank permutation that puts its busiest channels on
+the fastest links (all permutations up to 6 ranks, pair swaps beyond), used by every score
+and plan of that template; with one link for all pairs the template is used as it is.
 
 Tied weights. With ``BlockCosts.tied`` (a parameter several blocks read), each
 candidate's stages holding a group's blocks are looked up; where they span more
@@ -31,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -163,7 +161,8 @@ class Scorer:
                                     dict[tuple[bool | str, ...], CompiledPlan]] = OrderedDict()
         # schedule templates built for this table (orgel.plan.templates.cached_template)
         self.templates: dict[tuple[Any, ...], Template | None] = {}
-        self._arrays: dict[tuple[str, int], np.ndarray] = {}
+        # (kind, id(template)) -> (template, array), kept so the id stays the template's own
+        self._arrays: dict[tuple[str, int], tuple[Template, np.ndarray]] = {}
         # id(template) -> (template, renamed); the template is kept so its id stays unique
         self._placed: dict[tuple[int, tuple[tuple[int, int], ...]],
                            tuple[Template, Template]] = {}
@@ -264,16 +263,22 @@ class Scorer:
         fits = ((static @ (share > 0)) <= self.memory + self._tied_slack).all(axis=1)
         return lb, fits
 
+    def _of_template(self, kind: str, template: Template,
+                     make: Callable[[Template], np.ndarray]) -> np.ndarray:
+        """``make(template)``, once per template."""
+        found = self._arrays.get((kind, id(template)))
+        if found is None or found[0] is not template:
+            found = self._arrays[(kind, id(template))] = (template, make(template))
+        return found[1]
+
     def _share_matrix(self, template: Template) -> np.ndarray:
-        key = ("share", id(template))
-        cached = self._arrays.get(key)
-        if cached is None:
-            cached = np.zeros((template.num_stages, template.base.num_ranks))
-            for s, ranks in enumerate(template.placement):
-                for r in ranks:
-                    cached[s, r] = 1.0 / len(ranks)
-            self._arrays[key] = cached
-        return cached
+        def make(t: Template) -> np.ndarray:  # [stage, rank]: the rank's share of the stage
+            share = np.zeros((t.num_stages, t.base.num_ranks))
+            for s, ranks in enumerate(t.placement):
+                share[s, list(ranks)] = 1.0 / len(ranks)
+            return share
+
+        return self._of_template("share", template, make)
 
     def _overheads(self, template: Template) -> np.ndarray:
         actions = np.array([len(a) for a in template.base.schedule], dtype=np.float64)
@@ -379,11 +384,8 @@ class Scorer:
             stages = self._share_tied(template, stage_blocks, stages, holders)
             tied = plan_tied_weights(self.bc, stage_blocks, template.base.placement, holders)
         if self.memory is not None:
-            key = ("alive", id(template))
-            alive = self._arrays.get(key)
-            if alive is None:
-                alive = self._arrays[key] = stage_peak_alive(template.base.schedule,
-                                                             template.num_stages)
+            alive = self._of_template("alive", template, lambda t: stage_peak_alive(
+                t.base.schedule, t.num_stages))
             least = memory_floor(alive, template.base.placement, template.base.num_ranks,
                                  stages, [(e.src, e.dst) for e in graph.edges], edge_bytes, rec)
             if least.max() > self.memory:  # cannot fit: neither compile nor simulate it
