@@ -3,9 +3,11 @@
 Dynamo route: ``torch.compile(model, backend=..., fullgraph=True)`` hands our
 backend the fx graph with parameters and buffers lifted as inputs, and the real
 tensors behind them, so placeholders are matched to parameters, buffers and
-model inputs by identity (never by position). A graph break makes capture
-join the forward's several graphs instead (:mod:`orgel.graph.glue`); where that
-cannot work the error names dynamo's reason and the user's source line. Export route:
+model inputs by identity (never by position); a later capture of the same model class at
+the same sizes reuses the trace where Dynamo's guards pass (:mod:`orgel.graph.reuse`). A
+graph break makes capture join the forward's several graphs instead
+(:mod:`orgel.graph.glue`); where that cannot work the error names dynamo's reason and the
+user's source line. Export route:
 ``torch.export.export(strict=False)``, whose graph signature names the same roles.
 
 Either way the graph is then run once on the real inputs to measure, per node,
