@@ -236,7 +236,8 @@ def pipeline(
                          f"precision={precision!r} does not scale the loss")
     scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
     executor_options = ranks_options(workload, loss_scaling=scaling, check_finite=check_finite,
-                                     compile=compile, **loop)
+                                     compile=compile, scheduler=scheduler, lr=lr,
+                                     max_grad_norm=max_grad_norm, accumulate=accumulate)
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     check_rule(loss_rule)
     rule = loss_rule if loss_rule != "auto" else getattr(loss_fn, "loss_rule", "auto")
