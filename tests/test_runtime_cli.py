@@ -82,3 +82,19 @@ def test_run_bf16_mixed_checks_against_one_process_under_autocast(
     out = capsys.readouterr().out
     assert code == 0, out
     assert "-> OK" in out
+
+
+def test_run_under_torchrun_checks_against_one_process(tmp_path: Path) -> None:
+    """`torchrun -m orgel run ...`: every process runs the command; process 0 decides the
+    plan and reports, each prepares by it and starts as its rank (the one flow)."""
+    from torchrun_job import torchrun
+
+    script = tmp_path / "orgel_cli.py"  # the `orgel` command, as a script torchrun can run
+    script.write_text("import sys\nfrom orgel.cli import main\nsys.exit(main())\n")
+    log = tmp_path / "torchrun.log"
+    code = torchrun(script, "run", GPT, "--ranks", "2", "--microbatches", "4", "--steps", "2",
+                    "--optimizer", "adamw", "--lr", "1e-3", "--check", processes=2, log=log,
+                    timeout_s=240)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert text.count("-> OK") == 1 and "step 2: loss" in text, text[-3000:]
