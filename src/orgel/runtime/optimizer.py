@@ -96,7 +96,35 @@ def check_scheduler(made: Any) -> None:
                          "torch.optim.lr_scheduler.LambdaLR(opt, warmup)")
 
 
-class OptimizerLoop:
+class StepCount:
+    """Step calls and optimizer steps: the one rule of when the optimizer steps.
+
+    With ``accumulate=k`` every k-th step call is an optimizer step (:attr:`final`); the
+    calls between accumulate gradients. Each rank's :class:`OptimizerLoop` and the
+    caller's :class:`~orgel.worker.pipe.Pipeline` count with it.
+    """
+
+    def __init__(self, accumulate: int = 1) -> None:
+        self.accumulate = accumulate
+        self.steps = 0  # optimizer steps taken (the schedule's position)
+        self.pending = 0  # step calls since the last optimizer step
+
+    @property
+    def final(self) -> bool:
+        """Whether the step call being made is an optimizer step."""
+        return self.pending + 1 >= self.accumulate
+
+    def advance(self) -> bool:
+        """Count the step call being made; whether it was an optimizer step."""
+        if self.final:
+            self.pending = 0
+            self.steps += 1
+            return True
+        self.pending += 1
+        return False
+
+
+class OptimizerLoop(StepCount):
     """One rank's optimizer with its schedule and accumulation count.
 
     The executor asks :attr:`final` whether the current step call is the one
@@ -116,18 +144,11 @@ class OptimizerLoop:
             check_scheduler(made)
             self.scheduler = made
         self.lr = lr
-        self.accumulate = accumulate
-        self.steps = 0  # optimizer steps taken (the schedule's position)
-        self.pending = 0  # step calls since the last optimizer step
+        super().__init__(accumulate)
         #: micro-batch losses this rank back-propagated since the last optimizer step
         #: (none on any rank: no gradient exists, as after no ``backward`` in one process)
         self.graded = 0
         self._set_rate()
-
-    @property
-    def final(self) -> bool:
-        """Whether the running call is the one that steps (call :meth:`begin` first)."""
-        return self.pending + 1 >= self.accumulate
 
     def begin(self) -> None:
         """Start a step call: a new accumulation drops the gradients of the last step."""
@@ -155,13 +176,10 @@ class OptimizerLoop:
         optimizer does not step but the schedule moves on, as a plain loop that
         calls ``scheduler.step()`` after ``scaler.step(opt)`` does.
         """
-        if not self.final:
-            self.pending += 1
+        if not self.advance():
             return
-        self.pending = 0
         if self.optimizer is not None and not skipped:
             self.optimizer.step()
-        self.steps += 1
         if self.scheduler is not None:
             with warnings.catch_warnings():
                 # a skipped first step: torch warns that the scheduler stepped first

@@ -20,6 +20,7 @@ from orgel.batching import batch_rows, check_batch, split_microbatches
 from orgel.launch.errors import StepError, step_error
 from orgel.lossweights import batch_weights
 from orgel.runtime import checkpoint as ckpt
+from orgel.runtime.optimizer import StepCount
 from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
 from orgel.worker.engine import Dropped, RankEngine
@@ -71,7 +72,7 @@ class OwnRank:
 Unflatten = Callable[[list[Any]], Any]
 
 
-class Pipeline:
+class Pipeline(StepCount):
     """A model pipelined over ``plan.num_ranks`` ranks; see :func:`pipeline`.
 
     ``outputs`` rebuilds the model's output structure from the training stages'
@@ -95,11 +96,9 @@ class Pipeline:
         #: values load_state_dict gave tensors no rank holds, by held name
         self._loaded: dict[str, torch.Tensor] = {}
         self.spmd = spmd
-        #: optimizer steps taken (with ``accumulate=k``: one per k step calls)
-        self.steps = 0
-        #: step calls per optimizer step, and the calls made since the last one
-        self.accumulate = accumulate
-        self.pending = 0
+        # optimizer steps taken (``steps``; with ``accumulate=k`` one per k step calls), and
+        # the calls made since the last one (``pending``): the ranks' rule (StepCount)
+        StepCount.__init__(self, accumulate)
         # a meta model's values (orgel.split.materialize.Weights): for tensors no stage holds
         self._source = source
         # the example batch (orgel.workload.Workload) each step's batch is checked against
@@ -204,16 +203,12 @@ class Pipeline:
     @property
     def stepping(self) -> bool:
         """Whether the step call being made is one the optimizer steps on (every
-        ``accumulate``-th; the ranks' own rule is ``OptimizerLoop.final``)."""
-        return self.pending + 1 >= self.accumulate
+        ``accumulate``-th: :attr:`StepCount.final`, the ranks' rule)."""
+        return self.final
 
     def called(self) -> None:
         """Count a step call made on the ranks: every ``accumulate``-th is an optimizer step."""
-        if self.stepping:
-            self.pending = 0
-            self.steps += 1
-        else:
-            self.pending += 1
+        self.advance()
 
     @property
     def lr(self) -> list[float]:
