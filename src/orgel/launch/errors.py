@@ -108,6 +108,9 @@ class Reported(RuntimeError):
         super().__init__(report[0])
         self.report = report
 
+    def __reduce__(self) -> tuple[type[Reported], tuple[tuple[str, str]]]:
+        return Reported, (self.report,)
+
 
 def step_error(rank: int, report: tuple[str, str]) -> StepError:
     """The caller's :class:`StepError` for the step rank ``rank`` failed (``report``:
