@@ -293,7 +293,7 @@ def _cuts(c: np.ndarray, k: int, depth: np.ndarray, glue_sum: np.ndarray,
         # every j of the window at once, a band of i below each (in chunks of bounded size)
         window = np.arange(first, last + 1)
         starts = np.maximum(g - 1, np.searchsorted(c, c[window] - bound, side="left") - 2)
-        width = int(max(1, (window - starts).max(initial=1)))
+        width = int((window - starts).max(initial=1))
         step = max(1, _BAND // width)
         for at in range(0, len(window), step):
             js, lo = window[at:at + step], starts[at:at + step]
@@ -307,8 +307,9 @@ def _cuts(c: np.ndarray, k: int, depth: np.ndarray, glue_sum: np.ndarray,
             total = np.where(inside & (span <= bound), total, inf)
             m = np.argmin(total, axis=1)
             rows = np.arange(len(js))
-            cur[js] = total[rows, m]
-            back[g, js] = np.where(np.isfinite(total[rows, m]), i[rows, m], g - 1)
+            chosen = total[rows, m]
+            cur[js] = chosen
+            back[g, js] = np.where(np.isfinite(chosen), i[rows, m], g - 1)
         score = cur
     return back
 

@@ -1,9 +1,9 @@
 """Capture a model class once per process: Dynamo's guards decide when its graph still holds.
 
 Capturing a forward with TorchDynamo costs seconds (a 2-layer Qwen2 with symbolic sizes:
-about 4 s on one CPU core), and a process often captures the same model again: a second
-``orgel.pipeline`` after ``close`` (``orgel.load`` to resume), each micro-batch count that
-``microbatches="auto"`` tries, a second model built from the same config. Dynamo already
+about 3 s on one CPU core), and a process often captures the same model again at the same
+sizes: a second ``orgel.pipeline`` after ``close`` (``orgel.load`` to resume), a second
+model built from the same config, each cell of a test matrix. Dynamo already
 knows when a graph it traced still describes a call: the guards it checks before running
 compiled code (the module's type and attributes, the tensors' dtypes, devices, ranks and
 static sizes, the global grad and autocast state). So each :class:`Capturer` is one
@@ -15,7 +15,8 @@ model's tensors) and reports that graph; one that does not makes Dynamo trace ag
 Two things Dynamo does not guard decide the key instead (:func:`capturer_for`): module
 hooks (``skip_nnmodule_hook_guards``: a hook added later would be ignored), so a model
 with any hook is captured afresh every time, and which parameters or buffers are one
-tensor (tied embeddings are one graph input, not two).
+tensor (tied embeddings are one graph input, not two). So is the micro-batch's shape: a
+symbolic graph's example values keep the sizes it was traced at, which later code reads.
 """
 
 from __future__ import annotations
