@@ -201,3 +201,29 @@ def test_a_microbatch_off_the_path_with_batchnorm_stages_is_a_clear_error() -> N
             pipe.step((x,), y)
     finally:
         pipe.close()
+
+
+@pytest.mark.slow
+def test_with_tp_a_microbatch_off_the_path_is_a_clear_error() -> None:
+    """With tensor parallelism the controller does not run a micro-batch itself (a
+    rank's values are gathered by all its processes at once, not mid-step): the step
+    that leaves the captured graphs says so and what to do, after one that trained."""
+    from orgel.explicit.glued import GlueError
+
+    torch.manual_seed(0)
+    model = MeanBranch()
+    gen = torch.Generator().manual_seed(1)
+    on = torch.cat([_rows(model, True, 4, gen), _rows(model, True, 4, gen)])
+    off = torch.cat([_rows(model, True, 4, gen), _rows(model, False, 4, gen)])
+    y = torch.randint(0, 4, (8,), generator=gen)
+    pipe = orgel.pipeline(model, {"x": on}, y, F.cross_entropy, ranks=4, tp=2, microbatches=2,
+                          schedule="1f1b", optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                          timeout_s=60.0)
+    try:
+        assert pipe.plan.tp == 2
+        assert any(pipe.call_ranks("tp_shards"))  # a region is split
+        pipe.step({"x": on}, y)
+        with pytest.raises(GlueError, match=r"micro-batch 1 left the captured graphs.*tp=1"):
+            pipe.step({"x": off}, y)
+    finally:
+        pipe.close()

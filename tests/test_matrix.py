@@ -31,8 +31,10 @@ pytestmark = pytest.mark.slow
 
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
             "if_end", "length", "resume", "tied"]
-PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+length", "meta+fsdp",
+PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+break", "tp+length", "meta+fsdp",
          "evaluate+bf16+break", "accumulate+break"]
+#: the pairs run under torchrun too (each feature does)
+TORCHRUN_PAIRS = ["tp+break"]
 
 #: (entry, cell) -> words the refusal must contain. Every other cell must be exact.
 REFUSED: dict[tuple[str, str], str] = {
@@ -91,7 +93,7 @@ def test_local(cell: str, tmp_path: Path) -> None:
     check("local", cell, _in_process("local", cell, tmp_path))
 
 
-@pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break", "bf16+break"])
+@pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break", "bf16+break", "tp+break"])
 def test_backend(cell: str, tmp_path: Path) -> None:
     check("backend", cell, _in_process("backend", cell, tmp_path))
 
@@ -109,7 +111,7 @@ def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every torchrun cell, run once: two jobs (of 2 and of 4 processes)."""
     out = tmp_path_factory.mktemp("torchrun")
     for nproc in (2, 4):
-        cells = [c for c in FEATURES if _processes(_features(c)) == nproc]
+        cells = [c for c in FEATURES + TORCHRUN_PAIRS if _processes(_features(c)) == nproc]
         _torchrun_job(cells, nproc, out)
     return out
 
@@ -117,7 +119,7 @@ def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # one worker runs every torchrun cell: pytest-xdist (`--dist loadgroup`) would otherwise
 # start the module's two torchrun jobs once per worker that gets a cell
 @pytest.mark.xdist_group("matrix-torchrun")
-@pytest.mark.parametrize("cell", FEATURES)
+@pytest.mark.parametrize("cell", FEATURES + TORCHRUN_PAIRS)
 def test_torchrun(cell: str, torchrun_results: Path) -> None:
     nproc = _processes(_features(cell))
     results = [torchrun_results / cell / f"result{r}.json" for r in range(nproc)]

@@ -267,7 +267,7 @@ def pipeline(
     def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
         if graph.glue is not None:
             refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
-                                    "device": kind, "tp": tp, "precision": precision})
+                                    "device": kind, "precision": precision})
 
     if spmd:
         prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),

@@ -43,7 +43,8 @@ from orgel.explicit.eager import EagerParameters
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation
 from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
-from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped
+from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
+from orgel.flow.start import loss_processes
 from orgel.graph import glue as glue_mod
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.launch.errors import StepError, WorkerError
@@ -110,7 +111,7 @@ class GluedPipeline(EagerParameters, Pipeline):
                  timeout_s: float, state_keys: list[str], aliases: dict[str, str],
                  batch_dim: int = 0, accumulate: int = 1) -> None:
         super().__init__(plan, group, model=model,
-                         loss_ranks=list(plan.placement[split.loss_stage]),
+                         loss_ranks=loss_processes(plan, split.loss_stage),
                          state_keys=state_keys, aliases=aliases, spmd=False,
                          accumulate=accumulate)
         #: data-parallel replicas: the controller runs ``dp`` micro-batches per micro-batch
@@ -126,8 +127,9 @@ class GluedPipeline(EagerParameters, Pipeline):
         self._keep_outputs = False  # whether this step keeps the model's outputs
         self.replicated = replicated
         self.batch_dim = batch_dim
-        self._pipes = RankPipes(conns)
-        self._mail = Mailbox(conns, timeout_s)
+        # by process; messages go to every tensor-parallel member of a rank, member 0 answers
+        self._pipes = RankPipes(conns, members(plan))
+        self._mail = Mailbox(conns, timeout_s, members(plan))
         self._ranks_of = exchange_ranks(plan, split)  # by replica
         self._loss_ranks = list(plan.placement[split.loss_stage])
         self._input_ranks = sorted({r for s, st in enumerate(split.stages) if st.model_inputs
@@ -141,6 +143,8 @@ class GluedPipeline(EagerParameters, Pipeline):
         self._home_ranks = sorted(set(self._homes.values()))
         self._split = split
         # the ranks that wait for the controller's gradients every step
+        if plan.tp > 1:  # a tensor-parallel rank's values are gathered collectively, not mid-step
+            self.fallback = False
         self._grad_ranks = list(range(plan.num_ranks)) if self.fallback else self._home_ranks
         self._fallback = Fallback(model, glue, split)
         #: the micro-batches of the last step whose forward left the captured graphs
@@ -441,6 +445,12 @@ class GluedPipeline(EagerParameters, Pipeline):
             found = deviation(exc)
             if found is None:
                 raise
+            if not self.fallback:
+                raise GlueError(f"micro-batch {slot.index} left the captured graphs "
+                                f"({found.what}); with tp > 1 orgel does not run it in the "
+                                "calling process (a tensor-parallel rank's values are gathered "
+                                "by all its processes at once): make every micro-batch take "
+                                "the captured path, or pass tp=1") from exc
             self._fallback.leave(self, slot, inputs, found.what)
             self._fallback.run(self, slot, inputs, targets)
             return

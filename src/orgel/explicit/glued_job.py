@@ -57,13 +57,14 @@ def start_job(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any
     from orgel.worker.state import own_stage_copies
 
     process, world = dist.get_rank(), dist.get_world_size()
-    if world != plan.num_ranks:
-        raise ValueError(f"the plan has {plan.num_ranks} ranks but torchrun started {world} "
-                         "processes: a forward of several graphs runs one process per rank")
+    if world != plan.world_size:
+        raise ValueError(f"the plan has {plan.world_size} processes ({plan.num_ranks} ranks of "
+                         f"tp={plan.tp}) but torchrun started {world}")
     make = engine_maker(workload, plan, split, glue, optimizer=optimizer, timeout_s=timeout_s,
                         options=options, closures=closures)
     # the stages train copies: the caller's model changes only through pipe.copy_to
-    own_stage_copies(split.stages[s].module for s in plan.stages_on(process))
+    own_stage_copies(split.stages[s].module
+                     for s in plan.stages_on(plan.pipeline_rank_of(process)))
     group, mine = job_group(make, timeout_s)
     if group is None:
         return Follower(*mine, plan=plan, model=workload.model, keys=keys, aliases=aliases,

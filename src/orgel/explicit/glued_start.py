@@ -35,8 +35,8 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
 
     make = engine_maker(workload, plan, split, glue, optimizer=optimizer, timeout_s=timeout_s,
                         options=options, closures=closures)
-    pipes = [mp.get_context("fork").Pipe() for _ in range(plan.num_ranks)]
-    group = LocalGroup(plan.num_ranks, lambda rank: make(rank, pipes[rank][1]),
+    pipes = [mp.get_context("fork").Pipe() for _ in range(plan.world_size)]  # by process
+    group = LocalGroup(plan.world_size, lambda process: make(process, pipes[process][1]),
                        timeout_s=timeout_s, threads=threads)
     return controller(ClosurePipeline if closures else GluedPipeline, workload, plan, split,
                       glue, group, [here for here, _ in pipes], timeout_s=timeout_s, keys=keys,
@@ -46,7 +46,8 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
 def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any,
                  timeout_s: float, options: dict[str, Any] | None,
                  closures: bool = False) -> Callable[[int, Any], Any]:
-    """``make(rank, conn)``: rank ``rank``'s closure engine, talking to the controller over
+    """``make(process, conn)``: process ``process``'s closure engine (a tensor-parallel
+    member of its pipeline rank where ``plan.tp`` > 1), talking to the controller over
     ``conn``; raises first for what the controller's runtime refuses."""
     from orgel.worker.closure import ClosureEngine
 
@@ -59,10 +60,12 @@ def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: 
     # the ranks cut the batch by the workload's rule too: what it names replicated goes whole
     engine_options = {**(options or {}), "replicated": tuple(workload.replicated)}
 
-    def make(rank: int, conn: Any) -> Any:
-        engine = ClosureEngine(rank, plan, split, optimizer=optimizer, conn=conn,
-                               timeout_s=timeout_s, glue_info=glue, model=workload.model,
-                               options=engine_options, batch_dim=dim, fallback=not closures)
+    def make(process: int, conn: Any) -> Any:
+        # with tp, the controller runs no micro-batch itself (GluedPipeline.fallback)
+        engine = ClosureEngine(plan.pipeline_rank_of(process), plan, split, optimizer=optimizer,
+                               conn=conn, timeout_s=timeout_s, glue_info=glue,
+                               model=workload.model, options=engine_options, batch_dim=dim,
+                               fallback=not closures and plan.tp == 1)
         # the controller scaled the gradients by 1/accumulate: undo the loss stage's own
         engine.surrogate.divisor *= accumulate
         return engine

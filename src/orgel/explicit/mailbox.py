@@ -26,26 +26,44 @@ class Stopped(RuntimeError):
     """The step stopped elsewhere (a rank or another micro-batch failed) while this one waited."""
 
 
+def members(plan: Any) -> list[list[int]]:
+    """The processes of each pipeline rank (its ``plan.tp`` tensor-parallel members), by rank:
+    the controller's pipes are by process, its messages by rank."""
+    return [[plan.process_of(r, t) for t in range(plan.tp)] for r in range(plan.num_ranks)]
+
+
 class Mailbox:
     """Messages from the ranks to the controller by ``(kind, key, rank)``; a reader thread per
-    rank (data-parallel replicas send the same kinds and keys)."""
+    process (data-parallel replicas send the same kinds and keys).
 
-    def __init__(self, conns: list[Connection], timeout_s: float) -> None:
+    ``members``: each pipeline rank's processes (:func:`members`; one each by default). The
+    tensor-parallel members of a rank compute the same values and each sends them; member 0
+    speaks for the rank, and the others' messages are read and dropped (so that no pipe fills).
+    """
+
+    def __init__(self, conns: list[Connection], timeout_s: float,
+                 members: list[list[int]] | None = None) -> None:
         self.timeout_s = timeout_s
         self._items: dict[tuple[str, Any, int], Any] = {}
         self._cond = threading.Condition()
         self._aborted: str | None = None
-        for r, conn in enumerate(conns):
-            threading.Thread(target=self._read, args=(r, conn), daemon=True,
-                             name=f"orgel-mail{r}").start()
+        ranks = members or [[p] for p in range(len(conns))]
+        speaker = {procs[0]: r for r, procs in enumerate(ranks)}
+        for p, conn in enumerate(conns):
+            threading.Thread(target=self._read, args=(p, speaker.get(p), conn), daemon=True,
+                             name=f"orgel-mail{p}").start()
 
-    def _read(self, rank: int, conn: Connection) -> None:
+    def _read(self, process: int, rank: int | None, conn: Connection) -> None:
+        """Keep what ``process`` sends, as rank ``rank``'s (None: a member that does not
+        speak for its rank)."""
         while True:
             try:
                 kind, key, payload = conn.recv()
             except (EOFError, OSError):
-                self.abort(f"rank {rank} closed its pipe")
+                self.abort(f"process {process} closed its pipe")
                 return
+            if rank is None:
+                continue
             with self._cond:
                 self._items[(kind, key, rank)] = payload
                 self._cond.notify_all()
@@ -71,22 +89,25 @@ class Mailbox:
 
 
 class RankPipes:
-    """The controller's ends of the ranks' pipes, for sending: one lock per pipe, since
-    several threads (one per micro-batch) send to the same rank."""
+    """The controller's ends of the ranks' pipes (by process), for sending to a pipeline rank:
+    every process of it (``members``, as :class:`Mailbox` takes them) gets the message. One
+    lock per pipe, since several threads (one per micro-batch) send to the same rank."""
 
-    def __init__(self, conns: list[Connection]) -> None:
+    def __init__(self, conns: list[Connection], members: list[list[int]] | None = None) -> None:
         self.conns = list(conns)
+        self.members = members or [[p] for p in range(len(self.conns))]
         self._locks = [threading.Lock() for _ in self.conns]
 
     def send(self, rank: int, message: tuple[str, Any, Any]) -> None:
-        """Send ``message`` to ``rank``; :class:`Stopped` if its process is gone (then its
+        """Send ``message`` to ``rank``'s processes; :class:`Stopped` if one is gone (then its
         own error is the one to report)."""
-        try:
-            with self._locks[rank]:
-                self.conns[rank].send(message)
-        except OSError as exc:
-            raise Stopped(f"rank {rank} closed its pipe while the controller sent it "
-                          f"{message[0]!r}") from exc
+        for p in self.members[rank]:
+            try:
+                with self._locks[p]:
+                    self.conns[p].send(message)
+            except OSError as exc:
+                raise Stopped(f"rank {rank} (process {p}) closed its pipe while the controller "
+                              f"sent it {message[0]!r}") from exc
 
 
 # -- torchrun: every process's connections to process 0 ---------------------------------

@@ -213,11 +213,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                             "forward of several graphs (graph breaks) yet: "
                                             "float16's loss scaling would have to reach the "
                                             "loss this process computes; use 'bf16-mixed'",
-    ("graph breaks", "tp"): "tensor parallelism needs the forward as one graph: remove the "
-                            "graph breaks (TORCH_LOGS=graph_breaks names them) or pass tp=1",
-    ("backend graph breaks", "tp"): "tensor parallelism needs the compiled model as one graph: "
-                                    "remove the graph breaks (TORCH_LOGS=graph_breaks names "
-                                    "them) or pass tp=1",
     ("backend graph breaks", "precision"): "orgel.backend's precision= opens an autocast "
                                            "around one compiled graph; with graph breaks the "
                                            "Python between the graphs runs in your closure: "

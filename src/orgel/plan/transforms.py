@@ -172,9 +172,6 @@ def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
         return plan
     if plan.tp not in (1, tp):
         raise TensorParallelError(f"the plan is for tp={plan.tp} but tp={tp}: make them agree")
-    if graph is not None and graph.glue is not None:
-        raise TensorParallelError("tp > 1 needs one graph of the forward; this model's has "
-                                  "graph breaks")
     if graph is not None and not tp_regions(graph.graph_module):
         raise TensorParallelError(
             "tp > 1 found no region to split in this model: tensor parallelism splits "

@@ -84,6 +84,25 @@ def plane_group(plan: Plan, processes: Sequence[int]) -> Any:
 TP, DP = "tp", "dp"
 
 
+def forget_meshes() -> None:
+    """Drop the sharding rules DTensor cached for earlier meshes, in this thread.
+
+    DTensor caches each op's sharding by its inputs' specs, per thread, and a
+    :class:`~torch.distributed.device_mesh.DeviceMesh` equals another of the same processes
+    whatever its process group. A pipeline built after another in the same processes
+    (under torchrun: ``orgel.load`` after ``close``) would then run the ops its thread ran
+    before on the earlier pipeline's groups, where a member whose thread is new (process 0
+    of a forward with graph breaks runs its rank in a thread of its own) runs them on the
+    new ones: the members wait in two different groups, for ever.
+    """
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:  # the dispatcher's native cache (torch 2.10 and later)
+        clear()
+
+
 def meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh, dict[tuple[int, ...], DeviceMesh]]:
     """This process's meshes: the 1-D mesh (``"tp"``) of its pipeline rank's members, and
     for each FSDP-sharded replica set it is in, the 2-D mesh (``"dp"``, ``"tp"``) of the
@@ -91,6 +110,7 @@ def meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh, dict[tuple[int, ..
     process (each makes every group, in one order)."""
     process = dist.get_rank()
     own, member = plan.pipeline_rank_of(process), plan.tp_member_of(process)
+    forget_meshes()
     groups = [dist.new_group(plan.processes_of(r)) for r in range(plan.num_ranks)]
     mesh = DeviceMesh.from_group(groups[own], device_type, mesh_dim_names=(TP,))
     sets = sorted({plan.placement[s] for s in range(plan.num_stages) if plan.sharded(s)})

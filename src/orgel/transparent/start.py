@@ -75,16 +75,9 @@ def start_ranks(backend: Backend) -> Started:
             "closure two rows or more, or dp=1")
     workload = Workload(backend.model, batch, rows_at(rows, dim), profiling_loss,
                         batch_dim=dim, replicated=whole)
-    # with dp replicas, the ranks' micro-batch j is the closures' j*dp ... j*dp+dp-1 side by
-    # side: replica r's share of its rows is closure j*dp+r's micro-batch, whole
     # the flow every front end runs: capture (sizes symbolic where Dynamo left them so),
-    # plan, split; the closures weigh their own loss ("rows" is never applied)
-    prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks // backend.tp,
-                       tp=backend.tp, microbatches=backend.microbatches // backend.dp,
-                       memory=backend.memory, dp=backend.dp, shard=backend.shard,
-                       loss_rule="rows", optimizer=backend.optimizer,
-                       recompute=backend.recompute, schedule=backend.schedule,
-                       agree=on_process_zero("cpu") if torchrun else here)
+    # plan, split
+    prepared = prepare(workload, **flow_options(backend, torchrun))
     plan, split = prepared.plan, prepared.split
     if len(plan.placement[split.loss_stage]) != backend.dp:
         raise ValueError(f"orgel.backend runs dp={backend.dp} replicas of the whole pipeline; "
@@ -136,6 +129,18 @@ def start_ranks(backend: Backend) -> Started:
     return Started(pipe, conns, loss_processes, input_ranks, stand_ins, rows, whole)
 
 
+def flow_options(backend: Backend, torchrun: bool) -> dict[str, Any]:
+    """What :func:`orgel.flow.prepare.prepare` takes from ``backend``'s options: pipeline
+    ranks (``ranks`` counts processes), the ranks' micro-batches (the closures' over ``dp``;
+    replica ``r`` of the ranks' micro-batch ``j`` is closure ``j * dp + r``'s); the closures
+    weigh their own loss (``"rows"`` is never applied)."""
+    return dict(plan=backend.given_plan, ranks=backend.ranks // backend.tp, tp=backend.tp,
+                microbatches=backend.microbatches // backend.dp, memory=backend.memory,
+                dp=backend.dp, shard=backend.shard, loss_rule="rows",
+                optimizer=backend.optimizer, recompute=backend.recompute,
+                schedule=backend.schedule, agree=on_process_zero("cpu") if torchrun else here)
+
+
 def start_glued(backend: Backend, rows: int) -> Any:
     """Join, plan and split the several graphs of ``backend``'s first step; fork its ranks.
 
@@ -145,7 +150,7 @@ def start_glued(backend: Backend, rows: int) -> Any:
     from orgel.flow.options import refuse
 
     # before anything is planned: what a forward of several graphs cannot take here
-    refuse("backend graph breaks", {"dp": backend.dp, "tp": backend.tp})
+    refuse("backend graph breaks", {"dp": backend.dp})
     torchrun = under_torchrun()
     join(backend.timeout_s)
     assert backend._found is not None
@@ -189,12 +194,8 @@ def start_glued(backend: Backend, rows: int) -> Any:
         graph = measure(holder, {}, raw, [reason], "dynamo")
         graph.glue = glue
     # the flow every front end runs, from the joined capture: plan, checks, split
-    prepared = prepare(workload, plan=backend.given_plan, ranks=backend.ranks, tp=1,
-                       microbatches=backend.microbatches, memory=backend.memory, dp=backend.dp,
-                       shard=backend.shard, loss_rule="rows", optimizer=backend.optimizer,
-                       graph=graph, planner="beam", recompute=backend.recompute,
-                       schedule=backend.schedule,
-                       agree=on_process_zero("cpu") if torchrun else here)
+    prepared = prepare(workload, graph=graph, planner="beam",
+                       **flow_options(backend, torchrun))
     plan, split = prepared.plan, prepared.split
     keys, aliases = model_aliases(holder)
     if torchrun:  # process 0's closures run the Python between the graphs

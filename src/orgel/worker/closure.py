@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 
 from orgel.batching import batch_size
 from orgel.graph import glue
+from orgel.runtime.sharding import shard_like
 from orgel.worker.engine import RankEngine
 
 
@@ -255,7 +256,7 @@ class ClosureEngine(RankEngine):
             p = params.get(name)
             if g is None or p is None:
                 continue
-            g = g.to(p.device, p.dtype)
+            g = shard_like(p, g.to(p.device, p.dtype))  # a tensor-parallel member's part
             p.grad = g if p.grad is None else p.grad + g
 
     def _send_values(self) -> None:
