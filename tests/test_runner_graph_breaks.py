@@ -248,19 +248,6 @@ def test_graph_breaks_accumulate_over_step_calls_as_one_process() -> None:
                                    msg=name)
 
 
-def test_graph_breaks_with_dp_are_refused_before_any_rank_starts() -> None:
-    """orgel.backend used to plan such a model without replicas, silently; now the first
-    step refuses it, from the one table of refusals, and nothing starts. (Graph breaks with
-    tp train: the composition matrix's ``tp+break`` cells.)"""
-    pipe = ob.backend(microbatches=M, optimizer=_sgd, threads=1, schedule="1f1b",
-                      timeout_s=60, ranks=4, dp=2)
-    compiled = torch.compile(BreakBN(), backend=pipe)
-
-    with pytest.raises(ValueError, match="with graph breaks on one rank per stage: give dp=1"):
-        pipe.step(_output_mse(compiled), *_break_batches()[0])
-    assert pipe.pipe is None
-
-
 class NormTwice(EagerNorm):
     """EagerNorm whose LayerNorm a graph reads too (as a tied embedding looked up eagerly)."""
 

@@ -51,10 +51,6 @@ def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: 
     ``conn``; raises first for what the controller's runtime refuses."""
     from orgel.worker.closure import ClosureEngine
 
-    if closures and any(len(r) > 1 for r in plan.placement):  # a given plan's replicas
-        from orgel.flow.options import REFUSED
-
-        raise ValueError(REFUSED[("backend graph breaks", "dp")])
     accumulate = int((options or {}).get("accumulate", 1))
     dim = batch_dim_of(workload)
     # the ranks cut the batch by the workload's rule too: what it names replicated goes whole

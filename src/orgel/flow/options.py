@@ -219,9 +219,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                            "open torch.autocast('cpu', dtype=torch.bfloat16) "
                                            "around the compiled model's call in the closure "
                                            "instead, and give no precision=",
-    ("backend graph breaks", "dp"): "orgel.backend runs a compiled model with graph breaks on "
-                                    "one rank per stage: give dp=1, or remove the graph break "
-                                    "(orgel.pipeline takes dp with graph breaks)",
 }
 
 

@@ -118,7 +118,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
             planner: str | None = None, recompute: bool | str = False,
             schedule: str | None = None, stages_per_rank: int = 2,
-            compiled: bool = False) -> Prepared:
+            compiled: bool = False, replica_rows: bool = False) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
@@ -128,7 +128,9 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     capture before anything is planned (it raises for a graph the front end refuses).
     ``graph``: the capture, made already (``orgel.backend`` joins the graphs Dynamo handed
     it); then the plan must give every stage one rank (a replica's rows need a capture
-    of their own). ``planner``: the planner's name (default: its own choice).
+    of their own), unless ``replica_rows`` says the capture is of one replica's rows (each
+    closure of ``orgel.backend`` with graph breaks is one replica's micro-batch).
+    ``planner``: the planner's name (default: its own choice).
     ``recompute``: every stage's recompute policy (:data:`orgel.schedule.ir.RECOMPUTE`;
     False: the plan's own). ``schedule``: a FLOP-balanced chain run by that family
     instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`), with
@@ -169,10 +171,13 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                                  "graphs); give microbatches as an int, not 'auto'")
         # the glue of a forward of several graphs has the shapes of what the controller
         # runs: one replica's rows
-        if captured and stage_replicas(the_plan) > 1:
+        if replica_rows:
+            stage_replicas(the_plan)  # every stage as many (else ValueError)
+        elif captured and stage_replicas(the_plan) > 1:
             raise ValueError("this capture was made once, for whole micro-batches: plan one "
                              "rank per stage (dp=1)")
-        graph = replica_graph(workload, graph, the_plan)
+        else:
+            graph = replica_graph(workload, graph, the_plan)
         split = split_plan(graph, the_plan)
         if recompute is False and (given is None or mark) and any(
                 isinstance(p, str) for p in the_plan.recompute):

@@ -147,10 +147,6 @@ def start_glued(backend: Backend, rows: int) -> Any:
     Parameters of the compiled module that no graph reads are trained from the closures'
     gradients (:class:`orgel.explicit.closures.ClosurePipeline`).
     """
-    from orgel.flow.options import refuse
-
-    # before anything is planned: what a forward of several graphs cannot take here
-    refuse("backend graph breaks", {"dp": backend.dp})
     torchrun = under_torchrun()
     join(backend.timeout_s)
     assert backend._found is not None
@@ -194,7 +190,9 @@ def start_glued(backend: Backend, rows: int) -> Any:
         graph = measure(holder, {}, raw, [reason], "dynamo")
         graph.glue = glue
     # the flow every front end runs, from the joined capture: plan, checks, split
-    prepared = prepare(workload, graph=graph, planner="beam",
+    # each closure's graphs are of one replica's rows: with dp, the ranks' micro-batch j is
+    # closures j*dp ... j*dp+dp-1 side by side (GluedPipeline.feed)
+    prepared = prepare(workload, graph=graph, planner="beam", replica_rows=True,
                        **flow_options(backend, torchrun))
     plan, split = prepared.plan, prepared.split
     keys, aliases = model_aliases(holder)
