@@ -227,3 +227,29 @@ def test_with_tp_a_microbatch_off_the_path_is_a_clear_error() -> None:
             pipe.step({"x": off}, y)
     finally:
         pipe.close()
+
+
+@pytest.mark.slow
+def test_check_finite_names_the_microbatch_whose_loss_is_not_finite() -> None:
+    """``check_finite=True`` with graph breaks: the controller computes the loss, and the
+    step fails at a NaN loss (on the captured path or off it), naming the micro-batch."""
+    from orgel.launch.errors import NonFiniteLoss
+
+    torch.manual_seed(0)
+    model = MeanBranch()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.cat([_rows(model, True, 4, gen), _rows(model, True, 4, gen)])
+    y = torch.randint(0, 4, (8,), generator=gen)
+    for m, arm in ((1, True), (0, False)):  # micro-batch 0 off the captured path
+        pipe = orgel.pipeline(model, {"x": x}, y, F.cross_entropy, ranks=2, microbatches=2,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1), timeout_s=60.0,
+                              check_finite=True)
+        try:
+            pipe.step({"x": x}, y)  # finite: trains
+            bad = x.clone()
+            bad[m * 4:(m + 1) * 4] = _rows(model, arm, 4, gen)
+            bad[m * 4] = float("inf") if arm else float("nan")
+            with pytest.raises(NonFiniteLoss, match=f"the loss of micro-batch {m} is nan"):
+                pipe.step({"x": bad}, y)
+        finally:
+            pipe.close()

@@ -138,7 +138,8 @@ def pipeline(
     ``loss_scale`` takes GradScaler's options for 16-mixed (``init_scale``,
     ``growth_factor``, ``backoff_factor``, ``growth_interval``; its defaults otherwise).
     ``check_finite`` stops the step at the first micro-batch whose loss is NaN or
-    infinite, naming it (one sync per micro-batch on the loss rank).
+    infinite, naming it (one sync per micro-batch on the loss rank; with graph breaks, in
+    this process, which computes the loss).
     Under torchrun ``ranks`` must equal WORLD_SIZE. Returns a :class:`Pipeline`.
     ``device``: where the ranks compute, ``"cpu"``, ``"cuda"`` (local rank r on GPU
     r mod the GPU count; ranks that outnumber the GPUs share them, their messages
@@ -266,8 +267,8 @@ def pipeline(
                                   schedule=schedule)
     def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
         if graph.glue is not None:
-            refuse("graph breaks", {"compile": compile, "check_finite": check_finite,
-                                    "device": kind, "precision": precision})
+            refuse("graph breaks", {"compile": compile, "device": kind,
+                                    "precision": precision})
 
     if spmd:
         prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),
@@ -319,6 +320,7 @@ def pipeline(
                                            threads=threads, keys=keys, aliases=aliases,
                                            options=loop)
         glued_pipe.loss_rule = prepared.loss_rule
+        glued_pipe.check_finite = check_finite
         return glued_pipe
     if spmd:
         return start_torchrun(prepared, kind, optimizer=optimizer, timeout_s=timeout_s,

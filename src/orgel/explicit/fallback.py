@@ -57,7 +57,6 @@ import torch.utils._pytree as pytree
 
 from orgel.graph import glue as glue_mod
 from orgel.graph.opgraph import CaptureError
-from orgel.lossweights import weigh
 
 
 class GlueError(CaptureError):
@@ -214,7 +213,7 @@ class Fallback:
                 raise GlueError(f"micro-batch {slot.index} left the captured graphs and ran in "
                                 f"the calling process, where its forward wrote buffers "
                                 f"{written[:3]} in place: orgel cannot hand that to the ranks")
-            loss = weigh(pipe.loss_fn(out, targets), pipe._weights[(slot.index, 0)])
+            loss = pipe.weighed_loss(slot.index, out, targets)
             grads = (torch.autograd.grad(loss / pipe.accumulate, [p for _, p in params],
                                          allow_unused=True)
                      if loss.requires_grad and params else [None] * len(params))

@@ -47,7 +47,7 @@ from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
 from orgel.flow.start import loss_processes
 from orgel.graph import glue as glue_mod
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
-from orgel.launch.errors import StepError, WorkerError
+from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
 from orgel.lossweights import batch_weights, weigh
 from orgel.worker.pipe import Pipeline
 from orgel.workload import named_inputs
@@ -104,6 +104,8 @@ class GluedPipeline(EagerParameters, Pipeline):
 
     #: whether a micro-batch off the captured graphs runs in the controller (else: GlueError)
     fallback = True
+    #: fail the step at the first loss that is not finite (the loss is computed here)
+    check_finite = False
 
     def __init__(self, plan: Any, group: Any, conns: list[Connection], *, glue: Any,
                  split: Any, model: torch.nn.Module,
@@ -457,7 +459,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         with dynamo_settings(), torch.enable_grad():
             if self._keep_outputs:
                 slot.outputs = out
-            loss = weigh(self.loss_fn(out, targets), self._weights[(slot.index, 0)])
+            loss = self.weighed_loss(slot.index, out, targets)
             # the anchors chain every graph call: backward reaches each, last one first;
             # the gradients of the parameters trained here are kept per micro-batch. Each
             # call counts 1/accumulate (the ranks' loss stage does not scale it again)
@@ -466,6 +468,15 @@ class GluedPipeline(EagerParameters, Pipeline):
                                         [first, *self._eager.values()], allow_unused=True)
             slot.grads = {n: g for n, g in zip(names, grads[1:], strict=True) if g is not None}
         slot.result = float(loss.detach())
+
+    def weighed_loss(self, m: int, outputs: Any, targets: Any) -> torch.Tensor:
+        """Micro-batch ``m``'s loss, weighed as the ranks' executors weigh theirs; with
+        :attr:`check_finite`, :class:`NonFiniteLoss` where it is NaN or infinite."""
+        loss = self.loss_fn(outputs, targets)
+        if self.check_finite and not bool(torch.isfinite(loss).all()):
+            raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} (computed in "
+                                "this process): check the inputs and the lr")
+        return weigh(loss, self._weights[(m, 0)])
 
     def _check_calls(self, slot: _Slot) -> None:
         if slot.calls != len(self.glue.calls):

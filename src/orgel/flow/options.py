@@ -204,9 +204,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                         "recompute='stage'",
     ("graph breaks", "compile"): "compile=True is not available for a forward of several "
                                  "graphs (graph breaks) yet: pass compile=False",
-    ("graph breaks", "check_finite"): "check_finite is not available for a forward of several "
-                                      "graphs (the loss runs in this process): check the loss "
-                                      "pipe.step returns",
     ("graph breaks", "device=cuda"): "a forward of several graphs (graph breaks) runs on CPU ranks "
                                 "only: pass device='cpu', or remove the graph breaks",
     ("graph breaks", "precision=16-mixed"): "precision='16-mixed' is not available for a "
