@@ -31,8 +31,8 @@ pytestmark = pytest.mark.slow
 
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
             "if_end", "length", "resume", "tied"]
-PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+break", "tp+length", "meta+fsdp",
-         "evaluate+bf16+break", "accumulate+break"]
+PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+accumulate+break", "tp+length",
+         "meta+fsdp", "evaluate+bf16+break", "accumulate+break"]
 #: the pairs run under torchrun too (each feature does)
 TORCHRUN_PAIRS = ["tp+break"]
 

@@ -208,16 +208,17 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
             self.transport.warm_up()
         self.sync = GradSync(plan, split, self.rank, self.stages, ranks=ranks, world_group=None,
                              timeout=timeout, device=self.device)
-        if plan.tp > 1:  # the norm over every process counts each parameter once
-            self.sync.norm_params = tp.norm_params(self.sync.norm_params, self.member)
-        # BatchNorm statistics of replicated stages: averaged over the replicas every step
-        self.buffers = ReplicaBuffers(plan, self.stages,
-                                      {rset: group for rset, (group, _) in self.sync.dp.items()})
         # parameters of no stage that this rank steps (code outside every graph trains them)
         self.extra_params = dict(extra_params or {})
         for p in self.extra_params.values():
             self.sync.all_params.append(p)
             self.sync.norm_params.append(p)
+        if plan.tp > 1:  # the norm over every process counts each parameter once (a whole
+            # one, a stage's or an extra one every member holds, on member 0)
+            self.sync.norm_params = tp.norm_params(self.sync.norm_params, self.member)
+        # BatchNorm statistics of replicated stages: averaged over the replicas every step
+        self.buffers = ReplicaBuffers(plan, self.stages,
+                                      {rset: group for rset, (group, _) in self.sync.dp.items()})
         # the driver's hooks (see the class docstring)
         self.fetch_inputs: Callable[[int], dict[str, torch.Tensor]] | None = None
         self.on_microbatch: Callable[[int], None] | None = None
