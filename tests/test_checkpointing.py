@@ -120,3 +120,30 @@ def test_layer_recompute_under_bf16_mixed_trains_as_without_it() -> None:
     autocast then kept the step's bfloat16 copies of the weights past the optimizer step,
     and the next steps trained on stale weights."""
     assert _bf16_losses("layer") == _bf16_losses(False)
+
+
+def _tp_training(policy: bool | str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import orgel
+
+    torch.manual_seed(0)
+    model = Stack(layers=4, width=16)
+    x, y = torch.randn(8, 16), torch.randn(8, 2)
+    with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=4, tp=2,
+                        microbatches=2, schedule="1f1b", recompute=policy,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:
+        assert list(pipe.plan.recompute) == [policy] * pipe.plan.num_stages
+        assert any(pipe.call_ranks("tp_shards"))  # the MLPs are split over the members
+        losses = [pipe.step((x,), y) for _ in range(2)]
+        return losses, pipe.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["layer", "selective"])
+def test_layer_and_selective_recompute_run_with_tensor_parallelism(policy: str) -> None:
+    """Each layer's (or each costly op's) checkpoint calls the stage's DTensor parameters:
+    the runner is made after the regions are split, and trains as without recompute."""
+    losses, state = _tp_training(policy)
+    want_losses, want = _tp_training(False)
+    assert losses == want_losses
+    for name, t in want.items():
+        assert torch.equal(state[name], t), name

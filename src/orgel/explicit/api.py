@@ -320,7 +320,10 @@ def pipeline(
                                            threads=threads, keys=keys, aliases=aliases,
                                            options=loop)
         glued_pipe.loss_rule = prepared.loss_rule
-        glued_pipe.check_finite = check_finite
+        from orgel.explicit.glued import GluedPipeline
+
+        if isinstance(glued_pipe, GluedPipeline):  # the controller computes the loss
+            glued_pipe.check_finite = check_finite
         return glued_pipe
     if spmd:
         return start_torchrun(prepared, kind, optimizer=optimizer, timeout_s=timeout_s,

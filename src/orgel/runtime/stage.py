@@ -87,8 +87,19 @@ class StageInfo:
             out_edges=sorted(graph.consumers(s), key=lambda e: graph.edges[e].dst),
             value_edge=value_edge, out_index=out_index,
             params=list(stage.module.parameters()), recompute=plan.recompute[s] is True,
-            is_loss=s == split.loss_stage, run=_runner(stage, plan.recompute[s], plan),
+            is_loss=s == split.loss_stage,
+            # with tp the runner is made after the regions are split (run_stages_as_planned)
+            run=stage.module if plan.tp > 1 else _runner(stage, plan.recompute[s], plan),
         )
+
+
+def run_stages_as_planned(plan: Plan, stages: dict[int, StageInfo]) -> None:
+    """Give each stage of a tensor-parallel plan its runner for its recompute policy, once
+    its regions are split: a checkpointed layer must call the module's DTensor parameters,
+    which :func:`orgel.runtime.tensor_parallel.shard_stages` put in place of the whole
+    ones."""
+    for s, info in stages.items():
+        info.run = _runner(info.stage, plan.recompute[s], plan)
 
 
 def _runner(stage: StageModule, policy: bool | str, plan: Plan) -> torch.nn.Module:
@@ -101,11 +112,11 @@ def _runner(stage: StageModule, policy: bool | str, plan: Plan) -> torch.nn.Modu
                          "splits its backward (I and W): torch's selective checkpoint runs "
                          "one backward per region; give it recompute='layer', or a schedule "
                          "with whole backwards (1f1b, interleaved)")
-    if isinstance(policy, str) and (plan.tp > 1 or plan.shard[stage.index] == "fsdp"):
-        raise ValueError(f"recompute={policy!r} is not available yet with tensor parallelism "
-                         "or shard='fsdp' (they give the stage DTensor parameters after the "
-                         "checkpointed layers are cut): give recompute='stage', or tp=1 and "
-                         "shard='none'")
+    if isinstance(policy, str) and plan.shard[stage.index] == "fsdp":
+        raise ValueError(f"recompute={policy!r} is not available yet with shard='fsdp' (FSDP2 "
+                         "gathers the parameters in the stage module's own forward hooks, "
+                         "which the checkpointed layers do not call): give "
+                         "recompute='stage', or shard='none'")
     if isinstance(policy, str) and stage.written:
         raise ValueError(f"stage {stage.index} updates buffers in its forward "
                          f"({', '.join(stage.written)}): recompute={policy!r} would update "
