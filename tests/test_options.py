@@ -103,7 +103,7 @@ def test_orgel_backend_refuses_dp_with_one_row_closures_before_any_rank_starts()
 
 
 @pytest.mark.parametrize("options, words", [
-    ({"ranks": 4, "tp": 2}, "compile=True with tensor parallelism"),
+    ({"ranks": 4, "tp": 2, "schedule": "zb-h1"}, "compile=True with tensor parallelism"),
     ({"ranks": 4, "dp": 2, "shard": "fsdp"}, "compile=True with shard='fsdp'"),
     ({"recompute": "layer"}, "compile=True with recompute='layer'"),
 ], ids=["tp", "fsdp", "layer"])
@@ -117,4 +117,4 @@ def test_compile_refuses_what_it_does_not_run_yet_before_any_rank_starts(
     w = build_gpt(batch_size=4, d_model=32, n_heads=4, n_layers=2, seq_len=8, vocab_size=64)
     with pytest.raises(ValueError, match=re.escape(words)):
         orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, microbatches=2,
-                       schedule="1f1b", compile=True, **options)
+                       compile=True, **{"schedule": "1f1b", **options})
