@@ -150,8 +150,9 @@ def test_compiled_stages_train_as_one_process(schedule: str, extra: list[str],
     assert "-> OK" in out and "compiling the stages took" in out
 
 
-def _tp_training(compile: bool) -> tuple[list[float], dict[str, torch.Tensor], float]:
-    """2 stages x 2-way TP of a small MLP stack, 1F1B, two steps; compile seconds."""
+def _tp_training(compile: bool, schedule: str
+                 ) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """2 stages x 2-way TP of a small MLP stack, two steps; compile seconds."""
     import orgel
     from test_checkpointing import Stack
 
@@ -159,18 +160,20 @@ def _tp_training(compile: bool) -> tuple[list[float], dict[str, torch.Tensor], f
     model = Stack(layers=2, width=16)
     x, y = torch.randn(8, 16), torch.randn(8, 2)
     with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=4, tp=2,
-                        microbatches=2, schedule="1f1b", compile=compile, timeout_s=600,
+                        microbatches=2, schedule=schedule, compile=compile, timeout_s=600,
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:
         assert any(pipe.call_ranks("tp_shards"))  # the MLPs are split over the members
         losses = [pipe.step((x,), y) for _ in range(2)]
         return losses, pipe.state_dict(), sum(pipe.compile_s or [0.0])
 
 
-def test_compiled_stages_with_tensor_parallelism_train_as_the_eager_ones() -> None:
-    """AOTAutograd traces the stage's DTensor weights and Inductor compiles the local
-    graphs (the collectives stay in them); 1F1B's whole backward."""
-    losses, state, seconds = _tp_training(True)
-    want_losses, want, _ = _tp_training(False)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_compiled_stages_with_tensor_parallelism_train_as_the_eager_ones(schedule: str) -> None:
+    """A DTensor weight enters the compiled graphs as its local part (the collectives stay
+    in them): 1F1B's whole backward, and ZB-H1's input and weight halves, whose weight
+    half adds each weight's gradient as a DTensor again."""
+    losses, state, seconds = _tp_training(True, schedule)
+    want_losses, want, _ = _tp_training(False, schedule)
     assert seconds > 0
     assert losses == pytest.approx(want_losses, rel=1e-6)
     for name, t in want.items():

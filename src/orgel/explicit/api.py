@@ -183,15 +183,16 @@ def pipeline(
     ``copy_to`` give whole tensors, and checkpoints hold them (a pipeline of any ``tp``
     resumes one). With ``dp > 1`` each replica is a pipeline rank of ``tp`` processes (``dp``
     divides ``ranks // tp``), and ``shard="fsdp"`` shards over the replicas on a 2-D mesh;
-    ``evaluate`` splits the eval-mode stages alike. Not yet: a forward with graph breaks.
+    ``evaluate`` splits the eval-mode stages alike. A forward with graph breaks takes
+    ``tp`` too (every process of a rank gets the controller's messages, member 0 answers).
 
     ``compile=True`` runs every stage through Inductor: its forward, its backward and,
     for the schedules that split the backward (ZB-H1, DualPipeV), the backward's
     input and weight halves as separate compiled graphs (:mod:`orgel.runtime.compiled`).
     Each rank compiles a stage at its first step (and once more for a new input shape);
-    ``pipe.compile_s`` reports the seconds by rank. Not yet with ``tp > 1``,
-    ``shard="fsdp"`` or ``recompute="layer"``/``"selective"`` (refused before any rank
-    starts).
+    ``pipe.compile_s`` reports the seconds by rank. With ``tp > 1`` a DTensor weight
+    enters the graphs as its local part. Not yet with ``shard="fsdp"`` or
+    ``recompute="layer"``/``"selective"`` (refused before any rank starts).
 
     ``recompute``: how each stage's backward gets its activations (default False: the
     forward keeps them, or a given plan's own choice): ``"stage"`` (or True) runs the

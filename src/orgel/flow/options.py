@@ -192,12 +192,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                  "losses pipe.step returns",
     ("backend", "loss_rule"): "in orgel.backend the closure weighs its own loss (divide by "
                               "the micro-batch count, or by the batch's token count)",
-    ("compile", "tp with a split backward"): "compile=True with tensor parallelism (tp > 1) "
-                                            "runs schedules whose backward is whole (1f1b, "
-                                            "gpipe, interleaved) for now: the input half of a "
-                                            "split backward (zb-h1, zbv, dualpipev) gives its "
-                                            "DTensor weights no gradient to wrap; pass one of "
-                                            "those schedules, compile=False, or tp=1",
     ("compile", "shard=fsdp"): "compile=True with shard='fsdp' is not available yet (FSDP2's "
                                "module hooks gather the parameters): pass compile=False, or "
                                "shard='none'",
@@ -239,12 +233,9 @@ def refuse(where: str, given: Options | dict[str, Any]) -> None:
 
 def check_compile(compile: bool, plan: Plan) -> None:
     """Raise ValueError for what compiled stages do not run yet (the ``"compile"`` rows of
-    :data:`REFUSED`): tensor parallelism in a schedule that splits the backward (its
-    DTensor weights), FSDP-sharded stages (their module hooks), per-layer and selective
+    :data:`REFUSED`): FSDP-sharded stages (their module hooks), per-layer and selective
     recompute."""
     if compile:
-        split = plan.tp > 1 and any(a.kind == "I" for actions in plan.schedule for a in actions)
         refuse("compile", {
-            "tp with a split backward": split,
             "shard": "fsdp" if any(s == "fsdp" for s in plan.shard) else "none",
             "recompute": next((r for r in plan.recompute if isinstance(r, str)), False)})

@@ -21,6 +21,11 @@ node runs ``I`` instead and returns no parameter gradients; the ``W`` closures i
 leaves behind run at the ``W`` action and add to the parameters' ``.grad``, as autograd
 would.
 
+A DTensor weight (tensor parallelism) enters the compiled function as its local part and
+is made a DTensor again inside it, so AOTAutograd sees plain tensors in and out (the
+collectives are in the graphs): the input half leaves such a weight without a gradient
+as it does any other, and the weight half adds the local gradient back as a DTensor.
+
 Graphs are compiled once per stage and input signature (shapes, dtypes, grad mode;
 a new sequence length compiles again, once) and cached; :attr:`CompiledStage.compile_s`
 adds up the compile time. Random draws (dropout) use PyTorch's generator, not
@@ -195,11 +200,12 @@ class _Compiled:
 
 
 def _accumulate(params: list[torch.Tensor], grads: Any) -> None:
-    """Add ``grads`` to the parameters' ``.grad``, as autograd's AccumulateGrad does."""
+    """Add ``grads`` to the parameters' ``.grad``, as autograd's AccumulateGrad does (a
+    DTensor weight's gradient comes as its local part)."""
     for p, g in zip(params, grads, strict=True):
         if g is None or not p.requires_grad:
             continue
-        g = g.detach()
+        g = _as_dtensor(g.detach(), _spec(p))
         if p.grad is None:
             p.grad = g
         else:
@@ -248,6 +254,10 @@ class CompiledStage:
         buffers = dict(self.module.named_buffers())
         names = [*params, *buffers]
         tensors = [*params.values(), *buffers.values()]
+        # a DTensor weight (tensor parallelism) enters as its local part and is made a
+        # DTensor again inside: AOTAutograd then sees plain tensors in and out, so the input
+        # half can leave a weight without a gradient, as for any other weight
+        specs = [_spec(t) for t in tensors]
         positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
         constants = {k: a for k, a in enumerate(args) if not isinstance(a, torch.Tensor)}
         key = (self.module.training, torch.is_grad_enabled(), tuple(names),
@@ -257,7 +267,8 @@ class CompiledStage:
             module = self.module
 
             def fn(*flat: torch.Tensor) -> Any:
-                state = dict(zip(names, flat[:len(names)], strict=True))
+                state = {n: _as_dtensor(t, spec) for n, t, spec in
+                         zip(names, flat[:len(names)], specs, strict=True)}
                 call_args = list(args)
                 for k, t in zip(positions, flat[len(names):], strict=True):
                     call_args[k] = t
@@ -271,4 +282,26 @@ class CompiledStage:
             self._cache[key] = compiled
         compiled.weights = len(params)
         self._params_now = list(params.values())
-        return compiled.fn(*tensors, *(args[k] for k in positions))
+        local = [t.to_local() if spec is not None else t  # type: ignore[attr-defined]
+                 for t, spec in zip(tensors, specs, strict=True)]
+        return compiled.fn(*local, *(args[k] for k in positions))
+
+
+def _spec(t: torch.Tensor) -> Any:
+    """A DTensor's mesh, placements, shape and stride (None for any other tensor)."""
+    from orgel.runtime.sharding import is_sharded
+
+    if not is_sharded(t):
+        return None
+    return (t.device_mesh, tuple(t.placements), t.shape, t.stride())  # type: ignore[attr-defined]
+
+
+def _as_dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
+    """``local`` as the DTensor ``spec`` describes (itself where ``spec`` is None)."""
+    if spec is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
