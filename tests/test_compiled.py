@@ -135,12 +135,14 @@ def test_the_weight_half_holds_only_what_the_input_half_does_not() -> None:
 
 
 @pytest.mark.parametrize("schedule,extra", [("dualpipev", []),
-                                            ("1f1b", ["--dp", "2", "--recompute"])])
+                                            ("1f1b", ["--dp", "2", "--recompute"]),
+                                            ("zb-h1", ["--recompute", "layer"])])
 def test_compiled_stages_train_as_one_process(schedule: str, extra: list[str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """`orgel run --compile --check` on 2 local ranks: the split backward's halves
     (DualPipeV's I and W; ZB-H1 runs the same halves, tests/test_cuda.py), data parallelism
-    and recompute, against one eager process."""
+    and recompute (each stage whole; each layer, tagged for the partitioner, under ZB-H1's
+    halves), against one eager process."""
     code = main(["run", GPT, "--ranks", "2", "--schedule", schedule, "--microbatches", "4",
                  "--steps", "2", "--compile", "--check", "--optimizer", "adamw",
                  "--lr", "1e-3", "--max-grad-norm", "0.5", "--device", "cpu",
@@ -178,3 +180,34 @@ def test_compiled_stages_with_tensor_parallelism_train_as_the_eager_ones(schedul
     assert losses == pytest.approx(want_losses, rel=1e-6)
     for name, t in want.items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_layer_and_selective_recompute_keep_less_in_a_compiled_stage() -> None:
+    """The partitioner's tags: a compiled forward keeps fewer bytes for its backward under
+    ``"layer"`` and ``"selective"`` than without recompute, and the gradients are the
+    eager stage's (the recompute runs the same ops again)."""
+    from orgel.models.gpt import GPT as Model
+    from orgel.models.gpt import GPTConfig
+
+    torch.manual_seed(0)
+    model = Model(GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, seq_len=16))
+    tokens = torch.randint(0, 64, (4, 16))
+    graph = capture(model, {"tokens": tokens})
+    split = split_plan(graph, balanced_plan(graph, ranks=1, microbatches=1))
+    stage = split.stages[0]
+    named = split.with_sizes({"tokens": tokens})
+    args = [named[n] for n in stage.inputs]
+    eager = stage.module
+    eager(*args)[0].float().pow(2).mean().backward()
+    want = {n: p.grad.clone() for n, p in eager.named_parameters()}
+    saved = {}
+    for policy in (False, "layer", "selective"):
+        module = copy.deepcopy(eager)
+        module.zero_grad(set_to_none=True)
+        compiled = CompiledStage(module, policy, stage.layers)
+        assert (compiled.tags is None) == (policy is False)
+        compiled(*args)[0].float().pow(2).mean().backward()
+        for name, p in module.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-3, atol=1e-5, msg=name)
+        saved[policy] = compiled.saved_bytes[0]
+    assert saved["layer"] < saved[False] and saved["selective"] < saved[False], saved

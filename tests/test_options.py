@@ -104,8 +104,7 @@ def test_orgel_backend_refuses_dp_with_one_row_closures_before_any_rank_starts()
 
 @pytest.mark.parametrize("options, words", [
     ({"ranks": 4, "dp": 2, "shard": "fsdp"}, "compile=True with shard='fsdp'"),
-    ({"recompute": "layer"}, "compile=True with recompute='layer'"),
-], ids=["fsdp", "layer"])
+], ids=["fsdp"])
 def test_compile_refuses_what_it_does_not_run_yet_before_any_rank_starts(
         options: dict[str, object], words: str) -> None:
     """The one table's reason (orgel.flow.options.REFUSED), raised in the caller: this test

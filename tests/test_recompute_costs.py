@@ -124,7 +124,6 @@ def test_the_runtime_takes_the_planners_policies_where_it_can_run_them() -> None
     assert runnable_recompute(p, [False, True]).recompute == ["layer", True]
     one = dataclasses.replace(build_schedule("1f1b", 2, 4), recompute=["selective", False])
     assert runnable_recompute(one, [False, False]) is one
-    assert runnable_recompute(one, [False, False], compiled=True).recompute == [True, False]
 
 
 def test_where_no_stage_fits_recomputed_whole_the_planner_checkpoints_each_layer() -> None:

@@ -191,8 +191,9 @@ def pipeline(
     input and weight halves as separate compiled graphs (:mod:`orgel.runtime.compiled`).
     Each rank compiles a stage at its first step (and once more for a new input shape);
     ``pipe.compile_s`` reports the seconds by rank. With ``tp > 1`` a DTensor weight
-    enters the graphs as its local part. Not yet with ``shard="fsdp"`` or
-    ``recompute="layer"``/``"selective"`` (refused before any rank starts).
+    enters the graphs as its local part, and ``recompute="layer"``/``"selective"`` tag the
+    graph's nodes for the partitioner. Not yet with ``shard="fsdp"`` (refused before any
+    rank starts).
 
     ``recompute``: how each stage's backward gets its activations (default False: the
     forward keeps them, or a given plan's own choice): ``"stage"`` (or True) runs the

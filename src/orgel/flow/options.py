@@ -195,11 +195,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("compile", "shard=fsdp"): "compile=True with shard='fsdp' is not available yet (FSDP2's "
                                "module hooks gather the parameters): pass compile=False, or "
                                "shard='none'",
-    ("compile", "recompute=layer"): "compile=True with recompute='layer' is not available yet: "
-                                    "pass compile=False, or recompute='stage'",
-    ("compile", "recompute=selective"): "compile=True with recompute='selective' is not "
-                                        "available yet: pass compile=False, or "
-                                        "recompute='stage'",
     ("graph breaks", "compile"): "compile=True is not available for a forward of several "
                                  "graphs (graph breaks) yet: pass compile=False",
     ("graph breaks", "device=cuda"): "a forward of several graphs (graph breaks) runs on CPU ranks "
@@ -233,9 +228,6 @@ def refuse(where: str, given: Options | dict[str, Any]) -> None:
 
 def check_compile(compile: bool, plan: Plan) -> None:
     """Raise ValueError for what compiled stages do not run yet (the ``"compile"`` rows of
-    :data:`REFUSED`): FSDP-sharded stages (their module hooks), per-layer and selective
-    recompute."""
+    :data:`REFUSED`): FSDP-sharded stages (their module hooks)."""
     if compile:
-        refuse("compile", {
-            "shard": "fsdp" if any(s == "fsdp" for s in plan.shard) else "none",
-            "recompute": next((r for r in plan.recompute if isinstance(r, str)), False)})
+        refuse("compile", {"shard": "fsdp" if any(s == "fsdp" for s in plan.shard) else "none"})

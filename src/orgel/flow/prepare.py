@@ -135,8 +135,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     False: the plan's own). ``schedule``: a FLOP-balanced chain run by that family
     instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`), with
     ``stages_per_rank`` stages per rank where the family loops. ``compiled``:
-    the stages run compiled (the planner's per-layer recompute choices take the stage whole:
-    :func:`orgel.plan.transforms.runnable_recompute`).
+    the stages run compiled (checked by :func:`orgel.flow.options.check_compile`).
     """
     from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan, stage_replicas
     from orgel.plan.transforms import runnable_recompute, with_tp
@@ -182,8 +181,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
         if recompute is False and (given is None or mark) and any(
                 isinstance(p, str) for p in the_plan.recompute):
             # the planner's per-layer or selective choices, where the runtime can run them
-            the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages],
-                                          compiled=compiled)
+            the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages])
         check_sharded(the_plan, split, loss_scaling=loss_scaling)
         check_compile(compiled, the_plan)  # here, before any rank starts
     return Prepared(workload, the_plan, split, graph, rule, seed, source)

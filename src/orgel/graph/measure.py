@@ -55,7 +55,8 @@ def module_path(node: torch.fx.Node) -> str:
     return text.strip(".")
 
 
-def _op_name(node: torch.fx.Node) -> str:
+def op_name(node: torch.fx.Node) -> str:
+    """The name of the op a graph node calls (a method, an aten overload packet, a function)."""
     if node.op == "call_method":
         return str(node.target)
     target = node.target
@@ -131,7 +132,7 @@ def measure(
             attr_of[node.name] = name
         elif node.op == "call_module":
             raise CaptureError(f"captured graph calls submodule {node.target}; not supported")
-        elif node.op == "call_function" and _op_name(node) in _DROP:
+        elif node.op == "call_function" and op_name(node) in _DROP:
             graph.erase_node(node)
     mutated = _rewire_inplace(graph, attr_of)
     fake = any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
@@ -159,7 +160,7 @@ def measure(
         shape, dtype, nbytes, is_tensor, requires_grad = _describe(value)
         pnames = tuple(dict.fromkeys(attr_of[n.name] for n in reads if n.name in attr_of))
         nodes[node.name] = OpNode(
-            name=node.name, op=_op_name(node), module=module_path(node),
+            name=node.name, op=op_name(node), module=module_path(node),
             inputs=tuple(dict.fromkeys(n.name for n in reads if n.name not in attr_of)),
             params=pnames, shape=shape, dtype=dtype, nbytes=nbytes,
             param_bytes=sum(_nbytes(params, buffers, constants, p) for p in pnames),
@@ -289,7 +290,7 @@ def _written_buffers(
         target = _mutated_arg(node)
         if target is not None and attr_of.get(target.name) in buffers:
             written[attr_of[target.name]] = None
-        if node.op in ("call_function", "call_method") and _op_name(node) in _STAT_UPDATES:
+        if node.op in ("call_function", "call_method") and op_name(node) in _STAT_UPDATES:
             for arg in node.all_input_nodes:
                 if attr_of.get(arg.name) in buffers:
                     written[attr_of[arg.name]] = None

@@ -113,16 +113,16 @@ def with_recompute(plan: Plan, recompute: Sequence[bool | str]) -> Plan:
     return dataclasses.replace(plan, recompute=flags)
 
 
-def runnable_recompute(plan: Plan, written: Sequence[bool], *, compiled: bool = False) -> Plan:
+def runnable_recompute(plan: Plan, written: Sequence[bool]) -> Plan:
     """``plan`` with the planner's ``"layer"`` and ``"selective"`` choices where the runtime
-    can run them, and the stage whole elsewhere: a stage with FSDP, compiled stages
-    (``compiled``) or buffers its forward updates (``written[s]``) takes ``True``;
+    can run them, and the stage whole elsewhere: a stage with FSDP or buffers its forward
+    updates (``written[s]``) takes ``True``;
     ``"selective"`` in a schedule that splits the stage's backward takes ``"layer"``
     (torch's selective checkpoint runs one backward per region)."""
     split = {a.stage for actions in plan.schedule for a in actions if a.kind == "I"}
     out: list[bool | str] = []
     for s, policy in enumerate(plan.recompute):
-        if isinstance(policy, str) and (plan.shard[s] == "fsdp" or written[s] or compiled):
+        if isinstance(policy, str) and (plan.shard[s] == "fsdp" or written[s]):
             policy = True
         elif policy == "selective" and s in split:
             policy = "layer"

@@ -36,7 +36,7 @@ on the same stream, and a recompute replays it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -163,6 +163,7 @@ class _Compiled:
         self.weights = 0  # set per call: how many leading arguments are parameters
 
         def fw_compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable[..., Any]:
+            self.owner.saved_bytes.append(_saved_bytes(gm))
             return make_boxed_func(self.owner._timed(_inductor(gm)))
 
         def bw_compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable[..., Any]:
@@ -225,8 +226,14 @@ class CompiledStage:
     The parameters and buffers are read off ``module`` at every call, so loading a state
     dict, an optimizer step or a recompute's swapped buffers are seen."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, recompute: bool | str = False,
+                 layers: Sequence[tuple[str | None, list[str]]] = ()) -> None:
         self.module = module
+        #: the partitioner's tags for ``recompute`` ``"layer"``/``"selective"`` (see
+        #: :func:`recompute_tags`), None: the min-cut partitioner's own choice
+        self.tags = recompute_tags(module, recompute, layers)
+        #: bytes the compiled forwards keep for their backward, by input signature
+        self.saved_bytes: list[int] = []
         self.compile_s = 0.0  # seconds spent compiling, all signatures together
         self._cache: dict[Any, _Compiled] = {}
         self._params_now: list[torch.Tensor] = []
@@ -274,7 +281,9 @@ class CompiledStage:
                     call_args[k] = t
                 for k, v in constants.items():
                     call_args[k] = v
-                return torch.func.functional_call(module, state, tuple(call_args))
+                if self.tags is None or not isinstance(module, torch.fx.GraphModule):
+                    return torch.func.functional_call(module, state, tuple(call_args))
+                return _tagged_call(module, state, call_args, self.tags)
 
             start = time.perf_counter()
             compiled = _Compiled(self, fn)
@@ -305,3 +314,71 @@ def _as_dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
     mesh, placements, shape, stride = spec
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                               stride=stride)
+
+
+def recompute_tags(module: torch.nn.Module, policy: bool | str,
+                   layers: Sequence[tuple[str | None, list[str]]]
+                   ) -> dict[str, tuple[Any, int]] | None:
+    """For each node of stage ``module``'s graph, the partitioner's recompute tag and region
+    for ``policy`` (None for False and True, whose recompute is the executor's):
+
+    * ``"layer"``: every node of layer ``k`` (:func:`orgel.graph.blocks.layer_runs`) must
+      be recomputed, region ``k``; AOTAutograd's partitioner then saves only what enters
+      each region (a layer's input, where one region follows another);
+    * ``"selective"``: one region; the matmul and attention nodes' outputs are saved
+      (:data:`orgel.graph.kept.SAVED_OPS`), the rest preferably recomputed.
+
+    The joint graph's aten nodes inherit their stage node's tags (torch.fx copies
+    ``recompute`` and ``ac_graph_id`` from the node it runs), as torch's own activation
+    checkpointing tags them under ``torch.compile``.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from orgel.graph.kept import SAVED_OPS
+    from orgel.graph.measure import op_name
+
+    if policy not in ("layer", "selective") or not isinstance(module, torch.fx.GraphModule):
+        return None
+    computed = [n for n in module.graph.nodes if n.op in ("call_function", "call_method",
+                                                          "call_module")]
+    if policy == "selective":
+        return {n.name: (CheckpointPolicy.MUST_SAVE if op_name(n) in SAVED_OPS
+                         else CheckpointPolicy.PREFER_RECOMPUTE, 1) for n in computed}
+    region = {name: k + 1 for k, (layer, names) in enumerate(layers) if layer is not None
+              for name in names}
+    return {n.name: (CheckpointPolicy.MUST_RECOMPUTE, region[n.name]) for n in computed
+            if n.name in region}
+
+
+def _tagged_call(module: torch.fx.GraphModule, state: dict[str, torch.Tensor],
+                 args: list[Any], tags: dict[str, tuple[Any, int]]) -> Any:
+    """``module(*args)`` on ``state``, node by node with each node's tag as the current
+    meta, so that the ops traced under it carry the tag (see :func:`recompute_tags`)."""
+    from torch.fx import traceback as fx_traceback
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    saved = {}
+    for node in module.graph.nodes:
+        if node.name in tags:
+            saved[node] = {k: node.meta[k] for k in ("recompute", "ac_graph_id")
+                           if k in node.meta}
+            node.meta["recompute"], node.meta["ac_graph_id"] = tags[node.name]
+    try:
+        with _reparametrize_module(module, state), fx_traceback.preserve_node_meta():
+            return torch.fx.Interpreter(module).run(*args)
+    finally:
+        for node, meta in saved.items():
+            node.meta.pop("recompute", None)
+            node.meta.pop("ac_graph_id", None)
+            node.meta.update(meta)
+
+
+def _saved_bytes(forward: torch.fx.GraphModule) -> int:
+    """The bytes of every tensor a compiled forward returns (its outputs and what it saves
+    for the backward)."""
+    total = 0
+    for value in forward.graph.output_node().args[0]:  # type: ignore[union-attr]
+        meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+        if isinstance(meta, torch.Tensor):
+            total += meta.numel() * meta.element_size()
+    return total

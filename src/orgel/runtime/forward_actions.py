@@ -154,7 +154,8 @@ class ForwardActions:
         else:
             runner = self.compiled.get(info.index)
             if runner is None:
-                runner = self.compiled[info.index] = CompiledStage(info.stage.module)
+                runner = self.compiled[info.index] = CompiledStage(
+                    info.stage.module, self.plan.recompute[info.index], info.stage.layers)
             out = runner(*args)
         outputs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
         if len(outputs) != len(info.stage.outputs):
