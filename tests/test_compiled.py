@@ -211,3 +211,36 @@ def test_layer_and_selective_recompute_keep_less_in_a_compiled_stage() -> None:
             torch.testing.assert_close(p.grad, want[name], rtol=1e-3, atol=1e-5, msg=name)
         saved[policy] = compiled.saved_bytes[0]
     assert saved["layer"] < saved[False] and saved["selective"] < saved[False], saved
+
+
+def _backend_training(compile: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import orgel
+    from test_checkpointing import Stack
+
+    torch.manual_seed(0)
+    model = Stack(layers=2, width=16)
+    x, y = torch.randn(8, 16), torch.randn(8, 2)
+    pipe = orgel.backend(ranks=2, microbatches=2, schedule="1f1b", compile=compile,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), timeout_s=600)
+    compiled = torch.compile(model, backend=pipe)
+
+    def closure(xs: torch.Tensor, ys: torch.Tensor) -> float:
+        loss = torch.nn.functional.mse_loss(compiled(xs), ys) / 2
+        loss.backward()
+        return float(loss)
+
+    with pipe:
+        losses = [sum(pipe.step(closure, x, y)) for _ in range(2)]
+        if compile:
+            assert sum(pipe.pipe.compile_s) > 0
+        return losses, pipe.state_dict()
+
+
+def test_orgel_backend_compiles_the_stages_too() -> None:
+    """``orgel.backend(compile=True)``: the stages of the graph Dynamo handed it run through
+    Inductor on the ranks, and train as the eager ones."""
+    losses, state = _backend_training(True)
+    want_losses, want = _backend_training(False)
+    assert losses == pytest.approx(want_losses, rel=1e-6)
+    for name, t in want.items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)

@@ -48,9 +48,10 @@ def test_orgel_backend_refuses_from_the_table_before_anything_starts(
 
 
 def test_refuse_ignores_options_left_off() -> None:
-    refuse("backend", {"tp": 1, "dp": 1, "shard": "none", "compile": False, "device": None})
-    with pytest.raises(ValueError, match="the torch.compile backend itself"):
-        refuse("backend", options(compile=True))
+    refuse("backend", {"tp": 1, "dp": 1, "shard": "none", "check_finite": False,
+                       "device": None})
+    with pytest.raises(ValueError, match="in orgel.backend the loss is the closure's"):
+        refuse("backend", options(check_finite=True))
 
 
 @pytest.mark.slow

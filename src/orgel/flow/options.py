@@ -180,8 +180,6 @@ REFUSED: dict[tuple[str, str], str] = {
                          "orgel.pipeline(..., init=...) for a meta model",
     ("backend", "weights"): "orgel.backend takes a model with values: load them with "
                             "model.load_state_dict, or use orgel.pipeline(..., weights=...)",
-    ("backend", "compile"): "orgel.backend is the torch.compile backend itself: use "
-                            "orgel.pipeline(..., compile=True) for compiled stages",
     ("backend", "loss_scale"): "orgel.backend takes precision '32' or 'bf16-mixed': float16 "
                                "needs the closure's own backward scaled as well; use "
                                "orgel.pipeline(..., precision='16-mixed')",

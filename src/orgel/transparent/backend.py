@@ -79,7 +79,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                  max_grad_norm: float | None = None, accumulate: int = 1,
                  batch_dim: int = 0, replicated: tuple[int, ...] = (),
                  shard: str = "none", tp: int = 1, recompute: bool | str = False,
-                 schedule: str | None = None) -> None:
+                 schedule: str | None = None, compile: bool = False) -> None:
         from orgel.flow.capture import default_optimizer
         from orgel.flow.options import check_options
 
@@ -95,6 +95,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self.shard = shard  # how the dp replicas hold their state ("none" or "fsdp")
         self.tp = tp  # processes per pipeline rank (tensor parallelism); ranks counts all
         self.recompute = recompute  # every stage's (orgel.runtime.checkpointing)
+        self.compile = compile  # the ranks' stages through Inductor (orgel.runtime.compiled)
         self.timeout_s, self.threads = timeout_s, threads
         self.batch_dim = batch_dim
         #: positions of ``step``'s arguments that go whole to every closure
@@ -381,9 +382,10 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     each step's closures: the ranks' micro-batch ``j`` is closures ``j*d`` to ``j*d+d-1``
     side by side, each replica taking one closure's rows, so ``microbatches`` must be a
     multiple of ``d``; ``shard="fsdp"`` shards the replicas' state and ``tp=t`` splits
-    each pipeline rank over ``t`` processes; ``recompute`` and ``schedule`` as in
-    :func:`orgel.pipeline` (``ranks`` counts every process). Its other options (``device``,
-    ``init``, ``compile``, ...) are refused with the reason (:data:`orgel.flow.options.REFUSED`).
+    each pipeline rank over ``t`` processes; ``recompute``, ``schedule`` and ``compile``
+    (the ranks' stages through Inductor; not with graph breaks) as in :func:`orgel.pipeline`
+    (``ranks`` counts every process). Its other options (``device``, ``init``, ...) are
+    refused with the reason (:data:`orgel.flow.options.REFUSED`).
     ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
     closure) that every closure gets whole, such as class weights ``[C]`` whose size
     happens to be the batch size; arguments without the batch dimension (a 0-dim
@@ -423,5 +425,6 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
                    accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions),
                    shard=shard, tp=tp, schedule=others.get("schedule"),
-                   recompute=check_policy(others.get("recompute", False)))
+                   recompute=check_policy(others.get("recompute", False)),
+                   compile=bool(others.get("compile", False)))
 

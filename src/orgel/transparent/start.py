@@ -94,7 +94,8 @@ def start_ranks(backend: Backend) -> Started:
         return ClosureEngine(plan.pipeline_rank_of(process), plan, split,
                              optimizer=backend.optimizer, conn=conn,
                              timeout_s=backend.timeout_s,
-                             options={**backend.loop, "replicated": whole},
+                             options={**backend.loop, "replicated": whole,
+                                      "compile": backend.compile},
                              batch_dim=backend.batch_dim)
 
     # names and tensors no graph reads (tied aliases, an unused pooler) come from the
@@ -138,7 +139,8 @@ def flow_options(backend: Backend, torchrun: bool) -> dict[str, Any]:
                 microbatches=backend.microbatches // backend.dp, memory=backend.memory,
                 dp=backend.dp, shard=backend.shard, loss_rule="rows",
                 optimizer=backend.optimizer, recompute=backend.recompute,
-                schedule=backend.schedule, agree=on_process_zero("cpu") if torchrun else here)
+                schedule=backend.schedule, compiled=backend.compile,
+                agree=on_process_zero("cpu") if torchrun else here)
 
 
 def start_glued(backend: Backend, rows: int) -> Any:
@@ -147,6 +149,9 @@ def start_glued(backend: Backend, rows: int) -> Any:
     Parameters of the compiled module that no graph reads are trained from the closures'
     gradients (:class:`orgel.explicit.closures.ClosurePipeline`).
     """
+    from orgel.flow.options import refuse
+
+    refuse("graph breaks", {"compile": backend.compile})  # before anything is planned
     torchrun = under_torchrun()
     join(backend.timeout_s)
     assert backend._found is not None
