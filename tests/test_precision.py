@@ -11,6 +11,7 @@ sums in another order: the tolerance is the zoo's, a relative 1e-5.
 from __future__ import annotations
 
 import copy
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,35 @@ def test_orgel_plan_profiles_and_plans_in_the_chosen_precision(
         stages = json.loads(capsys.readouterr().out)["stages"]
         kept[precision] = sum(stage["activations"] for stage in stages)
     assert kept["bf16-mixed"] < 0.85 * kept["32"], kept
+
+
+def _graph_break(module: Any, args: Any, out: Any) -> Any:
+    torch._dynamo.graph_break()
+    return out
+
+
+@pytest.mark.slow
+def test_fp16_mixed_with_a_graph_break_skips_and_scales_as_grad_scaler() -> None:
+    """float16 with graph breaks: this process scales the loss it computes by the ranks'
+    scale, the ranks' loss stage does not scale it again, and the ranks unscale, skip and
+    update as with one graph; the same scales and parameters as GradScaler in one process."""
+    w = _gpt()
+    ref = copy.deepcopy(w.model)
+    init = 2.0 ** 20  # float16 gradients overflow at it (measured), not at half of it
+    model = w.model
+    model.encoder.blocks[0].register_forward_hook(_graph_break)  # two graphs
+    with orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=2,
+                        optimizer=_sgd, threads=1, schedule="1f1b", precision="16-mixed",
+                        loss_scale={"init_scale": init}) as pipe:
+        assert len(pipe.glue.calls) >= 2 and pipe.glue.eager  # and ln_f trained here
+        states = []
+        for _ in range(3):
+            pipe.step(w.inputs, w.targets)
+            states.append(pipe.loss_scale)
+        got = pipe.state_dict()
+    scales = _fp16_reference(ref, w, init, 3)
+    assert [s["scale"] for s in states] == scales
+    skipped = [s["skipped"] for s in states]
+    assert skipped[0] and not skipped[-1], skipped
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=name)

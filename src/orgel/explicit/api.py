@@ -269,8 +269,7 @@ def pipeline(
                                   schedule=schedule)
     def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
         if graph.glue is not None:
-            refuse("graph breaks", {"compile": compile, "device": kind,
-                                    "precision": precision})
+            refuse("graph breaks", {"compile": compile, "device": kind})
 
     if spmd:
         prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),
@@ -307,20 +306,21 @@ def pipeline(
     prepared.keys, prepared.aliases = keys, aliases
     glue = prepared.graph.glue
     if glue is not None:  # several graphs: the controller runs the Python between them
+        glued_loop = {**loop, "loss_scaling": scaling}  # the ranks unscale what it scaled
         glued_pipe: Pipeline
         if spmd:  # process 0 is the controller
             from orgel.explicit.glued_job import start_job
 
             glued_pipe = start_job(workload, prepared.plan, prepared.split, glue,
                                    optimizer=optimizer, timeout_s=timeout_s, keys=keys,
-                                   aliases=aliases, options=loop)
+                                   aliases=aliases, options=glued_loop)
         else:
             from orgel.explicit import glued_start
 
             glued_pipe = glued_start.start(workload, prepared.plan, prepared.split, glue,
                                            optimizer=optimizer, timeout_s=timeout_s,
                                            threads=threads, keys=keys, aliases=aliases,
-                                           options=loop)
+                                           options=glued_loop)
         glued_pipe.loss_rule = prepared.loss_rule
         from orgel.explicit.glued import GluedPipeline
 

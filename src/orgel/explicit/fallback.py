@@ -214,7 +214,7 @@ class Fallback:
                                 f"the calling process, where its forward wrote buffers "
                                 f"{written[:3]} in place: orgel cannot hand that to the ranks")
             loss = pipe.weighed_loss(slot.index, out, targets)
-            grads = (torch.autograd.grad(loss / pipe.accumulate, [p for _, p in params],
+            grads = (torch.autograd.grad(pipe.backward_root(loss), [p for _, p in params],
                                          allow_unused=True)
                      if loss.requires_grad and params else [None] * len(params))
         slot.grads = {n: g for (n, _), g in zip(params, grads, strict=True) if g is not None}

@@ -111,7 +111,8 @@ class GluedPipeline(EagerParameters, Pipeline):
                  split: Any, model: torch.nn.Module,
                  loss_fn: Callable[[Any, Any], torch.Tensor], replicated: tuple[str, ...],
                  timeout_s: float, state_keys: list[str], aliases: dict[str, str],
-                 batch_dim: int = 0, accumulate: int = 1) -> None:
+                 batch_dim: int = 0, accumulate: int = 1,
+                 loss_scaling: bool | dict[str, Any] = False) -> None:
         super().__init__(plan, group, model=model,
                          loss_ranks=loss_processes(plan, split.loss_stage),
                          state_keys=state_keys, aliases=aliases, spmd=False,
@@ -124,6 +125,12 @@ class GluedPipeline(EagerParameters, Pipeline):
         #: step calls made: the exchanges with the ranks are keyed by it (each rank counts
         #: its calls too), not by optimizer steps, which ``accumulate`` > 1 makes fewer
         self.calls = 0
+        #: float16's loss scale this step (None: no scaling); the ranks' scalers own it
+        #: (unscale, skip, update), and this process reads it back after every call
+        self.scale: float | None = None
+        if loss_scaling:
+            self.scale = float(dict(loss_scaling if isinstance(loss_scaling, dict) else {})
+                               .get("init_scale", 2.0 ** 16))
         self.glue = glue
         self.loss_fn = loss_fn
         self._keep_outputs = False  # whether this step keeps the model's outputs
@@ -377,6 +384,9 @@ class GluedPipeline(EagerParameters, Pipeline):
         if self.stepping:  # the optimizer stepped: its new values
             self._receive_values()
         self.off_path = [s.index for s in slots if s.off_path]
+        state = self.loss_scale if self.scale is not None else None
+        if state is not None:  # the ranks' scale after this call (backed off, grown)
+            self.scale = float(state["scale"])
         self.calls += 1
         self.called()
         return slots
@@ -464,10 +474,16 @@ class GluedPipeline(EagerParameters, Pipeline):
             # the gradients of the parameters trained here are kept per micro-batch. Each
             # call counts 1/accumulate (the ranks' loss stage does not scale it again)
             names = list(self._eager)
-            grads = torch.autograd.grad(loss / self.accumulate + slot.anchor * 0,
+            grads = torch.autograd.grad(self.backward_root(loss) + slot.anchor * 0,
                                         [first, *self._eager.values()], allow_unused=True)
             slot.grads = {n: g for n, g in zip(names, grads[1:], strict=True) if g is not None}
         slot.result = float(loss.detach())
+
+    def backward_root(self, loss: torch.Tensor) -> torch.Tensor:
+        """What a micro-batch's backward starts from: its loss times the loss scale (float16:
+        the ranks unscale every gradient, this process's included), over ``accumulate``
+        (each call counts ``1/accumulate``; the ranks' loss stage scales neither again)."""
+        return (loss if self.scale is None else loss * self.scale) / self.accumulate
 
     def weighed_loss(self, m: int, outputs: Any, targets: Any) -> torch.Tensor:
         """Micro-batch ``m``'s loss, weighed as the ranks' executors weigh theirs; with

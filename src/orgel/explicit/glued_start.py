@@ -88,7 +88,8 @@ def controller(cls: type[GluedPipeline], workload: Any, plan: Any, split: Any, g
     pipe = cls(plan, group, conns, glue=glue, split=split, model=workload.model,
                loss_fn=workload.loss_fn, replicated=workload.replicated, timeout_s=timeout_s,
                state_keys=keys, aliases=aliases, batch_dim=dim,
-               accumulate=int((options or {}).get("accumulate", 1)))
+               accumulate=int((options or {}).get("accumulate", 1)),
+               loss_scaling=(options or {}).get("loss_scaling", False))
     if not issubclass(cls, ClosurePipeline):  # refuse first a batch the static graphs cannot take
         from orgel.graph.sizes import batch_check, static_shapes
 

@@ -197,10 +197,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                  "graphs (graph breaks) yet: pass compile=False",
     ("graph breaks", "device=cuda"): "a forward of several graphs (graph breaks) runs on CPU ranks "
                                 "only: pass device='cpu', or remove the graph breaks",
-    ("graph breaks", "precision=16-mixed"): "precision='16-mixed' is not available for a "
-                                            "forward of several graphs (graph breaks) yet: "
-                                            "float16's loss scaling would have to reach the "
-                                            "loss this process computes; use 'bf16-mixed'",
     ("backend graph breaks", "precision"): "orgel.backend's precision= opens an autocast "
                                            "around one compiled graph; with graph breaks the "
                                            "Python between the graphs runs in your closure: "

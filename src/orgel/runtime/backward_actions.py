@@ -40,6 +40,7 @@ class BackwardActions:
     act_dim: int
     loop: OptimizerLoop
     scaler: LossScaler | None
+    scale_seed: bool
     compiled: dict[int, Any] | None
     side_leaves: Callable[[int], dict[str, torch.Tensor]] | None
     _runs: dict[tuple[int, int], Run]
@@ -107,7 +108,8 @@ class BackwardActions:
             self.loop.graded += 1
             roots.append(run.loss)
             grads.append(self.loop.loss_gradient(
-                run.loss, None if self.scaler is None else self.scaler.scale))
+                run.loss, self.scaler.scale if self.scaler is not None and self.scale_seed
+                else None))
         for name, g in out_grads.items():
             out = run.outputs[info.out_index[name]]
             if out.requires_grad:

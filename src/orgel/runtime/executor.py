@@ -237,6 +237,10 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         self.optimizer = self.loop.optimizer
         options = loss_scaling if isinstance(loss_scaling, dict) else {}
         self.scaler = LossScaler(self.device, **options) if loss_scaling else None
+        #: whether the loss stage starts its backward from the loss scale (False: the
+        #: driver's backward scaled the gradients it hands over, as a forward of several
+        #: graphs' controller does; the ranks still unscale, skip and update)
+        self.scale_seed = True
         self.skipped = False  # the last step's gradients held an inf/NaN: no optimizer step
         # each piece's share of the batch (orgel.lossweights); "rows": 1 / loss_divisor
         self.loss_rule = loss_rule

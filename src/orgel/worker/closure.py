@@ -204,6 +204,8 @@ class ClosureEngine(RankEngine):
         self.executor.fetch_inputs = lambda m: self.inbox.get("in", m)
         self.executor.on_microbatch = self._at_microbatch
         self.surrogate.divisor = float(self.executor.loss_divisor)
+        # under loss scaling the controller scaled the gradients it sends: not again here
+        self.executor.scale_seed = False
         self.exchange: glue.RankExchange | None = None
         if glue.exchange_stages(split):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
