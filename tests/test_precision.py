@@ -11,8 +11,8 @@ sums in another order: the tolerance is the zoo's, a relative 1e-5.
 from __future__ import annotations
 
 import copy
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
