@@ -9,6 +9,7 @@ handful of graphs.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -152,30 +153,39 @@ def test_compiled_stages_train_as_one_process(schedule: str, extra: list[str],
     assert "-> OK" in out and "compiling the stages took" in out
 
 
-def _tp_training(compile: bool, schedule: str
-                 ) -> tuple[list[float], dict[str, torch.Tensor], float]:
-    """2 stages x 2-way TP of a small MLP stack, two steps; compile seconds."""
+def _stack_training(compile: bool, schedule: str, **parallel: Any
+                    ) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """A small MLP stack on 4 processes (``parallel``: tp or dp and shard), two AdamW steps;
+    the compile seconds."""
     import orgel
     from test_checkpointing import Stack
 
     torch.manual_seed(0)
     model = Stack(layers=2, width=16)
     x, y = torch.randn(8, 16), torch.randn(8, 2)
-    with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=4, tp=2,
+    with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=4,
                         microbatches=2, schedule=schedule, compile=compile, timeout_s=600,
-                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:
-        assert any(pipe.call_ranks("tp_shards"))  # the MLPs are split over the members
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=0.01), **parallel) as pipe:
+        if parallel.get("tp", 1) > 1:
+            assert any(pipe.call_ranks("tp_shards"))  # the MLPs are split over the members
+        if "shard" in parallel:
+            assert set(pipe.plan.shard) == {parallel["shard"]}
         losses = [pipe.step((x,), y) for _ in range(2)]
         return losses, pipe.state_dict(), sum(pipe.compile_s or [0.0])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_compiled_stages_with_tensor_parallelism_train_as_the_eager_ones(schedule: str) -> None:
+@pytest.mark.parametrize("schedule,parallel", [
+    ("1f1b", {"tp": 2}), ("zb-h1", {"tp": 2}), ("zb-h1", {"dp": 2, "shard": "fsdp"})],
+    ids=["tp-1f1b", "tp-zb-h1", "fsdp-zb-h1"])
+def test_compiled_stages_with_tp_or_fsdp_train_as_the_eager_ones(
+        schedule: str, parallel: dict[str, Any]) -> None:
     """A DTensor weight enters the compiled graphs as its local part (the collectives stay
     in them): 1F1B's whole backward, and ZB-H1's input and weight halves, whose weight
-    half adds each weight's gradient as a DTensor again."""
-    losses, state, seconds = _tp_training(True, schedule)
-    want_losses, want, _ = _tp_training(False, schedule)
+    half adds each weight's gradient as a DTensor again. An FSDP-sharded stage is gathered
+    before its compiled forward (FSDP2's hook would, eagerly), and the step's reduce-scatter
+    takes the whole weights' gradients as it does from the eager stage."""
+    losses, state, seconds = _stack_training(True, schedule, **parallel)
+    want_losses, want, _ = _stack_training(False, schedule, **parallel)
     assert seconds > 0
     assert losses == pytest.approx(want_losses, rel=1e-6)
     for name, t in want.items():

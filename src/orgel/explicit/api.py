@@ -191,9 +191,9 @@ def pipeline(
     input and weight halves as separate compiled graphs (:mod:`orgel.runtime.compiled`).
     Each rank compiles a stage at its first step (and once more for a new input shape);
     ``pipe.compile_s`` reports the seconds by rank. With ``tp > 1`` a DTensor weight
-    enters the graphs as its local part, and ``recompute="layer"``/``"selective"`` tag the
-    graph's nodes for the partitioner. Not yet with ``shard="fsdp"`` (refused before any
-    rank starts).
+    enters the graphs as its local part, an FSDP-sharded stage is gathered before its
+    compiled forward, and ``recompute="layer"``/``"selective"`` tag the graph's nodes for
+    the partitioner. Not yet with graph breaks (refused before any rank starts).
 
     ``recompute``: how each stage's backward gets its activations (default False: the
     forward keeps them, or a given plan's own choice): ``"stage"`` (or True) runs the
@@ -273,7 +273,7 @@ def pipeline(
 
     if spmd:
         prepared = prepare(workload, plan=plan, agree=on_process_zero(kind),
-                           check_graph=breaks_allowed, compiled=compile, **common)
+                           check_graph=breaks_allowed, **common)
     else:
         group = None
         if kind in FORK_FIRST:
@@ -290,7 +290,7 @@ def pipeline(
                 common["mark"] = True  # as planned here: its stages get the shard option
             group = fork_ranks(
                 lambda: prepare(workload, plan=plan, check_graph=breaks_allowed,
-                                compiled=compile, **common),
+                                **common),
                 kind, world, optimizer=optimizer, timeout_s=timeout_s, threads=threads,
                 executor_options=executor_options)
         # this process never uses CUDA (ranks forked from it could not), so it profiles on
@@ -298,7 +298,7 @@ def pipeline(
         try:
             with profiling_on("cpu"), cuda_unused():
                 prepared = prepare(workload, plan=plan, check_graph=breaks_allowed,
-                                   compiled=compile, **common)
+                                   **common)
         except BaseException:
             if group is not None:
                 group.close()

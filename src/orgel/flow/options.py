@@ -190,9 +190,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                  "losses pipe.step returns",
     ("backend", "loss_rule"): "in orgel.backend the closure weighs its own loss (divide by "
                               "the micro-batch count, or by the batch's token count)",
-    ("compile", "shard=fsdp"): "compile=True with shard='fsdp' is not available yet (FSDP2's "
-                               "module hooks gather the parameters): pass compile=False, or "
-                               "shard='none'",
     ("graph breaks", "compile"): "compile=True is not available for a forward of several "
                                  "graphs (graph breaks) yet: pass compile=False",
     ("graph breaks", "device=cuda"): "a forward of several graphs (graph breaks) runs on CPU ranks "
@@ -218,10 +215,3 @@ def refuse(where: str, given: Options | dict[str, Any]) -> None:
         for key in (f"{name}={value}", name):
             if (where, key) in REFUSED:
                 raise ValueError(REFUSED[(where, key)])
-
-
-def check_compile(compile: bool, plan: Plan) -> None:
-    """Raise ValueError for what compiled stages do not run yet (the ``"compile"`` rows of
-    :data:`REFUSED`): FSDP-sharded stages (their module hooks)."""
-    if compile:
-        refuse("compile", {"shard": "fsdp" if any(s == "fsdp" for s in plan.shard) else "none"})

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from orgel.flow.options import check_compile
 from orgel.guard import untouched
 from orgel.lossweights import rule_for
 from orgel.plan.transforms import mark_sharded, with_recompute
@@ -118,7 +117,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
             planner: str | None = None, recompute: bool | str = False,
             schedule: str | None = None, stages_per_rank: int = 2,
-            compiled: bool = False, replica_rows: bool = False) -> Prepared:
+            replica_rows: bool = False) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
@@ -134,8 +133,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     ``recompute``: every stage's recompute policy (:data:`orgel.schedule.ir.RECOMPUTE`;
     False: the plan's own). ``schedule``: a FLOP-balanced chain run by that family
     instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`), with
-    ``stages_per_rank`` stages per rank where the family loops. ``compiled``:
-    the stages run compiled (checked by :func:`orgel.flow.options.check_compile`).
+    ``stages_per_rank`` stages per rank where the family loops.
     """
     from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan, stage_replicas
     from orgel.plan.transforms import runnable_recompute, with_tp
@@ -183,7 +181,6 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             # the planner's per-layer or selective choices, where the runtime can run them
             the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages])
         check_sharded(the_plan, split, loss_scaling=loss_scaling)
-        check_compile(compiled, the_plan)  # here, before any rank starts
     return Prepared(workload, the_plan, split, graph, rule, seed, source)
 
 

@@ -257,6 +257,9 @@ class CompiledStage:
         return call
 
     def __call__(self, *args: Any) -> Any:
+        unshard = getattr(self.module, "unshard", None)
+        if unshard is not None:  # FSDP2: its forward hook would gather; the weights whole
+            unshard()  # are the module's parameters until the step's reduce reshards them
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
         names = [*params, *buffers]
