@@ -7,6 +7,9 @@ by :class:`orgel.profile.memory.LiveBytes`) under each policy of
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -122,28 +125,51 @@ def test_layer_recompute_under_bf16_mixed_trains_as_without_it() -> None:
     assert _bf16_losses("layer") == _bf16_losses(False)
 
 
-def _tp_training(policy: bool | str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _parallel_training(policy: bool | str, **parallel: Any
+                       ) -> tuple[list[float], dict[str, torch.Tensor]]:
     import orgel
 
     torch.manual_seed(0)
     model = Stack(layers=4, width=16)
     x, y = torch.randn(8, 16), torch.randn(8, 2)
-    with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=4, tp=2,
+    with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=4,
                         microbatches=2, schedule="1f1b", recompute=policy,
-                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as pipe:
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), **parallel) as pipe:
         assert list(pipe.plan.recompute) == [policy] * pipe.plan.num_stages
-        assert any(pipe.call_ranks("tp_shards"))  # the MLPs are split over the members
+        if "tp" in parallel:
+            assert any(pipe.call_ranks("tp_shards"))  # the MLPs are split over the members
+        else:
+            assert set(pipe.plan.shard) == {"fsdp"}
         losses = [pipe.step((x,), y) for _ in range(2)]
         return losses, pipe.state_dict()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["layer", "selective"])
-def test_layer_and_selective_recompute_run_with_tensor_parallelism(policy: str) -> None:
-    """Each layer's (or each costly op's) checkpoint calls the stage's DTensor parameters:
-    the runner is made after the regions are split, and trains as without recompute."""
-    losses, state = _tp_training(policy)
-    want_losses, want = _tp_training(False)
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"dp": 2, "shard": "fsdp"}],
+                         ids=["tp", "fsdp"])
+def test_layer_and_selective_recompute_run_with_tp_and_fsdp(
+        policy: str, parallel: dict[str, Any], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer's (or each costly op's) checkpoint calls the weights the stage computes
+    with: the DTensor ones of the TP split (the runner made after the regions are split),
+    or FSDP2's gathered ones (the stage gathered first, the runner made from them); each
+    checkpoint runs (the forked ranks note each call in a file) and trains as without
+    recompute."""
+    from orgel.runtime import checkpointing
+
+    calls = tmp_path / "checkpointed"
+    forward = checkpointing._Checkpointed.forward
+
+    def noted(self: Any, *args: Any) -> Any:
+        with open(calls, "a") as f:
+            f.write(".")
+        return forward(self, *args)
+
+    monkeypatch.setattr(checkpointing._Checkpointed, "forward", noted)
+    losses, state = _parallel_training(policy, **parallel)
+    assert calls.exists() and calls.read_text()  # the ranks ran checkpointed forwards
+    want_losses, want = _parallel_training(False, **parallel)
     assert losses == want_losses
     for name, t in want.items():
         assert torch.equal(state[name], t), name

@@ -185,12 +185,12 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         dp_meshes = None
         if plan.tp > 1:
             self.tp_meshes, dp_meshes = tp.shard_stages(plan, split, self.stages, self.device)
-            run_stages_as_planned(plan, self.stages)
         check_sharded(plan, split, loss_scaling=bool(loss_scaling))
         # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`);
         # with tp, over each plane's replicas, on the DTensors of the TP split (2-D)
         self.sharding = Sharding(plan, self.stages, self.rank, ranks=list(range(plan.num_ranks)),
                                  device=self.device, actions=self.actions, meshes=dp_meshes)
+        run_stages_as_planned(plan, self.stages)  # the regions split, the stages sharded
         self.comm = comm
         self.msg_index = {(m.src_rank, m.dst_rank, m.edge, m.microbatch, m.grad, m.part): i
                           for i, m in enumerate(self.comm.messages)

@@ -88,18 +88,55 @@ class StageInfo:
             value_edge=value_edge, out_index=out_index,
             params=list(stage.module.parameters()), recompute=plan.recompute[s] is True,
             is_loss=s == split.loss_stage,
-            # with tp the runner is made after the regions are split (run_stages_as_planned)
-            run=stage.module if plan.tp > 1 else _runner(stage, plan.recompute[s], plan),
+            # with tp or FSDP the runner is made after the regions are split and the stage
+            # sharded (run_stages_as_planned)
+            run=stage.module if plan.tp > 1 or plan.shard[s] == "fsdp"
+            else _runner(stage, plan.recompute[s], plan),
         )
 
 
 def run_stages_as_planned(plan: Plan, stages: dict[int, StageInfo]) -> None:
-    """Give each stage of a tensor-parallel plan its runner for its recompute policy, once
-    its regions are split: a checkpointed layer must call the module's DTensor parameters,
-    which :func:`orgel.runtime.tensor_parallel.shard_stages` put in place of the whole
-    ones."""
+    """Give each stage its runner for its recompute policy once its regions are split
+    (tensor parallelism) and it is sharded (FSDP): a checkpointed layer must call the
+    module's DTensor parameters, which :func:`orgel.runtime.tensor_parallel.shard_stages`
+    put in place of the whole ones, or the whole weights FSDP2 gathers."""
     for s, info in stages.items():
-        info.run = _runner(info.stage, plan.recompute[s], plan)
+        policy = plan.recompute[s]
+        if plan.shard[s] == "fsdp" and isinstance(policy, str):
+            info.run = _Gathered(info.stage, policy, plan)
+        elif plan.tp > 1 or plan.shard[s] == "fsdp":
+            info.run = _runner(info.stage, plan.recompute[s], plan)
+
+
+class _Gathered(torch.nn.Module):
+    """An FSDP2-sharded stage's forward under ``"layer"``/``"selective"``.
+
+    ``"selective"`` checkpoints the stage module's own call (FSDP2's hooks inside). For
+    ``"layer"`` the stage module is called as always (FSDP2's hooks gather its weights and
+    prepare its backward) with the checkpointed layers as its forward, made at the first
+    call from the gathered weights. FSDP2 keeps each whole weight as one object between
+    steps (it frees and refills its storage), so the layers made once read each step's
+    gathered values, and their gradients are what the step's reduce-scatter takes."""
+
+    def __init__(self, stage: StageModule, policy: str, plan: Plan) -> None:
+        super().__init__()
+        self.stage, self.policy, self.plan = stage, policy, plan
+        self.runner: torch.nn.Module | None = None
+
+    def forward(self, *args: Any) -> Any:
+        module = self.stage.module
+        if self.runner is None:
+            module.unshard()  # type: ignore[operator]
+            self.runner = _runner(self.stage, self.policy, self.plan)
+        if self.policy == "selective":
+            return self.runner(*args)
+        # this call only, the layers as the instance's forward (in its __dict__: assigned as
+        # an attribute, a module would become a child and leave the class's forward in use)
+        module.__dict__["forward"] = self.runner
+        try:
+            return module(*args)
+        finally:
+            del module.__dict__["forward"]
 
 
 def _runner(stage: StageModule, policy: bool | str, plan: Plan) -> torch.nn.Module:
@@ -112,11 +149,6 @@ def _runner(stage: StageModule, policy: bool | str, plan: Plan) -> torch.nn.Modu
                          "splits its backward (I and W): torch's selective checkpoint runs "
                          "one backward per region; give it recompute='layer', or a schedule "
                          "with whole backwards (1f1b, interleaved)")
-    if isinstance(policy, str) and plan.shard[stage.index] == "fsdp":
-        raise ValueError(f"recompute={policy!r} is not available yet with shard='fsdp' (FSDP2 "
-                         "gathers the parameters in the stage module's own forward hooks, "
-                         "which the checkpointed layers do not call): give "
-                         "recompute='stage', or shard='none'")
     if isinstance(policy, str) and stage.written:
         raise ValueError(f"stage {stage.index} updates buffers in its forward "
                          f"({', '.join(stage.written)}): recompute={policy!r} would update "
