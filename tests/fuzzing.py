@@ -188,8 +188,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
         prefetch=prefetch,
         recompute=pick("recompute", ("none", "all")
                        + (() if backend else ("first", "last", "alternate"))
-                       + (("layer", "selective") if model not in BATCHNORM
-                          and shard == "none" else ())),
+                       + (("layer", "selective") if model not in BATCHNORM else ())),
         frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
         shard=shard, tp=tp,
         # float16 loss scaling: orgel.pipeline only, not with FSDP (both refused, documented)

@@ -85,3 +85,23 @@ class EagerParameters:
         with torch.no_grad():
             for name, p in self._eager.items():
                 p.copy_(state[name])
+
+
+def controller_copy(model: torch.nn.Module, eager: list[str]) -> torch.nn.Module:
+    """``model`` with its own copies of the ``eager`` parameters and of every buffer.
+
+    Every other parameter stays the caller's object (no memory, and graph
+    calls are recognised by them); the controller's eager code trains and
+    updates only its copies (a buffer the Python between graphs writes
+    included), so the caller's model is never changed.
+    """
+    import copy
+
+    eager_ids = {id(model.get_parameter(n)) for n in eager}
+    memo: dict[int, Any] = {id(p): p for p in model.parameters() if id(p) not in eager_ids}
+    return copy.deepcopy(model, memo)
+
+
+def exchange_ranks(plan: Any, split: Any) -> dict[int, tuple[int, ...]]:
+    """For each exchange (by graph call), the ranks whose stage holds it, by replica."""
+    return {c: tuple(plan.placement[s]) for c, s in glue_mod.exchange_stages(split).items()}

@@ -24,8 +24,8 @@ A micro-batch whose forward runs other graphs than the capture ran (another
 branch, graphs specialised on a Python value that changed, other argument
 shapes) runs whole in the controller instead, on the ranks' values of the step
 (:mod:`orgel.explicit.fallback`); :attr:`GluedPipeline.off_path` lists them. In
-``orgel.backend``'s closures (:class:`~orgel.explicit.closures.ClosurePipeline`) it
-stops the step with an error naming the graph call.
+``orgel.backend``'s closures (:class:`~orgel.explicit.closures.ClosurePipeline`), and
+with ``tp > 1``, it stops the step with an error naming the graph call.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 from orgel import guard
 from orgel.batching import batch_rows, placeholders, side_by_side, split_microbatches
-from orgel.explicit.eager import EagerParameters
+from orgel.explicit.eager import EagerParameters, controller_copy, exchange_ranks
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation
 from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
@@ -158,7 +158,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         self._fallback = Fallback(model, glue, split)
         #: the micro-batches of the last step whose forward left the captured graphs
         self.off_path: list[int] = []
-        runner = self._runner = _controller_copy(model, glue.eager)
+        runner = self._runner = controller_copy(model, glue.eager)
         self._eager = {name: runner.get_parameter(name) for name in glue.eager}
         self._params = dict(runner.named_parameters())
         self._state_ids = {id(t) for t in [*runner.parameters(), *runner.buffers()]}
@@ -499,22 +499,3 @@ class GluedPipeline(EagerParameters, Pipeline):
             raise Deviated(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
                            f"the captured forward ran {len(self.glue.calls)}")
 
-
-def _controller_copy(model: torch.nn.Module, eager: list[str]) -> torch.nn.Module:
-    """``model`` with its own copies of the ``eager`` parameters and of every buffer.
-
-    Every other parameter stays the caller's object (no memory, and graph
-    calls are recognised by them); the controller's eager code trains and
-    updates only its copies (a buffer the Python between graphs writes
-    included), so the caller's model is never changed.
-    """
-    import copy
-
-    eager_ids = {id(model.get_parameter(n)) for n in eager}
-    memo: dict[int, Any] = {id(p): p for p in model.parameters() if id(p) not in eager_ids}
-    return copy.deepcopy(model, memo)
-
-
-def exchange_ranks(plan: Any, split: Any) -> dict[int, tuple[int, ...]]:
-    """For each exchange (by graph call), the ranks whose stage holds it, by replica."""
-    return {c: tuple(plan.placement[s]) for c, s in glue_mod.exchange_stages(split).items()}
