@@ -89,3 +89,12 @@ def test_orgel_backend_under_torchrun_takes_an_input_every_closure_passes_whole(
     Process 0 now sends which inputs are one tensor."""
     _check(fuzzing.Setup("memory", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=2,
                          entry="backend-torchrun"))
+
+
+def test_tensor_parallelism_trains_in_float16_with_loss_scaling() -> None:
+    """Found by the fuzzer: under ``precision="16-mixed"`` with ``tp=2`` the loss scaler
+    unscaled DTensor and plain gradients in one fused call, which takes plain tensors only
+    ("'Tensor' object has no attribute 'placements'"); each DTensor is unscaled in its
+    local part now."""
+    _check(fuzzing.Setup("gpt", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=1, tp=2,
+                         precision="16-mixed"))

@@ -39,13 +39,19 @@ class LossScaler:
         self.growth_interval = growth_interval
 
     def unscale_(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        """Divide every gradient by the scale in place; 1.0 if one holds an inf or NaN here."""
+        """Divide every gradient by the scale in place; 1.0 if one holds an inf or NaN here.
+
+        A DTensor gradient (tensor parallelism, FSDP) is unscaled in its local part: the
+        fused kernel takes plain tensors, and each rank checks its own part."""
+        from orgel.runtime.sharding import own_part
+
         found = torch.zeros((), dtype=torch.float32, device=self.device)
         inv_scale = self.scale.double().reciprocal().float()
         groups: dict[tuple[Any, Any], list[torch.Tensor]] = {}
         for p in {id(p): p for p in params}.values():  # each object once
             if p.grad is not None:
-                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+                grad = own_part(p.grad)
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for grads in groups.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
         return found
