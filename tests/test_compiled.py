@@ -30,21 +30,27 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")])]
 
 
-def _stage(device: str) -> tuple[torch.nn.Module, list[object], torch.Tensor]:
-    """The tiny GPT captured and split as one stage (the runtime's own module), and a batch."""
+def _gpt_stage(device: str, layers: int = 2) -> tuple[Any, list[object]]:
+    """A tiny GPT captured and split as one stage (the runtime's own ``StageModule``, its
+    module on ``device``), and its arguments for a batch of 4 sequences."""
     from orgel.models.gpt import GPT as Model
     from orgel.models.gpt import GPTConfig
 
     torch.manual_seed(0)
-    model = Model(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=16))
+    model = Model(GPTConfig(vocab_size=64, d_model=32, n_layers=layers, n_heads=4, seq_len=16))
     tokens = torch.randint(0, 64, (4, 16))
     graph = capture(model, {"tokens": tokens})
     split = split_plan(graph, balanced_plan(graph, ranks=1, microbatches=1))
     stage = split.stages[0]
     place(stage.module, torch.device(device))
     named = split.with_sizes({"tokens": tokens.to(device)})
-    return (stage.module, [named[n] for n in stage.inputs],
-            torch.randint(0, 64, (4, 16), device=device))
+    return stage, [named[n] for n in stage.inputs]
+
+
+def _stage(device: str) -> tuple[torch.nn.Module, list[object], torch.Tensor]:
+    """The tiny GPT's one stage module, its arguments, and targets."""
+    stage, args = _gpt_stage(device)
+    return stage.module, args, torch.randint(0, 64, (4, 16), device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -196,17 +202,7 @@ def test_layer_and_selective_recompute_keep_less_in_a_compiled_stage() -> None:
     """The partitioner's tags: a compiled forward keeps fewer bytes for its backward under
     ``"layer"`` and ``"selective"`` than without recompute, and the gradients are the
     eager stage's (the recompute runs the same ops again)."""
-    from orgel.models.gpt import GPT as Model
-    from orgel.models.gpt import GPTConfig
-
-    torch.manual_seed(0)
-    model = Model(GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, seq_len=16))
-    tokens = torch.randint(0, 64, (4, 16))
-    graph = capture(model, {"tokens": tokens})
-    split = split_plan(graph, balanced_plan(graph, ranks=1, microbatches=1))
-    stage = split.stages[0]
-    named = split.with_sizes({"tokens": tokens})
-    args = [named[n] for n in stage.inputs]
+    stage, args = _gpt_stage("cpu", layers=3)
     eager = stage.module
     eager(*args)[0].float().pow(2).mean().backward()
     want = {n: p.grad.clone() for n, p in eager.named_parameters()}

@@ -138,9 +138,15 @@ def test_fp16_mixed_skips_the_same_steps_as_grad_scaler_and_recovers() -> None:
     """A scale that overflows on purpose: every rank skips those steps and halves the scale,
     as GradScaler does in one process; then training goes on, with the same parameters."""
     w = _gpt()
-    ref = copy.deepcopy(w.model)
     init = 2.0 ** 20  # float16 gradients overflow at it (measured), not at half of it
-    with _fp16_pipeline(w.model, w, init) as pipe:
+    _check_fp16(lambda model: _fp16_pipeline(model, w, init), w, init)
+
+
+def _check_fp16(start: Any, w: ZooWorkload, init: float) -> None:
+    """Three steps of ``start(model)``'s pipeline against GradScaler in one process: the
+    same scales, the first step skipped and a later one not, the same parameters."""
+    ref = copy.deepcopy(w.model)
+    with start(w.model) as pipe:
         states = []
         for _ in range(3):
             pipe.step(w.inputs, w.targets)
@@ -223,22 +229,15 @@ def test_fp16_mixed_with_a_graph_break_skips_and_scales_as_grad_scaler() -> None
     scale, the ranks' loss stage does not scale it again, and the ranks unscale, skip and
     update as with one graph; the same scales and parameters as GradScaler in one process."""
     w = _gpt()
-    ref = copy.deepcopy(w.model)
-    init = 2.0 ** 20  # float16 gradients overflow at it (measured), not at half of it
-    model = w.model
-    model.encoder.blocks[0].register_forward_hook(_graph_break)  # two graphs
-    with orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=2,
-                        optimizer=_sgd, threads=1, schedule="1f1b", precision="16-mixed",
-                        loss_scale={"init_scale": init}) as pipe:
+    init = 2.0 ** 20
+
+    def start(model: torch.nn.Module) -> orgel.Pipeline:
+        broken = copy.deepcopy(model)  # the reference stays without the hook
+        broken.encoder.blocks[0].register_forward_hook(_graph_break)  # several graphs
+        pipe = orgel.pipeline(broken, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=2,
+                              optimizer=_sgd, threads=1, schedule="1f1b", precision="16-mixed",
+                              loss_scale={"init_scale": init})
         assert len(pipe.glue.calls) >= 2 and pipe.glue.eager  # and ln_f trained here
-        states = []
-        for _ in range(3):
-            pipe.step(w.inputs, w.targets)
-            states.append(pipe.loss_scale)
-        got = pipe.state_dict()
-    scales = _fp16_reference(ref, w, init, 3)
-    assert [s["scale"] for s in states] == scales
-    skipped = [s["skipped"] for s in states]
-    assert skipped[0] and not skipped[-1], skipped
-    for name, t in ref.state_dict().items():
-        torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=name)
+        return pipe
+
+    _check_fp16(start, w, init)
