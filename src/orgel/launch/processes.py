@@ -117,6 +117,17 @@ def leave_group() -> None:
 _GROUPS = itertools.count()
 
 
+def inductor_in_process() -> None:
+    """Let Inductor compile in this forked process's own thread (``compile_threads=1``)
+    where its parent used Inductor: the pool of compile workers the parent made is not
+    this process's (its threads did not survive the fork), and a compile waits on it for
+    ever (a compiled stage's first step in a rank forked from a test process that had
+    compiled before). A process that never used Inductor makes its own pool."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.compile_threads = 1  # type: ignore[attr-defined]
+
+
 def fork_threads(requested: int | None) -> int:
     """Intra-op threads of a worker forked from this process: one.
 
@@ -227,6 +238,7 @@ def _worker_main(rank: int, num_ranks: int, port: int, timeout_s: float, threads
         os.dup2(os.open(Path(log_dir) / f"rank{rank}.log",
                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     torch.set_num_threads(threads)
+    inductor_in_process()
     watch_stacks()  # a forked child has no watchdog thread of its own
     # a group started by a torchrun rank (to measure links while planning) is a world of
     # its own: torchrun's variables would make torch join torchrun's store instead
