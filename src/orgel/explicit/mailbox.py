@@ -29,7 +29,7 @@ class Stopped(RuntimeError):
 def members(plan: Any) -> list[list[int]]:
     """The processes of each pipeline rank (its ``plan.tp`` tensor-parallel members), by rank:
     the controller's pipes are by process, its messages by rank."""
-    return [[plan.process_of(r, t) for t in range(plan.tp)] for r in range(plan.num_ranks)]
+    return [plan.processes_of(r) for r in range(plan.num_ranks)]
 
 
 class Mailbox:

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from orgel.runtime.sharding import like_param, own_part
+
 #: Inductor options for every stage graph: draws from torch's generator (exact dropout)
 INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
 
@@ -206,7 +208,7 @@ def _accumulate(params: list[torch.Tensor], grads: Any) -> None:
     for p, g in zip(params, grads, strict=True):
         if g is None or not p.requires_grad:
             continue
-        g = _as_dtensor(g.detach(), _spec(p))
+        g = like_param(p, g.detach())
         if p.grad is None:
             p.grad = g
         else:
@@ -264,10 +266,6 @@ class CompiledStage:
         buffers = dict(self.module.named_buffers())
         names = [*params, *buffers]
         tensors = [*params.values(), *buffers.values()]
-        # a DTensor weight (tensor parallelism) enters as its local part and is made a
-        # DTensor again inside: AOTAutograd then sees plain tensors in and out, so the input
-        # half can leave a weight without a gradient, as for any other weight
-        specs = [_spec(t) for t in tensors]
         positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
         constants = {k: a for k, a in enumerate(args) if not isinstance(a, torch.Tensor)}
         key = (self.module.training, torch.is_grad_enabled(), tuple(names),
@@ -277,8 +275,11 @@ class CompiledStage:
             module = self.module
 
             def fn(*flat: torch.Tensor) -> Any:
-                state = {n: _as_dtensor(t, spec) for n, t, spec in
-                         zip(names, flat[:len(names)], specs, strict=True)}
+                # a DTensor weight (tensor parallelism) enters as its local part and is made
+                # a DTensor again here: AOTAutograd then sees plain tensors in and out, so
+                # the input half can leave it without a gradient, as any other weight
+                state = {n: like_param(like, t) for n, like, t in
+                         zip(names, tensors, flat[:len(names)], strict=True)}
                 call_args = list(args)
                 for k, t in zip(positions, flat[len(names):], strict=True):
                     call_args[k] = t
@@ -294,29 +295,7 @@ class CompiledStage:
             self._cache[key] = compiled
         compiled.weights = len(params)
         self._params_now = list(params.values())
-        local = [t.to_local() if spec is not None else t  # type: ignore[attr-defined]
-                 for t, spec in zip(tensors, specs, strict=True)]
-        return compiled.fn(*local, *(args[k] for k in positions))
-
-
-def _spec(t: torch.Tensor) -> Any:
-    """A DTensor's mesh, placements, shape and stride (None for any other tensor)."""
-    from orgel.runtime.sharding import is_sharded
-
-    if not is_sharded(t):
-        return None
-    return (t.device_mesh, tuple(t.placements), t.shape, t.stride())  # type: ignore[attr-defined]
-
-
-def _as_dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
-    """``local`` as the DTensor ``spec`` describes (itself where ``spec`` is None)."""
-    if spec is None:
-        return local
-    from torch.distributed.tensor import DTensor
-
-    mesh, placements, shape, stride = spec
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                              stride=stride)
+        return compiled.fn(*(own_part(t) for t in tensors), *(args[k] for k in positions))
 
 
 def recompute_tags(module: torch.nn.Module, policy: bool | str,

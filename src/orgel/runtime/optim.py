@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from orgel.launch.errors import CommFailure, transport_reason
-from orgel.runtime.sharding import is_sharded, own_part
+from orgel.runtime.sharding import is_sharded, like_param, own_part
 from orgel.runtime.stage import StageInfo
 from orgel.runtime.tensor_parallel import plane_group, settle_grads
 from orgel.schedule.ir import Plan
@@ -74,17 +74,6 @@ def _unpack(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
         else:
             p.grad = None
         offset += n
-
-
-def like_param(p: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this process's part) as ``p`` holds it: a DTensor of ``p``'s mesh and
-    placements where ``p`` is one (tensor parallel), else ``local`` itself."""
-    if not is_sharded(p):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, p.device_mesh, p.placements,  # type: ignore[attr-defined]
-                              run_check=False, shape=p.shape, stride=p.stride())
 
 
 def trainable(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

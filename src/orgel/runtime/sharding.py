@@ -177,6 +177,17 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this process's part) as ``p`` holds it: a DTensor of ``p``'s mesh and
+    placements where ``p`` is one (tensor parallel), else ``local`` itself."""
+    if not is_sharded(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=p.shape, stride=p.stride())
+
+
 def shard_like(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (a whole tensor) as ``like`` holds it: this rank's shard where ``like`` is
     a DTensor of the same shape (cut locally, no communication); else ``value`` itself."""

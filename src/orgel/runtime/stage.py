@@ -101,35 +101,31 @@ def run_stages_as_planned(plan: Plan, stages: dict[int, StageInfo]) -> None:
     module's DTensor parameters, which :func:`orgel.runtime.tensor_parallel.shard_stages`
     put in place of the whole ones, or the whole weights FSDP2 gathers."""
     for s, info in stages.items():
-        policy = plan.recompute[s]
-        if plan.shard[s] == "fsdp" and isinstance(policy, str):
-            info.run = _Gathered(info.stage, policy, plan)
+        if plan.shard[s] == "fsdp" and plan.recompute[s] == "layer":
+            info.run = _Gathered(info.stage, plan)
         elif plan.tp > 1 or plan.shard[s] == "fsdp":
+            # "selective" checkpoints the module's own call, FSDP2's hooks inside
             info.run = _runner(info.stage, plan.recompute[s], plan)
 
 
 class _Gathered(torch.nn.Module):
-    """An FSDP2-sharded stage's forward under ``"layer"``/``"selective"``.
+    """An FSDP2-sharded stage's forward under ``"layer"``: the stage module is called as
+    always (FSDP2's hooks gather its weights and prepare its backward) with the
+    checkpointed layers as its forward, made at the first call from the gathered weights.
+    FSDP2 keeps each whole weight as one object between steps (it frees and refills its
+    storage), so the layers made once read each step's gathered values, and their
+    gradients are what the step's reduce-scatter takes."""
 
-    ``"selective"`` checkpoints the stage module's own call (FSDP2's hooks inside). For
-    ``"layer"`` the stage module is called as always (FSDP2's hooks gather its weights and
-    prepare its backward) with the checkpointed layers as its forward, made at the first
-    call from the gathered weights. FSDP2 keeps each whole weight as one object between
-    steps (it frees and refills its storage), so the layers made once read each step's
-    gathered values, and their gradients are what the step's reduce-scatter takes."""
-
-    def __init__(self, stage: StageModule, policy: str, plan: Plan) -> None:
+    def __init__(self, stage: StageModule, plan: Plan) -> None:
         super().__init__()
-        self.stage, self.policy, self.plan = stage, policy, plan
+        self.stage, self.plan = stage, plan
         self.runner: torch.nn.Module | None = None
 
     def forward(self, *args: Any) -> Any:
         module = self.stage.module
         if self.runner is None:
             module.unshard()  # type: ignore[operator]
-            self.runner = _runner(self.stage, self.policy, self.plan)
-        if self.policy == "selective":
-            return self.runner(*args)
+            self.runner = _runner(self.stage, "layer", self.plan)
         # this call only, the layers as the instance's forward (in its __dict__: assigned as
         # an attribute, a module would become a child and leave the class's forward in use)
         module.__dict__["forward"] = self.runner
