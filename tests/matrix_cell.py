@@ -9,7 +9,8 @@ orgel raised (its type and message). ``tests/test_matrix.py`` runs the cells.
 Entry points: ``local`` (``orgel.pipeline`` forking its ranks), ``torchrun`` (the same call
 on every rank), ``backend`` (``torch.compile(model, backend=orgel.backend(...))`` and a
 closure per micro-batch). Features: ``evaluate`` (``pipe.evaluate`` and ``outputs=True``),
-``accumulate`` (2, with clipping and a scheduler), ``dp`` (2), ``fsdp``, ``tp`` (2),
+``accumulate`` (2, with clipping and a scheduler), ``dp`` (2), ``fsdp``, ``tp`` (2), ``sp``
+(``tp`` 2 with ``sequence_parallel``),
 ``bf16`` (bf16-mixed), ``meta`` (the model built on the meta device, ``weights=``),
 ``break`` (a graph break in the middle of the forward), ``if_end`` (a Python ``if`` on a
 tensor at the end of ``forward``), ``length`` (the second batch longer), ``resume`` (save
@@ -108,8 +109,8 @@ def options(features: set[str]) -> dict[str, Any]:
         opts.update(ranks=4, dp=2)
     if "fsdp" in features:
         opts["shard"] = "fsdp"
-    if "tp" in features:
-        opts.update(ranks=4, tp=2)
+    if features & {"tp", "sp"}:  # sp: tensor parallelism with sequence parallelism
+        opts.update(ranks=4, tp=2, sequence_parallel="sp" in features)
     if "bf16" in features:
         opts["precision"] = "bf16-mixed"
     return opts

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
             "if_end", "length", "resume", "tied"]
 PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+accumulate+break", "tp+length",
-         "meta+fsdp", "evaluate+bf16+break", "accumulate+break"]
+         "meta+fsdp", "evaluate+bf16+break", "accumulate+break", "sp+length"]
 #: the pairs run under torchrun too (each feature does)
 TORCHRUN_PAIRS = ["tp+break"]
 
@@ -51,7 +51,7 @@ def _features(cell: str) -> list[str]:
 
 
 def _processes(features: list[str]) -> int:
-    return 4 if {"dp", "fsdp", "tp"} & set(features) else 2
+    return 4 if {"dp", "fsdp", "tp", "sp"} & set(features) else 2
 
 
 def check(entry: str, cell: str, report: dict[str, Any]) -> None:
@@ -94,7 +94,7 @@ def test_local(cell: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break", "bf16+break", "tp+break",
-                                  "dp+break"])
+                                  "dp+break", "sp+break"])
 def test_backend(cell: str, tmp_path: Path) -> None:
     check("backend", cell, _in_process("backend", cell, tmp_path))
 

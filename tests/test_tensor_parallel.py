@@ -35,12 +35,13 @@ def _batches(steps: int, vocab: int, rows: int, seq: int) -> list[torch.Tensor]:
 
 def _train_both(model: torch.nn.Module, example: dict[str, torch.Tensor], loss_fn: object,
                 batches: list[torch.Tensor], key: str, max_grad_norm: float | None = None,
-                **options: object) -> tuple[list[float], list[float], dict[str, torch.Tensor],
-                           torch.nn.Module, dict[int, dict[str, tuple[int, ...]]],
-                           list[float], list[float]]:
+                report: dict[str, object] | None = None, **options: object,
+                ) -> tuple[list[float], list[float], dict[str, torch.Tensor], torch.nn.Module,
+                           dict[int, dict[str, tuple[int, ...]]], list[float], list[float]]:
     """Train ``model`` with tp=2 on 4 processes and a copy in one process; both results.
 
-    ``options`` go to ``pipeline`` (``dp=2``: the 2 pipeline ranks are replicas)."""
+    ``options`` go to ``pipeline`` (``dp=2``: the 2 pipeline ranks are replicas); ``report``
+    gets each process's ``tp_sequence`` after training."""
     reference = copy.deepcopy(model)
     targets = torch.roll(example[key], -1, dims=1)
     pipe = pipeline(model, example, targets, loss_fn, ranks=4, tp=2, microbatches=2,
@@ -57,6 +58,8 @@ def _train_both(model: torch.nn.Module, example: dict[str, torch.Tensor], loss_f
             losses.append(pipe.step({key: tokens}, torch.roll(tokens, -1, dims=1)))
             norms.append(pipe.grad_norm)
         state = pipe.state_dict()
+        if report is not None:
+            report["tp_sequence"] = pipe.call_ranks("tp_sequence")
     finally:
         pipe.close()
     opt = _adamw(list(reference.parameters()))

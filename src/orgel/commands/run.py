@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1,
                         help="processes per pipeline rank, splitting its attention and MLP "
                              "layers (tensor parallel; must divide --ranks; default 1)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: cut what the split layers leave whole (the residual "
+                             "stream, the norms) along the sequence over the members")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--stages-per-rank", type=int, default=2,
                         help="stages per rank for interleaved/looped schedules (default 2)")
@@ -141,6 +144,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return (f"--dp {args.dp} must divide the {args.ranks // args.tp} pipeline ranks "
                 f"(--ranks {args.ranks} / --tp {args.tp}): each replica is a pipeline rank "
                 f"of --tp processes")
+    if args.sequence_parallel and args.tp < 2 and not args.plan:
+        return "--sequence-parallel cuts what --tp splits over its members: pass --tp 2 or more"
     if args.shard == "fsdp" and args.dp < 2 and not args.plan:
         return "--shard fsdp shards a stage over its data-parallel replicas: pass --dp 2 or more"
     if args.shard == "fsdp" and getattr(args, "precision", "32") == "16-mixed":
@@ -247,6 +252,7 @@ def _prepare_flow(workload: Any, plan: Any, ranks: int, options: dict[str, Any],
             raise GraphBreakError(graph.glue.reason)  # orgel.pipeline's
 
     return prepare(workload, plan=plan, ranks=ranks, tp=options["tp"],
+                   sequence_parallel=bool(options.get("sequence_parallel")),
                    microbatches=plan.microbatches if plan else options["microbatches"],
                    memory=None, dp=replicas(plan) if plan else options["dp"],
                    shard=options["shard"], loss_rule="rows",

@@ -90,6 +90,7 @@ def pipeline(
     batch_dim: BatchDim = 0,
     device: str | None = None,
     tp: int = 1,
+    sequence_parallel: bool = False,
     shard: str = "none",
     compile: bool = False,
     loss_rule: str = "auto",
@@ -185,6 +186,10 @@ def pipeline(
     divides ``ranks // tp``), and ``shard="fsdp"`` shards over the replicas on a 2-D mesh;
     ``evaluate`` splits the eval-mode stages alike. A forward with graph breaks takes
     ``tp`` too (every process of a rank gets the controller's messages, member 0 answers).
+    ``sequence_parallel=True`` (with ``tp > 1``) cuts what the regions leave whole (the
+    residual stream, the norms) along the sequence over the members, as Megatron and
+    torchtitan do: a reduce-scatter and an all-gather where each region all-reduced, and
+    ``1/tp`` of those values per process (:mod:`orgel.runtime.sequence_parallel`).
 
     ``compile=True`` runs every stage through Inductor: its forward, its backward and,
     for the schedules that split the backward (ZB-H1, DualPipeV), the backward's
@@ -262,7 +267,8 @@ def pipeline(
             init_from_env(timeout=timeout_s, device=kind)
     else:
         check_fork(kind)
-    common: dict[str, Any] = dict(ranks=ranks, tp=tp, microbatches=microbatches,
+    common: dict[str, Any] = dict(ranks=ranks, tp=tp, sequence_parallel=sequence_parallel,
+                                  microbatches=microbatches,
                                   memory=memory, dp=dp, shard=shard, loss_rule=rule,
                                   optimizer=optimizer, source=source,
                                   loss_scaling=bool(scaling), recompute=recompute,
@@ -351,6 +357,7 @@ def load(directory: str | Path, model: torch.nn.Module, inputs: Any, targets: An
         if plan is None and options.get("schedule") is None:
             plan = saved_plan
             options.setdefault("tp", saved_plan.tp)
+            options.setdefault("sequence_parallel", saved_plan.sequence_parallel)
     options.setdefault("microbatches", saved_plan.microbatches)
     pipe = pipeline(model, inputs, targets, loss_fn, ranks=ranks, plan=plan, **options)
     pipe.load(directory)

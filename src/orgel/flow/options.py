@@ -21,12 +21,14 @@ from orgel.schedule.ir import Plan
 @dataclass(frozen=True)
 class Parallelism:
     """How the model is spread: ``ranks`` processes, of which ``dp`` data-parallel replicas
-    of every stage and ``tp`` tensor-parallel members of every pipeline rank."""
+    of every stage and ``tp`` tensor-parallel members of every pipeline rank (with
+    ``sequence_parallel``, the values between their split layers cut along the sequence)."""
 
     ranks: int = 2
     microbatches: int | str = 4
     dp: int = 1
     tp: int = 1
+    sequence_parallel: bool = False
     shard: str = "none"
     memory: int | None = None
     plan: Plan | str | Path | None = None

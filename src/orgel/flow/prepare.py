@@ -117,10 +117,11 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
             planner: str | None = None, recompute: bool | str = False,
             schedule: str | None = None, stages_per_rank: int = 2,
-            replica_rows: bool = False) -> Prepared:
+            replica_rows: bool = False, sequence_parallel: bool = False) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
-    ``ranks`` counts pipeline ranks (processes // tp). ``agree``: where the decision is
+    ``ranks`` counts pipeline ranks (processes // tp); ``sequence_parallel``: with ``tp``,
+    the values between the split layers cut along the sequence. ``agree``: where the decision is
     made (:func:`here`, or :func:`on_process_zero` of a torchrun job). ``mark``: a given
     ``plan`` was planned for these options (by :func:`plan_only` in a planning child), so
     its stages take ``shard`` as a plan made here does. ``check_graph``: called on the
@@ -155,7 +156,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                 the_plan = mark_sharded(the_plan, shard)
             if recompute is not False:
                 the_plan = with_recompute(the_plan, [recompute] * the_plan.num_stages)
-            return (with_tp(the_plan, tp, graph), rule_for(workload, loss_rule),
+            return (with_tp(the_plan, tp, graph, sequence_parallel),
+                    rule_for(workload, loss_rule),
                     torch.initial_seed())
 
         the_plan, rule, seed = agree(decide)

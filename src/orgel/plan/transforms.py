@@ -160,10 +160,15 @@ def pipeline_ranks(ranks: int, tp: int, dp: int = 1) -> int:
     return ranks // tp
 
 
-def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
+def with_tp(plan: Plan, tp: int, graph: Any, sequence_parallel: bool = False) -> Plan:
     """``plan`` run with ``tp`` processes per pipeline rank (``plan.tp`` set), checked
-    against the captured ``graph`` (an :class:`~orgel.graph.opgraph.OpGraph`)."""
+    against the captured ``graph`` (an :class:`~orgel.graph.opgraph.OpGraph`);
+    ``sequence_parallel``: the values between the split layers cut along the sequence (a
+    plan's own ``sequence_parallel`` stays on)."""
     if tp == 1:
+        if sequence_parallel:
+            raise TensorParallelError("sequence_parallel=True cuts what the tensor-parallel "
+                                      "members hold whole along the sequence: give tp > 1")
         if plan.tp > 1:
             raise TensorParallelError(f"the plan is for tp={plan.tp} processes per pipeline "
                                       f"rank: pass tp={plan.tp}")
@@ -175,7 +180,8 @@ def with_tp(plan: Plan, tp: int, graph: Any) -> Plan:
             "tp > 1 found no region to split in this model: tensor parallelism splits "
             "linear layers that read one input and feed one linear layer (attention, MLP; "
             "orgel.graph.tensor_parallel.tp_regions); pass tp=1")
-    return dataclasses.replace(plan, tp=tp)
+    return dataclasses.replace(plan, tp=tp,
+                               sequence_parallel=plan.sequence_parallel or sequence_parallel)
 
 
 def forward_plan(plan: Plan, split: Any) -> Plan:

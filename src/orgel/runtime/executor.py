@@ -70,6 +70,7 @@ from orgel.runtime.optimizer import (
 )
 from orgel.runtime.outputs import Share
 from orgel.runtime.scaler import LossScaler
+from orgel.runtime.sequence_parallel import split_stages
 from orgel.runtime.sharding import Sharding, check_sharded
 from orgel.runtime.stage import Run, StageInfo, part_rows, run_stages_as_planned
 from orgel.runtime.trace import Event
@@ -185,6 +186,8 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         dp_meshes = None
         if plan.tp > 1:
             self.tp_meshes, dp_meshes = tp.shard_stages(plan, split, self.stages, self.device)
+            if plan.sequence_parallel:
+                split_stages(self.stages, self.tp_meshes)
         check_sharded(plan, split, loss_scaling=bool(loss_scaling))
         # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`);
         # with tp, over each plane's replicas, on the DTensors of the TP split (2-D)

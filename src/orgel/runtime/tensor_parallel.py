@@ -228,13 +228,17 @@ def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
 
 
 class _Enter:
-    """The region's input as a replicated DTensor (backward: its gradient all-reduced)."""
+    """The region's input as a replicated DTensor (backward: its gradient all-reduced); a
+    value cut along the sequence (:mod:`orgel.runtime.sequence_parallel`) is gathered
+    (backward: its gradient reduce-scattered)."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
         self.__name__ = "tp_enter"
 
     def __call__(self, x: torch.Tensor) -> DTensor:
+        if isinstance(x, DTensor):
+            return x.redistribute(self.mesh, [Replicate()])
         return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
 
 

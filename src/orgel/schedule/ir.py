@@ -124,7 +124,10 @@ class Plan:
       rank*) is a group of ``tp`` processes that run its action list together,
       each holding a ``1/tp`` slice of the splittable layers; process ``r * tp + t``
       is member ``t`` of pipeline rank ``r`` (:meth:`world_size` processes in all;
-      :meth:`processes_of`, :meth:`pipeline_rank_of`, :meth:`tp_member_of`).
+      :meth:`processes_of`, :meth:`pipeline_rank_of`, :meth:`tp_member_of`);
+    * ``sequence_parallel``: with ``tp > 1``, the values between the split layers (the
+      residual stream, the norms) are cut along the sequence over the ``tp`` processes
+      instead of held whole by each (:mod:`orgel.runtime.sequence_parallel`).
 
     A Plan is a value: frozen, its lists never edited in place. A rewrite
     (``dataclasses.replace``, the functions of :mod:`orgel.plan.rewrites`) returns a
@@ -145,6 +148,7 @@ class Plan:
     tied: list[TiedWeight] = field(default_factory=list)
     shard: list[str] = field(default_factory=list)
     tp: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         # Normalise the fields as given (JSON lists, short lists) once, while building.
@@ -167,6 +171,12 @@ class Plan:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be an integer >= 1 (processes per pipeline rank), "
                             f"got {self.tp!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"sequence_parallel must be true or false, got "
+                            f"{self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError("sequence_parallel cuts what the tensor-parallel members hold "
+                            "whole along the sequence: it needs tp > 1")
         put("tied", [t if isinstance(t, TiedWeight) else TiedWeight.from_dict(t, f"tied[{i}]")
                      for i, t in enumerate(self.tied)])
         for i, t in enumerate(self.tied):
@@ -258,6 +268,7 @@ class Plan:
             "meta": self.meta,
             "tied_weights": [t.to_dict() for t in self.tied],
             **({"tp": self.tp} if self.tp != 1 else {}),
+            **({"sequence_parallel": True} if self.sequence_parallel else {}),
         }
 
     @classmethod
@@ -311,6 +322,7 @@ class Plan:
                 tied=[TiedWeight.from_dict(t, f"tied_weights[{i}]") for i, t in enumerate(tied)],
                 shard=[str(s.get("shard", "none")) for s in stages_data],
                 tp=data.get("tp", 1),
+                sequence_parallel=data.get("sequence_parallel", False),
             )
         except KeyError as exc:
             raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None

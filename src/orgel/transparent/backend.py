@@ -79,7 +79,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                  max_grad_norm: float | None = None, accumulate: int = 1,
                  batch_dim: int = 0, replicated: tuple[int, ...] = (),
                  shard: str = "none", tp: int = 1, recompute: bool | str = False,
-                 schedule: str | None = None, compile: bool = False) -> None:
+                 schedule: str | None = None, compile: bool = False,
+                 sequence_parallel: bool = False) -> None:
         from orgel.flow.capture import default_optimizer
         from orgel.flow.options import check_options
 
@@ -94,6 +95,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self.memory, self.dp, self.given_plan, self.schedule = memory, dp, plan, schedule
         self.shard = shard  # how the dp replicas hold their state ("none" or "fsdp")
         self.tp = tp  # processes per pipeline rank (tensor parallelism); ranks counts all
+        self.sequence_parallel = sequence_parallel  # what tp leaves whole, cut by sequence
         self.recompute = recompute  # every stage's (orgel.runtime.checkpointing)
         self.compile = compile  # the ranks' stages through Inductor (orgel.runtime.compiled)
         self.timeout_s, self.threads = timeout_s, threads
@@ -382,7 +384,8 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     each step's closures: the ranks' micro-batch ``j`` is closures ``j*d`` to ``j*d+d-1``
     side by side, each replica taking one closure's rows, so ``microbatches`` must be a
     multiple of ``d``; ``shard="fsdp"`` shards the replicas' state and ``tp=t`` splits
-    each pipeline rank over ``t`` processes; ``recompute``, ``schedule`` and ``compile``
+    each pipeline rank over ``t`` processes (``sequence_parallel=True``: what the split
+    layers leave whole cut along the sequence); ``recompute``, ``schedule`` and ``compile``
     (the ranks' stages through Inductor; not with graph breaks) as in :func:`orgel.pipeline`
     (``ranks`` counts every process). Its other options (``device``, ``init``, ...) are
     refused with the reason (:data:`orgel.flow.options.REFUSED`).
@@ -425,6 +428,7 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,
                    accumulate=accumulate, batch_dim=batch_dim, replicated=tuple(positions),
                    shard=shard, tp=tp, schedule=others.get("schedule"),
+                   sequence_parallel=bool(others.get("sequence_parallel", False)),
                    recompute=check_policy(others.get("recompute", False)),
                    compile=bool(others.get("compile", False)))
 

@@ -136,6 +136,7 @@ def flow_options(backend: Backend, torchrun: bool) -> dict[str, Any]:
     replica ``r`` of the ranks' micro-batch ``j`` is closure ``j * dp + r``'s); the closures
     weigh their own loss (``"rows"`` is never applied)."""
     return dict(plan=backend.given_plan, ranks=backend.ranks // backend.tp, tp=backend.tp,
+                sequence_parallel=backend.sequence_parallel,
                 microbatches=backend.microbatches // backend.dp, memory=backend.memory,
                 dp=backend.dp, shard=backend.shard, loss_rule="rows",
                 optimizer=backend.optimizer, recompute=backend.recompute,

@@ -110,6 +110,13 @@ class RankEngine:
 
         return {n: tuple(own_part(p).shape) for n, p in self.named_params() if sharded(p)}
 
+    def tp_sequence(self) -> dict[int, tuple[list[str], list[str]]]:
+        """By stage: the nodes that ran on this process's slice of the sequence
+        (``sequence_parallel``), and those that had to run on whole tensors."""
+        return {s: (sorted(getattr(info.stage.module, "tp_sequence_ran", ())),
+                    list(getattr(info.stage.module, "tp_sequence_fallbacks", [])))
+                for s, info in self.executor.stages.items()}
+
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         opt: torch.optim.Optimizer | None = getattr(self.executor, "optimizer", None)
