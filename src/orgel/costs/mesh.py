@@ -205,8 +205,8 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
         optimizer_ms=opt, split_input=split_in, split_weight=split_w, tied=tied,
         node_ranks=None if costs.node_ranks is None else costs.node_ranks // tp,
         # a member rebuilds and keeps its share: its blocks' bytes and times as they shrank
-        recompute=[(r.scaled(1 / tp) if sequence_parallel else
-                    r.tp_member(a / a0 if a0 else 1.0, f / f0 if f0 else 1.0))
+        recompute=[r.tp_member(a / a0 if a0 else rest, f / f0 if f0 else 1.0,
+                               sequence_parallel=sequence_parallel)
                    for r, a, a0, f, f0 in zip(costs.recompute, acts, costs.activations, fwd,
                                               costs.fwd, strict=True)]
         if costs.recompute else [],
