@@ -83,13 +83,16 @@ def test_float8_leaves_attention_and_the_head_alone() -> None:
     bf16, fp8 = Roofline(graph, H100), Roofline(graph, H100, float8=True)
     sdpa = _node(graph, "scaled_dot_product_attention")
     head = _node(graph, "linear", "head")
+    # the CPU kernel the capture runs is not counted by FlopCounterMode: the capture
+    # counts Q K^T and P V itself, the causal half skipped
+    assert sdpa.flops == 2 * 4096 * 4096 * (128 + 128) * 8 // 2  # type: ignore[attr-defined]
     assert fp8.times(sdpa) == bf16.times(sdpa)
     assert fp8.times(head) == bf16.times(head)
     assert head.name not in fp8.fp8 and len(fp8.fp8) == 4  # type: ignore[attr-defined]
     # a block of large linears is faster (a small one waits on its kernels' launches)
     big = _graph(width=4096, tokens=16384)
     a, b = (estimate_costs(big, H100, blocks=2, float8=f8) for f8 in (False, True))
-    assert sum(b.fwd) < 0.8 * sum(a.fwd) and b.meta["float8"] and not a.meta["float8"]
+    assert sum(b.fwd) < 0.9 * sum(a.fwd) and b.meta["float8"] and not a.meta["float8"]
 
 
 def test_float8_needs_an_fp8_peak() -> None:
