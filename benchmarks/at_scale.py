@@ -1,7 +1,8 @@
 """Llama-3-70B, GPT-3-175B and Llama-3.1-405B planned for 64-1024 GPUs: PP x TP x DP x FSDP.
 
     python benchmarks/at_scale.py [--device h100-80gb] [--gpus 64 256 1024] \
-        [--model llama3-70b] [--cache DIR] [--compare llama3-70b 1024] [--no-torchtitan]
+        [--model llama3-70b] [--cache DIR] [--compare llama3-70b 1024] [--no-torchtitan] \
+        [--torchtitan-only] [--no-choice]
 
 Each model is built at its real depth on the meta device (transformers
 configs, no weights), captured once with one sequence per micro-batch, costed
@@ -46,13 +47,17 @@ TP 8 x PP 8, local batch size 32 (global 256) of 8192-token sequences
 AsyncTP; the pipeline runs ``pipeline_parallel_degree`` = 8 micro-batches
 (its default then) of 4 sequences; interleaved 1F1B puts 2 stages on each
 rank (its default split), 1F1B one. Published: 1F1B 100, interleaved 1F1B 128
-tokens/s/GPU (1.28x). ``--torchtitan`` (default on) predicts both with the
-same split rule (uniform layers), per-layer recompute (its full activation
-checkpointing wraps each transformer block), TP with sequence parallelism (the norms
-on a slice of the sequence; priced, not run by orgel's runtime), bf16 on h100-80gb (orgel
-prices neither Float8 nor AsyncTP's overlap, so the absolute numbers are not
-the point: the ratio is), then orgel's own choice for the same model, GPU
-count and batch.
+tokens/s/GPU (1.28x). The torchtitan part (default on; ``--torchtitan-only`` runs
+nothing else, ``--no-choice`` skips orgel's own choice) predicts both with the same split
+rule (uniform layers: a table of one block per layer, :func:`layer_blocks`), per-layer
+recompute (its full activation checkpointing wraps each transformer block), TP with
+sequence parallelism (the norms on a slice of the sequence; priced, not run by orgel's
+runtime), on h100-80gb, priced four ways: bf16 with blocking TP collectives (what orgel
+priced until 2026-11-29), Float8 linears alone, AsyncTP alone, and Float8 + AsyncTP as
+torchtitan ran it (:func:`orgel.profile.roofline.estimate_costs` with ``float8=True``,
+:func:`orgel.costs.mesh.tp_costs` with ``async_tp=True``); then orgel's own choice for
+the same model, GPU count and batch (bf16, blocking: the planner does not search Float8
+or AsyncTP).
 """
 
 from __future__ import annotations
@@ -89,30 +94,58 @@ MODELS = {
 LAYERS = {"llama3-70b": 80, "gpt3-175b": 96, "llama3.1-405b": 126}
 
 
-def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None
-             ) -> tuple[BlockCosts, float, float]:
+_GRAPHS: dict[str, tuple[Any, int]] = {}  # a model captured once per process
+
+
+def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None, *,
+             float8: bool = False, per_layer: bool = False) -> tuple[BlockCosts, float, float]:
     """The one-sequence table of ``name`` in bf16 on ``device``: (costs, capture s, params).
 
-    ``cache``: a folder to keep tables in (a table found there is read, not captured).
+    ``cache``: a folder to keep tables in (a table found there is read, not captured);
+    ``float8``: its linears but the head in Float8 (:mod:`orgel.profile.roofline`);
+    ``per_layer``: one block per transformer layer (:func:`layer_blocks`), not ``blocks``
+    balanced by FLOPs.
     """
     started = time.perf_counter()
-    saved = None if cache is None else cache / f"{name}-{device.name}.json"
+    suffix = ("-float8" if float8 else "") + ("-layers" if per_layer else "")
+    saved = None if cache is None else cache / f"{name}-{device.name}{suffix}.json"
     if saved is not None and saved.exists():
         costs = BlockCosts.load(saved)
-        if costs.tp_split:  # a table saved before TP facts existed is captured again
+        # a table saved before the TP facts (and AsyncTP's linears) is estimated again
+        if any(s.column for s in costs.tp_split):
             return costs, time.perf_counter() - started, float(costs.meta["parameters"])
-    w = MODELS[name][0]()
-    w.model.to(torch.bfloat16)
-    _, graph = capture_meta(w, 1)
-    costs = estimate_costs(graph, device, blocks=blocks, rows=1)
+    if name not in _GRAPHS:
+        w = MODELS[name][0]()
+        w.model.to(torch.bfloat16)
+        _GRAPHS[name] = (capture_meta(w, 1)[1], sum(p.numel() for p in w.model.parameters()))
+    graph, params = _GRAPHS[name]
+    costs = estimate_costs(graph, device, blocks=blocks, rows=1, float8=float8,
+                           blockgraph=layer_blocks(graph) if per_layer else None)
     costs.optimizer_factor = 8.0  # bf16 weights + bf16 grads + fp32 master, m, v = 16 B/param
     costs.optimizer_ms = [2 * t for t in costs.optimizer_ms]  # fp32 state: twice the bytes
-    params = sum(p.numel() for p in w.model.parameters())
     costs.meta["parameters"] = params
     if saved is not None:
         saved.parent.mkdir(parents=True, exist_ok=True)
         costs.save(saved)
     return costs, time.perf_counter() - started, params
+
+
+def layer_blocks(graph: Any) -> Any:
+    """Blocks that cut only between layers: what comes before the first layer (the
+    embedding), each transformer layer, what comes after the last (the final norm and the
+    head), as torchtitan's pipeline splits the model; nodes outside every layer between
+    two layers join the layer before."""
+    from orgel.graph.blocks import from_groups, layer_runs
+
+    names = list(graph.nodes)
+    runs = layer_runs(names, [graph.nodes[n].module for n in names])
+    groups: list[list[str]] = []
+    for i, (layer, nodes) in enumerate(runs):
+        if groups and layer is None and i < len(runs) - 1:
+            groups[-1].extend(nodes)
+        else:
+            groups.append(list(nodes))
+    return from_groups(graph, groups)
 
 
 def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int,
@@ -213,10 +246,12 @@ def mesh_label(result: PlanResult) -> str:
 
 
 def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *, tp: int,
-               dp: int, shard: str, stages_per_rank: int = 1) -> PlanResult:
+               dp: int, shard: str, stages_per_rank: int = 1,
+               async_tp: bool = False) -> PlanResult:
     """One given configuration: ``family`` on ``depth`` pipeline ranks, uniform layers,
     every layer checkpointed (``"layer"``: torchtitan's full activation checkpointing),
-    TP with sequence parallelism, priced like any plan.
+    TP with sequence parallelism (``async_tp``: its collectives overlapping the linears,
+    :func:`orgel.costs.mesh.tp_costs`), priced like any plan.
 
     ``costs`` is the whole micro-batch's table (each replica takes ``1/dp``).
     """
@@ -229,7 +264,8 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
 
     started = time.perf_counter()
     # torchtitan runs TP with sequence parallelism (its norms on a slice of the sequence)
-    table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp, sequence_parallel=True)
+    table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp, sequence_parallel=True,
+                       async_tp=async_tp)
     options: dict[str, Any] = {} if stages_per_rank == 1 else {"stages_per_rank":
                                                                stages_per_rank}
     label = family if stages_per_rank == 1 else f"{family} v={stages_per_rank}"
@@ -249,37 +285,61 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
     return PlanResult(full, label, sim, time.perf_counter() - started)
 
 
-def torchtitan(device: Any, cache: Path | None) -> None:
-    """Predict torchtitan's 405B Table 5 (module docstring) and orgel's own choice."""
-    costs, captured, params = costs_of("llama3.1-405b", device, 2 * 126 + 2, cache)
+#: torchtitan's configurations as orgel prices them: (label, Float8 linears, AsyncTP).
+TORCHTITAN_PRICING = (("bf16, blocking TP", False, False), ("Float8, blocking TP", True, False),
+                      ("bf16, AsyncTP", False, True), ("Float8 + AsyncTP, as run", True, True))
+
+
+def torchtitan(device: Any, cache: Path | None, choice: bool = True) -> None:
+    """Predict torchtitan's 405B Table 5 (module docstring) and orgel's own choice.
+
+    Each configuration is priced four ways (:data:`TORCHTITAN_PRICING`): bf16 with
+    blocking TP collectives (the prediction until 2026-11-29), Float8 alone, AsyncTP
+    alone, and both, as torchtitan ran it. ``choice``: plan orgel's own (bf16, blocking).
+    """
+    # torchtitan splits the layers uniformly: blocks that are whole layers
+    tables = {f8: costs_of("llama3.1-405b", device, 2 * 126 + 2, cache, float8=f8,
+                           per_layer=True) for f8 in (False, True)}
+    _, captured, params = tables[False]
+    assert tables[False][0].num_blocks == 126 + 2
     gpus, seq, batch, dp, tp, depth, microbatches = 512, 8192, 256, 8, 8, 8, 8
     rows = batch // microbatches  # a micro-batch: 4 sequences on each of the 8 FSDP ranks
     print(f"torchtitan Llama 3.1 405B, 512 H100s, FSDP {dp} x TP {tp} x PP {depth}, "
           f"{batch} x {seq} tokens, {microbatches} micro-batches of {rows // dp} sequences "
-          f"per replica, per-layer recompute (table captured in {captured:.1f} s)")
-    got = {}
-    for family, v, published in (("1f1b", 1, 100), ("interleaved", 2, 128)):
-        result = fixed_plan(costs.scaled(rows), family, depth, microbatches, tp=tp, dp=dp,
-                            shard="fsdp", stages_per_rank=v)
-        tokens = batch * seq / (result.step_time / 1000) / gpus
-        got[family] = tokens
-        print(f"  {family:<12} v={v}: step {result.step_time / 1000:.2f} s, predicted "
-              f"{tokens:.0f} tok/s/GPU (published {published}), MFU "
-              f"{6 * params * tokens / device.peak('bf16'):.1%}, bubble "
-              f"{result.sim.bubble_fraction:.1%}, {max(result.sim.peak_memory) / GIB:.1f} "
-              f"GiB/GPU", flush=True)
-    ratio = got["interleaved"] / got["1f1b"]
-    print(f"  interleaved / 1F1B: predicted {ratio:.3f}, published 1.28 "
-          f"({ratio / 1.28 - 1:+.1%})")
-    # orgel's choice: the same batch as one-sequence micro-batches per replica
+          f"per replica, per-layer recompute (tables captured in "
+          f"{captured + tables[True][1]:.1f} s); published 100 (1F1B) and 128 (interleaved) "
+          f"tok/s/GPU, 73-83 GiB/GPU")
+    got: dict[tuple[str, str], float] = {}
+    for label, float8, async_tp in TORCHTITAN_PRICING:
+        print(f"  {label}:")
+        for family, v, published in (("1f1b", 1, 100), ("interleaved", 2, 128)):
+            result = fixed_plan(tables[float8][0].scaled(rows), family, depth, microbatches,
+                                tp=tp, dp=dp, shard="fsdp", stages_per_rank=v,
+                                async_tp=async_tp)
+            tokens = batch * seq / (result.step_time / 1000) / gpus
+            got[(label, family)] = tokens
+            print(f"    {family:<12} v={v}: step {result.step_time / 1000:.2f} s, predicted "
+                  f"{tokens:.0f} tok/s/GPU (published {published}, "
+                  f"{tokens / published - 1:+.0%}), MFU "
+                  f"{6 * params * tokens / device.peak('bf16'):.1%}, bubble "
+                  f"{result.sim.bubble_fraction:.1%}, "
+                  f"{max(result.sim.peak_memory) / GIB:.1f} GiB/GPU (run: 73-83)", flush=True)
+        ratio = got[(label, "interleaved")] / got[(label, "1f1b")]
+        print(f"    interleaved / 1F1B: predicted {ratio:.3f}, published 1.28 "
+              f"({ratio / 1.28 - 1:+.1%})")
+    if not choice:
+        return
+    # orgel's choice: the same batch as one-sequence micro-batches per replica (bf16, blocking)
+    costs = costs_of("llama3.1-405b", device, 2 * 126 + 2, cache)[0]
     best, seconds = best_mesh(costs, gpus, batch, device.memory_bytes, device.gpus_per_node)
     if best is not None:
         tokens = batch * seq / (best.step_time / 1000) / gpus
-        print(f"  orgel's choice: {mesh_label(best)} {best.plan.meta.get('schedule_label')}, "
-              f"M {best.plan.microbatches}, recompute {recomputed(best.plan)}: "
-              f"{tokens:.0f} tok/s/GPU, "
-              f"{tokens / got['interleaved']:.2f}x torchtitan's interleaved configuration "
-              f"as orgel predicts it ({seconds:.1f} s to plan)", flush=True)
+        base = got[(TORCHTITAN_PRICING[0][0], "interleaved")]
+        print(f"  orgel's choice (bf16, blocking TP): {mesh_label(best)} "
+              f"{best.plan.meta.get('schedule_label')}, M {best.plan.microbatches}, recompute "
+              f"{recomputed(best.plan)}: {tokens:.0f} tok/s/GPU, {tokens / base:.2f}x "
+              f"torchtitan's interleaved configuration as orgel predicts it in bf16 "
+              f"({seconds:.1f} s to plan)", flush=True)
 
 
 def main() -> None:
@@ -297,15 +357,20 @@ def main() -> None:
                         help="only the mesh rows (skip the pipeline-only search)")
     parser.add_argument("--no-torchtitan", action="store_true",
                         help="skip the prediction of torchtitan's 405B run")
+    parser.add_argument("--torchtitan-only", action="store_true",
+                        help="only the prediction of torchtitan's 405B run (no model rows)")
+    parser.add_argument("--no-choice", action="store_true",
+                        help="in the torchtitan part, skip orgel's own choice (its mesh search)")
     args = parser.parse_args()
     started = time.perf_counter()
     device = load_device(args.device)
     print(f"device {device.name}: {device.gpus_per_node} GPUs per node, "
           f"{device.intra_node.name} inside, {device.inter_node.name} between nodes")
-    print(f"{'model':<13} {'GPUs':>5} {'search':<8} {'PPxTPxDP':>10} {'M':>4} "
-          f"{'schedule':<24} {'recomp':>10} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} "
-          f"{'x':>5} {'bubble':>6} {'GiB/GPU':>7} {'plan s':>6} {'RSS GiB':>7}")
-    for name in args.model:
+    if not args.torchtitan_only:
+        print(f"{'model':<13} {'GPUs':>5} {'search':<8} {'PPxTPxDP':>10} {'M':>4} "
+              f"{'schedule':<24} {'recomp':>10} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5} "
+              f"{'x':>5} {'bubble':>6} {'GiB/GPU':>7} {'plan s':>6} {'RSS GiB':>7}")
+    for name in [] if args.torchtitan_only else args.model:
         blocks = 2 * LAYERS[name] + 2
         costs, captured, params = costs_of(name, device, blocks, args.cache)
         _, batch, seq = MODELS[name]
@@ -338,7 +403,7 @@ def main() -> None:
                 _row(name, gpus, "mesh", mesh_label(mesh), mesh, batch, seq, params, device,
                      seconds, pipeline_mfu)
     if not args.no_torchtitan:
-        torchtitan(device, args.cache)
+        torchtitan(device, args.cache, choice=not args.no_choice)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
     print(f"peak memory (RSS) of this process: {peak:.2f} GiB; "
           f"{time.perf_counter() - started:.0f} s in all")

@@ -75,6 +75,9 @@ def test_sequence_parallelism_splits_what_the_regions_leave_whole() -> None:
     assert sp.activations[0] == 32 * MIB // 4
     assert sp.recompute[0].layer_kept == 2 * MIB and c.recompute[0].layer_kept == 8 * MIB
     assert c.recompute[0].layer_rebuilt == 32 * MIB * c.activations[0] // (32 * MIB)
+    # a layer's forward run again takes its collectives again, with or without SP
+    assert sp.recompute[0].layer_fwd == pytest.approx(sp.fwd[0])
+    assert c.recompute[0].layer_fwd == pytest.approx(c.fwd[0])
 
 
 def test_tp_costs_refuse_what_cannot_be_priced() -> None:

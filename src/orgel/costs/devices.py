@@ -17,6 +17,8 @@ JSON file with the same fields (:func:`load_device`)::
 
 Bandwidths are GB/s (10^9 bytes) in one direction per GPU, as datasheets give
 them halved (NVLink's "600 GB/s" is 300 each way).
+A ``"fp8"`` peak (optional; h100-80gb lists it) prices the linears that run in
+Float8 (:func:`orgel.profile.roofline.estimate_costs` with ``float8=True``).
 
 Calibration (``efficiency``, the same for every built-in device, set once and
 not per benchmark row): large GEMMs in cuBLAS reach about 80% of the dense
@@ -42,8 +44,9 @@ from orgel.schedule.costs import Link
 
 #: The op classes a device calibrates (:func:`orgel.profile.roofline.op_class`).
 OP_CLASSES = ("matmul", "attention", "elementwise", "normalization")
-#: Math modes a device lists peaks for; fp32 storage runs as "tf32" only if asked.
-MATH_MODES = ("fp32", "tf32", "bf16", "fp16")
+#: Math modes a device lists peaks for; fp32 storage runs as "tf32" only if asked, and
+#: "fp8" (e4m3/e5m2 tensor cores) only for the linears a roofline is told run in Float8.
+MATH_MODES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 DEFAULT_EFFICIENCY = {"matmul": 0.8, "attention": 0.6, "elementwise": 0.8,
                       "normalization": 0.6}
@@ -124,12 +127,13 @@ DEVICES: dict[str, Device] = {
                "TFLOP/s dense, 1,555 GB/s HBM2, 600 GB/s NVLink; DGX A100: 8 GPUs, "
                "one 200 Gb/s HDR port per GPU; 39.4 GiB is what torch reports usable"),
     "h100-80gb": Device(
-        "h100-80gb", {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},
+        "h100-80gb", {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5,
+                      "fp8": 1979},
         memory_gbs=3350, memory_gib=79.1,
         intra_node=_ic("NVLink 4 via NVSwitch (900 GB/s both ways)", 450.0, 10.0),
         inter_node=_IB_NDR,
-        source="NVIDIA H100 datasheet (SXM5): 67 FP32, 494.5 TF32, 989.5 BF16/FP16 "
-               "TFLOP/s dense, 3.35 TB/s HBM3, 900 GB/s NVLink; DGX H100: 8 GPUs, one "
+        source="NVIDIA H100 datasheet (SXM5): 67 FP32, 494.5 TF32, 989.5 BF16/FP16, "
+               "1,979 FP8 TFLOP/s dense, 3.35 TB/s HBM3, 900 GB/s NVLink; DGX H100: 8 GPUs, one "
                "400 Gb/s NDR port per GPU"),
     "v100-16gb": Device(
         "v100-16gb", {"fp32": 15.7, "fp16": 125},

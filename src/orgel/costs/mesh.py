@@ -27,6 +27,23 @@ one all-reduce per region forward (its row-parallel output) and one backward
 divide the GPUs per node); they block the compute, so they are part of the
 actions. Ranks per node become ``node_ranks / tp`` pipeline ranks.
 
+**AsyncTP** (``tp_costs(async_tp=True)``, with sequence parallelism: torchtitan's
+``enable_async_tensor_parallel``): each region's all-gather runs micro-pipelined with
+its column-parallel linears (the gathered input's chunks fed to the matmul as they
+arrive) and its reduce-scatter with its row-parallel linear, forward and backward (the
+row's output-gradient all-gather with the row's input-gradient GEMM, the column's
+input-gradient reduce-scatter with the columns'); a collective costs only what its
+linears do not hide. Per block and direction::
+
+    one   = ring_time(allreduce / regions bytes, tp, steps=1)   (an all-gather or a
+                                                                reduce-scatter)
+    comm  = max(0, column_ends x one - column / tp) + max(0, row_ends x one - row / tp)
+
+with ``column``/``row`` the block's column and row linears' forward ms (the backward's
+input-gradient GEMMs take as long) and ``row_ends = 2 regions - column_ends``: the
+step is max(compute, communication) per end, never slower than blocking. What it
+does not price: the chunked GEMMs' lower efficiency and the SMs the copies take.
+
 **FSDP** (:func:`shard_costs`): a sharded stage gathers its parameters once
 per step and accumulates full gradients over the micro-batches, so during
 the step each rank holds full parameters and gradients, and a ``1/replicas``
@@ -54,7 +71,8 @@ if TYPE_CHECKING:
 
 #: Tensor-parallel degrees the planner tries by default.
 TP_DEGREES = (1, 2, 4, 8)
-_SPLIT_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "allreduce", "regions")
+_SPLIT_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "allreduce", "regions",
+               "column", "row", "column_ends")
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,11 @@ class TPSplit:
     outputs make per micro-batch (all-reduced once forward, once backward);
     ``regions``: how many regions (all-reduces each way; a half counts a
     region a block boundary cuts, whose other end is in the next block).
+    ``column``/``row``: forward ms of the regions' column- and row-parallel
+    linears in this block, and ``column_ends`` how many of its ``2 x regions``
+    region ends are column ends (the rest are row ends): what AsyncTP overlaps
+    the collectives with (:func:`tp_costs`; 0, as in a file written before
+    them, overlaps nothing).
     """
 
     fwd: float = 0.0
@@ -76,12 +99,16 @@ class TPSplit:
     activations: int = 0
     allreduce: int = 0
     regions: float = 0.0
+    column: float = 0.0
+    row: float = 0.0
+    column_ends: float = 0.0
 
     def scaled(self, factor: float) -> TPSplit:
         """For micro-batches ``factor`` times as large (parameters and regions stay)."""
         return TPSplit(self.fwd * factor, self.bwd * factor, self.wgrad * factor, self.params,
                        int(self.activations * factor), int(self.allreduce * factor),
-                       self.regions)
+                       self.regions, self.column * factor, self.row * factor,
+                       self.column_ends)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in _SPLIT_KEYS}
@@ -127,15 +154,20 @@ def check_tp(costs: BlockCosts, tp: int) -> None:
                          "to plan with tp > 1")
 
 
-def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False) -> BlockCosts:
+def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
+             async_tp: bool = False) -> BlockCosts:
     """``costs`` for one member of a TP group of ``tp`` processes (module docstring).
 
     ``sequence_parallel``: the ops outside the regions (norms, residual adds, dropout)
     run on ``1/tp`` of the sequence each (Megatron's sequence parallelism, as torchtitan
     runs TP): every activation and every millisecond of a block splits, and the
     all-reduce becomes a reduce-scatter and an all-gather of the same bytes. The runtime
-    does not run it yet: a prediction of configurations that do.
+    does not run it yet: a prediction of configurations that do. ``async_tp`` (with
+    ``sequence_parallel``): the collectives overlap their linears (module docstring).
     """
+    if async_tp and not sequence_parallel:
+        raise ValueError("async_tp overlaps sequence parallelism's all-gathers and "
+                         "reduce-scatters with the linears: pass sequence_parallel=True too")
     check_tp(costs, tp)
     if tp == 1:
         return costs
@@ -145,6 +177,8 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False) -> 
     for b, s in enumerate(costs.tp_split):
         comm = (s.regions * ring_time(link, s.allreduce / s.regions, tp, steps=2)
                 if s.regions else 0.0)
+        if async_tp and s.regions:
+            comm = exposed_comm(s, link, tp)
         fwd.append((costs.fwd[b] - s.fwd) * rest + s.fwd / tp + comm)
         bwd.append((costs.bwd[b] - s.bwd) * rest + s.bwd / tp + comm)
         wgrad.append(min(bwd[-1], costs.wgrad[b] - s.wgrad + s.wgrad / tp))
@@ -171,16 +205,25 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False) -> 
         optimizer_ms=opt, split_input=split_in, split_weight=split_w, tied=tied,
         node_ranks=None if costs.node_ranks is None else costs.node_ranks // tp,
         # a member rebuilds and keeps its share: its blocks' bytes and times as they shrank
-        recompute=[(r.scaled(1 / tp) if sequence_parallel else
-                    r.tp_member(a / a0 if a0 else 1.0, f / f0 if f0 else 1.0))
+        recompute=[r.tp_member(a / a0 if a0 else rest, f / f0 if f0 else 1.0,
+                               sequence_parallel=sequence_parallel)
                    for r, a, a0, f, f0 in zip(costs.recompute, acts, costs.activations, fwd,
                                               costs.fwd, strict=True)]
         if costs.recompute else [],
         tp_split=[dataclasses.replace(s, fwd=s.fwd / tp, bwd=s.bwd / tp, wgrad=s.wgrad / tp,
+                                      column=s.column / tp, row=s.row / tp,
                                       params=s.params // tp,
                                       activations=s.activations // tp)
                   for s in costs.tp_split],
-        meta=dict(costs.meta, tp=tp))
+        meta=dict(costs.meta, tp=tp, **({"async_tp": True} if async_tp else {})))
+
+
+def exposed_comm(s: TPSplit, link: Link, tp: int) -> float:
+    """ms of a block's TP collectives (one direction) that AsyncTP's linears do not hide."""
+    one = ring_time(link, s.allreduce / s.regions, tp, steps=1)
+    row_ends = 2 * s.regions - s.column_ends
+    return (max(0.0, s.column_ends * one - s.column / tp)
+            + max(0.0, row_ends * one - s.row / tp))
 
 
 def sharded_factor(factor: float, replicas: int) -> float:
@@ -205,8 +248,8 @@ def shard_costs(costs: BlockCosts, replicas: int) -> BlockCosts:
 
 
 def mesh_costs(costs: BlockCosts, *, tp: int = 1, shard: str = "none", replicas: int = 1,
-               sequence_parallel: bool = False) -> BlockCosts:
-    """``costs`` at TP degree ``tp`` (with sequence parallelism or not: :func:`tp_costs`)
-    with every stage's ``replicas`` sharding or not."""
-    out = tp_costs(costs, tp, sequence_parallel=sequence_parallel)
+               sequence_parallel: bool = False, async_tp: bool = False) -> BlockCosts:
+    """``costs`` at TP degree ``tp`` (with sequence parallelism or not, AsyncTP or not:
+    :func:`tp_costs`) with every stage's ``replicas`` sharding or not."""
+    out = tp_costs(costs, tp, sequence_parallel=sequence_parallel, async_tp=async_tp)
     return shard_costs(out, replicas) if shard == "fsdp" else out

@@ -63,11 +63,19 @@ class BlockRecompute:
         return BlockRecompute(**{k: (int(getattr(self, k) * factor) if k in _BYTES
                                      else getattr(self, k) * factor) for k in _KEYS})
 
-    def tp_member(self, nbytes: float, ms: float) -> BlockRecompute:
+    def tp_member(self, nbytes: float, ms: float, *,
+                  sequence_parallel: bool = False) -> BlockRecompute:
         """One tensor-parallel member's share, whose block keeps ``nbytes`` times the bytes
         and takes ``ms`` times the time: the layers' inputs stay whole (the residual stream
-        is not split without sequence parallelism), the rest shrinks with the block."""
+        is not split without sequence parallelism), the rest shrinks with the block.
+
+        ``sequence_parallel``: every byte and the cheap ops ``"selective"`` runs again
+        split (``nbytes``; its kept outputs include the reduce-scatters', as torchtitan's
+        op-level SAC saves them); a layer's forward run again takes its collectives again
+        (``ms`` of the block's, which holds them)."""
         got = self.scaled(nbytes)
+        if sequence_parallel:
+            return dataclasses.replace(got, layer_fwd=self.layer_fwd * ms)
         return dataclasses.replace(got, layer_kept=self.layer_kept,
                                    layer_fwd=self.layer_fwd * ms,
                                    selective_fwd=self.selective_fwd * ms)

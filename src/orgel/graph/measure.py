@@ -442,7 +442,10 @@ def _run_measured(
                 counted.add(key)
                 keep.append(storage)
                 nbytes += storage.nbytes()
-            facts[n.name] = (out, nbytes, int(counter.get_total_flops()), grad_mode, regions)
+            flops = int(counter.get_total_flops())
+            if not flops and n.target is torch.nn.functional.scaled_dot_product_attention:
+                flops = attention_flops(*self.fetch_args_kwargs_from_env(n))
+            facts[n.name] = (out, nbytes, flops, grad_mode, regions)
             return out
 
     grad_before = torch.is_grad_enabled()
@@ -452,6 +455,24 @@ def _run_measured(
     finally:
         torch._C._set_grad_enabled(grad_before)
     return facts
+
+
+def attention_flops(args: Any, kwargs: dict[str, Any]) -> int:
+    """FLOPs of an SDPA call, for the CPU kernels ``FlopCounterMode`` does not count (the
+    captured graph runs them, on real or fake CPU tensors): ``Q K^T`` and ``P V``, two
+    FLOPs a multiply-add, as its formulas for the GPU kernels count them; a causal flag
+    (``is_causal=True``) halves them, as flash attention skips the masked half (an explicit
+    mask is priced whole: what it masks is not known from its shape)."""
+    q, k, v = (list(args) + [kwargs.get(x) for x in ("query", "key", "value")])[:3]
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k, v)):
+        return 0
+    *batch, length, e = q.shape
+    keys, ev = k.shape[-2], v.shape[-1]
+    count = 2 * length * keys * (e + ev)
+    for b in batch:
+        count *= b
+    causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+    return int(count // 2 if causal is True else count)
 
 
 def place(module: torch.nn.Module, device: torch.device) -> None:

@@ -19,6 +19,22 @@ planner and the simulator run unchanged. Per op:
   GEMMs against two); any other op's backward twice its forward traffic, its
   parameters' gradient (a norm's scale, an embedding's table) one forward.
 
+**Float8 linears** (``float8=True``, torchtitan's ``float8.enable_float8_linear``: torchao's
+dynamic tensorwise scaling of every ``nn.Linear`` but the output head): a ``linear`` op
+with a weight, other than one that makes a model output, runs its three GEMMs (forward,
+input gradient, weight gradient) at the device's ``fp8`` peak (the same ``matmul``
+efficiency as bf16; measured FP8 GEMMs often reach less, so this is optimistic) with
+its operands read at one byte per element, and pays the casts as memory traffic at the
+``elementwise`` efficiency. A cast of a bf16 tensor of ``B`` bytes (``B/2`` elements)
+is an amax pass (reads ``B``) and the cast (reads ``B``, writes ``B/2``): ``2.5 B``.
+Forward: the weight's cast and the input's (once per input: the q, k and v projections
+cast the normed input once, as torchtitan's ``PrepareFloat8ModuleInput`` and compile
+do). Backward: the output gradient's cast, and a transposed FP8 copy (read and write,
+``B`` in all) of each operand a backward GEMM takes transposed (weight, output gradient
+and input). The weights are cast every micro-batch (torchtitan's FSDP Float8
+all-gather casts them once per step: not priced, a few percent of a layer); attention
+(SDPA), the head, norms and the rest stay as they were.
+
 A block takes the sum of its ops, but never less than the host needs to issue
 their kernels (``launch_us`` each; a backward issues two per op). Memory is
 read from the capture: parameters, the bytes autograd saved (activations),
@@ -56,6 +72,7 @@ _NORMALIZATION = {"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "
                   "norm", "cumsum", "logsumexp", "var_mean", "cross_entropy", "nll_loss"}
 _TYPE_CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "_to_copy"}
 _MODES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: Adam in fp32: read parameter, gradient and two moments, write three.
 ADAM_PASSES = 7
@@ -85,13 +102,33 @@ def op_class(op: str, opgraph: Any = None, node: Any = None) -> str:
 
 
 class Roofline:
-    """Per-op forward/backward times (ms) on ``device`` for ``opgraph``'s nodes."""
+    """Per-op forward/backward times (ms) on ``device`` for ``opgraph``'s nodes.
 
-    def __init__(self, opgraph: Any, device: Device, *, tf32: bool = False) -> None:
+    ``float8``: the linears run in Float8 (module docstring; the device needs an
+    ``fp8`` peak).
+    """
+
+    def __init__(self, opgraph: Any, device: Device, *, tf32: bool = False,
+                 float8: bool = False) -> None:
         self.g = opgraph
         self.device = device
         self.tf32 = tf32
+        self.float8 = float8
         self.input_bytes = _model_input_bytes(opgraph)
+        # the Float8 linears, and those that cast their input (the first to read it)
+        self.fp8: set[str] = set()
+        self.casts_input: set[str] = set()
+        if float8:
+            device.peak("fp8")  # a DeviceError that says to add the peak
+            heads = set(opgraph.outputs)
+            cast: set[str] = set()
+            for node in opgraph.nodes.values():
+                if (node.op.lower() == "linear" and node.params and node.inputs
+                        and node.name not in heads):
+                    self.fp8.add(node.name)
+                    if node.inputs[0] not in cast:
+                        cast.add(node.inputs[0])
+                        self.casts_input.add(node.name)
 
     def mode(self, dtype: str | None) -> str:
         mode = _MODES.get(dtype or "float32", "fp32")
@@ -116,6 +153,8 @@ class Roofline:
         bw = dev.memory_gbs * 1e9
         traffic = self.traffic(node)
         trains = node.requires_grad and node.grad_enabled
+        if node.name in self.fp8:
+            return self.float8_times(node, trains)
         if cls in ("matmul", "attention"):
             mode = self.mode(node.dtype)
             eff = dev.efficiency[cls]
@@ -136,16 +175,41 @@ class Roofline:
         return fwd, 2 * fwd + weight, weight, 1
 
 
+    def float8_times(self, node: Any, trains: bool) -> tuple[float, float, float, int]:
+        """:meth:`times` of a Float8 linear: FP8 GEMMs plus the casts (module docstring)."""
+        dev = self.device
+        rate = dev.memory_gbs * 1e9 * dev.efficiency["elementwise"]
+        size = _ITEMSIZE.get(node.dtype or "float32", 2)
+        x = node.inputs[0]
+        x_bytes = (self.g.nodes[x].nbytes if x in self.g.nodes else self.input_bytes.get(x, 0))
+        x_bytes = x_bytes if node.name in self.casts_input else 0
+        w_bytes, y_bytes = node.param_bytes, node.nbytes
+        operands = (self.traffic(node) - y_bytes) / size  # FP8: a byte per element
+        gemm = max(node.flops / (dev.peak("fp8") * dev.efficiency["matmul"]),
+                   (operands + y_bytes) / rate) * 1000
+        casts = 1 + (x_bytes > 0)
+        fwd = gemm + (2 + 1 / size) * (w_bytes + x_bytes) / rate * 1000
+        if not trains:
+            return fwd, 0.0, 0.0, 1 + 2 * casts
+        # the output gradient's amax and cast, and transposed copies of W, dy and x
+        cast_back = ((2 + 1 / size) * y_bytes + 2 / size * (w_bytes + y_bytes + x_bytes)
+                     ) / rate * 1000
+        weight = gemm
+        bwd = min(2, self.grad_inputs(node)) * gemm + weight + cast_back
+        return fwd, bwd, weight, 1 + 2 * casts
+
+
 def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool = False,
                    rows: int | None = None, loss: bool = True,
-                   blockgraph: Any = None) -> BlockCosts:
+                   blockgraph: Any = None, float8: bool = False) -> BlockCosts:
     """The block cost table of one micro-batch of ``opgraph`` on ``device`` (module docstring).
 
     ``blocks``: how many blocks to coarsen into (or pass ``blockgraph``);
     ``tf32``: fp32 matmuls run on TF32 tensor cores (``torch.backends.cuda.
     matmul.allow_tf32``, off by default in PyTorch); ``rows``: the micro-batch's
     rows, recorded for ``--batch`` scaling; ``loss``: charge a cross-entropy
-    over the model's outputs to the block that makes them.
+    over the model's outputs to the block that makes them; ``float8``: the linears
+    but the head run in Float8 (module docstring; the device needs an ``fp8`` peak).
     """
     from orgel.costs.tied import tied_groups
     from orgel.graph import coarsen
@@ -153,7 +217,7 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
     from orgel.profile.recompute import block_facts
 
     bg = blockgraph if blockgraph is not None else coarsen(opgraph, blocks)
-    roof = Roofline(opgraph, device, tf32=tf32)
+    roof = Roofline(opgraph, device, tf32=tf32, float8=float8)
     launch = device.launch_us / 1000
     node_block = bg.node_block
     cols: dict[str, list[Any]] = {k: [] for k in ("fwd", "bwd", "wgrad", "params", "acts",
@@ -225,7 +289,7 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
                              cols["fwd"], cols["bwd"], cols["wgrad"], cols["params"],
                              cols["acts"]),
         recompute=block_facts(opgraph, [b.nodes for b in bg.blocks], cols["fwd"], roof),
-        meta={"device": device.name, "estimated": "roofline", "tf32": tf32,
+        meta={"device": device.name, "estimated": "roofline", "tf32": tf32, "float8": float8,
               "target_blocks": blocks, "num_blocks": len(bg.blocks),
               "graph_hash": graph_hash(opgraph)})
 
@@ -252,6 +316,9 @@ def tp_splits(opgraph: Any, roof: Roofline, node_block: dict[str, int], blocks: 
     acts = [0] * blocks
     ends = [0] * blocks
     end_bytes = [0] * blocks
+    column = [0.0] * blocks  # forward ms of the column and row linears (AsyncTP's overlap)
+    row = [0.0] * blocks
+    column_ends = [0] * blocks
     for region in tp_regions(opgraph.graph_module):
         for name in region.nodes:
             node = opgraph.nodes.get(name)
@@ -266,12 +333,16 @@ def tp_splits(opgraph: Any, roof: Roofline, node_block: dict[str, int], blocks: 
             params[node_block[name]] += sum(opgraph.tensor_bytes(p)
                                             for p in opgraph.nodes[name].params
                                             if p != row_bias)  # the row bias stays whole
+        for name in region.columns:
+            column[node_block[name]] += roof.times(opgraph.nodes[name])[0]
+        row[node_block[region.row]] += roof.times(opgraph.nodes[region.row])[0]
+        column_ends[node_block[region.columns[0]]] += 1
         nbytes = opgraph.nodes[region.row].nbytes
         for at in (region.columns[0], region.row):
             ends[node_block[at]] += 1
             end_bytes[node_block[at]] += nbytes
     return [TPSplit(fwd[b], bwd[b], wgrad[b], params[b], acts[b], end_bytes[b] // 2,
-                    ends[b] / 2) for b in range(blocks)]
+                    ends[b] / 2, column[b], row[b], column_ends[b]) for b in range(blocks)]
 
 
 def measured_tp_splits(opgraph: Any, bg: Any, device: Device, fwd: list[float],
@@ -283,7 +354,8 @@ def measured_tp_splits(opgraph: Any, bg: Any, device: Device, fwd: list[float],
     :func:`~orgel.graph.tensor_parallel.tp_regions` on the captured graph),
     so a block's split parameters, its all-reduce bytes and its region count
     are exact. The measurements have no per-op times, so the approximation:
-    a block's measured forward, backward and weight-gradient milliseconds and
+    a block's measured forward, backward and weight-gradient milliseconds (and
+    its regions' linears' forward, AsyncTP's overlap, by the forward's share) and
     its measured saved activations are apportioned by the share the regions'
     ops take of the block's ops in the roofline estimate on ``device`` (see
     :func:`reference_device`: only the shares are used, not the device's
@@ -298,10 +370,12 @@ def measured_tp_splits(opgraph: Any, bg: Any, device: Device, fwd: list[float],
         tf, tb, tw = (sum(t[i] for t in ops) for i in range(3))
         ta = sum(opgraph.nodes[n].saved_bytes for n in block.nodes)
         s = est[b]
+        share = fwd[b] / tf if tf else 0.0
         out.append(TPSplit(
             fwd[b] * (s.fwd / tf if tf else 0.0), bwd[b] * (s.bwd / tb if tb else 0.0),
             wgrad[b] * (s.wgrad / tw if tw else 0.0), s.params,
-            int(acts[b] * (s.activations / ta if ta else 0.0)), s.allreduce, s.regions))
+            int(acts[b] * (s.activations / ta if ta else 0.0)), s.allreduce, s.regions,
+            s.column * share, s.row * share, s.column_ends))
     return _fit_splits(out, fwd, bwd, wgrad, params, acts)
 
 
@@ -332,7 +406,8 @@ def _fit_splits(splits: list[TPSplit], fwd: list[float], bwd: list[float], wgrad
                 params: list[int], acts: list[int]) -> list[TPSplit]:
     """Each split within its block's totals (a block's times have a launch-bound floor)."""
     return [TPSplit(min(s.fwd, f), min(s.bwd, b), min(s.wgrad, w, s.bwd), min(s.params, p),
-                    min(s.activations, a), s.allreduce, s.regions)
+                    min(s.activations, a), s.allreduce, s.regions,
+                    min(s.column, f), min(s.row, f), s.column_ends)
             for s, f, b, w, p, a in zip(splits, fwd, bwd, wgrad, params, acts, strict=True)]
 
 
