@@ -80,6 +80,18 @@ def test_sequence_parallelism_splits_what_the_regions_leave_whole() -> None:
     assert c.recompute[0].layer_fwd == pytest.approx(c.fwd[0])
 
 
+def test_split_backward_halves_divide_with_sequence_parallelism() -> None:
+    # the input half (a block's 8 ms backward less its 4 ms weight half: the region's 2 ms
+    # and 2 ms of the rest) and the weight half (the region's 2 ms, 2 of the rest)
+    base = dataclasses.replace(table(), split_input=[4.0, 4.0], split_weight=[4.0, 4.0])
+    comm = 2 * 2 * 3 * INTRA.time(MIB)
+    c, sp = tp_costs(base, 4), tp_costs(base, 4, sequence_parallel=True)
+    assert c.split_input[0] == pytest.approx(2 + 2 / 4 + comm)
+    assert c.split_weight[0] == pytest.approx(2 + 2 / 4)
+    assert sp.split_input[0] == pytest.approx(2 / 4 + 2 / 4 + comm)  # was negative
+    assert sp.split_weight[0] == pytest.approx(2 / 4 + 2 / 4)
+
+
 def test_tp_costs_refuse_what_cannot_be_priced() -> None:
     with pytest.raises(ValueError, match="no tensor-parallel facts"):
         tp_costs(table(split=False), 2)

@@ -161,8 +161,10 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
     ``sequence_parallel``: the ops outside the regions (norms, residual adds, dropout)
     run on ``1/tp`` of the sequence each (Megatron's sequence parallelism, as torchtitan
     runs TP): every activation and every millisecond of a block splits, and the
-    all-reduce becomes a reduce-scatter and an all-gather of the same bytes. The runtime
-    does not run it yet: a prediction of configurations that do. ``async_tp`` (with
+    all-reduce becomes a reduce-scatter and an all-gather of the same bytes (the runtime
+    runs it: :mod:`orgel.runtime.sequence_parallel`, which leaves a stage's tail after its
+    last region whole, so this is a little optimistic for a stage's last layer and the
+    head). ``async_tp`` (with
     ``sequence_parallel``): the collectives overlap their linears (module docstring).
     """
     if async_tp and not sequence_parallel:
@@ -173,12 +175,13 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
         return costs
     link = tp_link(costs)
     rest = (1 / tp) if sequence_parallel else 1.0  # of what the regions do not split
-    fwd, bwd, wgrad, params, acts, opt = [], [], [], [], [], []
+    fwd, bwd, wgrad, params, acts, opt, comms = [], [], [], [], [], [], []
     for b, s in enumerate(costs.tp_split):
         comm = (s.regions * ring_time(link, s.allreduce / s.regions, tp, steps=2)
                 if s.regions else 0.0)
         if async_tp and s.regions:
             comm = exposed_comm(s, link, tp)
+        comms.append(comm)
         fwd.append((costs.fwd[b] - s.fwd) * rest + s.fwd / tp + comm)
         bwd.append((costs.bwd[b] - s.bwd) * rest + s.bwd / tp + comm)
         wgrad.append(min(bwd[-1], costs.wgrad[b] - s.wgrad + s.wgrad / tp))
@@ -191,11 +194,10 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
                                                 else 1.0))
     split_in, split_w = list(costs.split_input), list(costs.split_weight)
     if split_in:
-        for b, s in enumerate(costs.tp_split):
-            cut_i = (s.bwd - s.wgrad) * (1 - 1 / tp)
-            comm = bwd[b] - (costs.bwd[b] - s.bwd + s.bwd / tp)
-            split_in[b] = max(0.0, split_in[b] - cut_i) + comm
-            split_w[b] = max(0.0, split_w[b] - s.wgrad * (1 - 1 / tp))
+        for b, s in enumerate(costs.tp_split):  # the regions' share split, the rest's too
+            region_i = s.bwd - s.wgrad  # with sequence parallelism
+            split_in[b] = max(0.0, split_in[b] - region_i) * rest + region_i / tp + comms[b]
+            split_w[b] = max(0.0, split_w[b] - s.wgrad) * rest + s.wgrad / tp
     tied = [dataclasses.replace(g, nbytes=g.nbytes // tp)
             if all(costs.tp_split[b].params >= g.nbytes for b in g.blocks) else g
             for g in costs.tied]

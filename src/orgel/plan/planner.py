@@ -31,12 +31,20 @@ from orgel.costs.blocks import (
     BlockCosts,
     chain_split,
 )
-from orgel.costs.mesh import TP_DEGREES, check_tp, mesh_costs
+from orgel.costs.mesh import TP_DEGREES, check_tp
 from orgel.plan.graph import graph_plan
 from orgel.plan.predict import end_of_step, labelled, predicted, replicated
 from orgel.plan.replicated import replica_step
 from orgel.plan.scorer import Scorer, Template
-from orgel.plan.screen import MESH_TOP, QUICK_TEMPLATES, compute_bound, quick_plan, screen
+from orgel.plan.screen import (
+    MESH_TOP,
+    QUICK_TEMPLATES,
+    compute_bound,
+    mesh_table,
+    quick_plan,
+    screen,
+    with_mesh,
+)
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
@@ -240,7 +248,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
         if candidates and compute_bound(costs, pipeline, microbatches, tp=t, dp=d, shard=how
                                         ) >= min(c[0] for c in candidates):
             continue  # a proven bound: it cannot beat what is found
-        table = mesh_costs(costs, tp=t, shard=how, replicas=d)
+        table = mesh_table(costs, t, how, d)
         sub = (scorer if table is costs and d == 1 else
                Scorer(table if d == 1 else table.scaled(1.0 / d), memory=scorer.memory))
         found, baselines = _search(sub, pipeline, microbatches, planner, options,
@@ -262,8 +270,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
                                                                 else "")
             if t > 1:
                 name = f"{name} x tp{t}"
-            p = dataclasses.replace(p, tp=t, meta={**p.meta, "mesh": {"pp": pipeline, "tp": t,
-                                                                      "dp": d, "shard": how}})
+            p = with_mesh(p, pipeline, t, d, how)
             candidates.append((step + end_of_step(table, p), name, p, table))
     if not candidates:
         raise InfeasibleError(_infeasible_message(costs, scorer.memory, ranks, microbatches))

@@ -84,7 +84,7 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
     from orgel.plan.replicated import replica_step
     from orgel.sim import simulate
 
-    table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
+    table = mesh_table(costs, tp, shard, dp)
     if pipeline > costs.num_blocks:
         return math.inf, None, table
     scorer = Scorer(table if dp == 1 else table.scaled(1.0 / dp), memory=memory)
@@ -113,8 +113,7 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
         if scorer.memory is not None and priced[1].max() > scorer.memory:
             return math.inf, None, table
         step = priced[0]
-    p = dataclasses.replace(p, tp=tp, meta={**p.meta, "mesh": {"pp": pipeline, "tp": tp,
-                                                               "dp": dp, "shard": shard}})
+    p = with_mesh(p, pipeline, tp, dp, shard)
     return float(step + end_of_step(table, p)), p, table
 
 
@@ -147,6 +146,19 @@ def _fewest_recomputing(scorer: Scorer, template: Template, points: Points
     return best, first(high)
 
 
+def mesh_table(costs: BlockCosts, tp: int, shard: str, dp: int) -> BlockCosts:
+    """The table the mesh search prices a mesh by: with ``tp > 1`` the plans it makes run
+    sequence parallelism (:func:`with_mesh`), so the table prices it."""
+    return mesh_costs(costs, tp=tp, shard=shard, replicas=dp, sequence_parallel=tp > 1)
+
+
+def with_mesh(plan: Plan, pipeline: int, tp: int, dp: int, shard: str) -> Plan:
+    """``plan`` on its mesh: ``tp`` processes per pipeline rank, with sequence parallelism
+    (as :func:`mesh_table` prices it), and the mesh in its meta."""
+    return dataclasses.replace(plan, tp=tp, sequence_parallel=tp > 1, meta={
+        **plan.meta, "mesh": {"pp": pipeline, "tp": tp, "dp": dp, "shard": shard}})
+
+
 def compute_bound(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int = 1,
                   dp: int = 1, shard: str = "none") -> float:
     """A proven lower bound on the mesh's step (ms): the busiest rank's compute at best.
@@ -156,7 +168,7 @@ def compute_bound(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: in
     pipeline`` of the TP'd table's share of a micro-batch (recompute,
     bubbles, collectives and the optimizer only add to it).
     """
-    table = mesh_costs(costs, tp=tp, shard=shard, replicas=dp)
+    table = mesh_table(costs, tp, shard, dp)
     work = sum(table.fwd) + sum(table.bwd)
     return microbatches * work / dp / pipeline
 
