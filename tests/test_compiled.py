@@ -181,15 +181,17 @@ def _stack_training(compile: bool, schedule: str, **parallel: Any
 
 
 @pytest.mark.parametrize("schedule,parallel", [
-    ("1f1b", {"tp": 2}), ("zb-h1", {"tp": 2}), ("zb-h1", {"dp": 2, "shard": "fsdp"})],
-    ids=["tp-1f1b", "tp-zb-h1", "fsdp-zb-h1"])
+    ("1f1b", {"tp": 2}), ("zb-h1", {"tp": 2, "sequence_parallel": True}),
+    ("zb-h1", {"dp": 2, "shard": "fsdp"})],
+    ids=["tp-1f1b", "tp-sp-zb-h1", "fsdp-zb-h1"])
 def test_compiled_stages_with_tp_or_fsdp_train_as_the_eager_ones(
         schedule: str, parallel: dict[str, Any]) -> None:
     """A DTensor weight enters the compiled graphs as its local part (the collectives stay
     in them): 1F1B's whole backward, and ZB-H1's input and weight halves, whose weight
     half adds each weight's gradient as a DTensor again. An FSDP-sharded stage is gathered
     before its compiled forward (FSDP2's hook would, eagerly), and the step's reduce-scatter
-    takes the whole weights' gradients as it does from the eager stage."""
+    takes the whole weights' gradients as it does from the eager stage. With sequence
+    parallelism the ops between the regions run on DTensor slices inside the graphs."""
     losses, state, seconds = _stack_training(True, schedule, **parallel)
     want_losses, want, _ = _stack_training(False, schedule, **parallel)
     assert seconds > 0
