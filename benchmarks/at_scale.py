@@ -329,13 +329,14 @@ def torchtitan(device: Any, cache: Path | None, choice: bool = True) -> None:
               f"({ratio / 1.28 - 1:+.1%})")
     if not choice:
         return
-    # orgel's choice: the same batch as one-sequence micro-batches per replica (bf16, blocking)
+    # orgel's choice: the same batch as one-sequence micro-batches per replica (bf16, blocking,
+    # sequence parallel with tp > 1, as the mesh search prices and its plans run)
     costs = costs_of("llama3.1-405b", device, 2 * 126 + 2, cache)[0]
     best, seconds = best_mesh(costs, gpus, batch, device.memory_bytes, device.gpus_per_node)
     if best is not None:
         tokens = batch * seq / (best.step_time / 1000) / gpus
         base = got[(TORCHTITAN_PRICING[0][0], "interleaved")]
-        print(f"  orgel's choice (bf16, blocking TP): {mesh_label(best)} "
+        print(f"  orgel's choice (bf16, blocking TP, sequence parallel): {mesh_label(best)} "
               f"{best.plan.meta.get('schedule_label')}, M {best.plan.microbatches}, recompute "
               f"{recomputed(best.plan)}: {tokens:.0f} tok/s/GPU, {tokens / base:.2f}x "
               f"torchtitan's interleaved configuration as orgel predicts it in bf16 "
