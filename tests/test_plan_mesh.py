@@ -265,6 +265,31 @@ def test_quick_step_prices_a_plain_plan_and_shortlist_orders_by_it() -> None:
     assert shortlist("ab", [inf, inf]) == ["a", "b"]  # none fits quickly: search them all
 
 
+def test_quick_plan_recomputes_per_layer_where_whole_stages_do_not_fit() -> None:
+    """A stage recomputed whole rebuilds all its layers' activations at once for its
+    backward, per layer one layer's: under a cap between the two peaks the quick plan
+    fits by checkpointing layers (the 405B mesh rows' interleaved plans needed it)."""
+    from orgel.plan.scorer import Scorer
+    from orgel.plan.screen import QUICK_TEMPLATES, quick_plan
+    from orgel.plan.splits import balanced_points, time_weights
+    from orgel.plan.templates import cached_template
+
+    facts = BlockRecompute(layer_kept=2 * MIB, layer_rebuilt=8 * MIB, layer_fwd=4.0)
+    c = dataclasses.replace(table(4), recompute=[facts] * 4)
+    scorer = Scorer(c)
+    template = cached_template(scorer.templates, QUICK_TEMPLATES[0], 2, 4)
+    points = balanced_points(time_weights(c), 2)
+    peaks = {policy: max(scorer.score_chain(template, points, (policy,) * 2).peak_memory)
+             for policy in (True, "layer")}
+    assert peaks["layer"] < peaks[True]
+    cap = int((peaks["layer"] + peaks[True]) / 2)
+    step, p, _ = quick_plan(c, 2, 4, memory=cap, templates=QUICK_TEMPLATES[:1])
+    assert p is not None and "layer" in p.recompute and step < float("inf")
+    # without the layers' facts only whole stages can recompute: nothing fits
+    assert quick_plan(dataclasses.replace(c, recompute=[]), 2, 4, memory=cap,
+                      templates=QUICK_TEMPLATES[:1])[1] is None
+
+
 GPT_WORKLOAD = '''
 from orgel.models.gpt import GPT, GPTConfig, lm_loss
 from orgel.workload import Workload

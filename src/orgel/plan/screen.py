@@ -89,7 +89,7 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
         return math.inf, None, table
     scorer = Scorer(table if dp == 1 else table.scaled(1.0 / dp), memory=memory)
     n = table.num_blocks
-    found: tuple[Score, Template, Points, tuple[bool, ...] | None] | None = None
+    found: tuple[Score, Template, Points, tuple[bool | str, ...] | None] | None = None
     for spec in templates:
         template = cached_template(scorer.templates, spec, pipeline, microbatches)
         if template is None or template.num_stages > n:
@@ -118,32 +118,38 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
 
 
 def _fewest_recomputing(scorer: Scorer, template: Template, points: Points
-                        ) -> tuple[Score, tuple[bool, ...] | None] | None:
+                        ) -> tuple[Score, tuple[bool | str, ...] | None] | None:
     """The fitting score with the fewest first stages recomputing (bisected); None: none fits.
 
     1F1B's stage ``s`` holds ``P - s`` micro-batches' activations, so the
-    first stages are the ones to recompute.
+    first stages are the ones to recompute: whole (``True``), or each layer (``"layer"``,
+    where the table knows its layers: it rebuilds one layer at a time, so it fits where a
+    whole stage's recompute does not), the faster of the two that fit.
     """
     stages = template.num_stages
     score = scorer.score_chain(template, points, None)
     if score.feasible:
         return score, None
+    policies: list[bool | str] = [True] + (["layer"] if scorer.bc.recompute else [])
+    found: tuple[Score, tuple[bool | str, ...]] | None = None
+    for policy in policies:
+        def first(k: int, policy: bool | str = policy) -> tuple[bool | str, ...]:
+            return tuple(policy if s < k else False for s in range(stages))
 
-    def first(k: int) -> tuple[bool, ...]:
-        return tuple(s < k for s in range(stages))
-
-    best = scorer.score_chain(template, points, first(stages))
-    if not best.feasible:
-        return None
-    low, high = 0, stages  # low does not fit, high does
-    while high - low > 1:
-        mid = (low + high) // 2
-        trial = scorer.score_chain(template, points, first(mid))
-        if trial.feasible:
-            high, best = mid, trial
-        else:
-            low = mid
-    return best, first(high)
+        best = scorer.score_chain(template, points, first(stages))
+        if not best.feasible:
+            continue
+        low, high = 0, stages  # low does not fit, high does
+        while high - low > 1:
+            mid = (low + high) // 2
+            trial = scorer.score_chain(template, points, first(mid))
+            if trial.feasible:
+                high, best = mid, trial
+            else:
+                low = mid
+        if found is None or best.step_time < found[0].step_time:
+            found = best, first(high)
+    return found
 
 
 def mesh_table(costs: BlockCosts, tp: int, shard: str, dp: int) -> BlockCosts:
