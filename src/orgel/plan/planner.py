@@ -25,8 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from orgel.costs.blocks import (
     BlockCosts,
     chain_split,
@@ -34,7 +32,7 @@ from orgel.costs.blocks import (
 from orgel.costs.mesh import TP_DEGREES, check_tp
 from orgel.plan.graph import graph_plan
 from orgel.plan.predict import end_of_step, labelled, predicted, replicated
-from orgel.plan.replicated import replica_step
+from orgel.plan.replicated import replicated_step
 from orgel.plan.scorer import Scorer, Template
 from orgel.plan.screen import (
     MESH_TOP,
@@ -49,7 +47,7 @@ from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
 from orgel.plan.templates import one_f_one_b
 from orgel.schedule.ir import SHARDS, Plan
-from orgel.sim import SimResult, simulate
+from orgel.sim import SimResult
 
 PLANNERS = ("auto", "beam", "graph", *BASELINES)
 
@@ -260,10 +258,7 @@ def plan(costs: BlockCosts, ranks: int, microbatches: int, *, memory: int | None
         for step, name, p in found:
             if d > 1:
                 single, p = p, replicated(p, d, table, scorer.memory, how)
-                step_peak = replica_step(single, p)  # one replica simulated, reduces priced
-                if step_peak is None:
-                    check = simulate(p)
-                    step_peak = check.step_time, np.asarray(check.peak_memory)
+                step_peak = replicated_step(single, p, table)  # reduces priced
                 if scorer.memory is not None and step_peak[1].max() > scorer.memory:
                     continue
                 step, name = step_peak[0], f"{name} x dp{d}" + (" fsdp" if how == "fsdp"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from orgel.costs.blocks import BlockCosts, optimizer_peak
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
 from orgel.sim.allreduce import allreduce_time, gather_time, plan_allreduces, plan_gathers
@@ -40,6 +41,26 @@ def same_links(single: Plan, costs: Costs, dp: int) -> bool:
         if any(costs.link_between(a + p * k, b + p * k) != first for k in range(1, dp)):
             return False
     return True
+
+
+def replicated_step(single: Plan, replicated: Plan, bc: BlockCosts
+                    ) -> tuple[float, np.ndarray]:
+    """``(step_time, peak_memory[rank])`` of ``replicated``: from one simulation of
+    ``single`` (:func:`replica_step`), or of ``replicated`` in full where the replicas'
+    links differ; the peak at least the step's end on the replicated placement
+    (:func:`~orgel.costs.blocks.optimizer_peak`: its gradients' flat copy for the
+    all-reduce or reduce-scatter, which one replica's pipeline does not make), as
+    :func:`orgel.plan.predict.predict` reports it."""
+    got = replica_step(single, replicated)
+    if got is None:
+        from orgel.sim import simulate
+
+        sim = simulate(replicated)
+        got = sim.step_time, np.asarray(sim.peak_memory)
+    if replicated.costs is None:
+        return got
+    floor = optimizer_peak(bc, replicated.costs, replicated.placement, replicated.num_ranks)
+    return got[0], np.maximum(got[1], np.asarray(floor, dtype=float))
 
 
 def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False

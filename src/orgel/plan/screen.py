@@ -38,8 +38,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-import numpy as np
-
 from orgel.costs.blocks import BlockCosts, chain_split
 from orgel.costs.mesh import mesh_costs
 from orgel.plan.predict import end_of_step, labelled, replicated
@@ -81,8 +79,7 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
     takes it; ``memory`` overrides the table's memory per rank; ``templates``:
     the schedules to try.
     """
-    from orgel.plan.replicated import replica_step
-    from orgel.sim import simulate
+    from orgel.plan.replicated import replicated_step
 
     table = mesh_table(costs, tp, shard, dp)
     if pipeline > costs.num_blocks:
@@ -106,10 +103,7 @@ def quick_plan(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int =
     step = score.step_time
     if dp > 1:
         single, p = p, replicated(p, dp, table, scorer.memory, shard)
-        priced = replica_step(single, p)
-        if priced is None:
-            full = simulate(p)
-            priced = full.step_time, np.asarray(full.peak_memory)
+        priced = replicated_step(single, p, table)
         if scorer.memory is not None and priced[1].max() > scorer.memory:
             return math.inf, None, table
         step = priced[0]
