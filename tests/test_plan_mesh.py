@@ -73,6 +73,7 @@ def test_sequence_parallelism_splits_what_the_regions_leave_whole() -> None:
     assert sp.fwd[0] == pytest.approx(4 / 4 + comm)
     assert sp.bwd[0] == pytest.approx(8 / 4 + comm)
     assert sp.activations[0] == 32 * MIB // 4
+    assert sp.wgrad[0] == pytest.approx(2 / 4 + 2 / 4)  # the norms' weights on slices too
     assert sp.recompute[0].layer_kept == 2 * MIB and c.recompute[0].layer_kept == 8 * MIB
     assert c.recompute[0].layer_rebuilt == 32 * MIB * c.activations[0] // (32 * MIB)
     # a layer's forward run again takes its collectives again, with or without SP

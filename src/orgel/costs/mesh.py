@@ -184,7 +184,7 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
         comms.append(comm)
         fwd.append((costs.fwd[b] - s.fwd) * rest + s.fwd / tp + comm)
         bwd.append((costs.bwd[b] - s.bwd) * rest + s.bwd / tp + comm)
-        wgrad.append(min(bwd[-1], costs.wgrad[b] - s.wgrad + s.wgrad / tp))
+        wgrad.append(min(bwd[-1], (costs.wgrad[b] - s.wgrad) * rest + s.wgrad / tp))
         kept = costs.params[b] - s.params + s.params // tp
         params.append(kept)
         acts.append(max(0, int((costs.activations[b] - s.activations) * rest)

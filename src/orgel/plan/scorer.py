@@ -202,6 +202,8 @@ class Scorer:
             if split and fed and self._csi is not None and self._csw is not None:
                 weight = float(self._csw[b] - self._csw[a])
                 bwd = float(self._csi[b] - self._csi[a]) + weight
+            # differences of running sums round: the weight half never exceeds the backward
+            weight = min(weight, bwd)
             acts = int(self._ca[b] - self._ca[a])
             peak = int(self._cp[b] - self._ca[a]) + self._peak_at(a, b) if b > a else 0
             overlap = max(0, acts + grads - peak)
