@@ -28,6 +28,7 @@ def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any
     keys = list(named_inputs(w.model, w.inputs))
     whole = [keys.index(name) for name in w.replicated]  # step's arguments taken whole
     pipe = orgel.backend(ranks=setup.ranks, tp=setup.tp, dp=setup.dp, shard=setup.shard,
+                         sequence_parallel=setup.sequence_parallel,
                          batch_dim=w.batch_dim, replicated=whole,
                          microbatches=shares, threads=1, optimizer=optimizer,
                          timeout_s=timeout_s, recompute=recompute, **family,

@@ -39,7 +39,7 @@ import copy
 import math
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,7 @@ class Setup:
     frozen_module: int = 0
     shard: str = "none"  # how dp replicas hold their state: none, fsdp
     tp: int = 1  # tensor parallelism: processes per pipeline rank (``ranks`` counts processes)
+    sequence_parallel: bool = False  # with tp: what the regions leave whole, cut by sequence
     precision: str = "32"
     optimizer: str = "sgd"  # sgd, momentum, adamw
     schedule_lr: str = "constant"  # constant, scheduler, lr
@@ -182,7 +183,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
     if schedule == "looped":
         loop_mb = pick("loop_microbatches", [d for d in range(1, m + 1) if m % d == 0])
         prefetch = tuple(pick(f"prefetch{r}", (0, 1, 2)) for r in range(pipeline))
-    return Setup(
+    setup = Setup(
         model=model, ranks=ranks, dp=dp, schedule=schedule, microbatches=m,
         rows=pick("rows", (1, 2, 3)), stages_per_rank=per_rank, loop_microbatches=loop_mb,
         prefetch=prefetch,
@@ -202,6 +203,9 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
         shape=pick("shape", ("same", "rows", "seq") if model in SEQUENCE else ("same", "rows")),
         seed=pick("seed", (0, 1, 2)), entry=entry,
     )
+    if tp > 1:  # drawn last: the draws before it are as they were for every seed
+        setup = replace(setup, sequence_parallel=pick("sequence_parallel", (False, True)))
+    return setup
 
 
 # -- the two runs -----------------------------------------------------------------------------
@@ -305,7 +309,8 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None
                                             recompute_policy(setup), timeout_s)
         else:
             pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=setup.ranks,
-                                  tp=setup.tp, microbatches=setup.microbatches, plan=plan,
+                                  tp=setup.tp, sequence_parallel=setup.sequence_parallel,
+                                  microbatches=setup.microbatches, plan=plan,
                                   threads=1, optimizer=optimizer, timeout_s=timeout_s,
                                   batch_dim=w.batch_dim, replicated=w.replicated,
                                   **loop_options(setup), **extra)
