@@ -52,6 +52,28 @@ def test_replica_step_equals_the_full_simulation(family: str, ranks: int, dp: in
     assert len(got[1]) == ranks * dp
 
 
+@pytest.mark.parametrize("family", ["1f1b", "zb-h1"])
+def test_replicated_step_peaks_as_predict_reports(family: str) -> None:
+    """What the planner checks against the cap is what ``predict`` reports: with the sends
+    a rank holds and the step's end on the replicated placement (the gradients' flat copy
+    for the all-reduce), which one replica's simulation leaves out."""
+    from orgel.plan.predict import predict
+    from orgel.plan.replicated import replicated_step
+
+    costs = table()
+    scorer = Scorer(costs.scaled(0.5), memory=None)
+    spec = next(s for s in template_specs(2, 4, costs.num_blocks, max_loops=1,
+                                          families=[family]) if s.family == family)
+    template = build_template(spec, 2, 4)
+    assert template is not None
+    single = scorer.to_plan(template, chain_split((6,), costs.num_blocks))
+    whole = replicated(single, 2, costs, None)
+    step, peak = replicated_step(single, whole, costs)
+    want = predict(whole, costs)
+    assert list(peak) == pytest.approx(want.peak_memory, abs=64)
+    assert max(peak) > max(simulate(whole).peak_memory)  # more than the simulation alone
+
+
 def test_replicas_on_different_links_are_simulated_in_full() -> None:
     # 3-rank pipelines on 4-rank nodes: replica 1's first hop crosses a node, replica 0's not
     costs = table()

@@ -49,13 +49,18 @@ def replicated_step(single: Plan, replicated: Plan, bc: BlockCosts
     ``single`` (:func:`replica_step`), or of ``replicated`` in full where the replicas'
     links differ; the peak at least the step's end on the replicated placement
     (:func:`~orgel.costs.blocks.optimizer_peak`: its gradients' flat copy for the
-    all-reduce or reduce-scatter, which one replica's pipeline does not make), as
-    :func:`orgel.plan.predict.predict` reports it."""
-    got = replica_step(single, replicated)
+    all-reduce or reduce-scatter, which one replica's pipeline does not make), with the
+    sends held and gloo's receive buffers, as :func:`orgel.plan.predict.predict` reports it."""
+    got = replica_step(single, replicated, receives_kept=bc.receives_posted_ahead)
+    if got is not None and single.costs is not None:
+        # the sends a rank may hold at once, as predict counts them (a replica's messages
+        # carry its share, as the single pipeline's do)
+        held = CompiledPlan(single).held_send_bytes(grad_bytes=single.costs.edge_grad_bytes)
+        got = got[0], got[1] + np.tile(held, replicated.num_ranks // single.num_ranks)
     if got is None:
         from orgel.sim import simulate
 
-        sim = simulate(replicated)
+        sim = simulate(replicated, receives_kept=bc.receives_posted_ahead)
         got = sim.step_time, np.asarray(sim.peak_memory)
     if replicated.costs is None:
         return got
