@@ -3,8 +3,10 @@ re-checks, the end of step (per-step overhead, per-block optimizer) and its fit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -120,6 +122,32 @@ def test_cached_table_is_measured_again_when_the_blocks_drift(
     assert json.loads(path.read_text())["whole_ms"] < data["whole_ms"]
     with pytest.raises(ValueError, match="recheck"):
         profile_workload(w, microbatches=2, blocks=3, link=False, recheck=0)
+
+
+def test_drift_check_confirms_a_quick_sample_before_the_table_goes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm start's check is one quick sample; only when it is off does a longer one
+    decide: a spike in the quick sample keeps the table, a machine off in both loses it."""
+    blocks: Any = SimpleNamespace(split=SimpleNamespace(stages=[]), train=lambda: None,
+                                  busy=lambda *_: contextlib.nullcontext())
+    repeats: list[int] = []
+
+    def check(*samples: float) -> bool:
+        found = iter(samples)
+
+        def timed(jobs: Any, timer: Timer, **_: Any) -> list[dict[str, float]]:
+            repeats.append(timer.repeats)
+            return [{"whole": next(found)}]
+
+        monkeypatch.setattr(measure_mod, "interleaved", timed)
+        monkeypatch.setattr(measure_mod, "spin_up", lambda *_: None)
+        repeats.clear()
+        return measure_mod.drifted(blocks, {"whole_ms": 10.0}, torch.device("cpu"), 1, 1, 0.25)
+
+    assert not check(11.0) and repeats == [measure_mod.CHECK_REPEATS]
+    assert not check(20.0, 10.5) and repeats == [measure_mod.CHECK_REPEATS, 5]
+    assert check(20.0, 19.0) and check(5.0, 6.0)
+    assert measure_mod.drifted(blocks, {}, torch.device("cpu"), 1, 1, 0.25)  # no whole_ms
 
 
 def test_optimizer_jobs_step_copies_of_each_group() -> None:

@@ -77,24 +77,42 @@ class BlockRun:
         return stack
 
 
+#: Timed passes of the quick drift check (after one warm-up pass); a check that finds drift
+#: takes a second, longer sample (:func:`drifted`).
+CHECK_REPEATS = 3
+
+
 def drifted(blocks: BlockRun, cached: dict[str, Any], dev: torch.device, contention: int,
-             threads: int, tolerance: float) -> bool:
+            threads: int, tolerance: float) -> bool:
     """Whether the blocks in sequence now take more than ``tolerance`` off the cached table.
 
     A table measured under other conditions (another load on a shared host,
-    another clock speed) is stale as a whole: one cheap run of every block in
-    sequence, timed as the table's ``whole_ms`` was, tells.
+    another clock speed) is stale as a whole: runs of every block in sequence,
+    timed as the table's ``whole_ms`` was, tell. Every warm start pays for the check,
+    so it is a quick sample first (one warm-up pass, the median of
+    :data:`CHECK_REPEATS`; building ``blocks`` ran every block once already), and only a
+    quick sample off by more than ``tolerance`` is confirmed by a second, longer one as
+    the table was timed (the device spun up, the median of 5). The table is stale when
+    both are off: a load spike during one short sample costs no profile, a changed
+    machine is off in both.
     """
     before = cached.get("whole_ms")
     if not isinstance(before, (int, float)) or before <= 0:
         return True
+    whole: list[dict[str, Job]] = [{"whole": (lambda: None, lambda _: blocks.train())}]
+
+    def off(repeats: int) -> bool:
+        now = interleaved(whole, Timer(dev, warmup=1, repeats=repeats))[0]["whole"]
+        return abs(now / before - 1.0) > tolerance
+
     with blocks.busy(dev, contention, threads):
-        spin_up(dev, 0.2)
-        now = interleaved([{"whole": (lambda: None, lambda _: blocks.train())}],
-                          Timer(dev, warmup=1, repeats=5))[0]["whole"]
+        stale = off(CHECK_REPEATS)
+        if stale:
+            spin_up(dev, 0.2)
+            stale = off(5)
     for stage in blocks.split.stages:
         stage.module.zero_grad(set_to_none=True)
-    return abs(now / before - 1.0) > tolerance
+    return stale
 
 
 def measure_table(blocks: BlockRun, dev: torch.device, warmup: int, repeats: int, progress: bool,

@@ -8,9 +8,10 @@ progress bar, measures the link between two ranks over the real backend
 step (:mod:`orgel.profile.overhead`) and returns a :class:`BlockCosts`. Results are
 cached under ``$ORGEL_CACHE`` (default ``~/.cache/orgel``), keyed by the graph's
 hash, the device, the dtype, the micro-batch shapes and the intra-op thread
-count, so a second run is quick: it runs the blocks once in sequence and
+count, so a second run is quick: it times the blocks in sequence briefly and
 measures again only if they now take more than ``recheck`` (25%) off what the
-table recorded (a table timed under another load is stale). Blocks are
+table recorded (a table timed under another load is stale;
+:func:`~orgel.profile.measure.drifted`). Blocks are
 timed in interleaved rounds (:mod:`orgel.profile.measure`), with
 ``threads`` intra-op threads (default 1, what :func:`orgel.launch.spawn.spawn` gives each rank;
 :func:`rank_threads` is what a local group of ``ranks`` gives each), since a
