@@ -59,6 +59,23 @@ def test_profile_tiny_model(cache: Path) -> None:
     assert any(p.name.startswith("blocks-") for p in cache.iterdir())
 
 
+def test_a_cached_table_of_other_blocks_is_not_reused(cache: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same graph and block count coarsened another way (an orgel that counts FLOPs
+    otherwise) is profiled anew, not served the old table of other blocks (it crashed)."""
+    import orgel.graph
+    from orgel.graph import coarsen
+
+    w = tiny()
+    first = profile_workload(w, microbatches=2, blocks=3, link=False, repeats=2,
+                             progress=False, recheck=None)
+    assert first.num_blocks == 3
+    monkeypatch.setattr(orgel.graph, "coarsen", lambda graph, blocks: coarsen(graph, 2))
+    other = profile_workload(w, microbatches=2, blocks=3, link=False, repeats=2,
+                             progress=False, recheck=None)
+    assert other.num_blocks == 2 and len(other.fwd) == 2
+
+
 def test_measure_block_saved_and_param_bytes() -> None:
     lin = nn.Linear(8, 16)
 

@@ -232,8 +232,11 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     bg = coarsen(opgraph, blocks)
     dtypes = sorted({str(p.dtype) for p in w.model.parameters()})
     shapes = {k: list(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
+    # the table is per block: the key names the blocks' nodes, not only their target count
+    # (how the graph coarsens follows the FLOPs counted, which an orgel upgrade may change)
     key = cache_key(version=PROFILE_VERSION, optimizer=optimizer, graph=graph_hash(opgraph),
-                    blocks=blocks, device=str(dev), dtype=dtypes,
+                    blocks=blocks, partition=cache_key(nodes=[b.nodes for b in bg.blocks]),
+                    device=str(dev), dtype=dtypes,
                     shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__,
                     threads=threads, contention=contention)
     cached = _cached("blocks", key) if use_cache else None
