@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "whole pipeline (divides --ranks), or 'auto' to choose (default 1)")
     parser.add_argument("--tp", default="1", metavar="T", help="tensor-parallel degree: a "
                         "number, several (2,4), or 'auto' (1, 2, 4, 8 where they divide "
-                        "--ranks and the GPUs per node); --ranks counts GPUs (default 1)")
+                        "--ranks and the GPUs per node), each with sequence parallelism; "
+                        "--ranks counts GPUs (default 1)")
     parser.add_argument("--shard", default="none", choices=("none", "fsdp", "auto"),
                         help="how data-parallel replicas hold their state: none (default), "
                         "fsdp (sharded, gathered once per step) or auto (the faster that fits)")
@@ -255,7 +256,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"mesh: PP {m['pp']} x TP {m['tp']} x DP {m['dp']} "
                      f"({m['pp'] * m['tp'] * m['dp']} GPUs), "
                      + ("replicas sharded (fsdp)" if m["shard"] == "fsdp" else
-                        "replicas not sharded" if m["dp"] > 1 else "no replicas"))
+                        "replicas not sharded" if m["dp"] > 1 else "no replicas")
+                     + (", sequence parallel" if m.get("sequence_parallel") else ""))
     lines.append(f"{'stage':>5}  {'blocks':<16} {'ranks':<10} {'fwd+bwd ms':>10} "
                  f"{'params MiB':>10} {'act MiB':>8}  recompute")
     for i, st in enumerate(s["stages"]):

@@ -156,7 +156,8 @@ def with_mesh(plan: Plan, pipeline: int, tp: int, dp: int, shard: str) -> Plan:
     """``plan`` on its mesh: ``tp`` processes per pipeline rank, with sequence parallelism
     (as :func:`mesh_table` prices it), and the mesh in its meta."""
     return dataclasses.replace(plan, tp=tp, sequence_parallel=tp > 1, meta={
-        **plan.meta, "mesh": {"pp": pipeline, "tp": tp, "dp": dp, "shard": shard}})
+        **plan.meta, "mesh": {"pp": pipeline, "tp": tp, "dp": dp, "shard": shard,
+                              "sequence_parallel": tp > 1}})
 
 
 def compute_bound(costs: BlockCosts, pipeline: int, microbatches: int, *, tp: int = 1,
