@@ -53,15 +53,13 @@ def test_refuse_ignores_options_left_off() -> None:
         refuse("backend", options(check_finite=True))
 
 
-@pytest.mark.slow
-def test_a_forward_with_graph_breaks_is_refused_from_the_table_before_planning() -> None:
-    from test_glue import _branching
-
-    w = _branching()
-    for given, key in ((dict(compile=True), "compile"),):
-        with pytest.raises(ValueError) as info:
-            orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, microbatches=2, **given)
-        assert str(info.value) == REFUSED[("graph breaks", key)]
+def test_a_forward_with_graph_breaks_is_refused_from_the_table() -> None:
+    # on CUDA ranks (which this machine lacks: orgel.pipeline's check_graph calls this with
+    # the device it resolved); compile=True is no longer refused (tests/test_compiled.py)
+    with pytest.raises(ValueError) as info:
+        refuse("graph breaks", {"compile": True, "device": "cuda"})
+    assert str(info.value) == REFUSED[("graph breaks", "device=cuda")]
+    refuse("graph breaks", {"compile": True, "device": "cpu"})
 
 
 def test_orgel_backend_shares_the_closures_among_dp_replicas_evenly() -> None:

@@ -198,7 +198,9 @@ def pipeline(
     ``pipe.compile_s`` reports the seconds by rank. With ``tp > 1`` a DTensor weight
     enters the graphs as its local part, an FSDP-sharded stage is gathered before its
     compiled forward, and ``recompute="layer"``/``"selective"`` tag the graph's nodes for
-    the partitioner. Not yet with graph breaks (refused before any rank starts).
+    the partitioner. With graph breaks a stage is cut at its exchanges with the calling
+    process, and the pieces between them are compiled
+    (:class:`~orgel.runtime.compiled.SegmentedStage`).
 
     ``recompute``: how each stage's backward gets its activations (default False: the
     forward keeps them, or a given plan's own choice): ``"stage"`` (or True) runs the
@@ -312,7 +314,8 @@ def pipeline(
     prepared.keys, prepared.aliases = keys, aliases
     glue = prepared.graph.glue
     if glue is not None:  # several graphs: the controller runs the Python between them
-        glued_loop = {**loop, "loss_scaling": scaling}  # the ranks unscale what it scaled
+        # the ranks unscale what it scaled; their stages compile cut at the exchanges
+        glued_loop = {**loop, "loss_scaling": scaling, "compile": compile}
         glued_pipe: Pipeline
         if spmd:  # process 0 is the controller
             from orgel.explicit.glued_job import start_job

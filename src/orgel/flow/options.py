@@ -192,8 +192,6 @@ REFUSED: dict[tuple[str, str], str] = {
                                  "losses pipe.step returns",
     ("backend", "loss_rule"): "in orgel.backend the closure weighs its own loss (divide by "
                               "the micro-batch count, or by the batch's token count)",
-    ("graph breaks", "compile"): "compile=True is not available for a forward of several "
-                                 "graphs (graph breaks) yet: pass compile=False",
     ("graph breaks", "device=cuda"): "a forward of several graphs (graph breaks) runs on CPU ranks "
                                 "only: pass device='cpu', or remove the graph breaks",
     ("backend graph breaks", "precision"): "orgel.backend's precision= opens an autocast "

@@ -171,6 +171,13 @@ def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, int]:
     return {name: home_rank(name, plan, split) for name in glue.eager}
 
 
+def side_leaf(leaf: torch.Tensor) -> None:
+    """Make ``leaf`` one of the present micro-batch's leaves on this rank (see
+    :meth:`RankExchange.leaves`): a split backward's ``I`` walks towards it too."""
+    if _RUNTIME is not None:
+        _RUNTIME.add_leaf(leaf)
+
+
 def set_runtime(runtime: Any) -> None:
     """Make ``exchange`` ask ``runtime`` (a rank's :class:`RankExchange`)."""
     global _RUNTIME
@@ -215,6 +222,10 @@ class RankExchange:
         """
         return {f"<exchange anchor {k}>": a for k, a in enumerate(self._anchors.get(m, ()))}
 
+    def add_leaf(self, leaf: torch.Tensor) -> None:
+        """A leaf of the present micro-batch's forward that :meth:`leaves` returns too."""
+        self._anchors.setdefault(self.microbatch, []).append(leaf)
+
     def __call__(self, c: int, mask: tuple[bool, ...], anchor: torch.Tensor,
                  outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         key = (self.step, c, self.microbatch)
@@ -224,7 +235,7 @@ class RankExchange:
             self._values[key] = self.inbox.get("x_in", key)
         values = [v.to(self.device) for v in self._values[key]]
         if anchor.grad_fn is None and anchor.requires_grad:  # a leaf: the chain's start, or
-            self._anchors.setdefault(self.microbatch, []).append(anchor)  # a stage input
+            self.add_leaf(anchor)  # a stage input
         return _Exchanged.apply(self, key, mask, anchor, values, *outs)
 
 

@@ -26,6 +26,11 @@ is made a DTensor again inside it, so AOTAutograd sees plain tensors in and out 
 collectives are in the graphs): the input half leaves such a weight without a gradient
 as it does any other, and the weight half adds the local gradient back as a DTensor.
 
+A stage that holds exchanges with the calling process (a forward with graph breaks,
+:mod:`orgel.graph.glue`) runs through :class:`SegmentedStage`: its graph cut at each
+exchange, each piece between them a :class:`CompiledStage` over the stage's weights, the
+exchanges eager between them (they send and receive).
+
 Graphs are compiled once per stage and input signature (shapes, dtypes, grad mode;
 a new sequence length compiles again, once) and cached; :attr:`CompiledStage.compile_s`
 adds up the compile time. Random draws (dropout) use PyTorch's generator, not
@@ -296,6 +301,119 @@ class CompiledStage:
         compiled.weights = len(params)
         self._params_now = list(params.values())
         return compiled.fn(*(own_part(t) for t in tensors), *(args[k] for k in positions))
+
+
+class SegmentedStage:
+    """A stage whose graph holds exchanges with a controller (a forward of several graphs,
+    :mod:`orgel.graph.glue`): the graph cut at each exchange, the pieces between them run
+    through :class:`CompiledStage` and the exchanges eagerly between them (they send and
+    receive: AOTAutograd cannot trace them). Each piece is a graph of its own over the
+    stage's weights (read as the stage's attributes, so the weight half of a split
+    backward adds to the stage's parameters) and one autograd node with its own input and
+    weight halves, so ``B``, ``I`` and ``W`` run as for a stage of one piece; the
+    exchanges' backwards run between them, in autograd's order.
+    """
+
+    def __init__(self, module: torch.fx.GraphModule, recompute: bool | str = False,
+                 layers: Sequence[tuple[str | None, list[str]]] = ()) -> None:
+        self.module = module
+        graph = module.graph
+        self.inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
+        self.output = graph.output_node()
+        #: in order: a compiled piece (its runner, its inputs' and outputs' node names), or
+        #: an exchange's node (and the items taken from what it returns) run as it is
+        self.steps: list[tuple[CompiledStage | None, list[str], list[str], torch.fx.Node]] = []
+        self.pieces: list[CompiledStage] = []
+        run: list[torch.fx.Node] = []
+        for node in graph.nodes:
+            if node.op in ("placeholder", "get_attr", "output"):
+                continue
+            if _is_exchange(node) or (node.op == "call_function" and node.args
+                                      and isinstance(node.args[0], torch.fx.Node)
+                                      and _is_exchange(node.args[0])):
+                self._piece(module, run, recompute, layers)
+                run = []
+                self.steps.append((None, [], [], node))
+            else:
+                run.append(node)
+        self._piece(module, run, recompute, layers)
+
+    def _piece(self, module: torch.fx.GraphModule, nodes: list[torch.fx.Node],
+               recompute: bool | str, layers: Sequence[tuple[str | None, list[str]]]) -> None:
+        if not nodes:
+            return
+        inside = set(nodes)
+        piece = torch.fx.Graph()
+        piece.placeholder("piece_anchor")  # unused: see __call__
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        inputs: list[str] = []
+
+        def arg(n: torch.fx.Node) -> torch.fx.Node:
+            if n not in env:
+                if n.op == "get_attr":  # the stage's weight, read by the piece itself
+                    env[n] = piece.get_attr(str(n.target))
+                else:
+                    env[n] = piece.placeholder(n.name)
+                    inputs.append(n.name)
+            return env[n]
+
+        for node in nodes:
+            env[node] = piece.node_copy(node, arg)
+        outputs = [n.name for n in nodes if any(u not in inside for u in n.users)]
+        by_name = {n.name: n for n in nodes}
+        piece.output(tuple(env[by_name[n]] for n in outputs))
+        names = {n.name for n in nodes}
+        kept = [(layer, [n for n in run if n in names]) for layer, run in layers]
+        runner = CompiledStage(torch.fx.GraphModule(module, piece), recompute, kept)
+        self.pieces.append(runner)
+        self.steps.append((runner, inputs, outputs, nodes[-1]))
+
+    @property
+    def compile_s(self) -> float:
+        return sum(piece.compile_s for piece in self.pieces)
+
+    @property
+    def saved_bytes(self) -> list[int]:
+        return [b for piece in self.pieces for b in piece.saved_bytes]
+
+    def __call__(self, *args: Any) -> Any:
+        unshard = getattr(self.module, "unshard", None)
+        if unshard is not None:  # FSDP2: the pieces read the stage's gathered weights
+            unshard()
+        from orgel.graph.glue import side_leaf
+
+        env: dict[str, Any] = dict(zip(self.inputs, args, strict=True))
+        for runner, inputs, outputs, node in self.steps:
+            if runner is not None:
+                # a leaf of the split backward's I for every piece (the exchanges' side
+                # leaves): a piece whose inputs carry no gradient (it reads only the
+                # controller's values and weights) lies on no path from the stage's outputs
+                # to its inputs, and I would leave its weight half out
+                anchor = torch.zeros((), requires_grad=torch.is_grad_enabled())
+                if anchor.requires_grad:
+                    side_leaf(anchor)
+                env.update(zip(outputs, runner(anchor, *(env[n] for n in inputs)),
+                               strict=True))
+                continue
+            a, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+            env[node.name] = node.target(*a, **kw)  # type: ignore[operator]
+        return torch.fx.node.map_arg(self.output.args[0], lambda n: env[n.name])
+
+
+def _is_exchange(node: torch.fx.Node) -> bool:
+    from orgel.graph.glue import exchange
+
+    return node.op == "call_function" and node.target is exchange
+
+
+def compiled_stage(module: torch.nn.Module, recompute: bool | str = False,
+                   layers: Sequence[tuple[str | None, list[str]]] = ()
+                   ) -> CompiledStage | SegmentedStage:
+    """The compiled runner of stage ``module``: cut at its exchanges where it holds any."""
+    if isinstance(module, torch.fx.GraphModule) and any(
+            _is_exchange(n) for n in module.graph.nodes):
+        return SegmentedStage(module, recompute, layers)
+    return CompiledStage(module, recompute, layers)
 
 
 def recompute_tags(module: torch.nn.Module, policy: bool | str,

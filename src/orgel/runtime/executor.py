@@ -56,7 +56,7 @@ from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.buffers import ReplicaBuffers
 from orgel.runtime.comm import Transport
-from orgel.runtime.compiled import CompiledStage
+from orgel.runtime.compiled import CompiledStage, SegmentedStage
 from orgel.runtime.dropped import DroppedStep
 from orgel.runtime.forward_actions import ForwardActions
 from orgel.runtime.messages import check_gradient_values, message_shapes
@@ -175,7 +175,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         self.act_dim = 0 if act_dim is None else act_dim
         self.check_finite = check_finite
         #: by stage: its compiled graphs (``compile``; made at the stage's first forward)
-        self.compiled: dict[int, CompiledStage] | None = {} if compile else None
+        self.compiled: dict[int, CompiledStage | SegmentedStage] | None = {} if compile else None
         self.actions = plan.schedule[self.rank]
         self.stages = {s: StageInfo.build(plan, split, s, self.rank)
                        for s in plan.stages_on(self.rank)}

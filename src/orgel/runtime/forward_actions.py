@@ -33,7 +33,7 @@ from orgel.batching import (
 from orgel.launch.devices import move
 from orgel.launch.errors import NonFiniteLoss
 from orgel.lossweights import Weight, batch_weights, weigh
-from orgel.runtime.compiled import CompiledStage
+from orgel.runtime.compiled import CompiledStage, SegmentedStage, compiled_stage
 from orgel.runtime.outputs import Share, keep
 from orgel.runtime.stage import Run, StageInfo, random_stream, stream_seed
 from orgel.schedule.comm import _Pairs
@@ -63,7 +63,7 @@ class ForwardActions:
     with_loss: bool
     seed: int
     steps_done: int
-    compiled: dict[int, CompiledStage] | None
+    compiled: dict[int, CompiledStage | SegmentedStage] | None
     kept: dict[int, Share] | None
     fetch_inputs: Callable[[int], dict[str, torch.Tensor]] | None
     on_microbatch: Callable[[int], None] | None
@@ -154,7 +154,7 @@ class ForwardActions:
         else:
             runner = self.compiled.get(info.index)
             if runner is None:
-                runner = self.compiled[info.index] = CompiledStage(
+                runner = self.compiled[info.index] = compiled_stage(
                     info.stage.module, self.plan.recompute[info.index], info.stage.layers)
             out = runner(*args)
         outputs = (out,) if isinstance(out, torch.Tensor) else tuple(out)

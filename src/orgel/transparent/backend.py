@@ -386,7 +386,7 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     multiple of ``d``; ``shard="fsdp"`` shards the replicas' state and ``tp=t`` splits
     each pipeline rank over ``t`` processes (``sequence_parallel=True``: what the split
     layers leave whole cut along the sequence); ``recompute``, ``schedule`` and ``compile``
-    (the ranks' stages through Inductor; not with graph breaks) as in :func:`orgel.pipeline`
+    (the ranks' stages through Inductor, with graph breaks too) as in :func:`orgel.pipeline`
     (``ranks`` counts every process). Its other options (``device``, ``init``, ...) are
     refused with the reason (:data:`orgel.flow.options.REFUSED`).
     ``replicated``: positions of ``step``'s batch arguments (0 is the first after the

@@ -201,12 +201,13 @@ def start_glued(backend: Backend, rows: int) -> Any:
                        **flow_options(backend, torchrun))
     plan, split = prepared.plan, prepared.split
     keys, aliases = model_aliases(holder)
+    loop = {**backend.loop, "compile": backend.compile}  # the stages cut at the exchanges
     if torchrun:  # process 0's closures run the Python between the graphs
         from orgel.explicit.glued_job import start_job
 
         return start_job(workload, plan, split, glue, optimizer=backend.optimizer,
                          timeout_s=backend.timeout_s, keys=keys, aliases=aliases,
-                         options=backend.loop, closures=True)
+                         options=loop, closures=True)
     return start(workload, plan, split, glue, optimizer=backend.optimizer,
                  timeout_s=backend.timeout_s, threads=backend.threads, keys=keys,
-                 aliases=aliases, closures=True, options=backend.loop)
+                 aliases=aliases, closures=True, options=loop)
