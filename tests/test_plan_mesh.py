@@ -124,7 +124,8 @@ def test_fsdp_step_is_gather_forward_backward_reduce_scatter() -> None:
     plain, c = _one_stage("none")
     sharded, _ = _one_stage("fsdp")
     assert plain.plan.shard == ["none"] and sharded.plan.shard == ["fsdp"]
-    assert plain.plan.meta["mesh"] == {"pp": 1, "tp": 1, "dp": 2, "shard": "none"}
+    assert plain.plan.meta["mesh"] == {"pp": 1, "tp": 1, "dp": 2, "shard": "none",
+                                       "sequence_parallel": False}
     # each replica computes half of the micro-batch; replicas 0 and 1 share a node
     compute = (4.0 + 8.0) / 2
     allreduce = 2 * 1 * INTRA.time(64 * MIB // 2)
@@ -171,7 +172,9 @@ def test_planner_picks_tensor_parallelism_when_it_is_faster() -> None:
     got = plan(c, 2, 2, tp=(1, 2), planner="uniform-layers")
     # tp 1: a 2-stage pipeline, (2 + 1) x 12 ms; tp 2: one pipeline rank, 2 x 2 x 6 ms + comm
     assert got.plan.tp == 2 and got.plan.num_ranks == 1 and got.plan.world_size == 2
-    assert got.plan.meta["mesh"] == {"pp": 1, "tp": 2, "dp": 1, "shard": "none"}
+    assert got.plan.meta["mesh"] == {"pp": 1, "tp": 2, "dp": 1, "shard": "none",
+                                     "sequence_parallel": True}
+    assert got.plan.sequence_parallel  # as the search priced it
     assert got.step_time == pytest.approx(24 + 2 * 2 * 2 * 2 * 2 * 1 * c.link.time(2 * MIB))
     slow = dataclasses.replace(c, link=Link(latency=5.0, per_mib=10.0))  # all-reduces dominate
     assert plan(slow, 2, 2, tp=(1, 2), planner="uniform-layers").plan.tp == 1
