@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
 from orgel.graph.tensor_parallel import Region
-from orgel.runtime.tensor_parallel import _method, _replicated
+from orgel.runtime.tensor_parallel import _Enter, _Leave, _method, _replicated, gathered, no_rule
 
 #: ops whose result depends on a random draw: they run on whole tensors, as one process's
 RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "randint",
@@ -65,24 +65,23 @@ def sequence_dim(region: Region) -> int | None:
 def split_stages(stages: dict[int, Any], meshes: dict[int, DeviceMesh]) -> None:
     """Cut what the regions of this process's stages (``StageInfo`` by index, split by
     :func:`~orgel.runtime.tensor_parallel.shard_stages`; ``meshes``: each stage's TP mesh)
-    leave whole along the sequence; each stage module's ``tp_sequence`` names the nodes
-    that run on slices."""
+    leave whole along the sequence."""
     for s, info in stages.items():
         module = info.stage.module
         if isinstance(module, torch.fx.GraphModule) and info.tp_regions:
-            module.tp_sequence = split_sequence(  # type: ignore[assignment]
-                module, meshes[s], info.tp_regions)
+            split_sequence(module, meshes[s], info.tp_regions)
 
 
 def split_sequence(module: torch.fx.GraphModule, mesh: DeviceMesh,
-                   regions: list[Region]) -> list[str]:
+                   regions: list[Region]) -> None:
     """Rewrite ``module`` (whose ``regions`` :func:`~orgel.runtime.tensor_parallel.parallelize`
-    split) to keep the values between regions cut along the sequence. Returns the names of
-    the nodes that run on the slices; ``module.tp_sequence_fallbacks`` lists those that ran
-    on whole tensors instead (filled as they run)."""
+    split) to keep the values between regions cut along the sequence.
+    ``module.tp_sequence_ran`` collects the nodes that ran on a member's slice and
+    ``module.tp_sequence_fallbacks`` those that ran on whole tensors for want of a rule (both
+    filled as they run)."""
     graph = module.graph
     leaves = {n.args[0].name: n for n in graph.nodes  # type: ignore[union-attr]
-              if n.op == "call_function" and getattr(n.target, "__name__", "") == "tp_leave"}
+              if n.op == "call_function" and isinstance(n.target, _Leave)}
     fallbacks: list[str] = []
     ran: set[str] = set()
     module.tp_sequence_fallbacks = fallbacks  # type: ignore[assignment]
@@ -110,21 +109,18 @@ def split_sequence(module: torch.fx.GraphModule, mesh: DeviceMesh,
     for leave, dim in starts.items():
         if any(user in on_slices for user in leave.users):
             leave.target = _LeaveSliced(mesh, dim)
-    sliced: list[str] = []
     for node in reached:
         if node in on_slices:
             fn = _method(str(node.target)) if node.op == "call_method" else node.target
             node.op, node.target = "call_function", _OnSlices(fn, node.name,  # type: ignore[arg-type]
                                                               fallbacks, ran)
-            sliced.append(node.name)
             continue
         for source in [n for n in node.all_input_nodes if n in on_slices or n in starts]:
             with graph.inserting_before(node):
-                whole = graph.call_function(_whole, (source,))
+                whole = graph.call_function(gathered, (source,))
             node.replace_input_with(source, whole)
     graph.lint()
     module.recompile()
-    return sliced
 
 
 def _feeding_regions(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -148,7 +144,7 @@ def _torch_op(target: Any) -> bool:
 
 
 def _enters(node: torch.fx.Node) -> bool:
-    return getattr(node.target, "__name__", "") == "tp_enter"
+    return node.op == "call_function" and isinstance(node.target, _Enter)
 
 
 class _LeaveSliced:
@@ -163,11 +159,6 @@ class _LeaveSliced:
         if not isinstance(y, DTensor):
             return y
         return y.redistribute(self.mesh, [Shard(self.dim)])
-
-
-def _whole(value: Any) -> Any:
-    """``value`` with every DTensor in it gathered to a plain, whole tensor."""
-    return tree_map_only(DTensor, lambda t: t.full_tensor(), value)
 
 
 class _OnSlices:
@@ -195,11 +186,11 @@ class _OnSlices:
                     self.ran.add(self.what)  # on this member's slice
                 return out
             except (NotImplementedError, RuntimeError) as exc:
-                if "sharding" not in str(exc).lower() and "DTensor" not in str(exc):
+                if not no_rule(exc):
                     raise
                 self.whole = True
                 self.fallbacks.append(self.what)
-        return self.fn(*_whole(args), **_whole(kwargs))
+        return self.fn(*gathered(args), **gathered(kwargs))
 
 
 

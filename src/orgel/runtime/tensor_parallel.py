@@ -276,17 +276,26 @@ class _Guarded:
             try:
                 return self.fn(*_replicated(args), **_replicated(kwargs))
             except (NotImplementedError, RuntimeError) as exc:
-                if "sharding" not in str(exc).lower() and "DTensor" not in str(exc):
+                if not no_rule(exc):
                     raise
                 self.full = True
                 self.fallbacks.append(self.what)
         mesh = next(a.device_mesh for a in _flat(args, kwargs) if isinstance(a, DTensor))
-        args, kwargs = torch.utils._pytree.tree_map_only(
-            DTensor, lambda t: t.full_tensor(), (args, kwargs))
-        out = self.fn(*args, **kwargs)
+        out = self.fn(*gathered(args), **gathered(kwargs))
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
             out)
+
+
+def no_rule(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by an op on DTensors) says DTensor has no sharding rule for
+    the op: the op then runs on the gathered, whole tensors instead."""
+    return "sharding" in str(exc).lower() or "DTensor" in str(exc)
+
+
+def gathered(tree: Any) -> Any:
+    """``tree`` with every DTensor in it gathered to a plain, whole tensor."""
+    return torch.utils._pytree.tree_map_only(DTensor, lambda t: t.full_tensor(), tree)
 
 
 def _replicated(tree: Any) -> Any:
