@@ -51,12 +51,8 @@ def replicated_step(single: Plan, replicated: Plan, bc: BlockCosts
     (:func:`~orgel.costs.blocks.optimizer_peak`: its gradients' flat copy for the
     all-reduce or reduce-scatter, which one replica's pipeline does not make), with the
     sends held and gloo's receive buffers, as :func:`orgel.plan.predict.predict` reports it."""
-    got = replica_step(single, replicated, receives_kept=bc.receives_posted_ahead)
-    if got is not None and single.costs is not None:
-        # the sends a rank may hold at once, as predict counts them (a replica's messages
-        # carry its share, as the single pipeline's do)
-        held = CompiledPlan(single).held_send_bytes(grad_bytes=single.costs.edge_grad_bytes)
-        got = got[0], got[1] + np.tile(held, replicated.num_ranks // single.num_ranks)
+    got = replica_step(single, replicated, receives_kept=bc.receives_posted_ahead,
+                       held_sends=True)
     if got is None:
         from orgel.sim import simulate
 
@@ -68,14 +64,16 @@ def replicated_step(single: Plan, replicated: Plan, bc: BlockCosts
     return got[0], np.maximum(got[1], np.asarray(floor, dtype=float))
 
 
-def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False
-                 ) -> tuple[float, np.ndarray] | None:
+def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False,
+                 held_sends: bool = False) -> tuple[float, np.ndarray] | None:
     """``(step_time, peak_memory[rank])`` of ``replicated`` from one simulation of ``single``.
 
     ``single`` is the pipeline (``P`` ranks, costs of its share of a
     micro-batch); ``replicated`` is it on ``dp`` replica groups (whole
     micro-batch costs, every stage on ``dp`` ranks). None when the replicas'
-    links differ (simulate ``replicated`` in full then).
+    links differ (simulate ``replicated`` in full then). ``held_sends``: the peak counts the
+    sends a rank may hold at once, as :func:`orgel.plan.predict.predict` does (the full
+    simulation, which this equals without it, does not).
     """
     p, total = single.num_ranks, replicated.num_ranks
     if total % p or single.costs is None or replicated.costs is None:
@@ -104,4 +102,7 @@ def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False
         step = max(step, ready + allreduce_time(group, link_costs, grads))
     peak = cp.peak_memory(arrays, dur, end, receives_kept=receives_kept,
                           grad_bytes=costs.edge_grad_bytes)
+    if held_sends:  # the sends a rank may hold at once, as predict counts them (a
+        # replica's messages carry its share, as the single pipeline's do)
+        peak = peak + cp.held_send_bytes(grad_bytes=costs.edge_grad_bytes)
     return step, np.tile(peak, dp)
