@@ -89,15 +89,16 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self.optimizer = optimizer or default_optimizer
         check_loop_options(optimizer=self.optimizer, scheduler=scheduler, lr=lr,
                            max_grad_norm=max_grad_norm, accumulate=accumulate)
-        #: the ranks' training-loop options (see orgel.runtime.optimizer)
+        #: the ranks' executor options: the training loop (see orgel.runtime.optimizer), and
+        #: their stages through Inductor or not (orgel.runtime.compiled)
         self.loop: dict[str, Any] = {"scheduler": scheduler, "lr": lr,
-                                     "max_grad_norm": max_grad_norm, "accumulate": accumulate}
+                                     "max_grad_norm": max_grad_norm, "accumulate": accumulate,
+                                     "compile": compile}
         self.memory, self.dp, self.given_plan, self.schedule = memory, dp, plan, schedule
         self.shard = shard  # how the dp replicas hold their state ("none" or "fsdp")
         self.tp = tp  # processes per pipeline rank (tensor parallelism); ranks counts all
         self.sequence_parallel = sequence_parallel  # what tp leaves whole, cut by sequence
         self.recompute = recompute  # every stage's (orgel.runtime.checkpointing)
-        self.compile = compile  # the ranks' stages through Inductor (orgel.runtime.compiled)
         self.timeout_s, self.threads = timeout_s, threads
         self.batch_dim = batch_dim
         #: positions of ``step``'s arguments that go whole to every closure

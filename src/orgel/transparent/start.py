@@ -94,8 +94,7 @@ def start_ranks(backend: Backend) -> Started:
         return ClosureEngine(plan.pipeline_rank_of(process), plan, split,
                              optimizer=backend.optimizer, conn=conn,
                              timeout_s=backend.timeout_s,
-                             options={**backend.loop, "replicated": whole,
-                                      "compile": backend.compile},
+                             options={**backend.loop, "replicated": whole},
                              batch_dim=backend.batch_dim)
 
     # names and tensors no graph reads (tied aliases, an unused pooler) come from the
@@ -149,9 +148,6 @@ def start_glued(backend: Backend, rows: int) -> Any:
     Parameters of the compiled module that no graph reads are trained from the closures'
     gradients (:class:`orgel.explicit.closures.ClosurePipeline`).
     """
-    from orgel.flow.options import refuse
-
-    refuse("graph breaks", {"compile": backend.compile})  # before anything is planned
     torchrun = under_torchrun()
     join(backend.timeout_s)
     assert backend._found is not None
@@ -201,13 +197,12 @@ def start_glued(backend: Backend, rows: int) -> Any:
                        **flow_options(backend, torchrun))
     plan, split = prepared.plan, prepared.split
     keys, aliases = model_aliases(holder)
-    loop = {**backend.loop, "compile": backend.compile}  # the stages cut at the exchanges
     if torchrun:  # process 0's closures run the Python between the graphs
         from orgel.explicit.glued_job import start_job
 
         return start_job(workload, plan, split, glue, optimizer=backend.optimizer,
                          timeout_s=backend.timeout_s, keys=keys, aliases=aliases,
-                         options=loop, closures=True)
+                         options=backend.loop, closures=True)
     return start(workload, plan, split, glue, optimizer=backend.optimizer,
                  timeout_s=backend.timeout_s, threads=backend.threads, keys=keys,
-                 aliases=aliases, closures=True, options=loop)
+                 aliases=aliases, closures=True, options=backend.loop)
