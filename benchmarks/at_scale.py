@@ -258,8 +258,9 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
     from orgel.costs.blocks import chain_split
     from orgel.plan.predict import labelled, predicted, replicated
     from orgel.plan.replicated import replica_step
-    from orgel.plan.scorer import Scorer, Template
+    from orgel.plan.scorer import Scorer
     from orgel.plan.splits import uniform_points
+    from orgel.plan.templates import Template
     from orgel.schedule.families import build_schedule
 
     started = time.perf_counter()

@@ -187,7 +187,7 @@ class NormedBranch(MeanBranch):
 
 @pytest.mark.slow
 def test_a_microbatch_off_the_path_with_batchnorm_stages_is_a_clear_error() -> None:
-    from orgel.explicit.glued import GlueError
+    from orgel.explicit.fallback import GlueError
 
     torch.manual_seed(0)
     x = torch.randn(8, 8)
@@ -208,7 +208,7 @@ def test_with_tp_a_microbatch_off_the_path_is_a_clear_error() -> None:
     """With tensor parallelism the controller does not run a micro-batch itself (a
     rank's values are gathered by all its processes at once, not mid-step): the step
     that leaves the captured graphs says so and what to do, after one that trained."""
-    from orgel.explicit.glued import GlueError
+    from orgel.explicit.fallback import GlueError
 
     torch.manual_seed(0)
     model = MeanBranch()

@@ -152,3 +152,10 @@ def test_a_plan_is_frozen() -> None:
     assert (plan.tp, changed.tp) == (1, 2) and "note" not in plan.meta
     assert changed.processes_of(1) == [2, 3]
     assert (changed.pipeline_rank_of(3), changed.tp_member_of(3)) == (1, 1)
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """Files stay focused: a module over 500 lines is split by what its parts do."""
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"split these modules (lines): {long}"

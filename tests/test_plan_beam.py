@@ -9,8 +9,9 @@ import pytest
 
 from orgel.costs.blocks import BlockCosts
 from orgel.plan.beam import _moves, beam_search
-from orgel.plan.scorer import Scorer, Template
+from orgel.plan.scorer import Scorer
 from orgel.plan.splits import balanced_points, time_weights
+from orgel.plan.templates import Template
 from orgel.schedule.costs import Link
 from orgel.schedule.families import build_schedule
 

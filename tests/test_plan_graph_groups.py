@@ -10,8 +10,9 @@ from orgel.costs.blocks import BlockCosts, stage_graph
 from orgel.plan import graph as G
 from orgel.plan.graph import graph_plan
 from orgel.plan.replicas import score_layouts, stage_layout
-from orgel.plan.scorer import Scorer, Template
+from orgel.plan.scorer import Scorer
 from orgel.plan.sp import Leaf, Parallel, Series, SPTree, TreeCosts, branch_groups, decompose
+from orgel.plan.templates import Template
 from orgel.schedule.costs import Link
 from orgel.schedule.families import build_schedule
 from orgel.schedule.validate import validate

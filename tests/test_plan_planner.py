@@ -133,7 +133,8 @@ def test_gloo_plans_hold_every_receive_buffer() -> None:
     from dataclasses import replace
 
     from orgel.plan.predict import held_sends, predict
-    from orgel.plan.scorer import Scorer, Template
+    from orgel.plan.scorer import Scorer
+    from orgel.plan.templates import Template
     from orgel.schedule.comm import derive_comm
     from orgel.schedule.families import build_schedule
     from orgel.sim import simulate

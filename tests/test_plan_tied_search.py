@@ -15,8 +15,8 @@ from orgel.models import build
 from orgel.plan.graph import graph_plan
 from orgel.plan.planner import InfeasibleError, plan
 from orgel.plan.predict import predict
-from orgel.plan.scorer import Scorer, Template
-from orgel.plan.templates import one_f_one_b, v_shape
+from orgel.plan.scorer import Scorer
+from orgel.plan.templates import Template, one_f_one_b, v_shape
 from orgel.profile.workload import capture_workload
 from orgel.schedule.costs import Link
 from orgel.schedule.families import build_schedule

@@ -282,7 +282,8 @@ def test_what_i_keeps_for_w_is_alive_from_i_not_from_f() -> None:
 
 def test_split_stages_take_their_measured_halves() -> None:
     from orgel.plan.predict import predicted
-    from orgel.plan.scorer import Scorer, Template
+    from orgel.plan.scorer import Scorer
+    from orgel.plan.templates import Template
     from orgel.schedule.families import build_schedule
 
     inp, weight = [0.5, 1.5, 1.6, 1.7], [2.0, 1.2, 1.3, 1.4]

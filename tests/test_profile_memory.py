@@ -170,7 +170,8 @@ def test_first_backward_frees_activations_as_it_makes_gradients(
     from dataclasses import replace
 
     from orgel.plan.predict import predict
-    from orgel.plan.scorer import Scorer, Template
+    from orgel.plan.scorer import Scorer
+    from orgel.plan.templates import Template
     from orgel.plan.workload import attach_split
     from orgel.profile.workload import capture_workload, profile_graph
     from orgel.schedule.families import build_schedule

@@ -15,8 +15,8 @@ from orgel.backward import weight_backward
 from orgel.costs.blocks import BlockCosts, stage_cost
 from orgel.plan import plan
 from orgel.plan.predict import end_of_step, held_sends
-from orgel.plan.scorer import Scorer, Template
-from orgel.plan.templates import one_f_one_b
+from orgel.plan.scorer import Scorer
+from orgel.plan.templates import Template, one_f_one_b
 from orgel.profile.blocks import measure_block
 from orgel.profile.contention import companions
 from orgel.profile.timing import Timer

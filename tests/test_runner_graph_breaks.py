@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import orgel.transparent.backend as ob
-from orgel.explicit.glued import GlueError
+from orgel.explicit.fallback import GlueError
 from orgel.flow.options import REFUSED
 from test_runner import (
     M,

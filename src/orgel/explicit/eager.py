@@ -3,7 +3,7 @@
 Code outside every graph (a module Dynamo ran as Python) trains them: the controller
 computes their gradient (on its own copy for ``orgel.pipeline``, on the caller's module
 for ``orgel.backend``'s closures), sums it over the micro-batches in order and sends it
-to each parameter's home rank (:func:`orgel.graph.glue.home_rank`), which steps it with
+to each parameter's home rank (:func:`orgel.split.exchanges.home_rank`), which steps it with
 the rest and sends the new value back.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from orgel.explicit.fallback import summed
 from orgel.explicit.mailbox import Stopped
-from orgel.graph import glue as glue_mod
+from orgel.split.exchanges import exchange_stages, home_rank
 
 
 class EagerParameters:
@@ -55,7 +55,7 @@ class EagerParameters:
             by_rank[self._homes[name]][name] = None
         for name, total in summed(slots).items():
             home = self._homes.get(name)
-            by_rank[glue_mod.home_rank(name, self.plan, self._split) if home is None
+            by_rank[home_rank(name, self.plan, self._split) if home is None
                     else home][name] = total
         reset = all(s.off_path for s in slots)
         for r, grads in by_rank.items():
@@ -104,4 +104,4 @@ def controller_copy(model: torch.nn.Module, eager: list[str]) -> torch.nn.Module
 
 def exchange_ranks(plan: Any, split: Any) -> dict[int, tuple[int, ...]]:
     """For each exchange (by graph call), the ranks whose stage holds it, by replica."""
-    return {c: tuple(plan.placement[s]) for c, s in glue_mod.exchange_stages(split).items()}
+    return {c: tuple(plan.placement[s]) for c, s in exchange_stages(split).items()}

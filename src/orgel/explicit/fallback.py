@@ -19,7 +19,7 @@ ran fewer) is computed here instead, exactly as one process computes it:
    backward, and keeps this micro-batch's gradient of every parameter;
 4. with the gradients of the parameters the Python between graphs trains, they
    are summed over the micro-batches in order and sent to each parameter's home
-   rank (:func:`orgel.graph.glue.home_rank`; rank 0 keeps a copy of every
+   rank (:func:`orgel.split.exchanges.home_rank`; rank 0 keeps a copy of every
    parameter no stage reads), which adds them before its gradient sums.
 
 Why the whole micro-batch, in the controller: the ranks hold only the captured

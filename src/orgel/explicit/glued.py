@@ -41,14 +41,13 @@ from orgel import guard
 from orgel.batching import batch_rows, placeholders, side_by_side, split_microbatches
 from orgel.explicit.eager import EagerParameters, controller_copy, exchange_ranks
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
-from orgel.explicit.fallback import Deviated, Fallback, check_outside, deviation
-from orgel.explicit.fallback import GlueError as GlueError  # its home before the fallback
+from orgel.explicit.fallback import Deviated, Fallback, GlueError, check_outside, deviation
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
 from orgel.flow.start import loss_processes
-from orgel.graph import glue as glue_mod
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
 from orgel.lossweights import batch_weights, weigh
+from orgel.split.exchanges import eager_homes
 from orgel.worker.pipe import Pipeline
 from orgel.workload import named_inputs
 
@@ -148,7 +147,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         self._input_names = list(split.model_input_names)
         # the parameters code outside every graph trains: their gradients are computed
         # here, on a copy of them (the caller's model stays as it was), and a rank steps them
-        self._homes = glue_mod.eager_homes(glue, plan, split)
+        self._homes = eager_homes(glue, plan, split)
         self._home_ranks = sorted(set(self._homes.values()))
         self._split = split
         # the ranks that wait for the controller's gradients every step

@@ -83,7 +83,8 @@ class Glue:
     reason: str  # Dynamo's graph break, as the single-graph capture reported it
     exchanges: dict[int, str] = field(default_factory=dict)  # call -> its exchange node
     #: parameters that code outside every graph trains (the Python between graphs, a module
-    #: Dynamo ran eagerly, a custom Function's backward), by name; see :func:`eager_homes`
+    #: Dynamo ran eagerly, a custom Function's backward), by name; see
+    #: :func:`orgel.split.exchanges.eager_homes`
     eager: list[str] = field(default_factory=list)
     #: ``(device type, dtype)`` of the autocast the forward ran under (mixed precision):
     #: the joined graph holds that region, and the Python between graphs runs in it
@@ -141,34 +142,6 @@ class _Recorded(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         zeros = [torch.zeros(s, dtype=d, device=dev) if f else None for s, d, dev, f in ctx.like]
         return (None, None, None, *zeros)
-
-
-def exchange_stages(split: Any) -> dict[int, int]:
-    """For each exchange in ``split`` (by graph call), the index of the stage that holds it."""
-    found: dict[int, int] = {}
-    for s, stage in enumerate(split.stages):
-        graph = getattr(stage.module, "graph", None)
-        for node in graph.nodes if graph is not None else ():
-            if node.op == "call_function" and node.target is exchange:
-                found[int(node.args[1])] = s
-    return found
-
-
-def home_rank(name: str, plan: Any, split: Any) -> int:
-    """The rank that steps parameter ``name`` when the controller computes its gradient.
-
-    A parameter that a stage also reads lives on the lowest rank holding such a
-    stage: the controller's gradient is added to that copy's before the tied
-    sum. Any other lives on rank 0, as a parameter of no stage.
-    """
-    ranks = [plan.placement[s][0] for s, st in enumerate(split.stages)
-             if name in st.param_names.values()]
-    return min(ranks, default=0)
-
-
-def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, int]:
-    """For each parameter the controller trains (:attr:`Glue.eager`), its :func:`home_rank`."""
-    return {name: home_rank(name, plan, split) for name in glue.eager}
 
 
 def side_leaf(leaf: torch.Tensor) -> None:
@@ -289,7 +262,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
     :class:`Glue` that the controller follows in training. Parameters that
     code outside every graph trains are listed in :attr:`Glue.eager`: the
     controller computes their gradients, a rank keeps and steps them
-    (:func:`eager_homes`).
+    (:func:`orgel.split.exchanges.eager_homes`).
     """
 
     params = {id(p): n for n, p in model.named_parameters()}

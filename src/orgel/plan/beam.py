@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orgel.plan.scorer import Score, Scorer, Template
+from orgel.plan.scorer import Score, Scorer
 from orgel.plan.splits import Points, valid_points
+from orgel.plan.templates import Template
 
 
 @dataclass

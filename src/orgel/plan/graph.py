@@ -47,8 +47,9 @@ from dataclasses import dataclass
 
 from orgel.costs.blocks import BlockCosts
 from orgel.plan.replicas import StageSpec, replica_counts, score_layouts
-from orgel.plan.scorer import Score, Scorer, Template
+from orgel.plan.scorer import Score, Scorer
 from orgel.plan.sp import Leaf, Parallel, Series, SPTree, TreeCosts, decompose
+from orgel.plan.templates import Template
 from orgel.schedule.ir import Plan
 
 

@@ -33,7 +33,7 @@ from orgel.costs.mesh import TP_DEGREES, check_tp
 from orgel.plan.graph import graph_plan
 from orgel.plan.predict import end_of_step, labelled, predicted, replicated
 from orgel.plan.replicated import replicated_step
-from orgel.plan.scorer import Scorer, Template
+from orgel.plan.scorer import Scorer
 from orgel.plan.screen import (
     MESH_TOP,
     QUICK_TEMPLATES,
@@ -45,7 +45,7 @@ from orgel.plan.screen import (
 )
 from orgel.plan.sequential import sequential_plan
 from orgel.plan.splits import BASELINES, balanced_points, baseline_points, memory_weights
-from orgel.plan.templates import one_f_one_b
+from orgel.plan.templates import Template, one_f_one_b
 from orgel.schedule.ir import SHARDS, Plan
 from orgel.sim import SimResult
 

@@ -14,7 +14,7 @@ import math
 
 from orgel.costs.blocks import BlockCosts, optimizer_peak, stage_costs, stage_graph
 from orgel.costs.tied import plan_tied_weights
-from orgel.plan.scorer import Template
+from orgel.plan.templates import Template
 from orgel.plan.transforms import replicate
 from orgel.schedule.ir import Plan
 from orgel.schedule.validate import validate

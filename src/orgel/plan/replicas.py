@@ -6,7 +6,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from orgel.costs.blocks import BlockCosts, stage_graph
-from orgel.plan.scorer import Score, Scorer, Template
+from orgel.plan.scorer import Score, Scorer
+from orgel.plan.templates import Template
 from orgel.plan.transforms import split_backward
 from orgel.schedule.families import build_schedule
 from orgel.schedule.ir import PlanError

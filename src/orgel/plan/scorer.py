@@ -30,7 +30,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,8 @@ from orgel.costs.blocks import (
 from orgel.costs.recompute import ChainPolicies, rerun
 from orgel.costs.tied import plan_tied_weights, tied_shared, tied_stages, tied_within
 from orgel.plan.floor import memory_floor, stage_peak_alive
-from orgel.plan.ranks import best_ranks, channel_traffic, renamed
+from orgel.plan.ranks import best_ranks, channel_traffic
+from orgel.plan.templates import Template, rename
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Plan, StageGraph, TiedWeight
 from orgel.sim.compiled import CompiledPlan
@@ -57,33 +57,6 @@ from orgel.sim.compiled import CompiledPlan
 #: pipeline of 64 ranks over 512 micro-batches compiles to ~0.5M ops, and a search
 #: that kept every split's stage graph would not stay within a few GiB.
 COMPILED_OPS = 1_500_000
-
-
-@dataclass
-class Template:
-    """A schedule with a fixed number of stages and placement; splits fill its stages."""
-
-    label: str  # e.g. "interleaved v=2"
-    family: str
-    options: dict[str, Any]
-    base: Plan  # built on a chain stage graph; its schedule and placement are reused
-
-    @property
-    def num_stages(self) -> int:
-        return self.base.num_stages
-
-    @property
-    def placement(self) -> list[tuple[int, ...]]:
-        return self.base.placement
-
-    def rank_stages(self) -> list[list[int]]:
-        """Stages hosted by each rank."""
-        return [self.base.stages_on(r) for r in range(self.base.num_ranks)]
-
-    @cached_property
-    def splits_backward(self) -> bool:
-        """Whether the schedule runs ``I``/``W`` halves (``I`` keeps gradients for ``W``)."""
-        return any(a.kind == "I" for actions in self.base.schedule for a in actions)
 
 
 @dataclass
@@ -479,12 +452,6 @@ class Scorer:
                       node_ranks=self.bc.node_ranks, node_link=self.bc.node_link)
         return np.array([[costs.link_between(a, b).time(nbytes) if a != b else 0.0
                           for b in range(ranks)] for a in range(ranks)])
-
-
-def rename(template: Template, perm: tuple[int, ...]) -> Template:
-    """``template`` with rank ``r`` renamed ``perm[r]`` (placement and action lists move)."""
-    return Template(template.label, template.family, dict(template.options),
-                    renamed(template.base, perm))
 
 
 class _RangeMax:

@@ -41,9 +41,9 @@ from typing import TypeVar
 from orgel.costs.blocks import BlockCosts, chain_split
 from orgel.costs.mesh import mesh_costs
 from orgel.plan.predict import end_of_step, labelled, replicated
-from orgel.plan.scorer import Score, Scorer, Template
+from orgel.plan.scorer import Score, Scorer
 from orgel.plan.splits import Points, balanced_points, memory_weights, time_weights
-from orgel.plan.templates import Spec, cached_template
+from orgel.plan.templates import Spec, Template, cached_template
 from orgel.schedule.ir import Plan
 
 #: The schedules a quick plan tries: 1F1B and interleaved 1F1B with two stages per rank.

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from orgel.plan.beam import beam_search
-from orgel.plan.scorer import Score, Scorer, Template
+from orgel.plan.scorer import Score, Scorer
 from orgel.plan.splits import Points, balanced_points, memory_weights, time_weights
-from orgel.plan.templates import Spec, cached_template, schedule_key, template_specs
+from orgel.plan.templates import Spec, Template, cached_template, schedule_key, template_specs
 
 RAMPS = (0.0, 0.1, 0.2)
 

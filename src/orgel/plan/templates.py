@@ -18,12 +18,47 @@ parameters, same action lists) are dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
-from orgel.plan.scorer import Template
+from orgel.plan.ranks import renamed
 from orgel.plan.transforms import split_backward
 from orgel.schedule.families import FAMILIES, build_schedule
-from orgel.schedule.ir import PlanError, StageGraph
+from orgel.schedule.ir import Plan, PlanError, StageGraph
+
+
+@dataclass
+class Template:
+    """A schedule with a fixed number of stages and placement; splits fill its stages."""
+
+    label: str  # e.g. "interleaved v=2"
+    family: str
+    options: dict[str, Any]
+    base: Plan  # built on a chain stage graph; its schedule and placement are reused
+
+    @property
+    def num_stages(self) -> int:
+        return self.base.num_stages
+
+    @property
+    def placement(self) -> list[tuple[int, ...]]:
+        return self.base.placement
+
+    def rank_stages(self) -> list[list[int]]:
+        """Stages hosted by each rank."""
+        return [self.base.stages_on(r) for r in range(self.base.num_ranks)]
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs ``I``/``W`` halves (``I`` keeps gradients for ``W``)."""
+        return any(a.kind == "I" for actions in self.base.schedule for a in actions)
+
+
+
+def rename(template: Template, perm: tuple[int, ...]) -> Template:
+    """``template`` with rank ``r`` renamed ``perm[r]`` (placement and action lists move)."""
+    return Template(template.label, template.family, dict(template.options),
+                    renamed(template.base, perm))
 
 
 def sequential_families() -> list[str]:

@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 from orgel.batching import batch_size
 from orgel.graph import glue
 from orgel.runtime.sharding import shard_like
+from orgel.split.exchanges import eager_homes, exchange_stages, home_rank
 from orgel.worker.engine import RankEngine
 
 
@@ -158,7 +159,7 @@ class ClosureEngine(RankEngine):
     """Worker side of the closure runner: lazy model inputs and the surrogate loss.
 
     For a forward of several graphs (``glue``) it also keeps the parameters the
-    controller trains that are homed on this rank (:func:`orgel.graph.glue.eager_homes`):
+    controller trains that are homed on this rank (:func:`orgel.split.exchanges.eager_homes`):
     before the gradient sums it adds the controller's gradients (``"p_grad"``),
     after the optimizer it sends their new values back (``"p_value"``).
 
@@ -179,12 +180,12 @@ class ClosureEngine(RankEngine):
                  batch_dim: int = 0, fallback: bool = False) -> None:
         self.inbox = RankInbox(conn, timeout_s)
         self.surrogate = SurrogateLoss(self.inbox)
-        homes = (glue.eager_homes(glue_info, plan, split) if glue_info is not None else {})
+        homes = (eager_homes(glue_info, plan, split) if glue_info is not None else {})
         self.homed = sorted(n for n, r in homes.items() if r == rank)
         kept = list(self.homed)
         if fallback and model is not None:  # the controller may train any parameter
             kept += [n for n, _ in model.named_parameters()
-                     if n not in homes and glue.home_rank(n, plan, split) == rank]
+                     if n not in homes and home_rank(n, plan, split) == rank]
         held = {n for st in (split.stages[s] for s in plan.stages_on(rank))
                 for n in st.param_names.values()}
         extra = {}
@@ -207,7 +208,7 @@ class ClosureEngine(RankEngine):
         # under loss scaling the controller scaled the gradients it sends: not again here
         self.executor.scale_seed = False
         self.exchange: glue.RankExchange | None = None
-        if glue.exchange_stages(split):
+        if exchange_stages(split):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
             self.executor.side_leaves = self.exchange.leaves

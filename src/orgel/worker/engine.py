@@ -24,6 +24,7 @@ from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import OptimizerFactory
 from orgel.runtime.sharding import full_tensor, own_part, shard_like
 from orgel.schedule.ir import Plan
+from orgel.split.exchanges import exchange_stages
 from orgel.split.types import SplitModel
 from orgel.worker.evaluation import LazyEvaluation
 
@@ -51,7 +52,7 @@ class RankEngine:
     ) -> None:
         from orgel.runtime.executor import Executor  # late: it pulls in torch.distributed
 
-        if not self.serves_exchanges and glue.exchange_stages(split):
+        if not self.serves_exchanges and exchange_stages(split):
             raise glue.CaptureError("this split joins several graphs of a forward with graph "
                                     "breaks: it trains only through orgel.pipeline (local "
                                     "spawn), whose controller runs the Python between them")

@@ -1,0 +1,36 @@
+"""Where a split of a forward of several graphs keeps its exchanges and the controller's
+parameters (see :mod:`orgel.graph.glue`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orgel.graph.glue import Glue, exchange
+
+
+def exchange_stages(split: Any) -> dict[int, int]:
+    """For each exchange in ``split`` (by graph call), the index of the stage that holds it."""
+    found: dict[int, int] = {}
+    for s, stage in enumerate(split.stages):
+        graph = getattr(stage.module, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "call_function" and node.target is exchange:
+                found[int(node.args[1])] = s
+    return found
+
+
+def home_rank(name: str, plan: Any, split: Any) -> int:
+    """The rank that steps parameter ``name`` when the controller computes its gradient.
+
+    A parameter that a stage also reads lives on the lowest rank holding such a
+    stage: the controller's gradient is added to that copy's before the tied
+    sum. Any other lives on rank 0, as a parameter of no stage.
+    """
+    ranks = [plan.placement[s][0] for s, st in enumerate(split.stages)
+             if name in st.param_names.values()]
+    return min(ranks, default=0)
+
+
+def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, int]:
+    """For each parameter the controller trains (:attr:`Glue.eager`), its :func:`home_rank`."""
+    return {name: home_rank(name, plan, split) for name in glue.eager}
