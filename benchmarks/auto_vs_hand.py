@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hand_predict import predicted_steps  # noqa: E402
 from hand_split import WORKLOADS, Workload, cut  # noqa: E402
 from vs_torch_pipelining import _cpu_busy, _own_cpu, trace_torch  # noqa: E402
 
@@ -363,16 +364,23 @@ def bench_row(key: str, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
         row["orgel_cpu"] = statistics.median(r["cpu"] for r in orgel_runs) * 1e3
         row["torch_kinds"] = _kinds(torch_runs)
         row["orgel_kinds"] = _kinds(with_trace)
+        # the same hand split and schedules priced by orgel's model, from orgel's table
+        row["hand_predicted"] = predicted_steps(work, ranks, m, list(first_torch), pipe.plan)
     finally:
         pipe.close()
         group.close()
     return row
 
 
-def _predicted_gain(row: dict[str, Any]) -> str:
-    """orgel's predicted step of an equal-layer split over that of its own plan."""
-    base = row["baselines"].get("uniform-layers")
-    return f"{base / row['predicted']:.2f}" if base else "?"
+def _predicted_ratio(row: dict[str, Any]) -> float:
+    """orgel / torch as orgel's model predicts it: its predicted step of torch's hand split
+    under the schedule measured fastest, over that of its own plan."""
+    predicted = row["hand_predicted"]
+    return predicted[row["best"]] / predicted["orgel"]
+
+
+def _measured_ms(row: dict[str, Any], name: str) -> float:
+    return row["batch"] / row["rates"][name] * 1e3
 
 
 def main() -> None:
@@ -430,17 +438,19 @@ def main() -> None:
             print(f"  compute of all ranks by kind (ms/step): torch {row['torch_kinds']}; "
                   f"orgel {row['orgel_kinds']}; CPU time of all ranks (ms/step): torch "
                   f"{row['torch_cpu']:.0f}, orgel {row['orgel_cpu']:.0f}")
-            predicted = _predicted_gain(row)
+            print("  step ms, predicted / measured: " + ", ".join(
+                f"{k} {v:.0f} / {_measured_ms(row, k):.0f}"
+                for k, v in row["hand_predicted"].items()))
             print(f"  -> torch {row['torch']:.2f} samples/s, orgel {row['orgel']:.2f}, "
-                  f"ratio {row['orgel'] / row['torch']:.2f} (orgel's model predicts "
-                  f"{predicted} over its equal-block 1F1B split); other processes' load "
+                  f"ratio {row['orgel'] / row['torch']:.2f} (predicted "
+                  f"{_predicted_ratio(row):.2f}); other processes' load "
                   f"{row['foreign']:.2f} cores", flush=True)
     print("\n| workload | ranks | torch best | torch samples/s | orgel plan | orgel samples/s "
           "| orgel / torch | predicted | foreign load |\n|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['workload']} | {row['ranks']} | {row['best']} | {row['torch']:.2f} | "
               f"{row['plan']} | {row['orgel']:.2f} | {row['orgel'] / row['torch']:.2f} | "
-              f"{_predicted_gain(row)} | {row['foreign']:.2f} |")
+              f"{_predicted_ratio(row):.2f} | {row['foreign']:.2f} |")
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; "
           f"{(time.time() - start) / 60:.1f} min")
 
