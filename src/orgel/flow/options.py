@@ -182,12 +182,6 @@ REFUSED: dict[tuple[str, str], str] = {
                          "orgel.pipeline(..., init=...) for a meta model",
     ("backend", "weights"): "orgel.backend takes a model with values: load them with "
                             "model.load_state_dict, or use orgel.pipeline(..., weights=...)",
-    ("backend", "loss_scale"): "orgel.backend takes precision '32' or 'bf16-mixed': float16 "
-                               "needs the closure's own backward scaled as well; use "
-                               "orgel.pipeline(..., precision='16-mixed')",
-    ("backend", "precision=16-mixed"): "orgel.backend takes precision '32' or 'bf16-mixed': "
-                                       "float16 needs the closure's own backward scaled as "
-                                       "well; use orgel.pipeline(..., precision='16-mixed')",
     ("backend", "check_finite"): "in orgel.backend the loss is the closure's: check the "
                                  "losses pipe.step returns",
     ("backend", "loss_rule"): "in orgel.backend the closure weighs its own loss (divide by "

@@ -52,7 +52,6 @@ import torch
 from orgel import guard
 from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.explicit.mailbox import RankPipes
-from orgel.flow.options import REFUSED
 from orgel.graph.dynamo import dynamo_settings
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
@@ -80,7 +79,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                  batch_dim: int = 0, replicated: tuple[int, ...] = (),
                  shard: str = "none", tp: int = 1, recompute: bool | str = False,
                  schedule: str | None = None, compile: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False,
+                 loss_scale: dict[str, Any] | None = None) -> None:
         from orgel.flow.capture import default_optimizer
         from orgel.flow.options import check_options
 
@@ -127,8 +127,13 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         from orgel.precision import autocast_dtype, scales_loss
 
         self._precision = autocast_dtype(precision)  # ValueError for unknown names
+        #: float16's loss scale, the ranks' (they unscale, skip and update it): what
+        #: :meth:`scale` multiplies a closure's loss by this step (None: no scaling)
+        self._scale: float | None = None
         if scales_loss(precision):
-            raise ValueError(REFUSED[("backend", "precision=16-mixed")])
+            self._scale = float((loss_scale or {}).get("init_scale", 2.0 ** 16))
+            # the closures scale their own losses: the ranks' loss stage does not again
+            self.loop["loss_scaling"] = dict(loss_scale or {}) or True
 
     # -- torch.compile side -------------------------------------------------------------
 
@@ -211,6 +216,29 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
 
     # -- the runner ----------------------------------------------------------------------
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the pipeline's float16 loss scale (``precision="16-mixed"``); else
+        ``loss`` itself. In a closure, ``backend.scale(loss).backward()`` is GradScaler's
+        ``scaler.scale(loss).backward()``: the ranks unscale every gradient before the
+        optimizer, skip a step whose gradients overflowed and back the scale off, as
+        ``scaler.step``/``scaler.update`` do (:mod:`orgel.runtime.scaler`). Under 16-mixed a
+        closure's backward must start from it."""
+        if self._scale is None:
+            return loss
+        m = getattr(self._local, "microbatch", None)
+        if m is None and not self._discovering:  # (the first step's search runs one here)
+            raise RuntimeError("call backend.scale(loss) inside a closure run by step(...)")
+        if m is not None and m < len(self._slots):
+            self._slots[m].scaled = True
+        return loss * self._scale
+
+    def _refresh_scale(self) -> None:
+        """The ranks' loss scale now (after a step backed it off or grew it, or a load)."""
+        if self._scale is not None and self.pipe is not None:
+            state = self.pipe.loss_scale
+            if state is not None:
+                self._scale = float(state["scale"])
+
     def step(self, closure: Callable[..., Any], *batch: Any) -> list[Any]:
         """Run ``closure`` once per micro-batch of ``batch``; the optimizer steps once after.
 
@@ -258,6 +286,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
             self._find_graphs(closure, pieces, rows)
         if isinstance(self.pipe, ClosurePipeline):
             return self.pipe.step_closures(closure, pieces, rows)
+        self._refresh_scale()
         return self._run_closures(closure, pieces)
 
     def _run_closures(self, closure: Callable[..., Any], pieces: list[list[Any]]) -> list[Any]:
@@ -359,6 +388,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self._pipes, self.pipe = RankPipes(started.conns), started.pipe
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
+            self._refresh_scale()  # the checkpoint's, before any closure scales its loss
 
 
 def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactory | None = None,
@@ -375,7 +405,9 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     graph is captured on that step's first micro-batch). Options as in
     :func:`orgel.pipeline`; ``precision="bf16-mixed"`` runs the compiled model
     under ``torch.autocast`` with bfloat16, as an autocast the closure opens
-    around it would (the closure's own loss is the closure's). ``scheduler``, ``lr``,
+    around it would (the closure's own loss is the closure's); ``"16-mixed"`` with
+    float16, and the closure starts its backward from ``pipe.scale(loss)`` (GradScaler's
+    ``scaler.scale(loss)``; ``loss_scale``: GradScaler's options). ``scheduler``, ``lr``,
     ``max_grad_norm`` and ``accumulate`` as in :func:`orgel.pipeline`; with
     ``accumulate=k`` the closures' gradients count ``1/k`` (as ``(loss / k).backward()``)
     and the optimizer steps on every k-th ``step``. ``batch_dim``: the
@@ -402,11 +434,16 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     """
     from orgel.flow.options import options, refuse
     from orgel.plan.transforms import pipeline_ranks
+    from orgel.precision import scales_loss
     from orgel.runtime.checkpointing import check_policy
     from orgel.runtime.sharding import check_shard_option
 
     options(**others)  # a misspelt name: TypeError with the names that exist
     refuse("backend", {**others, "dp": dp, "precision": precision})
+    loss_scale = others.get("loss_scale")
+    if loss_scale is not None and not scales_loss(precision):
+        raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
+                         f"precision={precision!r} does not scale the loss")
     check_world(ranks)  # under torchrun: one process per rank
 
     tp, shard = int(others.get("tp", 1)), str(others.get("shard", "none"))
@@ -431,5 +468,6 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    shard=shard, tp=tp, schedule=others.get("schedule"),
                    sequence_parallel=bool(others.get("sequence_parallel", False)),
                    recompute=check_policy(others.get("recompute", False)),
-                   compile=bool(others.get("compile", False)))
+                   compile=bool(others.get("compile", False)),
+                   loss_scale=dict(loss_scale) if loss_scale is not None else None)
 

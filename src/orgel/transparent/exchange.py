@@ -32,6 +32,7 @@ class RankLink:
     _feed_lock: threading.Lock
     _input_ranks: list[int]
     _loss_processes: list[list[int]]
+    _scale: float | None  # float16: the loss scale the closures multiply by (else None)
 
     def _feed(self, slot: Slot) -> None:
         """Send the input ranks the ranks' micro-batch of ``slot`` once all its closures
@@ -53,6 +54,11 @@ class RankLink:
         if slot.grad_sent:
             raise RuntimeError("backward ran twice through the pipelined model in one closure")
         slot.grad_sent = True
+        if grads is not None and getattr(self, "_scale", None) is not None and not slot.scaled:
+            raise RuntimeError("precision='16-mixed': start the closure's backward from "
+                               "pipe.scale(loss) (as GradScaler's scaler.scale(loss)"
+                               ".backward()), not from loss itself: the ranks unscale every "
+                               "gradient by the loss scale")
         for process in self._loss_processes[slot.index % self.dp]:
             self._pipes.send(process, ("grad", slot.index // self.dp, grads))
 

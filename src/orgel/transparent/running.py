@@ -56,6 +56,13 @@ class RunningPipeline:
         norm = self._running().grad_norm
         return None if norm is None else float(norm)
 
+    @property
+    def loss_scale(self) -> dict[str, Any] | None:
+        """Under ``precision="16-mixed"``: the ranks' ``{"scale", "growth_tracker",
+        "skipped"}`` after the last step (see :attr:`orgel.Pipeline.loss_scale`); else None."""
+        state = self._running().loss_scale
+        return None if state is None else dict(state)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The compiled model's parameters and buffers by their original names."""
         return dict(self._running().state_dict())

@@ -150,6 +150,7 @@ class Slot:
         self.outputs: list[torch.Tensor] | None = None
         self.delivered = threading.Event()  # outputs arrived (or the step was aborted)
         self.grad_sent = False
+        self.scaled = False  # float16: the closure's loss was multiplied by the scale
         self.result: Any = None
         self.error: BaseException | None = None
         self.done = False
