@@ -4,7 +4,8 @@
 balanced chain of the backend's own capture, as :func:`fuzzing.make_plan` makes for
 ``orgel.pipeline``) and one recompute policy for every stage, and returns it with a ``step``
 that trains one batch as a user's loop would: the compiled model called in a closure on
-each micro-batch share, ``(loss / shares).backward()``, ``pipe.step(closure, *batch)``.
+each micro-batch share, ``(loss / shares).backward()`` (``pipe.scale(loss / shares)
+.backward()`` under float16, GradScaler's idiom), ``pipe.step(closure, *batch)``.
 Its loss is the batch's, as ``orgel.pipeline``'s ``step`` returns it, so both entry
 points are judged against the same one-process run.
 """
@@ -34,15 +35,16 @@ def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any
                          timeout_s=timeout_s, recompute=recompute, **family,
                          **loop)
     compiled = torch.compile(w.model, backend=pipe)
-    bf16 = setup.precision == "bf16-mixed"
+    cast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(setup.precision)
 
     def closure(*args: Any) -> float:
         *values, targets = args
-        # bf16-mixed as one process runs it: the forward and the loss under autocast (which
-        # computes cross-entropy in float32); precision= alone leaves the loss to the closure
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        # mixed precision as one process runs it: the forward and the loss under autocast
+        # (which computes cross-entropy in float32); precision= alone leaves the loss to the
+        # closure
+        with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
             loss = w.loss_fn(compiled(**dict(zip(keys, values, strict=True))), targets)
-        (loss / shares).backward()  # accumulate=k: the backend counts each call 1/k
+        pipe.scale(loss / shares).backward()  # accumulate=k: the backend counts each call 1/k
         return float(loss.detach()) / shares
 
     def step(inputs: Any, targets: Any) -> float:

@@ -171,6 +171,49 @@ def test_backend_first_step_leaves_autograd_alone_and_trains_as_one_process() ->
 
 
 @pytest.mark.slow
+def test_closing_a_backend_drops_the_code_compiled_with_it_and_nothing_else() -> None:
+    """Each backend compiles the model's frames anew: closed, its entries go (else a process
+    that makes backend after backend of one model class reaches Dynamo's recompile limit),
+    and the caller's own compiled code of the same frames stays."""
+    import orgel
+
+    compiles: list[torch.fx.GraphModule] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        compiles.append(gm)
+        return gm
+
+    torch.manual_seed(0)
+    own = torch.compile(nn.Sequential(nn.Linear(8, 4)), backend=counting, dynamic=False)
+    x = torch.randn(8, 8)
+    own(x)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    pipe = orgel.backend(ranks=2, microbatches=2, optimizer=_sgd, threads=1, timeout_s=60)
+    compiled = torch.compile(model, backend=pipe, dynamic=False)
+
+    def closure(x: torch.Tensor) -> None:
+        compiled(x).sum().backward()
+
+    def compiled_with_pipe() -> int:
+        from torch._dynamo.convert_frame import input_codes
+
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+        codes = [c for c in (ref() for ref in list(input_codes.seen)) if c is not None]
+        return sum(getattr(e.backend, "compiler_fn", None) is pipe
+                   for c in codes for e in entries(c))
+
+    try:
+        pipe.step(closure, x)
+        assert compiled_with_pipe() > 0
+    finally:
+        pipe.close()
+    assert compiled_with_pipe() == 0
+    before = len(compiles)
+    own(x)
+    assert len(compiles) == before  # the caller's entry is still there
+
+
+@pytest.mark.slow
 def test_pipelining_a_model_with_graph_breaks_keeps_the_callers_compiled_code() -> None:
     """The capture of a forward with graph breaks converts the model's own frames; it drops
     what it compiled there and nothing of the caller's (no ``torch._dynamo.reset()``)."""

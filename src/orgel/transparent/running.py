@@ -103,9 +103,14 @@ class RunningPipeline:
         return list(self._running().timeline())
 
     def close(self) -> None:
-        """Stop the ranks."""
+        """Stop the ranks, and drop the code Dynamo compiled with this backend (only that:
+        it would keep its graphs alive and count against the recompile limit of the model's
+        frames, which another backend of the same model class compiles again)."""
+        from orgel.graph.dynamo import forget_compiled
+
         if self.pipe is not None:
             self.pipe.close()
+        forget_compiled(self)
 
     def __enter__(self) -> Any:
         return self
