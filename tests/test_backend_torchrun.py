@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,7 @@ compiled = torch.compile(model, backend=pipe)
 
 def closure(x, y):
     loss = loss_fn(compiled(x), y) / 2
-    loss.backward()
+    pipe.scale(loss).backward()  # float16: GradScaler's scaler.scale(loss) (else loss)
     return float(loss.detach())
 
 
@@ -56,18 +57,25 @@ except Exception as exc:
     error = f"{type(exc).__name__}: {exc}"
 pipe.close()
 opt = sgd(list(reference.parameters()))
+half = json.loads(sys.argv[2]).get("precision") == "16-mixed"
+scaler = torch.amp.GradScaler("cpu", enabled=half)
 want = []
 for _ in range(2):
     opt.zero_grad()
     total = 0.0
     for xm, ym in zip(x.chunk(2), targets.chunk(2)):
-        loss = loss_fn(reference(xm), ym) / 2
-        loss.backward()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+            out = reference(xm)
+        loss = loss_fn(out, ym) / 2
+        scaler.scale(loss).backward()
         total += float(loss.detach())
-    opt.step()
+    scaler.step(opt)
+    scaler.update()
     want.append(total)
 with torch.no_grad():
-    ref_eval = float(loss_fn(reference(x), targets))
+    with torch.autocast("cpu", dtype=torch.float16, enabled=half):  # as precision= runs it
+        out = reference(x)
+    ref_eval = float(loss_fn(out, targets))
 diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
     json.dump({"got": got, "want": want, "diff": diff, "steps": pipe.steps, "eval": evaluated,
@@ -75,23 +83,26 @@ with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
 '''
 
 
-@pytest.mark.parametrize(("processes", "options"), [(2, {}), (4, {"tp": 2})],
-                         ids=["two-ranks", "tp2"])
+@pytest.mark.parametrize(("processes", "options"),
+                         [(2, {}), (4, {"tp": 2}), (2, {"precision": "16-mixed"})],
+                         ids=["two-ranks", "tp2", "fp16"])
 def test_orgel_backend_trains_under_torchrun_as_one_process(
-        tmp_path: Path, processes: int, options: dict[str, int]) -> None:
+        tmp_path: Path, processes: int, options: dict[str, Any]) -> None:
     """Two steps match one process on every process (losses, every weight, an evaluation
     outside step on the trained values); one checkpoint folder; a closure that raises on
-    process 0 stops every process's step, each saying why, and nothing hangs."""
+    process 0 stops every process's step, each saying why, and nothing hangs. In float16
+    the closures scale their losses (``pipe.scale``) as GradScaler does in one process."""
+    tol = 1e-5 if options.get("precision") == "16-mixed" else 1e-6
     out = tmp_path / "ckpt"
     code, log = _torchrun(tmp_path, SCRIPT, str(out), json.dumps(options),
                           processes=processes)
     assert code == 0, log[-3000:]
     for rank in range(processes):
         result = json.loads((out / f"result{rank}.json").read_text())
-        assert result["got"] == pytest.approx(result["want"], rel=1e-6), rank
-        assert result["diff"] < 1e-6, rank
+        assert result["got"] == pytest.approx(result["want"], rel=tol), rank
+        assert result["diff"] < tol, rank
         assert result["steps"] == 2
-        assert result["eval"] == pytest.approx(result["ref_eval"], rel=1e-6)
+        assert result["eval"] == pytest.approx(result["ref_eval"], rel=tol)
         assert result["folder"] == str(out / "step-00000002")
         # process 0 raises the closure's error; the others hear that it stopped the ranks
         expected = ("ValueError: the closure of step 3 fails" if rank == 0 else

@@ -235,7 +235,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
     def _refresh_scale(self) -> None:
         """The ranks' loss scale now (after a step backed it off or grew it, or a load)."""
         if self._scale is not None and self.pipe is not None:
-            state = self.pipe.loss_scale
+            state = self.pipe.ranks_loss_scale()  # inside step: not a call of its own
             if state is not None:
                 self._scale = float(state["scale"])
 

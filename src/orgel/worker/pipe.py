@@ -428,6 +428,11 @@ class Pipeline(StepCount):
         """Under ``precision="16-mixed"``: ``{"scale", "growth_tracker", "skipped"}`` after the
         last step (``skipped``: its gradients held an inf/NaN and no rank stepped); else None.
         """
+        return self.ranks_loss_scale()
+
+    def ranks_loss_scale(self) -> dict[str, Any] | None:
+        """:attr:`loss_scale`, asked of the ranks inside another call (under torchrun, not a
+        call of process 0's that the other processes make too)."""
         states = [s for s in self.call_ranks("loss_scale") if s is not None]
         return states[0] if states else None
 
