@@ -111,8 +111,9 @@ def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None, *,
     saved = None if cache is None else cache / f"{name}-{device.name}{suffix}.json"
     if saved is not None and saved.exists():
         costs = BlockCosts.load(saved)
-        # a table saved before the TP facts (and AsyncTP's linears) is estimated again
-        if any(s.column for s in costs.tp_split):
+        # a table saved before the TP facts (and AsyncTP's linears), or before the bytes
+        # each edge carries (the mask alone to the later layers), is estimated again
+        if any(s.column for s in costs.tp_split) and (costs.edge_bytes or costs.is_chain()):
             return costs, time.perf_counter() - started, float(costs.meta["parameters"])
     if name not in _GRAPHS:
         w = MODELS[name][0]()

@@ -157,18 +157,24 @@ def edge_grad_bytes(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]
         sa, sb = owner[a], owner[b]
         if sa != sb:
             per = grads.setdefault((sa, sb), {})
-            per[a] = max(per.get(a, 0), min(bc.output[a], bc.edge_grads.get((a, b), bc.output[a])))
+            per[a] = max(per.get(a, 0), min(edge_out(bc, a, b),
+                                            bc.edge_grads.get((a, b), bc.output[a])))
     return [sum(per.values()) for _, per in sorted(grads.items())]
+
+
+def edge_out(bc: BlockCosts, a: int, b: int) -> int:
+    """Bytes block ``a`` sends block ``b`` (``bc.edge_bytes``; all its output without)."""
+    return min(bc.output[a], bc.edge_bytes.get((a, b), bc.output[a]))
 
 
 def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> StageGraph:
     """The stage DAG of a split: one edge per stage pair, one value per producing block.
 
     A block's output goes to another stage once, however many of that stage's
-    blocks read it; it carries a gradient (``Value.grad``) unless none of its
-    edges into that stage sends one back (``bc.edge_grads``, as in
-    :func:`edge_grad_bytes`). Raises ValueError when the split leaves a block out, puts
-    one in two stages or makes a cycle between stages.
+    blocks read it, with the bytes of the values they read (:func:`edge_out`); it
+    carries a gradient (``Value.grad``) unless none of its edges into that stage sends
+    one back (``bc.edge_grads``, as in :func:`edge_grad_bytes`). Raises ValueError when
+    the split leaves a block out, puts one in two stages or makes a cycle between stages.
     """
     owner = [-1] * bc.num_blocks
     for s, blocks in enumerate(stage_blocks):
@@ -184,7 +190,11 @@ def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> 
     for a, b in bc.edges:
         sa, sb = owner[a], owner[b]
         if sa != sb:
-            values.setdefault((sa, sb), {})[a] = bc.output[a]
+            # the values of a that the stage reads: the most any of its blocks reads (a
+            # block's outputs to several readers are nested: the hidden state and the mask
+            # to the next layer, the mask alone to the later ones)
+            per = values.setdefault((sa, sb), {})
+            per[a] = max(per.get(a, 0), edge_out(bc, a, b))
             if (a, b) not in bc.edge_grads or bc.edge_grads[(a, b)] > 0:
                 grads.setdefault((sa, sb), set()).add(a)
     stages = tuple(Stage(name=f"stage{s}", blocks=tuple(blocks),
