@@ -11,8 +11,12 @@ from orgel.costs.blocks import BlockCosts, chain_split, stage_graph
 from orgel.costs.devices import load_device
 from orgel.costs.fields import CostsFileError
 from orgel.graph import capture
+from orgel.plan.predict import held_sends
+from orgel.plan.scorer import Scorer
+from orgel.plan.templates import one_f_one_b
 from orgel.profile.roofline import estimate_costs
 from orgel.schedule.costs import Link
+from orgel.sim.compiled import CompiledPlan
 
 
 class Masked(torch.nn.Module):
@@ -73,3 +77,12 @@ def test_edge_bytes_must_name_edges() -> None:
                    activations=[0, 0], output=[0, 0], temporary=[0, 0], edges=[(0, 1)],
                    edge_bytes={(1, 0): 0})
 
+
+def test_a_value_sent_to_several_stages_is_held_once() -> None:
+    # stage 0 (blocks 0, 1) sends stage 1 block 1's activations and block 0's mask, and
+    # stage 2 the same mask: one tensor, which the sends after F0 hold once
+    bc = broadcast(True)
+    p = Scorer(bc).to_plan(one_f_one_b(3, 6), chain_split((2, 4), 6))
+    held = CompiledPlan(p).held_send_bytes()
+    assert held[0] == (1 << 24) + (1 << 20)  # before: the mask counted twice
+    assert held_sends(p)[0] == held[0]
