@@ -1,13 +1,15 @@
 """Interleaved 1F1B at depth v on one Llama-3.1-405B mesh: the predicted step and peak in parts.
 
     python benchmarks/interleave_breakdown.py [--cache DIR] [--gpus 1024] [--tp 8] [--pp 16]
-        [--v 1 2 4 8] [--recompute layer]
+        [--batch 128] [--v 1 2 4 8] [--balanced]
 
 The mesh (default PP 16 x TP 8 x DP 8, FSDP, one 8192-token sequence per micro-batch and
 replica, the 128-sequence batch: 16 micro-batches per replica) is priced as
 ``benchmarks/at_scale.py``'s ``fixed_plan`` prices torchtitan's configurations (uniform
 layers per stage, every stage recomputing per layer, sequence parallelism, blocking TP
-collectives, bf16), with ``v`` stages per rank (``v = 1``: 1F1B). Per ``v`` it prints:
+collectives, bf16), with ``v`` stages per rank (``v = 1``: 1F1B), on the table of one block
+per layer (``--balanced``: the 254 FLOP-balanced blocks the mesh search plans). Per ``v``
+it prints:
 
 * time, on the busiest rank: its compute (forward, backward), the forward its
   backward runs again, the TP collectives inside its actions, the FSDP all-gathers
