@@ -36,9 +36,10 @@ per parameter: deep pipelines). ``mesh``: the joint search of
 sharding (``none`` or ``fsdp``: optimizer state split over the replicas,
 parameters gathered once per step, gradients reduce-scattered), priced by
 :mod:`orgel.costs.mesh`; each (tp, P, shard) whose state cannot fit is
-skipped, the others are priced by a quick plan (:mod:`orgel.plan.screen`)
-and the best few get the full search with 1 s of beam. ``x`` is the mesh row's MFU over the
-pipeline row's.
+skipped, the others are priced by a quick plan (:mod:`orgel.plan.screen`: 1F1B, and
+interleaved 1F1B with 2, 4 and 8 stages per rank for the best few) and the best few get
+the full search with 1 s of beam (interleaving up to 8 stages per rank,
+:data:`MESH_LOOPS`). ``x`` is the mesh row's MFU over the pipeline row's.
 
 torchtitan's published Llama 3.1 405B run (docs/performance.md, Table 5,
 torchtitan 9dec370 of 2024-12-26): 512 H100s (96 GB HBM2e, 500 W), FSDP 8 x
@@ -82,7 +83,13 @@ from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
 from orgel.plan.predict import predicted  # noqa: E402
-from orgel.plan.screen import MESH_TOP, compute_bound, quick_plan, screen  # noqa: E402
+from orgel.plan.screen import (  # noqa: E402
+    MESH_TOP,
+    QUICK_TEMPLATES,
+    compute_bound,
+    quick_plan,
+    screen,
+)
 from orgel.profile.roofline import estimate_costs  # noqa: E402
 
 GIB = 1 << 30
@@ -95,6 +102,8 @@ LAYERS = {"llama3-70b": 80, "gpt3-175b": 96, "llama3.1-405b": 126}
 
 
 _GRAPHS: dict[str, tuple[Any, int]] = {}  # a model captured once per process
+#: stages per rank the mesh search interleaves at most (the pipeline-only search: 2)
+MESH_LOOPS = 8
 
 
 def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None, *,
@@ -111,8 +120,9 @@ def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None, *,
     saved = None if cache is None else cache / f"{name}-{device.name}{suffix}.json"
     if saved is not None and saved.exists():
         costs = BlockCosts.load(saved)
-        # a table saved before the TP facts (and AsyncTP's linears) is estimated again
-        if any(s.column for s in costs.tp_split):
+        # a table saved before the TP facts (and AsyncTP's linears), or before the bytes
+        # each edge carries (the mask alone to the later layers), is estimated again
+        if any(s.column for s in costs.tp_split) and (costs.edge_bytes or costs.is_chain()):
             return costs, time.perf_counter() - started, float(costs.meta["parameters"])
     if name not in _GRAPHS:
         w = MODELS[name][0]()
@@ -176,7 +186,7 @@ def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int,
 
 
 def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: int,
-              time_limit: float = 1.0, top: int | None = MESH_TOP
+              time_limit: float = 1.0, top: int | None = MESH_TOP, loops: int = MESH_LOOPS
               ) -> tuple[PlanResult | None, float]:
     """The fastest plan over TP degree, pipeline depth, dp and sharding: (result, seconds).
 
@@ -217,7 +227,8 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
                              shard=m[3])
 
     if top is not None:
-        meshes = screen(meshes, price, top=top, bound=low)
+        meshes = screen(meshes, price, top=top, bound=low,
+                        templates=[t for t in QUICK_TEMPLATES if t.group <= loops])
     best: PlanResult | None = None
     for mesh in meshes:
         tp, _depth, dp, shard = mesh
@@ -226,7 +237,7 @@ def best_mesh(costs: BlockCosts, gpus: int, batch: int, memory: int, per_node: i
         try:
             result = plan(costs.scaled(dp), gpus, batch // dp, dp=dp, rows=dp, tp=tp,
                           shard=shard, max_replicas=1, time_limit=time_limit, planner="beam",
-                          max_loops=2, families=["1f1b", "zb-h1", "interleaved"])
+                          max_loops=loops, families=["1f1b", "zb-h1", "interleaved"])
         except InfeasibleError:
             result = None
         if mesh in quick and (result is None or quick[mesh][0] < result.step_time):
@@ -361,6 +372,8 @@ def main() -> None:
                         help="skip the prediction of torchtitan's 405B run")
     parser.add_argument("--torchtitan-only", action="store_true",
                         help="only the prediction of torchtitan's 405B run (no model rows)")
+    parser.add_argument("--loops", type=int, default=MESH_LOOPS,
+                        help="stages per rank the mesh search interleaves at most")
     parser.add_argument("--no-choice", action="store_true",
                         help="in the torchtitan part, skip orgel's own choice (its mesh search)")
     args = parser.parse_args()
@@ -398,7 +411,7 @@ def main() -> None:
                           f"(ratio {result.step_time / slow.step_time:.4f}), {slow_s:.1f} s "
                           f"to plan", flush=True)
             mesh, seconds = best_mesh(costs, gpus, batch, device.memory_bytes,
-                                      device.gpus_per_node)
+                                      device.gpus_per_node, loops=args.loops)
             if mesh is None:
                 print(f"{name:<13} {gpus:>5} mesh     nothing fits ({seconds:.1f} s)")
             else:

@@ -11,19 +11,25 @@ is re-exported here, where most code imports it.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import numpy as np
+
 from orgel.costs.recompute import stage_policies
 from orgel.costs.table import BlockCosts
 from orgel.costs.tied import tied_shared, tied_within
 from orgel.schedule.costs import Costs, StageCost
 from orgel.schedule.ir import Edge, Stage, StageGraph, Value
 
-__all__ = ["STEP_SCALARS", "BlockCosts", "chain_split", "edge_grad_bytes", "grad_overlap",
-           "optimizer_peak", "stage_cost", "stage_costs", "stage_graph", "static_parts",
+__all__ = ["STEP_SCALARS", "BlockCosts", "RangeMax", "chain_split", "edge_grad_bytes",
+           "grad_overlap", "optimizer_peak", "replica_overlap", "replica_stages",
+           "reported_peak", "stage_cost", "stage_costs", "stage_graph", "static_parts",
            "unsaved_outputs"]
 
 
 def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False,
-               shared: int = 0) -> StageCost:
+               shared: int = 0, replicas: int = 1) -> StageCost:
     """One stage made of ``blocks``: times add up, temporary is the largest block's.
 
     ``split``: the schedule splits the backward into ``I`` and ``W``. Then a
@@ -35,15 +41,14 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
     gradients of its outputs, all it keeps for ``W``.
     A tied parameter counts once however many of ``blocks`` read it;
     ``shared``: parameter bytes another stage on the same rank already holds
-    (see :func:`orgel.costs.tied.tied_shared`), left out here.
+    (see :func:`orgel.costs.tied.tied_shared`), left out here. ``replicas``: the
+    stage's data-parallel replicas, each of which makes all the gradients from its
+    share of the activations (``grad_overlap`` is one replica's: :func:`grad_overlap`).
     """
     inside = set(blocks)
     entered = {b for a, b in bc.edges if b in inside and a not in inside}
     fed = bool(entered)
-    freed = 0  # outputs that neither their block nor, inside the stage, a consumer saves
-    if any(bc.output_unsaved):
-        spare, consumers = unsaved_outputs(bc)
-        freed = sum(spare[b] for b in blocks if consumers[b] and consumers[b] <= inside)
+    freed = _freed(bc, blocks)
     params = sum(bc.params[b] for b in blocks) - tied_within(bc, blocks) - shared
     params, grads, optimizer = static_parts(params, bc.optimizer_factor)
     bwd = sum(bc.bwd[b] for b in blocks)
@@ -59,9 +64,39 @@ def stage_cost(bc: BlockCosts, blocks: list[int] | range, *, split: bool = False
         weight_kept=(0 if not split else sum(bc.weight_kept[b] for b in blocks) if fed
                      else _outgoing(bc, inside)),
         temporary=max((bc.temporary[b] for b in blocks), default=0),
-        grad_overlap=max(0, grad_overlap(bc, blocks, grads) - freed),
+        grad_overlap=replica_overlap(bc, blocks, grads, replicas, freed),
         recompute=stage_policies(bc.recompute, list(blocks)),
     )
+
+
+def _freed(bc: BlockCosts, blocks: list[int] | range) -> int:
+    """Outputs of ``blocks`` that neither their block nor, inside the stage, a consumer
+    saves (:func:`unsaved_outputs`)."""
+    if not any(bc.output_unsaved):
+        return 0
+    inside = set(blocks)
+    spare, consumers = unsaved_outputs(bc)
+    return sum(spare[b] for b in blocks if consumers[b] and consumers[b] <= inside)
+
+
+def replica_overlap(bc: BlockCosts, blocks: list[int] | range, grads: int, replicas: int,
+                    freed: int | None = None) -> int:
+    """``StageCost.grad_overlap`` of a stage of ``blocks`` on ``replicas`` ranks: one
+    replica's (:func:`grad_overlap` at its share), less its share of the outputs the stage
+    frees (``freed``: :func:`_freed`, computed when not given)."""
+    freed = _freed(bc, blocks) if freed is None else freed
+    return max(0, grad_overlap(bc, blocks, grads, 1.0 / replicas) - freed // replicas)
+
+
+def replica_stages(bc: BlockCosts, stages: list[StageCost],
+                   stage_blocks: list[range] | list[list[int]],
+                   placement: list[tuple[int, ...]]) -> list[StageCost]:
+    """``stages`` (priced whole) with each replicated stage's overlap its replica's
+    (:func:`replica_overlap`), as :func:`stage_costs` prices them given the placement."""
+    return [dataclasses.replace(st, grad_overlap=replica_overlap(
+                bc, list(stage_blocks[s]), st.grad_bytes, len(ranks)))
+            if len(ranks) > 1 else st
+            for s, (st, ranks) in enumerate(zip(stages, placement, strict=True))]
 
 
 def unsaved_outputs(bc: BlockCosts) -> tuple[list[int], list[set[int]]]:
@@ -83,8 +118,13 @@ def unsaved_outputs(bc: BlockCosts) -> tuple[list[int], list[set[int]]]:
     return spare, consumers
 
 
-def grad_overlap(bc: BlockCosts, blocks: list[int] | range, grads: int) -> int:
+def grad_overlap(bc: BlockCosts, blocks: list[int] | range, grads: int,
+                 share: float = 1.0) -> int:
     """Bytes of a stage's activations and ``grads`` never alive together in its backward.
+
+    ``share``: of the activations, for a replica that runs ``share`` of each micro-batch
+    and makes all the gradients (the overlap is not proportional to the activations: a
+    replica's is at least its share of the whole micro-batch's).
 
     Autograd runs a backward in the reverse order of the forward (blocks in
     index order) and frees each op's saved tensors once it has run, as it
@@ -96,7 +136,7 @@ def grad_overlap(bc: BlockCosts, blocks: list[int] | range, grads: int) -> int:
     weight counted in every block that reads it), which only lowers the overlap.
     """
     order = sorted(blocks)
-    acts = [bc.activations[b] for b in order]
+    acts = [int(bc.activations[b] * share) for b in order]
     made = [bc.params[b] for b in order]
     later, peak = sum(made), 0
     earlier = 0
@@ -124,12 +164,14 @@ def stage_costs(bc: BlockCosts, stage_blocks: list[list[int]] | list[range], *,
     """Sum blocks into stages: ``stage_blocks[s]`` lists the blocks of stage ``s``.
 
     ``placement`` (the plan's, optional) lets a tied parameter count once per
-    rank (:func:`orgel.costs.tied.tied_shared`); without it, once per stage.
+    rank (:func:`orgel.costs.tied.tied_shared`); without it, once per stage; and gives
+    each stage's replicas (``StageCost.grad_overlap`` is one replica's).
     """
     shared = (tied_shared(bc, stage_blocks, placement) if placement is not None
               else [0] * len(stage_blocks))
     return Costs(
-        stages=[stage_cost(bc, stage_blocks[s], split=split, shared=shared[s])
+        stages=[stage_cost(bc, stage_blocks[s], split=split, shared=shared[s],
+                           replicas=1 if placement is None else len(placement[s]))
                 for s in range(len(stage_blocks))],
         link=bc.link, links=dict(bc.links), action_overhead=bc.action_overhead,
         memory_per_rank=bc.memory_per_rank, node_ranks=bc.node_ranks, node_link=bc.node_link,
@@ -157,18 +199,24 @@ def edge_grad_bytes(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]
         sa, sb = owner[a], owner[b]
         if sa != sb:
             per = grads.setdefault((sa, sb), {})
-            per[a] = max(per.get(a, 0), min(bc.output[a], bc.edge_grads.get((a, b), bc.output[a])))
+            per[a] = max(per.get(a, 0), min(edge_out(bc, a, b),
+                                            bc.edge_grads.get((a, b), bc.output[a])))
     return [sum(per.values()) for _, per in sorted(grads.items())]
+
+
+def edge_out(bc: BlockCosts, a: int, b: int) -> int:
+    """Bytes block ``a`` sends block ``b`` (``bc.edge_bytes``; all its output without)."""
+    return min(bc.output[a], bc.edge_bytes.get((a, b), bc.output[a]))
 
 
 def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> StageGraph:
     """The stage DAG of a split: one edge per stage pair, one value per producing block.
 
     A block's output goes to another stage once, however many of that stage's
-    blocks read it; it carries a gradient (``Value.grad``) unless none of its
-    edges into that stage sends one back (``bc.edge_grads``, as in
-    :func:`edge_grad_bytes`). Raises ValueError when the split leaves a block out, puts
-    one in two stages or makes a cycle between stages.
+    blocks read it, with the bytes of the values they read (:func:`edge_out`); it
+    carries a gradient (``Value.grad``) unless none of its edges into that stage sends
+    one back (``bc.edge_grads``, as in :func:`edge_grad_bytes`). Raises ValueError when
+    the split leaves a block out, puts one in two stages or makes a cycle between stages.
     """
     owner = [-1] * bc.num_blocks
     for s, blocks in enumerate(stage_blocks):
@@ -184,7 +232,11 @@ def stage_graph(bc: BlockCosts, stage_blocks: list[list[int]] | list[range]) -> 
     for a, b in bc.edges:
         sa, sb = owner[a], owner[b]
         if sa != sb:
-            values.setdefault((sa, sb), {})[a] = bc.output[a]
+            # the values of a that the stage reads: the most any of its blocks reads (a
+            # block's outputs to several readers are nested: the hidden state and the mask
+            # to the next layer, the mask alone to the later ones)
+            per = values.setdefault((sa, sb), {})
+            per[a] = max(per.get(a, 0), edge_out(bc, a, b))
             if (a, b) not in bc.edge_grads or bc.edge_grads[(a, b)] > 0:
                 grads.setdefault((sa, sb), set()).add(a)
     stages = tuple(Stage(name=f"stage{s}", blocks=tuple(blocks),
@@ -228,7 +280,35 @@ def optimizer_peak(bc: BlockCosts, costs: Costs, placement: list[tuple[int, ...]
     return [a + max(b, c) for a, b, c in zip(static, step, flat, strict=True)]
 
 
+def reported_peak(bc: BlockCosts, costs: Costs, placement: list[tuple[int, ...]],
+                  peak: Any, held: Any) -> np.ndarray:
+    """Bytes per rank a plan is checked and reported at: the simulated ``peak`` plus the
+    sends the runtime ``held`` at once, at least the step's end (:func:`optimizer_peak`).
+    The search's scorer, its pricing of replicas (:mod:`orgel.plan.replicated`) and the
+    prediction (:func:`orgel.plan.predict.predict`) all count it here."""
+    got = np.asarray(peak, dtype=np.float64) + np.asarray(held, dtype=np.float64)
+    floor = optimizer_peak(bc, costs, placement, len(got))
+    return np.maximum(got, np.asarray(floor, dtype=np.float64))
+
+
 def chain_split(bounds: list[int] | tuple[int, ...], num_blocks: int) -> list[range]:
     """Stages of a linear split: ``bounds`` are the first block of stages 1..n-1."""
     points = [0, *bounds, num_blocks]
     return [range(points[i], points[i + 1]) for i in range(len(points) - 1)]
+
+
+class RangeMax:
+    """Maximum of ``values[a:b]`` in O(1) per query (a sparse table)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.levels = [np.asarray(values, dtype=np.int64)]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self.levels[-1]
+            self.levels.append(np.maximum(prev[:-width], prev[width:]))
+            width *= 2
+
+    def __call__(self, a: int, b: int) -> int:
+        k = (b - a).bit_length() - 1
+        level = self.levels[k]
+        return int(max(level[a], level[b - (1 << k)]))

@@ -19,7 +19,7 @@ BLOCK_KEYS = ("fwd", "bwd", "wgrad", "params", "activations", "output", "tempora
 OPTIONAL_TIMES = ("split_input", "split_weight", "optimizer_ms")
 TOP_KEYS = ("blocks", "edges", "link", "links", "memory_per_rank", "optimizer_factor",
             "optimizer_temporary", "action_overhead", "meta", "optimizer_ms_per_mib", "rows",
-            "tied", "step_overhead", "node", "edge_grads", "cores")
+            "tied", "step_overhead", "node", "edge_grads", "edge_bytes", "cores")
 
 
 class CostsFileError(ValueError):
@@ -57,11 +57,12 @@ def read_tied(data: Any) -> list[Any]:
     return data
 
 
-def read_edge_grads(data: Any) -> dict[tuple[int, int], int]:
+def read_edge_grads(data: Any, key: str = "edge_grads") -> dict[tuple[int, int], int]:
+    """``edge_grads`` (or ``edge_bytes``, the other ``key``): ``[producer, consumer, bytes]``."""
     if not isinstance(data, list) or not all(
             isinstance(x, list) and len(x) == 3 and all(isinstance(v, int) for v in x)
             for x in data):
-        raise CostsFileError("'edge_grads' must be a list of [producer, consumer, bytes]")
+        raise CostsFileError(f"'{key}' must be a list of [producer, consumer, bytes]")
     return {(a, b): n for a, b, n in data}
 
 

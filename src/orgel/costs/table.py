@@ -24,10 +24,13 @@ studied without a model. Times are milliseconds, sizes bytes::
      "node": {"ranks": 8, "link": {"latency": 0.005, "per_mib": 0.04}},  # optional
      "cores": 2}                           # optional: ranks sharing a host's processors
 
-An edge ``[a, b]`` carries block ``a``'s ``output`` bytes. ``wgrad`` defaults to half of
-``bwd``. ``rows`` (optional) is the micro-batch size, in rows along the batch dimension,
-that the times and activation bytes were measured at: ``orgel plan --costs FILE --batch
-B`` needs it to scale the table to other micro-batch sizes (:meth:`BlockCosts.scaled`).
+An edge ``[a, b]`` carries block ``a``'s ``output`` bytes, or the bytes ``edge_bytes``
+(optional, ``[[a, b, bytes], ...]``) gives it: the values of ``a`` that ``b`` reads (a
+layer reads the mask the embedding's block makes, not its hidden state). ``wgrad``
+defaults to half of ``bwd``. ``rows`` (optional) is the micro-batch size, in rows along
+the batch dimension, that the times and activation bytes were measured at: ``orgel plan
+--costs FILE --batch B`` needs it to scale the table to other micro-batch sizes
+(:meth:`BlockCosts.scaled`).
 ``weight_kept`` (optional, default 0) is what a split backward's ``I`` keeps for its
 ``W`` beyond the forward's activations (the gradients ``W`` starts from).
 ``input_saved`` (optional, default 0) is the part of a block's inputs from other blocks
@@ -150,6 +153,9 @@ class BlockCosts:
     # bytes of edge (a, b)'s values that carry a gradient back (absent: all of output[a]);
     # a mask or a position table read by every layer carries none
     edge_grads: dict[tuple[int, int], int] = field(default_factory=dict)
+    # bytes of edge (a, b)'s values (absent: all of output[a]): a layer reads the mask and
+    # the position table of the embedding's block, not the hidden state it also outputs
+    edge_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
     cores: float | None = None  # ranks that compute at once on a shared host (None: own devices)
     # what tensor parallelism splits, per block (or none): see orgel.costs.mesh
     tp_split: list[TPSplit] = field(default_factory=list)
@@ -204,10 +210,11 @@ class BlockCosts:
             raise CostsFileError(f"'nodes' has {len(self.nodes)} entries, expected one per block")
         self.edges = [(int(a), int(b)) for a, b in self.edges]
         known = set(self.edges)
-        for (a, b), nbytes in self.edge_grads.items():
-            if (a, b) not in known or nbytes < 0:
-                raise CostsFileError(f"edge_grads names [{a}, {b}] with {nbytes} bytes: give "
-                                     "bytes >= 0 for edges listed in 'edges'")
+        for key in ("edge_grads", "edge_bytes"):
+            for (a, b), nbytes in getattr(self, key).items():
+                if (a, b) not in known or nbytes < 0:
+                    raise CostsFileError(f"{key} names [{a}, {b}] with {nbytes} bytes: give "
+                                         "bytes >= 0 for edges listed in 'edges'")
         for a, b in self.edges:
             if not (0 <= a < n and 0 <= b < n):
                 raise CostsFileError(f"edge [{a}, {b}] names a block outside 0..{n - 1}")
@@ -274,6 +281,7 @@ class BlockCosts:
             step_overhead=self.step_overhead, node_ranks=self.node_ranks,
             node_link=self.node_link,
             edge_grads={e: int(b * factor) for e, b in self.edge_grads.items()},
+            edge_bytes={e: int(b * factor) for e, b in self.edge_bytes.items()},
             cores=self.cores, tp_split=[t.scaled(factor) for t in self.tp_split],
             recompute=[r.scaled(factor) for r in self.recompute])
 
@@ -312,6 +320,8 @@ class BlockCosts:
             **({"tied": [g.to_dict() for g in self.tied]} if self.tied else {}),
             **({"edge_grads": [[a, b, n] for (a, b), n in sorted(self.edge_grads.items())]}
                if self.edge_grads else {}),
+            **({"edge_bytes": [[a, b, n] for (a, b), n in sorted(self.edge_bytes.items())]}
+               if self.edge_bytes else {}),
             **({} if self.step_overhead is None else {"step_overhead": self.step_overhead}),
             **({} if self.node_ranks is None or self.node_link is None else
                {"node": {"ranks": self.node_ranks,
@@ -421,6 +431,7 @@ class BlockCosts:
                            else read_number(data["step_overhead"], "step_overhead")),
             **read_node(data.get("node")),
             edge_grads=read_edge_grads(data.get("edge_grads", [])),
+            edge_bytes=read_edge_grads(data.get("edge_bytes", []), "edge_bytes"),
             cores=None if data.get("cores") is None else read_number(data["cores"], "cores"),
             tp_split=cols["tp"], recompute=cols["recompute"],
         )

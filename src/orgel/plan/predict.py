@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from orgel.costs.blocks import BlockCosts, optimizer_peak, stage_costs, stage_graph
+from orgel.costs.blocks import BlockCosts, reported_peak, stage_costs, stage_graph
 from orgel.costs.tied import plan_tied_weights
 from orgel.plan.templates import Template
 from orgel.plan.transforms import replicate
@@ -86,10 +86,11 @@ def predict(p: Plan, costs: BlockCosts) -> SimResult:
     sim.step_time += end
     held = compiled.held_send_bytes(
         grad_bytes=None if p.costs is None else p.costs.edge_grad_bytes)
-    sim.peak_memory = [a + int(b) for a, b in zip(sim.peak_memory, held, strict=True)]
-    if p.costs is not None:
-        floor = optimizer_peak(costs, p.costs, p.placement, p.num_ranks)
-        sim.peak_memory = [max(a, b) for a, b in zip(sim.peak_memory, floor, strict=True)]
+    if p.costs is None:
+        sim.peak_memory = [a + int(b) for a, b in zip(sim.peak_memory, held, strict=True)]
+    else:  # as the search counts it (the scorer, orgel.plan.replicated)
+        peak = reported_peak(costs, p.costs, p.placement, sim.peak_memory, held)
+        sim.peak_memory = [int(round(x)) for x in peak]
     return sim
 
 

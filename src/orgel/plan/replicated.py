@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from orgel.costs.blocks import BlockCosts, optimizer_peak
+from orgel.costs.blocks import BlockCosts, reported_peak
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
 from orgel.sim.allreduce import allreduce_time, gather_time, plan_allreduces, plan_gathers
@@ -47,21 +47,24 @@ def replicated_step(single: Plan, replicated: Plan, bc: BlockCosts
                     ) -> tuple[float, np.ndarray]:
     """``(step_time, peak_memory[rank])`` of ``replicated``: from one simulation of
     ``single`` (:func:`replica_step`), or of ``replicated`` in full where the replicas'
-    links differ; the peak at least the step's end on the replicated placement
-    (:func:`~orgel.costs.blocks.optimizer_peak`: its gradients' flat copy for the
-    all-reduce or reduce-scatter, which one replica's pipeline does not make), with the
-    sends held and gloo's receive buffers, as :func:`orgel.plan.predict.predict` reports it."""
+    links differ; the peak with the sends held and gloo's receive buffers, at least the
+    step's end on the replicated placement (its gradients' flat copy for the all-reduce or
+    reduce-scatter, which one replica's pipeline does not make): what
+    :func:`orgel.plan.predict.predict` reports, counted by the same
+    :func:`~orgel.costs.blocks.reported_peak`."""
     got = replica_step(single, replicated, receives_kept=bc.receives_posted_ahead,
                        held_sends=True)
     if got is None:
         from orgel.sim import simulate
 
-        sim = simulate(replicated, receives_kept=bc.receives_posted_ahead)
-        got = sim.step_time, np.asarray(sim.peak_memory)
+        cp = CompiledPlan(replicated)
+        sim = simulate(replicated, compiled=cp, receives_kept=bc.receives_posted_ahead)
+        grads = None if replicated.costs is None else replicated.costs.edge_grad_bytes
+        got = sim.step_time, np.asarray(sim.peak_memory) + cp.held_send_bytes(grad_bytes=grads)
     if replicated.costs is None:
         return got
-    floor = optimizer_peak(bc, replicated.costs, replicated.placement, replicated.num_ranks)
-    return got[0], np.maximum(got[1], np.asarray(floor, dtype=float))
+    # the sends are in got already
+    return got[0], reported_peak(bc, replicated.costs, replicated.placement, got[1], 0)
 
 
 def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False,

@@ -36,8 +36,10 @@ import numpy as np
 
 from orgel.costs.blocks import (
     BlockCosts,
+    RangeMax,
     edge_grad_bytes,
-    optimizer_peak,
+    replica_stages,
+    reported_peak,
     stage_cost,
     stage_costs,
     stage_graph,
@@ -110,7 +112,7 @@ class Scorer:
         self._ck = np.concatenate([[0], np.cumsum(costs.weight_kept)]).astype(np.int64)
         # backward peak of blocks [a, b) (see costs.blocks.grad_overlap):
         # cp[b] - ca[a] + max over a <= j < b of (ca[j + 1] - cp[j])
-        self._peak_at = _RangeMax(self._ca[1:] - self._cp[:-1])
+        self._peak_at = RangeMax(self._ca[1:] - self._cp[:-1])
         # a block's saved inputs count when a producer lies before the stage's first block
         self._inp = np.asarray(costs.input_saved, dtype=np.int64)
         self._output = np.asarray(costs.output, dtype=np.int64)
@@ -343,6 +345,7 @@ class Scorer:
                stages: list[StageCost], recompute: tuple[bool | str, ...] | None) -> Score:
         graph = self._graph_for(stage_blocks, template)
         template = self.placed(template, graph)
+        stages = replica_stages(self.bc, stages, stage_blocks, template.base.placement)
         rec = tuple(recompute) if recompute else (False,) * template.num_stages
         grads = None
         if graph is template.base.stage_graph:
@@ -376,9 +379,8 @@ class Scorer:
         # gloo's receive buffers are kept across steps (BlockCosts.receives_posted_ahead)
         step, peak = cp.evaluate(costs, edge_bytes=edge_bytes,
                                  receives_kept=self.bc.receives_posted_ahead)
-        peak = peak + cp.held_send_bytes(edge_bytes, grads)  # see planner.held_sends
-        floor = optimizer_peak(self.bc, costs, template.base.placement, template.base.num_ranks)
-        peak = np.maximum(peak, np.asarray(floor, dtype=peak.dtype))
+        peak = reported_peak(self.bc, costs, template.base.placement, peak,
+                             cp.held_send_bytes(edge_bytes, grads))  # see planner.held_sends
         feasible = self.memory is None or bool(peak.max() <= self.memory)
         return Score(step, peak, feasible)
 
@@ -452,20 +454,3 @@ class Scorer:
                       node_ranks=self.bc.node_ranks, node_link=self.bc.node_link)
         return np.array([[costs.link_between(a, b).time(nbytes) if a != b else 0.0
                           for b in range(ranks)] for a in range(ranks)])
-
-
-class _RangeMax:
-    """Maximum of ``values[a:b]`` in O(1) per query (a sparse table)."""
-
-    def __init__(self, values: np.ndarray) -> None:
-        self.levels = [np.asarray(values, dtype=np.int64)]
-        width = 1
-        while 2 * width <= len(values):
-            prev = self.levels[-1]
-            self.levels.append(np.maximum(prev[:-width], prev[width:]))
-            width *= 2
-
-    def __call__(self, a: int, b: int) -> int:
-        k = (b - a).bit_length() - 1
-        level = self.levels[k]
-        return int(max(level[a], level[b - (1 << k)]))

@@ -6,12 +6,12 @@ Planning one in full (templates screened, beam search, recompute relaxed
 stage by stage) takes seconds to tens of seconds on a deep pipeline with many
 micro-batches, and a joint search has tens of meshes. :func:`quick_step`
 prices a mesh with a few fixed plans instead, the best that fits: 1F1B and
-interleaved 1F1B (two stages per rank, :data:`QUICK_TEMPLATES`), each over
+interleaved 1F1B (2, 4 and 8 stages per rank, :data:`QUICK_TEMPLATES`), each over
 the time-balanced and the memory-balanced split of its TP'd (and sharded)
 table, with the fewest first stages recomputing that let it fit (bisected: a
 few scores); the best replicated and priced like the
 planner's candidates (:func:`orgel.plan.replicated.replica_step`, the end of
-step added). No beam, two templates compiled.
+step added). No beam, a few templates compiled.
 
 :func:`screen` prices every mesh's 1F1B quick plan and the interleaved one
 of the best few; :func:`shortlist` keeps the ``top`` meshes of the best quick
@@ -46,9 +46,12 @@ from orgel.plan.splits import Points, balanced_points, memory_weights, time_weig
 from orgel.plan.templates import Spec, Template, cached_template
 from orgel.schedule.ir import Plan
 
-#: The schedules a quick plan tries: 1F1B and interleaved 1F1B with two stages per rank.
+#: The schedules a quick plan tries: 1F1B, and interleaved 1F1B with 2, 4 and 8 stages per
+#: rank (where the micro-batches are as many as the ranks, deeper interleaving shrinks the
+#: bubble and holds no more activations: issue 36).
 QUICK_TEMPLATES = (Spec("1f1b", "1f1b", {}, 1),
-                   Spec("interleaved v=2", "interleaved", {"stages_per_rank": 2}, 2))
+                   *(Spec(f"interleaved v={v}", "interleaved", {"stages_per_rank": v}, v)
+                     for v in (2, 4, 8)))
 #: Meshes the joint search plans in full by default (the best quick plans).
 MESH_TOP = 4
 #: ... and every mesh whose quick plan is within this fraction of the best one.

@@ -271,12 +271,18 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
     edges = sorted({(e.src, e.dst) for e in bg.edges if e.src != e.dst})
     # a value that needs no gradient (a mask, a position table) sends nothing back
     grads: dict[tuple[int, int], int] = {}
+    # and a block's output a consumer does not read is not sent to it (split_model sends
+    # each stage the values it reads)
+    sent: dict[tuple[int, int], int] = {}
     for e in bg.edges:
         if e.src != e.dst:
             back = sum(opgraph.nodes[v].nbytes for v in e.values
                        if v in opgraph.nodes and opgraph.nodes[v].requires_grad)
             if back < out_bytes[e.src]:
                 grads[(e.src, e.dst)] = max(grads.get((e.src, e.dst), 0), back)
+            read = sum(opgraph.nodes[v].nbytes for v in e.values if v in opgraph.nodes)
+            if read < out_bytes[e.src]:
+                sent[(e.src, e.dst)] = max(sent.get((e.src, e.dst), 0), read)
     return BlockCosts(
         fwd=cols["fwd"], bwd=cols["bwd"], wgrad=cols["wgrad"], params=cols["params"],
         activations=cols["acts"], output=out_bytes, temporary=cols["temp"], edges=edges,
@@ -285,6 +291,7 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
         names=[b.name for b in bg.blocks], nodes=[list(b.nodes) for b in bg.blocks],
         rows=rows, tied=tied_groups(opgraph, bg), optimizer_ms=cols["opt"],
         node_ranks=device.gpus_per_node, node_link=device.inter_node.link(), edge_grads=grads,
+        edge_bytes=sent,
         tp_split=_fit_splits(tp_splits(opgraph, roof, node_block, len(bg.blocks)),
                              cols["fwd"], cols["bwd"], cols["wgrad"], cols["params"],
                              cols["acts"]),

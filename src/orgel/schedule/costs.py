@@ -39,7 +39,9 @@ class StageCost:
     ``grad_overlap``: bytes of activations and gradients that are never alive
     together during the stage's first backward of a step, which makes the
     gradients while it frees that micro-batch's activations block by block
-    (see :func:`orgel.costs.blocks.stage_cost`); 0 counts both in full.
+    (see :func:`orgel.costs.blocks.stage_cost`); 0 counts both in full. A stage on
+    several ranks: one replica's, which makes all the gradients from its share of the
+    activations (not the share of the whole micro-batch's overlap).
     """
 
     fwd: float

@@ -159,6 +159,7 @@ class CompiledPlan(PlanTopology):
             self.default_edge_bytes[self.msg_edge]) * self.msg_part_num // self.msg_part_den
         self.recompute = np.array(flags, dtype=bool)
         self._straight: Any = None
+        self._fresh: np.ndarray | None = None  # fresh_shares, once asked for
         self._calls = 0
         self._topology: CompiledPlan | None = None  # the plan whose longest path this one runs
         self._arrays_cache: tuple[tuple[Any, ...], StageArrays] | None = None
@@ -259,18 +260,45 @@ class CompiledPlan(PlanTopology):
         ``orgel.runtime.comm`` waits for a send once the sender's next action
         has run (gloo; NCCL drops sends as they complete), so at most one
         action's sends are pending at a time: this is what a rank's sent
-        tensors add to its memory on top of what the simulator counts.
+        tensors add to its memory on top of what the simulator counts. A value
+        sent to several stages after one action is one tensor, held once
+        (:meth:`fresh_shares`).
         """
         out = np.zeros(self.num_ranks, dtype=np.int64)
         if self.num_messages == 0:
             return out
+        if self._fresh is None:
+            self._fresh = self.fresh_shares()
         per_action = np.bincount(self.msg_send,
-                                 weights=self.message_bytes(edge_bytes, grad_bytes),
+                                 weights=self.message_bytes(edge_bytes, grad_bytes) * self._fresh,
                                  minlength=self.num_compute)
         for r in range(self.num_ranks):
             lo, hi = int(self.rank_start[r]), int(self.rank_start[r + 1])
             if hi > lo:
                 out[r] = int(per_action[lo:hi].max())
+        return out
+
+    def fresh_shares(self) -> np.ndarray:
+        """Per message, the share of its bytes no earlier message after the same action
+        holds already: the runtime sends one tensor (a mask every later stage reads) to
+        each stage that reads it, so the sends hold it once. A value's messages to
+        several stages carry nested parts of it (:func:`orgel.costs.blocks.stage_graph`:
+        the most any reader reads), so the largest is what is held."""
+        graph = self.plan.stage_graph
+        out = np.ones(self.num_messages)
+        seen: dict[tuple[int, str, tuple[int, int, int]], int] = {}
+        for k, m in enumerate(self.comm.messages):
+            values = graph.edges[m.edge].values
+            total = sum(v.nbytes for v in values)
+            if m.grad or total == 0:
+                continue  # gradients: one per edge, no two the same tensor
+            fresh = 0
+            for v in values:
+                key = (int(self.msg_send[k]), v.name, m.part)
+                before = seen.get(key, 0)
+                fresh += max(0, v.nbytes - before)
+                seen[key] = max(before, v.nbytes)
+            out[k] = fresh / total
         return out
 
     def posted_receive_bytes(self, edge_bytes: np.ndarray | None = None,

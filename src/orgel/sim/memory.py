@@ -150,8 +150,8 @@ def peak_memory(
     ``grad_overlap`` (per stage, optional): what that first ``B`` holds less
     than its micro-batch's activations plus all the gradients (autograd frees
     the one as it makes the other; a ``W`` frees its graph only at its end, so
-    it gets none); a replica keeps its share of activations, so the overlap
-    counts at that share (a lower bound of the replica's saving).
+    it gets none); a replica's own, which makes all the gradients from its share of
+    the activations (``StageCost.grad_overlap``).
     """
     static_rank = layout.host @ static
     n = len(layout.op_stage)
@@ -167,7 +167,7 @@ def peak_memory(
         during = made
         if grad_overlap is not None and layout.first_whole is not None:
             # only a whole B frees activations as it goes; a W releases its graph at its end
-            during = made - (grad_overlap * share)[layout.op_stage] * layout.first_whole
+            during = made - grad_overlap[layout.op_stage] * layout.first_whole
         run, gap = run + before + during, gap + before
     if weight_kept is not None and layout.late_sign is not None:
         late_run, late_gap = layout.alive(weight_kept * share, late=True)
