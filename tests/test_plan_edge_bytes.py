@@ -58,6 +58,23 @@ def test_the_roofline_table_says_what_each_edge_carries() -> None:
     assert costs.scaled(2.0).edge_bytes == {e: 2 * n for e, n in costs.edge_bytes.items()}
 
 
+def test_a_profiled_table_says_what_each_edge_carries_as_the_estimate_does() -> None:
+    """The table ``orgel.pipeline`` plans from (measured on this machine) counts what an
+    edge carries by the same rule as the roofline estimate (``BlockGraph.edge_bytes``)."""
+    from orgel.profile.workload import profile_graph
+    from orgel.workload import Workload
+
+    torch.manual_seed(0)
+    model, x = Masked(), torch.randn(32, 32)
+    work = Workload(model, {"x": x}, torch.zeros(32, 32), torch.nn.functional.mse_loss)
+    graph = capture(model, {"x": x[:16]})
+    measured = profile_graph(work, graph, microbatches=2, blocks=4, progress=False,
+                             link=False, threads=1)
+    skips = [(a, b) for a, b in measured.edges if b != a + 1]
+    assert skips and all(measured.edge_bytes.get(e) == 16 * 32 for e in skips)  # the mask
+    assert all(measured.edge_grads.get(e) == 0 for e in skips)  # a mask sends none back
+
+
 def test_a_stage_that_reads_the_mask_alone_is_sent_the_mask_alone() -> None:
     blocks = chain_split((2, 4), 6)
     whole, mask = (stage_graph(broadcast(m), blocks) for m in (False, True))

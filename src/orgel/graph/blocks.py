@@ -114,6 +114,30 @@ class BlockGraph:
         """Edges that jump over at least one block of the linear order (long skips)."""
         return [e for e in self.edges if e.dst > e.src + 1]
 
+    def edge_bytes(self, output: list[int]) -> tuple[dict[tuple[int, int], int],
+                                                    dict[tuple[int, int], int]]:
+        """What each edge ``(a, b)`` carries where it is less than block ``a``'s whole
+        ``output`` (bytes per block): the bytes of ``a``'s values that ``b`` reads (a stage
+        is sent the values it reads: a layer reads the embedding block's mask, not the
+        hidden state it also makes), and of those the bytes that carry a gradient back (a
+        mask or a position table carries none). Both keyed by edge, as
+        ``BlockCosts.edge_bytes`` and ``BlockCosts.edge_grads`` take them."""
+        nodes = self.opgraph.nodes
+        read: dict[tuple[int, int], int] = {}
+        back: dict[tuple[int, int], int] = {}
+        for e in self.edges:
+            if e.src == e.dst:
+                continue
+            key = (e.src, e.dst)
+            values = [nodes[v] for v in e.values if v in nodes]
+            sent = sum(v.nbytes for v in values)
+            grad = sum(v.nbytes for v in values if v.requires_grad)
+            if sent < output[e.src]:
+                read[key] = max(read.get(key, 0), sent)
+            if grad < output[e.src]:
+                back[key] = max(back.get(key, 0), grad)
+        return read, back
+
 
 def coarsen(
     opgraph: OpGraph, target_blocks: int | None = None, *, slack: float = 0.5

@@ -269,20 +269,9 @@ def estimate_costs(opgraph: Any, device: Device, *, blocks: int = 32, tf32: bool
                                                    * device.efficiency["elementwise"]) * 1000)
         out_bytes.append(out)
     edges = sorted({(e.src, e.dst) for e in bg.edges if e.src != e.dst})
-    # a value that needs no gradient (a mask, a position table) sends nothing back
-    grads: dict[tuple[int, int], int] = {}
-    # and a block's output a consumer does not read is not sent to it (split_model sends
-    # each stage the values it reads)
-    sent: dict[tuple[int, int], int] = {}
-    for e in bg.edges:
-        if e.src != e.dst:
-            back = sum(opgraph.nodes[v].nbytes for v in e.values
-                       if v in opgraph.nodes and opgraph.nodes[v].requires_grad)
-            if back < out_bytes[e.src]:
-                grads[(e.src, e.dst)] = max(grads.get((e.src, e.dst), 0), back)
-            read = sum(opgraph.nodes[v].nbytes for v in e.values if v in opgraph.nodes)
-            if read < out_bytes[e.src]:
-                sent[(e.src, e.dst)] = max(sent.get((e.src, e.dst), 0), read)
+    # a mask or a position table: read but sending no gradient back; a block's output a
+    # consumer does not read, not sent to it (split_model sends a stage what it reads)
+    sent, grads = bg.edge_bytes(out_bytes)
     return BlockCosts(
         fwd=cols["fwd"], bwd=cols["bwd"], wgrad=cols["wgrad"], params=cols["params"],
         activations=cols["acts"], output=out_bytes, temporary=cols["temp"], edges=edges,

@@ -307,13 +307,14 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         action, step_overhead = float(fitted[0]), float(fitted[1])
         overhead = max(overhead, action)
     rows = microbatch_rows(w, microbatches)
+    sent, grads = bg.edge_bytes(cached["output"])  # what each edge carries, as estimated
     return BlockCosts(
         rows=rows, tied=tied_groups(opgraph, bg),
         fwd=cached["fwd"], bwd=cached["bwd"], wgrad=cached["wgrad"], params=cached["params"],
         activations=cached["activations"], output=cached["output"],
         temporary=cached["temporary"], edges=edges, link=link_model, links=links,
         memory_per_rank=memory, optimizer_factor=optimizer_factor,
-        action_overhead=overhead,
+        action_overhead=overhead, edge_bytes=sent, edge_grads=grads,
         optimizer_temporary=float(cached.get("optimizer_temporary", 0.0)),
         optimizer_ms_per_mib=float(cached.get("optimizer_ms_per_mib", 0.0)),
         weight_kept=[int(b) for b in cached.get("weight_kept", [])],
