@@ -58,6 +58,16 @@ def scales_loss(precision: str) -> bool:
     return autocast_dtype(precision) == torch.float16
 
 
+def loss_scaling(precision: str, loss_scale: dict[str, Any] | None) -> bool | dict[str, Any]:
+    """What the ranks' loss scaler takes (:mod:`orgel.runtime.scaler`): False without
+    float16, else GradScaler's options given (``True`` for its defaults). ValueError for
+    ``loss_scale`` under a precision that does not scale the loss."""
+    if loss_scale is not None and not scales_loss(precision):
+        raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
+                         f"precision={precision!r} does not scale the loss")
+    return scales_loss(precision) and (dict(loss_scale or {}) or True)
+
+
 def device_type(values: Any) -> str:
     """The device type autocast should use for these tensors (the first one's; else cpu).
 

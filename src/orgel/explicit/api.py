@@ -41,7 +41,7 @@ from orgel.guard import cuda_unused
 from orgel.launch.devices import check_fork, profiling_on, resolve_device
 from orgel.launch.processes import init_from_env, under_torchrun
 from orgel.lossweights import check_rule
-from orgel.precision import scales_loss
+from orgel.precision import loss_scaling
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.checkpointing import check_policy
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
@@ -241,10 +241,7 @@ def pipeline(
         loss_fn = model_loss
     workload = with_precision(Workload(model, inputs, targets, loss_fn, batch_dim=batch_dim,
                                        replicated=tuple(replicated)), precision)
-    if loss_scale is not None and not scales_loss(precision):
-        raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
-                         f"precision={precision!r} does not scale the loss")
-    scaling: bool | dict[str, Any] = scales_loss(precision) and (dict(loss_scale or {}) or True)
+    scaling = loss_scaling(precision, loss_scale)
     executor_options = ranks_options(workload, loss_scaling=scaling, check_finite=check_finite,
                                      compile=compile, scheduler=scheduler, lr=lr,
                                      max_grad_norm=max_grad_norm, accumulate=accumulate)

@@ -80,7 +80,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                  shard: str = "none", tp: int = 1, recompute: bool | str = False,
                  schedule: str | None = None, compile: bool = False,
                  sequence_parallel: bool = False,
-                 loss_scale: dict[str, Any] | None = None) -> None:
+                 loss_scaling: bool | dict[str, Any] = False) -> None:
         from orgel.flow.capture import default_optimizer
         from orgel.flow.options import check_options
 
@@ -124,16 +124,17 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self._names: dict[int, str] | None = None  # id -> name in the compiled model
         self._module: torch.nn.Module | None = None  # the compiled module, when one is
         self._autocast: tuple[str, torch.dtype] | None = None  # around the model (1st step)
-        from orgel.precision import autocast_dtype, scales_loss
+        from orgel.precision import autocast_dtype
 
         self._precision = autocast_dtype(precision)  # ValueError for unknown names
         #: float16's loss scale, the ranks' (they unscale, skip and update it): what
         #: :meth:`scale` multiplies a closure's loss by this step (None: no scaling)
         self._scale: float | None = None
-        if scales_loss(precision):
-            self._scale = float((loss_scale or {}).get("init_scale", 2.0 ** 16))
+        if loss_scaling:  # float16 (orgel.precision.loss_scaling)
+            options = loss_scaling if isinstance(loss_scaling, dict) else {}
+            self._scale = float(options.get("init_scale", 2.0 ** 16))
             # the closures scale their own losses: the ranks' loss stage does not again
-            self.loop["loss_scaling"] = dict(loss_scale or {}) or True
+            self.loop["loss_scaling"] = loss_scaling
 
     # -- torch.compile side -------------------------------------------------------------
 
@@ -434,16 +435,13 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     """
     from orgel.flow.options import options, refuse
     from orgel.plan.transforms import pipeline_ranks
-    from orgel.precision import scales_loss
+    from orgel.precision import loss_scaling
     from orgel.runtime.checkpointing import check_policy
     from orgel.runtime.sharding import check_shard_option
 
     options(**others)  # a misspelt name: TypeError with the names that exist
     refuse("backend", {**others, "dp": dp, "precision": precision})
-    loss_scale = others.get("loss_scale")
-    if loss_scale is not None and not scales_loss(precision):
-        raise ValueError("loss_scale is for precision='16-mixed' (float16 needs it); "
-                         f"precision={precision!r} does not scale the loss")
+    scaling = loss_scaling(precision, others.get("loss_scale"))
     check_world(ranks)  # under torchrun: one process per rank
 
     tp, shard = int(others.get("tp", 1)), str(others.get("shard", "none"))
@@ -469,5 +467,5 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
                    sequence_parallel=bool(others.get("sequence_parallel", False)),
                    recompute=check_policy(others.get("recompute", False)),
                    compile=bool(others.get("compile", False)),
-                   loss_scale=dict(loss_scale) if loss_scale is not None else None)
+                   loss_scaling=scaling)
 
