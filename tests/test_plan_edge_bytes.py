@@ -17,20 +17,7 @@ from orgel.plan.templates import one_f_one_b
 from orgel.profile.roofline import estimate_costs
 from orgel.schedule.costs import Link
 from orgel.sim.compiled import CompiledPlan
-
-
-class Masked(torch.nn.Module):
-    """Layers that all read one mask made from the input's shape."""
-
-    def __init__(self, width: int = 32, layers: int = 4) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = torch.ones(x.shape[0], x.shape[1], device=x.device).tril() > 0
-        for layer in self.layers:
-            x = torch.relu(layer(x)).masked_fill(mask, 0.0)
-        return x
+from test_plan_edge_grads import Masked  # layers that all read one mask
 
 
 def broadcast(mask_only: bool) -> BlockCosts:
