@@ -151,11 +151,38 @@ def test_fsdp_priced_from_one_replica_matches_the_full_simulation() -> None:
     assert any(lb.startswith("reduce-scatter") for lb in labels)
 
 
-def test_planner_shards_only_when_the_unsharded_state_cannot_fit() -> None:
+def test_fsdp_gathers_start_with_the_step_and_hide_behind_the_warm_up() -> None:
+    """Each rank of a sharded stage gathers its weights from the step's start (the runtime's
+    ``Sharding.begin``): the first stage's first forward waits for it, the second stage's
+    gather is over before its input arrives."""
+    c = table(4)
+    found = plan(c, 4, 4, dp=2, shard="fsdp", planner="uniform-layers", memory=8 << 30)
+    events = simulate(found.plan).timeline.events
+    for rank, stage in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        mine = sorted((e for e in events if e.rank == rank), key=lambda e: e.start)
+        gather = next(e for e in mine if e.label == f"gather s{stage}")
+        first = next(e for e in mine if e.kind == "F")
+        assert gather.start == 0.0 and first.start >= gather.end
+        if stage == 0:
+            assert first.start == pytest.approx(gather.end)  # nothing else to wait for
+        else:  # waits for its input, which arrives after the gather is done
+            arrival = max(e.end for e in events if e.label.startswith("act")
+                          and e.label.endswith(f"mb0 ->r{rank}"))
+            assert first.start == pytest.approx(arrival) and arrival > gather.end
+
+
+def test_planner_shards_where_it_is_faster_or_the_only_fit() -> None:
     c = table(4)
     both = ("none", "fsdp")
     roomy = plan(c, 4, 4, dp=2, shard=both, planner="uniform-layers", memory=8 << 30)
-    assert roomy.plan.shard == ["none", "none"]  # fits, and no gathers on its critical path
+    alone = {how: plan(c, 4, 4, dp=2, shard=how, planner="uniform-layers", memory=8 << 30)
+             for how in both}
+    # both fit: the faster. FSDP's gathers start with the step (the second stage's hides
+    # behind the first's forwards), its reduce-scatter is half an all-reduce, and each
+    # replica steps the optimizer over half the state: here FSDP is the faster
+    assert alone["fsdp"].step_time < alone["none"].step_time
+    assert roomy.plan.shard == ["fsdp", "fsdp"]
+    assert roomy.step_time == pytest.approx(alone["fsdp"].step_time)
     # 2 blocks per stage x 64 MiB x 8 = 1 GiB of state unsharded, 640 MiB sharded over 2
     tight = plan(c, 4, 4, dp=2, shard=both, planner="uniform-layers", memory=900 * MIB)
     assert tight.plan.shard == ["fsdp", "fsdp"]

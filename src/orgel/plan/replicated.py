@@ -28,7 +28,7 @@ import numpy as np
 from orgel.costs.blocks import BlockCosts, reported_peak
 from orgel.schedule.costs import Costs
 from orgel.schedule.ir import Plan
-from orgel.sim.allreduce import allreduce_time, gather_time, plan_allreduces, plan_gathers
+from orgel.sim.allreduce import allreduce_time, plan_allreduces, plan_gathers
 from orgel.sim.compiled import CompiledPlan, StageArrays
 
 
@@ -85,13 +85,11 @@ def replica_step(single: Plan, replicated: Plan, *, receives_kept: bool = False,
     link_costs = replicated.costs
     if not link_costs.uniform_links and not same_links(single, link_costs, dp):
         return None
-    cp = CompiledPlan(single)
+    # a sharded stage gathers its parameters over its replicas from the step's start (its
+    # first F waits): replica 0's gathers, priced on the replicas' links
+    cp = CompiledPlan(single, gathers=plan_gathers(replicated))
     costs, arrays = cp.stage_arrays(None)
-    alone = cp.durations(costs, arrays)
-    # a sharded stage gathers its parameters over its replicas before its first F
-    for s, ranks, firsts in plan_gathers(replicated):
-        ops = [int(cp.rank_start[r]) + pos for r, pos in firsts if r < p]
-        alone[ops] += gather_time(ranks, link_costs.stages[s].params, link_costs)
+    alone = cp.durations(costs, arrays, gathers=link_costs)
     # every replica computes what replica 0 does at the same time, on cores they may share
     dur, end, least = cp.shared_timeline(link_costs, alone, copies=dp)
     nc, nm = cp.num_compute, cp.num_messages

@@ -9,7 +9,8 @@ group of the stage's ranks: each replica keeps ``1/n`` of every parameter (a
 ``DTensor`` sharded on dimension 0), of its gradient and of the optimizer state
 built over it. The rest is what ``torch.distributed.pipelining`` does with FSDP2:
 
-* the weights are gathered once per step, at the stage's first forward, and kept
+* the weights are gathered once per step, started at the step's start on every rank of
+  the stage (:meth:`Sharding.begin`; its first forward waits for it), and kept
   whole for the step's micro-batches (``reshard_after_forward=False``; during the
   step ``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``,
   ``set_is_last_backward(False)``): each micro-batch's backward (``B``, or ``I``
@@ -241,6 +242,10 @@ class Sharding:
                 module.set_force_sum_reduction_for_comms(True)
                 stages[s].params = list(module.parameters())  # the sharded DTensors
                 self.modules[s] = module
+        #: the sharded stages in the order of their first forward on this rank: the order
+        #: :meth:`begin` starts their all-gathers in
+        self.gather_order: list[int] = list(dict.fromkeys(
+            a.stage for a in actions if a.kind == "F" and a.stage in self.modules))
         #: action position -> the sharded stages whose last backward (B or W) it is
         self.reduce_after: dict[int, list[int]] = {}
         for s in self.modules:
@@ -252,7 +257,7 @@ class Sharding:
     def empty(cls) -> Sharding:
         """One that shards nothing and reduces nothing (a forward-only pass's)."""
         made = cls.__new__(cls)
-        made.modules, made.reduce_after = {}, {}
+        made.modules, made.reduce_after, made.gather_order = {}, {}, []
         return made
 
     def stages(self) -> list[int]:
@@ -261,11 +266,18 @@ class Sharding:
 
     def begin(self) -> None:
         """Start a step call: keep the weights gathered, and sum gradients locally, until
-        :meth:`reduce`."""
+        :meth:`reduce`; and start gathering every sharded stage's weights now, in the order
+        of their first forwards, without waiting (each stage's first forward waits for its
+        own, in FSDP2's pre-forward hook). A rank whose first forward waits for its input
+        gathers meanwhile, as ``torch.distributed.pipelining`` unshards ahead of a stage's
+        first forward, instead of the pipeline's ranks gathering one after another in the
+        warm-up. A stage still gathered (an accumulating call) gathers nothing."""
         for module in self.modules.values():
             module.set_requires_gradient_sync(False)
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(False)
+        for s in self.gather_order:
+            self.modules[s].unshard(async_op=True)
 
     def after(self, pos: int, final: bool, failed: bool = False) -> None:
         """After the action at ``pos``: reduce the stages whose last backward it was

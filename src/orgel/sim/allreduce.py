@@ -106,8 +106,9 @@ def plan_gathers(plan: Plan) -> list[tuple[int, tuple[int, ...], list[tuple[int,
     """The parameter all-gathers of ``plan``'s sharded stages: ``(stage, ranks, firsts)``.
 
     ``firsts`` lists ``(rank, position)`` of the stage's first ``F`` on each
-    of its ranks: the gather runs right before it (FSDP2 gathers in the
-    forward's pre-hook), on the critical path.
+    of its ranks: the runtime starts the gather at the step's start
+    (:meth:`orgel.runtime.sharding.Sharding.begin`) and that ``F`` waits for it (FSDP2's
+    pre-forward hook).
     """
     out = []
     for s, ranks in enumerate(plan.placement):

@@ -143,8 +143,10 @@ class CompiledPlan(PlanTopology):
     :class:`~orgel.sim.topology.PlanTopology`'s.
     """
 
-    def __init__(self, plan: Plan, *, comm: CommPlan | None = None) -> None:
-        super().__init__(plan, comm=comm)
+    def __init__(self, plan: Plan, *, comm: CommPlan | None = None,
+                 gathers: list[tuple[int, tuple[int, ...], list[tuple[int, int]]]]
+                 | None = None) -> None:
+        super().__init__(plan, comm=comm, gathers=gathers)
         graph = plan.stage_graph
         flags = [bool(f) for f in self.policies]
         self.memory = MemoryLayout.build(
@@ -216,9 +218,11 @@ class CompiledPlan(PlanTopology):
         return costs, arrays
 
     def durations(
-        self, costs: Costs, arrays: StageArrays, edge_bytes: np.ndarray | None = None
+        self, costs: Costs, arrays: StageArrays, edge_bytes: np.ndarray | None = None,
+        gathers: Costs | None = None,
     ) -> np.ndarray:
-        """Duration of every op (compute, messages, all-reduces), in op order."""
+        """Duration of every op (compute, messages, all-reduces, parameter all-gathers), in
+        op order. ``gathers``: the costs that price the all-gathers (default ``costs``)."""
         # F: fwd; B: bwd; I: bwd - wgrad; W: wgrad; B/I of a recomputed stage add the
         # forward its policy runs again
         again = self.recompute_effects(arrays, edge_bytes)[0]
@@ -226,13 +230,18 @@ class CompiledPlan(PlanTopology):
                           arrays.wgrad], axis=1)
         table *= self.stage_share[:, None]
         compute = table.ravel()[self.op_table_index] + costs.action_overhead
-        for s, ranks, ops in self.gathers:
-            compute[ops] += gather_time(ranks, costs.stages[s].params, costs)
         parts = [compute, self._comm_durations(costs, edge_bytes)]
         if self.allreduces:
             reduce = [self._allreduce_time(g, costs, arrays) for g in self.allreduces]
             parts.append(np.asarray(reduce, dtype=np.float64))
+        if self.gathers:
+            parts.append(self.gather_durations(costs if gathers is None else gathers))
         return np.concatenate(parts)
+
+    def gather_durations(self, costs: Costs) -> np.ndarray:
+        """ms of each parameter all-gather (:attr:`gathers`) over its stage's replicas."""
+        return np.asarray([gather_time(ranks, costs.stages[s].params, costs)
+                           for s, ranks, _ in self.gathers], dtype=np.float64)
 
     def message_bytes(self, edge_bytes: np.ndarray | None = None,
                       grad_bytes: list[int] | np.ndarray | None = None) -> np.ndarray:

@@ -20,8 +20,9 @@ The model (Pfeife §3.3, an operation dependency graph and its longest path):
   N)]``) get the same all-reduce among the ranks holding them. The
   step ends when the last compute or all-reduce ends;
 * FSDP (``plan.shard[s] == "fsdp"``): the stage's replicas reduce-scatter
-  instead (``n-1`` steps), and its first ``F`` on each rank first gathers the
-  stage's ``params`` over the replicas (``n-1`` steps of ``params/n``). Its
+  instead (``n-1`` steps), and each of its ranks gathers the stage's ``params`` over the
+  replicas (``n-1`` steps of ``params/n``) from the step's start, a rank's sharded stages
+  one after another in the order of their first ``F``; that ``F`` waits for its gather. Its
   memory is the costs' (:func:`orgel.costs.mesh.shard_costs` divides the
   optimizer state among the replicas). Tensor parallelism is in the costs
   too (:func:`orgel.costs.mesh.tp_costs`).
@@ -173,6 +174,11 @@ def _timeline(
                              stage=group.stages[0] if len(group.stages) == 1 else None)
                       for r in group.ranks]
             op_event[v] = events[0]
+    for g, (s, _, first) in enumerate(cp.gathers):
+        v = cp.gather_op(g)
+        if end[v] > start[v]:
+            op_event[v] = tl.add(int(cp.op_rank[first]), "comm", f"gather s{s}",
+                                 float(start[v]), float(end[v]), stage=s)
     return tl, op_event
 
 

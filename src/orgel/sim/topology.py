@@ -33,10 +33,17 @@ class PlanTopology:
     ``op_microbatch``; ``rank_start[r]`` is the first compute op of rank ``r``;
     per message ``msg_src``, ``msg_dst``, ``msg_edge``, ``msg_send``/``msg_recv``
     (compute op indices); ``preds[v]`` and ``order`` describe the whole graph
-    (``num_ops`` ops).
+    (``num_ops`` ops: the compute ops, the messages, the all-reduces, then the
+    parameter all-gathers of sharded stages, ``gathers``).
+
+    ``gathers`` (default: ``plan``'s own, :func:`~orgel.sim.allreduce.plan_gathers`) lets
+    a pipeline be timed with the gathers of its sharded replicas
+    (:func:`orgel.plan.replicated.replica_step`).
     """
 
-    def __init__(self, plan: Plan, *, comm: CommPlan | None = None) -> None:
+    def __init__(self, plan: Plan, *, comm: CommPlan | None = None,
+                 gathers: list[tuple[int, tuple[int, ...], list[tuple[int, int]]]]
+                 | None = None) -> None:
         self.plan = plan
         self.comm = derive_comm(plan) if comm is None else comm
         graph = plan.stage_graph
@@ -53,7 +60,7 @@ class PlanTopology:
                                 f"{self.num_stages} stages: give one per stage")
         self._build_compute(plan)
         self._build_messages(plan)
-        self._build_allreduces(plan)
+        self._build_allreduces(plan, plan_gathers(plan) if gathers is None else gathers)
         self._build_graph()
 
     def _build_compute(self, plan: Plan) -> None:
@@ -98,10 +105,16 @@ class PlanTopology:
         self.msg_send = np.array([start[m.src_rank] + m.send_pos for m in msgs], dtype=np.int64)
         self.msg_recv = np.array([start[m.dst_rank] + m.recv_pos for m in msgs], dtype=np.int64)
 
-    def _build_allreduces(self, plan: Plan) -> None:
-        # a sharded stage's parameter all-gather: added to its first F on each rank
-        self.gathers = [(s, ranks, [int(self.rank_start[r]) + pos for r, pos in firsts])
-                        for s, ranks, firsts in plan_gathers(plan)]
+    def _build_allreduces(self, plan: Plan,
+                          gathers: list[tuple[int, tuple[int, ...], list[tuple[int, int]]]]
+                          ) -> None:
+        # a sharded stage's parameter all-gather on each of its ranks: ``(stage, ranks,
+        # first F op)``, one op each. The runtime starts them at the step's start, one
+        # after another in the order of the stages' first F on the rank (rank-major op
+        # indices sort them so), and each first F waits for its own
+        self.gathers = sorted(((s, ranks, int(self.rank_start[r]) + pos)
+                               for s, ranks, firsts in gathers for r, pos in firsts
+                               if r < self.num_ranks), key=lambda g: g[2])
         self.allreduces, last = plan_allreduces(plan)
         # Each all-reduce waits for the last backward (B or W) of its stages on every rank.
         self._allreduce_preds = [[int(self.rank_start[r]) + pos for r, pos in ps]
@@ -109,7 +122,7 @@ class PlanTopology:
 
     def _build_graph(self) -> None:
         nc, nm = self.num_compute, self.num_messages
-        self.num_ops = nc + nm + len(self.allreduces)
+        self.num_ops = nc + nm + len(self.allreduces) + len(self.gathers)
         preds: list[list[int]] = [[] for _ in range(self.num_ops)]
         for r in range(self.num_ranks):
             for v in range(int(self.rank_start[r]) + 1, int(self.rank_start[r + 1])):
@@ -123,8 +136,20 @@ class PlanTopology:
                 preds[nc + after].append(nc + before)
         for g, ps in enumerate(self._allreduce_preds):
             preds[nc + nm + g].extend(ps)
+        last_on: dict[int, int] = {}  # rank -> its gather before (one at a time)
+        for g, (_, _, first) in enumerate(self.gathers):
+            v = self.gather_op(g)
+            rank = int(self.op_rank[first])
+            if rank in last_on:
+                preds[v].append(last_on[rank])
+            last_on[rank] = v
+            preds[first].append(v)
         self.preds = preds
         self.order = self._topological_order(preds)
+
+    def gather_op(self, g: int) -> int:
+        """The op index of gather ``g`` (of :attr:`gathers`)."""
+        return self.num_compute + self.num_messages + len(self.allreduces) + g
 
     def _topological_order(self, preds: list[list[int]]) -> list[int]:
         succs: list[list[int]] = [[] for _ in preds]
