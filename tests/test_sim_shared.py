@@ -16,7 +16,7 @@ from orgel.profile import workload as profile_mod
 from orgel.schedule.costs import Costs, Link
 from orgel.schedule.families import build_schedule
 from orgel.sim import simulate
-from orgel.sim.compiled import mean_overlap, shared_step
+from orgel.sim.sharing import mean_overlap, shared_step
 
 
 def chain(fwd: list[float], *, cores: float | None) -> BlockCosts:

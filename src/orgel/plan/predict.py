@@ -19,7 +19,8 @@ from orgel.plan.transforms import replicate
 from orgel.schedule.ir import Plan
 from orgel.schedule.validate import validate
 from orgel.sim import SimResult, simulate
-from orgel.sim.compiled import CompiledPlan, shared_step
+from orgel.sim.compiled import CompiledPlan
+from orgel.sim.sharing import shared_step
 
 
 def end_of_step(costs: BlockCosts, p: Plan) -> float:

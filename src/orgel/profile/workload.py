@@ -84,7 +84,7 @@ def shared_cores(device: torch.device, threads: int) -> float | None:
     CPU ranks share this host's cores; blocks are timed by their CPU time
     (:func:`orgel.profile.timing.interleaved`), a rank's with a core to itself,
     and the simulator spreads a step's compute over the cores when more
-    ranks than this compute (:func:`orgel.sim.compiled.shared_step`). CUDA ranks
+    ranks than this compute (:func:`orgel.sim.sharing.shared_step`). CUDA ranks
     that outnumber the GPUs share them (:mod:`orgel.launch.devices`): as many
     compute at once as there are GPUs, the others' kernels wait their turn.
     """
