@@ -28,9 +28,8 @@ from orgel.flow.capture import capture_microbatch, default_optimizer
 from orgel.plan.predict import predict
 from orgel.plan.scorer import Scorer
 from orgel.plan.templates import Template
-from orgel.plan.workload import blocks_for
+from orgel.plan.workload import planning_costs
 from orgel.profile.memory import optimizer_factor
-from orgel.profile.workload import profile_graph, rank_threads
 from orgel.schedule.families import build_schedule
 from orgel.workload import Workload as OrgelWorkload
 
@@ -40,12 +39,12 @@ PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
 
 def block_table(work: Workload, ranks: int, m: int) -> tuple[Any, Any]:
     """The block table ``orgel.pipeline`` planned from (the profile cache's, after it ran)
-    and the graph it was measured on, profiled exactly as :func:`orgel.plan.auto_plan` does."""
+    and the graph it was measured on (:func:`orgel.plan.workload.planning_costs`, with the
+    default optimizer's state, as ``orgel.pipeline`` counts it)."""
     workload = OrgelWorkload(work.model, work.inputs, work.targets, work.loss_fn)
     graph = capture_microbatch(workload, m)
-    costs = profile_graph(workload, graph, microbatches=m, blocks=blocks_for(ranks, None),
-                          progress=False, threads=rank_threads(ranks), contention=ranks - 1,
-                          ranks=ranks, optimizer_factor=optimizer_factor(default_optimizer))
+    costs = planning_costs(workload, graph, ranks=ranks, microbatches=m,
+                           optimizer_factor=optimizer_factor(default_optimizer))
     return costs, graph
 
 

@@ -195,6 +195,20 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None,
     return result, graphs[rows]
 
 
+def planning_costs(workload: Any, graph: Any, *, ranks: int, microbatches: int,
+                   blocks: int | None = None, threads: int | None = None, source: Any = None,
+                   optimizer_factor: float = 4.0) -> Any:
+    """The block table :func:`auto_plan` plans ``graph`` from (profiled on this machine as
+    ``ranks`` ranks will run it, or read from the profile cache); see :func:`auto_plan`
+    for the arguments."""
+    from orgel.profile.workload import profile_graph, rank_threads
+
+    return profile_graph(workload, graph, microbatches=microbatches,
+                         blocks=blocks_for(ranks, blocks), progress=False,
+                         threads=threads or rank_threads(ranks), contention=ranks - 1,
+                         ranks=ranks, source=source, optimizer_factor=optimizer_factor)
+
+
 def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int | None,
               memory: int | None = None, dp: int = 1, blocks: int | None = None,
               max_replicas: int | None = 1, rows: int | None = None,
@@ -219,7 +233,7 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
     rank's weights, gradients and optimizer state per weight byte (4: Adam;
     :func:`~orgel.profile.memory.optimizer_factor` measures a user's optimizer).
     """
-    from orgel.profile.workload import profile_graph, rank_threads
+    from orgel.profile.workload import rank_threads
 
     threads = threads or rank_threads(ranks)
     blocks = blocks_for(ranks, blocks)
@@ -235,9 +249,9 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
     if graph is None:
         raise ValueError("give the graph captured at microbatches micro-batches "
                          "(orgel.profile.workload.capture_workload), or microbatches=None")
-    costs = profile_graph(workload, graph, microbatches=microbatches, blocks=blocks,
-                          progress=False, threads=threads, contention=ranks - 1,
-                          ranks=ranks, source=source, optimizer_factor=optimizer_factor)
+    costs = planning_costs(workload, graph, ranks=ranks, microbatches=microbatches,
+                           blocks=blocks, threads=threads, source=source,
+                           optimizer_factor=optimizer_factor)
     if rows is None:
         rows = microbatch_rows(workload, microbatches)
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,
