@@ -41,24 +41,13 @@ interleaved 1F1B with 2, 4 and 8 stages per rank for the best few) and the best 
 the full search with 1 s of beam (interleaving up to 8 stages per rank,
 :data:`MESH_LOOPS`). ``x`` is the mesh row's MFU over the pipeline row's.
 
-torchtitan's published Llama 3.1 405B run (docs/performance.md, Table 5,
-torchtitan 9dec370 of 2024-12-26): 512 H100s (96 GB HBM2e, 500 W), FSDP 8 x
-TP 8 x PP 8, local batch size 32 (global 256) of 8192-token sequences
-(llama3_405b.toml), full activation checkpointing, torch.compile + Float8 +
-AsyncTP; the pipeline runs ``pipeline_parallel_degree`` = 8 micro-batches
-(its default then) of 4 sequences; interleaved 1F1B puts 2 stages on each
-rank (its default split), 1F1B one. Published: 1F1B 100, interleaved 1F1B 128
-tokens/s/GPU (1.28x). The torchtitan part (default on; ``--torchtitan-only`` runs
-nothing else, ``--no-choice`` skips orgel's own choice) predicts both with the same split
-rule (uniform layers: a table of one block per layer, :func:`layer_blocks`), per-layer
-recompute (its full activation checkpointing wraps each transformer block), TP with
-sequence parallelism (the norms on a slice of the sequence; priced, not run by orgel's
-runtime), on h100-80gb, priced four ways: bf16 with blocking TP collectives (what orgel
-priced until 2026-11-29), Float8 linears alone, AsyncTP alone, and Float8 + AsyncTP as
-torchtitan ran it (:func:`orgel.profile.roofline.estimate_costs` with ``float8=True``,
-:func:`orgel.costs.mesh.tp_costs` with ``async_tp=True``); then orgel's own choice for
-the same model, GPU count and batch (bf16, blocking: the planner does not search Float8
-or AsyncTP).
+The torchtitan part (default on; ``--torchtitan-only`` runs nothing else, ``--no-choice``
+skips orgel's own choice) runs ``benchmarks/torchtitan.py``: torchtitan's published
+Llama 3.1 8B, 70B and 405B runs (its Tables 1, 3, 4 and 5: FSDP, FSDP x TP, FSDP x TP x
+PP with 1F1B and interleaved 1F1B, Float8, AsyncTP) predicted on the hardware they ran on;
+then orgel's own choice for Table 5's model, GPU count and batch (512 GPUs, 256 sequences
+of 8192 tokens) on ``--device`` (bf16, blocking TP: the planner does not search Float8 or
+AsyncTP), beside Table 5's interleaved configuration priced the same way.
 """
 
 from __future__ import annotations
@@ -99,6 +88,9 @@ MODELS = {
     "llama3.1-405b": (lambda: big.llama3_1_405b(1, 8192), 128, 8192),
 }
 LAYERS = {"llama3-70b": 80, "gpt3-175b": 96, "llama3.1-405b": 126}
+#: models only ``benchmarks/torchtitan.py`` prices (built the same way, no rows here)
+OTHER_MODELS = {"llama3.1-8b": (lambda: big.llama3_1_8b(1, 8192), 16, 8192),
+                "llama3.1-70b": (lambda: big.llama3_70b(1, 8192), 512, 8192)}
 
 
 _GRAPHS: dict[str, tuple[Any, int]] = {}  # a model captured once per process
@@ -125,7 +117,7 @@ def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None, *,
         if any(s.column for s in costs.tp_split) and (costs.edge_bytes or costs.is_chain()):
             return costs, time.perf_counter() - started, float(costs.meta["parameters"])
     if name not in _GRAPHS:
-        w = MODELS[name][0]()
+        w = {**MODELS, **OTHER_MODELS}[name][0]()
         w.model.to(torch.bfloat16)
         _GRAPHS[name] = (capture_meta(w, 1)[1], sum(p.numel() for p in w.model.parameters()))
     graph, params = _GRAPHS[name]
@@ -258,9 +250,10 @@ def mesh_label(result: PlanResult) -> str:
 
 def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *, tp: int,
                dp: int, shard: str, stages_per_rank: int = 1,
-               async_tp: bool = False) -> PlanResult:
+               async_tp: bool = False, recompute: str = "layer") -> PlanResult:
     """One given configuration: ``family`` on ``depth`` pipeline ranks, uniform layers,
-    every layer checkpointed (``"layer"``: torchtitan's full activation checkpointing),
+    every stage recomputing by ``recompute`` (``"layer"``: every layer checkpointed,
+    torchtitan's full activation checkpointing; ``"selective"``: its op-level one),
     TP with sequence parallelism (``async_tp``: its collectives overlapping the linears,
     :func:`orgel.costs.mesh.tp_costs`), priced like any plan.
 
@@ -287,7 +280,7 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
     points = uniform_points(costs.num_blocks, template.num_stages)
     # torchtitan's full activation checkpointing wraps each transformer block
     single = scorer.to_plan(template, chain_split(points, costs.num_blocks),
-                            ("layer",) * template.num_stages)
+                            (recompute,) * template.num_stages)
     single = labelled(single, template)
     full = replicated(single, dp, table, None, shard)
     full = dataclasses.replace(full, tp=tp, meta={**full.meta, "mesh": {
@@ -297,62 +290,30 @@ def fixed_plan(costs: BlockCosts, family: str, depth: int, microbatches: int, *,
     return PlanResult(full, label, sim, time.perf_counter() - started)
 
 
-#: torchtitan's configurations as orgel prices them: (label, Float8 linears, AsyncTP).
-TORCHTITAN_PRICING = (("bf16, blocking TP", False, False), ("Float8, blocking TP", True, False),
-                      ("bf16, AsyncTP", False, True), ("Float8 + AsyncTP, as run", True, True))
-
-
 def torchtitan(device: Any, cache: Path | None, choice: bool = True) -> None:
-    """Predict torchtitan's 405B Table 5 (module docstring) and orgel's own choice.
+    """torchtitan's published runs on the hardware they ran on (``benchmarks/torchtitan.py``),
+    then, with ``choice``, orgel's own plan for Table 5's model, GPUs and batch on
+    ``device`` (bf16, blocking TP: the planner does not search Float8 or AsyncTP) beside
+    Table 5's interleaved configuration priced the same way."""
+    import torchtitan as titan
 
-    Each configuration is priced four ways (:data:`TORCHTITAN_PRICING`): bf16 with
-    blocking TP collectives (the prediction until 2026-11-29), Float8 alone, AsyncTP
-    alone, and both, as torchtitan ran it. ``choice``: plan orgel's own (bf16, blocking).
-    """
-    # torchtitan splits the layers uniformly: blocks that are whole layers
-    tables = {f8: costs_of("llama3.1-405b", device, 2 * 126 + 2, cache, float8=f8,
-                           per_layer=True) for f8 in (False, True)}
-    _, captured, params = tables[False]
-    assert tables[False][0].num_blocks == 126 + 2
-    gpus, seq, batch, dp, tp, depth, microbatches = 512, 8192, 256, 8, 8, 8, 8
-    rows = batch // microbatches  # a micro-batch: 4 sequences on each of the 8 FSDP ranks
-    print(f"torchtitan Llama 3.1 405B, 512 H100s, FSDP {dp} x TP {tp} x PP {depth}, "
-          f"{batch} x {seq} tokens, {microbatches} micro-batches of {rows // dp} sequences "
-          f"per replica, per-layer recompute (tables captured in "
-          f"{captured + tables[True][1]:.1f} s); published 100 (1F1B) and 128 (interleaved) "
-          f"tok/s/GPU, 73-83 GiB/GPU")
-    got: dict[tuple[str, str], float] = {}
-    for label, float8, async_tp in TORCHTITAN_PRICING:
-        print(f"  {label}:")
-        for family, v, published in (("1f1b", 1, 100), ("interleaved", 2, 128)):
-            result = fixed_plan(tables[float8][0].scaled(rows), family, depth, microbatches,
-                                tp=tp, dp=dp, shard="fsdp", stages_per_rank=v,
-                                async_tp=async_tp)
-            tokens = batch * seq / (result.step_time / 1000) / gpus
-            got[(label, family)] = tokens
-            print(f"    {family:<12} v={v}: step {result.step_time / 1000:.2f} s, predicted "
-                  f"{tokens:.0f} tok/s/GPU (published {published}, "
-                  f"{tokens / published - 1:+.0%}), MFU "
-                  f"{6 * params * tokens / device.peak('bf16'):.1%}, bubble "
-                  f"{result.sim.bubble_fraction:.1%}, "
-                  f"{max(result.sim.peak_memory) / GIB:.1f} GiB/GPU (run: 73-83)", flush=True)
-        ratio = got[(label, "interleaved")] / got[(label, "1f1b")]
-        print(f"    interleaved / 1F1B: predicted {ratio:.3f}, published 1.28 "
-              f"({ratio / 1.28 - 1:+.1%})")
+    titan.report(cache)
     if not choice:
         return
-    # orgel's choice: the same batch as one-sequence micro-batches per replica (bf16, blocking,
-    # sequence parallel with tp > 1, as the mesh search prices and its plans run)
+    gpus, batch, seq = 512, 256, 8192
     costs = costs_of("llama3.1-405b", device, 2 * 126 + 2, cache)[0]
+    layers = costs_of("llama3.1-405b", device, 2 * 126 + 2, cache, per_layer=True)[0]
+    theirs = fixed_plan(layers.scaled(batch // 8), "interleaved", 8, 8, tp=8, dp=8,
+                        shard="fsdp", stages_per_rank=2)
     best, seconds = best_mesh(costs, gpus, batch, device.memory_bytes, device.gpus_per_node)
     if best is not None:
         tokens = batch * seq / (best.step_time / 1000) / gpus
-        base = got[(TORCHTITAN_PRICING[0][0], "interleaved")]
-        print(f"  orgel's choice (bf16, blocking TP, sequence parallel): {mesh_label(best)} "
-              f"{best.plan.meta.get('schedule_label')}, M {best.plan.microbatches}, recompute "
-              f"{recomputed(best.plan)}: {tokens:.0f} tok/s/GPU, {tokens / base:.2f}x "
-              f"torchtitan's interleaved configuration as orgel predicts it in bf16 "
-              f"({seconds:.1f} s to plan)", flush=True)
+        base = batch * seq / (theirs.step_time / 1000) / gpus
+        print(f"orgel's choice on {device.name} (bf16, blocking TP, sequence parallel): "
+              f"{mesh_label(best)} {best.plan.meta.get('schedule_label')}, M "
+              f"{best.plan.microbatches}, recompute {recomputed(best.plan)}: {tokens:.0f} "
+              f"tok/s/GPU, {tokens / base:.2f}x Table 5's interleaved configuration priced the "
+              f"same way ({base:.0f}; {seconds:.1f} s to plan)", flush=True)
 
 
 def main() -> None:

@@ -64,6 +64,11 @@ def llama3_1_405b(rows: int = 8, seq: int = 8192) -> Workload:
     return llama(rows, seq, hidden=16384, layers=126, heads=128, kv_heads=8, ffn=53248)
 
 
+def llama3_1_8b(rows: int = 8, seq: int = 8192) -> Workload:
+    """Llama-3.1-8B: 32 layers, hidden 4096, FFN 14336, 32 heads (8 KV), vocab 128256."""
+    return llama(rows, seq, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336)
+
+
 def llama2_7b(rows: int = 8, seq: int = 1024, attn: str = "eager") -> Workload:
     """Llama-2-7B as Pfeife trained it: LlamaConfig's defaults (32 layers, 4096, 11008,
     vocab 32000), eager attention."""

@@ -143,6 +143,23 @@ def test_async_tp_is_never_slower_than_blocking(column: float, row: float) -> No
     assert old.fwd == tp_costs(_table(0.0, 0.0), 4, sequence_parallel=True).fwd
 
 
+def test_async_tp_hides_the_fraction_it_is_given() -> None:
+    # h in [0, 1]: the blocking time less h of what the linears could hide (torchtitan's
+    # AsyncTP runs gained 1.04-1.16x where hiding it all prices 1.25x)
+    c = _table(column=1.6, row=0.4)
+    blocking = tp_costs(c, 4, sequence_parallel=True)
+    whole = tp_costs(c, 4, sequence_parallel=True, async_tp=True)
+    half = tp_costs(c, 4, sequence_parallel=True, async_tp=0.5)
+    for field in ("fwd", "bwd"):
+        b, w, h = getattr(blocking, field)[0], getattr(whole, field)[0], getattr(half, field)[0]
+        assert w < b and h == pytest.approx((b + w) / 2)
+    assert tp_costs(c, 4, sequence_parallel=True, async_tp=1.0).fwd == whole.fwd
+    assert tp_costs(c, 4, sequence_parallel=True, async_tp=0.0).fwd == blocking.fwd
+    assert half.meta["async_tp"] == 0.5
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        tp_costs(c, 4, sequence_parallel=True, async_tp=1.5)
+
+
 def test_async_tp_needs_sequence_parallelism_and_round_trips() -> None:
     with pytest.raises(ValueError, match="sequence_parallel=True"):
         tp_costs(_table(1.0, 1.0), 4, async_tp=True)

@@ -33,7 +33,8 @@ its column-parallel linears (the gathered input's chunks fed to the matmul as th
 arrive) and its reduce-scatter with its row-parallel linear, forward and backward (the
 row's output-gradient all-gather with the row's input-gradient GEMM, the column's
 input-gradient reduce-scatter with the columns'); a collective costs only what its
-linears do not hide. Per block and direction::
+linears do not hide, or, given a fraction ``h`` (``async_tp=h``), the blocking time less
+``h`` of what they could hide. Per block and direction::
 
     one   = ring_time(allreduce / regions bytes, tp, steps=1)   (an all-gather or a
                                                                 reduce-scatter)
@@ -41,8 +42,11 @@ linears do not hide. Per block and direction::
 
 with ``column``/``row`` the block's column and row linears' forward ms (the backward's
 input-gradient GEMMs take as long) and ``row_ends = 2 regions - column_ends``: the
-step is max(compute, communication) per end, never slower than blocking. What it
-does not price: the chunked GEMMs' lower efficiency and the SMs the copies take.
+step is max(compute, communication) per end, never slower than blocking. What ``h = 1``
+(``async_tp=True``) does not price: the chunked GEMMs' lower efficiency, the SMs and the
+memory bandwidth the copies take, and the collectives torch.compile did not fuse with a
+matmul. torchtitan's published AsyncTP runs gained 1.04-1.16x where ``h = 1`` prices 1.25x;
+``benchmarks/torchtitan.py`` fits ``h`` to one of them (0.4 or so).
 
 **FSDP** (:func:`shard_costs`): a sharded stage gathers its parameters once
 per step and accumulates full gradients over the micro-batches, so during
@@ -155,7 +159,7 @@ def check_tp(costs: BlockCosts, tp: int) -> None:
 
 
 def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
-             async_tp: bool = False) -> BlockCosts:
+             async_tp: bool | float = False) -> BlockCosts:
     """``costs`` for one member of a TP group of ``tp`` processes (module docstring).
 
     ``sequence_parallel``: the ops outside the regions (norms, residual adds, dropout)
@@ -165,8 +169,13 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
     runs it: :mod:`orgel.runtime.sequence_parallel`, which leaves a stage's tail after its
     last region whole, so this is a little optimistic for a stage's last layer and the
     head). ``async_tp`` (with
-    ``sequence_parallel``): the collectives overlap their linears (module docstring).
+    ``sequence_parallel``): the collectives overlap their linears (module docstring);
+    a number in [0, 1] is the fraction of what the linears could hide that they do.
     """
+    hidden = float(async_tp)
+    if not 0.0 <= hidden <= 1.0:
+        raise ValueError(f"async_tp={async_tp!r}: give True, False or the fraction of the "
+                         "collectives' time the linears hide, in [0, 1]")
     if async_tp and not sequence_parallel:
         raise ValueError("async_tp overlaps sequence parallelism's all-gathers and "
                          "reduce-scatters with the linears: pass sequence_parallel=True too")
@@ -179,8 +188,8 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
     for b, s in enumerate(costs.tp_split):
         comm = (s.regions * ring_time(link, s.allreduce / s.regions, tp, steps=2)
                 if s.regions else 0.0)
-        if async_tp and s.regions:
-            comm = exposed_comm(s, link, tp)
+        if hidden and s.regions:
+            comm -= hidden * (comm - exposed_comm(s, link, tp))
         comms.append(comm)
         fwd.append((costs.fwd[b] - s.fwd) * rest + s.fwd / tp + comm)
         bwd.append((costs.bwd[b] - s.bwd) * rest + s.bwd / tp + comm)
@@ -217,7 +226,7 @@ def tp_costs(costs: BlockCosts, tp: int, *, sequence_parallel: bool = False,
                                       params=s.params // tp,
                                       activations=s.activations // tp)
                   for s in costs.tp_split],
-        meta=dict(costs.meta, tp=tp, **({"async_tp": True} if async_tp else {})))
+        meta=dict(costs.meta, tp=tp, **({"async_tp": hidden} if hidden else {})))
 
 
 def exposed_comm(s: TPSplit, link: Link, tp: int) -> float:
@@ -250,7 +259,8 @@ def shard_costs(costs: BlockCosts, replicas: int) -> BlockCosts:
 
 
 def mesh_costs(costs: BlockCosts, *, tp: int = 1, shard: str = "none", replicas: int = 1,
-               sequence_parallel: bool = False, async_tp: bool = False) -> BlockCosts:
+               sequence_parallel: bool = False,
+               async_tp: bool | float = False) -> BlockCosts:
     """``costs`` at TP degree ``tp`` (with sequence parallelism or not, AsyncTP or not:
     :func:`tp_costs`) with every stage's ``replicas`` sharding or not."""
     out = tp_costs(costs, tp, sequence_parallel=sequence_parallel, async_tp=async_tp)
