@@ -25,7 +25,8 @@ def torchrun(script: Path, *args: str, processes: int, log: Path, timeout_s: flo
     ``pythonpath``: folders the script imports from. Past ``timeout_s`` the job and every
     process it started are killed and :class:`subprocess.TimeoutExpired` is raised.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # a rank that crashes (SIGSEGV, SIGABRT) prints every thread's Python stack to the log
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath),
                                              os.environ.get("PYTHONPATH", "")])
