@@ -2,7 +2,7 @@
 
     python benchmarks/at_scale.py [--device h100-80gb] [--gpus 64 256 1024] \
         [--model llama3-70b] [--cache DIR] [--compare llama3-70b 1024] [--no-torchtitan] \
-        [--torchtitan-only] [--no-choice]
+        [--torchtitan-only] [--no-choice] [--layers]
 
 Each model is built at its real depth on the meta device (transformers
 configs, no weights), captured once with one sequence per micro-batch, costed
@@ -69,6 +69,7 @@ import big  # noqa: E402
 from orgel.costs.blocks import BlockCosts  # noqa: E402
 from orgel.costs.devices import load_device  # noqa: E402
 from orgel.costs.mesh import TP_DEGREES, mesh_costs  # noqa: E402
+from orgel.graph.blocks import layer_blocks  # noqa: E402
 from orgel.plan.device import capture_meta  # noqa: E402
 from orgel.plan.planner import InfeasibleError, PlanResult, plan  # noqa: E402
 from orgel.plan.predict import predicted  # noqa: E402
@@ -130,24 +131,6 @@ def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None, *,
         saved.parent.mkdir(parents=True, exist_ok=True)
         costs.save(saved)
     return costs, time.perf_counter() - started, params
-
-
-def layer_blocks(graph: Any) -> Any:
-    """Blocks that cut only between layers: what comes before the first layer (the
-    embedding), each transformer layer, what comes after the last (the final norm and the
-    head), as torchtitan's pipeline splits the model; nodes outside every layer between
-    two layers join the layer before."""
-    from orgel.graph.blocks import from_groups, layer_runs
-
-    names = list(graph.nodes)
-    runs = layer_runs(names, [graph.nodes[n].module for n in names])
-    groups: list[list[str]] = []
-    for i, (layer, nodes) in enumerate(runs):
-        if groups and layer is None and i < len(runs) - 1:
-            groups[-1].extend(nodes)
-        else:
-            groups.append(list(nodes))
-    return from_groups(graph, groups)
 
 
 def best_plan(costs: BlockCosts, gpus: int, batch: int, memory: int,
@@ -335,6 +318,10 @@ def main() -> None:
                         help="only the prediction of torchtitan's 405B run (no model rows)")
     parser.add_argument("--loops", type=int, default=MESH_LOOPS,
                         help="stages per rank the mesh search interleaves at most")
+    parser.add_argument("--layers", action="store_true",
+                        help="plan the model rows on a table of one block per layer (orgel "
+                             "plan --blocks layers) instead of 2 x layers + 2 FLOP-balanced "
+                             "blocks")
     parser.add_argument("--no-choice", action="store_true",
                         help="in the torchtitan part, skip orgel's own choice (its mesh search)")
     args = parser.parse_args()
@@ -348,7 +335,8 @@ def main() -> None:
               f"{'x':>5} {'bubble':>6} {'GiB/GPU':>7} {'plan s':>6} {'RSS GiB':>7}")
     for name in [] if args.torchtitan_only else args.model:
         blocks = 2 * LAYERS[name] + 2
-        costs, captured, params = costs_of(name, device, blocks, args.cache)
+        costs, captured, params = costs_of(name, device, blocks, args.cache,
+                                           per_layer=args.layers)
         _, batch, seq = MODELS[name]
         print(f"{name}: {params / 1e9:.1f}B parameters, {costs.num_blocks} blocks, captured "
               f"and costed in {captured:.1f} s")

@@ -191,3 +191,52 @@ def test_a_meta_capture_whose_forward_makes_tensors_on_the_default_device() -> N
     assert any("relu" in str(n.op) for n in graph.nodes.values())
     _, graph = capture_meta(Workload(positions, (x,), x, torch.nn.functional.mse_loss), 2)
     assert any("arange" in str(n.op) for n in graph.nodes.values())
+
+
+def test_plan_on_a_table_of_one_block_per_layer(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``--blocks layers``: every cut between two layers (the embedding and the head
+    blocks of their own), as the at-scale rows plan (their MFU rose where FLOP-balanced
+    blocks cut inside the layers)."""
+    from orgel.cli import main
+    from orgel.graph.blocks import layer_blocks, layer_of
+    from orgel.plan.device import capture_meta, device_costs
+
+    workload = tmp_path / "w.py"
+    workload.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed = torch.nn.Linear(64, 128)\n"
+        "        self.layers = torch.nn.ModuleList(torch.nn.Sequential(\n"
+        "            torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128))\n"
+        "            for _ in range(6))\n"
+        "        self.head = torch.nn.Linear(128, 8)\n"
+        "    def forward(self, x):\n"
+        "        x = self.embed(x)\n"
+        "        for layer in self.layers:\n"
+        "            x = x + layer(x)\n"
+        "        return self.head(x)\n"
+        "def workload():\n"
+        "    with torch.device('meta'):\n"
+        "        m = M()\n"
+        "        x, y = torch.empty(64, 64), torch.empty(64, 8)\n"
+        "    return m, (x,), y, torch.nn.functional.mse_loss\n")
+    costs = device_costs(f"{workload}:workload", "h100-80gb", microbatches=4, blocks="layers")
+    assert costs.num_blocks == 6 + 2
+    _, opgraph = capture_meta(f"{workload}:workload", 4)
+    found = [{layer_of(opgraph.nodes[n].module) for n in names}
+             for names in (b.nodes for b in layer_blocks(opgraph).blocks)]
+    assert found[0] == {None} and found[-1] <= {None, "layers.5"}
+    assert [f - {None} for f in found[1:-1]] == [{f"layers.{i}"} for i in range(6)]
+    with pytest.raises(ValueError, match="'layers'"):
+        device_costs(f"{workload}:workload", "h100-80gb", microbatches=4, blocks="rows")
+    assert main(["plan", f"{workload}:workload", "--device", "h100-80gb", "--ranks", "4",
+                 "--microbatches", "4", "--blocks", "layers", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_ranks"] == 4
+    assert main(["plan", f"{workload}:workload", "--ranks", "2", "--microbatches", "4",
+                 "--blocks", "layers"]) == 2
+    assert "--blocks layers needs --device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", f"{workload}:workload", "--device", "h100-80gb", "--blocks", "0"])

@@ -76,9 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "pipeline; default: any)")
     parser.add_argument("--rows", type=int, metavar="N", help="rows of one micro-batch: "
                         "replica counts must divide it (default: from the workload, else any)")
-    parser.add_argument("--blocks", type=int, metavar="N",
+    parser.add_argument("--blocks", type=_blocks_arg, metavar="N|layers",
                         help="target number of blocks when profiling a workload (default 32, "
-                        "or twice --ranks where that is more)")
+                        "or twice --ranks where that is more); with --device, 'layers' "
+                        "makes one block per layer (every cut between two layers)")
     parser.add_argument("--no-link", action="store_true", help="when profiling, skip the "
                         "link and runtime-overhead benchmarks (free links, bare overhead)")
     parser.add_argument("--max-loops", type=int, default=8, metavar="V",
@@ -192,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
             from orgel.plan.workload import plan_workload
             from orgel.workload import in_precision
 
+            if args.blocks == "layers":
+                return _fail("--blocks layers needs --device (a profiled table is measured "
+                             "block by block at a number of blocks): give --blocks N")
             workload = in_precision(args.workload, args.precision)
             result = plan_workload(workload, ranks=args.ranks, microbatches=microbatches,
                                    blocks=args.blocks, progress=not args.json,
@@ -286,3 +290,17 @@ def format_summary(s: dict[str, Any]) -> str:
             mark = "  <- chosen" if c["microbatches"] == s["microbatches"] else ""
             lines.append(f"{c['microbatches']:>13} {c['rows']:>6} {step:>10} {rate:>10}{mark}")
     return "\n".join(lines)
+
+
+def _blocks_arg(text: str) -> int | str:
+    """``--blocks``: a positive number, or ``layers``."""
+    if text == "layers":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"give a number of blocks or 'layers', not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--blocks must be at least 1, got {value}")
+    return value

@@ -349,6 +349,23 @@ def from_groups(opgraph: OpGraph, groups: list[list[str]]) -> BlockGraph:
     return _assemble(opgraph, groups, paths, [position[g[0]] for g in groups])
 
 
+def layer_blocks(opgraph: OpGraph) -> BlockGraph:
+    """One block per layer (:func:`layer_runs`), with what comes before the first layer (the
+    embedding) and after the last (the final norm, the head) as blocks of their own: a
+    table whose cuts all lie between layers, where a transformer's residual stream is the
+    one value crossing. Nodes outside every layer between two layers join the layer
+    before."""
+    names = list(opgraph.nodes)
+    runs = layer_runs(names, [opgraph.nodes[n].module for n in names])
+    groups: list[list[str]] = []
+    for i, (layer, nodes) in enumerate(runs):
+        if groups and layer is None and i < len(runs) - 1:
+            groups[-1].extend(nodes)
+        else:
+            groups.append(list(nodes))
+    return from_groups(opgraph, groups)
+
+
 def _cost(seg: tuple[int, int, int], cost: list[int]) -> int:
     return sum(cost[seg[0]:seg[1]])
 

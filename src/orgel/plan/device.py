@@ -20,31 +20,40 @@ from orgel.plan.planner import PlanResult, plan
 from orgel.plan.workload import microbatch_rows
 
 
-def device_costs(workload: Any, device: Device | str, *, microbatches: int, blocks: int = 32,
-                 tf32: bool = False) -> BlockCosts:
-    """``workload`` (``"file.py:fn"`` or a Workload) estimated on ``device`` per micro-batch."""
+def device_costs(workload: Any, device: Device | str, *, microbatches: int,
+                 blocks: int | str = 32, tf32: bool = False) -> BlockCosts:
+    """``workload`` (``"file.py:fn"`` or a Workload) estimated on ``device`` per micro-batch.
+
+    ``blocks``: how many blocks to coarsen into, balanced by FLOPs, or ``"layers"``: one
+    per layer (:func:`orgel.graph.blocks.layer_blocks`), every cut between two layers.
+    """
+    from orgel.graph.blocks import layer_blocks
     from orgel.profile.roofline import estimate_costs
 
+    if isinstance(blocks, str) and blocks != "layers":
+        raise ValueError(f"blocks must be a number or 'layers', got {blocks!r}")
     dev = load_device(device) if isinstance(device, str) else device
     w, opgraph = capture_meta(workload, microbatches)
 
-    costs = estimate_costs(opgraph, dev, blocks=blocks, tf32=tf32,
-                           rows=microbatch_rows(w, microbatches))
+    bg = layer_blocks(opgraph) if blocks == "layers" else None
+    costs = estimate_costs(opgraph, dev, blocks=1 if bg is not None else int(blocks),
+                           blockgraph=bg, tf32=tf32, rows=microbatch_rows(w, microbatches))
     costs.meta["workload"] = workload if isinstance(workload, str) else type(w.model).__name__
     costs.meta["microbatches"] = microbatches
     return costs
 
 
 def plan_on_device(workload: Any, device: Device | str, *, ranks: int, microbatches: int,
-                   blocks: int | None = None, tf32: bool = False,
+                   blocks: int | str | None = None, tf32: bool = False,
                    **options: Any) -> PlanResult:
     """The planner's best plan of ``workload`` on ``ranks`` of ``device`` (estimated costs).
 
+    ``blocks``: as :func:`device_costs` takes it (default: :func:`blocks_for` the ranks).
     ``options`` go to :func:`~orgel.plan.planner.plan` (``dp``, ``memory``,
     ``planner``, ``max_replicas``, ...); ``rows`` defaults to a micro-batch's rows.
     """
-    costs = device_costs(workload, device, microbatches=microbatches,
-                         blocks=blocks_for(ranks, blocks), tf32=tf32)
+    count = blocks if isinstance(blocks, str) else blocks_for(ranks, blocks)
+    costs = device_costs(workload, device, microbatches=microbatches, blocks=count, tf32=tf32)
     options.setdefault("rows", costs.rows)
     return plan(costs, ranks, microbatches, **options)
 

@@ -119,15 +119,18 @@ def _fewest_recomputing(scorer: Scorer, template: Template, points: Points
     """The fitting score with the fewest first stages recomputing (bisected); None: none fits.
 
     1F1B's stage ``s`` holds ``P - s`` micro-batches' activations, so the
-    first stages are the ones to recompute: whole (``True``), or each layer (``"layer"``,
-    where the table knows its layers: it rebuilds one layer at a time, so it fits where a
-    whole stage's recompute does not), the faster of the two that fit.
+    first stages are the ones to recompute: whole (``True``), or, where the table knows its
+    layers, each layer (``"layer"``: it rebuilds one layer at a time, so it fits where a
+    whole stage's recompute does not) or selectively (``"selective"``: the matmul outputs
+    kept; not with a split backward), the fastest that fits.
     """
     stages = template.num_stages
     score = scorer.score_chain(template, points, None)
     if score.feasible:
         return score, None
-    policies: list[bool | str] = [True] + (["layer"] if scorer.bc.recompute else [])
+    policies: list[bool | str] = [True]
+    if scorer.bc.recompute:
+        policies += ["layer"] if template.splits_backward else ["layer", "selective"]
     found: tuple[Score, tuple[bool | str, ...]] | None = None
     for policy in policies:
         def first(k: int, policy: bool | str = policy) -> tuple[bool | str, ...]:
