@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -112,7 +113,8 @@ def grand_teton(s: float) -> Device:
 def predict(run: Run, device: Device, hidden: float,
             cache: Path | None) -> tuple[float, float, float]:
     """``run`` as orgel prices it on ``device``, AsyncTP hiding ``hidden`` of what its
-    linears could (:func:`orgel.costs.mesh.tp_costs`): (tokens/s/GPU, GiB/GPU, bubble)."""
+    linears could (:func:`orgel.costs.mesh.tp_costs`): (tokens/s/GPU, GiB/GPU, bubble).
+    The memory of a pipelined row is :func:`pipelined_memory`'s."""
     table = costs_of(run.model, device, 2 * LAYERS[run.model] + 2, cache, float8=run.float8,
                      per_layer=True)[0]
     result = fixed_plan(table.scaled(run.batch // run.microbatches), run.family, run.pp,
@@ -120,7 +122,35 @@ def predict(run: Run, device: Device, hidden: float,
                         stages_per_rank=run.stages_per_rank,
                         async_tp=hidden if run.async_tp else False, recompute=run.recompute)
     tokens = run.batch * SEQ / (result.step_time / 1000) / run.gpus
-    return tokens, max(result.sim.peak_memory) / GIB, result.sim.bubble_fraction
+    memory = (pipelined_memory(result, run, table) if run.pp > 1
+              else max(result.sim.peak_memory)) / GIB
+    return tokens, memory, result.sim.bubble_fraction
+
+
+def pipelined_memory(result: Any, run: Run, table: Any) -> float:
+    """The largest peak of a pipelined row's ranks (bytes), with two facts of torchtitan's
+    FSDP2 that the plan (orgel's FSDP: gradients in the weights' dtype, weights gathered
+    in bf16) leaves out:
+
+    * gradients accumulate unsharded over the micro-batches in float32, FSDP2's
+      ``reduce_dtype`` (torchtitan's ``mixed_precision_reduce``; ``FSDPParam.
+      to_accumulated_grad_if_needed``): 4 bytes a parameter where the plan holds 2;
+    * with Float8, the linears' weights are gathered as Float8 (its 405B preset sets
+      ``enable_fsdp_float8_all_gather``) and held so through the step (a pipelined
+      stage does not reshard): 1 byte a weight where the plan holds 2. A stage's linear
+      weights are its TP regions' parameters but the head's (which stays bf16).
+    """
+    plan = result.plan
+    peaks = list(result.sim.peak_memory)
+    last = table.num_blocks - 1
+    for s, stage in enumerate(plan.stage_graph.stages):
+        assert stage.blocks, "a plan of the table's blocks"
+        params = plan.costs.stages[s].params  # bf16 bytes a member holds
+        linears = (sum(table.tp_split[b].params for b in stage.blocks if b != last) // run.tp
+                   if run.float8 else 0)
+        for r in plan.placement[s]:
+            peaks[r] += params - linears // 2
+    return max(peaks)
 
 
 def bisect(rate: Callable[[float], float], target: float, low: float, high: float) -> float:
