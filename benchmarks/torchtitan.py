@@ -1,6 +1,6 @@
 """torchtitan's published runs against orgel's prediction, on the hardware they ran on.
 
-    python benchmarks/torchtitan.py [--cache DIR]
+    python benchmarks/torchtitan.py [--cache DIR] [--s S] [--h H]
 
 torchtitan's ``docs/performance.md`` (the tables of 2025-01-30, run at torchtitan 9dec370,
 torch 1963fc8 of 2024-12) reports Llama 3.1 8B, 70B and 405B on one cluster and one
@@ -13,18 +13,22 @@ HBM3, so its figures are not that hardware's.
 The device here (:func:`grand_teton`) is ``h100-80gb`` with that memory (2.4 TB/s, 94 GiB
 usable) and its tensor-core efficiency (matmul and attention) scaled by one factor ``s``,
 the sustained rate of these power-limited GPUs under torch.compile relative to orgel's
-roofline. ``s`` is fitted to **one** published row (Table 1, Llama 3.1 8B, FSDP on 8 GPUs
-with torch.compile, bf16: 6,667 tokens/s/GPU); every other row is then predicted with it,
-not fitted: Float8 on the same 8 GPUs, the same model on 128 GPUs, 70B with FSDP 32 x TP 8
-(Float8, without and with AsyncTP) and 405B with FSDP 8 x TP 8 x PP 8 (Float8 + AsyncTP,
-1F1B and interleaved 1F1B), each configuration expressed as torchtitan ran it
+roofline. Two factors are fitted, each to **one** published row: ``s`` to Table 1's bf16 row
+(Llama 3.1 8B, FSDP on 8 GPUs with torch.compile: 6,667 tokens/s/GPU), then ``h``, the share
+of what its linears could hide that AsyncTP hides (:func:`orgel.costs.mesh.tp_costs` with
+``async_tp=h``), to Table 4's AsyncTP row (70B, FSDP 32 x TP 8, Float8: 876). Every other
+row is predicted with them, not fitted: Float8 on the same 8 GPUs, the 8B model on 128
+GPUs, 70B with blocking TP, and 405B with FSDP 8 x TP 8 x PP 8 (Float8 + AsyncTP, 1F1B and
+interleaved 1F1B), each configuration expressed as torchtitan ran it
 (:func:`at_scale.fixed_plan`: uniform layers, its activation checkpointing per layer or
-selective per operator, TP with sequence parallelism).
+selective per operator, TP with sequence parallelism). A pipelined row's memory adds two
+facts of torchtitan's FSDP2 (:func:`pipelined_memory`: gradients accumulated unsharded in
+float32, Float8 weights gathered as Float8).
 
-What the device does not price (each named where the rows print): torchtitan's FSDP2
-gathers one layer's weights at a time, ahead of it, where orgel gathers a stage's at the
-step's start (without pipelining, the whole model's, exposed and held); Float8's FSDP
-all-gathers in FP8; torch.compile's gain over eager (``s`` is fitted to a compiled run).
+What the device does not price: torchtitan's FSDP2 gathers one layer's weights at a time,
+ahead of it, where orgel gathers a stage's at the step's start (without pipelining, the
+whole model's, exposed and held: those rows' time and memory are orgel's FSDP's, not
+torchtitan's); torch.compile's gain over eager (``s`` is fitted to a compiled run).
 """
 
 from __future__ import annotations
