@@ -103,3 +103,62 @@ def test_an_unscaled_fp16_backward_is_refused_with_what_to_write() -> None:
         pipe.close()
     with pytest.raises(ValueError, match="loss_scale is for precision='16-mixed'"):
         ob.backend(ranks=2, precision="bf16-mixed", loss_scale={"init_scale": 8.0})
+
+
+def test_fp16_closures_with_graph_breaks_scale_their_loss_as_grad_scaler() -> None:
+    """A compiled model with graph breaks: the closure opens the float16 autocast (the
+    Python between the graphs is the closure's) and ``precision="16-mixed"`` turns the
+    loss scaling on; the first step overflows at 2**16 and is skipped, as GradScaler's."""
+    model, (x,), y, loss_fn = build("graphbreak", batch_size=8, seed=0)
+    init, steps = 2.0 ** 16, 3
+    ref = copy.deepcopy(model)
+    opt = _sgd(list(ref.parameters()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=init)
+    want, scales = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses = []
+        for xs, ys in zip(x.chunk(M), y.chunk(M), strict=True):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = ref(xs)
+            loss = loss_fn(out, ys) / M
+            scaler.scale(loss).backward()
+            losses.append(loss.item())
+        scaler.step(opt)
+        scaler.update()
+        want.append(losses)
+        scales.append(scaler.get_scale())
+    assert scales[0] < init  # the first step overflowed and was skipped
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60,
+                      precision="16-mixed", loss_scale={"init_scale": init})
+    compiled = torch.compile(model, backend=pipe)
+
+    def closure(xs: torch.Tensor, ys: torch.Tensor, scaled: bool = True) -> float:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = compiled(xs)
+        loss = loss_fn(out, ys) / M
+        (pipe.scale(loss) if scaled else loss).backward()
+        return loss.item()
+
+    try:
+        for step in range(steps):
+            assert pipe.step(closure, x, y) == pytest.approx(want[step], rel=1e-5)
+            state = pipe.loss_scale
+            assert state is not None and state["scale"] == scales[step]
+        assert len(pipe.pipe.glue.calls) > 1  # it ran as several graphs
+        got = pipe.state_dict()
+        for name, t in ref.state_dict().items():
+            torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=name)
+        with pytest.raises(RuntimeError, match=r"backward from pipe.scale\(loss\)"):
+            pipe.step(lambda xs, ys: closure(xs, ys, scaled=False), x, y)
+    finally:
+        pipe.close()
+    # the closure's autocast and precision= must agree (the closure's is the one that runs)
+    pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60,
+                      precision="bf16-mixed")
+    compiled = torch.compile(copy.deepcopy(model), backend=pipe)
+    try:
+        with pytest.raises(RuntimeError, match="make the two agree"):
+            pipe.step(closure, x, y)
+    finally:
+        pipe.close()

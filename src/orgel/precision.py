@@ -58,6 +58,12 @@ def scales_loss(precision: str) -> bool:
     return autocast_dtype(precision) == torch.float16
 
 
+#: what a closure that starts its backward from the loss itself under float16 is told
+UNSCALED_BACKWARD = ("precision='16-mixed': start the closure's backward from pipe.scale(loss) "
+                     "(as GradScaler's scaler.scale(loss).backward()), not from loss itself: "
+                     "the ranks unscale every gradient by the loss scale")
+
+
 def loss_scaling(precision: str, loss_scale: dict[str, Any] | None) -> bool | dict[str, Any]:
     """What the ranks' loss scaler takes (:mod:`orgel.runtime.scaler`): False without
     float16, else GradScaler's options given (``True`` for its defaults). ValueError for

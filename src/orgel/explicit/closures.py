@@ -58,6 +58,10 @@ class ClosurePipeline(GluedPipeline):
         backward gives the step call's whole gradient, so each call counts ``1/accumulate``
         in what reaches the ranks; the gradients that come back into the closure's backward
         (of the graph's arguments) are its own again."""
+        if self.scale is not None and not slot.scaled and any(g is not None for g in grads):
+            from orgel.precision import UNSCALED_BACKWARD
+
+            raise RuntimeError(UNSCALED_BACKWARD)
         k = self.accumulate
         if k == 1:
             return super()._back(slot, c, grads, count)

@@ -65,6 +65,7 @@ class _Slot:
         # gradients of the parameters the controller trains (by name), this micro-batch's
         self.grads: dict[str, torch.Tensor] = {}
         self.backed: set[int] = set()  # graph calls whose backward ran
+        self.scaled = False  # orgel.backend: the closure's loss went through pipe.scale
 
 
 class _GraphCall(torch.autograd.Function):

@@ -193,7 +193,8 @@ REFUSED: dict[tuple[str, str], str] = {
                                            "Python between the graphs runs in your closure: "
                                            "open torch.autocast('cpu', dtype=torch.bfloat16) "
                                            "around the compiled model's call in the closure "
-                                           "instead, and give no precision=",
+                                           "instead (precision= may stay: with float16 it "
+                                           "turns the loss scaling on)",
 }
 
 

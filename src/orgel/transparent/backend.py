@@ -226,6 +226,15 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         closure's backward must start from it."""
         if self._scale is None:
             return loss
+        from orgel.explicit.closures import ClosurePipeline
+
+        if isinstance(self.pipe, ClosurePipeline):  # graph breaks: the closures' own threads
+            slot = getattr(self.pipe._local, "slot", None)
+            if slot is None:
+                raise RuntimeError("call backend.scale(loss) inside a closure run by step(...)")
+            slot.scaled = True
+            assert self.pipe.scale is not None  # the ranks' scale, read after every call
+            return loss * self.pipe.scale
         m = getattr(self._local, "microbatch", None)
         if m is None and not self._discovering:  # (the first step's search runs one here)
             raise RuntimeError("call backend.scale(loss) inside a closure run by step(...)")

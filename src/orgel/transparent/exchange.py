@@ -55,10 +55,9 @@ class RankLink:
             raise RuntimeError("backward ran twice through the pipelined model in one closure")
         slot.grad_sent = True
         if grads is not None and getattr(self, "_scale", None) is not None and not slot.scaled:
-            raise RuntimeError("precision='16-mixed': start the closure's backward from "
-                               "pipe.scale(loss) (as GradScaler's scaler.scale(loss)"
-                               ".backward()), not from loss itself: the ranks unscale every "
-                               "gradient by the loss scale")
+            from orgel.precision import UNSCALED_BACKWARD
+
+            raise RuntimeError(UNSCALED_BACKWARD)
         for process in self._loss_processes[slot.index % self.dp]:
             self._pipes.send(process, ("grad", slot.index // self.dp, grads))
 

@@ -149,8 +149,15 @@ class FindsGraphs:
                 around = (device_type(args), self._precision)
             self.model = GraphModel(gm, example_inputs, roles, around)
         else:  # the Python between the graphs runs in the closures, under their autocast
-            if self._precision is not None and self._autocast is None:
+            around = self._autocast
+            if self._precision is not None and around is None:
                 from orgel.flow.options import REFUSED
 
                 raise RuntimeError(REFUSED[("backend graph breaks", "precision")])
+            if self._precision is not None and around is not None and around[1] != self._precision:
+                raise RuntimeError(
+                    f"orgel.backend's precision names {self._precision} but the closure runs "
+                    f"the compiled model under {describe_autocast(around)}; with graph "
+                    "breaks the closure's autocast is the one that runs (precision= only "
+                    "turns float16's loss scaling on): make the two agree")
             self._start_glued(rows)
