@@ -62,8 +62,7 @@ class _Slot:
         self.result: float = 0.0
         self.outputs: Any = None  # the model's outputs, detached on the CPU, when asked for
         self.error: BaseException | None = None
-        # gradients of the parameters the controller trains (by name), this micro-batch's
-        self.grads: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}  # this micro-batch's, of those trained here
         self.backed: set[int] = set()  # graph calls whose backward ran
         self.scaled = False  # orgel.backend: the closure's loss went through pipe.scale
 
