@@ -88,10 +88,13 @@ MODELS = {
     "gpt3-175b": (lambda: big.gpt3_175b(1, 2048), 512, 2048),
     "llama3.1-405b": (lambda: big.llama3_1_405b(1, 8192), 128, 8192),
 }
-LAYERS = {"llama3-70b": 80, "gpt3-175b": 96, "llama3.1-405b": 126}
 #: models only ``benchmarks/torchtitan.py`` prices (built the same way, no rows here)
 OTHER_MODELS = {"llama3.1-8b": (lambda: big.llama3_1_8b(1, 8192), 16, 8192),
                 "llama3.1-70b": (lambda: big.llama3_70b(1, 8192), 512, 8192)}
+#: every model built here: (its workload for one row, the step's sequences, their tokens)
+ALL_MODELS = {**MODELS, **OTHER_MODELS}
+LAYERS = {"llama3-70b": 80, "gpt3-175b": 96, "llama3.1-405b": 126, "llama3.1-8b": 32,
+          "llama3.1-70b": 80}
 
 
 _GRAPHS: dict[str, tuple[Any, int]] = {}  # a model captured once per process
@@ -118,7 +121,7 @@ def costs_of(name: str, device: Any, blocks: int, cache: Path | None = None, *,
         if any(s.column for s in costs.tp_split) and (costs.edge_bytes or costs.is_chain()):
             return costs, time.perf_counter() - started, float(costs.meta["parameters"])
     if name not in _GRAPHS:
-        w = {**MODELS, **OTHER_MODELS}[name][0]()
+        w = ALL_MODELS[name][0]()
         w.model.to(torch.bfloat16)
         _GRAPHS[name] = (capture_meta(w, 1)[1], sum(p.numel() for p in w.model.parameters()))
     graph, params = _GRAPHS[name]

@@ -43,13 +43,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from at_scale import GIB, costs_of, fixed_plan  # noqa: E402
+from at_scale import ALL_MODELS, GIB, LAYERS, costs_of, fixed_plan  # noqa: E402
 
 from orgel.costs.devices import DEVICES, Device  # noqa: E402
-
-SEQ = 8192
-#: the layers of each model (its table has one block per layer, plus embedding and head)
-LAYERS = {"llama3.1-8b": 32, "llama3.1-70b": 80, "llama3.1-405b": 126}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +121,8 @@ def predict(run: Run, device: Device, hidden: float,
                         run.microbatches, tp=run.tp, dp=run.dp, shard="fsdp",
                         stages_per_rank=run.stages_per_rank,
                         async_tp=hidden if run.async_tp else False, recompute=run.recompute)
-    tokens = run.batch * SEQ / (result.step_time / 1000) / run.gpus
+    seq = ALL_MODELS[run.model][2]  # the tokens of a sequence
+    tokens = run.batch * seq / (result.step_time / 1000) / run.gpus
     memory = (pipelined_memory(result, run, table) if run.pp > 1
               else max(result.sim.peak_memory)) / GIB
     return tokens, memory, result.sim.bubble_fraction

@@ -33,10 +33,10 @@ def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _reference(model: torch.nn.Module, loss_fn: Any, batch: tuple[torch.Tensor, torch.Tensor],
-               steps: int) -> tuple[list[list[float]], list[float]]:
+               steps: int, init: float = INIT) -> tuple[list[list[float]], list[float]]:
     """One process: the model under a float16 autocast, its loss outside it, GradScaler."""
     opt = _sgd(list(model.parameters()))
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init)
     losses, scales = [], []
     for _ in range(steps):
         opt.zero_grad()
@@ -112,22 +112,7 @@ def test_fp16_closures_with_graph_breaks_scale_their_loss_as_grad_scaler() -> No
     model, (x,), y, loss_fn = build("graphbreak", batch_size=8, seed=0)
     init, steps = 2.0 ** 16, 3
     ref = copy.deepcopy(model)
-    opt = _sgd(list(ref.parameters()))
-    scaler = torch.amp.GradScaler("cpu", init_scale=init)
-    want, scales = [], []
-    for _ in range(steps):
-        opt.zero_grad()
-        losses = []
-        for xs, ys in zip(x.chunk(M), y.chunk(M), strict=True):
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = ref(xs)
-            loss = loss_fn(out, ys) / M
-            scaler.scale(loss).backward()
-            losses.append(loss.item())
-        scaler.step(opt)
-        scaler.update()
-        want.append(losses)
-        scales.append(scaler.get_scale())
+    want, scales = _reference(ref, loss_fn, (x, y), steps, init)
     assert scales[0] < init  # the first step overflowed and was skipped
     pipe = ob.backend(ranks=2, microbatches=M, optimizer=_sgd, threads=1, timeout_s=60,
                       precision="16-mixed", loss_scale={"init_scale": init})

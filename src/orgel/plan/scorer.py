@@ -261,6 +261,15 @@ class Scorer:
         actions = np.array([len(a) for a in template.base.schedule], dtype=np.float64)
         return actions * self.bc.action_overhead
 
+    def partial_policies(self, template: Template) -> list[str]:
+        """The recompute policies short of a stage whole that this table prices and
+        ``template`` runs, cheapest in time first: ``"selective"`` (not with a split
+        backward: torch's selective checkpoint allows one backward per region), then
+        ``"layer"``; none where the table has no per-layer facts."""
+        if not self.bc.recompute:
+            return []
+        return ["layer"] if template.splits_backward else ["selective", "layer"]
+
     def static_fits(self, template: Template, stages: list[StageCost]) -> bool:
         """Whether weights + grads + optimizer state alone fit on every rank.
 

@@ -128,9 +128,8 @@ def _fewest_recomputing(scorer: Scorer, template: Template, points: Points
     score = scorer.score_chain(template, points, None)
     if score.feasible:
         return score, None
-    policies: list[bool | str] = [True]
-    if scorer.bc.recompute:
-        policies += ["layer"] if template.splits_backward else ["layer", "selective"]
+    # whole first, then per layer and selectively: on equal steps the first found stays
+    policies: list[bool | str] = [True, *reversed(scorer.partial_policies(template))]
     found: tuple[Score, tuple[bool | str, ...]] | None = None
     for policy in policies:
         def first(k: int, policy: bool | str = policy) -> tuple[bool | str, ...]:

@@ -214,9 +214,7 @@ def _relax_recompute(scorer: Scorer, result: SequentialResult) -> SequentialResu
         return result
     stages = scorer.chain_stage_costs(result.points)
     policies: list[bool | str] = list(result.recompute)
-    choices: list[bool | str] = [False]
-    if scorer.bc.recompute:  # torch's selective checkpoint allows one backward per region
-        choices += ["layer"] if result.template.splits_backward else ["selective", "layer"]
+    choices: list[bool | str] = [False, *scorer.partial_policies(result.template)]
     for policy in choices:
         uniform = (policy,) * len(policies)
         trial = scorer.score_chain(result.template, result.points, uniform)

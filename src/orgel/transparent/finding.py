@@ -154,7 +154,7 @@ class FindsGraphs:
                 from orgel.flow.options import REFUSED
 
                 raise RuntimeError(REFUSED[("backend graph breaks", "precision")])
-            if self._precision is not None and around is not None and around[1] != self._precision:
+            if around is not None and self._precision not in (None, around[1]):
                 raise RuntimeError(
                     f"orgel.backend's precision names {self._precision} but the closure runs "
                     f"the compiled model under {describe_autocast(around)}; with graph "
