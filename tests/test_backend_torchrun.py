@@ -110,6 +110,56 @@ def test_orgel_backend_trains_under_torchrun_as_one_process(
         assert expected in result["error"], (rank, result["error"])
 
 
+WIDE = '''
+import copy, json, os, sys
+import torch
+from torch import nn
+import orgel
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(65536, 8), nn.Tanh(), nn.Linear(8, 1))
+reference = copy.deepcopy(model)
+sgd = lambda params: torch.optim.SGD(params, lr=0.05)
+pipe = orgel.backend(ranks=2, microbatches=4, optimizer=sgd, schedule="1f1b", timeout_s=60)
+compiled = torch.compile(model, backend=pipe)
+x, y = torch.randn(16, 65536), torch.randn(16, 1)
+
+
+def closure(xm, ym):
+    loss = torch.nn.functional.mse_loss(compiled(xm), ym) / 4
+    loss.backward()
+    return float(loss.detach())
+
+
+got = pipe.step(closure, x, y)
+state = pipe.state_dict()
+pipe.close()
+opt = sgd(list(reference.parameters()))
+want = []
+for xm, ym in zip(x.chunk(4), y.chunk(4)):
+    loss = torch.nn.functional.mse_loss(reference(xm), ym) / 4
+    loss.backward()
+    want.append(float(loss.detach()))
+opt.step()
+diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
+    json.dump({"got": got, "want": want, "diff": diff}, f)
+'''
+
+
+def test_a_first_step_whose_inputs_overfill_the_pipes_trains(tmp_path: Path) -> None:
+    """Under torchrun the inputs go to the ranks by value: each micro-batch here is 1 MiB,
+    more than a pipe holds, so its send blocks until the input stage reads it in the step.
+    On the first step the closures send them once the ranks run, while process 0 issues
+    the step (it once sent them itself before issuing it, and waited forever)."""
+    code, log = _torchrun(tmp_path, WIDE, str(tmp_path), processes=2)
+    assert code == 0, log[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert result["got"] == pytest.approx(result["want"], rel=1e-5), rank
+        assert result["diff"] < 1e-6, rank
+
+
 GRAPH_BREAK = '''
 import copy, json, os, sys
 import torch

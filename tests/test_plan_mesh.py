@@ -329,9 +329,9 @@ def test_recompute_starts_from_the_best_policy_for_every_stage() -> None:
     first stages relaxed; where one policy for every stage fits, the planner's choice is
     never slower than it (Llama-3.1-405B on 1024 H100s: 7.8 against 6.1 s a step)."""
     from orgel.plan.scorer import Scorer
+    from orgel.plan.screen import QUICK_TEMPLATES
     from orgel.plan.sequential import SequentialResult, _relax_recompute
     from orgel.plan.splits import balanced_points, time_weights
-    from orgel.plan.screen import QUICK_TEMPLATES
     from orgel.plan.templates import build_template
 
     facts = BlockRecompute(layer_kept=2 * MIB, layer_rebuilt=8 * MIB, layer_fwd=4.0,

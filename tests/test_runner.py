@@ -175,6 +175,41 @@ def test_a_closure_that_hangs_is_reported_within_the_timeout() -> None:
         pipe.close()
 
 
+def test_a_start_up_longer_than_the_timeout_is_not_a_closure_timing_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timeout_s`` bounds a wait on the ranks, not the first step's capture, plan and
+    fork (minutes under torchrun on a busy machine): the closures that called the compiled
+    model wait for the ranks to start before their outputs' timeout counts. Here the
+    start takes longer than the timeout; the step trains as one process does."""
+    import orgel.transparent.start as starting
+
+    slow = starting.start_ranks
+
+    def start_ranks(backend: ob.Backend) -> Any:
+        time.sleep(6)  # past the timeout below, as a slow capture would be
+        return slow(backend)
+
+    monkeypatch.setattr(starting, "start_ranks", start_ranks)
+    text_tower, head, _ = _clip()
+    ref_head = copy.deepcopy(head)
+    ref_opt = _sgd(list(ref_head.parameters()))
+    pipe = _backend(timeout_s=5)
+    closure = _make_closure(text_tower, torch.compile(head, backend=pipe), [])
+    ref_closure = _make_closure(text_tower, ref_head, [])
+    try:
+        batch = _batch(0)
+        losses = pipe.step(closure, *batch)
+        ref_opt.zero_grad()
+        ref_losses = [ref_closure(*(t.chunk(M)[m] for t in batch)) for m in range(M)]
+        ref_opt.step()
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+        state = pipe.state_dict()
+        for name, t in ref_head.state_dict().items():
+            torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        pipe.close()
+
+
 def test_graph_model_keeps_original_parameter_names() -> None:
     _, head, _ = _clip()
     graphs: list[ob.GraphModel] = []

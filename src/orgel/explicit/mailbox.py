@@ -105,7 +105,7 @@ class RankPipes:
             try:
                 with self._locks[p]:
                     self.conns[p].send(message)
-            except OSError as exc:
+            except (OSError, TypeError) as exc:  # TypeError: closed by another thread meanwhile
                 raise Stopped(f"rank {rank} (process {p}) closed its pipe while the controller "
                               f"sent it {message[0]!r}") from exc
 

@@ -111,6 +111,9 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self._loss_processes: list[list[int]] = []
         self._fed: set[int] = set()  # the ranks' micro-batches whose inputs went out
         self._feed_lock = threading.Lock()
+        #: set once the first step's ranks run (or that step ended): the closures that
+        #: called the model before wait for it before their outputs' timeout counts
+        self._ranks_up = threading.Event()
         self._placeholders: dict[str, torch.Tensor] = {}
         self._rows: int | None = None  # the batch size of the model's inputs (placeholders)
         self._whole: tuple[str, ...] = ()  # model inputs every micro-batch gets whole
@@ -199,9 +202,14 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                                        "run the pre-processing under torch.no_grad()")
                 inputs[name] = value.detach()
         slot.inputs = inputs
-        if self.pipe is not None:  # running: the input stages take it now (see closure.py)
+        running = self.pipe is not None
+        if running:  # the input stages take it now (see closure.py)
             self._feed(slot)
         slot.called.set()
+        if not running:  # the first step: capture, plan and fork first (not the ranks' time)
+            self._ranks_up.wait()
+            if self.pipe is not None:  # a send blocks until its rank reads: not in the runner
+                self._feed(slot)
         if not slot.delivered.wait(self.timeout_s):
             raise TimeoutError(f"micro-batch {slot.index}'s outputs did not arrive from the loss "
                                f"stage's processes {self._loss_processes} within "
@@ -320,8 +328,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                 given = [s.inputs for s in self._slots]
                 first_inputs((given, shared_inputs(given)), self.timeout_s)
                 self._start()
-                for slot in self._slots:
-                    self._feed(slot)
+                self._ranks_up.set()  # the closures send their inputs (see _forward)
             else:  # this step's shapes (a size the graph left symbolic may change)
                 self._await_call(self._slots[0])
                 self._check_closures()
@@ -337,6 +344,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                 raise
             reader.join(self.timeout_s)
         finally:
+            self._ranks_up.set()
             for slot in self._slots:  # release closures still waiting (after an error)
                 slot.delivered.set()
             for t in threads:
