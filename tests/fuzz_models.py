@@ -3,7 +3,10 @@
 * ``seqfirst``: a causal transformer on sequence-first ``[T, B]`` tokens, so the batch is
   dimension 1 of the inputs and the targets (``batch_dim=1``);
 * ``memory``: rows that attend to a ``memory`` table every row reads whole (an input named
-  in ``replicated``: every micro-batch gets all of it).
+  in ``replicated``: every micro-batch gets all of it);
+* ``breaks``: an MLP whose forward breaks the graph twice, a Python branch on a tensor's
+  value in the middle and one at the very end (Dynamo captures three graphs; every
+  micro-batch takes the same branches, so each runs the captured graphs).
 
 :func:`workload` builds one as the zoo does (random weights from a seed, no downloads);
 :data:`BATCH_DIM` and :data:`REPLICATED` say how its batch is cut.
@@ -21,7 +24,10 @@ from orgel.models import ZooWorkload
 BATCH_DIM: dict[str, int] = {"seqfirst": 1}
 #: the inputs of a model that every micro-batch takes whole
 REPLICATED: dict[str, tuple[str, ...]] = {"memory": ("memory",)}
-NAMES: tuple[str, ...] = ("seqfirst", "memory")
+NAMES: tuple[str, ...] = ("seqfirst", "memory", "breaks")
+#: models whose forward has graph breaks (no meta model: the Python between graphs reads
+#: values)
+GRAPH_BREAKS: tuple[str, ...] = ("breaks",)
 
 _VOCAB, _SEQ, _WIDTH, _HEADS, _SLOTS = 64, 8, 32, 4, 6
 
@@ -91,6 +97,38 @@ class Memory(nn.Module):
         return self.head(h)
 
 
+class Breaks(nn.Module):
+    """Features ``[B, 16]`` to class logits ``[B, 5]`` through residual MLP blocks, with a
+    branch on a value after the second block and another after the head."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, _WIDTH)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(_WIDTH, 2 * _WIDTH), nn.Tanh(),
+                                                  nn.Linear(2 * _WIDTH, _WIDTH))
+                                    for _ in range(layers))
+        self.head = nn.Linear(_WIDTH, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x))
+        first, second, *rest = self.blocks  # (Dynamo runs a loop that breaks eagerly)
+        h = h + first(h)
+        h = h + second(h)
+        if h.abs().amax().item() >= 0.0:  # a graph break; always taken
+            h = h + 0.5 * torch.tanh(h)
+        h = self._rest(h, rest)
+        logits = self.head(h)
+        if logits.isfinite().all().item():  # a Python branch at the very end of forward
+            return logits * 0.5
+        return logits
+
+    @staticmethod
+    def _rest(h: torch.Tensor, blocks: list[nn.Module]) -> torch.Tensor:
+        for block in blocks:
+            h = h + block(h)
+        return h
+
+
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, _VOCAB), targets.reshape(-1))
 
@@ -107,4 +145,8 @@ def workload(name: str, *, batch_size: int = 4, seed: int = 0) -> ZooWorkload:
                   "memory": torch.randn(_SLOTS, _WIDTH, generator=g)}
         labels = torch.randint(0, 5, (batch_size,), generator=g)
         return ZooWorkload(Memory(), inputs, labels, F.cross_entropy)
+    if name == "breaks":
+        x = torch.randn(batch_size, 16, generator=g)
+        return ZooWorkload(Breaks(), {"x": x}, torch.randint(0, 5, (batch_size,), generator=g),
+                           F.cross_entropy)
     raise KeyError(f"no fuzzer model {name!r}; one of {NAMES}")

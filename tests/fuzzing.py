@@ -89,7 +89,7 @@ SEQUENCE: tuple[str, ...] = ("gpt", "tied", "hf_gpt2", "hf_llama")
 #: models with linear layers tensor parallelism splits (``tp`` is drawn for them; GPT-2's
 #: are ``Conv1D``, ``addmm`` with a ``[in, out]`` weight)
 TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_gpt2", "hf_bert",
-                                    "hf_llama")
+                                    "hf_llama", "breaks")
 #: models with BatchNorm (running statistics; batch statistics)
 BATCHNORM: tuple[str, ...] = ("resnet",)
 #: the front ends a setup trains through (``tests/fuzz_backend.py`` for orgel.backend);
@@ -179,7 +179,8 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
     per_rank = (2 if backend else pick("stages_per_rank", (2, 3))) if schedule in LOOPED else 1
     loop_mb = prefetch = None
     frozen = pick("frozen", ("none", "module", "every3", "head"))
-    meta = "none" if backend else pick("meta", ("none", "weights", "init"))
+    meta = ("none" if backend or model in fuzz_models.GRAPH_BREAKS  # (documented refusals)
+            else pick("meta", ("none", "weights", "init")))
     if schedule == "looped":
         loop_mb = pick("loop_microbatches", [d for d in range(1, m + 1) if m % d == 0])
         prefetch = tuple(pick(f"prefetch{r}", (0, 1, 2)) for r in range(pipeline))

@@ -98,3 +98,12 @@ def test_tensor_parallelism_trains_in_float16_with_loss_scaling() -> None:
     local part now."""
     _check(fuzzing.Setup("gpt", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=1, tp=2,
                          precision="16-mixed"))
+
+
+def test_selective_recompute_with_graph_breaks_trains() -> None:
+    """Found by the fuzzer: under ``recompute="selective"`` a stage's checkpoint recomputes
+    its forward inside the backward, where its exchanges with the calling process asked
+    for the values of the micro-batch run forward last (GPipe: another one); they ask for
+    the recomputed micro-batch's now."""
+    _check(fuzzing.Setup("breaks", ranks=3, dp=1, schedule="gpipe", microbatches=2, rows=3,
+                         recompute="selective"))

@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import operator
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +150,25 @@ def side_leaf(leaf: torch.Tensor) -> None:
     :meth:`RankExchange.leaves`): a split backward's ``I`` walks towards it too."""
     if _RUNTIME is not None:
         _RUNTIME.add_leaf(leaf)
+
+
+def pinned(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the exchanges' micro-batch fixed to the present one: a checkpoint
+    runs a forward again inside the backward (another micro-batch's forward ran last,
+    under GPipe), and its exchanges must answer with the values this one got."""
+    runtime = _RUNTIME
+    if runtime is None:
+        return fn
+    m = runtime.microbatch
+
+    def run(*args: Any) -> Any:
+        present, runtime.microbatch = runtime.microbatch, m
+        try:
+            return fn(*args)
+        finally:
+            runtime.microbatch = present
+
+    return run
 
 
 def set_runtime(runtime: Any) -> None:

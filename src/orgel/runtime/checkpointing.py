@@ -36,6 +36,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
+from orgel.graph import glue
 from orgel.schedule.ir import RECOMPUTE
 
 _aten = torch.ops.aten
@@ -74,11 +75,11 @@ class _Checkpointed(torch.nn.Module):
         # the recompute runs to the end: stopped early, it would leave an autocast region
         # of the graph entered (its exit is the graph's last node), and autocast's cache of
         # cast weights would then outlive the optimizer step
+        inner = glue.pinned(self.inner)  # recomputed, its exchanges answer for this forward
         with set_checkpoint_early_stop(False):
             if self._context_fn is None:
-                return checkpoint(self.inner, *args, use_reentrant=False)
-            return checkpoint(self.inner, *args, use_reentrant=False,
-                              context_fn=self._context_fn)
+                return checkpoint(inner, *args, use_reentrant=False)
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=self._context_fn)
 
 
 def _keep_costly(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
