@@ -407,6 +407,34 @@ def test_a_closure_that_takes_another_branch_is_a_clear_error() -> None:
         pipe.close()
 
 
+def test_graphs_dynamo_made_with_symbolic_sizes_say_to_compile_static() -> None:
+    """Dynamo compiles code it ran on other shapes before in this process with symbolic
+    sizes (its automatic dynamic shapes); a forward of several graphs is captured static,
+    and the error says to pass ``dynamic=False``, with which the step trains."""
+    for rows in (3, 5):  # the same forward, compiled before on other batch sizes
+        torch.compile(BreakBN(), backend="eager")(torch.randn(rows, 6))
+    x = torch.randn(8, 6)
+
+    def closure_for(compiled: Any) -> Any:
+        def closure(xm: torch.Tensor) -> None:
+            compiled(xm)[0].sum().backward()
+        return closure
+
+    torch.manual_seed(3)
+    pipe = _backend(timeout_s=60)
+    try:
+        with pytest.raises(Exception, match=r"symbolic sizes .*dynamic=False\)"):
+            pipe.step(closure_for(torch.compile(BreakBN(), backend=pipe)), x)
+    finally:
+        pipe.close()
+    pipe = _backend(timeout_s=60)
+    try:
+        assert len(pipe.step(closure_for(torch.compile(BreakBN(), backend=pipe,
+                                                       dynamic=False)), x)) == M
+    finally:
+        pipe.close()
+
+
 class LSTMTagger(nn.Module):
     def __init__(self) -> None:
         super().__init__()

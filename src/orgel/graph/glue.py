@@ -375,8 +375,11 @@ def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
         glue: list[torch.Tensor] = []
         for a, role in zip(args, given, strict=True):
             if not isinstance(a, torch.Tensor):
-                raise CaptureError(f"graph {c} of the forward takes a {type(a).__name__}, not a "
-                                   "tensor; orgel captures with static shapes")
+                raise CaptureError(
+                    f"graph {c} of the forward takes a {type(a).__name__}, not a tensor: "
+                    "Dynamo compiled it with symbolic sizes (it had run this code on other "
+                    "shapes in this process, or dynamic=True), and a forward of several graphs "
+                    "is captured with static shapes; pass torch.compile(..., dynamic=False)")
             if role is not None:
                 roles.append(role)
             else:
