@@ -107,3 +107,12 @@ def test_selective_recompute_with_graph_breaks_trains() -> None:
     the recomputed micro-batch's now."""
     _check(fuzzing.Setup("breaks", ranks=3, dp=1, schedule="gpipe", microbatches=2, rows=3,
                          recompute="selective"))
+
+
+def test_graph_breaks_in_float16_under_torchrun_through_orgel_backend() -> None:
+    """Found by the fuzzer: with graph breaks under ``precision="16-mixed"``, process 0 read
+    the ranks' loss scale after each step through the public ``pipe.loss_scale``, a call the
+    other processes must make too, and they stopped ("this process called pipe.step where
+    process 0 called pipe.loss_scale"); it asks the ranks inside the step now."""
+    _check(fuzzing.Setup("breaks", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=2,
+                         precision="16-mixed", entry="backend-torchrun"))

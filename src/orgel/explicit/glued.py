@@ -383,7 +383,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         if self.stepping:  # the optimizer stepped: its new values
             self._receive_values()
         self.off_path = [s.index for s in slots if s.off_path]
-        state = self.loss_scale if self.scale is not None else None
+        state = self.ranks_loss_scale() if self.scale is not None else None  # (in the step)
         if state is not None:  # the ranks' scale after this call (backed off, grown)
             self.scale = float(state["scale"])
         self.calls += 1
