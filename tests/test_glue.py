@@ -438,3 +438,36 @@ def test_accumulating_steps_of_a_forward_of_several_graphs_train_exactly() -> No
     assert losses == pytest.approx(want, abs=1e-5)
     for name, value in reference.state_dict().items():
         assert torch.allclose(got[name], value, atol=1e-5), name
+
+
+class OtherGraph(nn.Module):
+    """A branch on the data that calls another layer: the micro-batches that take it run
+    a graph the capture never saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if x.sum() > 0:
+            return self.b(h)
+        return self.c(h)
+
+
+@pytest.mark.slow
+def test_a_microbatch_off_the_captured_graphs_with_fsdp_is_a_clear_error() -> None:
+    """The calling process runs a micro-batch that left the captured graphs on the ranks'
+    values, which FSDP shards (a gather is every replica's call at once): refused at the
+    step with what to change, as with tp (it crashed copying a shard into a whole tensor)."""
+    from orgel.explicit.fallback import GlueError
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 8).abs()
+    x[4:] = -x[4:]  # the second half of the batch takes the other layer
+    pipe = orgel.pipeline(OtherGraph(), (x,), torch.randint(0, 4, (8,)), F.cross_entropy,
+                          ranks=2, dp=2, shard="fsdp", microbatches=2, schedule="1f1b",
+                          threads=1, timeout_s=60,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pipe, pytest.raises(GlueError, match="shard='fsdp' orgel does not run it"):
+        pipe.step((x,), torch.randint(0, 4, (8,)))

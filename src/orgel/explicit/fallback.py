@@ -104,6 +104,13 @@ class Fallback:
         self._fetched = -1  # the step whose values the copy holds
         self._lock = threading.Lock()
 
+    @staticmethod
+    def allowed(plan: Any) -> bool:
+        """Whether the calling process may run a micro-batch that left the captured graphs
+        itself: not with ``tp`` or FSDP, whose ranks' values are gathered by all their
+        processes at once, not mid-step for one of them."""
+        return bool(plan.tp == 1 and "fsdp" not in plan.shard)
+
     def check(self, index: int, why: str) -> None:
         """Raise where micro-batch ``index`` cannot run in the controller (``why``: it left)."""
         if self.written:

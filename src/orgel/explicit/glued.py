@@ -151,7 +151,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         self._home_ranks = sorted(set(self._homes.values()))
         self._split = split
         # the ranks that wait for the controller's gradients every step
-        if plan.tp > 1:  # a tensor-parallel rank's values are gathered collectively, not mid-step
+        if not Fallback.allowed(plan):  # values gathered collectively, not mid-step
             self.fallback = False
         self._grad_ranks = list(range(plan.num_ranks)) if self.fallback else self._home_ranks
         self._fallback = Fallback(model, glue, split)
@@ -458,10 +458,10 @@ class GluedPipeline(EagerParameters, Pipeline):
                 raise
             if not self.fallback:
                 raise GlueError(f"micro-batch {slot.index} left the captured graphs "
-                                f"({found.what}); with tp > 1 orgel does not run it in the "
-                                "calling process (a tensor-parallel rank's values are gathered "
-                                "by all its processes at once): make every micro-batch take "
-                                "the captured path, or pass tp=1") from exc
+                                f"({found.what}); with tp > 1 or shard='fsdp' orgel does not "
+                                "run it in the calling process (a rank's values are gathered by "
+                                "all its processes at once): make every micro-batch take the "
+                                "captured path, or pass tp=1 and shard='none'") from exc
             self._fallback.leave(self, slot, inputs, found.what)
             self._fallback.run(self, slot, inputs, targets)
             return

@@ -14,6 +14,7 @@ from typing import Any
 
 from orgel.batching import single_dim, split_microbatches
 from orgel.explicit.closures import ClosurePipeline
+from orgel.explicit.fallback import Fallback
 from orgel.explicit.glued import GluedPipeline
 from orgel.workload import named_inputs
 
@@ -57,11 +58,10 @@ def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: 
     engine_options = {**(options or {}), "replicated": tuple(workload.replicated)}
 
     def make(process: int, conn: Any) -> Any:
-        # with tp, the controller runs no micro-batch itself (GluedPipeline.fallback)
         engine = ClosureEngine(plan.pipeline_rank_of(process), plan, split, optimizer=optimizer,
                                conn=conn, timeout_s=timeout_s, glue_info=glue,
                                model=workload.model, options=engine_options, batch_dim=dim,
-                               fallback=not closures and plan.tp == 1)
+                               fallback=not closures and Fallback.allowed(plan))
         # the controller scaled the gradients by 1/accumulate: undo the loss stage's own
         engine.surrogate.divisor *= accumulate
         return engine
