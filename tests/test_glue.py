@@ -471,3 +471,35 @@ def test_a_microbatch_off_the_captured_graphs_with_fsdp_is_a_clear_error() -> No
                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     with pipe, pytest.raises(GlueError, match="shard='fsdp' orgel does not run it"):
         pipe.step((x,), torch.randint(0, 4, (8,)))
+
+
+@pytest.mark.slow
+def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas() -> None:
+    """With ``dp=2`` the gradients the calling process computes (micro-batches that left
+    the captured graphs) join the replicas' sums: those were launched as each replica's
+    backward ended, before the calling process's gradients were added, and their result
+    replaced them (the first layer did not train)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 8).abs()
+    x[4:] = -x[4:]  # half of the batch takes the other layer
+    y = torch.randint(0, 4, (8,))
+    model = OtherGraph()
+    reference = copy.deepcopy(model)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    opt = sgd(reference.parameters())
+    pipe = orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, dp=2, microbatches=2,
+                          schedule="1f1b", threads=1, timeout_s=60, optimizer=sgd)
+    with pipe:
+        for batch in (x, -x.abs()):  # some micro-batches off the path; then all of them
+            got = pipe.step((batch,), y)
+            opt.zero_grad()
+            want = 0.0
+            for xm, ym in zip(batch.chunk(4), y.chunk(4), strict=True):
+                loss = F.cross_entropy(reference(xm), ym) / 4
+                loss.backward()
+                want += float(loss)
+            opt.step()
+            assert float(got) == pytest.approx(want, rel=1e-6)
+        state = pipe.state_dict()
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)

@@ -342,6 +342,9 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
             start = self._now()
             if self.before_reduce is not None:
                 self.before_reduce()
+                # the gradients it adds join the replicas' sums: launched only now
+                for rset in sorted(self.sync.dp) if self._final else ():
+                    self.sync.launch_replicas(rset)
             failed = self._failed is not None
             if not self._final:  # accumulating: the gradients stay where they are
                 loss = self.sync.reduce_loss(self._loss, failed)
@@ -414,7 +417,8 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         for i in self.comm.sends_after[self.rank][pos]:
             self._send(i)  # a placeholder while the step is being dropped
         self._in_grads = {}
-        for rset in self.reduce_after.get(pos, ()) if self._final else ():
+        early = self._final and self.before_reduce is None  # (else once they are added)
+        for rset in self.reduce_after.get(pos, ()) if early else ():
             self.sync.launch_replicas(rset)
         self.sharding.after(pos, self._final, self._failed is not None)
 

@@ -85,6 +85,7 @@ class ForwardOnly(Executor):
         self.sharding = Sharding.empty()
         self.fetch_inputs = None
         self.on_microbatch = None
+        self.before_reduce = None
         self.kept = None
         self.with_loss = True
         self.events = []
