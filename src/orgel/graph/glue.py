@@ -153,9 +153,8 @@ def side_leaf(leaf: torch.Tensor) -> None:
 
 
 def pinned(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with the exchanges' micro-batch fixed to the present one: a checkpoint
-    runs a forward again inside the backward (another micro-batch's forward ran last,
-    under GPipe), and its exchanges must answer with the values this one got."""
+    """``fn`` with the exchanges' micro-batch fixed to the present one: a checkpoint runs
+    a forward again in a backward, after other micro-batches' forwards (GPipe)."""
     runtime = _RUNTIME
     if runtime is None:
         return fn
@@ -167,7 +166,6 @@ def pinned(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
         finally:
             runtime.microbatch = present
-
     return run
 
 

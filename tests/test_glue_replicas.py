@@ -1,0 +1,82 @@
+"""A forward of several graphs where micro-batches leave the captured ones, with replicas.
+
+A branch on the data calls a layer the capture never saw: the calling process runs such
+a micro-batch whole (its gradients join the ranks' before the replicas' sums), and
+refuses it under FSDP, whose values it cannot gather mid-step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import orgel
+
+
+class OtherGraph(nn.Module):
+    """A branch on the data that calls another layer: the micro-batches that take it run
+    a graph the capture never saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if x.sum() > 0:
+            return self.b(h)
+        return self.c(h)
+
+
+@pytest.mark.slow
+def test_a_microbatch_off_the_captured_graphs_with_fsdp_is_a_clear_error() -> None:
+    """The calling process runs a micro-batch that left the captured graphs on the ranks'
+    values, which FSDP shards (a gather is every replica's call at once): refused at the
+    step with what to change, as with tp (it crashed copying a shard into a whole tensor)."""
+    from orgel.explicit.fallback import GlueError
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 8).abs()
+    x[4:] = -x[4:]  # the second half of the batch takes the other layer
+    pipe = orgel.pipeline(OtherGraph(), (x,), torch.randint(0, 4, (8,)), F.cross_entropy,
+                          ranks=2, dp=2, shard="fsdp", microbatches=2, schedule="1f1b",
+                          threads=1, timeout_s=60,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pipe, pytest.raises(GlueError, match="shard='fsdp' orgel does not run it"):
+        pipe.step((x,), torch.randint(0, 4, (8,)))
+
+
+@pytest.mark.slow
+def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas() -> None:
+    """With ``dp=2`` the gradients the calling process computes (micro-batches that left
+    the captured graphs) join the replicas' sums: those were launched as each replica's
+    backward ended, before the calling process's gradients were added, and their result
+    replaced them (the first layer did not train)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 8).abs()
+    x[4:] = -x[4:]  # half of the batch takes the other layer
+    y = torch.randint(0, 4, (8,))
+    model = OtherGraph()
+    reference = copy.deepcopy(model)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    opt = sgd(reference.parameters())
+    pipe = orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, dp=2, microbatches=2,
+                          schedule="1f1b", threads=1, timeout_s=60, optimizer=sgd)
+    with pipe:
+        for batch in (x, -x.abs()):  # some micro-batches off the path; then all of them
+            got = pipe.step((batch,), y)
+            opt.zero_grad()
+            want = 0.0
+            for xm, ym in zip(batch.chunk(4), y.chunk(4), strict=True):
+                loss = F.cross_entropy(reference(xm), ym) / 4
+                loss.backward()
+                want += float(loss)
+            opt.step()
+            assert float(got) == pytest.approx(want, rel=1e-6)
+        state = pipe.state_dict()
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
