@@ -123,11 +123,13 @@ def test_frozen_text_tower_in_the_closure_matches_single_process() -> None:
 
 def test_closure_errors_and_misuse_are_reported() -> None:
     text_tower, head, _ = _clip()
-    pipe = _backend()
+    pipe = _backend(timeout_s=60)
     compiled = torch.compile(head, backend=pipe)
     try:
         with pytest.raises(RuntimeError, match="without calling the compiled model"):
             pipe.step(lambda tokens, pixels, weights: None, *_batch(0))
+        # the first step failed before the ranks started: the next one starts them
+        assert len(pipe.step(_make_closure(text_tower, compiled, []), *_batch(0))) == M
 
         def fails(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> None:
             with torch.no_grad():

@@ -311,6 +311,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         """A step of the one pipelined graph: each closure in a thread of its own."""
         self._slots = [Slot(m) for m in range(self.microbatches)]
         self._fed = set()
+        if self.pipe is None:  # (again after a first step that failed)
+            self._ranks_up.clear()
         threads = [threading.Thread(target=self._run_closure, args=(closure, m, pieces[m]),
                                     name=f"orgel-closure{m}", daemon=True)
                    for m in range(self.microbatches)]
