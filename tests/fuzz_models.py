@@ -116,17 +116,12 @@ class Breaks(nn.Module):
         h = h + second(h)
         if h.abs().amax().item() >= 0.0:  # a graph break; always taken
             h = h + 0.5 * torch.tanh(h)
-        h = self._rest(h, rest)
+        for block in rest:
+            h = h + block(h)
         logits = self.head(h)
         if logits.isfinite().all().item():  # a Python branch at the very end of forward
             return logits * 0.5
         return logits
-
-    @staticmethod
-    def _rest(h: torch.Tensor, blocks: list[nn.Module]) -> torch.Tensor:
-        for block in blocks:
-            h = h + block(h)
-        return h
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

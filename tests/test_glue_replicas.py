@@ -32,6 +32,14 @@ class OtherGraph(nn.Module):
         return self.c(h)
 
 
+def _half_off() -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch whose second half takes the layer the first half's capture never saw."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 8).abs()
+    x[4:] = -x[4:]
+    return x, torch.randint(0, 4, (8,))
+
+
 @pytest.mark.slow
 def test_a_microbatch_off_the_captured_graphs_with_fsdp_is_a_clear_error() -> None:
     """The calling process runs a micro-batch that left the captured graphs on the ranks'
@@ -39,15 +47,12 @@ def test_a_microbatch_off_the_captured_graphs_with_fsdp_is_a_clear_error() -> No
     step with what to change, as with tp (it crashed copying a shard into a whole tensor)."""
     from orgel.explicit.fallback import GlueError
 
-    torch.manual_seed(0)
-    x = torch.randn(8, 8).abs()
-    x[4:] = -x[4:]  # the second half of the batch takes the other layer
-    pipe = orgel.pipeline(OtherGraph(), (x,), torch.randint(0, 4, (8,)), F.cross_entropy,
-                          ranks=2, dp=2, shard="fsdp", microbatches=2, schedule="1f1b",
-                          threads=1, timeout_s=60,
-                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = _half_off()
+    pipe = orgel.pipeline(OtherGraph(), (x,), y, F.cross_entropy, ranks=2, dp=2,
+                          shard="fsdp", microbatches=2, schedule="1f1b", threads=1,
+                          timeout_s=60, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     with pipe, pytest.raises(GlueError, match="shard='fsdp' orgel does not run it"):
-        pipe.step((x,), torch.randint(0, 4, (8,)))
+        pipe.step((x,), y)
 
 
 @pytest.mark.slow
@@ -56,10 +61,7 @@ def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas() -> N
     the captured graphs) join the replicas' sums: those were launched as each replica's
     backward ended, before the calling process's gradients were added, and their result
     replaced them (the first layer did not train)."""
-    torch.manual_seed(0)
-    x = torch.randn(8, 8).abs()
-    x[4:] = -x[4:]  # half of the batch takes the other layer
-    y = torch.randint(0, 4, (8,))
+    x, y = _half_off()
     model = OtherGraph()
     reference = copy.deepcopy(model)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
