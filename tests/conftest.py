@@ -33,6 +33,22 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _default_dtype_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test starts with torch's default dtype, float32.
+
+    Once (CI, the transformers 4.57 leg) a test began with the default dtype float64, left
+    so by an earlier test in its worker that was never found; it built its reference model
+    in float64 and its step-0 loss was another one. A test that changes the default dtype
+    gets a warning naming it, and the next test starts from float32 again.
+    """
+    yield
+    if torch.get_default_dtype() != torch.float32:
+        request.node.warn(pytest.PytestWarning(
+            f"this test left torch's default dtype {torch.get_default_dtype()}; restored"))
+        torch.set_default_dtype(torch.float32)
+
+
 @pytest.fixture()
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty profile cache (``$ORGEL_CACHE``) for this test."""
