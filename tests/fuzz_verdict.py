@@ -113,7 +113,10 @@ def _gap(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
         d = float((a.long() - r.long()).abs().max()) if a.numel() else 0.0
         return d, d
     a64, r64 = a.double(), r.double()
-    d = float((a64 - r64).abs().max()) if a.numel() else 0.0
+    # equal values (infinities, NaN where one process has NaN too) are no gap; a NaN or an
+    # infinity only one side has is an infinite one (a NaN would compare as no gap at all)
+    gaps = torch.where((a64 == r64) | (a64.isnan() & r64.isnan()), 0.0, (a64 - r64).abs())
+    d = float(gaps.nan_to_num(nan=math.inf).max()) if a.numel() else 0.0
     scale = float(r64.abs().max()) if r.numel() else 0.0
     return d, d / scale if scale else (0.0 if d == 0 else math.inf)
 

@@ -26,6 +26,7 @@ bfloat16, which AdamW carries into the weights: docs/limitations.md, Precision.)
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -264,8 +265,9 @@ def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
 
 
 def _largest(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference between two tensors, in float64."""
-    return float((a.double() - b.double()).abs().max())
+    """The largest difference between two tensors, in float64; a NaN is an infinite one
+    (Python's ``max`` over floats would keep or drop a NaN by its place in the list)."""
+    return float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max())
 
 
 def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:

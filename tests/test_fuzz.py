@@ -16,10 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 
 import fuzzing
+from fuzz_verdict import Result, compare
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +43,23 @@ def test_drawn_setups_train_like_one_process(data: st.DataObject) -> None:
         event(f"refused: {str(exc)[:60]}")
         return
     assert verdict.ok, f"{setup.line()}\n{verdict.summary()}"
+
+
+def test_a_nan_where_one_process_has_a_number_is_a_difference() -> None:
+    """The verdict's own check: orgel's NaN against one process's number (a weight, a
+    gradient norm) misses, even where the float64 rule would excuse a finite gap. A NaN
+    once compared as no gap at all (``max`` of tuples holding NaN kept the old worst), and
+    a draw whose first stage trained to NaN passed."""
+    ref = Result([1.0], [[0.1]], [2.0], {"w": [torch.ones(3)]}, {}, keys=["w"], params={"w"})
+    nan = torch.tensor([1.0, float("nan"), 1.0])
+    got = Result([1.0], [[0.1]], [float("nan")], {"w": [torch.ones(3), nan]}, {}, keys=["w"])
+    verdict = compare("32", got, ref, float64=lambda: ref)
+    assert not verdict.ok
+    assert {(d.kind, d.name) for d in verdict.differences if not d.excused} == {
+        ("param", "w"), ("grad_norm", "per step")}
+    assert compare("32", ref, ref).ok  # an infinity or NaN both sides share is no gap
+    both = Result([1.0], [[0.1]], [float("inf")], {"w": [nan]}, {}, keys=["w"], params={"w"})
+    assert compare("32", both, both).ok
 
 
 def _check(setup: fuzzing.Setup) -> None:
@@ -116,3 +135,14 @@ def test_graph_breaks_in_float16_under_torchrun_through_orgel_backend() -> None:
     process 0 called pipe.loss_scale"); it asks the ranks inside the step now."""
     _check(fuzzing.Setup("breaks", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=2,
                          precision="16-mixed", entry="backend-torchrun"))
+
+
+def test_sequence_parallel_graph_breaks_with_clipping_train() -> None:
+    """Found by the fuzzer (and hidden by its verdict, which compared NaN as no gap): with
+    ``tp=2, sequence_parallel=True`` the value a graph break reads (``h.abs().amax()``,
+    only for ``.item()``) ran on the members' slices, and the backward of DTensor's
+    ``amax`` turned its zero gradient into NaN: the first stage trained to NaN and the
+    gradient norm was NaN, so clipping clipped nothing. Values that only go to the calling
+    process run on whole tensors now."""
+    _check(fuzzing.Setup("breaks", ranks=2, dp=1, schedule="gpipe", microbatches=2, rows=2,
+                         tp=2, sequence_parallel=True, max_grad_norm=0.01))

@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_leaves
 
+from orgel.graph.glue import exchange
 from orgel.graph.tensor_parallel import Region
 from orgel.runtime.tensor_parallel import _Enter, _Leave, _method, _replicated, gathered, no_rule
 
@@ -124,11 +125,20 @@ def split_sequence(module: torch.fx.GraphModule, mesh: DeviceMesh,
 
 
 def _feeding_regions(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The nodes a region's input is computed from (the regions' enter nodes' ancestors)."""
+    """The nodes a region's input is computed from (the regions' enter nodes' ancestors).
+
+    Not through an exchange with the controller of a forward with graph breaks: what it
+    returns the controller computed, from whole tensors; what only goes to it (a value the
+    Python between graphs reads, ``h.abs().amax().item()``) runs on whole tensors too.
+    On slices, the backward of DTensor's ``amax`` turned the zero gradient of such a value
+    (no loss reaches it) into NaN on the member whose slice did not hold the maximum."""
     found: set[torch.fx.Node] = set()
     todo = [n for n in graph.nodes if _enters(n)]
     while todo:
-        for source in todo.pop().all_input_nodes:
+        node = todo.pop()
+        if node.op == "call_function" and node.target is exchange:
+            continue
+        for source in node.all_input_nodes:
             if source not in found:
                 found.add(source)
                 todo.append(source)
