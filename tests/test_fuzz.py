@@ -146,3 +146,13 @@ def test_sequence_parallel_graph_breaks_with_clipping_train() -> None:
     process run on whole tensors now."""
     _check(fuzzing.Setup("breaks", ranks=2, dp=1, schedule="gpipe", microbatches=2, rows=2,
                          tp=2, sequence_parallel=True, max_grad_norm=0.01))
+
+
+def test_a_value_read_after_a_break_changing_every_micro_batch_stays_on_the_graphs() -> None:
+    """Found by the fuzzer: the code after the break reads ``h.abs().amax().item()``, a
+    new value every micro-batch. The calling process compiled the model statically, so
+    Dynamo compiled the resumed frame again for each value and, past its recompile limit
+    (8), ran it eagerly: the ninth micro-batch left the captured graphs, which under FSDP
+    stops the step. The float turns symbolic at its first change now."""
+    _check(fuzzing.Setup("breaks", ranks=2, dp=2, schedule="gpipe", microbatches=6, rows=1,
+                         shard="fsdp", accumulate=2))

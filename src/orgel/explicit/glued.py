@@ -13,12 +13,10 @@ read no parameter or buffer - runs here, on the real values of that
 micro-batch; ``loss_fn`` runs here too, and its backward sends each graph's
 output gradients back and receives its argument gradients.
 
-Parameters that code outside every graph trains (a module Dynamo ran eagerly,
-a custom Function's backward; :attr:`orgel.graph.glue.Glue.eager`) get their
-gradient here, on the controller's own copy of them, summed over the
-micro-batches in order; the rank that holds them (or rank 0, for one no stage
-reads) adds it before its gradient sums, steps them with its optimizer, keeps
-them in its checkpoint shard, and sends their new values back.
+Parameters that code outside every graph trains (a module Dynamo ran eagerly, a custom
+Function's backward; :attr:`orgel.graph.glue.Glue.eager`) get their gradient here, on the
+controller's copy, summed over the micro-batches in order; the rank that holds them (or
+rank 0) adds it before its gradient sums, steps them, checkpoints them, sends them back.
 
 A micro-batch whose forward runs other graphs than the capture ran (another
 branch, graphs specialised on a Python value that changed, other argument
@@ -166,7 +164,9 @@ class GluedPipeline(EagerParameters, Pipeline):
         eager_ids = {id(p) for p in self._eager.values()}
         self._remote_ids = {id(p) for p in runner.parameters() if id(p) not in eager_ids}
         self._local = threading.local()
-        self._compiled = torch.compile(runner, backend=self._backend, dynamic=False)
+        # dynamic=None: a float read off a tensor after a break (.item()) turns symbolic at
+        # its first change, not a recompile per value (eager past 8); sizes are static here
+        self._compiled = torch.compile(runner, backend=self._backend, dynamic=None)
         self._warm = False
 
     # -- the graphs, as torch.compile hands them over -------------------------------------
