@@ -346,3 +346,42 @@ def test_ranks_with_different_group_structures_are_refused() -> None:
     with pytest.raises(ValueError, match=r"different number of parameter groups.*\{0: 2, 1: 1\}"):
         orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, ranks=2, microbatches=M,
                        plan=_plan(w, 2), optimizer=drops_empty, threads=1)
+
+
+class _NanGradient(torch.nn.Module):
+    """A finite loss whose gradient is NaN in one parameter: ``sqrt`` at 0 has an infinite
+    slope, and the zero that multiplies it makes the gradient NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.second = torch.nn.Linear(8, 4)
+        self.odd = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        return self.second(h) + 0.0 * torch.sqrt(self.odd - self.odd)
+
+
+@pytest.mark.slow
+def test_a_nan_gradient_under_clipping_is_one_processs() -> None:
+    """With a NaN in the gradient the global norm is NaN, and ``clip_grad_norm_`` scales
+    every gradient by NaN: the step leaves every weight NaN in one process. orgel clipped
+    nothing there (``min(1.0, nan)`` is 1.0), so its other weights trained on, unclipped,
+    to values one process never has."""
+    torch.manual_seed(0)
+    model = _NanGradient()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=2, microbatches=2,
+                        optimizer=_sgd, max_grad_norm=1.0, threads=1) as pipe:
+        pipe.step((x,), y)
+        assert math.isnan(pipe.grad_norm)
+        state = pipe.state_dict()
+    opt = _sgd_over(ref.named_parameters())
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    opt.step()
+    assert all(v.isnan().all() for v in ref.state_dict().values())  # what one process does
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, equal_nan=True, msg=name)

@@ -252,8 +252,8 @@ class GradSync:
             scaler.update(self.found_inf)
         norm = sq ** 0.5
         if max_norm is not None and not self.found_inf:
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
+            coef = max_norm / (norm + 1e-6)
+            if not coef >= 1.0:  # NaN too: clip_grad_norm_ scales every gradient by it
                 for p in self.all_params:
                     if p.grad is not None:
                         p.grad.mul_(coef)
