@@ -33,7 +33,8 @@ for _ in range(2):
     loss.backward()
     opt.step()
     ref_losses.append(loss.item())
-diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+diff = max((state[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
+           for k, v in reference.state_dict().items())
 rank = torch.distributed.get_rank()
 with open(f"{sys.argv[1]}/result{rank}.json", "w") as f:
     json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "spmd": pipe.spmd}, f)
@@ -137,7 +138,8 @@ for _ in range(2):
     opt.step()
     ref_losses.append(loss.item())
 mine = model.state_dict()
-diff = max((mine[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+diff = max((mine[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
+           for k, v in reference.state_dict().items())
 rank = torch.distributed.get_rank()
 with open(f"{sys.argv[1]}/result{rank}.json", "w") as f:
     json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "untouched": untouched,
@@ -229,7 +231,8 @@ with torch.no_grad():
     ref_eval = sum(F.mse_loss(reference(xs), ys).item() / 2
                    for xs, ys in zip(x.chunk(2), y.chunk(2)))
 mine = model.state_dict()
-diff = max((mine[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+diff = max((mine[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
+           for k, v in reference.state_dict().items())
 with open(os.path.join(out, f"glued{os.environ['RANK']}.json"), "w") as f:
     json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "steps": pipe.steps,
                "eval": [evaluated, ref_eval], "kind": type(pipe).__name__}, f)

@@ -76,7 +76,8 @@ with torch.no_grad():
     with torch.autocast("cpu", dtype=torch.float16, enabled=half):  # as precision= runs it
         out = reference(x)
     ref_eval = float(loss_fn(out, targets))
-diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+diff = max((state[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
+           for k, v in reference.state_dict().items())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
     json.dump({"got": got, "want": want, "diff": diff, "steps": pipe.steps, "eval": evaluated,
                "ref_eval": ref_eval, "folder": str(folder), "error": error}, f)
@@ -141,7 +142,8 @@ for xm, ym in zip(x.chunk(4), y.chunk(4)):
     loss.backward()
     want.append(float(loss.detach()))
 opt.step()
-diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+diff = max((state[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
+           for k, v in reference.state_dict().items())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
     json.dump({"got": got, "want": want, "diff": diff}, f)
 '''
@@ -211,7 +213,8 @@ for call, (x, y) in enumerate(batches):
     if call % 2:
         opt.step()
         opt.zero_grad()
-diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+diff = max((state[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
+           for k, v in reference.state_dict().items())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
     json.dump({"got": got, "want": want, "diff": diff, "steps": steps}, f)
 '''
