@@ -364,7 +364,7 @@ class _NanGradient(torch.nn.Module):
 
 
 @pytest.mark.slow
-def test_a_nan_gradient_under_clipping_is_one_processs() -> None:
+def test_clipping_with_a_nan_gradient_norm_matches_one_process() -> None:
     """With a NaN in the gradient the global norm is NaN, and ``clip_grad_norm_`` scales
     every gradient by NaN: the step leaves every weight NaN in one process. orgel clipped
     nothing there (``min(1.0, nan)`` is 1.0), so its other weights trained on, unclipped,
