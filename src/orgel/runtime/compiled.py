@@ -328,9 +328,9 @@ class SegmentedStage:
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
                 continue
-            if _is_exchange(node) or (node.op == "call_function" and node.args
-                                      and isinstance(node.args[0], torch.fx.Node)
-                                      and _is_exchange(node.args[0])):
+            if is_exchange(node) or (node.op == "call_function" and node.args
+                                     and isinstance(node.args[0], torch.fx.Node)
+                                     and is_exchange(node.args[0])):
                 self._piece(module, run, recompute, layers)
                 run = []
                 self.steps.append((None, [], [], node))
@@ -400,7 +400,8 @@ class SegmentedStage:
         return torch.fx.node.map_arg(self.output.args[0], lambda n: env[n.name])
 
 
-def _is_exchange(node: torch.fx.Node) -> bool:
+def is_exchange(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls :func:`orgel.graph.glue.exchange` (the calling process's)."""
     from orgel.graph.glue import exchange
 
     return node.op == "call_function" and node.target is exchange
@@ -411,7 +412,7 @@ def compiled_stage(module: torch.nn.Module, recompute: bool | str = False,
                    ) -> CompiledStage | SegmentedStage:
     """The compiled runner of stage ``module``: cut at its exchanges where it holds any."""
     if isinstance(module, torch.fx.GraphModule) and any(
-            _is_exchange(n) for n in module.graph.nodes):
+            is_exchange(n) for n in module.graph.nodes):
         return SegmentedStage(module, recompute, layers)
     return CompiledStage(module, recompute, layers)
 

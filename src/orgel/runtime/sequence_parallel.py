@@ -45,8 +45,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_leaves
 
-from orgel.graph.glue import exchange
 from orgel.graph.tensor_parallel import Region
+from orgel.runtime.compiled import is_exchange
 from orgel.runtime.tensor_parallel import _Enter, _Leave, _method, _replicated, gathered, no_rule
 
 #: ops whose result depends on a random draw: they run on whole tensors, as one process's
@@ -136,7 +136,7 @@ def _feeding_regions(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     todo = [n for n in graph.nodes if _enters(n)]
     while todo:
         node = todo.pop()
-        if node.op == "call_function" and node.target is exchange:
+        if is_exchange(node):
             continue
         for source in node.all_input_nodes:
             if source not in found:
