@@ -43,6 +43,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, and so before orgel makes one. Its functions
+# take ``group=group.WORLD`` as a default argument, bound when the module is imported:
+# imported after ``init_process_group`` (FSDP, DTensor and torch's sharded tensors import
+# it on first use), ten defaults held the group for the life of the interpreter. Then
+# ``destroy_process_group`` left gloo's threads running, the group was destroyed while the
+# interpreter finalized, and a rank could abort at exit ("terminate called without an
+# active exception": torchrun reported a failed job after the script had finished).
+import torch.distributed.nn.functional  # noqa: F401, E402  (see above)
+
 from orgel.launch.devices import backend_for, host, rank_device, resolve_device
 from orgel.launch.errors import WorkerError, describe, is_comm_error
 from orgel.launch.lifeline import Lifeline, lifeline, tie
@@ -107,10 +116,13 @@ def leave_group() -> None:
     Destroying gloo's group and making another at once crashed or hung gloo's connect
     now and then (``epoll_ctl`` in its loop, a receive that timed out) under load.
     """
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()  # what a dropped pipeline's cycles still held of gloo ends now too
 
 
 #: how many process groups :func:`init_from_env` made in this process

@@ -8,6 +8,7 @@ spawn, :class:`OwnRank` under torchrun).
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from orgel.batching import batch_rows, check_batch, split_microbatches
-from orgel.launch.errors import StepError, step_error
+from orgel.launch.errors import StepError, WorkerError, step_error
 from orgel.lossweights import batch_weights
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import StepCount
@@ -35,9 +36,16 @@ class OwnRank:
     """SPMD: this process is one rank; ``call`` runs locally and all-gathers the results."""
 
     def __init__(self, engine: RankEngine, num_ranks: int, *, owns_group: bool) -> None:
-        self.engine = engine
+        self._engine: RankEngine | None = engine
         self.num_ranks = num_ranks
         self.owns_group = owns_group
+
+    @property
+    def engine(self) -> RankEngine:
+        """This rank's engine; WorkerError once the pipeline is closed (as in local spawn)."""
+        if self._engine is None:
+            raise WorkerError("the pipeline is closed; create a new pipeline", -1)
+        return self._engine
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import torch.distributed as dist
@@ -61,12 +69,18 @@ class OwnRank:
         return gathered
 
     def close(self) -> None:
+        """Leave together and let go of this rank's stages, optimizer and messages (as a
+        local rank's end frees them); the process group stays (see below)."""
         import torch.distributed as dist
 
+        if self._engine is None:
+            return
         # the group orgel made stays for the next pipeline in these processes and is
         # destroyed at exit (orgel.launch.processes.leave_group); the ranks leave together
         if self.owns_group and dist.is_initialized():
             dist.barrier()
+        self._engine = None
+        gc.collect()  # its objects refer to each other: freed now, not at some later collection
 
 
 Unflatten = Callable[[list[Any]], Any]
