@@ -40,8 +40,15 @@ def _default_dtype_left_as_found(request: pytest.FixtureRequest) -> Iterator[Non
     Once (CI, the transformers 4.57 leg) a test began with the default dtype float64, left
     so by an earlier test in its worker that was never found; it built its reference model
     in float64 and its step-0 loss was another one. A test that changes the default dtype
-    gets a warning naming it, and the next test starts from float32 again.
+    gets a warning naming it, and the next test starts from float32 again. So does a test
+    that begins with another default dtype (set at collection, or by a thread an earlier
+    test left running: the setting is the process's, not a thread's).
     """
+    if torch.get_default_dtype() != torch.float32:
+        request.node.warn(pytest.PytestWarning(
+            f"this test began with torch's default dtype {torch.get_default_dtype()}; "
+            "set to float32"))
+        torch.set_default_dtype(torch.float32)
     yield
     if torch.get_default_dtype() != torch.float32:
         request.node.warn(pytest.PytestWarning(
