@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from gaps import largest_gap
+
 FACTOR = 2.0  # orgel may be this much farther from float64 than one process
 TOLERANCE = {"32": (1e-5, 1e-6), "bf16-mixed": (1e-3, 1e-5),  # (rtol, atol)
              "16-mixed": (1e-3, 1e-5)}
@@ -107,17 +109,10 @@ def _values(result: Result, params: set[str]) -> dict[tuple[str, str], list[torc
 
 
 def _gap(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
-    if a.shape != r.shape:
-        return math.inf, math.inf
-    if not a.is_floating_point() and not r.is_floating_point():
-        d = float((a.long() - r.long()).abs().max()) if a.numel() else 0.0
-        return d, d
-    a64, r64 = a.double(), r.double()
-    # equal values (infinities, NaN where one process has NaN too) are no gap; a NaN or an
-    # infinity only one side has is an infinite one (a NaN would compare as no gap at all)
-    gaps = torch.where((a64 == r64) | (a64.isnan() & r64.isnan()), 0.0, (a64 - r64).abs())
-    d = float(gaps.nan_to_num(nan=math.inf).max()) if a.numel() else 0.0
-    scale = float(r64.abs().max()) if r.numel() else 0.0
+    """The largest gap (:func:`gaps.largest_gap`), and that gap relative to ``r``'s largest
+    value."""
+    d = largest_gap(a, r)
+    scale = float(r.double().abs().max()) if r.numel() and a.shape == r.shape else 0.0
     return d, d / scale if scale else (0.0 if d == 0 else math.inf)
 
 

@@ -26,7 +26,6 @@ bfloat16, which AdamW carries into the weights: docs/limitations.md, Precision.)
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import traceback
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 import orgel
+from gaps import largest_gap, state_gap
 
 VOCAB, ROWS, STEPS = 64, 8, 2
 
@@ -247,8 +247,9 @@ def run_backend(features: set[str], data: list[dict[str, torch.Tensor]], out: Pa
 
 
 def _distance(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """The largest difference of any weight ``state`` and ``want`` both have."""
-    return max((_largest(state[n], want[n]) for n in want if n in state), default=0.0)
+    """The largest difference of any weight ``state`` and ``want`` both have (the missing
+    ones are reported by name)."""
+    return state_gap(state, {n: v for n, v in want.items() if n in state})
 
 
 def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
@@ -260,14 +261,8 @@ def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
     if "eval" in want:
         report["eval"] = [got.get("eval"), want["eval"]]
         if "logits" in got:
-            report["logits_diff"] = _largest(got["logits"], want["logits"])
+            report["logits_diff"] = largest_gap(got["logits"], want["logits"])
     return report
-
-
-def _largest(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference between two tensors, in float64; a NaN is an infinite one
-    (Python's ``max`` over floats would keep or drop a NaN by its place in the list)."""
-    return float((a.double() - b.double()).abs().nan_to_num(nan=math.inf).max())
 
 
 def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -291,8 +286,8 @@ def run_cell(spec: dict[str, Any], out: Path) -> dict[str, Any]:
             report["diff64"] = _distance(got["state"], exact["state"])
             report["ref_diff64"] = _distance(want["state"], exact["state"])
             if "logits" in got and "logits" in exact:
-                report["logits64"] = _largest(got["logits"], exact["logits"])
-                report["ref_logits64"] = _largest(want["logits"], exact["logits"])
+                report["logits64"] = largest_gap(got["logits"], exact["logits"])
+                report["ref_logits64"] = largest_gap(want["logits"], exact["logits"])
         return report
     except Exception as exc:  # noqa: BLE001 - the cell records what orgel raised
         return {"error": type(exc).__name__, "message": str(exc)[:2000],

@@ -23,6 +23,7 @@ import copy, json, os, sys
 import torch
 import orgel
 from orgel.models import build
+from gaps import state_gap
 
 model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
 reference = copy.deepcopy(model)
@@ -76,8 +77,7 @@ with torch.no_grad():
     with torch.autocast("cpu", dtype=torch.float16, enabled=half):  # as precision= runs it
         out = reference(x)
     ref_eval = float(loss_fn(out, targets))
-diff = max((state[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
-           for k, v in reference.state_dict().items())
+diff = state_gap(state, reference.state_dict())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
     json.dump({"got": got, "want": want, "diff": diff, "steps": pipe.steps, "eval": evaluated,
                "ref_eval": ref_eval, "folder": str(folder), "error": error}, f)
@@ -116,6 +116,7 @@ import copy, json, os, sys
 import torch
 from torch import nn
 import orgel
+from gaps import state_gap
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(65536, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -142,8 +143,7 @@ for xm, ym in zip(x.chunk(4), y.chunk(4)):
     loss.backward()
     want.append(float(loss.detach()))
 opt.step()
-diff = max((state[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
-           for k, v in reference.state_dict().items())
+diff = state_gap(state, reference.state_dict())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
     json.dump({"got": got, "want": want, "diff": diff}, f)
 '''
@@ -168,6 +168,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 import orgel
+from gaps import state_gap
 
 
 class Break(nn.Module):
@@ -213,8 +214,7 @@ for call, (x, y) in enumerate(batches):
     if call % 2:
         opt.step()
         opt.zero_grad()
-diff = max((state[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
-           for k, v in reference.state_dict().items())
+diff = state_gap(state, reference.state_dict())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
     json.dump({"got": got, "want": want, "diff": diff, "steps": steps}, f)
 '''

@@ -374,6 +374,7 @@ import copy, json, sys
 import torch
 import orgel
 from orgel.models import build
+from gaps import state_gap
 
 model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
 reference = copy.deepcopy(model)
@@ -390,8 +391,7 @@ for _ in range(2):
     loss.backward()
     opt.step()
     ref.append(loss.item())
-diff = max((state[k] - v).abs().nan_to_num(nan=torch.inf).max().item()
-           for k, v in reference.state_dict().items())
+diff = state_gap(state, reference.state_dict())
 with open(f"{sys.argv[1]}/result{torch.distributed.get_rank()}.json", "w") as f:
     json.dump({"losses": losses, "ref": ref, "diff": diff, "shard": pipe.plan.shard,
                "held": pipe.call_ranks("held_elements"),

@@ -22,14 +22,15 @@ def torchrun(script: Path, *args: str, processes: int, log: Path, timeout_s: flo
              pythonpath: Sequence[Path] = ()) -> int:
     """Run ``script`` with ``args`` on ``processes`` local processes; its exit code.
 
-    ``pythonpath``: folders the script imports from. Past ``timeout_s`` the job and every
-    process it started are killed and :class:`subprocess.TimeoutExpired` is raised.
+    ``pythonpath``: folders the script imports from besides ``tests/``. Past ``timeout_s``
+    the job and every process it started are killed and :class:`subprocess.TimeoutExpired`
+    is raised.
     """
     # a rank that crashes (SIGSEGV, SIGABRT) prints every thread's Python stack to the log
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath),
-                                             os.environ.get("PYTHONPATH", "")])
+    # the tests' folder first: a script measures its gap to one process with gaps.py
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *map(str, pythonpath),
+                                         os.environ.get("PYTHONPATH", "")])
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
