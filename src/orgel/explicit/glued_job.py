@@ -166,9 +166,12 @@ class JobGroup(LocalGroup):
         self._finalizer.detach()
         _close_all(self._conns, self.exchanges, self.timeout_s)
         self._thread.join(self.timeout_s)
+        import gc
+
         import torch.distributed as dist
 
         dist.barrier()  # the next pipeline in these processes starts together
+        gc.collect()  # what this rank's engine held (its thread has ended) is freed now
 
     def tell(self, message: tuple[Any, ...]) -> None:
         """Send ``message`` to every follower (one that is gone hears nothing)."""
@@ -363,6 +366,7 @@ class Follower(Pipeline):
                 raise _again(value)
             return value
         self._closed = True
+        self._engine = None  # its stages, optimizer and messages go (gloo's too, at exit)
         glue.set_runtime(None)
         if kind == "__close__":
             if name == "close":
@@ -427,10 +431,13 @@ class Follower(Pipeline):
 
     def kill(self) -> None:
         self._closed = True
+        self._engine = None
         self._conn.close()
 
     def close(self) -> None:
         """Serve until process 0 closes the pipeline; then meet every process."""
+        import gc
+
         import torch.distributed as dist
 
         if self._closed:
@@ -438,3 +445,4 @@ class Follower(Pipeline):
         self._follow("close")
         self._conn.close()
         dist.barrier()
+        gc.collect()  # the engine's objects refer to each other: freed now
