@@ -293,9 +293,7 @@ def test_a_forward_of_several_graphs_trains_under_torchrun(tmp_path: Path) -> No
     assert "process 0 stopped the pipeline" in (tmp_path / "error1.txt").read_text()
     for rank in (0, 1):  # at once, not after the 60 s timeout's wait for the controller
         assert float((tmp_path / f"stopped{rank}.txt").read_text()) < 20, rank
-        # the group's worker threads end with it (at the interpreter's finalization they
-        # could abort the exit). Process 0 keeps gloo's connection thread (gloo_tcp_loop):
-        # autograd nodes of its controller's graphs still refer to the exchanges
+        # nothing of gloo's outlives the group (at the interpreter's finalization its
+        # threads could abort the exit); a failed step's autograd graph held it on process 0
         threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
-        assert "pt_gloo_runloop" not in threads, threads
-        assert rank == 0 or "gloo_tcp_loop" not in threads, threads
+        assert not [t for t in threads if "gloo" in t], threads

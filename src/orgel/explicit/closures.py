@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from orgel.explicit.glued import GluedPipeline, _Slot
+from orgel.explicit.glued import GluedPipeline
+from orgel.explicit.slots import Slot
 from orgel.graph.dynamo import dynamo_settings
 
 
@@ -71,7 +72,7 @@ class ClosurePipeline(GluedPipeline):
     def step_closures(self, closure: Callable[..., Any], pieces: list[list[Any]],
                       rows: int) -> list[Any]:
         """Run ``closure(*pieces[m])`` for every micro-batch ``m``; their return values."""
-        def work(slot: _Slot) -> None:
+        def work(slot: Slot) -> None:
             slot.anchor = torch.zeros((), requires_grad=True)
             with dynamo_settings():
                 slot.result = closure(*pieces[slot.index])

@@ -41,6 +41,7 @@ from orgel.explicit.eager import EagerParameters, controller_copy, exchange_rank
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, GlueError, check_outside, deviation
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
+from orgel.explicit.slots import Slot, let_go
 from orgel.flow.start import loss_processes
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
@@ -50,26 +51,11 @@ from orgel.worker.pipe import Pipeline
 from orgel.workload import named_inputs
 
 
-class _Slot:
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.calls = 0
-        self.sent = 0  # captured graph calls whose arguments went to the ranks
-        self.off_path = False  # the forward left the captured graphs: it ran here
-        self.anchor: torch.Tensor | None = None
-        self.result: float = 0.0
-        self.outputs: Any = None  # the model's outputs, detached on the CPU, when asked for
-        self.error: BaseException | None = None
-        self.grads: dict[str, torch.Tensor] = {}  # this micro-batch's, of those trained here
-        self.backed: set[int] = set()  # graph calls whose backward ran
-        self.scaled = False  # orgel.backend: the closure's loss went through pipe.scale
-
-
 class _GraphCall(torch.autograd.Function):
     """Graph ``c`` of one micro-batch, run by the ranks: ``(anchor, *outputs)``."""
 
     @staticmethod
-    def forward(ctx: Any, pipe: GluedPipeline, slot: _Slot, c: int, inputs: dict[str, Any],
+    def forward(ctx: Any, pipe: GluedPipeline, slot: Slot, c: int, inputs: dict[str, Any],
                 grad: bool, anchor: torch.Tensor,
                 *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.pipe, ctx.slot, ctx.c, ctx.count = pipe, slot, c, len(values)
@@ -184,7 +170,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         return run
 
     def _call(self, code: str, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
-        slot: _Slot | None = getattr(self._local, "slot", None)
+        slot: Slot | None = getattr(self._local, "slot", None)
         if slot is None:
             raise RuntimeError("this compiled model runs only inside pipe.step(...)")
         c = slot.calls
@@ -268,7 +254,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         for r in self._input_ranks:
             self._send(r, ("in", j, whole))
 
-    def _run(self, slot: _Slot, c: int, inputs: dict[str, Any],
+    def _run(self, slot: Slot, c: int, inputs: dict[str, Any],
              values: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         m = slot.index
         if self.glue.has_exchange(c):
@@ -284,7 +270,7 @@ class GluedPipeline(EagerParameters, Pipeline):
                               f"the outputs of micro-batch {m}")
         return list(outs[:-1])  # the last one is the exchanges' anchor
 
-    def _back(self, slot: _Slot, c: int, grads: list[Any], count: int) -> list[Any]:
+    def _back(self, slot: Slot, c: int, grads: list[Any], count: int) -> list[Any]:
         m = slot.index
         if c + 1 < len(self.glue.calls):
             self._send(self.exchange_rank(c + 1, m),
@@ -296,7 +282,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         return list(self._mail.get("x_ingrad", self.key(c, m), self.exchange_rank(c, m),
                                    f"the gradients of graph {c}'s arguments of micro-batch {m}"))
 
-    def _back_unreached(self, slot: _Slot, *, after: int) -> None:
+    def _back_unreached(self, slot: Slot, *, after: int) -> None:
         """Run the backward of every call after ``after`` that has not, with zero gradients.
 
         The autograd engine reaches a call's backward before its predecessor's
@@ -351,10 +337,10 @@ class GluedPipeline(EagerParameters, Pipeline):
         """
         return evaluate_here(self, self._fallback.current(self), inputs, targets, outputs)
 
-    def _run_threads(self, work: Callable[[_Slot], None], stand_ins: dict[str, torch.Tensor],
-                     rows: int) -> list[_Slot]:
+    def _run_threads(self, work: Callable[[Slot], None], stand_ins: dict[str, torch.Tensor],
+                     rows: int) -> list[Slot]:
         """``work(slot)`` for every micro-batch, each in its own thread, beside the ranks' step."""
-        slots = [_Slot(i) for i in range(self.pieces)]
+        slots = [Slot(i) for i in range(self.pieces)]
         self._fed.clear()
         threads = [threading.Thread(target=self._guarded, args=(work, slot),
                                     name=f"orgel-forward{slot.index}", daemon=True)
@@ -371,6 +357,7 @@ class GluedPipeline(EagerParameters, Pipeline):
             self._mail.abort("a rank failed")
             for t in threads:
                 t.join()
+            let_go(slots)
             if isinstance(exc, WorkerError) and not isinstance(exc, StepError):
                 # the ranks are gone: so is the code Dynamo compiled for this pipeline, which
                 # would otherwise serve a later capture of the same model class
@@ -379,6 +366,7 @@ class GluedPipeline(EagerParameters, Pipeline):
             raise
         for t in threads:
             t.join()
+        let_go(slots)
         self._raise_first(slots)
         if self.stepping:  # the optimizer stepped: its new values
             self._receive_values()
@@ -390,7 +378,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         self.called()
         return slots
 
-    def _guarded(self, work: Callable[[_Slot], None], slot: _Slot) -> None:
+    def _guarded(self, work: Callable[[Slot], None], slot: Slot) -> None:
         self._local.slot = slot
         try:
             with guard.no_autocast_cache():
@@ -439,13 +427,13 @@ class GluedPipeline(EagerParameters, Pipeline):
         return step
 
     @staticmethod
-    def _raise_first(slots: list[_Slot]) -> None:
+    def _raise_first(slots: list[Slot]) -> None:
         """The first micro-batch's own error (not one that only saw the step stop)."""
         for slot in slots:
             if slot.error is not None and not isinstance(slot.error, Stopped):
                 raise slot.error
 
-    def _run_microbatch(self, slot: _Slot, inputs: dict[str, Any], targets: Any) -> None:
+    def _run_microbatch(self, slot: Slot, inputs: dict[str, Any], targets: Any) -> None:
         first = slot.anchor = torch.zeros((), requires_grad=True)
         try:
             with dynamo_settings(), torch.enable_grad(), self.glue.autocast():
@@ -493,7 +481,7 @@ class GluedPipeline(EagerParameters, Pipeline):
                                 "this process): check the inputs and the lr")
         return weigh(loss, self._weights[(m, 0)])
 
-    def _check_calls(self, slot: _Slot) -> None:
+    def _check_calls(self, slot: Slot) -> None:
         if slot.calls != len(self.glue.calls):
             raise Deviated(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
                            f"the captured forward ran {len(self.glue.calls)}")

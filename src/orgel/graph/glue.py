@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -235,7 +236,8 @@ class _Exchanged(torch.autograd.Function):
     def forward(ctx: Any, ex: RankExchange, key: tuple[int, int, int], mask: tuple[bool, ...],
                 anchor: torch.Tensor, values: list[torch.Tensor],
                 *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.ex, ctx.key = ex, key
+        # weakly: a failed step's graph kept the rank's engine alive (a cycle through autograd)
+        ctx.ex, ctx.key = weakref.ref(ex), key
         ctx.like = [(o.shape, o.dtype, o.is_floating_point()) for o in outs]
         result = tuple(v.clone() for v in values)
         ctx.carries = [m and t.is_floating_point() for t, m in zip(result, mask, strict=True)]
@@ -249,7 +251,9 @@ class _Exchanged(torch.autograd.Function):
         # had in ``I``: the answer is the same, and the controller is asked only once
         if getattr(ctx, "answer", None) is not None:
             return ctx.answer  # type: ignore[no-any-return]
-        ex, key = ctx.ex, ctx.key
+        ex, key = ctx.ex(), ctx.key
+        if ex is None:
+            raise RuntimeError("the pipeline that ran this forward is closed")
         ex.inbox.send(("x_ingrad", key, [g.detach().cpu() if c and g is not None else None
                                          for g, c in zip(grads, ctx.carries, strict=True)]))
         out_grads: list[Any] = [None] * len(ctx.like)
@@ -341,11 +345,8 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
 
 
 def check_grad_mode(gm: torch.fx.GraphModule, trainable: list[bool], reason: str) -> None:
-    """Refuse a graph run with gradients off whose inputs could carry one (``trainable``).
-
-    A stage runs with gradients on, so on a rank such a graph would train what
-    the forward left alone.
-    """
+    """Refuse a graph run with gradients off whose inputs could carry one (``trainable``):
+    on a rank, whose stages run with gradients on, it would train what the forward left alone."""
     if not torch.is_grad_enabled() and any(trainable):
         raise CaptureError(
             f"{reason} orgel then tried to pipeline the forward as several graphs, but "
@@ -404,13 +405,10 @@ def _where(gm: torch.fx.GraphModule) -> str:
 
 
 def _eager_parameters(result: Any, model: torch.nn.Module) -> list[str]:
-    """Names of real parameters that a backward from the output trains.
-
-    The graphs ran on detached copies, so a real parameter gets a gradient only
-    from code outside every graph: the glue, or a custom autograd Function whose
-    backward runs layers again (Reformer's reversible layers). The caller
-    restores the gradients (:func:`orgel.guard.untouched`).
-    """
+    """Names of real parameters that a backward from the output trains: the graphs ran on
+    detached copies, so only code outside every graph (the glue, or a custom autograd Function
+    whose backward runs layers again, as Reformer's reversible layers) gives one a gradient.
+    The caller restores the gradients (:func:`orgel.guard.untouched`)."""
     leaves = [t for t in pytree.tree_leaves(_plain(result))
               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     if not leaves:
