@@ -29,6 +29,7 @@ with ``tp > 1``, it stops the step with an error naming the graph call.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -41,7 +42,7 @@ from orgel.explicit.eager import EagerParameters, controller_copy, exchange_rank
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, GlueError, check_outside, deviation
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
-from orgel.explicit.slots import Slot, let_go
+from orgel.explicit.slots import Slot
 from orgel.flow.start import loss_processes
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
@@ -58,7 +59,9 @@ class _GraphCall(torch.autograd.Function):
     def forward(ctx: Any, pipe: GluedPipeline, slot: Slot, c: int, inputs: dict[str, Any],
                 grad: bool, anchor: torch.Tensor,
                 *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.pipe, ctx.slot, ctx.c, ctx.count = pipe, slot, c, len(values)
+        # weakly: a tensor of this graph the slot or the caller keeps (the anchor, a loss,
+        # an error's frames) made a cycle through autograd that Python cannot collect
+        ctx.pipe, ctx.slot, ctx.c, ctx.count = weakref.ref(pipe), weakref.ref(slot), c, len(values)
         outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
         ctx.floating = [grad and t.is_floating_point() for t in outs]
         ctx.mark_non_differentiable(*[t for t, f in zip(outs, ctx.floating, strict=True)
@@ -70,9 +73,13 @@ class _GraphCall(torch.autograd.Function):
         sent = [g if floating else None for g, floating in zip(grads, ctx.floating, strict=True)]
         # a later call the loss does not reach has not run its backward: the ranks take the
         # backwards in reverse order, so it goes first, with zero gradients
-        ctx.pipe._back_unreached(ctx.slot, after=ctx.c)
-        ctx.slot.backed.add(ctx.c)
-        got = ctx.pipe._back(ctx.slot, ctx.c, sent, ctx.count)
+        pipe, slot = ctx.pipe(), ctx.slot()
+        if pipe is None or slot is None:
+            raise RuntimeError("the step that ran this forward is over: its backward runs "
+                               "within the step")
+        pipe._back_unreached(slot, after=ctx.c)
+        slot.backed.add(ctx.c)
+        got = pipe._back(slot, ctx.c, sent, ctx.count)
         return (None, None, None, None, None, None, *got)
 
 
@@ -357,7 +364,6 @@ class GluedPipeline(EagerParameters, Pipeline):
             self._mail.abort("a rank failed")
             for t in threads:
                 t.join()
-            let_go(slots)
             if isinstance(exc, WorkerError) and not isinstance(exc, StepError):
                 # the ranks are gone: so is the code Dynamo compiled for this pipeline, which
                 # would otherwise serve a later capture of the same model class
@@ -366,7 +372,6 @@ class GluedPipeline(EagerParameters, Pipeline):
             raise
         for t in threads:
             t.join()
-        let_go(slots)
         self._raise_first(slots)
         if self.stepping:  # the optimizer stepped: its new values
             self._receive_values()

@@ -23,10 +23,3 @@ class Slot:
         self.backed: set[int] = set()  # graph calls whose backward ran
         self.scaled = False  # orgel.backend: the closure's loss went through pipe.scale
 
-
-def let_go(slots: list[Slot]) -> None:
-    """Drop each micro-batch's autograd graph once its thread is done: the anchor's graph
-    nodes refer to the slot (``ctx.slot``), a cycle through autograd that Python's collector
-    cannot free (it held the last step's activations until the process ended)."""
-    for slot in slots:
-        slot.anchor = None
