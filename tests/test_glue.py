@@ -9,6 +9,8 @@ with gradient accumulation in one process.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -425,6 +427,12 @@ def test_accumulating_steps_of_a_forward_of_several_graphs_train_exactly() -> No
         got = pipe.state_dict()
     finally:
         pipe.close()
+    # a closed pipeline the caller drops is freed, with its copy of the model: neither the
+    # autograd graphs of its steps nor the graphs Dynamo compiled for it hold it
+    dropped = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert dropped() is None
     opt = sgd(reference.parameters())
     want = []
     (x,), y = w.inputs, w.targets

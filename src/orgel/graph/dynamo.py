@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -42,15 +43,19 @@ def forget_compiled(backend: Any) -> None:
     anew at each lookup).
     """
     from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.eval_frame import cached_backends
     from torch._dynamo.guards import DeletedGuardManagerWrapper
 
     entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    compiled: set[str] = set()  # the globals our entries' code calls: our graphs
     for ref in list(input_codes.seen):  # every code object Dynamo converted
         code = ref()
         if code is None:
             continue
         found = entries(code)
         ours = [e for e in found if getattr(e.backend, "compiler_fn", None) == backend]
+        compiled.update(n for e in ours for n in e.code.co_names
+                        if n.startswith("__compiled_fn"))
         if ours and all(e in ours or e.backend is None for e in found):
             torch._dynamo.eval_frame.reset_code(code)
             continue
@@ -59,3 +64,19 @@ def forget_compiled(backend: Any) -> None:
             extra, own = manager.extra_state, manager.cache_entry
             if extra is not None and own is not None:
                 extra.invalidate(own, DeletedGuardManagerWrapper("orgel's capture ended"))
+    _forget_graphs(backend, compiled, cached_backends)
+
+
+def _forget_graphs(backend: Any, names: set[str], cached: dict[int, Any]) -> None:
+    """Let go of what else holds ``backend`` and its graphs: Dynamo's table of backends,
+    and the graphs it installs as globals (``__compiled_fn_<n>_<uuid>``, names no other
+    code uses) in the compiled code's module. They kept a closed pipeline, and its copy of
+    the model, alive in the caller's process. A global is set to None, not deleted: Dynamo
+    deletes it itself once the code that calls it is gone."""
+    for key in [k for k, v in cached.items() if getattr(v, "compiler_fn", None) == backend]:
+        del cached[key]
+    if not names:
+        return
+    for module in list(sys.modules.values()):
+        for name in names.intersection(getattr(module, "__dict__", ())):
+            setattr(module, name, None)
