@@ -170,6 +170,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 import orgel
+from torchrun_job import gloo_threads
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -187,8 +188,7 @@ except orgel.WorkerError as exc:
 # what orgel does at exit, now: gloo's threads must end with the group, while the
 # interpreter still runs (at its finalization they could abort the process)
 orgel.launch.processes.leave_group()
-gloo = [name for t in os.listdir("/proc/self/task")
-        if "gloo" in (name := open(f"/proc/self/task/{t}/comm").read().strip())]
+gloo = gloo_threads()
 with open(os.path.join(sys.argv[1], f"again{os.environ['RANK']}.json"), "w") as f:
     json.dump({"losses": losses, "closed": closed, "gloo": gloo}, f)
 '''
@@ -216,6 +216,7 @@ import torch.nn.functional as F
 import orgel
 from orgel.models.graphbreak import GraphBreakMLP
 from gaps import state_gap
+from torchrun_job import gloo_threads
 
 torch.manual_seed(0)
 model = GraphBreakMLP(8, 16, 4)
@@ -268,8 +269,7 @@ with open(os.path.join(out, f"stopped{os.environ['RANK']}.txt"), "w") as f:
 pipe.close()
 orgel.launch.processes.leave_group()             # what orgel does at exit, now
 with open(os.path.join(out, f"threads{os.environ['RANK']}.json"), "w") as f:
-    json.dump([open(f"/proc/self/task/{t}/comm").read().strip()
-               for t in os.listdir("/proc/self/task")], f)
+    json.dump(gloo_threads(), f)
 '''
 
 
@@ -296,4 +296,4 @@ def test_a_forward_of_several_graphs_trains_under_torchrun(tmp_path: Path) -> No
         # nothing of gloo's outlives the group (at the interpreter's finalization its
         # threads could abort the exit); a failed step's autograd graph held it on process 0
         threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
-        assert not [t for t in threads if "gloo" in t], threads
+        assert threads == [], threads

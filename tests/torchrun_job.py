@@ -57,3 +57,10 @@ def _kill_running(markers: Sequence[str]) -> None:
                 os.kill(int(proc_dir.name), signal.SIGKILL)
         except (OSError, ValueError):
             continue
+
+
+def gloo_threads() -> list[str]:
+    """The names of gloo's threads in this process (for a script under torchrun, Linux)."""
+    names = [(Path("/proc/self/task") / t / "comm").read_text().strip()
+             for t in os.listdir("/proc/self/task")]
+    return [n for n in names if "gloo" in n]

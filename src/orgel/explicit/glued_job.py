@@ -334,12 +334,15 @@ class Follower(Pipeline):
                  keys: list[str], aliases: dict[str, str], timeout_s: float) -> None:
         super().__init__(plan, None, model=model, loss_ranks=[0], state_keys=keys,
                          aliases=aliases, spmd=False)
-        self._engine = engine
+        self._engine = engine  # None once closed
         self._conn = conn
         self._timeout_s = timeout_s
-        self._closed = False
         self.calls = 0
         self.off_path: list[int] = []
+
+    @property
+    def _closed(self) -> bool:
+        return self._engine is None
 
     def _follow(self, name: str) -> Any:
         """Serve until process 0's ``name`` ends; what it returned."""
@@ -365,8 +368,7 @@ class Follower(Pipeline):
             if kind == "__raise__":
                 raise _again(value)
             return value
-        self._closed = True
-        self._engine = None  # its stages, optimizer and messages go (gloo's too, at exit)
+        self._engine = None  # closed: its stages, optimizer and messages go (gloo's too)
         glue.set_runtime(None)
         if kind == "__close__":
             if name == "close":
@@ -430,7 +432,6 @@ class Follower(Pipeline):
         raise RuntimeError("only process 0 drives the ranks of a forward of several graphs")
 
     def kill(self) -> None:
-        self._closed = True
         self._engine = None
         self._conn.close()
 

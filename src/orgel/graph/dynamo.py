@@ -78,5 +78,6 @@ def _forget_graphs(backend: Any, names: set[str], cached: dict[int, Any]) -> Non
     if not names:
         return
     for module in list(sys.modules.values()):
-        for name in names.intersection(getattr(module, "__dict__", ())):
-            setattr(module, name, None)
+        scope = getattr(module, "__dict__", {})
+        for name in [n for n in names if n in scope]:  # a lookup, not a walk of the module
+            scope[name] = None
