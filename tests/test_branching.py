@@ -138,6 +138,21 @@ def test_microbatches_taking_either_arm_of_a_branch_train_exactly() -> None:
 
 
 @pytest.mark.slow
+def test_a_branch_taken_at_a_batch_size_not_captured_trains_exactly() -> None:
+    """The forward's graphs take any batch size (captured with symbolic sizes); a micro-batch
+    of a new size that takes the other arm runs in the controller while the ranks finish
+    its part on stand-ins of that size."""
+    torch.manual_seed(0)
+    model = MeanBranch()
+    gen = torch.Generator().manual_seed(2)
+    batches = []
+    for rows, arms_of_step in [(4, (True, True)), (6, (True, False)), (3, (False, True))]:
+        x = torch.cat([_rows(model, up, rows, gen) for up in arms_of_step])
+        batches.append(({"x": x}, torch.randint(0, 4, (2 * rows,), generator=gen)))
+    _check(model, batches, F.cross_entropy, off=[[], [1], [0]])
+
+
+@pytest.mark.slow
 @pytest.mark.hf
 def test_mixtral_trains_exactly() -> None:
     """A small Mixtral (4 experts, top-2) from a config, two AdamW steps.

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
             "if_end", "length", "resume", "tied"]
 PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+accumulate+break", "tp+length",
-         "meta+fsdp", "evaluate+bf16+break", "accumulate+break", "sp+length"]
+         "meta+fsdp", "evaluate+bf16+break", "accumulate+break", "sp+length", "length+break"]
 #: the pairs run under torchrun too (each feature does)
 TORCHRUN_PAIRS = ["tp+break"]
 

@@ -56,6 +56,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel.graph import glue as glue_mod
+from orgel.graph.glue_capture import _plain
+from orgel.graph.glue_sizes import stretched
 from orgel.graph.opgraph import CaptureError
 
 
@@ -192,7 +194,9 @@ class Fallback:
         start = slot.sent
         for c in range(start, len(calls)):
             if glue.has_exchange(c):
-                pipe._send(pipe.exchange_rank(c, m), ("x_in", pipe.key(c, m), self.dummies[c]))
+                pipe._send(pipe.exchange_rank(c, m), ("x_in", pipe.key(c, m), [
+                    stretched(t, dims, slot.sizes)  # this micro-batch's sizes
+                    for t, dims in zip(self.dummies[c], calls[c].shapes, strict=True)]))
             if c == 0:
                 pipe.feed(m, first)
         for c in range(start, len(calls)):
@@ -239,7 +243,7 @@ def check_outside(index: int, out: Any, remote: set[int]) -> None:
     Python between graphs and one node per graph call.
     """
     seen: set[Any] = set()
-    todo: list[Any] = [t.grad_fn for t in pytree.tree_leaves(glue_mod._plain(out))
+    todo: list[Any] = [t.grad_fn for t in pytree.tree_leaves(_plain(out))
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while todo:
         fn = todo.pop()

@@ -29,7 +29,6 @@ with ``tp > 1``, it stops the step with an error naming the graph call.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -42,45 +41,15 @@ from orgel.explicit.eager import EagerParameters, controller_copy, exchange_rank
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, GlueError, check_outside, deviation
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
-from orgel.explicit.slots import Slot
+from orgel.explicit.slots import GraphCall, Slot
 from orgel.flow.start import loss_processes
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
+from orgel.graph.glue_sizes import expected_shape
 from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
 from orgel.lossweights import batch_weights, weigh
 from orgel.split.exchanges import eager_homes
 from orgel.worker.pipe import Pipeline
 from orgel.workload import named_inputs
-
-
-class _GraphCall(torch.autograd.Function):
-    """Graph ``c`` of one micro-batch, run by the ranks: ``(anchor, *outputs)``."""
-
-    @staticmethod
-    def forward(ctx: Any, pipe: GluedPipeline, slot: Slot, c: int, inputs: dict[str, Any],
-                grad: bool, anchor: torch.Tensor,
-                *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # weakly: a tensor of this graph the slot or the caller keeps (the anchor, a loss,
-        # an error's frames) made a cycle through autograd that Python cannot collect
-        ctx.pipe, ctx.slot, ctx.c, ctx.count = weakref.ref(pipe), weakref.ref(slot), c, len(values)
-        outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
-        ctx.floating = [grad and t.is_floating_point() for t in outs]
-        ctx.mark_non_differentiable(*[t for t, f in zip(outs, ctx.floating, strict=True)
-                                      if not f])
-        return (anchor.detach().clone(), *outs)
-
-    @staticmethod
-    def backward(ctx: Any, anchor_grad: Any, *grads: Any) -> tuple[Any, ...]:
-        sent = [g if floating else None for g, floating in zip(grads, ctx.floating, strict=True)]
-        # a later call the loss does not reach has not run its backward: the ranks take the
-        # backwards in reverse order, so it goes first, with zero gradients
-        pipe, slot = ctx.pipe(), ctx.slot()
-        if pipe is None or slot is None:
-            raise RuntimeError("the step that ran this forward is over: its backward runs "
-                               "within the step")
-        pipe._back_unreached(slot, after=ctx.c)
-        slot.backed.add(ctx.c)
-        got = pipe._back(slot, ctx.c, sent, ctx.count)
-        return (None, None, None, None, None, None, *got)
 
 
 class GluedPipeline(EagerParameters, Pipeline):
@@ -135,7 +104,9 @@ class GluedPipeline(EagerParameters, Pipeline):
                                     for r in plan.placement[s]})
         self._fed: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # group -> piece inputs
         self._feed_lock = threading.Lock()
-        self._input_names = list(split.model_input_names)
+        # the ranks' stand-ins: the inputs stages read, and those whose sizes they read
+        self._input_names = list(dict.fromkeys([*split.model_input_names,
+                                                *(i for i, _ in split.sizes.values())]))
         # the parameters code outside every graph trains: their gradients are computed
         # here, on a copy of them (the caller's model stays as it was), and a rank steps them
         self._homes = eager_homes(glue, plan, split)
@@ -157,9 +128,11 @@ class GluedPipeline(EagerParameters, Pipeline):
         eager_ids = {id(p) for p in self._eager.values()}
         self._remote_ids = {id(p) for p in runner.parameters() if id(p) not in eager_ids}
         self._local = threading.local()
-        # dynamic=None: a float read off a tensor after a break (.item()) turns symbolic at
-        # its first change, not a recompile per value (eager past 8); sizes are static here
-        self._compiled = torch.compile(runner, backend=self._backend, dynamic=None)
+        # as captured: sizes symbolic (dynamic=True, Glue.settings), else dynamic=None: a
+        # float read off a tensor after a break (.item()) turns symbolic at its first
+        # change, not a recompile per value (eager past 8)
+        self._compiled = torch.compile(runner, backend=self._backend,
+                                       dynamic=True if glue.dynamic else None)
         self._warm = False
 
     # -- the graphs, as torch.compile hands them over -------------------------------------
@@ -206,13 +179,23 @@ class GluedPipeline(EagerParameters, Pipeline):
                     raise RuntimeError(f"model input {name!r} requires grad; pass inputs that "
                                        "do not")
                 inputs[name] = args[i].detach()
+            if kind in ("size", "number"):
+                want = name if kind == "number" else slot.sizes[name[0]][name[1]]
+                if args[i] != want:  # the ranks read the size off the micro-batch
+                    raise Deviated(f"graph call {c} of micro-batch {slot.index} takes a size "
+                                   f"{args[i]} where the captured forward took {want} "
+                                   f"({'' if kind == 'number' else f'{name[0]} dim {name[1]}'})")
         values = [args[i] for i in call.glue]
         shapes = [tuple(v.shape) for v in values]
-        if shapes != call.shapes:
-            j = next(j for j, (a, b) in enumerate(zip(shapes, call.shapes, strict=True)) if a != b)
+        wanted = [expected_shape(dims, slot.sizes) for dims in call.shapes]
+        j = next((j for j, (got, want) in enumerate(zip(shapes, wanted, strict=True))
+                  if len(got) != len(want) or any(w is not None and g != w
+                                                  for g, w in zip(got, want, strict=True))),
+                 None)
+        if j is not None:
             what = (f"micro-batch {slot.index}'s graph call {c} ({call.where}) gets an argument "
                     f"of shape {list(shapes[j])} where the captured forward had "
-                    f"{list(call.shapes[j])}")
+                    f"{['any' if w is None else w for w in wanted[j]]}")
             raise Deviated(
                 f"{what}: the Python between graphs makes shapes that depend on the data "
                 "(torch.where, nonzero, a loop over what the tokens chose). orgel.backend's "
@@ -225,7 +208,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         # place in the anchors' chain: its backward sends the ranks their zero gradients
         grad = torch.is_grad_enabled()
         with torch.enable_grad():
-            out = _GraphCall.apply(self, slot, c, inputs, grad, slot.anchor, *values)
+            out = GraphCall.apply(self, slot, c, inputs, grad, slot.anchor, *values)
         slot.anchor = out[0]
         return tuple(out[1:])
 
@@ -314,7 +297,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         """
         self._keep_outputs = outputs
         named = named_inputs(self._model, inputs)
-        self._check_batch(named, targets)  # the graphs are static: their sizes, named
+        self._check_batch(named, targets)  # sizes the graphs cannot take, named
         parts = split_microbatches(named, targets, self.pieces, self.batch_dim,
                                    self.replicated)
         mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
@@ -404,8 +387,8 @@ class GluedPipeline(EagerParameters, Pipeline):
         """
         self._local.warming = True
         try:
-            with (guard.untouched(self._runner), dynamo_settings(), torch.enable_grad(),
-                  guard.no_autocast_cache(), self.glue.autocast()):
+            with (guard.untouched(self._runner), dynamo_settings(), self.glue.settings(),
+                  torch.enable_grad(), guard.no_autocast_cache(), self.glue.autocast()):
                 self._compiled(**inputs)
         finally:
             self._local.warming = False
@@ -440,8 +423,10 @@ class GluedPipeline(EagerParameters, Pipeline):
 
     def _run_microbatch(self, slot: Slot, inputs: dict[str, Any], targets: Any) -> None:
         first = slot.anchor = torch.zeros((), requires_grad=True)
+        slot.sizes = {k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         try:
-            with dynamo_settings(), torch.enable_grad(), self.glue.autocast():
+            with dynamo_settings(), self.glue.settings(), torch.enable_grad(), \
+                    self.glue.autocast():  # Dynamo's settings are per thread
                 out = self._compiled(**inputs)
                 self._check_calls(slot)
                 check_outside(slot.index, out, self._remote_ids)

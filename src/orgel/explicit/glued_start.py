@@ -97,6 +97,7 @@ def controller(cls: type[GluedPipeline], workload: Any, plan: Any, split: Any, g
                                    workload.targets, pipe.pieces, dim,
                                    workload.replicated)[0][0]
         pipe._workload = workload
-        pipe.check_sizes = batch_check(static_shapes(first), pipe.pieces, 1, dim,
+        shapes = split.shapes if glue.dynamic else static_shapes(first)
+        pipe.check_sizes = batch_check(shapes, pipe.pieces, 1, dim,
                                        workload.replicated)
     return pipe

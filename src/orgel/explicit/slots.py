@@ -1,7 +1,9 @@
-"""One micro-batch's state in the controller's step (:mod:`orgel.explicit.glued`)."""
+"""One micro-batch's state in the controller's step, and its graph calls
+(:mod:`orgel.explicit.glued`)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -21,5 +23,36 @@ class Slot:
         self.error: BaseException | None = None
         self.grads: dict[str, torch.Tensor] = {}  # this micro-batch's, of those trained here
         self.backed: set[int] = set()  # graph calls whose backward ran
+        self.sizes: dict[str, tuple[int, ...]] = {}  # the model inputs' shapes
         self.scaled = False  # orgel.backend: the closure's loss went through pipe.scale
 
+
+class GraphCall(torch.autograd.Function):
+    """Graph ``c`` of one micro-batch, run by the ranks: ``(anchor, *outputs)``."""
+
+    @staticmethod
+    def forward(ctx: Any, pipe: Any, slot: Slot, c: int, inputs: dict[str, Any],
+                grad: bool, anchor: torch.Tensor,
+                *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # weakly: a tensor of this graph the slot or the caller keeps (the anchor, a loss,
+        # an error's frames) made a cycle through autograd that Python cannot collect
+        ctx.pipe, ctx.slot, ctx.c, ctx.count = weakref.ref(pipe), weakref.ref(slot), c, len(values)
+        outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
+        ctx.floating = [grad and t.is_floating_point() for t in outs]
+        ctx.mark_non_differentiable(*[t for t, f in zip(outs, ctx.floating, strict=True)
+                                      if not f])
+        return (anchor.detach().clone(), *outs)
+
+    @staticmethod
+    def backward(ctx: Any, anchor_grad: Any, *grads: Any) -> tuple[Any, ...]:
+        sent = [g if floating else None for g, floating in zip(grads, ctx.floating, strict=True)]
+        # a later call the loss does not reach has not run its backward: the ranks take the
+        # backwards in reverse order, so it goes first, with zero gradients
+        pipe, slot = ctx.pipe(), ctx.slot()
+        if pipe is None or slot is None:
+            raise RuntimeError("the step that ran this forward is over: its backward runs "
+                               "within the step")
+        pipe._back_unreached(slot, after=ctx.c)
+        slot.backed.add(ctx.c)
+        got = pipe._back(slot, ctx.c, sent, ctx.count)
+        return (None, None, None, None, None, None, *got)

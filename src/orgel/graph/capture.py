@@ -94,9 +94,9 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 if not several:
                     raise
                 # run as several graphs, the Python between them in the controller
-                from orgel.graph.glue import capture_graphs
+                from orgel.graph.glue_capture import capture_graphs
 
-                raw, glue = capture_graphs(model, named, str(exc), region)
+                raw, glue = _graphs(model, named, str(exc), region, dynamic, notes)
                 notes.append(f"Dynamo captured the forward as {len(glue.calls)} graphs "
                              f"(first break: {str(exc).split('. For one graph')[0]}); the Python "
                              "between them runs in the controller for each micro-batch")
@@ -115,14 +115,37 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             if "orgel_shapes" not in raw[0].meta:
                 raise
             # the symbolic graph did not run where the static one may: capture that one
-            raw = _dynamo_graph(model, traced, region)
+            if glue is None:
+                raw = _dynamo_graph(model, traced, region)
+            else:
+                from orgel.graph.glue_capture import capture_graphs
+
+                raw, glue = capture_graphs(model, named, glue.reason, region)
             notes.append(f"captured with static sizes: the symbolic graph failed to run "
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
             graph = measure(model, named, raw, notes, used)
         graph.glue = glue
-        if glue is not None:  # several graphs: every graph call checks its own shapes
-            graph.shapes = static_shapes(named)
+        if glue is not None:  # several graphs: the sizes are graph 0's, and each later
+            # graph's are checked at its call; message shapes are exchanged (the graphs'
+            # size symbols are their own)
+            graph.symbolic_shapes = {}
+            if not glue.dynamic:
+                graph.shapes = static_shapes(named)
         return graph
+
+
+def _graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
+            region: tuple[str, torch.dtype] | None, dynamic: bool, notes: list[str]) -> Any:
+    """The forward's several graphs joined (:func:`orgel.graph.glue_capture.capture_graphs`), with
+    symbolic sizes where ``dynamic`` and they bind to the model's inputs, else static."""
+    from orgel.graph.glue_capture import capture_graphs
+
+    if dynamic:
+        try:
+            return capture_graphs(model, named, reason, region, dynamic=True)
+        except CaptureError as exc:
+            notes.append(f"captured with static sizes: {str(exc).splitlines()[0][:200]}")
+    return capture_graphs(model, named, reason, region)
 
 
 # -- the two routes: both return (gm, roles, leaves, treespec) -------------------------

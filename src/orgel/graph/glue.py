@@ -4,7 +4,7 @@ When a forward has graph breaks (a Python branch on a tensor's value,
 ``.item()``, a NumPy call), Dynamo compiles it as several graphs with Python
 ("glue") running between them. A graph that reads no parameter or buffer is a
 pure function of its arguments and counts as glue (so it may differ from one
-micro-batch to the next). :func:`capture_graphs` runs the forward once,
+micro-batch to the next). :func:`~orgel.graph.glue_capture.capture_graphs` runs the forward once,
 records which of the other graphs ``0 .. K-1`` runs in which order and what
 each reads, and joins them into one fx graph:
 
@@ -43,8 +43,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from orgel.graph.dynamo import dynamo_settings, forget_compiled
+from orgel.graph.glue_sizes import check_size_nodes, glue_settings
 from orgel.graph.opgraph import CaptureError
+from orgel.graph.sizes import is_symbolic
 
 #: Values recorded when the forward ran once, by capture key: what exchanges return
 #: while orgel measures and profiles the graph (the newest few captures are kept).
@@ -60,15 +61,19 @@ class Call:
     """One graph call of the forward: the graph's code and what each of its inputs is.
 
     ``roles[i]`` is ``("param", name)``, ``("buffer", name)``, ``("input", name)``
-    (a model input, graph 0 only) or ``("glue", j)``: the ``j``-th value its
-    exchange hands over.
+    (a model input, graph 0 only), ``("glue", j)``: the ``j``-th value its
+    exchange hands over, or (symbolic capture) ``("size", (input, dim))``: a size
+    argument, that model input dimension of the micro-batch, ``("number", n)`` (a size
+    a guard fixed) or ``("unused", n)`` (a size no op reads).
     """
 
     code: str
     roles: list[tuple[str, Any]]
     outputs: int
     where: str = ""
-    shapes: list[tuple[int, ...]] = field(default_factory=list)  # of the glue arguments
+    #: the glue arguments' shapes; with symbolic sizes a dimension may be ``(input, dim)``
+    #: (that model input dimension of the micro-batch) or None (any size)
+    shapes: list[tuple[Any, ...]] = field(default_factory=list)
 
     @property
     def glue(self) -> list[int]:
@@ -91,6 +96,13 @@ class Glue:
     #: ``(device type, dtype)`` of the autocast the forward ran under (mixed precision):
     #: the joined graph holds that region, and the Python between graphs runs in it
     region: tuple[str, torch.dtype] | None = None
+    #: captured with symbolic sizes (:mod:`orgel.graph.glue_sizes`): the controller
+    #: compiles the forward with the same settings (:meth:`settings`)
+    dynamic: bool = False
+
+    def settings(self) -> Any:
+        """Dynamo's settings to compile the forward with, as it was captured."""
+        return glue_settings(self.dynamic)
 
     def autocast(self) -> Any:
         """The autocast the forward's Python between graphs runs under (a no-op without
@@ -115,7 +127,7 @@ def exchange(key: str, c: int, mask: tuple[bool, ...], anchor: torch.Tensor | No
 
     ``mask[j]`` says whether argument ``j`` carries a gradient. On a rank it
     asks the controller (:class:`RankExchange`); elsewhere it returns the
-    values recorded by :func:`capture_graphs`.
+    values recorded by :func:`~orgel.graph.glue_capture.capture_graphs`.
     """
     if anchor is None:
         anchor = torch.zeros((), requires_grad=torch.is_grad_enabled())
@@ -270,110 +282,29 @@ class _Exchanged(torch.autograd.Function):
 # -- capture ---------------------------------------------------------------------------------
 
 
-def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
-                   region: tuple[str, torch.dtype] | None = None) -> tuple[Any, Glue]:
-    """Run the forward once through Dynamo with graph breaks allowed; one joined graph.
-
-    ``region``: ``(device type, dtype)`` of the autocast the forward runs under (mixed
-    precision). Dynamo's graphs hold no casts for an autocast entered around them, so
-    the joined graph opens that region around everything (every stage re-enters it) and
-    the controller runs the Python between graphs in it (:meth:`Glue.autocast`).
-
-    Returns the capture route's raw form (graph module, placeholder roles,
-    output leaves, output spec; see :mod:`orgel.graph.capture`) and the
-    :class:`Glue` that the controller follows in training. Parameters that
-    code outside every graph trains are listed in :attr:`Glue.eager`: the
-    controller computes their gradients, a rank keeps and steps them
-    (:func:`orgel.split.exchanges.eager_homes`).
-    """
-
-    params = {id(p): n for n, p in model.named_parameters()}
-    buffers = {id(b): n for n, b in model.named_buffers()}
-    inputs = {id(t): n for n, t in named.items() if isinstance(t, torch.Tensor)}
-    seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        def run(*args: Any) -> Any:
-            # the graph trains detached copies of the parameters: a real parameter in the
-            # autograd graph afterwards was used by the glue, outside every graph
-            shadow = [a.detach().requires_grad_(a.requires_grad)
-                      if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
-            check_grad_mode(gm, [isinstance(a, torch.Tensor)
-                                 and (id(a) in params or a.requires_grad) for a in args], reason)
-            out = gm(*shadow)
-            seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
-            return out
-
-        return run
-
-    try:
-        compiled = torch.compile(model, backend=backend, dynamic=False)
-        with dynamo_settings(), torch.enable_grad(), region_autocast(region):
-            result = compiled(**named)
-    except CaptureError:
-        raise
-    except Exception as exc:
-        raise CaptureError(f"{reason} orgel then tried to pipeline the forward as several "
-                           f"graphs, and Dynamo failed: {type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    finally:
-        forget_compiled(backend)  # the caller's compiled code stays (no torch._dynamo.reset())
-    if not seen:
-        raise CaptureError("torch.compile produced no graph; does the model compute anything "
-                           "with tensors?")
-    eager = _eager_parameters(result, model)
-    # a graph that reads no parameter or buffer is a pure function of its arguments: it
-    # runs in the controller with the Python around it (so it may differ per micro-batch)
-    seen = [s for s in seen if any(id(a) in params or id(a) in buffers for a in s[1])]
-    if not seen:
-        raise CaptureError(f"{reason} No graph of the forward reads a parameter: nothing to "
-                           "pipeline")
-    prepared = []
-    for c, (gm, args, outs) in enumerate(seen):
-        roles: list[tuple[str, Any] | None] = []
-        for a in args:
-            if id(a) in params:
-                roles.append(("param", params[id(a)]))
-            elif id(a) in buffers:
-                roles.append(("buffer", buffers[id(a)]))
-            elif c == 0 and id(a) in inputs:
-                roles.append(("input", inputs[id(a)]))
-            else:
-                roles.append(None)
-        prepared.append((gm, args, outs, roles))
-    return join_calls(prepared, reason, eager, region)
-
-
-def check_grad_mode(gm: torch.fx.GraphModule, trainable: list[bool], reason: str) -> None:
-    """Refuse a graph run with gradients off whose inputs could carry one (``trainable``):
-    on a rank, whose stages run with gradients on, it would train what the forward left alone."""
-    if not torch.is_grad_enabled() and any(trainable):
-        raise CaptureError(
-            f"{reason} orgel then tried to pipeline the forward as several graphs, but "
-            f"the graph at {_where(gm)!r} runs with gradients off (under torch.no_grad, "
-            "or in the forward of a custom autograd Function, as reversible layers "
-            "are): a stage would train it. Keep that code free of graph breaks, or "
-            "outside torch.no_grad")
-
-
 def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                                 list[tuple[str, Any] | None]]],
                reason: str, eager: list[str],
-               region: tuple[str, torch.dtype] | None = None) -> tuple[Any, Glue]:
+               region: tuple[str, torch.dtype] | None = None,
+               dims: dict[tuple[int, int], tuple[Any, ...]] | None = None
+               ) -> tuple[Any, Glue]:
     """The joined graph and its :class:`Glue` from the graph calls a forward ran, in order.
 
     Each call is ``(graph, arguments, outputs, roles)``; ``roles[i]`` is
     ``("param"|"buffer"|"input", name)`` or None for a value the Python between
-    graphs hands over (recorded now, exchanged in training). ``region``: the autocast
-    the calls ran under (see :func:`capture_graphs`).
+    graphs hands over (recorded now, exchanged in training), or a size's
+    (:func:`orgel.graph.glue_sizes.size_roles`). ``region``: the autocast the calls ran
+    under (see :func:`~orgel.graph.glue_capture.capture_graphs`); ``dims`` (symbolic
+    sizes): each glue argument's dimensions, by ``(call, argument)`` (the same function).
     """
     calls: list[Call] = []
     recorded: dict[int, list[torch.Tensor]] = {}
     for c, (gm, args, outs, given) in enumerate(seen):
         roles: list[tuple[str, Any]] = []
         glue: list[torch.Tensor] = []
-        for a, role in zip(args, given, strict=True):
-            if not isinstance(a, torch.Tensor):
+        shapes: list[tuple[Any, ...]] = []
+        for i, (a, role) in enumerate(zip(args, given, strict=True)):
+            if not isinstance(a, torch.Tensor) and role is None:
                 raise CaptureError(
                     f"graph {c} of the forward takes a {type(a).__name__}, not a tensor: "
                     "Dynamo compiled it with symbolic sizes (it had run this code on other "
@@ -384,14 +315,14 @@ def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
             else:
                 roles.append(("glue", len(glue)))
                 glue.append(a.detach().clone().requires_grad_(a.requires_grad))
-        calls.append(Call(gm.code, roles, len(outs), _where(gm),
-                          [tuple(t.shape) for t in glue]))
+                shapes.append(tuple(a.shape) if dims is None else dims[(c, i)])
+        calls.append(Call(gm.code, roles, len(outs), _where(gm), shapes))
         recorded[c] = glue
     key = f"g{next(_keys)}"
     _EXAMPLES[key] = recorded
     while len(_EXAMPLES) > _KEEP:
         _EXAMPLES.popitem(last=False)
-    glue_info = Glue(key, calls, reason, eager=eager, region=region)
+    glue_info = Glue(key, calls, reason, eager=eager, region=region, dynamic=dims is not None)
     return _join([gm for gm, _, _, _ in seen], glue_info, recorded), glue_info
 
 
@@ -404,33 +335,6 @@ def _where(gm: torch.fx.GraphModule) -> str:
     return ""
 
 
-def _eager_parameters(result: Any, model: torch.nn.Module) -> list[str]:
-    """Names of real parameters that a backward from the output trains: the graphs ran on
-    detached copies, so only code outside every graph (the glue, or a custom autograd Function
-    whose backward runs layers again, as Reformer's reversible layers) gives one a gradient.
-    The caller restores the gradients (:func:`orgel.guard.untouched`)."""
-    leaves = [t for t in pytree.tree_leaves(_plain(result))
-              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-    if not leaves:
-        return []
-    for p in model.parameters():
-        p.grad = None
-    torch.autograd.backward([t.sum() for t in leaves])
-    return sorted(n for n, p in model.named_parameters() if p.grad is not None)
-
-
-def _plain(obj: Any) -> Any:
-    """``obj`` with mappings (a transformers ModelOutput) as dicts, for pytree."""
-    if isinstance(obj, dict) or hasattr(obj, "keys") and hasattr(obj, "__getitem__"):
-        try:
-            return {k: _plain(obj[k]) for k in obj.keys()}  # noqa: SIM118 - not always a dict
-        except Exception:  # noqa: BLE001 - not a mapping after all
-            return obj
-    if isinstance(obj, (tuple, list)):
-        return [_plain(x) for x in obj]
-    return obj
-
-
 def _join(gms: list[torch.fx.GraphModule], glue: Glue,
           recorded: dict[int, list[torch.Tensor]]) -> Any:
     """One fx graph: the calls in order, an exchange before each call that needs one."""
@@ -439,16 +343,18 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
     roles: dict[str, tuple[str, Any]] = {}
     shared: dict[tuple[str, str], torch.fx.Node] = {}
 
-    def placeholder(kind: str, name: str) -> torch.fx.Node:
+    def placeholder(kind: str, name: Any) -> torch.fx.Node:
         if (kind, name) not in shared:
-            base = name if kind == "input" else f"{kind[0]}_{name.replace('.', '_')}"
+            base = (name if kind == "input" else f"{name[0]}_size{name[1]}" if kind == "size"
+                    else f"{kind[0]}_{name.replace('.', '_')}")
             node = graph.placeholder(base)
             roles[node.name] = (kind, name)
             shared[(kind, name)] = node
         return shared[(kind, name)]
 
     for call in glue.calls:  # placeholders first, model inputs before the rest
-        for kind, name in sorted((r for r in call.roles if r[0] != "glue"),
+        for kind, name in sorted((r for r in call.roles if r[0] in ("input", "param", "buffer",
+                                                                  "size")),
                                  key=lambda r: r[0] != "input"):
             placeholder(kind, name)
     previous: list[torch.fx.Node] = []
@@ -468,7 +374,8 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for node, (kind, name) in zip(placeholders, call.roles, strict=True):
-            env[node] = values[name] if kind == "glue" else placeholder(kind, name)
+            env[node] = (values[name] if kind == "glue" else name if kind in ("number", "unused")
+                         else placeholder(kind, name))
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 continue
@@ -477,6 +384,9 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
                 if not all(isinstance(x, torch.fx.Node) for x in outs) or len(outs) != call.outputs:
                     raise CaptureError(f"graph {c} of the forward returns values that are not "
                                        "tensors; orgel captures with static shapes")
+                if glue.dynamic and any(is_symbolic(x.meta.get("example_value")) for x in outs):
+                    raise CaptureError(f"graph {c} of the forward returns a size (the exchanges "
+                                       "carry tensors)")
                 previous = [env[x] for x in outs]
                 continue
             copy = graph.node_copy(node, env.__getitem__)
@@ -492,6 +402,8 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
     if entered is not None:  # the region around every graph call
         graph.call_function(torch.amp.autocast_mode._exit_autocast, (entered,))
     graph.output((*previous, anchor))
+    if glue.dynamic:  # a split recomputes size arithmetic from the size placeholders only
+        check_size_nodes(graph, {n for (kind, _), n in shared.items() if kind == "size"})
     joined = torch.fx.GraphModule(root, graph)
     leaves = [("out", i) for i in range(len(previous) + 1)]
     _, spec = pytree.tree_flatten(tuple(range(len(leaves))))

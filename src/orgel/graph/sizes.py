@@ -215,27 +215,9 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
     inputs: dict[str, tuple[int | str, ...]] = {}
     shape_env = None
     for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        value = node.meta.get("example_value")
         role = roles.get(node.name)
-        if not isinstance(value, torch.Tensor) or role is None:
-            continue
-        shape_env = getattr(getattr(value, "fake_mode", None), "shape_env", shape_env)
-        dims: list[int | str] = []
-        for d, size in enumerate(value.shape):
-            expr = size if isinstance(size, int) else _expr(size)
-            if not isinstance(expr, sympy.Symbol):  # fixed by a guard (or never symbolic)
-                if not isinstance(expr, (int, sympy.Integer)):
-                    raise CaptureError(f"{node.name} dim {d} has size {size}")
-                dims.append(int(expr))
-                continue
-            if role[0] != "input":
-                raise CaptureError(f"{role[0]} {role[1]} has a symbolic size {size}")
-            bound.setdefault(expr, (role[1], d))
-            dims.append(str(expr))
-        if role[0] == "input":
-            inputs[role[1]] = tuple(dims)
+        if node.op == "placeholder" and role is not None:
+            shape_env = _dims_of(node, role, inputs, bound) or shape_env
     _sizes_from_symbols(gm)
     size_nodes = set()
     fixed: list[tuple[torch.fx.Node, int]] = []
@@ -262,6 +244,51 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
     for node, number in fixed:
         _replace(gm, node, number)
         roles.pop(node.name, None)
+    gm.meta["orgel_shapes"] = _shapes(inputs, bound, shape_env)
+
+
+def input_shapes(nodes: dict[str, torch.fx.Node]) -> Shapes:
+    """The :class:`Shapes` of the model inputs ``nodes`` (name -> placeholder) of a graph
+    Dynamo captured with symbolic sizes."""
+    bound: dict[Any, tuple[str, int]] = {}
+    inputs: dict[str, tuple[int | str, ...]] = {}
+    shape_env = None
+    for name, node in nodes.items():
+        shape_env = _dims_of(node, ("input", name), inputs, bound) or shape_env
+    return _shapes(inputs, bound, shape_env)
+
+
+def _dims_of(node: torch.fx.Node, role: tuple[str, Any],
+             inputs: dict[str, tuple[int | str, ...]], bound: dict[Any, tuple[str, int]]) -> Any:
+    """Record placeholder ``node``'s dimensions (a model input's in ``inputs``, its symbols in
+    ``bound``); returns its shape environment (None: not a tensor). A parameter or buffer of
+    a symbolic size raises :class:`CaptureError`."""
+    import sympy
+
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    dims: list[int | str] = []
+    for d, size in enumerate(value.shape):
+        expr = size if isinstance(size, int) else _expr(size)
+        if not isinstance(expr, sympy.Symbol):  # fixed by a guard (or never symbolic)
+            if not isinstance(expr, (int, sympy.Integer)):
+                raise CaptureError(f"{node.name} dim {d} has size {size}")
+            dims.append(int(expr))
+            continue
+        if role[0] != "input":
+            raise CaptureError(f"{role[0]} {role[1]} has a symbolic size {size}")
+        bound.setdefault(expr, (role[1], d))
+        dims.append(str(expr))
+    if role[0] == "input":
+        inputs[role[1]] = tuple(dims)
+    return getattr(getattr(value, "fake_mode", None), "shape_env", None)
+
+
+def _shapes(inputs: dict[str, tuple[int | str, ...]], bound: dict[Any, tuple[str, int]],
+            shape_env: Any) -> Shapes:
+    """:class:`Shapes` of the input dimensions ``inputs``, their symbols ``bound``, and the
+    guards, ranges and example sizes ``shape_env`` holds for them."""
     symbols = {str(s): s for s in bound}
     guards: list[Any] = []
     ranges: dict[str, tuple[int, int | None]] = {}
@@ -277,7 +304,7 @@ def bind_sizes(gm: torch.fx.GraphModule, roles: dict[str, tuple[str, Any]]) -> N
             vr = shape_env.var_to_range.get(s)
             if vr is not None:
                 ranges[str(s)] = (_bound(vr.lower) or 0, _bound(vr.upper))
-    gm.meta["orgel_shapes"] = Shapes(inputs, guards, ranges, symbols, captured)
+    return Shapes(inputs, guards, ranges, symbols, captured)
 
 
 def symbolic_shapes(graph: torch.fx.Graph, names: Any) -> dict[str, tuple[Any, ...]]:

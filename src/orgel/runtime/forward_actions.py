@@ -96,7 +96,8 @@ class ForwardActions:
     def _forward(self, a: Action) -> None:
         info, m = self.stages[a.stage], a.microbatch
         if self.fetch_inputs is not None and info.stage.model_inputs and m not in self._fetched:
-            self._inputs[m] = {k: v.to(self.device) for k, v in self.fetch_inputs(m).items()}
+            fetched = {k: v.to(self.device) for k, v in self.fetch_inputs(m).items()}
+            self._inputs[m] = {**self._inputs[m], **fetched}  # stand-ins give the rest's sizes
             self._fetched.add(m)
         leaves: dict[str, torch.Tensor] = {}
         for e in info.in_edges:

@@ -101,7 +101,7 @@ class FindsGraphs:
 
     def _record(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
                 roles: list[tuple[str, str]], args: tuple[Any, ...]) -> Any:
-        from orgel.graph.glue import check_grad_mode
+        from orgel.graph.glue_capture import check_grad_mode
 
         if self._names is None:
             self._module = compiled_module()

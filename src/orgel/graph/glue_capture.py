@@ -1,0 +1,141 @@
+"""Capturing a forward of several graphs: Dynamo runs it once, our backend records each graph.
+
+:func:`capture_graphs` runs the forward through ``torch.compile`` with graph breaks
+allowed, keeps the graphs that read a parameter or buffer, and joins them
+(:func:`orgel.graph.glue.join_calls`); with symbolic sizes, each size a graph takes is
+bound to a model input dimension first (:mod:`orgel.graph.glue_sizes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from orgel.graph.dynamo import dynamo_settings, forget_compiled
+from orgel.graph.glue import Glue, _where, join_calls, region_autocast
+from orgel.graph.glue_sizes import glue_settings, glue_shapes, size_roles
+from orgel.graph.opgraph import CaptureError
+
+
+def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
+                   region: tuple[str, torch.dtype] | None = None,
+                   dynamic: bool = False) -> tuple[Any, Glue]:
+    """Run the forward once through Dynamo with graph breaks allowed; one joined graph.
+
+    ``dynamic``: with symbolic sizes (:mod:`orgel.graph.glue_sizes`); raises
+    :class:`CaptureError` where they cannot be bound to the model inputs.
+
+    ``region``: ``(device type, dtype)`` of the autocast the forward runs under (mixed
+    precision). Dynamo's graphs hold no casts for an autocast entered around them, so
+    the joined graph opens that region around everything (every stage re-enters it) and
+    the controller runs the Python between graphs in it (:meth:`Glue.autocast`).
+
+    Returns the capture route's raw form (graph module, placeholder roles,
+    output leaves, output spec; see :mod:`orgel.graph.capture`) and the
+    :class:`Glue` that the controller follows in training. Parameters that
+    code outside every graph trains are listed in :attr:`Glue.eager`: the
+    controller computes their gradients, a rank keeps and steps them
+    (:func:`orgel.split.exchanges.eager_homes`).
+    """
+
+    params = {id(p): n for n, p in model.named_parameters()}
+    buffers = {id(b): n for n, b in model.named_buffers()}
+    inputs = {id(t): n for n, t in named.items() if isinstance(t, torch.Tensor)}
+    seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def run(*args: Any) -> Any:
+            # the graph trains detached copies of the parameters: a real parameter in the
+            # autograd graph afterwards was used by the glue, outside every graph
+            shadow = [a.detach().requires_grad_(a.requires_grad)
+                      if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
+            check_grad_mode(gm, [isinstance(a, torch.Tensor)
+                                 and (id(a) in params or a.requires_grad) for a in args], reason)
+            out = gm(*shadow)
+            seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
+            return out
+
+        return run
+
+    try:
+        compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+        with (dynamo_settings(), glue_settings(dynamic), torch.enable_grad(),
+              region_autocast(region)):
+            result = compiled(**named)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise CaptureError(f"{reason} orgel then tried to pipeline the forward as several "
+                           f"graphs, and Dynamo failed: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    finally:
+        forget_compiled(backend)  # the caller's compiled code stays (no torch._dynamo.reset())
+    if not seen:
+        raise CaptureError("torch.compile produced no graph; does the model compute anything "
+                           "with tensors?")
+    eager = _eager_parameters(result, model)
+    # a graph that reads no parameter or buffer is a pure function of its arguments: it
+    # runs in the controller with the Python around it (so it may differ per micro-batch)
+    seen = [s for s in seen if any(id(a) in params or id(a) in buffers for a in s[1])]
+    if not seen:
+        raise CaptureError(f"{reason} No graph of the forward reads a parameter: nothing to "
+                           "pipeline")
+    prepared = []
+    for c, (gm, args, outs) in enumerate(seen):
+        roles: list[tuple[str, Any] | None] = []
+        for a in args:
+            if id(a) in params:
+                roles.append(("param", params[id(a)]))
+            elif id(a) in buffers:
+                roles.append(("buffer", buffers[id(a)]))
+            elif c == 0 and id(a) in inputs:
+                roles.append(("input", inputs[id(a)]))
+            else:
+                roles.append(None)
+        prepared.append((gm, args, outs, roles))
+    dims = size_roles(prepared, named) if dynamic else None
+    raw, glue = join_calls(prepared, reason, eager, region, dims)
+    if dynamic:
+        raw[0].meta["orgel_shapes"] = glue_shapes(named, prepared[0][0], prepared[0][3])
+    return raw, glue
+
+
+def check_grad_mode(gm: torch.fx.GraphModule, trainable: list[bool], reason: str) -> None:
+    """Refuse a graph run with gradients off whose inputs could carry one (``trainable``):
+    on a rank, whose stages run with gradients on, it would train what the forward left alone."""
+    if not torch.is_grad_enabled() and any(trainable):
+        raise CaptureError(
+            f"{reason} orgel then tried to pipeline the forward as several graphs, but "
+            f"the graph at {_where(gm)!r} runs with gradients off (under torch.no_grad, "
+            "or in the forward of a custom autograd Function, as reversible layers "
+            "are): a stage would train it. Keep that code free of graph breaks, or "
+            "outside torch.no_grad")
+
+
+def _eager_parameters(result: Any, model: torch.nn.Module) -> list[str]:
+    """Names of real parameters that a backward from the output trains: the graphs ran on
+    detached copies, so only code outside every graph (the glue, or a custom autograd Function
+    whose backward runs layers again, as Reformer's reversible layers) gives one a gradient.
+    The caller restores the gradients (:func:`orgel.guard.untouched`)."""
+    leaves = [t for t in pytree.tree_leaves(_plain(result))
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    if not leaves:
+        return []
+    for p in model.parameters():
+        p.grad = None
+    torch.autograd.backward([t.sum() for t in leaves])
+    return sorted(n for n, p in model.named_parameters() if p.grad is not None)
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with mappings (a transformers ModelOutput) as dicts, for pytree."""
+    if isinstance(obj, dict) or hasattr(obj, "keys") and hasattr(obj, "__getitem__"):
+        try:
+            return {k: _plain(obj[k]) for k in obj.keys()}  # noqa: SIM118 - not always a dict
+        except Exception:  # noqa: BLE001 - not a mapping after all
+            return obj
+    if isinstance(obj, (tuple, list)):
+        return [_plain(x) for x in obj]
+    return obj

@@ -1,0 +1,175 @@
+"""Symbolic sizes for a forward of several graphs: which model input dimension each size is.
+
+A forward with graph breaks (:mod:`orgel.graph.glue`) is captured with every dimension
+symbolic (``torch.compile(dynamic=True)``), so its graphs, and the stages split from
+them, take batches of other sizes, as a one-graph capture does (:mod:`orgel.graph.sizes`).
+
+Dynamo compiles each graph in its own frame (the model's ``forward``, then each resume
+function after a break), each with its own size symbols, which nothing ties to the model's
+inputs: a later graph's ``s47`` is the hidden state's first dimension, and only its value
+says that it is the batch's rows. So each size a later graph takes is bound to the first
+model input dimension of the same size in the captured batch (an input the graph itself
+reads, if any), and the controller checks at every graph call, on the real micro-batch,
+that the size it passes is still that dimension's (:attr:`orgel.graph.glue.Call.roles`);
+where it is not, that micro-batch leaves the captured path and runs in the controller, as
+any other deviation does. A size no input dimension matches (a product, ``rows * tokens``),
+or size arithmetic that reads a tensor, makes the capture static instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from orgel.graph.opgraph import CaptureError
+from orgel.graph.sizes import Shapes, _expr, _sizes_from_symbols, input_shapes, is_symbolic
+
+
+def glue_settings(dynamic: bool) -> Any:
+    """Dynamo's settings while a forward of several graphs is captured, and while the
+    controller compiles it again: one symbol per dimension (no duck sizing), Python ints
+    and floats as constants (as the static capture has them), so both compile the same
+    graphs. A no-op for a static capture."""
+    if not dynamic:
+        return contextlib.nullcontext()
+    import torch.fx.experimental._config as fx_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(use_duck_shape=False))  # type: ignore[attr-defined]
+    stack.enter_context(torch._dynamo.config.patch(specialize_int=True, specialize_float=True))
+    return stack
+
+
+def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
+                                 list[tuple[str, Any] | None]]],
+               named: dict[str, Any]) -> dict[tuple[int, int], tuple[Any, ...]]:
+    """Give each size argument of each graph call its role, in place; return the dimensions
+    of each tensor argument the Python between graphs hands over.
+
+    ``calls``: ``(graph, arguments, outputs, roles)`` as :func:`orgel.graph.glue.join_calls`
+    takes them. A size argument's role becomes ``("size", (input, dim))``, ``("number", n)``
+    where a guard fixed it, or ``("unused", n)`` where no op reads it. Each graph's
+    ``x.size()`` calls are rewritten to its size placeholders first. Raises
+    :class:`CaptureError` where a size is no model input dimension (the caller then
+    captures static sizes). The result maps ``(call, argument)`` to that argument's
+    dimensions: a size (fixed), ``(input, dim)`` (that model input dimension), or None (any).
+    """
+    inputs = [(name, t) for name, t in named.items() if isinstance(t, torch.Tensor)]
+    read = {id(t): name for name, t in inputs}
+    dims: dict[tuple[int, int], tuple[Any, ...]] = {}
+    for c, (gm, args, _, roles) in enumerate(calls):
+        _sizes_from_symbols(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, (node, value) in enumerate(zip(placeholders, args, strict=True)):
+            example = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and roles[i] is None:
+                dims[(c, i)] = tuple(_bind(int(n), d, inputs) if _free(size) else int(n)
+                                     for d, (n, size) in enumerate(zip(value.shape,
+                                                                       example.shape,
+                                                                       strict=True)))
+            if isinstance(value, torch.Tensor) or roles[i] is not None:
+                continue
+            if not isinstance(value, int):
+                raise CaptureError(f"graph {c} of the forward takes a {type(value).__name__}")
+            if not node.users:  # a size no op reads: any
+                roles[i] = ("unused", value)
+            elif not _free(example):  # a guard fixed it
+                roles[i] = ("number", value)
+            else:
+                roles[i] = ("size", _input_dim(c, node, value, placeholders, args, read, inputs))
+    return dims
+
+
+def _free(size: Any) -> bool:
+    """Whether a fake size is a symbol no guard fixed."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    expr = _expr(size)
+    return not isinstance(expr, int) and not getattr(expr, "is_number", False)
+
+
+def _bind(value: int, d: int, inputs: list[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
+    """The model input dimension of size ``value``: one at the same position ``d`` first."""
+    for name, t in inputs:
+        if d < t.dim() and int(t.shape[d]) == value:
+            return name, d
+    for name, t in inputs:
+        for k, size in enumerate(t.shape):
+            if int(size) == value:
+                return name, k
+    return None
+
+
+def _input_dim(c: int, node: torch.fx.Node, value: int, placeholders: list[torch.fx.Node],
+               args: list[Any], read: dict[int, str],
+               inputs: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
+    """The model input dimension that size placeholder ``node`` (``value`` now) stands for:
+    that of a model input the graph takes, else one of the same size, at the position the
+    size has in the tensor it is read off first."""
+    symbol = _expr(node.meta["example_value"])
+    position: int | None = None
+    for other, t in zip(placeholders, args, strict=True):
+        fake = other.meta.get("example_value")
+        if not isinstance(fake, torch.Tensor):
+            continue
+        at = [d for d, size in enumerate(fake.shape)
+              if isinstance(size, torch.SymInt) and _expr(size) == symbol]
+        if at and id(t) in read:
+            return read[id(t)], at[0]
+        if at and position is None:
+            position = at[0]
+    found = _bind(value, position or 0, inputs)
+    if found is None:
+        raise CaptureError(f"size {node.name} (= {value}) of graph {c} of the forward is no "
+                           "model input's dimension")
+    return found
+
+
+def check_size_nodes(graph: torch.fx.Graph, sizes: set[torch.fx.Node]) -> None:
+    """Raise :class:`CaptureError` where size arithmetic reads a tensor (a split recomputes
+    size nodes in every stage from the size placeholders ``sizes`` only)."""
+    known = set(sizes)
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and \
+                is_symbolic(node.meta.get("example_value")):
+            if any(n not in known for n in node.all_input_nodes):
+                raise CaptureError(f"size node {node.name} reads a tensor")
+            known.add(node)
+
+
+def glue_shapes(named: dict[str, Any], gm: torch.fx.GraphModule,
+                roles: list[tuple[str, Any] | None]) -> Shapes:
+    """The sizes the joined graph takes (:class:`~orgel.graph.sizes.Shapes`): any size along
+    every dimension of every model input, except where graph 0 (``gm``, its placeholders'
+    ``roles``) reads that input with the dimension fixed.
+
+    The sizes' relations (labels as long as the inputs) are not checked here: a later
+    graph that depends on one has its size argument checked at its call, and Dynamo's
+    guards in the controller hold the rest (a micro-batch that breaks one runs there).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fixed = input_shapes({role[1]: node for node, role in zip(placeholders, roles, strict=True)
+                          if role is not None and role[0] == "input"}).inputs
+    return Shapes({name: tuple(size if isinstance(size, int) else f"{name}.{d}"
+                               for d, size in enumerate(fixed.get(name, (None,) * t.dim())))
+                   for name, t in named.items() if isinstance(t, torch.Tensor)})
+
+
+def expected_shape(dims: tuple[Any, ...], sizes: dict[str, tuple[int, ...]]
+                   ) -> tuple[int | None, ...]:
+    """A glue argument's shape for a micro-batch whose model inputs have shapes ``sizes``:
+    its dimensions (:attr:`orgel.graph.glue.Call.shapes`) evaluated; None where any size."""
+    return tuple(sizes[d[0]][d[1]] if isinstance(d, tuple) else d for d in dims)
+
+
+def stretched(value: torch.Tensor, dims: tuple[Any, ...],
+              sizes: dict[str, tuple[int, ...]]) -> torch.Tensor:
+    """``value`` (recorded at capture) cut or repeated along each dimension bound to a model
+    input dimension to that dimension's size in ``sizes``: a stand-in the ranks can run on
+    in place of a micro-batch's own argument (:mod:`orgel.explicit.fallback`)."""
+    for d, size in enumerate(expected_shape(dims, sizes)):
+        if size is not None and size != value.shape[d]:
+            value = value.index_select(d, torch.arange(size, device=value.device) % value.shape[d])
+    return value
