@@ -7,18 +7,22 @@ them, take batches of other sizes, as a one-graph capture does (:mod:`orgel.grap
 Dynamo compiles each graph in its own frame (the model's ``forward``, then each resume
 function after a break), each with its own size symbols, which nothing ties to the model's
 inputs: a later graph's ``s47`` is the hidden state's first dimension, and only its value
-says that it is the batch's rows. So each size a later graph takes is bound to the first
-model input dimension of the same size in the captured batch (an input the graph itself
-reads, if any), and the controller checks at every graph call, on the real micro-batch,
-that the size it passes is still that dimension's (:attr:`orgel.graph.glue.Call.roles`);
-where it is not, that micro-batch leaves the captured path and runs in the controller, as
-any other deviation does. A size no input dimension matches (a product, ``rows * tokens``),
-or size arithmetic that reads a tensor, makes the capture static instead.
+says that it is the batch's rows. So each size a later graph takes is bound to a model
+input dimension of the same size in the captured batch (one of an input the graph itself
+takes, else one at the same position first), and the controller checks at every graph
+call, on the real micro-batch, that the size it passes is still that dimension's
+(:attr:`orgel.graph.glue.Call.roles`); where it is not, that micro-batch leaves the
+captured path and runs in the controller, as any other deviation does. The tensors the
+Python between graphs hands over are bound the same way, dimension by dimension
+(:attr:`orgel.graph.glue.Call.shapes`). A size no input dimension matches (a product,
+``rows * tokens``), a graph that returns a size, or size arithmetic that reads a tensor,
+makes the capture static instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,19 +31,20 @@ from orgel.graph.opgraph import CaptureError
 from orgel.graph.sizes import Shapes, _expr, _sizes_from_symbols, input_shapes, is_symbolic
 
 
-def glue_settings(dynamic: bool) -> Any:
+@contextlib.contextmanager
+def glue_settings(dynamic: bool) -> Iterator[None]:
     """Dynamo's settings while a forward of several graphs is captured, and while the
     controller compiles it again: one symbol per dimension (no duck sizing), Python ints
     and floats as constants (as the static capture has them), so both compile the same
-    graphs. A no-op for a static capture."""
+    graphs. A no-op for a static capture. Dynamo's settings are the calling thread's."""
     if not dynamic:
-        return contextlib.nullcontext()
+        yield
+        return
     import torch.fx.experimental._config as fx_config
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(fx_config.patch(use_duck_shape=False))  # type: ignore[attr-defined]
-    stack.enter_context(torch._dynamo.config.patch(specialize_int=True, specialize_float=True))
-    return stack
+    with (fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+          torch._dynamo.config.patch(specialize_int=True, specialize_float=True)):
+        yield
 
 
 def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
