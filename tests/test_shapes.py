@@ -275,21 +275,26 @@ def test_hf_opt_whose_code_reads_tensor_sizes_trains_exactly_at_other_lengths() 
         _assert_close(pipe.state_dict(), reference)
 
 
-def test_a_forward_of_several_graphs_refuses_other_sizes_in_the_caller() -> None:
-    """The graphs of a forward with graph breaks are static: a batch of another size is
-    refused before any rank runs, naming the size, and the pipeline trains on exactly."""
+def test_a_forward_of_several_graphs_takes_other_batch_sizes_and_refuses_a_fixed_one() -> None:
+    """The graphs of a forward with graph breaks are captured with symbolic sizes: a batch
+    of twice the rows trains exactly on them, and a feature size the model's weights fix
+    is refused before any rank runs, naming the size; the pipeline trains on exactly."""
     def make() -> Any:
         return build("graphbreak", batch_size=8, seed=0)
 
     model, inputs, targets, loss_fn = make()
-    batches = [(inputs[0], targets)] * 2  # the branch the capture took (it reads the data)
+    x = inputs[0]
+    # the branch the capture took (it reads the data): the same rows, twice
+    batches = [(x, targets), (torch.cat([x, x]), torch.cat([targets, targets])), (x, targets)]
     with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=2, optimizer=_sgd,
                   threads=1) as pipe:
-        assert isinstance(pipe, GluedPipeline)
+        assert isinstance(pipe, GluedPipeline) and pipe.glue.dynamic
         losses = [pipe.step((batches[0][0],), batches[0][1])]
-        with pytest.raises(ShapeError, match="fixed to size 4"):
-            pipe.step((torch.randn(16, 16),), torch.randint(0, 4, (16,)))
         losses.append(pipe.step((batches[1][0],), batches[1][1]))
+        assert pipe.off_path == []  # on the captured graphs, at 8 rows a micro-batch
+        with pytest.raises(ShapeError, match=f"fixed to size {x.shape[1]}"):
+            pipe.step((torch.randn(8, x.shape[1] + 1),), targets)
+        losses.append(pipe.step((batches[2][0],), batches[2][1]))
         reference, ref_losses = _reference(make, batches, lambda m, x: m(x))
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         _assert_close(pipe.state_dict(), reference)

@@ -128,11 +128,10 @@ class GluedPipeline(EagerParameters, Pipeline):
         eager_ids = {id(p) for p in self._eager.values()}
         self._remote_ids = {id(p) for p in runner.parameters() if id(p) not in eager_ids}
         self._local = threading.local()
-        # as captured: sizes symbolic (dynamic=True, Glue.settings), else dynamic=None: a
-        # float read off a tensor after a break (.item()) turns symbolic at its first
-        # change, not a recompile per value (eager past 8)
-        self._compiled = torch.compile(runner, backend=self._backend,
-                                       dynamic=True if glue.dynamic else None)
+        # dynamic=None: a float read off a tensor after a break (.item()) turns symbolic at
+        # its first change, not a recompile per value (eager past 8); sizes are symbolic
+        # where the capture's were (Glue.settings, entered wherever this compiles)
+        self._compiled = torch.compile(runner, backend=self._backend, dynamic=None)
         self._warm = False
 
     # -- the graphs, as torch.compile hands them over -------------------------------------

@@ -96,13 +96,18 @@ class Glue:
     #: ``(device type, dtype)`` of the autocast the forward ran under (mixed precision):
     #: the joined graph holds that region, and the Python between graphs runs in it
     region: tuple[str, torch.dtype] | None = None
-    #: captured with symbolic sizes (:mod:`orgel.graph.glue_sizes`): the controller
-    #: compiles the forward with the same settings (:meth:`settings`)
-    dynamic: bool = False
+    #: captured with symbolic sizes (:mod:`orgel.graph.glue_sizes`): the example batch's
+    #: sizes, which the controller compiles symbolic too (:meth:`settings`); () if static
+    values: tuple[int, ...] = ()
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the forward was captured with symbolic sizes."""
+        return bool(self.values)
 
     def settings(self) -> Any:
         """Dynamo's settings to compile the forward with, as it was captured."""
-        return glue_settings(self.dynamic)
+        return glue_settings(self.values)
 
     def autocast(self) -> Any:
         """The autocast the forward's Python between graphs runs under (a no-op without
@@ -286,8 +291,8 @@ def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                                 list[tuple[str, Any] | None]]],
                reason: str, eager: list[str],
                region: tuple[str, torch.dtype] | None = None,
-               dims: dict[tuple[int, int], tuple[Any, ...]] | None = None
-               ) -> tuple[Any, Glue]:
+               dims: dict[tuple[int, int], tuple[Any, ...]] | None = None,
+               values: tuple[int, ...] = ()) -> tuple[Any, Glue]:
     """The joined graph and its :class:`Glue` from the graph calls a forward ran, in order.
 
     Each call is ``(graph, arguments, outputs, roles)``; ``roles[i]`` is
@@ -295,7 +300,8 @@ def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
     graphs hands over (recorded now, exchanged in training), or a size's
     (:func:`orgel.graph.glue_sizes.size_roles`). ``region``: the autocast the calls ran
     under (see :func:`~orgel.graph.glue_capture.capture_graphs`); ``dims`` (symbolic
-    sizes): each glue argument's dimensions, by ``(call, argument)`` (the same function).
+    sizes): each glue argument's dimensions, by ``(call, argument)`` (the same function),
+    and ``values`` the sizes captured symbolic (:attr:`Glue.values`).
     """
     calls: list[Call] = []
     recorded: dict[int, list[torch.Tensor]] = {}
@@ -322,7 +328,7 @@ def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
     _EXAMPLES[key] = recorded
     while len(_EXAMPLES) > _KEEP:
         _EXAMPLES.popitem(last=False)
-    glue_info = Glue(key, calls, reason, eager=eager, region=region, dynamic=dims is not None)
+    glue_info = Glue(key, calls, reason, eager=eager, region=region, values=values)
     return _join([gm for gm, _, _, _ in seen], glue_info, recorded), glue_info
 
 

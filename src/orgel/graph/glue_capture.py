@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue import Glue, _where, join_calls, region_autocast
-from orgel.graph.glue_sizes import glue_settings, glue_shapes, size_roles
+from orgel.graph.glue_sizes import glue_settings, glue_shapes, size_roles, size_values
 from orgel.graph.opgraph import CaptureError
 
 
@@ -60,8 +60,9 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
         return run
 
     try:
-        compiled = torch.compile(model, backend=backend, dynamic=dynamic)
-        with (dynamo_settings(), glue_settings(dynamic), torch.enable_grad(),
+        values = size_values(named) if dynamic else ()
+        compiled = torch.compile(model, backend=backend, dynamic=None if values else False)
+        with (dynamo_settings(), glue_settings(values), torch.enable_grad(),
               region_autocast(region)):
             result = compiled(**named)
     except CaptureError:
@@ -95,9 +96,9 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
             else:
                 roles.append(None)
         prepared.append((gm, args, outs, roles))
-    dims = size_roles(prepared, named) if dynamic else None
-    raw, glue = join_calls(prepared, reason, eager, region, dims)
-    if dynamic:
+    dims = size_roles(prepared, named) if values else None
+    raw, glue = join_calls(prepared, reason, eager, region, dims, values)
+    if values:
         raw[0].meta["orgel_shapes"] = glue_shapes(named, prepared[0][0], prepared[0][3])
     return raw, glue
 

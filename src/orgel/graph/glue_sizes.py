@@ -1,8 +1,9 @@
 """Symbolic sizes for a forward of several graphs: which model input dimension each size is.
 
-A forward with graph breaks (:mod:`orgel.graph.glue`) is captured with every dimension
-symbolic (``torch.compile(dynamic=True)``), so its graphs, and the stages split from
-them, take batches of other sizes, as a one-graph capture does (:mod:`orgel.graph.sizes`).
+A forward with graph breaks (:mod:`orgel.graph.glue`) is captured with the example
+batch's sizes symbolic wherever Dynamo meets them (:func:`glue_settings`), so its graphs,
+and the stages split from them, take batches of other sizes, as a one-graph capture does
+(:mod:`orgel.graph.sizes`).
 
 Dynamo compiles each graph in its own frame (the model's ``forward``, then each resume
 function after a break), each with its own size symbols, which nothing ties to the model's
@@ -14,9 +15,10 @@ call, on the real micro-batch, that the size it passes is still that dimension's
 (:attr:`orgel.graph.glue.Call.roles`); where it is not, that micro-batch leaves the
 captured path and runs in the controller, as any other deviation does. The tensors the
 Python between graphs hands over are bound the same way, dimension by dimension
-(:attr:`orgel.graph.glue.Call.shapes`). A size no input dimension matches (a product,
-``rows * tokens``), a graph that returns a size, or size arithmetic that reads a tensor,
-makes the capture static instead.
+(:attr:`orgel.graph.glue.Call.shapes`). An int no input dimension matches (a product,
+``rows * tokens``, or a number the code passes on) is checked as a number: a micro-batch
+where it differs runs in the controller. A graph that returns a size, or size arithmetic
+that reads a tensor, makes the capture static instead.
 """
 
 from __future__ import annotations
@@ -31,19 +33,32 @@ from orgel.graph.opgraph import CaptureError
 from orgel.graph.sizes import Shapes, _expr, _sizes_from_symbols, input_shapes, is_symbolic
 
 
+def size_values(named: dict[str, Any]) -> tuple[int, ...]:
+    """The example batch's sizes (each dimension of each model input, but 0 and 1, which
+    Dynamo takes as fixed): what :func:`glue_settings` marks dynamic wherever Dynamo meets it."""
+    return tuple(sorted({int(n) for t in named.values() if isinstance(t, torch.Tensor)
+                         for n in t.shape if n > 1}))
+
+
 @contextlib.contextmanager
-def glue_settings(dynamic: bool) -> Iterator[None]:
+def glue_settings(values: tuple[int, ...]) -> Iterator[None]:
     """Dynamo's settings while a forward of several graphs is captured, and while the
-    controller compiles it again: one symbol per dimension (no duck sizing), Python ints
-    and floats as constants (as the static capture has them), so both compile the same
-    graphs. A no-op for a static capture. Dynamo's settings are the calling thread's."""
-    if not dynamic:
+    controller compiles it again (``torch.compile(dynamic=None)`` both): every tensor
+    dimension and every int a frame takes whose value is one of the example batch's sizes
+    ``values`` (:func:`size_values`) is symbolic from the first compile, one symbol each (no
+    duck sizing), in every frame, the resumed ones after a break included
+    (``torch.compiler.config.dynamic_values``, made for graph breaks); parameters stay
+    static, and a float (a value read off a tensor with ``.item()``) turns symbolic at its
+    first change, as under ``dynamic=None`` alone. A no-op without ``values`` (a static
+    capture). Dynamo's settings are the calling thread's."""
+    if not values:
         yield
         return
     import torch.fx.experimental._config as fx_config
 
     with (fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
-          torch._dynamo.config.patch(specialize_int=True, specialize_float=True)):
+          torch.compiler.config.patch(  # type: ignore[attr-defined]
+              dynamic_values=",".join(str(v) for v in values))):
         yield
 
 
@@ -55,10 +70,10 @@ def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
 
     ``calls``: ``(graph, arguments, outputs, roles)`` as :func:`orgel.graph.glue.join_calls`
     takes them. A size argument's role becomes ``("size", (input, dim))``, ``("number", n)``
-    where a guard fixed it, or ``("unused", n)`` where no op reads it. Each graph's
-    ``x.size()`` calls are rewritten to its size placeholders first. Raises
-    :class:`CaptureError` where a size is no model input dimension (the caller then
-    captures static sizes). The result maps ``(call, argument)`` to that argument's
+    where a guard fixed it or no input dimension has its size (an int the Python between
+    graphs passes on: the controller checks it stays ``n``), or ``("unused", n)`` where no
+    op reads it. Each graph's ``x.size()`` calls are rewritten to its size placeholders
+    first. The result maps ``(call, argument)`` to that argument's
     dimensions: a size (fixed), ``(input, dim)`` (that model input dimension), or None (any).
     """
     inputs = [(name, t) for name, t in named.items() if isinstance(t, torch.Tensor)]
@@ -82,8 +97,9 @@ def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                 roles[i] = ("unused", value)
             elif not _free(example):  # a guard fixed it
                 roles[i] = ("number", value)
-            else:
-                roles[i] = ("size", _input_dim(c, node, value, placeholders, args, read, inputs))
+            else:  # a size, or an int the Python between graphs passes (checked as a number)
+                found = _input_dim(node, value, placeholders, args, read, inputs)
+                roles[i] = ("number", value) if found is None else ("size", found)
     return dims
 
 
@@ -107,12 +123,12 @@ def _bind(value: int, d: int, inputs: list[tuple[str, torch.Tensor]]) -> tuple[s
     return None
 
 
-def _input_dim(c: int, node: torch.fx.Node, value: int, placeholders: list[torch.fx.Node],
+def _input_dim(node: torch.fx.Node, value: int, placeholders: list[torch.fx.Node],
                args: list[Any], read: dict[int, str],
-               inputs: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
+               inputs: list[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
     """The model input dimension that size placeholder ``node`` (``value`` now) stands for:
     that of a model input the graph takes, else one of the same size, at the position the
-    size has in the tensor it is read off first."""
+    size has in the tensor it is read off first; None where no input dimension has it."""
     symbol = _expr(node.meta["example_value"])
     position: int | None = None
     for other, t in zip(placeholders, args, strict=True):
@@ -125,11 +141,7 @@ def _input_dim(c: int, node: torch.fx.Node, value: int, placeholders: list[torch
             return read[id(t)], at[0]
         if at and position is None:
             position = at[0]
-    found = _bind(value, position or 0, inputs)
-    if found is None:
-        raise CaptureError(f"size {node.name} (= {value}) of graph {c} of the forward is no "
-                           "model input's dimension")
-    return found
+    return _bind(value, position or 0, inputs)
 
 
 def check_size_nodes(graph: torch.fx.Graph, sizes: set[torch.fx.Node]) -> None:
