@@ -178,12 +178,12 @@ class GluedPipeline(EagerParameters, Pipeline):
                     raise RuntimeError(f"model input {name!r} requires grad; pass inputs that "
                                        "do not")
                 inputs[name] = args[i].detach()
-            if kind in ("size", "number"):
+            if kind in ("size", "number"):  # the ranks read a size off the micro-batch
                 want = name if kind == "number" else slot.sizes[name[0]][name[1]]
-                if args[i] != want:  # the ranks read the size off the micro-batch
-                    raise Deviated(f"graph call {c} of micro-batch {slot.index} takes a size "
-                                   f"{args[i]} where the captured forward took {want} "
-                                   f"({'' if kind == 'number' else f'{name[0]} dim {name[1]}'})")
+                if args[i] != want:
+                    of = "" if kind == "number" else f" ({name[0]!r} dim {name[1]})"
+                    raise Deviated(f"graph call {c} of micro-batch {slot.index} takes the int "
+                                   f"{args[i]} where the captured forward took {want}{of}")
         values = [args[i] for i in call.glue]
         shapes = [tuple(v.shape) for v in values]
         wanted = [expected_shape(dims, slot.sizes) for dims in call.shapes]
