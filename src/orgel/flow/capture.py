@@ -81,11 +81,12 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
     return given
 
 
-def replica_graph(workload: Workload, graph: Any, plan: Plan) -> Any:
-    """``graph``, or where ``plan``'s stages have replicas, a capture of one replica's rows."""
+def replica_graph(workload: Workload, graph: Any, plan: Plan, dynamic: bool = True) -> Any:
+    """``graph``, or where ``plan``'s stages have replicas, a capture of one replica's rows
+    (``dynamic``: as :func:`capture_microbatch`'s)."""
     replicas = stage_replicas(plan)
     if replicas > 1:
-        return capture_microbatch(workload, plan.microbatches * replicas)
+        return capture_microbatch(workload, plan.microbatches * replicas, dynamic)
     return graph
 
 

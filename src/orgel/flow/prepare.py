@@ -176,7 +176,14 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             raise ValueError("this capture was made once, for whole micro-batches: plan one "
                              "rank per stage (dp=1)")
         else:
-            graph = replica_graph(workload, graph, the_plan)
+            if graph.glue is not None and graph.glue.dynamic and stage_replicas(the_plan) > 1:
+                # a forward of several graphs binds its sizes by value (orgel.graph.glue_sizes):
+                # a replica's rows would make other graphs than the plan's; both static
+                graph = capture_microbatch(workload, the_plan.microbatches, dynamic=False)
+                planned = planned_workload(workload, graph)
+                the_plan, rule, seed = agree(decide)
+            graph = replica_graph(workload, graph, the_plan,
+                                  dynamic=graph.glue is None or graph.glue.dynamic)
         split = split_plan(graph, the_plan)
         if recompute is False and (given is None or mark) and any(
                 isinstance(p, str) for p in the_plan.recompute):
