@@ -94,8 +94,6 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 if not several:
                     raise
                 # run as several graphs, the Python between them in the controller
-                from orgel.graph.glue_capture import capture_graphs
-
                 raw, glue = _graphs(model, named, str(exc), region, dynamic, notes)
                 notes.append(f"Dynamo captured the forward as {len(glue.calls)} graphs "
                              f"(first break: {str(exc).split('. For one graph')[0]}); the Python "
@@ -118,9 +116,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             if glue is None:
                 raw = _dynamo_graph(model, traced, region)
             else:
-                from orgel.graph.glue_capture import capture_graphs
-
-                raw, glue = capture_graphs(model, named, glue.reason, region)
+                raw, glue = _graphs(model, named, glue.reason, region, False, notes)
             notes.append(f"captured with static sizes: the symbolic graph failed to run "
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
             graph = measure(model, named, raw, notes, used)
