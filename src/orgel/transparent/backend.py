@@ -63,7 +63,7 @@ from orgel.transparent.graph_model import (
 )
 from orgel.transparent.job import check_world, first_inputs, follows
 from orgel.transparent.running import RunningPipeline
-from orgel.transparent.slicing import shared_inputs, slice_batch
+from orgel.transparent.slicing import closure_batch, closure_inputs, shared_inputs, slice_batch
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
 
@@ -143,7 +143,9 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        roles = roles_of(placeholders, example_inputs)  # sizes left symbolic included
+        # sizes left symbolic included (bound to the closure's arguments where they are
+        # several graphs', else GraphModel refuses them)
+        roles = roles_of(placeholders, example_inputs, strict=False)
         stateful = any(kind in ("param", "buffer") for kind, _ in roles)
 
         def run(*args: Any) -> Any:
@@ -177,11 +179,12 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
 
     # -- the first step: find the graphs ----------------------------------------------------
 
-    def _start_glued(self, rows: int) -> None:
-        """Plan and start the joined graphs of a compiled model with graph breaks."""
+    def _start_glued(self, rows: int, pieces: list[list[Any]] | None) -> None:
+        """Plan and start the joined graphs of a compiled model with graph breaks; ``pieces``:
+        the closures' arguments, where the graphs' sizes are symbolic."""
         from orgel.transparent.start import start_glued
 
-        self.pipe = start_glued(self, rows)
+        self.pipe = start_glued(self, rows, pieces)
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
 
@@ -303,7 +306,11 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         if self.pipe is None and self.model is None:  # the first step: find the graphs
             self._find_graphs(closure, pieces, rows)
         if isinstance(self.pipe, ClosurePipeline):
-            return self.pipe.step_closures(closure, pieces, rows)
+            if not self.pipe.glue.dynamic:
+                return self.pipe.step_closures(closure, pieces, rows)
+            return self.pipe.step_closures(closure, pieces, rows,
+                                           [closure_inputs(p) for p in pieces],
+                                           closure_batch(pieces, self.batch_dim)[0])
         self._refresh_scale()
         return self._run_closures(closure, pieces)
 
