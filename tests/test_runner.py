@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import orgel.transparent.backend as ob
+from orgel.launch.errors import WorkerError
 from orgel.models import build
 from orgel.models.clip import contrastive_loss
 
@@ -139,6 +140,9 @@ def test_closure_errors_and_misuse_are_reported() -> None:
 
         with pytest.raises(KeyError, match="from the closure"):
             pipe.step(fails, *_batch(0))
+        # the ranks waited on that closure and were stopped: the next step says so
+        with pytest.raises(WorkerError, match="ranks are stopped .* a closure that raised"):
+            pipe.step(_make_closure(text_tower, compiled, []), *_batch(0))
     finally:
         pipe.close()
     with pytest.raises(ValueError, match="not divisible into 2 micro-batches"):

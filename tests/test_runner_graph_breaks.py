@@ -22,6 +22,7 @@ from torch import nn
 import orgel.transparent.backend as ob
 from orgel.explicit.fallback import GlueError
 from orgel.flow.options import REFUSED
+from orgel.launch.errors import WorkerError
 from test_runner import (
     M,
     _backend,
@@ -403,6 +404,9 @@ def test_a_closure_that_takes_another_branch_is_a_clear_error() -> None:
     try:
         with pytest.raises(GlueError, match="expected no graph after the last of 2"):
             pipe.step(closure, x)
+        # the ranks waited on that micro-batch and were stopped: the next step says so
+        with pytest.raises(WorkerError, match="ranks are stopped .* a closure that raised"):
+            pipe.step(closure, -x)
     finally:
         pipe.close()
 

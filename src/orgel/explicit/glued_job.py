@@ -126,7 +126,7 @@ class JobGroup(LocalGroup):
         self._conns = commands
         self.exchanges = exchanges
         self._procs: list[Any] = []
-        self._closed = False
+        self.closed = False
         self._thread = thread
         closing = (commands, exchanges, timeout_s)  # LocalGroup's finalizer, of other arguments
         self._finalizer = weakref.finalize(self, _close_all, *closing)  # type: ignore[arg-type,call-arg]
@@ -140,9 +140,9 @@ class JobGroup(LocalGroup):
 
     def kill(self, why: str = "process 0's own output holds its error") -> None:
         """Stop every rank: tell the followers why, then close every connection."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._finalizer.detach()
         for conn in self._conns[1:]:
             try:
@@ -160,9 +160,9 @@ class JobGroup(LocalGroup):
 
     def close(self) -> None:
         """Ask every rank to end (the followers' ``close`` returns), then meet them."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._finalizer.detach()
         _close_all(self._conns, self.exchanges, self.timeout_s)
         self._thread.join(self.timeout_s)
@@ -248,7 +248,7 @@ class Leads(Pipeline):
         """Tell the followers that process 0's ``name`` returned ``outcome`` (or raised it,
         an exception)."""
         if isinstance(outcome, BaseException):
-            if not self._ranks._closed:
+            if not self._ranks.closed:
                 self._ranks.tell(("__raise__", name, _portable(outcome), self._shared()))
             return
         self._ranks.tell(("__return__", name, outcome, self._shared()))
@@ -341,14 +341,14 @@ class Follower(Pipeline):
         self.off_path: list[int] = []
 
     @property
-    def _closed(self) -> bool:
+    def closed(self) -> bool:
         return self._engine is None
 
     def _follow(self, name: str) -> Any:
         """Serve until process 0's ``name`` ends; what it returned."""
         from orgel.graph import glue
 
-        if self._closed:
+        if self.closed:
             raise WorkerError("the pipeline is closed; create a new pipeline", -1)
         try:
             message = serve(self._engine, self._conn, idle_s=self._timeout_s)
@@ -441,7 +441,7 @@ class Follower(Pipeline):
 
         import torch.distributed as dist
 
-        if self._closed:
+        if self.closed:
             return
         self._follow("close")
         self._conn.close()

@@ -315,7 +315,7 @@ class LocalGroup:
         ctx: Any = mp.get_context(context)
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
-        self._closed = False
+        self.closed = False
         for rank in range(self.num_ranks):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"orgel-rank{rank}", daemon=daemon,
@@ -343,7 +343,7 @@ class LocalGroup:
         ``wait_s``: how long to wait for the answers (default: the group's timeout
         plus 30 s; ``None``: as long as the ranks run, whose own waits time out).
         """
-        if self._closed:
+        if self.closed:
             raise WorkerError("the local ranks are closed; create a new pipeline", -1)
         targets = list(range(self.num_ranks)) if ranks is None else list(ranks)
         for r in targets:
@@ -440,7 +440,7 @@ class LocalGroup:
 
     def kill(self) -> None:
         """Kill every worker this group started (by process id) and mark the group closed."""
-        self._closed = True
+        self.closed = True
         self._finalizer.detach()
         _kill(self._procs)
 
@@ -449,7 +449,7 @@ class LocalGroup:
 
         Idempotent; also runs when the group is garbage-collected or the interpreter exits.
         """
-        self._closed = True
+        self.closed = True
         self._finalizer()
 
 

@@ -53,6 +53,7 @@ from orgel import guard
 from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.explicit.mailbox import RankPipes
 from orgel.graph.dynamo import dynamo_settings
+from orgel.launch.errors import WorkerError
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
 from orgel.transparent.exchange import RankLink
@@ -62,7 +63,7 @@ from orgel.transparent.graph_model import (
     roles_of,
 )
 from orgel.transparent.job import check_world, first_inputs, follows
-from orgel.transparent.running import RunningPipeline
+from orgel.transparent.running import STOPPED, RunningPipeline
 from orgel.transparent.slicing import closure_batch, closure_inputs, shared_inputs, slice_batch
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
@@ -269,6 +270,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         """
         if not callable(closure):
             raise TypeError("step(closure, *batch): closure must be callable")
+        if self.pipe is not None and self.pipe.closed:
+            raise WorkerError(STOPPED, -1)
         self._stepping = True
         try:
             if follows():  # under torchrun, process 0's step (orgel.transparent.job)

@@ -464,6 +464,11 @@ class Pipeline(StepCount):
         if kill is not None:
             kill()
 
+    @property
+    def closed(self) -> bool:
+        """Whether the local-spawn ranks were stopped (:meth:`close`, :meth:`kill`)."""
+        return bool(getattr(self._ranks, "closed", False))
+
     def close(self) -> None:
         """Stop the workers (local spawn); the pipeline cannot be used afterwards."""
         self._ranks.close()
