@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from orgel.batching import placeholders
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.slots import Slot
 from orgel.graph.dynamo import dynamo_settings
@@ -71,26 +70,16 @@ class ClosurePipeline(GluedPipeline):
         return [None if g is None else g * k for g in got]
 
     def step_closures(self, closure: Callable[..., Any], pieces: list[list[Any]],
-                      rows: int, named: list[dict[str, torch.Tensor]] | None = None,
-                      batch: dict[str, torch.Tensor] | None = None) -> list[Any]:
-        """Run ``closure(*pieces[m])`` for every micro-batch ``m``; their return values.
-
-        Where the graphs' sizes are symbolic, each is bound to a dimension of a closure's
-        tensor argument: ``named[m]`` names micro-batch ``m``'s, which its graph calls are
-        checked against, and ``batch`` is the step's, whose stand-ins the ranks read the
-        sizes (and the messages' shapes) off
-        (:func:`orgel.transparent.slicing.closure_batch`)."""
+                      rows: int) -> list[Any]:
+        """Run ``closure(*pieces[m])`` for every micro-batch ``m``; their return values."""
         def work(slot: Slot) -> None:
             slot.anchor = torch.zeros((), requires_grad=True)
-            if named is not None:
-                slot.sizes = {n: tuple(t.shape) for n, t in named[slot.index].items()}
-            with dynamo_settings(), self.glue.settings():
+            with dynamo_settings():
                 slot.result = closure(*pieces[slot.index])
             self._check_calls(slot)
             self._back_unreached(slot, after=-1)  # no backward, or one that missed some
 
-        stand_ins = placeholders(batch) if self.glue.dynamic and batch is not None else {}
-        results = [s.result for s in self._run_threads(work, stand_ins, rows)]
+        results = [s.result for s in self._run_threads(work, {}, rows)]
         for p in self._eager.values():  # summed from the hooks and stepped on a rank
             p.grad = None
         self._check_stray()

@@ -195,15 +195,13 @@ class GluedPipeline(EagerParameters, Pipeline):
             what = (f"micro-batch {slot.index}'s graph call {c} ({call.where}) gets an argument "
                     f"of shape {list(shapes[j])} where the captured forward had "
                     f"{['any' if w is None else w for w in wanted[j]]}")
-            static = "" if self.glue.dynamic else (
-                "the graphs were captured with the first batch's sizes fixed (dp > 1, or "
-                "torch.compile(dynamic=False)) and this batch has others, or ")
             raise Deviated(
-                f"{what}: {static}the Python between graphs makes shapes that depend on the "
-                "data (torch.where, nonzero, a loop over what the tokens chose). orgel.backend's "
-                "closures need every micro-batch's graphs to see the captured shapes "
-                "(orgel.pipeline runs such a micro-batch in the calling process); compute such "
-                "a part with fixed shapes (a dense mask instead of an index list)", what)
+                f"{what}: the Python between graphs makes shapes that depend on the data "
+                "(torch.where, nonzero, a loop over what the tokens chose). orgel.backend's "
+                "closures need "
+                "every micro-batch's graphs to see the captured shapes (orgel.pipeline runs "
+                "such a micro-batch in the calling process); compute such a part with fixed "
+                "shapes (a dense mask instead of an index list)", what)
         assert slot.anchor is not None
         # a graph run with gradients off (a rotary table under torch.no_grad) still takes its
         # place in the anchors' chain: its backward sends the ranks their zero gradients

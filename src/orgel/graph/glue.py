@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 
 from orgel.graph.glue_sizes import check_size_nodes, glue_settings
 from orgel.graph.opgraph import CaptureError
-from orgel.graph.sizes import is_symbolic, size_name
+from orgel.graph.sizes import is_symbolic
 
 #: Values recorded when the forward ran once, by capture key: what exchanges return
 #: while orgel measures and profiles the graph (the newest few captures are kept).
@@ -351,7 +351,7 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
 
     def placeholder(kind: str, name: Any) -> torch.fx.Node:
         if (kind, name) not in shared:
-            base = (name if kind == "input" else size_name(*name) if kind == "size"
+            base = (name if kind == "input" else f"{name[0]}_size{name[1]}" if kind == "size"
                     else f"{kind[0]}_{name.replace('.', '_')}")
             node = graph.placeholder(base)
             roles[node.name] = (kind, name)

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec
 from orgel.graph.regions import collapse_transforms
 from orgel.graph.repeat import COPIES
-from orgel.graph.sizes import is_symbolic, size_name, static_shapes, symbolic_shapes
+from orgel.graph.sizes import is_symbolic, static_shapes, symbolic_shapes
 
 # Nodes that switch state rather than compute: recorded as each node's grad mode.
 GRAD_SWITCH = torch._C._set_grad_enabled
@@ -110,7 +110,7 @@ def measure(
                 args.append(named[payload])
                 continue
             if kind == "size":  # measured at the example's size
-                name = size_name(*payload)
+                name = f"{payload[0]}_size{payload[1]}"
                 node._rename(name)
                 sizes[node.name] = payload
                 args.append(int(named[payload[0]].shape[payload[1]]))

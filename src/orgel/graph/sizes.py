@@ -20,7 +20,6 @@ input, the dimension, the captured and the given size.
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,12 +167,6 @@ def _named_size(where: str) -> Any:
 
 def _captured(dims: tuple[int | str, ...]) -> str:
     return "(" + ", ".join(str(s) if isinstance(s, int) else "any" for s in dims) + ")"
-
-
-def size_name(name: str, dim: int) -> str:
-    """The name of the placeholder that stands for model input ``name``'s size along ``dim``
-    (an identifier: ``orgel.backend`` names its inputs ``"argument i"``)."""
-    return re.sub(r"\W", "_", f"{name}_size{dim}")
 
 
 def static_shapes(named: dict[str, Any]) -> Shapes:

@@ -64,7 +64,7 @@ from orgel.transparent.graph_model import (
 )
 from orgel.transparent.job import check_world, first_inputs, follows
 from orgel.transparent.running import STOPPED, RunningPipeline
-from orgel.transparent.slicing import closure_batch, closure_inputs, shared_inputs, slice_batch
+from orgel.transparent.slicing import shared_inputs, slice_batch
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
 
@@ -144,9 +144,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        # sizes left symbolic included (bound to the closure's arguments where they are
-        # several graphs', else GraphModel refuses them)
-        roles = roles_of(placeholders, example_inputs, strict=False)
+        roles = roles_of(placeholders, example_inputs)  # sizes left symbolic included
         stateful = any(kind in ("param", "buffer") for kind, _ in roles)
 
         def run(*args: Any) -> Any:
@@ -180,12 +178,11 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
 
     # -- the first step: find the graphs ----------------------------------------------------
 
-    def _start_glued(self, rows: int, pieces: list[list[Any]] | None) -> None:
-        """Plan and start the joined graphs of a compiled model with graph breaks; ``pieces``:
-        the closures' arguments, where the graphs' sizes are symbolic."""
+    def _start_glued(self, rows: int) -> None:
+        """Plan and start the joined graphs of a compiled model with graph breaks."""
         from orgel.transparent.start import start_glued
 
-        self.pipe = start_glued(self, rows, pieces)
+        self.pipe = start_glued(self, rows)
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
 
@@ -309,11 +306,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         if self.pipe is None and self.model is None:  # the first step: find the graphs
             self._find_graphs(closure, pieces, rows)
         if isinstance(self.pipe, ClosurePipeline):
-            if not self.pipe.glue.dynamic:
-                return self.pipe.step_closures(closure, pieces, rows)
-            return self.pipe.step_closures(closure, pieces, rows,
-                                           [closure_inputs(p) for p in pieces],
-                                           closure_batch(pieces, self.batch_dim)[0])
+            return self.pipe.step_closures(closure, pieces, rows)
         self._refresh_scale()
         return self._run_closures(closure, pieces)
 

@@ -17,8 +17,6 @@ import torch
 
 from orgel import guard
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
-from orgel.graph.glue_sizes import glue_settings, size_values
-from orgel.graph.opgraph import CaptureError
 from orgel.guard import untouched
 from orgel.precision import device_type
 from orgel.transparent.discover import (
@@ -28,7 +26,7 @@ from orgel.transparent.discover import (
     stopped_at_backward,
 )
 from orgel.transparent.graph_model import GraphModel, ambient_autocast, describe_autocast
-from orgel.transparent.slicing import closure_inputs, marked
+from orgel.transparent.slicing import marked
 from orgel.worker.pipe import canonical_names
 
 
@@ -46,9 +44,7 @@ class FindsGraphs:
     _precision: torch.dtype | None
     _pending_load: str | Path | None
 
-    dp: int
-
-    def _start_glued(self, rows: int, pieces: list[list[Any]] | None) -> None:
+    def _start_glued(self, rows: int) -> None:
         raise NotImplementedError
 
     def _check_autocast(self) -> None:
@@ -70,8 +66,7 @@ class FindsGraphs:
                 "step did. Keep the autocast around the compiled model the same in every closure")
 
 
-    def _discover(self, closure: Callable[..., Any], args: list[Any], dynamic: bool,
-                  values: tuple[int, ...] = ()) -> None:
+    def _discover(self, closure: Callable[..., Any], args: list[Any], dynamic: bool) -> None:
         """Run micro-batch 0's closure up to its backward; record the graphs it calls.
 
         The graphs run here on detached copies of the parameters and buffers
@@ -83,15 +78,14 @@ class FindsGraphs:
         ``dynamic``: every dimension of the closure's tensor arguments is marked as
         possibly dynamic (:func:`torch._dynamo.maybe_mark_dynamic`, on views of them), so
         Dynamo leaves the sizes it can symbolic and a later batch of another sequence
-        length runs the same graph. ``values``: the sizes a forward of several graphs
-        takes symbolic in every frame (:func:`orgel.graph.glue_sizes.glue_settings`).
+        length runs the same graph.
         """
         if dynamic:
             args = [marked(a) for a in args]
         self._found = []
         self._discovering = True
         try:
-            with untouched(), dynamo_settings(), glue_settings(values), stopped_at_backward(), \
+            with untouched(), dynamo_settings(), stopped_at_backward(), \
                     guard.no_autocast_cache():
                 closure(*args)
         except ForwardDone:
@@ -137,15 +131,13 @@ class FindsGraphs:
         several are joined and started (:meth:`_start_glued`)."""
         self._discover(closure, pieces[0], dynamic=True)
         assert self._found is not None
-        values: tuple[int, ...] = ()
-        if len(self._found) > 1:
-            # graph breaks: every frame's sizes symbolic, each bound to a dimension of the
-            # closure's arguments (orgel.graph.glue_sizes; with dp > 1 static: a replica's
-            # rows would bind to other sizes than the plan's)
-            values = size_values(closure_inputs(pieces[0])) if self.dp == 1 else ()
-            if values or any(kind == "size" for _, _, roles, _, _ in self._found
-                             for kind, _ in roles):
-                self._again(closure, pieces[0], values)
+        if len(self._found) > 1 and any(kind == "size" for _, _, roles, _, _ in self._found
+                                        for kind, _ in roles):
+            # graph breaks are joined from fixed shapes: find the graphs again, static
+            forget_compiled(self)
+            self._names = None
+            self._discover(closure, pieces[0], dynamic=False)
+            assert self._found is not None
         if not self._found:
             raise RuntimeError("the closure for micro-batch 0 returned without calling "
                                "the compiled model (or it reads no parameter); call it "
@@ -168,19 +160,4 @@ class FindsGraphs:
                     f"the compiled model under {describe_autocast(around)}; with graph "
                     "breaks the closure's autocast is the one that runs (precision= only "
                     "turns float16's loss scaling on): make the two agree")
-            try:
-                self._start_glued(rows, pieces if values else None)
-            except CaptureError:
-                if not values:
-                    raise
-                self._again(closure, pieces[0], ())  # sizes the glue cannot bind: static
-                self._start_glued(rows, None)
-
-    def _again(self, closure: Callable[..., Any], args: list[Any], values: tuple[int, ...]
-               ) -> None:
-        """Find the graphs of a forward of several graphs once more, Dynamo's code of the
-        first search dropped: with the sizes ``values`` symbolic, or static."""
-        forget_compiled(self)
-        self._names = None
-        self._discover(closure, args, dynamic=False, values=values)
-        assert self._found is not None
+            self._start_glued(rows)

@@ -44,8 +44,6 @@ class GraphModel(torch.nn.Module):
         if roles is None:
             roles = roles_of(placeholders, example_inputs)
         for (kind, name), value in zip(roles, example_inputs, strict=True):
-            if kind == "unbound":
-                raise ValueError(unbound(name))
             if kind in ("param", "buffer"):
                 register_state(self, kind, name, value)
             elif kind == "const":
@@ -103,18 +101,15 @@ def register_state(module: torch.nn.Module, kind: str, name: str, value: torch.T
         owner.register_buffer(leaf, value)
 
 
-def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any],
-             strict: bool = True) -> list[tuple[str, str]]:
+def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any]
+             ) -> list[tuple[str, str]]:
     """The role of each of a Dynamo graph's placeholders (:func:`role_of`).
 
     A size Dynamo left symbolic (``torch.compile(dynamic=True)``, or dimensions marked
     dynamic) is ``("size", "input:dim")``: the model input whose dimension ``dim`` it is,
     so :class:`GraphModel` reads it off the inputs it is given; a symbolic stride (an input
     that is a view, such as a micro-batch cut along ``batch_dim=1``) is
-    ``("size", "input:stride<dim>")``. Raises ValueError for a symbol no model input has;
-    with ``strict=False`` its role is ``("unbound", symbol)`` instead (a graph of a forward
-    of several graphs, whose sizes :mod:`orgel.graph.glue_sizes` binds), and
-    :class:`GraphModel` raises for it.
+    ``("size", "input:stride<dim>")``. Raises ValueError for a symbol no model input has.
     """
     roles = [role_of(n, v) for n, v in zip(placeholders, example_inputs, strict=True)]
     where: dict[str, str] = {}  # symbol -> "input:dim"
@@ -134,19 +129,12 @@ def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any],
         if kind == "size":
             symbol = str(node.meta.get("example_value", name))
             if symbol not in where:
-                if not strict:
-                    sized.append(("unbound", symbol))
-                    continue
-                raise ValueError(unbound(symbol))
+                raise ValueError(
+                    f"torch.compile traced the model with a symbolic size {symbol} that no "
+                    "model input has; use torch.compile(model, backend=pipe, dynamic=False)")
             name = where[symbol]
         sized.append((kind, name))
     return sized
-
-
-def unbound(symbol: str) -> str:
-    """The error for a graph that takes a symbolic size no model input has."""
-    return (f"torch.compile traced the model with a symbolic size {symbol} that no model "
-            "input has; use torch.compile(model, backend=pipe, dynamic=False)")
 
 
 def role_of(node: torch.fx.Node, value: Any) -> tuple[str, str]:

@@ -60,26 +60,6 @@ def argument_name(i: int) -> str:
     return f"argument {i}"
 
 
-def closure_inputs(args: list[Any]) -> dict[str, torch.Tensor]:
-    """A closure's tensor arguments (but scalars) by :func:`argument_name`: what the sizes of a
-    compiled model of several graphs are bound to (:mod:`orgel.graph.glue_sizes`)."""
-    return {argument_name(i): a for i, a in enumerate(args)
-            if isinstance(a, torch.Tensor) and a.dim() > 0}
-
-
-def closure_batch(pieces: list[list[Any]], dim: int) -> tuple[dict[str, torch.Tensor],
-                                                                 tuple[str, ...]]:
-    """The step's batch as the closures' tensor arguments (:func:`closure_inputs`) give it:
-    each micro-batch's pieces side by side along ``dim``, but those every closure got as
-    the same tensor (whole); and the names of those."""
-    given: list[dict[str, torch.Tensor] | None] = [closure_inputs(p) for p in pieces]
-    whole = shared_inputs(given)
-    first = given[0]
-    assert first is not None
-    return ({n: t if n in whole else torch.cat([g[n] for g in given if g is not None], dim)
-             for n, t in first.items()}, whole)
-
-
 def rows_at(rows: int, dim: int) -> torch.Tensor:
     """Placeholder targets with ``rows`` along the batch dimension ``dim``."""
     return torch.zeros((1,) * dim + (rows,))

@@ -21,14 +21,13 @@ from orgel.explicit.glued_start import start
 from orgel.flow.prepare import here, on_process_zero, prepare
 from orgel.flow.start import check_param_groups
 from orgel.graph.glue import join_calls
-from orgel.graph.glue_sizes import glue_shapes, size_roles, size_values
 from orgel.graph.measure import measure
 from orgel.guard import untouched
 from orgel.launch.processes import LocalGroup, under_torchrun
 from orgel.transparent.graph_model import register_state
 from orgel.transparent.job import join
 from orgel.transparent.running import NO_EVALUATION
-from orgel.transparent.slicing import closure_batch, closure_inputs, rows_at, shared_inputs
+from orgel.transparent.slicing import rows_at, shared_inputs
 from orgel.worker.closure import ClosureEngine, profiling_loss
 from orgel.worker.engine import RankEngine
 from orgel.worker.pipe import Pipeline
@@ -143,14 +142,11 @@ def flow_options(backend: Backend, torchrun: bool) -> dict[str, Any]:
                 schedule=backend.schedule, agree=on_process_zero("cpu") if torchrun else here)
 
 
-def start_glued(backend: Backend, rows: int, pieces: list[list[Any]] | None = None) -> Any:
+def start_glued(backend: Backend, rows: int) -> Any:
     """Join, plan and split the several graphs of ``backend``'s first step; fork its ranks.
 
     Parameters of the compiled module that no graph reads are trained from the closures'
-    gradients (:class:`orgel.explicit.closures.ClosurePipeline`). ``pieces``: the closures'
-    arguments, where Dynamo compiled the graphs with symbolic sizes (each bound to a
-    dimension of a closure's tensor argument: :mod:`orgel.graph.glue_sizes`; raises
-    :class:`~orgel.graph.opgraph.CaptureError` where one cannot be).
+    gradients (:class:`orgel.explicit.closures.ClosurePipeline`).
     """
     torchrun = under_torchrun()
     join(backend.timeout_s)
@@ -188,26 +184,12 @@ def start_glued(backend: Backend, rows: int, pieces: list[list[Any]] | None = No
               "read parameters.")
     # an autocast the closures open around the model: the graphs hold no casts, so the
     # joined graph opens it and every stage re-enters it (the closures' Python is in it)
-    first: dict[str, torch.Tensor] = {}  # micro-batch 0's closure arguments
-    batch: dict[str, torch.Tensor] = {}
-    whole: tuple[str, ...] = ()
-    dims: dict[tuple[int, int], tuple[Any, ...]] | None = None
-    values: tuple[int, ...] = ()
-    if pieces is not None:  # the sizes the graphs take, bound to the closures' arguments
-        first = closure_inputs(pieces[0])
-        batch, whole = closure_batch(pieces, backend.batch_dim)
-        values = size_values(first)
-        dims = size_roles(calls, first)
-    raw, glue = join_calls(calls, reason, eager=outside, region=backend._autocast, dims=dims,
-                           values=values)
-    if values:
-        raw[0].meta["orgel_shapes"] = glue_shapes(first, calls[0][0], calls[0][3])
-    workload = Workload(holder, batch, rows_at(rows, backend.batch_dim), profiling_loss,
-                        batch_dim=backend.batch_dim, replicated=whole)
+    raw, glue = join_calls(calls, reason, eager=outside, region=backend._autocast)
+    workload = Workload(holder, {}, rows_at(rows, backend.batch_dim), profiling_loss,
+                        batch_dim=backend.batch_dim)
     with untouched(holder):
-        graph = measure(holder, first, raw, [reason], "dynamo")
+        graph = measure(holder, {}, raw, [reason], "dynamo")
         graph.glue = glue
-        graph.symbolic_shapes = {}  # message shapes are exchanged (as orgel.graph.capture)
     # the flow every front end runs, from the joined capture: plan, checks, split
     # each closure's graphs are of one replica's rows: with dp, the ranks' micro-batch j is
     # closures j*dp ... j*dp+dp-1 side by side (GluedPipeline.feed)
