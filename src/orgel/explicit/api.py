@@ -314,19 +314,24 @@ def pipeline(
         # the ranks unscale what it scaled; their stages compile cut at the exchanges
         glued_loop = {**loop, "loss_scaling": scaling, "compile": compile}
         glued_pipe: Pipeline
-        if spmd:  # process 0 is the controller
-            from orgel.explicit.glued_job import start_job
+        from orgel.graph.glue_capture import release
 
-            glued_pipe = start_job(workload, prepared.plan, prepared.split, glue,
-                                   optimizer=optimizer, timeout_s=timeout_s, keys=keys,
-                                   aliases=aliases, options=glued_loop)
-        else:
-            from orgel.explicit import glued_start
+        try:
+            if spmd:  # process 0 is the controller
+                from orgel.explicit.glued_job import start_job
 
-            glued_pipe = glued_start.start(workload, prepared.plan, prepared.split, glue,
-                                           optimizer=optimizer, timeout_s=timeout_s,
-                                           threads=threads, keys=keys, aliases=aliases,
-                                           options=glued_loop)
+                glued_pipe = start_job(workload, prepared.plan, prepared.split, glue,
+                                       optimizer=optimizer, timeout_s=timeout_s, keys=keys,
+                                       aliases=aliases, options=glued_loop)
+            else:
+                from orgel.explicit import glued_start
+
+                glued_pipe = glued_start.start(workload, prepared.plan, prepared.split, glue,
+                                               optimizer=optimizer, timeout_s=timeout_s,
+                                               threads=threads, keys=keys, aliases=aliases,
+                                               options=glued_loop)
+        finally:
+            release(glue)  # the capture's code, where no controller of this process took it
         glued_pipe.loss_rule = prepared.loss_rule
         from orgel.explicit.glued import GluedPipeline
 

@@ -44,6 +44,7 @@ from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
 from orgel.explicit.slots import GraphCall, Slot
 from orgel.flow.start import loss_processes
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
+from orgel.graph.glue_capture import kept_compiler
 from orgel.graph.glue_sizes import expected_shape
 from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
 from orgel.lossweights import batch_weights, weigh
@@ -131,22 +132,18 @@ class GluedPipeline(EagerParameters, Pipeline):
         # dynamic=None: a float read off a tensor after a break (.item()) turns symbolic at
         # its first change, not a recompile per value (eager past 8); sizes are symbolic
         # where the capture's were (Glue.settings, entered wherever this compiles)
-        self._compiled = torch.compile(runner, backend=self._backend, dynamic=None)
+        # the backend the capture compiled with: its code serves this copy (no second trace)
+        self._compiler = kept_compiler(glue)
+        self._compiled = torch.compile(runner, backend=self._compiler, dynamic=None)
         self._warm = False
 
     # -- the graphs, as torch.compile hands them over -------------------------------------
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        code = gm.code
-
-        def run(*args: Any) -> Any:
-            if getattr(self._local, "warming", False):
-                return gm(*args)  # compiling every graph before the first step (_warm_up)
-            if not any(id(a) in self._state_ids for a in args):
-                return gm(*args)  # no parameter or buffer: glue, it runs here
-            return self._call(code, args)
-
-        return run
+    def _route(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
+        """A graph call of a micro-batch's forward (its thread's route: :meth:`_guarded`)."""
+        if not any(id(a) in self._state_ids for a in args):
+            return gm(*args)  # no parameter or buffer: glue, it runs here
+        return self._call(gm.code, args)
 
     def _call(self, code: str, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         slot: Slot | None = getattr(self._local, "slot", None)
@@ -349,7 +346,7 @@ class GluedPipeline(EagerParameters, Pipeline):
             if isinstance(exc, WorkerError) and not isinstance(exc, StepError):
                 # the ranks are gone: so is the code Dynamo compiled for this pipeline, which
                 # would otherwise serve a later capture of the same model class
-                forget_compiled(self._backend)
+                forget_compiled(self._compiler)
             self._raise_first(slots)
             raise
         for t in threads:
@@ -368,7 +365,7 @@ class GluedPipeline(EagerParameters, Pipeline):
     def _guarded(self, work: Callable[[Slot], None], slot: Slot) -> None:
         self._local.slot = slot
         try:
-            with guard.no_autocast_cache():
+            with guard.no_autocast_cache(), self._compiler.routed(self._route):
                 work(slot)
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = getattr(exc, "inner_exception", None) or exc
@@ -384,13 +381,9 @@ class GluedPipeline(EagerParameters, Pipeline):
         Compiling them here, in one thread, leaves the threads only cache hits.
         The controller's copy, grad mode and RNG are put back afterwards.
         """
-        self._local.warming = True
-        try:
-            with (guard.untouched(self._runner), dynamo_settings(), self.glue.settings(),
-                  torch.enable_grad(), guard.no_autocast_cache(), self.glue.autocast()):
-                self._compiled(**inputs)
-        finally:
-            self._local.warming = False
+        with (guard.untouched(self._runner), dynamo_settings(), self.glue.settings(),
+              torch.enable_grad(), guard.no_autocast_cache(), self.glue.autocast()):
+            self._compiled(**inputs)  # no route: every graph runs here
         self._warm = True
 
     def close(self) -> None:
@@ -398,7 +391,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         try:
             super().close()
         finally:
-            forget_compiled(self._backend)
+            forget_compiled(self._compiler)
 
     def load_state_dict(self, state: Any, strict: bool = True) -> Any:
         result = super().load_state_dict(state, strict)

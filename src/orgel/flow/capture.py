@@ -25,18 +25,21 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = True) -> Any:
+def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = True,
+                       keep: bool = False) -> Any:
     """The op graph of ``workload``'s model, measured on one micro-batch.
 
     ``dynamic``: with symbolic sizes where the model allows (:mod:`orgel.graph.sizes`),
     so the stages split from it take batches of other sizes; ``graph.shapes`` says which.
+    ``keep``: a forward of several graphs keeps Dynamo's code for its controller
+    (:func:`orgel.graph.capture.capture`).
     """
     from orgel.graph.capture import capture
     from orgel.workload import microbatches as slice_batches
 
     first_inputs, _ = slice_batches(workload, microbatches)[0]
     return capture(workload.model, first_inputs, precision=workload.precision,
-                   dynamic=dynamic)
+                   dynamic=dynamic, keep=keep)
 
 
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,
@@ -83,10 +86,14 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
 
 def replica_graph(workload: Workload, graph: Any, plan: Plan, dynamic: bool = True) -> Any:
     """``graph``, or where ``plan``'s stages have replicas, a capture of one replica's rows
-    (``dynamic``: as :func:`capture_microbatch`'s)."""
+    (``dynamic``: as :func:`capture_microbatch`'s; a forward of several graphs keeps its
+    code for the controller, and ``graph``'s is dropped)."""
     replicas = stage_replicas(plan)
     if replicas > 1:
-        return capture_microbatch(workload, plan.microbatches * replicas, dynamic)
+        from orgel.graph.glue_capture import release
+
+        release(graph.glue)
+        return capture_microbatch(workload, plan.microbatches * replicas, dynamic, keep=True)
     return graph
 
 

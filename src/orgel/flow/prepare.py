@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from orgel.graph.glue_capture import release
 from orgel.guard import untouched
 from orgel.lossweights import rule_for
 from orgel.plan.transforms import mark_sharded, with_recompute
@@ -141,55 +142,62 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     from orgel.split import split_plan
 
     given, captured = plan, graph is not None
-    with untouched(workload.model):
-        if graph is None and microbatches != "auto":
-            graph = capture_microbatch(workload, int(microbatches))
-        if graph is not None and check_graph is not None:
-            check_graph(graph)
-        planned = planned_workload(workload, graph)
-
-        def decide() -> tuple[Plan, str, int]:
-            the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
-                                    planner=planner, source=source, optimizer=optimizer,
-                                    schedule=schedule, stages_per_rank=stages_per_rank)
-            if given is None or mark:  # a given plan's own shard fields rule
-                the_plan = mark_sharded(the_plan, shard)
-            if recompute is not False:
-                the_plan = with_recompute(the_plan, [recompute] * the_plan.num_stages)
-            return (with_tp(the_plan, tp, graph, sequence_parallel),
-                    rule_for(workload, loss_rule),
-                    torch.initial_seed())
-
-        the_plan, rule, seed = agree(decide)
-        if graph is None:
-            graph = capture_microbatch(workload, the_plan.microbatches)
-            if check_graph is not None:
+    try:
+        with untouched(workload.model):
+            if graph is None and microbatches != "auto":
+                graph = capture_microbatch(workload, int(microbatches), keep=True)
+            if graph is not None and check_graph is not None:
                 check_graph(graph)
-            if graph.glue is not None:
-                raise ValueError("the forward has graph breaks (Dynamo captures it as several "
-                                 "graphs); give microbatches as an int, not 'auto'")
-        # the glue of a forward of several graphs has the shapes of what the controller
-        # runs: one replica's rows
-        if replica_rows:
-            stage_replicas(the_plan)  # every stage as many (else ValueError)
-        elif captured and stage_replicas(the_plan) > 1:
-            raise ValueError("this capture was made once, for whole micro-batches: plan one "
-                             "rank per stage (dp=1)")
-        else:
-            if graph.glue is not None and graph.glue.dynamic and stage_replicas(the_plan) > 1:
-                # a forward of several graphs binds its sizes by value (orgel.graph.glue_sizes):
-                # a replica's rows would make other graphs than the plan's; both static
-                graph = capture_microbatch(workload, the_plan.microbatches, dynamic=False)
-                planned = planned_workload(workload, graph)
-                the_plan, rule, seed = agree(decide)
-            graph = replica_graph(workload, graph, the_plan,
-                                  dynamic=graph.glue is None or graph.glue.dynamic)
-        split = split_plan(graph, the_plan)
-        if recompute is False and (given is None or mark) and any(
-                isinstance(p, str) for p in the_plan.recompute):
-            # the planner's per-layer or selective choices, where the runtime can run them
-            the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages])
-        check_sharded(the_plan, split, loss_scaling=loss_scaling)
+            planned = planned_workload(workload, graph)
+
+            def decide() -> tuple[Plan, str, int]:
+                the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
+                                        planner=planner, source=source, optimizer=optimizer,
+                                        schedule=schedule, stages_per_rank=stages_per_rank)
+                if given is None or mark:  # a given plan's own shard fields rule
+                    the_plan = mark_sharded(the_plan, shard)
+                if recompute is not False:
+                    the_plan = with_recompute(the_plan, [recompute] * the_plan.num_stages)
+                return (with_tp(the_plan, tp, graph, sequence_parallel),
+                        rule_for(workload, loss_rule),
+                        torch.initial_seed())
+
+            the_plan, rule, seed = agree(decide)
+            if graph is None:
+                graph = capture_microbatch(workload, the_plan.microbatches)
+                if check_graph is not None:
+                    check_graph(graph)
+                if graph.glue is not None:
+                    raise ValueError("the forward has graph breaks (Dynamo captures it as several "
+                                     "graphs); give microbatches as an int, not 'auto'")
+            # the glue of a forward of several graphs has the shapes of what the controller
+            # runs: one replica's rows
+            if replica_rows:
+                stage_replicas(the_plan)  # every stage as many (else ValueError)
+            elif captured and stage_replicas(the_plan) > 1:
+                raise ValueError("this capture was made once, for whole micro-batches: plan one "
+                                 "rank per stage (dp=1)")
+            else:
+                if graph.glue is not None and graph.glue.dynamic and stage_replicas(the_plan) > 1:
+                    # a forward of several graphs binds its sizes by value (orgel.graph.glue_sizes):
+                    # a replica's rows would make other graphs than the plan's; both static
+                    release(graph.glue)
+                    graph = capture_microbatch(workload, the_plan.microbatches, dynamic=False,
+                                               keep=True)
+                    planned = planned_workload(workload, graph)
+                    the_plan, rule, seed = agree(decide)
+                graph = replica_graph(workload, graph, the_plan,
+                                      dynamic=graph.glue is None or graph.glue.dynamic)
+            split = split_plan(graph, the_plan)
+            if recompute is False and (given is None or mark) and any(
+                    isinstance(p, str) for p in the_plan.recompute):
+                # the planner's per-layer or selective choices, where the runtime can run them
+                the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages])
+            check_sharded(the_plan, split, loss_scaling=loss_scaling)
+    except BaseException:
+        if not captured and graph is not None:
+            release(graph.glue)  # the code a forward of several graphs kept for its controller
+        raise
     return Prepared(workload, the_plan, split, graph, rule, seed, source)
 
 

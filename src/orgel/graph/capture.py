@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel.graph.dynamo import dynamo_settings
+from orgel.graph.glue_capture import capture_graphs, release
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
 from orgel.graph.reuse import capturer_for
@@ -41,7 +42,7 @@ __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_sett
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             several: bool = True, precision: str = "32", dynamic: bool = True,
-            shallow: bool = False) -> OpGraph:
+            shallow: bool = False, keep: bool = False) -> OpGraph:
     """Capture ``model``'s forward on ``inputs`` (tuple or dict) as an :class:`OpGraph`.
 
     ``method``: ``"dynamo"`` (torch.compile backend), ``"export"`` (torch.export,
@@ -63,6 +64,10 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
 
     ``shallow`` (with ``dynamic=False``): a long stack of alike layers is traced two layers
     deep and the rest copied from the second (:mod:`orgel.graph.repeat`), where that holds.
+
+    ``keep`` (several graphs): keep the code Dynamo compiled for the controller
+    (:func:`orgel.graph.glue_capture.kept_compiler`; :func:`~orgel.graph.glue_capture.release`
+    drops it where no controller will run).
     """
     dtype = autocast_dtype(precision)
     if method not in METHODS:
@@ -94,7 +99,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 if not several:
                     raise
                 # run as several graphs, the Python between them in the controller
-                raw, glue = _graphs(model, named, str(exc), region, dynamic, notes)
+                raw, glue = _graphs(model, named, str(exc), region, dynamic, notes, keep)
                 notes.append(f"Dynamo captured the forward as {len(glue.calls)} graphs "
                              f"(first break: {str(exc).split('. For one graph')[0]}); the Python "
                              "between them runs in the controller for each micro-batch")
@@ -116,7 +121,8 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             if glue is None:
                 raw = _dynamo_graph(model, traced, region)
             else:
-                raw, glue = _graphs(model, named, glue.reason, region, False, notes)
+                release(glue)
+                raw, glue = _graphs(model, named, glue.reason, region, False, notes, keep)
             notes.append(f"captured with static sizes: the symbolic graph failed to run "
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
             graph = measure(model, named, raw, notes, used)
@@ -131,17 +137,16 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
 
 
 def _graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
-            region: tuple[str, torch.dtype] | None, dynamic: bool, notes: list[str]) -> Any:
+            region: tuple[str, torch.dtype] | None, dynamic: bool, notes: list[str],
+            keep: bool = False) -> Any:
     """The forward's several graphs joined (:func:`orgel.graph.glue_capture.capture_graphs`), with
     symbolic sizes where ``dynamic`` and they bind to the model's inputs, else static."""
-    from orgel.graph.glue_capture import capture_graphs
-
     if dynamic:
         try:
-            return capture_graphs(model, named, reason, region, dynamic=True)
+            return capture_graphs(model, named, reason, region, dynamic=True, keep=keep)
         except CaptureError as exc:
             notes.append(f"captured with static sizes: {str(exc).splitlines()[0][:200]}")
-    return capture_graphs(model, named, reason, region)
+    return capture_graphs(model, named, reason, region, keep=keep)
 
 
 # -- the two routes: both return (gm, roles, leaves, treespec) -------------------------

@@ -8,6 +8,9 @@ bound to a model input dimension first (:mod:`orgel.graph.glue_sizes`).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,15 +20,68 @@ from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue import Glue, _where, join_calls, region_autocast
 from orgel.graph.glue_sizes import glue_settings, glue_shapes, size_roles, size_values
 from orgel.graph.opgraph import CaptureError
+from orgel.guard import no_autocast_cache
+
+
+class GlueCompiler:
+    """The ``torch.compile`` backend a forward of several graphs is captured with, and that
+    its controller compiles its copy of the model with (:mod:`orgel.explicit.glued`).
+
+    One backend object for both: Dynamo's guards pass for the controller's copy (the same
+    class and attributes; parameters are lifted inputs), so the code Dynamo compiled at the
+    capture serves the controller, and the forward is traced once, not twice. Each graph
+    call goes to the calling thread's route (:meth:`routed`); without one the graph runs
+    as it is."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def run(*args: Any) -> Any:
+            route = getattr(self._local, "route", None)
+            return gm(*args) if route is None else route(gm, args)
+
+        return run
+
+    @contextlib.contextmanager
+    def routed(self, route: Callable[[torch.fx.GraphModule, tuple[Any, ...]], Any]
+               ) -> Iterator[None]:
+        """Send this thread's graph calls to ``route(graph, args)`` inside the block."""
+        before = getattr(self._local, "route", None)
+        self._local.route = route
+        try:
+            yield
+        finally:
+            self._local.route = before
+
+
+#: the compilers whose code a capture kept for its controller, by :attr:`Glue.key`
+_KEPT: dict[str, GlueCompiler] = {}
+
+
+def kept_compiler(glue: Glue) -> GlueCompiler:
+    """The compiler ``glue``'s capture kept (its code compiled), handed over once; a new one
+    where none was kept."""
+    return _KEPT.pop(glue.key, None) or GlueCompiler()
+
+
+def release(glue: Any) -> None:
+    """Drop the code ``glue``'s capture kept for a controller that will not run it (a no-op
+    for None, or where none was kept)."""
+    compiler = None if glue is None else _KEPT.pop(glue.key, None)
+    if compiler is not None:
+        forget_compiled(compiler)
 
 
 def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
                    region: tuple[str, torch.dtype] | None = None,
-                   dynamic: bool = False) -> tuple[Any, Glue]:
+                   dynamic: bool = False, keep: bool = False) -> tuple[Any, Glue]:
     """Run the forward once through Dynamo with graph breaks allowed; one joined graph.
 
     ``dynamic``: with symbolic sizes (:mod:`orgel.graph.glue_sizes`); raises
-    :class:`CaptureError` where they cannot be bound to the model inputs.
+    :class:`CaptureError` where they cannot be bound to the model inputs. ``keep``: keep
+    the code Dynamo compiled for the controller (:func:`kept_compiler`; whoever drops the
+    capture instead calls :func:`release`), else drop it now.
 
     ``region``: ``(device type, dtype)`` of the autocast the forward runs under (mixed
     precision). Dynamo's graphs hold no casts for an autocast entered around them, so
@@ -41,38 +97,55 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
     """
 
     params = {id(p): n for n, p in model.named_parameters()}
-    buffers = {id(b): n for n, b in model.named_buffers()}
-    inputs = {id(t): n for n, t in named.items() if isinstance(t, torch.Tensor)}
     seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]] = []
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        def run(*args: Any) -> Any:
-            # the graph trains detached copies of the parameters: a real parameter in the
-            # autograd graph afterwards was used by the glue, outside every graph
-            shadow = [a.detach().requires_grad_(a.requires_grad)
-                      if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
-            check_grad_mode(gm, [isinstance(a, torch.Tensor)
-                                 and (id(a) in params or a.requires_grad) for a in args], reason)
-            out = gm(*shadow)
-            seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
-            return out
+    def record(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
+        # the graph trains detached copies of the parameters: a real parameter in the
+        # autograd graph afterwards was used by the glue, outside every graph
+        shadow = [a.detach().requires_grad_(a.requires_grad)
+                  if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
+        check_grad_mode(gm, [isinstance(a, torch.Tensor)
+                             and (id(a) in params or a.requires_grad) for a in args], reason)
+        out = gm(*shadow)
+        seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
+        return out
 
-        return run
-
+    compiler = GlueCompiler()
     try:
         values = size_values(named) if dynamic else ()
-        compiled = torch.compile(model, backend=backend, dynamic=None if values else False)
+        compiled = torch.compile(model, backend=compiler, dynamic=None if values else False)
+        # the controller's global state (its threads run without the autocast cache), which
+        # Dynamo's code guards on, so that this code serves it
         with (dynamo_settings(), glue_settings(values), torch.enable_grad(),
-              region_autocast(region)):
+              no_autocast_cache(), region_autocast(region), compiler.routed(record)):
             result = compiled(**named)
-    except CaptureError:
-        raise
-    except Exception as exc:
+    except BaseException as exc:
+        forget_compiled(compiler)  # the caller's compiled code stays (no torch._dynamo.reset())
+        if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
+            raise
         raise CaptureError(f"{reason} orgel then tried to pipeline the forward as several "
                            f"graphs, and Dynamo failed: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    finally:
-        forget_compiled(backend)  # the caller's compiled code stays (no torch._dynamo.reset())
+    try:
+        raw, glue = _joined(seen, model, named, result, reason, region, values)
+    except BaseException:
+        forget_compiled(compiler)
+        raise
+    if keep:
+        _KEPT[glue.key] = compiler
+    else:
+        forget_compiled(compiler)
+    return raw, glue
+
+
+def _joined(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]],
+            model: torch.nn.Module, named: dict[str, Any], result: Any, reason: str,
+            region: tuple[str, torch.dtype] | None, values: tuple[int, ...]
+            ) -> tuple[Any, Glue]:
+    """The graph calls ``seen`` (graph, arguments, outputs) joined (:func:`capture_graphs`)."""
+    params = {id(p): n for n, p in model.named_parameters()}
+    buffers = {id(b): n for n, b in model.named_buffers()}
+    inputs = {id(t): n for n, t in named.items() if isinstance(t, torch.Tensor)}
     if not seen:
         raise CaptureError("torch.compile produced no graph; does the model compute anything "
                            "with tensors?")
