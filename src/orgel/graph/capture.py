@@ -179,12 +179,15 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
     try:
         with two_layers(layers):
             raw = _dynamo_graph(model, named, autocast)
-    except Exception:  # noqa: BLE001 - whatever two layers cannot do, the whole trace says
+    except Exception as exc:  # noqa: BLE001 - whatever two layers cannot do, the whole trace says
+        notes.append(f"traced all {len(layers)} layers of {prefix}: two of them failed to "
+                     f"trace ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
         return None
     out = replicate(raw, prefix, len(layers), module_path)
-    if out is not None:
-        notes.append(f"traced two of the {len(layers)} layers of {prefix}; the others copied "
-                     "from the second")
+    notes.append(f"traced two of the {len(layers)} layers of {prefix}; the others copied "
+                 "from the second" if out is not None else
+                 f"traced all {len(layers)} layers of {prefix}: two of them are not one "
+                 "pattern with the rest")
     return out
 
 
