@@ -12,7 +12,7 @@ from orgel.costs.devices import DEVICES
 from orgel.graph import capture
 from orgel.graph.repeat import repeated_layers
 from orgel.profile.roofline import estimate_costs
-from orgel.workload import named_inputs
+from orgel.workload import named_inputs, on_meta
 
 
 def _facts(graph: Any) -> list[Any]:
@@ -23,7 +23,7 @@ def _facts(graph: Any) -> list[Any]:
 def _both(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
     named = named_inputs(model, inputs)
     return (capture(model, named, dynamic=False),
-            capture(model, named, dynamic=False, shallow=True))
+            capture(model, named, dynamic=False, shallow="costs" if on_meta(model) else True))
 
 
 def _hf(kind: str, layers: int) -> torch.nn.Module:
@@ -50,6 +50,7 @@ def test_a_meta_hugging_face_stack_copied_from_two_layers_is_the_whole_trace(kin
     full, shallow = _both(model, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
     assert any("traced two of the 5 layers" in note for note in shallow.notes), shallow.notes
     assert _facts(shallow) == _facts(full)
+    assert list(shallow.nodes) == list(full.nodes)  # named alike: a plan of one fits the other
     # the planner's table of both is the same, block by block
     a, b = (estimate_costs(g, DEVICES["h100-80gb"], blocks=6) for g in (full, shallow))
     assert (a.fwd, a.activations, a.params, a.edges) == (b.fwd, b.activations, b.params, b.edges)
@@ -83,3 +84,43 @@ def test_a_stack_that_is_not_one_pattern_is_traced_whole(every: bool) -> None:
     full, shallow = _both(Scaled(every), {"x": torch.randn(2, 8)})
     assert not any("traced two" in note for note in shallow.notes)
     assert _facts(shallow) == _facts(full)
+
+
+class ByIndex(torch.nn.Module):
+    """Alike layers whose forward reads its index (a scale by depth, as some models do)."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) / (self.layer_idx + 1)
+
+
+class Deep(torch.nn.Module):
+    def __init__(self, by_index: bool) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            ByIndex(i if by_index else 0) for i in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("by_index", [False, True])
+def test_a_copy_that_computes_otherwise_than_the_model_is_traced_whole(by_index: bool) -> None:
+    # two layers traced look alike either way; copied, the stack that scales by the layer's
+    # index would scale every later layer as layer 1 does: the check against the model's
+    # own forward refuses that copy
+    torch.manual_seed(0)
+    full, shallow = _both(Deep(by_index), {"x": torch.randn(2, 8)})
+    copied = any("traced two of the 6 layers" in note for note in shallow.notes)
+    assert copied != by_index, shallow.notes
+    assert by_index == any("do not compute what the model does" in n for n in shallow.notes)
+    assert _facts(shallow) == _facts(full) and list(shallow.nodes) == list(full.nodes)
+    consts = sorted(str(n.constant) for n in shallow.nodes.values() if n.constant is not None)
+    assert consts == sorted(str(n.constant) for n in full.nodes.values()
+                            if n.constant is not None)

@@ -17,8 +17,10 @@ from torch import nn
 
 from orgel.explicit.api import pipeline
 from orgel.explicit.glued import GluedPipeline
+from orgel.flow.capture import capture_microbatch
 from orgel.graph.sizes import ShapeError
 from orgel.models import build
+from orgel.workload import Workload
 
 pytestmark = pytest.mark.slow
 LR = 0.05
@@ -157,7 +159,7 @@ def _llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         use_cache=False, bos_token_id=0, eos_token_id=1, attn_implementation="sdpa",
     )
@@ -174,6 +176,9 @@ def _llama() -> Any:
 @pytest.mark.hf
 def test_hf_llama_planned_at_32_trains_exactly_at_other_lengths() -> None:
     model, inputs, targets, loss_fn = _llama()
+    # the flow's capture: two of the 4 layers traced with symbolic sizes, the others copied
+    graph = capture_microbatch(Workload(model, inputs, targets, loss_fn), 4)
+    assert any("traced two of the 4 layers" in note for note in graph.notes), graph.notes
     shapes = [(8, 32), (8, 48), (8, 32), (8, 20), (16, 32), (8, 96)]
     batches = [_batch(s, 20 + i) for i, s in enumerate(shapes)]
     with pipeline(model, inputs, targets, loss_fn, ranks=2, microbatches=4, optimizer=_sgd,

@@ -39,7 +39,7 @@ def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = Tr
 
     first_inputs, _ = slice_batches(workload, microbatches)[0]
     return capture(workload.model, first_inputs, precision=workload.precision,
-                   dynamic=dynamic, keep=keep)
+                   dynamic=dynamic, keep=keep, shallow=True)
 
 
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,

@@ -20,6 +20,7 @@ restored afterwards (:func:`orgel.guard.untouched`), so capturing changes nothin
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -30,6 +31,7 @@ from orgel.graph.dynamo import dynamo_settings
 from orgel.graph.glue_capture import capture_graphs, release
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
+from orgel.graph.repeat import number_in_order
 from orgel.graph.reuse import capturer_for
 from orgel.graph.sizes import bind_sizes, mark_sizes, size_settings, static_shapes
 from orgel.guard import untouched
@@ -42,7 +44,7 @@ __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_sett
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             several: bool = True, precision: str = "32", dynamic: bool = True,
-            shallow: bool = False, keep: bool = False) -> OpGraph:
+            shallow: bool | str = False, keep: bool = False) -> OpGraph:
     """Capture ``model``'s forward on ``inputs`` (tuple or dict) as an :class:`OpGraph`.
 
     ``method``: ``"dynamo"`` (torch.compile backend), ``"export"`` (torch.export,
@@ -62,8 +64,11 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
     it stays static, and where the symbolic capture fails the capture is static
     (``graph.notes`` says why). Facts are measured at the example's sizes.
 
-    ``shallow`` (with ``dynamic=False``): a long stack of alike layers is traced two layers
-    deep and the rest copied from the second (:mod:`orgel.graph.repeat`), where that holds.
+    ``shallow``: a long stack of alike layers is traced two layers deep and the rest copied
+    from the second (:mod:`orgel.graph.repeat`), where that holds and the copy computes
+    bit for bit what the model does on ``inputs`` (else the whole forward is traced;
+    ``graph.notes`` says why). A meta model's copy cannot be checked so: it is taken only
+    with ``shallow="costs"``, for a caller that reads the graph's costs and trains nothing.
 
     ``keep`` (several graphs): keep the code Dynamo compiled for the controller
     (:func:`orgel.graph.glue_capture.kept_compiler`; :func:`~orgel.graph.glue_capture.release`
@@ -90,8 +95,9 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             raw = _export_graph(model, traced)
         else:
             try:
-                raw = (_shallow(model, traced, region, notes) if shallow and not dynamic
-                       else None) or _dynamic_or_static(model, traced, region, dynamic, notes)
+                raw = (_shallow(model, traced, region, dynamic, shallow == "costs", notes)
+                       if shallow else None) or _dynamic_or_static(model, traced, region,
+                                                                   dynamic, notes)
             except GraphBreakError as exc:
                 if traced is not named:
                     raise GraphBreakError(f"{exc} A model on the meta device needs one "
@@ -110,6 +116,8 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                     raise CaptureError(f"torch.compile could not capture the model: {exc}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
                 raw = _export_graph(model, traced)
+        if glue is None:  # one graph: its nodes named in order, however it was traced
+            number_in_order(raw[0])
         exported = any(n.startswith("dynamo failed") for n in notes)
         used = "export" if method == "export" or (exported and glue is None) else "dynamo"
         try:
@@ -120,6 +128,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             # the symbolic graph did not run where the static one may: capture that one
             if glue is None:
                 raw = _dynamo_graph(model, traced, region)
+                number_in_order(raw[0])
             else:
                 release(glue)
                 raw, glue = _graphs(model, named, glue.reason, region, False, notes, keep)
@@ -166,9 +175,12 @@ def _identity_roles(model: torch.nn.Module, named: dict[str, Any]) -> dict[int, 
 
 
 def _shallow(model: torch.nn.Module, named: dict[str, Any],
-             autocast: tuple[str, torch.dtype] | None, notes: list[str]) -> Raw | None:
-    """Dynamo's static graph traced two layers deep and copied to the model's depth (None:
-    the model has no stack to copy, or its layers are not one pattern)."""
+             autocast: tuple[str, torch.dtype] | None, dynamic: bool, costs_only: bool,
+             notes: list[str]) -> Raw | None:
+    """Dynamo's graph traced two layers deep and copied to the model's depth (None: the
+    model has no stack to copy, its layers are not one pattern, or the copy does not
+    compute what the model does on ``named``; ``costs_only``: a meta model's copy is
+    taken unchecked, as the caller reads its costs only)."""
     from orgel.graph.measure import module_path
     from orgel.graph.repeat import repeated_layers, replicate, two_layers
 
@@ -176,19 +188,71 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
     if found is None:
         return None
     prefix, layers = found
+    whole = f"traced all {len(layers)} layers of {prefix}"
+    own: list[str] = []
     try:
         with two_layers(layers):
-            raw = _dynamo_graph(model, named, autocast)
+            raw = _dynamic_or_static(model, named, autocast, dynamic, own)
+    except GraphBreakError:
+        raise  # so does the whole forward: captured as several graphs
     except Exception as exc:  # noqa: BLE001 - whatever two layers cannot do, the whole trace says
-        notes.append(f"traced all {len(layers)} layers of {prefix}: two of them failed to "
-                     f"trace ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
+        notes.append(f"{whole}: two of them failed to trace "
+                     f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
         return None
     out = replicate(raw, prefix, len(layers), module_path)
+    if out is None:
+        notes.append(f"{whole}: two of them are not one pattern with the rest")
+        return None
+    if on_meta(model) and not costs_only:
+        notes.append(f"{whole}: a copy of two cannot be checked on the meta device")
+        return None
+    if not on_meta(model) and not _computes_as_model(model, named, out, autocast):
+        notes.append(f"{whole}: two of them copied do not compute what the model does")
+        return None
+    notes.extend(own)
     notes.append(f"traced two of the {len(layers)} layers of {prefix}; the others copied "
-                 "from the second" if out is not None else
-                 f"traced all {len(layers)} layers of {prefix}: two of them are not one "
-                 "pattern with the rest")
+                 "from the second")
     return out
+
+
+def _computes_as_model(model: torch.nn.Module, named: dict[str, Any], raw: Raw,
+                       autocast: tuple[str, torch.dtype] | None) -> bool:
+    """Whether ``raw``'s graph returns bit for bit what ``model(**named)`` does (the same
+    random numbers drawn, the buffers as they were before each run)."""
+    from orgel.graph.measure import role_value
+
+    gm, roles, leaves, _ = raw
+    buffers = [b for b in model.buffers() if b is not None]
+    before = [b.detach().clone() for b in buffers]
+    args = [role_value(model, named, roles[n.name]) for n in gm.graph.nodes
+            if n.op == "placeholder"]
+    region = (torch.autocast(autocast[0], dtype=autocast[1]) if autocast is not None
+              else contextlib.nullcontext())
+    kind = device_type(list(named.values()))
+    indices = sorted({t.device.index or 0 for t in named.values()
+                      if isinstance(t, torch.Tensor) and t.device.type == kind})
+    with torch.random.fork_rng(devices=[] if kind == "cpu" else indices, device_type=kind):
+        # grad mode on, as traced
+        torch.manual_seed(0)
+        with region:
+            expected = [t.detach() if isinstance(t, torch.Tensor) else t  # free its graph
+                        for t in pytree.tree_leaves(model(**named))]
+        with torch.no_grad():
+            for b, value in zip(buffers, before, strict=True):
+                b.copy_(value)
+        torch.manual_seed(0)
+        got = gm(*args)
+    if len(expected) != len(leaves):
+        return False
+    for want, (kind, payload) in zip(expected, leaves, strict=True):
+        value = got[payload] if kind == "out" else want
+        if isinstance(want, torch.Tensor) != isinstance(value, torch.Tensor):
+            return False
+        if isinstance(want, torch.Tensor) and not (
+                want.shape == value.shape and want.dtype == value.dtype
+                and torch.equal(want, value)):
+            return False
+    return True
 
 
 def _dynamic_or_static(model: torch.nn.Module, named: dict[str, Any],

@@ -37,6 +37,21 @@ _DROP = {"_log_api_usage_once"}
 #: (graph, placeholder roles, output leaves, output treespec) from a capture route.
 Raw = tuple[torch.fx.GraphModule, dict[str, tuple[str, Any]], list[tuple[str, Any]], Any]
 
+def role_value(model: torch.nn.Module, named: dict[str, Any], role: tuple[str, Any]) -> Any:
+    """What a captured graph's placeholder of ``role`` takes when ``model`` runs on ``named``:
+    the input, the input's size, the parameter, the buffer or the constant."""
+    kind, payload = role
+    if kind == "input":
+        return named[payload]
+    if kind == "size":
+        return int(named[payload[0]].shape[payload[1]])
+    if kind == "param":
+        return model.get_parameter(payload)
+    if kind == "buffer":
+        return model.get_buffer(payload)
+    return payload
+
+
 def module_path(node: torch.fx.Node) -> str:
     """The module a captured node ran in, as a dotted path (``model.layers.3.mlp``)."""
     stack = node.meta.get("nn_module_stack")
@@ -103,28 +118,24 @@ def measure(
     for node in list(graph.nodes):
         if node.op == "placeholder":
             kind, payload = roles[node.name]
+            args.append(role_value(model, named, roles[node.name]))
             if kind == "input":
                 node._rename(payload)
                 if node.name != payload:  # the namespace still remembers a renamed node
                     node.name = payload
-                args.append(named[payload])
                 continue
             if kind == "size":  # measured at the example's size
                 name = f"{payload[0]}_size{payload[1]}"
                 node._rename(name)
                 sizes[node.name] = payload
-                args.append(int(named[payload[0]].shape[payload[1]]))
                 continue
             if kind == "param":
-                params[payload] = model.get_parameter(payload)
-                args.append(params[payload])
+                params[payload] = args[-1]
             elif kind == "buffer":
-                buffers[payload] = model.get_buffer(payload)
-                args.append(buffers[payload])
+                buffers[payload] = args[-1]
             else:
                 payload = f"_orgel_const_{len(constants)}"
-                constants[payload] = roles[node.name][1]
-                args.append(constants[payload])
+                constants[payload] = args[-1]
             attr_of[node.name] = payload
         elif node.op == "get_attr":
             name = f"_orgel_const_{len(constants)}"

@@ -23,6 +23,7 @@ hidden states returned).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,3 +172,21 @@ def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
     # measure takes a copy's facts from its layer-1 node (COPIES) rather than run it
     gm.meta[COPIES] = copy_of
     return gm, roles, leaves, spec
+
+
+def number_in_order(gm: torch.fx.GraphModule) -> None:
+    """Name ``gm``'s computing nodes as fx names them, counted in graph order (``linear``,
+    ``linear_1``, ...), so that a graph copied from two layers and the one traced whole
+    name each node alike (a plan names the nodes it places). Placeholders keep their names.
+    """
+    fresh = torch.fx.graph._Namespace()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            fresh.create_name(node.name, None)
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            # set, not _rename: the graph's namespace still holds the old names
+            node.name = fresh.create_name(re.sub(r"_\d+$", "", node.name) or node.name, None)
+    used = fresh._used_names
+    gm.graph._graph_namespace._used_names.update(used)
+    gm.recompile()

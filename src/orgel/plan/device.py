@@ -86,8 +86,8 @@ def capture_meta(workload: Any, microbatches: int) -> tuple[Any, Any]:
     # static sizes: a plan is made for these; symbolic ones took 1.5-2.5x the time
     try:  # without torch.device("meta") around it: Dynamo traces that mode's hook at every
         # torch call, which took 100 of 129 s of a 20-layer Llama's capture
-        graph = capture(w.model, named, precision=w.precision, dynamic=False, shallow=True)
+        graph = capture(w.model, named, precision=w.precision, dynamic=False, shallow="costs")
     except CaptureError:  # a tensor made without naming a device (torch.arange(n)) met meta
         with torch.device("meta"):
-            graph = capture(w.model, named, precision=w.precision, dynamic=False, shallow=True)
+            graph = capture(w.model, named, precision=w.precision, dynamic=False, shallow="costs")
     return w, graph

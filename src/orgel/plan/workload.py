@@ -175,7 +175,8 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None,
     def costs_at(rows: int) -> BlockCosts:
         parts = example // rows
         inputs, _ = split_batches(w, parts)[0]
-        graphs[rows] = capture(w.model, named_inputs(w.model, inputs), precision=w.precision)
+        graphs[rows] = capture(w.model, named_inputs(w.model, inputs), precision=w.precision,
+                               shallow=True)
         costs = profile_graph(w, graphs[rows], microbatches=parts, blocks=blocks, link=link,
                               progress=progress, threads=threads, contention=ranks - 1,
                               ranks=ranks, optimizer_factor=optimizer_factor, source=source)

@@ -183,7 +183,8 @@ def capture_workload(workload: Any, microbatches: int) -> tuple[Any, Any]:
     w = as_workload(workload)
     validate_workload(w, microbatches)
     inputs, _ = split_batches(w, microbatches)[0]
-    return w, capture(w.model, named_inputs(w.model, inputs), precision=w.precision)
+    return w, capture(w.model, named_inputs(w.model, inputs), precision=w.precision,
+                      shallow=True)
 
 
 def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
