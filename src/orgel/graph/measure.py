@@ -38,8 +38,7 @@ _DROP = {"_log_api_usage_once"}
 Raw = tuple[torch.fx.GraphModule, dict[str, tuple[str, Any]], list[tuple[str, Any]], Any]
 
 def role_value(model: torch.nn.Module, named: dict[str, Any], role: tuple[str, Any]) -> Any:
-    """What a captured graph's placeholder of ``role`` takes when ``model`` runs on ``named``:
-    the input, the input's size, the parameter, the buffer or the constant."""
+    """What a graph's placeholder of ``role`` takes as ``model`` runs on ``named``."""
     kind, payload = role
     if kind == "input":
         return named[payload]
