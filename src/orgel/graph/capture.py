@@ -181,7 +181,6 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
     model has no stack to copy, its layers are not one pattern, or the copy does not
     compute what the model does on ``named``; ``costs_only``: a meta model's copy is
     taken unchecked, as the caller reads its costs only)."""
-    from orgel.graph.measure import module_path
     from orgel.graph.repeat import repeated_layers, replicate, two_layers
 
     found = repeated_layers(model)
@@ -199,7 +198,7 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
         notes.append(f"{whole}: two of them failed to trace "
                      f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
         return None
-    out = replicate(raw, prefix, len(layers), module_path)
+    out = replicate(raw, prefix, len(layers))
     if out is None:
         notes.append(f"{whole}: two of them are not one pattern with the rest")
         return None

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec
 from orgel.graph.regions import collapse_transforms
-from orgel.graph.repeat import COPIES
+from orgel.graph.repeat import COPIES, module_path
 from orgel.graph.sizes import is_symbolic, static_shapes, symbolic_shapes
 
 # Nodes that switch state rather than compute: recorded as each node's grad mode.
@@ -49,24 +49,6 @@ def role_value(model: torch.nn.Module, named: dict[str, Any], role: tuple[str, A
     if kind == "buffer":
         return model.get_buffer(payload)
     return payload
-
-
-def module_path(node: torch.fx.Node) -> str:
-    """The module a captured node ran in, as a dotted path (``model.layers.3.mlp``)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    text = str(list(stack.values())[-1][0])
-    for _ in range(8):  # getattr(getattr(L['self'].h, '0'), 'attn') → L['self'].h.0.attn
-        new = re.sub(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)", r"\1.\2", text)
-        if new == text:
-            break
-        text = new
-    text = re.sub(r"^L\['[^']*'\]", "", text)
-    text = re.sub(r"\._modules\['([^']*)'\]", r".\1", text)
-    text = re.sub(r"\[(\d+)\]", r".\1", text)
-    text = re.sub(r"\['([^']*)'\]", r".\1", text)
-    return text.strip(".")
 
 
 def op_name(node: torch.fx.Node) -> str:

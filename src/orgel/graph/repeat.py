@@ -35,6 +35,36 @@ MIN_LAYERS = 4
 COPIES = "orgel_copies"
 
 
+def module_entry(node: torch.fx.Node) -> tuple[str, Any]:
+    """``(module path, module class)`` a captured node ran in (``("", None)``: none).
+
+    The innermost module of Dynamo's ``nn_module_stack`` that the model owns: a module
+    reached through a global (transformers 5.25 wraps ``apply_rotary_pos_emb`` as a module
+    object in the modeling file's namespace, ``G['__import_...'].apply_rotary_pos_emb``)
+    runs in the layer that called it.
+    """
+    stack = [v for v in (node.meta.get("nn_module_stack") or {}).values()
+             if not str(v[0]).startswith("G[")]
+    if not stack:
+        return "", None
+    text = str(stack[-1][0])
+    for _ in range(8):  # getattr(getattr(L['self'].h, '0'), 'attn') → L['self'].h.0.attn
+        new = re.sub(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)", r"\1.\2", text)
+        if new == text:
+            break
+        text = new
+    text = re.sub(r"^L\['[^']*'\]", "", text)
+    text = re.sub(r"\._modules\['([^']*)'\]", r".\1", text)
+    text = re.sub(r"\[(\d+)\]", r".\1", text)
+    text = re.sub(r"\['([^']*)'\]", r".\1", text)
+    return text.strip("."), stack[-1][1]
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The module a captured node ran in, as a dotted path (``model.layers.3.mlp``)."""
+    return module_entry(node)[0]
+
+
 def repeated_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
     """``(qualified name, list)`` of the longest module list of alike layers, or None."""
     best: tuple[str, torch.nn.ModuleList] | None = None
@@ -90,17 +120,14 @@ def two_layers(layers: torch.nn.ModuleList) -> Iterator[None]:
         layers._modules = kept
 
 
-def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
-    """The captured ``raw`` graph of two layers of ``prefix`` made ``count`` layers, or None.
-
-    ``path_of(node)``: a node's module path (``model.layers.1.mlp.up``).
-    """
+def replicate(raw: Any, prefix: str, count: int) -> Any:
+    """The captured ``raw`` graph of two layers of ``prefix`` made ``count`` layers, or None."""
     gm, roles, leaves, spec = raw
     graph = gm.graph
     nodes = list(graph.nodes)
 
     def layer(node: torch.fx.Node) -> int | None:
-        path = path_of(node)
+        path = module_path(node)
         for i in (0, 1):
             head = f"{prefix}.{i}"
             if path == head or path.startswith(head + "."):
@@ -121,9 +148,7 @@ def replicate(raw: Any, prefix: str, count: int, path_of: Any) -> Any:
     index0 = {n: k for k, n in enumerate(first)}
     index1 = {n: k for k, n in enumerate(second)}
     # each layer-1 node's module below the layer (".mlp.up"), and its class, for its copies
-    below = {n: (path_of(n)[len(f"{prefix}.1"):],
-                 list(n.meta["nn_module_stack"].values())[-1][1]
-                 if n.meta.get("nn_module_stack") else None) for n in second}
+    below = {n: (module_path(n)[len(f"{prefix}.1"):], module_entry(n)[1]) for n in second}
     last = [[n for n in nodes if n.op == "placeholder"][-1]]  # new placeholders go after it
     by_role = {roles[p.name]: p for p in nodes if p.op == "placeholder"}
     head = f"{prefix}.1."
