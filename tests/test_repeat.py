@@ -124,3 +124,12 @@ def test_a_copy_that_computes_otherwise_than_the_model_is_traced_whole(by_index:
     consts = sorted(str(n.constant) for n in shallow.nodes.values() if n.constant is not None)
     assert consts == sorted(str(n.constant) for n in full.nodes.values()
                             if n.constant is not None)
+
+
+def test_a_stack_whose_layer_reuses_another_layers_tensor_is_traced_whole() -> None:
+    # copied, layer 5 would get a Linear of its own and training would untie the two (the
+    # zoo's shared_across_far_layers trains it against one process)
+    model = Deep(False)
+    assert repeated_layers(model) is not None
+    model.layers[5].lin = model.layers[0].lin
+    assert repeated_layers(model) is None

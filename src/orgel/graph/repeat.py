@@ -4,8 +4,8 @@ Dynamo traces a forward op by op, about 10 ms an op on this CPU, so a 126-layer 
 the meta device took over three minutes to capture for ``orgel plan``, nearly all of it
 the same layer traced again. :func:`repeated_layers` finds the longest module list whose
 elements are alike (one class, parameters and buffers of the same names, shapes and
-dtypes, the same settings but for ``layer_idx``, and no list in the model's config that
-sets them apart); :func:`two_layers` hides all but its
+dtypes, the same settings but for ``layer_idx``, no list in the model's config that
+sets them apart, and no tensor shared with another module); :func:`two_layers` hides all but its
 first two while Dynamo traces; :func:`replicate` makes the graph of every layer from the
 second one's nodes: layer ``i`` reads its own parameters, takes from layer ``i - 1`` what
 layer 1 took from layer 0, and shares what layer 1 read from before the layers (the
@@ -72,9 +72,22 @@ def repeated_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] |
     for name, module in model.named_modules():
         if (isinstance(module, torch.nn.ModuleList) and len(module) >= MIN_LAYERS
                 and (best is None or len(module) > len(best[1]))
-                and len(module) not in per_layer and _alike(module)):
+                and len(module) not in per_layer and _alike(module)
+                and not _shares_tensors(model, module)):
             best = (name, module)
     return best
+
+
+def _shares_tensors(model: torch.nn.Module, layers: torch.nn.ModuleList) -> bool:
+    """Whether a layer's parameter or buffer is also another module's (a layer reusing
+    layer 0's Linear): a copy would give each layer a tensor of its own, the value check
+    cannot tell (the values are the same), and training would untie them."""
+    names: dict[int, int] = {}
+    for _, t in [*model.named_parameters(remove_duplicate=False),
+                 *model.named_buffers(remove_duplicate=False)]:
+        names[id(t)] = names.get(id(t), 0) + 1
+    return any(names.get(id(t), 0) > 1 for layer in layers
+               for t in [*layer.parameters(), *layer.buffers()])
 
 
 def _per_layer_settings(model: torch.nn.Module) -> set[int]:
