@@ -133,3 +133,11 @@ def test_a_stack_whose_layer_reuses_another_layers_tensor_is_traced_whole() -> N
     assert repeated_layers(model) is not None
     model.layers[5].lin = model.layers[0].lin
     assert repeated_layers(model) is None
+
+
+def test_a_stack_with_frozen_first_layers_is_traced_whole() -> None:
+    # the copies would take layer 1's facts: values that carry no gradient
+    model = Deep(False)
+    for layer in model.layers[:3]:
+        layer.requires_grad_(False)
+    assert repeated_layers(model) is None

@@ -220,8 +220,9 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
 
 def _computes_as_model(model: torch.nn.Module, named: dict[str, Any], raw: Raw,
                        autocast: tuple[str, torch.dtype] | None) -> bool:
-    """Whether ``raw``'s graph returns bit for bit what ``model(**named)`` does (the same
-    random numbers drawn, the buffers as they were before each run)."""
+    """Whether ``raw``'s graph returns and writes to the buffers bit for bit what
+    ``model(**named)`` does (the same random numbers drawn, the buffers as they were before
+    each run)."""
     from orgel.graph.measure import role_value
 
     gm, roles, leaves, _ = raw
@@ -241,11 +242,14 @@ def _computes_as_model(model: torch.nn.Module, named: dict[str, Any], raw: Raw,
             expected = [t.detach() if isinstance(t, torch.Tensor) else t  # free its graph
                         for t in pytree.tree_leaves(model(**named))]
         with torch.no_grad():
+            written = [b.detach().clone() for b in buffers]
             for b, value in zip(buffers, before, strict=True):
                 b.copy_(value)
         torch.manual_seed(0)
         got = gm(*args)
-    if len(expected) != len(leaves):
+    # the buffers the forward writes in place: each layer its own, as the model does
+    if len(expected) != len(leaves) or not all(
+            torch.equal(b, w) for b, w in zip(buffers, written, strict=True)):
         return False
     for want, (kind, payload) in zip(expected, leaves, strict=True):
         value = got[payload] if kind == "out" else want

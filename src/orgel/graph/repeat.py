@@ -3,21 +3,22 @@
 Dynamo traces a forward op by op, about 10 ms an op on this CPU, so a 126-layer model on
 the meta device took over three minutes to capture for ``orgel plan``, nearly all of it
 the same layer traced again. :func:`repeated_layers` finds the longest module list whose
-elements are alike (one class, parameters and buffers of the same names, shapes and
-dtypes, the same settings but for ``layer_idx``, no list in the model's config that
-sets them apart, and no tensor shared with another module); :func:`two_layers` hides all but its
-first two while Dynamo traces; :func:`replicate` makes the graph of every layer from the
-second one's nodes: layer ``i`` reads its own parameters, takes from layer ``i - 1`` what
-layer 1 took from layer 0, and shares what layer 1 read from before the layers (the
-mask, the position table). The graph is then measured like any capture, on the whole
-model, except that a copied node takes its layer-1 node's facts (its output, saved bytes
-and FLOPs: the same op on the same shapes) rather than running again
-(``gm.meta[COPIES]``, read by :func:`orgel.graph.measure.measure`).
+elements are alike (one class, parameters and buffers of the same names, shapes, dtypes
+and devices, frozen or not alike, the same settings but for ``layer_idx``, no list in the
+model's config that sets them apart, and no tensor shared with another module);
+:func:`two_layers` hides all but its first two while Dynamo traces; :func:`replicate`
+makes the graph of every layer from the second one's nodes: layer ``i`` reads its own
+parameters, takes from layer ``i - 1`` what layer 1 took from layer 0, and shares what
+layer 1 read from before the layers (the mask, the position table). The graph is then
+measured like any capture, on the whole model, except that a copied node takes its layer-1
+node's facts (its output, saved bytes and FLOPs: the same op on the same shapes) rather
+than running again (``gm.meta[COPIES]``, read by :func:`orgel.graph.measure.measure`).
 
-It declines (returns None; the caller traces the whole model) where the layers are not
-one pattern: the two traced layers differ op by op, code between the layers runs per
-layer, or something after the layers reads the first layer's values (every layer's
-hidden states returned).
+It declines (returns None; the caller traces the whole model) where the layers are not one
+pattern: the two traced layers differ op by op, code between the layers runs per layer, or
+something after the layers reads the first layer's values (every layer's hidden states
+returned). :func:`orgel.graph.capture.capture` then checks the copy against the model's
+own forward before it uses it for training.
 """
 
 from __future__ import annotations
@@ -115,9 +116,11 @@ def _signature(layer: torch.nn.Module) -> Any:
         if m._forward_hooks or m._forward_pre_hooks:
             return None
         settings = sorted((k, repr(v)) for k, v in vars(m).items()
-                          if not k.startswith("_") and k not in ("layer_idx", "training"))
+                          if not k.startswith("_") and k != "layer_idx")
         out.append((name, type(m), settings))
-    out.extend((n, tuple(t.shape), t.dtype) for n, t in
+    # a frozen layer is not a trained one's copy: the graph's facts say which values
+    # carry gradients (freezing the first layers of a stack is common in fine-tuning)
+    out.extend((n, tuple(t.shape), t.dtype, t.device, t.requires_grad) for n, t in
                [*layer.named_parameters(), *layer.named_buffers()])
     return out
 
