@@ -251,8 +251,8 @@ def _computes_as_model(model: torch.nn.Module, named: dict[str, Any], raw: Raw,
     if len(expected) != len(leaves) or not all(
             torch.equal(b, w) for b, w in zip(buffers, written, strict=True)):
         return False
-    for want, (kind, payload) in zip(expected, leaves, strict=True):
-        value = got[payload] if kind == "out" else want
+    for want, (leaf, payload) in zip(expected, leaves, strict=True):
+        value = got[payload] if leaf == "out" else want
         if isinstance(want, torch.Tensor) != isinstance(value, torch.Tensor):
             return False
         if isinstance(want, torch.Tensor) and not (
