@@ -195,10 +195,9 @@ class GluedPipeline(EagerParameters, Pipeline):
             raise Deviated(
                 f"{what}: the Python between graphs makes shapes that depend on the data "
                 "(torch.where, nonzero, a loop over what the tokens chose). orgel.backend's "
-                "closures need "
-                "every micro-batch's graphs to see the captured shapes (orgel.pipeline runs "
-                "such a micro-batch in the calling process); compute such a part with fixed "
-                "shapes (a dense mask instead of an index list)", what)
+                "closures need every micro-batch's graphs to see the captured shapes "
+                "(orgel.pipeline runs such a micro-batch in the calling process); compute "
+                "such a part with fixed shapes (a dense mask instead of an index list)", what)
         assert slot.anchor is not None
         # a graph run with gradients off (a rotary table under torch.no_grad) still takes its
         # place in the anchors' chain: its backward sends the ranks their zero gradients

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from orgel.graph.reuse import tied
+
 #: fewer layers than this are traced whole (nothing to gain)
 MIN_LAYERS = 4
 #: the graph-module meta key of :func:`replicate`'s ``{copied node: its layer-1 node}``
@@ -70,25 +72,24 @@ def repeated_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] |
     """``(qualified name, list)`` of the longest module list of alike layers, or None."""
     best: tuple[str, torch.nn.ModuleList] | None = None
     per_layer = _per_layer_settings(model)
+    shared = {n for group in tied([*model.named_parameters(remove_duplicate=False),
+                                   *model.named_buffers(remove_duplicate=False)])
+              for n in group}
     for name, module in model.named_modules():
         if (isinstance(module, torch.nn.ModuleList) and len(module) >= MIN_LAYERS
                 and (best is None or len(module) > len(best[1]))
                 and len(module) not in per_layer and _alike(module)
-                and not _shares_tensors(model, module)):
+                and not _shares_tensors(name, shared)):
             best = (name, module)
     return best
 
 
-def _shares_tensors(model: torch.nn.Module, layers: torch.nn.ModuleList) -> bool:
-    """Whether a layer's parameter or buffer is also another module's (a layer reusing
-    layer 0's Linear): a copy would give each layer a tensor of its own, the value check
-    cannot tell (the values are the same), and training would untie them."""
-    names: dict[int, int] = {}
-    for _, t in [*model.named_parameters(remove_duplicate=False),
-                 *model.named_buffers(remove_duplicate=False)]:
-        names[id(t)] = names.get(id(t), 0) + 1
-    return any(names.get(id(t), 0) > 1 for layer in layers
-               for t in [*layer.parameters(), *layer.buffers()])
+def _shares_tensors(prefix: str, shared: set[str]) -> bool:
+    """Whether a tensor under ``prefix`` has other names too (``shared``: every name of a
+    tensor with several; a layer reusing layer 0's Linear): a copy would give each layer a
+    tensor of its own, the value check cannot tell (the values are the same), and training
+    would untie them."""
+    return any(not prefix or n.startswith(prefix + ".") for n in shared)
 
 
 def _per_layer_settings(model: torch.nn.Module) -> set[int]:

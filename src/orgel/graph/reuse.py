@@ -136,7 +136,8 @@ def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copied
 
 
-def _tied(named: Any) -> frozenset[tuple[str, ...]]:
+def tied(named: Any) -> frozenset[tuple[str, ...]]:
+    """The groups of names (``(name, tensor)`` pairs) that name one tensor."""
     groups: dict[int, list[str]] = {}
     for name, t in named:
         groups.setdefault(id(t), []).append(name)
@@ -170,8 +171,8 @@ def capturer_for(model: torch.nn.Module, inputs: dict[str, Any],
     sizes = tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, None, None)
                   for k, v in inputs.items())
     key = (type(model), sizes, autocast, dynamic,
-           _tied(model.named_parameters(remove_duplicate=False)),
-           _tied(model.named_buffers(remove_duplicate=False)))
+           tied(model.named_parameters(remove_duplicate=False)),
+           tied(model.named_buffers(remove_duplicate=False)))
     with _LOCK:
         capturer = _KEPT.pop(key, None)
         if capturer is not None and capturer.traces >= TRACES:  # below Dynamo's limit
