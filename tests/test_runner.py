@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 import orgel.transparent.backend as ob
-from orgel.launch.errors import WorkerError
 from orgel.models import build
 from orgel.models.clip import contrastive_loss
 
@@ -123,26 +122,60 @@ def test_frozen_text_tower_in_the_closure_matches_single_process() -> None:
 
 
 def test_closure_errors_and_misuse_are_reported() -> None:
+    """A closure that raises (before, inside or after the pipelined model's part of its
+    micro-batch) reaches the caller, every rank drops that step, and the pipeline trains
+    on: after three failed steps between two good ones, every weight is one process's
+    after the two good steps."""
     text_tower, head, _ = _clip()
+    ref_head = copy.deepcopy(head)
+    ref_opt = _sgd(list(ref_head.parameters()))
     pipe = _backend(timeout_s=60)
     compiled = torch.compile(head, backend=pipe)
+
+    def closure_failing(where: str) -> Any:
+        def closure(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> None:
+            second = bool(weights[0] == 2)  # micro-batch 1's rows
+            if where == "before" and second:
+                raise KeyError("before the model")
+            with torch.no_grad():
+                text = text_tower(tokens)
+            loss = contrastive_loss(compiled(text, pixels), torch.ones_like(weights)) / M
+            if where == "inside" and not second:
+                raise KeyError("between the model and the backward")
+            loss.backward()
+            if where == "after" and second:
+                raise KeyError("after the backward")
+
+        return closure
+
+    def ref_step(step: int) -> None:
+        ref_opt.zero_grad()
+        for m in range(M):
+            _make_closure(text_tower, ref_head, [])(*(t.chunk(M)[m] for t in _batch(step)))
+        ref_opt.step()
+
     try:
         with pytest.raises(RuntimeError, match="without calling the compiled model"):
             pipe.step(lambda tokens, pixels, weights: None, *_batch(0))
         # the first step failed before the ranks started: the next one starts them
         assert len(pipe.step(_make_closure(text_tower, compiled, []), *_batch(0))) == M
-
-        def fails(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> None:
-            with torch.no_grad():
-                text = text_tower(tokens)
-            compiled(text, pixels)
-            raise KeyError("from the closure")
-
-        with pytest.raises(KeyError, match="from the closure"):
-            pipe.step(fails, *_batch(0))
-        # the ranks waited on that closure and were stopped: the next step says so
-        with pytest.raises(WorkerError, match="ranks are stopped .* a closure that raised"):
-            pipe.step(_make_closure(text_tower, compiled, []), *_batch(0))
+        ref_step(0)
+        tokens, pixels, weights = _batch(1)
+        weights[4:] = 2
+        for where, words in [("before", "before the model"),
+                             ("inside", "between the model and the backward"),
+                             ("after", "after the backward")]:
+            with pytest.raises(KeyError, match=words):
+                pipe.step(closure_failing(where), tokens, pixels, weights)
+            assert pipe.steps == 1, where  # dropped on every rank
+        with pytest.raises(RuntimeError, match="without calling the compiled model"):
+            pipe.step(lambda tokens, pixels, weights: None, *_batch(1))
+        pipe.step(_make_closure(text_tower, compiled, []), *_batch(2))
+        ref_step(2)
+        assert pipe.steps == 2
+        state = pipe.state_dict()
+        for name, t in ref_head.state_dict().items():
+            torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-6, msg=name)
     finally:
         pipe.close()
     with pytest.raises(ValueError, match="not divisible into 2 micro-batches"):
@@ -289,3 +322,40 @@ def test_checkpoint_resumes_a_new_runner_bit_identically(tmp_path: Path) -> None
     resumed = run(range(2, 3), load=tmp_path)
     for name, t in straight.items():
         assert torch.equal(resumed[name], t), name
+
+
+def test_a_rank_whose_work_raises_drops_the_step_and_trains_on() -> None:
+    """A token id past the vocabulary raises in rank 0's embedding: ``step`` raises
+    :class:`orgel.StepError` naming it, every rank dropped the step, and the next steps
+    train as one process that skipped that batch."""
+    from orgel import StepError
+
+    model, (x,), y, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
+    reference = copy.deepcopy(model)
+    ref_opt = _sgd(list(reference.parameters()))
+    pipe = _backend(timeout_s=60)
+    compiled = torch.compile(model, backend=pipe)
+
+    def closure(xm: torch.Tensor, ym: torch.Tensor) -> float:
+        loss = loss_fn(compiled(xm), ym) / M
+        loss.backward()
+        return float(loss.detach())
+
+    bad = x.clone()
+    bad[5, 3] = 10**6  # micro-batch 1's rows
+    try:
+        pipe.step(closure, x, y)
+        with pytest.raises(StepError, match="rank 0 failed in step: .*index"):
+            pipe.step(closure, bad, y)
+        pipe.step(closure, x.flip(0), y.flip(0))
+        assert pipe.steps == 2
+        for batch in [(x, y), (x.flip(0), y.flip(0))]:
+            ref_opt.zero_grad()
+            for xm, ym in zip(batch[0].chunk(M), batch[1].chunk(M), strict=True):
+                (loss_fn(reference(xm), ym) / M).backward()
+            ref_opt.step()
+        state = pipe.state_dict()
+        for name, t in reference.state_dict().items():
+            torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        pipe.close()

@@ -109,6 +109,11 @@ class RankPipes:
                 raise Stopped(f"rank {rank} (process {p}) closed its pipe while the controller "
                               f"sent it {message[0]!r}") from exc
 
+    def send_every(self, message: tuple[str, Any, Any]) -> None:
+        """Send ``message`` to every process."""
+        for rank in range(len(self.members)):
+            self.send(rank, message)
+
 
 # -- torchrun: every process's connections to process 0 ---------------------------------
 

@@ -47,6 +47,7 @@ class DroppedStep:
     _local_grads: dict[tuple[int, int], dict[str, torch.Tensor]]
     _in_grads: dict[str, torch.Tensor]
     _outgoing: Callable[[int], list[torch.Tensor]]
+    on_drop: Callable[[], None] | None
 
     def _keep_written(self) -> None:
         """Copy what the step's forwards update in place (BatchNorm statistics), so that a
@@ -74,6 +75,8 @@ class DroppedStep:
         line, tb = describe(StepFailure(f"rank {self.rank}: {exc} [while running {where}]",
                                         rank=self.rank, action=where, cause=exc))
         self.transport.announce_step_failure(json.dumps([self.rank, line, tb]))
+        if self.on_drop is not None:
+            self.on_drop()
 
     def _drop_step(self) -> StepAbandoned:
         """Drop this step on this rank (some rank's work raised): its error to raise.

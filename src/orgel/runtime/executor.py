@@ -112,7 +112,10 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
     micro-batch ``m``'s model inputs when its first forward that reads them runs
     (the step's ``inputs`` then only give shapes); ``on_microbatch(m)`` runs right
     before a stage computes micro-batch ``m`` (its forward or a recompute);
-    ``before_reduce()`` after the backward work, before the gradient sums;
+    ``verdict()`` after the action list, before the gradient sums: an error (the driver's
+    own work for this step failed) makes every rank drop the step as if an action had
+    raised it, None lets it go on; ``on_drop()`` runs as this rank's own work fails in a step
+    being dropped; ``before_reduce()`` after the backward work, before the gradient sums;
     ``after_optimizer()`` after the optimizer step; ``side_leaves(m)``: leaves that the
     forward of micro-batch ``m`` made itself (the first anchor of a forward's exchanges)
     and whose backward path an ``I`` must walk although no input or parameter needs it.
@@ -226,6 +229,8 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         # the driver's hooks (see the class docstring)
         self.fetch_inputs: Callable[[int], dict[str, torch.Tensor]] | None = None
         self.on_microbatch: Callable[[int], None] | None = None
+        self.verdict: Callable[[], Exception | None] | None = None
+        self.on_drop: Callable[[], None] | None = None
         self.before_reduce: Callable[[], None] | None = None
         self.side_leaves: Callable[[int], dict[str, torch.Tensor]] | None = None
         self.after_optimizer: Callable[[], None] | None = None
@@ -340,6 +345,9 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
             self.transport.finish()
             self._event("wait", "sends", start)
             start = self._now()
+            problem = self.verdict() if self.verdict is not None else None
+            if problem is not None and self._failed is None:
+                self._fail_action(problem, "the driver's part of the step")
             if self.before_reduce is not None:
                 self.before_reduce()
                 # the gradients it adds join the replicas' sums: launched only now

@@ -86,6 +86,7 @@ class ForwardOnly(Executor):
         self.fetch_inputs = None
         self.on_microbatch = None
         self.before_reduce = None
+        self.on_drop = None
         self.kept = None
         self.with_loss = True
         self.events = []

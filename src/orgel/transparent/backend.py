@@ -64,7 +64,7 @@ from orgel.transparent.graph_model import (
 )
 from orgel.transparent.job import check_world, first_inputs, follows
 from orgel.transparent.running import STOPPED, RunningPipeline
-from orgel.transparent.slicing import shared_inputs, slice_batch
+from orgel.transparent.slicing import check_cutting, shared_inputs, slice_batch
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
 
@@ -120,6 +120,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self._whole: tuple[str, ...] = ()  # model inputs every micro-batch gets whole
         self._local = threading.local()
         self._slots: list[Slot] = []
+        self._failed_first: Slot | str | None = None  # what stopped this step first
         self._pending_load: str | Path | None = None
         # the graph calls micro-batch 0's forward made on the first step (see _discover)
         self._found: list[tuple[Any, ...]] | None = None
@@ -311,9 +312,14 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         return self._run_closures(closure, pieces)
 
     def _run_closures(self, closure: Callable[..., Any], pieces: list[list[Any]]) -> list[Any]:
-        """A step of the one pipelined graph: each closure in a thread of its own."""
+        """A step of the one pipelined graph: each closure in a thread of its own. A closure
+        that raises (or a rank's own work) drops the step on every rank: its error reaches
+        the caller, and the ranks train on at the next step."""
+        from orgel.launch.errors import step_error
+        from orgel.worker.engine import Dropped
+
         self._slots = [Slot(m) for m in range(self.microbatches)]
-        self._fed = set()
+        self._fed, self._failed_first = set(), None
         if self.pipe is None:  # (again after a first step that failed)
             self._ranks_up.clear()
         threads = [threading.Thread(target=self._run_closure, args=(closure, m, pieces[m]),
@@ -321,6 +327,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                    for m in range(self.microbatches)]
         for t in threads:
             t.start()
+        ender = threading.Thread(target=self._end_step, args=(threads,), daemon=True)
+        ender.start()
         try:
             if self.pipe is None:  # first step: every closure's inputs give the graph's batch
                 try:
@@ -335,13 +343,17 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                 self._start()
                 self._ranks_up.set()  # the closures send their inputs (see _forward)
             else:  # this step's shapes (a size the graph left symbolic may change)
-                self._await_call(self._slots[0])
-                self._check_closures()
-                self._placeholders, self._rows = self._shapes(self._slots[0].inputs)
+                try:
+                    self._await_call(self._slots[0])
+                except TimeoutError:
+                    self.pipe.kill()  # a closure that hangs: the ranks wait on it
+                    raise
+                if self._slots[0].inputs is not None:  # (else the ranks drop this step)
+                    self._placeholders, self._rows = self._shapes(self._slots[0].inputs)
             reader = threading.Thread(target=self._read_outputs, daemon=True)
             reader.start()
             try:
-                self.pipe.call_ranks("closure_step", self._placeholders, self._rows)
+                results = self.pipe.call_ranks("closure_step", self._placeholders, self._rows)
             except Exception:
                 for slot in self._slots:
                     slot.called.wait(self.timeout_s)
@@ -354,24 +366,30 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                 slot.delivered.set()
             for t in threads:
                 t.join(self.timeout_s)
+        ender.join(self.timeout_s)
         running = [m for m, t in enumerate(threads) if t.is_alive()]
         if running:
             raise TimeoutError(f"the closures of micro-batches {running} have not returned "
                                f"{self.timeout_s:g} s after the pipelined step ended; a closure "
                                "must not wait on anything after its backward")
+        dropped = [r for r in results if isinstance(r, Dropped)]
+        if dropped:
+            self.pipe.pending = 0  # every rank dropped the gradients accumulated so far
         self._check_closures()
+        if dropped:
+            raise step_error(dropped[0].rank, dropped[0].report)
         self.pipe.called()
         return [s.result for s in self._slots]
 
-    def _await_call(self, slot: Slot) -> None:
-        """Wait until the closure of ``slot`` called the compiled model (or ended)."""
-        if not slot.called.wait(self.timeout_s):
-            raise TimeoutError(f"the closure for micro-batch {slot.index} neither called the "
-                               f"compiled model nor returned within {self.timeout_s:g} s; call "
-                               "the model once per closure")
-
     def _check_closures(self) -> None:
-        for slot in self._slots:
+        """Raise the closures' error: the one that stopped the step first (the others'
+        then only say the step was aborted), none where a rank's own work stopped it."""
+        from orgel.transparent.exchange import RANK_FAILED
+
+        if self._failed_first == RANK_FAILED:
+            return
+        first = self._failed_first
+        for slot in ([first] if isinstance(first, Slot) else []) + self._slots:
             if slot.error is not None:
                 # dynamo wraps what the backend raised; the user wants orgel's own message
                 inner = getattr(slot.error, "inner_exception", None)
@@ -397,8 +415,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
             slot.called.set()
             if slot.error is None and slot.inputs is not None and not slot.grad_sent:
                 self._send_grad(slot, None)  # no backward: no gradient from this micro-batch
-            elif self.pipe is not None and (slot.error is not None or slot.inputs is None):
-                self.pipe.kill()  # the ranks wait on this closure: stop them
+            elif slot.error is not None or slot.inputs is None:
+                self._abort_step(slot)  # every rank drops the step
 
     def _start(self) -> None:
         """Capture, plan and split the one graph; fork the ranks (closure engines)."""
@@ -469,18 +487,7 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     tp, shard = int(others.get("tp", 1)), str(others.get("shard", "none"))
     pipeline_ranks(ranks, tp, dp)  # tp divides ranks, dp the pipeline ranks
     check_shard_option(shard, dp)
-    if isinstance(dp, int) and dp > 1 and isinstance(microbatches, int) and microbatches % dp:
-        raise ValueError(f"orgel.backend(dp={dp}) shares the step's {microbatches} closures "
-                         f"among {dp} replicas of the pipeline: give microbatches a multiple "
-                         f"of dp (say {dp * max(1, microbatches // dp)})")
-    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-        raise ValueError(f"batch_dim must be a non-negative int for orgel.backend (step takes "
-                         f"positional arguments), got {batch_dim!r}")
-    positions = list(replicated) if isinstance(replicated, (list, tuple)) else None
-    if positions is None or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
-                                for i in positions):
-        raise ValueError(f"replicated must be a list of step's argument positions (ints >= 0, "
-                         f"0 is the first argument after the closure), got {replicated!r}")
+    positions = check_cutting(microbatches, dp, batch_dim, replicated)
     return Backend(ranks=ranks, microbatches=microbatches, optimizer=optimizer, memory=memory,
                    dp=dp, plan=plan, timeout_s=timeout_s, threads=threads, precision=precision,
                    scheduler=scheduler, lr=lr, max_grad_norm=max_grad_norm,

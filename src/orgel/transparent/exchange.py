@@ -4,18 +4,27 @@ Each closure's model inputs go to the input stages' processes (``"in"``, by the 
 micro-batch); the loss stage's processes send the outputs (``"out"``) and take their
 gradient (``"grad"``). With ``dp`` replicas the ranks' micro-batch ``j`` is closures
 ``j*dp ... j*dp+dp-1`` side by side, each replica taking one closure's rows.
+
+A step's failure (:mod:`orgel.worker.closure`): a closure that raises sends every process
+``"fail"`` and releases the closures waiting on outputs; a loss-stage process whose work
+failed sends ``"failed"``, which releases them too; every step ends with ``"end"`` to every
+process once the closures returned, and ``"done"`` from each loss-stage process.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
 
 from orgel.batching import placeholders, side_by_side
-from orgel.explicit.mailbox import RankPipes
+from orgel.explicit.mailbox import RankPipes, Stopped
 from orgel.worker.closure import Slot
+
+#: :attr:`RankLink._failed_first` when a rank's own work stopped the step
+RANK_FAILED = "a rank"
 
 
 class RankLink:
@@ -33,6 +42,55 @@ class RankLink:
     _input_ranks: list[int]
     _loss_processes: list[list[int]]
     _scale: float | None  # float16: the loss scale the closures multiply by (else None)
+    timeout_s: float
+    _ranks_up: threading.Event
+    pipe: Any
+    #: what stopped this step first: a closure's slot, RANK_FAILED, or None (nothing)
+    _failed_first: Slot | str | None
+
+    def _await_call(self, slot: Slot) -> None:
+        """Wait until the closure of ``slot`` called the compiled model (or ended)."""
+        if not slot.called.wait(self.timeout_s):
+            raise TimeoutError(f"the closure for micro-batch {slot.index} neither called the "
+                               f"compiled model nor returned within {self.timeout_s:g} s; call "
+                               "the model once per closure")
+
+    def _abort_step(self, first: Slot | str) -> None:
+        """Stop this step (``first``: the closure that raised, or :data:`RANK_FAILED`): the
+        closures waiting on outputs are released; for a closure, every rank is told, and the
+        ranks drop the step."""
+        with self._feed_lock:
+            if self._failed_first is not None:
+                return
+            self._failed_first = first
+        for slot in self._slots:
+            slot.delivered.set()  # (outputs None: "the pipelined step was aborted")
+        if isinstance(first, Slot) and self.pipe is not None:
+            words = (f"{type(first.error).__name__}: {first.error}" if first.error is not None
+                     else "it returned without calling the compiled model")
+            try:
+                self._pipes.send_every(("fail", None, f"the closure for micro-batch "
+                                                      f"{first.index} raised ({words})"))
+            except Stopped:
+                pass  # a rank is gone: its own error ends the step
+
+    def _end_step(self, threads: list[threading.Thread]) -> None:
+        """Tell every process that this step's closures returned (``"end"``): the ranks
+        then sum the gradients or drop the step. A closure still running after the timeout
+        drops it."""
+        self._ranks_up.wait()  # (the first step: its closures wait for the start too)
+        deadline = time.monotonic() + self.timeout_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self.pipe is None:  # the first step failed before the ranks started
+            return
+        hung = [t for t in threads if t.is_alive()]
+        if hung:
+            self._abort_step(self._slots[threads.index(hung[0])])
+        try:
+            self._pipes.send_every(("end", None, None))
+        except Stopped:
+            pass
 
     def _feed(self, slot: Slot) -> None:
         """Send the input ranks the ranks' micro-batch of ``slot`` once all its closures
@@ -88,14 +146,19 @@ class RankLink:
             t.join()
 
     def _read_from(self, replica: int, process: int, answers: bool) -> None:
-        """Read one loss-stage process's outputs; only member 0's go to the closures (the
-        other tensor-parallel members hold the same)."""
-        for _ in range(self.microbatches // self.dp):
+        """Read one loss-stage process's outputs until its ``"done"``; only member 0's go to
+        the closures (the other tensor-parallel members hold the same)."""
+        while True:
             try:
                 kind, j, outputs = self._pipes.conns[process].recv()
             except (EOFError, OSError):
+                self._abort_step(RANK_FAILED)
                 return
-            if not answers:
+            if kind == "done":
+                return
+            if kind == "failed":
+                self._abort_step(RANK_FAILED)
+            if kind != "out" or not answers:
                 continue
             slot = self._slots[j * self.dp + replica]
             slot.outputs = outputs

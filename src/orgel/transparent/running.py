@@ -16,9 +16,10 @@ NO_EVALUATION = ("orgel.backend runs your closure as a training step; to evaluat
                  "compiled model outside pipe.step under torch.no_grad() (after model.eval() "
                  "for eval mode): it runs in this process on the values the ranks trained")
 
-STOPPED = ("this orgel.backend's ranks are stopped (by close(), or by an error in an earlier "
-           "step: a closure that raised stops them): create a new orgel.backend and compile "
-           "the model with it (pipe.load(directory) resumes from a checkpoint)")
+STOPPED = ("this orgel.backend's ranks are stopped (by close(), by a rank that died or hung, "
+           "or by a closure that raised in a step of a compiled model with graph breaks): "
+           "create a new orgel.backend and compile the model with it (pipe.load(directory) "
+           "resumes from a checkpoint)")
 
 
 class RunningPipeline:

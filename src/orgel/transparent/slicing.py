@@ -8,6 +8,24 @@ from typing import Any
 import torch
 
 
+def check_cutting(microbatches: Any, dp: Any, batch_dim: Any, replicated: Any) -> list[int]:
+    """Check ``orgel.backend``'s options on how ``step`` cuts its arguments (``dp`` replicas
+    share the closures); the positions of ``replicated`` as a list."""
+    if isinstance(dp, int) and dp > 1 and isinstance(microbatches, int) and microbatches % dp:
+        raise ValueError(f"orgel.backend(dp={dp}) shares the step's {microbatches} closures "
+                         f"among {dp} replicas of the pipeline: give microbatches a multiple "
+                         f"of dp (say {dp * max(1, microbatches // dp)})")
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ValueError(f"batch_dim must be a non-negative int for orgel.backend (step takes "
+                         f"positional arguments), got {batch_dim!r}")
+    positions = list(replicated) if isinstance(replicated, (list, tuple)) else None
+    if positions is None or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                for i in positions):
+        raise ValueError(f"replicated must be a list of step's argument positions (ints >= 0, "
+                         f"0 is the first argument after the closure), got {replicated!r}")
+    return positions
+
+
 def slice_batch(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[int, ...] = ()
            ) -> tuple[list[list[Any]], int]:
     """``step``'s arguments cut into ``m`` micro-batches, and the batch size.

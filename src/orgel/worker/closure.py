@@ -44,6 +44,10 @@ from orgel.split.exchanges import eager_homes, exchange_stages, home_rank
 from orgel.worker.engine import RankEngine
 
 
+class ClosureFailed(RuntimeError):
+    """The controller's closure raised in this step; every rank drops the step."""
+
+
 class RankInbox:
     """A rank's end of its pipe to the controller: messages ``(kind, m, payload)``.
 
@@ -62,14 +66,26 @@ class RankInbox:
         #: answers the controller's ``"v_fetch"`` (the values of this rank's parameters and
         #: buffers, by name) while :meth:`get` waits for anything; None: no such question
         self.serve: Callable[[], dict[str, torch.Tensor]] | None = None
+        #: the controller's ``"fail"`` of this step: a closure raised (its words)
+        self.failed: str | None = None
         self._kept: dict[tuple[str, Any], Any] = {}
+
+    def begin(self) -> None:
+        """A new step: nothing of the last one is kept (it was read up to its ``"end"``)."""
+        self.failed = None
+        self._kept.clear()
 
     def send(self, message: tuple[str, Any, Any]) -> None:
         self.conn.send(message)
 
     def get(self, kind: str, m: Any) -> Any:
-        """The payload of message ``(kind, m)``, waiting for it (at most ``timeout_s``)."""
+        """The payload of message ``(kind, m)``, waiting for it (at most ``timeout_s``).
+
+        :class:`ClosureFailed` once the controller said a closure of this step raised
+        (the step's ``"end"`` is still read)."""
         while (kind, m) not in self._kept:
+            if self.failed is not None and kind != "end":
+                raise ClosureFailed(self.failed)
             if self.timeout_s is not None and not self.conn.poll(self.timeout_s):
                 what = "inputs" if kind == "in" else "output gradients" if kind == "grad" else kind
                 raise TimeoutError(f"waited {self.timeout_s:g} s for the {what} of micro-batch "
@@ -78,6 +94,9 @@ class RankInbox:
             got_kind, got_m, payload = self.conn.recv()
             if got_kind == "v_fetch" and self.serve is not None:
                 self.send(("v_values", got_m, self.serve()))
+                continue
+            if got_kind == "fail":
+                self.failed = self.failed or str(payload)
                 continue
             self._kept[(got_kind, got_m)] = payload
         return self._kept.pop((kind, m))
@@ -219,6 +238,21 @@ class ClosureEngine(RankEngine):
             self.executor.after_optimizer = self._send_values
         if fallback:
             self.inbox.serve = self._values_now
+        #: one graph (``orgel.backend``): a closure's error drops the step and the ranks go
+        #: on (see the module docstring); with exchanges the controller is in the step and
+        #: an error stops it
+        self.drops = self.exchange is None and not fallback
+        self.loss_process = any(info.is_loss for info in self.executor.stages.values())
+        if self.drops:
+            self.executor.abandon_on_error = True
+            self.executor.verdict = self._verdict
+            if self.loss_process:
+                self.executor.on_drop = lambda: self.inbox.send(("failed", None, None))
+
+    def _verdict(self) -> Exception | None:
+        """Read the step's ``"end"``: whether a closure of this step raised."""
+        self.inbox.get("end", None)
+        return None if self.inbox.failed is None else ClosureFailed(self.inbox.failed)
 
     def _at_microbatch(self, m: int) -> None:
         """A stage is about to compute micro-batch ``m``: the loss and the exchanges serve it."""
@@ -267,20 +301,34 @@ class ClosureEngine(RankEngine):
         values = {n: p.detach().cpu().clone() for n, p in self._homed_params().items()}
         self.inbox.send(("p_value", (self.step_count, self.rank), values))
 
-    def closure_step(self, placeholders: dict[str, torch.Tensor], rows: int | None = None) -> None:
+    def closure_step(self, placeholders: dict[str, torch.Tensor],
+                     rows: int | None = None) -> Any:
         """One step; ``placeholders`` only give shapes, the inputs arrive per micro-batch.
 
         ``rows`` is the batch size where no placeholder has it (no stage reads a
-        model input: the forward's first graph takes what code before it made).
+        model input: the forward's first graph takes what code before it made). A step
+        every rank dropped comes back as :class:`~orgel.worker.engine.Dropped`.
         """
+        from orgel.launch.errors import StepAbandoned
+        from orgel.worker.engine import Dropped
+
         self.surrogate.reset()
+        if self.drops:
+            self.inbox.begin()
         if self.exchange is not None:
             self.exchange.begin(self.step_count)
         dim = int(self.executor.batch_dim)
         rows = batch_size(placeholders, dim) if rows is None else rows
-        # targets: a placeholder too, with the batch along the batch dimension
-        self.executor.step(placeholders, torch.zeros((1,) * dim + (rows,)))
+        try:
+            # targets: a placeholder too, with the batch along the batch dimension
+            self.executor.step(placeholders, torch.zeros((1,) * dim + (rows,)))
+        except StepAbandoned as exc:  # every rank dropped it (a closure or a rank raised)
+            return Dropped(exc.rank, exc.report)
+        finally:
+            if self.drops and self.loss_process:  # the controller reads no more outputs
+                self.inbox.send(("done", None, None))
         self.step_count += 1
+        return None
 
 
 def profiling_loss(outputs: Any, targets: Any) -> torch.Tensor:
