@@ -312,9 +312,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         return self._run_closures(closure, pieces)
 
     def _run_closures(self, closure: Callable[..., Any], pieces: list[list[Any]]) -> list[Any]:
-        """A step of the one pipelined graph: each closure in a thread of its own. A closure
-        that raises (or a rank's own work) drops the step on every rank: its error reaches
-        the caller, and the ranks train on at the next step."""
+        """A step of the one pipelined graph, each closure in a thread of its own. A closure
+        that raises (or a rank's work) drops the step on every rank, which train on."""
         from orgel.launch.errors import step_error
         from orgel.worker.engine import Dropped
 
@@ -368,7 +367,8 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
                 t.join(self.timeout_s)
         ender.join(self.timeout_s)
         running = [m for m, t in enumerate(threads) if t.is_alive()]
-        if running:
+        if running:  # they may still send to the ranks: stop them
+            self.pipe.kill()
             raise TimeoutError(f"the closures of micro-batches {running} have not returned "
                                f"{self.timeout_s:g} s after the pipelined step ended; a closure "
                                "must not wait on anything after its backward")
