@@ -53,7 +53,7 @@ from orgel import guard
 from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.explicit.mailbox import RankPipes
 from orgel.graph.dynamo import dynamo_settings
-from orgel.launch.errors import WorkerError
+from orgel.launch.errors import StepError, WorkerError
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
 from orgel.transparent.exchange import RankLink
@@ -67,6 +67,7 @@ from orgel.transparent.running import STOPPED, RunningPipeline
 from orgel.transparent.slicing import check_cutting, shared_inputs, slice_batch
 from orgel.worker.closure import OutputsFunction, Slot
 from orgel.worker.engine import OptimizerFactory
+from orgel.worker.pipe import kept_results
 
 
 class Backend(RunningPipeline, RankLink, FindsGraphs):
@@ -314,9 +315,6 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
     def _run_closures(self, closure: Callable[..., Any], pieces: list[list[Any]]) -> list[Any]:
         """A step of the one pipelined graph, each closure in a thread of its own. A closure
         that raises (or a rank's work) drops the step on every rank, which train on."""
-        from orgel.launch.errors import step_error
-        from orgel.worker.engine import Dropped
-
         self._slots = [Slot(m) for m in range(self.microbatches)]
         self._fed, self._failed_first = set(), None
         if self.pipe is None:  # (again after a first step that failed)
@@ -372,12 +370,13 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
             raise TimeoutError(f"the closures of micro-batches {running} have not returned "
                                f"{self.timeout_s:g} s after the pipelined step ended; a closure "
                                "must not wait on anything after its backward")
-        dropped = [r for r in results if isinstance(r, Dropped)]
-        if dropped:
-            self.pipe.pending = 0  # every rank dropped the gradients accumulated so far
+        try:
+            kept_results(results)  # StepError where every rank dropped the step
+        except StepError:
+            self.pipe.pending = 0  # and the gradients accumulated so far
+            self._check_closures()  # a closure's error is the cause to report
+            raise
         self._check_closures()
-        if dropped:
-            raise step_error(dropped[0].rank, dropped[0].report)
         self.pipe.called()
         return [s.result for s in self._slots]
 

@@ -165,11 +165,11 @@ class Pipeline(StepCount):
         self._check_batch(named, targets)
         try:
             if outputs:
-                results = _kept(self._ranks.call("step", named, targets, outputs=True))
+                results = kept_results(self._ranks.call("step", named, targets, outputs=True))
             elif self.spmd:  # every rank gets the loss from the executor: nothing to gather
-                loss = _kept([self._ranks.engine.step(named, targets)])[0]
+                loss = kept_results([self._ranks.engine.step(named, targets)])[0]
             else:
-                loss = _kept(self._ranks.call("step", named, targets))[self._loss_rank]
+                loss = kept_results(self._ranks.call("step", named, targets))[self._loss_rank]
         except StepError:
             self.pending = 0  # every rank dropped the accumulated gradients with the step
             raise
@@ -204,9 +204,9 @@ class Pipeline(StepCount):
         self._check_batch(named, targets)
         loss = targets is not None or not outputs
         if self.spmd and not outputs:  # the loss is reduced to every rank: nothing to gather
-            return _kept([self._ranks.engine.evaluate(named, targets, loss=True,
+            return kept_results([self._ranks.engine.evaluate(named, targets, loss=True,
                                                       outputs=False)])[0][0]
-        results = _kept(self._ranks.call("evaluate", named, targets, loss=loss,
+        results = kept_results(self._ranks.call("evaluate", named, targets, loss=loss,
                                          outputs=outputs))
         value = results[self._loss_rank][0]
         if not outputs:
@@ -480,7 +480,7 @@ class Pipeline(StepCount):
         self.close()
 
 
-def _kept(results: list[Any]) -> list[Any]:
+def kept_results(results: list[Any]) -> list[Any]:
     """The ranks' results of a step (one under torchrun, by rank in local spawn); raise
     :class:`~orgel.launch.errors.StepError` in the caller when every rank dropped it."""
     dropped = [r for r in results if isinstance(r, Dropped)]
