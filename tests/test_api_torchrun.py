@@ -233,24 +233,6 @@ pipe = orgel.load(out, copy.deepcopy(initial), (x,), y, F.mse_loss, timeout_s=60
                   optimizer=sgd)                 # resumed in the same processes
 losses.append(pipe.step((x,), y))
 evaluated = pipe.evaluate((x,), y)
-pipe.copy_to(model)                              # on every process: its own model
-reference, ref_losses = copy.deepcopy(initial), []
-opt = sgd(list(reference.parameters()))
-for _ in range(2):
-    opt.zero_grad()
-    parts = [F.mse_loss(reference(xs), ys) / 2 for xs, ys in zip(x.chunk(2), y.chunk(2))]
-    sum(parts).backward()
-    opt.step()
-    ref_losses.append(sum(p.item() for p in parts))
-with torch.no_grad():
-    reference.eval()
-    ref_eval = sum(F.mse_loss(reference(xs), ys).item() / 2
-                   for xs, ys in zip(x.chunk(2), y.chunk(2)))
-mine = model.state_dict()
-diff = state_gap(mine, reference.state_dict())
-with open(os.path.join(out, f"glued{os.environ['RANK']}.json"), "w") as f:
-    json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "steps": pipe.steps,
-               "eval": [evaluated, ref_eval], "kind": type(pipe).__name__}, f)
 
 
 def failing(out, target):
@@ -266,6 +248,28 @@ except Exception as exc:
         f.write(f"{type(exc).__name__}: {exc}")
 with open(os.path.join(out, f"stopped{os.environ['RANK']}.txt"), "w") as f:
     f.write(str(time.monotonic() - began))
+pipe.loss_fn = F.mse_loss                        # every rank dropped that step: train on
+losses.append(pipe.step((x,), y))
+pipe.copy_to(model)                              # on every process: its own model
+reference, ref_losses = copy.deepcopy(initial), []
+opt = sgd(list(reference.parameters()))
+for step in range(3):
+    if step == 2:
+        with torch.no_grad():
+            reference.eval()
+            ref_eval = sum(F.mse_loss(reference(xs), ys).item() / 2
+                           for xs, ys in zip(x.chunk(2), y.chunk(2)))
+            reference.train()
+    opt.zero_grad()
+    parts = [F.mse_loss(reference(xs), ys) / 2 for xs, ys in zip(x.chunk(2), y.chunk(2))]
+    sum(parts).backward()
+    opt.step()
+    ref_losses.append(sum(p.item() for p in parts))
+mine = model.state_dict()
+diff = state_gap(mine, reference.state_dict())
+with open(os.path.join(out, f"glued{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "steps": pipe.steps,
+               "eval": [evaluated, ref_eval], "kind": type(pipe).__name__}, f)
 pipe.close()
 orgel.launch.processes.leave_group()             # what orgel does at exit, now
 with open(os.path.join(out, f"threads{os.environ['RANK']}.json"), "w") as f:
@@ -276,21 +280,22 @@ with open(os.path.join(out, f"threads{os.environ['RANK']}.json"), "w") as f:
 def test_a_forward_of_several_graphs_trains_under_torchrun(tmp_path: Path) -> None:
     """A Python branch between two graphs, under torchrun: process 0 runs the controller
     beside its rank, process 1 serves it. Trained, saved, closed, resumed in the same
-    processes, evaluated and copied into each process's model, as one process trains;
-    the controller's own error then ends both processes' step, named, without a hang."""
+    processes, evaluated; the controller's own error (its ``loss_fn``) then ends both
+    processes' step, named, without a hang, every rank drops it and the next step trains:
+    copied into each process's model, as one process trains."""
     code, log = _torchrun(tmp_path, GLUED, str(tmp_path))
     assert code == 0, log[-3000:]
     kinds = set()
     for rank in (0, 1):
         result = json.loads((tmp_path / f"glued{rank}.json").read_text())
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5), result
-        assert result["diff"] < 1e-5 and result["steps"] == 2, result
+        assert result["diff"] < 1e-5 and result["steps"] == 3, result
         assert result["eval"][0] == pytest.approx(result["eval"][1], rel=1e-5), result
         kinds.add(result["kind"])
     assert kinds == {"Leading", "Follower"}
-    assert (tmp_path / "error0.txt").read_text() == ("RuntimeError: the loss cannot be "
-                                                     "computed")
-    assert "process 0 stopped the pipeline" in (tmp_path / "error1.txt").read_text()
+    for rank in (0, 1):  # process 0's error, raised on both
+        assert (tmp_path / f"error{rank}.txt").read_text() == ("RuntimeError: the loss "
+                                                              "cannot be computed"), rank
     for rank in (0, 1):  # at once, not after the 60 s timeout's wait for the controller
         assert float((tmp_path / f"stopped{rank}.txt").read_text()) < 20, rank
         # nothing of gloo's outlives the group (at the interpreter's finalization its

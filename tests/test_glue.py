@@ -446,3 +446,76 @@ def test_accumulating_steps_of_a_forward_of_several_graphs_train_exactly() -> No
     assert losses == pytest.approx(want, abs=1e-5)
     for name, value in reference.state_dict().items():
         assert torch.allclose(got[name], value, atol=1e-5), name
+
+
+class EmbedBreak(nn.Module):
+    """An embedding in graph 0 (on rank 0), a buffer written there, a graph break, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 16)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(self.emb(ids)))
+        self.seen += 1
+        if h.detach().abs().sum().item() < 0:  # a graph break (never taken)
+            h = -h
+        return self.b(h)
+
+
+@pytest.mark.slow
+def test_a_failing_microbatch_drops_the_step_and_training_goes_on() -> None:
+    """A forward of several graphs: ``loss_fn`` raising in the calling process, and a rank's
+    own work raising (a token id past the embedding, on rank 0), each reach the caller
+    (the rank's as ``StepError``); every rank drops that step (the buffer its forwards
+    wrote put back, Adam's state untouched) and the pipeline trains on as one process that
+    skipped those batches."""
+    torch.manual_seed(4)
+    model = EmbedBreak()
+    reference = copy.deepcopy(model)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if bool((y < 0).any()):
+            raise ValueError("a negative label")
+        return F.cross_entropy(out.flatten(0, 1), y.reshape(-1))
+
+    def reference_loss(ids: torch.Tensor, y: torch.Tensor, net: nn.Module = reference
+                       ) -> torch.Tensor:
+        return sum(loss_fn(net(ids[i:i + 2]), y[i:i + 2]) / 2 for i in (0, 2))
+
+    batches = [(torch.randint(0, 16, (4, 3)), torch.randint(0, 16, (4, 3))) for _ in range(2)]
+    adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+    opt = adam(reference.parameters())
+    pipe = orgel.pipeline(model, (batches[0][0],), batches[0][1], loss_fn, ranks=2,
+                          microbatches=2, optimizer=adam, schedule="1f1b", timeout_s=60.0)
+    try:
+        pipe.step(*batches[0])
+        reference_loss(*batches[0]).backward()
+        opt.step()
+        bad_labels = batches[1][1].clone()
+        bad_labels[3, 0] = -1  # micro-batch 1's
+        with pytest.raises(ValueError, match="a negative label"):
+            pipe.step(batches[1][0], bad_labels)
+        assert pipe.steps == 1
+        bad_ids = batches[1][0].clone()
+        bad_ids[0, 0] = 99
+        with pytest.raises(orgel.StepError, match="rank 0"):
+            pipe.step(bad_ids, batches[1][1])
+        assert pipe.steps == 1
+        with torch.no_grad():  # an evaluation after the dropped steps: the first step's values
+            want = float(reference_loss(*batches[1], net=copy.deepcopy(reference).eval()))
+        assert pipe.evaluate(*batches[1]) == pytest.approx(want, rel=1e-5)
+        pipe.step(*batches[1])
+        assert pipe.steps == 2
+        got = pipe.state_dict()
+    finally:
+        pipe.close()
+    opt.zero_grad()
+    reference_loss(*batches[1]).backward()
+    opt.step()
+    assert int(got["seen"]) == 4  # two micro-batches a step, two steps
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -22,7 +22,6 @@ from torch import nn
 import orgel.transparent.backend as ob
 from orgel.explicit.fallback import GlueError
 from orgel.flow.options import REFUSED
-from orgel.launch.errors import WorkerError
 from test_runner import (
     M,
     _backend,
@@ -389,26 +388,62 @@ def closure_for_both(make: Any) -> Any:
     return lambda net, _extra: make(net)
 
 
-def test_a_closure_that_takes_another_branch_is_a_clear_error() -> None:
+def test_a_closure_that_raises_or_leaves_the_graphs_drops_the_step_and_trains_on() -> None:
+    """With graph breaks too, a closure that raises (before the model, between it and the
+    backward, after the backward) or whose forward leaves the captured graphs (a second
+    call) reaches the caller; every rank drops that step (BatchNorm statistics put back)
+    and the pipeline trains on: after four failed steps between two good ones, every
+    weight and buffer is one process's after the two good steps."""
     torch.manual_seed(3)
+    model = BreakBN()
+    ref = copy.deepcopy(model)
+    ref_opt = _sgd(list(ref.parameters()))
     pipe = _backend(timeout_s=60)
-    compiled = torch.compile(BreakBN(), backend=pipe)
+    compiled = torch.compile(model, backend=pipe)
 
-    def closure(x: torch.Tensor) -> None:
-        out, _ = compiled(x)
-        if x[0, 0] > 0:  # micro-batch 1 calls the model a second time
-            out = out + compiled(x)[0]
-        out.sum().backward()
+    def closure_for(net: Any, where: str = "") -> Any:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> None:
+            second = bool(y[0, 0] == 1000)  # micro-batch 1's rows of a failing step
+            if where == "before" and second:
+                raise KeyError("before the model")
+            out, h = net(x)
+            if where == "branch" and second:
+                out = out + net(x)[0]
+            loss = (F.mse_loss(out, y) + 0.1 * h.pow(2).mean()) / M
+            if where == "inside" and not second:
+                raise KeyError("between the model and the backward")
+            loss.backward()
+            if where == "after" and second:
+                raise KeyError("after the backward")
 
-    x = torch.cat([-torch.ones(2, 6), torch.ones(2, 6)])
+        return closure
+
+    good = _break_batches()
+    x, y = good[0][0] * 2, good[0][1].clone()
+    y[M * 2:, 0] = 1000  # (rows 4.. are micro-batch 1's)
     try:
-        with pytest.raises(GlueError, match="expected no graph after the last of 2"):
-            pipe.step(closure, x)
-        # the ranks waited on that micro-batch and were stopped: the next step says so
-        with pytest.raises(WorkerError, match="ranks are stopped .* a closure that raised"):
-            pipe.step(closure, -x)
+        for step, batch in enumerate(good):
+            if step == 1:  # the failing steps, between the good ones
+                for where, error, words in [
+                        ("before", KeyError, "before the model"),
+                        ("inside", KeyError, "between the model and the backward"),
+                        ("after", KeyError, "after the backward"),
+                        ("branch", GlueError, "expected no graph after the last of 2")]:
+                    with pytest.raises(error, match=words):
+                        pipe.step(closure_for(compiled, where), x, y)
+                    assert pipe.steps == 1, where  # dropped on every rank
+            pipe.step(closure_for(compiled), *batch)
+            ref_opt.zero_grad()
+            for m in range(M):
+                closure_for(ref)(*(t.chunk(M)[m] for t in batch))
+            ref_opt.step()
+        assert pipe.steps == 2
+        state = pipe.state_dict()
     finally:
         pipe.close()
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    assert state["bn_b.num_batches_tracked"].item() == 2 * M
 
 
 def test_graphs_dynamo_made_with_symbolic_sizes_say_to_compile_static() -> None:

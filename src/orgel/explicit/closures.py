@@ -79,9 +79,11 @@ class ClosurePipeline(GluedPipeline):
             self._check_calls(slot)
             self._back_unreached(slot, after=-1)  # no backward, or one that missed some
 
-        results = [s.result for s in self._run_threads(work, {}, rows)]
-        for p in self._eager.values():  # summed from the hooks and stepped on a rank
-            p.grad = None
+        try:
+            results = [s.result for s in self._run_threads(work, {}, rows)]
+        finally:  # (a dropped step too)
+            for p in self._eager.values():  # summed from the hooks and stepped on a rank
+                p.grad = None
         self._check_stray()
         return results
 

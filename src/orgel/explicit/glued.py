@@ -24,6 +24,13 @@ shapes) runs whole in the controller instead, on the ranks' values of the step
 (:mod:`orgel.explicit.fallback`); :attr:`GluedPipeline.off_path` lists them. In
 ``orgel.backend``'s closures (:class:`~orgel.explicit.closures.ClosurePipeline`), and
 with ``tp > 1``, it stops the step with an error naming the graph call.
+
+A micro-batch's error here (its forward, ``loss_fn``, its backward) is the step's error,
+and every rank drops that step (:mod:`orgel.runtime.dropped`): the controller's ``"fail"``
+ends the ranks' waits for this process, and the step's ``"end"`` tells the ranks already
+past their last action. A rank's own error drops it the same way (its ``"failed"`` ends
+the controller's waits) and raises :class:`~orgel.launch.errors.StepError`. The pipeline
+trains on after either, as :class:`~orgel.worker.pipe.Pipeline` does.
 """
 
 from __future__ import annotations
@@ -36,11 +43,12 @@ from typing import Any
 import torch
 
 from orgel import guard
-from orgel.batching import batch_rows, placeholders, side_by_side, split_microbatches
+from orgel.batching import batch_rows, placeholders, split_microbatches
 from orgel.explicit.eager import EagerParameters, controller_copy, exchange_ranks
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, GlueError, check_outside, deviation
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
+from orgel.explicit.routes import Routes
 from orgel.explicit.slots import GraphCall, Slot
 from orgel.flow.start import loss_processes
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
@@ -49,11 +57,12 @@ from orgel.graph.glue_sizes import expected_shape
 from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
 from orgel.lossweights import batch_weights, weigh
 from orgel.split.exchanges import eager_homes
-from orgel.worker.pipe import Pipeline
+from orgel.worker.engine import Dropped
+from orgel.worker.pipe import Pipeline, kept_results
 from orgel.workload import named_inputs
 
 
-class GluedPipeline(EagerParameters, Pipeline):
+class GluedPipeline(Routes, EagerParameters, Pipeline):
     """:class:`orgel.worker.pipe.Pipeline` for a forward of several graphs (its controller).
 
     ``step(inputs, targets)`` runs the forward, ``loss_fn`` and backward of
@@ -104,6 +113,7 @@ class GluedPipeline(EagerParameters, Pipeline):
         self._input_ranks = sorted({r for s, st in enumerate(split.stages) if st.model_inputs
                                     for r in plan.placement[s]})
         self._fed: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # group -> piece inputs
+        self._stopped = False  # a micro-batch of this step failed (the ranks were told)
         self._feed_lock = threading.Lock()
         # the ranks' stand-ins: the inputs stages read, and those whose sizes they read
         self._input_names = list(dict.fromkeys([*split.model_input_names,
@@ -207,80 +217,6 @@ class GluedPipeline(EagerParameters, Pipeline):
         slot.anchor = out[0]
         return tuple(out[1:])
 
-    def _send(self, rank: int, message: tuple[str, Any, Any]) -> None:
-        self._pipes.send(rank, message)
-
-    # -- where micro-batch m's messages go: its replica's ranks, its group's key ---------
-
-    def key(self, c: int, m: int) -> tuple[int, int, int]:
-        """The key of graph call ``c``'s exchange of micro-batch ``m`` (the ranks' micro-batch)."""
-        return (self.calls, c, m // self.dp)
-
-    def exchange_rank(self, c: int, m: int) -> int:
-        """The rank holding exchange ``c`` for micro-batch ``m`` (its replica's)."""
-        return self._ranks_of[c][m % self.dp]
-
-    def loss_rank(self, m: int) -> int:
-        """The rank of the loss stage for micro-batch ``m`` (its replica's)."""
-        return self._loss_ranks[m % self.dp]
-
-    def feed(self, m: int, inputs: dict[str, torch.Tensor]) -> None:
-        """Micro-batch ``m``'s model inputs: once its group's ``dp`` micro-batches all gave
-        theirs, the ranks' micro-batch (theirs side by side) goes to every input rank."""
-        j = m // self.dp
-        with self._feed_lock:
-            group = self._fed.setdefault(j, {})
-            group[m] = inputs
-            if len(group) < self.dp:
-                return
-            del self._fed[j]
-        whole = side_by_side([group[k] for k in sorted(group)], self.replicated,
-                             self.batch_dim)
-        for r in self._input_ranks:
-            self._send(r, ("in", j, whole))
-
-    def _run(self, slot: Slot, c: int, inputs: dict[str, Any],
-             values: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        m = slot.index
-        if self.glue.has_exchange(c):
-            self._send(self.exchange_rank(c, m),
-                       ("x_in", self.key(c, m), [v.detach() for v in values]))
-        if c == 0:
-            self.feed(m, inputs)
-        slot.sent = c + 1
-        if c + 1 < len(self.glue.calls):
-            return list(self._mail.get("x_out", self.key(c + 1, m), self.exchange_rank(c + 1, m),
-                                       f"graph {c}'s outputs of micro-batch {m}"))
-        outs = self._mail.get("out", m // self.dp, self.loss_rank(m),
-                              f"the outputs of micro-batch {m}")
-        return list(outs[:-1])  # the last one is the exchanges' anchor
-
-    def _back(self, slot: Slot, c: int, grads: list[Any], count: int) -> list[Any]:
-        m = slot.index
-        if c + 1 < len(self.glue.calls):
-            self._send(self.exchange_rank(c + 1, m),
-                       ("x_outgrad", self.key(c + 1, m), grads))
-        else:
-            self._send(self.loss_rank(m), ("grad", m // self.dp, [*grads, None]))
-        if not self.glue.has_exchange(c):
-            return [None] * count
-        return list(self._mail.get("x_ingrad", self.key(c, m), self.exchange_rank(c, m),
-                                   f"the gradients of graph {c}'s arguments of micro-batch {m}"))
-
-    def _back_unreached(self, slot: Slot, *, after: int) -> None:
-        """Run the backward of every call after ``after`` that has not, with zero gradients.
-
-        The autograd engine reaches a call's backward before its predecessor's
-        (the anchors chain them) unless the loss does not depend on the call at
-        all; then its true gradients are zero, and its argument gradients, which
-        would flow into nothing, are dropped.
-        """
-        for c in range(min(slot.calls, len(self.glue.calls)) - 1, after, -1):
-            if c not in slot.backed:
-                slot.backed.add(c)
-                self._back(slot, c, [None] * self.glue.calls[c].outputs,
-                           len(self.glue.calls[c].glue))
-
     # -- a step ---------------------------------------------------------------------------
 
     def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
@@ -327,6 +263,8 @@ class GluedPipeline(EagerParameters, Pipeline):
         """``work(slot)`` for every micro-batch, each in its own thread, beside the ranks' step."""
         slots = [Slot(i) for i in range(self.pieces)]
         self._fed.clear()
+        self._mail.begin()
+        self._stopped = False
         threads = [threading.Thread(target=self._guarded, args=(work, slot),
                                     name=f"orgel-forward{slot.index}", daemon=True)
                    for slot in slots]
@@ -336,9 +274,12 @@ class GluedPipeline(EagerParameters, Pipeline):
             threads.append(threading.Thread(target=self._send_grads, args=(slots, threads[:]),
                                             name="orgel-eager-grads", daemon=True))
             threads[-1].start()
+        ender = threading.Thread(target=self._end_step, args=(threads[:],),
+                                 name="orgel-end-step", daemon=True)
+        ender.start()
         try:
-            self.call_ranks("closure_step", stand_ins, rows)
-        except Exception as exc:
+            results = self.call_ranks("closure_step", stand_ins, rows)
+        except Exception as exc:  # a rank is gone (a dropped step comes back as a result)
             self._mail.abort("a rank failed")
             for t in threads:
                 t.join()
@@ -348,9 +289,13 @@ class GluedPipeline(EagerParameters, Pipeline):
                 forget_compiled(self._compiler)
             self._raise_first(slots)
             raise
-        for t in threads:
+        for t in [*threads, ender]:
             t.join()
-        self._raise_first(slots)
+        self._mail.finish(self.plan.num_ranks)  # nothing of this step is still on the way
+        if any(isinstance(r, Dropped) for r in results):  # every rank dropped the step
+            self.pending = 0  # and the gradients accumulated since the last optimizer step
+            self._raise_first(slots)  # a micro-batch's own error is the cause, or:
+            kept_results(results)  # StepError, a rank's
         if self.stepping:  # the optimizer stepped: its new values
             self._receive_values()
         self.off_path = [s.index for s in slots if s.off_path]
@@ -368,8 +313,33 @@ class GluedPipeline(EagerParameters, Pipeline):
                 work(slot)
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = getattr(exc, "inner_exception", None) or exc
-            self._mail.abort(f"micro-batch {slot.index} failed: {type(exc).__name__}")
-            self.kill()  # the ranks wait on this micro-batch: stop them
+            self._stop_step(slot)
+
+    def _stop_step(self, slot: Slot) -> None:
+        """Micro-batch ``slot`` failed: the other micro-batches stop waiting, and every rank
+        is told (``"fail"``: its waits for this process raise, and it drops the step)."""
+        with self._feed_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        error = slot.error
+        self._mail.abort(f"micro-batch {slot.index} failed: {type(error).__name__}")
+        try:
+            self._pipes.send_every(("fail", None, f"micro-batch {slot.index} failed in the "
+                                                  f"calling process ({type(error).__name__}: "
+                                                  f"{error})"))
+        except Stopped:
+            pass  # a rank is gone: its own error ends the step
+
+    def _end_step(self, threads: list[threading.Thread]) -> None:
+        """Once every micro-batch (and the gradients' sender) is done, tell every process
+        (``"end"``): the ranks then sum the gradients, or drop the step if one failed."""
+        for t in threads:
+            t.join()
+        try:
+            self._pipes.send_every(("end", None, None))
+        except Stopped:
+            pass
 
     def _warm_up(self, inputs: dict[str, Any]) -> None:
         """Run micro-batch 0's forward here once, every graph locally, before the first step.

@@ -2,8 +2,10 @@
 
 :class:`Mailbox` reads each rank's pipe in its own thread and keeps every
 message by ``(kind, key)`` and the rank that sent it until :meth:`Mailbox.get` takes it;
-a closed pipe or :meth:`Mailbox.abort` stops every waiter with :class:`Stopped`
-(:mod:`orgel.explicit.glued` runs the controller). :class:`RankPipes` is the other way,
+a closed pipe, a rank's ``"failed"`` or :meth:`Mailbox.abort` stops every waiter with
+:class:`Stopped` (:mod:`orgel.explicit.glued` runs the controller). A step ends with
+every rank's ``"done"`` (:meth:`Mailbox.finish`): nothing of it is still on the way when
+:meth:`Mailbox.begin` starts the next. :class:`RankPipes` is the other way,
 the controller's messages to the ranks (``orgel.backend``'s closures send on it too).
 Under torchrun the pipes are :func:`connect`'s connections (:mod:`orgel.explicit.glued_job`).
 """
@@ -46,7 +48,8 @@ class Mailbox:
         self.timeout_s = timeout_s
         self._items: dict[tuple[str, Any, int], Any] = {}
         self._cond = threading.Condition()
-        self._aborted: str | None = None
+        self._aborted: str | None = None  # this step's stop (a failed micro-batch or rank)
+        self._closed: str | None = None  # a pipe that closed: every later step stops too
         ranks = members or [[p] for p in range(len(conns))]
         speaker = {procs[0]: r for r, procs in enumerate(ranks)}
         for p, conn in enumerate(conns):
@@ -60,26 +63,52 @@ class Mailbox:
             try:
                 kind, key, payload = conn.recv()
             except (EOFError, OSError):
-                self.abort(f"process {process} closed its pipe")
+                with self._cond:
+                    self._closed = self._closed or f"process {process} closed its pipe"
+                    self._cond.notify_all()
                 return
+            if kind == "failed":  # its own work failed: it will send nothing more this step
+                self.abort(f"process {process}'s work failed")
             if rank is None:
                 continue
             with self._cond:
                 self._items[(kind, key, rank)] = payload
                 self._cond.notify_all()
 
+    def begin(self) -> None:
+        """A new step: the last one's stop and messages are gone (it ended with
+        :meth:`finish`, so none of them is still on the way)."""
+        with self._cond:
+            self._aborted = None
+            self._items.clear()
+
     def abort(self, why: str) -> None:
+        """Stop this step's waiters (:class:`Stopped`) until :meth:`begin`."""
         with self._cond:
             self._aborted = self._aborted or why
             self._cond.notify_all()
 
-    def get(self, kind: str, key: Any, rank: int, what: str) -> Any:
+    def finish(self, ranks: int) -> None:
+        """Wait for the ``"done"`` each of ``ranks`` ranks sends as its step ends (a
+        stopped step's too): the step's last messages from them are in; a stopped step's
+        are dropped, and its stop ends (an evaluation may follow before the next step)."""
+        for rank in range(ranks):
+            self.get("done", None, rank, "the end of its step", stopped=False)
+        with self._cond:
+            if self._aborted is not None:  # a stopped step: what it left is of no use
+                self._aborted = None
+                self._items.clear()
+
+    def get(self, kind: str, key: Any, rank: int, what: str, *, stopped: bool = True) -> Any:
+        """Take message ``(kind, key)`` of ``rank``, waiting for it (at most the timeout);
+        :class:`Stopped` once the step stopped (``stopped=False``: only a closed pipe)."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while (kind, key, rank) not in self._items:
-                if self._aborted is not None:
-                    raise Stopped(f"the step stopped ({self._aborted}) while the "
-                                       f"controller waited for {what} from rank {rank}")
+                why = self._closed or (self._aborted if stopped else None)
+                if why is not None:
+                    raise Stopped(f"the step stopped ({why}) while the "
+                                  f"controller waited for {what} from rank {rank}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"the controller waited {self.timeout_s:g} s for {what} "

@@ -49,6 +49,11 @@ class DroppedStep:
     _outgoing: Callable[[int], list[torch.Tensor]]
     on_drop: Callable[[], None] | None
 
+    @property
+    def dropping(self) -> bool:
+        """Whether this step is being dropped (some work of this rank's raised)."""
+        return self._failed is not None
+
     def _keep_written(self) -> None:
         """Copy what the step's forwards update in place (BatchNorm statistics), so that a
         dropped step puts it back; nothing when steps are not dropped."""

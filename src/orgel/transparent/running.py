@@ -17,7 +17,7 @@ NO_EVALUATION = ("orgel.backend runs your closure as a training step; to evaluat
                  "for eval mode): it runs in this process on the values the ranks trained")
 
 STOPPED = ("this orgel.backend's ranks are stopped (by close(), by a rank that died or hung, "
-           "or by a closure that raised in a step of a compiled model with graph breaks): "
+           "or by a closure that hung past timeout_s): "
            "create a new orgel.backend and compile the model with it (pipe.load(directory) "
            "resumes from a checkpoint)")
 

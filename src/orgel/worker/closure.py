@@ -238,16 +238,17 @@ class ClosureEngine(RankEngine):
             self.executor.after_optimizer = self._send_values
         if fallback:
             self.inbox.serve = self._values_now
-        #: one graph (``orgel.backend``): a closure's error drops the step and the ranks go
-        #: on (see the module docstring); with exchanges the controller is in the step and
-        #: an error stops it
-        self.drops = self.exchange is None and not fallback
-        self.loss_process = any(info.is_loss for info in self.executor.stages.values())
-        if self.drops:
-            self.executor.abandon_on_error = True
-            self.executor.verdict = self._verdict
-            if self.loss_process:
-                self.executor.on_drop = lambda: self.inbox.send(("failed", None, None))
+        # a closure's (or the controller's) error drops the step and the ranks go on: its
+        # "fail" stops this rank's waits, and the step's "end" says whether one came
+        self.executor.abandon_on_error = True
+        self.executor.verdict = self._verdict
+        #: whether the controller reads this process until its ``"done"``, and is told
+        #: ``"failed"`` when its work fails: every process of a forward with graph breaks
+        #: (the controller waits on each one's exchanges), the loss stage's otherwise
+        self.speaks = (self.exchange is not None or fallback
+                       or any(info.is_loss for info in self.executor.stages.values()))
+        if self.speaks:
+            self.executor.on_drop = lambda: self.inbox.send(("failed", None, None))
 
     def _verdict(self) -> Exception | None:
         """Read the step's ``"end"``: whether a closure of this step raised."""
@@ -284,6 +285,8 @@ class ClosureEngine(RankEngine):
         With them comes ``reset``: every micro-batch ran in the controller, so this
         rank's backward ran on stand-ins only and its gradients are dropped first.
         """
+        if self.executor.dropping:  # the controller sends none for a step it stopped
+            return
         grads, reset = self.inbox.get("p_grad", self.step_count)
         params = self._first_copies()
         # only on an accumulation's first call: later ones hold the earlier calls' gradients
@@ -313,8 +316,7 @@ class ClosureEngine(RankEngine):
         from orgel.worker.engine import Dropped
 
         self.surrogate.reset()
-        if self.drops:
-            self.inbox.begin()
+        self.inbox.begin()
         if self.exchange is not None:
             self.exchange.begin(self.step_count)
         dim = int(self.executor.batch_dim)
@@ -325,7 +327,7 @@ class ClosureEngine(RankEngine):
         except StepAbandoned as exc:  # every rank dropped it (a closure or a rank raised)
             return Dropped(exc.rank, exc.report)
         finally:
-            if self.drops and self.loss_process:  # the controller reads no more outputs
+            if self.speaks:  # nothing more of this step comes from this process
                 self.inbox.send(("done", None, None))
         self.step_count += 1
         return None
