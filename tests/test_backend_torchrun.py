@@ -201,6 +201,20 @@ def closure(x, y):
 
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(4)]
+first = sum(pipe.step(closure, *batches[0]))  # the first call of an accumulation, then:
+
+
+def failing(x, y):
+    compiled(x)
+    raise ValueError("a closure fails between the model and its backward")
+
+
+try:
+    pipe.step(failing, *batches[1])
+    error = None
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+pending = pipe.pending  # every rank dropped the step, and the accumulation restarts
 got = [sum(pipe.step(closure, x, y)) for x, y in batches]
 state, steps = pipe.state_dict(), pipe.steps
 pipe.close()
@@ -218,14 +232,17 @@ for call, (x, y) in enumerate(batches):
         opt.zero_grad()
 diff = state_gap(state, reference.state_dict())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
-    json.dump({"got": got, "want": want, "diff": diff, "steps": steps}, f)
+    json.dump({"got": got, "want": want, "diff": diff, "steps": steps, "first": first,
+               "error": error, "pending": pending}, f)
 '''
 
 
 def test_graph_breaks_train_under_torchrun_with_accumulation(tmp_path: Path) -> None:
     """A compiled model with a graph break: process 0's closures run the Python between its
     graphs; with ``accumulate=2`` four step calls make two optimizer steps, as one process
-    accumulating the same."""
+    accumulating the same. Before them, a first call and then a closure that raises: every
+    process raises its error, every rank drops that step and the call before it (the
+    accumulation restarts), so the four calls train as if neither had been made."""
     out = tmp_path / "out"
     out.mkdir()
     code, log = _torchrun(tmp_path, GRAPH_BREAK, str(out))
@@ -235,3 +252,7 @@ def test_graph_breaks_train_under_torchrun_with_accumulation(tmp_path: Path) -> 
         assert result["got"] == pytest.approx(result["want"], rel=1e-6), rank
         assert result["diff"] < 1e-6, rank
         assert result["steps"] == 2
+        assert result["first"] == pytest.approx(result["want"][0], rel=1e-6), rank
+        assert result["error"] == ("ValueError: a closure fails between the model and its "
+                                   "backward"), rank
+        assert result["pending"] == 0, rank

@@ -51,6 +51,12 @@ class RunningPipeline:
         return int(self._running().steps)
 
     @property
+    def pending(self) -> int:
+        """Step calls made since the last optimizer step (``accumulate`` > 1; a dropped
+        step sets it back to 0: the accumulation starts again)."""
+        return int(self._running().pending)
+
+    @property
     def lr(self) -> list[float]:
         """The learning rates in force for the next optimizer step, one per param group."""
         return list(self._running().lr)
