@@ -294,8 +294,8 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         self._mail.finish(self.plan.num_ranks)  # nothing of this step is still on the way
         if any(isinstance(r, Dropped) for r in results):  # every rank dropped the step
             self.pending = 0  # and the gradients accumulated since the last optimizer step
-            self._raise_first(slots)  # a micro-batch's own error is the cause, or:
-            kept_results(results)  # StepError, a rank's
+        self._raise_first(slots)  # a micro-batch's own error is the cause, or
+        kept_results(results)  # StepError, a rank's
         if self.stepping:  # the optimizer stepped: its new values
             self._receive_values()
         self.off_path = [s.index for s in slots if s.off_path]
