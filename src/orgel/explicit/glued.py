@@ -324,22 +324,15 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
             self._stopped = True
         error = slot.error
         self._mail.abort(f"micro-batch {slot.index} failed: {type(error).__name__}")
-        try:
-            self._pipes.send_every(("fail", None, f"micro-batch {slot.index} failed in the "
-                                                  f"calling process ({type(error).__name__}: "
-                                                  f"{error})"))
-        except Stopped:
-            pass  # a rank is gone: its own error ends the step
+        self._pipes.fail(f"micro-batch {slot.index} failed in the calling process "
+                         f"({type(error).__name__}: {error})")
 
     def _end_step(self, threads: list[threading.Thread]) -> None:
         """Once every micro-batch (and the gradients' sender) is done, tell every process
         (``"end"``): the ranks then sum the gradients, or drop the step if one failed."""
         for t in threads:
             t.join()
-        try:
-            self._pipes.send_every(("end", None, None))
-        except Stopped:
-            pass
+        self._pipes.end()
 
     def _warm_up(self, inputs: dict[str, Any]) -> None:
         """Run micro-batch 0's forward here once, every graph locally, before the first step.

@@ -143,6 +143,25 @@ class RankPipes:
         for rank in range(len(self.members)):
             self.send(rank, message)
 
+    # -- the end of a step (:class:`orgel.worker.closure.RankInbox` reads both) -----------
+
+    def fail(self, words: str) -> None:
+        """This process's part of the step failed (``words``: how): every process's waits
+        for it raise, and every rank drops the step. A process already gone is passed
+        over (its own error ends the step)."""
+        self._tell_every(("fail", None, words))
+
+    def end(self) -> None:
+        """This process's part of the step is over: the ranks, past their last action,
+        sum the gradients, or drop the step where :meth:`fail` came first."""
+        self._tell_every(("end", None, None))
+
+    def _tell_every(self, message: tuple[str, Any, Any]) -> None:
+        try:
+            self.send_every(message)
+        except Stopped:
+            pass
+
 
 # -- torchrun: every process's connections to process 0 ---------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from orgel.batching import placeholders, side_by_side
-from orgel.explicit.mailbox import RankPipes, Stopped
+from orgel.explicit.mailbox import RankPipes
 from orgel.worker.closure import Slot
 
 #: :attr:`RankLink._failed_first` when a rank's own work stopped the step
@@ -68,11 +68,7 @@ class RankLink:
         if isinstance(first, Slot) and self.pipe is not None:
             words = (f"{type(first.error).__name__}: {first.error}" if first.error is not None
                      else "it returned without calling the compiled model")
-            try:
-                self._pipes.send_every(("fail", None, f"the closure for micro-batch "
-                                                      f"{first.index} raised ({words})"))
-            except Stopped:
-                pass  # a rank is gone: its own error ends the step
+            self._pipes.fail(f"the closure for micro-batch {first.index} raised ({words})")
 
     def _end_step(self, threads: list[threading.Thread]) -> None:
         """Tell every process that this step's closures returned (``"end"``): the ranks
@@ -87,10 +83,7 @@ class RankLink:
         hung = [t for t in threads if t.is_alive()]
         if hung:
             self._abort_step(self._slots[threads.index(hung[0])])
-        try:
-            self._pipes.send_every(("end", None, None))
-        except Stopped:
-            pass
+        self._pipes.end()
 
     def _feed(self, slot: Slot) -> None:
         """Send the input ranks the ranks' micro-batch of ``slot`` once all its closures
