@@ -268,20 +268,30 @@ def test_graph_model_keeps_original_parameter_names() -> None:
 
 
 def test_preprocessing_of_later_microbatches_overlaps_the_pipeline() -> None:
+    """The last micro-batch's pre-processing overlaps the pipeline's work on the first.
+    The closures reach the compiled model in micro-batch order, even where micro-batch 0
+    pre-processes longest (two threads looking up Dynamo's cache at once can miss an
+    entry, see orgel.explicit.slots.Turns): after an evaluation outside step, the one
+    case where that lookup reorders the cache."""
     text_tower, head, _ = _clip()
     pipe = _backend()
     compiled = torch.compile(head, backend=pipe)
     first_out = threading.Event()
     waited: list[bool] = []
+    order: list[int] = []
+    order_step: list[bool] = []  # the third step: micro-batch 0 pre-processes longest
 
     def closure(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> None:
         m = int(weights[0].item())
-        if m == M - 1 and pipe.pipe is not None:
+        if m == M - 1 and pipe.pipe is not None and not order_step:
             # still "pre-processing" the last micro-batch: only an overlapping pipeline
             # can hand micro-batch 0 its outputs meanwhile
             waited.append(first_out.wait(timeout=60))
+        if m == 0 and order_step:
+            time.sleep(0.5)
         with torch.no_grad():
             text = text_tower(tokens)
+        order.append(m)
         loss = contrastive_loss(compiled(text, pixels), torch.ones_like(weights))
         if m == 0:
             first_out.set()
@@ -293,9 +303,15 @@ def test_preprocessing_of_later_microbatches_overlaps_the_pipeline() -> None:
         pipe.step(closure, tokens, pixels, index)
         first_out.clear()
         pipe.step(closure, tokens, pixels, index)
+        with torch.no_grad():
+            compiled(text_tower(tokens), pixels)  # an evaluation: its own Dynamo entry
+        order.clear()
+        order_step.append(True)
+        pipe.step(closure, tokens, pixels, index)
     finally:
         pipe.close()
     assert waited == [True]
+    assert order == list(range(M))
 
 
 def test_checkpoint_resumes_a_new_runner_bit_identically(tmp_path: Path) -> None:

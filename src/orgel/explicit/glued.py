@@ -49,7 +49,7 @@ from orgel.explicit.evaluation import evaluate_here, merged_outputs
 from orgel.explicit.fallback import Deviated, Fallback, GlueError, check_outside, deviation
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
 from orgel.explicit.routes import Routes
-from orgel.explicit.slots import GraphCall, Slot
+from orgel.explicit.slots import GraphCall, Slot, Turns
 from orgel.flow.start import loss_processes
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue_capture import kept_compiler
@@ -108,6 +108,8 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         # by process; messages go to every tensor-parallel member of a rank, member 0 answers
         self._pipes = RankPipes(conns, members(plan))
         self._mail = Mailbox(conns, timeout_s, members(plan))
+        self._timeout_s = timeout_s
+        self._turns = Turns(0, timeout_s)  # this step's (see _run_threads)
         self._ranks_of = exchange_ranks(plan, split)  # by replica
         self._loss_ranks = list(plan.placement[split.loss_stage])
         self._input_ranks = sorted({r for s, st in enumerate(split.stages) if st.model_inputs
@@ -159,6 +161,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         slot: Slot | None = getattr(self._local, "slot", None)
         if slot is None:
             raise RuntimeError("this compiled model runs only inside pipe.step(...)")
+        self._turns.passed(slot.index)  # past Dynamo's lookup of the model's first frame
         c = slot.calls
         slot.calls += 1
         calls = self.glue.calls
@@ -265,6 +268,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         self._fed.clear()
         self._mail.begin()
         self._stopped = False
+        self._turns = Turns(len(slots), self._timeout_s)
         threads = [threading.Thread(target=self._guarded, args=(work, slot),
                                     name=f"orgel-forward{slot.index}", daemon=True)
                    for slot in slots]
@@ -308,12 +312,15 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
 
     def _guarded(self, work: Callable[[Slot], None], slot: Slot) -> None:
         self._local.slot = slot
+        self._turns.wait(slot.index)  # Dynamo's first lookup: one thread at a time
         try:
             with guard.no_autocast_cache(), self._compiler.routed(self._route):
                 work(slot)
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = getattr(exc, "inner_exception", None) or exc
             self._stop_step(slot)
+        finally:
+            self._turns.passed(slot.index)
 
     def _stop_step(self, slot: Slot) -> None:
         """Micro-batch ``slot`` failed: the other micro-batches stop waiting, and every rank

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -56,3 +57,30 @@ class GraphCall(torch.autograd.Function):
         slot.backed.add(ctx.c)
         got = pipe._back(slot, ctx.c, sent, ctx.count)
         return (None, None, None, None, None, None, *got)
+
+
+class Turns:
+    """Micro-batch threads reach the compiled model one after another.
+
+    Dynamo keeps a frame's compiled entries in most-recently-used order: a lookup that
+    matches an entry behind the first moves it to the front. Two threads looking up the
+    same frame at once while that happens (a guard that runs Python lets the other
+    thread in) can miss the entry that matches, and Dynamo compiles the frame again in
+    the middle of a step (torch 2.13 logs "Unexpected recompilation"; seen after an
+    evaluation outside ``step`` put its own entry in front). Thread ``m`` waits
+    (:meth:`wait`) until thread ``m - 1`` has passed its first lookup, that is, called a
+    graph orgel compiled, or ended (:meth:`passed`), so those lookups never overlap; the
+    rest of the micro-batches' work still runs side by side. A thread that has not
+    passed within ``timeout_s`` lets the next one go (its own wait reports the hang).
+    """
+
+    def __init__(self, count: int, timeout_s: float) -> None:
+        self._passed = [threading.Event() for _ in range(count)]
+        self._timeout_s = timeout_s
+
+    def wait(self, m: int) -> None:
+        if m > 0:
+            self._passed[m - 1].wait(self._timeout_s)
+
+    def passed(self, m: int) -> None:
+        self._passed[m].set()

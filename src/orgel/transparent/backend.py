@@ -52,6 +52,7 @@ import torch
 from orgel import guard
 from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.explicit.mailbox import RankPipes
+from orgel.explicit.slots import Turns
 from orgel.graph.dynamo import dynamo_settings
 from orgel.launch.errors import StepError, WorkerError
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
@@ -121,6 +122,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self._whole: tuple[str, ...] = ()  # model inputs every micro-batch gets whole
         self._local = threading.local()
         self._slots: list[Slot] = []
+        self._turns = Turns(0, timeout_s)  # this step's (see _run_closures)
         self._failed_first: Slot | str | None = None  # what stopped this step first
         self._pending_load: str | Path | None = None
         # the graph calls micro-batch 0's forward made on the first step (see _discover)
@@ -150,6 +152,9 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         stateful = any(kind in ("param", "buffer") for kind, _ in roles)
 
         def run(*args: Any) -> Any:
+            m = getattr(self._local, "microbatch", None)
+            if m is not None:  # past Dynamo's lookup: the next closure may call the model
+                self._turns.passed(m)
             if stateful and not self._stepping:
                 return self._evaluate_here(gm, args)
             if stateful:
@@ -316,6 +321,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         """A step of the one pipelined graph, each closure in a thread of its own. A closure
         that raises (or a rank's work) drops the step on every rank, which train on."""
         self._slots = [Slot(m) for m in range(self.microbatches)]
+        self._turns = Turns(self.microbatches, self.timeout_s)
         self._fed, self._failed_first = set(), None
         if self.pipe is None:  # (again after a first step that failed)
             self._ranks_up.clear()
@@ -380,29 +386,10 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         self.pipe.called()
         return [s.result for s in self._slots]
 
-    def _check_closures(self) -> None:
-        """Raise the closures' error: the one that stopped the step first (the others'
-        then only say the step was aborted), none where a rank's own work stopped it."""
-        from orgel.transparent.exchange import RANK_FAILED
-
-        if self._failed_first == RANK_FAILED:
-            return
-        first = self._failed_first
-        for slot in ([first] if isinstance(first, Slot) else []) + self._slots:
-            if slot.error is not None:
-                # dynamo wraps what the backend raised; the user wants orgel's own message
-                inner = getattr(slot.error, "inner_exception", None)
-                if isinstance(inner, ValueError | RuntimeError):
-                    raise inner from None
-                raise slot.error
-        missing = [s.index for s in self._slots if s.done and s.inputs is None]
-        if missing:
-            raise RuntimeError(f"the closure for micro-batches {missing} returned without "
-                               "calling the compiled model; call it once per closure")
-
     def _run_closure(self, closure: Callable[..., Any], m: int, args: list[Any]) -> None:
         self._local.microbatch = m
         slot = self._slots[m]
+        self._turns.wait(m)  # Dynamo's lookup of the compiled model: one closure at a time
         try:
             # thread-local: the closure compiles the model here, without the autocast cache
             with dynamo_settings(), guard.no_autocast_cache():
@@ -410,6 +397,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
         except BaseException as exc:  # noqa: BLE001 - re-raised by step()
             slot.error = exc
         finally:
+            self._turns.passed(m)
             slot.done = True
             slot.called.set()
             if slot.error is None and slot.inputs is not None and not slot.grad_sent:

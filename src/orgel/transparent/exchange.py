@@ -70,6 +70,24 @@ class RankLink:
                      else "it returned without calling the compiled model")
             self._pipes.fail(f"the closure for micro-batch {first.index} raised ({words})")
 
+    def _check_closures(self) -> None:
+        """Raise the closures' error: the one that stopped the step first (the others'
+        then only say the step was aborted), none where a rank's own work stopped it."""
+        if self._failed_first == RANK_FAILED:
+            return
+        first = self._failed_first
+        for slot in ([first] if isinstance(first, Slot) else []) + self._slots:
+            if slot.error is not None:
+                # dynamo wraps what the backend raised; the user wants orgel's own message
+                inner = getattr(slot.error, "inner_exception", None)
+                if isinstance(inner, ValueError | RuntimeError):
+                    raise inner from None
+                raise slot.error
+        missing = [s.index for s in self._slots if s.done and s.inputs is None]
+        if missing:
+            raise RuntimeError(f"the closure for micro-batches {missing} returned without "
+                               "calling the compiled model; call it once per closure")
+
     def _end_step(self, threads: list[threading.Thread]) -> None:
         """Tell every process that this step's closures returned (``"end"``): the ranks
         then sum the gradients or drop the step. A closure still running after the timeout
