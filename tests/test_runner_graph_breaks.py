@@ -12,6 +12,8 @@ helpers come from ``test_runner.py``.
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -212,6 +214,79 @@ def test_parameters_only_the_python_between_graphs_uses_are_trained_too() -> Non
         torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), rtol=1e-5,
                                    atol=1e-6, msg=name)
         assert p.grad is None, name  # stepped on a rank, not left for the caller
+
+
+_CLOSURE = threading.local()  # the micro-batch a closure thread runs
+
+
+@torch._dynamo.disable
+def _between(h: torch.Tensor) -> torch.Tensor:
+    """The Python between two graphs: micro-batch 0 takes longest when asked; each
+    micro-batch notes when it leaves, just before Dynamo looks up the next frame."""
+    m = getattr(_CLOSURE, "m", None)
+    if m is not None:
+        if m == 0 and _CLOSURE.slow:
+            time.sleep(0.5)
+        _CLOSURE.order.append(m)
+    return h
+
+
+class SlowBetween(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 16)
+        self.b = nn.Linear(16, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_between(torch.tanh(self.a(x))))
+
+
+def test_closures_reach_each_later_frame_in_micro_batch_order() -> None:
+    """After an evaluation outside ``step`` put its own Dynamo entries in front, the
+    closures look up each frame after a graph break one after another (two at once can
+    miss the matching entry and recompile mid-step: orgel.explicit.slots.Turns), even
+    where micro-batch 0's Python between the graphs takes longest (``dp=2``: the two
+    micro-batches go to different replicas, so nothing on the ranks orders them); the
+    steps around the evaluation train as one process."""
+    torch.manual_seed(6)
+    model = SlowBetween()
+    ref = copy.deepcopy(model)
+    ref_opt = _sgd(list(ref.parameters()))
+    pipe = _backend(timeout_s=60, dp=2)
+    compiled = torch.compile(model, backend=pipe)
+    order: list[int] = []
+    slow: list[bool] = []
+
+    def closure(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> None:
+        _CLOSURE.m, _CLOSURE.slow, _CLOSURE.order = int(index[0]), bool(slow), order
+        try:
+            (F.mse_loss(compiled(x), y) / M).backward()
+        finally:
+            _CLOSURE.m = None
+
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 7, generator=g)) for _ in range(3)]
+    index = torch.arange(M).repeat_interleave(8 // M)
+    try:
+        for i, (x, y) in enumerate(batches):
+            if i == 2:
+                compiled.eval()
+                with torch.no_grad():
+                    compiled(x)  # an evaluation: Dynamo entries of its own, put in front
+                compiled.train()
+                order.clear()
+                slow.append(True)
+            pipe.step(closure, x, y, index)
+            ref_opt.zero_grad()
+            for m in range(M):
+                (F.mse_loss(ref(x.chunk(M)[m]), y.chunk(M)[m]) / M).backward()
+            ref_opt.step()
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    assert order == list(range(M))
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_graph_breaks_accumulate_over_step_calls_as_one_process() -> None:

@@ -161,8 +161,8 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         slot: Slot | None = getattr(self._local, "slot", None)
         if slot is None:
             raise RuntimeError("this compiled model runs only inside pipe.step(...)")
-        self._turns.passed(slot.index)  # past Dynamo's lookup of the model's first frame
         c = slot.calls
+        self._turns.reached(slot.index, c)  # past Dynamo's lookups up to this graph
         slot.calls += 1
         calls = self.glue.calls
         if c >= len(calls) or calls[c].code != code:
@@ -218,6 +218,8 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         with torch.enable_grad():
             out = GraphCall.apply(self, slot, c, inputs, grad, slot.anchor, *values)
         slot.anchor = out[0]
+        if c + 1 < len(calls):  # the frames before the next graph: after the micro-batch before
+            self._turns.wait(slot.index, c + 1)
         return tuple(out[1:])
 
     # -- a step ---------------------------------------------------------------------------
@@ -395,6 +397,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
             found = deviation(exc)
             if found is None:
                 raise
+            self._turns.passed(slot.index)  # off the graphs: the next may look up past here
             if not self.fallback:
                 raise GlueError(f"micro-batch {slot.index} left the captured graphs "
                                 f"({found.what}); with tp > 1 or shard='fsdp' orgel does not "

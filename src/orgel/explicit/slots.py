@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import Any
@@ -60,27 +61,46 @@ class GraphCall(torch.autograd.Function):
 
 
 class Turns:
-    """Micro-batch threads reach the compiled model one after another.
+    """Micro-batch threads reach each frame of the compiled model one after another.
 
     Dynamo keeps a frame's compiled entries in most-recently-used order: a lookup that
     matches an entry behind the first moves it to the front. Two threads looking up the
     same frame at once while that happens (a guard that runs Python lets the other
     thread in) can miss the entry that matches, and Dynamo compiles the frame again in
     the middle of a step (torch 2.13 logs "Unexpected recompilation"; seen after an
-    evaluation outside ``step`` put its own entry in front). Thread ``m`` waits
-    (:meth:`wait`) until thread ``m - 1`` has passed its first lookup, that is, called a
-    graph orgel compiled, or ended (:meth:`passed`), so those lookups never overlap; the
-    rest of the micro-batches' work still runs side by side. A thread that has not
-    passed within ``timeout_s`` lets the next one go (its own wait reports the hang).
+    evaluation outside ``step`` put its own entries in front). So thread ``m`` looks up a
+    frame only after thread ``m - 1`` has: before the model's first frame it waits
+    (:meth:`wait`) until thread ``m - 1`` has called graph 0; with graph breaks, before
+    the frames after graph call ``c`` (on its way out of that call) until thread ``m - 1``
+    has called graph ``c + 1`` (:meth:`reached`), or ended or left the captured graphs
+    (:meth:`passed`). The rest of the micro-batches' work still runs side by side. A
+    thread that does not move on within ``timeout_s`` lets the next one go (its own wait
+    reports the hang).
     """
 
     def __init__(self, count: int, timeout_s: float) -> None:
-        self._passed = [threading.Event() for _ in range(count)]
+        self._reached = [-1] * count  # the graph call each thread has made
+        self._moved = threading.Condition()
         self._timeout_s = timeout_s
 
-    def wait(self, m: int) -> None:
-        if m > 0:
-            self._passed[m - 1].wait(self._timeout_s)
+    def wait(self, m: int, call: int = 0) -> None:
+        """Until thread ``m - 1`` has made graph call ``call`` (or ended)."""
+        if m <= 0:
+            return
+        with self._moved:
+            if not self._moved.wait_for(lambda: self._reached[m - 1] >= call,
+                                        self._timeout_s):
+                self._reached[m - 1] = sys.maxsize  # not waited on again
+                self._moved.notify_all()
+
+    def reached(self, m: int, call: int) -> None:
+        """Thread ``m`` makes graph call ``call``: its lookups up to that graph are done."""
+        with self._moved:
+            if call > self._reached[m]:
+                self._reached[m] = call
+                self._moved.notify_all()
 
     def passed(self, m: int) -> None:
-        self._passed[m].set()
+        """Thread ``m`` looks nothing up any more in this step (it ended, or its forward
+        left the captured graphs, or the model is one graph and it called it)."""
+        self.reached(m, sys.maxsize)
