@@ -26,20 +26,21 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
 
 
 def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = True,
-                       keep: bool = False) -> Any:
+                       keep: bool = False, breaks_dynamic: bool = True) -> Any:
     """The op graph of ``workload``'s model, measured on one micro-batch.
 
     ``dynamic``: with symbolic sizes where the model allows (:mod:`orgel.graph.sizes`),
     so the stages split from it take batches of other sizes; ``graph.shapes`` says which.
     ``keep``: a forward of several graphs keeps Dynamo's code for its controller
-    (:func:`orgel.graph.capture.capture`).
+    (:func:`orgel.graph.capture.capture`); ``breaks_dynamic=False``: such a forward with
+    static sizes.
     """
     from orgel.graph.capture import capture
     from orgel.workload import microbatches as slice_batches
 
     first_inputs, _ = slice_batches(workload, microbatches)[0]
     return capture(workload.model, first_inputs, precision=workload.precision,
-                   dynamic=dynamic, keep=keep, shallow=True)
+                   dynamic=dynamic, keep=keep, shallow=True, breaks_dynamic=breaks_dynamic)
 
 
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,

@@ -145,7 +145,11 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     try:
         with untouched(workload.model):
             if graph is None and microbatches != "auto":
-                graph = capture_microbatch(workload, int(microbatches), keep=True)
+                # with dp > 1 the stages are cut from a capture of one replica's rows, which
+                # graph breaks make static (below): capture a forward of several graphs
+                # static from the start, not once symbolic and again static
+                graph = capture_microbatch(workload, int(microbatches), keep=True,
+                                           breaks_dynamic=dp == 1 or given is not None)
             if graph is not None and check_graph is not None:
                 check_graph(graph)
             planned = planned_workload(workload, graph)
