@@ -287,6 +287,16 @@ class _Exchanged(torch.autograd.Function):
 # -- capture ---------------------------------------------------------------------------------
 
 
+RETURNS_SIZE = "graph {} of the forward returns a size (the exchanges carry tensors)"
+
+
+def returns_size(gm: torch.fx.GraphModule) -> bool:
+    """Whether a graph Dynamo traced with symbolic sizes returns one of them."""
+    return any(is_symbolic(x.meta.get("example_value")) for node in gm.graph.nodes
+               if node.op == "output" for x in pytree.tree_leaves(node.args[0])
+               if isinstance(x, torch.fx.Node))
+
+
 def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                                 list[tuple[str, Any] | None]]],
                reason: str, eager: list[str],
@@ -390,9 +400,8 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
                 if not all(isinstance(x, torch.fx.Node) for x in outs) or len(outs) != call.outputs:
                     raise CaptureError(f"graph {c} of the forward returns values that are not "
                                        "tensors; orgel captures with static shapes")
-                if glue.dynamic and any(is_symbolic(x.meta.get("example_value")) for x in outs):
-                    raise CaptureError(f"graph {c} of the forward returns a size (the exchanges "
-                                       "carry tensors)")
+                if glue.dynamic and returns_size(gm):
+                    raise CaptureError(RETURNS_SIZE.format(c))
                 previous = [env[x] for x in outs]
                 continue
             copy = graph.node_copy(node, env.__getitem__)

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
-from orgel.graph.glue import Glue, _where, join_calls, region_autocast
+from orgel.graph.glue import RETURNS_SIZE, Glue, _where, join_calls, region_autocast, returns_size
 from orgel.graph.glue_sizes import glue_settings, glue_shapes, size_roles, size_values
 from orgel.graph.opgraph import CaptureError
 from orgel.guard import no_autocast_cache
@@ -97,7 +97,9 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
     """
 
     params = {id(p): n for n, p in model.named_parameters()}
+    state = {*params, *(id(b) for b in model.buffers())}
     seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]] = []
+    values = size_values(named) if dynamic else ()
 
     def record(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
         # the graph trains detached copies of the parameters: a real parameter in the
@@ -106,13 +108,17 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
                   if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
         check_grad_mode(gm, [isinstance(a, torch.Tensor)
                              and (id(a) in params or a.requires_grad) for a in args], reason)
+        if values and returns_size(gm) and any(id(a) in state for a in args):
+            # the join refuses it (the capture is then static): say so before Dynamo traces
+            # the rest of the forward with symbolic sizes (seconds, for nothing)
+            raise CaptureError(RETURNS_SIZE.format(sum(any(id(a) in state for a in s[1])
+                                                       for s in seen)))
         out = gm(*shadow)
         seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
         return out
 
     compiler = GlueCompiler()
     try:
-        values = size_values(named) if dynamic else ()
         compiled = torch.compile(model, backend=compiler, dynamic=None if values else False)
         # the controller's global state (its threads run without the autocast cache), which
         # Dynamo's code guards on, so that this code serves it
