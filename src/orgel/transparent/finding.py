@@ -30,6 +30,10 @@ from orgel.transparent.slicing import marked
 from orgel.worker.pipe import canonical_names
 
 
+class Breaks(Exception):  # noqa: N818 - a signal, not an error the caller sees
+    """The symbolic discovery met a graph break (it stops there)."""
+
+
 class FindsGraphs:
     """The first step's discovery; :class:`~orgel.transparent.backend.Backend` sets what
     it reads and provides :meth:`_start_glued`."""
@@ -78,7 +82,9 @@ class FindsGraphs:
         ``dynamic``: every dimension of the closure's tensor arguments is marked as
         possibly dynamic (:func:`torch._dynamo.maybe_mark_dynamic`, on views of them), so
         Dynamo leaves the sizes it can symbolic and a later batch of another sequence
-        length runs the same graph.
+        length runs the same graph. A graph break then stops the discovery at once
+        (:class:`Breaks`): several graphs are joined from fixed shapes, found again static
+        (:meth:`_find_graphs`), so the symbolic trace of the rest would be for nothing.
         """
         if dynamic:
             args = [marked(a) for a in args]
@@ -86,10 +92,15 @@ class FindsGraphs:
         self._discovering = True
         try:
             with untouched(), dynamo_settings(), stopped_at_backward(), \
-                    guard.no_autocast_cache():
+                    guard.no_autocast_cache(), torch._dynamo.error_on_graph_break(dynamic):
                 closure(*args)
         except ForwardDone:
             pass
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            self._found = None
+            if not dynamic:
+                raise
+            raise Breaks from exc
         except BaseException as exc:
             self._found = None
             inner = getattr(exc, "inner_exception", None)
@@ -129,10 +140,14 @@ class FindsGraphs:
                      rows: int) -> None:
         """The first step: micro-batch 0's graphs; one is pipelined as :attr:`model`,
         several are joined and started (:meth:`_start_glued`)."""
-        self._discover(closure, pieces[0], dynamic=True)
-        assert self._found is not None
-        if len(self._found) > 1 and any(kind == "size" for _, _, roles, _, _ in self._found
-                                        for kind, _ in roles):
+        try:
+            self._discover(closure, pieces[0], dynamic=True)
+            assert self._found is not None
+            again = len(self._found) > 1 and any(kind == "size" for _, _, roles, _, _ in
+                                                 self._found for kind, _ in roles)
+        except Breaks:
+            again = True
+        if again:
             # graph breaks are joined from fixed shapes: find the graphs again, static
             forget_compiled(self)
             self._names = None
