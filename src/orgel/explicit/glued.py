@@ -35,6 +35,7 @@ trains on after either, as :class:`~orgel.worker.pipe.Pipeline` does.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -218,8 +219,9 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         with torch.enable_grad():
             out = GraphCall.apply(self, slot, c, inputs, grad, slot.anchor, *values)
         slot.anchor = out[0]
-        if c + 1 < len(calls):  # the frames before the next graph: after the micro-batch before
-            self._turns.wait(slot.index, c + 1)
+        # the frames before the next graph, or after the last one: after the micro-batch
+        # before (its last graph's frames are behind it once its backward began)
+        self._turns.wait(slot.index, c + 1 if c + 1 < len(calls) else sys.maxsize)
         return tuple(out[1:])
 
     # -- a step ---------------------------------------------------------------------------

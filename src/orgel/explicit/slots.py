@@ -54,6 +54,7 @@ class GraphCall(torch.autograd.Function):
         if pipe is None or slot is None:
             raise RuntimeError("the step that ran this forward is over: its backward runs "
                                "within the step")
+        pipe._turns.passed(slot.index)  # its forward is over: it looks nothing up any more
         pipe._back_unreached(slot, after=ctx.c)
         slot.backed.add(ctx.c)
         got = pipe._back(slot, ctx.c, sent, ctx.count)
@@ -73,7 +74,8 @@ class Turns:
     (:meth:`wait`) until thread ``m - 1`` has called graph 0; with graph breaks, before
     the frames after graph call ``c`` (on its way out of that call) until thread ``m - 1``
     has called graph ``c + 1`` (:meth:`reached`), or ended or left the captured graphs
-    (:meth:`passed`). The rest of the micro-batches' work still runs side by side. A
+    (:meth:`passed`); after its last graph, until thread ``m - 1``'s backward began. The
+    rest of the micro-batches' work still runs side by side. A
     thread that does not move on within ``timeout_s`` lets the next one go (its own wait
     reports the hang).
     """
