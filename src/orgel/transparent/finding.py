@@ -10,6 +10,7 @@ It also holds the rule that the autocast around the compiled model stays as foun
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,8 @@ class FindsGraphs:
         self._discovering = True
         try:
             with untouched(), dynamo_settings(), stopped_at_backward(), \
-                    guard.no_autocast_cache(), torch._dynamo.error_on_graph_break(dynamic):
+                    guard.no_autocast_cache(), \
+                    torch._dynamo.error_on_graph_break(True) if dynamic else nullcontext():
                 closure(*args)
         except ForwardDone:
             pass
