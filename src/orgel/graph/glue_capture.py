@@ -97,7 +97,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
     """
 
     params = {id(p): n for n, p in model.named_parameters()}
-    state = {*params, *(id(b) for b in model.buffers())}
+    state = _state_ids(model)
     seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]] = []
     values = size_values(named) if dynamic else ()
 
@@ -108,11 +108,10 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
                   if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
         check_grad_mode(gm, [isinstance(a, torch.Tensor)
                              and (id(a) in params or a.requires_grad) for a in args], reason)
-        if values and returns_size(gm) and any(id(a) in state for a in args):
+        if values and returns_size(gm) and _reads(args, state):
             # the join refuses it (the capture is then static): say so before Dynamo traces
             # the rest of the forward with symbolic sizes (seconds, for nothing)
-            raise CaptureError(RETURNS_SIZE.format(sum(any(id(a) in state for a in s[1])
-                                                       for s in seen)))
+            raise CaptureError(RETURNS_SIZE.format(sum(_reads(s[1], state) for s in seen)))
         out = gm(*shadow)
         seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
         return out
@@ -158,7 +157,8 @@ def _joined(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]],
     eager = _eager_parameters(result, model)
     # a graph that reads no parameter or buffer is a pure function of its arguments: it
     # runs in the controller with the Python around it (so it may differ per micro-batch)
-    seen = [s for s in seen if any(id(a) in params or id(a) in buffers for a in s[1])]
+    state = _state_ids(model)
+    seen = [s for s in seen if _reads(s[1], state)]
     if not seen:
         raise CaptureError(f"{reason} No graph of the forward reads a parameter: nothing to "
                            "pipeline")
@@ -180,6 +180,17 @@ def _joined(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]],
     if values:
         raw[0].meta["orgel_shapes"] = glue_shapes(named, prepared[0][0], prepared[0][3])
     return raw, glue
+
+
+def _state_ids(model: torch.nn.Module) -> set[int]:
+    """The ids of ``model``'s parameters and buffers."""
+    return {id(t) for t in [*model.parameters(), *model.buffers()]}
+
+
+def _reads(args: list[Any] | tuple[Any, ...], state: set[int]) -> bool:
+    """Whether a graph called with ``args`` reads a parameter or buffer (else it is glue,
+    run by the controller with the Python around it)."""
+    return any(id(a) in state for a in args)
 
 
 def check_grad_mode(gm: torch.fx.GraphModule, trainable: list[bool], reason: str) -> None:
