@@ -128,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
                "--batch", str(args.batch), "--warmup", str(args.warmup),
                "--steps", str(args.steps)] + (["--small"] if args.small else [])
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+            # the child's stderr goes straight to ours: where a variant that timed out was
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout,
                                   env=env)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
             result = (json.loads(lines[-1][7:]) if lines else
-                      {"variant": variant, "error": (done.stderr or done.stdout)[-1500:]})
+                      {"variant": variant, "error": f"exit {done.returncode} (see stderr)",
+                       "stdout": done.stdout[-1500:]})
         except subprocess.TimeoutExpired:
             result = {"variant": variant, "error": f"did not finish in {args.timeout:.0f} s"}
         results[variant] = result

@@ -49,7 +49,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+try:  # a size's runtime value without a guard: torch >= 2.12, then the older name
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+except ImportError:  # torch 2.11 (the GPU machines' image)
+    from torch.fx.experimental.symbolic_shapes import hint_int as guarding_hint_or_throw
 
 from orgel.costs.blocks import BlockCosts
 from orgel.costs.devices import FP32_MATMUL_EFFICIENCY, Device
