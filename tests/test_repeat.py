@@ -126,6 +126,26 @@ def test_a_copy_that_computes_otherwise_than_the_model_is_traced_whole(by_index:
                             if n.constant is not None)
 
 
+@pytest.mark.parametrize("by_index", [False, True])
+def test_a_copy_with_symbolic_rows_is_checked_on_two_rows(by_index: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # the check runs the forward twice (in a rank, with one thread): where the graph takes
+    # any number of rows it runs on two of them, and still refuses a copy that differs
+    import importlib
+
+    capturing = importlib.import_module("orgel.graph.capture")  # the module, not the function
+    seen: list[int] = []
+    check = capturing._computes_as_model
+    monkeypatch.setattr(capturing, "_computes_as_model", lambda model, named, *a: (
+        seen.append(int(named["x"].shape[0])), check(model, named, *a))[1])
+    torch.manual_seed(0)
+    model = Deep(by_index)
+    graph = capture(model, named_inputs(model, {"x": torch.randn(6, 8)}), shallow=True)
+    assert seen == [2]
+    copied = any("traced two of the 6 layers" in note for note in graph.notes)
+    assert copied != by_index, graph.notes
+
+
 def test_a_stack_whose_layer_reuses_another_layers_tensor_is_traced_whole() -> None:
     # copied, layer 5 would get a Linear of its own and training would untie the two (the
     # zoo's shared_across_far_layers trains it against one process)
