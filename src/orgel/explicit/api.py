@@ -25,6 +25,7 @@ the options.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -298,10 +299,14 @@ def pipeline(
                                 **common),
                 kind, world, optimizer=optimizer, timeout_s=timeout_s, threads=threads,
                 executor_options=executor_options)
-        # this process never uses CUDA (ranks forked from it could not), so it profiles on
-        # the CPU
+        # this process profiles on the CPU. Where the ranks forked already it captures with
+        # the GPUs in sight: hidden, PyTorch may count them then (0) and keep that count,
+        # and this process could not use CUDA after (on an H200, the test's reference on
+        # the GPU after the pipeline found none). Else it leaves CUDA alone, so that ranks
+        # forked from it later can use it
+        hide = cuda_unused() if group is None else contextlib.nullcontext()
         try:
-            with profiling_on("cpu"), cuda_unused():
+            with profiling_on("cpu"), hide:
                 prepared = prepare(workload, plan=plan, check_graph=breaks_allowed,
                                    **common)
         except BaseException:

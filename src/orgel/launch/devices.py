@@ -155,7 +155,8 @@ def check_fork(kind: str) -> None:
         return
     if torch.cuda.is_initialized():
         raise ValueError(
-            "this process has already used CUDA (a model or tensor on the GPU), and the "
+            "this process has already used CUDA (a model or tensor on the GPU, or an "
+            "earlier CUDA pipeline's capture), and the "
             "local ranks are forked from it, which CUDA does not allow: build the model on "
             "the CPU (or the meta device) and pass device='cuda' (each rank moves its own "
             "stages to its GPU), or start the ranks with torchrun")
