@@ -191,3 +191,34 @@ def cuda_unused() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+_ENGINE: list[bool] = []  # one entry once autograd_first ran in this process
+
+
+def autograd_first() -> None:
+    """Start autograd's engine in this process before TorchDynamo runs in it, where there
+    is no GPU, so that the ranks orgel forks from it can run a backward.
+
+    The engine starts at a process's first backward and asks every device type how many
+    devices it has; where one says any, it starts a thread for each and marks every
+    process forked afterwards as one whose backward fails ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing"). With PyTorch's CUDA
+    builds (the usual pip wheels; 2.11 and 2.13 seen) that happens on a machine without a
+    GPU too, once Dynamo has compiled anything (orgel's capture is Dynamo's): `orgel demo`
+    failed in every rank. Started first, the engine does not ask again. Where a GPU is
+    seen nothing is done: orgel's CUDA ranks fork before the controller captures
+    (:mod:`orgel.launch.devices`).
+    """
+    if _ENGINE or not torch.backends.cuda.is_built():
+        return
+    _ENGINE.append(True)
+    from orgel.launch.devices import gpu_count
+
+    if torch.cuda.is_initialized() or gpu_count() > 0:
+        return
+    try:
+        with torch.enable_grad():
+            torch.ones(1, requires_grad=True).sum().backward()
+    except RuntimeError:  # a forked child of a process whose engine had started
+        pass

@@ -34,7 +34,7 @@ from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
 from orgel.graph.repeat import number_in_order
 from orgel.graph.reuse import capturer_for
 from orgel.graph.sizes import bind_sizes, mark_sizes, size_settings, static_shapes
-from orgel.guard import untouched
+from orgel.guard import autograd_first, untouched
 from orgel.precision import autocast_dtype, device_type
 from orgel.workload import named_inputs, on_meta
 
@@ -79,6 +79,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
     (:func:`orgel.graph.glue_capture.kept_compiler`; :func:`~orgel.graph.glue_capture.release`
     drops it where no controller will run).
     """
+    autograd_first()  # before Dynamo: ranks forked from here run backward (orgel.guard)
     dtype = autocast_dtype(precision)
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")

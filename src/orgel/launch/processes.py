@@ -224,6 +224,40 @@ def _answer(conn: Connection, answer: tuple[Any, ...]) -> bool:
 _INHERITED: list[Any] = []  # the forking process's groups: kept, never shut down here
 
 
+def forked_backward_fails() -> bool:
+    """Whether a process forked from this one would fail its first backward.
+
+    Autograd's engine marks every process forked after it started threads for a device
+    ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"): after a backward with a GPU in sight, and with PyTorch's CUDA builds
+    after a backward once TorchDynamo compiled anything, GPU or not
+    (:func:`orgel.guard.autograd_first`). Nothing tells from here, so a forked child tries
+    (a few milliseconds; PyTorch's CPU builds start no such threads).
+    """
+    if not torch.backends.cuda.is_built():
+        return False
+    pid = os.fork()
+    if pid == 0:  # the child tries one backward and leaves at once
+        code = 0
+        try:
+            with torch.enable_grad():
+                torch.ones(1, requires_grad=True).sum().backward()
+        except RuntimeError:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 1
+
+
+FORKED_BACKWARD = (
+    "autograd cannot run in processes forked from this one: this process ran a backward "
+    "after torch.compile (TorchDynamo) compiled something, or with a GPU in sight, and "
+    "PyTorch's autograd engine then started threads that a fork does not copy. Build the "
+    "pipeline before this process trains anything (orgel.pipeline or orgel.backend near "
+    "the top of the script), or start the ranks as fresh processes: `orgel run`, or "
+    "torchrun")
+
+
 def forget_inherited_group() -> None:
     """In a forked child: drop the process groups the forking process had made, so that
     this process can make its own (a rank that plans, say, forks the ranks that measure
@@ -295,6 +329,8 @@ class LocalGroup:
             raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout_s}")
+        if context == "fork" and forked_backward_fails():
+            raise ValueError(FORKED_BACKWARD)
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
         threads = (fork_threads(threads) if context == "fork"

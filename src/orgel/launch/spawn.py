@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from orgel.launch.processes import LocalGroup
+from orgel.launch.processes import LocalGroup, forked_backward_fails
 
 
 class Job:
@@ -37,10 +37,10 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0
     rank stops them all: :class:`~orgel.launch.errors.WorkerError` names the
     root cause. Each rank's stderr is printed, prefixed, once all succeeded.
     """
-    if context == "fork" and torch.cuda.is_initialized():
+    if context == "fork" and (torch.cuda.is_initialized() or forked_backward_fails()):
         # this process ran CUDA (the planning process of CUDA ranks, which then times the
-        # runtime and the links on the CPU): autograd's device threads do not survive a
-        # fork, and a forked child's backward fails
+        # runtime and the links on the CPU), or autograd's engine here started threads a
+        # fork does not copy: a forked child's backward would fail
         context = "spawn"
     with tempfile.TemporaryDirectory(prefix="orgel-") as logs:
         group = LocalGroup(nranks, functools.partial(Job, fn, args, nranks), timeout_s=timeout,

@@ -461,11 +461,13 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     call ``step`` and the other methods on every process, in the same order.
     """
     from orgel.flow.options import options, refuse
+    from orgel.guard import autograd_first
     from orgel.plan.transforms import pipeline_ranks
     from orgel.precision import loss_scaling
     from orgel.runtime.checkpointing import check_policy
     from orgel.runtime.sharding import check_shard_option
 
+    autograd_first()  # before the caller's torch.compile runs Dynamo (orgel.guard says why)
     options(**others)  # a misspelt name: TypeError with the names that exist
     refuse("backend", {**others, "dp": dp, "precision": precision})
     scaling = loss_scaling(precision, others.get("loss_scale"))
