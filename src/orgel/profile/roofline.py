@@ -52,7 +52,7 @@ from typing import Any
 try:  # a size's runtime value without a guard: torch >= 2.12, then the older name
     from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 except ImportError:  # torch 2.11 (the GPU machines' image)
-    from torch.fx.experimental.symbolic_shapes import hint_int as guarding_hint_or_throw  # type: ignore[attr-defined,no-redef]
+    from torch.fx.experimental.symbolic_shapes import size_hint as guarding_hint_or_throw  # type: ignore[attr-defined,no-redef]
 
 from orgel.costs.blocks import BlockCosts
 from orgel.costs.devices import FP32_MATMUL_EFFICIENCY, Device
