@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import orgel
+import orgel.launch.forks as forks
 import orgel.launch.processes as processes
 from orgel.launch.spawn import spawn
 from orgel.models import build
@@ -38,7 +39,7 @@ def test_forked_backward_probe_passes_in_a_healthy_process() -> None:
     # this suite's CPU wheel: orgel's own capture (Dynamo) and a backward after it leave
     # forked processes able to run one
     torch.compile(torch.nn.Linear(2, 2), backend="eager")(torch.ones(1, 2)).sum().backward()
-    assert not processes.forked_backward_fails()
+    assert not forks.forked_backward_fails()
 
 
 @pytest.mark.slow
@@ -46,7 +47,7 @@ def test_picklable_work_is_spawned_where_a_fork_could_not_run_backward(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import orgel.launch.spawn as spawning
 
-    monkeypatch.setattr(spawning, "forked_backward_fails", lambda: True)
+    monkeypatch.setattr(spawning, "forks_run_backward", lambda: False)
     contexts: list[str] = []
     group = spawning.LocalGroup
     monkeypatch.setattr(spawning, "LocalGroup", lambda *a, **k: (

@@ -9,9 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from orgel.launch.processes import LocalGroup, forked_backward_fails
+from orgel.launch.forks import forks_run_backward
+from orgel.launch.processes import LocalGroup
 
 
 class Job:
@@ -37,7 +36,7 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0
     rank stops them all: :class:`~orgel.launch.errors.WorkerError` names the
     root cause. Each rank's stderr is printed, prefixed, once all succeeded.
     """
-    if context == "fork" and (torch.cuda.is_initialized() or forked_backward_fails()):
+    if context == "fork" and not forks_run_backward():
         # this process ran CUDA (the planning process of CUDA ranks, which then times the
         # runtime and the links on the CPU), or autograd's engine here started threads a
         # fork does not copy: a forked child's backward would fail

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from orgel.launch.forks import forks_run_backward
 from orgel.launch.lifeline import lifeline, tie
 
 
@@ -30,12 +31,12 @@ def trial(jobs: list[Callable[[], Any]], *, timeout_s: float = 120.0) -> dict[in
 
     A job that raises is reported with its error; one that kills the child
     (a signal) is reported with the signal, and the jobs after it run in a new
-    child. Where fork is unsafe (not POSIX, or CUDA in use: a forked child cannot
-    use it) the jobs run here and only exceptions are caught. A child still busy
-    after ``timeout_s`` is ended and the jobs it had not finished count as passed.
+    child. Where a forked child could not run them (not POSIX, CUDA in use here, or
+    autograd's engine started threads: :func:`orgel.launch.forks.forks_run_backward`)
+    the jobs run here and only exceptions are caught. A child still busy after
+    ``timeout_s`` is ended and the jobs it had not finished count as passed.
     """
-    if os.name != "posix" or torch.cuda.is_initialized():  # never ask is_available: it
-        # initializes the CUDA driver, and ranks forked after that cannot use CUDA
+    if not forks_run_backward():
         return _here(jobs)
     failed: dict[int, str] = {}
     start = 0

@@ -50,7 +50,7 @@ RECHECK = 0.25
 
 def rank_threads(ranks: int) -> int:
     """Intra-op threads each of ``ranks`` local ranks trains with: one, since they are
-    forked (:func:`orgel.launch.processes.fork_threads`); ``ranks`` is kept for callers."""
+    forked (:func:`orgel.launch.forks.fork_threads`); ``ranks`` is kept for callers."""
     return 1
 
 

@@ -311,7 +311,7 @@ class Sharding:
         module.set_requires_gradient_sync(True)
         state = fully_shard.state(module)  # type: ignore[attr-defined]
         for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
+            for group in _param_groups(each):
                 group.post_backward()
         # waits for the reduction and resets the per-step state, as pipelining does
         state._root_post_backward_final_callback()
@@ -337,7 +337,7 @@ class Sharding:
 
         was = [m for m in self.modules.values()
                if all(g.is_sharded for g in
-                      fully_shard.state(m)._fsdp_param_groups)]  # type: ignore[attr-defined]
+                      _param_groups(fully_shard.state(m)))]  # type: ignore[attr-defined]
         for module in self.modules.values():
             module.unshard()
         try:
@@ -372,4 +372,13 @@ def _fsdp_params(module: Any) -> list[Any]:
     from torch.distributed.fsdp import fully_shard
 
     state = fully_shard.state(module)  # type: ignore[attr-defined]
-    return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
+    return [p for group in _param_groups(state) for p in group.fsdp_params]
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list since torch 2.12, one group or None before
+    (2.11, the GPU machines' image)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
