@@ -44,10 +44,11 @@ def _adamw(params: NamedParameters) -> torch.optim.Optimizer:
 
 
 def _adamw_over(named: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
-    # eps 1e-6, not 1e-8: the attention's key bias has a gradient of zero in exact
+    # eps 1e-5, not 1e-8: the attention's key bias has a gradient of zero in exact
     # arithmetic (softmax ignores it); its float noise (~1e-10, different for another sum
-    # order) would be divided by its own size and move the bias by ~lr either way
-    return torch.optim.AdamW(_groups(named), lr=1e-2, eps=1e-6)
+    # order) would be divided by its own size and move the bias by ~lr either way. With
+    # 1e-6, another machine's kernels (2026-12-04) left weights 1.4e-6 to 2e-6 apart
+    return torch.optim.AdamW(_groups(named), lr=1e-2, eps=1e-5)
 
 
 def _sgd(params: NamedParameters) -> torch.optim.Optimizer:
