@@ -95,6 +95,9 @@ class GradSync:
                                 for p in info.params}.values())
         self.timeout = timeout
         self.world_group = world_group
+        #: alone in the group the step's sums run over (one process, no tp): they are
+        #: this rank's own values
+        self.alone = dist.get_world_size(world_group) == 1
         # qualified name -> local copies; which copy counts for the norm
         self.tied: dict[str, list[torch.nn.Parameter]] = {}
         tied_names = set(split.tied)
@@ -184,10 +187,12 @@ class GradSync:
         total = torch.stack([loss.detach().double().reshape(()).to(self.device),
                              torch.tensor(float(failed), dtype=torch.float64,
                                           device=self.device)])
-        self._wait(dist.all_reduce(total, group=self.world_group, async_op=True),
-                   "the step's loss")
-        self.failed = bool(total[1] > 0)
-        return float(total[0])
+        if not self.alone:
+            self._wait(dist.all_reduce(total, group=self.world_group, async_op=True),
+                       "the step's loss")
+        value, flag = total.tolist()  # one copy to the host: on a GPU, one wait
+        self.failed = flag > 0
+        return float(value)
 
     def finish(self, loss: torch.Tensor, max_norm: float | None,
                scaler: Any = None, failed: bool = False,
@@ -233,19 +238,20 @@ class GradSync:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         found = zero if scaler is None else scaler.unscale_(self.all_params).double()
         # one pass over every gradient, each counted once (replica 0, first tied copy)
-        norms = [torch.linalg.vector_norm(own_part(p.grad)) for p in self.norm_params
-                 if p.grad is not None]
+        norms = _norms([own_part(p.grad) for p in self.norm_params if p.grad is not None])
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
                                found, zero + float(failed), zero + float(graded)])
-        self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
-                   "the step's loss and gradient norm")
-        total_loss, sq = float(summary[0]), float(summary[1])
-        self.found_inf = bool(summary[2] > 0)
-        self.failed = bool(summary[3] > 0)
+        if not self.alone:
+            self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
+                       "the step's loss and gradient norm")
+        # one copy to the host: on a GPU, one wait for the step's work instead of five
+        total_loss, sq, inf, any_failed, any_graded = summary.tolist()
+        self.found_inf = inf > 0
+        self.failed = any_failed > 0
         if self.failed:
             return total_loss, float("nan")
-        if not summary[4] > 0:  # no loss had a gradient: none exists
+        if not any_graded > 0:  # no loss had a gradient: none exists
             for p in self.all_params:
                 p.grad = None
         if scaler is not None:
@@ -254,7 +260,27 @@ class GradSync:
         if max_norm is not None and not self.found_inf:
             coef = max_norm / (norm + 1e-6)
             if not coef >= 1.0:  # NaN too: clip_grad_norm_ scales every gradient by it
-                for p in self.all_params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+                for group in _by_kind([p.grad for p in self.all_params
+                                       if p.grad is not None]).values():
+                    torch._foreach_mul_([g for _, g in group], coef)
         return total_loss, norm
+
+
+def _by_kind(tensors: list[torch.Tensor]) -> dict[tuple[Any, ...], list[tuple[int, Any]]]:
+    """``tensors`` (with their positions) by device, dtype and kind (DTensor or plain):
+    the groups one ``torch._foreach_*`` call takes."""
+    groups: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype, type(t)), []).append((i, t))
+    return groups
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each of ``tensors``, in order, one ``torch._foreach_norm`` per group
+    of alike tensors (as ``clip_grad_norm_`` computes them: on a GPU one launch, not one
+    per parameter)."""
+    out: list[Any] = [None] * len(tensors)
+    for group in _by_kind(tensors).values():
+        for (i, _), n in zip(group, torch._foreach_norm([t for _, t in group]), strict=True):
+            out[i] = n
+    return out
