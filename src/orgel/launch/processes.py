@@ -61,7 +61,6 @@ from orgel.launch.forks import (
     inductor_in_process,
 )
 from orgel.launch.lifeline import Lifeline, lifeline, tie
-from orgel.launch.messages import send
 
 #: what torchrun tells its ranks (a local group's workers are not torchrun's ranks)
 _TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -191,7 +190,7 @@ def serve(engine: Any, conn: Connection, idle_s: float | None = None) -> tuple[A
 def _answer(conn: Connection, answer: tuple[Any, ...]) -> bool:
     """Send ``answer``; False where the controller's end is closed (it stopped the ranks)."""
     try:
-        send(conn, answer)
+        conn.send(answer)
         return True
     except OSError:
         return False
@@ -326,7 +325,7 @@ class LocalGroup:
         targets = list(range(self.num_ranks)) if ranks is None else list(ranks)
         for r in targets:
             try:
-                send(self._conns[r], (method, args, kwargs))
+                self._conns[r].send((method, args, kwargs))
             except (BrokenPipeError, OSError):
                 self._fail(targets, method, {r: (self._death(r, method), "", False)}, {})
         return self._collect(targets, method, self.timeout_s + 30 if wait_s == -1.0 else wait_s)
