@@ -61,6 +61,7 @@ from orgel.launch.forks import (
     inductor_in_process,
 )
 from orgel.launch.lifeline import Lifeline, lifeline, tie
+from orgel.launch.messages import send
 
 #: what torchrun tells its ranks (a local group's workers are not torchrun's ranks)
 _TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -190,7 +191,7 @@ def serve(engine: Any, conn: Connection, idle_s: float | None = None) -> tuple[A
 def _answer(conn: Connection, answer: tuple[Any, ...]) -> bool:
     """Send ``answer``; False where the controller's end is closed (it stopped the ranks)."""
     try:
-        conn.send(answer)
+        send(conn, answer)
         return True
     except OSError:
         return False
@@ -325,7 +326,7 @@ class LocalGroup:
         targets = list(range(self.num_ranks)) if ranks is None else list(ranks)
         for r in targets:
             try:
-                self._conns[r].send((method, args, kwargs))
+                send(self._conns[r], (method, args, kwargs))
             except (BrokenPipeError, OSError):
                 self._fail(targets, method, {r: (self._death(r, method), "", False)}, {})
         return self._collect(targets, method, self.timeout_s + 30 if wait_s == -1.0 else wait_s)

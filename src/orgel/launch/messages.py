@@ -1,0 +1,64 @@
+"""How a call and its answer travel on the pipe between the controller and a local rank.
+
+A pipe pickles with :class:`multiprocessing.reduction.ForkingPickler`, for which PyTorch
+registers tensors to travel by shared memory: each tensor's memory is copied into a
+shared segment whose file descriptor is handed over on a socket of its own, with an
+authentication challenge. For a batch of a few kilobytes that is most of the way: on one
+rank training a tiny GPT it was about a tenth of the rank's step, and the controller's
+thread that hands the descriptors over was busy in a third of its samples
+(docs/gpu.md, 2026-12-04). :func:`send` pickles a message whose tensors hold at most
+:data:`BY_VALUE_BYTES` in all with their bytes inside (plain CPU tensors; anything else as
+before), and a larger one as before. The receiving end needs nothing: a pipe's ``recv``
+unpickles either.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+#: a message whose tensors hold at most this many bytes carries them by value
+BY_VALUE_BYTES = 1 << 20
+
+
+def send(conn: Connection, message: Any) -> None:
+    """Send ``message`` on ``conn``: small tensors inside it, large ones by shared memory."""
+    tensors = [t for t in pytree.tree_leaves(message) if isinstance(t, torch.Tensor)]
+    if sum(t.nbytes for t in tensors) <= BY_VALUE_BYTES:
+        buffer = io.BytesIO()
+        try:
+            _ByValue(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+        except Exception:  # noqa: BLE001 - what plain pickling cannot carry goes as before
+            pass
+        else:
+            conn.send_bytes(buffer.getbuffer())
+            return
+    conn.send(message)
+
+
+class _ByValue(pickle.Pickler):
+    """Pickles a plain, dense CPU tensor as its bytes, its dtype and its shape."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is not torch.Tensor or obj.device.type != "cpu" \
+                or obj.layout != torch.strided or obj.is_quantized or obj.is_conj() \
+                or obj.is_neg():
+            return NotImplemented
+        value = obj.detach().contiguous()
+        data = value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b""
+        return _rebuild, (data, value.dtype, tuple(value.shape), obj.requires_grad)
+
+
+def _rebuild(data: bytes, dtype: torch.dtype, shape: tuple[int, ...],
+             requires_grad: bool) -> torch.Tensor:
+    """The tensor :class:`_ByValue` pickled (a copy of its own, writable)."""
+    if not data:
+        value = torch.empty(shape, dtype=dtype)
+    else:
+        value = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    return value.requires_grad_(requires_grad) if requires_grad else value
