@@ -27,7 +27,12 @@ BY_VALUE_BYTES = 1 << 20
 
 
 def send(conn: Connection, message: Any) -> None:
-    """Send ``message`` on ``conn``: small tensors inside it, large ones by shared memory."""
+    """Send ``message`` on ``conn``: small tensors inside it, large ones by shared memory.
+    A connection of orgel's own (under torchrun, :class:`orgel.explicit.mailbox.ByValue`)
+    pickles as it does."""
+    if not isinstance(conn, Connection):
+        conn.send(message)
+        return
     tensors = [t for t in pytree.tree_leaves(message) if isinstance(t, torch.Tensor)]
     if sum(t.nbytes for t in tensors) <= BY_VALUE_BYTES:
         buffer = io.BytesIO()
