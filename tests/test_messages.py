@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
 import torch
 
 from orgel.launch.messages import BY_VALUE_BYTES, send
@@ -39,3 +40,9 @@ def test_large_tensors_travel_by_shared_memory() -> None:
     big = torch.zeros(BY_VALUE_BYTES // 4 + 1)
     (got,) = _through((big,))  # type: ignore[misc]
     assert got.is_shared() and torch.equal(got, big)
+
+
+def test_a_non_leaf_that_requires_grad_is_refused_as_torch_refuses_it() -> None:
+    a, _ = mp.Pipe()
+    with pytest.raises(RuntimeError, match="non-leaf tensor which requires_grad"):
+        send(a, (torch.ones(2, requires_grad=True) * 2,))

@@ -54,6 +54,8 @@ class _ByValue(pickle.Pickler):
                 or obj.layout != torch.strided or obj.is_quantized or obj.is_conj() \
                 or obj.is_neg():
             return NotImplemented
+        if obj.requires_grad and not obj.is_leaf:  # torch's own way refuses it: so does send
+            raise pickle.PicklingError("a non-leaf tensor that requires grad")
         value = obj.detach().contiguous()
         data = value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b""
         return _rebuild, (data, value.dtype, tuple(value.shape), obj.requires_grad)
