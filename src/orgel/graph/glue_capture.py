@@ -157,7 +157,7 @@ def _joined(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]],
     eager = _eager_parameters(result, model)
     # a graph that reads no parameter or buffer is a pure function of its arguments: it
     # runs in the controller with the Python around it (so it may differ per micro-batch)
-    state = _state_ids(model)
+    state = {*params, *buffers}
     seen = [s for s in seen if _reads(s[1], state)]
     if not seen:
         raise CaptureError(f"{reason} No graph of the forward reads a parameter: nothing to "
