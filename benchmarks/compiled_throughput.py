@@ -10,6 +10,7 @@ steps; the step time is the median. Each result is printed, and appended to ``--
 JSON line, as soon as it is known: a run cut short still reports.
 
     python benchmarks/compiled_throughput.py --device cuda             # ~190 M parameters
+    python benchmarks/compiled_throughput.py --device cuda --precision bf16-mixed
     python benchmarks/compiled_throughput.py --device cpu --small      # the CPU smoke run
 """
 
@@ -43,8 +44,12 @@ def _model_and_batch(small: bool, batch: int) -> tuple[Any, Any, Any, Any]:
 
 
 def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
-                steps: int) -> dict[str, Any]:
-    """Train ``variant`` and return its timings (this process only)."""
+                steps: int, precision: str = "32") -> dict[str, Any]:
+    """Train ``variant`` and return its timings (this process only). ``precision``:
+    ``"32"`` or ``"bf16-mixed"`` (the forward and the loss under bfloat16 autocast, as
+    orgel's ``precision="bf16-mixed"`` runs them)."""
+    import contextlib
+
     import torch
 
     torch.set_float32_matmul_precision("high")  # TF32 on the GPU, for every variant alike
@@ -58,12 +63,17 @@ def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         run = torch.compile(model) if variant == "plain-compile" else model
 
+        def autocast() -> Any:
+            return (torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+                    if precision == "bf16-mixed" else contextlib.nullcontext())
+
         def step() -> float:
-            loss = loss_fn(run(x), y)
+            with autocast():
+                loss = loss_fn(run(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(loss)
+            return float(loss.detach())
         start_up = time.perf_counter() - start
         closer = None
     else:
@@ -77,6 +87,7 @@ def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
         pipe = orgel.pipeline(model, (x,), y, loss_fn, ranks=1, microbatches=1,
                               schedule="gpipe", loss_rule="items",
                               device=device, compile=variant == "orgel-compile",
+                              precision=precision,
                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
         start_up = time.perf_counter() - start
 
@@ -96,7 +107,7 @@ def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
         compile_s = max(closer.compile_s)
         closer.close()
     median = statistics.median(times)
-    return {"variant": variant, "device": device, "params_m": round(params / 1e6, 1),
+    return {"variant": variant, "device": device, "precision": precision, "params_m": round(params / 1e6, 1),
             "batch": batch, "step_ms": round(median * 1e3, 2),
             "tokens_per_s": round(x.numel() / median), "start_up_s": round(start_up, 1),
             "warmup_s": round(warm_s, 1), "compile_s": compile_s,
@@ -111,13 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--precision", default="32", choices=("32", "bf16-mixed"))
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
     parser.add_argument("--out", default=None, help="append each result here (JSON lines)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this variant
     args = parser.parse_args(argv)
     if args.one:
         result = run_variant(args.one, args.device, args.small, args.batch, args.warmup,
-                             args.steps)
+                             args.steps, args.precision)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     results: dict[str, dict[str, Any]] = {}
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants.split(","):
         cmd = [sys.executable, __file__, "--one", variant, "--device", args.device,
                "--batch", str(args.batch), "--warmup", str(args.warmup),
-               "--steps", str(args.steps)] + (["--small"] if args.small else [])
+               "--steps", str(args.steps), "--precision", args.precision] + (["--small"] if args.small else [])
         try:
             # the child's stderr goes straight to ours: where a variant that timed out was
             done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout,
@@ -155,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
             if args.out:
                 with open(args.out, "a") as f:
-                    f.write(json.dumps({"ratio": label, "value": round(ms[base] / ms[new], 3)})
-                            + "\n")
+                    f.write(json.dumps({"ratio": label, "precision": args.precision,
+                                        "value": round(ms[base] / ms[new], 3)}) + "\n")
     return 0
 
 

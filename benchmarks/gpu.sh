@@ -42,10 +42,14 @@ wait
 grep -h "captured, planned\|step time\|first step" "$OUT/demo.log" 2>/dev/null >>"$OUT/summary.log"
 grep -h "check vs\|compiling the stages\|Error" "$OUT/compiled.log" 2>/dev/null >>"$OUT/summary.log"
 grep -h "passed\|failed\|^FAILED\|^PASSED" "$OUT/tests.log" 2>/dev/null >>"$OUT/summary.log"
-# then the timings alone on the GPU, each variant in a fresh process
-step throughput "${THROUGHPUT_S:-330}" $PY benchmarks/compiled_throughput.py --device cuda \
-  --timeout "${VARIANT_S:-150}" --out "$OUT/throughput.jsonl"
-grep -h "x$" "$OUT/throughput.log" 2>/dev/null >>"$OUT/summary.log"
+# then the timings alone on the GPU, each variant in a fresh process, in each precision of
+# PRECISIONS ("32": TF32 matmuls; "bf16-mixed": bfloat16 autocast, where compiling gains more)
+for prec in ${PRECISIONS:-32 bf16-mixed}; do
+  echo "-- throughput, precision $prec" >>"$OUT/summary.log"
+  step "throughput-$prec" "${THROUGHPUT_S:-250}" $PY benchmarks/compiled_throughput.py \
+    --device cuda --precision "$prec" --timeout "${VARIANT_S:-120}" --out "$OUT/throughput.jsonl"
+  grep -h "x$" "$OUT/throughput-$prec.log" 2>/dev/null >>"$OUT/summary.log"
+done
 # a 2-stage pipeline on two ranks sharing the GPU against the cost model, and bf16-mixed on a
 # model large enough to profit (off unless COST_S / PREC_S give them seconds: the rest fits 8 minutes)
 if [ "${COST_S:-0}" -gt 0 ]; then

@@ -368,11 +368,12 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
                 if self.sync.failed:
                     raise self._drop_step()
                 self.buffers.average(self.sync._wait)
-                self.grad_norm = norm
                 self.skipped = self.sync.found_inf
                 self._event("sync", "gradients", start)
                 start = self._now()
                 self.loop.finish(skipped=self.skipped)
+                loss, norm = self.sync.read(loss, norm)
+                self.grad_norm = norm
                 self._event("optim", "optimizer", start)
                 if self.after_optimizer is not None:
                     self.after_optimizer()

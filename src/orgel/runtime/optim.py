@@ -32,6 +32,7 @@ the whole batch computes (the mean-reduced loss convention). Hence:
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -155,6 +156,8 @@ class GradSync:
         self.pending: list[tuple[str, Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         self.found_inf = False  # the last step's gradients held an inf/NaN (loss scaling)
         self.failed = False  # a rank's work raised in the last step: every rank drops it
+        #: the step's sums left on the device by :meth:`finish`, for :meth:`read`
+        self.later: torch.Tensor | None = None
 
     def launch_replicas(self, rset: tuple[int, ...]) -> None:
         """Start the sum over the replicas of ``rset``'s stages (asynchronous)."""
@@ -242,6 +245,16 @@ class GradSync:
         local_sq = torch.stack(norms).double().pow(2).sum() if norms else zero
         summary = torch.stack([loss.detach().double().reshape(()).to(self.device), local_sq,
                                found, zero + float(failed), zero + float(graded)])
+        if self.alone and scaler is None and max_norm is None:
+            # nothing before the optimizer step needs these numbers (failed and graded are
+            # this process's own): they are read after it (:meth:`read`), so that on a GPU
+            # the host launches the optimizer while the device still runs the backward
+            self.found_inf, self.failed = False, failed
+            if not failed and not graded:
+                for p in self.all_params:
+                    p.grad = None
+            self.later = summary
+            return math.nan, math.nan
         if not self.alone:
             self._wait(dist.all_reduce(summary, group=self.world_group, async_op=True),
                        "the step's loss and gradient norm")
@@ -264,6 +277,15 @@ class GradSync:
                                        if p.grad is not None]).values():
                     torch._foreach_mul_([g for _, g in group], coef)
         return total_loss, norm
+
+    def read(self, loss: float, norm: float) -> tuple[float, float]:
+        """``(loss, grad norm)`` as :meth:`finish` returned them, or, where it left them on
+        the device (:attr:`later`), copied to the host now (once: one wait)."""
+        if self.later is None:
+            return loss, norm
+        later, self.later = self.later, None
+        total_loss, sq = later[:2].tolist()
+        return total_loss, sq ** 0.5
 
 
 def _by_kind(tensors: list[torch.Tensor]) -> dict[tuple[Any, ...], list[tuple[int, Any]]]:
