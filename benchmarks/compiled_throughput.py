@@ -107,7 +107,8 @@ def run_variant(variant: str, device: str, small: bool, batch: int, warmup: int,
         compile_s = max(closer.compile_s)
         closer.close()
     median = statistics.median(times)
-    return {"variant": variant, "device": device, "precision": precision, "params_m": round(params / 1e6, 1),
+    return {"variant": variant, "device": device, "precision": precision,
+            "params_m": round(params / 1e6, 1),
             "batch": batch, "step_ms": round(median * 1e3, 2),
             "tokens_per_s": round(x.numel() / median), "start_up_s": round(start_up, 1),
             "warmup_s": round(warm_s, 1), "compile_s": compile_s,
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants.split(","):
         cmd = [sys.executable, __file__, "--one", variant, "--device", args.device,
                "--batch", str(args.batch), "--warmup", str(args.warmup),
-               "--steps", str(args.steps), "--precision", args.precision] + (["--small"] if args.small else [])
+               "--steps", str(args.steps), "--precision", args.precision]
+        cmd += ["--small"] if args.small else []
         try:
             # the child's stderr goes straight to ours: where a variant that timed out was
             done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout,
