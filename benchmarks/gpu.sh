@@ -43,11 +43,14 @@ grep -h "captured, planned\|step time\|first step" "$OUT/demo.log" 2>/dev/null >
 grep -h "check vs\|compiling the stages\|Error" "$OUT/compiled.log" 2>/dev/null >>"$OUT/summary.log"
 grep -h "passed\|failed\|^FAILED\|^PASSED" "$OUT/tests.log" 2>/dev/null >>"$OUT/summary.log"
 # then the timings alone on the GPU, each variant in a fresh process, in each precision of
-# PRECISIONS ("32": TF32 matmuls; "bf16-mixed": bfloat16 autocast, where compiling gains more)
+# PRECISIONS ("32": TF32 matmuls; "bf16-mixed": bfloat16 autocast, where compiling gains more),
+# at batch BATCH x 512 tokens (32: the GPU's time a step exceeds the host's launches; at 8 an
+# H200's step waits on the host, docs/gpu.md)
 for prec in ${PRECISIONS:-32 bf16-mixed}; do
   echo "-- throughput, precision $prec" >>"$OUT/summary.log"
   step "throughput-$prec" "${THROUGHPUT_S:-250}" $PY benchmarks/compiled_throughput.py \
-    --device cuda --precision "$prec" --timeout "${VARIANT_S:-120}" --out "$OUT/throughput.jsonl"
+    --device cuda --precision "$prec" --batch "${BATCH:-32}" --timeout "${VARIANT_S:-120}" \
+    --out "$OUT/throughput.jsonl"
   grep -h "x$" "$OUT/throughput-$prec.log" 2>/dev/null >>"$OUT/summary.log"
 done
 # a 2-stage pipeline on two ranks sharing the GPU against the cost model, and bf16-mixed on a

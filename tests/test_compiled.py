@@ -284,3 +284,20 @@ def test_orgel_backend_compiles_the_stages_too() -> None:
     assert losses == pytest.approx(want_losses, rel=1e-6)
     for name, t in want.items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_compiled_stage_reads_weights_replaced_after_its_first_call() -> None:
+    """The stage finds where each weight lives once but reads the tensor there at every
+    call: a weight replaced by another object (a state dict loaded with ``assign=True``,
+    FSDP2's whole weights) is the one the next call computes with."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    stage = CompiledStage(module)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(stage(x), module(x))
+    fresh = {k: torch.randn_like(v) for k, v in module.state_dict().items()}
+    module.load_state_dict(fresh, assign=True)
+    out = stage(x)
+    torch.testing.assert_close(out, module(x))
+    out.sum().backward()
+    assert module[0].weight.grad is not None  # the new object's gradient

@@ -14,7 +14,11 @@ backward graph once more, by what each output needs:
   from the frontier.
 
 Each of the three graphs (forward, ``I``, ``W``; and the whole backward, for ``B``)
-is compiled by Inductor (``torch.compile`` of the fx graph). The executor keeps its
+is compiled by Inductor's compiler for traced graphs (``compile_fx_inner``, what
+``torch.compile`` calls for each graph AOTAutograd partitions; the joint graph is traced
+with Inductor's decompositions, as ``torch.compile`` traces it). Nothing wraps the
+compiled code a second time: on a GPU a step of a small batch waits on the host's
+launches, and every layer of Python per call shows (docs/gpu.md). The executor keeps its
 autograd protocol: the stage is one autograd node. A full backward (``B``) runs the
 whole backward graph. Inside :func:`split_backward` (the executor's ``I`` action), the
 node runs ``I`` instead and returns no parameter gradients; the ``W`` closures it
@@ -103,8 +107,18 @@ def compiled_input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor 
 
 
 def _inductor(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-    """``gm`` compiled by Inductor (lazily, at its first call)."""
-    return torch.compile(gm, backend="inductor", options=INDUCTOR_OPTIONS, dynamic=False)
+    """``gm`` compiled by Inductor (lazily, at its first call, for its arguments' sizes)."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    compiled: list[Callable[..., Any]] = []
+
+    def call(*args: Any) -> Any:
+        if not compiled:
+            with config.patch(INDUCTOR_OPTIONS):
+                compiled.append(compile_fx_inner(gm, list(args)))
+        return compiled[0](list(args))
+    return call
 
 
 def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -165,6 +179,7 @@ class _Compiled:
     def __init__(self, owner: CompiledStage, fn: Callable[..., Any]) -> None:
         from torch._functorch.aot_autograd import aot_function, make_boxed_func
         from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.decomposition import select_decomp_table
 
         self.owner = owner
         self.weights = 0  # set per call: how many leading arguments are parameters
@@ -204,7 +219,8 @@ class _Compiled:
 
         self.fn = aot_function(fn, fw_compiler=fw_compiler,  # type: ignore[arg-type]
                                bw_compiler=bw_compiler,  # type: ignore[arg-type]
-                               partition_fn=min_cut_rematerialization_partition)
+                               partition_fn=min_cut_rematerialization_partition,
+                               decompositions=select_decomp_table())
 
 
 def _accumulate(params: list[torch.Tensor], grads: Any) -> None:
@@ -244,6 +260,9 @@ class CompiledStage:
         self.compile_s = 0.0  # seconds spent compiling, all signatures together
         self._cache: dict[Any, _Compiled] = {}
         self._params_now: list[torch.Tensor] = []
+        #: (qualified name, the owner's parameter or buffer table, attribute), for _state
+        self._slots: list[tuple[str, dict[str, Any], str]] | None = None
+        self._weights = 0
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, its first call (where Inductor compiles) added to :attr:`compile_s`."""
@@ -263,14 +282,33 @@ class CompiledStage:
 
         return call
 
+    def _state(self) -> tuple[list[str], list[torch.Tensor], int]:
+        """The module's parameters, then its buffers: their names, the tensors, how many
+        are parameters. Where each lives (the submodule, the attribute) is found once; the
+        tensors are read afresh at every call (FSDP2's whole weights, a state dict loaded
+        with ``assign=True``, a recompute's swapped buffers), without walking every
+        submodule at every call (on a GPU, host time the step waits for)."""
+        if self._slots is None:
+            slots = []
+            for table, named in (("_parameters", self.module.named_parameters()),
+                                 ("_buffers", self.module.named_buffers())):
+                for name, _ in named:
+                    owner, _, attr = name.rpartition(".")
+                    slots.append((name, getattr(self.module.get_submodule(owner), table),
+                                  attr))
+            self._slots = slots
+            self._weights = sum(1 for _ in self.module.named_parameters())
+        tensors = [table[attr] for _, table, attr in self._slots]
+        if any(t is None for t in tensors):  # a slot emptied: find them again
+            self._slots = None
+            return self._state()
+        return [name for name, _, _ in self._slots], tensors, self._weights
+
     def __call__(self, *args: Any) -> Any:
         unshard = getattr(self.module, "unshard", None)
         if unshard is not None:  # FSDP2: its forward hook would gather; the weights whole
             unshard()  # are the module's parameters until the step's reduce reshards them
-        params = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
-        names = [*params, *buffers]
-        tensors = [*params.values(), *buffers.values()]
+        names, tensors, weights = self._state()
         positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
         constants = {k: a for k, a in enumerate(args) if not isinstance(a, torch.Tensor)}
         key = (self.module.training, torch.is_grad_enabled(), tuple(names),
@@ -298,8 +336,8 @@ class CompiledStage:
             compiled = _Compiled(self, fn)
             self.compile_s += time.perf_counter() - start
             self._cache[key] = compiled
-        compiled.weights = len(params)
-        self._params_now = list(params.values())
+        compiled.weights = weights
+        self._params_now = tensors[:weights]
         return compiled.fn(*(own_part(t) for t in tensors), *(args[k] for k in positions))
 
 
