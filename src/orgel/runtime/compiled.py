@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from orgel.runtime.partition import partition_backward
 from orgel.runtime.sharding import like_param, own_part
 
 #: Inductor options for every stage graph: draws from torch's generator (exact dropout)
@@ -119,57 +120,6 @@ def _inductor(gm: torch.fx.GraphModule) -> Callable[..., Any]:
                 compiled.append(compile_fx_inner(gm, list(args)))
         return compiled[0](list(args))
     return call
-
-
-def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
-    seen: set[torch.fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
-
-
-def partition_backward(bw: torch.fx.GraphModule, weights: int
-                       ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
-    """Split a backward graph whose first ``weights`` outputs are the parameters' gradients
-    (the rest the inputs') into ``I`` and ``W``; also the number of ``I``'s gradient outputs.
-
-    ``I`` takes the backward's inputs and returns ``(*input grads, *frontier)``; ``W``
-    takes the frontier and returns the parameters' gradients (``None`` where the backward
-    gives none). Nothing is computed twice: ``W`` holds only nodes ``I`` does not."""
-    outputs = list(bw.graph.output_node().args[0])  # type: ignore[arg-type]
-    w_outs, i_outs = outputs[:weights], outputs[weights:]
-    need_i = _ancestors([n for n in i_outs if isinstance(n, torch.fx.Node)])
-    need_w = _ancestors([n for n in w_outs if isinstance(n, torch.fx.Node)])
-    w_only = {n for n in need_w - need_i if n.op != "placeholder"}
-    order = list(bw.graph.nodes)
-    frontier = [n for n in order if n in need_w and n not in w_only
-                and (n in w_outs or any(u in w_only for u in n.users))]
-
-    i_graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for n in order:
-        if n.op == "placeholder" or (n in need_i and n.op != "output"):
-            env[n] = i_graph.node_copy(n, lambda x: env[x])
-    i_graph.output([env[n] if isinstance(n, torch.fx.Node) else n for n in i_outs]
-                   + [env[n] for n in frontier])
-    w_graph = torch.fx.Graph()
-    wenv: dict[torch.fx.Node, torch.fx.Node] = {}
-    for k, n in enumerate(frontier):
-        wenv[n] = w_graph.placeholder(f"frontier_{k}")
-        wenv[n].meta = dict(n.meta)
-    for n in order:
-        if n in w_only and n.op not in ("output", "placeholder"):
-            wenv[n] = w_graph.node_copy(n, lambda x: wenv[x])
-    w_graph.output([wenv[n] if isinstance(n, torch.fx.Node) else n for n in w_outs])
-    i_module = torch.fx.GraphModule(bw, i_graph)
-    w_module = torch.fx.GraphModule(bw, w_graph)
-    i_module.graph.eliminate_dead_code()
-    i_module.recompile()
-    return i_module, w_module, len(i_outs)
 
 
 class _Compiled:
