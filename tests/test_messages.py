@@ -5,6 +5,7 @@ memory as before; every pipeline test sends its batches this way."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import pytest
 import torch
@@ -46,3 +47,27 @@ def test_a_non_leaf_that_requires_grad_is_refused_as_torch_refuses_it() -> None:
     a, _ = mp.Pipe()
     with pytest.raises(RuntimeError, match="non-leaf tensor which requires_grad"):
         send(a, (torch.ones(2, requires_grad=True) * 2,))
+
+
+def test_torchruns_connections_carry_tensors_by_value_too() -> None:
+    """torchrun's processes are not one family (no shared memory between them): their
+    connection (:class:`orgel.explicit.mailbox.ByValue`) pickles every message by value,
+    the plain CPU tensors as their bytes, large ones too; a non-leaf that requires grad is
+    refused there as well."""
+    from orgel.explicit.mailbox import pipe_here
+
+    here, there = pipe_here()
+    big = torch.arange(BY_VALUE_BYTES // 4 + 1, dtype=torch.float32)
+    half = torch.randn(3, 4, dtype=torch.bfloat16).t()
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(there.recv()))
+    reader.start()  # a message larger than the socket's buffer: read while it is sent
+    here.send(("step", (big, half, torch.nn.Parameter(torch.ones(2)))))
+    reader.join(timeout=30)
+    method, (b, h, w) = got[0]  # type: ignore[misc]
+    assert method == "step" and torch.equal(b, big) and not b.is_shared()
+    assert torch.equal(h, half) and isinstance(w, torch.nn.Parameter)
+    with pytest.raises(Exception, match="non-leaf"):
+        here.send((torch.ones(2, requires_grad=True) * 2,))
+    here.close()
+    there.close()

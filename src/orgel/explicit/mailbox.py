@@ -22,6 +22,7 @@ from multiprocessing.connection import Client, Connection, Listener, Pipe
 from typing import Any
 
 from orgel.launch.errors import WorkerError
+from orgel.launch.messages import dumps
 
 
 class Stopped(RuntimeError):
@@ -177,7 +178,7 @@ class ByValue:
         self.conn = conn
 
     def send(self, message: Any) -> None:
-        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        self.conn.send_bytes(dumps(message))
 
     def recv(self) -> Any:
         return pickle.loads(self.conn.recv_bytes())  # noqa: S301 - a process of this job

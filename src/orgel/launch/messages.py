@@ -35,15 +35,24 @@ def send(conn: Connection, message: Any) -> None:
         return
     tensors = [t for t in pytree.tree_leaves(message) if isinstance(t, torch.Tensor)]
     if sum(t.nbytes for t in tensors) <= BY_VALUE_BYTES:
-        buffer = io.BytesIO()
         try:
-            _ByValue(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+            data = dumps(message)
         except Exception:  # noqa: BLE001 - what plain pickling cannot carry goes as before
             pass
         else:
-            conn.send_bytes(buffer.getbuffer())
+            conn.send_bytes(data)
             return
     conn.send(message)
+
+
+def dumps(message: Any) -> bytes | memoryview:
+    """``message`` pickled with its plain CPU tensors' bytes inside (``pickle.loads``
+    reads it). Tensors pickled by torch's own reduction go through ``torch.save`` one by
+    one; this is what a pipe carries by value here and torchrun's connections always
+    (:class:`orgel.explicit.mailbox.ByValue`). Raises what pickling raises."""
+    buffer = io.BytesIO()
+    _ByValue(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getbuffer()
 
 
 class _ByValue(pickle.Pickler):
