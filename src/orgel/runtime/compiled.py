@@ -107,18 +107,22 @@ def compiled_input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor 
     return list(got), weights
 
 
-def _inductor(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-    """``gm`` compiled by Inductor (lazily, at its first call, for its arguments' sizes)."""
+def _inductor(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """``gm`` compiled by Inductor (lazily, at its first call, for its arguments' sizes).
+
+    Boxed, as AOTAutograd calls compiled graphs: it takes its arguments as one list and
+    empties it, so each input (a saved activation, in a backward) is freed once the
+    compiled code has used it for the last time, not when the whole graph returns."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
     compiled: list[Callable[..., Any]] = []
 
-    def call(*args: Any) -> Any:
+    def call(args: list[Any]) -> Any:
         if not compiled:
             with config.patch(INDUCTOR_OPTIONS):
                 compiled.append(compile_fx_inner(gm, list(args)))
-        return compiled[0](list(args))
+        return compiled[0](args)
     return call
 
 
@@ -127,7 +131,7 @@ class _Compiled:
     when :func:`split_backward` is on."""
 
     def __init__(self, owner: CompiledStage, fn: Callable[..., Any]) -> None:
-        from torch._functorch.aot_autograd import aot_function, make_boxed_func
+        from torch._functorch.aot_autograd import aot_function
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch._inductor.decomposition import select_decomp_table
 
@@ -136,7 +140,9 @@ class _Compiled:
 
         def fw_compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable[..., Any]:
             self.owner.saved_bytes.append(_saved_bytes(gm))
-            return make_boxed_func(self.owner._timed(_inductor(gm)))
+            forward = self.owner._timed(_inductor(gm))
+            forward._boxed_call = True  # type: ignore[attr-defined]
+            return forward
 
         def bw_compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable[..., Any]:
             full = self.owner._timed(_inductor(gm))
@@ -146,20 +152,17 @@ class _Compiled:
 
             def backward(grads: list[Any]) -> Any:  # boxed: the list is ours to clear
                 pending = _split.pending
-                if pending is None:
-                    args = list(grads)
-                    grads.clear()
-                    return full(*args)
                 args = list(grads)
                 grads.clear()
-                result = i_fn(*args)
-                del args
+                if pending is None:
+                    return full(args)
+                result = i_fn(args)
                 inputs, frontier = list(result[:count]), list(result[count:])
                 params = self.owner._params_now
 
                 def weight_half() -> None:
                     with torch.no_grad():  # the frontier may hold parameters themselves
-                        _accumulate(params, w_fn(*frontier))
+                        _accumulate(params, w_fn(frontier))
 
                 pending.append(weight_half)
                 return [None] * weights + inputs
@@ -214,18 +217,19 @@ class CompiledStage:
         self._slots: list[tuple[str, dict[str, Any], str]] | None = None
         self._weights = 0
 
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn``, its first call (where Inductor compiles) added to :attr:`compile_s`."""
+    def _timed(self, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+        """Boxed ``fn``, its first call (where Inductor compiles) added to
+        :attr:`compile_s`."""
         state = {"first": True}
 
-        def call(*args: Any) -> Any:
+        def call(args: list[Any]) -> Any:
             if not state["first"]:
-                return fn(*args)
+                return fn(args)
             from orgel.graph.dynamo import dynamo_settings
 
             start = time.perf_counter()
             with dynamo_settings():  # torch 2.11 fails to log the compile's config otherwise
-                out = fn(*args)
+                out = fn(args)
             state["first"] = False
             self.compile_s += time.perf_counter() - start
             return out
