@@ -10,8 +10,9 @@ step also sends the batch to the rank, runs the executor and the gradient reduct
 answers the loss. The two take turns (``--steps`` steps each, ``--repeats`` times), so both
 see the same load; the medians, their difference (orgel's fixed cost per step) and the
 ratio are printed with the machine's load average. On an H200 (2026-12-04, docs/gpu.md) the
-same cost was 1.4 to 1.7 ms a step of a 185 M-parameter GPT, most of the gap between
-orgel's compiled stages and ``torch.compile``.
+gap between orgel eager and plain eager was 1.4 to 2.4 ms a step of a 185 M-parameter GPT;
+the larger gap between orgel's compiled stages and ``torch.compile`` was the compile path's
+own host time (``benchmarks/compiled_gap.py``).
 """
 
 from __future__ import annotations
