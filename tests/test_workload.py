@@ -136,3 +136,37 @@ def test_a_model_with_nothing_to_train_is_refused() -> None:
         validate_workload(w, 2)
     model[1].requires_grad_(True)  # partly frozen is fine
     validate_workload(w, 2)
+
+
+class Seen(nn.Module):
+    """Records the kind of tensor each forward gets; ``reads`` makes the forward read a
+    value (a Python ``if`` on a tensor), which fake tensors cannot answer."""
+
+    def __init__(self, reads: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.reads = reads
+        self.kinds: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self.kinds.append("fake" if isinstance(x, FakeTensor) else "real")
+        if self.reads and bool(x.sum() > 1e9):
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+def test_the_trial_forward_uses_fake_tensors_and_real_ones_only_where_it_must() -> None:
+    """Whether the loss is a floating scalar needs shapes and dtypes only: the trial forward
+    of the whole batch runs on fake tensors (a large model's costs no arithmetic); a forward
+    that reads a value runs for real, and its own errors are still the user's."""
+    y = torch.randint(0, 3, (6,))
+    plain = Seen(reads=False)
+    validate_workload(Workload(plain, (torch.randn(6, 4),), y, _loss))
+    assert plain.kinds == ["fake"]
+    reading = Seen(reads=True)
+    validate_workload(Workload(reading, (torch.randn(6, 4),), y, _loss))
+    assert reading.kinds == ["fake", "real"]
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        validate_workload(Workload(Seen(reads=False), (torch.randn(6, 5),), y, _loss))

@@ -238,9 +238,11 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
         loss = _meta_loss(w, named)
         if loss is None:  # the forward reads values no meta or fake tensor holds
             return
-    else:
-        with untouched(w.model), torch.no_grad():
-            loss = w.loss_fn(w.model(**named), targets)
+    else:  # shapes and dtypes are enough: fake tensors, no arithmetic on the whole batch
+        loss = _fake_loss(w, (named, targets))
+        if loss is None:  # the forward reads values (or raises): the real one says which
+            with untouched(w.model), torch.no_grad():
+                loss = w.loss_fn(w.model(**named), targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise WorkloadError(
@@ -263,8 +265,6 @@ def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
     where both fail for want of values (the capture traces past the read, and the
     ranks compute the loss on real ones).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from orgel.guard import untouched
 
     batch = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (named, w.targets))
@@ -272,15 +272,30 @@ def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
         with untouched(w.model), torch.no_grad():
             return w.loss_fn(w.model(**batch[0]), batch[1])
     except Exception as exc:  # noqa: BLE001 - the fake run decides; its error is this one
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        loss = _fake_loss(w, batch)
+        if loss is None:
+            if "meta" in str(exc).lower():  # left to the capture, which traces it
+                return None
+            raise exc from None
+        return loss
+
+
+def _fake_loss(w: Workload, batch: tuple[dict[str, Any], Any]) -> Any:
+    """The loss of a forward on fake copies of ``batch`` (shapes and dtypes, no values:
+    a trial of a large model's whole batch costs no arithmetic), or None where that
+    forward raises (it reads a value: the caller runs a real one, whose error is the
+    user's own)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from orgel.guard import untouched
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
         with untouched(w.model), torch.no_grad(), mode:
             fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
-            try:
-                return w.loss_fn(w.model(**fake[0]), fake[1])
-            except Exception:  # noqa: BLE001
-                if "meta" in str(exc).lower():  # left to the capture, which traces it
-                    return None
-                raise exc from None
+            return w.loss_fn(w.model(**fake[0]), fake[1])
+    except Exception:  # noqa: BLE001 - any failure: the real forward decides
+        return None
 
 
 def _check_rows(w: Workload, named: dict[str, Any], m: int) -> None:
