@@ -301,3 +301,19 @@ def test_a_compiled_stage_reads_weights_replaced_after_its_first_call() -> None:
     torch.testing.assert_close(out, module(x))
     out.sum().backward()
     assert module[0].weight.grad is not None  # the new object's gradient
+
+
+def test_a_compiled_stage_keeps_no_micro_batchs_inputs_alive() -> None:
+    """The function AOTAutograd traces is kept with the compiled graphs; it must not hold
+    the first call's arguments (a micro-batch's activations, for the stage's lifetime)."""
+    import gc
+    import weakref
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    stage = CompiledStage(module)
+    x = torch.randn(4, 8, requires_grad=True)
+    first = weakref.ref(x)
+    stage(x).sum().backward()
+    del x
+    gc.collect()
+    assert first() is None

@@ -252,8 +252,9 @@ class CompiledStage:
                                   attr))
             self._slots = slots
             self._weights = sum(1 for _ in self.module.named_parameters())
-        tensors = [table[attr] for _, table, attr in self._slots]
-        if any(t is None for t in tensors):  # a slot emptied: find them again
+        found = [table.get(attr) for _, table, attr in self._slots]
+        tensors = [t for t in found if t is not None]
+        if len(tensors) < len(found):  # a slot emptied or gone: find them again
             self._slots = None
             return self._state()
         return [name for name, _, _ in self._slots], tensors, self._weights
@@ -269,7 +270,7 @@ class CompiledStage:
                tuple(_key(t) for t in tensors), tuple(_key(a) for a in args))
         compiled = self._cache.get(key)
         if compiled is None:
-            module = self.module
+            module, count = self.module, len(args)
 
             def fn(*flat: torch.Tensor) -> Any:
                 # a DTensor weight (tensor parallelism) enters as its local part and is made
@@ -277,7 +278,9 @@ class CompiledStage:
                 # the input half can leave it without a gradient, as any other weight
                 state = {n: like_param(like, t) for n, like, t in
                          zip(names, tensors, flat[:len(names)], strict=True)}
-                call_args = list(args)
+                # not the first call's ``args``: a closure over them would keep that
+                # micro-batch's inputs alive as long as the stage
+                call_args: list[Any] = [None] * count
                 for k, t in zip(positions, flat[len(names):], strict=True):
                     call_args[k] = t
                 for k, v in constants.items():

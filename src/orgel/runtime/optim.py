@@ -250,7 +250,9 @@ class GradSync:
             # this process's own): they are read after it (:meth:`read`), so that on a GPU
             # the host launches the optimizer while the device still runs the backward
             self.found_inf, self.failed = False, failed
-            if not failed and not graded:
+            if failed:  # the step is dropped: nothing to read
+                return math.nan, math.nan
+            if not graded:
                 for p in self.all_params:
                     p.grad = None
             self.later = summary
