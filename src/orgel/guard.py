@@ -20,6 +20,7 @@ preparation has to remember to put anything back:
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 from collections.abc import Iterator
@@ -125,6 +126,20 @@ def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
                 f"orgel changed parameter(s) {', '.join(changed[:5])} in place while preparing "
                 "the pipeline; this is a bug in orgel, please report it with the model"
             )
+
+
+@contextmanager
+def quiet(logger: str, level: int = logging.CRITICAL) -> Iterator[None]:
+    """Inside: ``logger`` drops records below ``level`` (a message torch logs about work
+    orgel tries and handles itself: the user has nothing to change); its level is put
+    back after."""
+    log = logging.getLogger(logger)
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
 
 
 @contextmanager

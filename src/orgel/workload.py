@@ -287,11 +287,11 @@ def _fake_loss(w: Workload, batch: tuple[dict[str, Any], Any]) -> Any:
     user's own)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from orgel.guard import untouched
+    from orgel.guard import quiet, untouched
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        with untouched(w.model), torch.no_grad(), mode:
+    try:  # (a kernel that raises on fake tensors is logged as an error by torch: quiet)
+        with quiet("torch._subclasses.fake_tensor"), untouched(w.model), torch.no_grad(), mode:
             fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
             return w.loss_fn(w.model(**fake[0]), fake[1])
     except Exception:  # noqa: BLE001 - any failure: the real forward decides

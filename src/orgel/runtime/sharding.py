@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orgel.guard import quiet
 from orgel.schedule.ir import SHARDS, Plan
 
 
@@ -168,13 +169,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
         # a parameter sharded over a 2-D mesh (tp x fsdp) is gathered in two all-gathers,
         # which DTensor warns about once per process: a checkpoint's or state_dict's one
         # gather, not the step's; the user has nothing to change
-        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
+        with quiet("torch.distributed.tensor._redistribute", logging.ERROR):
             return t.detach().full_tensor()  # type: ignore[attr-defined, no-any-return]
-        finally:
-            quiet.setLevel(level)
     return t
 
 
