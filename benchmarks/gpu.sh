@@ -53,6 +53,11 @@ for prec in ${PRECISIONS:-32 bf16-mixed}; do
     --out "$OUT/throughput.jsonl"
   grep -h "x$" "$OUT/throughput-$prec.log" 2>/dev/null >>"$OUT/summary.log"
 done
+# where a compiled stage's step loses to torch.compile's, kernels apart from host time
+# (off unless GAP_S gives it seconds; about 150 s on an H200)
+step gap "${GAP_S:-0}" $PY benchmarks/compiled_gap.py --device cuda --precision bf16-mixed \
+  --batch "${BATCH:-32}" --kernels
+grep -h "ms a step\|x$" "$OUT/gap.log" 2>/dev/null >>"$OUT/summary.log"
 # a 2-stage pipeline on two ranks sharing the GPU against the cost model, and bf16-mixed on a
 # model large enough to profit (off unless COST_S / PREC_S give them seconds: the rest fits 8 minutes)
 if [ "${COST_S:-0}" -gt 0 ]; then
