@@ -3,14 +3,16 @@
 Three ways to train the same model, one after another in this process, each timed by the
 median of ``--steps`` steps after ``--warmup``:
 
-- ``torch.compile``: the model compiled whole (what a user writes);
-- ``stage(module)``: orgel's :class:`~orgel.runtime.compiled.CompiledStage` over the model
+- ``compile``: the model compiled whole by ``torch.compile`` (what a user writes);
+- ``stage-module``: orgel's :class:`~orgel.runtime.compiled.CompiledStage` over the model
   itself (orgel's compile path: AOTAutograd, min-cut partition, Inductor per graph);
-- ``stage(captured)``: the same over the graph orgel captures and splits (one stage), as
+- ``stage-captured``: the same over the graph orgel captures and splits (one stage), as
   a rank runs it.
 
 The first two apart is the compile path's cost; the last two apart, the captured graph's.
-With ``--kernels`` it prints each variant's ten most expensive device kernels.
+With ``--kernels`` it profiles one more step of each and prints its ten most expensive
+kernels and the step's total kernel time ("Self CUDA time total" on a GPU): a step much
+longer than its kernels waits on the host.
 
     python benchmarks/compiled_gap.py --device cuda --precision bf16-mixed
     python benchmarks/compiled_gap.py --device cpu --small
