@@ -250,8 +250,9 @@ class CompiledStage:
                     owner, _, attr = name.rpartition(".")
                     slots.append((name, getattr(self.module.get_submodule(owner), table),
                                   attr))
+                if table == "_parameters":
+                    self._weights = len(slots)
             self._slots = slots
-            self._weights = sum(1 for _ in self.module.named_parameters())
         found = [table.get(attr) for _, table, attr in self._slots]
         tensors = [t for t in found if t is not None]
         if len(tensors) < len(found):  # a slot emptied or gone: find them again
