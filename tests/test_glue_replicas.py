@@ -82,3 +82,59 @@ def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas() -> N
         state = pipe.state_dict()
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class Broken(nn.Module):
+    """Two layers with a graph break between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+@pytest.mark.slow
+def test_replicas_train_from_the_one_capture_of_a_microbatch_at_any_batch_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``dp=2`` the plan and the stages read one capture of a micro-batch, with symbolic
+    sizes (a forward of several graphs included; it was captured static, and again of one
+    replica's rows): a later batch of other rows trains on the captured graphs, exactly."""
+    import orgel.flow.capture as flow_capture
+
+    captures: list[int] = []
+    capture = flow_capture.capture_microbatch
+
+    def counted(*args: object, **kwargs: object) -> object:
+        captures.append(1)
+        return capture(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(flow_capture, "capture_microbatch", counted)
+    torch.manual_seed(0)
+    model = Broken()
+    reference = copy.deepcopy(model)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    opt = sgd(reference.parameters())
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    pipe = orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, dp=2, microbatches=2,
+                          schedule="1f1b", threads=1, timeout_s=60, optimizer=sgd)
+    with pipe:
+        assert pipe.glue.calls and len(captures) == 1
+        for rows in (8, 12):  # replicas of 2 rows, then of 3
+            batch, target = torch.randn(rows, 8), torch.randint(0, 4, (rows,))
+            got = pipe.step((batch,), target)
+            assert pipe.off_path == []  # every micro-batch ran on the ranks
+            opt.zero_grad()
+            want = 0.0
+            for xm, ym in zip(batch.chunk(4), target.chunk(4), strict=True):
+                loss = F.cross_entropy(reference(xm), ym) / 4
+                loss.backward()
+                want += loss.item()
+            opt.step()
+            assert float(got) == pytest.approx(want, rel=1e-6)
+        state = pipe.state_dict()
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.slow
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
             "if_end", "length", "resume", "tied"]
 PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+accumulate+break", "tp+length",
-         "meta+fsdp", "evaluate+bf16+break", "accumulate+break", "sp+length", "length+break"]
+         "meta+fsdp", "evaluate+bf16+break", "accumulate+break", "sp+length", "length+break",
+         "dp+break+length"]
 #: the pairs run under torchrun too (each feature does)
 TORCHRUN_PAIRS = ["tp+break"]
 
@@ -64,6 +65,8 @@ def check(entry: str, cell: str, report: dict[str, Any]) -> None:
     assert "error" not in report, f"{entry} {cell}: {report.get('trace', report)}"
     tol = TOLERANCE["bf16" if "bf16" in cell else "32"]
     assert not report["missing"], report["missing"]
+    # (step, micro-batch) the calling process ran whole: the pipeline did not train them
+    assert not report.get("off_path"), f"{entry} {cell} left the captured graphs: {report}"
     assert len(report["losses"]) == len(report["ref"])
     for got, want in zip(report["losses"], report["ref"], strict=True):
         assert abs(got - want) <= (10 if "diff64" in report else 1) * tol, report

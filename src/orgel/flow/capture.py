@@ -85,17 +85,31 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
     return given
 
 
-def replica_graph(workload: Workload, graph: Any, plan: Plan, dynamic: bool = True) -> Any:
-    """``graph``, or where ``plan``'s stages have replicas, a capture of one replica's rows
-    (``dynamic``: as :func:`capture_microbatch`'s; a forward of several graphs keeps its
-    code for the controller, and ``graph``'s is dropped)."""
-    replicas = stage_replicas(plan)
-    if replicas > 1:
-        from orgel.graph.glue_capture import release
+def replica_graph(workload: Workload, graph: Any, plan: Plan) -> Any:
+    """The capture ``plan``'s stages are cut from: ``graph`` (a capture of one micro-batch)
+    where its sizes take one replica's rows of it, else a capture of those rows (static
+    sizes, or sizes Dynamo fixed at the micro-batch's; a forward of several graphs keeps
+    its code for the controller, and ``graph``'s is dropped). Plan and stages then read one
+    capture wherever the sizes are symbolic."""
+    from orgel.graph.sizes import ShapeError, batch_check
+    from orgel.workload import named_inputs
 
-        release(graph.glue)
-        return capture_microbatch(workload, plan.microbatches * replicas, dynamic, keep=True)
-    return graph
+    replicas = stage_replicas(plan)
+    if replicas == 1:
+        return graph
+    check = batch_check(graph.shapes, plan.microbatches, replicas, workload.batch_dim,
+                        workload.replicated)
+    try:
+        if graph.shapes.dynamic:
+            check(named_inputs(workload.model, workload.inputs), workload.targets)
+            return graph
+    except ShapeError:
+        pass
+    from orgel.graph.glue_capture import release
+
+    release(graph.glue)
+    dynamic = graph.glue is None or graph.glue.dynamic
+    return capture_microbatch(workload, plan.microbatches * replicas, dynamic, keep=True)
 
 
 def stage_replicas(plan: Plan) -> int:

@@ -145,11 +145,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     try:
         with untouched(workload.model):
             if graph is None and microbatches != "auto":
-                # with dp > 1 the stages are cut from a capture of one replica's rows, which
-                # graph breaks make static (below): capture a forward of several graphs
-                # static from the start, not once symbolic and again static
-                graph = capture_microbatch(workload, int(microbatches), keep=True,
-                                           breaks_dynamic=dp == 1 or given is not None)
+                graph = capture_microbatch(workload, int(microbatches), keep=True)
             if graph is not None and check_graph is not None:
                 check_graph(graph)
             planned = planned_workload(workload, graph)
@@ -181,17 +177,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             elif captured and stage_replicas(the_plan) > 1:
                 raise ValueError("this capture was made once, for whole micro-batches: plan one "
                                  "rank per stage (dp=1)")
-            else:
-                if graph.glue is not None and graph.glue.dynamic and stage_replicas(the_plan) > 1:
-                    # a forward of several graphs binds its sizes by value (orgel.graph.glue_sizes):
-                    # a replica's rows would make other graphs than the plan's; both static
-                    release(graph.glue)
-                    graph = capture_microbatch(workload, the_plan.microbatches, dynamic=False,
-                                               keep=True)
-                    planned = planned_workload(workload, graph)
-                    the_plan, rule, seed = agree(decide)
-                graph = replica_graph(workload, graph, the_plan,
-                                      dynamic=graph.glue is None or graph.glue.dynamic)
+            else:  # a capture of static sizes is made again of one replica's rows
+                graph = replica_graph(workload, graph, the_plan)
             split = split_plan(graph, the_plan)
             if recompute is False and (given is None or mark) and any(
                     isinstance(p, str) for p in the_plan.recompute):
