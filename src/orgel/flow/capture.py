@@ -87,29 +87,40 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
 
 def replica_graph(workload: Workload, graph: Any, plan: Plan) -> Any:
     """The capture ``plan``'s stages are cut from: ``graph`` (a capture of one micro-batch)
-    where its sizes take one replica's rows of it, else a capture of those rows (static
-    sizes, or sizes Dynamo fixed at the micro-batch's; a forward of several graphs keeps
-    its code for the controller, and ``graph``'s is dropped). Plan and stages then read one
-    capture wherever the sizes are symbolic."""
-    from orgel.graph.sizes import ShapeError, batch_check
-    from orgel.workload import named_inputs
-
-    replicas = stage_replicas(plan)
-    if replicas == 1:
+    where it takes one replica's rows of it (:func:`takes_replica_rows`), else a capture of
+    those rows (a forward of several graphs keeps its code for the controller, and
+    ``graph``'s is dropped). Plan and stages then read one capture wherever the sizes are
+    symbolic."""
+    if takes_replica_rows(workload, graph, plan):
         return graph
-    check = batch_check(graph.shapes, plan.microbatches, replicas, workload.batch_dim,
-                        workload.replicated)
-    try:
-        if graph.shapes.dynamic:
-            check(named_inputs(workload.model, workload.inputs), workload.targets)
-            return graph
-    except ShapeError:
-        pass
     from orgel.graph.glue_capture import release
 
     release(graph.glue)
     dynamic = graph.glue is None or graph.glue.dynamic
-    return capture_microbatch(workload, plan.microbatches * replicas, dynamic, keep=True)
+    return capture_microbatch(workload, plan.microbatches * stage_replicas(plan), dynamic,
+                              keep=True)
+
+
+def takes_replica_rows(workload: Workload, graph: Any, plan: Plan) -> bool:
+    """Whether ``graph``, captured on one micro-batch, takes one replica's rows of it (every
+    stage has one rank; or its sizes are symbolic, and Dynamo did not fix the rows, as it
+    does a size of 1)."""
+    from orgel.graph.sizes import ShapeError, batch_check
+    from orgel.workload import microbatch_rows, named_inputs
+
+    replicas = stage_replicas(plan)
+    if replicas == 1:
+        return True
+    if not graph.shapes.dynamic or (microbatch_rows(workload, plan.microbatches) or 0) \
+            // replicas < 2:  # (a size of 1 Dynamo fixes, whatever the ranges recorded)
+        return False
+    check = batch_check(graph.shapes, plan.microbatches, replicas, workload.batch_dim,
+                        workload.replicated)
+    try:
+        check(named_inputs(workload.model, workload.inputs), workload.targets)
+    except ShapeError:
+        return False
+    return True
 
 
 def stage_replicas(plan: Plan) -> int:

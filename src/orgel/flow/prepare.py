@@ -27,7 +27,7 @@ from orgel.runtime.sharding import check_sharded
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import Init, Weights, WeightsArg
 from orgel.worker.evaluation import LazyEvaluation
-from orgel.workload import Workload
+from orgel.workload import Workload, microbatch_rows
 
 
 @dataclass
@@ -137,7 +137,13 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`), with
     ``stages_per_rank`` stages per rank where the family loops.
     """
-    from orgel.flow.capture import capture_microbatch, replica_graph, resolve_plan, stage_replicas
+    from orgel.flow.capture import (
+        capture_microbatch,
+        replica_graph,
+        resolve_plan,
+        stage_replicas,
+        takes_replica_rows,
+    )
     from orgel.plan.transforms import runnable_recompute, with_tp
     from orgel.split import split_plan
 
@@ -145,7 +151,15 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     try:
         with untouched(workload.model):
             if graph is None and microbatches != "auto":
-                graph = capture_microbatch(workload, int(microbatches), keep=True)
+                # with dp > 1 the stages take one replica's rows of a micro-batch; a capture
+                # of several graphs with symbolic sizes takes them too, unless that is one row
+                # (Dynamo fixes a size of 1): then capture it static from the start (a
+                # symbolic capture released leaves Dynamo's record of sizes that changed,
+                # and a static one made after it compiled other graphs for the controller)
+                rows = microbatch_rows(workload, int(microbatches)) or 0
+                graph = capture_microbatch(workload, int(microbatches), keep=True,
+                                           breaks_dynamic=given is not None or dp == 1
+                                           or rows // dp > 1)
             if graph is not None and check_graph is not None:
                 check_graph(graph)
             planned = planned_workload(workload, graph)
@@ -177,7 +191,17 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             elif captured and stage_replicas(the_plan) > 1:
                 raise ValueError("this capture was made once, for whole micro-batches: plan one "
                                  "rank per stage (dp=1)")
-            else:  # a capture of static sizes is made again of one replica's rows
+            else:
+                if graph.glue is not None and graph.glue.dynamic \
+                        and not takes_replica_rows(workload, graph, the_plan):
+                    # a forward of several graphs binds its sizes by value
+                    # (orgel.graph.glue_sizes): a capture of a replica's rows would make
+                    # other graphs than the plan's; both static (a given plan's replicas)
+                    release(graph.glue)
+                    graph = capture_microbatch(workload, the_plan.microbatches, dynamic=False,
+                                               keep=True)
+                    planned = planned_workload(workload, graph)
+                    the_plan, rule, seed = agree(decide)
                 graph = replica_graph(workload, graph, the_plan)
             split = split_plan(graph, the_plan)
             if recompute is False and (given is None or mark) and any(
