@@ -125,9 +125,11 @@ def test_no_module_imports_a_module_of_its_folder_that_imports_it_back() -> None
     assert _cycle(arrows) is None, " -> ".join(_cycle(arrows) or [])
 
 
-#: The one import of the runtime below it: the profiler measures the runtime's own
-#: per-action overhead by running its executor on an empty pipeline.
-RUNTIME_MEASURED = {("profile/overhead.py", "orgel.runtime.executor")}
+#: The imports of the runtime below it, where the profiler times the runtime's own work:
+#: its per-action overhead (its executor on an empty pipeline), and each block as a
+#: compiled stage runs it (``compile=True``).
+RUNTIME_MEASURED = {("profile/overhead.py", "orgel.runtime.executor"),
+                    ("profile/compiled.py", "orgel.runtime.compiled")}
 
 
 def test_the_profiler_and_the_planners_do_not_import_the_runtime() -> None:

@@ -260,7 +260,7 @@ def _prepare_flow(workload: Any, plan: Any, ranks: int, options: dict[str, Any],
                    loss_scaling=scales_loss(workload.precision),
                    recompute=check_policy(options["recompute"] or False),
                    schedule=schedule, stages_per_rank=options["stages_per_rank"],
-                   check_graph=one_graph)
+                   compiled=bool(options.get("compile")), check_graph=one_graph)
 
 
 def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, Any]] | None:

@@ -272,7 +272,7 @@ def pipeline(
                                   memory=memory, dp=dp, shard=shard, loss_rule=rule,
                                   optimizer=optimizer, source=source,
                                   loss_scaling=bool(scaling), recompute=recompute,
-                                  schedule=schedule)
+                                  schedule=schedule, compiled=compile)
     def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
         if graph.glue is not None:
             refuse("graph breaks", {"compile": compile, "device": kind})

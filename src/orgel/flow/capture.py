@@ -47,7 +47,7 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
                   microbatches: int | str, memory: int | None, dp: int,
                   planner: str | None = None, source: Weights | None = None,
                   optimizer: Any = None, schedule: str | None = None,
-                  stages_per_rank: int = 2) -> Plan:
+                  stages_per_rank: int = 2, compiled: bool = False) -> Plan:
     """The given plan (object or file), checked against the options, or the planner's.
 
     ``optimizer`` (the ranks' factory; default AdamW) sets how much state the
@@ -55,6 +55,7 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
     ``schedule``: no profiling and no planner; ``graph`` cut into stages of equal FLOPs,
     run by that schedule family (:func:`orgel.plan.balanced.balanced_plan`; ``orgel run``
     plans so), with ``stages_per_rank`` stages per rank where the family loops.
+    ``compiled``: the stages run compiled; the planner's profile times them so.
     """
     if schedule is not None:
         from orgel.plan.balanced import balanced_plan
@@ -75,7 +76,8 @@ def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any,
         given = auto_plan(workload, graph, ranks=ranks,
                           microbatches=None if microbatches == "auto" else int(microbatches),
                           memory=memory, dp=dp, planner=planner or "auto", source=source,
-                          optimizer_factor=optimizer_factor(optimizer or default_optimizer))
+                          optimizer_factor=optimizer_factor(optimizer or default_optimizer),
+                          compiled=compiled)
     if given.num_ranks != ranks:
         raise ValueError(f"the plan is for {given.num_ranks} ranks but ranks={ranks}; "
                          "pass ranks to match or plan=None to plan again")

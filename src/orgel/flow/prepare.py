@@ -89,7 +89,7 @@ def on_process_zero(kind: str) -> Agree:
 
 def plan_only(workload: Workload, *, ranks: int, microbatches: int | str, memory: int | None,
               dp: int, source: Weights | None = None, optimizer: Any = None,
-              **_: Any) -> Plan:
+              compiled: bool = False, **_: Any) -> Plan:
     """Capture and plan, nothing more (the planning child's work for CUDA ranks)."""
     from orgel.flow.capture import capture_microbatch, resolve_plan
 
@@ -97,7 +97,8 @@ def plan_only(workload: Workload, *, ranks: int, microbatches: int | str, memory
         graph = None if microbatches == "auto" else capture_microbatch(workload,
                                                                        int(microbatches))
         return resolve_plan(None, planned_workload(workload, graph), graph, ranks,
-                            microbatches, memory, dp, source=source, optimizer=optimizer)
+                            microbatches, memory, dp, source=source, optimizer=optimizer,
+                            compiled=compiled)
 
 
 def planned_workload(workload: Workload, graph: Any) -> Workload:
@@ -118,7 +119,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
             planner: str | None = None, recompute: bool | str = False,
             schedule: str | None = None, stages_per_rank: int = 2,
-            replica_rows: bool = False, sequence_parallel: bool = False) -> Prepared:
+            replica_rows: bool = False, sequence_parallel: bool = False,
+            compiled: bool = False) -> Prepared:
     """Capture, decide the plan and the loss rule, and split (evaluation waits: see Prepared).
 
     ``ranks`` counts pipeline ranks (processes // tp); ``sequence_parallel``: with ``tp``,
@@ -135,7 +137,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     ``recompute``: every stage's recompute policy (:data:`orgel.schedule.ir.RECOMPUTE`;
     False: the plan's own). ``schedule``: a FLOP-balanced chain run by that family
     instead of the planner's plan (:func:`orgel.flow.capture.resolve_plan`), with
-    ``stages_per_rank`` stages per rank where the family loops.
+    ``stages_per_rank`` stages per rank where the family loops. ``compiled``: the stages
+    will run compiled (``compile=True``): the planner times the blocks so.
     """
     from orgel.flow.capture import (
         capture_microbatch,
@@ -167,7 +170,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             def decide() -> tuple[Plan, str, int]:
                 the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
                                         planner=planner, source=source, optimizer=optimizer,
-                                        schedule=schedule, stages_per_rank=stages_per_rank)
+                                        schedule=schedule, stages_per_rank=stages_per_rank,
+                                        compiled=compiled)
                 if given is None or mark:  # a given plan's own shard fields rule
                     the_plan = mark_sharded(the_plan, shard)
                 if recompute is not False:

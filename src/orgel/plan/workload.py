@@ -141,14 +141,14 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None,
                blocks: int | None = None,
                link: bool = True, progress: bool = True, threads: int = 1,
                dp: int | None = 1, optimizer_factor: float = 4.0, source: Any = None,
-               **options: Any) -> tuple[PlanResult, Any]:
+               compiled: bool = False, **options: Any) -> tuple[PlanResult, Any]:
     """Choose the micro-batch count for ``batch`` rows of ``workload`` and plan it.
 
     Returns the runnable plan's result and the op graph captured at the chosen
     micro-batch size (what the runtime splits). ``options`` go to
     :func:`~orgel.plan.batch.search_microbatches` and on to the planner;
-    ``optimizer_factor`` and ``source`` (a meta model's values) to the profile (see
-    :func:`auto_plan`).
+    ``optimizer_factor``, ``source`` (a meta model's values) and ``compiled`` to the
+    profile (see :func:`auto_plan`).
     """
     from orgel.graph import capture
     from orgel.profile.workload import as_workload, profile_graph
@@ -179,7 +179,8 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None,
                                shallow=True)
         costs = profile_graph(w, graphs[rows], microbatches=parts, blocks=blocks, link=link,
                               progress=progress, threads=threads, contention=ranks - 1,
-                              ranks=ranks, optimizer_factor=optimizer_factor, source=source)
+                              ranks=ranks, optimizer_factor=optimizer_factor, source=source,
+                              compiled=compiled and source is None)
         if isinstance(workload, str):
             costs.meta["workload"] = workload
         all_costs[rows] = costs
@@ -198,7 +199,7 @@ def plan_batch(workload: Any, *, ranks: int, batch: int | None = None,
 
 def planning_costs(workload: Any, graph: Any, *, ranks: int, microbatches: int,
                    blocks: int | None = None, threads: int | None = None, source: Any = None,
-                   optimizer_factor: float = 4.0) -> Any:
+                   optimizer_factor: float = 4.0, compiled: bool = False) -> Any:
     """The block table :func:`auto_plan` plans ``graph`` from (profiled on this machine as
     ``ranks`` ranks will run it, or read from the profile cache); see :func:`auto_plan`
     for the arguments."""
@@ -207,14 +208,15 @@ def planning_costs(workload: Any, graph: Any, *, ranks: int, microbatches: int,
     return profile_graph(workload, graph, microbatches=microbatches,
                          blocks=blocks_for(ranks, blocks), progress=False,
                          threads=threads or rank_threads(ranks), contention=ranks - 1,
-                         ranks=ranks, source=source, optimizer_factor=optimizer_factor)
+                         ranks=ranks, source=source, optimizer_factor=optimizer_factor,
+                         compiled=compiled and source is None)
 
 
 def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int | None,
               memory: int | None = None, dp: int = 1, blocks: int | None = None,
               max_replicas: int | None = 1, rows: int | None = None,
               threads: int | None = None, planner: str = "auto", source: Any = None,
-              optimizer_factor: float = 4.0) -> Plan:
+              optimizer_factor: float = 4.0, compiled: bool = False) -> Plan:
     """The planner's plan for a workload (``orgel.pipeline``'s hook).
 
     ``graph`` is the workload captured at ``microbatches`` micro-batches; with
@@ -233,6 +235,8 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
     (:func:`~orgel.profile.workload.profile_graph`). ``optimizer_factor``: a
     rank's weights, gradients and optimizer state per weight byte (4: Adam;
     :func:`~orgel.profile.memory.optimizer_factor` measures a user's optimizer).
+    ``compiled``: the stages will run compiled (``compile=True``), so the blocks are timed
+    compiled (:mod:`orgel.profile.compiled`; a meta model's are timed eagerly).
     """
     from orgel.profile.workload import rank_threads
 
@@ -245,14 +249,14 @@ def auto_plan(workload: Any, graph: Any = None, *, ranks: int, microbatches: int
         result, _ = plan_batch(workload, ranks=ranks, progress=False, threads=threads,
                                blocks=blocks, memory=memory, dp=dp, planner=planner,
                                max_replicas=max_replicas, optimizer_factor=optimizer_factor,
-                               source=source)
+                               source=source, compiled=compiled)
         return result.plan
     if graph is None:
         raise ValueError("give the graph captured at microbatches micro-batches "
                          "(orgel.profile.workload.capture_workload), or microbatches=None")
     costs = planning_costs(workload, graph, ranks=ranks, microbatches=microbatches,
                            blocks=blocks, threads=threads, source=source,
-                           optimizer_factor=optimizer_factor)
+                           optimizer_factor=optimizer_factor, compiled=compiled)
     if rows is None:
         rows = microbatch_rows(workload, microbatches)
     result = plan(costs, ranks, microbatches, memory=memory, dp=dp, planner=planner,

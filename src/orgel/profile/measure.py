@@ -39,11 +39,14 @@ class BlockRun:
     """Every block of a coarsened graph as its own module, with its real inputs.
 
     The blocks run once in order (no autograd) to produce each block's inputs.
+    ``compiled``: the blocks are timed as compiled stages run them
+    (:mod:`orgel.profile.compiled`); companion processes train the eager blocks.
     """
 
     def __init__(self, bg: Any, split_model: Any, named: dict[str, Any],
-                 dev: torch.device) -> None:
+                 dev: torch.device, compiled: bool = False) -> None:
         self.split = split_model(bg, list(range(len(bg.blocks))))
+        self.compiled = compiled
         self.named = named
         self.values: dict[str, Any] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
                                        for k, v in self.split.with_sizes(named).items()}
@@ -56,14 +59,21 @@ class BlockRun:
                 result = stage.module(*args)
                 outs = list(result) if isinstance(result, (tuple, list)) else [result]
                 self.values.update(zip(stage.outputs, outs, strict=True))
+        self.runs: list[Any] = [stage.module for stage in self.split.stages]
+        if compiled:  # (each graph compiles at its first call, in measure_table or drifted)
+            from orgel.profile.compiled import runners
 
-    def train(self) -> None:
-        """Forward and backward of every block, as a rank busy with the same model."""
-        for stage, args in zip(self.split.stages, self.args_of, strict=True):
+            self.runs = runners(self.split.stages)
+
+    def train(self, runs: list[Any] | None = None) -> None:
+        """Forward and backward of every block, as a rank busy with the same model (through
+        ``runs``, each block's runner; default: the eager blocks, what companions run)."""
+        for stage, args, run in zip(self.split.stages, self.args_of,
+                                    runs or [s.module for s in self.split.stages], strict=True):
             ins = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
                    and a.is_floating_point() and name not in self.named else a
                    for a, name in zip(args, stage.inputs, strict=True)]
-            out = stage.module(*ins)
+            out = run(*ins)
             outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
                     if isinstance(o, torch.Tensor) and o.requires_grad]
             if outs:
@@ -88,15 +98,17 @@ def drifted(blocks: BlockRun, cached: dict[str, Any], dev: torch.device, content
 
     A table measured under other conditions (another load on a shared host,
     another clock speed) is stale as a whole: runs of every block in sequence,
-    timed as the table's ``whole_ms`` was, tell. Every warm start pays for the check,
-    so it is a quick sample first (one warm-up pass, the median of
-    :data:`CHECK_REPEATS`; building ``blocks`` ran every block once already), and only a
-    quick sample off by more than ``tolerance`` is confirmed by a second, longer one as
-    the table was timed (the device spun up, the median of 5). The table is stale when
-    both are off: a load spike during one short sample costs no profile, a changed
-    machine is off in both.
+    timed as the table's ``whole_ms`` was (eagerly: a compiled table's ``check_ms``),
+    tell. Every warm start pays for the check, so it is a quick sample first (one
+    warm-up pass, the median of :data:`CHECK_REPEATS`; building ``blocks`` ran every
+    block once already), and only a quick sample off by more than ``tolerance`` is
+    confirmed by a second, longer one as the table was timed (the device spun up, the
+    median of 5). The table is stale when both are off: a load spike during one short
+    sample costs no profile, a changed machine is off in both.
     """
-    before = cached.get("whole_ms")
+    # the eager blocks in sequence (a compiled table recorded them too, as "check_ms"):
+    # a warm start checks the table without compiling any block
+    before = cached.get("check_ms", cached.get("whole_ms"))
     if not isinstance(before, (int, float)) or before <= 0:
         return True
     whole: list[dict[str, Job]] = [{"whole": (lambda: None, lambda _: blocks.train())}]
@@ -133,9 +145,19 @@ def measure_table(blocks: BlockRun, dev: torch.device, warmup: int, repeats: int
         probes, jobs = _probes(split, blocks.args_of, dev, progress, set(named),
                                None if loss is None else loss_probe(split, loss[0],
                                                                      to_device(loss[1], dev)))
+        compile_s = 0.0
+        if blocks.compiled:  # time each block as its compiled stage runs (bytes: eager)
+            from orgel.profile.compiled import compiled_jobs
+
+            for b, (stage, args) in enumerate(zip(split.stages, blocks.args_of, strict=True)):
+                jobs[b], seconds = compiled_jobs(blocks.runs[b], stage, args,
+                                                 [name in named for name in stage.inputs])
+                compile_s += seconds
         # Blocks timed one at a time run from warm caches; a rank runs them one
         # after another. Time that too (in the same rounds) and scale by the ratio.
-        jobs.append({"whole": (lambda: None, lambda _: blocks.train())})
+        jobs.append({"whole": (lambda: None, lambda _: blocks.train(blocks.runs))})
+        if blocks.compiled:  # what a warm start's drift check times (eagerly)
+            jobs[-1]["check"] = (lambda: None, lambda _: blocks.train())
         b = split.loss_stage
         saved, at_loss = 0, len(jobs)
         if loss is not None:
@@ -169,6 +191,9 @@ def measure_table(blocks: BlockRun, dev: torch.device, warmup: int, repeats: int
         out[key] = [t * scale for t in out[key]]
     out["in_sequence_scale"] = scale
     out["whole_ms"] = whole
+    if blocks.compiled:
+        out["compile_s"] = compile_s
+        out["check_ms"] = times[n]["check"]
     return out
 
 

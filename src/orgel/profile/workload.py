@@ -192,7 +192,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                   link: bool = True, use_cache: bool = True, progress: bool = True,
                   optimizer_factor: float = 4.0, optimizer: str = "adamw",
                   threads: int = 1, contention: int = 0, ranks: int | None = None,
-                  recheck: float | None = RECHECK, source: Any = None) -> BlockCosts:
+                  recheck: float | None = RECHECK, source: Any = None,
+                  compiled: bool = False) -> BlockCosts:
     """Like :func:`profile_workload` for a workload already captured into ``opgraph``.
 
     ``optimizer`` (``adamw``, ``adam``, ``sgd``) is measured for the extra memory
@@ -205,7 +206,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
     fraction of the time it recorded (None: trust the cache as it is).
     ``source``: for a model on the meta device, where its values come from
     (:class:`orgel.split.materialize.Weights`): the blocks are measured one at
-    a time, each made and freed (:mod:`orgel.profile.meta`).
+    a time, each made and freed (:mod:`orgel.profile.meta`). ``compiled``: time each
+    block as a compiled stage runs it (``compile=True``; :mod:`orgel.profile.compiled`).
     """
     from orgel.costs.tied import tied_groups
     from orgel.graph import coarsen
@@ -239,11 +241,15 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                     blocks=blocks, partition=cache_key(nodes=[b.nodes for b in bg.blocks]),
                     device=str(dev), dtype=dtypes,
                     shapes=shapes, repeats=repeats, warmup=warmup, torch=torch.__version__,
-                    threads=threads, contention=contention)
+                    threads=threads, contention=contention,
+                    **({"compiled": True} if compiled else {}))
+    if compiled and source is not None:
+        raise ValueError("a meta model's blocks are measured one at a time, eagerly: "
+                         "profile it with compiled=False")
     cached = _cached("blocks", key) if use_cache else None
     blocks_run: BlockRun | None = None
     if cached is not None and recheck is not None and source is None:
-        blocks_run = BlockRun(bg, split_model, named, dev)
+        blocks_run = BlockRun(bg, split_model, named, dev, compiled)
         with intra_op_threads(threads):
             if drifted(blocks_run, cached, dev, contention, threads, recheck):
                 cached = None
@@ -256,7 +262,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
                                     loss=(w.loss_fn, targets))
     if cached is None:
         with intra_op_threads(threads):
-            cached = measure_table(blocks_run or BlockRun(bg, split_model, named, dev), dev, warmup,
+            cached = measure_table(blocks_run or BlockRun(bg, split_model, named, dev, compiled),
+                                   dev, warmup,
                               repeats, progress, contention, threads,
                               loss=(w.loss_fn, targets), optimizer=optimizer)
         # The optimizer's time has a per-tensor part: time it on every parameter
@@ -325,7 +332,8 @@ def profile_graph(w: Any, opgraph: Any, *, microbatches: int, blocks: int = 32,
         meta={"workload": type(w.model).__name__, "target_blocks": blocks, "num_blocks": n,
               "graph_hash": graph_hash(opgraph), "device": str(dev), "dtype": dtypes,
               "microbatch_shapes": shapes, "microbatches": microbatches,
-              "threads": threads, "contention": contention,
+              "threads": threads, "contention": contention, "compiled": compiled,
+              "compile_s": cached.get("compile_s", 0.0),
               "in_sequence_scale": cached.get("in_sequence_scale", 1.0),
               "wall_per_cpu": cached.get("wall_per_cpu", 1.0),
               "notes": list(cached.get("notes", []))},

@@ -139,7 +139,8 @@ def flow_options(backend: Backend, torchrun: bool) -> dict[str, Any]:
                 microbatches=backend.microbatches // backend.dp, memory=backend.memory,
                 dp=backend.dp, shard=backend.shard, loss_rule="rows",
                 optimizer=backend.optimizer, recompute=backend.recompute,
-                schedule=backend.schedule, agree=on_process_zero("cpu") if torchrun else here)
+                schedule=backend.schedule, compiled=bool(backend.loop["compile"]),
+                agree=on_process_zero("cpu") if torchrun else here)
 
 
 def start_glued(backend: Backend, rows: int) -> Any:
