@@ -65,9 +65,10 @@ def test_the_blocks_are_timed_as_compiled_stages(monkeypatch: pytest.MonkeyPatch
 
 
 def test_orgel_pipeline_with_compile_plans_from_compiled_blocks(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``orgel.pipeline(compile=True)`` with the planner: the calling process profiles the
-    compiled blocks, and the compiled ranks then train as one eager process."""
+        monkeypatch: pytest.MonkeyPatch, cache: Any) -> None:
+    """``orgel.pipeline(compile=True)`` with the planner (an empty profile cache): the
+    calling process profiles the compiled blocks, and the compiled ranks then train as one
+    eager process."""
     from test_checkpointing import Stack
 
     jobs = _counted(monkeypatch, profile_compiled, "compiled_jobs")
