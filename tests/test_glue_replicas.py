@@ -40,6 +40,20 @@ def _half_off() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 4, (8,))
 
 
+def _one_process(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                 y: torch.Tensor) -> float:
+    """One SGD step of ``model`` in this process over the 4 shares of the pipelines below
+    (2 micro-batches x 2 replicas), each loss a quarter; the step's loss."""
+    opt.zero_grad()
+    total = 0.0
+    for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+        loss = F.cross_entropy(model(xm), ym) / 4
+        loss.backward()
+        total += loss.item()
+    opt.step()
+    return total
+
+
 @pytest.mark.slow
 def test_a_microbatch_off_the_captured_graphs_with_fsdp_is_a_clear_error() -> None:
     """The calling process runs a micro-batch that left the captured graphs on the ranks'
@@ -71,14 +85,7 @@ def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas() -> N
     with pipe:
         for batch in (x, -x.abs()):  # some micro-batches off the path; then all of them
             got = pipe.step((batch,), y)
-            opt.zero_grad()
-            want = 0.0
-            for xm, ym in zip(batch.chunk(4), y.chunk(4), strict=True):
-                loss = F.cross_entropy(reference(xm), ym) / 4
-                loss.backward()
-                want += float(loss)
-            opt.step()
-            assert float(got) == pytest.approx(want, rel=1e-6)
+            assert float(got) == pytest.approx(_one_process(reference, opt, batch, y), rel=1e-6)
         state = pipe.state_dict()
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
@@ -127,13 +134,7 @@ def test_replicas_train_from_the_one_capture_of_a_microbatch_at_any_batch_size(
             batch, target = torch.randn(rows, 8), torch.randint(0, 4, (rows,))
             got = pipe.step((batch,), target)
             assert pipe.off_path == []  # every micro-batch ran on the ranks
-            opt.zero_grad()
-            want = 0.0
-            for xm, ym in zip(batch.chunk(4), target.chunk(4), strict=True):
-                loss = F.cross_entropy(reference(xm), ym) / 4
-                loss.backward()
-                want += loss.item()
-            opt.step()
+            want = _one_process(reference, opt, batch, target)
             assert float(got) == pytest.approx(want, rel=1e-6)
         state = pipe.state_dict()
     for name, t in reference.state_dict().items():
