@@ -93,3 +93,16 @@ def test_orgel_pipeline_with_compile_plans_from_compiled_blocks(
     assert float(got) == pytest.approx(want, rel=1e-5)
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_compiled_calls_cost_is_taken_off_each_block_once() -> None:
+    """A stage of many blocks is one compiled call: each block timed alone paid the call's
+    host cost, so the table takes it off every job of every block and off the blocks in
+    sequence (keeping a tenth of each at least)."""
+    from orgel.profile.compiled import less_calls
+
+    times = [{"fwd": 1.0, "bwd": 2.0, "inp": 1.5}, {"fwd": 0.05}, {"whole": 5.0}]
+    less_calls(times, 2, {"fwd": 0.1, "bwd": 0.2, "inp": 0.15})
+    assert times[0] == pytest.approx({"fwd": 0.9, "bwd": 1.8, "inp": 1.35})
+    assert times[1] == pytest.approx({"fwd": 0.005})  # a tenth kept
+    assert times[2]["whole"] == pytest.approx(5.0 - 2 * 0.3)

@@ -22,6 +22,11 @@ graph (the layers of a deep stack) hit Inductor's cache of compiled graphs after
 first, so compiling every block costs about the distinct blocks' compile time (the
 table records the seconds, ``compile_s``).
 
+A block timed alone pays a compiled call's host cost (the autograd node, the boxed call of
+Inductor's code) for each job, where a stage of many blocks pays it once per action: the
+table takes :func:`call_overhead` off each block's jobs (:func:`less_calls`) and counts it
+in the action overhead instead.
+
 The one other import of the runtime by the profiler, beside
 :mod:`orgel.profile.overhead`: it times what the runtime runs.
 """
@@ -113,3 +118,37 @@ def compiled_jobs(run: Callable[..., Any], stage: StageModule, args: list[Any],
     for p in params:
         p.grad = None
     return jobs, time.perf_counter() - started
+
+
+class _Scale(torch.nn.Module):
+    """A block with (almost) no work: one elementwise op, so that its graphs are not empty."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+def call_overhead(timer: Any) -> dict[str, float]:
+    """ms of each job of a compiled block that does nothing (one elementwise op on one
+    element): the host's cost of a compiled call (the autograd node, the boxed call of
+    Inductor's code), which each block timed alone pays and a stage of many blocks pays
+    once (:func:`orgel.profile.measure.measure_table` takes it off each block and counts
+    it in the action overhead)."""
+    from orgel.profile.timing import interleaved
+    from orgel.runtime.compiled import compiled_stage
+
+    module = _Scale()
+    stage = StageModule(index=0, module=module, inputs=["x"], outputs=["y"])
+    x = torch.zeros(1, device=timer.device)
+    jobs, _ = compiled_jobs(compiled_stage(module), stage, [x], [False])
+    return interleaved([jobs], timer)[0]
+
+
+def less_calls(times: list[dict[str, float]], n: int, calls: dict[str, float]) -> None:
+    """Take a compiled call's cost (:func:`call_overhead`) off each job of the first ``n``
+    blocks' ``times`` and off the blocks in sequence (``times[n]["whole"]``), in place,
+    keeping at least a tenth of each."""
+    for job in times[:n]:
+        for key, t in job.items():
+            job[key] = max(t - calls.get(key, 0.0), 0.1 * t)
+    whole = times[n]["whole"]
+    times[n]["whole"] = max(whole - n * (calls["fwd"] + calls["bwd"]), 0.1 * whole)

@@ -175,6 +175,12 @@ def measure_table(blocks: BlockRun, dev: torch.device, warmup: int, repeats: int
         times = interleaved(jobs, timer, progress="timing blocks" if progress else None,
                             stats=stats)
         empty = action_overhead(timer)
+        if blocks.compiled:  # a compiled call's own host cost: once a stage, not a block
+            from orgel.profile.compiled import call_overhead, less_calls
+
+            calls = call_overhead(timer)
+            less_calls(times, len(probes), calls)
+            empty = max(empty, (calls["fwd"] + calls["bwd"]) / 2)
         for stage in split.stages:
             stage.module.zero_grad(set_to_none=True)
     n = len(probes)
