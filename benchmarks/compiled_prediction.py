@@ -59,11 +59,15 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--device", default=None,
+                        help="the ranks' device (default: orgel's choice; cuda: the planner "
+                             "profiles on the GPU)")
     args = parser.parse_args()
     from gpt import workload
 
     model, inputs, targets, loss_fn = workload()
-    common = dict(ranks=args.ranks, microbatches=args.microbatches, timeout_s=900)
+    common = dict(ranks=args.ranks, microbatches=args.microbatches, timeout_s=900,
+                  device=args.device)
     rows = []
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
     plan, predicted, measured = _run(copy.deepcopy(model), inputs, targets, loss_fn,

@@ -2,7 +2,8 @@
 # The GPU leg, one command: the CUDA tests, `orgel demo --device cuda` (its start-up timed),
 # compiled stages checked against one CUDA process, one rank's throughput (orgel eager and
 # compiled against plain PyTorch eager and torch.compile on the same GPU), then the cost model
-# on a 2-stage pipeline sharing the GPU and bf16-mixed on a larger GPT. Every log and number
+# on a 2-stage pipeline sharing the GPU, bf16-mixed on a larger GPT and the step predicted from
+# an eager and a compiled profile (COST_S, PREC_S, PRED_S: off unless given). Every log and number
 # lands under $OUT (default ./gpu-out) as it is made, so a run cut short still reports. Run
 # from the repository root on a machine with a GPU and PyTorch (orgel from this tree):
 #   bash benchmarks/gpu.sh
@@ -64,6 +65,10 @@ if [ "${COST_S:-0}" -gt 0 ]; then
   step cost "${COST_S:-90}" $PY benchmarks/cost_model_accuracy.py --device cuda --steps 10 \
     --workloads ${WORKLOADS:-GPT-large}
 fi
+# the step predicted from an eager and from a compiled profile against measured, 2 ranks
+# sharing the GPU (off unless PRED_S gives it seconds)
+step prediction "${PRED_S:-0}" $PY benchmarks/compiled_prediction.py --device cuda
+grep -h -A3 "pred/meas" "$OUT/prediction.log" 2>/dev/null >>"$OUT/summary.log"
 if [ "${PREC_S:-0}" -gt 0 ]; then
   step precision "${PREC_S:-90}" $PY benchmarks/precision.py --device cuda --steps 10 \
     --workload examples/gpt.py:workload_large
