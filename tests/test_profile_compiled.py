@@ -79,7 +79,7 @@ def test_orgel_pipeline_with_compile_plans_from_compiled_blocks(
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     with orgel.pipeline(model, (x,), y, torch.nn.functional.mse_loss, ranks=2,
                         microbatches=2, compile=True, timeout_s=600, optimizer=sgd) as pipe:
-        assert jobs  # the planner's table: compiled blocks
+        assert jobs and pipe.plan.meta["block_graph"]["compiled"]  # planned from them
         got = pipe.step((x,), y)
         assert sum(pipe.compile_s) > 0  # the ranks' stages compiled too
         state = pipe.state_dict()
@@ -106,3 +106,24 @@ def test_a_compiled_calls_cost_is_taken_off_each_block_once() -> None:
     assert times[0] == pytest.approx({"fwd": 0.9, "bwd": 1.8, "inp": 1.35})
     assert times[1] == pytest.approx({"fwd": 0.005})  # a tenth kept
     assert times[2]["whole"] == pytest.approx(5.0 - 2 * 0.3)
+
+
+def test_orgel_plan_compile_profiles_compiled_blocks(
+        tmp_path: Any, cache: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``orgel plan --compile`` plans from a table of compiled blocks (the plan file says
+    so); with a table made otherwise (``--costs``, ``--device``) it is refused."""
+    from orgel.cli import main
+    from orgel.schedule.ir import Plan
+    from test_cli_plan import WORKLOAD, write_costs
+
+    source = tmp_path / "tiny.py"
+    source.write_text(WORKLOAD)
+    out = tmp_path / "plan.json"
+    assert main(["plan", f"{source}:tiny", "--ranks", "2", "--microbatches", "2",
+                 "--blocks", "3", "--no-link", "--compile", "--out", str(out)]) == 0
+    meta = Plan.load(out).meta["block_graph"]
+    assert meta["compiled"] and meta["compile_s"] > 0
+    costs = write_costs(tmp_path / "costs.json")
+    capsys.readouterr()
+    assert main(["plan", "--costs", str(costs), "--ranks", "2", "--compile"]) == 2
+    assert "leave --compile out" in capsys.readouterr().err

@@ -80,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target number of blocks when profiling a workload (default 32, "
                         "or twice --ranks where that is more); with --device, 'layers' "
                         "makes one block per layer (every cut between two layers)")
+    parser.add_argument("--compile", action="store_true",
+                        help="time each profiled block compiled by Inductor (its forward, "
+                             "backward and backward halves), as `orgel run --compile` and "
+                             "orgel.pipeline(compile=True) run the stages; the first profile "
+                             "compiles every block")
     parser.add_argument("--no-link", action="store_true", help="when profiling, skip the "
                         "link and runtime-overhead benchmarks (free links, bare overhead)")
     parser.add_argument("--max-loops", type=int, default=8, metavar="V",
@@ -165,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             return _fail(f"--tp must be a number, numbers like 2,4, or 'auto', got {args.tp!r}")
         tp = degrees[0] if len(degrees) == 1 else degrees
+    if args.compile and (args.costs is not None or args.device is not None):
+        return _fail("--compile times the blocks this machine profiles; --costs and --device "
+                     "plan from a table made otherwise: leave --compile out")
     for flag, value in (("--max-replicas", args.max_replicas), ("--rows", args.rows)):
         if value is not None and value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
@@ -199,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
             workload = in_precision(args.workload, args.precision)
             result = plan_workload(workload, ranks=args.ranks, microbatches=microbatches,
                                    blocks=args.blocks, progress=not args.json,
-                                   link=not args.no_link, **options)
+                                   link=not args.no_link, compiled=args.compile, **options)
     except (InfeasibleError, CostsFileError, DeviceError) as exc:
         return _fail(str(exc))
     except (ValueError, FileNotFoundError, ImportError) as exc:

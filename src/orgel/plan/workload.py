@@ -100,7 +100,7 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
                   batch: int | None = None, blocks: int | None = None, memory: int | None = None,
                   planner: str = "auto", dp: int | None = 1, link: bool = True,
                   progress: bool = True, threads: int | None = None,
-                  **options: Any) -> PlanResult:
+                  compiled: bool = False, **options: Any) -> PlanResult:
     """Profile ``workload`` (``"file.py:fn"`` or a Workload) and plan it, runnable as is.
 
     ``microbatches=None`` chooses the count for a global batch of ``batch``
@@ -109,7 +109,8 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
     ``meta["microbatch_search"]`` lists the counts tried (:mod:`orgel.plan.batch`),
     each profiled at its micro-batch size with a progress line on stderr.
     ``threads``: intra-op threads per rank to profile with (default: what a
-    local group of ``ranks`` gives each rank). ``options`` go to
+    local group of ``ranks`` gives each rank). ``compiled``: time each block compiled, as
+    compiled stages run (:mod:`orgel.profile.compiled`). ``options`` go to
     :func:`~orgel.plan.planner.plan` (e.g. ``max_replicas=1`` for a pure
     pipeline); ``rows`` defaults to the workload's micro-batch rows.
     """
@@ -120,7 +121,7 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
     if microbatches is None:
         result, _ = plan_batch(workload, ranks=ranks, batch=batch, blocks=blocks, link=link,
                                progress=progress, threads=threads, memory=memory,
-                               planner=planner, dp=dp, **options)
+                               planner=planner, dp=dp, compiled=compiled, **options)
         return result
     if batch is not None:
         raise ValueError("batch sets the micro-batch count's search: give microbatches=None "
@@ -128,7 +129,7 @@ def plan_workload(workload: Any, *, ranks: int, microbatches: int | None = None,
     w, opgraph = capture_workload(workload, microbatches)
     costs = profile_graph(w, opgraph, microbatches=microbatches, blocks=blocks, link=link,
                           progress=progress, threads=threads, contention=ranks - 1,
-                          ranks=ranks)
+                          ranks=ranks, compiled=compiled)
     if isinstance(workload, str):
         costs.meta["workload"] = workload
     options.setdefault("rows", costs.rows)
