@@ -108,14 +108,13 @@ def takes_replica_rows(workload: Workload, graph: Any, plan: Plan) -> bool:
     stage has one rank; or its sizes are symbolic, and Dynamo did not fix the rows, as it
     does a size of 1)."""
     from orgel.graph.sizes import ShapeError, batch_check
-    from orgel.workload import microbatch_rows, named_inputs
+    from orgel.workload import named_inputs
 
     replicas = stage_replicas(plan)
     if replicas == 1:
         return True
-    if not graph.shapes.dynamic or (microbatch_rows(workload, plan.microbatches) or 0) \
-            // replicas < 2:  # (a size of 1 Dynamo fixes, whatever the ranges recorded)
-        return False
+    if not graph.shapes.dynamic or one_row_replicas(workload, plan.microbatches, replicas):
+        return False  # (a size of 1 Dynamo fixes, whatever the ranges recorded)
     check = batch_check(graph.shapes, plan.microbatches, replicas, workload.batch_dim,
                         workload.replicated)
     try:
@@ -123,6 +122,15 @@ def takes_replica_rows(workload: Workload, graph: Any, plan: Plan) -> bool:
     except ShapeError:
         return False
     return True
+
+
+def one_row_replicas(workload: Workload, microbatches: int, replicas: int) -> bool:
+    """Whether each of ``replicas`` gets one row (or none) of one of ``microbatches``
+    micro-batches of ``workload``'s batch: a size Dynamo fixes, so no capture of more rows
+    takes it."""
+    from orgel.workload import microbatch_rows
+
+    return (microbatch_rows(workload, microbatches) or 0) // replicas < 2
 
 
 def stage_replicas(plan: Plan) -> int:

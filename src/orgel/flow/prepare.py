@@ -27,7 +27,7 @@ from orgel.runtime.sharding import check_sharded
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import Init, Weights, WeightsArg
 from orgel.worker.evaluation import LazyEvaluation
-from orgel.workload import Workload, microbatch_rows
+from orgel.workload import Workload
 
 
 @dataclass
@@ -142,6 +142,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     """
     from orgel.flow.capture import (
         capture_microbatch,
+        one_row_replicas,
         replica_graph,
         resolve_plan,
         stage_replicas,
@@ -159,10 +160,10 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                 # (Dynamo fixes a size of 1): then capture it static from the start (a
                 # symbolic capture released leaves Dynamo's record of sizes that changed,
                 # and a static one made after it compiled other graphs for the controller)
-                rows = microbatch_rows(workload, int(microbatches)) or 0
+                static = given is None and dp > 1 and one_row_replicas(
+                    workload, int(microbatches), dp)
                 graph = capture_microbatch(workload, int(microbatches), keep=True,
-                                           breaks_dynamic=given is not None or dp == 1
-                                           or rows // dp > 1)
+                                           breaks_dynamic=not static)
             if graph is not None and check_graph is not None:
                 check_graph(graph)
             planned = planned_workload(workload, graph)
