@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from orgel.profile.blocks import _float
 from orgel.profile.timing import Job
 from orgel.split.types import StageModule
 
@@ -48,10 +49,6 @@ def runners(stages: list[StageModule]) -> list[Callable[..., Any]]:
     from orgel.runtime.compiled import compiled_stage
 
     return [compiled_stage(stage.module) for stage in stages]
-
-
-def _floating(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def compiled_jobs(run: Callable[..., Any], stage: StageModule, args: list[Any],
@@ -67,7 +64,7 @@ def compiled_jobs(run: Callable[..., Any], stage: StageModule, args: list[Any],
     params = [p for p in stage.module.parameters() if p.requires_grad]
 
     def fresh_inputs() -> list[Any]:
-        return [a.detach().requires_grad_(True) if _floating(a) and not c else a
+        return [a.detach().requires_grad_(True) if _float(a) and not c else a
                 for a, c in zip(args, constant, strict=True)]
 
     def forward(inputs: list[Any]) -> list[Any]:
@@ -76,11 +73,11 @@ def compiled_jobs(run: Callable[..., Any], stage: StageModule, args: list[Any],
 
     started = time.perf_counter()
     outs = forward(fresh_inputs())  # compiles the forward (and the whole backward, traced)
-    grad_outs = [torch.randn_like(o) if _floating(o) and o.requires_grad else None
+    grad_outs = [torch.randn_like(o) if _float(o) and o.requires_grad else None
                  for o in outs]
     del outs
     jobs: dict[str, Job] = {"fwd": (fresh_inputs, forward)}
-    inputs_grad = any(_floating(a) and not c for a, c in zip(args, constant, strict=True))
+    inputs_grad = any(_float(a) and not c for a, c in zip(args, constant, strict=True))
     if not any(g is not None for g in grad_outs) or not (params or inputs_grad):
         return jobs, time.perf_counter() - started
 
@@ -88,20 +85,20 @@ def compiled_jobs(run: Callable[..., Any], stage: StageModule, args: list[Any],
         ins = fresh_inputs()
         return ins, forward(ins)
 
-    def roots(out: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def parts(state: tuple[list[Any], list[Any]]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs that take a gradient, their gradients, and the inputs that do."""
+        ins, out = state
         pairs = [(o, g) for o, g in zip(out, grad_outs, strict=True) if g is not None]
-        return [o for o, _ in pairs], [g for _, g in pairs]
+        leaves = [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs], leaves
 
     def whole(state: tuple[list[Any], list[Any]]) -> None:
-        ins, out = state
-        tensors, grads = roots(out)
-        leaves = [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
+        tensors, grads, leaves = parts(state)
         torch.autograd.backward(tensors, grads, inputs=[*leaves, *params])
 
     def input_half(state: tuple[list[Any], list[Any]]) -> Callable[[], None] | None:
-        ins, out = state
-        tensors, grads = roots(out)
-        leaves = [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad]
+        tensors, grads, leaves = parts(state)
         return compiled_input_backward(tensors, list(grads), leaves)[1]
 
     def weight_half(work: Callable[[], None] | None) -> None:
