@@ -45,6 +45,15 @@ class StepFailure(RuntimeError):
         self.cause = cause
 
 
+class MemberFailure(RuntimeError):
+    """A tensor-parallel member's own work raised where its partners' did not.
+
+    Its partners ran on into a collective this member never joins, so the step
+    cannot be dropped as a failure every member shares is: the pipeline stops at
+    once. The message is the member's error with the reason; its cause is chained.
+    """
+
+
 class StepAbandoned(StepFailure):
     """Every rank dropped this step after one rank's own work raised (its data's reason).
 

@@ -63,6 +63,13 @@ ABORT_KEY = "orgel/abort/{instance}"
 #: The store key (one per plan instance and abandoned step) a rank whose own work raised
 #: sets to its report; the step goes on with placeholders and every rank drops it.
 STEP_FAILED_KEY = "orgel/step-failed/{instance}/{count}"
+#: The store key a tensor-parallel member whose own work raised sets to the action's
+#: position (one per plan instance, dropped-step count and process): whether its partners
+#: set theirs to the same position says whether they raised there too.
+MEMBER_FAILED_KEY = "orgel/member-failed/{instance}/{count}/{process}"
+#: How long such a member waits for its partners' keys (seconds): members that raise at
+#: the same action (the same data) do so within the compute between two collectives.
+MEMBERS_AGREE_S = 3.0
 #: How often a wait on the store looks at the abort flag (seconds).
 ABORT_POLL_S = 0.25
 
@@ -259,6 +266,25 @@ class Transport:
         """
         self.send(i, [torch.zeros(shape, dtype=dtype, device=self.device)
                       for shape, dtype in self.sent_specs.get(i, [])])
+
+    def members_failed_alike(self, pos: int, processes: list[int], process: int) -> bool:
+        """Whether every one of ``processes`` (a pipeline rank's tensor-parallel members,
+        ``process`` among them, whose own work raised at action ``pos``) raised there too.
+
+        A partner that did not raise runs on into a collective this member never joins, so
+        it cannot drop the step: it gives no word within :data:`MEMBERS_AGREE_S`.
+        """
+        def key(p: int) -> str:
+            return MEMBER_FAILED_KEY.format(instance=self.instance, count=self.abandoned,
+                                            process=p)
+
+        self.store.set(key(process), str(pos))
+        partners = [key(p) for p in processes if p != process]
+        try:
+            self.store.wait(partners, timedelta(seconds=min(MEMBERS_AGREE_S, self.timeout)))
+        except Exception:  # noqa: BLE001 - a partner ran on (or the store is gone)
+            return False
+        return all(self.store.get(k).decode() == str(pos) for k in partners)
 
     def announce_step_failure(self, report: str) -> None:
         """Record ``report`` as this step's failure unless another rank's came first."""

@@ -35,8 +35,11 @@ every posted receive meets its send. The step's closing all-reduce carries a
 "failed" flag: every rank then drops the step (no optimizer step, gradients and
 updated buffers put back) and raises :class:`~orgel.launch.errors.StepAbandoned`
 with the first error. A communication failure, a dead or hung rank, or an error
-at the end of the step still ends the pipeline (:class:`StepFailure`). The dropping
-itself: :mod:`orgel.runtime.dropped`.
+at the end of the step still ends the pipeline (:class:`StepFailure`), and so does
+a tensor-parallel member's error that its partners did not share (they wait inside a
+collective it never joins: :meth:`~orgel.runtime.comm.Transport.members_failed_alike`,
+:class:`~orgel.launch.errors.MemberFailure`). The dropping itself:
+:mod:`orgel.runtime.dropped`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import torch.distributed as dist
 
 from orgel.batching import BatchDim, single_dim
 from orgel.graph.measure import place
-from orgel.launch.errors import StepAbandoned, StepFailure, is_comm_error
+from orgel.launch.errors import MemberFailure, StepAbandoned, StepFailure, is_comm_error
 from orgel.lossweights import Weight
 from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
@@ -157,7 +160,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         comm = validate(plan) if check_plan else derive_comm(plan)
         self.plan, self.split, self.loss_fn = plan, split, loss_fn
         # tensor parallel: this process is member ``member`` of pipeline rank ``rank``
-        process = dist.get_rank()
+        self.process = process = dist.get_rank()
         self.rank, self.member = plan.pipeline_rank_of(process), plan.tp_member_of(process)
         if rank is not None:
             self.rank = rank
@@ -420,6 +423,13 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
             except Exception as exc:
                 if not self.abandon_on_error or is_comm_error(exc):
                     raise
+                if self.plan.tp > 1 and not self.transport.members_failed_alike(
+                        pos, self.plan.processes_of(self.rank), self.process):
+                    raise MemberFailure(
+                        f"{type(exc).__name__}: {exc} (raised on tensor-parallel member "
+                        f"{self.member} of pipeline rank {self.rank} alone, while its partners "
+                        f"ran on into a collective it never joins: the step cannot be dropped, "
+                        f"the pipeline stops; resume from the last checkpoint)") from exc
                 self._fail_action(exc, f"{action} (position {pos} of {len(self.actions)})")
             else:
                 self._event(action.kind, str(action), start)

@@ -51,6 +51,7 @@ class ForwardOnly(Executor):
         self.plan, self.split, self.comm = plan, split, comm
         self.rank, self.device = executor.rank, executor.device
         self.member = executor.member  # tensor parallel: member 0 counts the loss
+        self.process = executor.process
         self.loss_fn, self.batch_dim = executor.loss_fn, executor.batch_dim
         self.act_dim = executor.act_dim
         self.replicated, self.seed = executor.replicated, executor.seed
