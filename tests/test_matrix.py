@@ -97,7 +97,7 @@ def test_local(cell: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break", "bf16+break", "tp+break",
-                                  "dp+break", "sp+break"])
+                                  "dp+break", "sp+break", "length+break", "dp+break+length"])
 def test_backend(cell: str, tmp_path: Path) -> None:
     check("backend", cell, _in_process("backend", cell, tmp_path))
 

@@ -524,13 +524,15 @@ def test_a_closure_that_raises_or_leaves_the_graphs_drops_the_step_and_trains_on
     assert state["bn_b.num_batches_tracked"].item() == 2 * M
 
 
-def test_graphs_dynamo_made_with_symbolic_sizes_say_to_compile_static() -> None:
+def test_graphs_dynamo_made_with_symbolic_sizes_train_and_take_other_batch_sizes() -> None:
     """Dynamo compiles code it ran on other shapes before in this process with symbolic
-    sizes (its automatic dynamic shapes); a forward of several graphs is captured static,
-    and the error says to pass ``dynamic=False``, with which the step trains."""
+    sizes (its automatic dynamic shapes): the graphs join with their sizes read off the
+    closure's arguments and the step trains, and so does a later batch of another size on
+    the same graphs; under ``dynamic=False`` too (orgel finds the graphs with the closure's
+    sizes symbolic either way)."""
     for rows in (3, 5):  # the same forward, compiled before on other batch sizes
         torch.compile(BreakBN(), backend="eager")(torch.randn(rows, 6))
-    x = torch.randn(8, 6)
+    x, wider = torch.randn(8, 6), torch.randn(12, 6)
 
     def closure_for(compiled: Any) -> Any:
         def closure(xm: torch.Tensor) -> None:
@@ -538,18 +540,18 @@ def test_graphs_dynamo_made_with_symbolic_sizes_say_to_compile_static() -> None:
         return closure
 
     torch.manual_seed(3)
-    pipe = _backend(timeout_s=60)
-    try:
-        with pytest.raises(Exception, match=r"symbolic sizes .*dynamic=False\)"):
-            pipe.step(closure_for(torch.compile(BreakBN(), backend=pipe)), x)
-    finally:
-        pipe.close()
-    pipe = _backend(timeout_s=60)
-    try:
-        assert len(pipe.step(closure_for(torch.compile(BreakBN(), backend=pipe,
-                                                       dynamic=False)), x)) == M
-    finally:
-        pipe.close()
+    for dynamic in (None, False):
+        pipe = _backend(timeout_s=60)
+        try:
+            closure = closure_for(torch.compile(BreakBN(), backend=pipe, dynamic=dynamic))
+            assert len(pipe.step(closure, x)) == M
+            assert pipe.pipe.glue.dynamic
+            calls = [c.code for c in pipe.pipe.glue.calls]
+            assert len(pipe.step(closure, wider)) == M
+            assert pipe.pipe.off_path == []
+            assert [c.code for c in pipe.pipe.glue.calls] == calls
+        finally:
+            pipe.close()
 
 
 class LSTMTagger(nn.Module):

@@ -10,9 +10,16 @@ from typing import Any
 
 import torch
 
+from orgel.batching import placeholders
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.slots import Slot
 from orgel.graph.dynamo import dynamo_settings
+
+
+def closure_input(i: int) -> str:
+    """The name the joined graphs of a forward with graph breaks give the closure's argument
+    at position ``i``, whose sizes those graphs read (:func:`orgel.graph.glue_sizes.size_roles`)."""
+    return f"arg{i}"
 
 
 class UntrainedWarning(UserWarning):
@@ -74,13 +81,28 @@ class ClosurePipeline(GluedPipeline):
         """Run ``closure(*pieces[m])`` for every micro-batch ``m``; their return values."""
         def work(slot: Slot) -> None:
             slot.anchor = torch.zeros((), requires_grad=True)
-            with dynamo_settings():
+            slot.sizes = sizes[slot.index]
+            # where the graphs were found with symbolic sizes, Dynamo compiles any frame the
+            # closure recompiles as it did then (Glue.settings; Dynamo's settings are per thread)
+            with dynamo_settings(), self.glue.settings():
                 slot.result = closure(*pieces[slot.index])
             self._check_calls(slot)
             self._back_unreached(slot, after=-1)  # no backward, or one that missed some
 
+        # the closures' arguments, which the sizes the graphs took symbolic are read off
+        # (orgel.transparent.start.closure_inputs): their shapes, and the ranks' stand-ins
+        # (all of them: a step of other shapes exchanges its messages' shapes anew)
+        named = [{closure_input(i): a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+                 for args in pieces]
+        sizes = [{n: tuple(t.shape) for n, t in one.items()} for one in named]
+        dim = self.batch_dim
+        stand_ins = placeholders(
+            named[0],
+            {n: t.shape if n in self.replicated else
+             (*t.shape[:dim], t.shape[dim] * self.pieces, *t.shape[dim + 1:])
+             for n, t in named[0].items()})
         try:
-            results = [s.result for s in self._run_threads(work, {}, rows)]
+            results = [s.result for s in self._run_threads(work, stand_ins, rows)]
         finally:  # (a dropped step too)
             for p in self._eager.values():  # summed from the hooks and stepped on a rank
                 p.grad = None

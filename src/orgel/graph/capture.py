@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel.graph.dynamo import dynamo_settings
+from orgel.graph.glue import Glue
 from orgel.graph.glue_capture import capture_graphs, release
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
 from orgel.graph.opgraph import CaptureError, GraphBreakError, OpGraph
@@ -142,14 +143,21 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             notes.append(f"captured with static sizes: the symbolic graph failed to run "
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
             graph = measure(model, named, raw, notes, used)
-        graph.glue = glue
-        if glue is not None:  # several graphs: the sizes are graph 0's, and each later
-            # graph's are checked at its call; message shapes are exchanged (the graphs'
-            # size symbols are their own)
-            graph.symbolic_shapes = {}
-            if not glue.dynamic:
-                graph.shapes = static_shapes(named)
-        return graph
+        if glue is None:
+            return graph
+        return with_glue(graph, glue, named)
+
+
+def with_glue(graph: OpGraph, glue: Glue, named: dict[str, Any]) -> OpGraph:
+    """``graph``, the joined capture of a forward of several graphs, with its ``glue``
+    (every front end's one rule). The sizes are graph 0's, and each later graph's are
+    checked at its call; message shapes are exchanged (the graphs' size symbols are their
+    own); a static capture takes the inputs ``named`` as they are."""
+    graph.glue = glue
+    graph.symbolic_shapes = {}
+    if not glue.dynamic:
+        graph.shapes = static_shapes(named)
+    return graph
 
 
 def _graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,

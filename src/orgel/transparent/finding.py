@@ -18,6 +18,9 @@ import torch
 
 from orgel import guard
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
+from orgel.graph.glue import RETURNS_SIZE, returns_size
+from orgel.graph.glue_sizes import glue_settings, size_values
+from orgel.graph.opgraph import CaptureError
 from orgel.guard import untouched
 from orgel.precision import device_type
 from orgel.transparent.discover import (
@@ -48,6 +51,10 @@ class FindsGraphs:
     _autocast: tuple[str, torch.dtype] | None
     _precision: torch.dtype | None
     _pending_load: str | Path | None
+    #: the sizes of micro-batch 0's closure arguments that the graphs of a forward with graph
+    #: breaks take symbolic (empty: found static), and every closure's arguments
+    _glue_values: tuple[int, ...] = ()
+    _pieces: list[list[Any]] = []
 
     def _start_glued(self, rows: int) -> None:
         raise NotImplementedError
@@ -71,7 +78,8 @@ class FindsGraphs:
                 "step did. Keep the autocast around the compiled model the same in every closure")
 
 
-    def _discover(self, closure: Callable[..., Any], args: list[Any], dynamic: bool) -> None:
+    def _discover(self, closure: Callable[..., Any], args: list[Any], dynamic: bool,
+                  sizes: tuple[int, ...] = ()) -> None:
         """Run micro-batch 0's closure up to its backward; record the graphs it calls.
 
         The graphs run here on detached copies of the parameters and buffers
@@ -86,13 +94,17 @@ class FindsGraphs:
         length runs the same graph. A graph break then stops the discovery at once
         (:class:`Breaks`): several graphs are joined from fixed shapes, found again static
         (:meth:`_find_graphs`), so the symbolic trace of the rest would be for nothing.
+        ``sizes``: the sizes of the closure's arguments, which Dynamo then leaves symbolic in
+        every frame it compiles, the resumed ones after a break included
+        (:func:`orgel.graph.glue_sizes.glue_settings`): how several graphs are found to be
+        joined with symbolic sizes.
         """
         if dynamic:
             args = [marked(a) for a in args]
         self._found = []
         self._discovering = True
         try:
-            with untouched(), dynamo_settings(), stopped_at_backward(), \
+            with untouched(), dynamo_settings(), glue_settings(sizes), stopped_at_backward(), \
                     guard.no_autocast_cache(), \
                     torch._dynamo.error_on_graph_break(True) if dynamic else nullcontext():
                 closure(*args)
@@ -130,7 +142,13 @@ class FindsGraphs:
         if "param" in kinds or "buffer" in kinds:
             check_grad_mode(gm, [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
                             "The compiled model has graph breaks.")
+        if self._glue_values and returns_size(gm):  # joined symbolic it cannot be: say so
+            # before Dynamo traces the rest of the forward with symbolic sizes
+            raise CaptureError(RETURNS_SIZE.format(len(self._found or ())))
         out = gm(*shadow)
+        if torch.is_grad_enabled():  # as the ranks' outputs come back (GraphCall): every
+            # floating one takes a gradient, so the frames after it compile as in training
+            out = _differentiable(out)
         stop_outputs(out)
         assert self._found is not None
         if "param" in kinds or "buffer" in kinds:
@@ -149,32 +167,64 @@ class FindsGraphs:
                                                  self._found for kind, _ in roles)
         except Breaks:
             again = True
+        self._pieces = pieces
+        self._glue_values = ()
         if again:
-            # graph breaks are joined from fixed shapes: find the graphs again, static
-            forget_compiled(self)
-            self._names = None
-            self._discover(closure, pieces[0], dynamic=False)
-            assert self._found is not None
+            # graph breaks: find the graphs again, every size of the closure's arguments
+            # symbolic wherever Dynamo meets it, so that they join with symbolic sizes; where
+            # they cannot (a graph returns a size), found static
+            self._glue_values = size_values({str(i): a for i, a in enumerate(pieces[0])})
+            try:
+                self._find_again(closure, pieces[0])
+                self._use_found(rows)
+                return
+            except CaptureError:
+                self._glue_values = ()
+            self._find_again(closure, pieces[0])
+        self._use_found(rows)
+
+    def _find_again(self, closure: Callable[..., Any], args: list[Any]) -> None:
+        """Find the graphs again (graph breaks), with :attr:`_glue_values` symbolic."""
+        forget_compiled(self)
+        self._names = None
+        self._discover(closure, args, dynamic=False, sizes=self._glue_values)
+        assert self._found is not None
+
+    def _use_found(self, rows: int) -> None:
+        """Pipeline the one graph found as :attr:`model`, or join and start several."""
         if not self._found:
             raise RuntimeError("the closure for micro-batch 0 returned without calling "
                                "the compiled model (or it reads no parameter); call it "
                                "once per closure")
         if len(self._found) == 1:
             gm, example_inputs, roles, args, _ = self._found[0]
+            if self._glue_values and any(k == "size" and ":" not in n for k, n in roles):
+                raise CaptureError("a size of the one graph is no size of its inputs")
             around = self._autocast
             if around is None and self._precision is not None:
                 around = (device_type(args), self._precision)
             self.model = GraphModel(gm, example_inputs, roles, around)
-        else:  # the Python between the graphs runs in the closures, under their autocast
-            around = self._autocast
-            if self._precision is not None and around is None:
-                from orgel.flow.options import REFUSED
+            return
+        # the Python between the graphs runs in the closures, under their autocast
+        around = self._autocast
+        if self._precision is not None and around is None:
+            from orgel.flow.options import REFUSED
 
-                raise RuntimeError(REFUSED[("backend graph breaks", "precision")])
-            if around is not None and self._precision not in (None, around[1]):
-                raise RuntimeError(
-                    f"orgel.backend's precision names {self._precision} but the closure runs "
-                    f"the compiled model under {describe_autocast(around)}; with graph "
-                    "breaks the closure's autocast is the one that runs (precision= only "
-                    "turns float16's loss scaling on): make the two agree")
-            self._start_glued(rows)
+            raise RuntimeError(REFUSED[("backend graph breaks", "precision")])
+        if around is not None and self._precision not in (None, around[1]):
+            raise RuntimeError(
+                f"orgel.backend's precision names {self._precision} but the closure runs "
+                f"the compiled model under {describe_autocast(around)}; with graph "
+                "breaks the closure's autocast is the one that runs (precision= only "
+                "turns float16's loss scaling on): make the two agree")
+        self._start_glued(rows)
+
+
+def _differentiable(out: Any) -> Any:
+    """``out`` (a graph's outputs) with every floating tensor taking a gradient."""
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad:
+            return t.detach().requires_grad_()
+        return t
+
+    return type(out)(one(t) for t in out) if isinstance(out, (tuple, list)) else one(out)

@@ -43,6 +43,9 @@ class GraphModel(torch.nn.Module):
         # read while it was compiling (``roles``) to build one later
         if roles is None:
             roles = roles_of(placeholders, example_inputs)
+        unbound = [name for kind, name in roles if kind == "size" and ":" not in name]
+        if unbound:  # one graph reads its sizes off its inputs
+            raise ValueError(UNBOUND.format(unbound[0]))
         for (kind, name), value in zip(roles, example_inputs, strict=True):
             if kind in ("param", "buffer"):
                 register_state(self, kind, name, value)
@@ -101,15 +104,22 @@ def register_state(module: torch.nn.Module, kind: str, name: str, value: torch.T
         owner.register_buffer(leaf, value)
 
 
-def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any]
-             ) -> list[tuple[str, str]]:
+#: a symbolic size of one graph that none of its inputs has
+UNBOUND = ("torch.compile traced the model with a symbolic size {} that no model input has; "
+           "use torch.compile(model, backend=pipe, dynamic=False)")
+
+
+def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any],
+             strict: bool = True) -> list[tuple[str, str]]:
     """The role of each of a Dynamo graph's placeholders (:func:`role_of`).
 
     A size Dynamo left symbolic (``torch.compile(dynamic=True)``, or dimensions marked
     dynamic) is ``("size", "input:dim")``: the model input whose dimension ``dim`` it is,
     so :class:`GraphModel` reads it off the inputs it is given; a symbolic stride (an input
     that is a view, such as a micro-batch cut along ``batch_dim=1``) is
-    ``("size", "input:stride<dim>")``. Raises ValueError for a symbol no model input has.
+    ``("size", "input:stride<dim>")``. Raises ValueError for a symbol no model input has,
+    unless not ``strict``: then it stays ``("size", symbol)`` (a graph after a graph break,
+    whose sizes :func:`orgel.graph.glue_sizes.size_roles` binds to the forward's inputs).
     """
     roles = [role_of(n, v) for n, v in zip(placeholders, example_inputs, strict=True)]
     where: dict[str, str] = {}  # symbol -> "input:dim"
@@ -128,11 +138,9 @@ def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any]
     for node, (kind, name) in zip(placeholders, roles, strict=True):
         if kind == "size":
             symbol = str(node.meta.get("example_value", name))
-            if symbol not in where:
-                raise ValueError(
-                    f"torch.compile traced the model with a symbolic size {symbol} that no "
-                    "model input has; use torch.compile(model, backend=pipe, dynamic=False)")
-            name = where[symbol]
+            if symbol not in where and strict:
+                raise ValueError(UNBOUND.format(symbol))
+            name = where.get(symbol, symbol)
         sized.append((kind, name))
     return sized
 

@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from orgel.batching import batch_rows, placeholders
+from orgel.batching import batch_rows, placeholders, side_by_side
+from orgel.explicit.closures import closure_input
 from orgel.explicit.glued_start import start
 from orgel.flow.prepare import here, on_process_zero, prepare
 from orgel.flow.start import check_param_groups
+from orgel.graph.capture import with_glue
 from orgel.graph.glue import join_calls
+from orgel.graph.glue_sizes import glue_shapes, size_roles
 from orgel.graph.measure import measure
 from orgel.guard import untouched
 from orgel.launch.processes import LocalGroup, under_torchrun
@@ -185,12 +188,23 @@ def start_glued(backend: Backend, rows: int) -> Any:
               "read parameters.")
     # an autocast the closures open around the model: the graphs hold no casts, so the
     # joined graph opens it and every stage re-enters it (the closures' Python is in it)
-    raw, glue = join_calls(calls, reason, eager=outside, region=backend._autocast)
-    workload = Workload(holder, {}, rows_at(rows, backend.batch_dim), profiling_loss,
-                        batch_dim=backend.batch_dim)
+    batch, whole = closure_inputs(backend)
+    named_inputs = {closure_input(i): a for i, a in enumerate(backend._pieces[0])
+                    if isinstance(a, torch.Tensor)}  # micro-batch 0's, as its graphs ran
+    values = backend._glue_values
+    # sizes found symbolic: each bound to a dimension of graph 0's inputs (else CaptureError)
+    dims = size_roles(calls, named_inputs) if values else None
+    raw, glue = join_calls(calls, reason, eager=outside, region=backend._autocast, dims=dims,
+                           values=values)
+    if values:
+        raw[0].meta["orgel_shapes"] = glue_shapes(named_inputs, calls[0][0], calls[0][3])
+    # the batch one replica's stages run: its closures' arguments (profiled per closure)
+    workload = Workload(holder, batch, rows_at(batch_rows(batch, None, backend.batch_dim, whole),
+                                               backend.batch_dim),
+                        profiling_loss, batch_dim=backend.batch_dim, replicated=whole)
     with untouched(holder):
-        graph = measure(holder, {}, raw, [reason], "dynamo")
-        graph.glue = glue
+        graph = with_glue(measure(holder, named_inputs, raw, [reason], "dynamo"), glue,
+                          named_inputs)
     # the flow every front end runs, from the joined capture: plan, checks, split
     # each closure's graphs are of one replica's rows: with dp, the ranks' micro-batch j is
     # closures j*dp ... j*dp+dp-1 side by side (GluedPipeline.feed)
@@ -207,3 +221,26 @@ def start_glued(backend: Backend, rows: int) -> Any:
     return start(workload, plan, split, glue, optimizer=backend.optimizer,
                  timeout_s=backend.timeout_s, threads=backend.threads, keys=keys,
                  aliases=aliases, closures=True, options=backend.loop)
+
+
+
+
+def closure_inputs(backend: Backend) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    """The closures' tensor arguments as the joined graph's model inputs, by
+    :func:`closure_input` name: those of the closures of the first replica (dp) side by side
+    (the rows one replica's stages run, each closure's its micro-batch's); and the names of
+    those every closure takes whole (``replicated``, or without the batch dimension).
+
+    Every tensor the graphs take is handed over at their calls; where Dynamo found them with
+    symbolic sizes (:attr:`~orgel.transparent.finding.FindsGraphs._glue_values`), each size
+    is bound to a dimension of one of these (:func:`orgel.graph.glue_sizes.size_roles`):
+    the ranks read it off their shapes (each step's stand-ins), and the closures' graph calls
+    are checked against them, so a later batch of another length or batch size runs the
+    same graphs.
+    """
+    dim, pieces = backend.batch_dim, backend._pieces
+    whole = tuple(closure_input(i) for i, a in enumerate(pieces[0]) if isinstance(a, torch.Tensor)
+                  and (i in backend.replicated or a.dim() <= dim))
+    parts = [{closure_input(i): a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+             for args in pieces[::backend.dp]]
+    return side_by_side(parts, whole, dim), whole
