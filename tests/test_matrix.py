@@ -33,7 +33,7 @@ FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta"
             "if_end", "length", "resume", "tied"]
 PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+accumulate+break", "tp+length",
          "meta+fsdp", "evaluate+bf16+break", "accumulate+break", "sp+length", "length+break",
-         "dp+break+length"]
+         "dp+break+length", "meta+bf16"]
 #: the pairs run under torchrun too (each feature does)
 TORCHRUN_PAIRS = ["tp+break"]
 
