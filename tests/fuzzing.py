@@ -306,8 +306,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None
     optimizer = lambda params: make_optimizer(setup, params.named())  # noqa: E731
     try:
         if setup.backend:
-            # a draw is a user's fresh process: Dynamo has not run this model's code on
-            # other shapes before (it would compile it with symbolic sizes)
+            # a draw is a user's fresh process: Dynamo has not run this model's code before
             torch._dynamo.reset()
             pipe, step = fuzz_backend.start(setup, w, optimizer, loop_options(setup),
                                             recompute_policy(setup), timeout_s)
