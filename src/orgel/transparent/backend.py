@@ -186,11 +186,11 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
 
     # -- the first step: find the graphs ----------------------------------------------------
 
-    def _start_glued(self, rows: int) -> None:
+    def _start_glued(self) -> None:
         """Plan and start the joined graphs of a compiled model with graph breaks."""
         from orgel.transparent.start import start_glued
 
-        self.pipe = start_glued(self, rows)
+        self.pipe = start_glued(self)
         if self._pending_load is not None:
             self.pipe.load(self._pending_load)
 
@@ -294,10 +294,9 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
 
     def _follow(self, closure: Callable[..., Any], batch: tuple[Any, ...]) -> Any:
         if self.pipe is None:  # the graph found here too; the batch it is measured on is 0's
-            pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim,
-                                       self.replicated)
+            pieces, _ = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated)
             if self.model is None:
-                self._find_graphs(closure, pieces, rows)
+                self._find_graphs(closure, pieces)
         if self.pipe is None:  # one graph: process 0's closures' inputs give its batch
             self._slots = [Slot(m) for m in range(self.microbatches)]
             given, shared = first_inputs(None, self.timeout_s)
@@ -312,7 +311,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
 
         pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated)
         if self.pipe is None and self.model is None:  # the first step: find the graphs
-            self._find_graphs(closure, pieces, rows)
+            self._find_graphs(closure, pieces)
         if isinstance(self.pipe, ClosurePipeline):
             return self.pipe.step_closures(closure, pieces, rows)
         self._refresh_scale()

@@ -56,7 +56,7 @@ class FindsGraphs:
     _glue_values: tuple[int, ...] = ()
     _pieces: list[list[Any]] = []
 
-    def _start_glued(self, rows: int) -> None:
+    def _start_glued(self) -> None:
         raise NotImplementedError
 
     def _check_autocast(self) -> None:
@@ -92,8 +92,8 @@ class FindsGraphs:
         possibly dynamic (:func:`torch._dynamo.maybe_mark_dynamic`, on views of them), so
         Dynamo leaves the sizes it can symbolic and a later batch of another sequence
         length runs the same graph. A graph break then stops the discovery at once
-        (:class:`Breaks`): several graphs are joined from fixed shapes, found again static
-        (:meth:`_find_graphs`), so the symbolic trace of the rest would be for nothing.
+        (:class:`Breaks`): several graphs are found again (:meth:`_find_graphs`), with
+        ``sizes``, so the trace of the rest this way would be for nothing.
         ``sizes``: the sizes of the closure's arguments, which Dynamo then leaves symbolic in
         every frame it compiles, the resumed ones after a break included
         (:func:`orgel.graph.glue_sizes.glue_settings`): how several graphs are found to be
@@ -156,8 +156,7 @@ class FindsGraphs:
             self._found.append((gm, example_inputs, roles, list(args), outs))
         return out
 
-    def _find_graphs(self, closure: Callable[..., Any], pieces: list[list[Any]],
-                     rows: int) -> None:
+    def _find_graphs(self, closure: Callable[..., Any], pieces: list[list[Any]]) -> None:
         """The first step: micro-batch 0's graphs; one is pipelined as :attr:`model`,
         several are joined and started (:meth:`_start_glued`)."""
         try:
@@ -176,12 +175,12 @@ class FindsGraphs:
             self._glue_values = size_values({str(i): a for i, a in enumerate(pieces[0])})
             try:
                 self._find_again(closure, pieces[0])
-                self._use_found(rows)
+                self._use_found()
                 return
             except CaptureError:
                 self._glue_values = ()
             self._find_again(closure, pieces[0])
-        self._use_found(rows)
+        self._use_found()
 
     def _find_again(self, closure: Callable[..., Any], args: list[Any]) -> None:
         """Find the graphs again (graph breaks), with :attr:`_glue_values` symbolic."""
@@ -190,7 +189,7 @@ class FindsGraphs:
         self._discover(closure, args, dynamic=False, sizes=self._glue_values)
         assert self._found is not None
 
-    def _use_found(self, rows: int) -> None:
+    def _use_found(self) -> None:
         """Pipeline the one graph found as :attr:`model`, or join and start several."""
         if not self._found:
             raise RuntimeError("the closure for micro-batch 0 returned without calling "
@@ -217,7 +216,7 @@ class FindsGraphs:
                 f"the compiled model under {describe_autocast(around)}; with graph "
                 "breaks the closure's autocast is the one that runs (precision= only "
                 "turns float16's loss scaling on): make the two agree")
-        self._start_glued(rows)
+        self._start_glued()
 
 
 def _differentiable(out: Any) -> Any:

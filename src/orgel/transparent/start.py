@@ -146,7 +146,7 @@ def flow_options(backend: Backend, torchrun: bool) -> dict[str, Any]:
                 agree=on_process_zero("cpu") if torchrun else here)
 
 
-def start_glued(backend: Backend, rows: int) -> Any:
+def start_glued(backend: Backend) -> Any:
     """Join, plan and split the several graphs of ``backend``'s first step; fork its ranks.
 
     Parameters of the compiled module that no graph reads are trained from the closures'
@@ -192,7 +192,7 @@ def start_glued(backend: Backend, rows: int) -> Any:
     named_inputs = {closure_input(i): a for i, a in enumerate(backend._pieces[0])
                     if isinstance(a, torch.Tensor)}  # micro-batch 0's, as its graphs ran
     values = backend._glue_values
-    # sizes found symbolic: each bound to a dimension of graph 0's inputs (else CaptureError)
+    # sizes found symbolic: each bound to a dimension of a closure argument (else CaptureError)
     dims = size_roles(calls, named_inputs) if values else None
     raw, glue = join_calls(calls, reason, eager=outside, region=backend._autocast, dims=dims,
                            values=values)
@@ -221,8 +221,6 @@ def start_glued(backend: Backend, rows: int) -> Any:
     return start(workload, plan, split, glue, optimizer=backend.optimizer,
                  timeout_s=backend.timeout_s, threads=backend.threads, keys=keys,
                  aliases=aliases, closures=True, options=backend.loop)
-
-
 
 
 def closure_inputs(backend: Backend) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
