@@ -2,7 +2,9 @@
 
 Runs ``tests/test_faults.py``'s cases. Through ``orgel.pipeline`` (2 local ranks,
 a 6 s timeout): one good step, the fault, a step; the table gives the seconds
-until that step raised and until every worker process was gone. Through
+until that step raised and until every worker process was gone. Then
+``tests/test_faults_tp.py``'s lone member (2 pipeline ranks of 2 tensor-parallel
+members, a 30 s timeout: one member raises in a stage, its partner does not). Through
 ``orgel run`` (fresh rank interpreters): the seconds from the fault (written by
 the failing rank) until the command returned. Last, the first line of the
 report::
@@ -22,6 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+import torch  # noqa: E402
+
+from orgel.runtime.comm import MEMBERS_AGREE_S  # noqa: E402
 from test_faults import (  # noqa: E402 - the test's cases
     API_FAULTS,
     CLI_FAULTS,
@@ -31,6 +36,10 @@ from test_faults import (  # noqa: E402 - the test's cases
     run_fault,
     workload_file,
 )
+from test_faults_tp import Net as TpNet  # noqa: E402 - the tensor-parallel case
+from test_faults_tp import _batches as tp_batches  # noqa: E402
+from test_faults_tp import lone_member_fault  # noqa: E402
+from test_faults_tp import start as tp_start  # noqa: E402
 
 
 def main() -> None:
@@ -47,6 +56,21 @@ def main() -> None:
             exited = time.monotonic() - begin
         print(f"{'API':<6} {fault:<10} {raised:>8.2f} {exited:>8.2f} {bound:>7.1f}  "
               f"{message.splitlines()[0][:100]}")
+    with tempfile.TemporaryDirectory() as tmp:  # tp=2: one member raises, its partner not
+        torch.manual_seed(0)
+        pipe = tp_start(Path(tmp) / "fault", TpNet())
+        pids = pipe.worker_pids
+        try:
+            x, y = tp_batches()[0]
+            pipe.step((x,), y)
+            error, raised = lone_member_fault(pipe, Path(tmp) / "fault")
+            begin = time.monotonic() - raised
+        finally:
+            pipe.close()
+        while not all(_gone(p) for p in pids):
+            time.sleep(0.01)
+        print(f"{'API':<6} {'tp-member':<10} {raised:>8.2f} {time.monotonic() - begin:>8.2f} "
+              f"{MEMBERS_AGREE_S + 2:>7.1f}  {str(error).splitlines()[0][:100]}")
     for fault, (_, bound) in CLI_FAULTS.items():
         with tempfile.TemporaryDirectory() as tmp:
             spec, times = workload_file(Path(tmp), fault)

@@ -84,15 +84,33 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+def start(flag: Path, model: nn.Module) -> orgel.Pipeline:
+    """2 pipeline ranks of 2 tensor-parallel members; the tripwire reads ``flag``."""
+    _FLAG[0] = flag
+    x, y = _batches()[0]
+    return orgel.pipeline(model, (x,), y, F.mse_loss, ranks=4, tp=2, microbatches=2,
+                          optimizer=_sgd, threads=1, timeout_s=TIMEOUT_S)
+
+
+def lone_member_fault(pipe: orgel.Pipeline, flag: Path) -> tuple[WorkerError, float]:
+    """Process 1 alone raises in a step (its partner waits in the region's all-reduce): the
+    step's error and the seconds it took to come."""
+    x, y = _batches()[1]
+    flag.write_text("1")
+    begin = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        pipe.step((x,), y)
+    return info.value, time.monotonic() - begin
+
+
 def test_a_member_that_raises_drops_the_step_with_its_partners_or_stops_the_pipeline_at_once(
         tmp_path: Path) -> None:
-    flag = _FLAG[0] = tmp_path / "fault"
+    flag = tmp_path / "fault"
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
     (x0, y0), (x1, y1) = _batches()
-    pipe = orgel.pipeline(model, (x0,), y0, F.mse_loss, ranks=4, tp=2, microbatches=2,
-                          optimizer=_sgd, threads=1, timeout_s=TIMEOUT_S)
+    pipe = start(flag, model)
     pids = pipe.worker_pids
     try:
         assert (pipe.plan.num_ranks, pipe.plan.tp) == (2, 2)
@@ -103,15 +121,11 @@ def test_a_member_that_raises_drops_the_step_with_its_partners_or_stops_the_pipe
         flag.unlink()
         losses.append(pipe.step((x1,), y1))
         state = pipe.state_dict()
-        flag.write_text("1")  # process 1 alone: its partner waits in the region's all-reduce
-        start = time.monotonic()
-        with pytest.raises(WorkerError) as info:
-            pipe.step((x1,), y1)
-        seconds = time.monotonic() - start
+        error, seconds = lone_member_fault(pipe, flag)
     finally:
         pipe.close()
-    message = str(info.value)
-    assert not isinstance(info.value, StepError), message
+    message = str(error)
+    assert not isinstance(error, StepError), message
     assert re.search(r"^rank 1 failed in step: MemberFailure: RuntimeError: the stage cannot "
                      r"run \(process 1\).* tensor-parallel member 1 of pipeline rank 0 alone",
                      message), message
