@@ -202,6 +202,15 @@ def placeholders(like: dict[str, torch.Tensor],
             for n, t in like.items()}
 
 
+def batch_placeholders(first: dict[str, torch.Tensor], m: int, dim: int,
+                       whole: Collection[str]) -> dict[str, torch.Tensor]:
+    """:func:`placeholders` of a batch of ``m`` micro-batches shaped like ``first`` (one
+    of them), side by side along ``dim``; an input in ``whole`` as ``first`` has it."""
+    return placeholders(first, {n: t.shape if n in whole else
+                                (*t.shape[:dim], t.shape[dim] * m, *t.shape[dim + 1:])
+                                for n, t in first.items()})
+
+
 def side_by_side(parts: list[dict[str, Any]], whole: Collection[str], dim: int) -> dict[str, Any]:
     """The ranks' micro-batch from its data-parallel replicas' pieces, in replica order.
 

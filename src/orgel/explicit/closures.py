@@ -10,16 +10,17 @@ from typing import Any
 
 import torch
 
-from orgel.batching import placeholders
+from orgel.batching import batch_placeholders
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.slots import Slot
 from orgel.graph.dynamo import dynamo_settings
 
 
-def closure_input(i: int) -> str:
-    """The name the joined graphs of a forward with graph breaks give the closure's argument
-    at position ``i``, whose sizes those graphs read (:func:`orgel.graph.glue_sizes.size_roles`)."""
-    return f"arg{i}"
+def closure_tensors(args: list[Any]) -> dict[str, torch.Tensor]:
+    """A closure's tensor arguments by the names the joined graphs of a forward with graph
+    breaks give them (``arg<i>``, ``i`` the position), whose sizes those graphs read
+    (:func:`orgel.graph.glue_sizes.size_roles`)."""
+    return {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
 
 
 class UntrainedWarning(UserWarning):
@@ -92,15 +93,9 @@ class ClosurePipeline(GluedPipeline):
         # the closures' arguments, which the sizes the graphs took symbolic are read off
         # (orgel.transparent.start.closure_inputs): their shapes, and the ranks' stand-ins
         # (all of them: a step of other shapes exchanges its messages' shapes anew)
-        named = [{closure_input(i): a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-                 for args in pieces]
+        named = [closure_tensors(args) for args in pieces]
         sizes = [{n: tuple(t.shape) for n, t in one.items()} for one in named]
-        dim = self.batch_dim
-        stand_ins = placeholders(
-            named[0],
-            {n: t.shape if n in self.replicated else
-             (*t.shape[:dim], t.shape[dim] * self.pieces, *t.shape[dim + 1:])
-             for n, t in named[0].items()})
+        stand_ins = batch_placeholders(named[0], self.pieces, self.batch_dim, self.replicated)
         try:
             results = [s.result for s in self._run_threads(work, stand_ins, rows)]
         finally:  # (a dropped step too)

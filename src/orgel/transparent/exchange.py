@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from orgel.batching import placeholders, side_by_side
+from orgel.batching import batch_placeholders, side_by_side
 from orgel.explicit.mailbox import RankPipes
 from orgel.worker.closure import Slot
 
@@ -137,12 +137,10 @@ class RankLink:
         if first is None:
             raise RuntimeError("the closure for micro-batch 0 did not call the compiled model")
         dim, m = self.batch_dim, self.microbatches
-        shapes = {n: t.shape if n in self._whole else
-                  (*t.shape[:dim], t.shape[dim] * m, *t.shape[dim + 1:])
-                  for n, t in first.items()}
-        batched = [s[dim] for n, s in shapes.items() if n not in self._whole]
+        stand_ins = batch_placeholders(first, m, dim, self._whole)
+        batched = [t.shape[dim] for n, t in stand_ins.items() if n not in self._whole]
         rows = int(batched[0]) if batched else int(self._rows or m)
-        return placeholders(first, shapes), rows
+        return stand_ins, rows
 
     def _read_outputs(self) -> None:
         """Hand each closure its outputs as the loss stage's ranks send them (replica r's

@@ -29,7 +29,12 @@ from orgel.transparent.discover import (
     stop_outputs,
     stopped_at_backward,
 )
-from orgel.transparent.graph_model import GraphModel, ambient_autocast, describe_autocast
+from orgel.transparent.graph_model import (
+    GraphModel,
+    ambient_autocast,
+    describe_autocast,
+    unbound,
+)
 from orgel.transparent.slicing import marked
 from orgel.worker.pipe import canonical_names
 
@@ -197,7 +202,7 @@ class FindsGraphs:
                                "once per closure")
         if len(self._found) == 1:
             gm, example_inputs, roles, args, _ = self._found[0]
-            if self._glue_values and any(k == "size" and ":" not in n for k, n in roles):
+            if self._glue_values and unbound(roles):
                 raise CaptureError("a size of the one graph is no size of its inputs")
             around = self._autocast
             if around is None and self._precision is not None:

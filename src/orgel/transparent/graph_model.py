@@ -43,9 +43,9 @@ class GraphModel(torch.nn.Module):
         # read while it was compiling (``roles``) to build one later
         if roles is None:
             roles = roles_of(placeholders, example_inputs)
-        unbound = [name for kind, name in roles if kind == "size" and ":" not in name]
-        if unbound:  # one graph reads its sizes off its inputs
-            raise ValueError(UNBOUND.format(unbound[0]))
+        loose = unbound(roles)
+        if loose:  # one graph reads its sizes off its inputs
+            raise ValueError(UNBOUND.format(loose[0]))
         for (kind, name), value in zip(roles, example_inputs, strict=True):
             if kind in ("param", "buffer"):
                 register_state(self, kind, name, value)
@@ -143,6 +143,12 @@ def roles_of(placeholders: list[torch.fx.Node], example_inputs: list[Any],
             name = where.get(symbol, symbol)
         sized.append((kind, name))
     return sized
+
+
+def unbound(roles: list[tuple[str, str]]) -> list[str]:
+    """The symbolic sizes among a graph's placeholder ``roles`` (:func:`roles_of`, not
+    ``strict``) that none of its inputs has."""
+    return [name for kind, name in roles if kind == "size" and ":" not in name]
 
 
 def role_of(node: torch.fx.Node, value: Any) -> tuple[str, str]:

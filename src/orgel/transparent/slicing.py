@@ -73,6 +73,14 @@ def shared_inputs(given: list[dict[str, torch.Tensor] | None]) -> tuple[str, ...
                  if all(g is not None and where(g[n]) == where(t) for g in given[1:]))
 
 
+def whole_inputs(given: list[dict[str, torch.Tensor]], dim: int) -> tuple[str, ...]:
+    """The inputs every micro-batch takes whole: those every closure passed as the same tensor
+    (:func:`shared_inputs`: a replicated argument, a table of another size), and those
+    without the batch dimension ``dim``."""
+    shared = shared_inputs(list(given))
+    return tuple(n for n, t in given[0].items() if n in shared or t.dim() <= dim)
+
+
 def argument_name(i: int) -> str:
     """How :func:`slice_batch` names ``step``'s argument at position ``i`` (0 after the closure)."""
     return f"argument {i}"

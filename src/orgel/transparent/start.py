@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from orgel.batching import batch_rows, placeholders, side_by_side
-from orgel.explicit.closures import closure_input
+from orgel.explicit.closures import closure_tensors
 from orgel.explicit.glued_start import start
 from orgel.flow.prepare import here, on_process_zero, prepare
 from orgel.flow.start import check_param_groups
@@ -30,7 +30,7 @@ from orgel.launch.processes import LocalGroup, under_torchrun
 from orgel.transparent.graph_model import register_state
 from orgel.transparent.job import join
 from orgel.transparent.running import NO_EVALUATION
-from orgel.transparent.slicing import rows_at, shared_inputs
+from orgel.transparent.slicing import rows_at, whole_inputs
 from orgel.worker.closure import ClosureEngine, profiling_loss
 from orgel.worker.engine import RankEngine
 from orgel.worker.pipe import Pipeline
@@ -64,11 +64,8 @@ def start_ranks(backend: Backend) -> Started:
     assert first is not None
     dim = backend.batch_dim
     given = [s.inputs for s in backend._slots]
-    shared = shared_inputs(given)  # e.g. a replicated argument the closure passes on
-    whole = tuple(n for n, t in first.items() if n in shared or t.dim() <= dim)
-    batch = {n: first[n] if n in whole
-             else torch.cat([g[n] for g in given], dim)  # type: ignore[index]
-             for n in first}
+    whole = whole_inputs(given, dim)  # type: ignore[arg-type]
+    batch = side_by_side(given, whole, dim)  # type: ignore[arg-type]
     rows = batch_rows(batch, None, dim, whole)
     if backend.dp > 1 and rows == len(given):  # one row per closure
         raise ValueError(
@@ -188,9 +185,8 @@ def start_glued(backend: Backend) -> Any:
               "read parameters.")
     # an autocast the closures open around the model: the graphs hold no casts, so the
     # joined graph opens it and every stage re-enters it (the closures' Python is in it)
-    batch, whole = closure_inputs(backend)
-    named_inputs = {closure_input(i): a for i, a in enumerate(backend._pieces[0])
-                    if isinstance(a, torch.Tensor)}  # micro-batch 0's, as its graphs ran
+    batch, whole = replica_batch(backend)
+    named_inputs = closure_tensors(backend._pieces[0])  # micro-batch 0's, as its graphs ran
     values = backend._glue_values
     # sizes found symbolic: each bound to a dimension of a closure argument (else CaptureError)
     dims = size_roles(calls, named_inputs) if values else None
@@ -223,11 +219,12 @@ def start_glued(backend: Backend) -> Any:
                  aliases=aliases, closures=True, options=backend.loop)
 
 
-def closure_inputs(backend: Backend) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
-    """The closures' tensor arguments as the joined graph's model inputs, by
-    :func:`closure_input` name: those of the closures of the first replica (dp) side by side
-    (the rows one replica's stages run, each closure's its micro-batch's); and the names of
-    those every closure takes whole (``replicated``, or without the batch dimension).
+
+def replica_batch(backend: Backend) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    """The closures' tensor arguments (:func:`closure_tensors`) as the joined graph's model
+    inputs: those of the closures of the first replica (dp) side by side (the rows one
+    replica's stages run, each closure's its micro-batch's); and the names of those every
+    closure takes whole (:func:`whole_inputs`, and the ``replicated`` arguments).
 
     Every tensor the graphs take is handed over at their calls; where Dynamo found them with
     symbolic sizes (:attr:`~orgel.transparent.finding.FindsGraphs._glue_values`), each size
@@ -236,9 +233,10 @@ def closure_inputs(backend: Backend) -> tuple[dict[str, torch.Tensor], tuple[str
     are checked against them, so a later batch of another length or batch size runs the
     same graphs.
     """
-    dim, pieces = backend.batch_dim, backend._pieces
-    whole = tuple(closure_input(i) for i, a in enumerate(pieces[0]) if isinstance(a, torch.Tensor)
-                  and (i in backend.replicated or a.dim() <= dim))
-    parts = [{closure_input(i): a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-             for args in pieces[::backend.dp]]
-    return side_by_side(parts, whole, dim), whole
+    dim, first = backend.batch_dim, backend._pieces[0]
+    given = [closure_tensors(args) for args in backend._pieces]
+    # the replicated arguments, named (whole even where one closure leaves none shared)
+    named = {*closure_tensors([a if i in backend.replicated else None
+                               for i, a in enumerate(first)]), *whole_inputs(given, dim)}
+    whole = tuple(n for n in given[0] if n in named)
+    return side_by_side(given[::backend.dp], whole, dim), whole
