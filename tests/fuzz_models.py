@@ -26,8 +26,8 @@ BATCH_DIM: dict[str, int] = {"seqfirst": 1}
 REPLICATED: dict[str, tuple[str, ...]] = {"memory": ("memory",)}
 NAMES: tuple[str, ...] = ("seqfirst", "memory", "breaks")
 #: models whose forward has graph breaks (no meta model: the Python between graphs reads
-#: values)
-GRAPH_BREAKS: tuple[str, ...] = ("breaks",)
+#: values); ``graphbreak`` (tests/zoo.py) branches on a value: micro-batches take either arm
+GRAPH_BREAKS: tuple[str, ...] = ("breaks", "graphbreak")
 
 _VOCAB, _SEQ, _WIDTH, _HEADS, _SLOTS = 64, 8, 32, 4, 6
 

@@ -117,3 +117,11 @@ def add_argument(parser: Any) -> None:
                         help="'32' (default), 'bf16-mixed' (the forward and the loss under "
                              "torch.autocast with bfloat16, float32 parameters) or '16-mixed' "
                              "(float16 with loss scaling)")
+
+
+def ambient_autocast() -> tuple[str, torch.dtype] | None:
+    """``(device type, dtype)`` of the autocast enabled around this call (None: none)."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None

@@ -4,6 +4,8 @@ for ``orgel.pipeline``."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,9 +13,11 @@ from typing import Any
 import torch
 
 from orgel.batching import batch_placeholders
+from orgel.explicit.fallback import Deviated, GlueError, not_here
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.slots import Slot
 from orgel.graph.dynamo import dynamo_settings
+from orgel.precision import ambient_autocast
 
 
 def closure_tensors(args: list[Any]) -> dict[str, torch.Tensor]:
@@ -35,9 +39,21 @@ class ClosurePipeline(GluedPipeline):
     ``loss_fn``: each runs in its own thread, calls the compiled model (whose
     graphs reach :meth:`_call` through the backend) and runs its own backward.
     A graph call the closure's loss does not reach gets zero gradients.
-    """
 
-    fallback = False  # the closure is the user's: it cannot run again in the controller
+    A micro-batch whose forward leaves the captured graphs (another arm of a branch, a
+    second call of the model) cannot start again in the controller as
+    ``orgel.pipeline``'s does: the closure is the user's, and its forward is under way.
+    So from the graph call where it leaves (:meth:`graph_call`), the ranks finish their
+    part of it on stand-ins with zero gradients
+    (:meth:`~orgel.explicit.fallback.Fallback.leave`), and the rest runs here, on a copy
+    holding the ranks' values of the step: every later graph call, and the backward of
+    the calls the ranks ran before, recomputed from their arguments (checked against the
+    outputs the ranks gave). The gradients this gives the copy's parameters are kept per
+    micro-batch, summed in micro-batch order and added by each parameter's home rank, as
+    those of the parameters the Python between graphs trains are. Not with ``tp`` or
+    FSDP (:meth:`~orgel.explicit.fallback.Fallback.allowed`), nor where the stages update
+    buffers in place: there the step stops, saying so.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -52,21 +68,61 @@ class ClosurePipeline(GluedPipeline):
         self._remote = [(n, p) for n, p in self._model.named_parameters()
                         if p.requires_grad and n not in self._eager]
         self._warned = False
+        # the caller's tensors a graph call off the captured path reads in their stead: the
+        # copy's (Fallback.values), by the id of the caller's; the eager ones stay the caller's
+        self._stand_for = {id(t): name for name, t in
+                           [*self._model.named_parameters(remove_duplicate=False),
+                            *self._model.named_buffers(remove_duplicate=False)]
+                           if name not in self._eager}
+        self._copy_hooks: list[Any] = []
+        self._copy_lock = threading.Lock()
 
-    def _keeper(self, name: str) -> Callable[[torch.Tensor], None]:
-        def keep(grad: torch.Tensor) -> None:
-            slot = getattr(self._local, "slot", None)
-            if slot is not None:  # a backward of the user's own, outside a step: not ours
-                grad = grad.detach() / self.accumulate  # each call counts 1/accumulate
-                got = slot.grads.get(name)
-                slot.grads[name] = grad.clone() if got is None else got + grad
-        return keep
+    def graph_call(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
+        """Graph ``gm`` of a closure's forward, called with ``args``: on the ranks while its
+        micro-batch runs the captured graphs; from the call where it leaves them, here."""
+        slot = getattr(self._local, "slot", None)
+        if slot is not None and slot.off_path:
+            return self._here(gm, args)
+        try:
+            out = self._call(gm.code, args)
+        except Deviated as exc:
+            assert slot is not None
+            if not self.fallback:
+                raise not_here(slot.index, exc.what) from exc
+            self._turns.passed(slot.index)  # off the graphs: the next may look up past here
+            # the ranks finish it on stand-ins (every call's gradients zero), so they wait
+            # for nothing of it while the values come (Fallback.values)
+            self._fallback.leave(self, slot, {}, exc.what)
+            return self._here(gm, args)
+        if self.fallback:  # should it leave later, the backward of this call is made here
+            slot.ran.append((gm, args, out, ambient_autocast()))
+        return out
+
+    def _here(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Graph ``gm`` run here on the ranks' values of the step (their copy's tensors in
+        place of the caller's parameters and buffers)."""
+        copy = self._fallback.values(self)
+        with self._copy_lock:
+            if not self._copy_hooks:  # each micro-batch's gradient, kept as _keeper keeps it
+                self._copy_hooks = [p.register_hook(self._keeper(name))
+                                    for name, p in copy.named_parameters()
+                                    if p.requires_grad and name not in self._eager]
+        state = copy.state_dict(keep_vars=True)
+        local = [state[self._stand_for[id(a)]] if isinstance(a, torch.Tensor)
+                 and id(a) in self._stand_for else a for a in args]
+        buffers = {id(b): b._version for b in copy.buffers()}
+        out = gm(*local)
+        if any(id(a) in buffers and a._version != buffers[id(a)] for a in local):
+            raise GlueError("a micro-batch left the captured graphs and ran here, where a graph "
+                            "wrote a buffer in place: orgel cannot hand that to the ranks; "
+                            "make every micro-batch take the captured path")
+        return tuple(out)
 
     def _back(self, slot: Any, c: int, grads: list[Any], count: int) -> list[Any]:
-        """Graph ``c``'s backward on the ranks, with ``accumulate`` > 1: the closure's own
-        backward gives the step call's whole gradient, so each call counts ``1/accumulate``
-        in what reaches the ranks; the gradients that come back into the closure's backward
-        (of the graph's arguments) are its own again."""
+        """Graph ``c``'s backward: on the ranks, or, once its micro-batch left the captured
+        graphs (the ranks had zero gradients for it), here (:meth:`_back_here`)."""
+        if slot.off_path:
+            return self._back_here(slot, c, grads)
         if self.scale is not None and not slot.scaled and any(g is not None for g in grads):
             from orgel.precision import UNSCALED_BACKWARD
 
@@ -76,6 +132,43 @@ class ClosurePipeline(GluedPipeline):
             return super()._back(slot, c, grads, count)
         got = super()._back(slot, c, [None if g is None else g / k for g in grads], count)
         return [None if g is None else g * k for g in got]
+
+    def _back_here(self, slot: Any, c: int, grads: list[Any]) -> list[Any]:
+        """The backward of graph call ``c``, which the ranks ran before the micro-batch left
+        the captured graphs: the graph again here on its arguments, checked against the
+        outputs the ranks gave (a graph that draws random numbers would not give them),
+        then its gradients: the copy's parameters' kept by their hooks, the arguments'
+        returned."""
+        gm, args, outs, autocast = slot.ran[c]
+        call = self.glue.calls[c]
+        values = {i: args[i].detach().requires_grad_(args[i].requires_grad) for i in call.glue}
+        given = tuple(values.get(i, a) for i, a in enumerate(args))
+        with torch.enable_grad(), contextlib.ExitStack() as stack:
+            if autocast is not None:
+                stack.enter_context(torch.autocast(*autocast))
+            again = self._here(gm, given)
+        for got, want in zip(again, outs, strict=True):
+            if isinstance(want, torch.Tensor) and not torch.allclose(
+                    got.detach(), want.detach(), rtol=1e-4, atol=1e-6, equal_nan=True):
+                raise GlueError(
+                    f"micro-batch {slot.index} left the captured graphs, and graph call {c}, "
+                    "which the ranks ran before it left, gives other outputs here (it draws "
+                    "random numbers: dropout?): orgel cannot compute its backward; make every "
+                    "micro-batch take the captured path, or the graph deterministic")
+        pairs = [(t, g) for t, g in zip(again, grads, strict=True)
+                 if g is not None and isinstance(t, torch.Tensor) and t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        return [values[i].grad for i in call.glue]
+
+    def _keeper(self, name: str) -> Callable[[torch.Tensor], None]:
+        def keep(grad: torch.Tensor) -> None:
+            slot = getattr(self._local, "slot", None)
+            if slot is not None:  # a backward of the user's own, outside a step: not ours
+                grad = grad.detach() / self.accumulate  # each call counts 1/accumulate
+                got = slot.grads.get(name)
+                slot.grads[name] = grad.clone() if got is None else got + grad
+        return keep
 
     def step_closures(self, closure: Callable[..., Any], pieces: list[list[Any]],
                       rows: int) -> list[Any]:
@@ -99,8 +192,9 @@ class ClosurePipeline(GluedPipeline):
         try:
             results = [s.result for s in self._run_threads(work, stand_ins, rows)]
         finally:  # (a dropped step too)
-            for p in self._eager.values():  # summed from the hooks and stepped on a rank
-                p.grad = None
+            copy = self._fallback._copy  # (micro-batches off the captured graphs ran on it)
+            for p in [*self._eager.values(), *([] if copy is None else copy.parameters())]:
+                p.grad = None  # summed from the hooks and stepped on a rank
         self._check_stray()
         return results
 
@@ -119,7 +213,7 @@ class ClosurePipeline(GluedPipeline):
                 "orgel.pipeline"), stacklevel=3)
 
     def close(self) -> None:
-        for hook in self._hooks:
+        for hook in [*self._hooks, *self._copy_hooks]:
             hook.remove()
-        self._hooks = []
+        self._hooks = self._copy_hooks = []
         super().close()

@@ -257,6 +257,15 @@ def check_outside(index: int, out: Any, remote: set[int]) -> None:
         todo.extend(f for f, _ in fn.next_functions)
 
 
+def not_here(index: int, what: str) -> GlueError:
+    """The error for micro-batch ``index``, which left the captured graphs (``what``), where
+    the calling process may not run it (:meth:`Fallback.allowed`)."""
+    return GlueError(f"micro-batch {index} left the captured graphs ({what}); with tp > 1 or "
+                     "shard='fsdp' orgel does not run it in the calling process (a rank's "
+                     "values are gathered by all its processes at once): make every "
+                     "micro-batch take the captured path, or pass tp=1 and shard='none'")
+
+
 def summed(slots: list[Any]) -> dict[str, torch.Tensor]:
     """Each parameter's gradient over the micro-batches (``slot.grads``), summed in order."""
     names = sorted({n for s in slots for n in s.grads})
@@ -269,4 +278,5 @@ def summed(slots: list[Any]) -> dict[str, torch.Tensor]:
     return total
 
 
-__all__ = ["Deviated", "Fallback", "GlueError", "check_outside", "deviation", "summed"]
+__all__ = ["Deviated", "Fallback", "GlueError", "check_outside", "deviation", "not_here",
+           "summed"]

@@ -47,7 +47,13 @@ from orgel import guard
 from orgel.batching import batch_rows, placeholders, split_microbatches
 from orgel.explicit.eager import EagerParameters, controller_copy, exchange_ranks
 from orgel.explicit.evaluation import evaluate_here, merged_outputs
-from orgel.explicit.fallback import Deviated, Fallback, GlueError, check_outside, deviation
+from orgel.explicit.fallback import (
+    Deviated,
+    Fallback,
+    check_outside,
+    deviation,
+    not_here,
+)
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
 from orgel.explicit.routes import Routes
 from orgel.explicit.slots import GraphCall, Slot, Turns
@@ -174,10 +180,8 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
             raise Deviated(
                 f"{what}: it took another branch, or "
                 "Dynamo specialised a graph on a Python value that changed (a float from "
-                ".item(), a shape). orgel.backend's closures need every micro-batch to run the "
-                "captured graphs (orgel.pipeline runs such a micro-batch in the calling "
-                "process); make the branch a tensor op (torch.where) or keep such values as "
-                "tensors", what)
+                ".item(), a shape); to keep it on the captured graphs, make the branch a "
+                "tensor op (torch.where) or keep such values as tensors", what)
         call = calls[c]
         inputs: dict[str, torch.Tensor] = {}
         for i, (kind, name) in enumerate(call.roles):
@@ -208,10 +212,9 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
                     f"{['any' if w is None else w for w in wanted[j]]}")
             raise Deviated(
                 f"{what}: the Python between graphs makes shapes that depend on the data "
-                "(torch.where, nonzero, a loop over what the tokens chose). orgel.backend's "
-                "closures need every micro-batch's graphs to see the captured shapes "
-                "(orgel.pipeline runs such a micro-batch in the calling process); compute "
-                "such a part with fixed shapes (a dense mask instead of an index list)", what)
+                "(torch.where, nonzero, a loop over what the tokens chose); to keep it on the "
+                "captured graphs, compute such a part with fixed shapes (a dense mask instead "
+                "of an index list)", what)
         assert slot.anchor is not None
         # a graph run with gradients off (a rotary table under torch.no_grad) still takes its
         # place in the anchors' chain: its backward sends the ranks their zero gradients
@@ -401,11 +404,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
                 raise
             self._turns.passed(slot.index)  # off the graphs: the next may look up past here
             if not self.fallback:
-                raise GlueError(f"micro-batch {slot.index} left the captured graphs "
-                                f"({found.what}); with tp > 1 or shard='fsdp' orgel does not "
-                                "run it in the calling process (a rank's values are gathered by "
-                                "all its processes at once): make every micro-batch take the "
-                                "captured path, or pass tp=1 and shard='none'") from exc
+                raise not_here(slot.index, found.what) from exc
             self._fallback.leave(self, slot, inputs, found.what)
             self._fallback.run(self, slot, inputs, targets)
             return

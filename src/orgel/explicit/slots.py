@@ -19,6 +19,10 @@ class Slot:
         self.calls = 0
         self.sent = 0  # captured graph calls whose arguments went to the ranks
         self.off_path = False  # the forward left the captured graphs: it ran here
+        #: ``orgel.backend``'s closures: each graph call's graph, arguments, outputs and
+        #: autocast, should the micro-batch leave the captured graphs later (see
+        #: :meth:`orgel.explicit.closures.ClosurePipeline.graph_call`)
+        self.ran: list[tuple[Any, ...]] = []
         self.anchor: torch.Tensor | None = None
         self.result: float = 0.0
         self.outputs: Any = None  # the model's outputs, detached on the CPU, when asked for

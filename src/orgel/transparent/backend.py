@@ -167,7 +167,7 @@ class Backend(RunningPipeline, RankLink, FindsGraphs):
             from orgel.explicit.closures import ClosurePipeline
 
             if isinstance(self.pipe, ClosurePipeline):
-                return self.pipe._call(gm.code, args)
+                return self.pipe.graph_call(gm, args)
             if self.model is None:
                 raise RuntimeError("call the compiled model inside a closure run by "
                                    "pipe.step(...)")

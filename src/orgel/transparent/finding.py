@@ -22,19 +22,14 @@ from orgel.graph.glue import RETURNS_SIZE, returns_size
 from orgel.graph.glue_sizes import glue_settings, size_values
 from orgel.graph.opgraph import CaptureError
 from orgel.guard import untouched
-from orgel.precision import device_type
+from orgel.precision import ambient_autocast, device_type
 from orgel.transparent.discover import (
     ForwardDone,
     compiled_module,
     stop_outputs,
     stopped_at_backward,
 )
-from orgel.transparent.graph_model import (
-    GraphModel,
-    ambient_autocast,
-    describe_autocast,
-    unbound,
-)
+from orgel.transparent.graph_model import GraphModel, describe_autocast, unbound
 from orgel.transparent.slicing import marked
 from orgel.worker.pipe import canonical_names
 

@@ -77,14 +77,6 @@ class GraphModel(torch.nn.Module):
             return self.graph_module(*args)
 
 
-def ambient_autocast() -> tuple[str, torch.dtype] | None:
-    """``(device type, dtype)`` of the autocast enabled around this call (None: none)."""
-    for device in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device):
-            return device, torch.get_autocast_dtype(device)
-    return None
-
-
 def describe_autocast(state: tuple[str, torch.dtype] | None) -> str:
     return "no autocast" if state is None else f"torch.autocast({state[0]!r}, dtype={state[1]})"
 

@@ -7,9 +7,8 @@ from typing import Any
 
 import torch
 
-from orgel.precision import device_type
+from orgel.precision import ambient_autocast, device_type
 from orgel.schedule.ir import Plan
-from orgel.transparent.graph_model import ambient_autocast
 
 #: why orgel.backend's pipeline does not evaluate (``Pipeline.evaluate`` raises with it)
 NO_EVALUATION = ("orgel.backend runs your closure as a training step; to evaluate, call the "

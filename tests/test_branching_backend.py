@@ -1,0 +1,127 @@
+"""Through ``orgel.backend``, closures whose forward leaves the captured graphs train exactly.
+
+A compiled model with graph breaks is captured on micro-batch 0's closure. Another
+micro-batch may take the other arm of a branch: from the graph call where it leaves,
+its closure runs the graphs itself, on the ranks' values of the step, while the ranks
+finish their part on stand-ins (:mod:`orgel.explicit.closures`). Each test trains a few
+steps on 2 forked ranks and compares the losses and every tensor with one process running
+the same closures, micro-batch by micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import orgel
+from archzoo.check import relative_diff
+from test_branching import MeanBranch, _rows
+
+M = 2
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+           closure_for: Callable[[Any, int], Callable[..., Any]]
+           ) -> tuple[list[list[float]], dict[str, torch.Tensor], list[list[int]]]:
+    """``batches`` through ``orgel.backend`` on 2 ranks (step ``i``'s closure
+    ``closure_for(compiled, i)``): each step's losses, the final state and each step's
+    micro-batches that left the captured graphs."""
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_optimizer, timeout_s=60.0)
+    compiled = torch.compile(model, backend=pipe)
+    losses, left = [], []
+    try:
+        for i, (x, y) in enumerate(batches):
+            losses.append([float(v) for v in pipe.step(closure_for(compiled, i), x, y)])
+            left.append(list(pipe.pipe.off_path))
+        return losses, pipe.state_dict(), left
+    finally:
+        pipe.close()
+
+
+def _reference(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               closure_for: Callable[[Any, int], Callable[..., Any]]
+               ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """The same in one process: each step's closures on micro-batches in order, then AdamW."""
+    opt = _optimizer(list(model.parameters()))
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        closure = closure_for(model, i)
+        losses.append([float(closure(xm, ym)) for xm, ym in zip(x.chunk(M), y.chunk(M),
+                                                                   strict=True)])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, model.state_dict()
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    # max|a-b| / (1 + max|b|): the ranks add a micro-batch's gradient computed here after
+    # their own sum, so float32 rounding may differ in the last place
+    worst = {key: relative_diff(got[key], t) for key, t in want.items()}
+    assert max(worst.values()) <= 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+
+def _arms(model: MeanBranch, steps: list[tuple[bool, ...]], seed: int
+          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.cat([_rows(model, up, 4, gen) for up in arms]),
+             torch.randint(0, 4, (4 * len(arms),), generator=gen)) for arms in steps]
+
+
+def _closure_for(net: Any, _step: int) -> Callable[..., Any]:
+    def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y) / M
+        loss.backward()
+        return loss.detach()
+    return closure
+
+
+@pytest.mark.slow
+def test_closures_taking_either_arm_of_a_branch_train_exactly() -> None:
+    """Micro-batch 0 (captured) takes "up"; a micro-batch that takes "down" leaves at the
+    second graph: its first graph ran on the ranks (their gradients are real), the rest
+    here. In the third step no micro-batch reaches "up": it gets no gradient, and AdamW's
+    weight decay leaves it alone, as in one process."""
+    torch.manual_seed(0)
+    model = MeanBranch()
+    batches = _arms(model, [(True, False), (False, True), (False, False), (True, True)], 1)
+    want_losses, want = _reference(copy.deepcopy(model), batches, _closure_for)
+    losses, got, left = _train(model, batches, _closure_for)
+    assert left == [[1], [0], [0, 1], []]
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)
+
+
+@pytest.mark.slow
+def test_a_closure_that_calls_the_model_again_trains_exactly() -> None:
+    """A closure that calls the compiled model a second time, where the first step's did
+    not (past the captured graphs), runs that call here on the ranks' values; its
+    gradients join the ranks' own. The step after is on the captured graphs again."""
+    torch.manual_seed(1)
+    model = MeanBranch()
+    batches = _arms(model, [(True, True), (True, False), (True, True)], 2)
+    twice = [False, True, False]
+
+    def closure_for(net: Any, step: int) -> Callable[..., Any]:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            if twice[step]:  # the same rows reversed: another call of the model
+                loss = loss + 0.5 * net(x.flip(0)).pow(2).mean()
+            (loss / M).backward()
+            return (loss / M).detach()
+        return closure
+
+    want_losses, want = _reference(copy.deepcopy(model), batches, closure_for)
+    losses, got, left = _train(model, batches, closure_for)
+    assert left == [[], [0, 1], []]
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)
