@@ -94,7 +94,7 @@ class ClosurePipeline(GluedPipeline):
             # for nothing of it while the values come (Fallback.values)
             self._fallback.leave(self, slot, {}, exc.what)
             return self._here(gm, args)
-        if self.fallback:  # should it leave later, the backward of this call is made here
+        if self.fallback and slot is not None:  # should it leave later: its backward here
             slot.ran.append((gm, args, out, ambient_autocast()))
         return out
 
