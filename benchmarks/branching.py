@@ -16,6 +16,12 @@ Each kind runs 2 warm-up steps (Dynamo compiles the other arm's graphs on first
 sight), then ``--steps`` timed steps; the script prints each kind's median step
 time, the micro-batches that ran in the controller, and the machine's load
 average before and after. Never asserted in tests.
+
+``--entry backend`` times the same through ``orgel.backend`` (a closure per
+micro-batch, ``schedule="1f1b"`` over a FLOP-balanced chain): there a micro-batch
+that leaves at the branch keeps its first graph's forward from the ranks, and the
+rest of it (and that graph's backward, recomputed) runs in the calling process
+(:class:`orgel.explicit.closures.ClosurePipeline`).
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["captured", "mixed", "all off"],
                         help="which batches to time (captured only: runs on an orgel without "
                              "the fallback too, for a before/after of the captured path)")
+    parser.add_argument("--entry", choices=("pipeline", "backend"), default="pipeline",
+                        help="orgel.pipeline (default) or orgel.backend with a closure")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = BranchMLP(args.width, args.depth)
@@ -84,27 +92,47 @@ def main() -> None:
                    torch.randint(0, 10, (m * args.rows,), generator=gen))
                for k, arms in kinds.items()}
     x, y = batches["captured"]
-    plan = balanced_plan(capture(model, (x[:args.rows],)), ranks=2, microbatches=m)
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    off: dict[str, Any] = {}
     print(f"load average before: {os.getloadavg()}")
-    with orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, microbatches=m, plan=plan,
-                        optimizer=lambda p: torch.optim.SGD(p, lr=1e-4)) as pipe:
-        for i in range(2 + args.steps):
-            for kind, (bx, by) in batches.items():
-                start = time.perf_counter()
-                pipe.step((bx,), by)
-                if i >= 2:
-                    times[kind].append(time.perf_counter() - start)
-                off[kind] = getattr(pipe, "off_path", "-")
+    if args.entry == "pipeline":
+        plan = balanced_plan(capture(model, (x[:args.rows],)), ranks=2, microbatches=m)
+        with orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, microbatches=m,
+                            plan=plan, optimizer=lambda p: torch.optim.SGD(p, lr=1e-4)) as pipe:
+            times, off = _time(lambda bx, by: pipe.step((bx,), by), pipe, batches, args.steps)
+    else:
+        pipe = orgel.backend(ranks=2, microbatches=m, schedule="1f1b",
+                             optimizer=lambda p: torch.optim.SGD(p, lr=1e-4))
+        compiled = torch.compile(model, backend=pipe)
+
+        def closure(bx: torch.Tensor, by: torch.Tensor) -> None:
+            (F.cross_entropy(compiled(bx), by) / m).backward()
+
+        with pipe:
+            times, off = _time(lambda bx, by: pipe.step(closure, bx, by), pipe, batches,
+                               args.steps)
     print(f"load average after: {os.getloadavg()}")
     base = statistics.median(next(iter(times.values())))
     print(f"BranchMLP width {args.width}, depth {args.depth}+{args.depth}, 2 ranks, {m} "
-          f"micro-batches of {args.rows} rows; median of {args.steps} steps")
+          f"micro-batches of {args.rows} rows, {args.entry}; median of {args.steps} steps")
     for kind, ts in times.items():
         med = statistics.median(ts)
         print(f"  {kind:9s} {med * 1e3:8.1f} ms  ({med / base:4.2f}x)  "
               f"in the controller: micro-batches {off[kind]}")
+
+
+def _time(step: Any, pipe: Any, batches: dict[str, Any], steps: int
+          ) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Each kind's step times after 2 warm-up steps, the kinds in turn; and the
+    micro-batches of each kind's last step that left the captured graphs."""
+    times: dict[str, list[float]] = {k: [] for k in batches}
+    off: dict[str, Any] = {}
+    for i in range(2 + steps):
+        for kind, (bx, by) in batches.items():
+            start = time.perf_counter()
+            step(bx, by)
+            if i >= 2:
+                times[kind].append(time.perf_counter() - start)
+            off[kind] = getattr(getattr(pipe, "pipe", pipe), "off_path", "-")
+    return times, off
 
 
 if __name__ == "__main__":

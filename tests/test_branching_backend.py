@@ -125,3 +125,43 @@ def test_a_closure_that_calls_the_model_again_trains_exactly() -> None:
     assert left == [[], [0, 1], []]
     assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
     _same(got, want)
+
+
+class DropoutBranch(MeanBranch):
+    """Dropout before the branch: the ranks' draw of graph 0 cannot be made again here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.a(x)))
+        if x.mean() > 0:  # the arm per micro-batch, read off the input
+            h = self.up(h)
+        else:
+            h = self.down(h)
+        return self.head(torch.relu(h))
+
+
+@pytest.mark.slow
+def test_a_closure_leaving_after_a_graph_that_draws_random_numbers_is_a_clear_error() -> None:
+    """Graph 0 draws a dropout mask on the ranks; recomputed here it would draw another,
+    so the backward of a micro-batch that left after it cannot be made: the step stops
+    saying why, every rank drops it, and a step on the captured graphs trains after it."""
+    from orgel.explicit.fallback import GlueError
+
+    torch.manual_seed(0)
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_optimizer, timeout_s=60.0)
+    compiled = torch.compile(DropoutBranch(), backend=pipe)
+    x, y = torch.randn(8, 8).abs() + 0.1, torch.randint(0, 4, (8,))
+    off = x.clone()
+    off[4:] *= -1  # micro-batch 1 takes the other arm
+    try:
+        pipe.step(_closure_for(compiled, 0), x, y)
+        with pytest.raises(GlueError, match="draws random numbers"):
+            pipe.step(_closure_for(compiled, 1), off, y)
+        assert pipe.steps == 1
+        pipe.step(_closure_for(compiled, 2), x, y)
+        assert pipe.steps == 2
+    finally:
+        pipe.close()
