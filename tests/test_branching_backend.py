@@ -165,3 +165,30 @@ def test_a_closure_leaving_after_a_graph_that_draws_random_numbers_is_a_clear_er
         assert pipe.steps == 2
     finally:
         pipe.close()
+
+
+class EarlyExit(MeanBranch):
+    """A forward that returns after its first graph where the input's mean is negative."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(torch.tanh(self.a(x)))
+        if x.mean() < 0:  # a graph break; this arm calls no graph after it
+            return out
+        return out + self.head(torch.relu(self.up(torch.tanh(self.a(x)))))
+
+
+@pytest.mark.slow
+def test_a_closure_whose_forward_returns_early_trains_exactly() -> None:
+    """Micro-batch 1 runs fewer graphs than the captured forward: found when its backward
+    begins, it leaves there (the ranks finish it on stand-ins) and trains as one process."""
+    torch.manual_seed(2)
+    model = EarlyExit()
+    gen = torch.Generator().manual_seed(3)
+    up = [torch.randn(4, 8, generator=gen).abs() + 0.1 for _ in range(4)]
+    batches = [(torch.cat([up[0], up[1]]), torch.randint(0, 4, (8,), generator=gen)),
+               (torch.cat([up[2], -up[3]]), torch.randint(0, 4, (8,), generator=gen))]
+    want_losses, want = _reference(copy.deepcopy(model), batches, _closure_for)
+    losses, got, left = _train(model, batches, _closure_for)
+    assert left == [[], [1]]
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)

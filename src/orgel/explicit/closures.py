@@ -120,7 +120,16 @@ class ClosurePipeline(GluedPipeline):
 
     def _back(self, slot: Any, c: int, grads: list[Any], count: int) -> list[Any]:
         """Graph ``c``'s backward: on the ranks, or, once its micro-batch left the captured
-        graphs (the ranks had zero gradients for it), here (:meth:`_back_here`)."""
+        graphs (the ranks had zero gradients for it), here (:meth:`_back_here`). A backward
+        that begins before the forward made every captured graph call (the forward returned
+        early) leaves them there: the ranks wait for calls that will not come."""
+        captured = len(self.glue.calls)
+        if not slot.off_path and slot.calls < captured:
+            what = (f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; the captured "
+                    f"forward ran {captured}")
+            if not self.fallback:
+                raise not_here(slot.index, what)
+            self._fallback.leave(self, slot, {}, what)
         if slot.off_path:
             return self._back_here(slot, c, grads)
         if self.scale is not None and not slot.scaled and any(g is not None for g in grads):
