@@ -192,3 +192,34 @@ def test_a_closure_whose_forward_returns_early_trains_exactly() -> None:
     assert left == [[], [1]]
     assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
     _same(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("early", [False, True], ids=["captured", "early"])
+def test_a_step_without_a_backward_changes_nothing(early: bool) -> None:
+    """A step whose closures compute a loss without a backward (an evaluation batch; in
+    one, micro-batch 1 returns early): every loss as one process's, and no weight moves,
+    though AdamW would move them on zero gradients (it skips a parameter without one, as
+    after no backward in one process). The ranks' stand-in gradients once stepped them."""
+    torch.manual_seed(2)
+    model = EarlyExit()
+    x = torch.randn(8, 8).abs() + 0.1
+    y = torch.randint(0, 4, (8,))
+    second = x.clone()
+    if early:
+        second[4:] *= -1
+
+    def closure_for(net: Any, step: int) -> Callable[..., Any]:
+        def closure(xm: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(xm), ym) / M
+            if step != 1:  # the first and the last step train
+                loss.backward()
+            return loss.detach()
+        return closure
+
+    batches = [(x, y), (second, y), (x, y)]
+    want_losses, want = _reference(copy.deepcopy(model), batches, closure_for)
+    losses, got, left = _train(model, batches, closure_for)
+    assert left == [[], [1] if early else [], []]
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)

@@ -123,13 +123,7 @@ class ClosurePipeline(GluedPipeline):
         graphs (the ranks had zero gradients for it), here (:meth:`_back_here`). A backward
         that begins before the forward made every captured graph call (the forward returned
         early) leaves them there: the ranks wait for calls that will not come."""
-        captured = len(self.glue.calls)
-        if not slot.off_path and slot.calls < captured:
-            what = (f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; the captured "
-                    f"forward ran {captured}")
-            if not self.fallback:
-                raise not_here(slot.index, what)
-            self._fallback.leave(self, slot, {}, what)
+        self._leave_if_short(slot)
         if slot.off_path:
             return self._back_here(slot, c, grads)
         if self.scale is not None and not slot.scaled and any(g is not None for g in grads):
@@ -141,6 +135,19 @@ class ClosurePipeline(GluedPipeline):
             return super()._back(slot, c, grads, count)
         got = super()._back(slot, c, [None if g is None else g / k for g in grads], count)
         return [None if g is None else g * k for g in got]
+
+    def _leave_if_short(self, slot: Any) -> None:
+        """Leave the captured graphs where ``slot``'s forward made fewer graph calls than
+        they hold (it returned early): the ranks would wait for the calls that did not
+        come. Called as its backward begins, or as its closure ends without one."""
+        captured = len(self.glue.calls)
+        if slot.off_path or not 0 < slot.calls < captured:
+            return
+        what = (f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; the captured "
+                f"forward ran {captured}")
+        if not self.fallback:
+            raise not_here(slot.index, what)
+        self._fallback.leave(self, slot, {}, what)
 
     def _back_here(self, slot: Any, c: int, grads: list[Any]) -> list[Any]:
         """The backward of graph call ``c``, which the ranks ran before the micro-batch left
@@ -191,6 +198,7 @@ class ClosurePipeline(GluedPipeline):
             # closure recompiles as it did then (Glue.settings; Dynamo's settings are per thread)
             with dynamo_settings(), self.glue.settings():
                 slot.result = closure(*pieces[slot.index])
+            self._leave_if_short(slot)  # (no backward)
             self._check_calls(slot)
             self._back_unreached(slot, after=-1)  # no backward, or one that missed some
 

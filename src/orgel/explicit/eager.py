@@ -42,9 +42,10 @@ class EagerParameters:
 
         Every rank of :attr:`_grad_ranks` gets one message a step (empty where none is
         homed there): it waits for it before its gradient sums. Where every micro-batch
-        ran in the controller, the ranks' own backward ran on stand-ins only: the message
-        says so, and the rank drops those zero gradients first (torch leaves a parameter
-        no micro-batch reached without one).
+        ran in the controller, or (``orgel.backend``) no closure's backward reached the
+        ranks, the ranks' own backward ran on stand-ins and zeros only: the message says
+        so, and the rank drops those zero gradients first (torch leaves a parameter no
+        micro-batch reached without one).
         """
         for t in threads:
             t.join()
@@ -57,7 +58,9 @@ class EagerParameters:
             home = self._homes.get(name)
             by_rank[home_rank(name, self.plan, self._split) if home is None
                     else home][name] = total
-        reset = all(s.off_path for s in slots)
+        # the ranks' gradients are stand-ins' (zero) where no micro-batch's backward reached
+        # them there: torch leaves them None then, and the optimizer skips them
+        reset = all(s.off_path or not s.backward for s in slots)
         for r, grads in by_rank.items():
             try:
                 self._send(r, ("p_grad", self.calls, (grads, reset)))

@@ -29,6 +29,9 @@ class Slot:
         self.error: BaseException | None = None
         self.grads: dict[str, torch.Tensor] = {}  # this micro-batch's, of those trained here
         self.backed: set[int] = set()  # graph calls whose backward ran
+        #: whether the loss's backward reached a graph call (``orgel.backend``: a closure may
+        #: call none; then the ranks' zero gradients of it are no gradient at all)
+        self.backward = False
         self.sizes: dict[str, tuple[int, ...]] = {}  # the model inputs' shapes
         self.scaled = False  # orgel.backend: the closure's loss went through pipe.scale
 
@@ -59,6 +62,7 @@ class GraphCall(torch.autograd.Function):
             raise RuntimeError("the step that ran this forward is over: its backward runs "
                                "within the step")
         pipe._turns.passed(slot.index)  # its forward is over: it looks nothing up any more
+        slot.backward = True
         pipe._back_unreached(slot, after=ctx.c)
         slot.backed.add(ctx.c)
         got = pipe._back(slot, ctx.c, sent, ctx.count)
