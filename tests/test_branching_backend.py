@@ -223,3 +223,36 @@ def test_a_step_without_a_backward_changes_nothing(early: bool) -> None:
     assert left == [[], [1] if early else [], []]
     assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
     _same(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"tp": 2}, {"dp": 2, "shard": "fsdp"}], ids=["tp", "fsdp"])
+def test_a_step_without_a_backward_changes_nothing_with_tp_or_fsdp(options: Any) -> None:
+    """The same with tensor parallelism or FSDP (4 processes; the fuzzer's model with graph
+    breaks): the ranks hear every step whether a closure's backward reached them."""
+    import fuzz_models
+
+    w = fuzz_models.workload("breaks", batch_size=8)
+    x, y = w.inputs["x"], w.targets
+
+    def closure_for(net: Any, step: int) -> Callable[..., Any]:
+        def closure(xm: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:
+            loss = w.loss_fn(net(xm), ym) / M
+            if step != 1:
+                loss.backward()
+            return loss.detach()
+        return closure
+
+    batches = [(x, y), (x, y), (x.flip(0), y.flip(0))]
+    want_losses, want = _reference(copy.deepcopy(w.model), batches, closure_for)
+    pipe = orgel.backend(ranks=4, microbatches=M, optimizer=_optimizer, timeout_s=60.0,
+                         schedule="1f1b", **options)
+    compiled = torch.compile(w.model, backend=pipe)
+    try:
+        losses = [[float(v) for v in pipe.step(closure_for(compiled, i), bx, by)]
+                  for i, (bx, by) in enumerate(batches)]
+        got = pipe.state_dict()
+    finally:
+        pipe.close()
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)

@@ -61,7 +61,7 @@ def start_job(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any
         raise ValueError(f"the plan has {plan.world_size} processes ({plan.num_ranks} ranks of "
                          f"tp={plan.tp}) but torchrun started {world}")
     make = engine_maker(workload, plan, split, glue, optimizer=optimizer, timeout_s=timeout_s,
-                        options=options)
+                        options=options, closures=closures)
     # the stages train copies: the caller's model changes only through pipe.copy_to
     own_stage_copies(split.stages[s].module
                      for s in plan.stages_on(plan.pipeline_rank_of(process)))

@@ -35,7 +35,7 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
     from orgel.launch.processes import LocalGroup
 
     make = engine_maker(workload, plan, split, glue, optimizer=optimizer, timeout_s=timeout_s,
-                        options=options)
+                        options=options, closures=closures)
     pipes = [mp.get_context("fork").Pipe() for _ in range(plan.world_size)]  # by process
     group = LocalGroup(plan.world_size, lambda process: make(process, pipes[process][1]),
                        timeout_s=timeout_s, threads=threads)
@@ -45,8 +45,8 @@ def start(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any, ti
 
 
 def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: Any,
-                 timeout_s: float, options: dict[str, Any] | None
-                 ) -> Callable[[int, Any], Any]:
+                 timeout_s: float, options: dict[str, Any] | None,
+                 closures: bool = False) -> Callable[[int, Any], Any]:
     """``make(process, conn)``: process ``process``'s closure engine (a tensor-parallel
     member of its pipeline rank where ``plan.tp`` > 1), talking to the controller over
     ``conn``; raises first for what the controller's runtime refuses."""
@@ -61,7 +61,7 @@ def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: 
         engine = ClosureEngine(plan.pipeline_rank_of(process), plan, split, optimizer=optimizer,
                                conn=conn, timeout_s=timeout_s, glue_info=glue,
                                model=workload.model, options=engine_options, batch_dim=dim,
-                               fallback=Fallback.allowed(plan))
+                               fallback=Fallback.allowed(plan), closures=closures)
         # the controller scaled the gradients by 1/accumulate: undo the loss stage's own
         engine.surrogate.divisor *= accumulate
         return engine

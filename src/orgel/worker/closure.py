@@ -183,6 +183,10 @@ class ClosureEngine(RankEngine):
     before the gradient sums it adds the controller's gradients (``"p_grad"``),
     after the optimizer it sends their new values back (``"p_value"``).
 
+    ``closures`` (``orgel.backend``'s, with graph breaks): this rank waits for a
+    ``"p_grad"`` every step too, which may tell it that no closure's backward reached it
+    (its gradients are then dropped: stand-ins' zeros, not gradients).
+
     ``fallback`` (``orgel.pipeline``'s forward of several graphs): a micro-batch whose
     forward leaves the captured graphs runs in the controller
     (:mod:`orgel.explicit.glued`), which may then train any parameter. Every step this
@@ -197,7 +201,7 @@ class ClosureEngine(RankEngine):
                  timeout_s: float, glue_info: Any = None,
                  model: torch.nn.Module | None = None,
                  options: dict[str, Any] | None = None,
-                 batch_dim: int = 0, fallback: bool = False) -> None:
+                 batch_dim: int = 0, fallback: bool = False, closures: bool = False) -> None:
         self.inbox = RankInbox(conn, timeout_s)
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (eager_homes(glue_info, plan, split) if glue_info is not None else {})
@@ -232,7 +236,7 @@ class ClosureEngine(RankEngine):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
             self.executor.side_leaves = self.exchange.leaves
-        if self.homed or fallback:
+        if self.homed or fallback or closures:
             self.executor.before_reduce = self._add_controller_grads
         if self.homed:
             self.executor.after_optimizer = self._send_values
