@@ -256,3 +256,45 @@ def test_a_step_without_a_backward_changes_nothing_with_tp_or_fsdp(options: Any)
         pipe.close()
     assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
     _same(got, want)
+
+
+@torch._dynamo.disable
+def _plus_bias(head: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
+    return h + head.bias.mean()  # run as Python: the caller's head.bias, not the ranks'
+
+
+class ReadsOutside(MeanBranch):
+    """Python between graphs that reads a parameter a graph reads too (``head.bias``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _plus_bias(self.head, torch.tanh(self.a(x)))
+        if x.mean() > 0:
+            h = self.up(h)
+        else:
+            h = self.down(h)
+        return self.head(torch.relu(h))
+
+
+@pytest.mark.slow
+def test_leaving_after_python_that_read_a_ranks_parameter_is_a_clear_error() -> None:
+    """The caller's copy of a parameter the ranks train is not the ranks' value: a
+    micro-batch whose Python between graphs read it cannot go on here. The first step
+    warns that those gradients reach no rank; one that leaves the graphs stops, saying
+    why, and every rank drops it."""
+    from orgel.explicit.fallback import GlueError
+    from orgel.transparent.backend import UntrainedWarning
+
+    torch.manual_seed(0)
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_optimizer, timeout_s=60.0)
+    compiled = torch.compile(ReadsOutside(), backend=pipe)
+    x, y = torch.randn(8, 8).abs() + 0.1, torch.randint(0, 4, (8,))
+    off = x.clone()
+    off[4:] *= -1
+    try:
+        with pytest.warns(UntrainedWarning, match="head.bias"):
+            pipe.step(_closure_for(compiled, 0), x, y)
+        with pytest.raises(GlueError, match="outside every graph call"):
+            pipe.step(_closure_for(compiled, 1), off, y)
+        assert pipe.steps == 1
+    finally:
+        pipe.close()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from orgel.batching import batch_placeholders
-from orgel.explicit.fallback import Deviated, GlueError, not_here
+from orgel.explicit.fallback import Deviated, GlueError, check_outside, not_here
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.slots import Slot
 from orgel.graph.dynamo import dynamo_settings
@@ -92,6 +92,11 @@ class ClosurePipeline(GluedPipeline):
             assert slot is not None
             if not self.fallback:
                 raise not_here(slot.index, exc.what) from exc
+            try:  # Python that read the caller's parameters (not the ranks' values) got here
+                check_outside(slot.index, args, self._remote_ids)
+            except Deviated as outside:
+                raise GlueError(f"{exc.what}, and {outside}: orgel cannot run the rest of it "
+                                "here on the ranks' values") from exc
             self._turns.passed(slot.index)  # off the graphs: the next may look up past here
             # the ranks finish it on stand-ins (every call's gradients zero), so they wait
             # for nothing of it while the values come (Fallback.values)
