@@ -135,12 +135,7 @@ class DropoutBranch(MeanBranch):
         self.drop = torch.nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop(torch.tanh(self.a(x)))
-        if x.mean() > 0:  # the arm per micro-batch, read off the input
-            h = self.up(h)
-        else:
-            h = self.down(h)
-        return self.head(torch.relu(h))
+        return self.by_input(x, self.drop(torch.tanh(self.a(x))))
 
 
 @pytest.mark.slow
@@ -267,12 +262,7 @@ class ReadsOutside(MeanBranch):
     """Python between graphs that reads a parameter a graph reads too (``head.bias``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _plus_bias(self.head, torch.tanh(self.a(x)))
-        if x.mean() > 0:
-            h = self.up(h)
-        else:
-            h = self.down(h)
-        return self.head(torch.relu(h))
+        return self.by_input(x, _plus_bias(self.head, torch.tanh(self.a(x))))
 
 
 @pytest.mark.slow
