@@ -5,7 +5,8 @@ balanced chain of the backend's own capture, as :func:`fuzzing.make_plan` makes 
 ``orgel.pipeline``) and one recompute policy for every stage, and returns it with a ``step``
 that trains one batch as a user's loop would: the compiled model called in a closure on
 each micro-batch share, ``(loss / shares).backward()`` (``pipe.scale(loss / shares)
-.backward()`` under float16, GradScaler's idiom), ``pipe.step(closure, *batch)``.
+.backward()`` under float16, GradScaler's idiom), ``pipe.step(closure, *batch)``; with
+``no_backward``, the second step call's closures skip the backward.
 Its loss is the batch's, as ``orgel.pipeline``'s ``step`` returns it, so both entry
 points are judged against the same one-process run.
 """
@@ -44,10 +45,17 @@ def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any
         # closure
         with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
             loss = w.loss_fn(compiled(**dict(zip(keys, values, strict=True))), targets)
-        pipe.scale(loss / shares).backward()  # accumulate=k: the backend counts each call 1/k
+        if not (setup.no_backward and calls == [1]):  # (an evaluation batch: no backward)
+            pipe.scale(loss / shares).backward()  # accumulate=k: the backend counts each 1/k
         return float(loss.detach()) / shares
 
+    calls = [0]  # step calls made
+
     def step(inputs: Any, targets: Any) -> float:
-        return float(sum(pipe.step(closure, *named_inputs(w.model, inputs).values(), targets)))
+        try:
+            return float(sum(pipe.step(closure, *named_inputs(w.model, inputs).values(),
+                                       targets)))
+        finally:
+            calls[0] += 1
 
     return pipe, step

@@ -131,6 +131,9 @@ class Setup:
     seed: int = 0
     entry: str = "pipeline"  # pipeline, backend (torch.compile(backend=orgel.backend)),
     # or either in a torchrun job: torchrun (orgel.pipeline), backend-torchrun
+    #: ``orgel.backend``: the second step call's closures compute the loss without a
+    #: backward (an evaluation batch run through ``step``); one process skips it alike
+    no_backward: bool = False
 
     @property
     def backend(self) -> bool:
@@ -205,6 +208,9 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
     )
     if tp > 1:  # drawn last: the draws before it are as they were for every seed
         setup = replace(setup, sequence_parallel=pick("sequence_parallel", (False, True)))
+    # after it (so too): GradScaler refuses an optimizer step that had no backward at all
+    if backend and not (setup.precision == "16-mixed" and setup.accumulate == 1):
+        setup = replace(setup, no_backward=pick("no_backward", (False, True)))
     return setup
 
 
@@ -413,7 +419,8 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
             with replicas.of(i % setup.dp), torch.autocast("cpu", dtype=cast or torch.bfloat16,
                                                            enabled=cast is not None):
                 loss = w.loss_fn(zoo.call(model, x), y)
-            scaler.scale(loss / (shares * setup.accumulate)).backward()
+            if not (setup.no_backward and call == 1):
+                scaler.scale(loss / (shares * setup.accumulate)).backward()
             total += float(loss.detach()) / shares
         replicas.average()
         losses.append(total)

@@ -206,6 +206,10 @@ class ClosurePipeline(GluedPipeline):
             # closure recompiles as it did then (Glue.settings; Dynamo's settings are per thread)
             with dynamo_settings(), self.glue.settings():
                 slot.result = closure(*pieces[slot.index])
+            # its forward is over (a closure without a backward has not said so yet): the
+            # next micro-batch may look up past its last graph, as the ranks' schedule may
+            # need that micro-batch's forward before this one's backward below
+            self._turns.passed(slot.index)
             self._leave_if_short(slot)  # (no backward)
             self._check_calls(slot)
             self._back_unreached(slot, after=-1)  # no backward, or one that missed some
