@@ -292,3 +292,45 @@ def test_leaving_after_python_that_read_a_ranks_parameter_is_a_clear_error() -> 
         assert pipe.steps == 1
     finally:
         pipe.close()
+
+
+class ItemBranch(MeanBranch):
+    """``if h.mean().item() > 0``: the float is a local of Dynamo's resumed frame."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.head(torch.relu(self.up(h) if h.mean().item() > 0 else self.down(h)))
+
+
+@pytest.mark.slow
+def test_a_frame_past_dynamos_recompile_limit_is_a_clear_error() -> None:
+    """Under ``torch.compile(dynamic=False)`` every new float of ``.item()`` compiles the
+    resumed frame again; past Dynamo's recompile limit it would run as Python on the
+    caller's stale parameters (a step trained to other weights, silently). The steps
+    before it train exactly; from there each step stops, saying why, and changes
+    nothing."""
+    from orgel.explicit.fallback import GlueError
+
+    torch.manual_seed(3)
+    model = ItemBranch()
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+               for _ in range(6)]
+    reference = copy.deepcopy(model)
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_optimizer, timeout_s=60.0)
+    compiled = torch.compile(model, backend=pipe, dynamic=False)
+    trained = []
+    try:
+        for x, y in batches:
+            try:
+                pipe.step(_closure_for(compiled, 0), x, y)
+            except GlueError as exc:
+                assert "recompile limit" in str(exc)
+                break
+            trained.append((x, y))
+        got = pipe.state_dict()
+        assert pipe.steps == len(trained)
+    finally:
+        pipe.close()
+    _same(got, _reference(reference, trained, _closure_for)[1])
+    assert 2 <= len(trained) < len(batches)

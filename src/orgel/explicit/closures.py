@@ -204,7 +204,9 @@ class ClosurePipeline(GluedPipeline):
             slot.sizes = sizes[slot.index]
             # where the graphs were found with symbolic sizes, Dynamo compiles any frame the
             # closure recompiles as it did then (Glue.settings; Dynamo's settings are per thread)
-            with dynamo_settings(), self.glue.settings():
+            # past Dynamo's recompile limit a frame would run as Python on the caller's
+            # values of parameters the ranks train: stop there instead (_past_limit)
+            with dynamo_settings(), self.glue.settings(), _past_limit():
                 slot.result = closure(*pieces[slot.index])
             # its forward is over (a closure without a backward has not said so yet): the
             # next micro-batch may look up past its last graph, as the ranks' schedule may
@@ -248,3 +250,24 @@ class ClosurePipeline(GluedPipeline):
             hook.remove()
         self._hooks = self._copy_hooks = []
         super().close()
+
+
+@contextlib.contextmanager
+def _past_limit() -> Any:
+    """Make Dynamo raise, in this thread, where a closure recompiles a frame past its
+    recompile limit: it would run that frame as Python, on the calling process's values of
+    parameters the ranks train (not theirs), and its gradients would reach no rank. The
+    closure's error stops the step on every rank, saying what to change."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            yield
+    except FailOnRecompileLimitHit as exc:
+        limit = torch._dynamo.config.recompile_limit
+        raise GlueError(
+            f"Dynamo compiled a frame of the compiled model again past its recompile limit "
+            f"({limit}): it would run as Python on this process's stale values of parameters "
+            "the ranks train. A frame compiles again for every new value a graph break hands "
+            "it under torch.compile(..., dynamic=False) (a float from .item()): compile with "
+            "the default dynamic=None, or keep such values tensors") from exc
