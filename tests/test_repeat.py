@@ -161,3 +161,32 @@ def test_a_stack_with_frozen_first_layers_is_traced_whole() -> None:
     for layer in model.layers[:3]:
         layer.requires_grad_(False)
     assert repeated_layers(model) is None
+
+
+class Zipped(torch.nn.Module):
+    """A stack of alike tables, each reading its own input (DLRM's embedding tables): two
+    of them traced, ``zip(..., strict=True)`` raises, which Dynamo reports as a graph break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = torch.nn.ModuleList(torch.nn.Embedding(16, 8) for _ in range(4))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                d: torch.Tensor) -> torch.Tensor:
+        bags = [t(ids).mean(dim=1) for t, ids in zip(self.tables, (a, b, c, d), strict=True)]
+        return torch.stack(bags, dim=1).sum(dim=1)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_stack_whose_forward_fails_two_layers_deep_is_traced_whole(meta: bool) -> None:
+    # on the meta device a graph break is refused (no Python between graphs there), so the
+    # failure of two layers must not be taken for one of the whole forward
+    with torch.device("meta" if meta else "cpu"):
+        model = Zipped()
+    inputs = {k: torch.randint(0, 16, (2, 3)) for k in "abcd"}
+    named = named_inputs(model, inputs)
+    for shallow in (True, "costs"):
+        graph = capture(model, named, dynamic=False, shallow=shallow)
+        assert graph.glue is None
+        assert any("two of them failed to trace" in n for n in graph.notes), graph.notes
+        assert _facts(graph) == _facts(capture(model, named, dynamic=False))

@@ -207,9 +207,10 @@ def _shallow(model: torch.nn.Module, named: dict[str, Any],
     try:
         with two_layers(layers):
             raw = _dynamic_or_static(model, named, autocast, dynamic, own)
-    except GraphBreakError:
-        raise  # so does the whole forward: captured as several graphs
     except Exception as exc:  # noqa: BLE001 - whatever two layers cannot do, the whole trace says
+        # a graph break too: code that reads the stack's length (zip(layers, inputs,
+        # strict=True)) raises two layers deep, which Dynamo reports as a break; where the
+        # whole forward breaks as well, its trace finds that (up to the break) and says so
         notes.append(f"{whole}: two of them failed to trace "
                      f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})")
         return None
