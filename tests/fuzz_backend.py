@@ -35,7 +35,7 @@ def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any
                          microbatches=shares, threads=1, optimizer=optimizer,
                          timeout_s=timeout_s, recompute=recompute, **family,
                          **loop)
-    compiled = torch.compile(w.model, backend=pipe)
+    compiled = torch.compile(w.model, backend=pipe, dynamic=setup.dynamic)
     cast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(setup.precision)
 
     def closure(*args: Any) -> float:

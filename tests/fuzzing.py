@@ -134,6 +134,9 @@ class Setup:
     #: ``orgel.backend``: the second step call's closures compute the loss without a
     #: backward (an evaluation batch run through ``step``); one process skips it alike
     no_backward: bool = False
+    #: ``orgel.backend``: ``torch.compile``'s ``dynamic`` (None, its default: sizes turn
+    #: symbolic at their first change; False: every graph static)
+    dynamic: bool | None = None
 
     @property
     def backend(self) -> bool:
@@ -211,6 +214,8 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
     # after it (so too): GradScaler refuses an optimizer step that had no backward at all
     if backend and not (setup.precision == "16-mixed" and setup.accumulate == 1):
         setup = replace(setup, no_backward=pick("no_backward", (False, True)))
+    if backend:  # (drawn last too)
+        setup = replace(setup, dynamic=pick("dynamic", (None, False)))
     return setup
 
 
@@ -337,8 +342,10 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None
                 losses.append(float(step(inputs, targets)))
             except ShapeError as exc:  # raised in the caller before any rank starts
                 raise Refused(f"ShapeError: {exc}") from None
-            except GlueError as exc:  # off the captured graphs with tp, FSDP or BatchNorm
-                if "orgel would run it" not in str(exc) and "tp > 1 or shard" not in str(exc):
+            except GlueError as exc:  # off the captured graphs with tp, FSDP or BatchNorm;
+                # a frame past Dynamo's recompile limit (.item() under dynamic=False)
+                if not any(s in str(exc) for s in ("orgel would run it", "tp > 1 or shard",
+                                                   "recompile limit")):
                     raise
                 raise Refused(f"GlueError: {exc}") from None
             except ValueError as exc:  # orgel.backend checks its options at the first step
