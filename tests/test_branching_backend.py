@@ -334,3 +334,48 @@ def test_a_frame_past_dynamos_recompile_limit_is_a_clear_error() -> None:
         pipe.close()
     _same(got, _reference(reference, trained, _closure_for)[1])
     assert 2 <= len(trained) < len(batches)
+
+
+@pytest.mark.slow
+def test_calls_without_a_backward_change_nothing_under_accumulate() -> None:
+    """With ``accumulate=2``, an optimizer step whose two calls ran no backward moves no
+    weight (momentum SGD would move them on zero gradients), and a call without one beside
+    a training call leaves that call's gradients as they are. The second call's stand-in
+    gradients once stayed on the ranks, and the weights moved."""
+    torch.manual_seed(5)
+    model = MeanBranch()
+    calls = [True, True, False, False, True, False, True, True]
+    batches = _arms(model, [(True, True)] * len(calls), 6)
+
+    def optimizer(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    def closure_for(net: Any, train: bool, divisor: int) -> Callable[..., Any]:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y) / M
+            if train:
+                (loss / divisor).backward()
+            return loss.detach()
+        return closure
+
+    reference = copy.deepcopy(model)
+    opt = optimizer(list(reference.parameters()))
+    want_losses = []
+    for c, ((x, y), train) in enumerate(zip(batches, calls, strict=True)):
+        closure = closure_for(reference, train, 2)
+        want_losses.append([float(closure(xm, ym))
+                            for xm, ym in zip(x.chunk(M), y.chunk(M), strict=True)])
+        if c % 2:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=optimizer, timeout_s=60.0,
+                         accumulate=2)
+    compiled = torch.compile(model, backend=pipe)
+    try:
+        losses = [[float(v) for v in pipe.step(closure_for(compiled, train, 1), x, y)]
+                  for (x, y), train in zip(batches, calls, strict=True)]
+        got = pipe.state_dict()
+    finally:
+        pipe.close()
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, reference.state_dict())

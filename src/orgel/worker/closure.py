@@ -286,17 +286,20 @@ class ClosureEngine(RankEngine):
     def _add_controller_grads(self) -> None:
         """Add the controller's gradients (``"p_grad"``: by name, homed here) to the copies.
 
-        With them comes ``reset``: every micro-batch ran in the controller, so this
-        rank's backward ran on stand-ins only and its gradients are dropped first.
+        With them comes ``reset``: every micro-batch ran in the controller (or no
+        closure's backward reached the ranks), so this rank's backward ran on stand-ins
+        only: its zeros are dropped first, and a parameter without a gradient before this
+        call has none after it (with ``accumulate``, the earlier calls' gradients stay).
         """
         if self.executor.dropping:  # the controller sends none for a step it stopped
             return
         grads, reset = self.inbox.get("p_grad", self.step_count)
         params = self._first_copies()
-        # only on an accumulation's first call: later ones hold the earlier calls' gradients
-        if reset and self.executor.loop.pending == 0:
+        if reset:  # this call's stand-in zeros go; earlier calls' gradients (accumulate) stay
+            first = self.executor.loop.pending == 0  # (the last step's are dropped after this)
             for param in self.executor.parameters():
-                param.grad = None
+                if first or id(param) in self._gradless:
+                    param.grad = None
         for name, g in grads.items():
             p = params.get(name)
             if g is None or p is None:
@@ -321,6 +324,10 @@ class ClosureEngine(RankEngine):
 
         self.surrogate.reset()
         self.inbox.begin()
+        #: the parameters without a gradient before this call, where it is not an
+        #: accumulation's first: a call no closure's backward reached leaves them so
+        #: (_add_controller_grads)
+        self._gradless = {id(p) for p in self.executor.parameters() if p.grad is None}
         if self.exchange is not None:
             self.exchange.begin(self.step_count)
         dim = int(self.executor.batch_dim)
