@@ -6,7 +6,7 @@ balanced chain of the backend's own capture, as :func:`fuzzing.make_plan` makes 
 that trains one batch as a user's loop would: the compiled model called in a closure on
 each micro-batch share, ``(loss / shares).backward()`` (``pipe.scale(loss / shares)
 .backward()`` under float16, GradScaler's idiom), ``pipe.step(closure, *batch)``; with
-``no_backward``, the second step call's closures skip the backward.
+``no_backward``, some step calls' closures skip the backward (``Setup.skips_backward``).
 Its loss is the batch's, as ``orgel.pipeline``'s ``step`` returns it, so both entry
 points are judged against the same one-process run.
 """
@@ -45,7 +45,7 @@ def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any
         # closure
         with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
             loss = w.loss_fn(compiled(**dict(zip(keys, values, strict=True))), targets)
-        if not (setup.no_backward and calls == [1]):  # (an evaluation batch: no backward)
+        if not setup.skips_backward(calls[0]):  # (an evaluation batch: no backward)
             pipe.scale(loss / shares).backward()  # accumulate=k: the backend counts each 1/k
         return float(loss.detach()) / shares
 

@@ -131,12 +131,18 @@ class Setup:
     seed: int = 0
     entry: str = "pipeline"  # pipeline, backend (torch.compile(backend=orgel.backend)),
     # or either in a torchrun job: torchrun (orgel.pipeline), backend-torchrun
-    #: ``orgel.backend``: the second step call's closures compute the loss without a
-    #: backward (an evaluation batch run through ``step``); one process skips it alike
+    #: ``orgel.backend``: some step calls' closures compute the loss without a backward
+    #: (evaluation batches run through ``step``; :meth:`skips_backward`); one process alike
     no_backward: bool = False
     #: ``orgel.backend``: ``torch.compile``'s ``dynamic`` (None, its default: sizes turn
     #: symbolic at their first change; False: every graph static)
     dynamic: bool | None = None
+
+    def skips_backward(self, call: int) -> bool:
+        """Whether step call ``call`` runs no backward (``no_backward``): the second call,
+        and with ``accumulate=2`` the whole second optimizer step too (an accumulation
+        beside a training call, and one of no training call at all)."""
+        return self.no_backward and call in ((1,) if self.accumulate == 1 else (1, 2, 3))
 
     @property
     def backend(self) -> bool:
@@ -212,7 +218,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
     if tp > 1:  # drawn last: the draws before it are as they were for every seed
         setup = replace(setup, sequence_parallel=pick("sequence_parallel", (False, True)))
     # after it (so too): GradScaler refuses an optimizer step that had no backward at all
-    if backend and not (setup.precision == "16-mixed" and setup.accumulate == 1):
+    if backend and setup.precision != "16-mixed":
         setup = replace(setup, no_backward=pick("no_backward", (False, True)))
     if backend:  # (drawn last too)
         setup = replace(setup, dynamic=pick("dynamic", (None, False)))
@@ -426,7 +432,7 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
             with replicas.of(i % setup.dp), torch.autocast("cpu", dtype=cast or torch.bfloat16,
                                                            enabled=cast is not None):
                 loss = w.loss_fn(zoo.call(model, x), y)
-            if not (setup.no_backward and call == 1):
+            if not setup.skips_backward(call):
                 scaler.scale(loss / (shares * setup.accumulate)).backward()
             total += float(loss.detach()) / shares
         replicas.average()
