@@ -85,7 +85,7 @@ class ClosurePipeline(GluedPipeline):
         micro-batch runs the captured graphs; from the call where it leaves them, here."""
         slot = getattr(self._local, "slot", None)
         if slot is not None and slot.off_path:
-            return self._here(gm, args)
+            return self._in_region(gm, args)
         try:
             out = self._call(gm.code, args)
         except Deviated as exc:
@@ -101,10 +101,18 @@ class ClosurePipeline(GluedPipeline):
             # the ranks finish it on stand-ins (every call's gradients zero), so they wait
             # for nothing of it while the values come (Fallback.values)
             self._fallback.leave(self, slot, {}, exc.what)
-            return self._here(gm, args)
+            return self._in_region(gm, args)
         if self.fallback and slot is not None:  # should it leave later: its backward here
-            slot.ran.append((gm, args, out, ambient_autocast()))
+            slot.ran.append((gm, args, out, ambient_autocast() or self.glue.region))
         return out
+
+    def _in_region(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """:meth:`_here` under the autocast the ranks run the graphs in, where the closure
+        opened none (``orgel.backend(precision=...)`` around a model of one graph)."""
+        if ambient_autocast() is not None or self.glue.region is None:
+            return self._here(gm, args)
+        with torch.autocast(*self.glue.region):
+            return self._here(gm, args)
 
     def _here(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Graph ``gm`` run here on the ranks' values of the step (their copy's tensors in
@@ -212,6 +220,9 @@ class ClosurePipeline(GluedPipeline):
             # next micro-batch may look up past its last graph, as the ranks' schedule may
             # need that micro-batch's forward before this one's backward below
             self._turns.passed(slot.index)
+            if slot.calls == 0 and not slot.off_path:
+                raise RuntimeError(f"micro-batch {slot.index}'s closure returned without "
+                                   "calling the compiled model; call it in every closure")
             self._leave_if_short(slot)  # (no backward)
             self._check_calls(slot)
             self._back_unreached(slot, after=-1)  # no backward, or one that missed some
@@ -230,6 +241,15 @@ class ClosurePipeline(GluedPipeline):
                 p.grad = None  # summed from the hooks and stepped on a rank
         self._check_stray()
         return results
+
+    def _hung(self, slots: list[Slot]) -> Exception:
+        first = slots[0]
+        if first.calls == 0:  # the ranks wait for its inputs
+            return TimeoutError(f"the closure for micro-batch {first.index} neither called the "
+                                f"compiled model nor returned within {self._timeout_s:g} s")
+        return TimeoutError(f"the closures of micro-batches {[s.index for s in slots]} have "
+                            f"not returned {self._timeout_s:g} s after the pipelined step "
+                            "ended; a closure must not wait on anything after its backward")
 
     def _check_stray(self) -> None:
         """Warn once where a parameter a graph reads got a gradient here: the Python between

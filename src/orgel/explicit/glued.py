@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -292,6 +293,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
             results = self.call_ranks("closure_step", stand_ins, rows)
         except Exception as exc:  # a rank is gone (a dropped step comes back as a result)
             self._mail.abort("a rank failed")
+            self._join(slots, threads[:len(slots)])
             for t in threads:
                 t.join()
             if isinstance(exc, WorkerError) and not isinstance(exc, StepError):
@@ -300,6 +302,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
                 forget_compiled(self._compiler)
             self._raise_first(slots)
             raise
+        self._join(slots, threads[:len(slots)])
         for t in [*threads, ender]:
             t.join()
         self._mail.finish(self.plan.num_ranks)  # nothing of this step is still on the way
@@ -316,6 +319,23 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         self.calls += 1
         self.called()
         return slots
+
+    def _join(self, slots: list[Slot], threads: list[threading.Thread]) -> None:
+        """Wait for each micro-batch's thread; where one still runs ``timeout_s`` later (a
+        closure of ``orgel.backend`` that hangs), stop the ranks, which may wait on it, and
+        raise :meth:`_hung`'s error."""
+        deadline = time.monotonic() + self._timeout_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        hung = [s for s, t in zip(slots, threads, strict=True) if t.is_alive()]
+        if hung:
+            self.kill()
+            raise self._hung(hung)
+
+    def _hung(self, slots: list[Slot]) -> Exception:
+        """The error for micro-batches whose thread has not ended within the timeout."""
+        return TimeoutError(f"the forward of micro-batches {[s.index for s in slots]} has not "
+                            f"ended within {self._timeout_s:g} s")
 
     def _guarded(self, work: Callable[[Slot], None], slot: Slot) -> None:
         self._local.slot = slot

@@ -6,18 +6,15 @@ closures), as for ``orgel.pipeline`` with graph breaks under torchrun
 (:mod:`orgel.explicit.glued_job`): its rank's engine answers in a thread beside the
 closures, and every other process *follows*, serving process 0's commands on its own rank
 until process 0's call of the same method ends. On the first step every process finds
-the graph itself (micro-batch 0's closure up to its backward, as in local-spawn mode);
-the closures' inputs, which the graph's capture is measured on, are process 0's, with the
-names of those every closure passed as one tensor (:func:`first_inputs`); the plan is process 0's
-(:func:`orgel.flow.prepare.on_process_zero`). A compiled model with graph breaks runs the
-same way: process 0's closures run the Python between its graphs
+the graphs itself (micro-batch 0's closure up to its backward, as in local-spawn mode);
+the plan is process 0's (:func:`orgel.flow.prepare.on_process_zero`), and process 0's
+closures run the Python around and between the graphs
 (:func:`orgel.explicit.glued_job.start_job` with ``closures=True``).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from orgel.launch.processes import init_from_env, under_torchrun
 
@@ -41,25 +38,3 @@ def join(timeout_s: float) -> None:
 
     if under_torchrun() and not dist.is_initialized():
         init_from_env(timeout=timeout_s, device="cpu")
-
-
-def first_inputs(value: Any, timeout_s: float) -> Any:
-    """Process 0's ``value`` (its closures' model inputs on the first step) on every
-    process; an exception process 0 passes instead is raised on every process."""
-    if not under_torchrun():
-        if isinstance(value, BaseException):
-            raise value
-        return value
-    import torch.distributed as dist
-
-    join(timeout_s)
-    failed = isinstance(value, BaseException)
-    shared: list[Any] = [(f"{type(value).__name__}: {value}" if failed else None,
-                          None if failed else value)]
-    dist.broadcast_object_list(shared, src=0)
-    error, got = shared[0]
-    if failed:
-        raise value
-    if error is not None:
-        raise RuntimeError(f"process 0's first step failed ({error}); this process stops too")
-    return got

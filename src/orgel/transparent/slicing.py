@@ -89,13 +89,3 @@ def argument_name(i: int) -> str:
 def rows_at(rows: int, dim: int) -> torch.Tensor:
     """Placeholder targets with ``rows`` along the batch dimension ``dim``."""
     return torch.zeros((1,) * dim + (rows,))
-
-
-def marked(value: Any) -> Any:
-    """A view of tensor ``value`` with every dimension marked as possibly dynamic."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    view = value.view_as(value)
-    for dim in range(view.dim()):
-        torch._dynamo.maybe_mark_dynamic(view, dim)
-    return view

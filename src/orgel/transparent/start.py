@@ -1,132 +1,37 @@
 """Starting ``orgel.backend``'s ranks on its first step, from the graphs Dynamo handed it.
 
-:func:`start_ranks` pipelines one graph (closure engines; dp, shard and tp as planned);
-:func:`start_glued` joins a compiled model's several graphs (graph breaks) and starts
-them as :mod:`orgel.explicit.glued_start` does for ``orgel.pipeline``. Under torchrun
-both make this process its rank of the job, process 0 running the closures
-(:mod:`orgel.transparent.job`).
+:func:`start_glued` joins the graphs of micro-batch 0's closure (one, or several where
+the compiled model has graph breaks) and starts them as :mod:`orgel.explicit.glued_start`
+does for ``orgel.pipeline``'s forward of several graphs: one runtime for both, the closures
+running the Python around and between the graphs. Under torchrun it makes this process its
+rank of the job, process 0 running the closures (:mod:`orgel.transparent.job`).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from orgel.batching import batch_rows, placeholders, side_by_side
+from orgel.batching import batch_rows, side_by_side
 from orgel.explicit.closures import closure_tensors
 from orgel.explicit.glued_start import start
 from orgel.flow.prepare import here, on_process_zero, prepare
-from orgel.flow.start import check_param_groups
 from orgel.graph.capture import with_glue
 from orgel.graph.glue import join_calls
 from orgel.graph.glue_sizes import glue_shapes, size_roles
 from orgel.graph.measure import measure
 from orgel.guard import untouched
-from orgel.launch.processes import LocalGroup, under_torchrun
+from orgel.launch.processes import under_torchrun
 from orgel.transparent.graph_model import register_state
 from orgel.transparent.job import join
-from orgel.transparent.running import NO_EVALUATION
 from orgel.transparent.slicing import rows_at, whole_inputs
-from orgel.worker.closure import ClosureEngine, profiling_loss
-from orgel.worker.engine import RankEngine
-from orgel.worker.pipe import Pipeline
+from orgel.worker.closure import profiling_loss
 from orgel.worker.state import model_aliases
 from orgel.workload import Workload
 
 if TYPE_CHECKING:
     from orgel.transparent.backend import Backend
-
-
-@dataclass
-class Started:
-    """What :func:`start_ranks` gives the closure runner."""
-
-    pipe: Pipeline
-    conns: list[Any]  # the runner's end of each rank's pipe
-    loss_processes: list[list[int]]  # by replica: the loss stage's tp processes
-    input_ranks: list[int]
-    placeholders: dict[str, torch.Tensor]  # the batch's shapes, sent every step
-    rows: int  # the batch size
-    whole: tuple[str, ...]  # the model inputs every micro-batch gets whole
-
-
-def start_ranks(backend: Backend) -> Started:
-    """Capture, plan and split the one graph of ``backend``'s first step; fork its ranks."""
-    if backend.model is None:
-        raise RuntimeError("the compiled model was never called")
-    torchrun = under_torchrun()
-    join(backend.timeout_s)
-    first = backend._slots[0].inputs
-    assert first is not None
-    dim = backend.batch_dim
-    given = [s.inputs for s in backend._slots]
-    whole = whole_inputs(given, dim)  # type: ignore[arg-type]
-    batch = side_by_side(given, whole, dim)  # type: ignore[arg-type]
-    rows = batch_rows(batch, None, dim, whole)
-    if backend.dp > 1 and rows == len(given):  # one row per closure
-        raise ValueError(
-            f"orgel.backend(dp={backend.dp}) runs {backend.dp} closures' micro-batches side "
-            "by side, and each has one row: Dynamo compiled the model for one row (it fixes "
-            "a size of 1), so the rows side by side cannot run through its graph; give each "
-            "closure two rows or more, or dp=1")
-    workload = Workload(backend.model, batch, rows_at(rows, dim), profiling_loss,
-                        batch_dim=dim, replicated=whole)
-    # the flow every front end runs: capture (sizes symbolic where Dynamo left them so),
-    # plan, split
-    prepared = prepare(workload, **flow_options(backend, torchrun))
-    plan, split = prepared.plan, prepared.split
-    if len(plan.placement[split.loss_stage]) != backend.dp:
-        raise ValueError(f"orgel.backend runs dp={backend.dp} replicas of the whole pipeline; "
-                         f"the plan's loss stage runs on {len(plan.placement[split.loss_stage])} "
-                         "ranks")
-    # processes: each replica's loss stage has tp of them (member 0's outputs are the
-    # closure's, every member takes the gradients); every member of an input stage reads
-    loss_processes = [plan.processes_of(r) for r in plan.placement[split.loss_stage]]
-    input_ranks = sorted({p for s, st in enumerate(split.stages) if st.model_inputs
-                          for r in plan.placement[s] for p in plan.processes_of(r)})
-    stand_ins = placeholders(batch)
-
-    def engine(process: int, conn: Any) -> RankEngine:
-        return ClosureEngine(plan.pipeline_rank_of(process), plan, split,
-                             optimizer=backend.optimizer, conn=conn,
-                             timeout_s=backend.timeout_s,
-                             options={**backend.loop, "replicated": whole},
-                             batch_dim=backend.batch_dim)
-
-    # names and tensors no graph reads (tied aliases, an unused pooler) come from the
-    # compiled module, when there is one
-    owner = backend._module or backend.model
-    keys, aliases = model_aliases(owner)
-    options = dict(model=owner, loss_ranks=[p[0] for p in loss_processes], state_keys=keys,
-                   aliases=aliases, spmd=False, accumulate=backend.loop["accumulate"],
-                   evaluation=NO_EVALUATION)
-    if torchrun:  # process 0 runs the closures; its rank's engine in a thread beside them
-        from orgel.explicit.glued_job import Follower, LeadingRanks, job_group
-        from orgel.worker.state import own_stage_copies
-
-        # the stages train copies: the caller's model changes only through the ranks
-        own_stage_copies(split.stages[s].module
-                         for s in plan.stages_on(plan.pipeline_rank_of(dist.get_rank())))
-        group, mine = job_group(engine, backend.timeout_s)
-        if group is None:
-            follower = Follower(*mine, plan=plan, model=owner, keys=keys, aliases=aliases,
-                                timeout_s=backend.timeout_s)
-            return Started(follower, [], loss_processes, input_ranks, stand_ins, rows, whole)
-        pipe: Pipeline = LeadingRanks(plan, group, **options)
-        conns = group.exchanges
-    else:
-        ctx = mp.get_context("fork")
-        pipes = [ctx.Pipe() for _ in range(plan.world_size)]
-        local = LocalGroup(plan.world_size, lambda process: engine(process, pipes[process][1]),
-                           timeout_s=backend.timeout_s, threads=backend.threads)
-        pipe = Pipeline(plan, local, **options)
-        conns = [end for end, _ in pipes]
-    check_param_groups(pipe)
-    return Started(pipe, conns, loss_processes, input_ranks, stand_ins, rows, whole)
 
 
 def flow_options(backend: Backend, torchrun: bool) -> dict[str, Any]:
@@ -187,10 +92,16 @@ def start_glued(backend: Backend) -> Any:
     # joined graph opens it and every stage re-enters it (the closures' Python is in it)
     batch, whole = replica_batch(backend)
     named_inputs = closure_tensors(backend._pieces[0])  # micro-batch 0's, as its graphs ran
+    if backend.dp > 1 and batch_rows(named_inputs, None, backend.batch_dim, whole) == 1:
+        raise ValueError(
+            f"orgel.backend(dp={backend.dp}) runs {backend.dp} closures' micro-batches side "
+            "by side, and each has one row: Dynamo compiled the model for one row (it fixes "
+            "a size of 1), so the rows side by side cannot run through its graph; give each "
+            "closure two rows or more, or dp=1")
     values = backend._glue_values
     # sizes found symbolic: each bound to a dimension of a closure argument (else CaptureError)
     dims = size_roles(calls, named_inputs) if values else None
-    raw, glue = join_calls(calls, reason, eager=outside, region=backend._autocast, dims=dims,
+    raw, glue = join_calls(calls, reason, eager=outside, region=backend._region, dims=dims,
                            values=values)
     if values:
         raw[0].meta["orgel_shapes"] = glue_shapes(named_inputs, calls[0][0], calls[0][3])

@@ -23,13 +23,13 @@ had been computed on the rank. A closure that never calls ``backward`` sends
 no gradient: its surrogate loss does not require one, and a step in which no
 micro-batch's loss had a gradient leaves every ``.grad`` None, so the optimizer
 changes nothing (as ``opt.step()`` after no backward in one process). In the
-controller, :class:`OutputsFunction` makes the received outputs part of the
-closure's autograd graph and sends the gradient when the closure calls ``backward``.
+controller, :class:`orgel.explicit.slots.GraphCall` makes the received outputs part of the
+closure's autograd graph and sends their gradient when the closure calls ``backward``
+(:mod:`orgel.explicit.routes`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -138,41 +138,6 @@ class SurrogateLoss:
         if not isinstance(total, torch.Tensor):
             raise RuntimeError("the compiled model's outputs do not require grad: nothing to train")
         return total * self.divisor
-
-
-class OutputsFunction(torch.autograd.Function):
-    """Received outputs as autograd leaves of the closure; backward sends their gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, send: Callable[[list[Any]], None],
-                *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.send = send
-        ctx.float_mask = [t.is_floating_point() for t in outputs]
-        result = tuple(t.clone() for t in outputs)
-        ctx.mark_non_differentiable(*[t for t in result if not t.is_floating_point()])
-        return result
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        ctx.send([g if floating else None for g, floating in zip(grads, ctx.float_mask,
-                                                                  strict=True)])
-        return (None, None) + (None,) * len(grads)
-
-
-class Slot:
-    """What the runner knows about one micro-batch's closure during a step."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.inputs: dict[str, torch.Tensor] | None = None
-        self.called = threading.Event()  # the closure called the model (or finished)
-        self.outputs: list[torch.Tensor] | None = None
-        self.delivered = threading.Event()  # outputs arrived (or the step was aborted)
-        self.grad_sent = False
-        self.scaled = False  # float16: the closure's loss was multiplied by the scale
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.done = False
 
 
 class ClosureEngine(RankEngine):
