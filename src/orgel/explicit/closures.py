@@ -134,7 +134,8 @@ class ClosurePipeline(GluedPipeline):
                             "make every micro-batch take the captured path")
         return tuple(out)
 
-    def _back(self, slot: Any, c: int, grads: list[Any], count: int) -> list[Any]:
+    def _back(self, slot: Any, c: int, grads: list[Any], count: int,
+              answer: bool = True) -> list[Any]:
         """Graph ``c``'s backward: on the ranks, or, once its micro-batch left the captured
         graphs (the ranks had zero gradients for it), here (:meth:`_back_here`). A backward
         that begins before the forward made every captured graph call (the forward returned
@@ -148,8 +149,9 @@ class ClosurePipeline(GluedPipeline):
             raise RuntimeError(UNSCALED_BACKWARD)
         k = self.accumulate
         if k == 1:
-            return super()._back(slot, c, grads, count)
-        got = super()._back(slot, c, [None if g is None else g / k for g in grads], count)
+            return super()._back(slot, c, grads, count, answer)
+        got = super()._back(slot, c, [None if g is None else g / k for g in grads], count,
+                            answer)
         return [None if g is None else g * k for g in got]
 
     def _leave_if_short(self, slot: Any) -> None:

@@ -77,14 +77,18 @@ class Routes:
                               f"the outputs of micro-batch {m}")
         return list(outs[:-1])  # the last one is the exchanges' anchor
 
-    def _back(self, slot: Slot, c: int, grads: list[Any], count: int) -> list[Any]:
+    def _back(self, slot: Slot, c: int, grads: list[Any], count: int,
+              answer: bool = True) -> list[Any]:
+        """Send graph call ``c``'s output gradients to its ranks; the gradients of its
+        arguments back. ``answer=False``: none of them takes one (the model's inputs, say),
+        so nothing waits for the ranks' answer (it comes, and the next step drops it)."""
         m = slot.index
         if c + 1 < len(self.glue.calls):
             self._send(self.exchange_rank(c + 1, m),
                        ("x_outgrad", self.key(c + 1, m), grads))
         else:
             self._send(self.loss_rank(m), ("grad", m // self.dp, [*grads, None]))
-        if not self.glue.has_exchange(c):
+        if not self.glue.has_exchange(c) or not answer:
             return [None] * count
         return list(self._mail.get("x_ingrad", self.key(c, m), self.exchange_rank(c, m),
                                    f"the gradients of graph {c}'s arguments of micro-batch {m}"))
@@ -101,4 +105,4 @@ class Routes:
             if c not in slot.backed:
                 slot.backed.add(c)
                 self._back(slot, c, [None] * self.glue.calls[c].outputs,
-                           len(self.glue.calls[c].glue))
+                           len(self.glue.calls[c].glue), answer=False)

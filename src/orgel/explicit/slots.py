@@ -65,7 +65,8 @@ class GraphCall(torch.autograd.Function):
         slot.backward = True
         pipe._back_unreached(slot, after=ctx.c)
         slot.backed.add(ctx.c)
-        got = pipe._back(slot, ctx.c, sent, ctx.count)
+        # the arguments' gradients are waited for only where one of them takes one
+        got = pipe._back(slot, ctx.c, sent, ctx.count, any(ctx.needs_input_grad[6:]))
         return (None, None, None, None, None, None, *got)
 
 
