@@ -388,3 +388,32 @@ def test_calls_without_a_backward_change_nothing_under_accumulate() -> None:
         pipe.close()
     assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
     _same(got, reference.state_dict())
+
+
+@pytest.mark.slow
+def test_a_trainable_layer_before_the_model_gets_its_gradient() -> None:
+    """A closure's own layer before the compiled model (here of one graph) gets its
+    gradient back through the model's input, as in one process (the user steps it); the
+    model's weights train on the ranks."""
+    torch.manual_seed(7)
+    model = Plain()
+    pre = torch.nn.Linear(8, 8)
+    ref_pre = copy.deepcopy(pre)
+    gen = torch.Generator().manual_seed(8)
+    batches = [(torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen))]
+
+    def closure_for(net: Any, _step: int, layer: torch.nn.Module = pre) -> Callable[..., Any]:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(layer(x)), y) / M
+            loss.backward()
+            return loss.detach()
+        return closure
+
+    want_losses, want = _reference(copy.deepcopy(model), batches,
+                                   lambda net, i: closure_for(net, i, ref_pre))
+    losses, got, _ = _train(model, batches, closure_for)
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)
+    assert pre.weight.grad is not None
+    _same({"w": pre.weight.grad, "b": pre.bias.grad},
+          {"w": ref_pre.weight.grad, "b": ref_pre.bias.grad})

@@ -39,7 +39,8 @@ evaluation batch) leaves every parameter and the optimizer's state as they were.
 Modes: local spawn (the calling process drives forked ranks), or under torchrun, where
 process 0 runs the closures beside its own rank and the other processes follow its steps
 (:mod:`orgel.transparent.job`).
-The model's inputs must not require grad (run pre-processing under ``no_grad``).
+A model input that requires grad (a trainable pre-processing layer of the closure) gets
+its gradient back in the closure's backward, as in one process.
 """
 
 from __future__ import annotations
