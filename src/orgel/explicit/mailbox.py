@@ -22,7 +22,7 @@ from multiprocessing.connection import Client, Connection, Listener, Pipe
 from typing import Any
 
 from orgel.launch.errors import WorkerError
-from orgel.launch.messages import dumps
+from orgel.launch.messages import dumps, send
 
 
 class Stopped(RuntimeError):
@@ -134,7 +134,7 @@ class RankPipes:
         for p in self.members[rank]:
             try:
                 with self._locks[p]:
-                    self.conns[p].send(message)
+                    send(self.conns[p], message)  # small tensors by value
             except (OSError, TypeError) as exc:  # TypeError: closed by another thread meanwhile
                 raise Stopped(f"rank {rank} (process {p}) closed its pipe while the controller "
                               f"sent it {message[0]!r}") from exc

@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 
 from orgel.batching import batch_size
 from orgel.graph import glue
+from orgel.launch.messages import send
 from orgel.runtime.sharding import shard_like
 from orgel.split.exchanges import eager_homes, exchange_stages, home_rank
 from orgel.worker.engine import RankEngine
@@ -76,7 +77,7 @@ class RankInbox:
         self._kept.clear()
 
     def send(self, message: tuple[str, Any, Any]) -> None:
-        self.conn.send(message)
+        send(self.conn, message)  # small tensors by value (orgel.launch.messages)
 
     def get(self, kind: str, m: Any) -> Any:
         """The payload of message ``(kind, m)``, waiting for it (at most ``timeout_s``).
