@@ -1,10 +1,11 @@
-"""What ``orgel.backend``'s closures cost per step: the same model, plan and batch through
+"""What ``orgel.backend``'s closures cost per step: the same model and batch through
 ``orgel.pipeline`` and through ``torch.compile(backend=orgel.backend)``, side by side.
 
     python benchmarks/backend_overhead.py [--width 256] [--steps 20] [--rounds 3]
 
 An MLP of ``--depth`` layers (one graph: no graph break) trains on 2 ranks, 4 micro-batches
-of 64 rows, a FLOP-balanced 1F1B split, SGD. ``orgel.pipeline`` runs the loss on the last
+of 64 rows, ``schedule="1f1b"`` (each entry point's planner splits it; each prints its
+operations per stage), SGD. ``orgel.pipeline`` runs the loss on the last
 rank; ``orgel.backend`` runs one closure per micro-batch in the calling process, which
 computes the loss from the outputs the ranks send and sends their gradient back (one
 runtime for every compiled model, :class:`orgel.explicit.closures.ClosurePipeline`). The two
