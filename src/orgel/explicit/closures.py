@@ -1,6 +1,6 @@
-"""``orgel.backend``'s compiled model with graph breaks: the closures run the Python between
-its graphs (:class:`ClosurePipeline`), as the controller of :mod:`orgel.explicit.glued` does
-for ``orgel.pipeline``."""
+"""``orgel.backend``'s compiled model, one graph or several (graph breaks): the closures run
+the Python around and between its graphs (:class:`ClosurePipeline`), as the controller of
+:mod:`orgel.explicit.glued` does for ``orgel.pipeline``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ class UntrainedWarning(UserWarning):
 
 
 class ClosurePipeline(GluedPipeline):
-    """The graphs of ``orgel.backend``'s compiled model, when it has graph breaks.
+    """The graphs of ``orgel.backend``'s compiled model (one, or several where it has graph
+    breaks), joined.
 
     The closures of :meth:`orgel.transparent.backend.Backend.step` replace ``model`` and
     ``loss_fn``: each runs in its own thread, calls the compiled model (whose

@@ -110,8 +110,8 @@ class Backend(RunningPipeline, FindsGraphs):
         from orgel.precision import autocast_dtype
 
         self._precision = autocast_dtype(precision)  # ValueError for unknown names
-        #: float16's loss scale, the ranks' (they unscale, skip and update it): what
-        #: :meth:`scale` multiplies a closure's loss by this step (None: no scaling)
+        #: float16's initial loss scale (None: no scaling); the first step's search for the
+        #: graphs scales by it, every step after by the ranks' (the pipeline's ``scale``)
         self._scale: float | None = None
         if loss_scaling:  # float16 (orgel.precision.loss_scaling)
             options = loss_scaling if isinstance(loss_scaling, dict) else {}

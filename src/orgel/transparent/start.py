@@ -49,7 +49,8 @@ def flow_options(backend: Backend, torchrun: bool) -> dict[str, Any]:
 
 
 def start_glued(backend: Backend) -> Any:
-    """Join, plan and split the several graphs of ``backend``'s first step; fork its ranks.
+    """Join, plan and split the graphs of ``backend``'s first step (one or several); fork
+    its ranks.
 
     Parameters of the compiled module that no graph reads are trained from the closures'
     gradients (:class:`orgel.explicit.closures.ClosurePipeline`).

@@ -149,7 +149,7 @@ class ClosureEngine(RankEngine):
     before the gradient sums it adds the controller's gradients (``"p_grad"``),
     after the optimizer it sends their new values back (``"p_value"``).
 
-    ``closures`` (``orgel.backend``'s, with graph breaks): this rank waits for a
+    ``closures`` (``orgel.backend``'s): this rank waits for a
     ``"p_grad"`` every step too, which may tell it that no closure's backward reached it
     (its gradients are then dropped: stand-ins' zeros, not gradients).
 
