@@ -28,22 +28,28 @@ FROZEN = "encoder.blocks.0.mlp.fc"  # a layer the forward uses, with requires_gr
 
 class WithAux(torch.nn.Module):
     """A GPT that also returns an auxiliary output, which the loss ignores: its head
-    is trainable but no loss reaches it (one process leaves its gradient None)."""
+    is trainable but no loss reaches it (one process leaves its gradient None). With
+    ``early``, that head reads the tokens before the GPT does, so it lands on the first
+    rank and its output crosses to the last one, which the loss is on."""
 
-    def __init__(self, gpt: torch.nn.Module) -> None:
+    def __init__(self, gpt: torch.nn.Module, early: bool = False) -> None:
         super().__init__()
         self.gpt = gpt
-        self.aux = torch.nn.Linear(128, 4)
+        self.early = early
+        self.aux = torch.nn.Embedding(128, 4) if early else torch.nn.Linear(128, 4)
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = self.aux(tokens) if self.early else None
         logits = self.gpt(tokens)
-        return logits, self.aux(logits)
+        return logits, self.aux(logits) if aux is None else aux
 
 
 def _workload(name: str) -> tuple[torch.nn.Module, Any]:
     """A GPT with a frozen layer (the tied one: its tied embedding frozen too), an unused
-    trainable layer and a trainable head no loss reaches; its loss function."""
-    w = build(name, batch_size=ROWS, seed=0, n_layers=2, d_model=32)
+    trainable layer and a trainable head no loss reaches (``"early"``: on the first
+    rank); its loss function."""
+    w = build("gpt" if name == "early" else name, batch_size=ROWS, seed=0, n_layers=2,
+              d_model=32)
     for p in w.model.get_submodule(FROZEN).parameters():
         p.requires_grad_(False)
     if name == "tied":
@@ -54,7 +60,7 @@ def _workload(name: str) -> tuple[torch.nn.Module, Any]:
 
     def first(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> Any:
         return loss_fn(outputs[0], targets)
-    return WithAux(w.model), first
+    return WithAux(w.model, early=name == "early"), first
 
 
 def _adamw(params: NamedParameters) -> torch.optim.Optimizer:
@@ -76,12 +82,13 @@ def _batch(call: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "dp"), [("gpt", 2), ("tied", 1)])
+@pytest.mark.parametrize(("name", "dp"), [("gpt", 2), ("tied", 1), ("early", 1)])
 def test_frozen_and_unused_parameters_stay_as_one_process_leaves_them(name: str,
                                                                       dp: int) -> None:
     """AdamW with weight decay over every parameter, frozen and unused ones included:
     replicas (dp=2) or tied embeddings on two ranks move exactly the parameters one
-    process moves; the frozen layer and the unused one keep their values."""
+    process moves; the frozen layer and the unused one keep their values, and so does
+    a head whose output the loss ignores on another rank than the loss's."""
     net, loss_fn = _workload(name)
     model = copy.deepcopy(net)
     before = {n: t.clone() for n, t in model.state_dict().items()}
@@ -99,7 +106,7 @@ def test_frozen_and_unused_parameters_stay_as_one_process_leaves_them(name: str,
             assert loss == pytest.approx(ref.item(), rel=1e-5)
         state = pipe.state_dict()
     kept = [f"gpt.{FROZEN}.weight", f"gpt.{FROZEN}.bias", "gpt.unused.weight",
-            "gpt.unused.bias", "aux.weight", "aux.bias"]
+            "gpt.unused.bias", "aux.weight"] + ([] if name == "early" else ["aux.bias"])
     for n in kept + (["gpt.tok_emb.weight"] if name == "tied" else []):
         assert torch.equal(state[n], before[n]), n  # one process leaves them as they were
     expected = model.state_dict()  # Adam amplifies float noise of tiny gradients: 1e-5

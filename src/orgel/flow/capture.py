@@ -38,9 +38,47 @@ def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = Tr
     from orgel.graph.capture import capture
     from orgel.workload import microbatches as slice_batches
 
-    first_inputs, _ = slice_batches(workload, microbatches)[0]
-    return capture(workload.model, first_inputs, precision=workload.precision,
-                   dynamic=dynamic, keep=keep, shallow=True, breaks_dynamic=breaks_dynamic)
+    first_inputs, first_targets = slice_batches(workload, microbatches)[0]
+    graph = capture(workload.model, first_inputs, precision=workload.precision,
+                    dynamic=dynamic, keep=keep, shallow=True, breaks_dynamic=breaks_dynamic)
+    if graph.glue is None:  # (with graph breaks the controller reads outputs too: all)
+        graph.loss_reads = loss_reads(graph, workload.loss_fn, first_inputs, first_targets)
+    return graph
+
+
+def loss_reads(graph: Any, loss_fn: Any, inputs: dict[str, Any],
+               targets: Any) -> frozenset[str] | None:
+    """The outputs of ``graph`` that ``loss_fn`` takes a gradient from, found by calling it
+    on fake tensors of the outputs' shapes (no arithmetic); None where that cannot tell
+    (the loss reads a value, or raises): then every output counts as read."""
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from orgel.guard import quiet
+
+    names = graph.outputs
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with quiet("torch._subclasses.fake_tensor"), torch.enable_grad(), mode:
+            outs: list[torch.Tensor] = []
+            for name in names:
+                node = graph.nodes.get(name)
+                if node is None:  # a model input the forward returns as it is
+                    outs.append(mode.from_tensor(inputs[name]))
+                    continue
+                if not node.is_tensor or node.dtype is None:
+                    return None
+                out = torch.empty(node.shape, dtype=getattr(torch, node.dtype))
+                outs.append(out.requires_grad_(node.requires_grad))
+            fake_targets = pytree.tree_map_only(torch.Tensor, mode.from_tensor, targets)
+            loss = loss_fn(graph.unflatten(names)(outs), fake_targets)
+            wanted = [(n, o) for n, o in zip(names, outs, strict=True) if o.requires_grad]
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad or not wanted:
+                return None
+            grads = torch.autograd.grad(loss, [o for _, o in wanted], allow_unused=True)
+    except Exception:  # noqa: BLE001 - the loss needs values: every output counts
+        return None
+    return frozenset(n for (n, _), g in zip(wanted, grads, strict=True) if g is not None)
 
 
 def resolve_plan(plan: Plan | str | Path | None, workload: Workload, graph: Any, ranks: int,

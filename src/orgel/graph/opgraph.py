@@ -131,6 +131,29 @@ class OpGraph:
     shapes: Any = None
     #: each tensor value's shape in the size symbols (ints and sympy expressions)
     symbolic_shapes: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    #: the outputs the loss takes a gradient from (None: every output, as where the loss
+    #: is the caller's); set by :func:`orgel.flow.capture.capture_microbatch`
+    loss_reads: frozenset[str] | None = None
+
+    def carries_grad(self) -> set[str]:
+        """The values a gradient reaches in the backward: those that require grad and lead,
+        through values that require grad too, to an output the loss reads
+        (:attr:`loss_reads`). Any other value gets no gradient in one process, so a stage
+        boundary that it crosses sends none back, and the parameters that only it reads
+        keep no gradient, as one process leaves them."""
+        names = [*self.model_inputs, *self.nodes]
+        if any(n.mutates and n.requires_grad for n in self.nodes.values()):
+            # an in-place op passes gradients to what its users read by another name (a
+            # view's base): every value counts, as a boundary then sends one for each
+            return set(names)
+        users = self.users()
+        reached = set(self.outputs if self.loss_reads is None else self.loss_reads)
+        for name in reversed(names):
+            node = self.nodes.get(name)
+            grad = node.requires_grad if node is not None else True  # inputs: as given
+            if grad and any(u in reached for u in users.get(name, ())):
+                reached.add(name)
+        return reached
 
     @property
     def outputs(self) -> list[str]:

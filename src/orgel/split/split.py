@@ -293,7 +293,8 @@ def _build(
         for s in range(num_stages)
     )
     crossing = {n for vals in edge_values.values() for n in vals}
-    requires_grad = {n: _differentiable(opg, n) for n in sorted(crossing)}
+    reached = opg.carries_grad()
+    requires_grad = {n: _differentiable(opg, n) and n in reached for n in sorted(crossing)}
     edges = tuple(
         Edge(a, b, tuple(Value(n, nbytes(n), requires_grad[n]) for n in vals))
         for (a, b), vals in sorted(edge_values.items())

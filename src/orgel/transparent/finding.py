@@ -143,13 +143,19 @@ class FindsGraphs:
         meets it, so that a later batch of another length or batch size runs the same
         graphs; where they cannot be so (a graph returns a size), found static.
         """
+        from torch._dynamo.exc import TorchDynamoException
+
         self._pieces = pieces
         self._glue_values = size_values({str(i): a for i, a in enumerate(pieces[0])})
         try:
             self._find(closure, pieces[0])
             self._use_found()
             return
-        except CaptureError:
+        except (CaptureError, TorchDynamoException):
+            # Dynamo fails on some code with those sizes symbolic: an int of the model's
+            # equal to one of them (a layer count of 2 beside 2 rows) slices a list
+            if not self._glue_values:
+                raise
             self._glue_values = ()
         self._find(closure, pieces[0])
         self._use_found()
