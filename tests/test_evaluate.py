@@ -86,10 +86,14 @@ def _eval_reference(model: nn.Module, state: dict[str, torch.Tensor],
 
 def test_evaluate_is_eval_mode_and_leaves_training_as_it_was() -> None:
     """Eval mode against one process; a pass a rank's own error drops leaves the pipeline
-    as it was."""
+    as it was, and so does a step called under ``torch.no_grad()`` (a validation loop
+    written with ``step``) or under an autocast the ranks would not run: both refused. A
+    pipeline built under ``torch.no_grad()`` trains as one built outside it."""
     model = _model(0.3)
     (x,), y = _batch(5)
-    with _start(copy.deepcopy(model)) as pipe:
+    with torch.no_grad():  # as a script's evaluation section might build it
+        pipe = _start(copy.deepcopy(model))
+    with pipe:
         assert pipe.plan.num_stages == 2
         first = pipe.step(*_batch(0))
         state = pipe.state_dict()
@@ -97,7 +101,13 @@ def test_evaluate_is_eval_mode_and_leaves_training_as_it_was() -> None:
         # step; the pipeline goes on, and evaluates and trains exactly afterwards
         with pytest.raises(orgel.StepError, match="NoneType"):
             pipe.evaluate((x,))
-        loss = pipe.evaluate((x,), y)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="pipe.evaluate"):
+            pipe.step((x,), y)
+        with (torch.autocast("cpu", dtype=torch.bfloat16),
+              pytest.raises(RuntimeError, match="precision='bf16-mixed'")):
+            pipe.step((x,), y)
+        with torch.no_grad():
+            loss = pipe.evaluate((x,), y)
         again, out = pipe.evaluate((x,), y, outputs=True)
         only = pipe.evaluate((x,), outputs=True)
         assert pipe.state_dict().keys() == state.keys()

@@ -23,7 +23,7 @@ from archzoo.check import balanced_check
 from orgel.graph import capture
 from orgel.models import ZooWorkload, build
 from orgel.plan.balanced import balanced_plan
-from orgel.precision import autocast_dtype
+from orgel.precision import autocast_dtype, check_around
 from orgel.split import split_model
 from orgel.split.assign import balanced_assignment
 from orgel.workload import Workload, microbatches
@@ -82,6 +82,26 @@ def test_values_cross_the_cut_in_the_dtype_they_have() -> None:
         split = split_model(graph, balanced_assignment(graph, 2))
         bytes_at[precision] = sum(v.nbytes for e in split.stage_graph.edges for v in e.values)
     assert bytes_at["32"] * 0.5 <= bytes_at["bf16-mixed"] < bytes_at["32"]
+
+
+def test_an_autocast_around_a_call_is_the_pipelines_own_or_refused() -> None:
+    """The ranks run the pipeline's precision: an autocast of that dtype around a call is
+    no change, any other is refused, before anything starts, with what to pass instead."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_around("pipe.step", "bf16-mixed", trains=True)  # the pipeline's own
+        with pytest.raises(RuntimeError, match="run the pipeline's precision='16-mixed'"):
+            check_around("pipe.step", "16-mixed", trains=True)
+        with pytest.raises(RuntimeError, match="pass precision='bf16-mixed' to orgel.backend"):
+            check_around("pipe.step", None, trains=True, closures=True)
+        model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2,
+                                                d_model=32)
+        with pytest.raises(RuntimeError, match="Build the pipeline with "
+                           "precision='bf16-mixed' and call orgel.pipeline without"):
+            orgel.pipeline(model, inputs, targets, loss_fn)
+    with torch.no_grad():
+        check_around("pipe.evaluate", "32", trains=False)
+        with pytest.raises(RuntimeError, match="call pipe.evaluate"):
+            check_around("pipe.step", "32", trains=True)
 
 
 def test_unsupported_precisions_say_what_to_do_instead() -> None:

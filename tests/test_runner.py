@@ -168,6 +168,13 @@ def test_closure_errors_and_misuse_are_reported() -> None:
             with pytest.raises(KeyError, match=words):
                 pipe.step(closure_failing(where), tokens, pixels, weights)
             assert pipe.steps == 1, where  # dropped on every rank
+        # a no_grad or an autocast around step reaches no closure (threads of their own)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="under torch.no_grad"):
+            pipe.step(_make_closure(text_tower, compiled, []), *_batch(1))
+        with (torch.autocast("cpu", dtype=torch.bfloat16),
+              pytest.raises(RuntimeError, match="inside the closure")):
+            pipe.step(_make_closure(text_tower, compiled, []), *_batch(1))
+        assert pipe.steps == 1
         with pytest.raises(RuntimeError, match="without calling the compiled model"):
             pipe.step(lambda tokens, pixels, weights: None, *_batch(1))
         pipe.step(_make_closure(text_tower, compiled, []), *_batch(2))

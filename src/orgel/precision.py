@@ -125,3 +125,42 @@ def ambient_autocast() -> tuple[str, torch.dtype] | None:
         if torch.is_autocast_enabled(device):
             return device, torch.get_autocast_dtype(device)
     return None
+
+
+def check_around(call: str, precision: str | None, *, trains: bool,
+                 closures: bool = False) -> None:
+    """Refuse a pipeline call made under a grad mode or an autocast it would not honour.
+
+    The ranks run the precision the pipeline was built with, and ``orgel.backend``'s
+    closures run in threads of their own: a ``torch.no_grad()`` or ``torch.autocast``
+    around the call reaches neither, so one process and the pipeline would compute
+    different things (a validation batch trained, float32 where bfloat16 was meant).
+    ``call``: what was called (``"pipe.step"``); ``precision``: the pipeline's (None:
+    unknown here, left unchecked); ``trains``: the call trains (gradients must be on);
+    ``closures``: the call runs ``orgel.backend``'s closures.
+    """
+    if trains and not torch.is_grad_enabled():
+        advice = ("to evaluate, call the compiled model under torch.no_grad() outside "
+                  "pipe.step, or call pipe.step without the no_grad around it and with a "
+                  "closure that calls no backward" if closures else
+                  "to compute a loss without training, call pipe.evaluate(inputs, targets)")
+        raise RuntimeError(f"{call} trains (a backward and an optimizer step on the ranks) "
+                           f"but was called under torch.no_grad(): {advice}")
+    around = ambient_autocast()
+    if around is None or (not closures and precision is None):
+        return
+    if not closures and PRECISIONS.get(precision or "32") == around[1]:
+        return  # the pipeline's own precision: the ranks run it anyway
+    device, dtype = around
+    named = {v: k for k, v in PRECISIONS.items() if v is not None}.get(dtype)
+    given = f"torch.autocast({device!r}, dtype={dtype})"
+    if closures:
+        raise RuntimeError(
+            f"{call} was called under {given}, which the closures do not see (each runs in "
+            "a thread of its own): open the autocast inside the closure, around the compiled "
+            "model's call" + (f", or pass precision={named!r} to orgel.backend" if named else ""))
+    raise RuntimeError(
+        f"{call} was called under {given}, which the ranks do not see: they run the "
+        f"pipeline's precision={precision!r}. "
+        + (f"Build the pipeline with precision={named!r} and call {call} without the "
+           "autocast" if named else "Call it without the autocast"))

@@ -42,7 +42,7 @@ from orgel.guard import cuda_unused
 from orgel.launch.devices import check_fork, profiling_on, resolve_device
 from orgel.launch.processes import init_from_env, under_torchrun
 from orgel.lossweights import check_rule
-from orgel.precision import loss_scaling
+from orgel.precision import check_around, loss_scaling
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.checkpointing import check_policy
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
@@ -63,6 +63,7 @@ __all__ = ["Pipeline", "load", "pipeline"]
 FORK_FIRST = frozenset({"cuda"})
 
 
+@torch.enable_grad()  # built under the caller's no_grad too: the capture records gradients
 def pipeline(
     model: torch.nn.Module,
     inputs: Any,
@@ -246,6 +247,7 @@ def pipeline(
     executor_options = ranks_options(workload, loss_scaling=scaling, check_finite=check_finite,
                                      compile=compile, scheduler=scheduler, lr=lr,
                                      max_grad_norm=max_grad_norm, accumulate=accumulate)
+    check_around("orgel.pipeline", precision, trains=False)  # an autocast around the call
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     check_rule(loss_rule)
     rule = loss_rule if loss_rule != "auto" else getattr(loss_fn, "loss_rule", "auto")

@@ -24,7 +24,7 @@ def evaluate_here(pipe: Any, model: torch.nn.Module, inputs: Any, targets: Any,
     """``pipe.evaluate(inputs, targets, outputs=outputs)`` on ``model`` (the controller's
     copy with the ranks' values): each micro-batch's loss weighed as ``step`` weighs it."""
     named = named_inputs(pipe._model, inputs)
-    pipe._check_batch(named, targets)
+    pipe._check_batch(named, targets, "pipe.evaluate")
     parts = split_microbatches(named, targets, pipe.pieces, pipe.batch_dim,
                                pipe.replicated)
     rows = batch_rows(named, targets, pipe.batch_dim, pipe.replicated)

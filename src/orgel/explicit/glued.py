@@ -239,7 +239,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         """
         self._keep_outputs = outputs
         named = named_inputs(self._model, inputs)
-        self._check_batch(named, targets)  # sizes the graphs cannot take, named
+        self._check_batch(named, targets, "pipe.step")  # sizes the graphs cannot take
         parts = split_microbatches(named, targets, self.pieces, self.batch_dim,
                                    self.replicated)
         mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)

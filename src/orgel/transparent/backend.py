@@ -182,6 +182,9 @@ class Backend(RunningPipeline, FindsGraphs):
         """
         if not callable(closure):
             raise TypeError("step(closure, *batch): closure must be callable")
+        from orgel.precision import check_around
+
+        check_around("pipe.step", None, trains=True, closures=True)
         if self.pipe is not None and self.pipe.closed:
             raise WorkerError(STOPPED, -1)
         self._stepping = True

@@ -20,6 +20,7 @@ import torch
 from orgel.batching import batch_rows, check_batch, split_microbatches
 from orgel.launch.errors import StepError, WorkerError, step_error
 from orgel.lossweights import batch_weights
+from orgel.precision import check_around
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import StepCount
 from orgel.runtime.outputs import merge
@@ -162,7 +163,7 @@ class Pipeline(StepCount):
             raise ValueError("step(..., outputs=True) is not available for this pipeline "
                              "(orgel.backend's runner: compute what you need from the "
                              "outputs inside your closure)")
-        self._check_batch(named, targets)
+        self._check_batch(named, targets, "pipe.step")
         try:
             if outputs:
                 results = kept_results(self._ranks.call("step", named, targets, outputs=True))
@@ -195,13 +196,13 @@ class Pipeline(StepCount):
         given) raises :class:`~orgel.launch.errors.StepError` as in :meth:`step`: every
         rank dropped the pass, and the pipeline goes on.
         """
+        named = named_inputs(self._model, inputs)
+        self._check_batch(named, targets, "pipe.evaluate")
         if isinstance(self._evaluation, LazyEvaluation):  # the first evaluate makes it
             made = self._evaluation.get()
             self._evaluation = made if isinstance(made, str) else made.unflatten_outputs
         if not callable(self._evaluation):
             raise RuntimeError(f"evaluation is not available: {self._evaluation}")
-        named = named_inputs(self._model, inputs)
-        self._check_batch(named, targets)
         loss = targets is not None or not outputs
         if self.spmd and not outputs:  # the loss is reduced to every rank: nothing to gather
             return kept_results([self._ranks.engine.evaluate(named, targets, loss=True,
@@ -254,9 +255,11 @@ class Pipeline(StepCount):
             answers = self._ranks.call(method)
         return next((a for a in answers if a is not None), None)
 
-    def _check_batch(self, named: dict[str, Any], targets: Any) -> None:
-        """Refuse, here and before any rank sees it, a batch the pipeline cannot take."""
+    def _check_batch(self, named: dict[str, Any], targets: Any, call: str) -> None:
+        """Refuse, here and before any rank sees it, a batch the pipeline cannot take, and a
+        ``call`` under a grad mode or autocast the ranks do not run (``check_around``)."""
         w = self._workload
+        check_around(call, getattr(w, "precision", None), trains=call == "pipe.step")
         if w is not None:
             example_targets = None if targets is None else w.targets  # evaluate(x) alone
             # what orgel adds itself (use_cache=False) is no input the user passed: a message
