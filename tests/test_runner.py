@@ -154,9 +154,16 @@ def test_closure_errors_and_misuse_are_reported() -> None:
             _make_closure(text_tower, ref_head, [])(*(t.chunk(M)[m] for t in _batch(step)))
         ref_opt.step()
 
+    def evaluating(tokens: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return compiled(text_tower(tokens), pixels)
+
     try:
         with pytest.raises(RuntimeError, match="without calling the compiled model"):
             pipe.step(lambda tokens, pixels, weights: None, *_batch(0))
+        with pytest.raises(RuntimeError, match="first step's closure called the compiled "
+                           "model under torch.no_grad"):  # it finds the graphs to train
+            pipe.step(evaluating, *_batch(0))
         # the first step failed before the ranks started: the next one starts them
         assert len(pipe.step(_make_closure(text_tower, compiled, []), *_batch(0))) == M
         ref_step(0)

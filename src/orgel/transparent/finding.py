@@ -119,6 +119,12 @@ class FindsGraphs:
         shadow = [a.detach().requires_grad_(a.requires_grad) if k == "param"
                   else a.detach().clone() if k == "buffer" else a
                   for a, k in zip(args, kinds, strict=True)]
+        if ("param" in kinds or "buffer" in kinds) and not torch.is_grad_enabled():
+            raise RuntimeError(
+                "the first step's closure called the compiled model under torch.no_grad(): "
+                "that step finds the graphs the ranks train, so call the model with "
+                "gradients on there (a closure that runs no backward still changes nothing); "
+                "later steps' closures may call it under torch.no_grad()")
         if "param" in kinds or "buffer" in kinds:
             check_grad_mode(gm, [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
                             "The compiled model has graph breaks.")
