@@ -260,6 +260,7 @@ import os, signal, time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 FAULT, TIMES = {fault!r}, {times!r}
 calls = [0, 0]
@@ -288,7 +289,9 @@ tripwire.register_autograd(lambda ctx, grad: grad)
 
 
 def loss(out, y):
-    calls[0] += torch.distributed.is_initialized()
+    # a rank's calls on real values (the start-up also calls it on fake tensors, to find
+    # which outputs it reads)
+    calls[0] += torch.distributed.is_initialized() and not isinstance(out, FakeTensor)
     if calls[0] > 2 and FAULT in ("loss", "nan", "sigkill", "sigstop"):
         _fault_now()
         if FAULT == "loss":

@@ -285,7 +285,8 @@ def check_batch(example: tuple[dict[str, Any], Targets], batch: tuple[dict[str, 
     if rows % microbatches:
         raise WorkloadError(
             f"batch size {rows} is not divisible into the pipeline's {microbatches} "
-            f"micro-batches; give a batch whose size is a multiple of {microbatches}")
+            f"micro-batches; give a batch whose size is a multiple of {microbatches} (a "
+            "DataLoader's last batch: DataLoader(..., drop_last=True))")
 
 
 def _same_kind(what: str, example: Any, value: Any) -> None:
