@@ -75,6 +75,13 @@ def test_a_meta_model_trains_in_bf16_mixed() -> None:
                          precision="bf16-mixed", meta="weights"))
 
 
+def test_a_meta_model_trains_in_float16_with_loss_scaling() -> None:
+    """A meta model (``init=``) under ``precision="16-mixed"``: the ranks make their values
+    and scale the loss as GradScaler does, with accumulation, against one process."""
+    _check(fuzzing.Setup("tied", ranks=2, dp=1, schedule="gpipe", microbatches=2, rows=1,
+                         precision="16-mixed", accumulate=2, meta="init"))
+
+
 @pytest.mark.hf
 def test_a_meta_hugging_face_gpt2_trains() -> None:
     """Found by the fuzzer: GPT2LMHeadModel built on the meta device failed in
