@@ -6,7 +6,9 @@
   in ``replicated``: every micro-batch gets all of it);
 * ``breaks``: an MLP whose forward breaks the graph twice, a Python branch on a tensor's
   value in the middle and one at the very end (Dynamo captures three graphs; every
-  micro-batch takes the same branches, so each runs the captured graphs).
+  micro-batch takes the same branches, so each runs the captured graphs);
+* ``aux``: an MLP that also returns an auxiliary head's output, read off its first layer,
+  which the loss ignores: that head keeps no gradient, as in one process.
 
 :func:`workload` builds one as the zoo does (random weights from a seed, no downloads);
 :data:`BATCH_DIM` and :data:`REPLICATED` say how its batch is cut.
@@ -24,7 +26,10 @@ from orgel.models import ZooWorkload
 BATCH_DIM: dict[str, int] = {"seqfirst": 1}
 #: the inputs of a model that every micro-batch takes whole
 REPLICATED: dict[str, tuple[str, ...]] = {"memory": ("memory",)}
-NAMES: tuple[str, ...] = ("seqfirst", "memory", "breaks")
+NAMES: tuple[str, ...] = ("seqfirst", "memory", "breaks", "aux")
+#: models with an output their loss ignores (``orgel.backend``'s closures own the loss, so
+#: every output counts as read there: docs/limitations.md, Runtime)
+LOSS_IGNORES: tuple[str, ...] = ("aux",)
 #: models whose forward has graph breaks (no meta model: the Python between graphs reads
 #: values); ``graphbreak`` (tests/zoo.py) branches on a value: micro-batches take either arm
 GRAPH_BREAKS: tuple[str, ...] = ("breaks", "graphbreak")
@@ -124,6 +129,31 @@ class Breaks(nn.Module):
         return logits
 
 
+class Aux(nn.Module):
+    """Features ``[B, 16]`` to class logits ``[B, 5]`` and an auxiliary output ``[B, 3]``
+    from the first layer, which the loss ignores."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, _WIDTH)
+        self.aux = nn.Linear(_WIDTH, 3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(_WIDTH, 2 * _WIDTH), nn.Tanh(),
+                                                  nn.Linear(2 * _WIDTH, _WIDTH))
+                                    for _ in range(layers))
+        self.head = nn.Linear(_WIDTH, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.proj(x))
+        aux = self.aux(h)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h), aux
+
+
+def _first_loss(out: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out[0], labels)
+
+
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, _VOCAB), targets.reshape(-1))
 
@@ -144,4 +174,8 @@ def workload(name: str, *, batch_size: int = 4, seed: int = 0) -> ZooWorkload:
         x = torch.randn(batch_size, 16, generator=g)
         return ZooWorkload(Breaks(), {"x": x}, torch.randint(0, 5, (batch_size,), generator=g),
                            F.cross_entropy)
+    if name == "aux":
+        x = torch.randn(batch_size, 16, generator=g)
+        return ZooWorkload(Aux(), {"x": x}, torch.randint(0, 5, (batch_size,), generator=g),
+                           _first_loss)
     raise KeyError(f"no fuzzer model {name!r}; one of {NAMES}")

@@ -90,7 +90,7 @@ SEQUENCE: tuple[str, ...] = ("gpt", "tied", "hf_gpt2", "hf_llama")
 #: models with linear layers tensor parallelism splits (``tp`` is drawn for them; GPT-2's
 #: are ``Conv1D``, ``addmm`` with a ``[in, out]`` weight)
 TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_gpt2", "hf_bert",
-                                    "hf_llama", "breaks")
+                                    "hf_llama", "breaks", "aux")
 #: models with BatchNorm (running statistics; batch statistics)
 BATCHNORM: tuple[str, ...] = ("resnet",)
 #: the front ends a setup trains through (``tests/fuzz_backend.py`` for orgel.backend);
@@ -173,9 +173,10 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
     ``auto``: also draw ``schedule="auto"``, the planner's own plan (it profiles: slow).
     Through ``orgel.backend`` the plan is its ``schedule=``: no meta model, no ``looped``
     family's options, recompute for every stage or none."""
-    entry = pick("entry", entries)
-    backend = entry.startswith("backend")
     model = pick("model", models)
+    entry = pick("entry", [e for e in entries if not (
+        e.startswith("backend") and model in fuzz_models.LOSS_IGNORES)] or entries)
+    backend = entry.startswith("backend")
     ranks = pick("ranks", (2, 3, 4))
     dp = pick("dp", [d for d in (1, 2, 4) if ranks % d == 0])
     shard = pick("shard", ("none", "fsdp")) if dp > 1 else "none"
