@@ -82,6 +82,16 @@ def test_a_meta_model_trains_in_float16_with_loss_scaling() -> None:
                          precision="16-mixed", accumulate=2, meta="init"))
 
 
+def test_backend_calls_without_a_backward_under_accumulate_with_fsdp_change_nothing() -> None:
+    """Found by the fuzzer: through ``orgel.backend`` with ``shard="fsdp"`` and
+    ``accumulate=2``, a call whose closures ran no backward dropped the gradient an earlier
+    call had summed on the whole weights (the sharded ones had none yet), and a step of two
+    such calls stepped on the stand-ins' zeros (momentum decayed, one process's skips)."""
+    _check(fuzzing.Setup("memory", ranks=2, dp=2, schedule="gpipe", microbatches=1, rows=2,
+                         shard="fsdp", optimizer="momentum", accumulate=2, entry="backend",
+                         no_backward=True))
+
+
 @pytest.mark.hf
 def test_a_meta_hugging_face_gpt2_trains() -> None:
     """Found by the fuzzer: GPT2LMHeadModel built on the meta device failed in

@@ -313,10 +313,25 @@ class Sharding:
         state._root_post_backward_final_callback()
         module.reshard()
 
-    def drop(self) -> None:
-        """Forget the whole weights' gradients summed since the last reduce (a dropped step)."""
+    def accumulating(self) -> set[int]:
+        """The ids of the sharded parameters whose gradient is a sum not reduced yet (kept
+        on the whole weight by an accumulating call: their shard's ``.grad`` is None)."""
+        held = set()
         for module in self.modules.values():
             for fsdp_param in _fsdp_params(module):
+                whole = (fsdp_param.unsharded_param.grad
+                         if hasattr(fsdp_param, "_unsharded_param") else None)
+                if whole is not None or fsdp_param.unsharded_accumulated_grad is not None:
+                    held.add(id(fsdp_param.sharded_param))
+        return held
+
+    def drop(self, only: set[int] | None = None) -> None:
+        """Forget the whole weights' gradients summed since the last reduce (a dropped step);
+        ``only``: those of the sharded parameters with these ids."""
+        for module in self.modules.values():
+            for fsdp_param in _fsdp_params(module):
+                if only is not None and id(fsdp_param.sharded_param) not in only:
+                    continue
                 if hasattr(fsdp_param, "_unsharded_param"):
                     fsdp_param.unsharded_param.grad = None
                 fsdp_param.unsharded_accumulated_grad = None

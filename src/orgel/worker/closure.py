@@ -266,6 +266,8 @@ class ClosureEngine(RankEngine):
             for param in self.executor.parameters():
                 if first or id(param) in self._gradless:
                     param.grad = None
+            # and so do those a sharded stage keeps on its whole weights until it reduces
+            self.executor.sharding.drop(None if first else self._gradless)
         for name, g in grads.items():
             p = params.get(name)
             if g is None or p is None:
@@ -293,7 +295,8 @@ class ClosureEngine(RankEngine):
         #: the parameters without a gradient before this call, where it is not an
         #: accumulation's first: a call no closure's backward reached leaves them so
         #: (_add_controller_grads)
-        self._gradless = {id(p) for p in self.executor.parameters() if p.grad is None}
+        self._gradless = ({id(p) for p in self.executor.parameters() if p.grad is None}
+                          - self.executor.sharding.accumulating())
         if self.exchange is not None:
             self.exchange.begin(self.step_count)
         dim = int(self.executor.batch_dim)
