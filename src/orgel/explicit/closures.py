@@ -239,7 +239,7 @@ class ClosurePipeline(GluedPipeline):
         try:
             results = [s.result for s in self._run_threads(work, stand_ins, rows)]
         finally:  # (a dropped step too)
-            copy = self._fallback._copy  # (micro-batches off the captured graphs ran on it)
+            copy = self._fallback.model_copy  # (micro-batches off the captured graphs ran on it)
             for p in [*self._eager.values(), *([] if copy is None else copy.parameters())]:
                 p.grad = None  # summed from the hooks and stepped on a rank
         self._check_stray()

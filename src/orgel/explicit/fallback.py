@@ -106,6 +106,11 @@ class Fallback:
         self._fetched = -1  # the step whose values the copy holds
         self._lock = threading.Lock()
 
+    @property
+    def model_copy(self) -> torch.nn.Module | None:
+        """The calling process's copy of the model, once a micro-batch ran whole on it."""
+        return self._copy
+
     @staticmethod
     def allowed(plan: Any) -> bool:
         """Whether the calling process may run a micro-batch that left the captured graphs
