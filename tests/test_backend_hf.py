@@ -15,7 +15,7 @@ import torch
 
 import orgel
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.hf]
 
 
 def _llama() -> torch.nn.Module:

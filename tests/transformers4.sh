@@ -10,4 +10,5 @@ python3 -m venv .venv4
 pip install torch==2.13.0
 pip install -e ".[dev]" "transformers==4.57.*"
 python -m pytest -q -n 2 --dist loadgroup -m hf tests/test_zoo.py tests/test_precision.py tests/test_shapes.py \
-    tests/test_evaluate.py tests/test_api_state.py tests/test_train_llama.py tests/test_branching.py
+    tests/test_evaluate.py tests/test_api_state.py tests/test_train_llama.py tests/test_branching.py \
+    tests/test_backend_hf.py
