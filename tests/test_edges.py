@@ -116,6 +116,41 @@ def test_frozen_and_unused_parameters_stay_as_one_process_leaves_them(name: str,
 
 
 @pytest.mark.slow
+def test_backend_leaves_a_head_its_closures_loss_ignores_alone() -> None:
+    """orgel.backend: the closure's loss reads the logits, not the auxiliary head's output
+    (computed on the last rank, from the logits): that head gets no gradient, as in one
+    process, so AdamW's weight decay leaves it; every other weight as one process's."""
+    torch._dynamo.reset()
+    net, loss_fn = _workload("gpt")
+    model = copy.deepcopy(net)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    opt = _adamw(NamedParameters(model.named_parameters()))
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_adamw, threads=1)
+    compiled = torch.compile(net, backend=pipe)
+
+    def closure(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(compiled(tokens), targets) / M
+        loss.backward()
+        return loss.detach()
+
+    try:
+        for c in range(2):
+            tokens, targets = _batch(c)
+            pipe.step(closure, tokens, targets)
+            loss_fn(model(tokens), targets).backward()
+            opt.step()
+            opt.zero_grad()
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    for n in ("aux.weight", "aux.bias"):
+        assert torch.equal(state[n], before[n]), n
+    bad = {n: float((state[n] - t).abs().max()) for n, t in model.state_dict().items()
+           if not torch.allclose(state[n], t, rtol=1e-5, atol=1e-5)}
+    assert not bad, bad
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "accumulate"), [("adamw", 1), ("sgd", 2)])
 def test_backend_closure_without_backward_leaves_the_weights(kind: str, accumulate: int) -> None:
     """orgel.backend: a step whose closures never call backward (an evaluation batch)

@@ -48,19 +48,27 @@ class GraphCall(torch.autograd.Function):
         ctx.pipe, ctx.slot, ctx.c, ctx.count = weakref.ref(pipe), weakref.ref(slot), c, len(values)
         outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
         ctx.floating = [grad and t.is_floating_point() for t in outs]
+        # an output the loss does not reach gets None, not zeros: the last graph's go to the
+        # loss rank as they are, so what only they read keeps no gradient, as in one process
+        ctx.set_materialize_grads(False)
+        ctx.like = [(t.shape, t.dtype) for t in outs]
         ctx.mark_non_differentiable(*[t for t, f in zip(outs, ctx.floating, strict=True)
                                       if not f])
         return (anchor.detach().clone(), *outs)
 
     @staticmethod
     def backward(ctx: Any, anchor_grad: Any, *grads: Any) -> tuple[Any, ...]:
-        sent = [g if floating else None for g, floating in zip(grads, ctx.floating, strict=True)]
         # a later call the loss does not reach has not run its backward: the ranks take the
         # backwards in reverse order, so it goes first, with zero gradients
         pipe, slot = ctx.pipe(), ctx.slot()
         if pipe is None or slot is None:
             raise RuntimeError("the step that ran this forward is over: its backward runs "
                                "within the step")
+        last = ctx.c + 1 >= len(pipe.glue.calls)  # (an exchange's backward takes zeros)
+        sent = [None if not floating else g if g is not None or last
+                else torch.zeros(shape, dtype=dtype)
+                for g, floating, (shape, dtype) in zip(grads, ctx.floating, ctx.like,
+                                                       strict=True)]
         pipe._turns.passed(slot.index)  # its forward is over: it looks nothing up any more
         slot.backward = True
         pipe._back_unreached(slot, after=ctx.c)

@@ -130,10 +130,12 @@ class SurrogateLoss:
             # the closure never called backward: a loss without a gradient, so this
             # micro-batch gives none (a step of such closures steps no parameter)
             return torch.zeros((), device=flat[0].device if flat else None)
-        total = sum((t * 0.0).sum() for t in flat if t.requires_grad)
-        for t, g in zip(flat, grads, strict=True):
-            if g is not None and t.requires_grad:
-                total = total + (t * g.to(t.device, t.dtype)).sum()
+        reached = [(t, g) for t, g in zip(flat, grads, strict=True)
+                   if g is not None and t.requires_grad]
+        # an output the loss did not reach gives nothing (what only it reads keeps no
+        # gradient, as in one process); none reached: zeros, so the backward still runs
+        total = sum((t * g.to(t.device, t.dtype)).sum() for t, g in reached) if reached \
+            else sum((t * 0.0).sum() for t in flat if t.requires_grad)
         if not isinstance(total, torch.Tensor) and not torch.is_grad_enabled():
             return torch.zeros(())  # a recomputed stage's first forward: no graph is kept
         if not isinstance(total, torch.Tensor):
