@@ -155,14 +155,19 @@ def compare(precision: str, got: Result, ref: Result,
             d.kind != "keys" and math.isfinite(d.abs) for d in verdict.differences):
         verdict.used_float64 = True
         exact = _values(float64(), ref.params)
-        gaps = {key: (max(_gap(a, exact[key][0])[0] for a in ours[key]),
-                      _gap(theirs[key][0], exact[key][0])[0])
-                for key in exact if key in ours and key in theirs}
+
+        def gaps(key: tuple[str, str]) -> tuple[float, float]:
+            """(orgel's, one process's) distance from float64 of value ``key``."""
+            return (max(_gap(a, exact[key][0])[0] for a in ours[key]),
+                    _gap(theirs[key][0], exact[key][0])[0])
+
+        largest: dict[str, tuple[float, float]] = {}  # by kind, each side's own (by_kind)
+        for key in exact if by_kind else ():
+            if key in ours and key in theirs:
+                now, before = gaps(key), largest.get(key[0], (0.0, 0.0))
+                largest[key[0]] = (max(now[0], before[0]), max(now[1], before[1]))
         for d in verdict.differences:
-            our_gap, ref_gap = gaps[(d.kind, d.name)]
-            if by_kind:  # the kind's largest gaps, each side's own
-                our_gap = max(g[0] for k, g in gaps.items() if k[0] == d.kind)
-                ref_gap = max(g[1] for k, g in gaps.items() if k[0] == d.kind)
+            our_gap, ref_gap = largest[d.kind] if by_kind else gaps((d.kind, d.name))
             # (a value within one unit in the last place of the precision is excused too:
             # each half rounded before the sum is that far from one rounding of the whole)
             d.excused = (our_gap <= FACTOR * ref_gap + atol

@@ -116,16 +116,18 @@ class FindsGraphs:
         roles = [(kind, self._names.get(id(a), name)) if kind in ("param", "buffer")
                  else (kind, name) for (kind, name), a in zip(roles, args, strict=True)]
         kinds = [kind for kind, _ in roles]
+        stateful = "param" in kinds or "buffer" in kinds  # the model's, not the closure's
         shadow = [a.detach().requires_grad_(a.requires_grad) if k == "param"
                   else a.detach().clone() if k == "buffer" else a
                   for a, k in zip(args, kinds, strict=True)]
-        if ("param" in kinds or "buffer" in kinds) and not torch.is_grad_enabled():
-            raise RuntimeError(
-                "the first step's closure called the compiled model under torch.no_grad(): "
-                "that step finds the graphs the ranks train, so call the model with "
-                "gradients on there (a closure that runs no backward still changes nothing); "
-                "later steps' closures may call it under torch.no_grad()")
-        if "param" in kinds or "buffer" in kinds:
+        if stateful:
+            if not torch.is_grad_enabled():
+                raise RuntimeError(
+                    "the first step's closure called the compiled model under "
+                    "torch.no_grad(): that step finds the graphs the ranks train, so call "
+                    "the model with gradients on there (a closure that runs no backward "
+                    "still changes nothing); later steps' closures may call it under "
+                    "torch.no_grad()")
             check_grad_mode(gm, [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
                             "The compiled model has graph breaks.")
         if self._glue_values and returns_size(gm):  # joined symbolic it cannot be: say so
@@ -137,7 +139,7 @@ class FindsGraphs:
             out = _differentiable(out)
         stop_outputs(out)
         assert self._found is not None
-        if "param" in kinds or "buffer" in kinds:
+        if stateful:
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             self._found.append((gm, example_inputs, roles, list(args), outs))
         return out

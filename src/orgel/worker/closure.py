@@ -134,8 +134,10 @@ class SurrogateLoss:
                    if g is not None and t.requires_grad]
         # an output the loss did not reach gives nothing (what only it reads keeps no
         # gradient, as in one process); none reached: zeros, so the backward still runs
-        total = sum((t * g.to(t.device, t.dtype)).sum() for t, g in reached) if reached \
-            else sum((t * 0.0).sum() for t in flat if t.requires_grad)
+        if reached:
+            total = sum((t * g.to(t.device, t.dtype)).sum() for t, g in reached)
+        else:
+            total = sum((t * 0.0).sum() for t in flat if t.requires_grad)
         if not isinstance(total, torch.Tensor) and not torch.is_grad_enabled():
             return torch.zeros(())  # a recomputed stage's first forward: no graph is kept
         if not isinstance(total, torch.Tensor):
