@@ -27,9 +27,6 @@ BATCH_DIM: dict[str, int] = {"seqfirst": 1}
 #: the inputs of a model that every micro-batch takes whole
 REPLICATED: dict[str, tuple[str, ...]] = {"memory": ("memory",)}
 NAMES: tuple[str, ...] = ("seqfirst", "memory", "breaks", "aux")
-#: models with an output their loss ignores (``orgel.backend``'s closures own the loss, so
-#: every output counts as read there: docs/limitations.md, Runtime)
-LOSS_IGNORES: tuple[str, ...] = ("aux",)
 #: models whose forward has graph breaks (no meta model: the Python between graphs reads
 #: values); ``graphbreak`` (tests/zoo.py) branches on a value: micro-batches take either arm
 GRAPH_BREAKS: tuple[str, ...] = ("breaks", "graphbreak")

@@ -174,8 +174,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
     Through ``orgel.backend`` the plan is its ``schedule=``: no meta model, no ``looped``
     family's options, recompute for every stage or none."""
     model = pick("model", models)
-    entry = pick("entry", [e for e in entries if not (
-        e.startswith("backend") and model in fuzz_models.LOSS_IGNORES)] or entries)
+    entry = pick("entry", entries)
     backend = entry.startswith("backend")
     ranks = pick("ranks", (2, 3, 4))
     dp = pick("dp", [d for d in (1, 2, 4) if ranks % d == 0])

@@ -116,12 +116,14 @@ def test_frozen_and_unused_parameters_stay_as_one_process_leaves_them(name: str,
 
 
 @pytest.mark.slow
-def test_backend_leaves_a_head_its_closures_loss_ignores_alone() -> None:
+@pytest.mark.parametrize("name", ["gpt", "early"])
+def test_backend_leaves_a_head_its_closures_loss_ignores_alone(name: str) -> None:
     """orgel.backend: the closure's loss reads the logits, not the auxiliary head's output
-    (computed on the last rank, from the logits): that head gets no gradient, as in one
+    (computed on the last rank, from the logits; ``"early"``: on the first rank, from the
+    tokens, its output crossing to the last): that head gets no gradient, as in one
     process, so AdamW's weight decay leaves it; every other weight as one process's."""
     torch._dynamo.reset()
-    net, loss_fn = _workload("gpt")
+    net, loss_fn = _workload(name)
     model = copy.deepcopy(net)
     before = {n: t.clone() for n, t in model.state_dict().items()}
     opt = _adamw(NamedParameters(model.named_parameters()))
@@ -143,8 +145,60 @@ def test_backend_leaves_a_head_its_closures_loss_ignores_alone() -> None:
         state = pipe.state_dict()
     finally:
         pipe.close()
-    for n in ("aux.weight", "aux.bias"):
+    for n in ["aux.weight"] + ([] if name == "early" else ["aux.bias"]):
         assert torch.equal(state[n], before[n]), n
+    bad = {n: float((state[n] - t).abs().max()) for n, t in model.state_dict().items()
+           if not torch.allclose(state[n], t, rtol=1e-5, atol=1e-5)}
+    assert not bad, bad
+
+
+class BrokenAux(WithAux):
+    """:class:`WithAux` (``early``) whose forward breaks Dynamo's graph: before the model
+    (``after_aux=False``: the head's output crosses a stage boundary) or after the head
+    (its output goes through the calling process's Python between graphs)."""
+
+    def __init__(self, gpt: torch.nn.Module, after_aux: bool) -> None:
+        super().__init__(gpt, early=True)
+        self.after_aux = after_aux
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = tokens + 0
+        if not self.after_aux:
+            torch._dynamo.graph_break()
+        aux = self.aux(tokens)  # first: on the first rank
+        if self.after_aux:
+            torch._dynamo.graph_break()
+        return self.gpt(tokens), aux
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_aux", [False, True])
+def test_a_forward_with_graph_breaks_leaves_an_early_head_its_loss_ignores_alone(
+        after_aux: bool) -> None:
+    """A forward of two graphs through ``orgel.pipeline``: the auxiliary head on the first
+    rank, its output crossing to the last rank (or to the calling process, between the
+    graphs), which the loss (the controller's) ignores: the head keeps no gradient, as in
+    one process; every other weight as one process's."""
+    torch._dynamo.reset()
+    net, loss_fn = _workload("early")
+    net = BrokenAux(net.gpt, after_aux)
+    model = copy.deepcopy(net)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    opt = _adamw(NamedParameters(model.named_parameters()))
+    inputs, targets = _batch(0)
+    with orgel.pipeline(net, (inputs,), targets, loss_fn, ranks=2, microbatches=M,
+                        schedule="1f1b", optimizer=_adamw, threads=1) as pipe:
+        assert "aux.weight" in pipe._split.stages[0].param_names.values()  # on rank 0
+        for c in range(2):
+            tokens, targets = _batch(c)
+            loss = pipe.step(tokens, targets)
+            ref = loss_fn(model(tokens), targets)
+            ref.backward()
+            opt.step()
+            opt.zero_grad()
+            assert loss == pytest.approx(ref.item(), rel=1e-5)
+        state = pipe.state_dict()
+    assert torch.equal(state["aux.weight"], before["aux.weight"])
     bad = {n: float((state[n] - t).abs().max()) for n, t in model.state_dict().items()
            if not torch.allclose(state[n], t, rtol=1e-5, atol=1e-5)}
     assert not bad, bad

@@ -47,6 +47,8 @@ class BackwardActions:
     _inbox: dict[int, list[torch.Tensor]]
     _local_grads: dict[tuple[int, int], dict[str, torch.Tensor]]
     _in_grads: dict[str, torch.Tensor]
+    _unreached: set[str]
+    reach_flags: bool
     _rows: Callable[[torch.Tensor, tuple[int, int, int], StageInfo], torch.Tensor]
     _carries_grad: Callable[[str, torch.Tensor], bool]
     _draws: Callable[[int, int], Any]
@@ -65,13 +67,21 @@ class BackwardActions:
                       if self._carries_grad(v.name, run.outputs[info.out_index[v.name]])]
             for k, part, _ in self.pairs[e][0][info.replica]:
                 dst = self.plan.placement[edge.dst][k]
-                if dst == self.rank:
+                grads: list[torch.Tensor | None]
+                if dst == self.rank:  # (a value no gradient reached is left out)
                     local = self._local_grads[(e, m)]
                     consumer = self.stages[edge.dst]
-                    grads = [self._rows(local[n], part, consumer) for n in floats]
+                    grads = [None if n not in local else self._rows(local[n], part, consumer)
+                             for n in floats]
                 else:
-                    grads = self._inbox.pop(self.msg_index[(dst, self.rank, e, m, True, part)])
+                    got = self._inbox.pop(self.msg_index[(dst, self.rank, e, m, True, part)])
+                    # with reach flags the last tensor says which a gradient reached
+                    grads = ([g if r else None for g, r in zip(got[:-1], got[-1].tolist(),
+                                                               strict=True)]
+                             if self.reach_flags else list(got))
                 for name, g in zip(floats, grads, strict=True):
+                    if g is None:
+                        continue
                     value = run.outputs[info.out_index[name]]
                     if part == (0, 1, 1) or value.dim() <= self.act_dim:
                         # the whole value (a scalar has no rows to cut)
@@ -137,12 +147,16 @@ class BackwardActions:
             got = dict(zip(leaves, computed, strict=True))
         self._in_grads = {n: g if g is not None else torch.zeros_like(leaves[n])
                           for n, g in got.items()}
+        # (with reach flags, zeros that stand for no gradient: the messages say which)
+        self._unreached = {n for n, g in got.items() if g is None} if self.reach_flags \
+            else set()
         for e in info.in_edges:
             edge = self.plan.stage_graph.edges[e]
             if edge.carries_grad and any(self.plan.placement[edge.src][j] == self.rank
                                          for j, _, _ in self.pairs[e][1][info.replica]):
                 self._local_grads[(e, m)] = {v.name: self._in_grads[v.name]
-                                             for v in edge.values if v.name in self._in_grads}
+                                             for v in edge.values if v.name in self._in_grads
+                                             and v.name not in self._unreached}
 
     def _weight(self, a: Action) -> None:
         """``W``: weight gradients from what ``I`` kept (see :mod:`orgel.backward`)."""

@@ -62,7 +62,7 @@ from orgel.runtime.comm import Transport
 from orgel.runtime.compiled import CompiledStage, SegmentedStage
 from orgel.runtime.dropped import DroppedStep
 from orgel.runtime.forward_actions import ForwardActions
-from orgel.runtime.messages import check_gradient_values, message_shapes
+from orgel.runtime.messages import check_gradient_values, message_shapes, reach_mask
 from orgel.runtime.optim import GradSync
 from orgel.runtime.optimizer import (
     LearningRate,
@@ -122,6 +122,10 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
     ``after_optimizer()`` after the optimizer step; ``side_leaves(m)``: leaves that the
     forward of micro-batch ``m`` made itself (the first anchor of a forward's exchanges)
     and whose backward path an ``I`` must walk although no input or parameter needs it.
+    ``reach_flags = True`` (every rank alike, before the first step): each gradient message
+    also carries which of its values a gradient reached (:func:`orgel.runtime.messages.
+    reach_mask`), for a loss known only as it runs (the closures' own): a value no gradient
+    reached gives its producer None, as in one process, where it would give zeros.
 
     ``step(..., outputs=True)`` also keeps the model's outputs on the loss stage's
     ranks (:attr:`kept`, :mod:`orgel.runtime.outputs`).
@@ -237,6 +241,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         self.before_reduce: Callable[[], None] | None = None
         self.side_leaves: Callable[[int], dict[str, torch.Tensor]] | None = None
         self.after_optimizer: Callable[[], None] | None = None
+        self.reach_flags = False
         self._fetched: set[int] = set()
         self.reduce_after: dict[int, list[tuple[int, ...]]] = {}
         for rset in self.sync.dp:
@@ -327,7 +332,8 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         signature = _signature(inputs)
         exchange = self.dynamic_shapes or signature != self._signature
         if exchange and self._signature is not None and not self.dynamic_shapes:
-            known = message_shapes(self.plan, self.split, self.comm, self.rank, first)
+            known = message_shapes(self.plan, self.split, self.comm, self.rank, first,
+                                   reach_flags=self.reach_flags)
             if known is not None:  # every rank computes them alike: no exchange
                 self.transport.set_shapes(known)
                 exchange = False
@@ -335,6 +341,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         self._inbox: dict[int, list[torch.Tensor]] = {}
         self._local_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._in_grads: dict[str, torch.Tensor] = {}
+        self._unreached: set[str] = set()
         self._loss = torch.zeros((), device=self.device)
         self._failed = None
         self._keep_written()  # a dropped step puts them back
@@ -435,7 +442,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
                 self._event(action.kind, str(action), start)
         for i in self.comm.sends_after[self.rank][pos]:
             self._send(i)  # a placeholder while the step is being dropped
-        self._in_grads = {}
+        self._in_grads, self._unreached = {}, set()
         early = self._final and self.before_reduce is None  # (else once they are added)
         for rset in self.reduce_after.get(pos, ()) if early else ():
             self.sync.launch_replicas(rset)
@@ -457,7 +464,11 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
             tensors = [outputs[info.out_index[v.name]].detach() for v in edge.values]
         else:
             info = self.stages[edge.dst]
-            tensors = [self._in_grads[v.name] for v in edge.values if v.name in self._in_grads]
+            names = [v.name for v in edge.values if v.name in self._in_grads]
+            tensors = [self._in_grads[n] for n in names]
+            if self.reach_flags:
+                return [*(self._rows(t, msg.part, info) for t in tensors),
+                        reach_mask(names, self._unreached, self.device)]
         return [self._rows(t, msg.part, info) for t in tensors]
 
     def _rows(self, t: torch.Tensor, part: tuple[int, int, int], info: StageInfo) -> torch.Tensor:

@@ -35,12 +35,20 @@ def check_gradient_values(plan: Plan, split: SplitModel) -> None:
                     "for another capture of the model; plan again for this one")
 
 
+def reach_mask(names: list[str], unreached: set[str], device: torch.device) -> torch.Tensor:
+    """The last tensor of a gradient message whose loss is known only as it runs: 1 for
+    each of ``names`` (the message's values, in order) that a gradient reached, 0 for one
+    that only carries zeros in its place (the receiver takes it as no gradient)."""
+    return torch.tensor([n not in unreached for n in names], dtype=torch.uint8, device=device)
+
+
 def message_shapes(plan: Plan, split: SplitModel, comm: CommPlan, rank: int,
-                   first: dict[str, Any]
+                   first: dict[str, Any], *, reach_flags: bool = False,
                    ) -> dict[int, list[tuple[tuple[int, ...], torch.dtype]]] | None:
     """Rank ``rank``'s incoming messages' shapes for micro-batches like ``first``, from the
     values' shapes in the size symbols (symbolic capture); None where they are unknown
-    (then the ranks exchange them). The same answer on every rank: all or none."""
+    (then the ranks exchange them). The same answer on every rank: all or none.
+    ``reach_flags``: each gradient message ends with its :func:`reach_mask`."""
     from orgel.graph.sizes import evaluate_shape
 
     shapes, known = split.shapes, split.value_shapes
@@ -69,6 +77,8 @@ def message_shapes(plan: Plan, split: SplitModel, comm: CommPlan, rank: int,
             if size is None:
                 return None
             specs.append((size, dtype))
+        if msg.grad and reach_flags:
+            specs.append(((len(specs),), torch.uint8))
         if msg.dst_rank == rank:
             out[i] = specs
     return out

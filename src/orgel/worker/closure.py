@@ -197,6 +197,8 @@ class ClosureEngine(RankEngine):
         # controller when a stage first needs them, so closures still pre-processing later
         # micro-batches overlap the pipeline's work on earlier ones
         self.executor.fetch_inputs = lambda m: self.inbox.get("in", m)
+        # the loss is the controller's: which values a gradient reaches shows only as it runs
+        self.executor.reach_flags = True
         self.executor.on_microbatch = self._at_microbatch
         self.surrogate.divisor = float(self.executor.loss_divisor)
         # under loss scaling the controller scaled the gradients it sends: not again here
