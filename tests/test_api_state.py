@@ -185,8 +185,8 @@ def test_a_bad_batch_is_refused_in_the_caller_and_training_goes_on() -> None:
             ((x.int(),), y, r"input 'tokens' is torch.int32 but the pipeline was built with "
                             r"torch.int64"),
             ((x,), y.float(), "target 0 is torch.float32"),
-            ((x[:7],), y[:7],
-             "batch size 7 is not divisible into the pipeline's 2 .*drop_last=True"),
+            ((x[:1],), y[:1],
+             "a batch of 1 row cannot fill the pipeline's 2 micro-batches.*drop_last=True"),
             ((x,), y[:4], "the inputs have batch size 8 but the targets 4"),
         ]
         for inputs, targets, message in bad:

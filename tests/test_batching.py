@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archzoo.check import balanced_check
-from orgel.batching import batch_size, split_batch, split_microbatches
+from orgel.batching import batch_size, micro_sizes, split_batch, split_microbatches
 from orgel.models import ZooWorkload
 from orgel.workload import Workload, WorkloadError, validate_workload
 
@@ -49,12 +49,28 @@ def _workload() -> ZooWorkload:
 def test_split_batch_cuts_only_what_has_the_batch_size() -> None:
     x, table, t = torch.randn(4, 8), torch.randn(2, 8), torch.tensor(1.5)
     assert batch_size((x, t)) == 4
-    parts = split_batch((x, table, t), 2, 0, 4)
+    parts = split_batch((x, table, t), [2, 2], 0, 4)
     assert [tuple(p[0].shape) for p in parts] == [(2, 8), (2, 8)]
     assert all(p[1] is table and p[2] is t for p in parts)
     named = split_microbatches({"x": x, "table": torch.randn(4, 8)}, None, 2,
                                replicated=("table",))
     assert [tuple(p["table"].shape) for p, _ in named] == [(4, 8), (4, 8)]
+
+
+def test_a_batch_that_does_not_divide_is_cut_as_tensor_split_in_whole_replica_rows() -> None:
+    """A DataLoader's smaller last batch: ``torch.tensor_split``'s sizes, in units of the
+    replicas; too few rows (or no multiple of the replicas) is refused, naming drop_last."""
+    for rows, m in [(6, 4), (7, 3), (8, 4), (5, 5)]:
+        assert micro_sizes(rows, m) == [len(p) for p in torch.arange(rows).tensor_split(m)]
+    assert micro_sizes(6, 2, unit=2) == [4, 2]
+    assert micro_sizes(12, 4, unit=2) == [4, 4, 2, 2]
+    for rows, m, unit in [(3, 4, 1), (6, 4, 2), (7, 2, 2)]:
+        with pytest.raises(WorkloadError, match=f"batch of {rows} rows.*drop_last=True"):
+            micro_sizes(rows, m, unit)
+    x = torch.arange(6 * 3).reshape(6, 3)
+    parts = split_microbatches({"x": x}, x[:, 0], 4)
+    assert [tuple(p["x"].shape) for p, _ in parts] == [(2, 3), (2, 3), (1, 3), (1, 3)]
+    assert torch.equal(torch.cat([t for _, t in parts]), x[:, 0])
 
 
 def test_an_unmarked_table_is_refused_with_what_to_do() -> None:

@@ -78,11 +78,27 @@ def test_the_weighted_pieces_make_the_whole_batchs_loss(loss_fn) -> None:
     rule = calibrate(model, {"ids": ids}, labels, loss_fn)
     inputs = [{"ids": ids[:2]}, {"ids": ids[2:]}]
     targets = [labels[:2], labels[2:]]
-    weights = batch_weights(rule, inputs, targets, 2, 0, 2)  # 2 micro-batches x 2 replicas
+    weights = batch_weights(rule, inputs, targets, 2, 0)  # 2 micro-batches x 2 replicas
     with torch.no_grad():
         whole = loss_fn(model(ids), labels)
         combined = sum(weigh(loss_fn(model(ids[[2 * m + r]]), labels[[2 * m + r]]),
                              weights[(m, r)]) for m in range(2) for r in range(2))
+    torch.testing.assert_close(combined, whole)
+
+
+@pytest.mark.parametrize("loss_fn", [token_mean, token_sum, row_mean, shifted_mean])
+def test_uneven_pieces_weigh_their_share_of_the_batch(loss_fn) -> None:
+    """Micro-batches of 3 and 1 rows (a smaller last batch): the weighted pieces still make
+    the whole batch's loss."""
+    model, (ids, labels) = TinyLM(), _padded()
+    rule = calibrate(model, {"ids": ids}, labels, loss_fn)
+    cut = [(0, 3), (3, 4)]
+    weights = batch_weights(rule, [{"ids": ids[a:b]} for a, b in cut],
+                            [labels[a:b] for a, b in cut], 1, 0)
+    with torch.no_grad():
+        whole = loss_fn(model(ids), labels)
+        combined = sum(weigh(loss_fn(model(ids[a:b]), labels[a:b]), weights[(m, 0)])
+                       for m, (a, b) in enumerate(cut))
     torch.testing.assert_close(combined, whole)
 
 
@@ -97,7 +113,7 @@ def test_a_loss_no_rule_reproduces_is_refused_at_start_up_with_what_the_trial_sa
 def test_a_piece_without_a_label_is_named() -> None:
     labels = torch.tensor([[1, 2], [3, 4], [-100, -100], [-100, -100]])
     with pytest.raises(LossRuleError, match="micro-batch 1 of this batch holds no loss-bearing"):
-        batch_weights("items", [{}, {}], [labels[:2], labels[2:]], 1, 0, 2)
+        batch_weights("items", [{}, {}], [labels[:2], labels[2:]], 1, 0)
     assert loss_weights("rows", [(None, 2), (None, 2)]) == [(1, 2), (1, 2)]
     assert loss_weights("sum", [(None, 2), (None, 2)]) == [(1, 1), (1, 1)]
     assert loss_weights("shifted", [(labels[:2], 2), (labels[:1], 1)]) == [(2, 3), (1, 3)]

@@ -192,8 +192,8 @@ def test_closure_errors_and_misuse_are_reported() -> None:
             torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-6, msg=name)
     finally:
         pipe.close()
-    with pytest.raises(ValueError, match="not divisible into 2 micro-batches"):
-        ob.backend(microbatches=2).step(lambda x: x, torch.ones(3))
+    with pytest.raises(ValueError, match="a batch of 1 row cannot fill the pipeline's 2"):
+        ob.backend(microbatches=2).step(lambda x: x, torch.ones(1))
 
 
 def test_a_closure_that_hangs_is_reported_within_the_timeout() -> None:

@@ -124,26 +124,52 @@ def batch_size(values: Any, dim: int = 0) -> int:
     return batch_rows({"values": values}, None, {"values": dim})
 
 
-def split_batch(value: Any, m: int, dim: int, batch: int) -> list[Any]:
-    """``m`` micro-batches of ``value``: the one rule for what is batched.
+def micro_sizes(batch: int, m: int, unit: int = 1) -> list[int]:
+    """The rows of each of ``m`` micro-batches of a batch of ``batch`` rows: the one rule.
 
-    A tensor whose size along ``dim`` is the batch size ``batch`` is chunked into
-    ``m`` equal parts; every other value (a scalar, a table of another size, a
+    Equal where ``m * unit`` divides ``batch``; else the first micro-batches take one
+    ``unit`` of rows more than the others (``torch.tensor_split``'s rule, in units:
+    a DataLoader's smaller last batch of 6 rows in 4 micro-batches is cut 2, 2, 1, 1).
+    ``unit``: the rows every micro-batch's size is a multiple of (the replicas of a
+    data-parallel stage share each micro-batch equally). Raises :class:`WorkloadError`
+    where the batch is no multiple of ``unit`` or leaves a micro-batch empty.
+    """
+    if m < 1:
+        raise WorkloadError(f"the micro-batch count must be positive, got {m}")
+    if batch % unit or batch < m * unit:
+        each = "a row" if unit == 1 else f"a multiple of {unit} rows (one per replica)"
+        raise WorkloadError(
+            f"a batch of {batch} row{'s' if batch != 1 else ''} cannot fill the pipeline's "
+            f"{m} micro-batches "
+            f"(each takes {each}): give batches of at least {m * unit} rows"
+            + (f", a multiple of {unit}" if unit > 1 else "")
+            + " (a DataLoader's smaller last batch: DataLoader(..., drop_last=True))")
+    units, extra = divmod(batch // unit, m)
+    return [(units + (i < extra)) * unit for i in range(m)]
+
+
+def split_batch(value: Any, sizes: list[int], dim: int, batch: int) -> list[Any]:
+    """Micro-batches of ``value`` of ``sizes`` rows (:func:`micro_sizes`): the one rule for
+    what is batched.
+
+    A tensor whose size along ``dim`` is the batch size ``batch`` is cut into pieces of
+    ``sizes`` rows; every other value (a scalar, a table of another size, a
     non-tensor) goes whole to every micro-batch. Tuples, lists, named tuples and
     dicts are split element by element.
     """
+    m = len(sizes)
     if isinstance(value, torch.Tensor):
         if value.dim() > dim and value.shape[dim] == batch:
-            return list(value.chunk(m, dim=dim))
+            return list(value.split(sizes, dim=dim))
         return [value] * m
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        parts = [split_batch(v, m, dim, batch) for v in value]
+        parts = [split_batch(v, sizes, dim, batch) for v in value]
         return [type(value)(*(p[i] for p in parts)) for i in range(m)]
     if isinstance(value, (tuple, list)):
-        parts = [split_batch(v, m, dim, batch) for v in value]
+        parts = [split_batch(v, sizes, dim, batch) for v in value]
         return [type(value)(p[i] for p in parts) for i in range(m)]
     if isinstance(value, dict):
-        parts_d = {k: split_batch(v, m, dim, batch) for k, v in value.items()}
+        parts_d = {k: split_batch(v, sizes, dim, batch) for k, v in value.items()}
         return [{k: p[i] for k, p in parts_d.items()} for i in range(m)]
     return [value] * m
 
@@ -155,9 +181,10 @@ def replica_rows(rows: int, replica: int, replicas: int) -> tuple[int, int]:
     runs *every* micro-batch on every replica, each on its own contiguous, equal
     share of the micro-batch's rows along the batch dimension: replica ``k`` runs
     rows ``[k*rows/replicas, (k+1)*rows/replicas)``. With a batch of ``B`` rows cut
-    into ``M`` micro-batches (:func:`split_batch`: micro-batch ``m`` is rows
+    into ``M`` equal micro-batches (:func:`micro_sizes`: micro-batch ``m`` is rows
     ``[m*B/M, (m+1)*B/M)``), replica ``k`` thus runs batch rows
-    ``m*B/M + [k*B/(M*replicas), (k+1)*B/(M*replicas))`` for each ``m``, in
+    ``m*B/M + [k*B/(M*replicas), (k+1)*B/(M*replicas))`` for each ``m`` (a smaller last
+    batch is cut in multiples of ``replicas`` rows, so every share is equal), in
     micro-batch order, through its own copy of the stage: BatchNorm normalises
     over those rows, and updates that copy's running statistics, which the end
     of each training step averages over the replicas (:mod:`orgel.runtime.buffers`).
@@ -202,12 +229,14 @@ def placeholders(like: dict[str, torch.Tensor],
             for n, t in like.items()}
 
 
-def batch_placeholders(first: dict[str, torch.Tensor], m: int, dim: int,
+def batch_placeholders(parts: list[dict[str, torch.Tensor]], dim: int,
                        whole: Collection[str]) -> dict[str, torch.Tensor]:
-    """:func:`placeholders` of a batch of ``m`` micro-batches shaped like ``first`` (one
-    of them), side by side along ``dim``; an input in ``whole`` as ``first`` has it."""
+    """:func:`placeholders` of the batch of micro-batches ``parts``, side by side along
+    ``dim``; an input in ``whole`` as the first has it."""
+    first = parts[0]
     return placeholders(first, {n: t.shape if n in whole else
-                                (*t.shape[:dim], t.shape[dim] * m, *t.shape[dim + 1:])
+                                (*t.shape[:dim], sum(p[n].shape[dim] for p in parts),
+                                 *t.shape[dim + 1:])
                                 for n, t in first.items()})
 
 
@@ -224,35 +253,32 @@ def side_by_side(parts: list[dict[str, Any]], whole: Collection[str], dim: int) 
 
 
 def split_microbatches(inputs: dict[str, Any], targets: Targets, m: int,
-                       dim: BatchDim = 0, replicated: tuple[str, ...] | Any = ()
-                       ) -> list[tuple[dict[str, Any], Targets]]:
+                       dim: BatchDim = 0, replicated: tuple[str, ...] | Any = (),
+                       unit: int = 1) -> list[tuple[dict[str, Any], Targets]]:
     """``m`` micro-batches of named ``inputs`` and ``targets``: what the runtime and the
     reference both use. ``dim`` is the batch dimension (:func:`dim_of`: an int, or a dict
     by input name and ``"targets"``). Inputs named in ``replicated`` go whole to every
-    micro-batch; the rest follow :func:`split_batch` along their own dimension."""
+    micro-batch; the rest follow :func:`split_batch` along their own dimension, in
+    :func:`micro_sizes` of ``unit``."""
     batch = batch_rows(inputs, targets, dim, replicated)
-    if m < 1 or batch % m:
-        raise WorkloadError(
-            f"batch size {batch} is not divisible into {m} micro-batches; "
-            f"choose a micro-batch count that divides {batch}"
-        )
-    parts = {k: [v] * m if k in replicated else split_batch(v, m, dim_of(dim, k), batch)
+    sizes = micro_sizes(batch, m, unit)
+    parts = {k: [v] * m if k in replicated else split_batch(v, sizes, dim_of(dim, k), batch)
              for k, v in inputs.items()}
-    target_parts = split_batch(targets, m, dim_of(dim, TARGETS), batch)
+    target_parts = split_batch(targets, sizes, dim_of(dim, TARGETS), batch)
     return [({k: p[i] for k, p in parts.items()}, target_parts[i]) for i in range(m)]
 
 
 def check_batch(example: tuple[dict[str, Any], Targets], batch: tuple[dict[str, Any], Targets],
                 microbatches: int, dim: BatchDim = 0,
-                replicated: tuple[str, ...] = ()) -> None:
+                replicated: tuple[str, ...] = (), unit: int = 1) -> None:
     """Raise :class:`WorkloadError` unless a step's named inputs and targets fit the pipeline.
 
     ``example`` is the batch the pipeline was built from (named inputs, targets).
     The step's inputs must have the same names, every tensor the example's dtype
     (inputs and targets alike), the targets the inputs' batch size along their batch
     dimensions (``dim``: :func:`dim_of`),
-    and that batch size must divide into ``microbatches``. Checked before any rank
-    sees the batch, so a batch that fails here changes nothing.
+    and that batch size must fill ``microbatches`` (:func:`micro_sizes` of ``unit``).
+    Checked before any rank sees the batch, so a batch that fails here changes nothing.
     """
     (ex_inputs, ex_targets), (inputs, targets) = example, batch
     unknown = [k for k in inputs if k not in ex_inputs]
@@ -281,12 +307,7 @@ def check_batch(example: tuple[dict[str, Any], Targets], batch: tuple[dict[str, 
             raise WorkloadError(
                 f"the inputs have batch size {rows} but the targets {target_rows} (batch_dim "
                 f"{dim!r}): give as many targets as inputs")
-    rows = batch_rows(inputs, targets, dim, replicated)
-    if rows % microbatches:
-        raise WorkloadError(
-            f"batch size {rows} is not divisible into the pipeline's {microbatches} "
-            f"micro-batches; give a batch whose size is a multiple of {microbatches} (a "
-            "DataLoader's last batch: DataLoader(..., drop_last=True))")
+    micro_sizes(batch_rows(inputs, targets, dim, replicated), microbatches, unit)
 
 
 def _same_kind(what: str, example: Any, value: Any) -> None:

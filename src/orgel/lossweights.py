@@ -124,11 +124,17 @@ def weigh(loss: torch.Tensor, weight: Weight) -> torch.Tensor:
 
 
 def batch_weights(rule: str, inputs: list[dict[str, Any]], targets: list[Any],
-                  replicas: int, batch_dim: BatchDim, rows: int) -> dict[tuple[int, int], Weight]:
+                  replicas: int, batch_dim: BatchDim,
+                  replicated: tuple[str, ...] = ()) -> dict[tuple[int, int], Weight]:
     """The weight of every (micro-batch, replica) of a step's batch, cut into ``inputs`` and
-    ``targets`` per micro-batch of ``rows`` rows, each shared by ``replicas`` replicas."""
+    ``targets`` per micro-batch (of any rows: a smaller last batch's differ by one unit),
+    each shared by ``replicas`` replicas; ``replicated``: the inputs every micro-batch
+    takes whole."""
+    from orgel.batching import batch_rows
+
     pieces, names, keys = [], [], []
     for m, (mb, tg) in enumerate(zip(inputs, targets, strict=True)):
+        rows = batch_rows(mb, tg, batch_dim, replicated)
         labels = labels_of(mb, tg) if rule in ("items", "shifted") else None
         dim = label_dim(mb, tg, batch_dim)
         for r in range(replicas):

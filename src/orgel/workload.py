@@ -198,7 +198,9 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
 
     Checks: the model is a module; inputs are tensors (tuple or dict); something
     has a batch dimension; every batched tensor's batch size is the same and
-    divisible by ``microbatches`` (inputs named in ``replicated`` are not batched);
+    divisible by ``microbatches`` (the example the pipeline is planned on; a later batch
+    may cut unevenly, :func:`orgel.batching.micro_sizes`; inputs named in ``replicated``
+    are not batched);
     some parameter is trainable; the loss on the whole batch is a scalar.
     """
     if not isinstance(w.model, torch.nn.Module):

@@ -235,7 +235,7 @@ class ClosurePipeline(GluedPipeline):
         # (all of them: a step of other shapes exchanges its messages' shapes anew)
         named = [closure_tensors(args) for args in pieces]
         sizes = [{n: tuple(t.shape) for n, t in one.items()} for one in named]
-        stand_ins = batch_placeholders(named[0], self.pieces, self.batch_dim, self.replicated)
+        stand_ins = batch_placeholders(named, self.batch_dim, self.replicated)
         try:
             results = [s.result for s in self._run_threads(work, stand_ins, rows)]
         finally:  # (a dropped step too)

@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel import guard
-from orgel.batching import batch_rows, split_microbatches
+from orgel.batching import batch_rows, micro_sizes, split_microbatches
 from orgel.lossweights import batch_weights, weigh
 from orgel.runtime.outputs import keep, merge
 from orgel.workload import named_inputs
@@ -27,10 +27,9 @@ def evaluate_here(pipe: Any, model: torch.nn.Module, inputs: Any, targets: Any,
     pipe._check_batch(named, targets, "pipe.evaluate")
     parts = split_microbatches(named, targets, pipe.pieces, pipe.batch_dim,
                                pipe.replicated)
-    rows = batch_rows(named, targets, pipe.batch_dim, pipe.replicated)
     with_loss = targets is not None or not outputs
     weights = batch_weights(pipe.loss_rule, [p for p, _ in parts], [t for _, t in parts], 1,
-                            pipe.batch_dim, rows // len(parts)) if with_loss else {}
+                            pipe.batch_dim, pipe.replicated) if with_loss else {}
     loss, outs = 0.0, []
     with guard.untouched(model), torch.no_grad(), guard.no_autocast_cache():
         model.eval()
@@ -42,13 +41,15 @@ def evaluate_here(pipe: Any, model: torch.nn.Module, inputs: Any, targets: Any,
             outs.append(out)
     if not outputs:
         return loss
-    merged = merged_outputs(outs, rows)
+    merged = merged_outputs(outs, batch_rows(named, targets, pipe.batch_dim, pipe.replicated))
     return (loss, merged) if with_loss else merged
 
 
 def merged_outputs(outputs: list[Any], rows: int) -> Any:
-    """The whole batch's model outputs from each micro-batch's (as the ranks merge theirs)."""
+    """The whole batch's model outputs (of ``rows`` rows) from each micro-batch's (as the
+    ranks merge theirs)."""
     _, spec = pytree.tree_flatten(outputs[0])
-    shares = [keep(m, 0, rows // len(outputs), 0, pytree.tree_flatten(out)[0])
-              for m, out in enumerate(outputs)]
+    shares = [keep(m, 0, size, 0, pytree.tree_flatten(out)[0])
+              for m, (out, size) in enumerate(zip(outputs, micro_sizes(rows, len(outputs)),
+                                                  strict=True))]
     return merge(shares, lambda leaves: pytree.tree_unflatten(leaves, spec))

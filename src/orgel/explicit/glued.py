@@ -242,9 +242,8 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         self._check_batch(named, targets, "pipe.step")  # sizes the graphs cannot take
         parts = split_microbatches(named, targets, self.pieces, self.batch_dim,
                                    self.replicated)
-        mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
         self._weights = batch_weights(self.loss_rule, [p for p, _ in parts],
-                                      [t for _, t in parts], 1, self.batch_dim, mb_rows)
+                                      [t for _, t in parts], 1, self.batch_dim, self.replicated)
         if not self._warm:
             self._warm_up(parts[0][0])
         stand_ins = placeholders({n: t for n, t in named.items() if n in self._input_names})

@@ -218,7 +218,7 @@ def shape_check(workload: Workload, split: Any, plan: Plan) -> Any:
     from orgel.graph.sizes import batch_check
 
     return batch_check(split.shapes, plan.microbatches, len(plan.placement[0]),
-                       workload.batch_dim, workload.replicated)
+                       workload.batch_dim, workload.replicated, plan.row_unit)
 
 
 # -- the seams to capture, planning and split -------------------------------------------------

@@ -410,19 +410,20 @@ def size_values(sizes: dict[str, tuple[str, int]], named: dict[str, Any]) -> dic
 
 
 def batch_check(shapes: Shapes | None, microbatches: int, replicas: int, batch_dim: Any,
-                replicated: tuple[str, ...] = ()) -> Any:
+                replicated: tuple[str, ...] = (), unit: int = 1) -> Any:
     """``check(named, targets)``: raise in the caller, before any rank starts a step, for a
-    batch whose micro-batches (each replica's share of one) the graph does not take."""
+    batch whose micro-batches (each replica's share of one; cut in ``unit`` rows) the graph
+    does not take."""
     from orgel.batching import batch_rows, dim_of, share, split_microbatches
 
     def check(named: dict[str, Any], targets: Any) -> None:
-        parts = split_microbatches(named, targets, microbatches, batch_dim, replicated)
-        first, first_targets = parts[0]
-        if replicas > 1:
-            rows = batch_rows(first, first_targets, batch_dim, replicated)
-            first = {k: v if k in replicated else share(v, 0, replicas, dim_of(batch_dim, k),
-                                                          rows) for k, v in first.items()}
-        if shapes is not None:
-            shapes.check(first, "micro-batch" if replicas == 1 else "replica's micro-batch")
+        parts = split_microbatches(named, targets, microbatches, batch_dim, replicated, unit)
+        for mb, mb_targets in (parts[0], parts[-1]):  # (a smaller last batch's two sizes)
+            if replicas > 1:
+                rows = batch_rows(mb, mb_targets, batch_dim, replicated)
+                mb = {k: v if k in replicated else share(v, 0, replicas, dim_of(batch_dim, k),
+                                                         rows) for k, v in mb.items()}
+            if shapes is not None:
+                shapes.check(mb, "micro-batch" if replicas == 1 else "replica's micro-batch")
 
     return check

@@ -328,12 +328,12 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         self.loop.begin()
         self.sharding.begin()
         self._final = self.loop.final  # this call reduces, clips and steps
-        first = self._take_batch(inputs, targets)
+        self._take_batch(inputs, targets)
         signature = _signature(inputs)
         exchange = self.dynamic_shapes or signature != self._signature
         if exchange and self._signature is not None and not self.dynamic_shapes:
-            known = message_shapes(self.plan, self.split, self.comm, self.rank, first,
-                                   reach_flags=self.reach_flags)
+            known = message_shapes(self.plan, self.split, self.comm, self.rank,
+                                   self._inputs, reach_flags=self.reach_flags)
             if known is not None:  # every rank computes them alike: no exchange
                 self.transport.set_shapes(known)
                 exchange = False

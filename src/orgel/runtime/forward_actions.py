@@ -83,14 +83,15 @@ class ForwardActions:
         """
         parts = split_microbatches({k: move(v, self.device) for k, v in inputs.items()},
                                    move(targets, self.device), self.plan.microbatches,
-                                   self.batch_dim, self.replicated)
+                                   self.batch_dim, self.replicated, self.plan.row_unit)
         self._inputs = [p for p, _ in parts]
         self._fetched = set()
         self._targets = [t for _, t in parts]
-        self._mb_rows = batch_rows(parts[0][0], parts[0][1], self.batch_dim, self.replicated)
+        # each micro-batch's rows (a smaller last batch's differ)
+        self._mb_rows = [batch_rows(p, t, self.batch_dim, self.replicated) for p, t in parts]
         self._weights = batch_weights(self.loss_rule, self._inputs, self._targets,
                                       len(self.plan.placement[self.split.loss_stage]),
-                                      self.batch_dim, self._mb_rows)
+                                      self.batch_dim, self.replicated)
         return parts[0][0]
 
     def _forward(self, a: Action) -> None:
@@ -119,8 +120,7 @@ class ForwardActions:
                 leaves[v.name] = t.detach().requires_grad_(self.training
                                                            and self._carries_grad(v.name, t))
         stage = info.stage
-        mb = self._inputs[m]
-        args = [leaves[n] if n in leaves else self._model_input(info, mb, n)
+        args = [leaves[n] if n in leaves else self._model_input(info, m, n)
                 for n in stage.inputs]
         run = Run(args, leaves, ())
         if info.recompute and stage.written:
@@ -132,15 +132,17 @@ class ForwardActions:
             self._loss = self._loss + run.loss.detach()
         self._runs[(a.stage, m)] = run
 
-    def _model_input(self, info: StageInfo, mb: dict[str, Any], name: str) -> Any:
-        """This replica's share of model input ``name``, or a size of one (symbolic capture)."""
+    def _model_input(self, info: StageInfo, m: int, name: str) -> Any:
+        """This replica's share of micro-batch ``m``'s model input ``name``, or a size of one
+        (symbolic capture)."""
         size = info.stage.sizes.get(name)
         if size is not None:  # each rank reads the size off the micro-batch, no message
-            return int(self._model_input(info, mb, size[0]).shape[size[1]])
+            return int(self._model_input(info, m, size[0]).shape[size[1]])
+        mb = self._inputs[m]
         if name in self.replicated:
             return mb[name]
         return share(mb[name], info.replica, info.replicas, dim_of(self.batch_dim, name),
-                     self._mb_rows)
+                     self._mb_rows[m])
 
     def _draws(self, stage: int, m: int) -> Any:
         """The random stream of stage ``stage``'s forward on micro-batch ``m`` this step."""
@@ -167,12 +169,12 @@ class ForwardActions:
         model_outs = [outputs[info.out_index[n]] for n in self.split.output_names]
         if self.kept is not None and self.member == 0:  # asked for: a copy on the CPU (a
             # recompute replaces it); tensor parallel: every member holds them, member 0 keeps
-            start, stop = replica_rows(self._mb_rows, info.replica, info.replicas)
+            start, stop = replica_rows(self._mb_rows[m], info.replica, info.replicas)
             self.kept[m] = keep(m, info.replica, stop - start, self.act_dim, model_outs)
         if not self.with_loss:
             return outputs, None
         targets = share(self._targets[m], info.replica, info.replicas,
-                        dim_of(self.batch_dim, TARGETS), self._mb_rows)
+                        dim_of(self.batch_dim, TARGETS), self._mb_rows[m])
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
         if self.check_finite and not bool(torch.isfinite(loss).all()):
             raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} "

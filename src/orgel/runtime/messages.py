@@ -43,27 +43,32 @@ def reach_mask(names: list[str], unreached: set[str], device: torch.device) -> t
 
 
 def message_shapes(plan: Plan, split: SplitModel, comm: CommPlan, rank: int,
-                   first: dict[str, Any], *, reach_flags: bool = False,
+                   inputs: list[dict[str, Any]], *, reach_flags: bool = False,
                    ) -> dict[int, list[tuple[tuple[int, ...], torch.dtype]]] | None:
-    """Rank ``rank``'s incoming messages' shapes for micro-batches like ``first``, from the
-    values' shapes in the size symbols (symbolic capture); None where they are unknown
-    (then the ranks exchange them). The same answer on every rank: all or none.
+    """Rank ``rank``'s incoming messages' shapes for the micro-batches of ``inputs`` (each
+    one's model inputs: a smaller last batch's micro-batches differ), from the values'
+    shapes in the size symbols (symbolic capture); None where they are unknown (then the
+    ranks exchange them). The same answer on every rank: all or none.
     ``reach_flags``: each gradient message ends with its :func:`reach_mask`."""
     from orgel.graph.sizes import evaluate_shape
 
     shapes, known = split.shapes, split.value_shapes
     if shapes is None or not known or any(len(r) > 1 for r in plan.placement):
         return None
-    values: dict[Any, int] = {}
-    for name, dims in shapes.inputs.items():
-        t = first.get(name)
-        for d, sym in enumerate(dims):
-            if isinstance(sym, str):
-                if not isinstance(t, torch.Tensor) or sym not in shapes.symbols:
-                    return None
-                values[shapes.symbols[sym]] = int(t.shape[d])
+    by_microbatch: list[dict[Any, int]] = []
+    for mb in inputs:
+        values: dict[Any, int] = {}
+        for name, dims in shapes.inputs.items():
+            t = mb.get(name)
+            for d, sym in enumerate(dims):
+                if isinstance(sym, str):
+                    if not isinstance(t, torch.Tensor) or sym not in shapes.symbols:
+                        return None
+                    values[shapes.symbols[sym]] = int(t.shape[d])
+        by_microbatch.append(values)
     out: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
     for i, msg in enumerate(comm.messages):
+        values = by_microbatch[msg.microbatch]
         specs = []
         for v in plan.stage_graph.edges[msg.edge].values:
             if v.name not in known:

@@ -15,6 +15,7 @@ Conventions used everywhere in orgel:
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +196,13 @@ class Plan:
     def world_size(self) -> int:
         """Processes the plan runs on: ``num_ranks`` pipeline ranks of ``tp`` each."""
         return self.num_ranks * self.tp
+
+    @property
+    def row_unit(self) -> int:
+        """The rows every micro-batch's size is a multiple of: the least common multiple of
+        the stages' replica counts (each replica takes an equal share of a micro-batch;
+        :func:`orgel.batching.micro_sizes`)."""
+        return math.lcm(*(len(r) for r in self.placement)) if self.placement else 1
 
     def processes_of(self, rank: int) -> list[int]:
         """The processes of pipeline rank ``rank``: ``rank * tp + t`` for each member ``t``."""

@@ -204,12 +204,14 @@ class Backend(RunningPipeline, FindsGraphs):
 
     def _follow(self, closure: Callable[..., Any], batch: tuple[Any, ...]) -> Any:
         if self.pipe is None:  # the graphs found here too; the batch trained is process 0's
-            pieces, _ = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated)
+            pieces, _ = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated,
+                                    self.dp)
             self._find_graphs(closure, pieces)
         return self.pipe._follow("step")
 
     def _step(self, closure: Callable[..., Any], batch: tuple[Any, ...]) -> list[Any]:
-        pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated)
+        pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated,
+                                   self.dp)
         if self.pipe is None:  # the first step: find the graphs, start the ranks
             self._find_graphs(closure, pieces)
         return self.pipe.step_closures(closure, pieces, rows)

@@ -26,16 +26,19 @@ def check_cutting(microbatches: Any, dp: Any, batch_dim: Any, replicated: Any) -
     return positions
 
 
-def slice_batch(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[int, ...] = ()
-           ) -> tuple[list[list[Any]], int]:
+def slice_batch(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[int, ...] = (),
+                dp: int = 1) -> tuple[list[list[Any]], int]:
     """``step``'s arguments cut into ``m`` micro-batches, and the batch size.
 
     The workload's one rule (:func:`orgel.batching.split_microbatches`): along ``dim``,
     what has the batch size is cut; the arguments at the positions ``replicated`` and
     those without the dimension go whole to every micro-batch. With nothing to cut,
-    every closure gets the arguments whole and the batch size is ``m``.
+    every closure gets the arguments whole and the batch size is ``m``. ``dp``: the
+    ranks' replicas, ``dp`` closures side by side per micro-batch of theirs, which the
+    batch must fill in whole rows each (a batch of fewer rows than ``m``, or no multiple
+    of ``dp`` rows, is refused).
     """
-    from orgel.batching import batch_rows, split_microbatches
+    from orgel.batching import batch_rows, micro_sizes, split_microbatches
     from orgel.workload import WorkloadError
 
     beyond = [i for i in replicated if i >= len(batch)]
@@ -50,6 +53,7 @@ def slice_batch(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[
         return [list(batch) for _ in range(m)], m
     try:
         rows = batch_rows(named, None, dim, whole)
+        micro_sizes(rows, m // dp, dp)  # the ranks' cut (dp closures each) agrees with this one
         parts = split_microbatches(named, None, m, dim, whole)
     except WorkloadError as exc:
         raise WorkloadError(

@@ -112,7 +112,7 @@ class SurrogateLoss:
 
     def __init__(self, inbox: RankInbox) -> None:
         self.inbox = inbox
-        self.divisor = 1.0  # set to the executor's loss divisor once it exists
+        self.divisor = 1.0  # (accumulate: the controller's 1/k, undone here)
         self.microbatch = 0
         self._grads: dict[int, list[torch.Tensor | None] | None] = {}
 
@@ -200,7 +200,9 @@ class ClosureEngine(RankEngine):
         # the loss is the controller's: which values a gradient reaches shows only as it runs
         self.executor.reach_flags = True
         self.executor.on_microbatch = self._at_microbatch
-        self.surrogate.divisor = float(self.executor.loss_divisor)
+        # the controller weighed each micro-batch's loss (its share of the batch's rows or
+        # labels): the loss stage weighs its surrogate 1 ("sum"), whatever the pieces' sizes
+        self.executor.loss_rule = "sum"
         # under loss scaling the controller scaled the gradients it sends: not again here
         self.executor.scale_seed = False
         self.exchange: glue.RankExchange | None = None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from orgel.batching import batch_rows, check_batch, split_microbatches
+from orgel.batching import check_batch, split_microbatches
 from orgel.launch.errors import StepError, WorkerError, step_error
 from orgel.lossweights import batch_weights
 from orgel.precision import check_around
@@ -149,8 +149,8 @@ class Pipeline(StepCount):
         rows, such as a 0-dim tensor: a list per micro-batch). Under torchrun every
         rank gets them. Nothing is sent when they are not asked for.
 
-        A batch the pipeline cannot take (other input names, dtypes, a batch size
-        the micro-batches do not divide, targets of another batch size) raises
+        A batch the pipeline cannot take (other input names, dtypes, fewer rows than
+        micro-batches, targets of another batch size) raises
         :class:`~orgel.workload.WorkloadError` here before any rank sees it. An error
         a rank's work raises for the data's own reason (a target out of range in
         the loss) raises :class:`~orgel.launch.errors.StepError`: every rank dropped
@@ -271,15 +271,14 @@ class Pipeline(StepCount):
 
             check_batch((given(named_inputs(w.model, w.inputs)), example_targets),
                         (given(named), targets), self.plan.microbatches, w.batch_dim,
-                        w.replicated)
+                        w.replicated, self.plan.row_unit)
         if self.check_sizes is not None:  # sizes the stages cannot take (orgel.graph.sizes)
             self.check_sizes(named, targets)
         if w is not None and self.loss_rule in ("items", "shifted"):  # a piece of no label
             parts = split_microbatches(named, targets, self.plan.microbatches, w.batch_dim,
-                                       w.replicated)
-            rows = batch_rows(parts[0][0], parts[0][1], w.batch_dim, w.replicated)
+                                       w.replicated, self.plan.row_unit)
             batch_weights(self.loss_rule, [p for p, _ in parts], [t for _, t in parts],
-                          self._loss_replicas, w.batch_dim, rows)
+                          self._loss_replicas, w.batch_dim, w.replicated)
 
     def predicted(self) -> Any:
         """The prediction for this plan (a SimResult: step_time, peak_memory, timeline, ...).
