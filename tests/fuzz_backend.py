@@ -4,8 +4,9 @@
 balanced chain of the backend's own capture, as :func:`fuzzing.make_plan` makes for
 ``orgel.pipeline``) and one recompute policy for every stage, and returns it with a ``step``
 that trains one batch as a user's loop would: the compiled model called in a closure on
-each micro-batch share, ``(loss / shares).backward()`` (``pipe.scale(loss / shares)
-.backward()`` under float16, GradScaler's idiom), ``pipe.step(closure, *batch)``; with
+each micro-batch share, its loss weighed by its share of the batch's rows
+(``loss / shares`` where the batch divides; ``pipe.scale(...)`` under float16, GradScaler's
+idiom) and ``.backward()``, ``pipe.step(closure, *batch)``; with
 ``no_backward``, some step calls' closures skip the backward (``Setup.skips_backward``).
 Its loss is the batch's, as ``orgel.pipeline``'s ``step`` returns it, so both entry
 points are judged against the same one-process run.
@@ -19,6 +20,9 @@ from typing import Any
 import torch
 
 import orgel
+from fuzz_loop import share_weight
+from orgel.batching import batch_rows
+from orgel.lossweights import weigh
 from orgel.workload import named_inputs
 
 
@@ -40,14 +44,18 @@ def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any
 
     def closure(*args: Any) -> float:
         *values, targets = args
+        named = dict(zip(keys, values, strict=True))
         # mixed precision as one process runs it: the forward and the loss under autocast
         # (which computes cross-entropy in float32); precision= alone leaves the loss to the
         # closure
         with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
-            loss = w.loss_fn(compiled(**dict(zip(keys, values, strict=True))), targets)
+            loss = w.loss_fn(compiled(**named), targets)
+        # this piece's part of the batch (a batch that does not divide: tensor_split's cut)
+        weight = share_weight(batch_rows(named, targets, w.batch_dim, w.replicated), w.rows)
         if not setup.skips_backward(calls[0]):  # (an evaluation batch: no backward)
-            pipe.scale(loss / shares).backward()  # accumulate=k: the backend counts each 1/k
-        return float(loss.detach()) / shares
+            # accumulate=k: the backend counts each 1/k
+            pipe.scale(weigh(loss, weight)).backward()
+        return float(weigh(loss.detach(), weight))
 
     calls = [0]  # step calls made
 

@@ -7,6 +7,7 @@ setup's model and batches (:func:`workloads`). ``setup`` is a :class:`fuzzing.Se
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,7 @@ class Workloads:
     batch_dim: int = 0
     replicated: tuple[str, ...] = ()
     batches: list[tuple[Any, Any]] = field(default_factory=list)
+    rows: int = 0  # the rows of each batch in ``batches``
 
 
 def build(model: str, *, batch_size: int, seed: int) -> ZooWorkload:
@@ -125,19 +127,23 @@ def build(model: str, *, batch_size: int, seed: int) -> ZooWorkload:
 def workloads(setup: Setup) -> Workloads:
     """The model with values, its example batch, and one batch per step call (rows
     shuffled per call; with ``shape="rows"`` one more row per share than the example,
-    with ``"seq"`` the first half of each sequence)."""
+    with ``"uneven"`` one more row per replica than the example (a DataLoader's batch
+    that does not divide into the micro-batches: the first ones get a row more), with
+    ``"seq"`` the first half of each sequence)."""
     w = build(setup.model, batch_size=setup.batch, seed=setup.seed)
     freeze(setup, w.model)
     dim = fuzz_models.BATCH_DIM.get(setup.model, 0)
     whole = fuzz_models.REPLICATED.get(setup.model, ())
     out = Workloads(w.model, w.inputs, w.targets, w.loss_fn, dim, whole)
     inputs, targets, rows = w.inputs, w.targets, setup.batch
-    if setup.shape == "rows":
-        rows = (setup.rows + 1) * setup.microbatches * setup.dp
+    if setup.shape in ("rows", "uneven"):
+        rows = ((setup.rows + 1) * setup.microbatches * setup.dp if setup.shape == "rows"
+                else setup.batch + setup.dp)
         other = build(setup.model, batch_size=rows, seed=setup.seed + 10)
         inputs, targets = other.inputs, other.targets
     elif setup.shape == "seq":
         inputs, targets = _half_sequence(inputs), _half_sequence(targets)
+    out.rows = rows
     for call in range(STEPS * setup.accumulate):
         order = torch.randperm(rows, generator=torch.Generator().manual_seed(call))
         out.batches.append((_rows(inputs, order, dim, whole), _rows(targets, order, dim)))
@@ -162,11 +168,19 @@ def _rows(value: Any, order: torch.Tensor, dim: int = 0, whole: tuple[str, ...] 
     return tuple(_rows(v, order, dim) for v in value)
 
 
+def share_weight(rows: int, total: int) -> tuple[int, int]:
+    """A share of ``rows`` rows of a batch of ``total``: its weight, in lowest terms (the
+    batch's mean loss is the sum of the shares' means so weighed)."""
+    g = math.gcd(rows, total)
+    return rows // g, total // g
+
+
 def _pieces(value: Any, n: int, dim: int = 0, whole: tuple[str, ...] = ()) -> list[Any]:
-    """``value`` cut into ``n`` equal contiguous parts along ``dim`` (dicts, tuples alike);
-    a dict's inputs named in ``whole`` go to every part as they are."""
+    """``value`` cut into ``n`` contiguous parts along ``dim`` as ``torch.tensor_split`` cuts
+    it (dicts, tuples alike); a dict's inputs named in ``whole`` go to every part as they
+    are."""
     if isinstance(value, torch.Tensor):
-        return list(value.chunk(n, dim))
+        return list(value.tensor_split(n, dim))
     if isinstance(value, dict):
         parts = {k: [v] * n if k in whole else _pieces(v, n, dim) for k, v in value.items()}
         return [{k: parts[k][i] for k in parts} for i in range(n)]

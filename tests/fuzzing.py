@@ -59,15 +59,18 @@ from fuzz_loop import (
     init_as_documented,
     make_optimizer,
     rate,
+    share_weight,
     warmup,
     workloads,
 )
 from fuzz_verdict import Result, Verdict, compare
+from orgel.batching import micro_sizes
 from orgel.explicit.fallback import GlueError
 from orgel.graph import capture
 from orgel.graph.sizes import ShapeError
 from orgel.launch.errors import WorkerError
 from orgel.launch.processes import under_torchrun
+from orgel.lossweights import weigh
 from orgel.plan.balanced import LOOPED, balanced_plan
 from orgel.plan.transforms import mark_sharded, with_recompute
 from orgel.precision import autocast_dtype
@@ -127,7 +130,7 @@ class Setup:
     max_grad_norm: float | None = None
     accumulate: int = 1
     meta: str = "none"  # none, weights, init
-    shape: str = "same"  # the steps' batches: same as the example, more rows, half the seq
+    shape: str = "same"  # the steps' batches: as the example, more rows, uneven, half the seq
     seed: int = 0
     entry: str = "pipeline"  # pipeline, backend (torch.compile(backend=orgel.backend)),
     # or either in a torchrun job: torchrun (orgel.pipeline), backend-torchrun
@@ -212,7 +215,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
         max_grad_norm=pick("max_grad_norm", (None, 0.01, 1e3)),
         accumulate=pick("accumulate", (1, 2)),
         meta=meta,
-        shape=pick("shape", ("same", "rows", "seq") if model in SEQUENCE else ("same", "rows")),
+        shape=pick("shape", ("same", "rows", "uneven") + (("seq",) if model in SEQUENCE else ())),
         seed=pick("seed", (0, 1, 2)), entry=entry,
     )
     if tp > 1:  # drawn last: the draws before it are as they were for every seed
@@ -419,6 +422,9 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
     shares = setup.microbatches * setup.dp
     cut = (w.batch_dim, w.replicated)  # how the inputs are cut into shares
     replicas = ReplicaBuffers(model, setup.dp)
+    # each share's weight: its rows' part of the batch (one more row for the first ones
+    # where the batch does not divide, shape="uneven"; 1/shares where it does)
+    weights = [share_weight(r, w.rows) for r in micro_sizes(w.rows, shares)]
     losses, lrs, norms = [], [], []
     steps = 0
     for call, (inputs, targets) in enumerate(w.batches):
@@ -433,8 +439,8 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
                                                            enabled=cast is not None):
                 loss = w.loss_fn(zoo.call(model, x), y)
             if not setup.skips_backward(call):
-                scaler.scale(loss / (shares * setup.accumulate)).backward()
-            total += float(loss.detach()) / shares
+                scaler.scale(weigh(loss, weights[i]) / setup.accumulate).backward()
+            total += float(weigh(loss.detach(), weights[i]))
         replicas.average()
         losses.append(total)
         if (call + 1) % setup.accumulate:
@@ -458,10 +464,11 @@ def run_reference(setup: Setup, dtype: torch.dtype = torch.float32) -> Result:
     with torch.no_grad():
         inputs, targets = w.batches[0]
         evaluated = 0.0
-        for x, y in zip(_pieces(_to(inputs, dtype), shares, *cut),
-                        _pieces(_to(targets, dtype), shares, w.batch_dim), strict=True):
+        for i, (x, y) in enumerate(zip(_pieces(_to(inputs, dtype), shares, *cut),
+                                       _pieces(_to(targets, dtype), shares, w.batch_dim),
+                                       strict=True)):
             with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
-                evaluated += float(w.loss_fn(zoo.call(model, x), y)) / shares
+                evaluated += float(weigh(w.loss_fn(zoo.call(model, x), y), weights[i]))
     result = Result(losses, lrs, norms, {}, {}, keys=list(state),
                     params={names[n] for n, _ in model.named_parameters()}, evaluated=evaluated)
     for n, t in state.items():
