@@ -101,6 +101,21 @@ def _assert_state(state: dict[str, torch.Tensor], model: nn.Module) -> None:
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_torch_compiled_model_trains_as_the_module_it_wraps() -> None:
+    """``orgel.pipeline(torch.compile(model), ...)``, as a user who compiles first writes
+    it: the module it wraps is the one trained (it failed, asking for keyword inputs);
+    the state has that module's keys (no ``_orig_mod.``) and ``copy_to`` writes into it."""
+    torch._dynamo.reset()
+    model = _net()
+    with _start(torch.compile(model)) as pipe:
+        losses = [pipe.step(*_batch(s)) for s in range(2)]
+        reference, ref_losses = _reference([0, 1])
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        _assert_state(pipe.state_dict(), reference)
+        assert pipe.copy_to() is model
+    _assert_state(model.state_dict(), reference)
+
+
 def test_state_dict_copy_to_and_export_carry_exactly_the_models_keys(tmp_path: Path) -> None:
     model = _net()
     before = copy.deepcopy(model.state_dict())

@@ -56,6 +56,20 @@ class Workload:
     #: captured in; ``loss_fn`` is expected to apply it already (see ``with_precision``)
     precision: str = "32"
 
+    def __post_init__(self) -> None:
+        self.model = plain_module(self.model)
+
+
+def plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile``'d model wraps (``OptimizedModule._orig_mod``), else
+    ``model``: orgel captures the model itself (``compile=True`` compiles each stage), and
+    names its state as the module's own (no ``_orig_mod.`` prefix), as
+    ``model.state_dict()`` of the model before compiling does."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")  # (no compiled model without it)
+    if frames is not None and isinstance(model, frames.OptimizedModule):
+        return plain_module(model._orig_mod)
+    return model
+
 
 def model_loss(outputs: Any, targets: Any = None) -> torch.Tensor:
     """The model's own loss: ``outputs.loss`` (or ``outputs["loss"]``), the ``loss_fn``

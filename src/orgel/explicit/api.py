@@ -52,7 +52,13 @@ from orgel.split.materialize import Init, WeightsArg
 from orgel.worker.engine import OptimizerFactory
 from orgel.worker.pipe import Pipeline
 from orgel.worker.state import model_aliases
-from orgel.workload import Workload, model_loss, validate_workload, with_precision
+from orgel.workload import (
+    Workload,
+    model_loss,
+    plain_module,
+    validate_workload,
+    with_precision,
+)
 
 __all__ = ["Pipeline", "load", "pipeline"]
 
@@ -100,7 +106,9 @@ def pipeline(
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
 
-    ``inputs``/``targets`` are one example batch (``inputs`` a tuple of
+    ``model`` may be a ``torch.compile``'d module: orgel takes the module it wraps (it
+    captures the model itself; ``compile=True`` compiles each stage), and names the state
+    as that module does. ``inputs``/``targets`` are one example batch (``inputs`` a tuple of
     positional tensors or a dict of keyword tensors, such as a Hugging Face batch
     ``{input_ids, attention_mask, labels}`` as a ``DataLoader`` gives it); ``loss_fn(outputs,
     targets)`` returns the batch's loss (a mean over rows or over the labels that are not
@@ -223,6 +231,7 @@ def pipeline(
     """
     from orgel.flow.options import check_options, refuse
 
+    model = plain_module(model)  # a torch.compile'd model: the module it wraps
     check_options(ranks, microbatches, optimizer, memory, dp, plan, schedule)
     check_shard_option(shard, dp)
     recompute = check_policy(recompute)
