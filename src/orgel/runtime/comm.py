@@ -70,8 +70,8 @@ MEMBER_FAILED_KEY = "orgel/member-failed/{instance}/{count}/{process}"
 #: How long such a member waits for its partners' keys (seconds): members that raise at
 #: the same action (the same data) do so within the compute between two collectives.
 MEMBERS_AGREE_S = 3.0
-#: How often a wait on the store looks at the abort flag (seconds).
-ABORT_POLL_S = 0.25
+#: The longest pause between two looks at the store while waiting for a key (seconds).
+POLL_S = 0.02
 
 
 class PeerAborted(RuntimeError):
@@ -223,23 +223,24 @@ class Transport:
         return f"orgel/shape/{self.instance}/{self.epoch}/{i}"
 
     def _wait_key(self, key: str) -> None:
-        """Wait for ``key`` in the store, in slices: a failed rank's abort flag ends it early.
+        """Wait for ``key`` in the store, looking at this plan's abort flag
+        (:data:`ABORT_KEY`) too: a failed rank's flag ends the wait early.
 
-        A store wait does not see a peer die (the store lives on rank 0, not on
-        the peer), so each slice also checks this plan's abort flag (:data:`ABORT_KEY`).
+        A store wait does not see a peer die (the store lives on rank 0, not on the peer),
+        so the wait looks at both keys in turn, at most :data:`POLL_S` apart (not with
+        ``store.wait`` in slices: torch logs a warning to stderr for every slice that ends
+        without the key, "likely a timeout", on a wait as ordinary as a slower peer's).
         """
         deadline = time.monotonic() + self.timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self.store.wait([key], timedelta(seconds=max(0.001, min(ABORT_POLL_S, left))))
-                return
-            except Exception:
-                abort = ABORT_KEY.format(instance=self.instance)
-                if self.store.check([abort]):
-                    raise PeerAborted(self.store.get(abort).decode(errors="replace")) from None
-                if left <= ABORT_POLL_S:
-                    raise
+        abort = ABORT_KEY.format(instance=self.instance)
+        pause = 0.0005
+        while not self.store.check([key]):
+            if self.store.check([abort]):
+                raise PeerAborted(self.store.get(abort).decode(errors="replace"))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {self.timeout:g} s waiting for {key}")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
 
     def announce_failure(self, message: str) -> None:
         """Set this plan's abort flag to ``message`` unless a first failure already did.
