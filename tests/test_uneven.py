@@ -159,3 +159,24 @@ def test_orgel_backend_gives_its_closures_a_smaller_last_batch_cut_as_tensor_spl
     finally:
         pipe.close()
     _compare(state, model)
+
+
+@pytest.mark.slow
+def test_a_validation_loop_evaluates_every_batch_the_last_one_smaller() -> None:
+    """``pipe.evaluate`` over the same DataLoader (8, 8 and 6 rows), with and without the
+    outputs, against one process in eval mode. Two passes at one size, then another size,
+    failed before on rank 1 with the shapes of an earlier pass: the first rank, which
+    receives nothing in a forward-only pass, counted a shape exchange at every pass."""
+    w = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
+    model = copy.deepcopy(w.model).eval()
+    tokens, targets = next(iter(_data()))
+    with orgel.pipeline(w.model, (tokens,), targets, w.loss_fn, ranks=2, microbatches=4,
+                        schedule="1f1b", threads=1) as pipe:
+        for tokens, targets in _data():
+            with torch.no_grad():
+                logits = model(tokens)
+                ref = w.loss_fn(logits, targets).item()
+            assert pipe.evaluate(tokens, targets) == pytest.approx(ref, rel=1e-5)
+            loss, out = pipe.evaluate(tokens, targets, outputs=True)
+            assert loss == pytest.approx(ref, rel=1e-5)
+            torch.testing.assert_close(out, logits, rtol=1e-5, atol=1e-5)

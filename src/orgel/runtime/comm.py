@@ -172,8 +172,13 @@ class Transport:
                 self.buffers.pop(i, None)
 
     def begin(self, *, exchange_shapes: bool) -> None:
-        """Start a step; ``exchange_shapes`` publishes/reads shapes through the store."""
-        self.exchange = exchange_shapes or not self.shapes
+        """Start a step; ``exchange_shapes`` publishes/reads shapes through the store.
+
+        The first step exchanges them too. Every rank decides alike (the shape keys are
+        numbered by the exchanges made): not by whether it knows shapes, which a rank
+        that receives nothing (the first rank of a forward-only pass) never does.
+        """
+        self.exchange = exchange_shapes or self.epoch == 0
         if self.exchange:
             self.epoch += 1
         self.posted, self.posted_buffers = {}, {}
