@@ -121,16 +121,17 @@ class Reported(RuntimeError):
         return Reported, (self.report,)
 
 
-def step_error(rank: int, report: tuple[str, str]) -> StepError:
-    """The caller's :class:`StepError` for the step rank ``rank`` failed (``report``:
-    its :func:`describe` line and traceback)."""
+def step_error(rank: int, report: tuple[str, str], call: str = "step") -> StepError:
+    """The caller's :class:`StepError` for the ``call`` (``"step"`` or ``"evaluate"``) rank
+    ``rank`` failed in (``report``: its :func:`describe` line and traceback)."""
     line, tb = report
-    text = f"rank {rank} failed in step: {line}"
+    text = f"rank {rank} failed in {call}: {line}"
     if tb:
         text += "\n" + tb.rstrip()
-    return StepError(text + "\nEvery rank dropped this step (no parameter or optimizer state "
-                     "changed): the pipeline is still usable; fix or skip this batch and "
-                     "train on", rank, report)
+    what = "step" if call == "step" else "pass"
+    return StepError(text + f"\nEvery rank dropped this {what} (no parameter or optimizer "
+                     "state changed): the pipeline is still usable; fix or skip this batch "
+                     "and go on", rank, report)
 
 
 def is_comm_error(exc: BaseException) -> bool:

@@ -206,9 +206,9 @@ class Pipeline(StepCount):
         loss = targets is not None or not outputs
         if self.spmd and not outputs:  # the loss is reduced to every rank: nothing to gather
             return kept_results([self._ranks.engine.evaluate(named, targets, loss=True,
-                                                      outputs=False)])[0][0]
+                                                             outputs=False)], "evaluate")[0][0]
         results = kept_results(self._ranks.call("evaluate", named, targets, loss=loss,
-                                         outputs=outputs))
+                                                outputs=outputs), "evaluate")
         value = results[self._loss_rank][0]
         if not outputs:
             return value
@@ -482,12 +482,13 @@ class Pipeline(StepCount):
         self.close()
 
 
-def kept_results(results: list[Any]) -> list[Any]:
-    """The ranks' results of a step (one under torchrun, by rank in local spawn); raise
-    :class:`~orgel.launch.errors.StepError` in the caller when every rank dropped it."""
+def kept_results(results: list[Any], call: str = "step") -> list[Any]:
+    """The ranks' results of a ``call`` (``"step"``, ``"evaluate"``; one under torchrun, by
+    rank in local spawn); raise :class:`~orgel.launch.errors.StepError` in the caller when
+    every rank dropped it."""
     dropped = [r for r in results if isinstance(r, Dropped)]
     if dropped:
-        raise step_error(dropped[0].rank, dropped[0].report)
+        raise step_error(dropped[0].rank, dropped[0].report, call)
     return results
 
 
