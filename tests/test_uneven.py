@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import orgel
+from orgel.graph.sizes import ShapeError
 from orgel.models import build
 from orgel.workload import WorkloadError
 
@@ -180,3 +181,22 @@ def test_a_validation_loop_evaluates_every_batch_the_last_one_smaller() -> None:
             loss, out = pipe.evaluate(tokens, targets, outputs=True)
             assert loss == pytest.approx(ref, rel=1e-5)
             torch.testing.assert_close(out, logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_last_batch_whose_cut_the_model_cannot_take_is_refused_saying_why() -> None:
+    """HF Llama refuses a micro-batch of one row (its code guards against it): a last batch
+    of 6 rows in 4 micro-batches (2, 2, 1, 1) raises ShapeError in the caller, naming the
+    cut and ``drop_last=True``; the pipeline trains on."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = next(iter(_data()))[0]
+    with orgel.pipeline(model, {"input_ids": ids, "labels": ids}, ranks=2, microbatches=4,
+                        schedule="1f1b", threads=1) as pipe:
+        with pytest.raises(ShapeError, match=r"take 2, 2, 1, 1 rows.*drop_last=True"):
+            pipe.step({"input_ids": ids[:6], "labels": ids[:6]})
+        pipe.step({"input_ids": ids, "labels": ids})

@@ -414,16 +414,28 @@ def batch_check(shapes: Shapes | None, microbatches: int, replicas: int, batch_d
     """``check(named, targets)``: raise in the caller, before any rank starts a step, for a
     batch whose micro-batches (each replica's share of one; cut in ``unit`` rows) the graph
     does not take."""
-    from orgel.batching import batch_rows, dim_of, share, split_microbatches
+    from orgel.batching import batch_rows, dim_of, micro_sizes, share, split_microbatches
 
     def check(named: dict[str, Any], targets: Any) -> None:
         parts = split_microbatches(named, targets, microbatches, batch_dim, replicated, unit)
         for mb, mb_targets in (parts[0], parts[-1]):  # (a smaller last batch's two sizes)
+            rows = batch_rows(mb, mb_targets, batch_dim, replicated)
             if replicas > 1:
-                rows = batch_rows(mb, mb_targets, batch_dim, replicated)
                 mb = {k: v if k in replicated else share(v, 0, replicas, dim_of(batch_dim, k),
                                                          rows) for k, v in mb.items()}
-            if shapes is not None:
+            if shapes is None:
+                continue
+            try:
                 shapes.check(mb, "micro-batch" if replicas == 1 else "replica's micro-batch")
+            except ShapeError as exc:
+                sizes = micro_sizes(batch_rows(named, targets, batch_dim, replicated),
+                                    microbatches, unit)
+                if len(set(sizes)) == 1:
+                    raise
+                raise ShapeError(
+                    f"{exc} (this batch does not divide into the {microbatches} micro-batches: "
+                    f"they take {', '.join(map(str, sizes))} rows; a DataLoader's smaller last "
+                    "batch: DataLoader(..., drop_last=True), or a batch size whose last batch "
+                    "gives every micro-batch the rows the model needs)") from None
 
     return check
