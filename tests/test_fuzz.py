@@ -92,6 +92,15 @@ def test_backend_calls_without_a_backward_under_accumulate_with_fsdp_change_noth
                          no_backward=True))
 
 
+def test_graph_breaks_after_frozen_layers_do_not_wait_for_gradients_no_rank_sends() -> None:
+    """Found by the fuzzer: a forward with graph breaks whose layers before a break are all
+    frozen (only the head trains) hung until the timeout: the calling process waited for
+    the gradients of the next graph's arguments, which carry none on the ranks (their
+    backward never reaches that exchange). Now it waits only for those the ranks send."""
+    _check(fuzzing.Setup("breaks", ranks=2, dp=1, schedule="1f1b", microbatches=2, rows=2,
+                         frozen="head"))
+
+
 @pytest.mark.hf
 def test_a_meta_hugging_face_gpt2_trains() -> None:
     """Found by the fuzzer: GPT2LMHeadModel built on the meta device failed in

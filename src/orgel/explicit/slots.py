@@ -73,8 +73,12 @@ class GraphCall(torch.autograd.Function):
         slot.backward = True
         pipe._back_unreached(slot, after=ctx.c)
         slot.backed.add(ctx.c)
-        # the arguments' gradients are waited for only where one of them takes one
-        got = pipe._back(slot, ctx.c, sent, ctx.count, any(ctx.needs_input_grad[6:]))
+        # the arguments' gradients are waited for only where one of them takes one, here and
+        # on the ranks (an argument the frozen layers before it made carries none there, and
+        # the ranks' backward does not reach its exchange)
+        carries = pipe.glue.calls[ctx.c].carries or (True,) * ctx.count
+        answer = any(n and k for n, k in zip(ctx.needs_input_grad[6:], carries, strict=True))
+        got = pipe._back(slot, ctx.c, sent, ctx.count, answer)
         return (None, None, None, None, None, None, *got)
 
 

@@ -74,6 +74,9 @@ class Call:
     #: the glue arguments' shapes; with symbolic sizes a dimension may be ``(input, dim)``
     #: (that model input dimension of the micro-batch) or None (any size)
     shapes: list[tuple[Any, ...]] = field(default_factory=list)
+    #: whether each glue argument carries a gradient on the ranks (it required one at
+    #: capture): the ranks send back the gradients of these only (:func:`exchange`'s mask)
+    carries: tuple[bool, ...] = ()
 
     @property
     def glue(self) -> list[int]:
@@ -381,7 +384,7 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
         root.add_module(f"graph{c}", gm)
         values: list[torch.fx.Node] = []
         if c > 0 or call.glue:
-            mask = tuple(bool(t.requires_grad) for t in recorded[c])
+            mask = call.carries = tuple(bool(t.requires_grad) for t in recorded[c])
             node = graph.call_function(exchange, (glue.key, c, mask, anchor, *previous))
             glue.exchanges[c] = node.name
             anchor = graph.call_function(operator.getitem, (node, 0))
