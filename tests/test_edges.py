@@ -21,6 +21,7 @@ from orgel.plan.balanced import balanced_plan
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import NamedParameters
 from orgel.workload import Workload, microbatches
+from side_by_side import train_both
 
 ROWS, M = 8, 2
 FROZEN = "encoder.blocks.0.mlp.fc"  # a layer the forward uses, with requires_grad=False
@@ -96,14 +97,7 @@ def test_frozen_and_unused_parameters_stay_as_one_process_leaves_them(name: str,
     inputs, targets = _batch(0)
     with orgel.pipeline(net, (inputs,), targets, loss_fn, ranks=2, microbatches=M,
                         plan=_plan(net, loss_fn, 2, dp), optimizer=_adamw, threads=1) as pipe:
-        for c in range(2):
-            tokens, targets = _batch(c)
-            loss = pipe.step(tokens, targets)
-            ref = loss_fn(model(tokens), targets)
-            ref.backward()
-            opt.step()
-            opt.zero_grad()
-            assert loss == pytest.approx(ref.item(), rel=1e-5)
+        train_both(pipe, model, loss_fn, opt, map(_batch, range(2)))
         state = pipe.state_dict()
     kept = [f"gpt.{FROZEN}.weight", f"gpt.{FROZEN}.bias", "gpt.unused.weight",
             "gpt.unused.bias", "aux.weight"] + ([] if name == "early" else ["aux.bias"])
@@ -189,14 +183,7 @@ def test_a_forward_with_graph_breaks_leaves_an_early_head_its_loss_ignores_alone
     with orgel.pipeline(net, (inputs,), targets, loss_fn, ranks=2, microbatches=M,
                         schedule="1f1b", optimizer=_adamw, threads=1) as pipe:
         assert "aux.weight" in pipe._split.stages[0].param_names.values()  # on rank 0
-        for c in range(2):
-            tokens, targets = _batch(c)
-            loss = pipe.step(tokens, targets)
-            ref = loss_fn(model(tokens), targets)
-            ref.backward()
-            opt.step()
-            opt.zero_grad()
-            assert loss == pytest.approx(ref.item(), rel=1e-5)
+        train_both(pipe, model, loss_fn, opt, map(_batch, range(2)))
         state = pipe.state_dict()
     assert torch.equal(state["aux.weight"], before["aux.weight"])
     bad = {n: float((state[n] - t).abs().max()) for n, t in model.state_dict().items()

@@ -16,6 +16,7 @@ import orgel
 from orgel.graph.sizes import ShapeError
 from orgel.models import build
 from orgel.workload import WorkloadError
+from side_by_side import train_both
 
 ROWS, LENGTH, VOCAB = 22, 16, 128
 
@@ -54,15 +55,7 @@ def test_a_dataloaders_last_batch_trains_like_one_process(ranks: int, dp: int,
     with orgel.pipeline(w.model, (tokens,), targets, w.loss_fn, ranks=ranks, dp=dp,
                         microbatches=microbatches, schedule="1f1b", optimizer=_adamw,
                         threads=1) as pipe:
-        sizes = []
-        for tokens, targets in _data():
-            sizes.append(len(tokens))
-            loss = pipe.step(tokens, targets)
-            ref = w.loss_fn(model(tokens), targets)
-            ref.backward()
-            opt.step()
-            opt.zero_grad()
-            assert loss == pytest.approx(ref.item(), rel=1e-5)
+        sizes = train_both(pipe, model, w.loss_fn, opt, _data())
         state = pipe.state_dict()
     assert sizes == [8, 8, 6]
     _compare(state, model)
@@ -107,13 +100,7 @@ def test_a_forward_with_graph_breaks_trains_a_smaller_last_batch() -> None:
     tokens, targets = next(iter(_data()))
     with orgel.pipeline(net, (tokens,), targets, w.loss_fn, ranks=2, microbatches=4,
                         schedule="1f1b", optimizer=_adamw, threads=1) as pipe:
-        for tokens, targets in _data():
-            loss = pipe.step(tokens, targets)
-            ref = w.loss_fn(model(tokens), targets)
-            ref.backward()
-            opt.step()
-            opt.zero_grad()
-            assert loss == pytest.approx(ref.item(), rel=1e-5)
+        assert train_both(pipe, model, w.loss_fn, opt, _data()) == [8, 8, 6]
         state = pipe.state_dict()
     _compare({n.removeprefix("gpt."): t for n, t in state.items()}, model.gpt)
 
