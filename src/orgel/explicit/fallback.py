@@ -193,6 +193,7 @@ class Fallback:
         """
         self.check(slot.index, why)
         assert self.dummies is not None
+        slot.leaving = True
         glue, m = pipe.glue, slot.index
         calls = glue.calls
         first = {name: inputs[name].detach() for kind, name in calls[0].roles if kind == "input"}

@@ -300,6 +300,8 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
                 # would otherwise serve a later capture of the same model class
                 forget_compiled(self._compiler)
             self._raise_first(slots)
+            if isinstance(exc, StepError):
+                raise _on_stand_ins(exc, slots) from None
             raise
         self._join(slots, threads[:len(slots)])
         for t in [*threads, ender]:
@@ -308,7 +310,10 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         if any(isinstance(r, Dropped) for r in results):  # every rank dropped the step
             self.pending = 0  # and the gradients accumulated since the last optimizer step
         self._raise_first(slots)  # a micro-batch's own error is the cause, or
-        kept_results(results)  # StepError, a rank's
+        try:
+            kept_results(results)  # StepError, a rank's
+        except StepError as exc:
+            raise _on_stand_ins(exc, slots) from None
         if self.stepping:  # the optimizer stepped: its new values
             self._receive_values()
         self.off_path = [s.index for s in slots if s.off_path]
@@ -460,3 +465,17 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
             raise Deviated(f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; "
                            f"the captured forward ran {len(self.glue.calls)}")
 
+
+def _on_stand_ins(exc: StepError, slots: list[Slot]) -> StepError:
+    """A rank's :class:`StepError` of a step where micro-batches left the captured graphs:
+    the ranks finished their part of those on stand-ins of their sizes, a run that fails
+    where the capture took an int of the model for a size (``exc`` as it is otherwise)."""
+    left = [s.index for s in slots if s.leaving]
+    if not left:
+        return exc
+    return StepError(
+        f"{exc}\n(micro-batches {left} left the captured graphs and ran in the calling "
+        "process while the ranks finished their part on stand-ins of their sizes; where that "
+        "run fails, an int of the model equal to a size of the first batch (a head count "
+        "equal to its micro-batch rows) may have been taken for that size: give the first "
+        "batch sizes that differ from the model's own numbers)", exc.rank, exc.report)

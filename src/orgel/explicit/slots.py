@@ -19,6 +19,7 @@ class Slot:
         self.calls = 0
         self.sent = 0  # captured graph calls whose arguments went to the ranks
         self.off_path = False  # the forward left the captured graphs: it ran here
+        self.leaving = False  # it began to leave them (the ranks finish it on stand-ins)
         #: ``orgel.backend``'s closures: each graph call's graph, arguments, outputs and
         #: autocast, should the micro-batch leave the captured graphs later (see
         #: :meth:`orgel.explicit.closures.ClosurePipeline.graph_call`)
