@@ -70,8 +70,9 @@ MEMBER_FAILED_KEY = "orgel/member-failed/{instance}/{count}/{process}"
 #: How long such a member waits for its partners' keys (seconds): members that raise at
 #: the same action (the same data) do so within the compute between two collectives.
 MEMBERS_AGREE_S = 3.0
-#: The longest pause between two looks at the store while waiting for a key (seconds).
-POLL_S = 0.02
+#: The longest pause between two looks at the store while waiting for a key (seconds): at
+#: most this late after the key arrives (a look is one round trip to the store, ~0.1 ms)
+POLL_S = 0.005
 
 
 class PeerAborted(RuntimeError):
