@@ -419,8 +419,8 @@ def batch_check(shapes: Shapes | None, microbatches: int, replicas: int, batch_d
     def check(named: dict[str, Any], targets: Any) -> None:
         parts = split_microbatches(named, targets, microbatches, batch_dim, replicated, unit)
         for mb, mb_targets in (parts[0], parts[-1]):  # (a smaller last batch's two sizes)
-            rows = batch_rows(mb, mb_targets, batch_dim, replicated)
             if replicas > 1:
+                rows = batch_rows(mb, mb_targets, batch_dim, replicated)
                 mb = {k: v if k in replicated else share(v, 0, replicas, dim_of(batch_dim, k),
                                                          rows) for k, v in mb.items()}
             if shapes is None:

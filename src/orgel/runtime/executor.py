@@ -258,9 +258,8 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
         #: graphs' controller does; the ranks still unscale, skip and update)
         self.scale_seed = True
         self.skipped = False  # the last step's gradients held an inf/NaN: no optimizer step
-        # each piece's share of the batch (orgel.lossweights); "rows": 1 / loss_divisor
+        # each piece's share of the batch (orgel.lossweights)
         self.loss_rule = loss_rule
-        self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])
         self._weights: dict[tuple[int, int], Weight] = {}
         self.dispatch: dict[str, Callable[[Action], None]] = {
             "F": self._forward, "B": self._backward, "I": self._backward, "W": self._weight,

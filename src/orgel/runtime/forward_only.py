@@ -79,7 +79,6 @@ class ForwardOnly(Executor):
                                    nccl=own.nccl)
         if dist.get_backend() == "nccl":  # every rank builds it with its engine: collective
             self.transport.warm_up()
-        self.loss_divisor = plan.microbatches * len(plan.placement[split.loss_stage])
         self.loss_rule, self._weights = executor.loss_rule, {}
         self.dispatch = {"F": self._forward}
         self.reduce_after: dict[int, list[tuple[int, ...]]] = {}
