@@ -1,8 +1,9 @@
 """No process orgel starts outlives the process that started it.
 
-A script that profiles (the profiler's busy companions) or trains (``orgel.pipeline``'s
-forked ranks) is killed with SIGKILL or SIGTERM; within a few seconds no process it
-started is left (found by a marker in their environment, which children inherit).
+A script that profiles (the profiler's busy companions), trains (``orgel.pipeline``'s
+forked ranks) or spawns ranks as ``orgel run`` does (from orgel's fork server) is killed
+with SIGKILL or SIGTERM; within a few seconds no process it started is left (found by a
+marker in their environment, which children inherit).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ elif sys.argv[1] == "links":  # the link benchmark: its ranks (forked, for gloo)
 
     print("ready", flush=True)
     measure_link_samples(2, sizes=(4, 1 << 20), repeats=1_000_000)
+elif sys.argv[1] == "server":  # orgel run's CPU ranks: forked from orgel's fork server
+    from orgel.launch.spawn import spawn
+    from orgel.profile.links import _ping_pong
+
+    print("ready", flush=True)
+    spawn(_ping_pong, 2, "gloo", (4, 1 << 20), 1_000_000, 60.0, context="forkserver")
 else:
     from orgel.plan.balanced import balanced_plan
 
@@ -79,7 +86,7 @@ def _marked(token: str, command: str = "") -> list[int]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
-@pytest.mark.parametrize("phase", ["profile", "links", "train"])
+@pytest.mark.parametrize("phase", ["profile", "links", "train", "server"])
 def test_nothing_outlives_a_killed_script(phase: str, sig: signal.Signals,
                                           tmp_path: Path) -> None:
     token = os.urandom(6).hex()
@@ -92,8 +99,10 @@ def test_nothing_outlives_a_killed_script(phase: str, sig: signal.Signals,
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
-        deadline = time.monotonic() + 60.0  # the benchmark's two ranks: both running
-        while phase == "links" and len([p for p in _marked(token) if p != proc.pid]) < 2:
+        # the benchmark's two ranks both running (and the fork server they came from)
+        wanted = {"links": 2, "server": 3}.get(phase, 0)
+        deadline = time.monotonic() + 60.0
+        while len([p for p in _marked(token) if p != proc.pid]) < wanted:
             assert time.monotonic() < deadline and proc.poll() is None, "no ranks started"
             time.sleep(0.1)
         started = [p for p in _marked(token) if p != proc.pid]

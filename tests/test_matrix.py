@@ -110,9 +110,13 @@ def _torchrun_job(cells: list[str], nproc: int, out: Path) -> None:
              timeout_s=240 * len(cells), pythonpath=[script.parent])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every torchrun cell, run once: two jobs (of 2 and of 4 processes)."""
+    """Every torchrun cell, run once: two jobs (of 2 and of 4 processes).
+
+    Session-scoped: pytest tears a module's fixture down whenever the next test its worker
+    runs is another module's, and pytest-xdist may put one between the group's cells; the
+    jobs (about 200 s) then ran twice (2026-12-05)."""
     out = tmp_path_factory.mktemp("torchrun")
     for nproc in (2, 4):
         cells = [c for c in FEATURES + TORCHRUN_PAIRS if _processes(_features(c)) == nproc]

@@ -159,6 +159,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Plan (or load), validate, spawn, train, print; optionally check against one process."""
     from orgel.graph.opgraph import CaptureError
+    from orgel.launch import forkserver
     from orgel.launch.errors import WorkerError
     from orgel.launch.spawn import spawn
     from orgel.schedule.ir import PlanError
@@ -203,7 +204,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
                             timeout=args.timeout, threads=args.threads,
-                            backend=backend_for(args.device, args.ranks))
+                            backend=backend_for(args.device, args.ranks),
+                            context=("forkserver" if args.device == "cpu" and
+                                     forkserver.available() else "spawn"))
         except WorkerError as exc:
             print(f"orgel run: the workload {args.workload} failed\n{exc}", file=sys.stderr)
             return 1

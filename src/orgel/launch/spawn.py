@@ -29,9 +29,11 @@ def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0
     """Run ``fn(rank, nranks, *args)`` on ``nranks`` fresh local processes; their results.
 
     ``fn`` must be importable (module level) and its arguments and results
-    picklable. ``context="fork"`` starts them as copies of this process instead
-    (no imports to repeat: seconds faster; only for work on the CPU, since a child
-    forked from a process that used CUDA cannot). ``timeout`` (seconds) is the process
+    picklable. ``context="forkserver"`` forks them from orgel's fork server, which has
+    imported torch, orgel and Dynamo once (:mod:`orgel.launch.forkserver`: as fresh,
+    seconds faster to start; for ranks on the CPU). ``context="fork"`` starts them as
+    copies of this process instead (no imports to repeat; only for work on the CPU, since
+    a child forked from a process that used CUDA cannot). ``timeout`` (seconds) is the process
     group's timeout. A failing
     rank stops them all: :class:`~orgel.launch.errors.WorkerError` names the
     root cause. Each rank's stderr is printed, prefixed, once all succeeded.
