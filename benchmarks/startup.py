@@ -13,6 +13,9 @@ repeat has a profile cache (``$ORGEL_CACHE``) of its own, which the runs fill in
 * ``other``: the second model, on the cache the first left (links and host measured);
 * ``again``: each model once more, as every later run of the same script.
 
+``--cli`` times the command ``orgel run examples/gpt.py:workload --ranks 2 --steps 1``
+instead, from its start to its exit (its ranks are fresh processes).
+
 Prints one line per measurement as it is made and a table of medians with the ratio
 before / after; the machine's load average is printed with them.
 """
@@ -26,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,9 +64,18 @@ print(json.dumps({"startup_s": ready}))
 '''
 
 
-def _measure(tree: Path, model: str, cache: Path) -> float:
+def _measure(tree: Path, model: str, cache: Path, cli: bool = False) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree / "src"), "ORGEL_CACHE": str(cache),
            "OMP_NUM_THREADS": "1"}
+    if cli:  # the whole command, as a user waits for it: start, plan, spawn, one step, exit
+        start = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "orgel.cli", "run",
+                              str(ROOT / "examples" / "gpt.py:workload"), "--ranks", "2",
+                              "--microbatches", "4", "--steps", "1"],
+                             env=env, capture_output=True, text=True, timeout=900, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"{tree} orgel run: {out.stderr[-2000:]}")
+        return time.perf_counter() - start
     out = subprocess.run([sys.executable, "-c", CHILD, model, str(ROOT / "examples")],
                          env=env, capture_output=True, text=True, timeout=900, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -76,6 +89,9 @@ def main() -> None:
     parser.add_argument("--before", default="6541a6d", help="git revision to compare with")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--cli", action="store_true",
+                        help="time `orgel run examples/gpt.py:workload --ranks 2 --steps 1` "
+                             "(the whole command) instead of orgel.pipeline")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="orgel-startup-"))
     before = work / "before"
@@ -83,7 +99,7 @@ def main() -> None:
                     args.before], check=True, capture_output=True)
     trees = {"before": before, "after": ROOT}
     times: dict[tuple[str, str, str], list[float]] = {}
-    models = args.models.split(",")
+    models = ["gpt"] if args.cli else args.models.split(",")
     runs = [(m, "first" if i == 0 else "other") for i, m in enumerate(models)]
     runs += [(m, "again") for m in models]
     try:
@@ -91,7 +107,7 @@ def main() -> None:
             for name, tree in trees.items():
                 cache = work / f"cache-{name}-{r}"
                 for model, case in runs:
-                    s = _measure(tree, model, cache)
+                    s = _measure(tree, model, cache, args.cli)
                     times.setdefault((model, case, name), []).append(s)
                     print(f"{model:6s} {case:6s} {name:6s} {s:7.2f} s  "
                           f"(load {os.getloadavg()[0]:.2f})", flush=True)

@@ -87,3 +87,22 @@ def _process_starting_tests_are_marked_slow(request: pytest.FixtureRequest,
     if started:
         pytest.fail(f"{request.node.nodeid} starts {started[0]} but is not marked slow: add "
                     "@pytest.mark.slow (or pytestmark = pytest.mark.slow for the module)")
+
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse ``--dist loadgroup`` where pytest-xdist cannot group: its 3.8 (and earlier)
+    marks a group in a node id that pytest 9 no longer reads, so it silently sends a group's
+    tests to both workers and the work they share runs twice (measured 2026-12-05 under
+    pytest 9.2: the matrix's 200 s of torchrun jobs ran on each worker)."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+    if version(pytest.__version__) >= (9,) and version(xdist.__version__) <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest-xdist {xdist.__version__} does not group tests (--dist loadgroup) under "
+            f"pytest {pytest.__version__}: install pytest<9 (pip install -e '.[dev]' pins it)")

@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -177,12 +178,17 @@ def run(args: argparse.Namespace) -> int:
         args.device = resolve_device(args.device)
     except ValueError as exc:
         return _fail(str(exc))
+    from orgel.launch.processes import under_torchrun
+
+    context = ("forkserver" if args.device == "cpu" and forkserver.available() and
+               not under_torchrun() else "spawn")
     try:
         # the workload's model and loss run here first (a trial step, the capture): what
         # they raise is the user's error, shown by orgel.cli under the workload's name
         with user_code(args.workload,
                        diagnoses=(WorkloadError, PlanError, SplitError, CaptureError)):
-            plan = _prepare(args)
+            # the fork server imports torch, orgel and Dynamo while this process plans
+            plan = _prepare(args, forkserver.start if context == "forkserver" else None)
     except (WorkloadError, PlanError, SplitError, OSError, ValueError) as exc:
         return _fail(str(exc))
     if os.environ.get("RANK", "0") == "0":
@@ -192,8 +198,6 @@ def run(args: argparse.Namespace) -> int:
               f"schedule; stage ranks {[list(r) for r in plan.placement]}; device "
               f"{args.device} ({backend_for(args.device, args.ranks)})")
     start = time.perf_counter()
-    from orgel.launch.processes import under_torchrun
-
     if under_torchrun():
         results = _torchrun_rank(args, plan.to_json())
         if results is None:
@@ -205,8 +209,7 @@ def run(args: argparse.Namespace) -> int:
             results = spawn(rank_main, args.ranks, args.workload, plan.to_json(), vars(args),
                             timeout=args.timeout, threads=args.threads,
                             backend=backend_for(args.device, args.ranks),
-                            context=("forkserver" if args.device == "cpu" and
-                                     forkserver.available() else "spawn"))
+                            context=context)
         except WorkerError as exc:
             print(f"orgel run: the workload {args.workload} failed\n{exc}", file=sys.stderr)
             return 1
@@ -214,8 +217,9 @@ def run(args: argparse.Namespace) -> int:
     return _report(results, plan, args, elapsed)
 
 
-def _prepare(args: argparse.Namespace) -> Any:
+def _prepare(args: argparse.Namespace, ready: Callable[[], None] | None = None) -> Any:
     """Load and check the workload, make (or load) the plan and validate it; the plan.
+    ``ready`` is called once the workload and the arguments passed their checks.
 
     The flow every front end runs (:func:`orgel.flow.prepare.prepare`): capture, plan (a
     FLOP-balanced chain of ``--schedule``, or ``--plan``), split; the ranks prepare again
@@ -236,6 +240,8 @@ def _prepare(args: argparse.Namespace) -> Any:
                              f"process(es): pass --ranks {given.num_ranks * args.tp}")
         replicas(given)
         validate(given)  # an invalid plan never starts a process
+    if ready is not None:
+        ready()
     prepared = _prepare_flow(workload, given, args.ranks // args.tp, vars(args),
                              schedule=None if given else args.schedule)
     validate(prepared.plan)

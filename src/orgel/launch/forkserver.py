@@ -68,6 +68,12 @@ def _running() -> forkserver.ForkServer:
         return _server
 
 
+def start() -> None:
+    """Start orgel's server now (it does not wait for the server's imports): a caller that
+    will spawn ranks later lets it import while it does other work."""
+    _running()
+
+
 def lifeline() -> Lifeline:
     """What a child of the server passes to :func:`orgel.launch.lifeline.tie`: its parent
     is the server (single-threaded, so the kernel's parent-death signal is safe)."""
