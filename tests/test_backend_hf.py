@@ -28,10 +28,17 @@ def _llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def test_a_model_int_equal_to_a_closures_rows_trains_exactly() -> None:
+@pytest.mark.parametrize("before", [False, True], ids=["fresh", "compiled-before"])
+def test_a_model_int_equal_to_a_closures_rows_trains_exactly(before: bool) -> None:
     """Two layers and two rows a closure: ``self.layers[: config.num_hidden_layers]``
     crashed Dynamo with that 2 symbolic; the graphs are found static and train as one
-    process does (two AdamW steps, two micro-batches each)."""
+    process does (two AdamW steps, two micro-batches each). ``compiled-before``: the
+    process had compiled a model of the same class on two other shapes first (Dynamo then
+    makes those frames' sizes symbolic on its own; the static capture was refused)."""
+    if before:
+        other = torch.compile(_llama(), backend="eager")
+        for shape in [(3, 6), (5, 10)]:
+            other(input_ids=torch.randint(0, 64, shape))
     model = _llama()
     ref = copy.deepcopy(model)
     batches = [torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(c))

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue import RETURNS_SIZE, Glue, _where, join_calls, region_autocast, returns_size
-from orgel.graph.glue_sizes import glue_settings, glue_shapes, size_roles, size_values
+from orgel.graph.glue_sizes import capture_settings, glue_shapes, size_roles, size_values
 from orgel.graph.opgraph import CaptureError
 from orgel.guard import no_autocast_cache
 
@@ -121,7 +121,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
         compiled = torch.compile(model, backend=compiler, dynamic=None if values else False)
         # the controller's global state (its threads run without the autocast cache), which
         # Dynamo's code guards on, so that this code serves it
-        with (dynamo_settings(), glue_settings(values), torch.enable_grad(),
+        with (dynamo_settings(), capture_settings(values), torch.enable_grad(),
               no_autocast_cache(), region_autocast(region), compiler.routed(record)):
             result = compiled(**named)
     except BaseException as exc:

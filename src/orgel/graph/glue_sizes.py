@@ -62,6 +62,22 @@ def glue_settings(values: tuple[int, ...]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def capture_settings(values: tuple[int, ...]) -> Iterator[None]:
+    """:func:`glue_settings` while a forward of several graphs is captured; without
+    ``values`` (a static capture) static whatever Dynamo learned of the model's frames
+    before in this process: with its automatic dynamic shapes on, a frame the caller had
+    run on other shapes (a compiled evaluation first, another model of the same class)
+    took symbolic sizes, which a static capture cannot join, and the capture was refused.
+    Only the capture: the controller's later compiles keep Dynamo's defaults."""
+    if values:
+        with glue_settings(values):
+            yield
+        return
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield
+
+
 def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                                  list[tuple[str, Any] | None]]],
                named: dict[str, Any]) -> dict[tuple[int, int], tuple[Any, ...]]:

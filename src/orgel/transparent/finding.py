@@ -17,7 +17,7 @@ import torch
 from orgel import guard
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue import RETURNS_SIZE, returns_size
-from orgel.graph.glue_sizes import glue_settings, size_values
+from orgel.graph.glue_sizes import capture_settings, size_values
 from orgel.graph.opgraph import CaptureError
 from orgel.guard import untouched
 from orgel.precision import ambient_autocast, device_type
@@ -90,7 +90,7 @@ class FindsGraphs:
         self._found = []
         self._discovering = True
         try:
-            with untouched(), dynamo_settings(), glue_settings(sizes), stopped_at_backward(), \
+            with untouched(), dynamo_settings(), capture_settings(sizes), stopped_at_backward(), \
                     guard.no_autocast_cache():
                 closure(*args)
         except ForwardDone:
