@@ -12,7 +12,9 @@ every process, so ``T`` divides it.
 accumulation over the same micro-batches and prints the largest loss and parameter
 differences (exit 1 beyond ``--tolerance``).
 
-The processes are fresh interpreters (so ``--threads`` holds), or torchrun's. Each runs
+The processes are fresh (so ``--threads`` holds): on the CPU forked from orgel's fork
+server, which imported torch, orgel and Dynamo once and ran nothing
+(:mod:`orgel.launch.forkserver`), on a GPU spawned interpreters; or torchrun's. Each runs
 the flow every front end runs, by the plan this process decided: :func:`orgel.flow.prepare.
 prepare`, then :func:`orgel.flow.start.start_torchrun`, the rank ``orgel.pipeline`` makes
 under torchrun.
