@@ -89,7 +89,6 @@ def _process_starting_tests_are_marked_slow(request: pytest.FixtureRequest,
                     "@pytest.mark.slow (or pytestmark = pytest.mark.slow for the module)")
 
 
-
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse ``--dist loadgroup`` where pytest-xdist cannot group: its 3.8 (and earlier)
     marks a group in a node id that pytest 9 no longer reads, so it silently sends a group's

@@ -114,9 +114,9 @@ def _torchrun_job(cells: list[str], nproc: int, out: Path) -> None:
 def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every torchrun cell, run once: two jobs (of 2 and of 4 processes).
 
-    Session-scoped: pytest tears a module's fixture down whenever the next test its worker
-    runs is another module's, and pytest-xdist may put one between the group's cells; the
-    jobs (about 200 s) then ran twice (2026-12-05)."""
+    Session-scoped, so that a worker runs the jobs (about 200 s) at most once whatever
+    order its tests come in; that one worker runs every cell is the ``xdist_group`` below
+    (which pytest 9 had undone: the jobs ran on both workers, see ``conftest.py``)."""
     out = tmp_path_factory.mktemp("torchrun")
     for nproc in (2, 4):
         cells = [c for c in FEATURES + TORCHRUN_PAIRS if _processes(_features(c)) == nproc]

@@ -298,18 +298,17 @@ class LocalGroup:
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         self.closed = False
+        # a child of the fork server watches the server (its parent) and takes this
+        # process's environment (the server's is the one it started with)
+        line = forkserver.lifeline() if context == "forkserver" else lifeline()
+        env = dict(os.environ) if context == "forkserver" else None
         for rank in range(self.num_ranks):
             parent, child = ctx.Pipe()
-            target: Callable[..., None] = _worker_main
-            args: tuple[Any, ...] = (rank, self.num_ranks, port, self.timeout_s, threads,
-                                     backend, log_dir, make_engine, child)
-            if context == "forkserver":  # the server is the parent: the ranks watch it
-                target, args = forkserver.run_in, (dict(os.environ), _worker_main, *args,
-                                                   forkserver.lifeline())
-            else:
-                args = (*args, lifeline())
-            proc = ctx.Process(target=target, name=f"orgel-rank{rank}", daemon=daemon,
-                               args=args)
+            args = (rank, self.num_ranks, port, self.timeout_s, threads, backend, log_dir,
+                    make_engine, child, line)
+            proc = ctx.Process(target=_worker_main if env is None else forkserver.run_in,
+                               name=f"orgel-rank{rank}", daemon=daemon,
+                               args=args if env is None else (env, _worker_main, *args))
             with _main_left_alone(make_engine if context != "fork" else None):
                 proc.start()
             child.close()
