@@ -105,3 +105,33 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"pytest-xdist {xdist.__version__} does not group tests (--dist loadgroup) under "
             f"pytest {pytest.__version__}: install pytest<9 (pip install -e '.[dev]' pins it)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give the session's torchrun pool the parts of the tests selected (and only those)."""
+    selected = [(m.args[0], item.module) for item in items
+                for m in item.iter_markers("torchrun_part")]
+    config.stash[_POOL_PARTS] = selected
+
+
+_POOL_PARTS = pytest.StashKey[list[tuple[str, Any]]]()
+
+
+@pytest.fixture(scope="session")
+def torchrun_pool(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The selected tests' scripts, run once in one torchrun job (``tests/torchrun_pool.py``)."""
+    from torchrun_pool import Pool
+
+    pool = Pool(tmp_path_factory.mktemp("torchrun-pool"))
+    for name, module in request.config.stash.get(_POOL_PARTS, []):
+        pool.add(name, module)
+    return pool
+
+
+@pytest.fixture()
+def torchrun_part(request: pytest.FixtureRequest, torchrun_pool: Any) -> Path:
+    """This test's part's folder, after the shared torchrun job ran it."""
+    marker = request.node.get_closest_marker("torchrun_part")
+    assert marker is not None, "torchrun_part needs @pytest.mark.torchrun_part(name)"
+    return Path(torchrun_pool.folder(marker.args[0]))

@@ -52,15 +52,15 @@ def _torchrun(tmp_path: Path, script_text: str, *args: str,
     return code, log.read_text(errors="replace")
 
 
-def test_pipeline_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
-    code, stderr = _torchrun(tmp_path, SCRIPT, str(tmp_path / "ckpt"))
-    assert code == 0, stderr[-3000:]
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("api-script")
+def test_pipeline_script_runs_unchanged_under_torchrun(torchrun_part: Path) -> None:
     for rank in (0, 1):
-        result = json.loads((tmp_path / "ckpt" / f"result{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert result["spmd"] is True
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["diff"] < 1e-5
-    assert (tmp_path / "ckpt" / "step-00000002" / "rank1.pt").exists()
+    assert (torchrun_part / "step-00000002" / "rank1.pt").exists()
 
 
 FAULTY = '''
@@ -148,16 +148,16 @@ pipe.close()
 '''
 
 
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("api-copy-to")
 def test_torchrun_leaves_the_callers_model_alone_until_copy_to_and_survives_a_bad_batch(
-        tmp_path: Path) -> None:
+        torchrun_part: Path) -> None:
     """Each rank's stages train copies: the caller's model is as it was on every rank
     until ``copy_to`` writes all of the trained values into it, on every rank. A target
     out of range raises in rank 1's loss: both ranks get StepError and train on as one
     process that skipped that batch."""
-    code, out = _torchrun(tmp_path, COPY_TO, str(tmp_path))
-    assert code == 0, out[-3000:]
     for rank in (0, 1):
-        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert result["untouched"] is True
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["diff"] < 1e-5 and result["keys"] is True
@@ -277,28 +277,34 @@ with open(os.path.join(out, f"threads{os.environ['RANK']}.json"), "w") as f:
 '''
 
 
-def test_a_forward_of_several_graphs_trains_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("last-api-glued")
+def test_a_forward_of_several_graphs_trains_under_torchrun(torchrun_part: Path) -> None:
     """A Python branch between two graphs, under torchrun: process 0 runs the controller
     beside its rank, process 1 serves it. Trained, saved, closed, resumed in the same
     processes, evaluated; the controller's own error (its ``loss_fn``) then ends both
     processes' step, named, without a hang, every rank drops it and the next step trains:
-    copied into each process's model, as one process trains."""
-    code, log = _torchrun(tmp_path, GLUED, str(tmp_path))
-    assert code == 0, log[-3000:]
+    copied into each process's model, as one process trains. Run after the pool's other
+    parts (it ends the process group)."""
     kinds = set()
     for rank in (0, 1):
-        result = json.loads((tmp_path / f"glued{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"glued{rank}.json").read_text())
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5), result
         assert result["diff"] < 1e-5 and result["steps"] == 3, result
         assert result["eval"][0] == pytest.approx(result["eval"][1], rel=1e-5), result
         kinds.add(result["kind"])
     assert kinds == {"Leading", "Follower"}
     for rank in (0, 1):  # process 0's error, raised on both
-        assert (tmp_path / f"error{rank}.txt").read_text() == ("RuntimeError: the loss "
-                                                              "cannot be computed"), rank
+        error = (torchrun_part / f"error{rank}.txt").read_text()
+        assert error == "RuntimeError: the loss cannot be computed", rank
     for rank in (0, 1):  # at once, not after the 60 s timeout's wait for the controller
-        assert float((tmp_path / f"stopped{rank}.txt").read_text()) < 20, rank
+        assert float((torchrun_part / f"stopped{rank}.txt").read_text()) < 20, rank
         # nothing of gloo's outlives the group (at the interpreter's finalization its
         # threads could abort the exit); a failed step's autograd graph held it on process 0
-        threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
+        threads = json.loads((torchrun_part / f"threads{rank}.json").read_text())
         assert threads == [], threads
+
+
+#: the scripts the shared torchrun job runs (``torchrun_pool.py``)
+TORCHRUN_PARTS = {"api-script": (SCRIPT, []), "api-copy-to": (COPY_TO, []),
+                  "last-api-glued": (GLUED, [])}

@@ -87,21 +87,8 @@ with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
 '''
 
 
-@pytest.mark.parametrize(("processes", "options"),
-                         [(2, {}), (4, {"tp": 2}), (2, {"precision": "16-mixed"})],
-                         ids=["two-ranks", "tp2", "fp16"])
-def test_orgel_backend_trains_under_torchrun_as_one_process(
-        tmp_path: Path, processes: int, options: dict[str, Any]) -> None:
-    """Three steps match one process on every process (losses, every weight, an evaluation
-    outside step on the trained values); one checkpoint folder; a closure that raises on
-    process 0 raises on every process, every rank drops that step, and the next step trains
-    as one process's third; nothing hangs. In float16
-    the closures scale their losses (``pipe.scale``) as GradScaler does in one process."""
+def _check(out: Path, processes: int, options: dict[str, Any]) -> None:
     tol = 1e-5 if options.get("precision") == "16-mixed" else 1e-6
-    out = tmp_path / "ckpt"
-    code, log = _torchrun(tmp_path, SCRIPT, str(out), json.dumps(options),
-                          processes=processes)
-    assert code == 0, log[-3000:]
     for rank in range(processes):
         result = json.loads((out / f"result{rank}.json").read_text())
         assert result["got"] == pytest.approx(result["want"], rel=tol), rank
@@ -111,6 +98,29 @@ def test_orgel_backend_trains_under_torchrun_as_one_process(
         assert result["folder"] == str(out / "step-00000002")
         # every process raises the closure's error (process 0's closure)
         assert "ValueError: the closure of step 3 fails" in result["error"], (rank, result)
+
+
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.parametrize("options", [
+    pytest.param({}, marks=pytest.mark.torchrun_part("backend-two-ranks"), id="two-ranks"),
+    pytest.param({"precision": "16-mixed"}, marks=pytest.mark.torchrun_part("backend-fp16"),
+                 id="fp16")])
+def test_orgel_backend_trains_under_torchrun_as_one_process(
+        torchrun_part: Path, options: dict[str, Any]) -> None:
+    """Three steps match one process on every process (losses, every weight, an evaluation
+    outside step on the trained values); one checkpoint folder; a closure that raises on
+    process 0 raises on every process, every rank drops that step, and the next step trains
+    as one process's third; nothing hangs. In float16
+    the closures scale their losses (``pipe.scale``) as GradScaler does in one process."""
+    _check(torchrun_part, 2, options)
+
+
+def test_orgel_backend_with_tp_trains_under_torchrun_as_one_process(tmp_path: Path) -> None:
+    """The same on 4 processes, two ranks of two-way tensor parallelism."""
+    out = tmp_path / "ckpt"
+    code, log = _torchrun(tmp_path, SCRIPT, str(out), json.dumps({"tp": 2}), processes=4)
+    assert code == 0, log[-3000:]
+    _check(out, 4, {"tp": 2})
 
 
 WIDE = '''
@@ -151,15 +161,15 @@ with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
 '''
 
 
-def test_a_first_step_whose_inputs_overfill_the_pipes_trains(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("backend-wide")
+def test_a_first_step_whose_inputs_overfill_the_pipes_trains(torchrun_part: Path) -> None:
     """Under torchrun the inputs go to the ranks by value: each micro-batch here is 1 MiB,
     more than a pipe holds, so its send blocks until the input stage reads it in the step.
     On the first step the closures send them once the ranks run, while process 0 issues
     the step (it once sent them itself before issuing it, and waited forever)."""
-    code, log = _torchrun(tmp_path, WIDE, str(tmp_path), processes=2)
-    assert code == 0, log[-3000:]
     for rank in range(2):
-        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert result["got"] == pytest.approx(result["want"], rel=1e-5), rank
         assert result["diff"] < 1e-6, rank
 
@@ -237,18 +247,16 @@ with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
 '''
 
 
-def test_graph_breaks_train_under_torchrun_with_accumulation(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("backend-graph-break")
+def test_graph_breaks_train_under_torchrun_with_accumulation(torchrun_part: Path) -> None:
     """A compiled model with a graph break: process 0's closures run the Python between its
     graphs; with ``accumulate=2`` four step calls make two optimizer steps, as one process
     accumulating the same. Before them, a first call and then a closure that raises: every
     process raises its error, every rank drops that step and the call before it (the
     accumulation restarts), so the four calls train as if neither had been made."""
-    out = tmp_path / "out"
-    out.mkdir()
-    code, log = _torchrun(tmp_path, GRAPH_BREAK, str(out))
-    assert code == 0, log[-3000:]
     for rank in range(2):
-        result = json.loads((out / f"result{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert result["got"] == pytest.approx(result["want"], rel=1e-6), rank
         assert result["diff"] < 1e-6, rank
         assert result["steps"] == 2
@@ -256,3 +264,9 @@ def test_graph_breaks_train_under_torchrun_with_accumulation(tmp_path: Path) -> 
         assert result["error"] == ("ValueError: a closure fails between the model and its "
                                    "backward"), rank
         assert result["pending"] == 0, rank
+
+
+#: the scripts the shared torchrun job runs (``torchrun_pool.py``)
+TORCHRUN_PARTS = {"backend-two-ranks": (SCRIPT, ["{}"]),
+                  "backend-fp16": (SCRIPT, [json.dumps({"precision": "16-mixed"})]),
+                  "backend-wide": (WIDE, []), "backend-graph-break": (GRAPH_BREAK, [])}

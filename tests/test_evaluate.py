@@ -236,19 +236,21 @@ pipe.close()
 '''
 
 
-def test_under_torchrun_every_rank_gets_the_evaluation_and_the_outputs(tmp_path: Path) -> None:
-    from test_api_torchrun import _torchrun
-
-    code, log = _torchrun(tmp_path, TORCHRUN.format(tests=str(Path(__file__).parent)),
-                          str(tmp_path))
-    assert code == 0, log[-3000:]
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("evaluate")
+def test_under_torchrun_every_rank_gets_the_evaluation_and_the_outputs(
+        torchrun_part: Path) -> None:
     for rank in (0, 1):
-        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert result["spmd"] is True
         assert result["loss"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["again"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["diff"] < 1e-5
         assert (result["rows"], result["norms"]) == (8, 2)
+
+
+#: the script the shared torchrun job runs (``torchrun_pool.py``)
+TORCHRUN_PARTS = {"evaluate": (TORCHRUN.format(tests=str(Path(__file__).parent)), [])}
 
 
 def test_a_meta_model_evaluates_with_the_values_its_ranks_made() -> None:

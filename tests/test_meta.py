@@ -328,35 +328,18 @@ pipe.close()
 '''
 
 
+#: the script the shared torchrun job runs (``torchrun_pool.py``)
+TORCHRUN_PARTS = {"meta": (TORCHRUN_SCRIPT, [])}
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("meta")
 def test_under_torchrun_each_rank_makes_its_own_stages_with_rank_zeros_seed(
-        tmp_path: Path) -> None:
+        torchrun_part: Path) -> None:
     import json
-    import os
-    import subprocess
-    import sys
 
-    from orgel.launch.processes import free_port
-
-    script = tmp_path / "train.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
-             str(tmp_path)], stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
-        try:
-            proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            raise
-    assert proc.returncode == 0, log.read_text(errors="replace")[-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = [json.loads((torchrun_part / f"rank{r}.json").read_text()) for r in range(2)]
     x, y = _batch(32)
     ref_loss, updated = reference_in_pieces(  # rank 0's seed (5), every rank
         lambda i: initialized(torch.nn.Linear(32, 32), f"layers.{i}", 5, chain_init), 4, x, y, 2)
