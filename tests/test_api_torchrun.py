@@ -285,7 +285,8 @@ def test_a_forward_of_several_graphs_trains_under_torchrun(torchrun_part: Path) 
     processes, evaluated; the controller's own error (its ``loss_fn``) then ends both
     processes' step, named, without a hang, every rank drops it and the next step trains:
     copied into each process's model, as one process trains. Run after the pool's other
-    parts (it ends the process group)."""
+    parts (it ends the process group), the sharded and tensor-parallel ones included, so
+    that nothing of gloo's outliving the group also covers their device meshes."""
     kinds = set()
     for rank in (0, 1):
         result = json.loads((torchrun_part / f"glued{rank}.json").read_text())

@@ -400,19 +400,21 @@ pipe.close()
 '''
 
 
-def test_shard_fsdp_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("fsdp")
+def test_shard_fsdp_under_torchrun(torchrun_part: Path) -> None:
     """The same script on 2 torchrun ranks: rank 0 plans and marks the plan, every rank
     shards, and each rank's result matches one process."""
-    from test_api_torchrun import _torchrun
-
-    code, log = _torchrun(tmp_path, TORCHRUN_SCRIPT, str(tmp_path))
-    assert code == 0, log[-3000:]
     for rank in range(2):
-        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert "fsdp" in result["shard"]
         assert sum(result["held"]) == result["total"]  # every element held once
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["diff"] < 1e-4
+
+
+#: the script the shared torchrun job runs (``torchrun_pool.py``)
+TORCHRUN_PARTS = {"fsdp": (TORCHRUN_SCRIPT, [])}
 
 
 def test_bad_shard_options_are_refused_before_any_rank_starts() -> None:

@@ -415,18 +415,20 @@ pipe.close()
 '''
 
 
+#: the script the shared torchrun job runs (``torchrun_pool.py``)
+TORCHRUN_PARTS = {"tp": (TORCHRUN_SCRIPT, [])}
+
+
 @pytest.mark.slow
-def test_tp_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("tp")
+def test_tp_under_torchrun(torchrun_part: Path) -> None:
     """2 torchrun processes as one pipeline rank of tp=2: rank 0 plans, both split the
     stage, and each one's result matches one process."""
     import json
 
-    from test_api_torchrun import _torchrun
-
-    code, log = _torchrun(tmp_path, TORCHRUN_SCRIPT, str(tmp_path))
-    assert code == 0, log[-3000:]
     for rank in range(2):
-        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert result["tp"] == 2
         assert all(result["shards"]), result["shards"]  # both processes split the stage
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)

@@ -309,16 +309,18 @@ pipe.close()
 '''
 
 
+#: the script the shared torchrun job runs (``torchrun_pool.py``)
+TORCHRUN_PARTS = {"untouched-tp": (TP_SCRIPT, [])}
+
+
 @pytest.mark.slow
-def test_tp_under_torchrun_leaves_implicit_replication_off(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("untouched-tp")
+def test_tp_under_torchrun_leaves_implicit_replication_off(torchrun_part: Path) -> None:
     """Under torchrun the ranks are the caller's processes: DTensor's implicit replication
     is on only while orgel's passes run."""
     import json
 
-    from test_api_torchrun import _torchrun
-
-    code, log = _torchrun(tmp_path, TP_SCRIPT, str(tmp_path))
-    assert code == 0, log[-3000:]
     for rank in range(2):
-        result = json.loads((tmp_path / f"flags{rank}.json").read_text())
+        result = json.loads((torchrun_part / f"flags{rank}.json").read_text())
         assert result == {"flags": [False, False, False], "tp": 2}

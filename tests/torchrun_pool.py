@@ -16,8 +16,10 @@ stopped the job, with its error. Parts whose names start with ``last-`` run afte
 others (they end the process group, as a script's exit does). Between parts the driver
 collects the finished part's garbage: ``runpy`` leaves a script's objects in reference
 cycles that a script's own process would end with, and a closed pipeline among them held
-gloo's threads past ``leave_group`` (the last part checks that none are left; the same
-scripts one after another in one file leave none).
+gloo's threads past ``leave_group``. The last part checks that nothing of gloo's is left
+after ``leave_group``: run after the sharded and tensor-parallel parts, it found that
+DTensor's caches kept their device meshes, and with them a group, alive
+(:func:`orgel.launch.processes.leave_group` now empties them).
 """
 
 from __future__ import annotations
