@@ -107,6 +107,7 @@ def pytest_configure(config: pytest.Config) -> None:
             f"pytest {pytest.__version__}: install pytest<9 (pip install -e '.[dev]' pins it)")
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k took their tests out
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Give the session's torchrun pool the parts of the tests selected (and only those)."""
     selected = [(m.args[0], item.module) for item in items
