@@ -19,7 +19,8 @@ cycles that a script's own process would end with, and a closed pipeline among t
 gloo's threads past ``leave_group``. The last part checks that nothing of gloo's is left
 after ``leave_group``: run after the sharded and tensor-parallel parts, it found that
 DTensor's caches kept their device meshes, and with them a group, alive
-(:func:`orgel.launch.processes.leave_group` now empties them).
+(:func:`orgel.launch.meshes.forget_meshes`, which ``leave_group`` calls, now empties
+them).
 """
 
 from __future__ import annotations
