@@ -12,7 +12,9 @@ asks, and hands each test its part's folder. The script gets that folder as ``sy
 The parts run in the same processes, as several pipelines do in a user's script (a
 pipeline built, closed and another built). A part that raises on a rank ends that rank
 (torchrun then ends the others): the tests of the parts after it fail saying which part
-stopped the job, with its error. Parts whose names start with ``last-`` run after the
+stopped the job, with its error; a part that takes longer than :data:`PART_TIMEOUT_S`
+ends its rank with every thread's stack in the job's log. Parts whose names start with
+``last-`` run after the
 others (they end the process group, as a script's exit does). Between parts the driver
 collects the finished part's garbage: ``runpy`` leaves a script's objects in reference
 cycles that a script's own process would end with, and a closed pipeline among them held
@@ -36,19 +38,26 @@ from torchrun_job import torchrun
 #: the pool's processes (a part of another count runs as a job of its own)
 PROCESSES = 2
 
+#: seconds a part may take before its rank prints every thread's stack and ends
+PART_TIMEOUT_S = 180
+
 DRIVER = '''
-import gc, json, os, runpy, sys, traceback
+import faulthandler, gc, json, os, runpy, sys, traceback
 from pathlib import Path
 
 rank = os.environ["RANK"]
-for name, script, folder, args in json.loads(Path(sys.argv[1]).read_text()):
+for name, script, folder, args, timeout_s in json.loads(Path(sys.argv[1]).read_text()):
     sys.argv = [script, folder, *args]
+    print(f"part {name} starts on rank {rank}", file=sys.stderr, flush=True)
+    # a part that hangs ends its rank (torchrun then ends the job), its stacks in the log
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException:
         Path(folder, f"failed{rank}.txt").write_text(traceback.format_exc())
         print(f"part {name} failed on rank {rank}", file=sys.stderr, flush=True)
         sys.exit(1)
+    faulthandler.cancel_dump_traceback_later()
     gc.collect()  # the part's cycles, as its process's end would drop them (see the docstring)
     Path(folder, f"done{rank}").touch()
 '''
@@ -94,10 +103,10 @@ class Pool:
             folder.mkdir(parents=True)
             script = folder / "script.py"
             script.write_text(text)
-            listing.append([name, str(script), str(folder), args])
+            listing.append([name, str(script), str(folder), args, PART_TIMEOUT_S])
         parts = self.root / "parts.json"
         parts.write_text(json.dumps(listing))
         driver = self.root / "driver.py"
         driver.write_text(DRIVER)
         torchrun(driver, str(parts), processes=PROCESSES, log=self.root / "torchrun.log",
-                 timeout_s=120 + 90 * len(listing))
+                 timeout_s=60 + PART_TIMEOUT_S * len(listing))
