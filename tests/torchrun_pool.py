@@ -14,8 +14,8 @@ pipeline built, closed and another built). A part that raises on a rank ends tha
 (torchrun then ends the others): the tests of the parts after it fail saying which part
 stopped the job, with its error; a part that takes longer than :data:`PART_TIMEOUT_S`
 ends its rank with every thread's stack in the job's log. Parts whose names start with
-``last-`` run after the
-others (they end the process group, as a script's exit does). Between parts the driver
+``last-`` run after the others (they end the process group, as a script's exit does).
+Between parts the driver
 collects the finished part's garbage: ``runpy`` leaves a script's objects in reference
 cycles that a script's own process would end with, and a closed pipeline among them held
 gloo's threads past ``leave_group``. The last part checks that nothing of gloo's is left
