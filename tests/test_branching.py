@@ -11,6 +11,7 @@ one process doing the same, micro-batch by micro-batch.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,29 @@ class MeanBranch(nn.Module):
         else:
             h = self.down(h)
         return self.head(torch.relu(h))
+
+
+class Heads(nn.Module):
+    """Attention-like heads on both sides of a graph break: ``n_heads`` (4), an int of the
+    model, equals the rows of the first batch's micro-batches, so Dynamo, which leaves
+    every int of that value symbolic, makes it a graph argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_heads = 4
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def _mix(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, c = h.shape
+        return h.view(b, t, self.n_heads, c // self.n_heads).softmax(-1).reshape(b, t, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._mix(torch.tanh(self.a(x)))
+        torch._dynamo.graph_break()
+        h = self._mix(torch.tanh(self.b(h)))
+        return self.head(h.mean(1))
 
 
 def _rows(model: MeanBranch, up: bool, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -271,3 +295,51 @@ def test_check_finite_names_the_microbatch_whose_loss_is_not_finite() -> None:
                 pipe.step({"x": bad}, y)
         finally:
             pipe.close()
+
+
+@pytest.mark.slow
+def test_an_int_of_the_model_equal_to_the_first_batchs_rows_stays_that_int() -> None:
+    """``n_heads`` is 4 and so are the first batch's micro-batch rows: later batches of 3
+    and 6 rows keep 4 heads, and every micro-batch stays on the captured graphs. (It was
+    taken for the rows: a micro-batch of 3 rows then left the graphs, and the ranks' stand-ins
+    reshaped into 3 heads and failed the step.)"""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(4)
+    batches = [({"x": torch.randn(2 * rows, 5, 8, generator=gen)},
+                torch.randint(0, 4, (2 * rows,), generator=gen)) for rows in (4, 3, 6)]
+    _check(Heads(), batches, F.cross_entropy, off=[[], [], []])
+
+
+class HeadsLocal(Heads):
+    """:class:`Heads` whose head count crosses the graph break as a local variable."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.n_heads
+        h = torch.tanh(self.a(x))
+        b, t, c = h.shape
+        h = h.view(b, t, heads, c // heads).softmax(-1).reshape(b, t, c)
+        torch._dynamo.graph_break()
+        h = torch.tanh(self.b(h))
+        b, t, c = h.shape  # (the sizes of graph 0 handed on would make the capture static)
+        h = h.view(b, t, heads, c // heads).softmax(-1).reshape(b, t, c)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.slow
+def test_an_int_handed_across_a_break_equal_to_the_rows_is_a_clear_error() -> None:
+    """A documented limitation: an int the Python between graphs hands to the next graph is
+    bound to a model input dimension by its value, so a head count in a local variable
+    equal to the first batch's rows is taken for the rows. A batch of 3 rows then fails on
+    the ranks: the step is dropped with an error that says why and what to change, and the
+    pipeline trains on."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 5, 8, generator=gen)
+    y = torch.randint(0, 4, (8,), generator=gen)
+    with orgel.pipeline(HeadsLocal(), {"x": x}, y, F.cross_entropy, ranks=2, microbatches=2,
+                        timeout_s=120.0) as pipe:
+        pipe.step({"x": x}, y)
+        with pytest.raises(orgel.StepError, match=r"(?s)left the captured graphs.*local "
+                           r"variable.*sizes that differ"):
+            pipe.step({"x": x[:6]}, y[:6])
+        assert math.isfinite(pipe.step({"x": x}, y))

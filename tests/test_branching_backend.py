@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 import orgel
 from archzoo.check import relative_diff
-from test_branching import MeanBranch, _rows
+from test_branching import Heads, MeanBranch, _rows
 
 M = 2
 
@@ -417,3 +417,20 @@ def test_a_trainable_layer_before_the_model_gets_its_gradient() -> None:
     assert pre.weight.grad is not None
     _same({"w": pre.weight.grad, "b": pre.bias.grad},
           {"w": ref_pre.weight.grad, "b": ref_pre.bias.grad})
+
+
+@pytest.mark.slow
+def test_an_int_of_the_model_equal_to_the_first_closures_rows_stays_that_int() -> None:
+    """``Heads.n_heads`` (4) equals the first closures' rows: later closures of 3 and 6 rows
+    keep 4 heads, on the captured graphs (the int was taken for the rows, and the ranks'
+    stand-ins of a 3-row closure failed the step)."""
+    torch.manual_seed(0)
+    model = Heads()
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(M * rows, 5, 8, generator=gen),
+                torch.randint(0, 4, (M * rows,), generator=gen)) for rows in (4, 3, 6)]
+    want_losses, want = _reference(copy.deepcopy(model), batches, _closure_for)
+    losses, got, left = _train(model, batches, _closure_for)
+    assert left == [[], [], []]
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)

@@ -476,6 +476,7 @@ def _on_stand_ins(exc: StepError, slots: list[Slot]) -> StepError:
     return StepError(
         f"{exc}\n(micro-batches {left} left the captured graphs and ran in the calling "
         "process while the ranks finished their part on stand-ins of their sizes; where that "
-        "run fails, an int of the model equal to a size of the first batch (a head count "
-        "equal to its micro-batch rows) may have been taken for that size: give the first "
-        "batch sizes that differ from the model's own numbers)", exc.rank, exc.report)
+        "run fails, an int the Python between graphs hands on that equals a size of the first "
+        "batch (a head count in a local variable, equal to its micro-batch rows) may have "
+        "been taken for that size: give the first batch sizes that differ from the model's "
+        "own numbers)", exc.rank, exc.report)

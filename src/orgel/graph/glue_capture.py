@@ -18,7 +18,13 @@ import torch.utils._pytree as pytree
 
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue import RETURNS_SIZE, Glue, _where, join_calls, region_autocast, returns_size
-from orgel.graph.glue_sizes import capture_settings, glue_shapes, size_roles, size_values
+from orgel.graph.glue_sizes import (
+    capture_settings,
+    glue_shapes,
+    mark_fixed_ints,
+    size_roles,
+    size_values,
+)
 from orgel.graph.opgraph import CaptureError
 from orgel.guard import no_autocast_cache
 
@@ -37,6 +43,8 @@ class GlueCompiler:
         self._local = threading.local()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        mark_fixed_ints(gm)
+
         def run(*args: Any) -> Any:
             route = getattr(self._local, "route", None)
             return gm(*args) if route is None else route(gm, args)

@@ -78,6 +78,36 @@ def capture_settings(values: tuple[int, ...]) -> Iterator[None]:
         yield
 
 
+#: placeholder meta: an int Dynamo left symbolic that is a number of the model's, not a size
+FIXED_INT = "orgel_fixed_int"
+
+
+def mark_fixed_ints(gm: torch.fx.GraphModule) -> None:
+    """Mark each int placeholder of a graph Dynamo just compiled that it read off an object
+    (an attribute: a module's ``n_heads``, a config's, a global), not off a tensor's shape,
+    a frame's local or an item of one; call it in the ``torch.compile`` backend, while
+    Dynamo's sources are on the graph. :func:`glue_settings` makes every int of a batch
+    size's value symbolic, so a head count equal to the rows became a graph argument, was
+    bound to the rows (:func:`size_roles`) and changed with them; marked, it is checked as
+    the number it is."""
+    from torch._dynamo.source import AttrSource, GlobalSource, TensorPropertySource
+
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or not isinstance(node.meta.get("example_value"),
+                                                      torch.SymInt):
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        fixed = False
+        while source is not None:
+            if isinstance(source, TensorPropertySource):
+                fixed = False
+                break
+            fixed = fixed or isinstance(source, AttrSource | GlobalSource)
+            source = getattr(source, "base", None)
+        if fixed:
+            node.meta[FIXED_INT] = True
+
+
 def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                                  list[tuple[str, Any] | None]]],
                named: dict[str, Any]) -> dict[tuple[int, int], tuple[Any, ...]]:
@@ -111,8 +141,8 @@ def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                 raise CaptureError(f"graph {c} of the forward takes a {type(value).__name__}")
             if not node.users:  # a size no op reads: any
                 roles[i] = ("unused", value)
-            elif not _free(example):  # a guard fixed it
-                roles[i] = ("number", value)
+            elif not _free(example) or node.meta.get(FIXED_INT):  # a guard fixed it,
+                roles[i] = ("number", value)  # or the model's code holds it (mark_fixed_ints)
             else:  # a size, or an int the Python between graphs passes (checked as a number)
                 found = _input_dim(node, value, placeholders, args, read, inputs)
                 roles[i] = ("number", value) if found is None else ("size", found)

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
+from orgel.graph.glue_sizes import mark_fixed_ints
 from orgel.launch.errors import WorkerError
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
@@ -123,6 +124,7 @@ class Backend(RunningPipeline, FindsGraphs):
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        mark_fixed_ints(gm)  # a head count equal to a size stays a number
         # sizes left symbolic included (bound when the graphs are joined)
         roles = roles_of(placeholders, example_inputs)
         stateful = any(kind in ("param", "buffer") for kind, _ in roles)
