@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 import orgel
 from archzoo.check import relative_diff
-from test_branching import Heads, MeanBranch, _rows
+from test_branching import Heads, HeadsLocal, MeanBranch, _rows
 
 M = 2
 
@@ -434,3 +434,26 @@ def test_an_int_of_the_model_equal_to_the_first_closures_rows_stays_that_int() -
     assert left == [[], [], []]
     assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
     _same(got, want)
+
+
+@pytest.mark.slow
+def test_an_int_handed_across_a_break_equal_to_the_rows_is_a_clear_error() -> None:
+    """A documented limitation of ``orgel.backend`` (``orgel.pipeline`` tells them apart on
+    a second forward, which here would run the closure again): a head count the Python
+    between graphs hands on in a local variable, equal to the first closures' rows, is
+    taken for the rows. A closure of 3 rows then fails on the ranks; the step is dropped
+    with an error that says why and what to change, and the next step trains."""
+    torch.manual_seed(0)
+    model = HeadsLocal()
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(M * 4, 5, 8, generator=gen), torch.randint(0, 4, (M * 4,), generator=gen)
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_optimizer, timeout_s=60.0)
+    compiled = torch.compile(model, backend=pipe)
+    try:
+        pipe.step(_closure_for(compiled, 0), x, y)
+        with pytest.raises(orgel.StepError, match=r"(?s)left the captured graphs.*local "
+                           r"variable.*sizes that differ"):
+            pipe.step(_closure_for(compiled, 1), x[:6], y[:6])
+        assert len(pipe.step(_closure_for(compiled, 2), x, y)) == M
+    finally:
+        pipe.close()

@@ -9,6 +9,7 @@ bound to a model input dimension first (:mod:`orgel.graph.glue_sizes`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from orgel.graph.glue_sizes import (
     mark_fixed_ints,
     size_roles,
     size_values,
+    stretched,
 )
 from orgel.graph.opgraph import CaptureError
 from orgel.guard import no_autocast_cache
@@ -139,8 +141,48 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
         raise CaptureError(f"{reason} orgel then tried to pipeline the forward as several "
                            f"graphs, and Dynamo failed: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    def probe(value: int) -> list[list[Any]] | None:
+        """The state-reading graph calls' arguments on the example with every input
+        dimension of size ``value`` one longer (:func:`orgel.graph.glue_sizes.size_roles`
+        tells a size from a number of the same value by it); None where that forward
+        needs another graph or fails. Nothing of the model or the random streams changes."""
+        calls: list[tuple[torch.fx.GraphModule, list[Any]]] = []
+
+        def rec(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
+            calls.append((gm, list(args)))
+            return gm(*[a.detach().requires_grad_(a.requires_grad)
+                        if isinstance(a, torch.Tensor) and id(a) in params else a
+                        for a in args])
+
+        longer = {k: _view_like(stretched(v, tuple((k, d) if n == value else n
+                                                   for d, n in enumerate(v.shape)),
+                                          {k: tuple(n + 1 if n == value else n
+                                                    for n in v.shape)}), v)
+                  if isinstance(v, torch.Tensor) else v for k, v in named.items()}
+        buffers = [b for b in model.buffers() if b is not None]
+        before = [b.detach().clone() for b in buffers]
+        devices = sorted({t.device.index or 0 for t in named.values()
+                          if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        try:
+            with (torch.random.fork_rng(devices=devices), dynamo_settings(),
+                  capture_settings(values), torch.enable_grad(), no_autocast_cache(),
+                  region_autocast(region), compiler.routed(rec),
+                  torch.compiler.set_stance("fail_on_recompile")):
+                compiled(**longer)
+        except Exception:
+            return None
+        finally:
+            with torch.no_grad():
+                for b, kept in zip(buffers, before, strict=True):
+                    b.copy_(kept)
+        ran = [(gm, args) for gm, args in calls if _reads(args, state)]
+        if [gm for gm, _ in ran] != [gm for gm, args, _ in seen if _reads(args, state)]:
+            return None
+        return [args for _, args in ran]
+
     try:
-        raw, glue = _joined(seen, model, named, result, reason, region, values)
+        raw, glue = _joined(seen, model, named, result, reason, region, values,
+                            functools.cache(probe))
     except BaseException:
         forget_compiled(compiler)
         raise
@@ -153,7 +195,8 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
 
 def _joined(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]],
             model: torch.nn.Module, named: dict[str, Any], result: Any, reason: str,
-            region: tuple[str, torch.dtype] | None, values: tuple[int, ...]
+            region: tuple[str, torch.dtype] | None, values: tuple[int, ...],
+            probe: Callable[[int], list[list[Any]] | None] | None = None
             ) -> tuple[Any, Glue]:
     """The graph calls ``seen`` (graph, arguments, outputs) joined (:func:`capture_graphs`)."""
     params = {id(p): n for n, p in model.named_parameters()}
@@ -183,11 +226,21 @@ def _joined(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]],
             else:
                 roles.append(None)
         prepared.append((gm, args, outs, roles))
-    dims = size_roles(prepared, named) if values else None
+    dims = size_roles(prepared, named, probe) if values else None
     raw, glue = join_calls(prepared, reason, eager, region, dims, values)
     if values:
         raw[0].meta["orgel_shapes"] = glue_shapes(named, prepared[0][0], prepared[0][3])
     return raw, glue
+
+
+def _view_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t``, as the first rows of a larger tensor where ``like`` is a view (a micro-batch cut
+    from its batch), so that Dynamo's guards on the input's base pass as for ``like``."""
+    if like._base is None or t.dim() == 0:
+        return t
+    base = t.new_empty((t.shape[0] + 1, *t.shape[1:]))
+    base[: t.shape[0]] = t
+    return base[: t.shape[0]]
 
 
 def _state_ids(model: torch.nn.Module) -> set[int]:

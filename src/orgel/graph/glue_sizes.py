@@ -24,7 +24,7 @@ that reads a tensor, makes the capture static instead.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -110,7 +110,9 @@ def mark_fixed_ints(gm: torch.fx.GraphModule) -> None:
 
 def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                                  list[tuple[str, Any] | None]]],
-               named: dict[str, Any]) -> dict[tuple[int, int], tuple[Any, ...]]:
+               named: dict[str, Any],
+               probe: Callable[[int], list[list[Any]] | None] | None = None
+               ) -> dict[tuple[int, int], tuple[Any, ...]]:
     """Give each size argument of each graph call its role, in place; return the dimensions
     of each tensor argument the Python between graphs hands over.
 
@@ -121,6 +123,12 @@ def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
     op reads it. Each graph's ``x.size()`` calls are rewritten to its size placeholders
     first. The result maps ``(call, argument)`` to that argument's
     dimensions: a size (fixed), ``(input, dim)`` (that model input dimension), or None (any).
+
+    A size no tensor of the graph's own model inputs has is bound by its value alone, which
+    a number of the model's can share (a head count passed on in a local variable, equal to
+    the rows). ``probe(value)``, where given, is the calls' arguments on the example with
+    every input dimension of that size one longer (None where that forward cannot be had):
+    an int or a dimension it leaves at ``value`` is a number, not that size.
     """
     inputs = [(name, t) for name, t in named.items() if isinstance(t, torch.Tensor)]
     read = {id(t): name for name, t in inputs}
@@ -131,10 +139,11 @@ def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
         for i, (node, value) in enumerate(zip(placeholders, args, strict=True)):
             example = node.meta.get("example_value")
             if isinstance(value, torch.Tensor) and roles[i] is None:
-                dims[(c, i)] = tuple(_bind(int(n), d, inputs) if _free(size) else int(n)
-                                     for d, (n, size) in enumerate(zip(value.shape,
-                                                                       example.shape,
-                                                                       strict=True)))
+                dims[(c, i)] = tuple(
+                    _bind(int(n), d, inputs)
+                    if _free(size) and not _stays(probe, int(n), c, i, d) else int(n)
+                    for d, (n, size) in enumerate(zip(value.shape, example.shape,
+                                                      strict=True)))
             if isinstance(value, torch.Tensor) or roles[i] is not None:
                 continue
             if not isinstance(value, int):
@@ -144,9 +153,25 @@ def size_roles(calls: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
             elif not _free(example) or node.meta.get(FIXED_INT):  # a guard fixed it,
                 roles[i] = ("number", value)  # or the model's code holds it (mark_fixed_ints)
             else:  # a size, or an int the Python between graphs passes (checked as a number)
-                found = _input_dim(node, value, placeholders, args, read, inputs)
-                roles[i] = ("number", value) if found is None else ("size", found)
+                found, own = _input_dim(node, value, placeholders, args, read, inputs)
+                if found is None or (not own and _stays(probe, value, c, i)):
+                    roles[i] = ("number", value)
+                else:
+                    roles[i] = ("size", found)
     return dims
+
+
+def _stays(probe: Callable[[int], list[list[Any]] | None] | None, value: int, c: int,
+           i: int, d: int | None = None) -> bool:
+    """Whether argument ``i`` of call ``c`` (its dimension ``d``, for a tensor) keeps
+    ``value`` on the probe where the input dimensions of that size grew."""
+    got = None if probe is None else probe(value)
+    if got is None:
+        return False
+    arg = got[c][i]
+    if d is None:
+        return isinstance(arg, int) and arg == value
+    return isinstance(arg, torch.Tensor) and d < arg.dim() and int(arg.shape[d]) == value
 
 
 def _free(size: Any) -> bool:
@@ -171,10 +196,12 @@ def _bind(value: int, d: int, inputs: list[tuple[str, torch.Tensor]]) -> tuple[s
 
 def _input_dim(node: torch.fx.Node, value: int, placeholders: list[torch.fx.Node],
                args: list[Any], read: dict[int, str],
-               inputs: list[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
+               inputs: list[tuple[str, torch.Tensor]]
+               ) -> tuple[tuple[str, int] | None, bool]:
     """The model input dimension that size placeholder ``node`` (``value`` now) stands for:
     that of a model input the graph takes, else one of the same size, at the position the
-    size has in the tensor it is read off first; None where no input dimension has it."""
+    size has in the tensor it is read off first; None where no input dimension has it.
+    With whether it is one of a model input the graph takes (else bound by value alone)."""
     symbol = _expr(node.meta["example_value"])
     position: int | None = None
     for other, t in zip(placeholders, args, strict=True):
@@ -184,10 +211,10 @@ def _input_dim(node: torch.fx.Node, value: int, placeholders: list[torch.fx.Node
         at = [d for d, size in enumerate(fake.shape)
               if isinstance(size, torch.SymInt) and _expr(size) == symbol]
         if at and id(t) in read:
-            return read[id(t)], at[0]
+            return (read[id(t)], at[0]), True
         if at and position is None:
             position = at[0]
-    return _bind(value, position or 0, inputs)
+    return _bind(value, position or 0, inputs), False
 
 
 def check_size_nodes(graph: torch.fx.Graph, sizes: set[torch.fx.Node]) -> None:
