@@ -336,3 +336,19 @@ def test_an_int_handed_across_a_break_equal_to_the_rows_stays_that_int() -> None
     batches = [({"x": torch.randn(2 * rows, 5, 8, generator=gen)},
                 torch.randint(0, 4, (2 * rows,), generator=gen)) for rows in (4, 3, 6)]
     _check(HeadsLocal(), batches, F.cross_entropy, off=[[], [], []])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [(1, 3, 2), (3, 1)], ids=["captured on one row", "then one row"])
+def test_micro_batches_of_one_row_and_more_share_the_captured_graphs(rows: tuple[int, ...]
+                                                                      ) -> None:
+    """A forward with graph breaks captured on micro-batches of one row takes batches of
+    more rows on its graphs, and one captured on more rows takes micro-batches of one row
+    (a DataLoader's smaller last batch): Dynamo's size-oblivious sizes, as the one-graph
+    capture has them. (A size of 1 was a fixed size: the first refused later batches with
+    a ShapeError, the second ran each one-row micro-batch in the calling process.)"""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(5)
+    batches = [({"x": torch.randn(2 * n, 5, 8, generator=gen)},
+                torch.randint(0, 4, (2 * n,), generator=gen)) for n in rows]
+    _check(Heads(), batches, F.cross_entropy, off=[[] for _ in rows])

@@ -30,14 +30,22 @@ from typing import Any
 import torch
 
 from orgel.graph.opgraph import CaptureError
-from orgel.graph.sizes import Shapes, _expr, _sizes_from_symbols, input_shapes, is_symbolic
+from orgel.graph.sizes import (
+    Shapes,
+    _expr,
+    _sizes_from_symbols,
+    input_shapes,
+    is_symbolic,
+    size_settings,
+)
 
 
 def size_values(named: dict[str, Any]) -> tuple[int, ...]:
-    """The example batch's sizes (each dimension of each model input, but 0 and 1, which
-    Dynamo takes as fixed): what :func:`glue_settings` marks dynamic wherever Dynamo meets it."""
+    """The example batch's sizes (each dimension of each model input but 0): what
+    :func:`glue_settings` marks dynamic wherever Dynamo meets it. A size of 1 (a micro-batch
+    of one row) too: Dynamo's sizes are size-oblivious there, so it is not fixed."""
     return tuple(sorted({int(n) for t in named.values() if isinstance(t, torch.Tensor)
-                         for n in t.shape if n > 1}))
+                         for n in t.shape if n > 0}))
 
 
 @contextlib.contextmanager
@@ -47,16 +55,16 @@ def glue_settings(values: tuple[int, ...]) -> Iterator[None]:
     dimension and every int a frame takes whose value is one of the example batch's sizes
     ``values`` (:func:`size_values`) is symbolic from the first compile, one symbol each (no
     duck sizing), in every frame, the resumed ones after a break included
-    (``torch.compiler.config.dynamic_values``, made for graph breaks); parameters stay
+    (``torch.compiler.config.dynamic_values``, made for graph breaks), size-oblivious as a
+    one-graph capture's (:func:`orgel.graph.sizes.size_settings`: a graph found on one row
+    takes more, and one found on more rows takes one); parameters stay
     static, and a float (a value read off a tensor with ``.item()``) turns symbolic at its
     first change, as under ``dynamic=None`` alone. A no-op without ``values`` (a static
     capture). Dynamo's settings are the calling thread's."""
     if not values:
         yield
         return
-    import torch.fx.experimental._config as fx_config
-
-    with (fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+    with (size_settings(True),
           torch.compiler.config.patch(  # type: ignore[attr-defined]
               dynamic_values=",".join(str(v) for v in values))):
         yield
