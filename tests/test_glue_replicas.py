@@ -105,11 +105,15 @@ class Broken(nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("example, rows", [(8, (8, 12)), (4, (4, 8, 12))],
+                         ids=["replicas of 2 rows", "replicas of one row"])
 def test_replicas_train_from_the_one_capture_of_a_microbatch_at_any_batch_size(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, example: int, rows: tuple[int, ...]) -> None:
     """With ``dp=2`` the plan and the stages read one capture of a micro-batch, with symbolic
     sizes (a forward of several graphs included; it was captured static, and again of one
-    replica's rows): a later batch of other rows trains on the captured graphs, exactly."""
+    replica's rows): a later batch of other rows trains on the captured graphs, exactly.
+    Replicas of one row too (they were captured static, and a later batch of more rows
+    was refused with a ShapeError)."""
     import orgel.flow.capture as flow_capture
 
     captures: list[int] = []
@@ -125,13 +129,13 @@ def test_replicas_train_from_the_one_capture_of_a_microbatch_at_any_batch_size(
     reference = copy.deepcopy(model)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     opt = sgd(reference.parameters())
-    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    x, y = torch.randn(example, 8), torch.randint(0, 4, (example,))
     pipe = orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, dp=2, microbatches=2,
                           schedule="1f1b", threads=1, timeout_s=60, optimizer=sgd)
     with pipe:
         assert pipe.glue.calls and len(captures) == 1
-        for rows in (8, 12):  # replicas of 2 rows, then of 3
-            batch, target = torch.randn(rows, 8), torch.randint(0, 4, (rows,))
+        for n in rows:  # replicas of n // 4 rows
+            batch, target = torch.randn(n, 8), torch.randint(0, 4, (n,))
             got = pipe.step((batch,), target)
             assert pipe.off_path == []  # every micro-batch ran on the ranks
             want = _one_process(reference, opt, batch, target)

@@ -26,21 +26,20 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
 
 
 def capture_microbatch(workload: Workload, microbatches: int, dynamic: bool = True,
-                       keep: bool = False, breaks_dynamic: bool = True) -> Any:
+                       keep: bool = False) -> Any:
     """The op graph of ``workload``'s model, measured on one micro-batch.
 
     ``dynamic``: with symbolic sizes where the model allows (:mod:`orgel.graph.sizes`),
     so the stages split from it take batches of other sizes; ``graph.shapes`` says which.
     ``keep``: a forward of several graphs keeps Dynamo's code for its controller
-    (:func:`orgel.graph.capture.capture`); ``breaks_dynamic=False``: such a forward with
-    static sizes.
+    (:func:`orgel.graph.capture.capture`).
     """
     from orgel.graph.capture import capture
     from orgel.workload import microbatches as slice_batches
 
     first_inputs, first_targets = slice_batches(workload, microbatches)[0]
     graph = capture(workload.model, first_inputs, precision=workload.precision,
-                    dynamic=dynamic, keep=keep, shallow=True, breaks_dynamic=breaks_dynamic)
+                    dynamic=dynamic, keep=keep, shallow=True)
     if graph.glue is None:  # (with graph breaks the controller reads outputs too: all)
         graph.loss_reads = loss_reads(graph, workload.loss_fn, first_inputs, first_targets)
     return graph
@@ -143,16 +142,16 @@ def replica_graph(workload: Workload, graph: Any, plan: Plan) -> Any:
 
 def takes_replica_rows(workload: Workload, graph: Any, plan: Plan) -> bool:
     """Whether ``graph``, captured on one micro-batch, takes one replica's rows of it (every
-    stage has one rank; or its sizes are symbolic, and Dynamo did not fix the rows, as it
-    does a size of 1)."""
+    stage has one rank; or its sizes are symbolic, and a replica's rows pass their checks:
+    a size of 1 too, since both captures mark sizes size-oblivious)."""
     from orgel.graph.sizes import ShapeError, batch_check
     from orgel.workload import named_inputs
 
     replicas = stage_replicas(plan)
     if replicas == 1:
         return True
-    if not graph.shapes.dynamic or one_row_replicas(workload, plan.microbatches, replicas):
-        return False  # (a size of 1 Dynamo fixes, whatever the ranges recorded)
+    if not graph.shapes.dynamic:
+        return False
     check = batch_check(graph.shapes, plan.microbatches, replicas, workload.batch_dim,
                         workload.replicated)
     try:
@@ -160,15 +159,6 @@ def takes_replica_rows(workload: Workload, graph: Any, plan: Plan) -> bool:
     except ShapeError:
         return False
     return True
-
-
-def one_row_replicas(workload: Workload, microbatches: int, replicas: int) -> bool:
-    """Whether each of ``replicas`` gets one row (or none) of one of ``microbatches``
-    micro-batches of ``workload``'s batch: a size Dynamo fixes, so no capture of more rows
-    takes it."""
-    from orgel.workload import microbatch_rows
-
-    return (microbatch_rows(workload, microbatches) or 0) // replicas < 2
 
 
 def stage_replicas(plan: Plan) -> int:

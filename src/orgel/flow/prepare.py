@@ -142,7 +142,6 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     """
     from orgel.flow.capture import (
         capture_microbatch,
-        one_row_replicas,
         replica_graph,
         resolve_plan,
         stage_replicas,
@@ -156,14 +155,8 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
         with untouched(workload.model):
             if graph is None and microbatches != "auto":
                 # with dp > 1 the stages take one replica's rows of a micro-batch; a capture
-                # of several graphs with symbolic sizes takes them too, unless that is one row
-                # (Dynamo fixes a size of 1): then capture it static from the start (a
-                # symbolic capture released leaves Dynamo's record of sizes that changed,
-                # and a static one made after it compiled other graphs for the controller)
-                static = given is None and dp > 1 and one_row_replicas(
-                    workload, int(microbatches), dp)
-                graph = capture_microbatch(workload, int(microbatches), keep=True,
-                                           breaks_dynamic=not static)
+                # with symbolic sizes takes them too, one row included (size-oblivious sizes)
+                graph = capture_microbatch(workload, int(microbatches), keep=True)
             if graph is not None and check_graph is not None:
                 check_graph(graph)
             planned = planned_workload(workload, graph)

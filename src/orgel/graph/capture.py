@@ -45,8 +45,7 @@ __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_sett
 
 def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
             several: bool = True, precision: str = "32", dynamic: bool = True,
-            shallow: bool | str = False, keep: bool = False,
-            breaks_dynamic: bool = True) -> OpGraph:
+            shallow: bool | str = False, keep: bool = False) -> OpGraph:
     """Capture ``model``'s forward on ``inputs`` (tuple or dict) as an :class:`OpGraph`.
 
     ``method``: ``"dynamo"`` (torch.compile backend), ``"export"`` (torch.export,
@@ -71,10 +70,6 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
     bit for bit what the model does on ``inputs`` (else the whole forward is traced;
     ``graph.notes`` says why). A meta model's copy cannot be checked so: it is taken only
     with ``shallow="costs"``, for a caller that reads the graph's costs and trains nothing.
-
-    ``breaks_dynamic=False``: a forward of several graphs is captured with static sizes
-    even where ``dynamic`` (its sizes bind by value, so a capture of other rows, one
-    replica's, must be static: :func:`orgel.flow.prepare.prepare`).
 
     ``keep`` (several graphs): keep the code Dynamo compiled for the controller
     (:func:`orgel.graph.glue_capture.kept_compiler`; :func:`~orgel.graph.glue_capture.release`
@@ -112,7 +107,7 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 if not several:
                     raise
                 # run as several graphs, the Python between them in the controller
-                raw, glue = _graphs(model, named, str(exc), region, dynamic and breaks_dynamic,
+                raw, glue = _graphs(model, named, str(exc), region, dynamic,
                                     notes, keep)
                 notes.append(f"Dynamo captured the forward as {len(glue.calls)} graphs "
                              f"(first break: {str(exc).split('. For one graph')[0]}); the Python "
