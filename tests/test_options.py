@@ -81,19 +81,3 @@ def test_a_schedule_instead_of_a_plan_is_checked_before_anything_starts() -> Non
         orgel.pipeline(model, (x,), y, loss, schedule="1f1b", microbatches="auto")
     with pytest.raises(ValueError, match="schedule must be a schedule family"):
         orgel.backend(schedule="zbv")
-
-
-def test_orgel_backend_refuses_dp_with_one_row_closures_before_any_rank_starts() -> None:
-    # Dynamo compiles the closure's model for one row (a size of 1 is fixed), so replicas'
-    # rows side by side cannot run through its graph: said at the first step, nothing forked
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    pipe = orgel.backend(ranks=2, dp=2, microbatches=4)
-    compiled = torch.compile(model, backend=pipe)
-
-    def closure(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = torch.nn.functional.mse_loss(compiled(x), y) / 4
-        loss.backward()
-        return float(loss)
-
-    with pipe, pytest.raises(ValueError, match="each has one row.*two rows or more, or dp=1"):
-        pipe.step(closure, torch.randn(4, 4), torch.randn(4, 2))

@@ -93,12 +93,7 @@ def start_glued(backend: Backend) -> Any:
     # joined graph opens it and every stage re-enters it (the closures' Python is in it)
     batch, whole = replica_batch(backend)
     named_inputs = closure_tensors(backend._pieces[0])  # micro-batch 0's, as its graphs ran
-    if backend.dp > 1 and batch_rows(named_inputs, None, backend.batch_dim, whole) == 1:
-        raise ValueError(
-            f"orgel.backend(dp={backend.dp}) runs {backend.dp} closures' micro-batches side "
-            "by side, and each has one row: Dynamo compiled the model for one row (it fixes "
-            "a size of 1), so the rows side by side cannot run through its graph; give each "
-            "closure two rows or more, or dp=1")
+    # (closures of one row side by side too: their sizes are symbolic, size-oblivious)
     values = backend._glue_values
     # sizes found symbolic: each bound to a dimension of a closure argument (else CaptureError)
     dims = size_roles(calls, named_inputs) if values else None
