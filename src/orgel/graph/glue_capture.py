@@ -28,7 +28,7 @@ from orgel.graph.glue_sizes import (
     stretched,
 )
 from orgel.graph.opgraph import CaptureError
-from orgel.guard import no_autocast_cache
+from orgel.guard import no_autocast_cache, untouched
 
 
 class GlueCompiler:
@@ -111,28 +111,36 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
     seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]] = []
     values = size_values(named) if dynamic else ()
 
-    def record(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
+    def shadow(args: tuple[Any, ...]) -> list[Any]:
         # the graph trains detached copies of the parameters: a real parameter in the
         # autograd graph afterwards was used by the glue, outside every graph
-        shadow = [a.detach().requires_grad_(a.requires_grad)
-                  if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
+        return [a.detach().requires_grad_(a.requires_grad)
+                if isinstance(a, torch.Tensor) and id(a) in params else a for a in args]
+
+    @contextlib.contextmanager
+    def traced(route: Callable[[torch.fx.GraphModule, tuple[Any, ...]], Any]
+               ) -> Iterator[None]:
+        # the controller's global state (its threads run without the autocast cache), which
+        # Dynamo's code guards on, so that this code serves it; graph calls go to ``route``
+        with (dynamo_settings(), capture_settings(values), torch.enable_grad(),
+              no_autocast_cache(), region_autocast(region), compiler.routed(route)):
+            yield
+
+    def record(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
         check_grad_mode(gm, [isinstance(a, torch.Tensor)
                              and (id(a) in params or a.requires_grad) for a in args], reason)
         if values and returns_size(gm) and _reads(args, state):
             # the join refuses it (the capture is then static): say so before Dynamo traces
             # the rest of the forward with symbolic sizes (seconds, for nothing)
             raise CaptureError(RETURNS_SIZE.format(sum(_reads(s[1], state) for s in seen)))
-        out = gm(*shadow)
+        out = gm(*shadow(args))
         seen.append((gm, list(args), list(out) if isinstance(out, (tuple, list)) else [out]))
         return out
 
     compiler = GlueCompiler()
     try:
         compiled = torch.compile(model, backend=compiler, dynamic=None if values else False)
-        # the controller's global state (its threads run without the autocast cache), which
-        # Dynamo's code guards on, so that this code serves it
-        with (dynamo_settings(), capture_settings(values), torch.enable_grad(),
-              no_autocast_cache(), region_autocast(region), compiler.routed(record)):
+        with traced(record):
             result = compiled(**named)
     except BaseException as exc:
         forget_compiled(compiler)  # the caller's compiled code stays (no torch._dynamo.reset())
@@ -141,40 +149,30 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
         raise CaptureError(f"{reason} orgel then tried to pipeline the forward as several "
                            f"graphs, and Dynamo failed: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
     def probe(value: int) -> list[list[Any]] | None:
         """The state-reading graph calls' arguments on the example with every input
         dimension of size ``value`` one longer (:func:`orgel.graph.glue_sizes.size_roles`
         tells a size from a number of the same value by it); None where that forward
-        needs another graph or fails. Nothing of the model or the random streams changes."""
+        needs another graph or fails. Nothing of the model or the random streams changes
+        (:func:`orgel.guard.untouched`)."""
         calls: list[tuple[torch.fx.GraphModule, list[Any]]] = []
 
         def rec(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
             calls.append((gm, list(args)))
-            return gm(*[a.detach().requires_grad_(a.requires_grad)
-                        if isinstance(a, torch.Tensor) and id(a) in params else a
-                        for a in args])
+            return gm(*shadow(args))
 
         longer = {k: _view_like(stretched(v, tuple((k, d) if n == value else n
                                                    for d, n in enumerate(v.shape)),
                                           {k: tuple(n + 1 if n == value else n
                                                     for n in v.shape)}), v)
                   if isinstance(v, torch.Tensor) else v for k, v in named.items()}
-        buffers = [b for b in model.buffers() if b is not None]
-        before = [b.detach().clone() for b in buffers]
-        devices = sorted({t.device.index or 0 for t in named.values()
-                          if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
         try:
-            with (torch.random.fork_rng(devices=devices), dynamo_settings(),
-                  capture_settings(values), torch.enable_grad(), no_autocast_cache(),
-                  region_autocast(region), compiler.routed(rec),
+            with (untouched(model), traced(rec),
                   torch.compiler.set_stance("fail_on_recompile")):
                 compiled(**longer)
         except Exception:
             return None
-        finally:
-            with torch.no_grad():
-                for b, kept in zip(buffers, before, strict=True):
-                    b.copy_(kept)
         ran = [(gm, args) for gm, args in calls if _reads(args, state)]
         if [gm for gm, _ in ran] != [gm for gm, args, _ in seen if _reads(args, state)]:
             return None

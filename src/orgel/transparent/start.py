@@ -93,7 +93,6 @@ def start_glued(backend: Backend) -> Any:
     # joined graph opens it and every stage re-enters it (the closures' Python is in it)
     batch, whole = replica_batch(backend)
     named_inputs = closure_tensors(backend._pieces[0])  # micro-batch 0's, as its graphs ran
-    # (closures of one row side by side too: their sizes are symbolic, size-oblivious)
     values = backend._glue_values
     # sizes found symbolic: each bound to a dimension of a closure argument (else CaptureError)
     dims = size_roles(calls, named_inputs) if values else None
