@@ -309,6 +309,8 @@ def _dynamic_or_static(model: torch.nn.Module, named: dict[str, Any],
         return _dynamo_graph(model, named, autocast)
     try:
         return _dynamo_graph(model, named, autocast, dynamic=True)
+    except GraphBreakError:  # a break is no matter of sizes: tracing again statically
+        raise  # would stop at the same place, seconds later (zoo, 2026-12-06: it always did)
     except Exception as exc:  # noqa: BLE001 - any failure: the static capture decides
         raw = _dynamo_graph(model, named, autocast)  # its error, if any, is today's error
         reason = (str(exc).splitlines() or [""])[0][:200]

@@ -120,10 +120,23 @@ def _inductor(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
 
     def call(args: list[Any]) -> Any:
         if not compiled:
-            with config.patch(INDUCTOR_OPTIONS):
+            with config.patch(INDUCTOR_OPTIONS), _static_context():
                 compiled.append(compile_fx_inner(gm, list(args)))
         return compiled[0](args)
     return call
+
+
+def _static_context() -> Any:
+    """A tracing context whose fake tensors keep the arguments' sizes: under it Inductor's
+    FX graph cache serves a graph compiled before, here or in an earlier process (the cache
+    keys on a shape environment, which only a tracing context lends; without one every
+    stage graph was compiled afresh: 6 C++ compiles of a tiny GPT stage, about 4 s each)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(),
+                                                 static_shapes=True)))
 
 
 class _Compiled:
