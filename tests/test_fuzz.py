@@ -120,6 +120,19 @@ def test_a_head_count_equal_to_the_first_closures_rows_stays_a_head_count() -> N
                          shape="uneven", seed=1, entry="backend"))
 
 
+def test_a_stage_of_a_tuples_items_alone_is_not_planned() -> None:
+    """Found by the fuzzer (seed 97): the FLOP-balanced chain of 4 stages over a forward of
+    two graphs cut between the exchange's tuple and its second item, so that stage held only
+    that item, which runs where the tuple is computed: the plan had an empty stage and
+    ``orgel.pipeline`` refused it ("lists neither blocks nor nodes"). No cut falls inside a
+    tuple's items now; the draw (2 x 2 stages, 2 replicas, bf16-mixed) trains. (It drew FSDP
+    too, which refuses the micro-batch that leaves the captured graphs, as documented.)"""
+    _check(fuzzing.Setup("graphbreak", ranks=4, dp=2, schedule="looped-bfs", microbatches=1,
+                         rows=2, stages_per_rank=2, recompute="selective", frozen="module",
+                         precision="bf16-mixed", optimizer="momentum",
+                         schedule_lr="scheduler", accumulate=2))
+
+
 @pytest.mark.hf
 def test_a_meta_hugging_face_gpt2_trains() -> None:
     """Found by the fuzzer: GPT2LMHeadModel built on the meta device failed in

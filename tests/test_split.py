@@ -265,6 +265,30 @@ def test_an_updated_buffer_is_never_split_across_stages() -> None:
     assert "steps" in split.stages[1].buffer_names and not split.stages[0].buffer_names
 
 
+def test_a_tuples_items_stay_on_its_stage() -> None:
+    """A tuple is not sent: its items run where it is computed. The balanced chain cuts
+    after its last item, and an assignment that leaves a stage only items is refused, saying
+    what to change (a forward of two graphs: the exchange returns a tuple)."""
+    from orgel.models import build
+
+    w = build("graphbreak", batch_size=2, seed=0)
+    g = capture(w.model, {k: v[:1] for k, v in w.inputs.items()}
+                if isinstance(w.inputs, dict) else tuple(v[:1] for v in w.inputs))
+    names = list(g.nodes)
+    items = [n for n in names if g.nodes[n].op == "getitem"]
+    assert len(items) >= 2
+    for stages in range(2, len(names)):
+        try:
+            assignment = balanced_assignment(g, stages)
+        except ValueError:
+            break
+        split_model(g, assignment)  # no stage emptied
+    last = names.index(items[-1])
+    cut = [0] * last + [1] + [2] * (len(names) - last - 1)
+    with pytest.raises(SplitError, match="holds only items of a tuple"):
+        split_model(g, cut)
+
+
 def test_batchnorm_statistics_count_as_written(mixed: tuple[Workload, OpGraph]) -> None:
     _, g = mixed
     assert set(g.written) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}

@@ -72,7 +72,8 @@ def balanced_assignment(graph: BlockGraph | OpGraph, num_stages: int, *,
     else:
         names = list(graph.nodes)
         w = [float(max(_node_weight(graph, n, weight), 1)) for n in names]
-        spans = writer_spans(graph, {n: i for i, n in enumerate(names)})
+        position = {n: i for i, n in enumerate(names)}
+        spans = writer_spans(graph, position) + tuple_spans(graph, position)
         units = []  # runs of nodes that no cut may divide
         for i in range(len(names)):
             if units and cuts_a_span(spans, i):
@@ -87,6 +88,20 @@ def balanced_assignment(graph: BlockGraph | OpGraph, num_stages: int, *,
         for i in unit:
             out[i] = stage
     return out
+
+
+def tuple_spans(graph: OpGraph, position: dict[str, int]) -> list[tuple[int, int]]:
+    """``(producer, last getitem)`` positions of each tuple-valued node: no stage boundary
+    may fall inside one, as a tuple is not sent and its getitems run where it runs
+    (:func:`orgel.split.split.split_model`); a stage of such getitems alone would be empty."""
+    last: dict[str, int] = {}
+    for node in graph.nodes.values():
+        if node.op == "getitem" and len(node.inputs) == 1 and node.name in position:
+            src = graph.nodes.get(node.inputs[0])
+            if src is not None and not src.is_tensor and src.constant is None \
+                    and src.name in position:
+                last[src.name] = max(last.get(src.name, 0), position[node.name])
+    return [(position[src], hi) for src, hi in last.items() if hi > position[src]]
 
 
 def _node_weight(graph: OpGraph, name: str, weight: str) -> float:
