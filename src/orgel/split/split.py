@@ -140,12 +140,6 @@ def _node_stages(
             src = opg.nodes.get(node.inputs[0])
             if src is not None and not src.is_tensor and src.constant is None:
                 node_stage[node.name] = node_stage[src.name]
-    emptied = sorted(set(range(len(stages))) - set(node_stage.values()))
-    if emptied:
-        raise SplitError(
-            f"stage {emptied[0]} holds only items of a tuple computed on an earlier stage, "
-            "which run where the tuple is computed; cut after the tuple's last item "
-            "(orgel.split.assign.tuple_spans), or ask for fewer stages")
     return opg, node_stage, stage_blocks
 
 
