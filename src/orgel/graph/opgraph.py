@@ -199,3 +199,14 @@ class OpGraph:
             "saved_bytes": sum(n.saved_bytes for n in self.nodes.values()),
             "flops": sum(n.flops for n in self.nodes.values()),
         }
+
+
+def tuple_of(opgraph: OpGraph, node: OpNode) -> str | None:
+    """The name of the tuple-valued node that ``node`` takes an item of (a getitem), or
+    None. A tuple is not sent between stages: its items run where it is computed."""
+    if node.op != "getitem" or len(node.inputs) != 1:
+        return None
+    src = opgraph.nodes.get(node.inputs[0])
+    if src is None or src.is_tensor or src.constant is not None:
+        return None
+    return str(src.name)

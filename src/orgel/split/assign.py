@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from orgel.graph.blocks import BlockGraph
-from orgel.graph.opgraph import OpGraph
+from orgel.graph.opgraph import OpGraph, tuple_of
 
 
 def _units(graph: BlockGraph | OpGraph) -> tuple[list[int], dict[int, list[int]]]:
@@ -96,11 +96,9 @@ def tuple_spans(graph: OpGraph, position: dict[str, int]) -> list[tuple[int, int
     (:func:`orgel.split.split.split_model`); a stage of such getitems alone would be empty."""
     last: dict[str, int] = {}
     for node in graph.nodes.values():
-        if node.op == "getitem" and len(node.inputs) == 1 and node.name in position:
-            src = graph.nodes.get(node.inputs[0])
-            if src is not None and not src.is_tensor and src.constant is None \
-                    and src.name in position:
-                last[src.name] = max(last.get(src.name, 0), position[node.name])
+        src = tuple_of(graph, node)
+        if src is not None and src in position and node.name in position:
+            last[src] = max(last.get(src, 0), position[node.name])
     return [(position[src], hi) for src, hi in last.items() if hi > position[src]]
 
 

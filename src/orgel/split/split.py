@@ -28,7 +28,7 @@ import torch
 
 from orgel.graph.blocks import BlockGraph, layer_runs
 from orgel.graph.measure import AUTOCAST_ENTER, AUTOCAST_EXIT, GRAD_SWITCH
-from orgel.graph.opgraph import OpGraph
+from orgel.graph.opgraph import OpGraph, tuple_of
 from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value
 from orgel.split.types import SplitModel, StageModule
 
@@ -136,10 +136,8 @@ def _node_stages(
         node_stage = {str(k): int(v) for k, v in table.items()}
     # A tuple-valued node cannot be sent: its getitems run where it runs.
     for node in opg.nodes.values():
-        if node.op == "getitem" and len(node.inputs) == 1:
-            src = opg.nodes.get(node.inputs[0])
-            if src is not None and not src.is_tensor and src.constant is None:
-                node_stage[node.name] = node_stage[src.name]
+        if (src := tuple_of(opg, node)) is not None:
+            node_stage[node.name] = node_stage[src]
     return opg, node_stage, stage_blocks
 
 
