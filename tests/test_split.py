@@ -289,6 +289,34 @@ def test_the_balanced_chain_keeps_a_tuples_items_with_it() -> None:
         assert all(stage.nodes for stage in split.stage_graph.stages), stages
 
 
+class _MaskedInner(nn.Module):
+    """A ``torch.vmap`` in a submodule (transformers 4.57 builds its masks so): the region
+    is one node of the root's module path returning a tuple, its item the submodule's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        mask = torch.vmap(lambda row: (row * 2).sigmoid())(x)
+        return self.c(self.b(h).relu()) * mask
+
+
+def test_the_planners_blocks_keep_a_tuples_items_with_it() -> None:
+    """Blocks cut between a tuple and its item (the module path changes there) made a
+    stage of the item alone, emptied by the split: a stage with nothing to compute (4.57's
+    Llama and Qwen2 under the auto planner). The blocks keep them together now."""
+    g = capture(nn.Sequential(_MaskedInner()), (torch.randn(2, 8),))
+    items = [n for n in g.nodes if g.nodes[n].op == "getitem"]
+    assert items
+    for target in range(2, len(g.nodes) + 1):
+        blocks = coarsen(g, target)
+        home = {n: b for b, block in enumerate(blocks.blocks) for n in block.nodes}
+        for item in items:
+            assert home[item] == home[g.nodes[item].inputs[0]], (target, item)
+
+
 def test_batchnorm_statistics_count_as_written(mixed: tuple[Workload, OpGraph]) -> None:
     _, g = mixed
     assert set(g.written) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}

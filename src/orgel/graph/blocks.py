@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orgel.graph.opgraph import OpGraph
+from orgel.graph.opgraph import OpGraph, tuple_spans
 
 DEFAULT_BLOCKS = 32
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -205,9 +205,10 @@ def _keep_writers_together(opgraph: OpGraph, segs: list[tuple[int, int, int]],
 
     A buffer the forward writes lives in one stage (its updates are ordered);
     a module used twice in one forward (a BatchNorm in a siamese encoder)
-    writes it in two places, so everything between them is one block.
+    writes it in two places, so everything between them is one block. So is a tuple-valued
+    node with its items (:func:`orgel.graph.opgraph.tuple_spans`).
     """
-    spans = writer_spans(opgraph, position)
+    spans = writer_spans(opgraph, position) + tuple_spans(opgraph, position)
     out: list[tuple[int, int, int]] = []
     for seg in segs:
         if out and cuts_a_span(spans, seg[0]):

@@ -210,3 +210,16 @@ def tuple_of(opgraph: OpGraph, node: OpNode) -> str | None:
     if src is None or src.is_tensor or src.constant is not None:
         return None
     return str(src.name)
+
+
+def tuple_spans(graph: OpGraph, position: dict[str, int]) -> list[tuple[int, int]]:
+    """``(producer, last getitem)`` positions of each tuple-valued node: no stage boundary
+    may fall inside one, as a tuple is not sent and its getitems run where it runs
+    (:func:`orgel.split.split.split_model`): a stage or block of such getitems alone
+    would be empty."""
+    last: dict[str, int] = {}
+    for node in graph.nodes.values():
+        src = tuple_of(graph, node)
+        if src is not None and src in position and node.name in position:
+            last[src] = max(last.get(src, 0), position[node.name])
+    return [(position[src], hi) for src, hi in last.items() if hi > position[src]]

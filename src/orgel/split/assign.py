@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from orgel.graph.blocks import BlockGraph
-from orgel.graph.opgraph import OpGraph, tuple_of
+from orgel.graph.opgraph import OpGraph, tuple_spans
 
 
 def _units(graph: BlockGraph | OpGraph) -> tuple[list[int], dict[int, list[int]]]:
@@ -88,18 +88,6 @@ def balanced_assignment(graph: BlockGraph | OpGraph, num_stages: int, *,
         for i in unit:
             out[i] = stage
     return out
-
-
-def tuple_spans(graph: OpGraph, position: dict[str, int]) -> list[tuple[int, int]]:
-    """``(producer, last getitem)`` positions of each tuple-valued node: no stage boundary
-    may fall inside one, as a tuple is not sent and its getitems run where it runs
-    (:func:`orgel.split.split.split_model`); a stage of such getitems alone would be empty."""
-    last: dict[str, int] = {}
-    for node in graph.nodes.values():
-        src = tuple_of(graph, node)
-        if src is not None and src in position and node.name in position:
-            last[src] = max(last.get(src, 0), position[node.name])
-    return [(position[src], hi) for src, hi in last.items() if hi > position[src]]
 
 
 def _node_weight(graph: OpGraph, name: str, weight: str) -> float:
