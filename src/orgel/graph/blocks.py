@@ -177,21 +177,23 @@ def coarsen(
         segs
     ) < 20 * target and _split_largest(segs, paths, cost, cut_ok, limit):
         pass
-    segs = _keep_writers_together(opgraph, segs, position)
+    segs = _keep_spans_together(opgraph, segs, position)
     live = _live_bytes(opgraph, names, position)
     groups = _partition(segs, min(target, len(segs)), paths, cost, preds, live, slack)
     blocks = [names[segs[i][0]:segs[j - 1][1]] for i, j in groups]
     return _assemble(opgraph, blocks, paths, [segs[i][0] for i, _ in groups])
 
 
-def writer_spans(opgraph: OpGraph, position: dict[str, int]) -> list[tuple[int, int]]:
-    """``(first, last)`` positions of the nodes reading each buffer the forward updates in place.
-
-    No stage boundary may fall inside a span: the buffer lives in one stage.
+def unsplit_spans(opgraph: OpGraph, position: dict[str, int]) -> list[tuple[int, int]]:
+    """``(first, last)`` positions of each run of nodes that no stage or block boundary may
+    fall inside: the nodes reading a buffer the forward updates in place (the buffer lives
+    in one stage), and a tuple-valued node with its items
+    (:func:`~orgel.graph.opgraph.tuple_spans`).
     """
     users = opgraph.param_users()
-    return sorted((min(ix), max(ix)) for buf in opgraph.written
-                  if len(ix := [position[n] for n in users.get(buf, ()) if n in position]) > 1)
+    writers = [(min(ix), max(ix)) for buf in opgraph.written
+               if len(ix := [position[n] for n in users.get(buf, ()) if n in position]) > 1]
+    return sorted(writers + tuple_spans(opgraph, position))
 
 
 def cuts_a_span(spans: list[tuple[int, int]], at: int) -> bool:
@@ -199,16 +201,16 @@ def cuts_a_span(spans: list[tuple[int, int]], at: int) -> bool:
     return any(lo < at <= hi for lo, hi in spans)
 
 
-def _keep_writers_together(opgraph: OpGraph, segs: list[tuple[int, int, int]],
-                           position: dict[str, int]) -> list[tuple[int, int, int]]:
-    """Merge the segments between the first and last reader of each buffer updated in place.
+def _keep_spans_together(opgraph: OpGraph, segs: list[tuple[int, int, int]],
+                         position: dict[str, int]) -> list[tuple[int, int, int]]:
+    """Merge the segments that :func:`unsplit_spans` says no boundary may fall between.
 
     A buffer the forward writes lives in one stage (its updates are ordered);
     a module used twice in one forward (a BatchNorm in a siamese encoder)
     writes it in two places, so everything between them is one block. So is a tuple-valued
-    node with its items (:func:`orgel.graph.opgraph.tuple_spans`).
+    node with its items.
     """
-    spans = writer_spans(opgraph, position) + tuple_spans(opgraph, position)
+    spans = unsplit_spans(opgraph, position)
     out: list[tuple[int, int, int]] = []
     for seg in segs:
         if out and cuts_a_span(spans, seg[0]):

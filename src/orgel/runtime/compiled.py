@@ -130,7 +130,7 @@ def _static_context() -> Any:
     """A tracing context whose fake tensors keep the arguments' sizes: under it Inductor's
     FX graph cache serves a graph compiled before, here or in an earlier process (the cache
     keys on a shape environment, which only a tracing context lends; without one every
-    stage graph was compiled afresh: 6 C++ compiles of a tiny GPT stage, about 4 s each)."""
+    stage graph was compiled afresh, 3-6 s for a tiny GPT stage's forward and backward)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from orgel.graph.blocks import BlockGraph
-from orgel.graph.opgraph import OpGraph, tuple_spans
+from orgel.graph.opgraph import OpGraph
 
 
 def _units(graph: BlockGraph | OpGraph) -> tuple[list[int], dict[int, list[int]]]:
@@ -59,9 +59,10 @@ def balanced_assignment(graph: BlockGraph | OpGraph, num_stages: int, *,
     contiguous runs with about equal ``weight``, ``"flops"`` or ``"params"`` (parameter bytes).
 
     In an op graph the nodes between the first and last reader of a buffer the forward
-    updates in place (a BatchNorm used twice) stay in one stage; blocks already do.
+    updates in place (a BatchNorm used twice) stay in one stage, and so does a tuple with
+    its items (:func:`orgel.graph.blocks.unsplit_spans`); blocks already do.
     """
-    from orgel.graph.blocks import cuts_a_span, writer_spans
+    from orgel.graph.blocks import cuts_a_span, unsplit_spans
     from orgel.split.points import balanced_points
 
     if weight not in ("flops", "params"):
@@ -72,8 +73,7 @@ def balanced_assignment(graph: BlockGraph | OpGraph, num_stages: int, *,
     else:
         names = list(graph.nodes)
         w = [float(max(_node_weight(graph, n, weight), 1)) for n in names]
-        position = {n: i for i, n in enumerate(names)}
-        spans = writer_spans(graph, position) + tuple_spans(graph, position)
+        spans = unsplit_spans(graph, {n: i for i, n in enumerate(names)})
         units = []  # runs of nodes that no cut may divide
         for i in range(len(names)):
             if units and cuts_a_span(spans, i):
