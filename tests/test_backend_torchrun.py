@@ -131,12 +131,12 @@ import orgel
 from gaps import state_gap
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(65536, 8), nn.Tanh(), nn.Linear(8, 1))
+model = nn.Sequential(nn.Linear(65536, 8), nn.Tanh(), nn.Linear(8, 131072))
 reference = copy.deepcopy(model)
 sgd = lambda params: torch.optim.SGD(params, lr=0.05)
 pipe = orgel.backend(ranks=2, microbatches=4, optimizer=sgd, schedule="1f1b", timeout_s=60)
 compiled = torch.compile(model, backend=pipe)
-x, y = torch.randn(16, 65536), torch.randn(16, 1)
+x, y = torch.randn(16, 65536), torch.randn(16, 131072)
 
 
 def closure(xm, ym):
@@ -167,7 +167,9 @@ def test_a_first_step_whose_inputs_overfill_the_pipes_trains(torchrun_part: Path
     """Under torchrun the inputs go to the ranks by value: each micro-batch here is 1 MiB,
     more than a pipe holds, so its send blocks until the input stage reads it in the step.
     On the first step the closures send them once the ranks run, while process 0 issues
-    the step (it once sent them itself before issuing it, and waited forever)."""
+    the step (it once sent them itself before issuing it, and waited forever). Each
+    micro-batch's outputs (2 MiB) stay on the last rank until the closure's loss reads
+    them (:mod:`orgel.explicit.lazy`), over torchrun's connections."""
     for rank in range(2):
         result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert result["got"] == pytest.approx(result["want"], rel=1e-5), rank

@@ -15,8 +15,10 @@ import torch
 from orgel.batching import batch_placeholders
 from orgel.explicit.fallback import Deviated, GlueError, check_outside, not_here
 from orgel.explicit.glued import GluedPipeline
+from orgel.explicit.lazy import LazyOutput
 from orgel.explicit.slots import Slot
 from orgel.graph.dynamo import dynamo_settings
+from orgel.launch.messages import Held, same_fingerprint
 from orgel.precision import ambient_autocast
 
 
@@ -104,7 +106,9 @@ class ClosurePipeline(GluedPipeline):
             self._fallback.leave(self, slot, {}, exc.what)
             return self._in_region(gm, args)
         if self.fallback and slot is not None:  # should it leave later: its backward here
-            slot.ran.append((gm, args, out, ambient_autocast() or self.glue.region))
+            # (an output still on its rank by its fingerprint: keeping it would fetch it)
+            kept = tuple(t.held if isinstance(t, LazyOutput) else t for t in out)
+            slot.ran.append((gm, args, kept, ambient_autocast() or self.glue.region))
         return out
 
     def _in_region(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -183,10 +187,7 @@ class ClosurePipeline(GluedPipeline):
                 stack.enter_context(torch.autocast(*autocast))
             again = self._here(gm, given)
         for got, want in zip(again, outs, strict=True):
-            if isinstance(want, torch.Tensor) and not (
-                    torch.allclose(got.detach(), want.detach(), rtol=1e-4, atol=1e-6,
-                                   equal_nan=True)
-                    if want.is_floating_point() else torch.equal(got, want)):
+            if not _same(got, want):
                 raise GlueError(
                     f"micro-batch {slot.index} left the captured graphs, and graph call {c}, "
                     "which the ranks ran before it left, gives other outputs here (it draws "
@@ -294,3 +295,15 @@ def _past_limit() -> Any:
             "the ranks train. A frame compiles again for every new value a graph break hands "
             "it under torch.compile(..., dynamic=False) (a float from .item()): compile with "
             "the default dynamic=None, or keep such values tensors") from exc
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Whether ``got``, an output computed again here, is the ``want`` the ranks gave (a
+    tensor, or the fingerprint of one they kept: :class:`orgel.launch.messages.Held`)."""
+    if isinstance(want, Held):
+        return same_fingerprint(got.detach(), want.fingerprint)
+    if not isinstance(want, torch.Tensor):
+        return True
+    if want.is_floating_point():
+        return torch.allclose(got.detach(), want.detach(), rtol=1e-4, atol=1e-6, equal_nan=True)
+    return torch.equal(got, want)

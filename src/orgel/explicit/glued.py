@@ -55,6 +55,7 @@ from orgel.explicit.fallback import (
     deviation,
     not_here,
 )
+from orgel.explicit.lazy import LazyOutputs
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
 from orgel.explicit.routes import Routes
 from orgel.explicit.slots import GraphCall, Slot, Turns
@@ -116,6 +117,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         # by process; messages go to every tensor-parallel member of a rank, member 0 answers
         self._pipes = RankPipes(conns, members(plan))
         self._mail = Mailbox(conns, timeout_s, members(plan))
+        self._lazy = LazyOutputs(self._pipes.send, self._mail.get)
         self._timeout_s = timeout_s
         self._turns = Turns(0, timeout_s)  # this step's (see _run_threads)
         self._ranks_of = exchange_ranks(plan, split)  # by replica
@@ -370,6 +372,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         (``"end"``): the ranks then sum the gradients, or drop the step if one failed."""
         for t in threads:
             t.join()
+        self._lazy.settle(self._stopped)  # (the ranks wait for the "end": they answer)
         self._pipes.end()
 
     def _warm_up(self, inputs: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from orgel.batching import side_by_side
+from orgel.explicit.lazy import LazyOutputs
 from orgel.explicit.mailbox import Mailbox, RankPipes
 from orgel.explicit.slots import Slot
 
@@ -25,6 +26,7 @@ class Routes:
     batch_dim: int
     _pipes: RankPipes
     _mail: Mailbox
+    _lazy: LazyOutputs  # the outputs that stay on the loss rank until read
     _ranks_of: dict[int, tuple[int, ...]]  # graph call -> by replica
     _loss_ranks: list[int]
     _input_ranks: list[int]
@@ -75,7 +77,8 @@ class Routes:
                                        f"graph {c}'s outputs of micro-batch {m}"))
         outs = self._mail.get("out", m // self.dp, self.loss_rank(m),
                               f"the outputs of micro-batch {m}")
-        return list(outs[:-1])  # the last one is the exchanges' anchor
+        # (the last one is the exchanges' anchor)
+        return self._lazy.wrap(list(outs[:-1]), self.loss_rank(m))
 
     def _back(self, slot: Slot, c: int, grads: list[Any], count: int,
               answer: bool = True) -> list[Any]:

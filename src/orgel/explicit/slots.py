@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from orgel.explicit.lazy import LazyOutput
+
 
 class Slot:
     """One micro-batch of a step in the controller: its graph calls, loss, outputs, error."""
@@ -47,7 +49,8 @@ class GraphCall(torch.autograd.Function):
         # weakly: a tensor of this graph the slot or the caller keeps (the anchor, a loss,
         # an error's frames) made a cycle through autograd that Python cannot collect
         ctx.pipe, ctx.slot, ctx.c, ctx.count = weakref.ref(pipe), weakref.ref(slot), c, len(values)
-        outs = tuple(t.clone() for t in pipe._run(slot, c, inputs, values))
+        outs = tuple(t if isinstance(t, LazyOutput) else t.clone()  # (read when used)
+                     for t in pipe._run(slot, c, inputs, values))
         ctx.floating = [grad and t.is_floating_point() for t in outs]
         # an output the loss does not reach gets None, not zeros: the last graph's go to the
         # loss rank as they are, so what only they read keeps no gradient, as in one process

@@ -17,13 +17,45 @@ from __future__ import annotations
 import io
 import pickle
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
 #: a message whose tensors hold at most this many bytes carries them by value
 BY_VALUE_BYTES = 1 << 20
+
+
+class Held(NamedTuple):
+    """An output a rank keeps until the controller asks for it (``"o_fetch"``, by
+    ``token``), sent in its place: what the controller needs of it before that
+    (:class:`orgel.explicit.lazy.LazyOutput`), and its :func:`fingerprint`."""
+
+    token: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fingerprint: tuple[float, float]
+
+
+def fingerprint(value: torch.Tensor) -> tuple[float, float]:
+    """The sum and the 2-norm of ``value``'s elements (accumulated in float32 at least, in float64
+    for integers): what tells a tensor computed again from the one the ranks computed (a graph
+    that draws random numbers) without its values (:func:`same_fingerprint`)."""
+    if value.is_floating_point():
+        wide = torch.promote_types(value.dtype, torch.float32)
+        return (float(value.sum(dtype=wide)),
+                float(torch.linalg.vector_norm(value, dtype=wide)))
+    exact = value.to(torch.float64)  # (integers and booleans, rarely large)
+    return float(exact.sum()), float(exact.abs().sum())
+
+
+def same_fingerprint(value: torch.Tensor, want: tuple[float, float]) -> bool:
+    """Whether ``value``'s :func:`fingerprint` is ``want`` up to float32's sums (a relative
+    1e-4 of the norm; the sum within that times the square root of the element count)."""
+    total, norm = fingerprint(value)
+    slack = 1e-4 * want[1] + 1e-6
+    return abs(norm - want[1]) <= slack and \
+        abs(total - want[0]) <= slack * max(1.0, value.numel()) ** 0.5
 
 
 def send(conn: Connection, message: Any) -> None:

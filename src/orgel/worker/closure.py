@@ -30,6 +30,7 @@ closure's autograd graph and sends their gradient when the closure calls ``backw
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -39,7 +40,7 @@ import torch.utils._pytree as pytree
 
 from orgel.batching import batch_size
 from orgel.graph import glue
-from orgel.launch.messages import send
+from orgel.launch.messages import BY_VALUE_BYTES, Held, fingerprint, send
 from orgel.runtime.sharding import shard_like
 from orgel.split.exchanges import eager_homes, exchange_stages, home_rank
 from orgel.worker.engine import RankEngine
@@ -70,11 +71,27 @@ class RankInbox:
         #: the controller's ``"fail"`` of this step: a closure raised (its words)
         self.failed: str | None = None
         self._kept: dict[tuple[str, Any], Any] = {}
+        #: outputs kept here until the controller reads them (:meth:`offer`), by token
+        self._held: dict[int, torch.Tensor] = {}
+        self._tokens = itertools.count()
 
     def begin(self) -> None:
         """A new step: nothing of the last one is kept (it was read up to its ``"end"``)."""
         self.failed = None
         self._kept.clear()
+        self._held.clear()
+
+    def offer(self, value: torch.Tensor) -> torch.Tensor | Held:
+        """``value`` as an output goes to the controller: itself, or where it is larger than
+        what a message carries by value, a :class:`Held` in its place, the value kept here
+        until the controller reads it (``"o_fetch"``) or drops it (``"o_free"``), at
+        the latest until the next step (:mod:`orgel.explicit.lazy`)."""
+        value = value.detach()
+        if value.nbytes <= BY_VALUE_BYTES:
+            return value.cpu()
+        token = next(self._tokens)
+        self._held[token] = value
+        return Held(token, tuple(value.shape), value.dtype, fingerprint(value))
 
     def send(self, message: tuple[str, Any, Any]) -> None:
         send(self.conn, message)  # small tensors by value (orgel.launch.messages)
@@ -93,6 +110,13 @@ class RankInbox:
                                    f"{m} from the controller's closure, which neither sent "
                                    "them nor failed")
             got_kind, got_m, payload = self.conn.recv()
+            if got_kind == "o_fetch":  # (None: a value of a step that ended)
+                held = self._held.pop(got_m, None)
+                self.send(("o_value", got_m, None if held is None else held.cpu()))
+                continue
+            if got_kind == "o_free":
+                self._held.pop(got_m, None)
+                continue
             if got_kind == "v_fetch" and self.serve is not None:
                 self.send(("v_values", got_m, self.serve()))
                 continue
@@ -123,7 +147,7 @@ class SurrogateLoss:
         m = self.microbatch
         flat = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         if m not in self._grads:  # a recomputed forward reuses the gradient it already has
-            self.inbox.send(("out", m, [t.detach().cpu() for t in flat]))
+            self.inbox.send(("out", m, [self.inbox.offer(t) for t in flat]))
             self._grads[m] = self.inbox.get("grad", m)
         grads = self._grads[m]
         if grads is None:
