@@ -301,6 +301,7 @@ def _same(got: Any, want: Any) -> bool:
     """Whether ``got``, an output computed again here, is the ``want`` the ranks gave (a
     tensor, or the fingerprint of one they kept: :class:`orgel.launch.messages.Held`)."""
     if isinstance(want, Held):
+        assert want.fingerprint is not None, "orgel.backend's ranks fingerprint held outputs"
         return same_fingerprint(got.detach(), want.fingerprint)
     if not isinstance(want, torch.Tensor):
         return True

@@ -1,11 +1,12 @@
 """Model outputs that stay on their rank until the calling process reads them.
 
-The loss-stage rank hands the controller each micro-batch's outputs (:mod:`orgel.worker.closure`).
-A causal language model's logits are ``rows × tokens × vocabulary`` numbers of which a
-closure that trains on the model's own ``outputs.loss`` reads none: a Qwen2 of vocabulary
-32000 through ``orgel.backend`` spent about 60 ms of every micro-batch of 2 x 128 tokens
-bringing its 16 MiB of logits over (``benchmarks/backend_overhead.py --vocab 32000``). So an output larger than what a message carries by value
-(:data:`orgel.launch.messages.BY_VALUE_BYTES`) stays on the rank
+The loss-stage rank hands the controller each micro-batch's outputs
+(:mod:`orgel.worker.closure`). A causal language model's logits are
+``rows × tokens × vocabulary`` numbers of which a closure that trains on the model's own
+``outputs.loss`` reads none: a Qwen2 of vocabulary 32000 through ``orgel.backend`` spent
+about 60 ms of every micro-batch of 2 x 128 tokens bringing its 16 MiB of logits over
+(``benchmarks/backend_overhead.py --vocab 32000``). So an output larger than what a
+message carries by value (:data:`orgel.launch.messages.BY_VALUE_BYTES`) stays on the rank
 (:class:`orgel.launch.messages.Held`), and the controller gets a :class:`LazyOutput`: a
 tensor of the same shape and dtype whose values are fetched the first time any operation
 reads them (``"o_fetch"``, answered while the rank waits for the controller). One that

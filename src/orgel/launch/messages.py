@@ -29,12 +29,13 @@ BY_VALUE_BYTES = 1 << 20
 class Held(NamedTuple):
     """An output a rank keeps until the controller asks for it (``"o_fetch"``, by
     ``token``), sent in its place: what the controller needs of it before that
-    (:class:`orgel.explicit.lazy.LazyOutput`), and its :func:`fingerprint`."""
+    (:class:`orgel.explicit.lazy.LazyOutput`), and its :func:`fingerprint` where the
+    controller may check a graph computed again against it (``orgel.backend``'s)."""
 
     token: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    fingerprint: tuple[float, float]
+    fingerprint: tuple[float, float] | None
 
 
 def fingerprint(value: torch.Tensor) -> tuple[float, float]:

@@ -74,6 +74,9 @@ class RankInbox:
         #: outputs kept here until the controller reads them (:meth:`offer`), by token
         self._held: dict[int, torch.Tensor] = {}
         self._tokens = itertools.count()
+        #: whether a held output goes with its fingerprint: ``orgel.backend``'s controller
+        #: may compute the graph again and check it (a float32 pass over the output)
+        self.fingerprints = False
 
     def begin(self) -> None:
         """A new step: nothing of the last one is kept (it was read up to its ``"end"``)."""
@@ -91,7 +94,8 @@ class RankInbox:
             return value.cpu()
         token = next(self._tokens)
         self._held[token] = value
-        return Held(token, tuple(value.shape), value.dtype, fingerprint(value))
+        return Held(token, tuple(value.shape), value.dtype,
+                    fingerprint(value) if self.fingerprints else None)
 
     def send(self, message: tuple[str, Any, Any]) -> None:
         send(self.conn, message)  # small tensors by value (orgel.launch.messages)
@@ -197,6 +201,7 @@ class ClosureEngine(RankEngine):
                  options: dict[str, Any] | None = None,
                  batch_dim: int = 0, fallback: bool = False, closures: bool = False) -> None:
         self.inbox = RankInbox(conn, timeout_s)
+        self.inbox.fingerprints = closures
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (eager_homes(glue_info, plan, split) if glue_info is not None else {})
         self.homed = sorted(n for n, r in homes.items() if r == rank)
