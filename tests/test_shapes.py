@@ -155,6 +155,33 @@ def test_a_size_the_model_fixes_is_refused_before_the_step_and_training_goes_on(
         _assert_close(pipe.state_dict(), reference)
 
 
+class OneRow(Branchy):
+    """Position ids of one row, expanded where the batch has more (transformers' check):
+    captured on one-row micro-batches, the graph holds for one row only."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0) % VOCAB
+        if tokens.shape[0] != positions.shape[0]:
+            positions = positions.expand(tokens.shape[0], -1)
+        h = self.emb(tokens) + self.emb(positions)
+        return self.out(torch.relu(self.mid(h)))
+
+
+def test_a_size_captured_at_one_is_refused_with_what_to_build_instead() -> None:
+    """Captured on micro-batches of one row, where the model's code took its path for
+    exactly one: a batch of two-row micro-batches is refused before the step, and the
+    error says to build the pipeline on micro-batches of two rows or more."""
+    model, _, _, loss_fn = _branchy(OneRow)
+    tokens, targets = _batch((4, 6), 0)
+    with pipeline(model, (tokens,), targets, loss_fn, ranks=2, microbatches=4, optimizer=_sgd,
+                  threads=1) as pipe:
+        bad = _batch((8, 6), 1)
+        with pytest.raises(ShapeError, match=r"tokens.shape\[0\] was 1 in the example batch.*"
+                                             r"micro-batches have 2 or more there"):
+            pipe.step((bad[0],), bad[1])
+        pipe.step((tokens,), targets)  # the captured sizes still train
+
+
 def _llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 

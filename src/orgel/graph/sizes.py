@@ -142,9 +142,28 @@ class Shapes:
         relation = (f"{readable.lhs} == {readable.rhs}" if getattr(readable, "func", None)
                     and readable.func.__name__ == "Equality" else str(readable))
         sizes = ", ".join(f"{_named_size(w)} = {v}" for v, w in values.values())
+        one = _pinned_to_one(guard)
+        hint = "" if one is None else (
+            f" ({_named_size(names[one])} was 1 in the example batch, and the model's code "
+            "took a path for exactly 1 there: build the pipeline on an example batch whose "
+            "micro-batches have 2 or more there)"
+            if one in names else "")
         return (f"the model's code needs {relation} about the input sizes (it held in the "
                 f"example batch), which does not hold for this {what}: {sizes}. Give sizes "
-                "for which it holds, or build a pipeline for these sizes; this step did not run")
+                f"for which it holds, or build a pipeline for these sizes{hint}; this step did "
+                "not run")
+
+
+def _pinned_to_one(guard: Any) -> str | None:
+    """The symbol ``guard`` pins to 1 (``Eq(s0, 1)``: the code compared a size of 1 with
+    another tensor's, as transformers compares the batch with the position ids' rows)."""
+    if getattr(guard, "func", None) is None or guard.func.__name__ != "Equality":
+        return None
+    sides = (guard.lhs, guard.rhs)
+    if 1 not in sides:
+        return None
+    other = sides[1] if sides[0] == 1 else sides[0]
+    return str(other) if getattr(other, "is_Symbol", False) else None
 
 
 def _input(where: str) -> str:
