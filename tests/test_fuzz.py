@@ -133,6 +133,17 @@ def test_a_stage_of_a_tuples_items_alone_is_not_planned() -> None:
                          schedule_lr="scheduler", accumulate=2))
 
 
+def test_a_split_with_an_edge_the_planner_did_not_see_is_predicted() -> None:
+    """Found by the fuzzer (seed 104): ``orgel.backend`` with its planner's plan on 3 ranks
+    over a model with an auxiliary head: the split's stage graph held an edge the planner's
+    did not, and predicting the split plan read the planner's gradient bytes per edge by
+    position (``IndexError`` in the simulator). They go by stage pair now."""
+    _check(fuzzing.Setup("aux", ranks=3, dp=1, schedule="auto", microbatches=2, rows=3,
+                         recompute="all", frozen="module", frozen_module=2,
+                         optimizer="momentum", schedule_lr="scheduler", max_grad_norm=0.01,
+                         shape="rows", entry="backend"))
+
+
 @pytest.mark.hf
 def test_a_meta_hugging_face_gpt2_trains() -> None:
     """Found by the fuzzer: GPT2LMHeadModel built on the meta device failed in

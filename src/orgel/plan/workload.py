@@ -63,9 +63,23 @@ def _with_split(p: Plan, opgraph: Any) -> Plan:
     # the tied groups of an earlier split give way to this one's
     out = replace(p, stage_graph=StageGraph(stages, split.stage_graph.edges),
                   recompute=list(p.recompute), prediction=None, meta=dict(p.meta),
-                  tied=tied_weights(split, p.placement), shard=list(p.shard))
+                  tied=tied_weights(split, p.placement), shard=list(p.shard),
+                  costs=_costs_by_edge(p, split.stage_graph.edges))
     validate(out)
     return out
+
+
+def _costs_by_edge(p: Plan, edges: Any) -> Any:
+    """``p.costs`` with its gradient bytes per edge (the planner's stage graph's, by stage
+    pair) for the split's ``edges``, which may hold pairs the planner's did not (a value
+    the block graph did not see cross): those carry their values' gradient bytes."""
+    costs = p.costs
+    if costs is None or costs.edge_grad_bytes is None:
+        return costs
+    known = {(e.src, e.dst): g for e, g in zip(p.stage_graph.edges, costs.edge_grad_bytes,
+                                               strict=False)}
+    return replace(costs, edge_grad_bytes=[known.get((e.src, e.dst), e.grad_nbytes)
+                                           for e in edges])
 
 
 def _split_and_predict(p: Plan, opgraph: Any, costs: BlockCosts) -> tuple[Plan, SimResult]:
