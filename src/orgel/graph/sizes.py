@@ -143,11 +143,10 @@ class Shapes:
                     and readable.func.__name__ == "Equality" else str(readable))
         sizes = ", ".join(f"{_named_size(w)} = {v}" for v, w in values.values())
         one = _pinned_to_one(guard)
-        hint = "" if one is None else (
+        hint = "" if one not in names else (
             f" ({_named_size(names[one])} was 1 in the example batch, and the model's code "
             "took a path for exactly 1 there: build the pipeline on an example batch whose "
-            "micro-batches have 2 or more there)"
-            if one in names else "")
+            "micro-batches have 2 or more there)")
         return (f"the model's code needs {relation} about the input sizes (it held in the "
                 f"example batch), which does not hold for this {what}: {sizes}. Give sizes "
                 f"for which it holds, or build a pipeline for these sizes{hint}; this step did "
