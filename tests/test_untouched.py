@@ -171,6 +171,39 @@ def test_backend_first_step_leaves_autograd_alone_and_trains_as_one_process() ->
 
 
 @pytest.mark.slow
+def test_backend_first_step_gives_a_leaf_reached_before_any_saved_tensor_one_gradient() -> None:
+    """The first step's search stops the backward at its first node that saved a tensor:
+    a leaf of the closure's own that the backward reaches before any (``loss + w.sum()``:
+    sums and adds save none) would get micro-batch 0's gradient from that search too."""
+    import orgel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    w = nn.Parameter(torch.randn(3))  # the closure's own: a penalty on it, as people add
+    ref_model, ref_w = copy.deepcopy(model), nn.Parameter(w.detach().clone())
+    pipe = orgel.backend(ranks=2, microbatches=2, optimizer=_sgd, threads=1, timeout_s=60)
+    compiled = torch.compile(model, backend=pipe, dynamic=False)
+
+    def make(net: nn.Module, leaf: torch.Tensor) -> object:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(net(x), y) / 2 + leaf.sum()
+            loss.backward()
+            return loss.detach()
+
+        return closure
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+    try:
+        pipe.step(make(compiled, w), x, y)
+        for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
+            make(ref_model, ref_w)(xm, ym)
+        torch.testing.assert_close(w.grad, ref_w.grad)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.slow
 def test_closing_a_backend_drops_the_code_compiled_with_it_and_nothing_else() -> None:
     """Each backend compiles the model's frames anew: closed, its entries go (else a process
     that makes backend after backend of one model class reaches Dynamo's recompile limit),

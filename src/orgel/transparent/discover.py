@@ -1,13 +1,17 @@
 """The first step of ``orgel.backend``: run a closure's forward and stop at its backward.
 
 :func:`stopped_at_backward` lets micro-batch 0's closure run up to the first backward
-(without replacing anything of torch); :func:`compiled_module` finds the module
+(without replacing anything of torch), :func:`leaf_grads_kept` puts back the gradients
+that backward gave before it stopped; :func:`compiled_module` finds the module
 ``torch.compile`` wrapped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +32,7 @@ def stopped_at_backward() -> torch.autograd.graph.saved_tensors_hooks:
     graphs' outputs stop it as well (:func:`stop_outputs`), so a backward whose
     first nodes save nothing stops at the model at the latest; a leaf of the
     closure's own that such a chain reaches first (``(out.sum() + w.sum()).backward()``)
-    would get its ``.grad``.
+    gets its ``.grad``, which :func:`leaf_grads_kept` puts back.
     """
     return torch.autograd.graph.saved_tensors_hooks(_pack, _stop)
 
@@ -47,6 +51,42 @@ def stop_outputs(out: Any) -> None:
     for t in out if isinstance(out, (tuple, list)) else [out]:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(_stop)
+
+
+@contextlib.contextmanager
+def leaf_grads_kept() -> Iterator[None]:
+    """Every leaf tensor of this process that requires grad has the ``.grad`` it had before
+    the block once the block ends (a copy of it, where the block changed it in place).
+
+    The leaves are found among the objects the garbage collector tracks (tensors are),
+    as nothing records which tensors a closure reads: a backward stopped by
+    :func:`stopped_at_backward` may have reached a leaf of the closure's own through
+    nodes that save nothing, and that gradient belongs to no step.
+    """
+    before: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]] = []
+    for obj in gc.get_objects():
+        # by type(), not isinstance(): that reads __class__, which a dead weak proxy
+        # raises at and a deprecated name of torch warns at
+        if issubclass(type(obj), torch.Tensor) and _is_leaf(obj):
+            grad = obj.grad
+            if grad is None:
+                before.append((obj, None, 0, None))
+            else:
+                before.append((obj, grad, grad._version, grad.detach().clone()))
+    try:
+        yield
+    finally:
+        for leaf, grad, version, copy in before:
+            now = leaf.grad
+            if now is not grad or (grad is not None and grad._version != version):
+                leaf.grad = copy
+
+
+def _is_leaf(t: torch.Tensor) -> bool:
+    try:  # (a fake or otherwise unusual tensor that cannot say counts as none)
+        return bool(t.requires_grad and t.grad_fn is None)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def compiled_module() -> torch.nn.Module | None:

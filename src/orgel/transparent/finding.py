@@ -24,6 +24,7 @@ from orgel.precision import ambient_autocast, device_type
 from orgel.transparent.discover import (
     ForwardDone,
     compiled_module,
+    leaf_grads_kept,
     stop_outputs,
     stopped_at_backward,
 )
@@ -79,9 +80,10 @@ class FindsGraphs:
         The graphs run here on detached copies of the parameters and buffers
         (nothing of the caller's changes), and the closure stops where its
         ``backward`` (or ``torch.autograd.grad``) begins, before a gradient reaches a
-        parameter (:func:`stopped_at_backward`). The graphs are joined
-        (:mod:`orgel.graph.glue`; one graph too) and the closures run the Python around
-        and between them.
+        parameter (:func:`stopped_at_backward`); a leaf of the closure's own that it
+        reached before stopping gets its gradient back (:func:`leaf_grads_kept`). The
+        graphs are joined (:mod:`orgel.graph.glue`; one graph too) and the closures run
+        the Python around and between them.
         ``sizes``: the sizes of the closure's arguments, which Dynamo then leaves symbolic in
         every frame it compiles, the resumed ones after a break included
         (:func:`orgel.graph.glue_sizes.glue_settings`): how the graphs are found to be
@@ -90,8 +92,8 @@ class FindsGraphs:
         self._found = []
         self._discovering = True
         try:
-            with untouched(), dynamo_settings(), capture_settings(sizes), stopped_at_backward(), \
-                    guard.no_autocast_cache():
+            with untouched(), leaf_grads_kept(), dynamo_settings(), capture_settings(sizes), \
+                    stopped_at_backward(), guard.no_autocast_cache():
                 closure(*args)
         except ForwardDone:
             pass
