@@ -124,10 +124,10 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
                ) -> Iterator[None]:
         # the controller's global state (its threads run without the autocast cache), which
         # Dynamo's code guards on, so that this code serves it; graph calls go to ``route``
-        with (dynamo_settings(), own_code_state(*code_state) as record_of_sizes,
+        with (dynamo_settings(), own_code_state(*code_state) as state,
               capture_settings(values), torch.enable_grad(), no_autocast_cache(),
               region_autocast(region), compiler.routed(route)):
-            code_state[:] = [record_of_sizes]
+            code_state[:] = [state]
             yield
 
     def record(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
