@@ -124,25 +124,6 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def test_a_capture_neither_reads_nor_changes_dynamos_record_of_compiled_sizes() -> None:
-    """Dynamo records, per process, the sizes each code object was compiled with, and reads
-    that record at a code object's first compile: a capture has a record of its own, so an
-    earlier compile of shared code cannot make it trace a size as a symbol, and the
-    caller's record stays as it was (one entry more per captured frame, before)."""
-    from torch._dynamo import pgo
-
-    from orgel.graph import capture
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-    record = pgo.get_code_state()  # the caller's, as Dynamo made it
-    known = dict(record)
-    graph = capture(model, (torch.randn(4, 6),))
-    assert graph.nodes
-    assert pgo._CODE_STATE is record
-    assert dict(record) == known
-
-
 @pytest.mark.slow
 def test_backend_first_step_leaves_autograd_alone_and_trains_as_one_process() -> None:
     """The first step runs micro-batch 0's closure once more to find the graph, stopping it

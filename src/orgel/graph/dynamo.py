@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,31 +33,6 @@ def dynamo_settings() -> Any:
         # torch 2.11 logs each compile's config and fails to sort that set of functions
         options["log_compilation_metrics"] = False
     return torch._dynamo.config.patch(**options)
-
-
-@contextlib.contextmanager
-def own_code_state(state: Any = None) -> Iterator[Any]:
-    """Dynamo's record of the sizes each code object was compiled with, ``state`` (a fresh
-    one by default) inside the block and the caller's again after it.
-
-    Dynamo keeps one such record per process (``torch._dynamo.pgo``, for automatic
-    dynamic shapes) and reads it when it first compiles a code object: code that every
-    model shares (transformers' attention helpers) compiled earlier at other sizes made a
-    capture trace a size-1 dimension of the attention mask as a symbol, and fail
-    (transformers 4.57's OPT, after other models in the process). A capture reads no such
-    history, and leaves the caller's as it was. Yields the record used, to pass again.
-    """
-    from collections import defaultdict
-
-    from torch._dynamo import pgo
-
-    mine = defaultdict(pgo.CodeState) if state is None else state
-    before = (pgo._CODE_STATE, pgo._INIT_CODE_STATE)
-    pgo._CODE_STATE, pgo._INIT_CODE_STATE = mine, None
-    try:
-        yield mine
-    finally:
-        pgo._CODE_STATE, pgo._INIT_CODE_STATE = before
 
 
 def forget_compiled(backend: Any) -> None:
