@@ -82,6 +82,17 @@ def _restore_global(saved: dict[str, Any]) -> None:
     set_rng_state(saved["rng"])
 
 
+def put_grad_back(t: torch.Tensor, grad: torch.Tensor | None,
+                  value: torch.Tensor | None) -> None:
+    """``t.grad`` as it was: the tensor ``grad`` itself (None: none), holding ``value`` (a
+    copy of it taken then), so whoever holds that tensor sees its values again."""
+    if t.grad is not grad:
+        t.grad = grad
+    if grad is not None and value is not None and not torch.equal(grad, value):
+        with torch.no_grad():
+            grad.copy_(value)
+
+
 @contextmanager
 def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
     """Run the body, then put ``model`` and torch's global state back as they were.
@@ -115,10 +126,7 @@ def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
         for (name, p), (requires_grad, grad, version), value in zip(params, flags, grads,
                                                                       strict=True):
             p.requires_grad_(requires_grad)
-            p.grad = grad
-            if grad is not None and value is not None and not torch.equal(grad, value):
-                with torch.no_grad():
-                    grad.copy_(value)
+            put_grad_back(p, grad, value)
             if p._version != version:
                 changed.append(name)
         if changed and not failed and sys.exc_info()[0] is None:

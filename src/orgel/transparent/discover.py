@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from orgel.guard import put_grad_back
+
 
 class ForwardDone(BaseException):
     """Raised where the closure run by :meth:`Backend._discover` calls backward."""
@@ -56,30 +58,26 @@ def stop_outputs(out: Any) -> None:
 @contextlib.contextmanager
 def leaf_grads_kept() -> Iterator[None]:
     """Every leaf tensor of this process that requires grad has the ``.grad`` it had before
-    the block once the block ends (a copy of it, where the block changed it in place).
+    the block once the block ends (:func:`orgel.guard.put_grad_back`, as ``untouched`` puts
+    a model's back).
 
     The leaves are found among the objects the garbage collector tracks (tensors are),
     as nothing records which tensors a closure reads: a backward stopped by
     :func:`stopped_at_backward` may have reached a leaf of the closure's own through
     nodes that save nothing, and that gradient belongs to no step.
     """
-    before: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]] = []
+    before: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
     for obj in gc.get_objects():
         # by type(), not isinstance(): that reads __class__, which a dead weak proxy
         # raises at and a deprecated name of torch warns at
         if issubclass(type(obj), torch.Tensor) and _is_leaf(obj):
             grad = obj.grad
-            if grad is None:
-                before.append((obj, None, 0, None))
-            else:
-                before.append((obj, grad, grad._version, grad.detach().clone()))
+            before.append((obj, grad, None if grad is None else grad.detach().clone()))
     try:
         yield
     finally:
-        for leaf, grad, version, copy in before:
-            now = leaf.grad
-            if now is not grad or (grad is not None and grad._version != version):
-                leaf.grad = copy
+        for leaf, grad, value in before:
+            put_grad_back(leaf, grad, value)
 
 
 def _is_leaf(t: torch.Tensor) -> bool:
