@@ -174,9 +174,16 @@ def test_backend_first_step_leaves_autograd_alone_and_trains_as_one_process() ->
 def test_backend_first_step_gives_a_leaf_reached_before_any_saved_tensor_one_gradient() -> None:
     """The first step's search stops the backward at its first node that saved a tensor:
     a leaf of the closure's own that the backward reaches before any (``loss + w.sum()``:
-    sums and adds save none) would get micro-batch 0's gradient from that search too."""
+    sums and adds save none) would get micro-batch 0's gradient from that search too.
+    The search looks at every leaf of the process, stand-ins an earlier trace left alive
+    included (a fake leaf with a fake gradient, whose values cannot be read)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     import orgel
 
+    with FakeTensorMode():
+        left = torch.zeros(10, requires_grad=True)
+        left.grad = torch.ones(10)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     w = nn.Parameter(torch.randn(3))  # the closure's own: a penalty on it, as people add
@@ -199,6 +206,7 @@ def test_backend_first_step_gives_a_leaf_reached_before_any_saved_tensor_one_gra
         for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
             make(ref_model, ref_w)(xm, ym)
         torch.testing.assert_close(w.grad, ref_w.grad)
+        assert left.grad is not None and left.grad.shape == (10,)
     finally:
         pipe.close()
 

@@ -82,13 +82,27 @@ def _restore_global(saved: dict[str, Any]) -> None:
     set_rng_state(saved["rng"])
 
 
-def put_grad_back(t: torch.Tensor, grad: torch.Tensor | None,
-                  value: torch.Tensor | None) -> None:
-    """``t.grad`` as it was: the tensor ``grad`` itself (None: none), holding ``value`` (a
-    copy of it taken then), so whoever holds that tensor sees its values again."""
+GradSnapshot = tuple[torch.Tensor | None, int, torch.Tensor | None]
+
+
+def grad_snapshot(t: torch.Tensor) -> GradSnapshot:
+    """``t.grad`` now: the tensor itself, its version counter and a copy of its values,
+    for :func:`put_grad_back`."""
+    grad = t.grad
+    if grad is None:
+        return None, 0, None
+    return grad, grad._version, grad.detach().clone()
+
+
+def put_grad_back(t: torch.Tensor, snapshot: GradSnapshot) -> None:
+    """``t.grad`` as :func:`grad_snapshot` saw it: the same tensor (None: none), holding
+    the values it held then where it was changed in place since (its version counter
+    tells; comparing values would read tensors that hold none, such as fake ones), so
+    whoever holds that tensor sees its values again."""
+    grad, version, value = snapshot
     if t.grad is not grad:
         t.grad = grad
-    if grad is not None and value is not None and not torch.equal(grad, value):
+    if grad is not None and value is not None and grad._version != version:
         with torch.no_grad():
             grad.copy_(value)
 
@@ -104,8 +118,8 @@ def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
     modules = [] if model is None else list(model.modules())
     training = [m.training for m in modules]
     params = [] if model is None else list(model.named_parameters())
-    flags = [(p.requires_grad, p.grad, p._version) for _, p in params]
-    grads = [None if p.grad is None else p.grad.detach().clone() for _, p in params]
+    flags = [(p.requires_grad, p._version) for _, p in params]
+    grads = [grad_snapshot(p) for _, p in params]
     buffers = [] if model is None else [b for b in model.buffers() if b is not None]
     copies = [b.detach().clone() for b in buffers]
     failed = False
@@ -123,10 +137,10 @@ def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
         for m, flag in zip(modules, training, strict=True):
             m.training = flag
         changed = []
-        for (name, p), (requires_grad, grad, version), value in zip(params, flags, grads,
-                                                                      strict=True):
+        for (name, p), (requires_grad, version), grad in zip(params, flags, grads,
+                                                             strict=True):
             p.requires_grad_(requires_grad)
-            put_grad_back(p, grad, value)
+            put_grad_back(p, grad)
             if p._version != version:
                 changed.append(name)
         if changed and not failed and sys.exc_info()[0] is None:

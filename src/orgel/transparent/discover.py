@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-from orgel.guard import put_grad_back
+from orgel.guard import GradSnapshot, grad_snapshot, put_grad_back
 
 
 class ForwardDone(BaseException):
@@ -66,22 +67,23 @@ def leaf_grads_kept() -> Iterator[None]:
     :func:`stopped_at_backward` may have reached a leaf of the closure's own through
     nodes that save nothing, and that gradient belongs to no step.
     """
-    before: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    before: list[tuple[torch.Tensor, GradSnapshot]] = []
     for obj in gc.get_objects():
         # by type(), not isinstance(): that reads __class__, which a dead weak proxy
         # raises at and a deprecated name of torch warns at
         if issubclass(type(obj), torch.Tensor) and _is_leaf(obj):
-            grad = obj.grad
-            before.append((obj, grad, None if grad is None else grad.detach().clone()))
+            before.append((obj, grad_snapshot(obj)))
     try:
         yield
     finally:
-        for leaf, grad, value in before:
-            put_grad_back(leaf, grad, value)
+        for leaf, snapshot in before:
+            put_grad_back(leaf, snapshot)
 
 
 def _is_leaf(t: torch.Tensor) -> bool:
-    try:  # (a fake or otherwise unusual tensor that cannot say counts as none)
+    if isinstance(t, FakeTensor):  # (a trace's stand-in, left over by a compile)
+        return False
+    try:  # (an otherwise unusual tensor that cannot say counts as none)
         return bool(t.requires_grad and t.grad_fn is None)
     except Exception:  # noqa: BLE001
         return False
