@@ -124,6 +124,45 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+def test_a_capture_does_not_read_dynamos_record_of_compiled_sizes() -> None:
+    """Dynamo records, per process, the sizes each code object was compiled with, and reads
+    that record at a code object's first compile: a capture starts from a record of its own,
+    so an earlier compile of shared code cannot make it trace a size as a symbol; what it
+    records joins the caller's record after, as any compile's would."""
+    from collections import defaultdict
+
+    from torch._dynamo import pgo
+
+    from orgel.graph import capture
+
+    reads: list[object] = []
+
+    class Watched(defaultdict):  # type: ignore[type-arg]
+        def __getitem__(self, key: object) -> object:
+            reads.append(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key: object) -> bool:
+            reads.append(key)
+            return super().__contains__(key)
+
+        def get(self, key: object, default: object = None) -> object:
+            reads.append(key)
+            return super().get(key, default)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    before = pgo._CODE_STATE
+    record = pgo._CODE_STATE = Watched(pgo.CodeState)
+    try:
+        graph = capture(model, (torch.randn(4, 6),))
+    finally:
+        pgo._CODE_STATE = before
+    assert graph.nodes
+    assert reads == []
+    assert record  # the captured frame's entry joined it
+
+
 @pytest.mark.slow
 def test_backend_first_step_leaves_autograd_alone_and_trains_as_one_process() -> None:
     """The first step runs micro-batch 0's closure once more to find the graph, stopping it

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from orgel.graph.dynamo import dynamo_settings
+from orgel.graph.dynamo import dynamo_settings, own_code_state
 from orgel.graph.glue import Glue
 from orgel.graph.glue_capture import capture_graphs, release
 from orgel.graph.measure import GRAD_SWITCH, Raw, measure
@@ -327,7 +327,7 @@ def _dynamo_graph(model: torch.nn.Module, named: dict[str, Any],
     capturer, kept = capturer_for(model, traced, autocast, dynamic)
     try:
         # Traced with grad enabled, as in training: dynamo specialises on grad mode.
-        with dynamo_settings(), size_settings(dynamic):
+        with dynamo_settings(), own_code_state(), size_settings(dynamic):
             gm, examples, out, result = capturer.run(model, traced)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
         # Unsupported: a graph break; UserError: a guard on a data-dependent value

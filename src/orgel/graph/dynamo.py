@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +35,35 @@ def dynamo_settings() -> Any:
         # torch 2.11 logs each compile's config and fails to sort that set of functions
         options["log_compilation_metrics"] = False
     return torch._dynamo.config.patch(**options)
+
+
+@contextlib.contextmanager
+def own_code_state(state: Any = None) -> Iterator[Any]:
+    """Dynamo's record of the sizes each code object was compiled with: ``state`` (a fresh
+    one by default) inside the block; after it, the caller's again, with the block's
+    entries added (replacing the caller's for the same code).
+
+    Dynamo keeps one such record per process (``torch._dynamo.pgo``, for automatic
+    dynamic shapes) and reads it when it first compiles a code object: code that every
+    model shares (transformers' attention helpers) compiled earlier at other sizes made a
+    capture trace a size-1 dimension of the attention mask as a symbol, and fail
+    (transformers 4.57's OPT, after other models in the process). A capture reads no such
+    history. What it records stays, as any compile's would: the pipeline's own compiled
+    copy of the forward compiles the captured frames again later and must make the same
+    choices. Yields the record used, to pass again.
+    """
+    from collections import defaultdict
+
+    from torch._dynamo import pgo
+
+    mine = defaultdict(pgo.CodeState) if state is None else state
+    before = (pgo._CODE_STATE, pgo._INIT_CODE_STATE)
+    pgo._CODE_STATE, pgo._INIT_CODE_STATE = mine, None
+    try:
+        yield mine
+    finally:
+        pgo._CODE_STATE, pgo._INIT_CODE_STATE = before
+        pgo.get_code_state().update(mine)
 
 
 def forget_compiled(backend: Any) -> None:
