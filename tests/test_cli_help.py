@@ -50,3 +50,17 @@ def test_help_says_what_it_does_in_one_line_and_shows_examples(path: str) -> Non
             assert example.startswith(path + " ") or example == path, example
         build_parser().parse_args(words[1:])  # the example is a command orgel accepts
 
+
+
+@pytest.mark.slow
+def test_help_starts_without_importing_torch() -> None:
+    """``orgel --help`` and every command's help answer at once: building the parsers (and
+    ``import orgel``) imports no torch, which takes seconds to import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, orgel\nfrom orgel.cli import build_parser\nbuild_parser()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[-500:]

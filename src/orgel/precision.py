@@ -29,12 +29,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.names import PRECISION_DTYPES
+
 #: precision name -> the autocast dtype (None: no autocast)
 PRECISIONS: dict[str, torch.dtype | None] = {
-    "32": None,
-    "32-true": None,
-    "bf16-mixed": torch.bfloat16,
-    "16-mixed": torch.float16,
+    name: None if dtype is None else getattr(torch, dtype)
+    for name, dtype in PRECISION_DTYPES.items()
 }
 _LATER = {
     "bf16-true": "orgel does not convert your model; call model.to(torch.bfloat16) yourself "
@@ -109,14 +109,6 @@ def autocast(precision: str, device: str = "cpu") -> Any:
     """The context one process runs its forward and loss in under ``precision``."""
     dtype = autocast_dtype(precision)
     return torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-
-
-def add_argument(parser: Any) -> None:
-    """``--precision`` for a command line."""
-    parser.add_argument("--precision", default="32", choices=list(PRECISIONS),
-                        help="'32' (default), 'bf16-mixed' (the forward and the loss under "
-                             "torch.autocast with bfloat16, float32 parameters) or '16-mixed' "
-                             "(float16 with loss scaling)")
 
 
 def ambient_autocast() -> tuple[str, torch.dtype] | None:

@@ -17,9 +17,9 @@ EXAMPLES = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from orgel.explicit.demo import MODELS
+    from orgel.names import DEMO_MODELS
 
-    parser.add_argument("--model", choices=MODELS, default="gpt",
+    parser.add_argument("--model", choices=DEMO_MODELS, default="gpt",
                         help="which model to pipeline (default: gpt on the shipped corpus)")
     parser.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (default 2)")
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the ranks compute (default auto: CUDA when present; "
                              "ranks that outnumber the GPUs share them over gloo)")
-    from orgel.precision import add_argument
+    from orgel.commands.text import precision_argument
 
-    add_argument(parser)
+    precision_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -57,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "step's batch; the costs file must give the 'rows' it was measured at")
     parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 2GiB "
                         "(default: the costs file's memory_per_rank, else unlimited)")
-    from orgel.precision import add_argument
+    from orgel.commands.text import precision_argument
 
-    add_argument(parser)
+    precision_argument(parser)
     parser.add_argument("--planner", default="auto", help="auto (default), beam, graph, "
                         "uniform-layers, uniform-params or uniform-time")
     parser.add_argument("--dp", default="1", metavar="D", help="data-parallel replicas of the "

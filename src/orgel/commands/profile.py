@@ -30,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--out", metavar="COSTS.json", help="write the costs file here "
                         "(input for orgel plan --costs)")
-    from orgel.precision import add_argument
+    from orgel.commands.text import precision_argument
 
-    add_argument(parser)
+    precision_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the costs file as JSON")
 
 

@@ -31,8 +31,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 NAME = "run"
 HELP = ("train a workload for a few steps on local ranks, optionally checked against one "
         "process")
@@ -102,13 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the ranks compute (default auto: CUDA when present; "
                              "ranks that outnumber the GPUs share them over gloo)")
-    from orgel.precision import add_argument
+    from orgel.commands.text import precision_argument
 
-    add_argument(parser)
+    precision_argument(parser)
 
 
 def optimizer_factory(name: str, lr: float) -> Any:
     """``lambda params: torch.optim.X(params, lr=lr)`` for ``name``."""
+    import torch
+
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=lr)
     return lambda params: torch.optim.AdamW(params, lr=lr)
@@ -276,6 +276,7 @@ def _prepare_flow(workload: Any, plan: Any, ranks: int, options: dict[str, Any],
 
 def _torchrun_rank(args: argparse.Namespace, plan_json: str) -> list[dict[str, Any]] | None:
     """Run this rank under torchrun; rank 0 gets every rank's results, others ``[]``."""
+    import torch
     import torch.distributed as dist
 
     from orgel.launch.errors import report_failure
@@ -364,6 +365,8 @@ def _diverged(losses: list[float], ref_losses: list[float]) -> str | None:
 
 def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
     """Losses and final parameters of the unmodified model, one process, same steps."""
+    import torch
+
     from orgel.launch.devices import move
     from orgel.precision import autocast, scales_loss
     from orgel.workload import microbatches
@@ -407,6 +410,8 @@ def rank_main(rank: int, world: int, spec: str, plan_json: str,
               options: dict[str, Any]) -> dict[str, Any]:
     """One process of ``orgel run``: prepare by the plan, start as a rank of the job (the
     process group is made), train, report (the events from process 0)."""
+    import torch
+
     from orgel.flow.start import executor_options, start_torchrun
     from orgel.launch.devices import host
     from orgel.launch.errors import PeerStepFailed, Reported, StepError

@@ -26,3 +26,13 @@ def human_bytes(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.1f} GiB"
+
+
+def precision_argument(parser: argparse.ArgumentParser) -> None:
+    """``--precision`` for a command line (:mod:`orgel.precision` trains it)."""
+    from orgel.names import PRECISION_DTYPES
+
+    parser.add_argument("--precision", default="32", choices=list(PRECISION_DTYPES),
+                        help="'32' (default), 'bf16-mixed' (the forward and the loss under "
+                             "torch.autocast with bfloat16, float32 parameters) or '16-mixed' "
+                             "(float16 with loss scaling)")

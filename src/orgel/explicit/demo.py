@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import torch
 
-MODELS = ("gpt", "vit", "clip", "unet")
+from orgel.names import DEMO_MODELS as MODELS
 
 # Small enough for about a minute on two shared CPU cores, big enough to pipeline.
 _CONFIGS: dict[str, dict[str, Any]] = {

@@ -38,8 +38,9 @@ from typing import Any
 
 from orgel.launch.lifeline import Lifeline
 
-#: what the server imports before it forks anything: what every rank imports
-PRELOAD = ["orgel", "torch._dynamo"]
+#: what the server imports before it forks anything: what every rank imports (the API and
+#: all it imports; ``import orgel`` alone imports its parts on first use)
+PRELOAD = ["orgel.explicit.api", "orgel.transparent.backend", "torch._dynamo"]
 #: prefixes of the variables libraries read when imported: a change starts a new server
 IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS", "CUDA_",
                "NCCL_", "GLOO_", "LD_", "PYTHON", "TRITON", "INDUCTOR", "HF_", "TRANSFORMERS")
