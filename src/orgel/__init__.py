@@ -9,7 +9,8 @@ catch (:class:`WorkloadError`: a batch refused in the caller; :class:`StepError`
 a step every rank dropped, the pipeline trains on; :class:`WorkerError`: the
 pipeline ended). Everything else lives in the
 sub-packages named by the flow: graph, profile, schedule, sim, plan, split,
-runtime.
+runtime. Each name is imported on first use, so ``import orgel`` itself imports no
+torch (``orgel --help`` answers at once).
 """
 
 from __future__ import annotations
