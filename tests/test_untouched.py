@@ -134,6 +134,7 @@ def test_a_capture_does_not_read_dynamos_record_of_compiled_sizes() -> None:
     from torch._dynamo import pgo
 
     from orgel.graph import capture
+    from orgel.graph.reuse import forget_all
 
     reads: list[object] = []
 
@@ -150,6 +151,7 @@ def test_a_capture_does_not_read_dynamos_record_of_compiled_sizes() -> None:
             reads.append(key)
             return super().get(key, default)
 
+    forget_all()  # (a trace kept from an earlier capture of the same layers would not compile)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
     before = pgo._CODE_STATE
