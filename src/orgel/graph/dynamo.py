@@ -37,11 +37,21 @@ def dynamo_settings() -> Any:
     return torch._dynamo.config.patch(**options)
 
 
+def new_code_state() -> Any:
+    """An empty record of compiled sizes, for :func:`own_code_state`."""
+    from collections import defaultdict
+
+    from torch._dynamo import pgo
+
+    return defaultdict(pgo.CodeState)
+
+
 @contextlib.contextmanager
-def own_code_state(state: Any = None) -> Iterator[Any]:
-    """Dynamo's record of the sizes each code object was compiled with: ``state`` (a fresh
-    one by default) inside the block; after it, the caller's again, with the block's
-    entries added (replacing the caller's for the same code).
+def own_code_state(state: Any = None) -> Iterator[None]:
+    """Dynamo's record of the sizes each code object was compiled with: ``state`` (from
+    :func:`new_code_state`; a fresh one by default) inside the block; after it, the
+    caller's again, with the block's entries added (replacing the caller's for the same
+    code).
 
     Dynamo keeps one such record per process (``torch._dynamo.pgo``, for automatic
     dynamic shapes) and reads it when it first compiles a code object: code that every
@@ -50,17 +60,15 @@ def own_code_state(state: Any = None) -> Iterator[Any]:
     (transformers 4.57's OPT, after other models in the process). A capture reads no such
     history. What it records stays, as any compile's would: the pipeline's own compiled
     copy of the forward compiles the captured frames again later and must make the same
-    choices. Yields the record used, to pass again.
+    choices.
     """
-    from collections import defaultdict
-
     from torch._dynamo import pgo
 
-    mine = defaultdict(pgo.CodeState) if state is None else state
+    mine = new_code_state() if state is None else state
     before = (pgo._CODE_STATE, pgo._INIT_CODE_STATE)
     pgo._CODE_STATE, pgo._INIT_CODE_STATE = mine, None
     try:
-        yield mine
+        yield
     finally:
         pgo._CODE_STATE, pgo._INIT_CODE_STATE = before
         pgo.get_code_state().update(mine)

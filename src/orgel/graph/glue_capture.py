@@ -17,7 +17,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from orgel.graph.dynamo import dynamo_settings, forget_compiled, own_code_state
+from orgel.graph.dynamo import (
+    dynamo_settings,
+    forget_compiled,
+    new_code_state,
+    own_code_state,
+)
 from orgel.graph.glue import RETURNS_SIZE, Glue, _where, join_calls, region_autocast, returns_size
 from orgel.graph.glue_sizes import (
     capture_settings,
@@ -111,7 +116,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
     seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any]]] = []
     values = size_values(named) if dynamic else ()
     # Dynamo's record of compiled sizes: this capture's own, for its first run and probes
-    code_state: list[Any] = []
+    sizes_record = new_code_state()
 
     def shadow(args: tuple[Any, ...]) -> list[Any]:
         # the graph trains detached copies of the parameters: a real parameter in the
@@ -124,10 +129,9 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
                ) -> Iterator[None]:
         # the controller's global state (its threads run without the autocast cache), which
         # Dynamo's code guards on, so that this code serves it; graph calls go to ``route``
-        with (dynamo_settings(), own_code_state(*code_state) as record_of_sizes,
-              capture_settings(values), torch.enable_grad(), no_autocast_cache(),
-              region_autocast(region), compiler.routed(route)):
-            code_state[:] = [record_of_sizes]
+        with (dynamo_settings(), own_code_state(sizes_record), capture_settings(values),
+              torch.enable_grad(), no_autocast_cache(), region_autocast(region),
+              compiler.routed(route)):
             yield
 
     def record(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
