@@ -56,3 +56,13 @@ def test_the_fork_servers_children_take_the_callers_environment(
     monkeypatch.setenv("TORCH_FORK_TEST", "1")
     third = run()
     assert {p for _, p in third}.isdisjoint(servers)
+
+
+def test_gloo_ranks_fork_from_the_server_by_default() -> None:
+    """``spawn`` without a context forks gloo ranks from the fork server (seconds faster to
+    start than fresh interpreters)."""
+    from orgel.launch import forkserver
+    from orgel.launch.spawn import spawn
+
+    got = spawn(_seen, 2, "ORGEL_FORK_TEST", timeout=30.0)
+    assert {p for _, p in got} == {forkserver.lifeline().parent} != {os.getpid()}

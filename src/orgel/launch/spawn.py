@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from orgel.launch import forkserver
 from orgel.launch.forks import forks_run_backward
 from orgel.launch.processes import LocalGroup
 
@@ -25,19 +26,24 @@ class Job:
 
 
 def spawn(fn: Callable[..., Any], nranks: int, *args: Any, timeout: float = 60.0,
-          threads: int | None = 1, backend: str = "gloo", context: str = "spawn") -> list[Any]:
+          threads: int | None = 1, backend: str = "gloo", context: str | None = None,
+          ) -> list[Any]:
     """Run ``fn(rank, nranks, *args)`` on ``nranks`` fresh local processes; their results.
 
     ``fn`` must be importable (module level) and its arguments and results
-    picklable. ``context="forkserver"`` forks them from orgel's fork server, which has
-    imported torch, orgel and Dynamo once (:mod:`orgel.launch.forkserver`: as fresh,
-    seconds faster to start; for ranks on the CPU). ``context="fork"`` starts them as
+    picklable. By default gloo ranks fork from orgel's fork server, which has imported
+    torch, orgel and Dynamo once (``context="forkserver"``, :mod:`orgel.launch.forkserver`:
+    as fresh, and about 3 s of a core faster to start each; the server starts with the
+    first call), and NCCL ranks are fresh interpreters (``context="spawn"``: no import in
+    the server can touch a GPU before they do). ``context="fork"`` starts them as
     copies of this process instead (no imports to repeat; only for work on the CPU, since
     a child forked from a process that used CUDA cannot). ``timeout`` (seconds) is the process
     group's timeout. A failing
     rank stops them all: :class:`~orgel.launch.errors.WorkerError` names the
     root cause. Each rank's stderr is printed, prefixed, once all succeeded.
     """
+    if context is None:
+        context = "forkserver" if backend == "gloo" and forkserver.available() else "spawn"
     if context == "fork" and not forks_run_backward():
         # this process ran CUDA (the planning process of CUDA ranks, which then times the
         # runtime and the links on the CPU), or autograd's engine here started threads a
