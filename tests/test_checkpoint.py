@@ -226,3 +226,23 @@ def test_a_truncated_or_replaced_shard_names_the_file_and_the_last_good_checkpoi
     with pytest.raises(ckpt.CheckpointError, match="rank1.pt is missing"):
         ckpt.read_shard(tmp_path, 1)
     assert set(ckpt.read_shard(tmp_path / "step-00000001", 1)["params"]) == set(GROUPS2[1])
+
+
+def test_a_shard_writes_a_ranks_own_tensors_and_a_view_at_its_own_size(tmp_path: Path) -> None:
+    """A save holds no second copy of a rank's parameters and optimizer state: a CPU tensor
+    that fills its storage is written as it is; a view of a flat buffer (a replicated
+    stage's) is copied at its own size, not written with the whole buffer."""
+    flat = torch.arange(1 << 16, dtype=torch.float32)
+    whole, view = torch.randn(64, 64), flat[:16].view(4, 4)
+    opt = torch.optim.AdamW([whole], lr=0.01)
+    whole.grad = torch.ones_like(whole)
+    opt.step()
+    shard = ckpt.make_shard(rank=0, step=1, params=[("w", whole), ("v", view)], buffers=[],
+                            optimizer=ckpt.named_optimizer_state(opt, [("w", whole)]))
+    assert shard["params"]["w"].data_ptr() == whole.data_ptr()  # not copied
+    assert shard["optimizer"]["state"]["w"]["exp_avg"].data_ptr() == \
+        opt.state[whole]["exp_avg"].data_ptr()
+    path = ckpt.write_shard(tmp_path, 1, 0, shard)
+    assert path.stat().st_size < flat.nbytes // 2  # the view alone, not its buffer
+    read = torch.load(path, weights_only=True)
+    assert torch.equal(read["params"]["v"], view) and torch.equal(read["params"]["w"], whole)

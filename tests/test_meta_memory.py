@@ -165,8 +165,8 @@ def test_a_model_larger_than_a_ranks_memory_limit_trains_exactly_on_four_ranks(
     the limit). The step's loss and every updated parameter match a reference
     that holds one layer at a time (momentum's first step is plain SGD's). The
     parameters come back through ``call_ranks`` (torch hands tensors over in
-    shared memory, which the limit does not count); ``pipe.save`` would not fit:
-    a shard copies the rank's parameters and optimizer state before writing.
+    shared memory, which the limit does not count), and ``pipe.save`` writes each rank's
+    shard under the limit (it writes the rank's own tensors, no copy of them).
     ``RLIMIT_AS`` would count torch's and gloo's virtual reservations, not tensors.
     """
     layers, width, ranks, budget = 32, 2048, 4, 512 << 20
@@ -189,6 +189,7 @@ def test_a_model_larger_than_a_ranks_memory_limit_trains_exactly_on_four_ranks(
         loss = pipe.step((x,), y)
         memory = pipe.call_ranks("memory")
         got = {n: t.clone() for part in pipe.call_ranks("named_params") for n, t in part}
+        saved = pipe.save(tmp_path / "checkpoints")  # under the same limit
     set_in = {int(f.stem): json.loads(f.read_text()) for f in limits.glob("*.json")}
     assert set(set_in) == pids  # every rank was limited, nothing else
     for r, m in enumerate(memory):
@@ -203,3 +204,7 @@ def test_a_model_larger_than_a_ranks_memory_limit_trains_exactly_on_four_ranks(
     for part in updated:
         for name, t in part.items():
             torch.testing.assert_close(got[name], t, rtol=1e-6, atol=1e-7, msg=name)
+    for r in range(ranks):  # the checkpoint holds what the ranks hold
+        shard = torch.load(saved / f"rank{r}.pt", weights_only=True)
+        for name, t in shard["params"].items():
+            assert torch.equal(t, got[name]), name

@@ -71,7 +71,7 @@ def named_optimizer_state(
             names.append(name)
             if p in optimizer.state:
                 state[name] = {  # a sharded state whole (full_tensor gathers it)
-                    k: full_tensor(v).detach().clone() if isinstance(v, torch.Tensor) else v
+                    k: compact(full_tensor(v)) if isinstance(v, torch.Tensor) else v
                     for k, v in optimizer.state[p].items()
                 }
         hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
@@ -195,18 +195,32 @@ def make_shard(
     rng: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One rank's shard as plain data (tensors cloned to CPU, keyed by original names)."""
+    """One rank's shard as plain data (tensors on the CPU, :func:`compact`; keyed by
+    original names). It is written before the rank trains on: the tensors may be the
+    rank's own."""
     return {
         "format": FORMAT,
         "version": VERSION,
         "rank": rank,
         "step": step,
-        "params": {n: t.detach().to("cpu", copy=True) for n, t in params},
-        "buffers": {n: t.detach().to("cpu", copy=True) for n, t in buffers},
+        "params": {n: compact(t) for n, t in params},
+        "buffers": {n: compact(t) for n, t in buffers},
         "optimizer": optimizer,
         "rng": rng,
         "extra": extra or {},
     }
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, as ``torch.save`` should write it: itself where it is a CPU tensor
+    that fills its storage, else a copy on the CPU of its own size (``torch.save`` writes a
+    view's whole storage: a parameter that is a view of a stage's flat buffer would write
+    the buffer). A save then holds no second copy of a rank's parameters and optimizer
+    state."""
+    t = t.detach()
+    whole = (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    return t if whole else t.to("cpu", copy=True)
 
 
 def write_shard(root: str | Path, step: int, rank: int, shard: dict[str, Any]) -> Path:
