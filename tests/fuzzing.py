@@ -207,9 +207,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
                        + (("layer", "selective") if model not in BATCHNORM else ())),
         frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
         shard=shard, tp=tp,
-        # float16 loss scaling: not with FSDP (refused, documented)
-        precision=pick("precision", ("32", "bf16-mixed")
-                       + (() if shard == "fsdp" else ("16-mixed",))),
+        precision=pick("precision", ("32", "bf16-mixed", "16-mixed")),
         optimizer=pick("optimizer", ("sgd", "momentum", "adamw")),
         schedule_lr=pick("schedule_lr", ("constant", "scheduler", "lr")),
         max_grad_norm=pick("max_grad_norm", (None, 0.01, 1e3)),

@@ -432,7 +432,3 @@ def test_bad_shard_options_are_refused_before_any_rank_starts() -> None:
     with pytest.raises(ValueError, match="tied parameter .* Use shard='none'"):
         orgel.pipeline(tied, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
                        microbatches=2, threads=1)
-    plan = _plan(model, inputs, targets, loss_fn)
-    with pytest.raises(ValueError, match="16-mixed.*not supported with FSDP"):
-        orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
-                       microbatches=2, threads=1, precision="16-mixed")

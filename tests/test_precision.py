@@ -11,6 +11,8 @@ sums in another order: the tolerance is the zoo's, a relative 1e-5.
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -136,17 +138,25 @@ def _fp16_pipeline(model: torch.nn.Module, w: ZooWorkload, init_scale: float) ->
 
 
 def _fp16_reference(model: torch.nn.Module, w: ZooWorkload, init_scale: float,
-                    steps: int) -> list[float]:
-    """One process with torch.amp.GradScaler and gradient accumulation; the scale after each."""
+                    steps: int, replicas: int = 1) -> list[float]:
+    """One process with torch.amp.GradScaler and gradient accumulation over 2 micro-batches,
+    each cut again for ``replicas`` data-parallel replicas, summed as the replicas sum them
+    (each its own pieces, then the replicas' sums); the scale after each step."""
     opt = _sgd(list(model.parameters()))
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     scales = []
     for _ in range(steps):
-        opt.zero_grad()
-        for inputs, targets in microbatches(Workload(model, w.inputs, w.targets, w.loss_fn), 2):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = w.loss_fn(model(**inputs), targets) / 2
-            scaler.scale(loss).backward()
+        pieces = microbatches(Workload(model, w.inputs, w.targets, w.loss_fn), 2 * replicas)
+        sums = []
+        for r in range(replicas):  # micro-batch m's share of replica r: piece m * replicas + r
+            opt.zero_grad()
+            for inputs, targets in pieces[r::replicas]:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = w.loss_fn(model(**inputs), targets) / len(pieces)
+                scaler.scale(loss).backward()
+            sums.append([p.grad for p in model.parameters()])
+        for p, *grads in zip(model.parameters(), *sums, strict=True):
+            p.grad = functools.reduce(operator.add, grads)
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
@@ -162,7 +172,7 @@ def test_fp16_mixed_skips_the_same_steps_as_grad_scaler_and_recovers() -> None:
     _check_fp16(lambda model: _fp16_pipeline(model, w, init), w, init)
 
 
-def _check_fp16(start: Any, w: ZooWorkload, init: float) -> None:
+def _check_fp16(start: Any, w: ZooWorkload, init: float, replicas: int = 1) -> None:
     """Three steps of ``start(model)``'s pipeline against GradScaler in one process: the
     same scales, the first step skipped and a later one not, the same parameters."""
     ref = copy.deepcopy(w.model)
@@ -172,12 +182,31 @@ def _check_fp16(start: Any, w: ZooWorkload, init: float) -> None:
             pipe.step(w.inputs, w.targets)
             states.append(pipe.loss_scale)
         got = pipe.state_dict()
-    scales = _fp16_reference(ref, w, init, 3)
+    scales = _fp16_reference(ref, w, init, 3, replicas)
     assert [s["scale"] for s in states] == scales
     skipped = [s["skipped"] for s in states]
     assert skipped[0] and not skipped[-1], skipped  # overflowed, then recovered
     for name, t in ref.state_dict().items():
         torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_fp16_mixed_with_fsdp_skips_the_same_steps_as_grad_scaler() -> None:
+    """float16 loss scaling on FSDP-sharded stages: each rank unscales its gradients' shards
+    and checks them, the verdict is every rank's; the same scales and parameters as
+    GradScaler in one process over the same pieces."""
+    w = _gpt()
+    init = 2.0 ** 20
+
+    def start(model: torch.nn.Module) -> orgel.Pipeline:
+        pipe = orgel.pipeline(model, w.inputs, w.targets, w.loss_fn, ranks=4, dp=2,
+                              shard="fsdp", microbatches=2, optimizer=_sgd, threads=1,
+                              schedule="1f1b", precision="16-mixed",
+                              loss_scale={"init_scale": init})
+        assert all(pipe.plan.sharded(s) for s in range(pipe.plan.num_stages))
+        return pipe
+
+    _check_fp16(start, w, init, replicas=2)
 
 
 @pytest.mark.slow

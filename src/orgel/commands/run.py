@@ -151,9 +151,6 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--sequence-parallel cuts what --tp splits over its members: pass --tp 2 or more"
     if args.shard == "fsdp" and args.dp < 2 and not args.plan:
         return "--shard fsdp shards a stage over its data-parallel replicas: pass --dp 2 or more"
-    if args.shard == "fsdp" and getattr(args, "precision", "32") == "16-mixed":
-        return ("--shard fsdp does not support --precision 16-mixed (float16 loss scaling): "
-                "use bf16-mixed or 32")
     if args.timeout <= 0:
         return "--timeout must be a positive number of seconds"
     return None
@@ -255,7 +252,6 @@ def _prepare_flow(workload: Any, plan: Any, ranks: int, options: dict[str, Any],
     """:func:`orgel.flow.prepare.prepare` with ``orgel run``'s options (one graph only)."""
     from orgel.flow.prepare import prepare
     from orgel.graph.opgraph import GraphBreakError
-    from orgel.precision import scales_loss
     from orgel.runtime.checkpointing import check_policy
 
     def one_graph(graph: Any) -> None:
@@ -268,7 +264,6 @@ def _prepare_flow(workload: Any, plan: Any, ranks: int, options: dict[str, Any],
                    memory=None, dp=replicas(plan) if plan else options["dp"],
                    shard=options["shard"], loss_rule="rows",
                    optimizer=optimizer_factory(options["optimizer"], options["lr"]),
-                   loss_scaling=scales_loss(workload.precision),
                    recompute=check_policy(options["recompute"] or False),
                    schedule=schedule, stages_per_rank=options["stages_per_rank"],
                    compiled=bool(options.get("compile")), check_graph=one_graph)

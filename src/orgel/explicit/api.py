@@ -282,7 +282,7 @@ def pipeline(
                                   microbatches=microbatches,
                                   memory=memory, dp=dp, shard=shard, loss_rule=rule,
                                   optimizer=optimizer, source=source,
-                                  loss_scaling=bool(scaling), recompute=recompute,
+                                  recompute=recompute,
                                   schedule=schedule, compiled=compile)
     def breaks_allowed(graph: Any) -> None:  # before anything is planned for them
         if graph.glue is not None:

@@ -115,7 +115,7 @@ def planned_workload(workload: Workload, graph: Any) -> Workload:
 def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, tp: int,
             microbatches: int | str, memory: int | None, dp: int, shard: str,
             loss_rule: str, optimizer: Any, source: Weights | None = None,
-            loss_scaling: bool = False, agree: Agree = here, mark: bool = False,
+            agree: Agree = here, mark: bool = False,
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
             planner: str | None = None, recompute: bool | str = False,
             schedule: str | None = None, stages_per_rank: int = 2,
@@ -206,7 +206,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                     isinstance(p, str) for p in the_plan.recompute):
                 # the planner's per-layer or selective choices, where the runtime can run them
                 the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages])
-            check_sharded(the_plan, split, loss_scaling=loss_scaling)
+            check_sharded(the_plan, split)
     except BaseException:
         if not captured and graph is not None:
             release(graph.glue)  # the code a forward of several graphs kept for its controller

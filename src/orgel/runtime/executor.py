@@ -198,7 +198,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
             self.tp_meshes, dp_meshes = tp.shard_stages(plan, split, self.stages, self.device)
             if plan.sequence_parallel:
                 split_stages(self.stages, self.tp_meshes)
-        check_sharded(plan, split, loss_scaling=bool(loss_scaling))
+        check_sharded(plan, split)
         # FSDP2 over the replicas of the plan's sharded stages (:mod:`orgel.runtime.sharding`);
         # with tp, over each plane's replicas, on the DTensors of the TP split (2-D)
         self.sharding = Sharding(plan, self.stages, self.rank, ranks=list(range(plan.num_ranks)),

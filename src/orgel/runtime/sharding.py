@@ -42,9 +42,10 @@ replica by replica after the reduce-scatter (:class:`orgel.runtime.optim.GradSyn
 
 What it refuses (:func:`check_sharded`, before any rank starts): a tied parameter whose
 copies are not sharded alike (a sharded and a whole copy, other replica counts, tensor
-parallelism) and float16 loss scaling (the scaler's unscale kernel on sharded
-gradients is not wired). A tied input embedding refused so is refused before any
-capture (:func:`check_tied_sharding`): the model's parameters show it.
+parallelism). A tied input embedding refused so is refused before any capture
+(:func:`check_tied_sharding`): the model's parameters show it. float16 loss scaling
+unscales and checks each rank's gradient shards (:class:`orgel.runtime.scaler.LossScaler`);
+the inf/NaN verdict is every rank's.
 """
 
 from __future__ import annotations
@@ -74,15 +75,11 @@ def check_shard_option(shard: Any, dp: int) -> None:
                          "more (ranks divisible by dp), or shard='none'")
 
 
-def check_sharded(plan: Plan, split: Any, *, loss_scaling: bool = False) -> None:
+def check_sharded(plan: Plan, split: Any) -> None:
     """Raise ValueError for what a sharded stage cannot do (see the module docstring)."""
     sharded = [s for s in range(plan.num_stages) if plan.sharded(s)]
     if not sharded:
         return
-    if loss_scaling:
-        raise ValueError("precision='16-mixed' (float16 loss scaling) is not supported with "
-                         "FSDP-sharded stages: use precision='bf16-mixed' or '32', or "
-                         "shard='none'")
     tied = set(getattr(split, "tied", ()) or ())
     for s in sharded:
         names = set(split.stages[s].param_names.values())
