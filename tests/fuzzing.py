@@ -94,8 +94,6 @@ SEQUENCE: tuple[str, ...] = ("gpt", "tied", "hf_gpt2", "hf_llama")
 #: are ``Conv1D``, ``addmm`` with a ``[in, out]`` weight)
 TENSOR_PARALLEL: tuple[str, ...] = ("gpt", "tied", "vit", "clip", "mmt", "hf_gpt2", "hf_bert",
                                     "hf_llama", "breaks", "aux")
-#: models with BatchNorm (running statistics; batch statistics)
-BATCHNORM: tuple[str, ...] = ("resnet",)
 #: the front ends a setup trains through (``tests/fuzz_backend.py`` for orgel.backend);
 #: :data:`TORCHRUN` (either in a torchrun job, ``tests/fuzz_torchrun.py``) are drawn
 #: where asked (``draw(entries=...)``): each draw starts a job of fresh interpreters
@@ -204,7 +202,7 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
         prefetch=prefetch,
         recompute=pick("recompute", ("none", "all")
                        + (() if backend else ("first", "last", "alternate"))
-                       + (("layer", "selective") if model not in BATCHNORM else ())),
+                       + ("layer", "selective")),
         frozen=frozen, frozen_module=pick("frozen_module", range(8)) if frozen == "module" else 0,
         shard=shard, tp=tp,
         precision=pick("precision", ("32", "bf16-mixed", "16-mixed")),

@@ -205,7 +205,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
             if recompute is False and (given is None or mark) and any(
                     isinstance(p, str) for p in the_plan.recompute):
                 # the planner's per-layer or selective choices, where the runtime can run them
-                the_plan = runnable_recompute(the_plan, [bool(st.written) for st in split.stages])
+                the_plan = runnable_recompute(the_plan)
             check_sharded(the_plan, split)
     except BaseException:
         if not captured and graph is not None:

@@ -113,18 +113,14 @@ def with_recompute(plan: Plan, recompute: Sequence[bool | str]) -> Plan:
     return dataclasses.replace(plan, recompute=flags)
 
 
-def runnable_recompute(plan: Plan, written: Sequence[bool]) -> Plan:
+def runnable_recompute(plan: Plan) -> Plan:
     """``plan`` with the planner's ``"layer"`` and ``"selective"`` choices where the runtime
-    can run them, and the stage whole elsewhere: a stage whose forward updates buffers
-    (``written[s]``) takes ``True``;
-    ``"selective"`` in a schedule that splits the stage's backward takes ``"layer"``
-    (torch's selective checkpoint runs one backward per region)."""
+    can run them: ``"selective"`` in a schedule that splits the stage's backward takes
+    ``"layer"`` (torch's selective checkpoint runs one backward per region)."""
     split = {a.stage for actions in plan.schedule for a in actions if a.kind == "I"}
     out: list[bool | str] = []
     for s, policy in enumerate(plan.recompute):
-        if isinstance(policy, str) and written[s]:
-            policy = True
-        elif policy == "selective" and s in split:
+        if policy == "selective" and s in split:
             policy = "layer"
         out.append(policy)
     return plan if out == list(plan.recompute) else with_recompute(plan, out)

@@ -18,8 +18,9 @@ A plan says for each stage how its backward gets its activations (``Plan.recompu
 
 Both run in the one forward with gradients on; torch's checkpoint restores the random
 state for the recompute, so dropout draws the same masks and the result is the forward's.
-A stage whose forward updates buffers in place (BatchNorm statistics) takes only ``False``
-or ``True``: a checkpoint's recompute would update them again.
+A stage whose forward updates buffers in place (BatchNorm statistics) recomputes on copies
+of them as its forward found them (:class:`_Checkpointed`), so they are updated once per
+micro-batch, as in one process.
 """
 
 from __future__ import annotations
@@ -62,12 +63,19 @@ def check_policy(value: Any, where: str = "recompute") -> Any:
 
 
 class _Checkpointed(torch.nn.Module):
-    """``inner`` run under a non-reentrant checkpoint (``context_fn``: a selective policy)."""
+    """``inner`` run under a non-reentrant checkpoint (``context_fn``: a selective policy).
 
-    def __init__(self, inner: torch.nn.Module, context_fn: Any = None) -> None:
+    ``written``: the ids of the buffers the stage's forward updates in place. The forward
+    keeps a copy of each that ``inner`` holds, as it found them; the recompute runs on
+    fresh copies of those (swapped in for the call), so the live buffers are updated once,
+    by the forward, and the recompute reads what the forward read."""
+
+    def __init__(self, inner: torch.nn.Module, context_fn: Any = None,
+                 written: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.inner = inner
         self._context_fn = context_fn
+        self._written = written
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing to keep: no recompute either
@@ -76,10 +84,49 @@ class _Checkpointed(torch.nn.Module):
         # of the graph entered (its exit is the graph's last node), and autocast's cache of
         # cast weights would then outlive the optimizer step
         inner = glue.pinned(self.inner)  # recomputed, its exchanges answer for this forward
+        # the written buffers as the forward finds them, for the recompute to write: those
+        # ``inner`` holds are swapped in for its call; those it is given (``split_module``
+        # passes a layer the stage's buffers) are the checkpoint's arguments, and the
+        # forward gets the live ones. (Copied here: an op inside the recompute that the
+        # forward did not run fails torch's checks.)
+        found = _holders(self.inner, self._written)
+        kept = [tensor.clone() for *_, tensor in found]
+        given = [i for i, a in enumerate(args)
+                 if isinstance(a, torch.Tensor) and id(a) in self._written]
+        copies = [a.clone() if i in given else a for i, a in enumerate(args)]
+        calls = 0
+
+        def run(*inputs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:  # the forward: on the live buffers
+                return inner(*[args[i] if i in given else a for i, a in enumerate(inputs)])
+            for (holder, slot, leaf, _), copy in zip(found, kept, strict=True):
+                getattr(holder, slot)[leaf] = copy
+            try:
+                return inner(*inputs)
+            finally:
+                for holder, slot, leaf, tensor in found:
+                    getattr(holder, slot)[leaf] = tensor
+
         with set_checkpoint_early_stop(False):
             if self._context_fn is None:
-                return checkpoint(inner, *args, use_reentrant=False)
-            return checkpoint(inner, *args, use_reentrant=False, context_fn=self._context_fn)
+                return checkpoint(run, *copies, use_reentrant=False)
+            return checkpoint(run, *copies, use_reentrant=False, context_fn=self._context_fn)
+
+
+def _holders(module: torch.nn.Module, ids: frozenset[int]
+             ) -> list[tuple[torch.nn.Module, str, str, torch.Tensor]]:
+    """``(module, "_buffers" or "__dict__", name, tensor)`` for each tensor of ``module`` or
+    its children whose id is in ``ids`` (a part that ``split_module`` made holds a stage's
+    buffer as a plain attribute)."""
+    found = []
+    for holder in module.modules():
+        for slot in ("_buffers", "__dict__"):
+            for name, value in list(getattr(holder, slot).items()):
+                if isinstance(value, torch.Tensor) and id(value) in ids:
+                    found.append((holder, slot, name, value))
+    return found
 
 
 def _keep_costly(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -88,19 +135,22 @@ def _keep_costly(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
 
 
 def checkpointed(module: torch.nn.Module, policy: Any,
-                 layers: Sequence[tuple[str | None, list[str]]]) -> torch.nn.Module:
+                 layers: Sequence[tuple[str | None, list[str]]],
+                 written: Sequence[str] = ()) -> torch.nn.Module:
     """What runs stage ``module``'s forward under ``policy``
     (:data:`~orgel.schedule.ir.RECOMPUTE`): the module itself for False and True, else a
     module sharing its parameters and buffers.
 
     ``layers``: the stage's nodes as :func:`orgel.graph.blocks.layer_runs` cuts them (for
-    ``"layer"``).
+    ``"layer"``). ``written``: the buffers (names in ``module``) its forward updates in
+    place, which a recompute must not update again.
     """
     if policy is False or policy is True:
         return module
+    ids = frozenset(id(module.get_buffer(name)) for name in written)
     if policy == "selective":
         return _Checkpointed(module, functools.partial(create_selective_checkpoint_contexts,
-                                                       _keep_costly))
+                                                       _keep_costly), ids)
     from torch.fx.passes.split_module import split_module
 
     if not isinstance(module, torch.fx.GraphModule):
@@ -131,5 +181,5 @@ def checkpointed(module: torch.nn.Module, policy: Any,
         name = f"submod_{index}"
         child = getattr(parts, name, None)
         if child is not None:  # a run of only sizes or attributes makes no part
-            setattr(parts, name, _Checkpointed(child))
+            setattr(parts, name, _Checkpointed(child, written=ids))
     return parts

@@ -145,12 +145,7 @@ def _runner(stage: StageModule, policy: bool | str, plan: Plan) -> torch.nn.Modu
                          "splits its backward (I and W): torch's selective checkpoint runs "
                          "one backward per region; give it recompute='layer', or a schedule "
                          "with whole backwards (1f1b, interleaved)")
-    if isinstance(policy, str) and stage.written:
-        raise ValueError(f"stage {stage.index} updates buffers in its forward "
-                         f"({', '.join(stage.written)}): recompute={policy!r} would update "
-                         "them again when it recomputes; give it True (the stage whole, its "
-                         "buffers put back) or False")
-    return checkpointed(stage.module, policy, stage.layers)
+    return checkpointed(stage.module, policy, stage.layers, stage.written)
 
 
 @dataclass
