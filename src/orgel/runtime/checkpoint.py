@@ -195,9 +195,8 @@ def make_shard(
     rng: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One rank's shard as plain data (tensors on the CPU, :func:`compact`; keyed by
-    original names). It is written before the rank trains on: the tensors may be the
-    rank's own."""
+    """One rank's shard as plain data (tensors on the CPU, :func:`compact`: it is written
+    before the rank trains on; keyed by original names)."""
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -212,11 +211,9 @@ def make_shard(
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached, as ``torch.save`` should write it: itself where it is a CPU tensor
-    that fills its storage, else a copy on the CPU of its own size (``torch.save`` writes a
-    view's whole storage: a parameter that is a view of a stage's flat buffer would write
-    the buffer). A save then holds no second copy of a rank's parameters and optimizer
-    state."""
+    """``t`` detached: itself where it is a CPU tensor that fills its storage (no second copy
+    of a rank's state), else a copy on the CPU of its own size (``torch.save`` writes a
+    view's whole storage: a stage's flat buffer)."""
     t = t.detach()
     whole = (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
              and t.untyped_storage().nbytes() == t.numel() * t.element_size())

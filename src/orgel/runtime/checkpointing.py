@@ -65,17 +65,18 @@ def check_policy(value: Any, where: str = "recompute") -> Any:
 class _Checkpointed(torch.nn.Module):
     """``inner`` run under a non-reentrant checkpoint (``context_fn``: a selective policy).
 
-    ``written``: the ids of the buffers the stage's forward updates in place. The forward
-    keeps a copy of each that ``inner`` holds, as it found them; the recompute runs on
-    fresh copies of those (swapped in for the call), so the live buffers are updated once,
-    by the forward, and the recompute reads what the forward read."""
+    ``written``: the names in ``stage`` (the stage module ``inner`` is or is part of) of the
+    buffers its forward updates in place, looked up at each call. The forward copies them
+    as it finds them, and the recompute runs on the copies, so the live buffers are updated
+    once, by the forward, and the recompute reads what the forward read."""
 
     def __init__(self, inner: torch.nn.Module, context_fn: Any = None,
-                 written: frozenset[int] = frozenset()) -> None:
+                 stage: torch.nn.Module | None = None, written: Sequence[str] = ()) -> None:
         super().__init__()
         self.inner = inner
         self._context_fn = context_fn
-        self._written = written
+        self.__dict__["_stage"] = stage  # not a child (it may be inner, or hold it)
+        self._written = tuple(written)
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing to keep: no recompute either
@@ -89,10 +90,12 @@ class _Checkpointed(torch.nn.Module):
         # passes a layer the stage's buffers) are the checkpoint's arguments, and the
         # forward gets the live ones. (Copied here: an op inside the recompute that the
         # forward did not run fails torch's checks.)
-        found = _holders(self.inner, self._written)
+        stage: torch.nn.Module | None = self.__dict__["_stage"]
+        ids = frozenset(() if stage is None else
+                        (id(stage.get_buffer(name)) for name in self._written))
+        found = _holders(self.inner, ids)
         kept = [tensor.clone() for *_, tensor in found]
-        given = [i for i, a in enumerate(args)
-                 if isinstance(a, torch.Tensor) and id(a) in self._written]
+        given = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and id(a) in ids]
         copies = [a.clone() if i in given else a for i, a in enumerate(args)]
         calls = 0
 
@@ -147,10 +150,9 @@ def checkpointed(module: torch.nn.Module, policy: Any,
     """
     if policy is False or policy is True:
         return module
-    ids = frozenset(id(module.get_buffer(name)) for name in written)
     if policy == "selective":
         return _Checkpointed(module, functools.partial(create_selective_checkpoint_contexts,
-                                                       _keep_costly), ids)
+                                                       _keep_costly), module, written)
     from torch.fx.passes.split_module import split_module
 
     if not isinstance(module, torch.fx.GraphModule):
@@ -181,5 +183,5 @@ def checkpointed(module: torch.nn.Module, policy: Any,
         name = f"submod_{index}"
         child = getattr(parts, name, None)
         if child is not None:  # a run of only sizes or attributes makes no part
-            setattr(parts, name, _Checkpointed(child, written=ids))
+            setattr(parts, name, _Checkpointed(child, stage=module, written=written))
     return parts
