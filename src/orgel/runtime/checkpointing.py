@@ -85,14 +85,15 @@ class _Checkpointed(torch.nn.Module):
         # of the graph entered (its exit is the graph's last node), and autocast's cache of
         # cast weights would then outlive the optimizer step
         inner = glue.pinned(self.inner)  # recomputed, its exchanges answer for this forward
+        stage: torch.nn.Module | None = self.__dict__["_stage"]
+        if stage is None or not self._written:
+            return self._checkpoint(inner, args)
         # the written buffers as the forward finds them, for the recompute to write: those
         # ``inner`` holds are swapped in for its call; those it is given (``split_module``
         # passes a layer the stage's buffers) are the checkpoint's arguments, and the
         # forward gets the live ones. (Copied here: an op inside the recompute that the
         # forward did not run fails torch's checks.)
-        stage: torch.nn.Module | None = self.__dict__["_stage"]
-        ids = frozenset(() if stage is None else
-                        (id(stage.get_buffer(name)) for name in self._written))
+        ids = frozenset(id(stage.get_buffer(name)) for name in self._written)
         found = _holders(self.inner, ids)
         kept = [tensor.clone() for *_, tensor in found]
         given = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and id(a) in ids]
@@ -112,10 +113,13 @@ class _Checkpointed(torch.nn.Module):
                 for holder, slot, leaf, tensor in found:
                     getattr(holder, slot)[leaf] = tensor
 
+        return self._checkpoint(run, copies)
+
+    def _checkpoint(self, run: Any, args: Sequence[Any]) -> Any:
         with set_checkpoint_early_stop(False):
             if self._context_fn is None:
-                return checkpoint(run, *copies, use_reentrant=False)
-            return checkpoint(run, *copies, use_reentrant=False, context_fn=self._context_fn)
+                return checkpoint(run, *args, use_reentrant=False)
+            return checkpoint(run, *args, use_reentrant=False, context_fn=self._context_fn)
 
 
 def _holders(module: torch.nn.Module, ids: frozenset[int]
