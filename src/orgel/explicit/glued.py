@@ -384,7 +384,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         Compiling them here, in one thread, leaves the threads only cache hits.
         The controller's copy, grad mode and RNG are put back afterwards.
         """
-        with (guard.untouched(self._runner), dynamo_settings(), self.glue.settings(),
+        with (guard.untouched(self._runner), dynamo_settings(nested=True), self.glue.settings(),
               torch.enable_grad(), guard.no_autocast_cache(), self.glue.autocast()):
             self._compiled(**inputs)  # no route: every graph runs here
         self._warm = True
@@ -420,7 +420,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         first = slot.anchor = torch.zeros((), requires_grad=True)
         slot.sizes = {k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         try:
-            with dynamo_settings(), self.glue.settings(), torch.enable_grad(), \
+            with dynamo_settings(nested=True), self.glue.settings(), torch.enable_grad(), \
                     self.glue.autocast():  # Dynamo's settings are per thread
                 out = self._compiled(**inputs)
                 self._check_calls(slot)
@@ -435,7 +435,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
             self._fallback.leave(self, slot, inputs, found.what)
             self._fallback.run(self, slot, inputs, targets)
             return
-        with dynamo_settings(), torch.enable_grad():
+        with dynamo_settings(nested=True), torch.enable_grad():
             if self._keep_outputs:
                 slot.outputs = out
             loss = self.weighed_loss(slot.index, out, targets)

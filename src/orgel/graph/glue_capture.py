@@ -129,7 +129,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
                ) -> Iterator[None]:
         # the controller's global state (its threads run without the autocast cache), which
         # Dynamo's code guards on, so that this code serves it; graph calls go to ``route``
-        with (dynamo_settings(), own_code_state(sizes_record), capture_settings(values),
+        with (dynamo_settings(nested=True), own_code_state(sizes_record), capture_settings(values),
               torch.enable_grad(), no_autocast_cache(), region_autocast(region),
               compiler.routed(route)):
             yield
