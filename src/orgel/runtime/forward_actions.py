@@ -41,6 +41,21 @@ from orgel.schedule.ir import Action, Plan
 from orgel.split.types import SplitModel
 
 
+def as_activation(leaf: torch.Tensor) -> torch.Tensor:
+    """What a stage takes for the leaf that holds a received value: a view of it, where it
+    carries a gradient, so that under autocast it is cast as the activation it is in one
+    process.
+
+    Autocast keeps one cast of a leaf that requires a gradient for its whole region (its
+    cache is for weights): on the leaf itself, ``k_proj`` and ``v_proj`` would share one
+    bfloat16 copy, and their gradients would be summed in bfloat16 before the cast back,
+    where one process casts the value for each and sums the float32 gradients (a Qwen2 cut
+    between ``q_proj`` and ``k_proj`` trained to other weights under bf16-mixed). A view is
+    no cache's; its gradient reaches the leaf as it is.
+    """
+    return leaf.view_as(leaf) if leaf.requires_grad else leaf
+
+
 class ForwardActions:
     """The ``F`` action of the executor and the step's micro-batches (a base of it)."""
 
@@ -120,7 +135,7 @@ class ForwardActions:
                 leaves[v.name] = t.detach().requires_grad_(self.training
                                                            and self._carries_grad(v.name, t))
         stage = info.stage
-        args = [leaves[n] if n in leaves else self._model_input(info, m, n)
+        args = [as_activation(leaves[n]) if n in leaves else self._model_input(info, m, n)
                 for n in stage.inputs]
         run = Run(args, leaves, ())
         if info.recompute and stage.written:
