@@ -37,6 +37,34 @@ def test_small_tensors_arrive_equal_and_as_they_were() -> None:
     assert not torch.equal(t, tokens)
 
 
+def test_one_value_expanded_arrives_as_its_shape() -> None:
+    """A scalar expanded to a shape of ones (strides 0, which torch calls contiguous at size
+    1): its bytes are the one value (it crashed the torchrun pipe of ``orgel.backend``, a
+    batch of one row and one micro-batch, found by ``benchmarks/fuzz.py --seed 115``)."""
+    from orgel.explicit.mailbox import pipe_here
+
+    ones = torch.tensor(7).expand(1, 1)
+    half = torch.tensor(2.5, dtype=torch.bfloat16).expand(1)
+    here, there = pipe_here()  # torchrun's connection: it pickles every tensor by value
+    try:
+        for got, want in zip([_through((ones, half)), _send_recv(here, there, (ones, half))],
+                             [(ones, half)] * 2, strict=True):
+            for g, w in zip(got, want, strict=True):  # type: ignore[call-overload]
+                assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w)
+    finally:
+        here.close()
+        there.close()
+
+
+def _send_recv(here: object, there: object, message: object) -> object:
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(there.recv()))  # type: ignore[attr-defined]
+    reader.start()
+    here.send(message)  # type: ignore[attr-defined]
+    reader.join(timeout=30)
+    return got[0]
+
+
 def test_large_tensors_travel_by_shared_memory() -> None:
     big = torch.zeros(BY_VALUE_BYTES // 4 + 1)
     (got,) = _through((big,))  # type: ignore[misc]

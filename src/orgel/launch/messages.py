@@ -99,7 +99,10 @@ class _ByValue(pickle.Pickler):
         if obj.requires_grad and not obj.is_leaf:  # torch's own way refuses it: so does send
             raise pickle.PicklingError("a non-leaf tensor that requires grad")
         value = obj.detach().contiguous()
-        data = value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b""
+        flat = value.reshape(-1)
+        if flat.numel() and flat.stride(0) != 1:  # one value expanded: its strides are 0,
+            flat = torch.empty(1, dtype=flat.dtype).copy_(flat)  # "contiguous" at size 1
+        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return _rebuild, (data, value.dtype, tuple(value.shape), obj.requires_grad)
 
 
