@@ -245,29 +245,39 @@ def test_a_microbatch_off_the_path_with_batchnorm_stages_is_a_clear_error() -> N
 
 
 @pytest.mark.slow
-def test_with_tp_a_microbatch_off_the_path_is_a_clear_error() -> None:
-    """With tensor parallelism the controller does not run a micro-batch itself (a
-    rank's values are gathered by all its processes at once, not mid-step): the step
-    that leaves the captured graphs says so and what to do, after one that trained."""
-    from orgel.explicit.fallback import GlueError
-
+def test_with_tp_a_microbatch_off_the_path_trains_exactly() -> None:
+    """With tensor parallelism the calling process runs a micro-batch that left the
+    captured graphs on the ranks' values, each member sending its own shard (a gather
+    mid-step would wait for partners elsewhere in the step), and hands each member its
+    part of the gradients: a step on the path, then one with micro-batch 1 off it, then
+    one with both off, against one process."""
     torch.manual_seed(0)
     model = MeanBranch()
+    reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
     on = torch.cat([_rows(model, True, 4, gen), _rows(model, True, 4, gen)])
     off = torch.cat([_rows(model, True, 4, gen), _rows(model, False, 4, gen)])
+    both = torch.cat([_rows(model, False, 4, gen), _rows(model, False, 4, gen)])
     y = torch.randint(0, 4, (8,), generator=gen)
-    pipe = orgel.pipeline(model, {"x": on}, y, F.cross_entropy, ranks=4, tp=2, microbatches=2,
-                          schedule="1f1b", optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                          timeout_s=60.0)
-    try:
+    batches = [({"x": x}, y) for x in (on, off, both)]
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1)
+
+    with orgel.pipeline(model, {"x": on}, y, F.cross_entropy, ranks=4, tp=2, microbatches=2,
+                        schedule="1f1b", optimizer=sgd, timeout_s=60.0) as pipe:
         assert pipe.plan.tp == 2
         assert any(pipe.call_ranks("tp_shards"))  # a region is split
-        pipe.step({"x": on}, y)
-        with pytest.raises(GlueError, match=r"micro-batch 1 left the captured graphs.*tp=1"):
-            pipe.step({"x": off}, y)
-    finally:
-        pipe.close()
+        losses, left = [], []
+        for inputs, target in batches:
+            losses.append(pipe.step(inputs, target))
+            left.append(pipe.off_path)
+        got = pipe.state_dict()
+    expected, _ = _reference(reference, batches, 2, F.cross_entropy, sgd)
+    assert left == [[], [1], [0, 1]]
+    assert losses == pytest.approx(expected, rel=1e-5)
+    worst = {k: relative_diff(got[k], t) for k, t in reference.state_dict().items()}
+    assert max(worst.values()) <= 1e-5, worst
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """A forward of several graphs where micro-batches leave the captured ones, with replicas.
 
 A branch on the data calls a layer the capture never saw: the calling process runs such
-a micro-batch whole (its gradients join the ranks' before the replicas' sums), and
-refuses it under FSDP, whose values it cannot gather mid-step.
+a micro-batch whole on the ranks' values (each FSDP replica sends its own shard) and its
+gradients join the ranks' (before the replicas' sums; after FSDP's reduce-scatter, each
+replica its shard). With FSDP and tensor parallelism together it is refused.
 """
 
 from __future__ import annotations
@@ -32,6 +33,20 @@ class OtherGraph(nn.Module):
         return self.c(h)
 
 
+class SplitThenBranch(OtherGraph):
+    """:class:`OtherGraph` behind an MLP that tensor parallelism splits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(self.down(torch.relu(self.up(x)))))
+        if x.sum() > 0:
+            return self.b(h)
+        return self.c(h)
+
+
 def _half_off() -> tuple[torch.Tensor, torch.Tensor]:
     """A batch whose second half takes the layer the first half's capture never saw."""
     torch.manual_seed(0)
@@ -40,52 +55,65 @@ def _half_off() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 4, (8,))
 
 
-def _one_process(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                 y: torch.Tensor) -> float:
-    """One SGD step of ``model`` in this process over the 4 shares of the pipelines below
-    (2 micro-batches x 2 replicas), each loss a quarter; the step's loss."""
+def _one_process(model: nn.Module, opt: torch.optim.Optimizer, calls: list[torch.Tensor],
+                 y: torch.Tensor) -> list[float]:
+    """One SGD step of ``model`` in this process over ``calls`` (each in the 4 shares of
+    the pipelines below: 2 micro-batches x 2 replicas, each loss a quarter of its call's,
+    and its gradient over ``len(calls)``); each call's loss."""
     opt.zero_grad()
-    total = 0.0
-    for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
-        loss = F.cross_entropy(model(xm), ym) / 4
-        loss.backward()
-        total += loss.item()
+    losses = []
+    for x in calls:
+        total = 0.0
+        for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+            loss = F.cross_entropy(model(xm), ym) / 4
+            (loss / len(calls)).backward()
+            total += loss.item()
+        losses.append(total)
     opt.step()
-    return total
+    return losses
 
 
 @pytest.mark.slow
-def test_a_microbatch_off_the_captured_graphs_with_fsdp_is_a_clear_error() -> None:
-    """The calling process runs a micro-batch that left the captured graphs on the ranks'
-    values, which FSDP shards (a gather is every replica's call at once): refused at the
-    step with what to change, as with tp (it crashed copying a shard into a whole tensor)."""
+def test_a_microbatch_off_the_captured_graphs_with_fsdp_and_tp_is_a_clear_error() -> None:
+    """An FSDP shard of a tensor-parallel weight cut on the same dimension is no block of
+    it that a process could send alone: the step that leaves the captured graphs is
+    refused, saying what to change."""
     from orgel.explicit.fallback import GlueError
 
     x, y = _half_off()
-    pipe = orgel.pipeline(OtherGraph(), (x,), y, F.cross_entropy, ranks=2, dp=2,
+    pipe = orgel.pipeline(SplitThenBranch(), (x,), y, F.cross_entropy, ranks=4, tp=2, dp=2,
                           shard="fsdp", microbatches=2, schedule="1f1b", threads=1,
                           timeout_s=60, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    with pipe, pytest.raises(GlueError, match="shard='fsdp' orgel does not run it"):
+    with pipe, pytest.raises(GlueError, match="tp > 1 and shard='fsdp' together.*tp=1 or "
+                                              "shard='none'"):
         pipe.step((x,), y)
 
 
 @pytest.mark.slow
-def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas() -> None:
+@pytest.mark.parametrize(("shard", "accumulate"), [("none", 1), ("fsdp", 1), ("fsdp", 2)])
+def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas(
+        shard: str, accumulate: int) -> None:
     """With ``dp=2`` the gradients the calling process computes (micro-batches that left
     the captured graphs) join the replicas' sums: those were launched as each replica's
     backward ended, before the calling process's gradients were added, and their result
-    replaced them (the first layer did not train)."""
+    replaced them (the first layer did not train). Under FSDP each replica sends its
+    shard of the values, and takes its shard of those gradients after the reduce-scatter
+    (or, on a call that only accumulates, one replica takes them whole before it)."""
     x, y = _half_off()
     model = OtherGraph()
     reference = copy.deepcopy(model)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     opt = sgd(reference.parameters())
-    pipe = orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, dp=2, microbatches=2,
-                          schedule="1f1b", threads=1, timeout_s=60, optimizer=sgd)
+    pipe = orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, dp=2, shard=shard,
+                          microbatches=2, schedule="1f1b", threads=1, timeout_s=60,
+                          optimizer=sgd, accumulate=accumulate)
+    # some micro-batches off the path; then all of them
+    calls = [x, -x.abs()] if accumulate == 1 else [x, -x.abs(), -x.abs(), x]
     with pipe:
-        for batch in (x, -x.abs()):  # some micro-batches off the path; then all of them
-            got = pipe.step((batch,), y)
-            assert float(got) == pytest.approx(_one_process(reference, opt, batch, y), rel=1e-6)
+        for i in range(0, len(calls), accumulate):
+            group = calls[i:i + accumulate]
+            got = [float(pipe.step((batch,), y)) for batch in group]
+            assert got == pytest.approx(_one_process(reference, opt, group, y), rel=1e-6)
         state = pipe.state_dict()
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
@@ -138,8 +166,8 @@ def test_replicas_train_from_the_one_capture_of_a_microbatch_at_any_batch_size(
             batch, target = torch.randn(n, 8), torch.randint(0, 4, (n,))
             got = pipe.step((batch,), target)
             assert pipe.off_path == []  # every micro-batch ran on the ranks
-            want = _one_process(reference, opt, batch, target)
-            assert float(got) == pytest.approx(want, rel=1e-6)
+            want = _one_process(reference, opt, [batch], target)
+            assert float(got) == pytest.approx(want[0], rel=1e-6)
         state = pipe.state_dict()
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)

@@ -53,9 +53,9 @@ class ClosurePipeline(GluedPipeline):
     the calls the ranks ran before, recomputed from their arguments (checked against the
     outputs the ranks gave). The gradients this gives the copy's parameters are kept per
     micro-batch, summed in micro-batch order and added by each parameter's home rank, as
-    those of the parameters the Python between graphs trains are. Not with ``tp`` or
-    FSDP (:meth:`~orgel.explicit.fallback.Fallback.allowed`), nor where the stages update
-    buffers in place: there the step stops, saying so.
+    those of the parameters the Python between graphs trains are. Not with ``tp`` and
+    FSDP together (:meth:`~orgel.explicit.fallback.Fallback.allowed`), nor where the
+    stages update buffers in place: there the step stops, saying so.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

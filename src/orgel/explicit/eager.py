@@ -17,7 +17,7 @@ import torch
 
 from orgel.explicit.fallback import summed
 from orgel.explicit.mailbox import Stopped
-from orgel.split.exchanges import exchange_stages, home_rank
+from orgel.split.exchanges import exchange_stages, grad_ranks
 
 
 class EagerParameters:
@@ -56,8 +56,8 @@ class EagerParameters:
             by_rank[self._homes[name]][name] = None
         for name, total in summed(slots).items():
             home = self._homes.get(name)
-            by_rank[home_rank(name, self.plan, self._split) if home is None
-                    else home][name] = total
+            for r in grad_ranks(name, self.plan, self._split) if home is None else [home]:
+                by_rank[r][name] = total
         # the ranks' gradients are stand-ins' (zero) where no micro-batch's backward reached
         # them there: torch leaves them None then, and the optimizer skips them
         reset = all(s.off_path or not s.backward for s in slots)

@@ -14,13 +14,18 @@ ran fewer) is computed here instead, exactly as one process computes it:
 2. the controller asks every rank for the values of its parameters and buffers
    (``"v_fetch"``, answered mid-step: none has stepped yet), once per step, and
    loads them into its own copy of the model (made on the first such
-   micro-batch; the caller's model is never changed);
+   micro-batch; the caller's model is never changed); a tensor-parallel member or an
+   FSDP replica sends its own shard, and the controller lays them together
+   (:mod:`orgel.runtime.pieces`: a gather mid-step would wait for partners that are
+   elsewhere in the step);
 3. it runs the model's forward eagerly on that copy, then ``loss_fn`` and the
    backward, and keeps this micro-batch's gradient of every parameter;
 4. with the gradients of the parameters the Python between graphs trains, they
    are summed over the micro-batches in order and sent to each parameter's home
    rank (:func:`orgel.split.exchanges.home_rank`; rank 0 keeps a copy of every
-   parameter no stage reads), which adds them before its gradient sums.
+   parameter no stage reads), which adds them before its gradient sums; a
+   tensor-parallel member adds its part, and every replica of an FSDP stage its shard
+   after the reduce-scatter (:func:`orgel.split.exchanges.grad_ranks`).
 
 Why the whole micro-batch, in the controller: the ranks hold only the captured
 graphs and run a fixed schedule, so a graph they do not hold has no place
@@ -42,7 +47,9 @@ of that load).
 
 What it does not do: a pipeline whose stages update buffers in place
 (BatchNorm statistics) refuses such a micro-batch, since the stand-ins would
-update them; a buffer the controller's forward writes is refused too.
+update them; a buffer the controller's forward writes is refused too; so is one
+with ``tp > 1`` and FSDP together (an FSDP shard of a tensor-parallel weight cut on
+the same dimension is no block of it).
 Randomness in the forward (dropout) draws from the controller's generator.
 """
 
@@ -59,6 +66,7 @@ from orgel.graph import glue as glue_mod
 from orgel.graph.glue_capture import _plain
 from orgel.graph.glue_sizes import stretched
 from orgel.graph.opgraph import CaptureError
+from orgel.runtime.pieces import whole_values
 
 
 class GlueError(CaptureError):
@@ -114,9 +122,9 @@ class Fallback:
     @staticmethod
     def allowed(plan: Any) -> bool:
         """Whether the calling process may run a micro-batch that left the captured graphs
-        itself: not with ``tp`` or FSDP, whose ranks' values are gathered by all their
-        processes at once, not mid-step for one of them."""
-        return bool(plan.tp == 1 and "fsdp" not in plan.shard)
+        itself: not with ``tp`` and FSDP together, whose shards of a weight cut on the
+        same dimension are no block of it (:mod:`orgel.runtime.pieces`)."""
+        return bool(plan.tp == 1 or "fsdp" not in plan.shard)
 
     def check(self, index: int, why: str) -> None:
         """Raise where micro-batch ``index`` cannot run in the controller (``why``: it left)."""
@@ -147,12 +155,12 @@ class Fallback:
             ranks = range(pipe.plan.num_ranks)
             for r in ranks:
                 pipe._send(r, ("v_fetch", (pipe.calls, r), None))
-            values: dict[str, torch.Tensor] = {}
-            for r in ranks:
-                got = pipe._mail.get("v_values", (pipe.calls, r), r,
-                                     "its parameters' values (a micro-batch off the captured path)")
-                for name, t in got.items():
-                    values.setdefault(name, t)
+            # every process its own part (orgel.runtime.pieces): a tensor-parallel member's
+            # or an FSDP replica's shard, laid together here
+            values = whole_values([
+                pipe._mail.get("v_values", (pipe.calls, r, member), r,
+                               "its parameters' values (a micro-batch off the captured path)")
+                for r in ranks for member in range(pipe.plan.tp)])
             values.update(pipe._unread(set(values)))
             state = self._copy.state_dict(keep_vars=True)
             with torch.no_grad():
@@ -266,10 +274,11 @@ def check_outside(index: int, out: Any, remote: set[int]) -> None:
 def not_here(index: int, what: str) -> GlueError:
     """The error for micro-batch ``index``, which left the captured graphs (``what``), where
     the calling process may not run it (:meth:`Fallback.allowed`)."""
-    return GlueError(f"micro-batch {index} left the captured graphs ({what}); with tp > 1 or "
-                     "shard='fsdp' orgel does not run it in the calling process (a rank's "
-                     "values are gathered by all its processes at once): make every "
-                     "micro-batch take the captured path, or pass tp=1 and shard='none'")
+    return GlueError(f"micro-batch {index} left the captured graphs ({what}); with tp > 1 "
+                     "and shard='fsdp' together orgel does not run it in the calling process "
+                     "(an FSDP shard of a tensor-parallel weight is no block of it that a "
+                     "process could send alone): make every micro-batch take the captured "
+                     "path, or pass tp=1 or shard='none'")
 
 
 def summed(slots: list[Any]) -> dict[str, torch.Tensor]:

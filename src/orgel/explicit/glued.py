@@ -21,9 +21,11 @@ rank 0) adds it before its gradient sums, steps them, checkpoints them, sends th
 A micro-batch whose forward runs other graphs than the capture ran (another
 branch, graphs specialised on a Python value that changed, other argument
 shapes) runs whole in the controller instead, on the ranks' values of the step
-(:mod:`orgel.explicit.fallback`); :attr:`GluedPipeline.off_path` lists them. In
-``orgel.backend``'s closures (:class:`~orgel.explicit.closures.ClosurePipeline`), and
-with ``tp > 1``, it stops the step with an error naming the graph call.
+(:mod:`orgel.explicit.fallback`; with ``tp`` or FSDP each process sends its own shard of
+the values, :mod:`orgel.runtime.pieces`); :attr:`GluedPipeline.off_path` lists them.
+``orgel.backend``'s closures go on from the graph call where it left
+(:class:`~orgel.explicit.closures.ClosurePipeline`). With ``tp > 1`` and FSDP together
+it stops the step with an error naming the graph call.
 
 A micro-batch's error here (its forward, ``loss_fn``, its backward) is the step's error,
 and every rank drops that step (:mod:`orgel.runtime.dropped`): the controller's ``"fail"``

@@ -35,6 +35,11 @@ def members(plan: Any) -> list[list[int]]:
     return [plan.processes_of(r) for r in range(plan.num_ranks)]
 
 
+#: what every tensor-parallel member sends the controller, each its own part: the values of
+#: its parameters mid-step (:meth:`orgel.explicit.fallback.Fallback.values`)
+EVERY_MEMBER = frozenset({"v_values"})
+
+
 class Mailbox:
     """Messages from the ranks to the controller by ``(kind, key, rank)``; a reader thread per
     process (data-parallel replicas send the same kinds and keys).
@@ -52,14 +57,16 @@ class Mailbox:
         self._aborted: str | None = None  # this step's stop (a failed micro-batch or rank)
         self._closed: str | None = None  # a pipe that closed: every later step stops too
         ranks = members or [[p] for p in range(len(conns))]
-        speaker = {procs[0]: r for r, procs in enumerate(ranks)}
+        owner = {p: r for r, procs in enumerate(ranks) for p in procs}
         for p, conn in enumerate(conns):
-            threading.Thread(target=self._read, args=(p, speaker.get(p), conn), daemon=True,
-                             name=f"orgel-mail{p}").start()
+            threading.Thread(target=self._read, args=(p, owner[p], p == ranks[owner[p]][0],
+                                                      conn),
+                             daemon=True, name=f"orgel-mail{p}").start()
 
-    def _read(self, process: int, rank: int | None, conn: Connection) -> None:
-        """Keep what ``process`` sends, as rank ``rank``'s (None: a member that does not
-        speak for its rank)."""
+    def _read(self, process: int, rank: int, speaks: bool, conn: Connection) -> None:
+        """Keep what ``process`` sends, as rank ``rank``'s; from a member that does not
+        speak for its rank (``speaks``), only its own part of the values
+        (:data:`EVERY_MEMBER`), whose key names the member."""
         while True:
             try:
                 kind, key, payload = conn.recv()
@@ -70,7 +77,7 @@ class Mailbox:
                 return
             if kind == "failed":  # its own work failed: it will send nothing more this step
                 self.abort(f"process {process}'s work failed")
-            if rank is None:
+            if not speaks and kind not in EVERY_MEMBER:
                 continue
             with self._cond:
                 self._items[(kind, key, rank)] = payload

@@ -322,6 +322,12 @@ class Sharding:
                     held.add(id(fsdp_param.sharded_param))
         return held
 
+    def shard_ids(self) -> set[int]:
+        """The ids of the sharded stages' FSDP shards (the DTensors their modules hold
+        between a reduce and the next step's gather)."""
+        return {id(fsdp_param.sharded_param)
+                for module in self.modules.values() for fsdp_param in _fsdp_params(module)}
+
     def drop(self, only: set[int] | None = None) -> None:
         """Forget the whole weights' gradients summed since the last reduce (a dropped step);
         ``only``: those of the sharded parameters with these ids."""

@@ -31,6 +31,18 @@ def home_rank(name: str, plan: Any, split: Any) -> int:
     return min(ranks, default=0)
 
 
+def grad_ranks(name: str, plan: Any, split: Any) -> list[int]:
+    """The ranks the controller sends its gradient of parameter ``name`` to: the
+    :func:`home_rank`, and where the home stage is FSDP-sharded every replica of it (each
+    adds its shard; :meth:`orgel.worker.closure.ClosureEngine._add_controller_grads`)."""
+    home = home_rank(name, plan, split)
+    for s, st in enumerate(split.stages):
+        if (name in st.param_names.values() and plan.placement[s][0] == home
+                and plan.sharded(s)):
+            return list(plan.placement[s])
+    return [home]
+
+
 def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, int]:
     """For each parameter the controller trains (:attr:`Glue.eager`), its :func:`home_rank`."""
     return {name: home_rank(name, plan, split) for name in glue.eager}

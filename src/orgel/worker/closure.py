@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from orgel.batching import batch_size
 from orgel.graph import glue
 from orgel.launch.messages import BY_VALUE_BYTES, Held, fingerprint, send
+from orgel.runtime.pieces import piece_of
 from orgel.runtime.sharding import shard_like
 from orgel.split.exchanges import eager_homes, exchange_stages, home_rank
 from orgel.worker.engine import RankEngine
@@ -67,7 +68,10 @@ class RankInbox:
         self.timeout_s = timeout_s
         #: answers the controller's ``"v_fetch"`` (the values of this rank's parameters and
         #: buffers, by name) while :meth:`get` waits for anything; None: no such question
-        self.serve: Callable[[], dict[str, torch.Tensor]] | None = None
+        self.serve: Callable[[], dict[str, Any]] | None = None
+        #: this process's tensor-parallel member of its rank: every member answers
+        #: ``"v_fetch"`` with its own part, under a key that names it
+        self.member = 0
         #: the controller's ``"fail"`` of this step: a closure raised (its words)
         self.failed: str | None = None
         self._kept: dict[tuple[str, Any], Any] = {}
@@ -122,7 +126,7 @@ class RankInbox:
                 self._held.pop(got_m, None)
                 continue
             if got_kind == "v_fetch" and self.serve is not None:
-                self.send(("v_values", got_m, self.serve()))
+                self.send(("v_values", (*got_m, self.member), self.serve()))
                 continue
             if got_kind == "fail":
                 self.failed = self.failed or str(payload)
@@ -245,6 +249,7 @@ class ClosureEngine(RankEngine):
             self.executor.after_optimizer = self._send_values
         if fallback:
             self.inbox.serve = self._values_now
+            self.inbox.member = self.executor.member
         # a closure's (or the controller's) error drops the step and the ranks go on: its
         # "fail" stops this rank's waits, and the step's "end" says whether one came
         self.executor.abandon_on_error = True
@@ -279,11 +284,14 @@ class ClosureEngine(RankEngine):
         """Each homed parameter's first copy on this rank, by name."""
         return {n: p for n, p in self._first_copies().items() if n in self.homed}
 
-    def _values_now(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers by name, copied to the CPU (``"v_fetch"``)."""
-        values = {n: p.detach().cpu().clone() for n, p in self._first_copies().items()}
+    def _values_now(self) -> dict[str, Any]:
+        """This process's parameters and buffers by name, copied to the CPU (``"v_fetch"``):
+        a tensor-parallel or FSDP-sharded one as this process's :class:`~orgel.runtime.pieces.Piece`
+        (asked mid-step, it gathers nothing: the controller lays the pieces together)."""
+        values = {n: piece_of(p) for n, p in self._first_copies().items()}
         for n, b in self.named_buffers():
-            values.setdefault(n, b.detach().cpu().clone())
+            if n not in values:
+                values[n] = piece_of(b)
         return values
 
     def _add_controller_grads(self) -> None:
@@ -305,11 +313,17 @@ class ClosureEngine(RankEngine):
                     param.grad = None
             # and so do those a sharded stage keeps on its whole weights until it reduces
             self.executor.sharding.drop(None if first else self._gradless)
+        # an FSDP shard (its stage reduced) takes its part on every replica of the stage
+        # (orgel.split.exchanges.grad_ranks); anything else on the home rank alone, whose
+        # gradient the replicas' sum or the reduce-scatter then counts once
+        shards = self.executor.sharding.shard_ids()
         for name, g in grads.items():
             p = params.get(name)
             if g is None or p is None:
                 continue
-            g = shard_like(p, g.to(p.device, p.dtype))  # a tensor-parallel member's part
+            if id(p) not in shards and home_rank(name, self.plan, self.split) != self.rank:
+                continue
+            g = shard_like(p, g.to(p.device, p.dtype))  # this member's or replica's part
             p.grad = g if p.grad is None else p.grad + g
 
     def _send_values(self) -> None:
