@@ -30,13 +30,14 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def _train(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-           closure_for: Callable[[Any, int], Callable[..., Any]], schedule: str | None = None
+           closure_for: Callable[[Any, int], Callable[..., Any]], schedule: str | None = None,
+           **options: Any
            ) -> tuple[list[list[float]], dict[str, torch.Tensor], list[list[int]]]:
-    """``batches`` through ``orgel.backend`` on 2 ranks (step ``i``'s closure
-    ``closure_for(compiled, i)``): each step's losses, the final state and each step's
-    micro-batches that left the captured graphs."""
-    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_optimizer, timeout_s=60.0,
-                         schedule=schedule)
+    """``batches`` through ``orgel.backend`` on 2 ranks (``options`` may say otherwise; step
+    ``i``'s closure ``closure_for(compiled, i)``): each step's losses, the final state and
+    each step's micro-batches that left the captured graphs."""
+    pipe = orgel.backend(**{"ranks": 2, **options}, microbatches=M, optimizer=_optimizer,
+                         timeout_s=60.0, schedule=schedule)
     compiled = torch.compile(model, backend=pipe)
     losses, left = [], []
     try:
@@ -87,16 +88,20 @@ def _closure_for(net: Any, _step: int) -> Callable[..., Any]:
 
 
 @pytest.mark.slow
-def test_closures_taking_either_arm_of_a_branch_train_exactly() -> None:
+@pytest.mark.parametrize("options", [{}, {"ranks": 4, "tp": 2, "schedule": "1f1b"},
+                                     {"ranks": 4, "dp": 2, "shard": "fsdp",
+                                      "schedule": "1f1b"}], ids=["plain", "tp", "fsdp"])
+def test_closures_taking_either_arm_of_a_branch_train_exactly(options: Any) -> None:
     """Micro-batch 0 (captured) takes "up"; a micro-batch that takes "down" leaves at the
     second graph: its first graph ran on the ranks (their gradients are real), the rest
     here. In the third step no micro-batch reaches "up": it gets no gradient, and AdamW's
-    weight decay leaves it alone, as in one process."""
+    weight decay leaves it alone, as in one process. With tensor parallelism or FSDP too
+    (each process sends its own shard of the values)."""
     torch.manual_seed(0)
     model = MeanBranch()
     batches = _arms(model, [(True, False), (False, True), (False, False), (True, True)], 1)
     want_losses, want = _reference(copy.deepcopy(model), batches, _closure_for)
-    losses, got, left = _train(model, batches, _closure_for)
+    losses, got, left = _train(model, batches, _closure_for, **options)
     assert left == [[1], [0], [0, 1], []]
     assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
     _same(got, want)
