@@ -3,7 +3,7 @@
 A branch on the data calls a layer the capture never saw: the calling process runs such
 a micro-batch whole on the ranks' values (each FSDP replica sends its own shard) and its
 gradients join the ranks' (before the replicas' sums; after FSDP's reduce-scatter, each
-replica its shard). With FSDP and tensor parallelism together it is refused.
+replica its shard), with tensor parallelism too.
 """
 
 from __future__ import annotations
@@ -74,39 +74,25 @@ def _one_process(model: nn.Module, opt: torch.optim.Optimizer, calls: list[torch
 
 
 @pytest.mark.slow
-def test_a_microbatch_off_the_captured_graphs_with_fsdp_and_tp_is_a_clear_error() -> None:
-    """An FSDP shard of a tensor-parallel weight cut on the same dimension is no block of
-    it that a process could send alone: the step that leaves the captured graphs is
-    refused, saying what to change."""
-    from orgel.explicit.fallback import GlueError
-
-    x, y = _half_off()
-    pipe = orgel.pipeline(SplitThenBranch(), (x,), y, F.cross_entropy, ranks=4, tp=2, dp=2,
-                          shard="fsdp", microbatches=2, schedule="1f1b", threads=1,
-                          timeout_s=60, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    with pipe, pytest.raises(GlueError, match="tp > 1 and shard='fsdp' together.*tp=1 or "
-                                              "shard='none'"):
-        pipe.step((x,), y)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("shard", "accumulate"), [("none", 1), ("fsdp", 1), ("fsdp", 2)])
+@pytest.mark.parametrize(("shard", "accumulate", "tp"),
+                         [("none", 1, 1), ("fsdp", 1, 1), ("fsdp", 2, 1), ("fsdp", 1, 2)])
 def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas(
-        shard: str, accumulate: int) -> None:
+        shard: str, accumulate: int, tp: int) -> None:
     """With ``dp=2`` the gradients the calling process computes (micro-batches that left
     the captured graphs) join the replicas' sums: those were launched as each replica's
     backward ended, before the calling process's gradients were added, and their result
     replaced them (the first layer did not train). Under FSDP each replica sends its
     shard of the values, and takes its shard of those gradients after the reduce-scatter
-    (or, on a call that only accumulates, one replica takes them whole before it)."""
+    (or, on a call that only accumulates, one replica takes them whole before it). With
+    ``tp=2`` too (an MLP split, its first layer's FSDP shards rows from here and there)."""
     x, y = _half_off()
-    model = OtherGraph()
+    model = SplitThenBranch() if tp > 1 else OtherGraph()
     reference = copy.deepcopy(model)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     opt = sgd(reference.parameters())
-    pipe = orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, dp=2, shard=shard,
-                          microbatches=2, schedule="1f1b", threads=1, timeout_s=60,
-                          optimizer=sgd, accumulate=accumulate)
+    pipe = orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2 * tp, tp=tp, dp=2,
+                          shard=shard, microbatches=2, schedule="1f1b", threads=1,
+                          timeout_s=60, optimizer=sgd, accumulate=accumulate)
     # some micro-batches off the path; then all of them
     calls = [x, -x.abs()] if accumulate == 1 else [x, -x.abs(), -x.abs(), x]
     with pipe:

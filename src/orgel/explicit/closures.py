@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from orgel.batching import batch_placeholders
-from orgel.explicit.fallback import Deviated, GlueError, check_outside, not_here
+from orgel.explicit.fallback import Deviated, GlueError, check_outside
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.lazy import LazyOutput
 from orgel.explicit.slots import Slot
@@ -53,9 +53,9 @@ class ClosurePipeline(GluedPipeline):
     the calls the ranks ran before, recomputed from their arguments (checked against the
     outputs the ranks gave). The gradients this gives the copy's parameters are kept per
     micro-batch, summed in micro-batch order and added by each parameter's home rank, as
-    those of the parameters the Python between graphs trains are. Not with ``tp`` and
-    FSDP together (:meth:`~orgel.explicit.fallback.Fallback.allowed`), nor where the
-    stages update buffers in place: there the step stops, saying so.
+    those of the parameters the Python between graphs trains are (with ``tp`` or FSDP each
+    process sends its own shard of the values). Not where the stages update buffers in
+    place: there the step stops, saying so.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -93,8 +93,6 @@ class ClosurePipeline(GluedPipeline):
             out = self._call(gm.code, args)
         except Deviated as exc:
             assert slot is not None
-            if not self.fallback:
-                raise not_here(slot.index, exc.what) from exc
             try:  # Python that read the caller's parameters (not the ranks' values) got here
                 check_outside(slot.index, args, self._remote_ids)
             except Deviated as outside:
@@ -105,7 +103,7 @@ class ClosurePipeline(GluedPipeline):
             # for nothing of it while the values come (Fallback.values)
             self._fallback.leave(self, slot, {}, exc.what)
             return self._in_region(gm, args)
-        if self.fallback and slot is not None:  # should it leave later: its backward here
+        if slot is not None:  # should it leave later: its backward here
             # (an output still on its rank by its fingerprint: keeping it would fetch it)
             kept = tuple(t.held if isinstance(t, LazyOutput) else t for t in out)
             slot.ran.append((gm, args, kept, ambient_autocast() or self.glue.region))
@@ -168,8 +166,6 @@ class ClosurePipeline(GluedPipeline):
             return
         what = (f"micro-batch {slot.index}'s forward ran {slot.calls} graphs; the captured "
                 f"forward ran {captured}")
-        if not self.fallback:
-            raise not_here(slot.index, what)
         self._fallback.leave(self, slot, {}, what)
 
     def _back_here(self, slot: Any, c: int, grads: list[Any]) -> list[Any]:

@@ -47,9 +47,7 @@ of that load).
 
 What it does not do: a pipeline whose stages update buffers in place
 (BatchNorm statistics) refuses such a micro-batch, since the stand-ins would
-update them; a buffer the controller's forward writes is refused too; so is one
-with ``tp > 1`` and FSDP together (an FSDP shard of a tensor-parallel weight cut on
-the same dimension is no block of it).
+update them; a buffer the controller's forward writes is refused too.
 Randomness in the forward (dropout) draws from the controller's generator.
 """
 
@@ -118,13 +116,6 @@ class Fallback:
     def model_copy(self) -> torch.nn.Module | None:
         """The calling process's copy of the model, once a micro-batch ran whole on it."""
         return self._copy
-
-    @staticmethod
-    def allowed(plan: Any) -> bool:
-        """Whether the calling process may run a micro-batch that left the captured graphs
-        itself: not with ``tp`` and FSDP together, whose shards of a weight cut on the
-        same dimension are no block of it (:mod:`orgel.runtime.pieces`)."""
-        return bool(plan.tp == 1 or "fsdp" not in plan.shard)
 
     def check(self, index: int, why: str) -> None:
         """Raise where micro-batch ``index`` cannot run in the controller (``why``: it left)."""
@@ -271,16 +262,6 @@ def check_outside(index: int, out: Any, remote: set[int]) -> None:
         todo.extend(f for f, _ in fn.next_functions)
 
 
-def not_here(index: int, what: str) -> GlueError:
-    """The error for micro-batch ``index``, which left the captured graphs (``what``), where
-    the calling process may not run it (:meth:`Fallback.allowed`)."""
-    return GlueError(f"micro-batch {index} left the captured graphs ({what}); with tp > 1 "
-                     "and shard='fsdp' together orgel does not run it in the calling process "
-                     "(an FSDP shard of a tensor-parallel weight is no block of it that a "
-                     "process could send alone): make every micro-batch take the captured "
-                     "path, or pass tp=1 or shard='none'")
-
-
 def summed(slots: list[Any]) -> dict[str, torch.Tensor]:
     """Each parameter's gradient over the micro-batches (``slot.grads``), summed in order."""
     names = sorted({n for s in slots for n in s.grads})
@@ -293,5 +274,5 @@ def summed(slots: list[Any]) -> dict[str, torch.Tensor]:
     return total
 
 
-__all__ = ["Deviated", "Fallback", "GlueError", "check_outside", "deviation", "not_here",
+__all__ = ["Deviated", "Fallback", "GlueError", "check_outside", "deviation",
            "summed"]

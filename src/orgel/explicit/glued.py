@@ -24,8 +24,7 @@ shapes) runs whole in the controller instead, on the ranks' values of the step
 (:mod:`orgel.explicit.fallback`; with ``tp`` or FSDP each process sends its own shard of
 the values, :mod:`orgel.runtime.pieces`); :attr:`GluedPipeline.off_path` lists them.
 ``orgel.backend``'s closures go on from the graph call where it left
-(:class:`~orgel.explicit.closures.ClosurePipeline`). With ``tp > 1`` and FSDP together
-it stops the step with an error naming the graph call.
+(:class:`~orgel.explicit.closures.ClosurePipeline`).
 
 A micro-batch's error here (its forward, ``loss_fn``, its backward) is the step's error,
 and every rank drops that step (:mod:`orgel.runtime.dropped`): the controller's ``"fail"``
@@ -55,7 +54,6 @@ from orgel.explicit.fallback import (
     Fallback,
     check_outside,
     deviation,
-    not_here,
 )
 from orgel.explicit.lazy import LazyOutputs
 from orgel.explicit.mailbox import Mailbox, RankPipes, Stopped, members
@@ -82,8 +80,6 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
     :class:`~orgel.worker.pipe.Pipeline`'s.
     """
 
-    #: whether a micro-batch off the captured graphs runs in the controller (else: GlueError)
-    fallback = True
     #: fail the step at the first loss that is not finite (the loss is computed here)
     check_finite = False
 
@@ -137,10 +133,9 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         self._homes = eager_homes(glue, plan, split)
         self._home_ranks = sorted(set(self._homes.values()))
         self._split = split
-        # the ranks that wait for the controller's gradients every step
-        if not Fallback.allowed(plan):  # values gathered collectively, not mid-step
-            self.fallback = False
-        self._grad_ranks = list(range(plan.num_ranks)) if self.fallback else self._home_ranks
+        # the ranks that wait for the controller's gradients every step: every one, since a
+        # micro-batch off the captured graphs may train any parameter here
+        self._grad_ranks = list(range(plan.num_ranks))
         self._fallback = Fallback(model, glue, split)
         #: the micro-batches of the last step whose forward left the captured graphs
         self.off_path: list[int] = []
@@ -432,8 +427,6 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
             if found is None:
                 raise
             self._turns.passed(slot.index)  # off the graphs: the next may look up past here
-            if not self.fallback:
-                raise not_here(slot.index, found.what) from exc
             self._fallback.leave(self, slot, inputs, found.what)
             self._fallback.run(self, slot, inputs, targets)
             return

@@ -9,11 +9,12 @@ join hangs). So every process sends its own part as it holds it, a :class:`Piece
 local tensor and where that lies in the whole), and the controller lays the pieces of
 each name into the whole tensor (:func:`assembled`).
 
-Only layouts where a process's part is one block of the whole are sent so: ``Shard``
-(tensor parallelism's column and row splits, FSDP2's dimension-0 shards) and
-``Replicate``. An FSDP shard of a tensor-parallel weight cut on the same dimension
-(``_StridedShard``) is not one block; :func:`piece_of` raises for it (and for anything
-else), so that no value is laid out wrong.
+Where a process's part is one block of the whole (``Shard``: tensor parallelism's column
+and row splits, FSDP2's dimension-0 shards; ``Replicate``) the piece says where the block
+starts. An FSDP shard of a tensor-parallel weight cut on the same dimension
+(``_StridedShard``) is rows from here and there: its piece carries the flat index of each
+of its values in the whole, found by laying an ``arange`` of the whole out as the
+parameter is laid out (``distribute_tensor`` without communication).
 """
 
 from __future__ import annotations
@@ -26,30 +27,31 @@ import torch
 
 @dataclass(frozen=True)
 class Piece:
-    """One process's part of a tensor: ``local`` at ``offset`` in a whole of ``shape``."""
+    """One process's part of a tensor of ``shape``: ``local`` at ``offset`` in the whole
+    (a block), or where ``index`` says (each value's flat index in the whole)."""
 
     local: torch.Tensor
-    offset: tuple[int, ...]
     shape: tuple[int, ...]
+    offset: tuple[int, ...] | None = None
+    index: torch.Tensor | None = None
 
 
 def piece_of(t: torch.Tensor) -> torch.Tensor | Piece:
     """``t`` as this process sends it, copied to the CPU: a plain tensor itself, a DTensor
-    its :class:`Piece` (no communication). ValueError for a layout that is not one block."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    its :class:`Piece` (no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(t, DTensor):
         return t.detach().cpu().clone()
-    odd = [p for p in t.placements if type(p) not in (Shard, Replicate)]
-    if odd:
-        raise ValueError(f"a parameter laid out as {odd[0]} is not one block of the whole "
-                         "on each process (FSDP over a tensor-parallel weight cut on the same "
-                         "dimension)")
-    local = t.to_local().detach()
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return Piece(local.cpu().clone(), tuple(int(o) for o in offset),
-                 tuple(int(s) for s in t.shape))
+    local = t.to_local().detach().cpu().clone()
+    shape = tuple(int(s) for s in t.shape)
+    if all(type(p) in (Shard, Replicate) for p in t.placements):  # one block
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return Piece(local, shape, offset=tuple(int(o) for o in offset))
+    flat = torch.arange(t.numel(), device=t.to_local().device).view(shape)
+    index = distribute_tensor(flat, t.device_mesh, t.placements, src_data_rank=None)
+    return Piece(local, shape, index=index.to_local().reshape(-1).cpu())
 
 
 def assembled(name: str, pieces: list[Piece]) -> torch.Tensor:
@@ -59,6 +61,11 @@ def assembled(name: str, pieces: list[Piece]) -> torch.Tensor:
     whole = torch.empty(first.shape, dtype=first.local.dtype)
     covered = torch.zeros(first.shape, dtype=torch.bool)
     for piece in pieces:
+        if piece.index is not None:
+            whole.view(-1)[piece.index] = piece.local.reshape(-1)
+            covered.view(-1)[piece.index] = True
+            continue
+        assert piece.offset is not None
         block = tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.local.shape,
                                                        strict=True))
         whole[block] = piece.local
