@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", type=int, action="append",
+                        help="run only this draw of the seed (by its index; repeatable): "
+                             "to run a finding again")
     parser.add_argument("--hf", action="store_true", help="also draw the Hugging Face models")
     parser.add_argument("--model", action="append", help="draw only these models")
     parser.add_argument("--minutes", type=float, default=None,
@@ -60,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     worst: dict[str, tuple[float, float]] = {}  # over the tightly judged draws, by kind
     start = time.monotonic()
     draws = 0
-    for i in range(args.draws):
+    for i in range(max(args.only) + 1 if args.only else args.draws):
         if args.minutes is not None and time.monotonic() - start > 60 * args.minutes:
             break
+        if args.only and i not in args.only:
+            continue
         draws += 1
         rng = random.Random(f"{args.seed}/{i}")
 

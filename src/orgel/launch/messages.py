@@ -50,11 +50,13 @@ def fingerprint(value: torch.Tensor) -> tuple[float, float]:
     return float(exact.sum()), float(exact.abs().sum())
 
 
-def same_fingerprint(value: torch.Tensor, want: tuple[float, float]) -> bool:
-    """Whether ``value``'s :func:`fingerprint` is ``want`` up to float32's sums (a relative
-    1e-4 of the norm; the sum within that times the square root of the element count)."""
+def same_fingerprint(value: torch.Tensor, want: tuple[float, float],
+                     rtol: float = 1e-4) -> bool:
+    """Whether ``value``'s :func:`fingerprint` is ``want`` up to float32's sums (``rtol``, a
+    relative 1e-4 of the norm by default; the sum within that times the square root of the
+    element count)."""
     total, norm = fingerprint(value)
-    slack = 1e-4 * want[1] + 1e-6
+    slack = rtol * want[1] + 1e-6
     return abs(norm - want[1]) <= slack and \
         abs(total - want[0]) <= slack * max(1.0, value.numel()) ** 0.5
 
