@@ -9,6 +9,8 @@ replica its shard), with tensor parallelism too.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +159,47 @@ def test_replicas_train_from_the_one_capture_of_a_microbatch_at_any_batch_size(
         state = pipe.state_dict()
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+TORCHRUN_FSDP = '''
+import copy, json, os, sys
+import torch
+import torch.nn.functional as F
+import orgel
+from test_glue_replicas import OtherGraph, _half_off, _one_process
+
+x, y = _half_off()
+model = OtherGraph()
+reference = copy.deepcopy(model)
+sgd = lambda params: torch.optim.SGD(params, lr=0.1)
+opt = sgd(reference.parameters())
+losses, want, off = [], [], []
+with orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2, dp=2, shard="fsdp",
+                    microbatches=2, schedule="1f1b", timeout_s=60, optimizer=sgd) as pipe:
+    for batch in (x, -x.abs()):
+        losses.append(float(pipe.step((batch,), y)))
+        want += _one_process(reference, opt, [batch], y)
+        off.append(list(pipe.off_path))
+    state = pipe.state_dict()
+diff = max(float((state[n] - t).abs().max()) for n, t in reference.state_dict().items())
+with open(os.path.join(sys.argv[1], f"result{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"losses": losses, "want": want, "off": off, "diff": diff}, f)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("torchrun-pool")
+@pytest.mark.torchrun_part("glue-replicas-fsdp")
+def test_under_torchrun_microbatches_off_the_captured_graphs_train_exactly_with_fsdp(
+        torchrun_part: Path) -> None:
+    """The same under torchrun (the session's shared job of 2 processes): process 0, the
+    controller, asks each process for its FSDP shard over TCP, and every process gets the
+    losses and weights one process trains."""
+    for rank in (0, 1):
+        result = json.loads((torchrun_part / f"result{rank}.json").read_text())
+        assert result["off"] == [[2, 3], [0, 1, 2, 3]], result
+        assert result["losses"] == pytest.approx(result["want"], rel=1e-6)
+        assert result["diff"] <= 1e-5, result
+
+
+TORCHRUN_PARTS = {"glue-replicas-fsdp": (TORCHRUN_FSDP, [])}
