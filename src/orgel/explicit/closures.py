@@ -79,9 +79,6 @@ class ClosurePipeline(GluedPipeline):
                            if name not in self._eager}
         self._copy_hooks: list[Any] = []
         self._copy_lock = threading.Lock()
-        # every rank hears each step whether a closure's backward reached it (the engines'
-        # ``closures``): stand-ins' zero gradients are no gradients for the optimizer
-        self._grad_ranks = list(range(self.plan.num_ranks))
 
     def graph_call(self, gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
         """Graph ``gm`` of a closure's forward, called with ``args``: on the ranks while its

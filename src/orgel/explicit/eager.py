@@ -29,7 +29,6 @@ class EagerParameters:
     _eager: dict[str, torch.nn.Parameter]
     _homes: dict[str, int]
     _home_ranks: list[int]
-    _grad_ranks: list[int]
     _split: Any
     _mail: Any
 
@@ -40,8 +39,9 @@ class EagerParameters:
     def _send_grads(self, slots: list[Any], threads: list[threading.Thread]) -> None:
         """Sum the micro-batches' gradients in micro-batch order; send each to its home rank.
 
-        Every rank of :attr:`_grad_ranks` gets one message a step (empty where none is
-        homed there): it waits for it before its gradient sums. Where every micro-batch
+        Every rank gets one message a step (empty where none is homed there): it waits
+        for it before its gradient sums (a micro-batch off the captured graphs may train
+        any parameter). Where every micro-batch
         ran in the controller, or (``orgel.backend``) no closure's backward reached the
         ranks, the ranks' own backward ran on stand-ins and zeros only: the message says
         so, and the rank drops those zero gradients first (torch leaves a parameter no
@@ -51,7 +51,8 @@ class EagerParameters:
             t.join()
         if any(s.error is not None for s in slots):
             return
-        by_rank: dict[int, dict[str, torch.Tensor | None]] = {r: {} for r in self._grad_ranks}
+        by_rank: dict[int, dict[str, torch.Tensor | None]] = {
+            r: {} for r in range(self.plan.num_ranks)}
         for name in self._eager:  # a parameter the glue trains: its home, even without a gradient
             by_rank[self._homes[name]][name] = None
         for name, total in summed(slots).items():

@@ -133,9 +133,6 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         self._homes = eager_homes(glue, plan, split)
         self._home_ranks = sorted(set(self._homes.values()))
         self._split = split
-        # the ranks that wait for the controller's gradients every step: every one, since a
-        # micro-batch off the captured graphs may train any parameter here
-        self._grad_ranks = list(range(plan.num_ranks))
         self._fallback = Fallback(model, glue, split)
         #: the micro-batches of the last step whose forward left the captured graphs
         self.off_path: list[int] = []
@@ -280,10 +277,10 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
                    for slot in slots]
         for t in threads:
             t.start()
-        if self._grad_ranks:  # once every micro-batch is done, the homes get the gradients
-            threads.append(threading.Thread(target=self._send_grads, args=(slots, threads[:]),
-                                            name="orgel-eager-grads", daemon=True))
-            threads[-1].start()
+        # once every micro-batch is done, every rank gets its gradients (EagerParameters)
+        threads.append(threading.Thread(target=self._send_grads, args=(slots, threads[:]),
+                                        name="orgel-eager-grads", daemon=True))
+        threads[-1].start()
         ender = threading.Thread(target=self._end_step, args=(threads[:],),
                                  name="orgel-end-step", daemon=True)
         ender.start()

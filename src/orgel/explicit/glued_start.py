@@ -60,7 +60,7 @@ def engine_maker(workload: Any, plan: Any, split: Any, glue: Any, *, optimizer: 
         engine = ClosureEngine(plan.pipeline_rank_of(process), plan, split, optimizer=optimizer,
                                conn=conn, timeout_s=timeout_s, glue_info=glue,
                                model=workload.model, options=engine_options, batch_dim=dim,
-                               fallback=True, closures=closures)
+                               closures=closures)
         # the controller scaled the gradients by 1/accumulate: undo the loss stage's own
         engine.surrogate.divisor *= accumulate
         return engine

@@ -189,12 +189,11 @@ class ClosureEngine(RankEngine):
     ``"p_grad"`` every step too, which may tell it that no closure's backward reached it
     (its gradients are then dropped: stand-ins' zeros, not gradients).
 
-    ``fallback`` (``orgel.pipeline``'s forward of several graphs): a micro-batch whose
-    forward leaves the captured graphs runs in the controller
-    (:mod:`orgel.explicit.glued`), which may then train any parameter. Every step this
+    A micro-batch whose forward leaves the captured graphs runs in the controller
+    (:mod:`orgel.explicit.fallback`), which may then train any parameter. Every step this
     rank waits for a ``"p_grad"`` (possibly empty) and adds what it names to the copy
     it holds; rank 0 keeps a copy of every parameter no stage reads; and it answers
-    ``"v_fetch"`` with the values of its parameters and buffers.
+    ``"v_fetch"`` with its own part of the values of its parameters and buffers.
     """
 
     serves_exchanges = True
@@ -203,14 +202,14 @@ class ClosureEngine(RankEngine):
                  timeout_s: float, glue_info: Any = None,
                  model: torch.nn.Module | None = None,
                  options: dict[str, Any] | None = None,
-                 batch_dim: int = 0, fallback: bool = False, closures: bool = False) -> None:
+                 batch_dim: int = 0, closures: bool = False) -> None:
         self.inbox = RankInbox(conn, timeout_s)
         self.inbox.fingerprints = closures
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (eager_homes(glue_info, plan, split) if glue_info is not None else {})
         self.homed = sorted(n for n, r in homes.items() if r == rank)
         kept = list(self.homed)
-        if fallback and model is not None:  # the controller may train any parameter
+        if model is not None:  # the controller may train any parameter (off the path)
             kept += [n for n, _ in model.named_parameters()
                      if n not in homes and home_rank(n, plan, split) == rank]
         held = {n for st in (split.stages[s] for s in plan.stages_on(rank))
@@ -243,24 +242,18 @@ class ClosureEngine(RankEngine):
             self.exchange = glue.RankExchange(self.inbox, self.executor.device)
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
             self.executor.side_leaves = self.exchange.leaves
-        if self.homed or fallback or closures:
-            self.executor.before_reduce = self._add_controller_grads
+        self.executor.before_reduce = self._add_controller_grads
         if self.homed:
             self.executor.after_optimizer = self._send_values
-        if fallback:
-            self.inbox.serve = self._values_now
-            self.inbox.member = self.executor.member
+        self.inbox.serve = self._values_now
+        self.inbox.member = self.executor.member
         # a closure's (or the controller's) error drops the step and the ranks go on: its
         # "fail" stops this rank's waits, and the step's "end" says whether one came
         self.executor.abandon_on_error = True
         self.executor.verdict = self._verdict
-        #: whether the controller reads this process until its ``"done"``, and is told
-        #: ``"failed"`` when its work fails: every process of a forward with graph breaks
-        #: (the controller waits on each one's exchanges), the loss stage's otherwise
-        self.speaks = (self.exchange is not None or fallback
-                       or any(info.is_loss for info in self.executor.stages.values()))
-        if self.speaks:
-            self.executor.on_drop = lambda: self.inbox.send(("failed", None, None))
+        # the controller reads every process until its "done" (any may be asked for its
+        # values mid-step), and is told "failed" when its work fails
+        self.executor.on_drop = lambda: self.inbox.send(("failed", None, None))
 
     def _verdict(self) -> Exception | None:
         """Read the step's ``"end"``: whether a closure of this step raised."""
@@ -358,8 +351,7 @@ class ClosureEngine(RankEngine):
         except StepAbandoned as exc:  # every rank dropped it (a closure or a rank raised)
             return Dropped(exc.rank, exc.report)
         finally:
-            if self.speaks:  # nothing more of this step comes from this process
-                self.inbox.send(("done", None, None))
+            self.inbox.send(("done", None, None))  # nothing more of this step from here
         self.step_count += 1
         return None
 
