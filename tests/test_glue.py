@@ -286,6 +286,16 @@ def test_parameters_trained_outside_every_graph_train_exactly() -> None:
 
 
 @pytest.mark.slow
+def test_parameters_trained_outside_every_graph_train_exactly_on_fsdp_replicas() -> None:
+    """Two FSDP-sharded stages, two replicas each: every replica of the stage that holds
+    emb.weight adds its shard of the controller's gradient and sends its shard of the new
+    value back (the home replica alone took the whole gradient, and the controller crashed
+    copying its shard in)."""
+    outcome = orgel_check("eager_parts", _eager_parts, ranks=4, dp=2, shard="fsdp")
+    assert outcome.status == "exact", outcome.line() + "\n" + outcome.trace
+
+
+@pytest.mark.slow
 def test_parameters_trained_outside_every_graph_resume_from_a_checkpoint(tmp_path) -> None:
     w = _eager_parts()
     opt = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731 - state to save

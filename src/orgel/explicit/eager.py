@@ -3,8 +3,9 @@
 Code outside every graph (a module Dynamo ran as Python) trains them: the controller
 computes their gradient (on its own copy for ``orgel.pipeline``, on the caller's module
 for ``orgel.backend``'s closures), sums it over the micro-batches in order and sends it
-to each parameter's home rank (:func:`orgel.split.exchanges.home_rank`), which steps it with
-the rest and sends the new value back.
+to the ranks that step it (:func:`orgel.split.exchanges.eager_homes`: its home rank, or
+every replica of an FSDP home stage), which step it with the rest and send the new value
+back (each process its own part).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from orgel.explicit.fallback import summed
 from orgel.explicit.mailbox import Stopped
+from orgel.runtime.pieces import whole_values
 from orgel.split.exchanges import exchange_stages, grad_ranks
 
 
@@ -27,7 +29,7 @@ class EagerParameters:
     plan: Any
     calls: int
     _eager: dict[str, torch.nn.Parameter]
-    _homes: dict[str, int]
+    _homes: dict[str, list[int]]
     _home_ranks: list[int]
     _split: Any
     _mail: Any
@@ -53,11 +55,11 @@ class EagerParameters:
             return
         by_rank: dict[int, dict[str, torch.Tensor | None]] = {
             r: {} for r in range(self.plan.num_ranks)}
-        for name in self._eager:  # a parameter the glue trains: its home, even without a gradient
-            by_rank[self._homes[name]][name] = None
+        for name, ranks in self._homes.items():  # a parameter the glue trains, even
+            for r in ranks:                        # without a gradient: its ranks step it
+                by_rank[r][name] = None
         for name, total in summed(slots).items():
-            home = self._homes.get(name)
-            for r in grad_ranks(name, self.plan, self._split) if home is None else [home]:
+            for r in self._homes.get(name) or grad_ranks(name, self.plan, self._split):
                 by_rank[r][name] = total
         # the ranks' gradients are stand-ins' (zero) where no micro-batch's backward reached
         # them there: torch leaves them None then, and the optimizer skips them
@@ -69,15 +71,18 @@ class EagerParameters:
                 return
 
     def _receive_values(self) -> None:
-        """The new values of the parameters the controller trains, from their home ranks."""
+        """The new values of the parameters the controller trains, from the ranks that step
+        them: each process its own part (a tensor-parallel member's or an FSDP replica's
+        shard, :mod:`orgel.runtime.pieces`), laid together here."""
         if not self._eager:
             return
+        values = whole_values([
+            self._mail.get("p_value", (self.calls, r, member), r,
+                           "the parameters the controller trains, after the step")
+            for r in self._home_ranks for member in range(self.plan.tp)])
         with torch.no_grad():
-            for r in self._home_ranks:
-                values = self._mail.get("p_value", (self.calls, r), r,
-                                        "the parameters the controller trains, after the step")
-                for name, value in values.items():
-                    self._eager[name].copy_(value)
+            for name, value in values.items():
+                self._eager[name].copy_(value)
 
     def _pull_values(self) -> None:
         """Refresh the controller's copies from the ranks (after a load)."""

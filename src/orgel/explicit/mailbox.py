@@ -37,7 +37,7 @@ def members(plan: Any) -> list[list[int]]:
 
 #: what every tensor-parallel member sends the controller, each its own part: the values of
 #: its parameters mid-step (:meth:`orgel.explicit.fallback.Fallback.values`)
-EVERY_MEMBER = frozenset({"v_values"})
+EVERY_MEMBER = frozenset({"v_values", "p_value"})
 
 
 class Mailbox:

@@ -43,6 +43,8 @@ def grad_ranks(name: str, plan: Any, split: Any) -> list[int]:
     return [home]
 
 
-def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, int]:
-    """For each parameter the controller trains (:attr:`Glue.eager`), its :func:`home_rank`."""
-    return {name: home_rank(name, plan, split) for name in glue.eager}
+def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, list[int]]:
+    """For each parameter the controller trains (:attr:`Glue.eager`), the ranks that step
+    it: its :func:`grad_ranks` (every replica of an FSDP home stage: each steps its shard
+    and sends it back)."""
+    return {name: grad_ranks(name, plan, split) for name in glue.eager}

@@ -207,7 +207,7 @@ class ClosureEngine(RankEngine):
         self.inbox.fingerprints = closures
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (eager_homes(glue_info, plan, split) if glue_info is not None else {})
-        self.homed = sorted(n for n, r in homes.items() if r == rank)
+        self.homed = sorted(n for n, ranks in homes.items() if rank in ranks)
         kept = list(self.homed)
         if model is not None:  # the controller may train any parameter (off the path)
             kept += [n for n, _ in model.named_parameters()
@@ -320,8 +320,9 @@ class ClosureEngine(RankEngine):
             p.grad = g if p.grad is None else p.grad + g
 
     def _send_values(self) -> None:
-        values = {n: p.detach().cpu().clone() for n, p in self._homed_params().items()}
-        self.inbox.send(("p_value", (self.step_count, self.rank), values))
+        # each process its own part: a tensor-parallel member's or FSDP replica's shard
+        values = {n: piece_of(p) for n, p in self._homed_params().items()}
+        self.inbox.send(("p_value", (self.step_count, self.rank, self.executor.member), values))
 
     def closure_step(self, placeholders: dict[str, torch.Tensor],
                      rows: int | None = None) -> Any:
