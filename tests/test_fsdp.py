@@ -135,17 +135,24 @@ def test_a_gpt_on_two_stages_of_two_fsdp_replicas_matches_one_process() -> None:
         assert pipe.step(*_batch(3)) == pytest.approx(_loss(reference, loss_fn, 3), rel=1e-5)
 
 
-def test_a_tied_embedding_on_two_sharded_stages_matches_one_process() -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_tied_embedding_on_two_sharded_stages_matches_one_process(tp: int) -> None:
     """The input embedding on stage 0 and the LM head tied to it on stage 1, both sharded
-    over 2 replicas: the gradient shards sum replica by replica, the copies stay one."""
+    over 2 replicas: the gradient shards sum replica by replica, the copies stay one. With
+    ``tp=2`` too (8 processes; it was refused): tensor parallelism splits the blocks, not
+    the tied weight, so each member's shards of both copies are the same rows."""
     model, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2,
                                             d_model=32, vocab_size=VOCAB, seq_len=16,
                                             tie_embeddings=True)
     reference = copy.deepcopy(model)
     plan = _plan(model, inputs, targets, loss_fn)
-    with orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
+    with orgel.pipeline(model, inputs, targets, loss_fn, ranks=4 * tp, tp=tp, dp=2, plan=plan,
                         microbatches=2, optimizer=_adamw, threads=1, timeout_s=120,
                         max_grad_norm=0.5) as pipe:
+        if tp > 1:  # TP and FSDP split the blocks (a quarter), FSDP alone the tie (a half)
+            held = {k: v for part in pipe.call_ranks("tp_shards") for k, v in part.items()}
+            assert held["encoder.blocks.0.attn.qkv.weight"] == (24, 32), held  # of (96, 32)
+            assert held["tok_emb.weight"] == (32, 32), held  # of (64, 32), on both stages
         losses = [pipe.step(*_batch(s)) for s in range(3)]
         norm = pipe.grad_norm
         state = pipe.state_dict()
@@ -429,6 +436,6 @@ def test_bad_shard_options_are_refused_before_any_rank_starts() -> None:
     tied, inputs, targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32,
                                            vocab_size=VOCAB, seq_len=16, tie_embeddings=True)
     plan = dataclasses.replace(_plan(tied, inputs, targets, loss_fn), shard=["fsdp", "none"])
-    with pytest.raises(ValueError, match="tied parameter .* Use shard='none'"):
+    with pytest.raises(ValueError, match="tied parameter .* Shard every stage that holds it"):
         orgel.pipeline(tied, inputs, targets, loss_fn, ranks=4, dp=2, plan=plan,
                        microbatches=2, threads=1)

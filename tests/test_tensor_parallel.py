@@ -161,6 +161,52 @@ def test_gpt_fsdp_over_replicas_of_two_way_tp_trains_as_one_process() -> None:
         assert held["tok_emb.weight"] == (32, 32)  # of (64, 32)
 
 
+class ColumnTiedAcross(torch.nn.Module):
+    """A weight the first stage's MLP region reads as its column and the second stage reads
+    outside any region (one tensor, two stages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.mid, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down(torch.relu(self.up(x)))
+        x = torch.tanh(self.mid(x))
+        return self.head(torch.tanh(torch.nn.functional.linear(x, self.up.weight)))
+
+
+@pytest.mark.slow
+def test_a_tied_weight_a_region_reads_in_one_stage_only_trains_as_one_process() -> None:
+    """Tensor parallelism splits no tied parameter: the first stage's region that reads it
+    runs whole, so both copies' gradients are laid out alike when they are summed (the
+    first stage's copy was split by rows, the second's whole, and the sum of their parts
+    trained other weights, silently)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = ColumnTiedAcross()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    opt = sgd(reference.parameters())
+    with pipeline(model, (x,), y, F.cross_entropy, ranks=4, tp=2, microbatches=2,
+                  schedule="1f1b", threads=1, timeout_s=60, optimizer=sgd) as pipe:
+        assert pipe.plan.num_stages == 2
+        for _ in range(2):
+            got = pipe.step((x,), y)
+            opt.zero_grad()
+            want = 0.0
+            for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
+                loss = F.cross_entropy(reference(xm), ym) / 2
+                loss.backward()
+                want += loss.item()
+            opt.step()
+            assert got == pytest.approx(want, rel=1e-6)
+        state = pipe.state_dict()
+    _assert_same_state(state, reference)
+
+
 @pytest.mark.slow
 def test_tp_evaluates_and_keeps_outputs_as_one_process() -> None:
     """``step(..., outputs=True)`` and ``evaluate`` with tp=2: the eval-mode stages split

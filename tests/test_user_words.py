@@ -65,31 +65,37 @@ def _tied() -> tuple[Any, ...]:
                  seq_len=16, tie_embeddings=True)
 
 
-def test_a_tied_embedding_on_sharded_stages_is_refused_before_capture(
+def test_a_tied_embedding_on_stages_sharded_unlike_is_refused_before_capture(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A given plan that shards the stage of the input embedding and not that of the head
+    tied to it is refused before any capture; the planner's plans (every stage sharded
+    alike, with ``tp`` too) are not."""
+    import dataclasses
+
+    import orgel.flow.capture
+    from orgel.graph.capture import capture
+    from orgel.plan.balanced import balanced_plan
+    from orgel.workload import Workload, microbatches
+
+    model, inputs, targets, loss_fn = _tied()
+    first = microbatches(Workload(model, inputs, targets, loss_fn), 4)[0][0]
+    plan = balanced_plan(capture(model, first), ranks=4, microbatches=2, dp=2)
+    half = dataclasses.replace(plan, shard=["fsdp", "none"])
+
     def no_capture(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("captured")
 
-    import orgel.flow.capture
-
     monkeypatch.setattr(orgel.flow.capture, "capture_microbatch", no_capture)
-    model, inputs, targets, loss_fn = _tied()
     started = time.perf_counter()
     with pytest.raises(ValueError, match=r"stage 0 is FSDP-sharded but holds the tied parameter "
-                                         r"'tok_emb.weight' .*'lm_head.weight'.* Use "
-                                         r"shard='none', or untie the weights"):
-        orgel.pipeline(model, inputs, targets, loss_fn, ranks=8, tp=2, dp=2, shard="fsdp")
+                                         r"'tok_emb.weight' .*'lm_head.weight'.* Shard every "
+                                         r"stage that holds it alike"):
+        orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, plan=half)
     assert time.perf_counter() - started < 1.0
-    # both ends sharded alike (the planner's plan): sharded ties train (tests/test_fsdp.py)
-    with pytest.raises(AssertionError, match="captured"):
-        orgel.pipeline(model, inputs, targets, loss_fn, ranks=4, dp=2, shard="fsdp")
-    # one stage (2 ranks, dp=2) holds both ends of the tie: not refused
-    with pytest.raises(AssertionError, match="captured"):
-        orgel.pipeline(model, inputs, targets, loss_fn, ranks=2, dp=2, shard="fsdp")
-    untied = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32, vocab_size=64,
-                   seq_len=16)
-    with pytest.raises(AssertionError, match="captured"):
-        orgel.pipeline(*untied, ranks=4, dp=2, shard="fsdp")
+    # the planner's plans shard both ends alike: sharded ties train (tests/test_fsdp.py)
+    for options in ({"ranks": 4, "dp": 2}, {"ranks": 8, "tp": 2, "dp": 2}, {"ranks": 2, "dp": 2}):
+        with pytest.raises(AssertionError, match="captured"):
+            orgel.pipeline(model, inputs, targets, loss_fn, shard="fsdp", **options)
 
 
 def test_outputs_holding_nan_compare_without_a_torch_error() -> None:

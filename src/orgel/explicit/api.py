@@ -239,9 +239,8 @@ def pipeline(
 
     world, ranks = ranks, pipeline_ranks(ranks, tp, dp)
     # a tie the model's structure shows is refused before any capture or profiling
-    check_tied_sharding(model, None if plan is None else
-                        plan if isinstance(plan, Plan) else Plan.load(plan), shard, ranks // dp,
-                        tp)
+    if plan is not None:
+        check_tied_sharding(model, plan if isinstance(plan, Plan) else Plan.load(plan))
     if optimizer is None:
         optimizer = default_optimizer
     check_loop_options(optimizer=optimizer, scheduler=scheduler, lr=lr,

@@ -40,9 +40,12 @@ trains when every stage holding it is sharded over as many replicas: replica ``k
 each holds the same rows of its copy, and the copies' gradient shards are summed
 replica by replica after the reduce-scatter (:class:`orgel.runtime.optim.GradSync`).
 
+With tensor parallelism too, tensor parallelism splits no tied parameter (each member
+holds its FSDP shard of it whole), so the replica-by-replica sum holds on every plane.
+
 What it refuses (:func:`check_sharded`, before any rank starts): a tied parameter whose
-copies are not sharded alike (a sharded and a whole copy, other replica counts, tensor
-parallelism). A tied input embedding refused so is refused before any capture
+copies are not sharded alike (a sharded and a whole copy, other replica counts). A tied
+input embedding that a given plan shards so is refused before any capture
 (:func:`check_tied_sharding`): the model's parameters show it. float16 loss scaling
 unscales and checks each rank's gradient shards (:class:`orgel.runtime.scaler.LossScaler`);
 the inf/NaN verdict is every rank's.
@@ -92,18 +95,19 @@ def check_sharded(plan: Plan, split: Any) -> None:
 
 def _shards_align(plan: Plan, holders: list[int]) -> bool:
     """Whether the copies of a tied parameter on ``holders`` are sharded alike: every stage
-    FSDP-sharded over as many replicas, no tensor parallelism (then replica k of each holds
-    the same rows, and the gradient shards sum replica by replica:
-    :class:`orgel.runtime.optim.GradSync`)."""
-    return (plan.tp == 1 and all(plan.sharded(t) for t in holders)
+    FSDP-sharded over as many replicas (then replica k of each holds the same rows, and the
+    gradient shards sum replica by replica: :class:`orgel.runtime.optim.GradSync`; tensor
+    parallelism splits no tied parameter, :func:`orgel.runtime.tensor_parallel.parallelize`,
+    so each tensor-parallel member holds those rows whole)."""
+    return (all(plan.sharded(t) for t in holders)
             and len({len(plan.placement[t]) for t in holders}) == 1)
 
 
 def _tied_refusal(stage: int, name: str, also: str = "") -> str:
     return (f"stage {stage} is FSDP-sharded but holds the tied parameter {name!r} (one tensor "
             f"several stages use{also}): orgel sums a tied parameter's gradient shards only "
-            "where every stage holding it is sharded over as many replicas, without tensor "
-            "parallelism. Use shard='none', or untie the weights")
+            "where every stage holding it is sharded over as many replicas. Shard every "
+            "stage that holds it alike (or none), or untie the weights")
 
 
 def tied_embedding(model: torch.nn.Module) -> tuple[str, str] | None:
@@ -122,29 +126,23 @@ def tied_embedding(model: torch.nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def check_tied_sharding(model: torch.nn.Module, plan: Plan | None, shard: str,
-                        depth: int, tp: int = 1) -> None:
-    """Refuse, before any capture, a tied input embedding and output layer that will sit on
-    stages sharded unlike each other: the embedding runs in the first stage and the layer
-    tied to it in the last, so a pipeline of two or more stages holds the tie on two
-    stages, which :func:`check_sharded` refuses once the graph is split unless both are
-    sharded alike (the planner shards every stage alike; ``tp`` > 1 never is). ``plan``: a
-    given plan (its own shard fields rule), else the planner's, every stage sharded,
-    ``depth`` stages deep."""
-    if plan is None:  # the planner shards every stage alike: refused with tp alone
-        if shard != "fsdp" or depth < 2 or tp == 1:
-            return
-        first = 0
-    else:
-        ends = [s for s in (0, plan.num_stages - 1) if plan.sharded(s)]
-        if plan.num_stages < 2 or not ends or _shards_align(plan, [0, plan.num_stages - 1]):
-            return
-        first = ends[0]
+def check_tied_sharding(model: torch.nn.Module, plan: Plan | None) -> None:
+    """Refuse, before any capture, a tied input embedding and output layer that a given
+    ``plan`` puts on stages sharded unlike each other: the embedding runs in the first
+    stage and the layer tied to it in the last, so a pipeline of two or more stages holds
+    the tie on two stages, which :func:`check_sharded` refuses once the graph is split
+    unless both are sharded alike. The planner's plans (``plan`` None) shard every stage
+    alike."""
+    if plan is None:
+        return
+    ends = [s for s in (0, plan.num_stages - 1) if plan.sharded(s)]
+    if plan.num_stages < 2 or not ends or _shards_align(plan, [0, plan.num_stages - 1]):
+        return
     tie = tied_embedding(model)
     if tie is not None:
         name, other = tie
-        raise ValueError(_tied_refusal(first, name, f": the input embedding, also {other!r} "
-                                                    "at the end of the model"))
+        raise ValueError(_tied_refusal(ends[0], name, f": the input embedding, also {other!r} "
+                                                      "at the end of the model"))
 
 
 def is_sharded(t: Any) -> bool:

@@ -135,12 +135,15 @@ def shard_stages(plan: Plan, split: Any, stages: dict[int, Any], device: torch.d
     :class:`~orgel.runtime.sharding.Sharding`). Collective over every process."""
     mesh, planes = meshes(plan, device.type)
     used: dict[int, DeviceMesh] = {}
+    ties = set(getattr(split, "tied", ()) or ())  # one tensor several stages hold: kept whole
     for s, info in stages.items():
         used[s] = planes[plan.placement[s]][TP] if plan.sharded(s) else mesh
         module = info.stage.module
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        info.tp_regions = parallelize(module, used[s], split.requires_grad)
+        tied = {local for local, name in info.stage.param_names.items() if name in ties}
+        info.tp_regions = parallelize(module, used[s], split.requires_grad,
+                                      whole=frozenset(tied))
         info.params = list(module.parameters())
     return used, {rset: planes[rset][DP] for rset in planes}
 
@@ -180,7 +183,7 @@ def implicit_replication() -> Iterator[None]:
 
 def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
                 requires_grad: dict[str, bool] | None = None, *,
-                shared: bool = False) -> list[Region]:
+                shared: bool = False, whole: frozenset[str] = frozenset()) -> list[Region]:
     """Rewrite ``module`` (a stage's GraphModule) to run its regions over ``mesh``.
 
     Returns the regions it split; ``module.tp_fallbacks`` lists the ops that had
@@ -188,7 +191,10 @@ def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
     parameters of ``module`` stays whole. ``requires_grad``: which of its inputs carry
     a gradient (``SplitModel.requires_grad``; see :func:`~orgel.graph.tensor_parallel.tp_regions`).
     ``shared``: split only the regions whose weights are DTensors already (an eval-mode
-    stage holding the training stage's parameters).
+    stage holding the training stage's parameters). ``whole``: parameters (by their name in
+    ``module``) no region may split: a tied parameter another stage holds too, whose
+    copies' gradients are summed part by part (:class:`orgel.runtime.optim.GradSync`), so
+    each copy must be laid out alike, and another stage may read it outside any region.
     """
     graph = module.graph
     nodes = {n.name: n for n in graph.nodes}
@@ -196,7 +202,8 @@ def parallelize(module: torch.fx.GraphModule, mesh: DeviceMesh,
     fallbacks: list[str] = []
     for region in tp_regions(module, requires_grad):
         leaves = [nodes[p] for p in region.column_params + region.row_params]
-        if not all(n.op == "get_attr" and _is_param(module, str(n.target)) for n in leaves):
+        if not all(n.op == "get_attr" and _is_param(module, str(n.target))
+                   and str(n.target) not in whole for n in leaves):
             continue
         if shared and not all(isinstance(module.get_parameter(str(n.target)), DTensor)
                               for n in leaves):
