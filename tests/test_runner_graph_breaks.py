@@ -334,17 +334,38 @@ class NormTwice(EagerNorm):
         return out + self.norm(x).sum(1, keepdim=True), h
 
 
-def test_a_parameter_both_a_graph_and_the_python_between_use_is_named() -> None:
-    """Its gradient from the Python between graphs reaches no rank: a warning names it."""
+def test_a_parameter_both_a_graph_and_the_python_between_use_trains_exactly() -> None:
+    """The LayerNorm runs between the graphs and a graph reads it too (as a tied embedding
+    looked up eagerly and read by the head): the gradient the Python between graphs gives
+    it joins the ranks' on its home rank, and its new value comes back into the caller's
+    module after each optimizer step, so the next step's Python between graphs reads it
+    (a warning said the ranks stepped the graphs' share alone, and the caller's copy kept
+    its first value). Three steps match one process."""
     torch.manual_seed(4)
+    model = NormTwice()
+    ref = copy.deepcopy(model)
     pipe = _backend(timeout_s=60)
-    compiled = torch.compile(NormTwice(), backend=pipe)
-
+    compiled = torch.compile(model, backend=pipe)
+    ref_opt = _sgd(list(ref.parameters()))
+    g = torch.Generator().manual_seed(6)
     try:
-        with pytest.warns(ob.UntrainedWarning, match=r"\['norm.weight', 'norm.bias'\]"):
-            pipe.step(_output_mse(compiled), *_break_batches()[0])
+        for _ in range(3):
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            pipe.step(_output_mse(compiled), x, y)
+            ref_opt.zero_grad()
+            for m in range(M):
+                _output_mse(ref)(x.chunk(M)[m], y.chunk(M)[m])
+            ref_opt.step()
+        state = pipe.state_dict()
     finally:
         pipe.close()
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    for name in ("norm.weight", "norm.bias"):
+        p = model.get_parameter(name)
+        torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), rtol=1e-5,
+                                   atol=1e-6, msg=name)
+        assert p.grad is None, name
 
 
 def test_an_autocast_the_closure_opens_around_the_model_is_honoured() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +26,6 @@ def closure_tensors(args: list[Any]) -> dict[str, torch.Tensor]:
     breaks give them (``arg<i>``, ``i`` the position), whose sizes those graphs read
     (:func:`orgel.graph.glue_sizes.size_roles`)."""
     return {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-
-
-class UntrainedWarning(UserWarning):
-    """Gradients ``orgel.backend`` cannot apply: the Python between the compiled model's
-    graphs also uses parameters that a graph reads (see :class:`ClosurePipeline`)."""
 
 
 class ClosurePipeline(GluedPipeline):
@@ -66,11 +60,14 @@ class ClosurePipeline(GluedPipeline):
         # kept as its backward reaches them (a hook, in the closure's thread), summed in
         # micro-batch order and stepped by their home rank, whose new values come back here
         self._eager = {name: self._model.get_parameter(name) for name in self.glue.eager}
-        self._hooks = [p.register_hook(self._keeper(name)) for name, p in self._eager.items()]
-        # the rest get no gradient here: the ranks compute theirs (see _check_stray)
-        self._remote = [(n, p) for n, p in self._model.named_parameters()
-                        if p.requires_grad and n not in self._eager]
-        self._warned = False
+        # the rest get their gradient on the ranks, which run the graphs; where one reaches
+        # the caller's copy of one here, the Python between graphs used it too (a tied
+        # embedding looked up outside the graphs): it is kept as the eager ones' are, and
+        # the parameter joins them for good (_promote)
+        self._hooks = [p.register_hook(self._keeper(name, here=True))
+                       for name, p in self._model.named_parameters() if p.requires_grad]
+        #: parameters a graph reads whose caller's copy got a gradient in a step
+        self._used_here: set[str] = set()
         # the caller's tensors a graph call off the captured path reads in their stead: the
         # copy's (Fallback.values), by the id of the caller's; the eager ones stay the caller's
         self._stand_for = {id(t): name for name, t in
@@ -193,10 +190,14 @@ class ClosurePipeline(GluedPipeline):
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return [values[i].grad for i in call.glue]
 
-    def _keeper(self, name: str) -> Callable[[torch.Tensor], None]:
+    def _keeper(self, name: str, here: bool = False) -> Callable[[torch.Tensor], None]:
+        """A hook that keeps the gradient of parameter ``name`` in its micro-batch's slot;
+        ``here``: it is on the caller's copy (else on :mod:`orgel.explicit.fallback`'s)."""
         def keep(grad: torch.Tensor) -> None:
             slot = getattr(self._local, "slot", None)
             if slot is not None:  # a backward of the user's own, outside a step: not ours
+                if here and name not in self._eager:
+                    self._used_here.add(name)
                 grad = grad.detach() / self.accumulate  # each call counts 1/accumulate
                 got = slot.grads.get(name)
                 slot.grads[name] = grad.clone() if got is None else got + grad
@@ -237,7 +238,6 @@ class ClosurePipeline(GluedPipeline):
             copy = self._fallback.model_copy  # (micro-batches off the captured graphs ran on it)
             for p in [*self._eager.values(), *([] if copy is None else copy.parameters())]:
                 p.grad = None  # summed from the hooks and stepped on a rank
-        self._check_stray()
         return results
 
     def _hung(self, slots: list[Slot]) -> Exception:
@@ -249,19 +249,22 @@ class ClosurePipeline(GluedPipeline):
                             f"not returned {self._timeout_s:g} s after the pipelined step "
                             "ended; a closure must not wait on anything after its backward")
 
-    def _check_stray(self) -> None:
-        """Warn once where a parameter a graph reads got a gradient here: the Python between
-        graphs used it too (a tied embedding looked up outside the graphs), and that part
-        of its gradient reaches no rank."""
-        stray = [n for n, p in self._remote if p.grad is not None]
-        if stray and not self._warned:
-            self._warned = True
-            warnings.warn(UntrainedWarning(
-                f"orgel.backend does not apply the gradients that the Python between the "
-                f"compiled model's graphs gives {stray[:4]}{' and more' if len(stray) > 4 else ''}"
-                ": a graph reads them too, and the ranks step them with the graphs' gradients "
-                "alone (their .grad here holds the rest). Remove the graph break, or use "
-                "orgel.pipeline"), stacklevel=3)
+    def _promote(self) -> None:
+        """Make the parameters a graph reads whose caller's copy got a gradient this step
+        (:attr:`_used_here`) eager ones from now on: their gradient from here joins the
+        ranks' on their home rank (every replica of an FSDP stage) this step, their new
+        values come back into the caller's module after each optimizer step (the next
+        step's Python between graphs reads them), and a graph run here off the captured
+        path reads the caller's copy too (it holds the ranks' values)."""
+        from orgel.split.exchanges import grad_ranks
+
+        for name in sorted(self._used_here - set(self._eager)):
+            p = self._model.get_parameter(name)
+            self._eager[name] = p
+            self._homes[name] = grad_ranks(name, self.plan, self._split)
+            self._stand_for.pop(id(p), None)
+            self._remote_ids.discard(id(p))
+        self._home_ranks = sorted({r for ranks in self._homes.values() for r in ranks})
 
     def close(self) -> None:
         for hook in [*self._hooks, *self._copy_hooks]:

@@ -53,6 +53,7 @@ class EagerParameters:
             t.join()
         if any(s.error is not None for s in slots):
             return
+        self._promote()
         by_rank: dict[int, dict[str, torch.Tensor | None]] = {
             r: {} for r in range(self.plan.num_ranks)}
         for name, ranks in self._homes.items():  # a parameter the glue trains, even
@@ -66,9 +67,13 @@ class EagerParameters:
         reset = all(s.off_path or not s.backward for s in slots)
         for r, grads in by_rank.items():
             try:
-                self._send(r, ("p_grad", self.calls, (grads, reset)))
+                self._send(r, ("p_grad", self.calls, (grads, reset, sorted(self._homes))))
             except Stopped:  # a rank failed: the step reports that rank's error
                 return
+
+    def _promote(self) -> None:
+        """Add to the parameters the controller trains (``orgel.backend``'s closures find
+        more as they run: :meth:`orgel.explicit.closures.ClosurePipeline._promote`)."""
 
     def _receive_values(self) -> None:
         """The new values of the parameters the controller trains, from the ranks that step

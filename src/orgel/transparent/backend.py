@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 
-from orgel.explicit.closures import UntrainedWarning as UntrainedWarning  # its public name
 from orgel.graph.glue_sizes import mark_fixed_ints
 from orgel.launch.errors import WorkerError
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options

@@ -43,7 +43,7 @@ from orgel.graph import glue
 from orgel.launch.messages import BY_VALUE_BYTES, Held, fingerprint, send
 from orgel.runtime.pieces import piece_of
 from orgel.runtime.sharding import shard_like
-from orgel.split.exchanges import eager_homes, exchange_stages, home_rank
+from orgel.split.exchanges import eager_homes, exchange_stages, grad_ranks, home_rank
 from orgel.worker.engine import RankEngine
 
 
@@ -208,6 +208,7 @@ class ClosureEngine(RankEngine):
         self.surrogate = SurrogateLoss(self.inbox)
         homes = (eager_homes(glue_info, plan, split) if glue_info is not None else {})
         self.homed = sorted(n for n, ranks in homes.items() if rank in ranks)
+        self._eager_names = sorted(homes)  # every parameter the controller trains
         kept = list(self.homed)
         if model is not None:  # the controller may train any parameter (off the path)
             kept += [n for n, _ in model.named_parameters()
@@ -243,8 +244,8 @@ class ClosureEngine(RankEngine):
             glue.set_runtime(self.exchange)  # this process is a rank: exchanges ask the controller
             self.executor.side_leaves = self.exchange.leaves
         self.executor.before_reduce = self._add_controller_grads
-        if self.homed:
-            self.executor.after_optimizer = self._send_values
+        # (the homed parameters may grow: the controller's "p_grad" names them all)
+        self.executor.after_optimizer = self._send_values
         self.inbox.serve = self._values_now
         self.inbox.member = self.executor.member
         # a closure's (or the controller's) error drops the step and the ranks go on: its
@@ -297,7 +298,11 @@ class ClosureEngine(RankEngine):
         """
         if self.executor.dropping:  # the controller sends none for a step it stopped
             return
-        grads, reset = self.inbox.get("p_grad", self.step_count)
+        grads, reset, eager = self.inbox.get("p_grad", self.step_count)
+        if len(eager) != len(self._eager_names):  # orgel.backend found more (ClosurePipeline)
+            self._eager_names = list(eager)
+            self.homed = sorted(n for n in eager
+                                if self.rank in grad_ranks(n, self.plan, self.split))
         params = self._first_copies()
         if reset:  # this call's stand-in zeros go; earlier calls' gradients (accumulate) stay
             first = self.executor.loop.pending == 0  # (the last step's are dropped after this)
@@ -320,6 +325,8 @@ class ClosureEngine(RankEngine):
             p.grad = g if p.grad is None else p.grad + g
 
     def _send_values(self) -> None:
+        if not self.homed:
+            return
         # each process its own part: a tensor-parallel member's or FSDP replica's shard
         values = {n: piece_of(p) for n, p in self._homed_params().items()}
         self.inbox.send(("p_value", (self.step_count, self.rank, self.executor.member), values))
