@@ -292,18 +292,18 @@ def test_python_between_graphs_that_reads_a_ranks_parameter_trains_exactly(
     step finds its gradient here and from then on the controller trains it as well (its
     share joins the ranks' on the home rank, on every FSDP replica its shard; its new
     value comes back into the caller's module). A micro-batch that leaves the graphs after
-    that Python goes on here, where the caller's copy holds the ranks' value. (The first
-    step warned that those gradients reach no rank, and a micro-batch that left the
-    graphs so stopped with a GlueError.)"""
+    that Python goes on here, where the caller's copy holds the ranks' value: in the first
+    step too, before the ranks' values moved. (The first step warned that those gradients
+    reach no rank, and a micro-batch that left the graphs so stopped with a GlueError.)"""
     torch.manual_seed(0)
     model = ReadsOutside()
     x, y = torch.randn(8, 8).abs() + 0.1, torch.randint(0, 4, (8,))
     off = x.clone()
     off[4:] *= -1  # the second half takes the other arm
-    batches = [(x, y), (off, y), (x.flip(0), y)]
+    batches = [(off, y), (x, y), (off.flip(0), y)]
     want_losses, want = _reference(copy.deepcopy(model), batches, _closure_for)
     losses, got, left = _train(model, batches, _closure_for, **options)
-    assert left[0] == [] and left[1], left
+    assert left[0] and left[1] == [] and left[2], left
     assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
     _same(got, want)
     torch.testing.assert_close(model.head.bias.detach(), want["head.bias"])

@@ -88,7 +88,8 @@ class ClosurePipeline(GluedPipeline):
         except Deviated as exc:
             assert slot is not None
             try:  # Python that read the caller's parameters (not the ranks' values) got here
-                check_outside(slot.index, args, self._remote_ids)
+                # (until the ranks' values move, the caller's are theirs)
+                check_outside(slot.index, args, self._remote_ids if self._moved else set())
             except Deviated as outside:
                 raise GlueError(f"{exc.what}, and {outside}: orgel cannot run the rest of it "
                                 "here on the ranks' values") from exc

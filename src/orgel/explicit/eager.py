@@ -33,6 +33,9 @@ class EagerParameters:
     _home_ranks: list[int]
     _split: Any
     _mail: Any
+    #: the ranks' values may differ from the caller's now (an optimizer step or a load
+    #: changed them; the caller's copies of the parameters the ranks train stay as they were)
+    _moved = False
 
     # annotations only (no attribute here, so the pipeline's own methods are the ones used)
     _send: Callable[[int, tuple[str, Any, Any]], None]
@@ -79,6 +82,7 @@ class EagerParameters:
         """The new values of the parameters the controller trains, from the ranks that step
         them: each process its own part (a tensor-parallel member's or an FSDP replica's
         shard, :mod:`orgel.runtime.pieces`), laid together here."""
+        self._moved = True
         if not self._eager:
             return
         values = whole_values([
@@ -91,6 +95,7 @@ class EagerParameters:
 
     def _pull_values(self) -> None:
         """Refresh the controller's copies from the ranks (after a load)."""
+        self._moved = True
         if not self._eager:
             return
         state: dict[str, torch.Tensor] = {}
