@@ -3,7 +3,8 @@
 A branch on the data calls a layer the capture never saw: the calling process runs such
 a micro-batch whole on the ranks' values (each FSDP replica sends its own shard) and its
 gradients join the ranks' (before the replicas' sums; after FSDP's reduce-scatter, each
-replica its shard), with tensor parallelism too.
+replica its shard), with tensor parallelism too. So do the gradients of a weight that
+tensor parallelism splits and the Python between graphs reads (each member its part).
 """
 
 from __future__ import annotations
@@ -102,6 +103,57 @@ def test_microbatches_off_the_captured_graphs_train_exactly_with_replicas(
             group = calls[i:i + accumulate]
             got = [float(pipe.step((batch,), y)) for batch in group]
             assert got == pytest.approx(_one_process(reference, opt, group, y), rel=1e-6)
+        state = pipe.state_dict()
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@torch._dynamo.disable
+def _eager_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+class EagerReadsSplit(nn.Module):
+    """An MLP region tensor parallelism splits, whose first weight the Python between
+    graphs reads too (Glue.eager): the controller's gradient of it is added part by part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.head = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down(torch.relu(self.up(x)))
+        return self.head(torch.tanh(x + _eager_linear(x, self.up.weight).sum(1, keepdim=True)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_a_split_weight_the_python_between_graphs_reads_trains_exactly(shard: str) -> None:
+    """``up.weight`` is split by tensor parallelism (rows; with FSDP too, rows from here and
+    there) and read by the Python between graphs: each member (and replica) adds its part
+    of the controller's gradient and sends its part of the new value back."""
+    torch.manual_seed(0)
+    model = EagerReadsSplit()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    opt = sgd(reference.parameters())
+    dp = 2 if shard == "fsdp" else 1
+    with orgel.pipeline(model, (x,), y, F.cross_entropy, ranks=2 * dp, tp=2, dp=dp,
+                        shard=shard, microbatches=2, schedule="1f1b", threads=1, timeout_s=60,
+                        optimizer=sgd) as pipe:
+        assert pipe.glue is not None and pipe.glue.eager == ["up.weight"]
+        assert pipe.call_ranks("tp_shards")[0]["up.weight"] == (8 // dp, 8)  # of (16, 8)
+        for _ in range(3):
+            got = float(pipe.step((x,), y))
+            want = 0.0
+            opt.zero_grad()
+            for xm, ym in zip(x.chunk(2 * dp), y.chunk(2 * dp), strict=True):
+                loss = F.cross_entropy(reference(xm), ym) / (2 * dp)
+                loss.backward()
+                want += loss.item()
+            opt.step()
+            assert got == pytest.approx(want, rel=1e-6)
         state = pipe.state_dict()
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
