@@ -40,8 +40,9 @@ trains when every stage holding it is sharded over as many replicas: replica ``k
 each holds the same rows of its copy, and the copies' gradient shards are summed
 replica by replica after the reduce-scatter (:class:`orgel.runtime.optim.GradSync`).
 
-With tensor parallelism too, tensor parallelism splits no tied parameter (each member
-holds its FSDP shard of it whole), so the replica-by-replica sum holds on every plane.
+With tensor parallelism as well, that sum holds on every plane: tensor parallelism splits
+no tied parameter (:func:`orgel.runtime.tensor_parallel.parallelize`), so each member holds
+its replica's rows of every copy whole.
 
 What it refuses (:func:`check_sharded`, before any rank starts): a tied parameter whose
 copies are not sharded alike (a sharded and a whole copy, other replica counts). A tied
@@ -96,9 +97,8 @@ def check_sharded(plan: Plan, split: Any) -> None:
 def _shards_align(plan: Plan, holders: list[int]) -> bool:
     """Whether the copies of a tied parameter on ``holders`` are sharded alike: every stage
     FSDP-sharded over as many replicas (then replica k of each holds the same rows, and the
-    gradient shards sum replica by replica: :class:`orgel.runtime.optim.GradSync`; tensor
-    parallelism splits no tied parameter, :func:`orgel.runtime.tensor_parallel.parallelize`,
-    so each tensor-parallel member holds those rows whole)."""
+    gradient shards sum replica by replica: :class:`orgel.runtime.optim.GradSync`, on
+    every tensor-parallel plane alike; see the module docstring)."""
     return (all(plan.sharded(t) for t in holders)
             and len({len(plan.placement[t]) for t in holders}) == 1)
 
@@ -126,15 +126,12 @@ def tied_embedding(model: torch.nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def check_tied_sharding(model: torch.nn.Module, plan: Plan | None) -> None:
+def check_tied_sharding(model: torch.nn.Module, plan: Plan) -> None:
     """Refuse, before any capture, a tied input embedding and output layer that a given
     ``plan`` puts on stages sharded unlike each other: the embedding runs in the first
     stage and the layer tied to it in the last, so a pipeline of two or more stages holds
     the tie on two stages, which :func:`check_sharded` refuses once the graph is split
-    unless both are sharded alike. The planner's plans (``plan`` None) shard every stage
-    alike."""
-    if plan is None:
-        return
+    unless both are sharded alike. (The planner's plans shard every stage alike.)"""
     ends = [s for s in (0, plan.num_stages - 1) if plan.sharded(s)]
     if plan.num_stages < 2 or not ends or _shards_align(plan, [0, plan.num_stages - 1]):
         return
