@@ -326,6 +326,47 @@ def test_the_eval_split_shares_the_training_weights_or_says_why_it_cannot() -> N
         split_like(eval_graph, train)
 
 
+def test_a_loss_alone_waits_for_no_eval_capture_in_the_calling_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``evaluate`` without outputs: each rank captures the eval-mode model for its stages,
+    the calling process does not (it did, for the outputs' structure only); with
+    ``outputs=True`` it does, once. Where the eval-mode forward does not fit the plan, the
+    ranks say so and ``evaluate`` raises it; the pipeline trains on."""
+    import orgel.flow.capture as flow_capture
+
+    made: list[int] = []
+    real = flow_capture.eval_split_for
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return real(*args, **kwargs)
+
+    model = _model(0.3)
+    (x,), y = _batch(5)
+    with _start(copy.deepcopy(model)) as pipe:
+        monkeypatch.setattr(flow_capture, "eval_split_for", counted)  # (the ranks forked)
+        pipe.step(*_batch(0))
+        state = pipe.state_dict()
+        loss = pipe.evaluate((x,), y)
+        assert made == []
+        again, out = pipe.evaluate((x,), y, outputs=True)
+        assert made == [1]
+        assert pipe.evaluate((x,), y) == loss and made == [1]
+    ref_loss, ref_out = _eval_reference(model, state, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and again == loss
+    torch.testing.assert_close(out["logits"], ref_out["logits"], rtol=1e-5, atol=1e-6)
+
+    tail = TrainOnlyTail()
+    x4, y4 = torch.randn(4, 4), torch.randn(4, 4)
+    graph = capture(tail, (x4[:2],))
+    plan = balanced_plan(graph, ranks=3, microbatches=2, schedule="1f1b")
+    with orgel.pipeline(tail, (x4,), y4, F.mse_loss, ranks=3, microbatches=2, plan=plan,
+                        optimizer=_sgd, threads=1) as pipe:
+        with pytest.raises(RuntimeError, match=r"evaluation is not available: .*stage\(s\)"):
+            pipe.evaluate((x4,), y4)
+        assert pipe.step((x4,), y4) > 0
+
+
 def test_a_forward_of_several_graphs_returns_its_outputs_and_evaluates() -> None:
     """A forward of several graphs: ``step(outputs=True)`` gives the model's outputs, and
     ``evaluate`` (run in the controller on the ranks' values) is one process's eval pass

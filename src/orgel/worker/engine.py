@@ -156,8 +156,8 @@ class RankEngine:
         if self._lazy is not None:  # the first evaluate: this rank's eval-mode stages
             lazy, self._lazy = self._lazy, None
             self._set_evaluation(lazy.get())
-        if self.forward_only is None:
-            raise RuntimeError(f"evaluation is not available: {self.no_evaluation}")
+        if self.forward_only is None:  # said, not raised: the pipeline goes on
+            return Unavailable(self.no_evaluation)  # type: ignore[return-value]
         from orgel.launch.errors import StepAbandoned
 
         try:
@@ -338,6 +338,14 @@ class RankEngine:
 def _saved_loop(shard: dict[str, Any]) -> dict[str, Any]:
     """The optimizer loop's state in a shard (an empty dict when it holds none)."""
     return dict((shard.get("extra") or {}).get("loop") or {})
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """What :meth:`RankEngine.evaluate` returns where this rank has no eval-mode stages:
+    why (the caller raises it as its own error)."""
+
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 Evaluation needs a second capture of the model, in eval mode (:mod:`orgel.split.evaluation`).
 A pipeline that never evaluates should not pay for it when it starts, so the front end
 hands the pipeline and each rank a :class:`LazyEvaluation`; the first ``evaluate`` makes
-the split in each process that needs it (the controller for the outputs' structure, each
-rank for its stages), and every later call reuses it.
+the split in each process that needs it (each rank for its stages, the controller for the
+outputs' structure at the first ``evaluate(..., outputs=True)``: a loss alone waits for
+no capture there), and every later call reuses it.
 """
 
 from __future__ import annotations

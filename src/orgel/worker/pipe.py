@@ -25,7 +25,7 @@ from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import StepCount
 from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
-from orgel.worker.engine import Dropped, RankEngine
+from orgel.worker.engine import Dropped, RankEngine, Unavailable
 from orgel.worker.evaluation import LazyEvaluation
 from orgel.worker.state import StateNames, canonical_names, model_aliases
 from orgel.workload import cache_off, named_inputs
@@ -198,20 +198,29 @@ class Pipeline(StepCount):
         """
         named = named_inputs(self._model, inputs)
         self._check_batch(named, targets, "pipe.evaluate")
-        if isinstance(self._evaluation, LazyEvaluation):  # the first evaluate makes it
+        # the first evaluate makes the eval-mode split: each rank its own, and this process
+        # only where it needs the outputs' structure (under torchrun the rank's serves both);
+        # a loss alone waits for no capture here
+        if isinstance(self._evaluation, LazyEvaluation) and (outputs or self.spmd):
             made = self._evaluation.get()
             self._evaluation = made if isinstance(made, str) else made.unflatten_outputs
-        if not callable(self._evaluation):
+        if isinstance(self._evaluation, str):
             raise RuntimeError(f"evaluation is not available: {self._evaluation}")
         loss = targets is not None or not outputs
         if self.spmd and not outputs:  # the loss is reduced to every rank: nothing to gather
-            return kept_results([self._ranks.engine.evaluate(named, targets, loss=True,
-                                                             outputs=False)], "evaluate")[0][0]
-        results = kept_results(self._ranks.call("evaluate", named, targets, loss=loss,
-                                                outputs=outputs), "evaluate")
+            results = [self._ranks.engine.evaluate(named, targets, loss=True, outputs=False)]
+        else:
+            results = self._ranks.call("evaluate", named, targets, loss=loss, outputs=outputs)
+        for result in results:  # a rank without eval-mode stages says why
+            if isinstance(result, Unavailable):
+                raise RuntimeError(f"evaluation is not available: {result.reason}")
+        results = kept_results(results, "evaluate")
+        if self.spmd and not outputs:
+            return results[0][0]
         value = results[self._loss_rank][0]
         if not outputs:
             return value
+        assert callable(self._evaluation)  # (made above)
         out = merge([share for _, part in results for share in part], self._evaluation)
         return (value, out) if loss else out
 
