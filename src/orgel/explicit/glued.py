@@ -66,8 +66,8 @@ from orgel.graph.glue_sizes import expected_shape
 from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
 from orgel.lossweights import batch_weights, weigh
 from orgel.split.exchanges import eager_homes
-from orgel.worker.engine import Dropped
-from orgel.worker.pipe import Pipeline, kept_results
+from orgel.worker.engine import Dropped, kept_results
+from orgel.worker.pipe import Pipeline
 from orgel.workload import named_inputs
 
 

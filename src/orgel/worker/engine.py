@@ -357,6 +357,21 @@ class Dropped:
     report: tuple[str, str]
 
 
+def kept_results(results: list[Any], call: str = "step") -> list[Any]:
+    """The ranks' results of a ``call`` (``"step"``, ``"evaluate"``; one under torchrun, by
+    rank in local spawn); raise :class:`~orgel.launch.errors.StepError` in the caller when
+    every rank dropped it, and a RuntimeError where a rank has no eval-mode stages."""
+    from orgel.launch.errors import step_error
+
+    for r in results:
+        if isinstance(r, Unavailable):
+            raise RuntimeError(f"evaluation is not available: {r.reason}")
+    dropped = [r for r in results if isinstance(r, Dropped)]
+    if dropped:
+        raise step_error(dropped[0].rank, dropped[0].report, call)
+    return results
+
+
 def _unique(params: ckpt.NamedTensors) -> ckpt.NamedTensors:
     """Drop repeated parameter objects (a tied parameter two stages on one rank share)."""
     seen: set[int] = set()

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from orgel.batching import check_batch, split_microbatches
-from orgel.launch.errors import StepError, WorkerError, step_error
+from orgel.launch.errors import StepError, WorkerError
 from orgel.lossweights import batch_weights
 from orgel.precision import check_around
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import StepCount
 from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
-from orgel.worker.engine import Dropped, RankEngine, Unavailable
+from orgel.worker.engine import RankEngine, kept_results
 from orgel.worker.evaluation import LazyEvaluation
 from orgel.worker.state import StateNames, canonical_names, model_aliases
 from orgel.workload import cache_off, named_inputs
@@ -208,15 +208,10 @@ class Pipeline(StepCount):
             raise RuntimeError(f"evaluation is not available: {self._evaluation}")
         loss = targets is not None or not outputs
         if self.spmd and not outputs:  # the loss is reduced to every rank: nothing to gather
-            results = [self._ranks.engine.evaluate(named, targets, loss=True, outputs=False)]
-        else:
-            results = self._ranks.call("evaluate", named, targets, loss=loss, outputs=outputs)
-        for result in results:  # a rank without eval-mode stages says why
-            if isinstance(result, Unavailable):
-                raise RuntimeError(f"evaluation is not available: {result.reason}")
-        results = kept_results(results, "evaluate")
-        if self.spmd and not outputs:
-            return results[0][0]
+            return kept_results([self._ranks.engine.evaluate(named, targets, loss=True,
+                                                             outputs=False)], "evaluate")[0][0]
+        results = kept_results(self._ranks.call("evaluate", named, targets, loss=loss,
+                                                outputs=outputs), "evaluate")
         value = results[self._loss_rank][0]
         if not outputs:
             return value
@@ -489,16 +484,6 @@ class Pipeline(StepCount):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def kept_results(results: list[Any], call: str = "step") -> list[Any]:
-    """The ranks' results of a ``call`` (``"step"``, ``"evaluate"``; one under torchrun, by
-    rank in local spawn); raise :class:`~orgel.launch.errors.StepError` in the caller when
-    every rank dropped it."""
-    dropped = [r for r in results if isinstance(r, Dropped)]
-    if dropped:
-        raise step_error(dropped[0].rank, dropped[0].report, call)
-    return results
 
 
 def _own_rank() -> int:
