@@ -191,14 +191,20 @@ def test_parameters_only_the_python_between_graphs_uses_are_trained_too() -> Non
     them with the rest; their new values come back into the caller's module, which the
     closures run. Two steps match one process."""
     torch.manual_seed(4)
-    model = EagerNorm()
+    _norm_trains_as_one_process(EagerNorm(), _break_batches()[:2])
+
+
+def _norm_trains_as_one_process(model: EagerNorm,
+                                batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``model`` through ``orgel.backend`` and a copy in one process over ``batches``: every
+    tensor agrees, and so does the caller's LayerNorm, stepped on a rank (no gradient left
+    for the caller) and written back into ``model``."""
     ref = copy.deepcopy(model)
     pipe = _backend(timeout_s=60)
     compiled = torch.compile(model, backend=pipe)
-
     ref_opt = _sgd(list(ref.parameters()))
     try:
-        for x, y in _break_batches()[:2]:
+        for x, y in batches:
             pipe.step(_output_mse(compiled), x, y)
             ref_opt.zero_grad()
             for m in range(M):
@@ -213,7 +219,7 @@ def test_parameters_only_the_python_between_graphs_uses_are_trained_too() -> Non
         p = model.get_parameter(name)
         torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), rtol=1e-5,
                                    atol=1e-6, msg=name)
-        assert p.grad is None, name  # stepped on a rank, not left for the caller
+        assert p.grad is None, name
 
 
 _CLOSURE = threading.local()  # the micro-batch a closure thread runs
@@ -343,29 +349,9 @@ def test_a_parameter_both_a_graph_and_the_python_between_use_trains_exactly() ->
     its first value). Three steps match one process."""
     torch.manual_seed(4)
     model = NormTwice()
-    ref = copy.deepcopy(model)
-    pipe = _backend(timeout_s=60)
-    compiled = torch.compile(model, backend=pipe)
-    ref_opt = _sgd(list(ref.parameters()))
     g = torch.Generator().manual_seed(6)
-    try:
-        for _ in range(3):
-            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-            pipe.step(_output_mse(compiled), x, y)
-            ref_opt.zero_grad()
-            for m in range(M):
-                _output_mse(ref)(x.chunk(M)[m], y.chunk(M)[m])
-            ref_opt.step()
-        state = pipe.state_dict()
-    finally:
-        pipe.close()
-    for name, t in ref.state_dict().items():
-        torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
-    for name in ("norm.weight", "norm.bias"):
-        p = model.get_parameter(name)
-        torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), rtol=1e-5,
-                                   atol=1e-6, msg=name)
-        assert p.grad is None, name
+    _norm_trains_as_one_process(model, [(torch.randn(8, 6, generator=g),
+                                         torch.randn(8, 3, generator=g)) for _ in range(3)])
 
 
 def test_an_autocast_the_closure_opens_around_the_model_is_honoured() -> None:
