@@ -309,6 +309,55 @@ def test_python_between_graphs_that_reads_a_ranks_parameter_trains_exactly(
     torch.testing.assert_close(model.head.bias.detach(), want["head.bias"])
 
 
+@torch._dynamo.disable
+def _plus_bias_when_positive(head: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
+    """Python that reads ``head.bias`` for some batches only (Dynamo sees no branch)."""
+    return h + head.bias.mean() if float(h.detach().mean()) > 0 else h
+
+
+class ReadsOutsideLater(torch.nn.Module):
+    """The Python between the graphs reads the head's bias only where ``x`` is positive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        with torch.no_grad():  # the sign of x is the sign of h
+            self.a.weight.abs_()
+            self.a.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _plus_bias_when_positive(self.head, torch.tanh(self.a(x)))
+        return self.head(torch.relu(h) + h)
+
+
+@pytest.mark.slow
+def test_python_that_first_reads_a_ranks_parameter_after_training_drops_that_step() -> None:
+    """The first step's Python between graphs does not read ``head.bias``; the second's does,
+    when this process's copy is its value before training: that step stops with a GlueError
+    saying why (every rank drops it), the copy is made the ranks' value, and the step run
+    again trains as one process does (which never ran the dropped one)."""
+    from orgel.explicit.fallback import GlueError
+
+    torch.manual_seed(0)
+    model = ReadsOutsideLater()
+    reference = copy.deepcopy(model)
+    x, y = torch.rand(8, 8) + 0.1, torch.randint(0, 4, (8,))
+    batches = [(-x, y), (x, y)]
+    want_losses, want = _reference(reference, batches, _closure_for)
+    pipe = orgel.backend(ranks=2, microbatches=M, optimizer=_optimizer, timeout_s=60.0)
+    compiled = torch.compile(model, backend=pipe)
+    try:
+        first = [float(v) for v in pipe.step(_closure_for(compiled, 0), -x, y)]
+        with pytest.raises(GlueError, match="read 'head.bias'.*run the step again"):
+            pipe.step(_closure_for(compiled, 1), x, y)
+        second = [float(v) for v in pipe.step(_closure_for(compiled, 1), x, y)]
+        got = pipe.state_dict()
+    finally:
+        pipe.close()
+    assert [first, second] == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)
+
+
 class ItemBranch(MeanBranch):
     """``if h.mean().item() > 0``: the float is a local of Dynamo's resumed frame."""
 

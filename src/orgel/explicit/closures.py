@@ -17,6 +17,7 @@ from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.lazy import LazyOutput
 from orgel.explicit.slots import Slot
 from orgel.graph.dynamo import dynamo_settings
+from orgel.launch.errors import WorkerError
 from orgel.launch.messages import Held, same_fingerprint
 from orgel.precision import ambient_autocast
 
@@ -199,6 +200,13 @@ class ClosurePipeline(GluedPipeline):
             if slot is not None:  # a backward of the user's own, outside a step: not ours
                 if here and name not in self._eager:
                     self._used_here.add(name)
+                    if self._moved:  # its forward read the caller's copy, not the ranks' value
+                        raise GlueError(
+                            f"the Python between the compiled model's graphs read {name!r}, "
+                            "which a graph reads too, for the first time after the ranks had "
+                            "trained it: this process's copy still held its earlier value, so "
+                            "this step is dropped. orgel keeps that copy current from now on: "
+                            "run the step again")
                 grad = grad.detach() / self.accumulate  # each call counts 1/accumulate
                 got = slot.grads.get(name)
                 slot.grads[name] = grad.clone() if got is None else got + grad
@@ -236,10 +244,21 @@ class ClosurePipeline(GluedPipeline):
         try:
             results = [s.result for s in self._run_threads(work, stand_ins, rows)]
         finally:  # (a dropped step too)
+            if self._used_here - set(self._eager):  # found in a dropped step: made current
+                self._promote_now()
             copy = self._fallback.model_copy  # (micro-batches off the captured graphs ran on it)
             for p in [*self._eager.values(), *([] if copy is None else copy.parameters())]:
                 p.grad = None  # summed from the hooks and stepped on a rank
         return results
+
+    def _promote_now(self) -> None:
+        """:meth:`_promote` after a dropped step, and the caller's copies of those
+        parameters made the ranks' values (read once from the ranks)."""
+        self._promote()
+        try:
+            self._pull_values()
+        except WorkerError:  # the ranks are gone: the step's own error says so
+            pass
 
     def _hung(self, slots: list[Slot]) -> Exception:
         first = slots[0]
