@@ -65,7 +65,8 @@ class ClosurePipeline(GluedPipeline):
         # the caller's copy of one here, the Python between graphs used it too (a tied
         # embedding looked up outside the graphs): it is kept as the eager ones' are, and
         # the parameter joins them for good (_promote)
-        self._hooks = [p.register_hook(self._keeper(name, here=True))
+        named = {id(p): name for name, p in self._eager.items()}  # (the eager ones' names)
+        self._hooks = [p.register_hook(self._keeper(named.get(id(p), name), here=True))
                        for name, p in self._model.named_parameters() if p.requires_grad]
         #: parameters a graph reads whose caller's copy got a gradient in a step
         self._used_here: set[str] = set()
