@@ -285,7 +285,6 @@ class ClosurePipeline(GluedPipeline):
             self._homes[name] = grad_ranks(name, self.plan, self._split)
             self._stand_for.pop(id(p), None)
             self._remote_ids.discard(id(p))
-        self._home_ranks = sorted({r for ranks in self._homes.values() for r in ranks})
 
     def close(self) -> None:
         for hook in [*self._hooks, *self._copy_hooks]:

@@ -30,7 +30,6 @@ class EagerParameters:
     calls: int
     _eager: dict[str, torch.nn.Parameter]
     _homes: dict[str, list[int]]
-    _home_ranks: list[int]
     _split: Any
     _mail: Any
     #: the ranks' values may differ from the caller's now (an optimizer step or a load
@@ -73,6 +72,11 @@ class EagerParameters:
                 self._send(r, ("p_grad", self.calls, (grads, reset, sorted(self._homes))))
             except Stopped:  # a rank failed: the step reports that rank's error
                 return
+
+    @property
+    def _home_ranks(self) -> list[int]:
+        """The ranks that step a parameter the controller trains (:attr:`_homes`)."""
+        return sorted({r for ranks in self._homes.values() for r in ranks})
 
     def _promote(self) -> None:
         """Add to the parameters the controller trains (``orgel.backend``'s closures find

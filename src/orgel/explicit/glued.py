@@ -131,7 +131,6 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         # the parameters code outside every graph trains: their gradients are computed
         # here, on a copy of them (the caller's model stays as it was), and a rank steps them
         self._homes = eager_homes(glue, plan, split)
-        self._home_ranks = sorted({r for ranks in self._homes.values() for r in ranks})
         self._split = split
         self._fallback = Fallback(model, glue, split)
         #: the micro-batches of the last step whose forward left the captured graphs

@@ -48,3 +48,9 @@ def eager_homes(glue: Glue, plan: Any, split: Any) -> dict[str, list[int]]:
     it: its :func:`grad_ranks` (every replica of an FSDP home stage: each steps its shard
     and sends it back)."""
     return {name: grad_ranks(name, plan, split) for name in glue.eager}
+
+
+def homed_on(rank: int, names: list[str], plan: Any, split: Any) -> list[str]:
+    """Of ``names`` (parameters the controller trains), those rank ``rank`` steps: where it is
+    one of their :func:`grad_ranks`."""
+    return sorted(n for n in names if rank in grad_ranks(n, plan, split))

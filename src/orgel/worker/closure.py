@@ -43,7 +43,7 @@ from orgel.graph import glue
 from orgel.launch.messages import BY_VALUE_BYTES, Held, fingerprint, send
 from orgel.runtime.pieces import piece_of
 from orgel.runtime.sharding import shard_like
-from orgel.split.exchanges import eager_homes, exchange_stages, grad_ranks, home_rank
+from orgel.split.exchanges import exchange_stages, home_rank, homed_on
 from orgel.worker.engine import RankEngine
 
 
@@ -206,13 +206,13 @@ class ClosureEngine(RankEngine):
         self.inbox = RankInbox(conn, timeout_s)
         self.inbox.fingerprints = closures
         self.surrogate = SurrogateLoss(self.inbox)
-        homes = (eager_homes(glue_info, plan, split) if glue_info is not None else {})
-        self.homed = sorted(n for n, ranks in homes.items() if rank in ranks)
-        self._eager_names = sorted(homes)  # every parameter the controller trains
+        #: every parameter the controller trains (Glue.eager), and those this rank steps
+        self._eager_names = sorted(glue_info.eager) if glue_info is not None else []
+        self.homed = homed_on(rank, self._eager_names, plan, split)
         kept = list(self.homed)
         if model is not None:  # the controller may train any parameter (off the path)
             kept += [n for n, _ in model.named_parameters()
-                     if n not in homes and home_rank(n, plan, split) == rank]
+                     if n not in self._eager_names and home_rank(n, plan, split) == rank]
         held = {n for st in (split.stages[s] for s in plan.stages_on(rank))
                 for n in st.param_names.values()}
         extra = {}
@@ -301,8 +301,7 @@ class ClosureEngine(RankEngine):
         grads, reset, eager = self.inbox.get("p_grad", self.step_count)
         if len(eager) != len(self._eager_names):  # orgel.backend found more (ClosurePipeline)
             self._eager_names = list(eager)
-            self.homed = sorted(n for n in eager
-                                if self.rank in grad_ranks(n, self.plan, self.split))
+            self.homed = homed_on(self.rank, self._eager_names, self.plan, self.split)
         params = self._first_copies()
         if reset:  # this call's stand-in zeros go; earlier calls' gradients (accumulate) stay
             first = self.executor.loop.pending == 0  # (the last step's are dropped after this)
