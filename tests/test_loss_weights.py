@@ -11,6 +11,7 @@ one plain PyTorch process on the whole batch, parameter by parameter.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -100,6 +101,50 @@ def test_a_padded_batch_through_the_models_own_loss_trains_as_one_process(
     one.eval()
     with torch.no_grad():
         assert evaluated == pytest.approx(float(one(**held_out).loss), rel=1e-5)
+
+
+def _graph_break(out: Any) -> Any:
+    torch._dynamo.graph_break()
+    return out
+
+
+def prompt_only_rows(step: int) -> dict[str, torch.Tensor]:
+    """A batch whose last two rows are prompts with no answer: one token each, every label
+    -100 after the causal shift (supervised fine-tuning data cut at its length limit). Its
+    second micro-batch (of two) holds no loss-bearing label; a plain batch after it."""
+    batch = padded_batch(step)
+    if step == 0:
+        batch["attention_mask"][2:, 1:] = 0
+        batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 0)
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return batch
+
+
+@pytest.mark.parametrize(("dp", "graph_break"), [(1, False), (2, False), (1, True)],
+                         ids=["pipeline", "dp2", "graph-break"])
+def test_a_micro_batch_of_prompts_without_answers_trains_as_one_process(
+        dp: int, graph_break: bool) -> None:
+    """One process adds nothing for rows with no label; orgel's micro-batch of them has a
+    loss of 0/0, which must count zero (not NaN, not refused), in the loss rule's trial on
+    the example batch too, and with ``check_finite`` on. With a graph break the calling
+    process computes the loss (``orgel.explicit.glued``)."""
+    model = _qwen2()
+    if graph_break:  # between the two layers
+        model.model.layers[0].register_forward_hook(lambda m, a, out: _graph_break(out))
+    batches = [prompt_only_rows(step) for step in range(2)]
+    assert int((batches[0]["labels"][2:, 1:] != -100).sum()) == 0
+    expected_losses, one = _reference(model, batches, 1)
+    with orgel.pipeline(copy.deepcopy(model), batches[0], ranks=2, microbatches=2, dp=dp,
+                        optimizer=_sgd, check_finite=True, schedule="1f1b") as pipe:
+        assert pipe.loss_rule == "shifted"
+        losses = [pipe.step(batch) for batch in batches]
+        evaluated = pipe.evaluate(batches[0])
+        state = pipe.state_dict()
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    _compare(state, one.state_dict())
+    one.eval()
+    with torch.no_grad():
+        assert evaluated == pytest.approx(float(one(**batches[0]).loss), rel=1e-5)
 
 
 def _gemma2() -> torch.nn.Module:

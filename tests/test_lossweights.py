@@ -110,13 +110,42 @@ def test_a_loss_no_rule_reproduces_is_refused_at_start_up_with_what_the_trial_sa
     assert rule_for(w, "rows") == "rows"  # asked for: no trial
 
 
-def test_a_piece_without_a_label_is_named() -> None:
-    labels = torch.tensor([[1, 2], [3, 4], [-100, -100], [-100, -100]])
-    with pytest.raises(LossRuleError, match="micro-batch 1 of this batch holds no loss-bearing"):
-        batch_weights("items", [{}, {}], [labels[:2], labels[2:]], 1, 0)
+def masked_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A token mean written by hand: its gradient on a piece of no label is 0/0 (NaN)."""
+    keep = (y != -100).float()
+    per = F.cross_entropy(out.flatten(0, 1), y.clamp(min=0).flatten(), reduction="none")
+    return (per * keep.flatten()).sum() / keep.sum()
+
+
+@pytest.mark.parametrize("loss_fn", [token_mean, shifted_mean, masked_mean])
+def test_a_piece_without_a_label_adds_nothing_as_its_rows_do_in_one_process(loss_fn) -> None:
+    """A micro-batch of padding only (a prompt with no answer, every label -100) has a loss
+    of 0/0; in one process its rows add nothing to the batch's loss or gradients. It weighs
+    0, and its weighed loss is a zero whose gradient is zero (not NaN), even where the loss's
+    own gradient is 0/0."""
+    model, (ids, labels) = TinyLM(), _padded()
+    labels[2:] = -100
+    rule = calibrate(model, {"ids": ids}, labels, loss_fn)
+    assert rule == ("shifted" if loss_fn is shifted_mean else "items")
+    weights = batch_weights(rule, [{}, {}], [labels[:2], labels[2:]], 1, 0)
+    assert weights[(1, 0)][0] == 0
+    whole = loss_fn(model(ids), labels)
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    pieces = []
+    for m, (a, b) in enumerate([(0, 2), (2, 4)]):
+        out = model(ids[a:b])
+        pieces.append(weigh(loss_fn(out, labels[a:b]), weights[(m, 0)], [out]))
+    assert float(pieces[1].detach()) == 0.0
+    combined = sum(pieces)
+    combined.backward()
+    torch.testing.assert_close(combined, whole)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], msg=n)
     assert loss_weights("rows", [(None, 2), (None, 2)]) == [(1, 2), (1, 2)]
     assert loss_weights("sum", [(None, 2), (None, 2)]) == [(1, 1), (1, 1)]
-    assert loss_weights("shifted", [(labels[:2], 2), (labels[:1], 1)]) == [(2, 3), (1, 3)]
+    assert loss_weights("shifted", [(labels[:2], 2), (labels[2:], 2)]) == [(1, 1), (0, 1)]
 
 
 def test_the_models_own_loss_counts_its_labels_input() -> None:

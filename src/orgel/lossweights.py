@@ -36,8 +36,10 @@ of one class per row are not masked: the trial then runs on the example as it is
 With ``accumulate=k`` each step call is one whole batch, weighted by this rule, and
 counts ``1/k`` (:mod:`orgel.runtime.optimizer`): as one process that runs
 ``(loss_fn(model(batch), targets) / k).backward()`` per call. A micro-batch (or a
-replica's share) that holds no loss-bearing item under a mean rule has a loss of 0/0;
-it is refused before any rank runs it (:func:`loss_weights`).
+replica's share) that holds no loss-bearing item under a mean rule (prompts without an
+answer: every label -100) has a loss of 0/0, where in one process its rows add nothing to
+the batch's loss and gradients: it weighs 0, and :func:`weigh` makes its loss a zero
+whose gradient is zero.
 """
 
 from __future__ import annotations
@@ -89,13 +91,12 @@ def count(labels: torch.Tensor | None, rule: str, rows: int) -> int:
 
 
 def loss_weights(rule: str, pieces: list[tuple[torch.Tensor | None, int]],
-                 names: list[str] | None = None) -> list[Weight]:
+                 ) -> list[Weight]:
     """Each piece's weight, ``(its items, the batch's items)`` in lowest terms: the one rule.
 
     ``pieces`` are ``(labels, rows)`` of every micro-batch and replica share, in order.
-    ``"sum"`` weighs every piece 1; the others by its share of the items, which sum to 1.
-    Raises :class:`LossRuleError` for a piece with no item under a mean rule, naming it
-    (``names[i]``, e.g. ``"micro-batch 1, replica 0"``), when other pieces have some.
+    ``"sum"`` weighs every piece 1; the others by its share of the items, which sum to 1;
+    a piece with none weighs ``(0, 1)`` (see :func:`weigh`).
     """
     if rule not in RULES:
         raise ValueError(f"loss rule {rule!r} is not one of {RULES}")
@@ -105,22 +106,46 @@ def loss_weights(rule: str, pieces: list[tuple[torch.Tensor | None, int]],
     total = sum(counts)
     if total == 0:  # nothing bears a loss: one process's mean is 0/0 too
         return [(1, len(pieces))] * len(pieces)
-    empty = [i for i, c in enumerate(counts) if c == 0]
-    if empty and rule != "rows":
-        where = names[empty[0]] if names else f"piece {empty[0]}"
-        after = ", after the first position of each row" if rule == "shifted" else ""
-        raise LossRuleError(
-            f"{where} of this batch holds no loss-bearing label (every label is "
-            f"{IGNORE_INDEX}{after}), so its mean loss is 0/0 (NaN) though the whole batch's "
-            "is not: mix short and long rows across the batch, or use fewer micro-batches")
     return [(c // math.gcd(c, total), total // math.gcd(c, total)) for c in counts]
 
 
-def weigh(loss: torch.Tensor, weight: Weight) -> torch.Tensor:
+def weigh(loss: torch.Tensor, weight: Weight, read: Any = ()) -> torch.Tensor:
     """``loss`` times its weight ``count / total`` (in lowest terms: an equal share of
-    ``n`` pieces is exactly ``loss / n``)."""
+    ``n`` pieces is exactly ``loss / n``).
+
+    A piece of weight 0 (no loss-bearing item: its loss is 0/0) gives a zero whose
+    gradient to the tensors of ``read`` (what the loss was computed from) is zero, as its
+    rows' in one process: not ``0 * loss``, which is NaN, and whose gradient is NaN too
+    where the loss's own is 0/0 (a mean written as ``sum / count``)."""
     c, total = weight
+    if c == 0:
+        grads = [t for t in pytree.tree_leaves(read)
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not grads or not torch.is_grad_enabled():
+            return torch.zeros((), dtype=loss.dtype, device=loss.device)
+        return _Nothing.apply(loss.dtype, *grads)
     return loss if c == total else loss * c / total
+
+
+class _Nothing(torch.autograd.Function):
+    """A zero whose gradient to each input is zeros, whatever their values (a model's own
+    loss among them is NaN: ``0 * t`` would be NaN, and so would its gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, dtype: torch.dtype, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.likes = [(t.shape, t.dtype, t.device) for t in tensors]
+        return torch.zeros((), dtype=dtype, device=tensors[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *(torch.zeros(shape, dtype=dtype, device=device)
+                        for shape, dtype, device in ctx.likes))
+
+
+def adds_nothing(weight: Weight) -> bool:
+    """Whether a piece of this weight adds nothing to the batch's loss (its own may be
+    NaN: a check for finite losses passes it)."""
+    return weight[0] == 0
 
 
 def batch_weights(rule: str, inputs: list[dict[str, Any]], targets: list[Any],
@@ -132,7 +157,7 @@ def batch_weights(rule: str, inputs: list[dict[str, Any]], targets: list[Any],
     takes whole."""
     from orgel.batching import batch_rows
 
-    pieces, names, keys = [], [], []
+    pieces, keys = [], []
     for m, (mb, tg) in enumerate(zip(inputs, targets, strict=True)):
         rows = batch_rows(mb, tg, batch_dim, replicated)
         labels = labels_of(mb, tg) if rule in ("items", "shifted") else None
@@ -140,9 +165,8 @@ def batch_weights(rule: str, inputs: list[dict[str, Any]], targets: list[Any],
         for r in range(replicas):
             piece = None if labels is None else share(labels, r, replicas, dim, rows)
             pieces.append((piece, rows // replicas))
-            names.append(f"micro-batch {m}" + (f", replica {r}" if replicas > 1 else ""))
             keys.append((m, r))
-    return dict(zip(keys, loss_weights(rule, pieces, names), strict=True))
+    return dict(zip(keys, loss_weights(rule, pieces), strict=True))
 
 
 def default_rule(model: torch.nn.Module, inputs: dict[str, Any], targets: Any) -> str:
@@ -216,11 +240,10 @@ def calibrate(model: torch.nn.Module, inputs: dict[str, Any], targets: Any, loss
 
 
 def _combined(rule: str, parts: list[float], labels: list[Any], rows: int) -> float:
-    try:
-        weights = loss_weights(rule, [(lb, rows) for lb in labels])
-    except LossRuleError:  # a piece with no item: this rule cannot be the loss's
-        return math.inf
-    return sum(p * c / t for p, (c, t) in zip(parts, weights, strict=True))
+    weights = loss_weights(rule, [(lb, rows) for lb in labels])
+    # a piece with no item adds nothing (its own loss is 0/0); any other that is not
+    # finite makes the combination so, and the rule misses the whole
+    return sum(p * c / t for p, (c, t) in zip(parts, weights, strict=True) if c)
 
 
 def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn: Any, k: int,
@@ -253,7 +276,8 @@ def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn:
     for mb, tg in split_microbatches(named, targets, k, batch_dim, replicated):
         parts.append(run(mb, tg))
         labels.append(labels_of(mb, tg))
-    if not all(math.isfinite(v) for v in [whole, *parts]):
+    # a part may be 0/0 (no label in it): the rules weigh it 0 (see _combined)
+    if not math.isfinite(whole) or all(not math.isfinite(v) for v in parts):
         raise LossRuleError(f"the trial loss is not finite (whole batch {whole}, parts "
                             f"{parts}): check the model's initial weights and the batch")
     return whole, parts, labels, _separable(outs, k, dim_of(batch_dim, TARGETS))
@@ -280,9 +304,10 @@ def _probe(inputs: dict[str, Any], targets: Any, k: int,
            batch_dim: BatchDim) -> tuple[dict[str, Any], Any] | None:
     """The example batch with labels masked unevenly over its ``k`` parts (None: no labels).
 
-    Part 0 keeps its labels; part ``j`` keeps the first ``j + 1`` positions along the last
-    dimension. Labels of one per row (class indices) are not padded: None, and the trial
-    runs on the batch as it is (their rules agree on batches without -100).
+    Every ``ignore_index`` of the example is first set to one of its labels; then part 0
+    keeps its labels and part ``j`` the first ``j + 1`` positions along the last dimension.
+    Labels of one per row (class indices) are not padded: None, and the trial runs on the
+    batch as it is (their rules agree on batches without -100).
     """
     labels = labels_of(inputs, targets)
     if labels is None:
@@ -290,7 +315,12 @@ def _probe(inputs: dict[str, Any], targets: Any, k: int,
     dim = label_dim(inputs, targets, batch_dim)
     if labels.dim() < 2 or dim == labels.dim() - 1:  # a label per row: no padding to probe
         return None
-    masked = labels.clone()
+    valid = labels[labels != IGNORE_INDEX]
+    if valid.numel() == 0:  # nothing bears a loss: the trial on the batch says so
+        return None
+    # every position a label (one the batch holds) before the pattern: a part the example
+    # pads whole (prompts without an answer) would tell no rule from another
+    masked = labels.masked_fill(labels == IGNORE_INDEX, int(valid[0]))
     size = labels.shape[dim] // k
     for j in range(1, k):
         masked.narrow(dim, j * size, size)[..., 1 + j:] = IGNORE_INDEX

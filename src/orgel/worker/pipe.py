@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from orgel.batching import check_batch, split_microbatches
+from orgel.batching import check_batch
 from orgel.launch.errors import StepError, WorkerError
-from orgel.lossweights import batch_weights
 from orgel.precision import check_around
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import StepCount
@@ -126,7 +125,6 @@ class Pipeline(StepCount):
         self.check_sizes: Any = None
         #: how the micro-batches' and replicas' losses weigh (:mod:`orgel.lossweights`)
         self.loss_rule = "rows"
-        self._loss_replicas = len(loss_ranks)
 
     @property
     def num_ranks(self) -> int:
@@ -278,11 +276,6 @@ class Pipeline(StepCount):
                         w.replicated, self.plan.row_unit)
         if self.check_sizes is not None:  # sizes the stages cannot take (orgel.graph.sizes)
             self.check_sizes(named, targets)
-        if w is not None and self.loss_rule in ("items", "shifted"):  # a piece of no label
-            parts = split_microbatches(named, targets, self.plan.microbatches, w.batch_dim,
-                                       w.replicated, self.plan.row_unit)
-            batch_weights(self.loss_rule, [p for p, _ in parts], [t for _, t in parts],
-                          self._loss_replicas, w.batch_dim, w.replicated)
 
     def predicted(self) -> Any:
         """The prediction for this plan (a SimResult: step_time, peak_memory, timeline, ...).
