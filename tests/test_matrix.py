@@ -32,9 +32,10 @@ pytestmark = pytest.mark.slow
 
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
             "if_end", "length", "resume", "tied"]
-PAIRS = ["tp+bf16", "fsdp+accumulate", "dp+break", "tp+accumulate+break", "tp+length",
-         "meta+fsdp", "evaluate+bf16+break", "accumulate+break", "sp+length", "length+break",
-         "dp+break+length", "meta+bf16"]
+#: (a graph break's capture is the matrix's slowest part, so a break with dp and with a new
+#: length is one cell, dp+break+length, and a break with accumulate is tp+accumulate+break)
+PAIRS = ["tp+bf16", "fsdp+accumulate", "tp+accumulate+break", "tp+length",
+         "meta+fsdp", "evaluate+bf16+break", "sp+length", "dp+break+length", "meta+bf16"]
 #: the pairs run under torchrun too (each feature does)
 TORCHRUN_PAIRS = ["tp+break"]
 
@@ -99,7 +100,7 @@ def test_local(cell: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break", "bf16+break", "tp+break",
-                                  "dp+break", "sp+break", "length+break", "dp+break+length"])
+                                  "sp+break", "dp+break+length"])
 def test_backend(cell: str, tmp_path: Path) -> None:
     check("backend", cell, _in_process("backend", cell, tmp_path))
 
