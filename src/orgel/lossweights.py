@@ -304,10 +304,11 @@ def _probe(inputs: dict[str, Any], targets: Any, k: int,
            batch_dim: BatchDim) -> tuple[dict[str, Any], Any] | None:
     """The example batch with labels masked unevenly over its ``k`` parts (None: no labels).
 
-    Every ``ignore_index`` of the example is first set to one of its labels; then part 0
-    keeps its labels and part ``j`` the first ``j + 1`` positions along the last dimension.
-    Labels of one per row (class indices) are not padded: None, and the trial runs on the
-    batch as it is (their rules agree on batches without -100).
+    Part 0 keeps its labels; part ``j`` keeps the first ``j + 1`` positions along the last
+    dimension. Where a part is left with no label after the first position, every
+    ``ignore_index`` of the example is first set to one of its labels. Labels of one per
+    row (class indices) are not padded: None, and the trial runs on the batch as it is
+    (their rules agree on batches without -100).
     """
     labels = labels_of(inputs, targets)
     if labels is None:
@@ -318,12 +319,18 @@ def _probe(inputs: dict[str, Any], targets: Any, k: int,
     valid = labels[labels != IGNORE_INDEX]
     if valid.numel() == 0:  # nothing bears a loss: the trial on the batch says so
         return None
-    # every position a label (one the batch holds) before the pattern: a part the example
-    # pads whole (prompts without an answer) would tell no rule from another
-    masked = labels.masked_fill(labels == IGNORE_INDEX, int(valid[0]))
     size = labels.shape[dim] // k
-    for j in range(1, k):
-        masked.narrow(dim, j * size, size)[..., 1 + j:] = IGNORE_INDEX
+
+    def patterned(masked: torch.Tensor) -> torch.Tensor:
+        for j in range(1, k):
+            masked.narrow(dim, j * size, size)[..., 1 + j:] = IGNORE_INDEX
+        return masked
+
+    masked = patterned(labels.clone())
+    if any(count(masked.narrow(dim, j * size, size), "shifted", size) == 0 for j in range(k)):
+        # a part the example pads whole (prompts without an answer) tells no rule from
+        # another: every position a label (one the batch holds) first
+        masked = patterned(labels.masked_fill(labels == IGNORE_INDEX, int(valid[0])))
     if any(t is labels for t in pytree.tree_leaves(targets)):
         leaves, spec = pytree.tree_flatten(targets)
         return inputs, pytree.tree_unflatten([masked if t is labels else t for t in leaves],
