@@ -98,3 +98,42 @@ def test_run_under_torchrun_checks_against_one_process(tmp_path: Path) -> None:
     text = log.read_text()
     assert code == 0, text[-3000:]
     assert text.count("-> OK") == 1 and "step 2: loss" in text, text[-3000:]
+
+
+HF_WORKLOAD = '''
+import sys
+sys.path.insert(0, {tests!r})
+from test_loss_weights import _qwen2, prompt_only_rows
+
+
+def workload():  # the model's own loss (loss_fn None), as orgel.pipeline takes it
+    return _qwen2(), prompt_only_rows(0), None, None
+'''
+
+
+@pytest.mark.hf
+def test_run_weighs_a_padded_batch_as_one_process_on_the_whole_batch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``orgel run`` finds the loss rule as ``orgel.pipeline`` does: a Hugging Face model's
+    own loss (no ``loss_fn``) on a padded batch whose second micro-batch holds prompts
+    without an answer trains as one process on the whole batch (it ran NaN, and
+    ``loss_fn=None`` was refused)."""
+    import torch
+
+    from test_loss_weights import _qwen2, prompt_only_rows
+
+    path = tmp_path / "hf.py"
+    path.write_text(HF_WORKLOAD.format(tests=str(Path(__file__).parent)))
+    code = main(["run", f"{path}:workload", "--ranks", "2", "--microbatches", "2",
+                 "--steps", "2", "--lr", "0.5", "--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "-> OK" in out
+    model, batch = _qwen2(), prompt_only_rows(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(2):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert f"step {step + 1}: loss {float(loss.detach()):.6f}" in out, out

@@ -46,6 +46,8 @@ class Workload:
     model: torch.nn.Module
     inputs: tuple[Any, ...] | dict[str, Any]
     targets: Targets
+    #: None (or left out of a workload file's tuple as None): the model's own loss,
+    #: :func:`model_loss`, on every front end
     loss_fn: Callable[[Any, Any], torch.Tensor]
     #: the batch dimension (:func:`orgel.batching.dim_of`): an int for everything, or a dict
     #: by input name and ``"targets"``
@@ -58,6 +60,8 @@ class Workload:
 
     def __post_init__(self) -> None:
         self.model = plain_module(self.model)
+        if self.loss_fn is None:  # the model computes its own loss (labels in the batch)
+            self.loss_fn = model_loss
 
 
 def plain_module(model: torch.nn.Module) -> torch.nn.Module:

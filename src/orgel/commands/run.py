@@ -9,8 +9,10 @@ CUDA ranks that outnumber the GPUs share them over gloo, else NCCL; CPU ranks gl
 layers (tensor parallelism, :mod:`orgel.runtime.tensor_parallel`): ``--ranks`` counts
 every process, so ``T`` divides it.
 ``--check`` also trains the unmodified model in this process with gradient
-accumulation over the same micro-batches and prints the largest loss and parameter
-differences (exit 1 beyond ``--tolerance``).
+accumulation over the same micro-batches, each micro-batch's loss weighed by the loss rule
+found at start-up as ``orgel.pipeline`` finds it (:mod:`orgel.lossweights`: the whole
+batch's loss, a padded batch's token mean included), and prints the largest loss and
+parameter differences (exit 1 beyond ``--tolerance``).
 
 The processes are fresh (so ``--threads`` holds): on the CPU forked from orgel's fork
 server, which imported torch, orgel and Dynamo once and ran nothing
@@ -88,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-finite", action="store_true",
                         help="stop at the first NaN/inf loss (one sync per micro-batch)")
     parser.add_argument("--check", action="store_true",
-                        help="compare with single-process gradient accumulation")
+                        help="compare with one process: gradient accumulation over the same "
+                             "micro-batches, each weighed by the loss rule")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="largest loss/parameter difference --check accepts (default 1e-4)")
     parser.add_argument("--trace", help="write the last step's Chrome/Perfetto trace here")
@@ -243,6 +246,9 @@ def _prepare(args: argparse.Namespace, ready: Callable[[], None] | None = None) 
         ready()
     prepared = _prepare_flow(workload, given, args.ranks // args.tp, vars(args),
                              schedule=None if given else args.schedule)
+    # how the pieces' losses weigh, found here once (orgel.lossweights): the ranks and the
+    # check take it from the options
+    args.loss_rule = prepared.loss_rule
     validate(prepared.plan)
     return prepared.plan
 
@@ -262,7 +268,7 @@ def _prepare_flow(workload: Any, plan: Any, ranks: int, options: dict[str, Any],
                    sequence_parallel=bool(options.get("sequence_parallel")),
                    microbatches=plan.microbatches if plan else options["microbatches"],
                    memory=None, dp=replicas(plan) if plan else options["dp"],
-                   shard=options["shard"], loss_rule="rows",
+                   shard=options["shard"], loss_rule=options.get("loss_rule", "auto"),
                    optimizer=optimizer_factory(options["optimizer"], options["lr"]),
                    recompute=check_policy(options["recompute"] or False),
                    schedule=schedule, stages_per_rank=options["stages_per_rank"],
@@ -359,10 +365,13 @@ def _diverged(losses: list[float], ref_losses: list[float]) -> str | None:
 
 
 def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
-    """Losses and final parameters of the unmodified model, one process, same steps."""
+    """Losses and final parameters of the unmodified model, one process, same steps: the
+    micro-batches' losses weighed by the run's loss rule (:mod:`orgel.lossweights`), so the
+    loss is the whole batch's."""
     import torch
 
     from orgel.launch.devices import move
+    from orgel.lossweights import batch_weights, weigh
     from orgel.precision import autocast, scales_loss
     from orgel.workload import microbatches
 
@@ -373,13 +382,17 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
     # float16: torch.amp.GradScaler, as one process would train it
     scaler = torch.amp.GradScaler(device.type, enabled=scales_loss(workload.precision))
     batches = move(microbatches(workload, args.microbatches), device)
+    weights = batch_weights(getattr(args, "loss_rule", "rows"), [x for x, _ in batches],
+                            [y for _, y in batches], 1, workload.batch_dim,
+                            workload.replicated)
     losses = []
     for _ in range(args.steps):
         optimizer.zero_grad()
         total = 0.0
-        for inputs, targets in batches:
+        for m, (inputs, targets) in enumerate(batches):
             with autocast(workload.precision, device.type):
-                loss = workload.loss_fn(model(**inputs), targets) / len(batches)
+                out = model(**inputs)
+                loss = weigh(workload.loss_fn(out, targets), weights[(m, 0)], out)
             scaler.scale(loss).backward()
             total += loss.item()
         if args.max_grad_norm is not None:

@@ -29,7 +29,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -54,7 +54,6 @@ from orgel.worker.pipe import Pipeline
 from orgel.worker.state import model_aliases
 from orgel.workload import (
     Workload,
-    model_loss,
     plain_module,
     validate_workload,
     with_precision,
@@ -247,10 +246,10 @@ def pipeline(
                        max_grad_norm=max_grad_norm, accumulate=accumulate)
     loop = {"scheduler": scheduler, "lr": lr, "max_grad_norm": max_grad_norm,
             "accumulate": accumulate}
-    if loss_fn is None:  # the model computes its own loss (labels in the batch)
-        loss_fn = model_loss
-    workload = with_precision(Workload(model, inputs, targets, loss_fn, batch_dim=batch_dim,
-                                       replicated=tuple(replicated)), precision)
+    # (loss_fn None: the model's own loss, by Workload's one rule)
+    workload = with_precision(Workload(model, inputs, targets, cast(Any, loss_fn),
+                                       batch_dim=batch_dim, replicated=tuple(replicated)),
+                              precision)
     scaling = loss_scaling(precision, loss_scale)
     executor_options = ranks_options(workload, loss_scaling=scaling, check_finite=check_finite,
                                      compile=compile, scheduler=scheduler, lr=lr,
