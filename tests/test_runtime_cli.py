@@ -137,3 +137,10 @@ def test_run_weighs_a_padded_batch_as_one_process_on_the_whole_batch(
         opt.step()
         opt.zero_grad()
         assert f"step {step + 1}: loss {float(loss.detach()):.6f}" in out, out
+    # --loss-rule rows weighs the micro-batches alike (mean of means): the pipeline and its
+    # check both, here NaN (the empty micro-batch's 0/0), which the check reports
+    code = main(["run", f"{path}:workload", "--ranks", "2", "--microbatches", "2",
+                 "--steps", "1", "--loss-rule", "rows", "--check"])
+    captured = capsys.readouterr()
+    assert code == 1 and "step 1: loss nan" in captured.out, captured.out
+    assert "the loss is nan from step 1 on (one process's too" in captured.err, captured.err

@@ -89,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "backward in input and weight halves for zero-bubble schedules)")
     parser.add_argument("--check-finite", action="store_true",
                         help="stop at the first NaN/inf loss (one sync per micro-batch)")
+    parser.add_argument("--loss-rule", default="auto",
+                        choices=("auto", "items", "shifted", "rows", "sum"),
+                        help="how the micro-batches' losses weigh in the batch's (as "
+                             "orgel.pipeline's loss_rule; default auto: found on a trial "
+                             "forward)")
     parser.add_argument("--check", action="store_true",
                         help="compare with one process: gradient accumulation over the same "
                              "micro-batches, each weighed by the loss rule")
