@@ -387,7 +387,7 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
     # float16: torch.amp.GradScaler, as one process would train it
     scaler = torch.amp.GradScaler(device.type, enabled=scales_loss(workload.precision))
     batches = move(microbatches(workload, args.microbatches), device)
-    weights = batch_weights(getattr(args, "loss_rule", "rows"), [x for x, _ in batches],
+    weights = batch_weights(args.loss_rule, [x for x, _ in batches],
                             [y for _, y in batches], 1, workload.batch_dim,
                             workload.replicated)
     losses = []
