@@ -107,7 +107,14 @@ def test_the_workloads_own_error_shows_its_frames_only(command: str, name: str,
 
 
 def test_a_non_finite_loss_is_one_line(tmp_path: Path) -> None:
-    spec, out = orgel_run(tmp_path, "nan", "--check-finite")
+    # the loss rule's trial at start-up meets the NaN first, before any rank starts
+    _, out = orgel_run(tmp_path, "nan")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("orgel run: the trial loss is not finite (whole batch nan"), \
+        out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # with the rule given there is no trial: the rank that computes the loss stops
+    spec, out = orgel_run(tmp_path, "nan", "--check-finite", "--loss-rule", "rows")
     err = out.stderr
     assert out.returncode == 1, err
     assert err.startswith(f"orgel run: the workload {spec} failed\n"), err
@@ -120,7 +127,7 @@ def test_a_check_on_a_loss_that_is_nan_says_so_in_one_line(tmp_path: Path) -> No
     """``--check`` compares the losses and weights with one process's; a NaN loss leaves
     nothing to compare, and it said `RuntimeError: atol must be greater than or equal to
     zero, but got -nan` from orgel's own comparison."""
-    _, out = orgel_run(tmp_path, "nan", "--check")
+    _, out = orgel_run(tmp_path, "nan", "--check", "--loss-rule", "rows")  # (no trial)
     err = out.stderr
     assert out.returncode == 1, err
     assert "step 1: loss nan" in out.stdout, out.stdout
