@@ -51,6 +51,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from orgel.batching import TARGETS, BatchDim, WorkloadError, close, dim_of, share
+from orgel.launch.errors import NonFiniteLoss
 
 IGNORE_INDEX = -100
 #: every rule, in the order :func:`calibrate` prefers them when the trial cannot tell
@@ -142,10 +143,16 @@ class _Nothing(torch.autograd.Function):
                         for shape, dtype, device in ctx.likes))
 
 
-def adds_nothing(weight: Weight) -> bool:
-    """Whether a piece of this weight adds nothing to the batch's loss (its own may be
-    NaN: a check for finite losses passes it)."""
-    return weight[0] == 0
+def checked_weigh(loss: torch.Tensor, weight: Weight, read: Any, *, check_finite: bool,
+                  m: int, where: str) -> torch.Tensor:
+    """Micro-batch ``m``'s loss weighed (:func:`weigh`), as every loss stage weighs it; with
+    ``check_finite``, :class:`NonFiniteLoss` where the loss is NaN or
+    infinite and counts (a piece of weight 0, whose loss is 0/0, adds nothing: it passes).
+    ``where`` says where it was computed (``"stage 1"``)."""
+    if check_finite and weight[0] != 0 and not bool(torch.isfinite(loss).all()):
+        raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} ({where}): "
+                            "check the inputs and the lr")
+    return weigh(loss, weight, read)
 
 
 def batch_weights(rule: str, inputs: list[dict[str, Any]], targets: list[Any],

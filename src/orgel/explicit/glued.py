@@ -63,8 +63,8 @@ from orgel.flow.start import loss_processes
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue_capture import kept_compiler
 from orgel.graph.glue_sizes import expected_shape
-from orgel.launch.errors import NonFiniteLoss, StepError, WorkerError
-from orgel.lossweights import adds_nothing, batch_weights, weigh
+from orgel.launch.errors import StepError, WorkerError
+from orgel.lossweights import batch_weights, checked_weigh
 from orgel.split.exchanges import eager_homes
 from orgel.worker.engine import Dropped, kept_results
 from orgel.worker.pipe import Pipeline
@@ -448,13 +448,9 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
     def weighed_loss(self, m: int, outputs: Any, targets: Any) -> torch.Tensor:
         """Micro-batch ``m``'s loss, weighed as the ranks' executors weigh theirs; with
         :attr:`check_finite`, :class:`NonFiniteLoss` where it is NaN or infinite."""
-        loss = self.loss_fn(outputs, targets)
-        weight = self._weights[(m, 0)]
-        if self.check_finite and not adds_nothing(weight) \
-                and not bool(torch.isfinite(loss).all()):
-            raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} (computed in "
-                                "this process): check the inputs and the lr")
-        return weigh(loss, weight, outputs)
+        return checked_weigh(self.loss_fn(outputs, targets), self._weights[(m, 0)], outputs,
+                             check_finite=self.check_finite, m=m,
+                             where="computed in this process")
 
     def _check_calls(self, slot: Slot) -> None:
         if slot.calls != len(self.glue.calls):

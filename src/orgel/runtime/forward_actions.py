@@ -31,8 +31,7 @@ from orgel.batching import (
     split_microbatches,
 )
 from orgel.launch.devices import move
-from orgel.launch.errors import NonFiniteLoss
-from orgel.lossweights import Weight, adds_nothing, batch_weights, weigh
+from orgel.lossweights import Weight, batch_weights, checked_weigh
 from orgel.runtime.compiled import CompiledStage, SegmentedStage, compiled_stage
 from orgel.runtime.outputs import Share, keep
 from orgel.runtime.stage import Run, StageInfo, random_stream, stream_seed
@@ -191,9 +190,6 @@ class ForwardActions:
         targets = share(self._targets[m], info.replica, info.replicas,
                         dim_of(self.batch_dim, TARGETS), self._mb_rows[m])
         loss = self.loss_fn(self.split.unflatten_outputs(model_outs), targets)
-        weight = self._weights[(m, info.replica)]
-        if self.check_finite and not adds_nothing(weight) \
-                and not bool(torch.isfinite(loss).all()):
-            raise NonFiniteLoss(f"the loss of micro-batch {m} is {loss.item()} "
-                                f"(stage {info.index}): check the inputs and the lr")
-        return outputs, weigh(loss, weight, model_outs)
+        return outputs, checked_weigh(loss, self._weights[(m, info.replica)], model_outs,
+                                      check_finite=self.check_finite, m=m,
+                                      where=f"stage {info.index}")
