@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orgel.lossweights import (
+    ClassWeights,
     LossRuleError,
     batch_weights,
     calibrate,
@@ -170,3 +171,42 @@ def test_without_a_loss_fn_the_models_own_loss_is_the_loss_or_it_says_what_to_pa
     assert model_loss({"loss": torch.tensor(2.0)}, None) == 2.0
     with pytest.raises(WorkloadError, match="put the labels in the batch.*or pass loss_fn"):
         model_loss(torch.zeros(2), None)
+
+
+@pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(weight=torch.rand(V) + 0.1),
+                                     nn.CrossEntropyLoss(weight=torch.rand(V) + 0.1,
+                                                         label_smoothing=0.1)],
+                         ids=["class_weights", "class_weights_smoothed"])
+def test_a_class_weighted_token_loss_weighs_its_pieces_by_their_labels_weights(loss_fn) -> None:
+    """``nn.CrossEntropyLoss(weight=w)`` on padded tokens divides by ``sum(w[y])`` over the
+    labels that are not -100: found on the loss, and the weighed pieces (micro-batches,
+    and two replicas of each) sum to the whole batch's loss and gradients."""
+    model, (ids, labels) = TinyLM(), _padded()
+
+    def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(out.flatten(0, 1), y.flatten())
+
+    token_loss.loss_rule = "auto"  # type: ignore[attr-defined]
+    with pytest.raises(LossRuleError, match="ClassWeights"):  # a function hides the weights
+        calibrate(model, {"ids": ids}, labels, token_loss)
+    rule = calibrate(model, {"ids": ids}, labels, token_loss, given=ClassWeights(loss_fn.weight))
+    assert isinstance(rule, ClassWeights)
+    weights = batch_weights(rule, [{}, {}], [labels[:2], labels[2:]], 2, 0)
+    whole = token_loss(model(ids), labels)
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    combined = sum(weigh(token_loss(model(ids[2 * m + r:2 * m + r + 1]),
+                                    labels[2 * m + r:2 * m + r + 1]), weights[(m, r)])
+                   for m in range(2) for r in range(2))
+    combined.backward()
+    torch.testing.assert_close(combined, whole)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], msg=n)
+    classify = nn.Linear(8, V)  # a classifier whose loss_fn is the weighted loss module
+    found = rule_for(Workload(classify, {"input": torch.randn(4, 8)}, labels[:, 0], loss_fn))
+    assert isinstance(found, ClassWeights)  # the loss module's own weights, by itself
+    with pytest.raises(LossRuleError, match="needs the weights"):
+        rule_for(Workload(TinyLM(), {"ids": ids}, labels, token_mean), "weighted")
+    with pytest.raises(LossRuleError, match="must return what the piece's mean divides by"):
+        batch_weights(lambda x, y: -1.0, [{}], [labels], 1, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,44 @@ def test_run_weighs_a_padded_batch_as_one_process_on_the_whole_batch(
     captured = capsys.readouterr()
     assert code == 1 and "step 1: loss nan" in captured.out, captured.out
     assert "the loss is nan from step 1 on (one process's too" in captured.err, captured.err
+
+
+WEIGHTED_WORKLOAD = '''
+import sys
+sys.path.insert(0, {tests!r})
+from torch import nn
+from test_weighted_loss import WEIGHT, classifier, imbalanced
+
+
+def workload():  # a class-weighted loss: its ranks take the weights by the rule's name
+    x, y = imbalanced(0)
+    return classifier(), (x,), y, nn.CrossEntropyLoss(weight=WEIGHT)
+'''
+
+
+def test_run_trains_a_class_weighted_loss_as_one_process_on_the_whole_batch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``orgel run`` weighs the micro-batches of a class-weighted ``nn.CrossEntropyLoss`` by
+    their labels' weights (``orgel.lossweights.ClassWeights``), the ranks and the check."""
+    import torch
+    from torch import nn
+
+    from test_weighted_loss import WEIGHT, classifier, imbalanced
+
+    path = tmp_path / "weighted.py"
+    path.write_text(WEIGHTED_WORKLOAD.format(tests=str(Path(__file__).parent)))
+    code = main(["run", f"{path}:workload", "--ranks", "2", "--microbatches", "2",
+                 "--steps", "2", "--lr", "0.5", "--check"])
+    out = capsys.readouterr().out
+    assert code == 0 and "-> OK" in out, out
+    model, (x, y) = classifier(), imbalanced(0)
+    opt, loss_fn = torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(weight=WEIGHT)
+    expected = []
+    for _ in range(2):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss.detach()))
+    printed = [float(v) for v in re.findall(r"step \d+: loss ([0-9.]+)", out)]
+    assert printed == pytest.approx(expected, rel=1e-5), out

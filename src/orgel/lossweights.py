@@ -17,7 +17,12 @@ loss-bearing items, ``items(piece) / items(batch)``, counted by one of:
   by one, so ``labels[..., 1:]`` are the tokens it averages over);
 * ``"rows"``: every row counts one (a mean over rows, or over a fixed number of
   elements per row): every piece weighs ``1 / pieces``;
-* ``"sum"``: weight 1 for every piece: the loss is a sum over items.
+* ``"sum"``: weight 1 for every piece: the loss is a sum over items;
+* a **weighted** mean (``nn.CrossEntropyLoss(weight=w)``: the weighted losses summed and
+  divided by the weights of the piece's labels): a function of a piece's ``(inputs,
+  targets)`` that returns what the piece's mean divides by (:class:`ClassWeights` for a
+  class-weighted loss, found by itself; ``loss_rule=`` for any other, such as per-row
+  weights the batch carries). Its name is ``"weighted"``.
 
 The label tensor (:func:`labels_of`) is the first integer tensor of the targets, or,
 with no integer targets, a model input named ``labels`` (the model computes its own loss).
@@ -26,7 +31,8 @@ Which count a workload's loss uses is decided once, at start-up (:func:`calibrat
 a trial forward in eval mode of the example batch, with some labels set to
 ``ignore_index`` so that the pieces hold uneven counts, compares the whole batch's
 loss with each rule's combination of the pieces' losses; the rule that reproduces it
-wins. A loss that none reproduces raises :class:`LossRuleError`, which says what
+wins (a function given as ``loss_rule`` is checked the same way). A loss that none
+reproduces raises :class:`LossRuleError`, which says what
 the trial saw: orgel does not train to other weights than one process would. A model
 whose own outputs depend on how the batch is cut (a branch on a statistic of the batch,
 in-batch similarities) cannot equal one process on the whole batch by any weighting;
@@ -45,6 +51,7 @@ whose gradient is zero.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,8 +63,14 @@ from orgel.launch.errors import NonFiniteLoss
 IGNORE_INDEX = -100
 #: every rule, in the order :func:`calibrate` prefers them when the trial cannot tell
 RULES = ("items", "shifted", "rows", "sum")
+#: a weighted mean's rule by name (what process 0 tells the others: each has the function)
+WEIGHTED = "weighted"
 #: a weight as ``(count, total)``: the piece's loss is multiplied by ``count / total``
-Weight = tuple[int, int]
+#: (integers for the counting rules, in lowest terms; floats for a weighted mean)
+Weight = tuple[float, float]
+#: a rule: one of :data:`RULES`, or a weighted mean's function of a piece's
+#: ``(inputs, targets)`` that returns what its mean divides by
+Rule = str | Callable[[dict[str, Any], Any], Any]
 
 
 class LossRuleError(WorkloadError):
@@ -93,7 +106,8 @@ def count(labels: torch.Tensor | None, rule: str, rows: int) -> int:
 
 def loss_weights(rule: str, pieces: list[tuple[torch.Tensor | None, int]],
                  ) -> list[Weight]:
-    """Each piece's weight, ``(its items, the batch's items)`` in lowest terms: the one rule.
+    """Each piece's weight under a counting rule, ``(its items, the batch's items)`` in
+    lowest terms: the one rule (:func:`shares`).
 
     ``pieces`` are ``(labels, rows)`` of every micro-batch and replica share, in order.
     ``"sum"`` weighs every piece 1; the others by its share of the items, which sum to 1;
@@ -103,11 +117,71 @@ def loss_weights(rule: str, pieces: list[tuple[torch.Tensor | None, int]],
         raise ValueError(f"loss rule {rule!r} is not one of {RULES}")
     if rule == "sum":
         return [(1, 1)] * len(pieces)
-    counts = [count(labels, rule, rows) for labels, rows in pieces]
+    return shares([count(labels, rule, rows) for labels, rows in pieces])
+
+
+def shares(counts: list[float]) -> list[Weight]:
+    """Each piece's share ``(count, total)`` of what the batch's mean divides by (lowest
+    terms for integer counts: an equal share of ``n`` pieces is exactly ``1 / n``)."""
     total = sum(counts)
     if total == 0:  # nothing bears a loss: one process's mean is 0/0 too
-        return [(1, len(pieces))] * len(pieces)
-    return [(c // math.gcd(c, total), total // math.gcd(c, total)) for c in counts]
+        return [(1, len(counts))] * len(counts)
+    if all(isinstance(c, int) for c in counts):
+        return [(c // math.gcd(int(c), int(total)), total // math.gcd(int(c), int(total)))
+                for c in counts]
+    return [(c, total) for c in counts]
+
+
+def piece_weights(rule: Rule, pieces: list[tuple[dict[str, Any], Any, int]]) -> list[Weight]:
+    """Each piece's weight, pieces given as ``(inputs, targets, rows)``: the counting rules
+    by :func:`loss_weights`, a weighted mean by its function's value on each piece."""
+    if isinstance(rule, str):
+        return loss_weights(rule, [(labels_of(x, y) if rule in ("items", "shifted") else None,
+                                    rows) for x, y, rows in pieces])
+    return shares([_weight_value(rule(x, y)) for x, y, _ in pieces])
+
+
+def _weight_value(value: Any) -> float:
+    """A weighted mean's divisor for one piece, as a float (refused unless finite, >= 0)."""
+    number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+    if not math.isfinite(number) or number < 0:
+        raise LossRuleError(f"loss_rule gave a piece of a batch the weight {number}: it must "
+                            "return what the piece's mean divides by (a sum of weights >= 0)")
+    return number
+
+
+class ClassWeights:
+    """What a class-weighted mean divides by: ``weight[label]`` summed over a piece's labels
+    that are not ``ignore_index`` (``nn.CrossEntropyLoss(weight=w)`` and ``nn.NLLLoss``'s
+    mean). Found on such a ``loss_fn`` by itself (:func:`class_weights`)."""
+
+    def __init__(self, weight: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> None:
+        self.weight = weight.detach().to("cpu", torch.float64)
+        self.ignore_index = ignore_index
+
+    def __call__(self, inputs: dict[str, Any], targets: Any) -> float:
+        labels = labels_of(inputs, targets)
+        if labels is None:
+            raise LossRuleError("a class-weighted loss needs integer labels (targets, or "
+                                "the model input 'labels')")
+        kept = labels[labels != self.ignore_index].to("cpu", torch.long)
+        return float(self.weight[kept].sum())
+
+    def __repr__(self) -> str:
+        return f"ClassWeights({self.weight.tolist()}, ignore_index={self.ignore_index})"
+
+
+def class_weights(loss_fn: Any) -> ClassWeights | None:
+    """The rule of a class-weighted ``nn.CrossEntropyLoss``/``nn.NLLLoss`` (mean), else None."""
+    if (isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss))
+            and loss_fn.weight is not None and loss_fn.reduction == "mean"):
+        return ClassWeights(loss_fn.weight, loss_fn.ignore_index)
+    return None
+
+
+def rule_name(rule: Rule) -> str:
+    """The rule's name: a counting rule's own, ``"weighted"`` for a weighted mean."""
+    return rule if isinstance(rule, str) else WEIGHTED
 
 
 def weigh(loss: torch.Tensor, weight: Weight, read: Any = ()) -> torch.Tensor:
@@ -155,7 +229,7 @@ def checked_weigh(loss: torch.Tensor, weight: Weight, read: Any, *, check_finite
     return weigh(loss, weight, read)
 
 
-def batch_weights(rule: str, inputs: list[dict[str, Any]], targets: list[Any],
+def batch_weights(rule: Rule, inputs: list[dict[str, Any]], targets: list[Any],
                   replicas: int, batch_dim: BatchDim,
                   replicated: tuple[str, ...] = ()) -> dict[tuple[int, int], Weight]:
     """The weight of every (micro-batch, replica) of a step's batch, cut into ``inputs`` and
@@ -167,13 +241,13 @@ def batch_weights(rule: str, inputs: list[dict[str, Any]], targets: list[Any],
     pieces, keys = [], []
     for m, (mb, tg) in enumerate(zip(inputs, targets, strict=True)):
         rows = batch_rows(mb, tg, batch_dim, replicated)
-        labels = labels_of(mb, tg) if rule in ("items", "shifted") else None
-        dim = label_dim(mb, tg, batch_dim)
         for r in range(replicas):
-            piece = None if labels is None else share(labels, r, replicas, dim, rows)
-            pieces.append((piece, rows // replicas))
+            mine = {k: v if k in replicated else share(v, r, replicas, dim_of(batch_dim, k),
+                                                       rows) for k, v in mb.items()}
+            pieces.append((mine, share(tg, r, replicas, dim_of(batch_dim, TARGETS), rows),
+                           rows // replicas))
             keys.append((m, r))
-    return dict(zip(keys, loss_weights(rule, pieces), strict=True))
+    return dict(zip(keys, piece_weights(rule, pieces), strict=True))
 
 
 def default_rule(model: torch.nn.Module, inputs: dict[str, Any], targets: Any) -> str:
@@ -188,13 +262,16 @@ def default_rule(model: torch.nn.Module, inputs: dict[str, Any], targets: Any) -
 
 
 def calibrate(model: torch.nn.Module, inputs: dict[str, Any], targets: Any, loss_fn: Any,
-              batch_dim: BatchDim = 0, replicated: tuple[str, ...] = ()) -> str:
+              batch_dim: BatchDim = 0, replicated: tuple[str, ...] = (),
+              given: Callable[[dict[str, Any], Any], Any] | None = None) -> Rule:
     """The rule ``loss_fn`` follows, found on a trial forward of the example batch.
 
     In eval mode and without gradients (the model is left as it was): the batch with
     labels set to ``ignore_index`` unevenly over two (or more) pieces, its whole loss and
     each piece's; the rule whose combination of the pieces' losses equals the whole
-    loss. Raises :class:`LossRuleError` when none does.
+    loss (a class-weighted ``loss_fn``'s :class:`ClassWeights` first). ``given``: a
+    weighted mean's function, the one rule tried. Raises :class:`LossRuleError` when
+    none does.
     """
     from orgel.batching import batch_rows
     from orgel.guard import untouched
@@ -202,7 +279,7 @@ def calibrate(model: torch.nn.Module, inputs: dict[str, Any], targets: Any, loss
     rows = batch_rows(inputs, targets, batch_dim, replicated)
     k = next((d for d in range(2, rows + 1) if rows % d == 0), 1)
     if k == 1:  # one row: never cut, every rule weighs it 1
-        return default_rule(model, inputs, targets)
+        return given or default_rule(model, inputs, targets)
     probe = _probe(inputs, targets, k, batch_dim)
     # the parameters scaled up (not written: a functional call) spread the items' losses,
     # so that the pieces' means differ and a wrong rule misses the whole by far
@@ -219,35 +296,50 @@ def calibrate(model: torch.nn.Module, inputs: dict[str, Any], targets: Any, loss
                 if i == len(attempts) - 1:
                     raise
     assert found is not None
-    whole, parts, labels, separable = found
-    errors = {rule: abs(_combined(rule, parts, labels, rows // k) - whole)
-              for rule in RULES if labels[0] is not None or rule in ("rows", "sum")}
+    whole, parts, pieces, separable = found
+    weighted = given or class_weights(loss_fn)
+    candidates: list[Rule] = [given] if given else [
+        *([weighted] if weighted else []),
+        *(r for r in RULES if labels_of(*pieces[0]) is not None or r in ("rows", "sum"))]
+    combined = [_combined(rule, parts, [(x, y, rows // k) for x, y in pieces])
+                for rule in candidates]
     # the losses carry the model's precision: a bfloat16 model's are rounded to 3 digits
     eps = max((torch.finfo(p.dtype).eps for p in model.parameters() if p.is_floating_point()),
               default=0.0)
     tol = max(1e-4, 4 * eps) * abs(whole) + 1e-6
-    matched = [r for r in RULES if r in errors and errors[r] <= tol]
+    matched = [r for r, c in zip(candidates, combined, strict=True) if abs(c - whole) <= tol]
     if not matched and not separable:  # the model's own outputs depend on the cut (a
         # branch or a statistic over the batch): not the loss's doing, and no weighting
         # makes such a model's micro-batches the whole batch; the labels decide the rule
-        return default_rule(model, inputs, targets)
+        return given or default_rule(model, inputs, targets)
     if not matched:
-        seen = ", ".join(f"{r} gives {_combined(r, parts, labels, rows // k):.6g}"
-                         for r in errors)
+        seen = ", ".join(f"{rule_name(r)} gives {c:.6g}"
+                         for r, c in zip(candidates, combined, strict=True))
+        saw = (f"on a trial forward (eval mode) the whole batch's loss is {whole:.6g} and "
+               f"its {k} parts' losses are {[round(p, 6) for p in parts]}")
+        if given:
+            raise LossRuleError(f"the weights loss_rule gives do not make the loss of the "
+                                f"whole batch from its parts: {saw}; weighed by them, the "
+                                f"parts give {combined[0]:.6g}. loss_rule must return what "
+                                "each part's mean divides by")
         raise LossRuleError(
-            f"orgel cannot tell how loss_fn combines over parts of a batch: on a trial "
-            f"forward (eval mode) the whole batch's loss is {whole:.6g} and its {k} parts' "
-            f"losses are {[round(p, 6) for p in parts]}; no rule reproduces the whole ({seen}). "
-            "Return a mean over the rows, a mean over the labels that are not -100, or a "
-            "sum of per-item losses. A loss that depends on how the batch is cut (in-batch "
-            "negatives) can be trained with each micro-batch's loss counting equally: pass "
-            "orgel.pipeline(..., loss_rule='rows')")
+            f"orgel cannot tell how loss_fn combines over parts of a batch: {saw}; no rule "
+            f"reproduces the whole ({seen}). Return a mean over the rows, a mean over the "
+            "labels that are not -100, or a sum of per-item losses; for a weighted mean "
+            "(F.cross_entropy(..., weight=w)) pass loss_rule=a function of a part's "
+            "(inputs, targets) that returns what its mean divides by (orgel.lossweights."
+            "ClassWeights(w) for class weights). A loss that depends on how the batch is "
+            "cut (in-batch negatives) can be trained with each micro-batch's loss counting "
+            "equally: pass orgel.pipeline(..., loss_rule='rows')")
+    if weighted in matched:
+        return weighted
     default = default_rule(model, inputs, targets)
     return default if default in matched else matched[0]
 
 
-def _combined(rule: str, parts: list[float], labels: list[Any], rows: int) -> float:
-    weights = loss_weights(rule, [(lb, rows) for lb in labels])
+def _combined(rule: Rule, parts: list[float], pieces: list[tuple[dict[str, Any], Any, int]],
+              ) -> float:
+    weights = piece_weights(rule, pieces)
     # a piece with no item adds nothing (its own loss is 0/0); any other that is not
     # finite makes the combination so, and the rule misses the whole
     return sum(p * c / t for p, (c, t) in zip(parts, weights, strict=True) if c)
@@ -256,9 +348,9 @@ def _combined(rule: str, parts: list[float], labels: list[Any], rows: int) -> fl
 def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn: Any, k: int,
            batch_dim: BatchDim, replicated: tuple[str, ...],
            scale: float) -> tuple[float, list[float], list[Any], bool]:
-    """The whole batch's loss, its ``k`` parts' losses and labels, with the floating
-    parameters times ``scale``; and whether the parts' outputs are the rows of the whole
-    batch's (the model itself does not depend on how the batch is cut)."""
+    """The whole batch's loss, its ``k`` parts' losses and ``(inputs, targets)``, with the
+    floating parameters times ``scale``; and whether the parts' outputs are the rows of
+    the whole batch's (the model itself does not depend on how the batch is cut)."""
     from orgel.batching import split_microbatches
 
     params = {n: p * scale if p.is_floating_point() else p
@@ -279,15 +371,13 @@ def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn:
         return float(loss_fn(outs[-1], y))
 
     whole = run(named, targets)
-    parts, labels = [], []
-    for mb, tg in split_microbatches(named, targets, k, batch_dim, replicated):
-        parts.append(run(mb, tg))
-        labels.append(labels_of(mb, tg))
+    pieces = split_microbatches(named, targets, k, batch_dim, replicated)
+    parts = [run(mb, tg) for mb, tg in pieces]
     # a part may be 0/0 (no label in it): the rules weigh it 0 (see _combined)
     if not math.isfinite(whole) or all(not math.isfinite(v) for v in parts):
         raise LossRuleError(f"the trial loss is not finite (whole batch {whole}, parts "
                             f"{parts}): check the model's initial weights and the batch")
-    return whole, parts, labels, _separable(outs, k, dim_of(batch_dim, TARGETS))
+    return whole, parts, list(pieces), _separable(outs, k, dim_of(batch_dim, TARGETS))
 
 
 def _separable(outs: list[Any], k: int, dim: int) -> bool:
@@ -346,22 +436,39 @@ def _probe(inputs: dict[str, Any], targets: Any, k: int,
 
 
 def check_rule(rule: Any) -> None:
-    """Raise ValueError unless ``rule`` is ``"auto"`` or one of :data:`RULES`."""
-    if rule != "auto" and rule not in RULES:
-        raise ValueError(f"loss_rule must be 'auto' or one of {list(RULES)}, got {rule!r}")
+    """Raise ValueError unless ``rule`` is ``"auto"``, one of :data:`RULES`, ``"weighted"``
+    or a function (a weighted mean's)."""
+    if rule != "auto" and rule not in RULES and rule != WEIGHTED and not callable(rule):
+        raise ValueError(f"loss_rule must be 'auto', one of {list(RULES)}, 'weighted' or a "
+                         f"function of a part's (inputs, targets), got {rule!r}")
 
 
-def rule_for(workload: Any, given: str = "auto") -> str:
-    """The rule of an :class:`orgel.workload.Workload`'s loss: ``given`` unless "auto";
-    else :func:`calibrate` on its example batch, or :func:`default_rule` for a meta model
-    (no values to try)."""
+def rule_for(workload: Any, given: Rule = "auto") -> Rule:
+    """The rule of an :class:`orgel.workload.Workload`'s loss: ``given`` (or the
+    ``loss_rule`` attribute of its ``loss_fn``) unless "auto"; else :func:`calibrate` on
+    its example batch, or :func:`default_rule` for a meta model (no values to try). A
+    function is checked on the trial too; ``"weighted"`` (a weighted mean's name, as
+    process 0 tells it) is this process's own function: the ``loss_fn``'s attribute, or
+    its class weights."""
     from orgel.workload import named_inputs, on_meta
 
     check_rule(given)
-    if given != "auto":
+    own = getattr(workload.loss_fn, "loss_rule", "auto")
+    if given == "auto":
+        check_rule(own)
+        given = own
+    if given == WEIGHTED:
+        found = own if callable(own) else class_weights(workload.loss_fn)
+        if found is None:
+            raise LossRuleError("loss_rule 'weighted' needs the weights: a class-weighted "
+                                "nn.CrossEntropyLoss or nn.NLLLoss as loss_fn, or a function "
+                                "as loss_rule (or as loss_fn.loss_rule)")
+        return found
+    if isinstance(given, str) and given != "auto":
         return given
     named = named_inputs(workload.model, workload.inputs)
+    function = given if callable(given) else None
     if on_meta(workload.model):
-        return default_rule(workload.model, named, workload.targets)
+        return function or default_rule(workload.model, named, workload.targets)
     return calibrate(workload.model, named, workload.targets, workload.loss_fn,
-                     workload.batch_dim, workload.replicated)
+                     workload.batch_dim, workload.replicated, function)

@@ -90,10 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-finite", action="store_true",
                         help="stop at the first NaN/inf loss (one sync per micro-batch)")
     parser.add_argument("--loss-rule", default="auto",
-                        choices=("auto", "items", "shifted", "rows", "sum"),
+                        choices=("auto", "items", "shifted", "rows", "sum", "weighted"),
                         help="how the micro-batches' losses weigh in the batch's (as "
                              "orgel.pipeline's loss_rule; default auto: found on a trial "
-                             "forward)")
+                             "forward; weighted: the loss_fn's class weights, or the "
+                             "function it carries as loss_fn.loss_rule)")
     parser.add_argument("--check", action="store_true",
                         help="compare with one process: gradient accumulation over the same "
                              "micro-batches, each weighed by the loss rule")
@@ -231,6 +232,7 @@ def _prepare(args: argparse.Namespace, ready: Callable[[], None] | None = None) 
     The flow every front end runs (:func:`orgel.flow.prepare.prepare`): capture, plan (a
     FLOP-balanced chain of ``--schedule``, or ``--plan``), split; the ranks prepare again
     by this plan (:func:`rank_main`), as the processes of a torchrun job do."""
+    from orgel.lossweights import rule_name
     from orgel.schedule.ir import Plan
     from orgel.schedule.validate import validate
     from orgel.workload import load_workload, validate_workload, with_precision
@@ -252,8 +254,8 @@ def _prepare(args: argparse.Namespace, ready: Callable[[], None] | None = None) 
     prepared = _prepare_flow(workload, given, args.ranks // args.tp, vars(args),
                              schedule=None if given else args.schedule)
     # how the pieces' losses weigh, found here once (orgel.lossweights): the ranks and the
-    # check take it from the options
-    args.loss_rule = prepared.loss_rule
+    # check take it from the options, by name (a weighted mean's function is each one's own)
+    args.loss_rule = rule_name(prepared.loss_rule)
     validate(prepared.plan)
     return prepared.plan
 
@@ -376,7 +378,7 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
     import torch
 
     from orgel.launch.devices import move
-    from orgel.lossweights import batch_weights, weigh
+    from orgel.lossweights import batch_weights, rule_for, weigh
     from orgel.precision import autocast, scales_loss
     from orgel.workload import microbatches
 
@@ -387,7 +389,7 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
     # float16: torch.amp.GradScaler, as one process would train it
     scaler = torch.amp.GradScaler(device.type, enabled=scales_loss(workload.precision))
     batches = move(microbatches(workload, args.microbatches), device)
-    weights = batch_weights(args.loss_rule, [x for x, _ in batches],
+    weights = batch_weights(rule_for(workload, args.loss_rule), [x for x, _ in batches],
                             [y for _, y in batches], 1, workload.batch_dim,
                             workload.replicated)
     losses = []

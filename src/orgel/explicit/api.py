@@ -41,7 +41,7 @@ from orgel.flow.start import start_local, start_torchrun
 from orgel.guard import cuda_unused
 from orgel.launch.devices import check_fork, profiling_on, resolve_device
 from orgel.launch.processes import init_from_env, under_torchrun
-from orgel.lossweights import check_rule
+from orgel.lossweights import Rule, check_rule
 from orgel.precision import check_around, loss_scaling
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.checkpointing import check_policy
@@ -100,7 +100,7 @@ def pipeline(
     sequence_parallel: bool = False,
     shard: str = "none",
     compile: bool = False,
-    loss_rule: str = "auto",
+    loss_rule: Rule = "auto",
     recompute: bool | str = False,
 ) -> Pipeline:
     """Capture, profile, plan (or take ``plan``), split and start ``model`` on ``ranks`` ranks.
@@ -225,8 +225,12 @@ def pipeline(
     LM's own shifted token mean, or a sum) and raises
     :class:`~orgel.lossweights.LossRuleError` for a loss none of them reproduces; or one
     of ``"rows"``, ``"items"``, ``"shifted"``, ``"sum"`` (a ``loss_fn`` may carry it as
-    its attribute ``loss_rule``). A loss that depends on how the batch is cut (in-batch
-    negatives) takes ``"rows"``: each micro-batch's loss then counts equally.
+    its attribute ``loss_rule``). A class-weighted ``nn.CrossEntropyLoss(weight=w)`` or
+    ``nn.NLLLoss`` is found as such (:class:`~orgel.lossweights.ClassWeights`); any other
+    weighted mean takes a function of a part's ``(inputs, targets)`` that returns what
+    that part's mean divides by (``lambda inputs, y: w[y].sum()``), checked on the
+    trial. A loss that depends on how the batch is cut (in-batch negatives) takes
+    ``"rows"``: each micro-batch's loss then counts equally.
     """
     from orgel.flow.options import check_options, refuse
 
@@ -257,7 +261,6 @@ def pipeline(
     check_around("orgel.pipeline", precision, trains=False)  # an autocast around the call
     validate_workload(workload, 1 if microbatches == "auto" else int(microbatches))
     check_rule(loss_rule)
-    rule = loss_rule if loss_rule != "auto" else getattr(loss_fn, "loss_rule", "auto")
     keys, aliases = model_aliases(model)
     source = meta_weights(model, init, weights)
     kind = resolve_device(device, model=model)
@@ -278,7 +281,7 @@ def pipeline(
         check_fork(kind)
     common: dict[str, Any] = dict(ranks=ranks, tp=tp, sequence_parallel=sequence_parallel,
                                   microbatches=microbatches,
-                                  memory=memory, dp=dp, shard=shard, loss_rule=rule,
+                                  memory=memory, dp=dp, shard=shard, loss_rule=loss_rule,
                                   optimizer=optimizer, source=source,
                                   recompute=recompute,
                                   schedule=schedule, compiled=compile)

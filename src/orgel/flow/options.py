@@ -13,9 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orgel.schedule.ir import Plan
+
+if TYPE_CHECKING:
+    from orgel.lossweights import Rule
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Batch:
 
     batch_dim: Any = 0
     replicated: Sequence[Any] = ()
-    loss_rule: str = "auto"
+    loss_rule: Rule = "auto"
 
 
 @dataclass(frozen=True)

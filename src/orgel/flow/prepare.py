@@ -21,7 +21,7 @@ import torch
 
 from orgel.graph.glue_capture import release
 from orgel.guard import untouched
-from orgel.lossweights import rule_for
+from orgel.lossweights import WEIGHTED, Rule, rule_for, rule_name
 from orgel.plan.transforms import mark_sharded, with_recompute
 from orgel.runtime.sharding import check_sharded
 from orgel.schedule.ir import Plan
@@ -38,7 +38,7 @@ class Prepared:
     plan: Plan
     split: Any
     graph: Any
-    loss_rule: str
+    loss_rule: Rule
     seed: int
     source: Weights | None = None
     keys: list[str] = field(default_factory=list)
@@ -59,10 +59,10 @@ class Prepared:
 
 #: How the plan, the loss rule and the seed are agreed: ``agree(decide)`` returns what
 #: ``decide()`` returns, run where the front end says (here, or on process 0 and broadcast).
-Agree = Callable[[Callable[[], tuple[Plan, str, int]]], tuple[Plan, str, int]]
+Agree = Callable[[Callable[[], tuple[Plan, Rule, int]]], tuple[Plan, Rule, int]]
 
 
-def here(decide: Callable[[], tuple[Plan, str, int]]) -> tuple[Plan, str, int]:
+def here(decide: Callable[[], tuple[Plan, Rule, int]]) -> tuple[Plan, Rule, int]:
     """Decide in this process."""
     return decide()
 
@@ -71,7 +71,7 @@ def on_process_zero(kind: str) -> Agree:
     """Decide on process 0 of a torchrun job (profiling on ``kind``) and broadcast the plan,
     the loss rule and process 0's seed (every rank initializes a tied tensor alike)."""
 
-    def agree(decide: Callable[[], tuple[Plan, str, int]]) -> tuple[Plan, str, int]:
+    def agree(decide: Callable[[], tuple[Plan, Rule, int]]) -> tuple[Plan, Rule, int]:
         import torch.distributed as dist
 
         from orgel.launch.devices import profiling_on
@@ -80,7 +80,8 @@ def on_process_zero(kind: str) -> Agree:
         if dist.get_rank() == 0:
             with profiling_on(kind):
                 the_plan, rule, seed = decide()
-            text = [the_plan.to_json(), rule, seed]
+            # a weighted mean's function is each process's own: its name goes
+            text = [the_plan.to_json(), rule_name(rule), seed]
         dist.broadcast_object_list(text, src=0)
         return Plan.from_json(str(text[0])), str(text[1]), int(text[2])
 
@@ -114,7 +115,7 @@ def planned_workload(workload: Workload, graph: Any) -> Workload:
 
 def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, tp: int,
             microbatches: int | str, memory: int | None, dp: int, shard: str,
-            loss_rule: str, optimizer: Any, source: Weights | None = None,
+            loss_rule: Rule, optimizer: Any, source: Weights | None = None,
             agree: Agree = here, mark: bool = False,
             check_graph: Callable[[Any], None] | None = None, graph: Any = None,
             planner: str | None = None, recompute: bool | str = False,
@@ -161,7 +162,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                 check_graph(graph)
             planned = planned_workload(workload, graph)
 
-            def decide() -> tuple[Plan, str, int]:
+            def decide() -> tuple[Plan, Rule, int]:
                 the_plan = resolve_plan(given, planned, graph, ranks, microbatches, memory, dp,
                                         planner=planner, source=source, optimizer=optimizer,
                                         schedule=schedule, stages_per_rank=stages_per_rank,
@@ -174,7 +175,13 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                         rule_for(workload, loss_rule),
                         torch.initial_seed())
 
-            the_plan, rule, seed = agree(decide)
+            def agreed() -> tuple[Plan, Rule, int]:
+                the_plan, rule, seed = agree(decide)
+                if rule == WEIGHTED:  # found as a weighted mean: this process's own function
+                    rule = loss_rule if callable(loss_rule) else rule_for(workload, WEIGHTED)
+                return the_plan, rule, seed
+
+            the_plan, rule, seed = agreed()
             if graph is None:
                 graph = capture_microbatch(workload, the_plan.microbatches)
                 if check_graph is not None:
@@ -199,7 +206,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                     graph = capture_microbatch(workload, the_plan.microbatches, dynamic=False,
                                                keep=True)
                     planned = planned_workload(workload, graph)
-                    the_plan, rule, seed = agree(decide)
+                    the_plan, rule, seed = agreed()
                 graph = replica_graph(workload, graph, the_plan)
             split = split_plan(graph, the_plan)
             if recompute is False and (given is None or mark) and any(

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from orgel.batching import BatchDim, single_dim
 from orgel.graph.measure import place
 from orgel.launch.errors import MemberFailure, StepAbandoned, StepFailure, is_comm_error
-from orgel.lossweights import Weight
+from orgel.lossweights import Rule, Weight
 from orgel.runtime import tensor_parallel as tp
 from orgel.runtime.backward_actions import BackwardActions
 from orgel.runtime.buffers import ReplicaBuffers
@@ -147,7 +147,7 @@ class Executor(ForwardActions, BackwardActions, DroppedStep):
                  loss_scaling: bool | dict[str, Any] = False,
                  scheduler: SchedulerFactory | None = None, lr: LearningRate | None = None,
                  accumulate: int = 1, compile: bool = False,
-                 loss_rule: str = "rows") -> None:
+                 loss_rule: Rule = "rows") -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: start the ranks with "
                                "orgel.runtime.spawn or torchrun and init_process_group first")

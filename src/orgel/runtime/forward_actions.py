@@ -31,7 +31,7 @@ from orgel.batching import (
     split_microbatches,
 )
 from orgel.launch.devices import move
-from orgel.lossweights import Weight, batch_weights, checked_weigh
+from orgel.lossweights import Rule, Weight, batch_weights, checked_weigh
 from orgel.runtime.compiled import CompiledStage, SegmentedStage, compiled_stage
 from orgel.runtime.outputs import Share, keep
 from orgel.runtime.stage import Run, StageInfo, random_stream, stream_seed
@@ -72,7 +72,7 @@ class ForwardActions:
     batch_dim: BatchDim
     replicated: tuple[str, ...]
     loss_fn: Callable[[Any, Any], Any]
-    loss_rule: str
+    loss_rule: Rule
     check_finite: bool
     with_loss: bool
     seed: int

@@ -19,6 +19,7 @@ import torch
 
 from orgel.batching import check_batch
 from orgel.launch.errors import StepError, WorkerError
+from orgel.lossweights import Rule
 from orgel.precision import check_around
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import StepCount
@@ -124,7 +125,7 @@ class Pipeline(StepCount):
         #: rank starts the step (:func:`orgel.graph.sizes.batch_check`); None: no check
         self.check_sizes: Any = None
         #: how the micro-batches' and replicas' losses weigh (:mod:`orgel.lossweights`)
-        self.loss_rule = "rows"
+        self.loss_rule: Rule = "rows"
 
     @property
     def num_ranks(self) -> int:
