@@ -127,8 +127,8 @@ def build(model: str, *, batch_size: int, seed: int) -> ZooWorkload:
 def workloads(setup: Setup) -> Workloads:
     """The model with values, its example batch, and one batch per step call (rows
     shuffled per call; with ``shape="rows"`` one more row per share than the example,
-    with ``"uneven"`` one more row per replica than the example (a DataLoader's batch
-    that does not divide into the micro-batches: the first ones get a row more), with
+    with ``"uneven"`` one row more than the example (a DataLoader's batch that does not
+    divide into the micro-batches or their replicas: the first pieces get a row more), with
     ``"seq"`` the first half of each sequence)."""
     w = build(setup.model, batch_size=setup.batch, seed=setup.seed)
     freeze(setup, w.model)
@@ -138,7 +138,7 @@ def workloads(setup: Setup) -> Workloads:
     inputs, targets, rows = w.inputs, w.targets, setup.batch
     if setup.shape in ("rows", "uneven"):
         rows = ((setup.rows + 1) * setup.microbatches * setup.dp if setup.shape == "rows"
-                else setup.batch + setup.dp)
+                else setup.batch + 1)
         other = build(setup.model, batch_size=rows, seed=setup.seed + 10)
         inputs, targets = other.inputs, other.targets
     elif setup.shape == "seq":

@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from archzoo.check import balanced_check
-from orgel.batching import batch_size, micro_sizes, split_batch, split_microbatches
+from orgel.batching import (
+    batch_size,
+    micro_sizes,
+    replica_rows,
+    split_batch,
+    split_microbatches,
+)
 from orgel.models import ZooWorkload
 from orgel.workload import Workload, WorkloadError, validate_workload
 
@@ -58,13 +64,22 @@ def test_split_batch_cuts_only_what_has_the_batch_size() -> None:
 
 
 def test_a_batch_that_does_not_divide_is_cut_as_tensor_split_in_whole_replica_rows() -> None:
-    """A DataLoader's smaller last batch: ``torch.tensor_split``'s sizes, in units of the
-    replicas; too few rows (or no multiple of the replicas) is refused, naming drop_last."""
+    """A DataLoader's smaller last batch: ``torch.tensor_split``'s sizes; with replicas,
+    micro-batch ``i`` is the ``unit`` pieces ``i * unit ...`` of the batch cut so into
+    ``m * unit`` (replica ``k`` runs piece ``k`` of it); too few rows is refused, naming
+    drop_last."""
     for rows, m in [(6, 4), (7, 3), (8, 4), (5, 5)]:
         assert micro_sizes(rows, m) == [len(p) for p in torch.arange(rows).tensor_split(m)]
     assert micro_sizes(6, 2, unit=2) == [4, 2]
     assert micro_sizes(12, 4, unit=2) == [4, 4, 2, 2]
-    for rows, m, unit in [(3, 4, 1), (6, 4, 2), (7, 2, 2)]:
+    for rows, m, unit in [(7, 2, 2), (10, 4, 2), (11, 3, 3)]:
+        pieces = [len(p) for p in torch.arange(rows).tensor_split(m * unit)]
+        sizes = micro_sizes(rows, m, unit)
+        assert sizes == [sum(pieces[i * unit:(i + 1) * unit]) for i in range(m)]
+        shares = [stop - start for size in sizes
+                  for start, stop in (replica_rows(size, k, unit) for k in range(unit))]
+        assert shares == pieces
+    for rows, m, unit in [(3, 4, 1), (6, 4, 2), (3, 2, 2)]:
         with pytest.raises(WorkloadError, match=f"batch of {rows} rows.*drop_last=True"):
             micro_sizes(rows, m, unit)
     x = torch.arange(6 * 3).reshape(6, 3)

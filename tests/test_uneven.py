@@ -1,7 +1,7 @@
 """A DataLoader's last batch: fewer rows than the others, and not a multiple of the
-micro-batch count (a data set of 22 rows in batches of 8 ends with 6). One process trains
+micro-batch count (a data set of 23 rows in batches of 8 ends with 7). One process trains
 it as it trains every batch; so does a pipeline, whose micro-batches then differ by a row
-(or by one row per replica), each loss weighed by its share of the batch."""
+(and its replicas' shares by one), each loss weighed by its share of the batch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from orgel.models import build
 from orgel.workload import WorkloadError
 from side_by_side import train_both
 
-ROWS, LENGTH, VOCAB = 22, 16, 128
+ROWS, LENGTH, VOCAB = 23, 16, 128
 
 
 def _data() -> DataLoader[Any]:
@@ -45,9 +45,9 @@ def _compare(state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
 @pytest.mark.parametrize(("ranks", "dp", "microbatches"), [(2, 1, 4), (2, 2, 2)])
 def test_a_dataloaders_last_batch_trains_like_one_process(ranks: int, dp: int,
                                                           microbatches: int) -> None:
-    """Batches of 8, 8 and 6 rows through ``orgel.pipeline``: 4 micro-batches of one rank
-    each (the last batch cut 2, 2, 1, 1) or 2 micro-batches of 2 replicas (cut 4, 2: two
-    rows per replica, then one), against one process over the same batches."""
+    """Batches of 8, 8 and 7 rows through ``orgel.pipeline``: 4 micro-batches of one rank
+    each (the last batch cut 2, 2, 2, 1) or 2 micro-batches of 2 replicas (cut 4, 3: two
+    rows per replica, then two and one), against one process over the same batches."""
     w = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
     model = copy.deepcopy(w.model)
     opt = _adamw(model.parameters())
@@ -57,7 +57,7 @@ def test_a_dataloaders_last_batch_trains_like_one_process(ranks: int, dp: int,
                         threads=1) as pipe:
         sizes = train_both(pipe, model, w.loss_fn, opt, _data())
         state = pipe.state_dict()
-    assert sizes == [8, 8, 6]
+    assert sizes == [8, 8, 7]
     _compare(state, model)
 
 
@@ -90,7 +90,7 @@ class Broken(torch.nn.Module):
 
 @pytest.mark.slow
 def test_a_forward_with_graph_breaks_trains_a_smaller_last_batch() -> None:
-    """The same batches of 8, 8 and 6 rows through a forward of two graphs (the controller
+    """The same batches of 8, 8 and 7 rows through a forward of two graphs (the controller
     cuts the micro-batches, the ranks cut the stand-ins alike) against one process."""
     torch._dynamo.reset()
     w = build("gpt", batch_size=8, seed=0, n_layers=2, d_model=32)
@@ -100,7 +100,7 @@ def test_a_forward_with_graph_breaks_trains_a_smaller_last_batch() -> None:
     tokens, targets = next(iter(_data()))
     with orgel.pipeline(net, (tokens,), targets, w.loss_fn, ranks=2, microbatches=4,
                         schedule="1f1b", optimizer=_adamw, threads=1) as pipe:
-        assert train_both(pipe, model, w.loss_fn, opt, _data()) == [8, 8, 6]
+        assert train_both(pipe, model, w.loss_fn, opt, _data()) == [8, 8, 7]
         state = pipe.state_dict()
     _compare({n.removeprefix("gpt."): t for n, t in state.items()}, model.gpt)
 
@@ -109,8 +109,8 @@ def test_a_forward_with_graph_breaks_trains_a_smaller_last_batch() -> None:
 @pytest.mark.parametrize("dp", [1, 2])
 def test_orgel_backend_gives_its_closures_a_smaller_last_batch_cut_as_tensor_split(
         dp: int) -> None:
-    """``orgel.backend``: each closure gets its micro-batch of the last batch of 6 rows,
-    cut as ``torch.tensor_split`` cuts it (2, 2, 1, 1; with ``dp=2`` the ranks' two
+    """``orgel.backend``: each closure gets its micro-batch of the last batch of 7 rows,
+    cut as ``torch.tensor_split`` cuts it (2, 2, 2, 1; with ``dp=2`` the ranks' two
     micro-batches are closures 0 and 1, 2 and 3, side by side); trained as one process
     running the same closures on the same pieces."""
     torch._dynamo.reset()
@@ -151,7 +151,7 @@ def test_orgel_backend_gives_its_closures_a_smaller_last_batch_cut_as_tensor_spl
 
 @pytest.mark.slow
 def test_a_validation_loop_evaluates_every_batch_the_last_one_smaller() -> None:
-    """``pipe.evaluate`` over the same DataLoader (8, 8 and 6 rows), with and without the
+    """``pipe.evaluate`` over the same DataLoader (8, 8 and 7 rows), with and without the
     outputs, against one process in eval mode. Two passes at one size, then another size,
     failed before on rank 1 with the shapes of an earlier pass: the first rank, which
     receives nothing in a forward-only pass, counted a shape exchange at every pass."""

@@ -127,25 +127,25 @@ def batch_size(values: Any, dim: int = 0) -> int:
 def micro_sizes(batch: int, m: int, unit: int = 1) -> list[int]:
     """The rows of each of ``m`` micro-batches of a batch of ``batch`` rows: the one rule.
 
-    Equal where ``m * unit`` divides ``batch``; else the first micro-batches take one
-    ``unit`` of rows more than the others (``torch.tensor_split``'s rule, in units:
-    a DataLoader's smaller last batch of 6 rows in 4 micro-batches is cut 2, 2, 1, 1).
-    ``unit``: the rows every micro-batch's size is a multiple of (the replicas of a
-    data-parallel stage share each micro-batch equally). Raises :class:`WorkloadError`
-    where the batch is no multiple of ``unit`` or leaves a micro-batch empty.
+    The batch is cut into ``m * unit`` pieces by ``torch.tensor_split``'s rule (equal
+    where they divide it, else the first pieces take one row more: a DataLoader's
+    smaller last batch of 6 rows in 4 micro-batches is cut 2, 2, 1, 1), and micro-batch
+    ``i`` is pieces ``i * unit`` to ``(i + 1) * unit - 1``: ``unit`` is the replica count of
+    a data-parallel stage, and replica ``k`` of a micro-batch runs its piece ``k``
+    (:func:`replica_rows` cuts a micro-batch so). Raises :class:`WorkloadError` where a
+    piece would be empty.
     """
     if m < 1:
         raise WorkloadError(f"the micro-batch count must be positive, got {m}")
-    if batch % unit or batch < m * unit:
-        each = "a row" if unit == 1 else f"a multiple of {unit} rows (one per replica)"
+    if batch < m * unit:
+        each = "a row" if unit == 1 else f"a row for each of its {unit} replicas"
         raise WorkloadError(
             f"a batch of {batch} row{'s' if batch != 1 else ''} cannot fill the pipeline's "
-            f"{m} micro-batches "
-            f"(each takes {each}): give batches of at least {m * unit} rows"
-            + (f", a multiple of {unit}" if unit > 1 else "")
-            + " (a DataLoader's smaller last batch: DataLoader(..., drop_last=True))")
-    units, extra = divmod(batch // unit, m)
-    return [(units + (i < extra)) * unit for i in range(m)]
+            f"{m} micro-batches (each takes {each}): give batches of at least {m * unit} "
+            "rows (a DataLoader's smaller last batch: DataLoader(..., drop_last=True))")
+    rows, extra = divmod(batch, m * unit)
+    pieces = [rows + (i < extra) for i in range(m * unit)]
+    return [sum(pieces[i * unit:(i + 1) * unit]) for i in range(m)]
 
 
 def split_batch(value: Any, sizes: list[int], dim: int, batch: int) -> list[Any]:
@@ -178,25 +178,20 @@ def replica_rows(rows: int, replica: int, replicas: int) -> tuple[int, int]:
     """Rows ``[start, stop)`` of a micro-batch of ``rows`` rows that replica ``replica`` runs.
 
     The one rule for data-parallel replicas. A stage placed on ``replicas`` ranks
-    runs *every* micro-batch on every replica, each on its own contiguous, equal
-    share of the micro-batch's rows along the batch dimension: replica ``k`` runs
-    rows ``[k*rows/replicas, (k+1)*rows/replicas)``. With a batch of ``B`` rows cut
-    into ``M`` equal micro-batches (:func:`micro_sizes`: micro-batch ``m`` is rows
-    ``[m*B/M, (m+1)*B/M)``), replica ``k`` thus runs batch rows
-    ``m*B/M + [k*B/(M*replicas), (k+1)*B/(M*replicas))`` for each ``m`` (a smaller last
-    batch is cut in multiples of ``replicas`` rows, so every share is equal), in
-    micro-batch order, through its own copy of the stage: BatchNorm normalises
-    over those rows, and updates that copy's running statistics, which the end
-    of each training step averages over the replicas (:mod:`orgel.runtime.buffers`).
-    Raises ValueError when ``rows`` does not divide by ``replicas``.
+    runs *every* micro-batch on every replica, each on its own contiguous share of the
+    micro-batch's rows along the batch dimension, cut as ``torch.tensor_split`` cuts:
+    equal where ``replicas`` divides ``rows``, else the first replicas take one row
+    more (a smaller last batch: a micro-batch of 3 rows is shared 2, 1), so replica
+    ``k`` of micro-batch ``m`` runs piece ``m * replicas + k`` of the batch cut into
+    ``microbatches * replicas`` pieces (:func:`micro_sizes`). Each runs its share through
+    its own copy of the stage: BatchNorm normalises over those rows, and updates that
+    copy's running statistics, which the end of each training step averages over the
+    replicas (:mod:`orgel.runtime.buffers`). The loss of each share weighs by its
+    share of the batch (:mod:`orgel.lossweights`).
     """
-    if rows % replicas:
-        raise ValueError(
-            f"a micro-batch of {rows} rows cannot be shared by {replicas} replicas: "
-            "choose a batch size divisible by microbatches x replicas"
-        )
-    size = rows // replicas
-    return replica * size, (replica + 1) * size
+    size, extra = divmod(rows, replicas)
+    start = replica * size + min(replica, extra)
+    return start, start + size + (replica < extra)
 
 
 def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:

@@ -236,7 +236,7 @@ def batch_weights(rule: Rule, inputs: list[dict[str, Any]], targets: list[Any],
     ``targets`` per micro-batch (of any rows: a smaller last batch's differ by one unit),
     each shared by ``replicas`` replicas; ``replicated``: the inputs every micro-batch
     takes whole."""
-    from orgel.batching import batch_rows
+    from orgel.batching import batch_rows, replica_rows
 
     pieces, keys = [], []
     for m, (mb, tg) in enumerate(zip(inputs, targets, strict=True)):
@@ -244,8 +244,9 @@ def batch_weights(rule: Rule, inputs: list[dict[str, Any]], targets: list[Any],
         for r in range(replicas):
             mine = {k: v if k in replicated else share(v, r, replicas, dim_of(batch_dim, k),
                                                        rows) for k, v in mb.items()}
+            start, stop = replica_rows(rows, r, replicas)
             pieces.append((mine, share(tg, r, replicas, dim_of(batch_dim, TARGETS), rows),
-                           rows // replicas))
+                           stop - start))
             keys.append((m, r))
     return dict(zip(keys, piece_weights(rule, pieces), strict=True))
 

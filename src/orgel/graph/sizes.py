@@ -436,22 +436,25 @@ def batch_check(shapes: Shapes | None, microbatches: int, replicas: int, batch_d
 
     def check(named: dict[str, Any], targets: Any) -> None:
         parts = split_microbatches(named, targets, microbatches, batch_dim, replicated, unit)
-        for mb, mb_targets in (parts[0], parts[-1]):  # (a smaller last batch's two sizes)
+        # a smaller last batch's two sizes: the first micro-batch's first share, the last's last
+        for (mb, mb_targets), replica in ((parts[0], 0), (parts[-1], replicas - 1)):
             if replicas > 1:
                 rows = batch_rows(mb, mb_targets, batch_dim, replicated)
-                mb = {k: v if k in replicated else share(v, 0, replicas, dim_of(batch_dim, k),
-                                                         rows) for k, v in mb.items()}
+                mb = {k: v if k in replicated else share(v, replica, replicas,
+                                                         dim_of(batch_dim, k), rows)
+                      for k, v in mb.items()}
             if shapes is None:
                 continue
             try:
                 shapes.check(mb, "micro-batch" if replicas == 1 else "replica's micro-batch")
             except ShapeError as exc:
                 sizes = micro_sizes(batch_rows(named, targets, batch_dim, replicated),
-                                    microbatches, unit)
+                                    microbatches * replicas)
                 if len(set(sizes)) == 1:
                     raise
+                what = "micro-batches" if replicas == 1 else "replicas' micro-batches"
                 raise ShapeError(
-                    f"{exc} (this batch does not divide into the {microbatches} micro-batches: "
+                    f"{exc} (this batch does not divide into the {len(sizes)} {what}: "
                     f"they take {', '.join(map(str, sizes))} rows; a DataLoader's smaller last "
                     "batch: DataLoader(..., drop_last=True), or a batch size whose last batch "
                     "gives every micro-batch the rows the model needs)") from None

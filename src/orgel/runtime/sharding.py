@@ -1,7 +1,7 @@
 """FSDP2 inside a stage: its data-parallel replicas shard its parameters, gradients and state.
 
 A stage the plan marks ``shard[s] == "fsdp"`` (:meth:`orgel.schedule.ir.Plan.sharded`)
-runs on several ranks, each replica taking an equal share of every micro-batch's
+runs on several ranks, each replica taking its share of every micro-batch's
 rows, as any replicated stage does. Instead of a whole copy of the weights per
 replica and orgel's all-reduce of the gradients (:mod:`orgel.runtime.optim`), its
 module goes through torch's own ``torch.distributed.fsdp.fully_shard`` over the

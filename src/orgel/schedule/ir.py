@@ -199,9 +199,9 @@ class Plan:
 
     @property
     def row_unit(self) -> int:
-        """The rows every micro-batch's size is a multiple of: the least common multiple of
-        the stages' replica counts (each replica takes an equal share of a micro-batch;
-        :func:`orgel.batching.micro_sizes`)."""
+        """The pieces every micro-batch is made of: the least common multiple of the stages'
+        replica counts (each replica takes one piece of a micro-batch, the pieces equal
+        where they divide the batch; :func:`orgel.batching.micro_sizes`)."""
         return math.lcm(*(len(r) for r in self.placement)) if self.placement else 1
 
     def processes_of(self, rank: int) -> list[int]:

@@ -34,9 +34,8 @@ def slice_batch(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[
     what has the batch size is cut; the arguments at the positions ``replicated`` and
     those without the dimension go whole to every micro-batch. With nothing to cut,
     every closure gets the arguments whole and the batch size is ``m``. ``dp``: the
-    ranks' replicas, ``dp`` closures side by side per micro-batch of theirs, which the
-    batch must fill in whole rows each (a batch of fewer rows than ``m``, or no multiple
-    of ``dp`` rows, is refused).
+    ranks' replicas, ``dp`` closures side by side per micro-batch of theirs (a batch of
+    fewer rows than ``m`` is refused).
     """
     from orgel.batching import batch_rows, micro_sizes, split_microbatches
     from orgel.workload import WorkloadError
