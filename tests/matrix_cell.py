@@ -8,7 +8,8 @@ orgel raised (its type and message). ``tests/test_matrix.py`` runs the cells.
 
 Entry points: ``local`` (``orgel.pipeline`` forking its ranks), ``torchrun`` (the same call
 on every rank), ``backend`` (``torch.compile(model, backend=orgel.backend(...))`` and a
-closure per micro-batch). Features: ``evaluate`` (``pipe.evaluate`` and ``outputs=True``),
+closure per micro-batch). Features: ``evaluate`` (``pipe.evaluate``, and ``outputs=True`` on the batch without
+its labels),
 ``accumulate`` (2, with clipping and a scheduler), ``dp`` (2), ``fsdp``, ``tp`` (2), ``sp``
 (``tp`` 2 with ``sequence_parallel``),
 ``bf16`` (bf16-mixed), ``meta`` (the model built on the meta device, ``weights=``),
@@ -190,7 +191,9 @@ def run_pipeline(features: set[str], data: list[dict[str, torch.Tensor]], out: P
                               "off_path": off_path}
     if "evaluate" in features:
         result["eval"] = pipe.evaluate(data[0])
-        result["logits"] = logits_of(pipe.evaluate(data[0], outputs=True))  # no targets: outputs
+        # a batch for inference, without the labels: the model's outputs (its own capture)
+        unlabelled = {k: v for k, v in data[0].items() if k != "labels"}
+        result["logits"] = logits_of(pipe.evaluate(unlabelled, outputs=True))
     pipe.close()
     return result
 

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 from orgel.guard import untouched
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import Weights
-from orgel.workload import Workload
+from orgel.workload import Workload, named_inputs
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -171,17 +173,24 @@ def stage_replicas(plan: Plan) -> int:
     return counts.pop()
 
 
-def eval_split_for(workload: Workload, plan: Plan, split: Any) -> Any:
+def eval_split_for(workload: Workload, plan: Plan, split: Any,
+                   names: Collection[str] | None = None) -> Any:
     """The model captured in eval mode, cut into ``split``'s stages (:mod:`orgel.split.evaluation`).
 
     Or, where that fails, a sentence saying why: the pipeline still trains, and
     ``evaluate`` raises with it. The capture is ``capture_microbatch``'s, of one
-    replica's rows as in :func:`replica_graph`.
+    replica's rows as in :func:`replica_graph`; ``names``: of the example batch with
+    those inputs only (a batch without ``labels``), by default all of them.
     """
     from orgel.plan.transforms import check_forward
     from orgel.split.evaluation import eval_only, split_like
     from orgel.workload import on_meta
 
+    if names is not None:
+        named = named_inputs(workload.model, workload.inputs)
+        if set(names) != set(named):
+            workload = dataclasses.replace(workload, inputs={k: v for k, v in named.items()
+                                                             if k in names})
     try:
         with untouched(workload.model):
             workload.model.eval()

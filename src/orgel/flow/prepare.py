@@ -48,11 +48,11 @@ class Prepared:
         """The eval-mode split, made by the first ``evaluate`` in the process that asks
         (:mod:`orgel.worker.evaluation`), under ``guard()`` if given. (A forward of several
         graphs evaluates in its controller instead: :mod:`orgel.explicit.glued`.)"""
-        def make() -> Any:
+        def make(names: tuple[str, ...]) -> Any:
             from orgel.flow.capture import eval_split_for
 
             with guard() if guard is not None else contextlib.nullcontext():
-                return eval_split_for(self.workload, self.plan, self.split)
+                return eval_split_for(self.workload, self.plan, self.split, names)
 
         return LazyEvaluation(make)
 

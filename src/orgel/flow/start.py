@@ -19,6 +19,7 @@ from orgel.schedule.ir import Plan
 from orgel.split.materialize import Weights, materialize_stages, process_memory
 from orgel.worker.engine import RankEngine
 from orgel.worker.pipe import OwnRank, Pipeline
+from orgel.workload import named_inputs
 
 if TYPE_CHECKING:
     from orgel.launch.processes import LocalGroup
@@ -122,7 +123,7 @@ def fork_ranks(prepare_here: Callable[[], Prepared], kind: str, world: int, *,
             if kind != "cpu":  # now, while the model is on the CPU: engine_for moves this
                 # rank's stages (the model's own tensors) to its device, and a capture
                 # after that sees two devices (seen on an H200)
-                evaluation.get()
+                evaluation.get(named_inputs(prepared.workload.model, prepared.workload.inputs))
         return engine_for(prepared, process, kind, optimizer=optimizer, timeout_s=timeout_s,
                           executor_options=executor_options, evaluation=evaluation)
 

@@ -69,24 +69,34 @@ class RankEngine:
         )
         # a forward of several graphs has a controller in the step: it stops at the first error
         self.executor.abandon_on_error = not self.serves_exchanges
-        #: the forward-only pass (``evaluation``: the eval-mode split, or why there is none)
-        self.forward_only: Any = None
-        self.no_evaluation = "this pipeline was made without an eval-mode split"
-        self._lazy: LazyEvaluation | None = None  # made at the first evaluate
+        #: the forward-only passes (:mod:`orgel.runtime.forward_only`) by the names of the
+        #: inputs they take, made at the first evaluate of such a batch (``evaluation``: the
+        #: eval-mode split, or why there is none), or why there is none
+        self._passes: dict[tuple[str, ...] | None, Any] = {}
+        self._lazy: LazyEvaluation | None = None
         if isinstance(evaluation, LazyEvaluation):
             self._lazy = evaluation
         else:
-            self._set_evaluation(evaluation)
+            self._passes[None] = self._forward_only(evaluation)
 
-    def _set_evaluation(self, evaluation: SplitModel | str | None) -> None:
-        if isinstance(evaluation, SplitModel):
-            from orgel.plan.transforms import check_forward
-            from orgel.runtime.forward_only import ForwardOnly
+    def _forward_only(self, evaluation: SplitModel | str | None) -> Any:
+        """The forward-only pass of ``evaluation``, or the sentence why there is none."""
+        if not isinstance(evaluation, SplitModel):
+            return evaluation or "this pipeline was made without an eval-mode split"
+        from orgel.plan.transforms import check_forward
+        from orgel.runtime.forward_only import ForwardOnly
 
-            forward, comm = check_forward(self.executor.plan, evaluation)
-            self.forward_only = ForwardOnly(self.executor, evaluation, forward, comm)
-        elif evaluation is not None:
-            self.no_evaluation = evaluation
+        forward, comm = check_forward(self.executor.plan, evaluation)
+        return ForwardOnly(self.executor, evaluation, forward, comm)
+
+    def _pass_for(self, names: Any) -> Any:
+        """The forward-only pass for a batch of the inputs ``names`` (made on first use)."""
+        if self._lazy is None:  # one split, given at the start
+            return self._passes[None]
+        key = tuple(sorted(names))
+        if key not in self._passes:
+            self._passes[key] = self._forward_only(self._lazy.get(key))
+        return self._passes[key]
 
     # -- what this rank holds ------------------------------------------------------------
 
@@ -153,15 +163,13 @@ class RankEngine:
                  outputs: bool) -> tuple[float | None, list[Any]]:
         """Forward only, in eval mode (:mod:`orgel.runtime.forward_only`): the mean loss
         (every rank; None without ``loss``) and this rank's shares of the outputs."""
-        if self._lazy is not None:  # the first evaluate: this rank's eval-mode stages
-            lazy, self._lazy = self._lazy, None
-            self._set_evaluation(lazy.get())
-        if self.forward_only is None:  # said, not raised: the pipeline goes on
-            return Unavailable(self.no_evaluation)  # type: ignore[return-value]
+        forward_only = self._pass_for(inputs)  # the first evaluate of these inputs makes it
+        if isinstance(forward_only, str):  # said, not raised: the pipeline goes on
+            return Unavailable(forward_only)  # type: ignore[return-value]
         from orgel.launch.errors import StepAbandoned
 
         try:
-            result: tuple[float | None, list[Any]] = self.forward_only.run(
+            result: tuple[float | None, list[Any]] = forward_only.run(
                 inputs, targets, loss=loss, outputs=outputs)
         except StepAbandoned as exc:  # every rank dropped it; the pipeline goes on
             return Dropped(exc.rank, exc.report)  # type: ignore[return-value]
@@ -177,7 +185,7 @@ class RankEngine:
 
     def compile_seconds(self) -> float:
         """Seconds this rank spent compiling its stages, training and evaluation graphs."""
-        passes = [self.executor] + ([self.forward_only] if self.forward_only else [])
+        passes = [self.executor, *(p for p in self._passes.values() if not isinstance(p, str))]
         return sum(p.compile_seconds() for p in passes)
 
     def param_groups(self) -> int | None:

@@ -5,23 +5,27 @@ A pipeline that never evaluates should not pay for it when it starts, so the fro
 hands the pipeline and each rank a :class:`LazyEvaluation`; the first ``evaluate`` makes
 the split in each process that needs it (each rank for its stages, the controller for the
 outputs' structure at the first ``evaluate(..., outputs=True)``: a loss alone waits for
-no capture there), and every later call reuses it.
+no capture there), and every later call reuses it. A batch that leaves out some of the
+example's inputs (``labels``, to get a Hugging Face model's logits) gets a capture of its
+own, made the same way at its first ``evaluate``: the key is the inputs' names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 
 class LazyEvaluation:
-    """``make()``'s result (the eval-mode SplitModel, or why there is none), made once."""
+    """``make(names)``'s result (the eval-mode SplitModel of a batch of the inputs
+    ``names``, or why there is none), made once per ``names``."""
 
-    def __init__(self, make: Callable[[], Any]) -> None:
+    def __init__(self, make: Callable[[tuple[str, ...]], Any]) -> None:
         self._make = make
-        self._made: Any = None
+        self._made: dict[tuple[str, ...], Any] = {}
 
-    def get(self) -> Any:
-        if self._made is None:
-            self._made = self._make()
-        return self._made
+    def get(self, names: Collection[str]) -> Any:
+        key = tuple(sorted(names))
+        if key not in self._made:
+            self._made[key] = self._make(key)
+        return self._made[key]

@@ -191,20 +191,25 @@ class Pipeline(StepCount):
         also with ``targets=None``); with ``outputs=True`` the model's outputs as
         ``step`` returns them: ``outputs`` alone when ``targets`` is None (no loss is
         computed), else ``(loss, outputs)``. Under torchrun every rank gets the result.
+        The batch may leave out inputs of the example (a Hugging Face batch without
+        ``labels``: ``pipe.evaluate({"input_ids": ..., "attention_mask": ...},
+        outputs=True).logits``, as the model computes without them): its first
+        ``evaluate`` captures the model for those inputs.
         An error a rank's own work raises (a ``loss_fn`` that needs the targets it was not
         given) raises :class:`~orgel.launch.errors.StepError` as in :meth:`step`: every
         rank dropped the pass, and the pipeline goes on.
         """
         named = named_inputs(self._model, inputs)
         self._check_batch(named, targets, "pipe.evaluate")
-        # the first evaluate makes the eval-mode split: each rank its own, and this process
-        # only where it needs the outputs' structure (under torchrun the rank's serves both);
-        # a loss alone waits for no capture here
+        # the first evaluate (of a batch of these inputs) makes the eval-mode split: each
+        # rank its own, and this process only where it needs the outputs' structure (under
+        # torchrun the rank's serves both); a loss alone waits for no capture here
+        unflatten: Any = self._evaluation
         if isinstance(self._evaluation, LazyEvaluation) and (outputs or self.spmd):
-            made = self._evaluation.get()
-            self._evaluation = made if isinstance(made, str) else made.unflatten_outputs
-        if isinstance(self._evaluation, str):
-            raise RuntimeError(f"evaluation is not available: {self._evaluation}")
+            made = self._evaluation.get(named)
+            unflatten = made if isinstance(made, str) else made.unflatten_outputs
+        if isinstance(unflatten, str):
+            raise RuntimeError(f"evaluation is not available: {unflatten}")
         loss = targets is not None or not outputs
         if self.spmd and not outputs:  # the loss is reduced to every rank: nothing to gather
             return kept_results([self._ranks.engine.evaluate(named, targets, loss=True,
@@ -214,8 +219,8 @@ class Pipeline(StepCount):
         value = results[self._loss_rank][0]
         if not outputs:
             return value
-        assert callable(self._evaluation)  # (made above)
-        out = merge([share for _, part in results for share in part], self._evaluation)
+        assert callable(unflatten)  # (made above)
+        out = merge([share for _, part in results for share in part], unflatten)
         return (value, out) if loss else out
 
     @property
@@ -272,9 +277,12 @@ class Pipeline(StepCount):
             def given(inputs: dict[str, Any]) -> dict[str, Any]:
                 return {k: v for k, v in inputs.items() if k not in added or v is not added[k]}
 
-            check_batch((given(named_inputs(w.model, w.inputs)), example_targets),
-                        (given(named), targets), self.plan.microbatches, w.batch_dim,
-                        w.replicated, self.plan.row_unit)
+            example = given(named_inputs(w.model, w.inputs))
+            if call == "pipe.evaluate":  # without some of the example's inputs (labels): an
+                # eval-mode capture of its own (orgel.worker.evaluation)
+                example = {k: v for k, v in example.items() if k in named}
+            check_batch((example, example_targets), (given(named), targets),
+                        self.plan.microbatches, w.batch_dim, w.replicated, self.plan.row_unit)
         if self.check_sizes is not None:  # sizes the stages cannot take (orgel.graph.sizes)
             self.check_sizes(named, targets)
 
