@@ -8,8 +8,8 @@ orgel raised (its type and message). ``tests/test_matrix.py`` runs the cells.
 
 Entry points: ``local`` (``orgel.pipeline`` forking its ranks), ``torchrun`` (the same call
 on every rank), ``backend`` (``torch.compile(model, backend=orgel.backend(...))`` and a
-closure per micro-batch). Features: ``evaluate`` (``pipe.evaluate``, and ``outputs=True`` on the batch without
-its labels),
+closure per micro-batch). Features: ``evaluate`` (``pipe.evaluate``, and ``outputs=True``
+on the batch without its labels),
 ``accumulate`` (2, with clipping and a scheduler), ``dp`` (2), ``fsdp``, ``tp`` (2), ``sp``
 (``tp`` 2 with ``sequence_parallel``),
 ``bf16`` (bf16-mixed), ``meta`` (the model built on the meta device, ``weights=``),
