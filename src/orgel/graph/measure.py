@@ -293,8 +293,9 @@ def _nbytes(*tables_and_name: Any) -> int:
     *tables, name = tables_and_name
     for table in tables:
         if name in table:
-            t = table[name]
-            return int(t.numel() * t.element_size())
+            t = table[name]  # (a submodule of a higher-order op, such as an autograd
+            # Function's forward and backward graphs, holds no tensor of its own here)
+            return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
     return 0
 
 

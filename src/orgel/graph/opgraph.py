@@ -179,11 +179,12 @@ class OpGraph:
         return result
 
     def tensor_bytes(self, name: str) -> int:
-        """Bytes of one parameter, buffer or constant."""
-        t: torch.Tensor | None = self.params.get(name)
+        """Bytes of one parameter, buffer or constant (0 for a constant that is no tensor:
+        the forward and backward graphs of an autograd Function the model calls)."""
+        t: Any = self.params.get(name)
         if t is None:
             t = self.buffers.get(name, self.constants.get(name))
-        return 0 if t is None else t.numel() * t.element_size()
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
     def unflatten(self, names: list[str]) -> Callable[[list[torch.Tensor]], Any]:
         """A callable rebuilding the model's output from tensors named ``names``."""
