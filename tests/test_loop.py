@@ -386,3 +386,34 @@ def test_clipping_with_a_nan_gradient_norm_matches_one_process() -> None:
     assert all(v.isnan().all() for v in ref.state_dict().values())  # what one process does
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, equal_nan=True, msg=name)
+
+
+@pytest.mark.slow
+def test_a_parameter_unfrozen_after_the_build_is_refused_at_the_next_step() -> None:
+    """A fine-tuning recipe that unfreezes a layer after N steps: one process trains it from
+    then on, the ranks would not (they train what the pipeline was built with). The step is
+    refused in the caller, saying what to do; frozen again, training goes on exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model[0].weight.requires_grad_(False)
+    one = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    opt = sgd([p for p in one.parameters() if p.requires_grad])
+    loss_fn = torch.nn.functional.cross_entropy
+    with orgel.pipeline(model, (x,), y, loss_fn, ranks=2, microbatches=2, schedule="1f1b",
+                        optimizer=sgd, threads=1) as pipe:
+        pipe.step((x,), y)
+        model[0].weight.requires_grad_(True)
+        with pytest.raises(ValueError, match=r"\['0.weight'\] were frozen or unfrozen.*"
+                                             r"pipe.copy_to\(model\)"):
+            pipe.step((x,), y)
+        model[0].weight.requires_grad_(False)
+        pipe.step((x,), y)
+        state = pipe.state_dict()
+    for _ in range(2):
+        loss_fn(one(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, value in one.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -39,3 +39,24 @@ def probe_parameters() -> NamedParameters:
     return NamedParameters([
         ("weight", torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64))),
         ("bias", torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64)))])
+
+
+def trainable(model: torch.nn.Module) -> dict[str, bool]:
+    """Each of ``model``'s parameters' ``requires_grad``, by name."""
+    return {name: p.requires_grad for name, p in model.named_parameters()}
+
+
+def check_trainable(model: torch.nn.Module, built: dict[str, bool]) -> None:
+    """Raise ValueError where the caller froze or unfroze a parameter of ``model`` since a
+    pipeline was built with :func:`trainable` ``built``: its ranks train the set they were
+    built with, where one process would train the new one."""
+    now = trainable(model)
+    if now == built:
+        return
+    changed = [name for name, was in built.items() if now.get(name) != was]
+    raise ValueError(
+        f"the model's parameters {changed[:4]}{' ...' if len(changed) > 4 else ''} were "
+        "frozen or unfrozen (requires_grad) after the pipeline was built, and its ranks "
+        "train the parameters they were built with: to train the new set, carry the "
+        "weights into the model (pipe.copy_to(model)), close this pipeline and build a "
+        "new one from the model as it is now")

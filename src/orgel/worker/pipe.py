@@ -20,6 +20,7 @@ import torch
 from orgel.batching import check_batch
 from orgel.launch.errors import StepError, WorkerError
 from orgel.lossweights import Rule
+from orgel.parameters import check_trainable, trainable
 from orgel.precision import check_around
 from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import StepCount
@@ -103,6 +104,8 @@ class Pipeline(StepCount):
         self.plan = plan
         # its forward signature names positional inputs; it holds the tensors no stage reads
         self._model = model
+        #: which of the model's parameters train, as the ranks were built (checked each step)
+        self._trains = trainable(model)
         self._ranks = ranks
         self._loss_rank = loss_ranks[0]
         self._aliases = aliases
@@ -268,6 +271,8 @@ class Pipeline(StepCount):
         ``call`` under a grad mode or autocast the ranks do not run (``check_around``)."""
         w = self._workload
         check_around(call, getattr(w, "precision", None), trains=call == "pipe.step")
+        if call == "pipe.step":
+            check_trainable(self._model, self._trains)
         if w is not None:
             example_targets = None if targets is None else w.targets  # evaluate(x) alone
             # what orgel adds itself (use_cache=False) is no input the user passed: a message
@@ -492,4 +497,3 @@ def _own_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
-
