@@ -101,6 +101,16 @@ def test_backend_calls_without_a_backward_under_accumulate_with_fsdp_change_noth
                          no_backward=True))
 
 
+def test_an_output_the_loss_does_not_read_leaves_its_parameters_no_gradient_with_fsdp() -> None:
+    """Found by the fuzzer (seed 131): through ``orgel.backend`` with ``shard="fsdp"``, an
+    auxiliary head's output that the loss ignores, sent on by the first stage, gave the
+    head's parameters zero gradients where one process has none (FSDP2 passes a stage's
+    inputs through an autograd Function that makes zeros for those no gradient reached),
+    and AdamW then decayed them. Now they keep none, and the optimizer skips them."""
+    _check(fuzzing.Setup("aux", ranks=2, dp=2, schedule="looped-bfs", microbatches=2, rows=3,
+                         stages_per_rank=2, shard="fsdp", optimizer="adamw", entry="backend"))
+
+
 def test_graph_breaks_after_frozen_layers_do_not_wait_for_gradients_no_rank_sends() -> None:
     """Found by the fuzzer: a forward with graph breaks whose layers before a break are all
     frozen (only the head trains) hung until the timeout: the calling process waited for

@@ -224,6 +224,7 @@ class Sharding:
                 scalars = {p for p in module.parameters() if p.dim() == 0}
                 fully_shard(module, mesh=mesh, reshard_after_forward=False,
                             ignored_params=scalars or None)
+                _inputs_as_they_are(module)
                 _quiet_view_outputs(type(module).__name__)
                 # a plain SUM: every replica's gradient is a partial sum already
                 module.set_gradient_divide_factor(1.0)
@@ -374,6 +375,24 @@ def _quiet_view_outputs(cls: str) -> None:
     warnings.filterwarnings(
         "ignore", category=UserWarning,
         message=rf"FSDP2-wrapped module \({re.escape(cls)}\) returned a view tensor")
+
+
+def _inputs_as_they_are(module: Any) -> None:
+    """Let ``module``'s forward take its inputs as they are: FSDP2 passes them through one
+    autograd Function, to run its post-backward when their gradients come, whose backward
+    makes zeros for an input no gradient reached (a value only a model output the loss does
+    not read depends on). orgel runs the post-backward itself (:meth:`Sharding.reduce`), and
+    an input no gradient reaches must keep none, as in one process (the reach flags of
+    ``orgel.backend``'s gradient messages: its parameters then keep no gradient and the
+    optimizer skips them). Set on this module's own parameter groups only."""
+    from torch.distributed.fsdp import fully_shard
+
+    def as_they_are(args: tuple[Any, ...], kwargs: dict[str, Any],
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, kwargs
+
+    for group in _param_groups(fully_shard.state(module)):  # type: ignore[attr-defined]
+        group._register_post_backward_hook = as_they_are
 
 
 def _fsdp_params(module: Any) -> list[Any]:
