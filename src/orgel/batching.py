@@ -143,9 +143,15 @@ def micro_sizes(batch: int, m: int, unit: int = 1) -> list[int]:
             f"a batch of {batch} row{'s' if batch != 1 else ''} cannot fill the pipeline's "
             f"{m} micro-batches (each takes {each}): give batches of at least {m * unit} "
             "rows (a DataLoader's smaller last batch: DataLoader(..., drop_last=True))")
-    rows, extra = divmod(batch, m * unit)
-    pieces = [rows + (i < extra) for i in range(m * unit)]
+    pieces = _split_sizes(batch, m * unit)
     return [sum(pieces[i * unit:(i + 1) * unit]) for i in range(m)]
+
+
+def _split_sizes(rows: int, k: int) -> list[int]:
+    """The sizes ``torch.tensor_split`` cuts ``rows`` rows into ``k`` pieces: equal where
+    ``k`` divides them, else the first pieces one row more."""
+    size, extra = divmod(rows, k)
+    return [size + (i < extra) for i in range(k)]
 
 
 def split_batch(value: Any, sizes: list[int], dim: int, batch: int) -> list[Any]:
@@ -189,9 +195,9 @@ def replica_rows(rows: int, replica: int, replicas: int) -> tuple[int, int]:
     replicas (:mod:`orgel.runtime.buffers`). The loss of each share weighs by its
     share of the batch (:mod:`orgel.lossweights`).
     """
-    size, extra = divmod(rows, replicas)
-    start = replica * size + min(replica, extra)
-    return start, start + size + (replica < extra)
+    sizes = _split_sizes(rows, replicas)
+    start = sum(sizes[:replica])
+    return start, start + sizes[replica]
 
 
 def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:

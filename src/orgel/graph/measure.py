@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec
+from orgel.graph.opgraph import CaptureError, OpGraph, OpNode, OutputSpec, held_bytes
 from orgel.graph.regions import collapse_transforms
 from orgel.graph.repeat import COPIES, module_path
 from orgel.graph.sizes import is_symbolic, static_shapes, symbolic_shapes
@@ -155,7 +155,7 @@ def measure(
             name=node.name, op=op_name(node), module=module_path(node),
             inputs=tuple(dict.fromkeys(n.name for n in reads if n.name not in attr_of)),
             params=pnames, shape=shape, dtype=dtype, nbytes=nbytes,
-            param_bytes=sum(_nbytes(params, buffers, constants, p) for p in pnames),
+            param_bytes=sum(held_bytes(p, params, buffers, constants) for p in pnames),
             flops=flops if flops else (value.numel() if isinstance(value, torch.Tensor) else 0),
             saved_bytes=saved, requires_grad=requires_grad, is_tensor=is_tensor,
             grad_enabled=grad_mode, autocast=autocast, source=_source(node),
@@ -287,16 +287,6 @@ def _written_buffers(
                 if attr_of.get(arg.name) in buffers:
                     written[attr_of[arg.name]] = None
     return list(written)
-
-
-def _nbytes(*tables_and_name: Any) -> int:
-    *tables, name = tables_and_name
-    for table in tables:
-        if name in table:
-            t = table[name]  # (a submodule of a higher-order op, such as an autograd
-            # Function's forward and backward graphs, holds no tensor of its own here)
-            return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
-    return 0
 
 
 def _constant_leaf(obj: Any, notes: list[str]) -> Any:

@@ -97,6 +97,17 @@ class Unflatten:
         return pytree.tree_unflatten(leaves, self.spec.treespec)
 
 
+def held_bytes(name: str, *tables: dict[str, Any]) -> int:
+    """Bytes of what the first of ``tables`` that has ``name`` holds under it: a parameter,
+    buffer or constant; 0 for one that is no tensor (the forward and backward graphs of an
+    autograd Function the model calls are constants of the captured graph) or is nowhere."""
+    for table in tables:
+        if name in table:
+            t = table[name]
+            return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
+    return 0
+
+
 @dataclass
 class OpGraph:
     """A captured forward: the fx graph, its nodes' facts and how to rebuild the output.
@@ -179,12 +190,8 @@ class OpGraph:
         return result
 
     def tensor_bytes(self, name: str) -> int:
-        """Bytes of one parameter, buffer or constant (0 for a constant that is no tensor:
-        the forward and backward graphs of an autograd Function the model calls)."""
-        t: Any = self.params.get(name)
-        if t is None:
-            t = self.buffers.get(name, self.constants.get(name))
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        """Bytes of one parameter, buffer or constant (:func:`held_bytes`)."""
+        return held_bytes(name, self.params, self.buffers, self.constants)
 
     def unflatten(self, names: list[str]) -> Callable[[list[torch.Tensor]], Any]:
         """A callable rebuilding the model's output from tensors named ``names``."""
