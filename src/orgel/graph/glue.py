@@ -38,7 +38,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -54,6 +54,53 @@ _KEEP = 32
 _keys = itertools.count()
 #: On a rank: the :class:`RankExchange` that talks to the controller (None elsewhere).
 _RUNTIME: Any = None
+
+
+class Layout(NamedTuple):
+    """How a graph's output lay in memory at capture: a view's (or a non-contiguous
+    tensor's) shape, strides and offset, and its base's shape and strides (None: no view)."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    base: tuple[tuple[int, ...], tuple[int, ...]] | None
+
+    @staticmethod
+    def of(t: Any) -> Layout | None:
+        """``t``'s layout where it is a view or not contiguous and its sizes are ints."""
+        if not isinstance(t, torch.Tensor) or (t._base is None and t.is_contiguous()):
+            return None
+        try:
+            base = None if t._base is None else (_ints(t._base.shape), _ints(t._base.stride()))
+            return Layout(_ints(t.shape), _ints(t.stride()), int(t.storage_offset()), base)
+        except TypeError:  # symbolic sizes
+            return None
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` laid out so, where ``t`` has its shape (else a plain copy)."""
+        if tuple(t.shape) != self.shape:
+            return t.clone()
+        # an expanded dimension (stride 0) holds one row of values
+        repeated = [d for d, (n, s) in enumerate(zip(self.shape, self.strides, strict=True))
+                    if s == 0 and n > 1]
+        one = t
+        for d in repeated:
+            one = one.narrow(d, 0, 1)
+        if self.base is None:
+            holder = torch.empty_strided(one.shape, self.strides, dtype=t.dtype, device=t.device)
+        else:
+            holder = torch.empty_strided(*self.base, dtype=t.dtype, device=t.device)
+        try:
+            holder.as_strided(one.shape, self.strides, self.offset).copy_(one)
+        except RuntimeError:  # elements that overlap otherwise
+            return t.clone()
+        if self.base is None:
+            return holder.expand(self.shape) if repeated else holder
+        return holder.as_strided(self.shape, self.strides, self.offset)
+
+
+def _ints(sizes: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in sizes)
 
 
 @dataclass
@@ -77,6 +124,14 @@ class Call:
     #: whether each glue argument carries a gradient on the ranks (it required one at
     #: capture): the ranks send back the gradients of these only (:func:`exchange`'s mask)
     carries: tuple[bool, ...] = ()
+    #: whether each output required a gradient at capture (it depends on a parameter that
+    #: trains): the controller's copy of an output that did not requires none either, so
+    #: that the frames after the call meet the tensors Dynamo compiled them for
+    differentiable: tuple[bool, ...] = ()
+    #: the :class:`Layout` of each output that is a view or not contiguous at capture
+    #: (``mask[:, 0, 0, :]``, ``x.t()``), else None: the controller lays its copy of such
+    #: an output out alike (Dynamo's guards check strides and a view's base)
+    layouts: tuple[Layout | None, ...] = ()
 
     @property
     def glue(self) -> list[int]:
@@ -335,7 +390,10 @@ def join_calls(seen: list[tuple[torch.fx.GraphModule, list[Any], list[Any],
                 roles.append(("glue", len(glue)))
                 glue.append(a.detach().clone().requires_grad_(a.requires_grad))
                 shapes.append(tuple(a.shape) if dims is None else dims[(c, i)])
-        calls.append(Call(gm.code, roles, len(outs), _where(gm), shapes))
+        calls.append(Call(gm.code, roles, len(outs), _where(gm), shapes,
+                          differentiable=tuple(isinstance(o, torch.Tensor) and o.requires_grad
+                                               for o in outs),
+                          layouts=tuple(Layout.of(o) for o in outs)))
         recorded[c] = glue
     key = f"g{next(_keys)}"
     _EXAMPLES[key] = recorded
