@@ -3,7 +3,7 @@
 Which input, which dimension, which sizes and what to change, never a size symbol or an input
 the user did not pass; a refusal the model's structure decides (a tied embedding on sharded
 stages) before any capture; no torch warning on every FSDP run; torchrun ranks that save into
-different folders are told so.
+different folders are told so; a forward that writes its own parameters is told so.
 """
 
 from __future__ import annotations
@@ -212,3 +212,32 @@ def test_a_hugging_face_batch_gone_wrong_is_told_in_the_users_words(tmp_path: Pa
     kind, message = got["errors"]["no_mask"]
     assert "missing: ['attention_mask']" in message and "use_cache" not in message, message
     assert got["losses"][1] < got["losses"][0]  # trains on
+
+
+def test_a_forward_that_writes_its_own_parameters_is_told_so_not_called_a_bug() -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up, in place, in every
+    forward; orgel runs the forward several times before the first step, so it refuses,
+    naming the parameter and the cause (it said "a bug in orgel")."""
+    import orgel
+
+    class Renormed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8, max_norm=1.0)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x).mean(1))
+
+    torch.manual_seed(0)
+    model = Renormed()
+    with torch.no_grad():
+        model.emb.weight.mul_(3)  # rows longer than max_norm
+    x, y = torch.randint(0, 20, (8, 5)), torch.randint(0, 3, (8,))
+    with pytest.raises(RuntimeError) as info:
+        orgel.pipeline(model, (x,), y, torch.nn.functional.cross_entropy, ranks=2,
+                       microbatches=2, schedule="1f1b")
+    message = str(info.value)
+    assert message.startswith("parameter(s) emb.weight changed in place while orgel ran the "
+                              "model's forward"), message
+    assert "nn.Embedding(max_norm=...)" in message and "without max_norm" in message, message

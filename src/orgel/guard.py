@@ -111,8 +111,9 @@ def put_grad_back(t: torch.Tensor, snapshot: GradSnapshot) -> None:
 def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
     """Run the body, then put ``model`` and torch's global state back as they were.
 
-    Raises RuntimeError after the body if the body changed a parameter in place
-    (orgel's preparation never should; the message names the parameter).
+    Raises RuntimeError after the body if the body changed a parameter in place (orgel's
+    preparation never does; a model's forward that writes its own parameters, such as
+    ``nn.Embedding(max_norm=...)``, does: the message names the parameter and says so).
     """
     saved = _global_state()
     modules = [] if model is None else list(model.modules())
@@ -145,8 +146,14 @@ def untouched(model: torch.nn.Module | None = None) -> Iterator[None]:
                 changed.append(name)
         if changed and not failed and sys.exc_info()[0] is None:
             raise RuntimeError(
-                f"orgel changed parameter(s) {', '.join(changed[:5])} in place while preparing "
-                "the pipeline; this is a bug in orgel, please report it with the model"
+                f"parameter(s) {', '.join(changed[:5])} changed in place while orgel ran the "
+                "model's forward to prepare the pipeline (its capture, the loss rule's trial, "
+                "profiling). A forward that writes its own parameters (nn.Embedding(max_norm=...) "
+                "renormalizes the rows it looks up; a weight clamped inside forward) would "
+                "start training from weights one process never had, written once per such "
+                "run: leave the parameters as they are in forward (F.embedding without "
+                "max_norm; renormalize or clamp the weights outside the model). If the forward "
+                "does not write them, this is a bug in orgel: please report it with the model"
             )
 
 

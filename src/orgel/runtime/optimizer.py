@@ -28,6 +28,7 @@ ranks agree because they run one rule from one set of options:
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -72,6 +73,7 @@ def check_loop_options(*, optimizer: OptimizerFactory, scheduler: Any, lr: Any,
         if isinstance(first, bool) or not isinstance(first, int | float):
             raise ValueError(f"lr(0) returned {first!r}: lr must return the learning rate of "
                              "a step as a float")
+    check_steps_alone(optimizer)
     if scheduler is not None:
         if not callable(scheduler):
             raise ValueError("scheduler must be a function optimizer -> "
@@ -81,6 +83,19 @@ def check_loop_options(*, optimizer: OptimizerFactory, scheduler: Any, lr: Any,
             warnings.simplefilter("ignore")
             made = scheduler(optimizer(probe_parameters()))
         check_scheduler(made)
+
+
+def check_steps_alone(optimizer: OptimizerFactory) -> None:
+    """Raise ValueError where ``optimizer`` builds one whose ``step`` needs a closure (LBFGS
+    evaluates the loss several times a step): each rank steps its optimizer once per
+    optimizer step, without one."""
+    made = type(optimizer(probe_parameters()))
+    closure = inspect.signature(made.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"optimizer returned {made.__name__}, whose step needs a closure that "
+                         "computes the loss again (several forwards and backwards a step); "
+                         "each rank steps its optimizer once per step on the gradients the "
+                         "pipeline made: use a first-order optimizer (SGD, Adam, AdamW, ...)")
 
 
 def check_scheduler(made: Any) -> None:
