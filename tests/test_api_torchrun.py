@@ -127,6 +127,13 @@ try:
     dropped = ""
 except StepError as exc:
     dropped = str(exc).splitlines()[0]
+# each process its own batch, as a DistributedSampler gives it: refused on every process
+own = [inputs[0].roll(torch.distributed.get_rank(), 0)]
+try:
+    pipe.step(own, targets)
+    sharded = ""
+except ValueError as exc:
+    sharded = str(exc)
 losses.append(pipe.step(inputs, targets))
 untouched = all(torch.equal(model.state_dict()[k], v) for k, v in initial.items())
 pipe.copy_to()
@@ -143,7 +150,8 @@ diff = state_gap(mine, reference.state_dict())
 rank = torch.distributed.get_rank()
 with open(f"{sys.argv[1]}/result{rank}.json", "w") as f:
     json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "untouched": untouched,
-               "dropped": dropped, "keys": list(mine) == list(reference.state_dict())}, f)
+               "dropped": dropped, "sharded": sharded,
+               "keys": list(mine) == list(reference.state_dict())}, f)
 pipe.close()
 '''
 
@@ -155,13 +163,17 @@ def test_torchrun_leaves_the_callers_model_alone_until_copy_to_and_survives_a_ba
     """Each rank's stages train copies: the caller's model is as it was on every rank
     until ``copy_to`` writes all of the trained values into it, on every rank. A target
     out of range raises in rank 1's loss: both ranks get StepError and train on as one
-    process that skipped that batch."""
+    process that skipped that batch. A batch per process (a DistributedSampler's shard)
+    is refused on both before any rank starts (it trained process 0's inputs on process
+    1's labels), and the pipeline trains on."""
     for rank in (0, 1):
         result = json.loads((torchrun_part / f"result{rank}.json").read_text())
         assert result["untouched"] is True
         assert result["losses"] == pytest.approx(result["ref"], rel=1e-5)
         assert result["diff"] < 1e-5 and result["keys"] is True
         assert result["dropped"].startswith("rank 1 failed in step: IndexError"), result
+        assert result["sharded"].startswith("pipe.step got another batch on process 1 than "
+                                            "on process 0 (input 'tokens' differ)"), result
 
 
 AGAIN = '''

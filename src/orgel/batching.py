@@ -328,3 +328,42 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     scale = float(finite.abs().max()) if finite.numel() else 0.0
     return torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-4 * (1 + scale),
                           equal_nan=True)
+
+
+def fingerprint(inputs: dict[str, Any], targets: Targets) -> list[tuple[str, Any, str, float]]:
+    """What tells one batch from another cheaply: each tensor's name, shape, dtype and a
+    weighted sum of at most 1024 of its elements spread over it (equal batches give equal
+    fingerprints on every process; another batch's differ, short of a coincidence)."""
+    named = {**{f"input {k!r}": v for k, v in inputs.items()}, "targets": targets}
+    found = []
+    for name, value in named.items():
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            flat = leaf.detach().reshape(-1)
+            picked = flat[:: max(1, flat.numel() // 1024)].to(torch.float64).nan_to_num(
+                nan=0.5, posinf=1.5, neginf=-1.5)  # a NaN is equal to itself here
+            weights = torch.arange(1, picked.numel() + 1, dtype=torch.float64)
+            found.append((name + pytree.keystr(path), tuple(leaf.shape), str(leaf.dtype),
+                          float((picked * weights).sum())))
+    return found
+
+
+def check_same_everywhere(gather: Any, inputs: dict[str, Any], targets: Targets,
+                          call: str) -> None:
+    """Under torchrun: raise ValueError on every process unless every process passed
+    ``call`` the same batch (``gather(value)``: every process's value, in process order).
+    The pipeline cuts the one batch over its ranks itself; a batch per process (a
+    ``DistributedSampler``'s shard) would train one process's inputs on another's labels."""
+    prints = gather(fingerprint(inputs, targets))
+    others = [p for p, seen in enumerate(prints) if seen != prints[0]]
+    if not others:
+        return
+    names = sorted({a[0] for p in others for a, b in zip(prints[p], prints[0], strict=False)
+                    if a != b} or {"the inputs' names"})
+    raise ValueError(
+        f"{call} got another batch on process{'es' if len(others) > 1 else ''} "
+        f"{', '.join(map(str, others))} than on process 0 ({', '.join(names)} differ): under "
+        "torchrun every process passes the same whole batch, and the pipeline cuts it over "
+        "its ranks itself. A DistributedSampler (or data split by rank) gives each process "
+        "its own: load the same batches on every process (the same seed and order)")

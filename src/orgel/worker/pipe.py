@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from orgel.batching import check_batch
+from orgel.batching import check_batch, check_same_everywhere
 from orgel.launch.errors import StepError, WorkerError
 from orgel.lossweights import Rule
 from orgel.parameters import check_trainable, trainable
@@ -275,8 +275,7 @@ class Pipeline(StepCount):
             check_trainable(self._model, self._trains)
         if w is not None:
             example_targets = None if targets is None else w.targets  # evaluate(x) alone
-            # what orgel adds itself (use_cache=False) is no input the user passed: a message
-            # names the user's inputs only
+            # what orgel adds (use_cache=False) is no input the user passed, nor in messages
             added = cache_off(w.model, {})
 
             def given(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +289,8 @@ class Pipeline(StepCount):
                         self.plan.microbatches, w.batch_dim, w.replicated, self.plan.row_unit)
         if self.check_sizes is not None:  # sizes the stages cannot take (orgel.graph.sizes)
             self.check_sizes(named, targets)
+        if self.spmd:  # (torchrun, orgel run's ranks) every process passes this batch
+            check_same_everywhere(self._ranks.gather, named, targets, call)
 
     def predicted(self) -> Any:
         """The prediction for this plan (a SimResult: step_time, peak_memory, timeline, ...).
