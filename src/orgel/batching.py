@@ -351,8 +351,9 @@ def fingerprint(inputs: dict[str, Any], targets: Targets) -> list[tuple[str, Any
 
 def check_same_everywhere(gather: Any, inputs: dict[str, Any], targets: Targets,
                           call: str) -> None:
-    """Under torchrun: raise ValueError on every process unless every process passed
-    ``call`` the same batch (``gather(value)``: every process's value, in process order).
+    """Where every process of a pipeline calls ``call`` (torchrun, ``orgel run``'s ranks):
+    raise ValueError on every process unless every process passed it the same batch
+    (``gather(value)``: every process's value, in process order).
     The pipeline cuts the one batch over its ranks itself; a batch per process (a
     ``DistributedSampler``'s shard) would train one process's inputs on another's labels."""
     prints = gather(fingerprint(inputs, targets))
