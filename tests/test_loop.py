@@ -314,6 +314,9 @@ def test_loop_options_are_refused_in_the_caller() -> None:
     # LBFGS's step needs a closure: it crashed each rank at the first step
     with pytest.raises(ValueError, match="LBFGS, whose step needs a closure"):
         orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, optimizer=torch.optim.LBFGS)
+    # a factory that returns no optimizer failed inside a rank ("no attribute param_groups")
+    with pytest.raises(ValueError, match="optimizer returned list, not an optimizer"):
+        orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, optimizer=list)
     with pytest.raises(ValueError, match="lr must be a function step -> learning rate"):
         start(lr=0.1)
     with pytest.raises(ValueError, match="accumulate must be a positive int"):

@@ -73,7 +73,7 @@ def check_loop_options(*, optimizer: OptimizerFactory, scheduler: Any, lr: Any,
         if isinstance(first, bool) or not isinstance(first, int | float):
             raise ValueError(f"lr(0) returned {first!r}: lr must return the learning rate of "
                              "a step as a float")
-    check_steps_alone(optimizer)
+    check_optimizer(optimizer)
     if scheduler is not None:
         if not callable(scheduler):
             raise ValueError("scheduler must be a function optimizer -> "
@@ -85,17 +85,26 @@ def check_loop_options(*, optimizer: OptimizerFactory, scheduler: Any, lr: Any,
         check_scheduler(made)
 
 
-def check_steps_alone(optimizer: OptimizerFactory) -> None:
-    """Raise ValueError where ``optimizer`` builds one whose ``step`` needs a closure (LBFGS
-    evaluates the loss several times a step): each rank steps its optimizer once per
-    optimizer step, without one."""
-    made = type(optimizer(probe_parameters()))
-    closure = inspect.signature(made.step).parameters.get("closure")
+def check_optimizer(optimizer: OptimizerFactory) -> None:
+    """Raise ValueError where ``optimizer`` (tried on :func:`probe_parameters`) builds no
+    optimizer (nothing with ``param_groups`` and ``step``), or one whose ``step`` needs a
+    closure (LBFGS evaluates the loss several times a step): each rank steps its optimizer
+    once per optimizer step, without one."""
+    made = optimizer(probe_parameters())
+    if not (hasattr(made, "param_groups") and callable(getattr(made, "step", None))):
+        raise ValueError(f"optimizer returned {type(made).__name__}, not an optimizer: the "
+                         "factory takes a rank's parameters and returns its optimizer, e.g. "
+                         "lambda params: torch.optim.AdamW(params, lr=1e-3)")
+    try:
+        closure = inspect.signature(type(made).step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step whose signature cannot be read
+        return
     if closure is not None and closure.default is inspect.Parameter.empty:
-        raise ValueError(f"optimizer returned {made.__name__}, whose step needs a closure that "
-                         "computes the loss again (several forwards and backwards a step); "
-                         "each rank steps its optimizer once per step on the gradients the "
-                         "pipeline made: use a first-order optimizer (SGD, Adam, AdamW, ...)")
+        raise ValueError(f"optimizer returned {type(made).__name__}, whose step needs a "
+                         "closure that computes the loss again (several forwards and "
+                         "backwards a step); each rank steps its optimizer once per step on "
+                         "the gradients the pipeline made: use a first-order optimizer (SGD, "
+                         "Adam, AdamW, ...)")
 
 
 def check_scheduler(made: Any) -> None:
