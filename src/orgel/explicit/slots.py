@@ -50,17 +50,15 @@ class GraphCall(torch.autograd.Function):
         # an error's frames) made a cycle through autograd that Python cannot collect
         ctx.pipe, ctx.slot, ctx.c, ctx.count = weakref.ref(pipe), weakref.ref(slot), c, len(values)
         call = pipe.glue.calls[c]
-        layouts = call.layouts or (None,) * call.outputs
         outs = tuple(t if isinstance(t, LazyOutput)  # (read when used)
                      else t.clone() if layout is None else layout.copy(t)
-                     for t, layout in zip(pipe._run(slot, c, inputs, values), layouts,
+                     for t, layout in zip(pipe._run(slot, c, inputs, values), call.layouts,
                                           strict=True))
         # differentiable as at capture: a frame after this call meets what Dynamo compiled
         # it for (an output that needed no gradient there, a mask or a rotary table, needs
         # none here; it would compile the frame again, in the middle of a step)
-        captured = call.differentiable or (True,) * len(outs)
         ctx.floating = [grad and t.is_floating_point() and d
-                        for t, d in zip(outs, captured, strict=True)]
+                        for t, d in zip(outs, call.differentiable, strict=True)]
         # an output the loss does not reach gets None, not zeros: the last graph's go to the
         # loss rank as they are, so what only they read keeps no gradient, as in one process
         ctx.set_materialize_grads(False)

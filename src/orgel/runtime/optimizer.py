@@ -73,7 +73,7 @@ def check_loop_options(*, optimizer: OptimizerFactory, scheduler: Any, lr: Any,
         if isinstance(first, bool) or not isinstance(first, int | float):
             raise ValueError(f"lr(0) returned {first!r}: lr must return the learning rate of "
                              "a step as a float")
-    check_optimizer(optimizer)
+    made = check_optimizer(optimizer)
     if scheduler is not None:
         if not callable(scheduler):
             raise ValueError("scheduler must be a function optimizer -> "
@@ -81,13 +81,12 @@ def check_loop_options(*, optimizer: OptimizerFactory, scheduler: Any, lr: Any,
                              "torch.optim.lr_scheduler.LambdaLR(opt, warmup)")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            made = scheduler(optimizer(probe_parameters()))
-        check_scheduler(made)
+            check_scheduler(scheduler(made))
 
 
-def check_optimizer(optimizer: OptimizerFactory) -> None:
-    """Raise ValueError where ``optimizer`` (tried on :func:`probe_parameters`) builds no
-    optimizer (nothing with ``param_groups`` and ``step``), or one whose ``step`` needs a
+def check_optimizer(optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+    """The optimizer ``optimizer`` builds over :func:`probe_parameters`; ValueError where it
+    builds none (nothing with ``param_groups`` and ``step``), or one whose ``step`` needs a
     closure (LBFGS evaluates the loss several times a step): each rank steps its optimizer
     once per optimizer step, without one."""
     made = optimizer(probe_parameters())
@@ -98,13 +97,14 @@ def check_optimizer(optimizer: OptimizerFactory) -> None:
     try:
         closure = inspect.signature(type(made).step).parameters.get("closure")
     except (TypeError, ValueError):  # a step whose signature cannot be read
-        return
+        return made
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise ValueError(f"optimizer returned {type(made).__name__}, whose step needs a "
                          "closure that computes the loss again (several forwards and "
                          "backwards a step); each rank steps its optimizer once per step on "
                          "the gradients the pipeline made: use a first-order optimizer (SGD, "
                          "Adam, AdamW, ...)")
+    return made
 
 
 def check_scheduler(made: Any) -> None:
