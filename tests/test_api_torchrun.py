@@ -244,6 +244,12 @@ pipe.close()
 pipe = orgel.load(out, copy.deepcopy(initial), (x,), y, F.mse_loss, timeout_s=60,
                   optimizer=sgd)                 # resumed in the same processes
 losses.append(pipe.step((x,), y))
+sharded = []
+for call in (pipe.step, pipe.evaluate):  # a batch per process: refused on every process
+    try:
+        call((x.roll(int(os.environ["RANK"]), 0),), y)
+    except ValueError as exc:
+        sharded.append(str(exc))
 evaluated = pipe.evaluate((x,), y)
 
 
@@ -281,7 +287,8 @@ mine = model.state_dict()
 diff = state_gap(mine, reference.state_dict())
 with open(os.path.join(out, f"glued{os.environ['RANK']}.json"), "w") as f:
     json.dump({"losses": losses, "ref": ref_losses, "diff": diff, "steps": pipe.steps,
-               "eval": [evaluated, ref_eval], "kind": type(pipe).__name__}, f)
+               "eval": [evaluated, ref_eval], "kind": type(pipe).__name__,
+               "sharded": sharded}, f)
 pipe.close()
 orgel.launch.processes.leave_group()             # what orgel does at exit, now
 with open(os.path.join(out, f"threads{os.environ['RANK']}.json"), "w") as f:
@@ -294,7 +301,8 @@ with open(os.path.join(out, f"threads{os.environ['RANK']}.json"), "w") as f:
 def test_a_forward_of_several_graphs_trains_under_torchrun(torchrun_part: Path) -> None:
     """A Python branch between two graphs, under torchrun: process 0 runs the controller
     beside its rank, process 1 serves it. Trained, saved, closed, resumed in the same
-    processes, evaluated; the controller's own error (its ``loss_fn``) then ends both
+    processes, evaluated; a batch per process refused in step and evaluate on both
+    processes; the controller's own error (its ``loss_fn``) then ends both
     processes' step, named, without a hang, every rank drops it and the next step trains:
     copied into each process's model, as one process trains. Run after the pool's other
     parts (it ends the process group), the sharded and tensor-parallel ones included, so
@@ -306,6 +314,9 @@ def test_a_forward_of_several_graphs_trains_under_torchrun(torchrun_part: Path) 
         assert result["diff"] < 1e-5 and result["steps"] == 3, result
         assert result["eval"][0] == pytest.approx(result["eval"][1], rel=1e-5), result
         kinds.add(result["kind"])
+        assert [s.split(" (")[0] for s in result["sharded"]] == [
+            "pipe.step got another batch on process 1 than on process 0",
+            "pipe.evaluate got another batch on process 1 than on process 0"], result
     assert kinds == {"Leading", "Follower"}
     for rank in (0, 1):  # process 0's error, raised on both
         error = (torchrun_part / f"error{rank}.txt").read_text()

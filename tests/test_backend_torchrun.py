@@ -41,6 +41,11 @@ def closure(x, y):
 
 (x,) = inputs
 got = [sum(pipe.step(closure, x, targets)) for _ in range(2)]
+try:  # each process its own batch, as a DistributedSampler gives it: refused on every one
+    pipe.step(closure, x.roll(int(os.environ["RANK"]), 0), targets)
+    sharded = ""
+except ValueError as exc:
+    sharded = str(exc)
 state = pipe.state_dict()
 folder = pipe.save(sys.argv[1])
 with torch.no_grad():
@@ -83,7 +88,8 @@ for _ in range(3):
 diff = state_gap(state, reference.state_dict())
 with open(f"{sys.argv[1]}/result{os.environ['RANK']}.json", "w") as f:
     json.dump({"got": got, "want": want, "diff": diff, "steps": pipe.steps, "eval": evaluated,
-               "ref_eval": ref_eval, "folder": str(folder), "error": error}, f)
+               "ref_eval": ref_eval, "folder": str(folder), "error": error,
+               "sharded": sharded}, f)
 '''
 
 
@@ -98,6 +104,8 @@ def _check(out: Path, processes: int, options: dict[str, Any]) -> None:
         assert result["folder"] == str(out / "step-00000002")
         # every process raises the closure's error (process 0's closure)
         assert "ValueError: the closure of step 3 fails" in result["error"], (rank, result)
+        assert result["sharded"].startswith("pipe.step got another batch on process"), result
+        assert "(input 'argument 0' differ)" in result["sharded"], result
 
 
 @pytest.mark.xdist_group("torchrun-pool")
@@ -110,7 +118,8 @@ def test_orgel_backend_trains_under_torchrun_as_one_process(
     """Three steps match one process on every process (losses, every weight, an evaluation
     outside step on the trained values); one checkpoint folder; a closure that raises on
     process 0 raises on every process, every rank drops that step, and the next step trains
-    as one process's third; nothing hangs. In float16
+    as one process's third; nothing hangs. A batch per process is refused on every process
+    before the closures run. In float16
     the closures scale their losses (``pipe.scale``) as GradScaler does in one process."""
     _check(torchrun_part, 2, options)
 

@@ -17,7 +17,9 @@ in every other plan.
 
 Call the pipeline's methods on every process, in the same order (as every torchrun
 pipeline asks); a follower that calls another method than process 0 is told so.
-Process 0's batch is the one trained: pass the same batch on every process.
+Process 0's batch is the one trained: pass the same batch on every process (process 0
+compares every follower's with its own before a step or an evaluation begins, and refuses a
+difference on every process: :meth:`Leads.same_batch`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from orgel.batching import Targets, check_same_everywhere, fingerprint
 from orgel.explicit.closures import ClosurePipeline
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.mailbox import connect, pipe_here
@@ -173,6 +176,20 @@ class JobGroup(LocalGroup):
         dist.barrier()  # the next pipeline in these processes starts together
         gc.collect()  # what this rank's engine held (its thread has ended) is freed now
 
+    def batches(self, call: str, mine: Any) -> list[Any]:
+        """Every process's fingerprint of the batch it passed to ``call`` (``mine``: process
+        0's), asked of the followers (:meth:`Follower._follow` answers). A follower inside
+        another call, or gone, counts as equal here: the call's end tells it."""
+        self.tell(("__batch__",))
+        found = [mine]
+        for conn in self._conns[1:]:
+            try:
+                kind, theirs, value = conn.recv() if conn.poll(self.timeout_s) else ("", "", 0)
+            except (EOFError, OSError):
+                kind, theirs, value = "", "", 0
+            found.append(value if (kind, theirs) == ("batch", call) else mine)
+        return found
+
     def tell(self, message: tuple[Any, ...]) -> None:
         """Send ``message`` to every follower (one that is gone hears nothing)."""
         for conn in self._conns[1:]:
@@ -256,6 +273,17 @@ class Leads(Pipeline):
     def _shared(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.shared}
 
+    def same_batch(self, inputs: dict[str, Any], targets: Targets, call: str) -> None:
+        """Refuse (ValueError, raised by every follower too) a batch some follower passed to
+        ``call`` that is not this process's: process 0's batch is the one trained, and a
+        batch per process (a DistributedSampler's shard) would train on one process's."""
+        check_same_everywhere(lambda mine: self._ranks.batches(call, mine), inputs, targets,
+                              call)
+
+    def _check_batch(self, named: dict[str, Any], targets: Any, call: str) -> None:
+        super()._check_batch(named, targets, call)
+        self.same_batch(named, targets, call)
+
     def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
         return self._lead("step", lambda: super(Leads, self).step(inputs, targets,
                                                                      outputs=outputs))
@@ -313,12 +341,6 @@ class LeadingClosures(Leads, ClosurePipeline):
     shared = SHARED
 
 
-class LeadingRanks(Leads):
-    """Process 0's pipeline of ``orgel.backend``'s ranks under torchrun (its closures run
-    here; :class:`orgel.transparent.backend.Backend` tells the followers each step's
-    outcome with :meth:`Leads.told`)."""
-
-
 # -- every other process ----------------------------------------------------------------------
 
 class Follower(Pipeline):
@@ -344,18 +366,23 @@ class Follower(Pipeline):
     def closed(self) -> bool:
         return self._engine is None
 
-    def _follow(self, name: str) -> Any:
-        """Serve until process 0's ``name`` ends; what it returned."""
+    def _follow(self, name: str, batch: Any = None) -> Any:
+        """Serve until process 0's ``name`` ends; what it returned. ``batch``: the
+        fingerprint of the batch this process passed (process 0 asks for it)."""
         from orgel.graph import glue
 
         if self.closed:
             raise WorkerError("the pipeline is closed; create a new pipeline", -1)
-        try:
-            message = serve(self._engine, self._conn, idle_s=self._timeout_s)
-        except TimeoutError as exc:
-            raise WorkerError(f"process 0 gave this process no work within "
-                              f"{self._timeout_s:g} s of pipe.{name}: call the pipeline's "
-                              "methods on every process, in the same order", 0) from exc
+        while True:
+            try:
+                message = serve(self._engine, self._conn, idle_s=self._timeout_s)
+            except TimeoutError as exc:
+                raise WorkerError(f"process 0 gave this process no work within "
+                                  f"{self._timeout_s:g} s of pipe.{name}: call the pipeline's "
+                                  "methods on every process, in the same order", 0) from exc
+            if message[0] != "__batch__":
+                break
+            self._conn.send(("batch", f"pipe.{name}", batch))
         kind = message[0]
         if kind in ("__return__", "__raise__"):
             got, value, shared = message[1:]
@@ -379,11 +406,20 @@ class Follower(Pipeline):
         raise WorkerError(f"process 0 stopped the pipeline during pipe.{name} ({why})", 0)
 
     def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
-        """Process 0's step (its batch is the one trained); its loss."""
-        return self._follow("step")
+        """Process 0's step (its batch is the one trained, and must be this one); its loss."""
+        return self._follow("step", self._fingerprint(inputs, targets))
 
     def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
-        return self._follow("evaluate")
+        return self._follow("evaluate", self._fingerprint(inputs, targets))
+
+    def _fingerprint(self, inputs: Any, targets: Any) -> Any:
+        """This batch as process 0 fingerprints its own (:meth:`Leads.same_batch`)."""
+        from orgel.workload import named_inputs
+
+        try:
+            return fingerprint(named_inputs(self._model, inputs), targets)
+        except Exception as exc:  # noqa: BLE001 - a batch process 0's differs from anyway
+            return [(f"a batch that cannot be read ({type(exc).__name__})", (), "", 0.0)]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self._follow("state_dict"))

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from orgel.batching import fingerprint
 from orgel.graph.glue_sizes import mark_fixed_ints
 from orgel.launch.errors import WorkerError
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
@@ -208,14 +209,21 @@ class Backend(RunningPipeline, FindsGraphs):
             pieces, _ = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated,
                                     self.dp)
             self._find_graphs(closure, pieces)
-        return self.pipe._follow("step")
+        return self.pipe._follow("step", fingerprint(_arguments(batch), None))
 
     def _step(self, closure: Callable[..., Any], batch: tuple[Any, ...]) -> list[Any]:
         pieces, rows = slice_batch(batch, self.microbatches, self.batch_dim, self.replicated,
                                    self.dp)
         if self.pipe is None:  # the first step: find the graphs, start the ranks
             self._find_graphs(closure, pieces)
+        if hasattr(self.pipe, "same_batch"):  # process 0 of a torchrun job: every process's
+            self.pipe.same_batch(_arguments(batch), None, "pipe.step")  # batch is this one
         return self.pipe.step_closures(closure, pieces, rows)
+
+
+def _arguments(batch: tuple[Any, ...]) -> dict[str, Any]:
+    """``step``'s batch arguments by name, as a torchrun job compares them."""
+    return {f"argument {i}": value for i, value in enumerate(batch)}
 
 
 def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactory | None = None,
