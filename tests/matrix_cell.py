@@ -1,7 +1,8 @@
 """One cell of the composition matrix: a training script as people write it, and one process.
 
 ``python matrix_cell.py SPECS OUT`` (or the same under torchrun) trains a small Hugging Face
-Qwen2 on padded batches through one entry point of orgel with the features ``SPEC`` names,
+Qwen2 on padded batches (a data collator's ``BatchEncoding``s) through one entry point of orgel
+with the features ``SPEC`` names,
 then trains a copy the same way in this one process, and writes what it saw to
 ``OUT/NAME/result{rank}.json``: the losses of both, the largest weight difference, or the error
 orgel raised (its type and message). ``tests/test_matrix.py`` runs the cells.
@@ -77,18 +78,31 @@ class CheckedLoss(torch.nn.Module):
         return out
 
 
-def batch(step: int, length: int) -> dict[str, torch.Tensor]:
-    """Right-padded rows of 3 to ``length`` tokens; labels -100 on the padding."""
+def batch(step: int, length: int) -> Any:
+    """Rows of 3 to ``length`` tokens as a Hugging Face data collator gives them: a
+    ``BatchEncoding`` (not a dict), right-padded, labels -100 on the padding."""
     g = torch.Generator().manual_seed(step)
     ids = torch.randint(1, VOCAB, (ROWS, length), generator=g)
     lengths = torch.randint(3, length + 1, (ROWS,), generator=g)
     lengths[0] = length
-    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
-    ids = ids * mask
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    rows = [{"input_ids": row[:n].tolist()} for row, n in zip(ids, lengths, strict=True)]
+    return collator()(rows)
 
 
-def batches(features: set[str]) -> list[dict[str, torch.Tensor]]:
+def collator() -> Any:
+    """``DataCollatorForLanguageModeling(mlm=False)`` of a word-level tokenizer made here
+    (token 0 pads)."""
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[PAD]")),
+        pad_token="[PAD]", padding_side="right")
+    return DataCollatorForLanguageModeling(tokenizer, mlm=False, return_tensors="pt")
+
+
+def batches(features: set[str]) -> list[Any]:
     steps = STEPS * (2 if "accumulate" in features else 1)
     return [batch(i, 16 if "length" in features and i % 2 else 10) for i in range(steps)]
 
@@ -224,11 +238,10 @@ def run_backend(features: set[str], data: list[dict[str, torch.Tensor]], out: Pa
 
     pipe, compiled = start()
 
-    def closure(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                total: int) -> torch.Tensor:
+    def closure(piece: Any, total: int) -> torch.Tensor:  # the batch's rows, as it came
         with torch.autocast("cpu", torch.bfloat16, enabled=around):
-            out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
-        loss = out.loss * counted(labels) / total
+            out = compiled(**piece)
+        loss = out.loss * counted(piece["labels"]) / total
         loss.backward()
         return loss.detach()
 
@@ -240,7 +253,7 @@ def run_backend(features: set[str], data: list[dict[str, torch.Tensor]], out: Pa
             pipe, compiled = start()
             pipe.load(out / "checkpoints")
         total = counted(b["labels"])
-        parts = pipe.step(closure, b["input_ids"], b["attention_mask"], b["labels"], total)
+        parts = pipe.step(closure, b, total)
         losses.append(sum(float(x) for x in parts))
     result = {"losses": losses, "state": pipe.state_dict()}
     if "evaluate" in features:  # as people evaluate a compiled model: eval mode, no_grad

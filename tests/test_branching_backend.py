@@ -107,6 +107,34 @@ def test_closures_taking_either_arm_of_a_branch_train_exactly(options: Any) -> N
     _same(got, want)
 
 
+class Gained(MeanBranch):
+    """A buffer outside the state dict (``persistent=False``, as a rotary embedding's
+    ``inv_freq``) read after the branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.tensor(1.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = self.up(h) if h.mean() > 0 else self.down(h)  # a graph break
+        return self.head(torch.relu(h) * self.gain)
+
+
+@pytest.mark.slow
+def test_a_closure_off_the_graphs_reads_a_buffer_outside_the_state_dict() -> None:
+    """A micro-batch that leaves at the second graph runs it here, on the ranks' values:
+    a non-persistent buffer that graph reads is the copy's too (it failed with KeyError)."""
+    torch.manual_seed(0)
+    model = Gained()
+    batches = _arms(model, [(True, False), (True, True)], 2)
+    want_losses, want = _reference(copy.deepcopy(model), batches, _closure_for)
+    losses, got, left = _train(model, batches, _closure_for)
+    assert left == [[1], []]
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)
+
+
 class Plain(MeanBranch):
     """No branch: the compiled model is one graph."""
 

@@ -24,14 +24,26 @@ TARGETS = "targets"
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in ``value`` (nested tuples, lists and dicts), in order."""
+    """The tensors in ``value`` (nested tuples, lists and mappings), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensors_in(v)]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return [t for v in value.values() for t in tensors_in(v)]
     return []
+
+
+def same_kind(like: Mapping[str, Any], items: dict[str, Any]) -> Mapping[str, Any]:
+    """``items`` as a mapping of ``like``'s type: a dict, or a Hugging Face ``BatchEncoding``
+    (which a data collator returns, and whose pieces a closure may read as attributes);
+    a plain dict where that type cannot be made from one."""
+    if type(like) is dict:
+        return items
+    try:
+        return type(like)(items)  # type: ignore[call-arg]
+    except Exception:  # noqa: BLE001 - a mapping type of its own constructor
+        return items
 
 
 class WorkloadError(ValueError):
@@ -174,9 +186,9 @@ def split_batch(value: Any, sizes: list[int], dim: int, batch: int) -> list[Any]
     if isinstance(value, (tuple, list)):
         parts = [split_batch(v, sizes, dim, batch) for v in value]
         return [type(value)(p[i] for p in parts) for i in range(m)]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         parts_d = {k: split_batch(v, sizes, dim, batch) for k, v in value.items()}
-        return [{k: p[i] for k, p in parts_d.items()} for i in range(m)]
+        return [same_kind(value, {k: p[i] for k, p in parts_d.items()}) for i in range(m)]
     return [value] * m
 
 
@@ -216,8 +228,9 @@ def share(value: Any, replica: int, replicas: int, dim: int, rows: int) -> Any:
         return value.narrow(dim, start, stop - start)
     if isinstance(value, (list, tuple)):
         return type(value)(share(v, replica, replicas, dim, rows) for v in value)
-    if isinstance(value, dict):
-        return {k: share(v, replica, replicas, dim, rows) for k, v in value.items()}
+    if isinstance(value, Mapping):
+        return same_kind(value, {k: share(v, replica, replicas, dim, rows)
+                                 for k, v in value.items()})
     return value
 
 

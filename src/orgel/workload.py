@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,8 +156,11 @@ def named_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]
 
 
 def given_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
-    """The workload's own inputs by keyword: positional ones named by ``forward``'s signature."""
-    if isinstance(inputs, dict):
+    """The workload's own inputs by keyword: positional ones named by ``forward``'s signature.
+
+    Any mapping is a batch by keyword: a dict, or the ``BatchEncoding`` that a Hugging Face
+    tokenizer or data collator (``DataCollatorWithPadding``) returns."""
+    if isinstance(inputs, Mapping):
         return dict(inputs)
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)

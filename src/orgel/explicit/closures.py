@@ -5,8 +5,9 @@ the Python around and between its graphs (:class:`ClosurePipeline`), as the cont
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,8 +26,23 @@ from orgel.precision import ambient_autocast
 def closure_tensors(args: list[Any]) -> dict[str, torch.Tensor]:
     """A closure's tensor arguments by the names the joined graphs of a forward with graph
     breaks give them (``arg<i>``, ``i`` the position), whose sizes those graphs read
-    (:func:`orgel.graph.glue_sizes.size_roles`)."""
-    return {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    (:func:`orgel.graph.glue_sizes.size_roles`); a tensor inside an argument (a Hugging
+    Face batch, a dict or ``BatchEncoding``; a list) is named by its path, ``arg0_input_ids``."""
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif isinstance(value, (tuple, list)):
+            for j, v in enumerate(value):
+                walk(f"{name}_{j}", v)
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(f"{name}_{re.sub(r'[^0-9A-Za-z_]', '_', str(k))}", v)
+
+    for i, a in enumerate(args):
+        walk(f"arg{i}", a)
+    return found
 
 
 class ClosurePipeline(GluedPipeline):
@@ -123,7 +139,8 @@ class ClosurePipeline(GluedPipeline):
                 self._copy_hooks = [p.register_hook(self._keeper(name))
                                     for name, p in copy.named_parameters()
                                     if p.requires_grad and name not in self._eager]
-        state = copy.state_dict(keep_vars=True)
+        state = dict([*copy.named_parameters(remove_duplicate=False),  # and the buffers
+                      *copy.named_buffers(remove_duplicate=False)])  # state_dict leaves out
         local = [state[self._stand_for[id(a)]] if isinstance(a, torch.Tensor)
                  and id(a) in self._stand_for else a for a in args]
         buffers = {id(b): b._version for b in copy.buffers()}

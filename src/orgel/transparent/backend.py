@@ -260,8 +260,11 @@ def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactor
     ``replicated``: positions of ``step``'s batch arguments (0 is the first after the
     closure) that every closure gets whole, such as class weights ``[C]`` whose size
     happens to be the batch size; arguments without the batch dimension (a 0-dim
-    tensor, a Python number) go whole anyway. Every other tensor argument is cut along
-    ``batch_dim``, and all of them must have the same size there (the batch size).
+    tensor, a Python number) go whole anyway. Every other tensor argument, and every tensor
+    inside an argument that is a dict, list or ``BatchEncoding`` (a Hugging Face batch,
+    passed whole: ``pipe.step(closure, batch)`` and ``compiled(**batch)`` in the closure),
+    is cut along ``batch_dim``, and all of them must have the same size there (the batch
+    size).
 
     Under torchrun, ``ranks`` is the job's process count: process 0 runs the closures on
     its batch and every other process's ``step`` follows it (:mod:`orgel.transparent.job`);

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from orgel import guard
+from orgel.explicit.closures import closure_tensors
 from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue import RETURNS_SIZE, returns_size
 from orgel.graph.glue_sizes import capture_settings, size_values
@@ -156,7 +157,7 @@ class FindsGraphs:
         from torch._dynamo.exc import TorchDynamoException
 
         self._pieces = pieces
-        self._glue_values = size_values({str(i): a for i, a in enumerate(pieces[0])})
+        self._glue_values = size_values(closure_tensors(pieces[0]))
         try:
             self._find(closure, pieces[0])
             self._use_found()

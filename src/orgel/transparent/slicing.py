@@ -37,7 +37,7 @@ def slice_batch(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[
     ranks' replicas, ``dp`` closures side by side per micro-batch of theirs (a batch of
     fewer rows than ``m`` is refused).
     """
-    from orgel.batching import batch_rows, micro_sizes, split_microbatches
+    from orgel.batching import batch_rows, micro_sizes, split_microbatches, tensors_in
     from orgel.workload import WorkloadError
 
     beyond = [i for i in replicated if i >= len(batch)]
@@ -47,8 +47,8 @@ def slice_batch(batch: tuple[Any, ...], m: int, dim: int = 0, replicated: tuple[
                          "(positions count from 0 after the closure)")
     named = {argument_name(i): arg for i, arg in enumerate(batch)}
     whole = tuple(argument_name(i) for i in replicated)
-    if not any(isinstance(a, torch.Tensor) and a.dim() > dim
-               for i, a in enumerate(batch) if i not in replicated):
+    if not any(t.dim() > dim for i, a in enumerate(batch) if i not in replicated
+               for t in tensors_in(a)):
         return [list(batch) for _ in range(m)], m
     try:
         rows = batch_rows(named, None, dim, whole)
