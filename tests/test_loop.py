@@ -317,6 +317,11 @@ def test_loop_options_are_refused_in_the_caller() -> None:
     # a factory that returns no optimizer failed inside a rank ("no attribute param_groups")
     with pytest.raises(ValueError, match="optimizer returned list, not an optimizer"):
         orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn, optimizer=list)
+    # an optimizer over the caller's model.parameters(), not the rank's: under torchrun the
+    # stages are copies, and it trained nothing
+    with pytest.raises(ValueError, match="over 29 tensors it was not given"):
+        orgel.pipeline(w.model, w.inputs, w.targets, w.loss_fn,
+                       optimizer=lambda params: torch.optim.SGD(w.model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="lr must be a function step -> learning rate"):
         start(lr=0.1)
     with pytest.raises(ValueError, match="accumulate must be a positive int"):

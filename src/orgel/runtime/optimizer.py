@@ -89,11 +89,22 @@ def check_optimizer(optimizer: OptimizerFactory) -> torch.optim.Optimizer:
     builds none (nothing with ``param_groups`` and ``step``), or one whose ``step`` needs a
     closure (LBFGS evaluates the loss several times a step): each rank steps its optimizer
     once per optimizer step, without one."""
-    made = optimizer(probe_parameters())
+    given = probe_parameters()
+    made = optimizer(given)
     if not (hasattr(made, "param_groups") and callable(getattr(made, "step", None))):
         raise ValueError(f"optimizer returned {type(made).__name__}, not an optimizer: the "
                          "factory takes a rank's parameters and returns its optimizer, e.g. "
                          "lambda params: torch.optim.AdamW(params, lr=1e-3)")
+    ids = {id(p) for p in given}
+    foreign = [p for g in made.param_groups for p in g["params"] if id(p) not in ids]
+    if foreign:
+        raise ValueError(
+            f"the optimizer factory built an optimizer over {len(foreign)} tensors it was not "
+            f"given (the first of shape {tuple(foreign[0].shape)}): each rank calls it with the "
+            "parameters of its own stages, which are not your model's (model.parameters() "
+            "there is not what the rank trains); build it over the parameters the factory "
+            "gets, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3), grouping them by "
+            "params.named() where you group by model.named_parameters()")
     try:
         closure = inspect.signature(type(made).step).parameters.get("closure")
     except (TypeError, ValueError):  # a step whose signature cannot be read
