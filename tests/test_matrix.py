@@ -1,7 +1,8 @@
 """The composition matrix: every feature on every entry point, against one process.
 
 Each cell is a training script as people write it (``tests/matrix_cell.py``: a Hugging
-Face Qwen2 on right-padded batches whose labels are -100 on the padding, the model's own
+Face Qwen2 on right-padded batches from a data collator (``BatchEncoding``s) whose labels
+are -100 on the padding, the model's own
 ``outputs.loss``, AdamW) run through one entry point of orgel with one feature or a pair,
 and the same training in one process over the same micro-batches. A cell is exact (the
 losses and every weight as one process has them, bf16-mixed too; a bf16-mixed cell with
@@ -92,7 +93,8 @@ def _in_process(entry: str, cell: str, out: Path) -> dict[str, Any]:
 
 
 # one worker runs the local cells: the later ones reuse the first one's trace of Qwen2
-# (orgel.graph.reuse), which a backend cell's torch._dynamo.reset() would drop
+# (orgel.graph.reuse), which a backend cell's torch._dynamo.reset() (matrix_cell.run_cell)
+# would drop
 @pytest.mark.xdist_group("matrix-local")
 @pytest.mark.parametrize("cell", FEATURES + PAIRS)
 def test_local(cell: str, tmp_path: Path) -> None:
