@@ -177,3 +177,57 @@ def test_padded_batches_train_as_one_process_with_tp_fsdp_and_a_tied_model(
         state = pipe.state_dict()
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     _compare(state, one.state_dict())
+
+
+def _distilled(logits: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Distillation as people write it: KL to the teacher's distribution per token, a mean
+    over the tokens the attention mask keeps."""
+    import torch.nn.functional as F
+
+    kl = F.kl_div(F.log_softmax(logits.logits, -1), F.log_softmax(targets["teacher"], -1),
+                  log_target=True, reduction="none").sum(-1)
+    return (kl * targets["mask"]).sum() / targets["mask"].sum()
+
+
+def test_a_distillation_loss_over_the_masked_tokens_trains_as_one_process() -> None:
+    """Targets of a teacher's logits and the attention mask (an integer tensor that is no
+    labels: the loss rule's trial had set it to -100 and the weight function ``loss_rule``
+    gave a negative weight), weighed by ``loss_rule`` = the tokens each piece keeps."""
+    teacher = _qwen2().eval()
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    data = []
+    for step in range(2):
+        batch = padded_batch(step)
+        del batch["labels"]
+        with torch.no_grad():
+            data.append((batch, {"teacher": teacher(**batch).logits,
+                                 "mask": batch["attention_mask"]}))
+    model = _qwen2()
+    one = copy.deepcopy(model)
+    opt = _sgd(list(one.parameters()))
+    expected = []
+    for batch, targets in data:
+        loss = _distilled(one(**batch), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss))
+    with orgel.pipeline(model, data[0][0], data[0][1], _distilled, ranks=2, microbatches=2,
+                        optimizer=_sgd, schedule="1f1b",
+                        loss_rule=lambda inputs, t: t["mask"].sum()) as pipe:
+        losses = [pipe.step(batch, targets) for batch, targets in data]
+        state = pipe.state_dict()
+    assert losses == pytest.approx(expected, rel=1e-5)
+    _compare(state, one.state_dict())
+
+
+def test_the_labels_a_loss_counts_are_not_an_attention_mask() -> None:
+    from orgel.lossweights import labels_of
+
+    labels, mask = torch.tensor([[1, -100]]), torch.tensor([[1, 0]])
+    assert labels_of({}, {"mask": mask, "labels": labels}) is labels
+    assert labels_of({}, {"teacher": torch.ones(1, 2), "attention_mask": mask}) is None
+    assert labels_of({}, (mask, labels)) is mask  # unnamed: the first, as before
+    assert labels_of({"labels": labels}, {"mask": mask}) is labels

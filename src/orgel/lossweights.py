@@ -78,11 +78,18 @@ class LossRuleError(WorkloadError):
 
 
 def labels_of(inputs: dict[str, Any], targets: Any) -> torch.Tensor | None:
-    """The tensor whose items the loss counts: the first integer tensor of ``targets``,
-    else the model input ``labels`` when it is an integer tensor; None when neither."""
-    for t in pytree.tree_leaves(targets):
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and not t.is_floating_point():
-            return t
+    """The tensor whose items the loss counts: the integer tensor of ``targets`` named
+    ``label...`` where the targets name theirs, else the first integer tensor of
+    ``targets`` not named ``...mask...`` (an attention mask beside a distillation's teacher
+    logits is no labels), else the model input ``labels`` when it is an integer tensor;
+    None when none is."""
+    found = [(pytree.keystr(path).lower(), t)
+             for path, t in pytree.tree_flatten_with_path(targets)[0]
+             if isinstance(t, torch.Tensor) and t.dim() > 0 and not t.is_floating_point()]
+    named = [t for name, t in found if "label" in name]
+    plain = [t for name, t in found if "mask" not in name]
+    if named or plain:
+        return (named or plain)[0]
     labels = inputs.get("labels")
     if isinstance(labels, torch.Tensor) and labels.dim() > 0 and not labels.is_floating_point():
         return labels
