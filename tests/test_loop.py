@@ -403,7 +403,8 @@ def test_clipping_with_a_nan_gradient_norm_matches_one_process() -> None:
 def test_a_parameter_unfrozen_after_the_build_is_refused_at_the_next_step() -> None:
     """A fine-tuning recipe that unfreezes a layer after N steps: one process trains it from
     then on, the ranks would not (they train what the pipeline was built with). The step is
-    refused in the caller, saying what to do; frozen again, training goes on exactly."""
+    refused in the caller, saying what to do; frozen again, training goes on exactly. The
+    same for a model switched to eval mode."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     model[0].weight.requires_grad_(False)
@@ -420,6 +421,15 @@ def test_a_parameter_unfrozen_after_the_build_is_refused_at_the_next_step() -> N
                                              r"pipe.copy_to\(model\)"):
             pipe.step((x,), y)
         model[0].weight.requires_grad_(False)
+        # a model left in eval mode (after the user's own evaluation): one process would
+        # train in eval mode, the ranks in the mode they were built in
+        model.eval()
+        with pytest.raises(ValueError, match=r"\['Sequential', '0', '1', '2'\] were "
+                                             r"switched between training and eval mode.*"
+                                             r"built in training mode"):
+            pipe.step((x,), y)
+        pipe.evaluate((x,), y)  # evaluates in eval mode whatever the model's
+        model.train()
         pipe.step((x,), y)
         state = pipe.state_dict()
     for _ in range(2):

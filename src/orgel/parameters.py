@@ -8,6 +8,7 @@ tries the factory on :func:`probe_parameters` to count its state.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -41,22 +42,44 @@ def probe_parameters() -> NamedParameters:
         ("bias", torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64)))])
 
 
-def trainable(model: torch.nn.Module) -> dict[str, bool]:
-    """Each of ``model``'s parameters' ``requires_grad``, by name."""
-    return {name: p.requires_grad for name, p in model.named_parameters()}
+class Trains(NamedTuple):
+    """What trains as a pipeline was built: each parameter's ``requires_grad`` and each
+    module's mode (``training``), by name."""
+
+    grads: dict[str, bool]
+    modes: dict[str, bool]
 
 
-def check_trainable(model: torch.nn.Module, built: dict[str, bool]) -> None:
-    """Raise ValueError where the caller froze or unfroze a parameter of ``model`` since a
-    pipeline was built with :func:`trainable` ``built``: its ranks train the set they were
-    built with, where one process would train the new one."""
+def trainable(model: torch.nn.Module) -> Trains:
+    """Which of ``model``'s parameters train, and in which mode each module runs."""
+    return Trains({name: p.requires_grad for name, p in model.named_parameters()},
+                  {name: m.training for name, m in model.named_modules()})
+
+
+def check_trainable(model: torch.nn.Module, built: Trains) -> None:
+    """Raise ValueError where the caller froze or unfroze a parameter of ``model``, or
+    switched a module between training and eval mode, since a pipeline was built with
+    :func:`trainable` ``built``: its ranks train as they were built, where one process
+    would train as the model is now."""
     now = trainable(model)
     if now == built:
         return
-    changed = [name for name, was in built.items() if now.get(name) != was]
+    changed = [name for name, was in built.grads.items() if now.grads.get(name) != was]
+    if changed:
+        raise ValueError(
+            f"the model's parameters {changed[:4]}{' ...' if len(changed) > 4 else ''} were "
+            "frozen or unfrozen (requires_grad) after the pipeline was built, and its ranks "
+            "train the parameters they were built with: to train the new set, carry the "
+            "weights into the model (pipe.copy_to(model)), close this pipeline and build a "
+            "new one from the model as it is now")
+    moved = [name or type(model).__name__ for name, was in built.modes.items()
+             if now.modes.get(name) != was]
+    mode = "training" if built.modes.get("", True) else "eval"
     raise ValueError(
-        f"the model's parameters {changed[:4]}{' ...' if len(changed) > 4 else ''} were "
-        "frozen or unfrozen (requires_grad) after the pipeline was built, and its ranks "
-        "train the parameters they were built with: to train the new set, carry the "
-        "weights into the model (pipe.copy_to(model)), close this pipeline and build a "
-        "new one from the model as it is now")
+        f"the model's modules {moved[:4]}{' ...' if len(moved) > 4 else ''} were switched "
+        "between training and eval mode (model.train()/model.eval()) after the pipeline was "
+        "built, and its ranks train in the mode they were built with, where one process "
+        f"would train in the mode set now: set it back (the model was built in {mode} "
+        "mode) before pipe.step; pipe.evaluate runs in eval mode by itself, whatever the "
+        "model's mode. To train in the new mode, carry the weights into the model "
+        "(pipe.copy_to(model)) and build a new pipeline from it")
