@@ -117,6 +117,13 @@ def test_frozen_text_tower_in_the_closure_matches_single_process() -> None:
                                        rtol=1e-4, atol=1e-5)
         with pytest.raises(RuntimeError, match="only evaluates: call it under torch.no_grad"):
             compiled(text, pixels)
+        # left in eval mode, a step would train as the ranks were built, where one process
+        # trains in eval mode: refused, and back in training mode it trains on
+        with pytest.raises(ValueError, match=r"switched between training and eval mode.*"
+                                             r"call model.train\(\) before the next step"):
+            pipe.step(closure, *_batch(2))
+        compiled.train()
+        assert len(pipe.step(closure, *_batch(2))) == M
     finally:
         pipe.close()
 

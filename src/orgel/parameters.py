@@ -56,22 +56,33 @@ def trainable(model: torch.nn.Module) -> Trains:
                   {name: m.training for name, m in model.named_modules()})
 
 
-def check_trainable(model: torch.nn.Module, built: Trains) -> None:
+#: what to do, by front end: build anew (for a changed set or mode), and how evaluation goes
+AFTER_CHANGE = {
+    "pipeline": ("carry the weights into the model (pipe.copy_to(model)), close this pipeline "
+                 "and build a new one from the model as it is now",
+                 "pipe.evaluate runs in eval mode by itself, whatever the model's mode"),
+    "backend": ("save the state (pipe.save), close the pipeline, and compile the model with a "
+                "new orgel.backend that loads it (pipe.load)",
+                "after evaluating the compiled model in eval mode, call model.train() before "
+                "the next step")}
+
+
+def check_trainable(model: torch.nn.Module, built: Trains, front: str = "pipeline") -> None:
     """Raise ValueError where the caller froze or unfroze a parameter of ``model``, or
     switched a module between training and eval mode, since a pipeline was built with
     :func:`trainable` ``built``: its ranks train as they were built, where one process
-    would train as the model is now."""
+    would train as the model is now. ``front``: the words for ``orgel.pipeline`` or
+    ``orgel.backend`` (:data:`AFTER_CHANGE`)."""
     now = trainable(model)
     if now == built:
         return
+    rebuild, evaluation = AFTER_CHANGE[front]
     changed = [name for name, was in built.grads.items() if now.grads.get(name) != was]
     if changed:
         raise ValueError(
             f"the model's parameters {changed[:4]}{' ...' if len(changed) > 4 else ''} were "
             "frozen or unfrozen (requires_grad) after the pipeline was built, and its ranks "
-            "train the parameters they were built with: to train the new set, carry the "
-            "weights into the model (pipe.copy_to(model)), close this pipeline and build a "
-            "new one from the model as it is now")
+            f"train the parameters they were built with: to train the new set, {rebuild}")
     moved = [name or type(model).__name__ for name, was in built.modes.items()
              if now.modes.get(name) != was]
     mode = "training" if built.modes.get("", True) else "eval"
@@ -80,6 +91,4 @@ def check_trainable(model: torch.nn.Module, built: Trains) -> None:
         "between training and eval mode (model.train()/model.eval()) after the pipeline was "
         "built, and its ranks train in the mode they were built with, where one process "
         f"would train in the mode set now: set it back (the model was built in {mode} "
-        "mode) before pipe.step; pipe.evaluate runs in eval mode by itself, whatever the "
-        "model's mode. To train in the new mode, carry the weights into the model "
-        "(pipe.copy_to(model)) and build a new pipeline from it")
+        f"mode) before pipe.step ({evaluation}). To train in the new mode, {rebuild}")

@@ -54,6 +54,7 @@ import torch
 from orgel.batching import fingerprint
 from orgel.graph.glue_sizes import mark_fixed_ints
 from orgel.launch.errors import WorkerError
+from orgel.parameters import Trains, check_trainable, trainable
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
 from orgel.transparent.finding import FindsGraphs
@@ -107,6 +108,7 @@ class Backend(RunningPipeline, FindsGraphs):
         self._stepping = False  # inside step: graph calls are training (else evaluation)
         self._names: dict[int, str] | None = None  # id -> name in the compiled model
         self._module: torch.nn.Module | None = None  # the compiled module, when one is
+        self._built: Trains | None = None  # its trained set and modes, as the graphs were found
         self._autocast: tuple[str, torch.dtype] | None = None  # around the model (1st step)
         from orgel.precision import autocast_dtype
 
@@ -216,6 +218,9 @@ class Backend(RunningPipeline, FindsGraphs):
                                    self.dp)
         if self.pipe is None:  # the first step: find the graphs, start the ranks
             self._find_graphs(closure, pieces)
+            self._built = None if self._module is None else trainable(self._module)
+        elif self._built is not None and self._module is not None:  # as one process would:
+            check_trainable(self._module, self._built, "backend")  # the first step's set, mode
         if hasattr(self.pipe, "same_batch"):  # process 0 of a torchrun job: every process's
             self.pipe.same_batch(_arguments(batch), None, "pipe.step")  # batch is this one
         return self.pipe.step_closures(closure, pieces, rows)
