@@ -63,6 +63,25 @@ def test_split_batch_cuts_only_what_has_the_batch_size() -> None:
     assert [tuple(p["table"].shape) for p, _ in named] == [(4, 8), (4, 8)]
 
 
+def test_a_data_collators_batch_encoding_is_cut_and_told_apart_as_a_dict() -> None:
+    """A Hugging Face collator's batch is a ``BatchEncoding`` (a mapping, not a dict, and no
+    pytree node): cut as a dict into pieces of its own type (a closure reads ``piece.input_ids``),
+    and fingerprinted by its tensors (a torchrun process's own batch is told apart)."""
+    from transformers import BatchEncoding
+
+    from orgel.batching import fingerprint, share, tensors_in
+
+    batch = BatchEncoding({"input_ids": torch.arange(12).view(4, 3), "n": 3})
+    pieces = split_batch(batch, [2, 2], 0, 4)
+    assert [type(p).__name__ for p in pieces] == ["BatchEncoding"] * 2
+    assert torch.equal(pieces[1].input_ids, batch["input_ids"][2:]) and pieces[1]["n"] == 3
+    assert torch.equal(share(batch, 1, 2, 0, 4)["input_ids"], batch["input_ids"][2:])
+    assert len(tensors_in([batch])) == 1 and batch_size(batch) == 4
+    rolled = BatchEncoding({"input_ids": batch["input_ids"].roll(1, 0), "n": 3})
+    assert fingerprint({"b": batch}, None) != fingerprint({"b": rolled}, None)
+    assert fingerprint({"b": batch}, None) == fingerprint({"b": dict(batch)}, None)
+
+
 def test_a_batch_that_does_not_divide_is_cut_as_tensor_split_in_whole_replica_rows() -> None:
     """A DataLoader's smaller last batch: ``torch.tensor_split``'s sizes; with replicas,
     micro-batch ``i`` is the ``unit`` pieces ``i * unit ...`` of the batch cut so into

@@ -350,7 +350,7 @@ def fingerprint(inputs: dict[str, Any], targets: Targets) -> list[tuple[str, Any
     named = {**{f"input {k!r}": v for k, v in inputs.items()}, "targets": targets}
     found = []
     for name, value in named.items():
-        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+        for path, leaf in pytree.tree_flatten_with_path(_plain(value))[0]:
             if not isinstance(leaf, torch.Tensor):
                 continue
             flat = leaf.detach().reshape(-1)
@@ -360,6 +360,15 @@ def fingerprint(inputs: dict[str, Any], targets: Targets) -> list[tuple[str, Any
             found.append((name + pytree.keystr(path), tuple(leaf.shape), str(leaf.dtype),
                           float((picked * weights).sum())))
     return found
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every mapping a dict (a ``BatchEncoding`` is no pytree node)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 def check_same_everywhere(gather: Any, inputs: dict[str, Any], targets: Targets,
