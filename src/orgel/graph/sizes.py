@@ -317,12 +317,30 @@ def _shapes(inputs: dict[str, tuple[int | str, ...]], bound: dict[Any, tuple[str
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 captured[str(s)] = int((shape_env.var_to_val if hints is None else hints)[s])
         guards = [g.expr for g in shape_env.guards
-                  if g.expr.free_symbols and g.expr.free_symbols <= set(bound)]
+                  if g.expr.free_symbols and g.expr.free_symbols <= set(bound)
+                  and not _layout_only(g)]
         for s in bound:
             vr = shape_env.var_to_range.get(s)
             if vr is not None:
                 ranges[str(s)] = (_bound(vr.lower) or 0, _bound(vr.upper))
     return Shapes(inputs, guards, ranges, symbols, captured)
+
+
+def _layout_only(guard: Any) -> bool:
+    """Whether ``guard`` is a size's ``!= 1`` that an op's own shape logic recorded while
+    Dynamo ran it (its ``run_node``), not a branch of the model's code: whether a slice is
+    contiguous (Hugging Face's causal-LM loss, ``labels[..., 1:].contiguous()``, needs a
+    copy for more than one row). The captured ops compute the same values at 1, where the
+    stages run them again on the real sizes, so a micro-batch of one row (a DataLoader's
+    smaller last batch cut over the micro-batches) is not refused for it. A ``!= 1`` the
+    model's Python compares (``if batch_size == 1``) is Dynamo's ``evaluate_expr``: kept."""
+    expr = guard.expr
+    if getattr(expr, "func", None) is None or expr.func.__name__ != "Unequality" or \
+            not any(a == 1 for a in expr.args):
+        return False
+    where = getattr(getattr(guard, "sloc", None), "framework_loc", None)
+    name = getattr(where, "name", None) or str(where or "")
+    return name == "run_node" or str(name).endswith(" in run_node")
 
 
 def symbolic_shapes(graph: torch.fx.Graph, names: Any) -> dict[str, tuple[Any, ...]]:
