@@ -15,7 +15,8 @@ on the batch without its labels),
 (``tp`` 2 with ``sequence_parallel``),
 ``bf16`` (bf16-mixed), ``meta`` (the model built on the meta device, ``weights=``),
 ``break`` (a graph break in the middle of the forward), ``if_end`` (a Python ``if`` on a
-tensor at the end of ``forward``), ``length`` (the second batch longer), ``resume`` (save
+tensor at the end of ``forward``), ``length`` (the second batch longer), ``last`` (the
+second batch of 3 rows, a DataLoader's last: micro-batches of 2 and 1), ``resume`` (save
 after the first step, ``orgel.load`` into a fresh pipeline), ``tied`` (tied embeddings).
 The base cell of each entry point profiles and plans; every other cell runs a FLOP-balanced
 1F1B chain (``schedule="1f1b"``), so the profiler's time is spent once per entry point. That
@@ -104,7 +105,10 @@ def collator() -> Any:
 
 def batches(features: set[str]) -> list[Any]:
     steps = STEPS * (2 if "accumulate" in features else 1)
-    return [batch(i, 16 if "length" in features and i % 2 else 10) for i in range(steps)]
+    data = [batch(i, 16 if "length" in features and i % 2 else 10) for i in range(steps)]
+    if "last" in features:  # a DataLoader's smaller last batch: micro-batches of 2 and 1 rows
+        data[-1] = type(data[-1])({k: v[:3] for k, v in data[-1].items()})
+    return data
 
 
 def optimizer(params: Any) -> torch.optim.Optimizer:

@@ -32,7 +32,7 @@ from torchrun_job import torchrun
 pytestmark = pytest.mark.slow
 
 FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta", "break",
-            "if_end", "length", "resume", "tied"]
+            "if_end", "length", "last", "resume", "tied"]
 #: (a graph break's capture is the matrix's slowest part, so a break with dp and with a new
 #: length is one cell, dp+break+length, and a break with accumulate is tp+accumulate+break)
 PAIRS = ["tp+bf16", "fsdp+accumulate", "tp+accumulate+break", "tp+length",
