@@ -234,6 +234,13 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
         raise WorkloadError(f"replicated names {unknown} are not inputs of the model; "
                             f"its inputs are {list(named)}")
     for name, value in given_inputs(w.model, w.inputs).items():  # orgel's use_cache aside
+        if isinstance(value, Mapping) and tensors_in(value):
+            raise WorkloadError(
+                f"input {name!r} is a {type(value).__name__} of tensors, and orgel passes the "
+                "model its inputs as tensors by name: take them as keyword arguments (forward("
+                "self, input_ids, attention_mask)) and pass the mapping itself as the batch "
+                f"(orgel.pipeline(model, {name}, ...)), or wrap the model in a module whose "
+                f"forward(self, **{name}) returns model({name})")
         if not isinstance(value, torch.Tensor) and value is not None:
             raise WorkloadError(
                 f"input {name!r} is a {type(value).__name__}; inputs must be tensors "
