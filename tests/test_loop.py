@@ -438,3 +438,24 @@ def test_a_parameter_unfrozen_after_the_build_is_refused_at_the_next_step() -> N
         opt.zero_grad()
     for name, value in one.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_model_built_in_eval_mode_is_warned_and_told_to_switch_before_the_build() -> None:
+    """Hugging Face's ``from_pretrained`` returns a model in eval mode, and a loop calls
+    ``model.train()`` after building the pipeline: the build warns that the model trains as
+    it is (in eval mode, as one process would), and the step after ``model.train()`` is
+    refused saying to call it before the build."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(32, 4)).eval()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss_fn = torch.nn.functional.cross_entropy
+    with pytest.warns(UserWarning, match="the model is in eval mode"):
+        pipe = orgel.pipeline(model, (x,), y, loss_fn, ranks=2, microbatches=2,
+                              schedule="1f1b", threads=1)
+    with pipe:
+        model.train()
+        with pytest.raises(ValueError, match=r"call model.train\(\) before building the "
+                                             r"pipeline.*built from a model in eval mode"):
+            pipe.step((x,), y)

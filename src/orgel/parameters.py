@@ -86,6 +86,9 @@ def check_trainable(model: torch.nn.Module, built: Trains, front: str = "pipelin
     moved = [name or type(model).__name__ for name, was in built.modes.items()
              if now.modes.get(name) != was]
     mode = "training" if built.modes.get("", True) else "eval"
+    if mode == "eval":  # from_pretrained's eval mode, then model.train() as people write it
+        rebuild = (f"call model.train() before building the pipeline (or {rebuild}); the "
+                   "pipeline was built from a model in eval mode, as from_pretrained leaves it")
     raise ValueError(
         f"the model's modules {moved[:4]}{' ...' if len(moved) > 4 else ''} were switched "
         "between training and eval mode (model.train()/model.eval()) after the pipeline was "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,6 +227,13 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
     """
     if not isinstance(w.model, torch.nn.Module):
         raise WorkloadError(f"model must be a torch.nn.Module, got {type(w.model).__name__}")
+    if not w.model.training:
+        warnings.warn(
+            "the model is in eval mode (Hugging Face's from_pretrained leaves it so), and the "
+            "pipeline trains it as it is, as one process would: dropout off, BatchNorm on its "
+            "running statistics; call model.train() before building the pipeline to train in "
+            "training mode (switching it after the build is refused at the next step)",
+            UserWarning, stacklevel=3)
     if not isinstance(microbatches, int) or microbatches < 1:
         raise WorkloadError(f"microbatches must be a positive integer, got {microbatches!r}")
     named = named_inputs(w.model, w.inputs)
