@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 import orgel
@@ -586,3 +587,54 @@ def test_a_closure_off_the_graphs_under_autocast_with_tp_trains_as_one_process()
     assert losses == [pytest.approx(step, rel=2e-2) for step in want_losses]
     worst = {key: relative_diff(got[key], t) for key, t in want.items()}
     assert max(worst.values()) <= 2e-2, worst
+
+
+class NoGradTable(nn.Module):
+    """A table of buffers the model computes under its own ``torch.no_grad()`` in a frame of
+    its own (transformers 4.57's rotary embedding), between two graph breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.arange(16.0) / 16, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return torch.cos(x[:, :1] * self.freq)
+
+
+class WithTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.a, self.b = NoGradTable(), nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h * self.table(x))
+
+
+@pytest.mark.slow
+def test_a_graph_of_buffers_under_the_models_own_no_grad_trains_exactly() -> None:
+    """The first step refused such a model as if the closure had called it under
+    ``torch.no_grad()`` (every break cell of the matrix under transformers 4.57); it trains as
+    one process. A closure that does call it under ``no_grad`` is still told so."""
+    torch.manual_seed(0)
+    model = WithTable()
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+               for _ in range(2)]
+    want_losses, want = _reference(copy.deepcopy(model), batches, _closure_for)
+    losses, got, left = _train(copy.deepcopy(model), batches, _closure_for)
+    assert left == [[], []]
+    assert losses == [pytest.approx(step, rel=1e-5) for step in want_losses]
+    _same(got, want)
+
+    def without_grad(net: Any, _step: int) -> Callable[..., Any]:
+        def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return F.cross_entropy(net(x), y)
+        return closure
+
+    with pytest.raises(RuntimeError, match="closure called the compiled model under torch"):
+        _train(model, batches[:1], without_grad)

@@ -124,7 +124,11 @@ class FindsGraphs:
                   else a.detach().clone() if k == "buffer" else a
                   for a, k in zip(args, kinds, strict=True)]
         if stateful:
-            if not torch.is_grad_enabled():
+            # (a graph of buffers alone may run under the model's own no_grad: transformers
+            # 4.57's rotary embedding; the closure's no_grad leaves every graph without one)
+            trains = any(k == "param" and a.requires_grad for k, a in zip(kinds, args,
+                                                                          strict=True))
+            if trains and not torch.is_grad_enabled():
                 raise RuntimeError(
                     "the first step's closure called the compiled model under "
                     "torch.no_grad(): that step finds the graphs the ranks train, so call "
