@@ -350,7 +350,7 @@ def fingerprint(inputs: dict[str, Any], targets: Targets) -> list[tuple[str, Any
     named = {**{f"input {k!r}": v for k, v in inputs.items()}, "targets": targets}
     found = []
     for name, value in named.items():
-        for path, leaf in pytree.tree_flatten_with_path(_plain(value))[0]:
+        for path, leaf in pytree.tree_flatten_with_path(plain(value))[0]:
             if not isinstance(leaf, torch.Tensor):
                 continue
             flat = leaf.detach().reshape(-1)
@@ -362,13 +362,20 @@ def fingerprint(inputs: dict[str, Any], targets: Targets) -> list[tuple[str, Any
     return found
 
 
-def _plain(value: Any) -> Any:
-    """``value`` with every mapping a dict (a ``BatchEncoding`` is no pytree node)."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_plain(v) for v in value)
-    return value
+def plain(obj: Any) -> Any:
+    """``obj`` with every mapping a dict (a ``BatchEncoding``, a transformers ``ModelOutput``:
+    no pytree node, or not always one) and every list or plain tuple a list, for pytree; a
+    named tuple stays one (pytree names its fields)."""
+    if isinstance(obj, Mapping) or hasattr(obj, "keys") and hasattr(obj, "__getitem__"):
+        try:
+            return {k: plain(obj[k]) for k in obj.keys()}  # noqa: SIM118 - not always a dict
+        except Exception:  # noqa: BLE001 - not a mapping after all
+            return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(plain(x) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return [plain(x) for x in obj]
+    return obj
 
 
 def check_same_everywhere(gather: Any, inputs: dict[str, Any], targets: Targets,

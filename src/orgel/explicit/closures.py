@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from orgel.batching import batch_placeholders
+from orgel.batching import batch_placeholders, plain
 from orgel.explicit.fallback import Deviated, GlueError, check_outside
 from orgel.explicit.glued import GluedPipeline
 from orgel.explicit.lazy import LazyOutput
@@ -27,22 +28,12 @@ def closure_tensors(args: list[Any]) -> dict[str, torch.Tensor]:
     """A closure's tensor arguments by the names the joined graphs of a forward with graph
     breaks give them (``arg<i>``, ``i`` the position), whose sizes those graphs read
     (:func:`orgel.graph.glue_sizes.size_roles`); a tensor inside an argument (a Hugging
-    Face batch, a dict or ``BatchEncoding``; a list) is named by its path, ``arg0_input_ids``."""
-    found: dict[str, torch.Tensor] = {}
-
-    def walk(name: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            found[name] = value
-        elif isinstance(value, (tuple, list)):
-            for j, v in enumerate(value):
-                walk(f"{name}_{j}", v)
-        elif isinstance(value, Mapping):
-            for k, v in value.items():
-                walk(f"{name}_{re.sub(r'[^0-9A-Za-z_]', '_', str(k))}", v)
-
-    for i, a in enumerate(args):
-        walk(f"arg{i}", a)
-    return found
+    Face batch, a dict or ``BatchEncoding``; a list) is named by its path,
+    ``arg0__input_ids__``."""
+    return {f"arg{i}{re.sub(r'[^0-9A-Za-z_]', '_', pytree.keystr(path))}": leaf
+            for i, a in enumerate(args)
+            for path, leaf in pytree.tree_flatten_with_path(plain(a))[0]
+            if isinstance(leaf, torch.Tensor)}
 
 
 class ClosurePipeline(GluedPipeline):

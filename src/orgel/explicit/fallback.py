@@ -60,8 +60,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.batching import plain
 from orgel.graph import glue as glue_mod
-from orgel.graph.glue_capture import _plain
 from orgel.graph.glue_sizes import stretched
 from orgel.graph.opgraph import CaptureError
 from orgel.runtime.pieces import whole_values
@@ -248,7 +248,7 @@ def check_outside(index: int, out: Any, remote: set[int]) -> None:
     Python between graphs and one node per graph call.
     """
     seen: set[Any] = set()
-    todo: list[Any] = [t.grad_fn for t in pytree.tree_leaves(_plain(out))
+    todo: list[Any] = [t.grad_fn for t in pytree.tree_leaves(plain(out))
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while todo:
         fn = todo.pop()

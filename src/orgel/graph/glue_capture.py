@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from orgel.batching import plain
 from orgel.graph.dynamo import (
     dynamo_settings,
     forget_compiled,
@@ -277,7 +278,7 @@ def _eager_parameters(result: Any, model: torch.nn.Module) -> list[str]:
     detached copies, so only code outside every graph (the glue, or a custom autograd Function
     whose backward runs layers again, as Reformer's reversible layers) gives one a gradient.
     The caller restores the gradients (:func:`orgel.guard.untouched`)."""
-    leaves = [t for t in pytree.tree_leaves(_plain(result))
+    leaves = [t for t in pytree.tree_leaves(plain(result))
               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     if not leaves:
         return []
@@ -285,15 +286,3 @@ def _eager_parameters(result: Any, model: torch.nn.Module) -> list[str]:
         p.grad = None
     torch.autograd.backward([t.sum() for t in leaves])
     return sorted(n for n, p in model.named_parameters() if p.grad is not None)
-
-
-def _plain(obj: Any) -> Any:
-    """``obj`` with mappings (a transformers ModelOutput) as dicts, for pytree."""
-    if isinstance(obj, dict) or hasattr(obj, "keys") and hasattr(obj, "__getitem__"):
-        try:
-            return {k: _plain(obj[k]) for k in obj.keys()}  # noqa: SIM118 - not always a dict
-        except Exception:  # noqa: BLE001 - not a mapping after all
-            return obj
-    if isinstance(obj, (tuple, list)):
-        return [_plain(x) for x in obj]
-    return obj

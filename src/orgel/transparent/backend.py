@@ -61,7 +61,7 @@ from orgel.transparent.finding import FindsGraphs
 from orgel.transparent.graph_model import roles_of
 from orgel.transparent.job import check_world, follows
 from orgel.transparent.running import STOPPED, RunningPipeline
-from orgel.transparent.slicing import check_cutting, slice_batch
+from orgel.transparent.slicing import argument_name, check_cutting, slice_batch
 from orgel.worker.engine import OptimizerFactory
 
 
@@ -227,8 +227,9 @@ class Backend(RunningPipeline, FindsGraphs):
 
 
 def _arguments(batch: tuple[Any, ...]) -> dict[str, Any]:
-    """``step``'s batch arguments by name, as a torchrun job compares them."""
-    return {f"argument {i}": value for i, value in enumerate(batch)}
+    """``step``'s batch arguments by name (:func:`argument_name`), as a torchrun job
+    compares them."""
+    return {argument_name(i): value for i, value in enumerate(batch)}
 
 
 def backend(*, ranks: int = 2, microbatches: int = 4, optimizer: OptimizerFactory | None = None,
