@@ -107,13 +107,19 @@ def test_a_torch_compiled_model_trains_as_the_module_it_wraps() -> None:
     the state has that module's keys (no ``_orig_mod.``) and ``copy_to`` writes into it."""
     torch._dynamo.reset()
     model = _net()
-    with _start(torch.compile(model)) as pipe:
+    compiled = torch.compile(model)
+    with _start(compiled) as pipe:
         losses = [pipe.step(*_batch(s)) for s in range(2)]
         reference, ref_losses = _reference([0, 1])
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         _assert_state(pipe.state_dict(), reference)
         assert pipe.copy_to() is model
+        # the compiled model named as the target (it failed: its keys are _orig_mod.*)
+        other = _net()
+        other_compiled = torch.compile(other)
+        assert pipe.copy_to(other_compiled) is other_compiled
     _assert_state(model.state_dict(), reference)
+    _assert_state(other.state_dict(), reference)
 
 
 def test_state_dict_copy_to_and_export_carry_exactly_the_models_keys(tmp_path: Path) -> None:

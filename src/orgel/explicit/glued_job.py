@@ -428,9 +428,11 @@ class Follower(Pipeline):
         return self._follow("load_state_dict")
 
     def copy_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
-        target = self._model if model is None else model
+        from orgel.workload import plain_module
+
+        target = self._model if model is None else plain_module(model)
         target.load_state_dict(self._follow("copy_to"), strict=True)
-        return target
+        return target if model is None else model
 
     def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
         from orgel.runtime.checkpoint import CheckpointError

@@ -368,13 +368,14 @@ class Pipeline(StepCount):
     def copy_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
         """Write the trained values into ``model`` (default: the model given to the pipeline).
 
-        Afterwards ``model.state_dict()`` equals :meth:`state_dict`. Under torchrun
+        Afterwards ``model.state_dict()`` equals :meth:`state_dict` (a ``torch.compile``'d
+        model: the module it wraps). Under torchrun
         call it on every rank (it gathers): each rank's model is fully updated.
         Returns ``model``.
         """
-        from orgel.workload import on_meta
+        from orgel.workload import on_meta, plain_module
 
-        target = self._model if model is None else model
+        target = self._model if model is None else plain_module(model)
         if on_meta(target):
             raise ValueError(
                 "copy_to cannot write into a model on the meta device (it has no memory for "
@@ -383,7 +384,7 @@ class Pipeline(StepCount):
                 "(copy_to(model))")
         state = self.state_dict()
         target.load_state_dict(state, strict=True)
-        return target
+        return target if model is None else model
 
     def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
         """Write a checkpoint of every rank atomically into ``directory``; returns its folder.
