@@ -215,6 +215,44 @@ def test_mixtral_trains_exactly() -> None:
         assert left == [None, None]
 
 
+@pytest.mark.slow
+@pytest.mark.hf
+def test_a_hook_that_breaks_a_hugging_face_layer_runs_every_step() -> None:
+    """A graph break in a forward hook on the first layer of a Qwen2 (the composition
+    matrix's break cell), whose every micro-batch must stay on the captured graphs.
+
+    Under transformers 4.57 each decoder layer enters Dynamo as a frame of its own, and
+    under nested graph breaks Dynamo guards a module's hooks only where its trace ran one:
+    from the second call on, the code compiled for layer 1 ran for layer 0 too, without
+    its hook, so every micro-batch left the captured graphs for the calling process
+    (exact, not pipelined). orgel guards hooks (``orgel.graph.dynamo.dynamo_settings``).
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    calls: list[int] = []
+
+    def hook(module: nn.Module, args: Any, out: Any) -> Any:
+        calls.append(1)
+        torch._dynamo.graph_break()
+        return out
+
+    model.model.layers[0].register_forward_hook(hook)
+    gen = torch.Generator().manual_seed(0)
+    batches = [({"input_ids": ids}, ids) for ids in
+               (torch.randint(0, 64, (4, 8), generator=gen) for _ in range(2))]
+
+    def loss_fn(out: Any, ids: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    _check(model, batches, loss_fn, off=[[], []])
+    assert len(calls) >= 4, calls  # the caller's model (one process) ran it each call
+
+
 class NormedBranch(MeanBranch):
     """A BatchNorm (its stage updates buffers), then a branch on the input's mean."""
 

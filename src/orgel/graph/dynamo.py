@@ -27,6 +27,13 @@ def dynamo_settings(nested: bool = False) -> Any:
     hits save (a 2-layer Hugging Face Qwen2 with a graph break: 14 s to 10 s, without one
     3.7 s to 3.0 s; 12 layers: 25.7 to 21.6 s and 3.4 to 2.7 s, on this 2-core CPU).
 
+    Hooks are guarded (``skip_nnmodule_hook_guards`` off): by default Dynamo guards a
+    module's hooks only where the trace ran one, so code compiled for a layer without
+    hooks also runs for a layer with one and skips its hook. Under transformers 4.57,
+    whose decoder layers each enter Dynamo as a frame of their own, a hook on layer 0
+    (a graph break) was skipped from the second call on: the controller ran other graphs
+    than the capture's, and every micro-batch left them for the calling process.
+
     ``nested`` (``orgel.pipeline``'s capture of a forward of several graphs, and its
     controller, which runs the code that capture compiled): Dynamo's
     ``nested_graph_breaks``, so that a break deep in the forward (a hook on a layer of a
@@ -41,7 +48,8 @@ def dynamo_settings(nested: bool = False) -> Any:
     calls = {getattr(logging.Logger, name) for name in _LOG_METHODS
              if hasattr(logging.Logger, name)}
     options: dict[str, Any] = {"allow_rnn": True, "ignore_logging_functions": calls,
-                               "fake_tensor_cache_enabled": False}
+                               "fake_tensor_cache_enabled": False,
+                               "skip_nnmodule_hook_guards": False}
     if nested and hasattr(torch._dynamo.config, "nested_graph_breaks"):
         options["nested_graph_breaks"] = True
     if hasattr(torch._dynamo.config, "log_compilation_metrics"):
