@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from orgel.batching import WorkloadError
 from orgel.explicit.api import pipeline
 from orgel.graph import capture
 from orgel.models import build
@@ -219,6 +220,24 @@ def test_bad_input_says_what_to_change() -> None:
         _bare_init()
     with pytest.raises(ValueError, match="for a model built on the meta device"):
         pipeline(Tied(), (ids,), ids, lambda o, t: o.sum(), ranks=2, init=chain_init)
+    # a forward that opens torch.autocast on its tensors' device (transformers 4.x's
+    # rotary embedding), which torch refuses for "meta" even outside orgel
+    with torch.device("meta"):
+        casting = AutocastOff()
+    x = torch.randn(4, 8)
+    with pytest.raises(WorkloadError, match="opens torch.autocast on the meta device.*CPU"):
+        pipeline(casting, (x,), x, torch.nn.functional.mse_loss, ranks=2,
+                 weights=AutocastOff().state_dict())
+
+
+class AutocastOff(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=self.a.weight.device.type, enabled=False):
+            return self.a(x)
 
 
 def _bare_init() -> None:

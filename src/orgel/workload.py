@@ -304,6 +304,7 @@ def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
     ranks compute the loss on real ones).
     """
     from orgel.guard import untouched
+    from orgel.precision import meta_autocast_advice
 
     batch = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (named, w.targets))
     try:
@@ -312,6 +313,10 @@ def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
     except Exception as exc:  # noqa: BLE001 - the fake run decides; its error is this one
         loss = _fake_loss(w, batch)
         if loss is None:
+            advice = meta_autocast_advice(exc, w.model)
+            if advice:
+                raise WorkloadError(f"the model's forward failed on the meta device: "
+                                    f"{exc}{advice}") from exc
             if "meta" in str(exc).lower():  # left to the capture, which traces it
                 return None
             raise exc from None

@@ -36,7 +36,7 @@ from orgel.graph.repeat import number_in_order
 from orgel.graph.reuse import capturer_for
 from orgel.graph.sizes import bind_sizes, mark_sizes, size_settings, static_shapes
 from orgel.guard import autograd_first, untouched
-from orgel.precision import autocast_dtype, device_type
+from orgel.precision import autocast_dtype, device_type, meta_autocast_advice
 from orgel.workload import named_inputs, on_meta
 
 METHODS = ("auto", "dynamo", "export")
@@ -382,6 +382,7 @@ def _export_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
         if "Cache" in str(exc):  # a Hugging Face model inside the user's own module
             hint = (" (a Hugging Face model returns its generation cache: call it with "
                     "use_cache=False; orgel does so for the model it is given)")
+        hint = hint or meta_autocast_advice(exc, model)
         raise CaptureError(f"torch.export could not capture the model: {exc}{hint}") from exc
     gm = ep.graph_module
     _inline_grad_regions(gm)
