@@ -64,6 +64,7 @@ from orgel.graph.dynamo import dynamo_settings, forget_compiled
 from orgel.graph.glue_capture import kept_compiler
 from orgel.graph.glue_sizes import expected_shape
 from orgel.launch.errors import StepError, WorkerError
+from orgel.launch.interrupts import finishes_first
 from orgel.lossweights import batch_weights, checked_weigh
 from orgel.split.exchanges import eager_homes
 from orgel.worker.engine import Dropped, kept_results
@@ -225,6 +226,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
 
     # -- a step ---------------------------------------------------------------------------
 
+    @finishes_first
     def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
         """One training step on a whole batch; returns its loss (each micro-batch's loss
         weighted by :mod:`orgel.lossweights`, as the ranks' executors weigh theirs).
@@ -251,6 +253,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
             return loss
         return loss, merged_outputs([s.outputs for s in slots], rows)
 
+    @finishes_first
     def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
         """Forward only over a whole batch in eval mode, as
         :meth:`orgel.worker.pipe.Pipeline.evaluate` (same arguments and results), run here.

@@ -18,7 +18,8 @@ from orgel.launch.devices import backend_for, rank_device
 from orgel.schedule.ir import Plan
 from orgel.split.materialize import Weights, materialize_stages, process_memory
 from orgel.worker.engine import RankEngine
-from orgel.worker.pipe import OwnRank, Pipeline
+from orgel.worker.own_rank import OwnRank
+from orgel.worker.pipe import Pipeline
 from orgel.workload import named_inputs
 
 if TYPE_CHECKING:

@@ -301,6 +301,7 @@ class LocalGroup:
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         self.closed = False
+        self._why = ""  # why it was closed, where not by close()
         # a child of the fork server watches the server (its parent) and takes this
         # process's environment (the server's is the one it started with)
         line = forkserver.lifeline() if context == "forkserver" else lifeline()
@@ -335,14 +336,21 @@ class LocalGroup:
         plus 30 s; ``None``: as long as the ranks run, whose own waits time out).
         """
         if self.closed:
-            raise WorkerError("the local ranks are closed; create a new pipeline", -1)
-        targets = list(range(self.num_ranks)) if ranks is None else list(ranks)
-        for r in targets:
-            try:
-                send(self._conns[r], (method, args, kwargs))
-            except (BrokenPipeError, OSError):
-                self._fail(targets, method, {r: (self._death(r, method), "", False)}, {})
-        return self._collect(targets, method, self.timeout_s + 30 if wait_s == -1.0 else wait_s)
+            raise WorkerError(f"the local ranks are closed{self._why}; create a new pipeline", -1)
+        targets, told = list(range(self.num_ranks)) if ranks is None else list(ranks), 0
+        try:
+            for r in targets:
+                try:
+                    send(self._conns[r], (method, args, kwargs))
+                except (BrokenPipeError, OSError):
+                    self._fail(targets, method, {r: (self._death(r, method), "", False)}, {})
+                told += 1
+            return self._collect(targets, method, self.timeout_s + 30 if wait_s == -1.0 else wait_s)
+        except BaseException as exc:  # a Ctrl-C half-way: the next call would read its answers
+            if told and not isinstance(exc, WorkerError):
+                self._why = f" ({method!r} was stopped half-way by {type(exc).__name__})"
+                self.kill()
+            raise
 
     def _collect(self, ranks: list[int], what: str, wait_s: float | None) -> list[Any]:
         results: dict[int, Any] = {}

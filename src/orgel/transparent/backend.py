@@ -54,6 +54,7 @@ import torch
 from orgel.batching import fingerprint
 from orgel.graph.glue_sizes import mark_fixed_ints
 from orgel.launch.errors import WorkerError
+from orgel.launch.interrupts import finishes_first
 from orgel.parameters import Trains, check_trainable, trainable
 from orgel.runtime.optimizer import LearningRate, SchedulerFactory, check_loop_options
 from orgel.schedule.ir import Plan
@@ -177,6 +178,7 @@ class Backend(RunningPipeline, FindsGraphs):
         assert self.pipe.scale is not None  # the ranks' scale, read after every call
         return loss * self.pipe.scale
 
+    @finishes_first
     def step(self, closure: Callable[..., Any], *batch: Any) -> list[Any]:
         """Run ``closure`` once per micro-batch of ``batch``; the optimizer steps once after.
 

@@ -112,6 +112,11 @@ class RunningPipeline:
         """Measured events of the last step, all ranks (orgel.runtime.trace.Event)."""
         return list(self._running().timeline())
 
+    def kill(self) -> None:
+        """Stop the ranks at once (a second Ctrl-C in a step: orgel.launch.interrupts)."""
+        if self.pipe is not None:
+            self.pipe.kill()
+
     def close(self) -> None:
         """Stop the ranks, and drop the code Dynamo compiled with this backend (only that:
         it would keep its graphs alive and count against the recompile limit of the model's

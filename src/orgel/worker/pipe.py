@@ -3,12 +3,11 @@
 ``orgel.pipeline`` (:mod:`orgel.explicit.api`), ``orgel.backend`` (:mod:`orgel.transparent.backend`)
 and the several-graph controller (:mod:`orgel.explicit.glued`) all return one; it talks
 to the ranks through a group (:class:`orgel.launch.processes.LocalGroup` in local
-spawn, :class:`OwnRank` under torchrun).
+spawn, :class:`orgel.worker.own_rank.OwnRank` under torchrun).
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +17,8 @@ from typing import Any
 import torch
 
 from orgel.batching import check_batch, check_same_everywhere
-from orgel.launch.errors import StepError, WorkerError
+from orgel.launch.errors import StepError
+from orgel.launch.interrupts import finishes_first
 from orgel.lossweights import Rule
 from orgel.parameters import check_trainable, trainable
 from orgel.precision import check_around
@@ -26,63 +26,12 @@ from orgel.runtime import checkpoint as ckpt
 from orgel.runtime.optimizer import StepCount
 from orgel.runtime.outputs import merge
 from orgel.schedule.ir import Plan
-from orgel.worker.engine import RankEngine, kept_results
+from orgel.worker.engine import kept_results
 from orgel.worker.evaluation import LazyEvaluation
 from orgel.worker.state import StateNames, canonical_names, model_aliases
 from orgel.workload import cache_off, named_inputs
 
-__all__ = ["OwnRank", "Pipeline", "canonical_names", "model_aliases"]
-
-
-class OwnRank:
-    """SPMD: this process is one rank; ``call`` runs locally and all-gathers the results."""
-
-    def __init__(self, engine: RankEngine, num_ranks: int, *, owns_group: bool) -> None:
-        self._engine: RankEngine | None = engine
-        self.num_ranks = num_ranks
-        self.owns_group = owns_group
-
-    @property
-    def engine(self) -> RankEngine:
-        """This rank's engine; WorkerError once the pipeline is closed (as in local spawn)."""
-        if self._engine is None:
-            raise WorkerError("the pipeline is closed; create a new pipeline", -1)
-        return self._engine
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        result = getattr(self.engine, method)(*args, **kwargs)
-        gathered: list[Any] = [None] * self.num_ranks
-        dist.all_gather_object(gathered, result)
-        return gathered
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-    def gather(self, value: Any) -> list[Any]:
-        """``value`` of every process, by global rank."""
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, value)
-        return gathered
-
-    def close(self) -> None:
-        """Leave together and let go of this rank's stages, optimizer and messages (as a
-        local rank's end frees them); the process group stays (see below)."""
-        import torch.distributed as dist
-
-        if self._engine is None:
-            return
-        # the group orgel made stays for the next pipeline in these processes and is
-        # destroyed at exit (orgel.launch.processes.leave_group); the ranks leave together
-        if self.owns_group and dist.is_initialized():
-            dist.barrier()
-        self._engine = None
-        gc.collect()  # its objects refer to each other: freed now, not at some later collection
+__all__ = ["Pipeline", "canonical_names", "model_aliases"]
 
 
 Unflatten = Callable[[list[Any]], Any]
@@ -134,6 +83,7 @@ class Pipeline(StepCount):
     def num_ranks(self) -> int:
         return self.plan.num_ranks
 
+    @finishes_first
     def step(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
         """Train on a whole batch; its loss (as ``loss_fn`` on the whole batch in one process).
 
@@ -183,6 +133,7 @@ class Pipeline(StepCount):
             return float(results[self._loss_rank][0]), merge(shares, self._outputs)
         return float(loss)
 
+    @finishes_first
     def evaluate(self, inputs: Any, targets: Any = None, *, outputs: bool = False) -> Any:
         """Forward only over a whole batch in eval mode, as one process runs
         ``model.eval(); with torch.no_grad(): loss_fn(model(x), y)``.
