@@ -179,3 +179,20 @@ def test_ctrl_c_in_a_backend_step_finishes_it() -> None:
             pipe.step(closure, *batches[1])
         got += [pipe.step(closure, *b) for b in batches[2:]]
     assert got == [pytest.approx(w, rel=1e-5) for w in [want[0], *want[2:]]]
+
+
+def test_ctrl_c_in_a_save_finishes_the_checkpoint(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    batches = _batches()
+    with _pipeline(model) as pipe:
+        pipe.step(*batches[0])
+        _interrupt_while_waiting(pipe, signals=1)
+        with pytest.raises(KeyboardInterrupt):
+            pipe.save(tmp_path)
+        want = pipe.state_dict()
+    with orgel.load(tmp_path, Net(), (batches[0][0],), batches[0][1], F.cross_entropy,
+                    ranks=2, microbatches=2, schedule="1f1b",
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1)) as again:
+        got = again.state_dict()
+    assert all(torch.equal(got[k], t) for k, t in want.items())

@@ -5,9 +5,10 @@ would leave them running it: their answer would then be read as the answer to th
 call (each later ``pipe.step`` returned the loss of the one before and counted its
 optimizer steps one call late), and a forward of several graphs would leave its
 micro-batch threads half-way. So a pipeline's calls that run on the ranks (``step``,
-``evaluate``) are wrapped in :func:`finishes_first`: the first Ctrl-C is held until the
-call is done, and raised then (the call has taken effect: that batch trained); a second
-one stops the ranks at once and the pipeline with them (resume from a checkpoint).
+``evaluate``, ``save``, ``load``) are wrapped in :func:`finishes_first`: the first Ctrl-C
+is held until the call is done, and raised then (the call has taken effect: that batch
+trained); a second one stops the ranks at once and the pipeline with them (resume from
+a checkpoint).
 
 Only where Python's own handler is in force (it raises ``KeyboardInterrupt``) and in the
 main thread (the only one a signal handler may be set in): a handler of the caller's own

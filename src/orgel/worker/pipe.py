@@ -337,6 +337,7 @@ class Pipeline(StepCount):
         target.load_state_dict(state, strict=True)
         return target if model is None else model
 
+    @finishes_first
     def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
         """Write a checkpoint of every rank atomically into ``directory``; returns its folder.
 
@@ -379,6 +380,7 @@ class Pipeline(StepCount):
             self._ranks.barrier()
         return folder
 
+    @finishes_first
     def load(self, directory: str | Path) -> int:
         """Resume from the checkpoint in ``directory`` (any plan, any rank count); its step."""
         meta = ckpt.read_meta(directory)
