@@ -196,3 +196,30 @@ def test_ctrl_c_in_a_save_finishes_the_checkpoint(tmp_path: Any) -> None:
                     optimizer=lambda params: torch.optim.SGD(params, lr=0.1)) as again:
         got = again.state_dict()
     assert all(torch.equal(got[k], t) for k, t in want.items())
+
+
+def test_ctrl_c_in_a_step_that_fails_keeps_the_pipeline() -> None:
+    """A step that fails on its own (the loss raises; every rank drops it) while a Ctrl-C
+    is held: ``KeyboardInterrupt``, from that error, and the pipeline trains on."""
+    torch.manual_seed(0)
+    model = Net(branch=True)
+    batches = _batches()
+    want = _reference(model, [batches[0], *batches[2:]])  # the failed step changed nothing
+    armed: list[bool] = []
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if armed:
+            armed.clear()
+            os.kill(os.getpid(), signal.SIGINT)
+            raise ValueError("a bad batch")
+        return F.cross_entropy(out, y)
+
+    with _pipeline(model, loss_fn) as pipe:
+        got: list[Any] = [pipe.step(*batches[0])]
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt) as caught:
+            pipe.step(*batches[1])
+        assert "a bad batch" in repr(caught.value.__context__)
+        assert not pipe.closed
+        got += [pipe.step(*b) for b in batches[2:]]
+    assert got == [pytest.approx(w, rel=1e-5) for w in want]

@@ -50,8 +50,8 @@ def held_interrupt(what: str) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:
-        raise KeyboardInterrupt
+        if len(received) == 1:  # also where the call raised (its error is the context)
+            raise KeyboardInterrupt
 
 
 def finishes_first(method: F) -> F:
@@ -61,15 +61,11 @@ def finishes_first(method: F) -> F:
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        done = False
-        try:
-            with held_interrupt(f"pipe.{method.__name__}"):
-                result = method(self, *args, **kwargs)
-                done = True
-        except KeyboardInterrupt:
-            if not done:
+        with held_interrupt(f"pipe.{method.__name__}"):
+            try:
+                return method(self, *args, **kwargs)
+            except KeyboardInterrupt:  # the call cut half-way (the held one comes after)
                 self.kill()
-            raise
-        return result
+                raise
 
     return run  # type: ignore[return-value]
