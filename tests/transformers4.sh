@@ -12,3 +12,5 @@ pip install -e ".[dev]" "transformers==4.57.*"
 python -m pytest -q -n 2 --dist loadgroup -m hf tests/test_zoo.py tests/test_precision.py tests/test_shapes.py \
     tests/test_evaluate.py tests/test_api_state.py tests/test_train_llama.py tests/test_branching.py \
     tests/test_backend_hf.py
+# the composition matrix (Qwen2 through every entry point with every feature), as under 5.x
+python -m pytest -q -n 2 --dist loadgroup tests/test_matrix.py

@@ -116,7 +116,8 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 raise
             except Exception as exc:  # dynamo internal failure: try export
                 if method == "dynamo" or dtype is not None:
-                    raise CaptureError(f"torch.compile could not capture the model: {exc}") from exc
+                    raise CaptureError(f"torch.compile could not capture the model: {exc}"
+                                       f"{meta_autocast_advice(exc, model)}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
                 raw = _export_graph(model, traced)
         if glue is None:  # one graph: its nodes named in order, however it was traced
