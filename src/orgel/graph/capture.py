@@ -116,8 +116,8 @@ def capture(model: torch.nn.Module, inputs: Any, *, method: str = "auto",
                 raise
             except Exception as exc:  # dynamo internal failure: try export
                 if method == "dynamo" or dtype is not None:
-                    raise CaptureError(f"torch.compile could not capture the model: {exc}"
-                                       f"{meta_autocast_advice(exc, model)}") from exc
+                    raise CaptureError(f"torch.compile could not capture the model"
+                                       f"{meta_autocast_advice(exc, model)}: {exc}") from exc
                 notes.append(f"dynamo failed ({type(exc).__name__}: {str(exc)[:200]}); used export")
                 raw = _export_graph(model, traced)
         if glue is None:  # one graph: its nodes named in order, however it was traced
@@ -383,8 +383,8 @@ def _export_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
         if "Cache" in str(exc):  # a Hugging Face model inside the user's own module
             hint = (" (a Hugging Face model returns its generation cache: call it with "
                     "use_cache=False; orgel does so for the model it is given)")
-        hint = hint or meta_autocast_advice(exc, model)
-        raise CaptureError(f"torch.export could not capture the model: {exc}{hint}") from exc
+        raise CaptureError(f"torch.export could not capture the model"
+                           f"{meta_autocast_advice(exc, model)}: {exc}{hint}") from exc
     gm = ep.graph_module
     _inline_grad_regions(gm)
     by_obj = _identity_roles(model, named)
