@@ -398,6 +398,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         self._pull_values()
         return result
 
+    @finishes_first  # (its bookkeeping after the ranks' load runs before a held Ctrl-C)
     def load(self, directory: Any) -> int:
         step = super().load(directory)
         self.calls = step  # each rank's call count restarts from the checkpoint's step too
