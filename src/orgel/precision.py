@@ -86,19 +86,6 @@ def device_type(values: Any) -> str:
     return "cpu"
 
 
-def meta_autocast_advice(exc: BaseException, model: torch.nn.Module) -> str:
-    """What to change where a meta model's forward failed for opening ``torch.autocast``
-    on the meta device (transformers 4.x's rotary embeddings do: ``torch.autocast("meta",
-    enabled=False)`` raises "unsupported scalarType" even outside orgel); else ""."""
-    if "unsupported scalarType" not in str(exc):
-        return ""
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return ""
-    return (" (the model opens torch.autocast on the meta device, which torch refuses even "
-            "outside orgel: transformers 4.x's rotary embeddings do. Build the model on "
-            "the CPU and pass that, or use transformers 5)")
-
-
 class AutocastLoss:
     """``loss_fn`` run under the precision's autocast, on the outputs' device type."""
 

@@ -215,6 +215,19 @@ def on_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
+def meta_autocast_advice(exc: BaseException, model: torch.nn.Module) -> str:
+    """What to change where a meta model's forward failed for opening ``torch.autocast``
+    on the meta device (transformers 4.x's rotary embeddings do: ``torch.autocast("meta",
+    enabled=False)`` raises "unsupported scalarType" even outside orgel); else ""."""
+    if "unsupported scalarType" not in str(exc):
+        return ""
+    if not on_meta(model):
+        return ""
+    return (" (the model opens torch.autocast on the meta device, which torch refuses even "
+            "outside orgel: transformers 4.x's rotary embeddings do. Build the model on "
+            "the CPU and pass that, or use transformers 5)")
+
+
 def validate_workload(w: Workload, microbatches: int = 1) -> None:
     """Raise :class:`WorkloadError` unless ``w`` can be split into ``microbatches``.
 
@@ -304,7 +317,6 @@ def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
     ranks compute the loss on real ones).
     """
     from orgel.guard import untouched
-    from orgel.precision import meta_autocast_advice
 
     batch = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (named, w.targets))
     try:

@@ -428,11 +428,7 @@ class Follower(Pipeline):
         return self._follow("load_state_dict")
 
     def copy_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
-        from orgel.workload import plain_module
-
-        target = self._model if model is None else plain_module(model)
-        target.load_state_dict(self._follow("copy_to"), strict=True)
-        return target if model is None else model
+        return self._write_into(model, self._follow("copy_to"))
 
     def save(self, directory: str | Path, *, keep: int | None = None) -> Path:
         from orgel.runtime.checkpoint import CheckpointError

@@ -36,8 +36,8 @@ from orgel.graph.repeat import number_in_order
 from orgel.graph.reuse import capturer_for
 from orgel.graph.sizes import bind_sizes, mark_sizes, size_settings, static_shapes
 from orgel.guard import autograd_first, untouched
-from orgel.precision import autocast_dtype, device_type, meta_autocast_advice
-from orgel.workload import named_inputs, on_meta
+from orgel.precision import autocast_dtype, device_type
+from orgel.workload import meta_autocast_advice, named_inputs, on_meta
 
 METHODS = ("auto", "dynamo", "export")
 __all__ = ["METHODS", "CaptureError", "GraphBreakError", "capture", "dynamo_settings"]

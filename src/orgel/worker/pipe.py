@@ -324,6 +324,11 @@ class Pipeline(StepCount):
         call it on every rank (it gathers): each rank's model is fully updated.
         Returns ``model``.
         """
+        return self._write_into(model, self.state_dict())
+
+    def _write_into(self, model: torch.nn.Module | None,
+                    state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        """:meth:`copy_to`'s writing of ``state`` (this process's copy of the trained values)."""
         from orgel.workload import on_meta, plain_module
 
         target = self._model if model is None else plain_module(model)
@@ -333,7 +338,6 @@ class Pipeline(StepCount):
                 "values): take pipe.state_dict(), save a checkpoint with pipe.save(DIR) and "
                 "export it with `orgel checkpoint export DIR OUT`, or pass a model with values "
                 "(copy_to(model))")
-        state = self.state_dict()
         target.load_state_dict(state, strict=True)
         return target if model is None else model
 
