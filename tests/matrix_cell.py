@@ -106,6 +106,8 @@ def collator() -> Any:
 def batches(features: set[str]) -> list[Any]:
     steps = STEPS * (2 if "accumulate" in features else 1)
     data = [batch(i, 16 if "length" in features and i % 2 else 10) for i in range(steps)]
+    if "compile" in features:  # a third length: the graphs symbolic in the second serve it
+        data.append(batch(steps, 13))
     if "last" in features:  # a DataLoader's smaller last batch: micro-batches of 2 and 1 rows
         data[-1] = type(data[-1])({k: v[:3] for k, v in data[-1].items()})
     return data
@@ -133,6 +135,8 @@ def options(features: set[str]) -> dict[str, Any]:
         opts.update(ranks=4, tp=2, sequence_parallel="sp" in features)
     if "bf16" in features:
         opts["precision"] = "bf16-mixed"
+    if "compile" in features:  # Inductor's graphs on every rank
+        opts["compile"] = True
     return opts
 
 
@@ -195,7 +199,7 @@ def run_pipeline(features: set[str], data: list[dict[str, torch.Tensor]], out: P
             model = build(features)
         opts["weights"] = weights
     pipe = orgel.pipeline(model, data[0], **opts)
-    losses, off_path = [], []
+    losses, off_path, compiled = [], [], []
     for i, b in enumerate(data):
         if "resume" in features and i == 1:
             pipe.save(out / "checkpoints")
@@ -205,8 +209,11 @@ def run_pipeline(features: set[str], data: list[dict[str, torch.Tensor]], out: P
         # micro-batches the calling process ran whole (a forward of several graphs that
         # left the captured ones): exact, but not the pipeline the cell tests
         off_path += [(i, m) for m in getattr(pipe, "off_path", [])]
+        compiled.append(sum(pipe.compile_s or [0.0]))
     result: dict[str, Any] = {"losses": losses, "state": pipe.state_dict(),
                               "off_path": off_path}
+    if "compile" in features:  # the compile seconds of all ranks after each step
+        result["compiled"] = compiled
     if "evaluate" in features:
         result["eval"] = pipe.evaluate(data[0])
         # a batch for inference, without the labels: the model's outputs (its own capture)
@@ -282,6 +289,8 @@ def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
     diff = _distance(state, want["state"])
     report: dict[str, Any] = {"losses": got["losses"], "ref": want["losses"], "diff": diff,
                               "missing": missing[:5], "off_path": got.get("off_path", [])}
+    if "compiled" in got:
+        report["compiled"] = got["compiled"]
     if "eval" in want:
         report["eval"] = [got.get("eval"), want["eval"]]
         if "logits" in got:

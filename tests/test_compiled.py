@@ -232,6 +232,39 @@ def test_compiled_stages_with_graph_breaks_train_as_the_eager_ones() -> None:
         torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def _lengths_training(compile: bool) -> tuple[list[float], dict[str, torch.Tensor],
+                                              list[list[float]]]:
+    """A tiny GPT on 2 ranks under ZB-H1, one AdamW step on each of three sequence lengths;
+    each rank's compile seconds after every step."""
+    import orgel
+    from orgel.models import build
+
+    model, (tokens,), targets, loss_fn = build("gpt", batch_size=8, seed=0, n_layers=2,
+                                               d_model=32, seq_len=12, vocab_size=64)
+    with orgel.pipeline(model, (tokens,), targets, loss_fn, ranks=2, microbatches=2,
+                        schedule="zb-h1", compile=compile, timeout_s=600,
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)) as pipe:
+        losses, seconds = [], []
+        for length in (12, 8, 5):
+            losses.append(pipe.step((tokens[:, :length],), targets[:, :length]))
+            seconds.append(list(pipe.compile_s or []))
+        return losses, pipe.state_dict(), seconds
+
+
+def test_compiled_stages_compile_once_more_for_any_new_sequence_length() -> None:
+    """The first length compiles static graphs; the second compiles graphs symbolic in
+    the length (forward, backward and its input and weight halves); the third runs those
+    and compiles nothing. Every step trains as the eager pipeline does."""
+    losses, state, seconds = _lengths_training(True)
+    want_losses, want, _ = _lengths_training(False)
+    first, second, third = seconds
+    assert all(b > a > 0 for a, b in zip(first, second, strict=True)), seconds
+    assert third == second, seconds
+    assert losses == pytest.approx(want_losses, rel=1e-6)
+    for name, t in want.items():
+        torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_layer_and_selective_recompute_keep_less_in_a_compiled_stage() -> None:
     """The partitioner's tags: a compiled forward keeps fewer bytes for its backward under
     ``"layer"`` and ``"selective"`` than without recompute, and the gradients are the

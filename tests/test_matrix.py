@@ -37,7 +37,8 @@ FEATURES = ["base", "evaluate", "accumulate", "dp", "fsdp", "tp", "bf16", "meta"
 #: (a graph break's capture is the matrix's slowest part, so a break with dp and with a new
 #: length is one cell, dp+break+length, and a break with accumulate is tp+accumulate+break)
 PAIRS = ["tp+bf16", "fsdp+accumulate", "tp+accumulate+break", "tp+length",
-         "meta+fsdp", "evaluate+bf16+break", "sp+length", "dp+break+length", "meta+bf16"]
+         "meta+fsdp", "evaluate+bf16+break", "sp+length", "dp+break+length", "meta+bf16",
+         "compile+length"]
 #: the pairs run under torchrun too (each feature does)
 TORCHRUN_PAIRS = ["tp+break"]
 
@@ -80,6 +81,9 @@ def check(entry: str, cell: str, report: dict[str, Any]) -> None:
     # (step, micro-batch) the calling process ran whole: the pipeline did not train them
     assert not report.get("off_path"), f"{entry} {cell} left the captured graphs: {report}"
     assert len(report["losses"]) == len(report["ref"])
+    if "compiled" in report:  # a third length runs the graphs symbolic in the second's sizes
+        first, second, third = report["compiled"]
+        assert third == second > first > 0, report["compiled"]
     for got, want in zip(report["losses"], report["ref"], strict=True):
         assert abs(got - want) <= (10 if "diff64" in report else 1) * tol, report
     if "diff64" in report:  # rounds unlike one process by its nature: against float64
@@ -110,7 +114,7 @@ def test_local(cell: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cell", [*FEATURES, "accumulate+break", "bf16+break", "tp+break",
-                                  "sp+break", "dp+break+length"])
+                                  "sp+break", "dp+break+length", "compile+length"])
 def test_backend(cell: str, tmp_path: Path) -> None:
     check("backend", cell, _in_process("backend", cell, tmp_path))
 

@@ -203,11 +203,14 @@ def pipeline(
     ``compile=True`` runs every stage through Inductor: its forward, its backward and,
     for the schedules that split the backward (ZB-H1, DualPipeV), the backward's
     input and weight halves as separate compiled graphs (:mod:`orgel.runtime.compiled`).
-    Each rank compiles a stage at its first step (and once more for a new input shape);
-    ``pipe.compile_s`` reports the seconds by rank. With ``tp > 1`` a DTensor weight
-    enters the graphs as its local part, an FSDP-sharded stage is gathered before its
-    compiled forward, and ``recompute="layer"``/``"selective"`` tag the graph's nodes for
-    the partitioner. With graph breaks a stage is cut at its exchanges with the calling
+    Each rank compiles a stage at its first step, static graphs for its sizes, and once
+    more at the first step of other sizes, graphs symbolic in the sizes that changed
+    (a sequence length), which serve every later length
+    (:mod:`orgel.runtime.compiled_shapes`); ``pipe.compile_s`` reports the seconds by
+    rank. With ``tp > 1`` a DTensor weight enters the graphs as its local part, an
+    FSDP-sharded stage is gathered before its compiled forward, and
+    ``recompute="layer"``/``"selective"`` tag the graph's nodes for the partitioner. With
+    graph breaks a stage is cut at its exchanges with the calling
     process, and the pieces between them are compiled
     (:class:`~orgel.runtime.compiled.SegmentedStage`).
 

@@ -35,11 +35,12 @@ A stage that holds exchanges with the calling process (a forward with graph brea
 exchange, each piece between them a :class:`CompiledStage` over the stage's weights, the
 exchanges eager between them (they send and receive).
 
-Graphs are compiled once per stage and input signature (shapes, dtypes, grad mode;
-a new sequence length compiles again, once) and cached; :attr:`CompiledStage.compile_s`
-adds up the compile time. Random draws (dropout) use PyTorch's generator, not
-Inductor's (``fallback_random``), so a compiled stage draws what the eager one draws
-on the same stream, and a recompute replays it.
+Graphs are compiled once per stage and input signature (dtypes, grad mode, and the sizes:
+static at first, symbolic in the sizes that changed once a call of other sizes comes, so a
+third sequence length compiles nothing; :mod:`orgel.runtime.compiled_shapes`) and cached;
+:attr:`CompiledStage.compile_s` adds up the compile time. Random draws (dropout) use
+PyTorch's generator, not Inductor's (``fallback_random``), so a compiled stage draws what
+the eager one draws on the same stream, and a recompute replays it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from orgel.runtime import compiled_shapes as shapes
+from orgel.runtime.compiled_recompute import recompute_tags, tagged_call
+from orgel.runtime.compiled_shapes import Guards
 from orgel.runtime.partition import partition_backward
 from orgel.runtime.sharding import like_param, own_part
 
@@ -107,8 +111,11 @@ def compiled_input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor 
     return list(got), weights
 
 
-def _inductor(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
-    """``gm`` compiled by Inductor (lazily, at its first call, for its arguments' sizes).
+def _inductor(gm: torch.fx.GraphModule, example: list[Any] | None = None
+              ) -> Callable[[list[Any]], Any]:
+    """``gm`` compiled by Inductor: now for ``example`` (the fake inputs of a symbolic
+    trace, under its tracing context), else lazily at its first call, for its arguments'
+    sizes.
 
     Boxed, as AOTAutograd calls compiled graphs: it takes its arguments as one list and
     empties it, so each input (a saved activation, in a backward) is freed once the
@@ -117,50 +124,54 @@ def _inductor(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     from torch._inductor.compile_fx import compile_fx_inner
 
     compiled: list[Callable[..., Any]] = []
+    if example is not None:
+        with config.patch(INDUCTOR_OPTIONS):
+            compiled.append(compile_fx_inner(gm, example))
 
     def call(args: list[Any]) -> Any:
         if not compiled:
-            with config.patch(INDUCTOR_OPTIONS), _static_context():
+            with config.patch(INDUCTOR_OPTIONS), shapes.static_context():
                 compiled.append(compile_fx_inner(gm, list(args)))
         return compiled[0](args)
     return call
 
 
-def _static_context() -> Any:
-    """A tracing context whose fake tensors keep the arguments' sizes: under it Inductor's
-    FX graph cache serves a graph compiled before, here or in an earlier process (the cache
-    keys on a shape environment, which only a tracing context lends; without one every
-    stage graph was compiled afresh, 3-6 s for a tiny GPT stage's forward and backward)."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    return tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(),
-                                                 static_shapes=True)))
-
-
 class _Compiled:
     """The forward and backward of one input signature, compiled; the backward splits
-    when :func:`split_backward` is on."""
+    when :func:`split_backward` is on. With ``guards`` the graphs are symbolic in some
+    sizes (:mod:`orgel.runtime.compiled_shapes`) and compiled as soon as traced; else
+    static, each compiled at its first call."""
 
-    def __init__(self, owner: CompiledStage, fn: Callable[..., Any]) -> None:
+    def __init__(self, owner: CompiledStage, fn: Callable[..., Any],
+                 state: int, flat: list[int], guards: Guards | None = None) -> None:
         from torch._functorch.aot_autograd import aot_function
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch._inductor.decomposition import select_decomp_table
 
         self.owner = owner
+        self.flat = flat  # the positions of the call's arguments that ``fn`` takes
+        self.guards = guards
         self.weights = 0  # set per call: how many leading arguments are parameters
 
-        def fw_compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable[..., Any]:
+        def graph(gm: torch.fx.GraphModule, example: list[Any] | None
+                  ) -> Callable[[list[Any]], Any]:
+            if guards is None:
+                return owner._timed(_inductor(gm))
+            with owner._counting():
+                return _inductor(gm, example)
+
+        def fw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable[..., Any]:
             self.owner.saved_bytes.append(_saved_bytes(gm))
-            forward = self.owner._timed(_inductor(gm))
+            forward = graph(gm, list(example))
             forward._boxed_call = True  # type: ignore[attr-defined]
             return forward
 
-        def bw_compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable[..., Any]:
-            full = self.owner._timed(_inductor(gm))
+        def bw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable[..., Any]:
+            full = graph(gm, list(example))
             i_gm, w_gm, count = partition_backward(gm, self.weights)
-            i_fn, w_fn = self.owner._timed(_inductor(i_gm)), self.owner._timed(_inductor(w_gm))
+            i_fn = graph(i_gm, list(example))
+            w_fn = graph(w_gm, [n.meta.get("val") for n in w_gm.graph.nodes
+                                if n.op == "placeholder"])
             weights = self.weights
 
             def backward(grads: list[Any]) -> Any:  # boxed: the list is ours to clear
@@ -186,7 +197,8 @@ class _Compiled:
         self.fn = aot_function(fn, fw_compiler=fw_compiler,  # type: ignore[arg-type]
                                bw_compiler=bw_compiler,  # type: ignore[arg-type]
                                partition_fn=min_cut_rematerialization_partition,
-                               decompositions=select_decomp_table())
+                               decompositions=select_decomp_table(),
+                               dynamic=guards is not None, num_params_buffers=state)
 
 
 def _accumulate(params: list[torch.Tensor], grads: Any) -> None:
@@ -202,13 +214,6 @@ def _accumulate(params: list[torch.Tensor], grads: Any) -> None:
             p.grad.add_(g)
 
 
-def _key(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("t", tuple(value.shape), tuple(value.stride()), value.dtype, value.device,
-                value.requires_grad)
-    return ("v", value)
-
-
 class CompiledStage:
     """Calls ``module`` (a stage's fx graph) through compiled graphs; see the module doc.
 
@@ -218,8 +223,8 @@ class CompiledStage:
     def __init__(self, module: torch.nn.Module, recompute: bool | str = False,
                  layers: Sequence[tuple[str | None, list[str]]] = ()) -> None:
         self.module = module
-        #: the partitioner's tags for ``recompute`` ``"layer"``/``"selective"`` (see
-        #: :func:`recompute_tags`), None: the min-cut partitioner's own choice
+        #: the partitioner's tags for ``recompute`` ``"layer"``/``"selective"``, None: the
+        #: min-cut partitioner's own choice (:mod:`orgel.runtime.compiled_recompute`)
         self.tags = recompute_tags(module, recompute, layers)
         #: bytes the compiled forwards keep for their backward, by input signature
         self.saved_bytes: list[int] = []
@@ -229,6 +234,27 @@ class CompiledStage:
         #: (qualified name, the owner's parameter or buffer table, attribute), for _state
         self._slots: list[tuple[str, dict[str, Any], str]] | None = None
         self._weights = 0
+        #: by a call's kind (:func:`~orgel.runtime.compiled_shapes.sizeless_key`): the sizes
+        #: of its first call, the symbolic graphs compiled, whether only static ones do
+        self._first: dict[Any, tuple[Any, ...]] = {}
+        self._symbolic: dict[Any, list[_Compiled]] = {}
+        self._static_only: set[Any] = set()
+        self._depth = 0
+
+    @contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Inside, time adds to :attr:`compile_s` (once, where such blocks nest)."""
+        from orgel.graph.dynamo import dynamo_settings
+
+        self._depth += 1
+        start = time.perf_counter()
+        try:
+            with dynamo_settings():  # torch 2.11 fails to log the compile's config otherwise
+                yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.compile_s += time.perf_counter() - start
 
     def _timed(self, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
         """Boxed ``fn``, its first call (where Inductor compiles) added to
@@ -238,13 +264,9 @@ class CompiledStage:
         def call(args: list[Any]) -> Any:
             if not state["first"]:
                 return fn(args)
-            from orgel.graph.dynamo import dynamo_settings
-
-            start = time.perf_counter()
-            with dynamo_settings():  # torch 2.11 fails to log the compile's config otherwise
+            with self._counting():
                 out = fn(args)
             state["first"] = False
-            self.compile_s += time.perf_counter() - start
             return out
 
         return call
@@ -278,38 +300,75 @@ class CompiledStage:
         if unshard is not None:  # FSDP2: its forward hook would gather; the weights whole
             unshard()  # are the module's parameters until the step's reduce reshards them
         names, tensors, weights = self._state()
-        positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        constants = {k: a for k, a in enumerate(args) if not isinstance(a, torch.Tensor)}
-        key = (self.module.training, torch.is_grad_enabled(), tuple(names),
-               tuple(_key(t) for t in tensors), tuple(_key(a) for a in args))
+        head = (self.module.training, torch.is_grad_enabled(), tuple(names),
+                tuple(shapes.exact_key(t) for t in tensors))
+        key = (head, tuple(shapes.exact_key(a) for a in args))
         compiled = self._cache.get(key)
         if compiled is None:
-            module, count = self.module, len(args)
+            sizeless = (head, tuple(shapes.sizeless_key(a) for a in args))
+            compiled = self._cache[key] = self._compiled_for(sizeless, names, tensors, args)
+            if compiled.guards is not None and compiled.guards.placeholders is None:
+                try:  # symbolic graphs, traced and compiled at their first call
+                    with compiled.guards.tracing(args):
+                        return self._run(compiled, tensors, weights, args)
+                except Exception:  # a trace the symbols defeat: static graphs, these sizes
+                    self._symbolic[sizeless].remove(compiled)
+                    self._static_only.add(sizeless)
+                    compiled = self._cache[key] = self._compile(names, tensors, args, None)
+        return self._run(compiled, tensors, weights, args)
 
-            def fn(*flat: torch.Tensor) -> Any:
-                # a DTensor weight (tensor parallelism) enters as its local part and is made
-                # a DTensor again here: AOTAutograd then sees plain tensors in and out, so
-                # the input half can leave it without a gradient, as any other weight
-                state = {n: like_param(like, t) for n, like, t in
-                         zip(names, tensors, flat[:len(names)], strict=True)}
-                # not the first call's ``args``: a closure over them would keep that
-                # micro-batch's inputs alive as long as the stage
-                call_args: list[Any] = [None] * count
-                for k, t in zip(positions, flat[len(names):], strict=True):
-                    call_args[k] = t
-                for k, v in constants.items():
-                    call_args[k] = v
-                if self.tags is None or not isinstance(module, torch.fx.GraphModule):
-                    return torch.func.functional_call(module, state, tuple(call_args))
-                return _tagged_call(module, state, call_args, self.tags)
-
-            start = time.perf_counter()
-            compiled = _Compiled(self, fn)
-            self.compile_s += time.perf_counter() - start
-            self._cache[key] = compiled
+    def _run(self, compiled: _Compiled, tensors: list[torch.Tensor], weights: int,
+             args: tuple[Any, ...]) -> Any:
         compiled.weights = weights
         self._params_now = tensors[:weights]
-        return compiled.fn(*(own_part(t) for t in tensors), *(args[k] for k in positions))
+        return compiled.fn(*(own_part(t) for t in tensors), *(args[k] for k in compiled.flat))
+
+    def _compiled_for(self, sizeless: Any, names: list[str], tensors: list[torch.Tensor],
+                      args: tuple[Any, ...]) -> _Compiled:
+        """The graphs for a call of new sizes (see :mod:`orgel.runtime.compiled_shapes`):
+        symbolic ones compiled before where their guards hold; new symbolic ones where a
+        call of the same kind but other sizes compiled before; else static ones."""
+        for earlier in self._symbolic.get(sizeless, []):
+            if earlier.guards is not None and earlier.guards.serve(args):
+                return earlier
+        first = self._first.setdefault(sizeless, shapes.sizes_of(args))
+        symbolic = None if sizeless in self._static_only else shapes.Symbolic.between(first, args)
+        if symbolic is None:
+            return self._compile(names, tensors, args, None)
+        compiled = self._compile(names, tensors, args, Guards(symbolic, args))
+        self._symbolic.setdefault(sizeless, []).append(compiled)
+        return compiled
+
+    def _compile(self, names: list[str], tensors: list[torch.Tensor], args: tuple[Any, ...],
+                 guards: Guards | None) -> _Compiled:
+        """The function of the stage's weights and ``args`` that AOTAutograd traces, and its
+        graphs (symbolic in ``guards``' sizes, or static)."""
+        module, count = self.module, len(args)
+        flat = (guards.symbolic.flat(args) if guards is not None
+                else [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)])
+        constants = {k: a for k, a in enumerate(args) if k not in flat}
+
+        def fn(*values: Any) -> Any:
+            # a DTensor weight (tensor parallelism) enters as its local part and is made
+            # a DTensor again here: AOTAutograd then sees plain tensors in and out, so
+            # the input half can leave it without a gradient, as any other weight
+            state = {n: like_param(like, t) for n, like, t in
+                     zip(names, tensors, values[:len(names)], strict=True)}
+            # not the first call's ``args``: a closure over them would keep that
+            # micro-batch's inputs alive as long as the stage
+            call_args: list[Any] = [None] * count
+            for k, t in zip(flat, values[len(names):], strict=True):
+                call_args[k] = t
+            for k, v in constants.items():
+                call_args[k] = v
+            if guards is not None:
+                guards.record(call_args)
+            if self.tags is None or not isinstance(module, torch.fx.GraphModule):
+                return torch.func.functional_call(module, state, tuple(call_args))
+            return tagged_call(module, state, call_args, self.tags)
+
+        with self._counting():
+            return _Compiled(self, fn, len(tensors), flat, guards)
 
 
 class SegmentedStage:
@@ -424,63 +483,6 @@ def compiled_stage(module: torch.nn.Module, recompute: bool | str = False,
             is_exchange(n) for n in module.graph.nodes):
         return SegmentedStage(module, recompute, layers)
     return CompiledStage(module, recompute, layers)
-
-
-def recompute_tags(module: torch.nn.Module, policy: bool | str,
-                   layers: Sequence[tuple[str | None, list[str]]]
-                   ) -> dict[str, tuple[Any, int]] | None:
-    """For each node of stage ``module``'s graph, the partitioner's recompute tag and region
-    for ``policy`` (None for False and True, whose recompute is the executor's):
-
-    * ``"layer"``: every node of layer ``k`` (:func:`orgel.graph.blocks.layer_runs`) must
-      be recomputed, region ``k``; AOTAutograd's partitioner then saves only what enters
-      each region (a layer's input, where one region follows another);
-    * ``"selective"``: one region; the matmul and attention nodes' outputs are saved
-      (:data:`orgel.graph.kept.SAVED_OPS`), the rest preferably recomputed.
-
-    The joint graph's aten nodes inherit their stage node's tags (torch.fx copies
-    ``recompute`` and ``ac_graph_id`` from the node it runs), as torch's own activation
-    checkpointing tags them under ``torch.compile``.
-    """
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from orgel.graph.kept import SAVED_OPS
-    from orgel.graph.measure import op_name
-
-    if policy not in ("layer", "selective") or not isinstance(module, torch.fx.GraphModule):
-        return None
-    computed = [n for n in module.graph.nodes if n.op in ("call_function", "call_method",
-                                                          "call_module")]
-    if policy == "selective":
-        return {n.name: (CheckpointPolicy.MUST_SAVE if op_name(n) in SAVED_OPS
-                         else CheckpointPolicy.PREFER_RECOMPUTE, 1) for n in computed}
-    region = {name: k + 1 for k, (layer, names) in enumerate(layers) if layer is not None
-              for name in names}
-    return {n.name: (CheckpointPolicy.MUST_RECOMPUTE, region[n.name]) for n in computed
-            if n.name in region}
-
-
-def _tagged_call(module: torch.fx.GraphModule, state: dict[str, torch.Tensor],
-                 args: list[Any], tags: dict[str, tuple[Any, int]]) -> Any:
-    """``module(*args)`` on ``state``, node by node with each node's tag as the current
-    meta, so that the ops traced under it carry the tag (see :func:`recompute_tags`)."""
-    from torch.fx import traceback as fx_traceback
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    saved = {}
-    for node in module.graph.nodes:
-        if node.name in tags:
-            saved[node] = {k: node.meta[k] for k in ("recompute", "ac_graph_id")
-                           if k in node.meta}
-            node.meta["recompute"], node.meta["ac_graph_id"] = tags[node.name]
-    try:
-        with _reparametrize_module(module, state), fx_traceback.preserve_node_meta():
-            return torch.fx.Interpreter(module).run(*args)
-    finally:
-        for node, meta in saved.items():
-            node.meta.pop("recompute", None)
-            node.meta.pop("ac_graph_id", None)
-            node.meta.update(meta)
 
 
 def _saved_bytes(forward: torch.fx.GraphModule) -> int:
