@@ -265,6 +265,43 @@ def test_compiled_stages_compile_once_more_for_any_new_sequence_length() -> None
         torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_graph_inductor_cannot_compile_symbolically_compiles_for_each_size() -> None:
+    """A graph whose output needs a symbol that only a product of sizes carries (rows
+    ``4*s`` viewed as ``4 x s``): Inductor refuses it symbolically ("expected [s] to have
+    been codegen-ed", as it refused a Qwen2 stage's input half with a graph break), so it
+    is compiled statically for each call's sizes, once each."""
+    from contextlib import contextmanager
+
+    from torch._dynamo.source import ConstantSource
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from orgel.runtime.compiled_shapes import Graph
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    rows = env.create_symintnode(env.create_symbol(10, ConstantSource("rows")), hint=10)
+    with mode:
+        fake = torch.empty(4 * rows, 8)
+    compiles = []
+
+    @contextmanager
+    def counting() -> Any:
+        compiles.append(1)
+        yield
+
+    with tracing(TracingContext(mode)):
+        gm = make_fx(lambda x: (x.view(4, -1, 8) * 2,))(fake)
+        graph = Graph(gm, [fake], counting)
+    for n, want in [(10, 2), (6, 3), (6, 3), (10, 3)]:  # 2: the refused symbolic try
+        x = torch.randn(4 * n, 8)
+        (out,) = graph([x])
+        torch.testing.assert_close(out, x.view(4, n, 8) * 2)
+        assert len(compiles) == want, n
+
+
 def test_layer_and_selective_recompute_keep_less_in_a_compiled_stage() -> None:
     """The partitioner's tags: a compiled forward keeps fewer bytes for its backward under
     ``"layer"`` and ``"selective"`` than without recompute, and the gradients are the

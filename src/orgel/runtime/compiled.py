@@ -59,9 +59,6 @@ from orgel.runtime.compiled_shapes import Guards
 from orgel.runtime.partition import partition_backward
 from orgel.runtime.sharding import like_param, own_part
 
-#: Inductor options for every stage graph: draws from torch's generator (exact dropout)
-INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
-
 
 class _Split:
     """The closures of the weight halves that the backward in progress leaves, or None.
@@ -111,31 +108,6 @@ def compiled_input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor 
     return list(got), weights
 
 
-def _inductor(gm: torch.fx.GraphModule, example: list[Any] | None = None
-              ) -> Callable[[list[Any]], Any]:
-    """``gm`` compiled by Inductor: now for ``example`` (the fake inputs of a symbolic
-    trace, under its tracing context), else lazily at its first call, for its arguments'
-    sizes.
-
-    Boxed, as AOTAutograd calls compiled graphs: it takes its arguments as one list and
-    empties it, so each input (a saved activation, in a backward) is freed once the
-    compiled code has used it for the last time, not when the whole graph returns."""
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    compiled: list[Callable[..., Any]] = []
-    if example is not None:
-        with config.patch(INDUCTOR_OPTIONS):
-            compiled.append(compile_fx_inner(gm, example))
-
-    def call(args: list[Any]) -> Any:
-        if not compiled:
-            with config.patch(INDUCTOR_OPTIONS), shapes.static_context():
-                compiled.append(compile_fx_inner(gm, list(args)))
-        return compiled[0](args)
-    return call
-
-
 class _Compiled:
     """The forward and backward of one input signature, compiled; the backward splits
     when :func:`split_backward` is on. With ``guards`` the graphs are symbolic in some
@@ -153,18 +125,12 @@ class _Compiled:
         self.guards = guards
         self.weights = 0  # set per call: how many leading arguments are parameters
 
-        def graph(gm: torch.fx.GraphModule, example: list[Any] | None
-                  ) -> Callable[[list[Any]], Any]:
-            if guards is None:
-                return owner._timed(_inductor(gm))
-            with owner._counting():
-                return _inductor(gm, example)
+        def graph(gm: torch.fx.GraphModule, example: list[Any]) -> shapes.Graph:
+            return shapes.Graph(gm, None if guards is None else example, owner._counting)
 
         def fw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable[..., Any]:
             self.owner.saved_bytes.append(_saved_bytes(gm))
-            forward = graph(gm, list(example))
-            forward._boxed_call = True  # type: ignore[attr-defined]
-            return forward
+            return graph(gm, list(example))
 
         def bw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable[..., Any]:
             full = graph(gm, list(example))
@@ -255,21 +221,6 @@ class CompiledStage:
             self._depth -= 1
             if not self._depth:
                 self.compile_s += time.perf_counter() - start
-
-    def _timed(self, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-        """Boxed ``fn``, its first call (where Inductor compiles) added to
-        :attr:`compile_s`."""
-        state = {"first": True}
-
-        def call(args: list[Any]) -> Any:
-            if not state["first"]:
-                return fn(args)
-            with self._counting():
-                out = fn(args)
-            state["first"] = False
-            return out
-
-        return call
 
     def _state(self) -> tuple[list[str], list[torch.Tensor], int]:
         """The module's parameters, then its buffers: their names, the tensors, how many

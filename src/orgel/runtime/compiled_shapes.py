@@ -12,17 +12,23 @@ AOTAutograd traces the symbolic graphs under a shape environment of the stage's 
 which records every assumption the trace made about the symbols (guards: an equality
 between two sizes, a size at least 2, a size the code fixes). A later call whose sizes
 satisfy those guards, and whose static parts are the compiled call's, runs the symbolic
-graphs without compiling; any other call compiles statically for its own sizes.
+graphs without compiling; any other call compiles statically for its own sizes. Each
+graph (the forward, the backward, its input and weight halves) is compiled at its first
+call (:class:`Graph`), so a schedule that never splits the backward compiles no halves;
+one that Inductor cannot compile symbolically is compiled for each call's sizes instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+#: Inductor options for every stage graph: draws from torch's generator (exact dropout)
+INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
 
 
 def static_context() -> Any:
@@ -36,6 +42,13 @@ def static_context() -> Any:
 
     return tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(),
                                                  static_shapes=True)))
+
+
+def static_graph(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.GraphModule:
+    """``gm``, a graph of a symbolic trace, traced again for the sizes of ``args``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(gm, tracing_mode="fake")(*args)  # type: ignore[no-any-return]
 
 
 def exact_key(value: Any) -> Any:
@@ -180,3 +193,60 @@ class Guards:
         code = self._code[1]
         return code is None or bool(self.shape_env.evaluate_guards_expression(
             code, self.symbolic.sizes(args)))
+
+
+class Graph:
+    """``gm`` compiled by Inductor at its first call, each compile inside ``counting()``:
+    for ``example`` (the fake inputs of a symbolic trace, under the tracing context in
+    force when it is made), else for the call's sizes. Where Inductor cannot compile the
+    symbolic graph (a symbol that only a product of sizes carries: "expected [s2] to have
+    been codegen-ed"), the graph is traced again and compiled statically for each call's
+    sizes.
+
+    Boxed, as AOTAutograd calls compiled graphs: it takes its arguments as one list and
+    empties it, so each input (a saved activation, in a backward) is freed once the
+    compiled code has used it for the last time, not when the whole graph returns."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, example: list[Any] | None,
+                 counting: Callable[[], Any]) -> None:
+        from torch._guards import TracingContext
+
+        self.gm, self.example, self.counting = gm, example, counting
+        self.context = None if example is None else TracingContext.try_get()
+        self.compiled: Callable[..., Any] | None = None  # the one for every call
+        self.by_sizes: dict[Any, Callable[..., Any]] | None = None  # else, per sizes
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self.compiled is not None:
+            return self.compiled(args)
+        if self.by_sizes is None:
+            self.compiled = self._compile(args)
+            if self.compiled is not None:
+                return self.compiled(args)
+            self.by_sizes = {}
+        key = tuple(exact_key(a) for a in args)
+        if key not in self.by_sizes:
+            self.by_sizes[key] = self._static(static_graph(self.gm, args), args)
+        return self.by_sizes[key](args)
+
+    def _compile(self, args: list[Any]) -> Callable[..., Any] | None:
+        from torch._guards import tracing
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        if self.example is None:
+            return self._static(self.gm, args)
+        try:
+            with self.counting(), config.patch(INDUCTOR_OPTIONS), tracing(self.context):
+                return compile_fx_inner(self.gm, self.example)  # type: ignore[no-any-return]
+        except Exception:  # noqa: BLE001 - compiled for each call's sizes instead
+            return None
+
+    def _static(self, gm: torch.fx.GraphModule, args: list[Any]) -> Callable[..., Any]:
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        with self.counting(), config.patch(INDUCTOR_OPTIONS), static_context():
+            return compile_fx_inner(gm, list(args))  # type: ignore[no-any-return]
