@@ -2,14 +2,15 @@
 
 Each draw (``tests/fuzzing.py``: a zoo model, 2-4 ranks, dp, schedule family,
 micro-batches, recompute, frozen parameters, precision, optimizer, learning-rate schedule,
-clipping, accumulation, meta init, the entry point: ``orgel.pipeline`` or
-``orgel.backend`` with a closure, and with ``--torchrun`` either in a torchrun job) is
+clipping, accumulation, meta init, with ``--compile`` Inductor's stages, the entry point:
+``orgel.pipeline`` or ``orgel.backend`` with a closure, and with ``--torchrun`` either in
+a torchrun job) is
 trained for two optimizer steps on gloo ranks and in one process; every parameter, buffer
 and optimizer state copy is compared. Prints each setup, its verdict (the largest abs/rel
 difference per kind of value; what differed), and a summary. CI runs a few fixed draws of
 the same code (``tests/test_fuzz.py``).
 
-    python benchmarks/fuzz.py --draws 200 --seed 0 [--hf] [--model gpt] [--torchrun]
+    python benchmarks/fuzz.py --draws 200 --seed 0 [--hf] [--model gpt] [--torchrun] [--compile]
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also draw the planner's own plans (schedule=auto; it profiles)")
     parser.add_argument("--torchrun", action="store_true",
                         help="also draw both entry points under torchrun (a job per draw: slower)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also draw compile=True (Inductor compiles every stage: slower)")
     parser.add_argument("--traceback", action="store_true", help="print a crash's traceback")
     args = parser.parse_args(argv)
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         def pick(name: str, options: Sequence[Any], rng: random.Random = rng) -> Any:
             return rng.choice(list(options))
 
-        setup = fuzzing.draw(pick, models, auto=args.auto,
+        setup = fuzzing.draw(pick, models, auto=args.auto, compiled=args.compile,
                              entries=fuzzing.ENTRIES + (fuzzing.TORCHRUN if args.torchrun else ()))
         began = time.monotonic()
         print(f"[{i}] {setup.line()}", flush=True)

@@ -37,7 +37,8 @@ def start(setup: Any, w: Any, optimizer: Callable[..., Any], loop: dict[str, Any
                          sequence_parallel=setup.sequence_parallel,
                          batch_dim=w.batch_dim, replicated=whole,
                          microbatches=shares, threads=1, optimizer=optimizer,
-                         timeout_s=timeout_s, recompute=recompute, **family,
+                         timeout_s=timeout_s, recompute=recompute, compile=setup.compile,
+                         **family,
                          **loop)
     compiled = torch.compile(w.model, backend=pipe, dynamic=setup.dynamic)
     cast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(setup.precision)

@@ -138,6 +138,8 @@ class Setup:
     #: ``orgel.backend``: ``torch.compile``'s ``dynamic`` (None, its default: sizes turn
     #: symbolic at their first change; False: every graph static)
     dynamic: bool | None = None
+    #: ``compile=True``: every stage's graphs compiled by Inductor on the ranks
+    compile: bool = False
 
     def skips_backward(self, call: int) -> bool:
         """Whether step call ``call`` runs no backward (``no_backward``): the second call,
@@ -167,11 +169,12 @@ class Setup:
 
 
 def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
-         entries: Sequence[str] = ENTRIES) -> Setup:
+         entries: Sequence[str] = ENTRIES, compiled: bool = False) -> Setup:
     """A setup drawn with ``pick(name, options)``; valid by construction where it can be
     (interleaved gets a micro-batch count that is a multiple of the pipeline's ranks).
 
     ``auto``: also draw ``schedule="auto"``, the planner's own plan (it profiles: slow).
+    ``compiled``: also draw ``compile=True`` (Inductor compiles every stage: slow).
     Through ``orgel.backend`` the plan is its ``schedule=``: no meta model, no ``looped``
     family's options, recompute for every stage or none."""
     model = pick("model", models)
@@ -221,6 +224,8 @@ def draw(pick: Pick, models: Sequence[str] = MODELS, auto: bool = False,
         setup = replace(setup, no_backward=pick("no_backward", (False, True)))
     if backend:  # (drawn last too)
         setup = replace(setup, dynamic=pick("dynamic", (None, False)))
+    if compiled:  # (and this, only where asked: the draws of every seed stay as they were)
+        setup = replace(setup, compile=pick("compile", (False, True)))
     return setup
 
 
@@ -331,7 +336,7 @@ def run_orgel(setup: Setup, timeout_s: float = 120.0, folder: Path | None = None
                                   microbatches=setup.microbatches, plan=plan,
                                   threads=1, optimizer=optimizer, timeout_s=timeout_s,
                                   batch_dim=w.batch_dim, replicated=w.replicated,
-                                  **loop_options(setup), **extra)
+                                  compile=setup.compile, **loop_options(setup), **extra)
             step = pipe.step
     except (ValueError, MaterializeError) as exc:
         raise Refused(f"{type(exc).__name__}: {exc}") from None

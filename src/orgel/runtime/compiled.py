@@ -111,8 +111,8 @@ def compiled_input_backward(roots: list[torch.Tensor], grads: list[torch.Tensor 
 class _Compiled:
     """The forward and backward of one input signature, compiled; the backward splits
     when :func:`split_backward` is on. With ``guards`` the graphs are symbolic in some
-    sizes (:mod:`orgel.runtime.compiled_shapes`) and compiled as soon as traced; else
-    static, each compiled at its first call."""
+    sizes (:mod:`orgel.runtime.compiled_shapes`), else static; each is compiled at its
+    first call."""
 
     def __init__(self, owner: CompiledStage, fn: Callable[..., Any],
                  state: int, flat: list[int], guards: Guards | None = None) -> None:
@@ -255,18 +255,24 @@ class CompiledStage:
                 tuple(shapes.exact_key(t) for t in tensors))
         key = (head, tuple(shapes.exact_key(a) for a in args))
         compiled = self._cache.get(key)
-        if compiled is None:
-            sizeless = (head, tuple(shapes.sizeless_key(a) for a in args))
-            compiled = self._cache[key] = self._compiled_for(sizeless, names, tensors, args)
-            if compiled.guards is not None and compiled.guards.placeholders is None:
-                try:  # symbolic graphs, traced and compiled at their first call
-                    with compiled.guards.tracing(args):
-                        return self._run(compiled, tensors, weights, args)
-                except Exception:  # a trace the symbols defeat: static graphs, these sizes
-                    self._symbolic[sizeless].remove(compiled)
-                    self._static_only.add(sizeless)
-                    compiled = self._cache[key] = self._compile(names, tensors, args, None)
-        return self._run(compiled, tensors, weights, args)
+        if compiled is not None:
+            return self._run(compiled, tensors, weights, args)
+        sizeless = (head, tuple(shapes.sizeless_key(a) for a in args))
+        compiled, new = self._compiled_for(sizeless, names, tensors, args)
+        self._cache[key] = compiled
+        if not new:  # symbolic graphs compiled before serve these sizes
+            return self._run(compiled, tensors, weights, args)
+        with self._counting():  # the first call: AOTAutograd's trace, Inductor's compiles
+            if compiled.guards is None:
+                return self._run(compiled, tensors, weights, args)
+            try:
+                with compiled.guards.tracing(args):
+                    return self._run(compiled, tensors, weights, args)
+            except Exception:  # a trace the symbols defeat: static graphs, these sizes
+                self._symbolic[sizeless].remove(compiled)
+                self._static_only.add(sizeless)
+                compiled = self._cache[key] = self._compile(names, tensors, args, None)
+                return self._run(compiled, tensors, weights, args)
 
     def _run(self, compiled: _Compiled, tensors: list[torch.Tensor], weights: int,
              args: tuple[Any, ...]) -> Any:
@@ -275,20 +281,21 @@ class CompiledStage:
         return compiled.fn(*(own_part(t) for t in tensors), *(args[k] for k in compiled.flat))
 
     def _compiled_for(self, sizeless: Any, names: list[str], tensors: list[torch.Tensor],
-                      args: tuple[Any, ...]) -> _Compiled:
-        """The graphs for a call of new sizes (see :mod:`orgel.runtime.compiled_shapes`):
-        symbolic ones compiled before where their guards hold; new symbolic ones where a
-        call of the same kind but other sizes compiled before; else static ones."""
+                      args: tuple[Any, ...]) -> tuple[_Compiled, bool]:
+        """The graphs for a call of new sizes (see :mod:`orgel.runtime.compiled_shapes`)
+        and whether they are new: symbolic ones compiled before where their guards hold;
+        new symbolic ones where a call of the same kind but other sizes came before; else
+        new static ones."""
         for earlier in self._symbolic.get(sizeless, []):
             if earlier.guards is not None and earlier.guards.serve(args):
-                return earlier
+                return earlier, False
         first = self._first.setdefault(sizeless, shapes.sizes_of(args))
         symbolic = None if sizeless in self._static_only else shapes.Symbolic.between(first, args)
         if symbolic is None:
-            return self._compile(names, tensors, args, None)
+            return self._compile(names, tensors, args, None), True
         compiled = self._compile(names, tensors, args, Guards(symbolic, args))
         self._symbolic.setdefault(sizeless, []).append(compiled)
-        return compiled
+        return compiled, True
 
     def _compile(self, names: list[str], tensors: list[torch.Tensor], args: tuple[Any, ...],
                  guards: Guards | None) -> _Compiled:
@@ -318,8 +325,7 @@ class CompiledStage:
                 return torch.func.functional_call(module, state, tuple(call_args))
             return tagged_call(module, state, call_args, self.tags)
 
-        with self._counting():
-            return _Compiled(self, fn, len(tensors), flat, guards)
+        return _Compiled(self, fn, len(tensors), flat, guards)
 
 
 class SegmentedStage:
