@@ -356,6 +356,61 @@ def test_orgel_backend_compiles_the_stages_too() -> None:
         torch.testing.assert_close(state[name], t, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_stage_with_max_pooling_compiles_in_a_fresh_process() -> None:
+    """Inductor's decomposition of ``max_pool2d`` calls into ``torch._inductor.lowering``,
+    which only compiling imports: a rank whose first compiled op was a max-pool failed with
+    "module 'torch._inductor' has no attribute 'lowering'" (a U-Net's first stage)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from orgel.runtime.compiled import CompiledStage\n"
+            "net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.MaxPool2d(2))\n"
+            "x = torch.randn(2, 3, 8, 8)\n"
+            "torch.testing.assert_close(CompiledStage(net)(x), net(x))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+class _Tokens(torch.nn.Module):
+    """A class token and a position embedding, as a ViT adds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 4))
+        self.pos = torch.nn.Parameter(torch.randn(1, 3, 4))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
+def test_gradients_the_compiled_backward_returns_as_views_accumulate_apart(split: bool) -> None:
+    """On one-row micro-batches Inductor returns the class token's gradient as a view of
+    the position embedding's: accumulated over two micro-batches, each must be what eager
+    autograd gives (the second micro-batch was added to both through the shared storage,
+    and a ViT trained on 4 one-row micro-batches drifted 5e-2 from one process)."""
+    torch.manual_seed(0)
+    eager = torch.fx.symbolic_trace(_Tokens())
+    stage = CompiledStage(copy.deepcopy(eager))
+    for _ in range(2):
+        x = torch.randn(1, 2, 4)
+        eager(x).pow(2).sum().backward()
+        loss = stage(x).pow(2).sum()
+        if split:
+            with split_backward() as pending:
+                loss.backward()
+            for work in pending:
+                work()
+        else:
+            loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), stage.module.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 def test_a_compiled_stage_reads_weights_replaced_after_its_first_call() -> None:
     """The stage finds where each weight lives once but reads the tensor there at every
     call: a weight replaced by another object (a state dict loaded with ``assign=True``,

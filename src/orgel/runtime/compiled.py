@@ -116,6 +116,7 @@ class _Compiled:
 
     def __init__(self, owner: CompiledStage, fn: Callable[..., Any],
                  state: int, flat: list[int], guards: Guards | None = None) -> None:
+        import torch._inductor.lowering  # noqa: F401 - its decompositions call into it
         from torch._functorch.aot_autograd import aot_function
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch._inductor.decomposition import select_decomp_table
@@ -145,14 +146,14 @@ class _Compiled:
                 args = list(grads)
                 grads.clear()
                 if pending is None:
-                    return full(args)
+                    return _apart(full(args), weights)
                 result = i_fn(args)
                 inputs, frontier = list(result[:count]), list(result[count:])
                 params = self.owner._params_now
 
                 def weight_half() -> None:
                     with torch.no_grad():  # the frontier may hold parameters themselves
-                        _accumulate(params, w_fn(frontier))
+                        _accumulate(params, _apart(w_fn(frontier), weights))
 
                 pending.append(weight_half)
                 return [None] * weights + inputs
@@ -165,6 +166,26 @@ class _Compiled:
                                partition_fn=min_cut_rematerialization_partition,
                                decompositions=select_decomp_table(),
                                dynamic=guards is not None, num_params_buffers=state)
+
+
+def _apart(grads: Any, weights: int) -> list[Any]:
+    """``grads`` with each of the first ``weights`` (parameters' gradients) that shares its
+    storage with another output cloned. Inductor may return one parameter's gradient as a
+    view of another's (a ViT's class token and position embedding on one-row
+    micro-batches), and accumulating the next micro-batch into one would add it to both."""
+    out = list(grads)
+    shared: dict[int, int] = {}
+    for g in out:
+        if isinstance(g, torch.Tensor) and g.numel():
+            ptr = g.untyped_storage().data_ptr()
+            shared[ptr] = shared.get(ptr, 0) + 1
+    for k, g in enumerate(out[:weights]):
+        if isinstance(g, torch.Tensor) and g.numel():
+            ptr = g.untyped_storage().data_ptr()
+            if shared[ptr] > 1:
+                shared[ptr] -= 1
+                out[k] = g.clone()
+    return out
 
 
 def _accumulate(params: list[torch.Tensor], grads: Any) -> None:
