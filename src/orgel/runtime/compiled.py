@@ -168,6 +168,12 @@ class _Compiled:
                                dynamic=guards is not None, num_params_buffers=state)
 
 
+def _autocast() -> tuple[Any, ...]:
+    """The autocast in force (a graph traced under one has its casts in it)."""
+    return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
+                 for d in ("cpu", "cuda"))
+
+
 def _apart(grads: Any, weights: int) -> list[Any]:
     """``grads`` with each of the first ``weights`` (parameters' gradients) that shares its
     storage with another output cloned. Inductor may return one parameter's gradient as a
@@ -272,7 +278,7 @@ class CompiledStage:
         if unshard is not None:  # FSDP2: its forward hook would gather; the weights whole
             unshard()  # are the module's parameters until the step's reduce reshards them
         names, tensors, weights = self._state()
-        head = (self.module.training, torch.is_grad_enabled(), tuple(names),
+        head = (self.module.training, torch.is_grad_enabled(), _autocast(), tuple(names),
                 tuple(shapes.exact_key(t) for t in tensors))
         key = (head, tuple(shapes.exact_key(a) for a in args))
         compiled = self._cache.get(key)
@@ -349,15 +355,21 @@ class CompiledStage:
         return _Compiled(self, fn, len(tensors), flat, guards)
 
 
+#: an autocast region's entry and exit, which a forward of several graphs holds around
+#: them all: run eagerly between the pieces (a piece cannot return the region's context)
+_AUTOCAST = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
+
+
 class SegmentedStage:
     """A stage whose graph holds exchanges with a controller (a forward of several graphs,
     :mod:`orgel.graph.glue`): the graph cut at each exchange, the pieces between them run
     through :class:`CompiledStage` and the exchanges eagerly between them (they send and
-    receive: AOTAutograd cannot trace them). Each piece is a graph of its own over the
-    stage's weights (read as the stage's attributes, so the weight half of a split
-    backward adds to the stage's parameters) and one autograd node with its own input and
-    weight halves, so ``B``, ``I`` and ``W`` run as for a stage of one piece; the
-    exchanges' backwards run between them, in autograd's order.
+    receive: AOTAutograd cannot trace them), as are the entry and exit of an autocast
+    region around them (the pieces are traced under the autocast they run in). Each piece
+    is a graph of its own over the stage's weights (read as the stage's attributes, so the
+    weight half of a split backward adds to the stage's parameters) and one autograd node
+    with its own input and weight halves, so ``B``, ``I`` and ``W`` run as for a stage of
+    one piece; the exchanges' backwards run between them, in autograd's order.
     """
 
     def __init__(self, module: torch.fx.GraphModule, recompute: bool | str = False,
@@ -374,9 +386,9 @@ class SegmentedStage:
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
                 continue
-            if is_exchange(node) or (node.op == "call_function" and node.args
-                                     and isinstance(node.args[0], torch.fx.Node)
-                                     and is_exchange(node.args[0])):
+            if is_exchange(node) or node.target in _AUTOCAST or (
+                    node.op == "call_function" and node.args
+                    and isinstance(node.args[0], torch.fx.Node) and is_exchange(node.args[0])):
                 self._piece(module, run, recompute, layers)
                 run = []
                 self.steps.append((None, [], [], node))
