@@ -235,3 +235,13 @@ def test_a_value_read_after_a_break_changing_every_micro_batch_stays_on_the_grap
     stops the step. The float turns symbolic at its first change now."""
     _check(fuzzing.Setup("breaks", ranks=2, dp=2, schedule="gpipe", microbatches=6, rows=1,
                          shard="fsdp", accumulate=2))
+
+
+def test_a_compiled_fsdp_stage_with_per_layer_recompute_trains() -> None:
+    """Found by the fuzzer (``--compile``, seed 140): a compiled FSDP stage whose forward
+    runs through the per-layer recompute ran no FSDP2 hook, so its root state was never
+    set up and the step's reduce failed ("'FSDPCommContext' object has no attribute
+    'post_forward_order'"). The sharded stages' root states are set up at each step's
+    start now, as FSDP2's pre-forward hook does."""
+    _check(fuzzing.Setup("gpt", ranks=2, dp=2, schedule="1f1b", microbatches=1, rows=1,
+                         recompute="layer", shard="fsdp", seed=1, compile=True))

@@ -261,7 +261,12 @@ class Sharding:
         gathers meanwhile, as ``torch.distributed.pipelining`` unshards ahead of a stage's
         first forward, instead of the pipeline's ranks gathering one after another in the
         warm-up. A stage still gathered (an accumulating call) gathers nothing."""
+        from torch.distributed.fsdp import fully_shard
+
         for module in self.modules.values():
+            # what FSDP2's pre-forward hook does at a stage's first forward: its root state,
+            # which a compiled stage (no hook runs) otherwise lacks at the step's reduce
+            fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
             module.set_requires_gradient_sync(False)
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(False)
