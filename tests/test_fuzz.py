@@ -245,3 +245,13 @@ def test_a_compiled_fsdp_stage_with_per_layer_recompute_trains() -> None:
     start now, as FSDP2's pre-forward hook does."""
     _check(fuzzing.Setup("gpt", ranks=2, dp=2, schedule="1f1b", microbatches=1, rows=1,
                          recompute="layer", shard="fsdp", seed=1, compile=True))
+
+
+def test_a_compiled_u_net_trains_on_a_batch_of_new_size() -> None:
+    """Found by the fuzzer (``--compile``, seed 140): at a batch of a new size a U-Net's
+    stage compiles graphs symbolic in it, and its backward was compiled for the strides of
+    the forward's trace where Inductor's compiled forward saves a convolution's output
+    channels-last ("expected ... stride 1==256" at the first backward). The symbolic
+    forward is compiled as soon as traced now, so the backward takes its layouts."""
+    _check(fuzzing.Setup("unet", ranks=2, dp=2, schedule="1f1b", microbatches=3, rows=3,
+                         shard="fsdp", shape="uneven", seed=1, compile=True))

@@ -131,7 +131,10 @@ class _Compiled:
 
         def fw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable[..., Any]:
             self.owner.saved_bytes.append(_saved_bytes(gm))
-            return graph(gm, list(example))
+            forward = graph(gm, list(example))
+            if guards is not None:  # (see shapes.Graph.compile)
+                forward.compile()
+            return forward
 
         def bw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable[..., Any]:
             full = graph(gm, list(example))

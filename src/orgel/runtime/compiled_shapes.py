@@ -222,27 +222,34 @@ class Graph:
         if self.compiled is not None:
             return self.compiled(args)
         if self.by_sizes is None:
-            self.compiled = self._compile(args)
+            self.compile(args)
             if self.compiled is not None:
                 return self.compiled(args)
-            self.by_sizes = {}
+        by_sizes = self.by_sizes
+        assert by_sizes is not None  # the symbolic compile failed: one for these sizes
         key = tuple(exact_key(a) for a in args)
-        if key not in self.by_sizes:
-            self.by_sizes[key] = self._static(static_graph(self.gm, args), args)
-        return self.by_sizes[key](args)
+        if key not in by_sizes:
+            by_sizes[key] = self._static(static_graph(self.gm, args), args)
+        return by_sizes[key](args)
 
-    def _compile(self, args: list[Any]) -> Callable[..., Any] | None:
+    def compile(self, args: list[Any] | None = None) -> None:
+        """Compile now: for ``args``' sizes, or symbolically for the example. A symbolic
+        forward is compiled as soon as traced: Inductor records the layouts of what it
+        saves (a convolution's output may come channels-last), which AOTAutograd gives the
+        backward's example, or the backward would be compiled for other strides."""
         from torch._guards import tracing
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner
 
         if self.example is None:
-            return self._static(self.gm, args)
+            assert args is not None
+            self.compiled = self._static(self.gm, args)
+            return
         try:
             with self.counting(), config.patch(INDUCTOR_OPTIONS), tracing(self.context):
-                return compile_fx_inner(self.gm, self.example)  # type: ignore[no-any-return]
+                self.compiled = compile_fx_inner(self.gm, self.example)
         except Exception:  # noqa: BLE001 - compiled for each call's sizes instead
-            return None
+            self.by_sizes = {}
 
     def _static(self, gm: torch.fx.GraphModule, args: list[Any]) -> Callable[..., Any]:
         from torch._inductor import config
