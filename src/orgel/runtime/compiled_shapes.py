@@ -133,7 +133,8 @@ class Symbolic:
             if isinstance(a, torch.Tensor):
                 dims = p if isinstance(p, tuple) else ()
                 shape = tuple(None if d in dims else n for d, n in enumerate(a.shape))
-                out.append(("t", shape, a.dtype, a.device, a.requires_grad))
+                strides = None if dims else a.stride()  # (symbolic ones: contiguous)
+                out.append(("t", shape, strides, a.dtype, a.device, a.requires_grad))
             else:
                 out.append(None if p is True else exact_key(a))
         return tuple(out)
