@@ -255,3 +255,13 @@ def test_a_compiled_u_net_trains_on_a_batch_of_new_size() -> None:
     forward is compiled as soon as traced now, so the backward takes its layouts."""
     _check(fuzzing.Setup("unet", ranks=2, dp=2, schedule="1f1b", microbatches=3, rows=3,
                          shard="fsdp", shape="uneven", seed=1, compile=True))
+
+
+def test_a_compiled_fsdp_stage_with_graph_breaks_reads_its_gathered_weights() -> None:
+    """Found by the fuzzer (``--compile``, seed 140): a stage cut at its exchanges with the
+    calling process (every stage through ``orgel.backend``) compiles each piece as a graph
+    of its own, and a piece read its weights off itself, where FSDP2 never gathers them:
+    the shards reached the trace ("Cannot unflatten unevenly sharded tensor"). Pieces read
+    the stage's weights by name now."""
+    _check(fuzzing.Setup("gpt", ranks=2, dp=2, schedule="1f1b", microbatches=3, rows=3,
+                         shard="fsdp", seed=1, entry="backend", compile=True))

@@ -217,8 +217,12 @@ class CompiledStage:
     dict, an optimizer step or a recompute's swapped buffers are seen."""
 
     def __init__(self, module: torch.nn.Module, recompute: bool | str = False,
-                 layers: Sequence[tuple[str | None, list[str]]] = ()) -> None:
+                 layers: Sequence[tuple[str | None, list[str]]] = (),
+                 weights_of: torch.nn.Module | None = None) -> None:
         self.module = module
+        #: where the weights are read, by their names in ``module`` (a piece of a
+        #: :class:`SegmentedStage`: the stage, whose tensors FSDP2 swaps, not the piece's)
+        self.weights_of = module if weights_of is None else weights_of
         #: the partitioner's tags for ``recompute`` ``"layer"``/``"selective"``, None: the
         #: min-cut partitioner's own choice (:mod:`orgel.runtime.compiled_recompute`)
         self.tags = recompute_tags(module, recompute, layers)
@@ -264,7 +268,7 @@ class CompiledStage:
                                  ("_buffers", self.module.named_buffers())):
                 for name, _ in named:
                     owner, _, attr = name.rpartition(".")
-                    slots.append((name, getattr(self.module.get_submodule(owner), table),
+                    slots.append((name, getattr(self.weights_of.get_submodule(owner), table),
                                   attr))
                 if table == "_parameters":
                     self._weights = len(slots)
@@ -425,7 +429,7 @@ class SegmentedStage:
         piece.output(tuple(env[by_name[n]] for n in outputs))
         names = {n.name for n in nodes}
         kept = [(layer, [n for n in run if n in names]) for layer, run in layers]
-        runner = CompiledStage(torch.fx.GraphModule(module, piece), recompute, kept)
+        runner = CompiledStage(torch.fx.GraphModule(module, piece), recompute, kept, module)
         self.pieces.append(runner)
         self.steps.append((runner, inputs, outputs, nodes[-1]))
 
