@@ -46,6 +46,7 @@ the eager one draws on the same stream, and a recompute replays it.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from orgel.graph.measure import AUTOCAST_ENTER, AUTOCAST_EXIT
 from orgel.runtime import compiled_shapes as shapes
 from orgel.runtime.compiled_recompute import recompute_tags, tagged_call
 from orgel.runtime.compiled_shapes import Guards
@@ -183,17 +185,13 @@ def _apart(grads: Any, weights: int) -> list[Any]:
     view of another's (a ViT's class token and position embedding on one-row
     micro-batches), and accumulating the next micro-batch into one would add it to both."""
     out = list(grads)
-    shared: dict[int, int] = {}
-    for g in out:
-        if isinstance(g, torch.Tensor) and g.numel():
-            ptr = g.untyped_storage().data_ptr()
-            shared[ptr] = shared.get(ptr, 0) + 1
-    for k, g in enumerate(out[:weights]):
-        if isinstance(g, torch.Tensor) and g.numel():
-            ptr = g.untyped_storage().data_ptr()
-            if shared[ptr] > 1:
-                shared[ptr] -= 1
-                out[k] = g.clone()
+    ptrs = [g.untyped_storage().data_ptr() if isinstance(g, torch.Tensor) and g.numel()
+            else None for g in out]
+    shared = Counter(p for p in ptrs if p is not None)
+    for k, ptr in enumerate(ptrs[:weights]):
+        if ptr is not None and shared[ptr] > 1:
+            shared[ptr] -= 1
+            out[k] = out[k].clone()
     return out
 
 
@@ -362,11 +360,6 @@ class CompiledStage:
         return _Compiled(self, fn, len(tensors), flat, guards)
 
 
-#: an autocast region's entry and exit, which a forward of several graphs holds around
-#: them all: run eagerly between the pieces (a piece cannot return the region's context)
-_AUTOCAST = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
-
-
 class SegmentedStage:
     """A stage whose graph holds exchanges with a controller (a forward of several graphs,
     :mod:`orgel.graph.glue`): the graph cut at each exchange, the pieces between them run
@@ -393,7 +386,9 @@ class SegmentedStage:
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
                 continue
-            if is_exchange(node) or node.target in _AUTOCAST or (
+            # an autocast region's entry and exit (around all the graphs of a forward of
+            # several) run eagerly too: a piece cannot return the region's context
+            if is_exchange(node) or node.target in (AUTOCAST_ENTER, AUTOCAST_EXIT) or (
                     node.op == "call_function" and node.args
                     and isinstance(node.args[0], torch.fx.Node) and is_exchange(node.args[0])):
                 self._piece(module, run, recompute, layers)
