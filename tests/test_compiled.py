@@ -114,6 +114,28 @@ def test_the_input_and_weight_halves_add_up_to_the_backward(device: str) -> None
         torch.testing.assert_close(q.grad, p.grad)
 
 
+def test_the_halves_of_a_convolution_whose_input_takes_a_gradient() -> None:
+    """A convolution's backward is one operation giving the input's gradient (for ``I``)
+    and the weight's (for ``W``): ``I`` hands ``W`` the weight's part, not the operation's
+    tuple, which Inductor cannot return from a graph (found by ``benchmarks/fuzz.py
+    --compile``: a U-Net's second stage under ZB-H1 stopped at its first step)."""
+    torch.manual_seed(0)
+    net = torch.fx.symbolic_trace(torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 3)))
+    compiled = CompiledStage(copy.deepcopy(net))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    grad = torch.randn(2, 2, 6, 6)
+    net(x).backward(grad)
+    xc = x.detach().clone().requires_grad_()
+    with split_backward() as pending:
+        (dx,) = torch.autograd.grad(compiled(xc), [xc], grad)
+    torch.testing.assert_close(dx, x.grad)
+    for work in pending:
+        work()
+    for p, q in zip(net.parameters(), compiled.module.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
 def test_the_weight_half_holds_only_what_the_input_half_does_not() -> None:
     """The backward graph's nodes go to ``I`` or ``W``, none to both (nothing computed twice),
     and ``W`` reads the frontier ``I`` hands it, no placeholder of the backward."""

@@ -4,6 +4,8 @@ the parameters' gradients need and which runs later from the values ``I`` hands 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -19,6 +21,10 @@ def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return seen
 
 
+def _part(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
 def partition_backward(bw: torch.fx.GraphModule, weights: int
                        ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
     """Split a backward graph whose first ``weights`` outputs are the parameters' gradients
@@ -32,6 +38,12 @@ def partition_backward(bw: torch.fx.GraphModule, weights: int
     need_i = _ancestors([n for n in i_outs if isinstance(n, torch.fx.Node)])
     need_w = _ancestors([n for n in w_outs if isinstance(n, torch.fx.Node)])
     w_only = {n for n in need_w - need_i if n.op != "placeholder"}
+    # an operation of several results that both halves read (a convolution's backward: the
+    # input's gradient and the weight's) hands W the parts it reads, not its tuple, which
+    # Inductor cannot return from a graph
+    parts = {u for n in need_i for u in n.users if u in w_only and _part(u)}
+    w_only -= parts
+    need_i |= parts
     order = list(bw.graph.nodes)
     frontier = [n for n in order if n in need_w and n not in w_only
                 and (n in w_outs or any(u in w_only for u in n.users))]
