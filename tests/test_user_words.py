@@ -241,24 +241,3 @@ def test_a_forward_that_writes_its_own_parameters_is_told_so_not_called_a_bug() 
     assert message.startswith("parameter(s) emb.weight changed in place while orgel ran the "
                               "model's forward"), message
     assert "nn.Embedding(max_norm=...)" in message and "without max_norm" in message, message
-
-
-def test_a_forward_that_takes_a_dict_of_tensors_is_told_how_to_pass_them() -> None:
-    """``forward(self, batch)`` reading ``batch["ids"]`` (a training-framework habit): orgel
-    passes inputs as tensors by name, and says how (keyword arguments, or a wrapper taking
-    ``**batch``), where it said to put constant options in the model."""
-    import orgel
-
-    class ByDict(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = torch.nn.Embedding(8, 4)
-
-        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            return self.emb(batch["ids"]).sum(-1)
-
-    ids = torch.randint(0, 8, (4, 3))
-    with pytest.raises(ValueError, match=r"input 'batch' is a dict of tensors.*"
-                                         r"forward\(self, \*\*batch\) returns model\(batch\)"):
-        orgel.pipeline(ByDict(), ({"ids": ids},), torch.zeros(4, 3),
-                       torch.nn.functional.mse_loss, ranks=2)

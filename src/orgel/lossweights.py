@@ -59,6 +59,7 @@ import torch.utils._pytree as pytree
 
 from orgel.batching import TARGETS, BatchDim, WorkloadError, close, dim_of, share
 from orgel.launch.errors import NonFiniteLoss
+from orgel.nesting import nest
 
 IGNORE_INDEX = -100
 #: every rule, in the order :func:`calibrate` prefers them when the trial cannot tell
@@ -372,7 +373,7 @@ def _trial(model: torch.nn.Module, named: dict[str, Any], targets: Any, loss_fn:
 
     def run(x: dict[str, Any], y: Any) -> float:
         try:
-            outs.append(torch.func.functional_call(model, params, (), x))
+            outs.append(torch.func.functional_call(model, params, (), nest(x)))
         finally:
             for m, own in held:
                 m._parameters.update(own)

@@ -37,6 +37,7 @@ from orgel.batching import (
     split_microbatches,
     tensors_in,
 )
+from orgel.nesting import call, flatten
 from orgel.usercode import user_code
 
 
@@ -160,9 +161,11 @@ def given_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]
     """The workload's own inputs by keyword: positional ones named by ``forward``'s signature.
 
     Any mapping is a batch by keyword: a dict, or the ``BatchEncoding`` that a Hugging Face
-    tokenizer or data collator (``DataCollatorWithPadding``) returns."""
+    tokenizer or data collator (``DataCollatorWithPadding``) returns. An input that is a
+    dict, list or tuple of tensors is named by the path of each (``batch.pixels``:
+    :mod:`orgel.nesting`)."""
     if isinstance(inputs, Mapping):
-        return dict(inputs)
+        return flatten(inputs)
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if not isinstance(inputs, (tuple, list)):
@@ -178,7 +181,7 @@ def given_inputs(model: torch.nn.Module, inputs: Any) -> dict[str, torch.Tensor]
             f"{type(model).__name__}.forward takes {len(positional)} positional inputs but "
             f"the workload gives {len(inputs)}; pass a dict of keyword inputs instead"
         )
-    return {p.name: value for p, value in zip(positional, inputs, strict=False)}
+    return flatten({p.name: value for p, value in zip(positional, inputs, strict=False)})
 
 
 def cache_off(model: torch.nn.Module, named: dict[str, Any]) -> dict[str, Any]:
@@ -255,13 +258,6 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
         raise WorkloadError(f"replicated names {unknown} are not inputs of the model; "
                             f"its inputs are {list(named)}")
     for name, value in given_inputs(w.model, w.inputs).items():  # orgel's use_cache aside
-        if isinstance(value, Mapping) and tensors_in(value):
-            raise WorkloadError(
-                f"input {name!r} is a {type(value).__name__} of tensors, and orgel passes the "
-                "model its inputs as tensors by name: take them as keyword arguments (forward("
-                "self, input_ids, attention_mask)) and pass the mapping itself as the batch "
-                f"(orgel.pipeline(model, {name}, ...)), or wrap the model in a module whose "
-                f"forward(self, **{name}) returns model({name})")
         if not isinstance(value, torch.Tensor) and value is not None:
             raise WorkloadError(
                 f"input {name!r} is a {type(value).__name__}; inputs must be tensors "
@@ -293,7 +289,7 @@ def validate_workload(w: Workload, microbatches: int = 1) -> None:
         loss = _fake_loss(w, (named, targets))
         if loss is None:  # the forward reads values (or raises): the real one says which
             with untouched(w.model), torch.no_grad():
-                loss = w.loss_fn(w.model(**named), targets)
+                loss = w.loss_fn(call(w.model, named), targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise WorkloadError(
@@ -321,7 +317,7 @@ def _meta_loss(w: Workload, named: dict[str, Any]) -> Any:
     batch = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (named, w.targets))
     try:
         with untouched(w.model), torch.no_grad():
-            return w.loss_fn(w.model(**batch[0]), batch[1])
+            return w.loss_fn(call(w.model, batch[0]), batch[1])
     except Exception as exc:  # noqa: BLE001 - the fake run decides; its error is this one
         loss = _fake_loss(w, batch)
         if loss is None:
@@ -348,7 +344,7 @@ def _fake_loss(w: Workload, batch: tuple[dict[str, Any], Any]) -> Any:
     try:  # (a kernel that raises on fake tensors is logged as an error by torch: quiet)
         with quiet("torch._subclasses.fake_tensor"), untouched(w.model), torch.no_grad(), mode:
             fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
-            return w.loss_fn(w.model(**fake[0]), fake[1])
+            return w.loss_fn(call(w.model, fake[0]), fake[1])
     except Exception:  # noqa: BLE001 - any failure: the real forward decides
         return None
 
@@ -389,8 +385,8 @@ def _rows_agree(w: Workload, named: dict[str, Any], m: int) -> bool | None:
     (None: nothing to compare)."""
     inputs, _ = split_microbatches(named, w.targets, m, w.batch_dim, w.replicated)[-1]
     try:
-        whole = pytree.tree_leaves(w.model(**named))
-        part = pytree.tree_leaves(w.model(**inputs))
+        whole = pytree.tree_leaves(call(w.model, named))
+        part = pytree.tree_leaves(call(w.model, inputs))
     except Exception:  # noqa: BLE001 - a model that cannot run so: nothing to compare
         return None
     batch = batch_rows(named, w.targets, w.batch_dim, w.replicated)

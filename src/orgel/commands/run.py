@@ -379,6 +379,7 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
 
     from orgel.launch.devices import move
     from orgel.lossweights import batch_weights, rule_for, weigh
+    from orgel.nesting import call
     from orgel.precision import autocast, scales_loss
     from orgel.workload import microbatches
 
@@ -398,7 +399,7 @@ def reference(workload: Any, args: argparse.Namespace) -> tuple[list[float], dic
         total = 0.0
         for m, (inputs, targets) in enumerate(batches):
             with autocast(workload.precision, device.type):
-                out = model(**inputs)
+                out = call(model, inputs)
                 loss = weigh(workload.loss_fn(out, targets), weights[(m, 0)], out)
             scaler.scale(loss).backward()
             total += loss.item()

@@ -109,11 +109,13 @@ def pipeline(
     captures the model itself; ``compile=True`` compiles each stage), and names the state
     as that module does. ``inputs``/``targets`` are one example batch (``inputs`` a tuple of
     positional tensors or a dict of keyword tensors, such as a Hugging Face batch
-    ``{input_ids, attention_mask, labels}`` as a ``DataLoader`` gives it); ``loss_fn(outputs,
-    targets)`` returns the batch's loss (a mean over rows or over the labels that are not
-    -100, or a sum: ``loss_rule``). ``targets`` may be None (the labels are in the batch)
-    and ``loss_fn`` too: the model's own ``outputs.loss`` is the loss
-    (:func:`orgel.workload.model_loss`), as ``model(**batch).loss`` in one process.
+    ``{input_ids, attention_mask, labels}`` as a ``DataLoader`` gives it; an input may be a
+    dict or list of tensors, each named by its path, ``batch.pixels``:
+    :mod:`orgel.nesting`); ``loss_fn(outputs, targets)`` returns the batch's loss (a mean
+    over rows or over the labels that are not -100, or a sum: ``loss_rule``). ``targets``
+    may be None (the labels are in the batch) and ``loss_fn`` too: the model's own
+    ``outputs.loss`` is the loss (:func:`orgel.workload.model_loss`), as
+    ``model(**batch).loss`` in one process.
     ``optimizer(params)`` builds each rank's optimizer (default: AdamW, lr 1e-3).
     ``memory`` caps bytes per rank for the planner; ``dp`` asks for that many
     data-parallel replicas.

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import torch
 
 from orgel.names import DEMO_MODELS as MODELS
+from orgel.nesting import call
 
 # Small enough for about a minute on two shared CPU cores, big enough to pipeline.
 _CONFIGS: dict[str, dict[str, Any]] = {
@@ -71,7 +72,7 @@ def _reference_loss(workload: Any, model: torch.nn.Module, pieces: int,
 
     w = Workload(model, workload.inputs, workload.targets, workload.loss_fn)
     with torch.no_grad(), autocast(precision, "cpu"):
-        losses = [float(w.loss_fn(model(**inp), tgt)) for inp, tgt in slice_batches(w, pieces)]
+        losses = [float(w.loss_fn(call(model, inp), tgt)) for inp, tgt in slice_batches(w, pieces)]
     return sum(losses) / len(losses)
 
 

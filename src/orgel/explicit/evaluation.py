@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from orgel import guard
 from orgel.batching import batch_rows, micro_sizes, split_microbatches
 from orgel.lossweights import batch_weights, weigh
+from orgel.nesting import call
 from orgel.runtime.outputs import keep, merge
 from orgel.workload import named_inputs
 
@@ -35,7 +36,7 @@ def evaluate_here(pipe: Any, model: torch.nn.Module, inputs: Any, targets: Any,
         model.eval()
         for m, (x, y) in enumerate(parts):
             with pipe.glue.autocast():
-                out = model(**x)
+                out = call(model, x)
             if with_loss:
                 loss += float(weigh(pipe.loss_fn(out, y), weights[(m, 0)]))
             outs.append(out)

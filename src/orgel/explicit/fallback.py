@@ -64,6 +64,7 @@ from orgel.batching import plain
 from orgel.graph import glue as glue_mod
 from orgel.graph.glue_sizes import stretched
 from orgel.graph.opgraph import CaptureError
+from orgel.nesting import call
 from orgel.runtime.pieces import whole_values
 
 
@@ -223,7 +224,7 @@ class Fallback:
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.enable_grad():
             with self.glue.autocast():
-                out = model(**inputs)
+                out = call(model, inputs)
             written = [n for n, b in model.named_buffers() if b._version != buffers[n]]
             if written:
                 raise GlueError(f"micro-batch {slot.index} left the captured graphs and ran in "

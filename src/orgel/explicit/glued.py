@@ -66,6 +66,7 @@ from orgel.graph.glue_sizes import expected_shape
 from orgel.launch.errors import StepError, WorkerError
 from orgel.launch.interrupts import finishes_first
 from orgel.lossweights import batch_weights, checked_weigh
+from orgel.nesting import call
 from orgel.split.exchanges import eager_homes
 from orgel.worker.engine import Dropped, kept_results
 from orgel.worker.pipe import Pipeline
@@ -382,7 +383,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         """
         with (guard.untouched(self._runner), dynamo_settings(nested=True), self.glue.settings(),
               torch.enable_grad(), guard.no_autocast_cache(), self.glue.autocast()):
-            self._compiled(**inputs)  # no route: every graph runs here
+            call(self._compiled, inputs)  # no route: every graph runs here
         self._warm = True
 
     def close(self) -> None:
@@ -419,7 +420,7 @@ class GluedPipeline(Routes, EagerParameters, Pipeline):
         try:
             with dynamo_settings(nested=True), self.glue.settings(), torch.enable_grad(), \
                     self.glue.autocast():  # Dynamo's settings are per thread
-                out = self._compiled(**inputs)
+                out = call(self._compiled, inputs)
                 self._check_calls(slot)
                 check_outside(slot.index, out, self._remote_ids)
         except Exception as exc:

@@ -36,6 +36,7 @@ from orgel.graph.repeat import number_in_order
 from orgel.graph.reuse import capturer_for
 from orgel.graph.sizes import bind_sizes, mark_sizes, size_settings, static_shapes
 from orgel.guard import autograd_first, untouched
+from orgel.nesting import call, nest
 from orgel.precision import autocast_dtype, device_type
 from orgel.workload import meta_autocast_advice, named_inputs, on_meta
 
@@ -280,7 +281,7 @@ def _computes_as_model(model: torch.nn.Module, named: dict[str, Any], raw: Raw,
         torch.manual_seed(0)
         with region:
             expected = [t.detach() if isinstance(t, torch.Tensor) else t  # free its graph
-                        for t in pytree.tree_leaves(model(**named))]
+                        for t in pytree.tree_leaves(call(model, named))]
         with torch.no_grad():
             written = [b.detach().clone() for b in buffers]
             for b, value in zip(buffers, before, strict=True):
@@ -377,7 +378,7 @@ def _export_graph(model: torch.nn.Module, named: dict[str, Any]) -> Raw:
     from torch.export.graph_signature import InputKind, OutputKind
 
     try:
-        ep = torch.export.export(model, (), kwargs=named, strict=False)
+        ep = torch.export.export(model, (), kwargs=nest(named), strict=False)
     except Exception as exc:
         hint = ""
         if "Cache" in str(exc):  # a Hugging Face model inside the user's own module

@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 from orgel.graph.glue_sizes import check_size_nodes, glue_settings
 from orgel.graph.opgraph import CaptureError
 from orgel.graph.sizes import is_symbolic
+from orgel.nesting import placeholder as input_placeholder
 
 #: Values recorded when the forward ran once, by capture key: what exchanges return
 #: while orgel measures and profiles the graph (the newest few captures are kept).
@@ -424,7 +425,7 @@ def _join(gms: list[torch.fx.GraphModule], glue: Glue,
         if (kind, name) not in shared:
             base = (name if kind == "input" else f"{name[0]}_size{name[1]}" if kind == "size"
                     else f"{kind[0]}_{name.replace('.', '_')}")
-            node = graph.placeholder(base)
+            node = input_placeholder(graph, base)
             roles[node.name] = (kind, name)
             shared[(kind, name)] = node
         return shared[(kind, name)]

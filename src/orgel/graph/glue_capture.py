@@ -35,6 +35,7 @@ from orgel.graph.glue_sizes import (
 )
 from orgel.graph.opgraph import CaptureError
 from orgel.guard import no_autocast_cache, untouched
+from orgel.nesting import call
 
 
 class GlueCompiler:
@@ -150,7 +151,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
     try:
         compiled = torch.compile(model, backend=compiler, dynamic=None if values else False)
         with traced(record):
-            result = compiled(**named)
+            result = call(compiled, named)
     except BaseException as exc:
         forget_compiled(compiler)  # the caller's compiled code stays (no torch._dynamo.reset())
         if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
@@ -179,7 +180,7 @@ def capture_graphs(model: torch.nn.Module, named: dict[str, Any], reason: str,
         try:
             with (untouched(model), traced(rec),
                   torch.compiler.set_stance("fail_on_recompile")):
-                compiled(**longer)
+                call(compiled, longer)
         except Exception:
             return None
         ran = [(gm, args) for gm, args in calls if _reads(args, state)]

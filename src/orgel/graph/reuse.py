@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from orgel.nesting import nest
+
 #: capturers kept (least recently used first out), and the traces each may hold
 KEPT, TRACES = 8, 6
 
@@ -105,7 +107,7 @@ class Capturer:
     def _call(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
         self._found = []
         try:
-            return self._compiled(model, kwargs), self._found
+            return self._compiled(model, nest(kwargs)), self._found
         finally:
             self._found = []
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from orgel.nesting import call
 from orgel.split.types import SplitModel
 
 Batch = tuple[dict[str, torch.Tensor], Any]
@@ -46,7 +47,7 @@ def reference_step(
     model.zero_grad(set_to_none=True)
     total = torch.zeros(())
     for inputs, targets in batches:
-        loss = loss_fn(model(**inputs), targets) / len(batches)
+        loss = loss_fn(call(model, inputs), targets) / len(batches)
         loss.backward()
         total = total + loss.detach()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -29,6 +29,7 @@ import torch
 from orgel.graph.blocks import BlockGraph, layer_runs
 from orgel.graph.measure import AUTOCAST_ENTER, AUTOCAST_EXIT, GRAD_SWITCH
 from orgel.graph.opgraph import OpGraph, tuple_of
+from orgel.nesting import placeholder
 from orgel.schedule.ir import Edge, Plan, Stage, StageGraph, Value
 from orgel.split.types import SplitModel, StageModule
 
@@ -352,7 +353,7 @@ def _stage_module(
 ) -> torch.fx.GraphModule:
     """One GraphModule: placeholders ``inputs``, the nodes ``names``, returns ``outputs``."""
     g = torch.fx.Graph()
-    env: dict[str, Any] = {n: g.placeholder(n) for n in inputs}
+    env: dict[str, Any] = {n: placeholder(g, n) for n in inputs}
     attrs: dict[str, torch.Tensor] = {}
     # In-place updates (``out += identity``, ``relu(inplace=True)``): a received
     # value is a leaf of its own, so update a copy; a value this stage sends and
