@@ -241,3 +241,34 @@ def test_a_forward_that_writes_its_own_parameters_is_told_so_not_called_a_bug() 
     assert message.startswith("parameter(s) emb.weight changed in place while orgel ran the "
                               "model's forward"), message
     assert "nn.Embedding(max_norm=...)" in message and "without max_norm" in message, message
+
+
+class _OneRowBranch(torch.nn.Module):
+    """Other operations for a batch of one row (as Hugging Face Llama without an attention
+    mask broadcasts its position ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if x.shape[0] == 1:
+            h = h * 1.5
+        return self.b(h)
+
+
+@pytest.mark.slow
+def test_a_replica_share_that_captures_other_operations_than_the_planner_saw() -> None:
+    """Found by the fuzzer (seed 151): the planner plans on one micro-batch (2 rows); with
+    dp=2 each replica takes 1 row, which the model's code treats apart, so the replicas'
+    capture has other operations than the plan names. That was refused as "the plan was made
+    for another model"; now the error says which sizes and what to change."""
+    import orgel
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    with pytest.raises(ValueError, match=r"planned on one micro-batch \(2 rows\), but 1 row of "
+                                         r"it, a replica's share with dp=2.*schedule="):
+        orgel.pipeline(_OneRowBranch(), (x,), y, torch.nn.functional.mse_loss, ranks=2, dp=2,
+                       microbatches=2)

@@ -142,6 +142,22 @@ def replica_graph(workload: Workload, graph: Any, plan: Plan) -> Any:
                               keep=True)
 
 
+def replica_advice(workload: Workload, plan: Plan) -> str:
+    """Why the planner's ``plan`` cannot be cut from a capture of a replica's rows: the
+    model's code captured other operations at that size (it specialises on a size of 1)."""
+    from orgel.workload import microbatch_rows
+
+    rows = microbatch_rows(workload, plan.microbatches)
+    replicas = stage_replicas(plan)
+    each = (rows or 0) // replicas
+    share = f"{each} row{'' if each == 1 else 's'}" if each else "a replica's share"
+    return (f"the planner planned on one micro-batch ({rows} rows), but {share} of it, a "
+            f"replica's share with dp={replicas}, makes the model's code capture other "
+            "operations (it specialises on that size): give micro-batches of at least 2 rows "
+            "per replica (fewer micro-batches or a smaller dp), or a schedule (schedule="
+            "'1f1b': a plan cut from the replica's own capture)")
+
+
 def takes_replica_rows(workload: Workload, graph: Any, plan: Plan) -> bool:
     """Whether ``graph``, captured on one micro-batch, takes one replica's rows of it (every
     stage has one rank; or its sizes are symbolic, and a replica's rows pass their checks:

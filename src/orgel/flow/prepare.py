@@ -143,6 +143,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     """
     from orgel.flow.capture import (
         capture_microbatch,
+        replica_advice,
         replica_graph,
         resolve_plan,
         stage_replicas,
@@ -150,6 +151,7 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
     )
     from orgel.plan.transforms import runnable_recompute, with_tp
     from orgel.split import split_plan
+    from orgel.split.split import names_other_nodes
 
     given, captured = plan, graph is not None
     try:
@@ -207,7 +209,12 @@ def prepare(workload: Workload, *, plan: Plan | str | Path | None, ranks: int, t
                                                keep=True)
                     planned = planned_workload(workload, graph)
                     the_plan, rule, seed = agreed()
-                graph = replica_graph(workload, graph, the_plan)
+                replica = replica_graph(workload, graph, the_plan)
+                if replica is not graph and given is None \
+                        and names_other_nodes(replica, the_plan):
+                    release(replica.glue)
+                    raise ValueError(replica_advice(workload, the_plan))
+                graph = replica
             split = split_plan(graph, the_plan)
             if recompute is False and (given is None or mark) and any(
                     isinstance(p, str) for p in the_plan.recompute):

@@ -72,6 +72,13 @@ def split_plan(graph: OpGraph | BlockGraph, plan: Plan | StageGraph) -> SplitMod
     return split_model(graph, mapping)
 
 
+def names_other_nodes(graph: OpGraph, plan: Plan) -> bool:
+    """Whether ``plan``'s stages list nodes by name and ``graph`` has other ones (the plan
+    was made on another capture: another model, or sizes the model's code specialises on)."""
+    named = {n for stage in plan.stage_graph.stages for n in stage.nodes}
+    return bool(named) and named != set(graph.nodes)
+
+
 def _check_same_graph(graph: OpGraph, named: set[str]) -> None:
     """Refuse a plan whose stages name other nodes than ``graph`` has (another model's plan)."""
     missing = [n for n in graph.nodes if n not in named]
