@@ -1,7 +1,7 @@
 """A forward that takes its inputs in containers (``forward(self, batch)`` reading
 ``batch["image"]``, a list of views): :mod:`orgel.nesting`. Trained through
 ``orgel.pipeline`` on forked ranks (one graph, and with a graph break) against one process
-over the same micro-batches; the paths (``batch.mask``) are the names ``replicated`` and
+over the same micro-batches (FSDP replicas too); the paths (``batch.mask``) are the names ``replicated`` and
 ``batch_dim`` take; a key a path cannot name is refused with what to change."""
 
 from __future__ import annotations
@@ -71,21 +71,24 @@ def test_paths_name_the_leaves_and_come_back_as_containers() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("branch", [False, True], ids=["one graph", "graph break"])
-def test_a_forward_taking_a_dict_of_tensors_trains_as_one_process(branch: bool) -> None:
+@pytest.mark.parametrize("branch,options", [(False, {}), (True, {}),
+                                            (False, {"ranks": 4, "dp": 2, "shard": "fsdp"})],
+                         ids=["one graph", "graph break", "fsdp replicas"])
+def test_a_forward_taking_a_dict_of_tensors_trains_as_one_process(
+        branch: bool, options: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = ByBatch(branch)
     reference = copy.deepcopy(model)
-    batches = [_batch(8, seed) for seed in range(2)] + [_batch(6, 2)]  # a smaller last batch
+    batches = [_batch(8, seed) for seed in range(2)] + [_batch(12, 2)]  # a larger last batch
     pipe = orgel.pipeline(model, (batches[0][0],), batches[0][1],
-                          torch.nn.functional.cross_entropy, ranks=2, microbatches=2,
-                          schedule="1f1b", replicated=["batch.mask"],
+                          torch.nn.functional.cross_entropy, microbatches=2, schedule="1f1b",
+                          replicated=["batch.mask"], **{"ranks": 2, **options},
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     with pipe:
         losses = [pipe.step((x,), y) for x, y in batches]
         outputs = pipe.evaluate((batches[0][0],), outputs=True)
         pipe.copy_to(model)
-    expected = _one_process(reference, batches, 2)
+    expected = _one_process(reference, batches, 2 * options.get("dp", 1))
     assert losses == pytest.approx(expected, rel=1e-6, abs=1e-7)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
