@@ -1,8 +1,8 @@
 """A forward that takes its inputs in containers (``forward(self, batch)`` reading
-``batch["image"]``, a list of views): :mod:`orgel.nesting`. Trained through
-``orgel.pipeline`` on forked ranks (one graph, and with a graph break) against one process
-over the same micro-batches (FSDP replicas too); the paths (``batch.mask``) are the names ``replicated`` and
-``batch_dim`` take; a key a path cannot name is refused with what to change."""
+``batch["views"]``, a list): :mod:`orgel.nesting`. Trained through ``orgel.pipeline`` on
+forked ranks (one graph, a graph break, FSDP replicas) against one process over the same
+micro-batches; the paths (``batch.mask``) are the names ``replicated`` and ``batch_dim``
+take; a key a path cannot name is refused with what to change."""
 
 from __future__ import annotations
 
