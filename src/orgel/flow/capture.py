@@ -147,11 +147,12 @@ def replica_advice(workload: Workload, plan: Plan) -> str:
     model's code captured other operations at that size (it specialises on a size of 1)."""
     from orgel.workload import microbatch_rows
 
-    rows = microbatch_rows(workload, plan.microbatches)
+    rows = microbatch_rows(workload, plan.microbatches)  # None: only the targets are cut
     replicas = stage_replicas(plan)
     each = (rows or 0) // replicas
-    share = f"{each} row{'' if each == 1 else 's'}" if each else "a replica's share"
-    return (f"the planner planned on one micro-batch ({rows} rows), but {share} of it, a "
+    sizes = (f"one micro-batch ({rows} rows), but {each} row{'' if each == 1 else 's'} of it"
+             if each else "one micro-batch, but a part of it")
+    return (f"the planner planned on {sizes}, a "
             f"replica's share with dp={replicas}, makes the model's code capture other "
             "operations (it specialises on that size): give micro-batches of at least 2 rows "
             "per replica (fewer micro-batches or a smaller dp), or a schedule (schedule="
